@@ -1,0 +1,1 @@
+"""kvc.dsl: the .kvm method language (grammar, AST, checker). Arrives with issue 3."""

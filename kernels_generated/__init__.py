@@ -1,0 +1,1 @@
+"""kvc.kernels_generated: compiler output for the shipped methods (committed, deterministic)."""

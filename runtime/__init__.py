@@ -1,0 +1,1 @@
+"""kvc.runtime: the shared engine (KV memory, scheduler, model runner, models, attention, CLI)."""

@@ -1,0 +1,1 @@
+"""Paged attention: metadata, the torch (CPU) path and the Triton kernels."""

@@ -1,0 +1,34 @@
+"""What one engine step tells the attention layers about its batch.
+
+A step is a flat list of new tokens from several sequences ("varlen" layout): the decoding
+sequences first (one token each), then prefill chunks. Each sequence's K/V live in the paged cache;
+the new tokens' K/V are written at `slot_mapping` before attention reads them back.
+
+Cache layout (per layer): k_cache, v_cache of shape [num_pages, num_kv_heads, page_size, head_dim].
+A slot is `page_id * page_size + offset`; slot -1 means "padding, write nothing".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V go; -1 = skip
+    block_tables: torch.Tensor  # [B, max_pages] int32: page ids per sequence (padding: 0)
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: offsets of each sequence's new tokens in the step
+    context_lens: torch.Tensor  # [B] int32: KV length of each sequence after this step's tokens
+    num_decodes: int  # the first num_decodes sequences each have exactly one new token
+    max_query_len: int  # longest run of new tokens of one sequence in this step
+    max_context_len: int  # longest context_lens entry
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_seqs - self.num_decodes

@@ -1,0 +1,109 @@
+"""The `kvc` command line. Subcommands: generate (offline generation)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from kvc.runtime.errors import KvcError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="local Hugging Face directory or random:NAME (default: the embedded tiny model)")
+    p.add_argument("--method", default="full", help="KV-cache method (default: full)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV page pool")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="fraction of free GPU memory for KV pages when --kv-cache-memory is not given")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _engine_options(a: argparse.Namespace) -> dict:
+    return dict(
+        device=a.device,
+        dtype=a.dtype,
+        page_size=a.page_size,
+        kv_cache_memory=a.kv_cache_memory,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len,
+        enable_prefix_caching=not a.no_prefix_caching,
+        cuda_graphs=not a.no_cuda_graphs,
+        seed=a.seed,
+    )
+
+
+def _generate(a: argparse.Namespace) -> int:
+    from kvc import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.sampling_seed,
+        ignore_eos=a.ignore_eos,
+    )
+    prompts: list = list(a.prompt or [])
+    for text in a.prompt_ids or []:
+        try:
+            prompts.append([int(t) for t in text.replace(",", " ").split()])
+        except ValueError:
+            raise KvcError(f"--prompt-ids takes integers separated by spaces or commas, got {text!r}") from None
+    if not prompts:
+        prompts = ["Hello, my name is"]
+    llm = LLM(a.model, method=a.method, **_engine_options(a))
+    outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+    for prompt, out in zip(prompts, outputs):
+        if a.json:
+            print(json.dumps({"prompt": prompt, "token_ids": out.token_ids, "text": out.text,
+                              "finish_reason": out.finish_reason}))
+        else:
+            shown = prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
+            print(f"--- prompt: {shown!r}\n{out.text!r}\n(token ids: {out.token_ids}, finish: {out.finish_reason})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvc", description="kvc: a compiler and engine for KV-cache methods")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text offline")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a text prompt (repeatable)")
+    gen.add_argument("--prompt-ids", action="append", help="a prompt as token ids, e.g. '1 2 3' (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except KvcError as e:
+        print(f"kvc: error: {e.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Engine options, one dataclass, validated once: what `LLM(...)` and `kvc generate` accept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvc.runtime.errors import ConfigError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # local HF directory, "random:NAME", or None for the embedded default
+    method: str = "full"
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str | torch.dtype = "auto"  # "auto": float32 on CPU, the checkpoint's dtype on GPU
+    page_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for KV pages; None: a fraction of free memory
+    gpu_memory_utilization: float = 0.85  # fraction of free GPU memory for KV when no bytes given
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # per-step token budget (decodes + prefill chunks)
+    max_prefill_chunk: int | None = None  # cap on one sequence's prefill tokens per step
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    cuda_graphs: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, value: object) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}", param=name)
+
+        positive_int("page_size", self.page_size)
+        positive_int("max_num_seqs", self.max_num_seqs)
+        positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        for name in ("max_prefill_chunk", "max_model_len", "kv_cache_memory"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}",
+                param="attention_backend",
+            )
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(f"invalid device {self.device!r}: {e}", param="device") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device!r} asked for, but no CUDA GPU is available", param="device")
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"unsupported device {self.device!r} (use cpu or cuda)", param="device")
+        return device
+
+    def resolve_dtype(self, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype == "auto":
+            if device.type == "cpu":
+                return torch.float32
+            return checkpoint_dtype if checkpoint_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        if self.dtype not in _DTYPES:
+            raise ConfigError(
+                f"unsupported dtype {self.dtype!r}; use one of auto, {', '.join(sorted(set(_DTYPES)))}",
+                param="dtype",
+            )
+        return _DTYPES[self.dtype]

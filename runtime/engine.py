@@ -1,0 +1,160 @@
+"""The engine: owns the model, the KV pages, the scheduler and the model runner, and advances all
+live requests one step at a time (continuous batching). `LLM` and the server drive it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+from kvc.runtime.attention.backend import PagedAttention, kv_bytes_per_page
+from kvc.runtime.config import EngineConfig
+from kvc.runtime.errors import ConfigError, OutOfKVMemory, PromptTooLongError
+from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.model_runner import ModelRunner
+from kvc.runtime.models.loader import LoadedModel, resolve_model
+from kvc.runtime.sampling_params import SamplingParams
+from kvc.runtime.scheduler import Scheduler, SchedulerConfig
+from kvc.runtime.sequence import Sequence
+from kvc.runtime.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_METHODS = ("full",)  # grows as the compiler lowers more methods (issue 4)
+CPU_DEFAULT_KV_BYTES = 512 * 2**20
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.method not in SUPPORTED_METHODS:
+            raise ConfigError(
+                f"unknown method {config.method!r}; available: {', '.join(SUPPORTED_METHODS)}",
+                param="method",
+            )
+        self.device = config.resolve_device()
+        dtype = None if config.dtype == "auto" else config.resolve_dtype(self.device, None)
+        model_ref = config.model
+        if model_ref is None:
+            from kvc.runtime.default_model import ensure_default_model
+
+            model_ref = str(ensure_default_model())
+        self.loaded: LoadedModel = resolve_model(model_ref, self.device, dtype)
+        self.model = self.loaded.model
+        self.spec = self.model.spec
+        self.tokenizer = load_tokenizer(self.loaded.path) if self.loaded.path is not None else None
+
+        self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
+        if self.max_model_len > self.spec.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len={self.max_model_len} exceeds the model's context "
+                f"({self.spec.max_position_embeddings})",
+                param="max_model_len",
+            )
+        page_bytes = kv_bytes_per_page(
+            self.spec.num_layers, self.spec.num_kv_heads, config.page_size, self.spec.head_dim, self.spec.dtype
+        )
+        self.num_pages = max(1, self._kv_budget_bytes() // page_bytes)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.attention = PagedAttention.allocate(
+            num_layers=self.spec.num_layers,
+            num_pages=self.num_pages,
+            num_kv_heads=self.spec.num_kv_heads,
+            page_size=config.page_size,
+            head_dim=self.spec.head_dim,
+            dtype=self.spec.dtype,
+            device=self.device,
+            backend=backend,
+        )
+        log.info(
+            "KV cache: %d pages of %d tokens (%.1f MiB), backend %s",
+            self.num_pages, config.page_size, self.num_pages * page_bytes / 2**20, backend,
+        )
+        salt = hashlib.sha256(f"{model_ref}|{config.method}|{self.spec}".encode()).digest()[:16]
+        self.pool = PagePool(self.num_pages, config.page_size, config.enable_prefix_caching, salt=salt)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_prefill_chunk=config.max_prefill_chunk,
+                enable_prefix_caching=config.enable_prefix_caching,
+            ),
+            self.pool,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.attention,
+            page_size=config.page_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            device=self.device,
+            use_cuda_graphs=config.cuda_graphs,
+            seed=config.seed,
+        )
+        self.sequences: dict[int, Sequence] = {}
+
+    def _kv_budget_bytes(self) -> int:
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # leave room for activations of one full step and CUDA graphs
+            return int(free * self.config.gpu_memory_utilization)
+        return CPU_DEFAULT_KV_BYTES
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise PromptTooLongError("the prompt is empty; give at least one token", param="prompt")
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens, but the model's context is {self.max_model_len} tokens "
+                f"(prompt plus at least one new token must fit)",
+                param="prompt",
+            )
+        vocab = self.spec.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise PromptTooLongError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        seq = Sequence(
+            prompt_token_ids,
+            params=params,
+            eos_token_ids=self.spec.eos_token_ids,
+            max_model_len=self.max_model_len,
+        )
+        needed = -(-(min(n + params.max_tokens, self.max_model_len)) // self.config.page_size)
+        if needed > self.num_pages:
+            raise OutOfKVMemory(
+                f"the request needs {needed} KV pages but the whole pool has {self.num_pages}; "
+                f"raise kv_cache_memory or lower max_tokens",
+            )
+        self.scheduler.add(seq)
+        self.runner.add_request(seq.seq_id, params.seed)
+        self.sequences[seq.seq_id] = seq
+        return seq
+
+    def abort(self, seq_id: int) -> None:
+        self.scheduler.abort(seq_id)
+        self.runner.remove_request(seq_id)
+        self.sequences.pop(seq_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Sequence]:
+        """One engine step; returns the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        needs = batch.needs_sample()
+        sampled = self.runner.run(batch, needs)
+        finished = self.scheduler.postprocess(batch, sampled)
+        for seq in finished:
+            self.runner.remove_request(seq.seq_id)
+            self.sequences.pop(seq.seq_id, None)
+        return finished

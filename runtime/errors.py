@@ -1,0 +1,47 @@
+"""User-facing errors of the runtime.
+
+Every error a user can cause (bad model directory, bad sampling parameters, a prompt that is too
+long) is a `KvcError` with a message that says what to do. The CLI prints the message, never a
+traceback; the server (issue 5) maps `status` to an HTTP code.
+"""
+
+from __future__ import annotations
+
+
+class KvcError(Exception):
+    """Base class for errors caused by user input or configuration."""
+
+    status: int = 400
+    param: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if param is not None:
+            self.param = param
+
+
+class ModelLoadError(KvcError):
+    """The model directory is missing, unreadable or incomplete."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """config.json names an architecture kvc has no model code for."""
+
+
+class InvalidSamplingParams(KvcError):
+    """A sampling parameter is out of range or of the wrong type."""
+
+
+class PromptTooLongError(KvcError):
+    """The prompt (plus at least one new token) does not fit the model's context."""
+
+
+class ConfigError(KvcError):
+    """An engine option is invalid (page size, memory budget, device, dtype, method)."""
+
+
+class OutOfKVMemory(KvcError):
+    """A single request can never fit the KV page pool, even alone."""
+
+    status = 503

@@ -1,0 +1,1 @@
+"""KV memory: page pool, prefix cache and the KV tensors."""

@@ -1,0 +1,221 @@
+"""The KV page pool: reference-counted pages and the prefix cache over them.
+
+The scheduler asks this pool for page ids; the K/V tensors themselves live in the attention
+backend, indexed by the same ids. A page is in exactly one of three places:
+
+- in use: its reference count is > 0 (several sequences can share a full, cached prefix page);
+- free: on the plain free list, holding nothing anyone can find;
+- cached: free, but its content is still reachable through its prefix hash. Cached pages wait in
+  an LRU queue and are evicted oldest first, only when the plain free list is empty.
+
+Prefix caching hashes FULL pages in a chain, h_i = H(h_{i-1}, tokens of page i, salt), so a page's
+hash names its whole prefix. The salt fingerprints whatever else changes the K/V (model, method).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+
+_DIGEST = 16  # bytes of blake2b: collisions are out of reach, so hits are not re-checked by tokens
+_ROOT = bytes(_DIGEST)  # the "previous hash" of the first page
+
+
+class PoolExhausted(RuntimeError):
+    """`allocate` was asked for more pages than are free (an engine bug: check `can_allocate`)."""
+
+
+class PagePool:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        enable_prefix_caching: bool = True,
+        salt: bytes = b"",
+    ) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._salt = hashlib.blake2b(salt, digest_size=_DIGEST).digest()  # fixed width
+        self._refs = [0] * num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
+        self._page_hash: list[bytes | None] = [None] * num_pages
+        self._hash_page: dict[bytes, int] = {}
+        self._queries = 0
+        self._hits = 0
+
+    # ---- counts ------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Pages `allocate` can hand out: plain free ones plus evictable cached ones."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Free pages that still hold a reachable prefix."""
+        return len(self._cached)
+
+    def ref_count(self, page: int) -> int:
+        return self._refs[page]
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
+
+    # ---- allocation --------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Takes n fresh pages (refcount 1), evicting the oldest cached pages if needed."""
+        if n > self.num_free:
+            raise PoolExhausted(f"asked for {n} pages, {self.num_free} free")
+        pages = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._cached.popitem(last=False)
+                del self._hash_page[self._page_hash[page]]
+                self._page_hash[page] = None
+            self._refs[page] = 1
+            pages.append(page)
+        return pages
+
+    def free(self, pages: Seq[int]) -> None:
+        """Drops one reference from each page; `pages` in sequence order (a page table).
+
+        They are released last to first: a chain's tail then leaves the LRU queue before its
+        head, since a tail whose head is gone can never be hit again.
+        """
+        for page in reversed(pages):
+            if self._refs[page] <= 0:
+                raise ValueError(f"page {page} freed more often than it was taken")
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if self._page_hash[page] is not None:
+                    self._cached[page] = None
+                else:
+                    self._free.append(page)
+
+    # ---- prefix cache ------------------------------------------------------------------------
+    def page_hash(self, prev: bytes | None, page_tokens: Seq[int]) -> bytes:
+        """Hash of one full page given the hash of the page before it (None for the first)."""
+        if len(page_tokens) != self.page_size:
+            raise ValueError(f"only full pages are hashed ({len(page_tokens)} != {self.page_size})")
+        h = hashlib.blake2b(prev or _ROOT, digest_size=_DIGEST)
+        h.update(self._salt)
+        h.update(struct.pack(f"<{len(page_tokens)}q", *page_tokens))
+        return h.digest()
+
+    def prefix_hashes(self, token_ids: Seq[int], num_pages: int | None = None) -> list[bytes]:
+        """Chained hashes of the first `num_pages` full pages of `token_ids` (default: all)."""
+        size = self.page_size
+        n = len(token_ids) // size if num_pages is None else num_pages
+        hashes: list[bytes] = []
+        prev = None
+        for i in range(n):
+            prev = self.page_hash(prev, token_ids[i * size : (i + 1) * size])
+            hashes.append(prev)
+        return hashes
+
+    def lookup(self, token_ids: Seq[int]) -> list[int]:
+        """Cached pages of the longest leading run of full pages; changes nothing.
+
+        At most (len - 1) // page_size pages: the last token is always left to compute, so the
+        step that finishes the prompt has a logit to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        pages = []
+        for h in self.prefix_hashes(token_ids, (len(token_ids) - 1) // self.page_size):
+            page = self._hash_page.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def match_prefix(self, token_ids: Seq[int]) -> list[int]:
+        """Like `lookup`, but takes a reference on each hit page and counts the query."""
+        pages = self.lookup(token_ids)
+        self.acquire(pages)
+        if self.enable_prefix_caching:
+            self._queries += len(token_ids)
+            self._hits += len(pages) * self.page_size
+        return pages
+
+    def acquire(self, pages: Iterable[int]) -> None:
+        """Takes one more reference on pages that are in use or cached (a prefix hit)."""
+        for page in pages:
+            if self._refs[page] == 0:
+                if page not in self._cached:
+                    raise ValueError(f"page {page} is neither in use nor cached")
+                del self._cached[page]
+            self._refs[page] += 1
+
+    def register(self, page: int, page_hash: bytes) -> bool:
+        """Records that an in-use, full, computed page holds the prefix named by `page_hash`.
+
+        Returns False when caching is off or another page already holds that prefix (two
+        sequences computed it side by side); this page then stays unnamed and is freed plainly.
+        """
+        if not self.enable_prefix_caching:
+            return False
+        if self._refs[page] <= 0:
+            raise ValueError(f"page {page} is not in use; only computed pages can be registered")
+        known = self._page_hash[page]
+        if known is not None:
+            if known != page_hash:
+                raise ValueError(f"page {page} is already registered under another prefix")
+            return True
+        if page_hash in self._hash_page:
+            return False
+        self._page_hash[page] = page_hash
+        self._hash_page[page_hash] = page
+        return True
+
+    def is_registered(self, page: int) -> bool:
+        return self._page_hash[page] is not None
+
+    def stats(self) -> dict[str, float]:
+        """Prefix-cache counters since start, in tokens: looked up at admission, and served."""
+        rate = self._hits / self._queries if self._queries else 0.0
+        return {"query_tokens": self._queries, "hit_tokens": self._hits, "hit_rate": rate}
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raises AssertionError if the pool's books disagree (for tests and debugging)."""
+
+        def fail(msg: str) -> None:
+            raise AssertionError(f"PagePool: {msg}")
+
+        free = set(self._free)
+        if len(free) != len(self._free):
+            fail("a page is twice on the free list")
+        if free & self._cached.keys():
+            fail("a page is both free and cached")
+        for page in range(self.num_pages):
+            ref = self._refs[page]
+            places = (ref > 0) + (page in free) + (page in self._cached)
+            if ref < 0:
+                fail(f"page {page} has refcount {ref}")
+            if places != 1:
+                fail(f"page {page} (ref {ref}) is in {places} of: in use, free, cached")
+            h = self._page_hash[page]
+            if page in free and h is not None:
+                fail(f"free page {page} still has a hash")
+            if page in self._cached and h is None:
+                fail(f"cached page {page} has no hash")
+            if h is not None and self._hash_page.get(h) != page:
+                fail(f"page {page}'s hash maps to page {self._hash_page.get(h)}")
+        if len(self._hash_page) != sum(h is not None for h in self._page_hash):
+            fail("hash map has entries no page claims")

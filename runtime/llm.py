@@ -1,0 +1,107 @@
+"""The offline Python API: `LLM(model=..., method="full").generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvc.runtime.config import EngineConfig
+from kvc.runtime.engine import Engine
+from kvc.runtime.errors import ConfigError, InvalidSamplingParams
+from kvc.runtime.sampling_params import SamplingParams
+from kvc.runtime.sequence import Sequence
+
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the new tokens only
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class LLM:
+    """An engine plus tokenization: the Python face of kvc."""
+
+    def __init__(self, model: str | None = None, method: str = "full", **options: Any) -> None:
+        try:
+            config = EngineConfig(model=model, method=method, **options)
+        except TypeError as e:
+            raise ConfigError(f"LLM(): {e}") from None
+        self.engine = Engine(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("this model has no tokenizer; pass prompts as lists of token ids", param="prompt")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise ConfigError("a prompt must be a string or a list of token ids", param="prompt")
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generates for all prompts together (continuous batching); outputs keep prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise InvalidSamplingParams(
+                f"got {len(params)} SamplingParams for {len(prompts)} prompts", param="params"
+            )
+        token_lists = [self.encode(p) for p in prompts]  # all errors before any work starts
+        seqs: list[Sequence] = []
+        try:
+            for ids, p in zip(token_lists, params):
+                seqs.append(self.engine.add_request(ids, p))
+            self._run(len(seqs), use_tqdm)
+        finally:
+            for seq in seqs:  # an error or Ctrl-C mid-run must not leave pages behind
+                if not seq.is_finished:
+                    self.engine.abort(seq.seq_id)
+        return [
+            RequestOutput(
+                prompt=p if isinstance(p, str) else None,
+                prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+                token_ids=list(seq.generated_ids),
+                text=self.decode(list(seq.generated_ids)),
+                finish_reason=seq.finish_reason,
+                num_cached_tokens=seq.num_cached_tokens,
+            )
+            for p, seq in zip(prompts, seqs)
+        ]
+
+    def _run(self, total: int, use_tqdm: bool) -> None:
+        if not use_tqdm:
+            while self.engine.has_unfinished():
+                self.engine.step()
+            return
+        from rich.progress import Progress
+
+        with Progress(transient=True) as progress:
+            task = progress.add_task("generating", total=total)
+            while self.engine.has_unfinished():
+                progress.advance(task, len(self.engine.step()))

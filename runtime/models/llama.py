@@ -1,0 +1,104 @@
+"""Dense decoders: Llama 3 and Qwen3 (Qwen3 = Llama + per-head q/k RMSNorm).
+
+Read top to bottom: a decoder layer is pre-norm attention then pre-norm MLP, each added to the
+residual stream; the model is embedding -> layers -> final norm, with the LM head applied
+separately (`compute_logits`) so the runner can project only the rows it samples from.
+Qwen3-MoE (qwen3_moe.py) reuses all of this and swaps the MLP of its sparse layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvc.runtime.errors import UnsupportedArchitectureError
+from kvc.runtime.models.base import AttentionFn, CausalLM, CheckpointLayout, ModelSpec
+from kvc.runtime.models.layers import (
+    Attention,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    check_activation,
+    head_dim_of,
+)
+from kvc.runtime.models.rope import RopeSettings
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, qk_norm: bool, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx, qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(CausalLM):
+    architecture = "LlamaForCausalLM"
+    qk_norm = False
+
+    def __init__(self, config: Any, spec: ModelSpec) -> None:
+        super().__init__(config, spec)
+        check_activation(config)
+        if getattr(config, "use_sliding_window", False):
+            raise UnsupportedArchitectureError("sliding-window attention is not supported")
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(RopeSettings.from_config(config), head_dim_of(config))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.qk_norm, self.make_mlp(config, i))
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if self.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
+        bias = bool(getattr(config, "mlp_bias", False))
+        return GatedMLP(config.hidden_size, config.intermediate_size, bias=bias)
+
+    def forward(  # type: ignore[override]
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def checkpoint_layout(self) -> CheckpointLayout:
+        layout = CheckpointLayout()
+        layout.add("model.embed_tokens.weight", "embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            hf, kvc = f"model.layers.{i}", f"layers.{i}"
+            layout.add(f"{hf}.input_layernorm.weight", f"{kvc}.input_layernorm.weight")
+            layout.add(f"{hf}.post_attention_layernorm.weight", f"{kvc}.post_attention_layernorm.weight")
+            layer.self_attn.add_to_layout(layout, f"{hf}.self_attn", f"{kvc}.self_attn")
+            layer.mlp.add_to_layout(layout, f"{hf}.mlp", f"{kvc}.mlp")
+        layout.add("model.norm.weight", "norm.weight")
+        if self.lm_head is None:
+            layout.ignored.add("lm_head.weight")
+        else:
+            layout.add("lm_head.weight", "lm_head.weight")
+        return layout
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    architecture = "Qwen3ForCausalLM"
+    qk_norm = True

@@ -1,0 +1,145 @@
+"""Turning a model reference into a ready `LoadedModel`: a local Hugging Face directory, or a named
+full-size shape with random weights (`random:qwen3-30b-a3b`) for benchmarks.
+
+Loading a directory: check it, read config.json (our own JSON read first, so a broken file gets a
+precise message; then transformers' AutoConfig, local files only), pick the kvc class, allocate
+the model empty on the target device, and fill it from the safetensors shards (weights.py).
+Every failure a user can cause is a `ModelLoadError` that names the file and the problem.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from kvc.runtime.errors import ModelLoadError, UnsupportedArchitectureError
+from kvc.runtime.models.layers import RMSNorm
+from kvc.runtime.models.named_configs import named_config
+from kvc.runtime.models.registry import (
+    LoadedModel,
+    default_dtype,
+    empty_model,
+    eos_ids_of,
+    model_class_for,
+    model_class_for_config,
+)
+from kvc.runtime.models.weights import load_checkpoint
+
+logger = logging.getLogger(__name__)
+
+RANDOM_PREFIX = "random:"
+RANDOM_INIT_STD = 0.02
+
+
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> LoadedModel:
+    """Load a local Hugging Face checkpoint directory (config.json + safetensors)."""
+    path = Path(path).expanduser()
+    device = torch.device(device)
+    raw = _read_json_object(_check_dir(path) / "config.json", required=True)
+    model_class_for(raw.get("architectures"), raw.get("model_type"))
+    quantization = raw.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise UnsupportedArchitectureError(
+            f"{path}: quantized checkpoints ({method or 'unknown method'}) are not supported; "
+            "use a bf16/fp16/fp32 one"
+        )
+    config = _auto_config(path)
+    generation = _read_json_object(path / "generation_config.json", required=False)
+    eos = eos_ids_of(config, generation)
+    dtype = dtype or default_dtype(config, device)
+    model = empty_model(config, device, dtype, eos)
+    load_checkpoint(model, path, device)
+    logger.info("loaded %s from %s (%s, %s)", model.spec.architecture, path, dtype, device)
+    return LoadedModel(model=model, spec=model.spec, hf_config=config, path=path)
+
+
+def build_random_model(
+    name_or_config: str | PretrainedConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    **overrides: Any,
+) -> LoadedModel:
+    """A model of a named (or given) shape with random weights, allocated on `device` directly.
+
+    Weights are N(0, 0.02), norms 1, biases 0 — cheap in-place fills on the device. `overrides`
+    replace config fields (e.g. `num_hidden_layers=2` for a quick test). The meta device gives a
+    shape-only model.
+    """
+    if isinstance(name_or_config, str):
+        config = named_config(name_or_config, **overrides)
+    else:
+        config = copy.deepcopy(name_or_config)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+    model_class_for_config(config)
+    device = torch.device(device)
+    dtype = dtype or default_dtype(config, device)
+    model = empty_model(config, device, dtype, eos_ids_of(config))
+    if device.type != "meta":
+        _init_random_(model, device, seed)
+    return LoadedModel(model=model, spec=model.spec, hf_config=config, path=None)
+
+
+def resolve_model(
+    spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> LoadedModel:
+    """`random:NAME` -> build_random_model(NAME); anything else is a checkpoint directory."""
+    if spec.startswith(RANDOM_PREFIX):
+        return build_random_model(spec[len(RANDOM_PREFIX) :], device, dtype)
+    return load_model(spec, device, dtype)
+
+
+def _check_dir(path: Path) -> Path:
+    if not path.exists():
+        raise ModelLoadError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise ModelLoadError(f"{path} is not a directory; pass the folder that holds config.json")
+    return path
+
+
+def _read_json_object(file: Path, required: bool) -> dict[str, Any]:
+    if not file.exists():
+        if required:
+            raise ModelLoadError(f"{file.parent}: no {file.name} (is this a Hugging Face model directory?)")
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ModelLoadError(f"{file}: cannot read it ({err.strerror or err})") from None
+    except UnicodeDecodeError:
+        raise ModelLoadError(f"{file}: not UTF-8 text") from None
+    except json.JSONDecodeError as err:
+        raise ModelLoadError(f"{file}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _auto_config(path: Path) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:  # transformers raises many types; the user needs the message
+        raise ModelLoadError(f"{path / 'config.json'}: transformers cannot read it: {err}") from None
+
+
+@torch.no_grad()
+def _init_random_(model: torch.nn.Module, device: torch.device, seed: int) -> None:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for name, param in model.named_parameters():
+        if id(param) in norms:
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, RANDOM_INIT_STD, generator=generator)

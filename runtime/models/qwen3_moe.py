@@ -1,0 +1,67 @@
+"""Qwen3-MoE (the Qwen3-30B-A3B architecture): Qwen3 with routed-expert MLPs.
+
+A layer is sparse when it is not in `mlp_only_layers` and (layer_idx + 1) is a multiple of
+`decoder_sparse_step`; other layers keep a dense gated MLP of `intermediate_size`. The router is
+softmax over all experts (float32), then top-k, then optionally renormalized over the k
+(`norm_topk_prob`). There is no shared expert.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvc.runtime.models.base import CheckpointLayout
+from kvc.runtime.models.experts import RoutedExperts
+from kvc.runtime.models.llama import Qwen3ForCausalLM
+
+
+def num_experts_of(config: Any) -> int:
+    # Qwen3MoeConfig maps num_experts to num_local_experts when saving config.json.
+    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0) or 0)
+
+
+def is_sparse_layer(config: Any, layer_idx: int) -> bool:
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return (
+        layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+        and num_experts_of(config) > 0
+        and (layer_idx + 1) % step == 0
+    )
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", False))
+        num_experts = num_experts_of(config)
+        self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)
+        self.experts = RoutedExperts(num_experts, config.hidden_size, config.moe_intermediate_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_ids [T, k], topk_weights [T, k] float32)."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        return self.experts(x, ids, weights)
+
+    def add_to_layout(self, layout: CheckpointLayout, hf: str, kvc: str) -> None:
+        layout.add(f"{hf}.gate.weight", f"{kvc}.gate.weight")
+        self.experts.add_to_layout(layout, f"{hf}.experts", f"{kvc}.experts")
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    architecture = "Qwen3MoeForCausalLM"
+
+    def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
+        if is_sparse_layer(config, layer_idx):
+            return SparseMoeBlock(config)
+        return super().make_mlp(config, layer_idx)

@@ -1,0 +1,114 @@
+"""Which kvc class serves which Hugging Face architecture, and how an empty model is built.
+
+Both the checkpoint loader and the random-weight mode start here: pick the class, describe the
+model (`ModelSpec`), and allocate it on the target device without running any initializer (the
+module is built on the meta device, then given uninitialized memory where it will live).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvc.runtime.errors import UnsupportedArchitectureError
+from kvc.runtime.models.base import CausalLM, ModelSpec
+from kvc.runtime.models.layers import head_dim_of
+from kvc.runtime.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from kvc.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+}
+# For configs without an `architectures` list.
+MODEL_TYPES: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+}
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    spec: ModelSpec
+    hf_config: Any  # transformers.PretrainedConfig
+    path: Path | None  # None for random-weight models
+
+
+def model_class_for(architectures: Iterable[str] | str | None, model_type: str | None) -> type[CausalLM]:
+    names = [architectures] if isinstance(architectures, str) else [str(a) for a in architectures or []]
+    for name in names:
+        if name in MODEL_CLASSES:
+            return MODEL_CLASSES[name]
+    if not names and model_type in MODEL_TYPES:
+        return MODEL_TYPES[str(model_type)]
+    what = ", ".join(names) if names else f"model_type {model_type!r}"
+    raise UnsupportedArchitectureError(
+        f"architecture {what} is not supported; supported architectures: {', '.join(MODEL_CLASSES)}"
+    )
+
+
+def model_class_for_config(config: Any) -> type[CausalLM]:
+    return model_class_for(getattr(config, "architectures", None), getattr(config, "model_type", None))
+
+
+def eos_ids_of(*sources: Mapping[str, Any] | Any) -> tuple[int, ...]:
+    """Union (in order) of the eos_token_id fields of configs / generation configs."""
+    ids: list[int] = []
+    for source in sources:
+        if isinstance(source, Mapping):
+            value = source.get("eos_token_id")
+        else:
+            value = getattr(source, "eos_token_id", None)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        ids.extend(int(v) for v in values if v is not None and int(v) not in ids)
+    return tuple(ids)
+
+
+def config_dtype(config: Any) -> torch.dtype | None:
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def default_dtype(config: Any, device: torch.device) -> torch.dtype:
+    """float32 on CPU; the checkpoint's dtype (bfloat16 if unstated) on accelerators."""
+    if device.type == "cpu":
+        return torch.float32
+    return config_dtype(config) or torch.bfloat16
+
+
+def make_spec(cls: type[CausalLM], config: Any, dtype: torch.dtype, eos: tuple[int, ...]) -> ModelSpec:
+    num_heads = config.num_attention_heads
+    return ModelSpec(
+        architecture=getattr(cls, "architecture", cls.__name__),
+        num_layers=config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim_of(config),
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+        eos_token_ids=eos,
+        dtype=dtype,
+    )
+
+
+def empty_model(
+    config: Any, device: torch.device, dtype: torch.dtype, eos: tuple[int, ...]
+) -> CausalLM:
+    """The model for `config` with uninitialized weights in `dtype` on `device`."""
+    cls = model_class_for_config(config)
+    spec = make_spec(cls, config, dtype, eos)
+    with torch.device("meta"):
+        model = cls(config, spec).to(dtype)
+    model = model.to_empty(device=device)
+    model.init_buffers()
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,263 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+The engine calls `schedule()` for a `ScheduledBatch`, runs it through the model, and hands the
+sampled tokens to `postprocess()`. One step mixes decodes and prefill chunks under a token budget:
+
+1. running sequences that decode (one token each), oldest first;
+2. running sequences still prefilling, a chunk each: min(remaining, budget left, chunk cap);
+3. waiting sequences, first come first served, while seats, budget and pages allow; the first one
+   that does not fit stops admission (no skipping ahead, so a long prompt cannot starve).
+
+Pages are taken lazily, as many as the tokens computed after this step need. When a running
+sequence needs a page and none is free, the most recently arrived running sequence is preempted
+(possibly the one asking): its pages go back, and it rejoins the front of the waiting queue to be
+recomputed from all its tokens later, through the prefix cache where its pages survived.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvc.runtime.errors import ConfigError, OutOfKVMemory, PromptTooLongError
+from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.sequence import FINISH_ABORT, FINISH_LENGTH, Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256  # seats: running sequences at once
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_prefill_chunk: int | None = None  # one sequence's prefill tokens per step; None: the budget
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
+            value = getattr(self, name)
+            if value is None and name == "max_prefill_chunk":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"invalid {name}={value!r}: must be a positive integer", param=name)
+
+
+@dataclass
+class ScheduledBatch:
+    """One step: decodes first (one token each), then prefill chunks.
+
+    Sequence i feeds `token_ids[c : c + num_new_tokens[i]]` with c = its `num_computed_tokens`;
+    the sequences' fields describe the step until `postprocess` advances them.
+    """
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    num_decodes: int
+    _needs_sample: list[bool] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Captured now: postprocess moves num_computed_tokens on.
+        self._needs_sample = [
+            s.num_computed_tokens + n == len(s.token_ids)
+            for s, n in zip(self.seqs, self.num_new_tokens)
+        ]
+
+    def needs_sample(self) -> list[bool]:
+        """Per sequence: does its chunk reach its last known token, so it samples the next one."""
+        return list(self._needs_sample)
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.seqs) - self.num_decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: PagePool) -> None:
+        self.config = config
+        self.pool = pool
+        self.prefix_caching = config.enable_prefix_caching and pool.enable_prefix_caching
+        self.waiting: deque[Sequence] = deque()  # by arrival; preempted ones rejoin the front
+        self.running: list[Sequence] = []  # by arrival; the last one is preempted first
+        self._live: dict[int, Sequence] = {}
+        self.num_preemptions = 0  # since start, for metrics and tests
+
+    # ---- queue -------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a new sequence; raises if it could never run, even alone."""
+        if seq.status is not SequenceStatus.WAITING or seq.page_table or seq.seq_id in self._live:
+            raise ValueError(f"{seq} cannot be added: it is not a fresh waiting sequence")
+        n = len(seq.token_ids)
+        if n + 1 > seq.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens, but the model's context is {seq.max_model_len} tokens "
+                "(prompt plus at least one new token must fit)",
+                param="prompt",
+            )
+        needed = self.pool.pages_for(n + 1)
+        if needed > self.pool.num_pages:
+            raise OutOfKVMemory(
+                f"a prompt of {n} tokens plus one new token needs {needed} KV pages of "
+                f"{self.pool.page_size} tokens, but the whole pool has {self.pool.num_pages}; "
+                "give the engine more KV cache memory or shorten the prompt"
+            )
+        self._live[seq.seq_id] = seq
+        if not self.waiting or self.waiting[-1].arrival <= seq.arrival:
+            self.waiting.append(seq)
+        else:  # rare: added out of arrival order
+            i = bisect.bisect_right([s.arrival for s in self.waiting], seq.arrival)
+            self.waiting.insert(i, seq)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Finishes a waiting or running sequence at once, freeing its pages. Unknown ids: None."""
+        seq = self._live.get(seq_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._finish(seq, FINISH_ABORT)
+        return seq
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        """Picks the next step's sequences and token counts; None when there is nothing to run."""
+        budget = self.config.max_num_batched_tokens
+        chunk_cap = self.config.max_prefill_chunk or budget
+        step: dict[int, int] = {}  # seq_id -> new tokens, in scheduling order
+        preempted = False
+
+        def reserve(seq: Sequence, n: int) -> bool:
+            """Pages for seq's next n tokens, preempting the newest running sequences for them."""
+            nonlocal budget, preempted
+            need = self.pool.pages_for(seq.num_computed_tokens + n) - len(seq.page_table)
+            while need > self.pool.num_free:
+                victim = self.running[-1]
+                budget += step.pop(victim.seq_id, 0)  # it may already be in this step
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    return False
+            seq.page_table += self.pool.allocate(need)
+            return True
+
+        decoding = [s for s in self.running if not s.is_prefill]  # one uncomputed token each
+        prefilling = [s for s in self.running if s.is_prefill]
+        for seq in decoding + prefilling:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted for an older sequence in this loop
+            n = min(seq.num_uncomputed_tokens, budget, chunk_cap)
+            if reserve(seq, n):
+                step[seq.seq_id] = n
+                budget -= n
+
+        # Right after a preemption the pool is tight: admitting now would only thrash.
+        if not preempted or not step:
+            self._admit(step, budget, chunk_cap)
+
+        if not step:
+            return None
+        seqs = [self._live[i] for i in step]
+        decodes = [s for s in seqs if not s.is_prefill]
+        prefills = [s for s in seqs if s.is_prefill]
+        return ScheduledBatch(
+            seqs=decodes + prefills,
+            num_new_tokens=[step[s.seq_id] for s in decodes + prefills],
+            num_decodes=len(decodes),
+        )
+
+    def _admit(self, step: dict[int, int], budget: int, chunk_cap: int) -> None:
+        """Moves waiting sequences to running, first come first served, into `step`."""
+        pool = self.pool
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            hits = pool.lookup(seq.token_ids) if self.prefix_caching else []
+            computed = len(hits) * pool.page_size
+            n = min(len(seq.token_ids) - computed, budget, chunk_cap)
+            fresh = pool.pages_for(computed + n) - len(hits)
+            revived = sum(pool.ref_count(p) == 0 for p in hits)  # cached hits leave the free count
+            if fresh + revived > pool.num_free:
+                break
+            self.waiting.popleft()
+            if self.prefix_caching:
+                hits = pool.match_prefix(seq.token_ids)
+            seq.page_table = hits + pool.allocate(fresh)
+            seq.num_computed_tokens = seq.num_cached_tokens = computed
+            seq.prefill_end = len(seq.token_ids)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            step[seq.seq_id] = n
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Back to the front of the waiting queue, without pages; it will recompute everything."""
+        log.debug("preempting %s", seq)
+        self.running.remove(seq)
+        self.pool.free(seq.page_table)
+        seq.page_table = []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
+        """Advances the step's sequences, appends their sampled tokens; returns the finished."""
+        finished = []
+        for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.needs_sample()):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens += n
+            if self.prefix_caching:
+                self._register_full_pages(seq, before)
+            if not samples:
+                continue
+            if seq.seq_id not in sampled:
+                raise ValueError(f"sequence {seq.seq_id} reached its last token but got no sample")
+            seq.append_token(sampled[seq.seq_id])
+            reason = seq.check_stop()
+            if reason is None and len(seq.token_ids) > self.pool.num_pages * self.pool.page_size:
+                # The pool could not hold this token's K/V even with the sequence alone in it.
+                reason = FINISH_LENGTH
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _register_full_pages(self, seq: Sequence, computed_before: int) -> None:
+        """Names in the prefix cache each page that this step filled."""
+        size = self.pool.page_size
+        first, end = computed_before // size, seq.num_computed_tokens // size
+        while len(seq.page_hashes) < end:
+            i = len(seq.page_hashes)
+            prev = seq.page_hashes[i - 1] if i else None
+            seq.page_hashes.append(self.pool.page_hash(prev, seq.token_ids[i * size : (i + 1) * size]))
+        for i in range(first, end):
+            self.pool.register(seq.page_table[i], seq.page_hashes[i])
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.pool.free(seq.page_table)
+        seq.page_table = []
+        seq.finish(reason)
+        del self._live[seq.seq_id]

@@ -1,0 +1,126 @@
+"""One request as the scheduler sees it: its tokens, how far its K/V are computed, its pages.
+
+A `Sequence` is created by the engine for each request, handed to the `Scheduler`, and moves
+WAITING -> RUNNING -> FINISHED (RUNNING -> WAITING again when it is preempted). The scheduler owns
+the bookkeeping fields (`num_computed_tokens`, `page_table`, `page_hashes`, `status`); the model
+runner only reads them to build a step.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Protocol
+
+from kvc.runtime.errors import KvcError
+
+FINISH_STOP = "stop"  # a stop token or an end-of-sequence token was sampled
+FINISH_LENGTH = "length"  # max_tokens reached, or the context (model or KV pool) is full
+FINISH_ABORT = "abort"  # the user or the engine cancelled the request
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()  # queued; holds no pages
+    RUNNING = enum.auto()  # admitted; holds pages for its computed tokens
+    FINISHED = enum.auto()  # done; `finish_reason` says why; holds no pages
+
+
+class StopParams(Protocol):
+    """What a sequence reads from the engine's `SamplingParams`."""
+
+    max_tokens: int
+    stop_token_ids: Seq[int]
+    ignore_eos: bool
+
+
+class Sequence:
+    """A request's token history and cache bookkeeping.
+
+    Invariant while RUNNING: `page_table` holds enough pages for `num_computed_tokens` tokens
+    (page i holds tokens [i * page_size, (i + 1) * page_size)). The K/V of the last sampled token
+    is computed by the next step, so a decoding sequence has
+    `num_computed_tokens == len(token_ids) - 1` between steps.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        prompt_token_ids: Seq[int],
+        params: StopParams,
+        *,
+        eos_token_ids: Seq[int] = (),
+        max_model_len: int,
+        arrival: int | None = None,
+    ) -> None:
+        if len(prompt_token_ids) == 0:
+            raise KvcError("the prompt is empty; give at least one token", param="prompt")
+        self.seq_id: int = next(Sequence._ids)
+        self.arrival: int = self.seq_id if arrival is None else arrival  # FCFS order
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens: int = len(self.token_ids)
+        self.params = params
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        self.max_model_len: int = max_model_len
+
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # prefix-cache hits at the last admission (for reporting)
+        self.num_preemptions = 0
+        self.page_table: list[int] = []
+        # Chained hashes of the full pages of `token_ids`, filled by the scheduler as pages are
+        # computed. Tokens never change once appended, so the list survives preemption.
+        self.page_hashes: list[bytes] = []
+        # Tokens the current admission prefills: the prompt, or prompt + generated after a
+        # preemption (recompute). Past it the sequence decodes one token per step.
+        self.prefill_end = self.num_prompt_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.name}, tokens={len(self.token_ids)}, "
+            f"computed={self.num_computed_tokens}, pages={self.page_table})"
+        )
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """True until the current admission's prefill (prompt, or recompute) is computed."""
+        return self.num_computed_tokens < self.prefill_end
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self) -> str | None:
+        """Why the sequence should stop after its last token, or None to go on."""
+        if self.num_generated == 0:
+            return None
+        last = self.token_ids[-1]
+        if last in self.params.stop_token_ids:
+            return FINISH_STOP
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return FINISH_STOP
+        if self.num_generated >= self.params.max_tokens or len(self.token_ids) >= self.max_model_len:
+            return FINISH_LENGTH
+        return None
+
+    def finish(self, reason: str) -> None:
+        """Marks the sequence FINISHED; the scheduler has already taken its pages back."""
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
