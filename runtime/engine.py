@@ -12,7 +12,7 @@ import torch
 
 from kvc.runtime.attention.backend import PagedAttention, kv_bytes_per_page
 from kvc.runtime.config import EngineConfig
-from kvc.runtime.errors import ConfigError, OutOfKVMemory, PromptTooLongError
+from kvc.runtime.errors import ConfigError, InvalidPromptError, OutOfKVMemory, PromptTooLongError
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.model_runner import ModelRunner
 from kvc.runtime.models.loader import LoadedModel, resolve_model
@@ -111,7 +111,7 @@ class Engine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         n = len(prompt_token_ids)
         if n == 0:
-            raise PromptTooLongError("the prompt is empty; give at least one token", param="prompt")
+            raise InvalidPromptError("the prompt is empty; give at least one token", param="prompt")
         if n >= self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {n} tokens, but the model's context is {self.max_model_len} tokens "
@@ -120,7 +120,7 @@ class Engine:
             )
         vocab = self.spec.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise PromptTooLongError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+            raise InvalidPromptError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         seq = Sequence(
             prompt_token_ids,
             params=params,

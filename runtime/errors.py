@@ -33,7 +33,11 @@ class InvalidSamplingParams(KvcError):
     """A sampling parameter is out of range or of the wrong type."""
 
 
-class PromptTooLongError(KvcError):
+class InvalidPromptError(KvcError):
+    """The prompt is empty, not text or token ids, or holds ids outside the vocabulary."""
+
+
+class PromptTooLongError(InvalidPromptError):
     """The prompt (plus at least one new token) does not fit the model's context."""
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.engine import Engine
-from kvc.runtime.errors import ConfigError, InvalidSamplingParams
+from kvc.runtime.errors import ConfigError, InvalidPromptError, InvalidSamplingParams
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.sequence import Sequence
 
@@ -44,7 +44,7 @@ class LLM:
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
-        raise ConfigError("a prompt must be a string or a list of token ids", param="prompt")
+        raise InvalidPromptError("a prompt must be a string or a list of token ids", param="prompt")
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -84,7 +84,7 @@ class ModelRunner:
             return {}
         seqs = [batch.seqs[i] for i in rows]
         tokens = sample(
-            logits[: len(rows)] if decode_only else logits,
+            logits,
             [s.params for s in seqs],
             [self.generators.get(s.seq_id) for s in seqs],
             self.default_generator,
