@@ -1,11 +1,11 @@
-"""Paged decode attention on the GPU: the Triton kernel against the copy-bandwidth ceiling and
-against torch SDPA (cuDNN, flash) on contiguous KV; plus a prefill sanity check.
+"""Paged attention on the GPU: the Triton decode kernel against the copy-bandwidth ceiling and
+against torch SDPA (cuDNN, flash) on contiguous KV; the prefill kernel against a causal SDPA.
 
 Decode is memory-bound, so the figure of merit is the effective bandwidth (bytes of K+V read,
 plus q and out, over the kernel time) as a fraction of a plain device-to-device copy.
 
     python bench/attention_bench.py --out decode.json             # default shapes
-    python bench/attention_bench.py --sweep --out sweep.json      # also tune the kernel config
+    python bench/attention_bench.py --sweep --out sweep.json      # also tune the kernel configs
     TRITON_INTERPRET=1 python bench/attention_bench.py --smoke    # CPU, tiny: proves it runs
 
 SDPA gets q [B, Hq, 1, D] and K/V [B, Hkv, T, D] with enable_gqa=True; where a backend refuses
@@ -70,7 +70,7 @@ def parse_args() -> argparse.Namespace:
 def shapes_from(args: argparse.Namespace) -> list[Shape]:
     dtype = getattr(torch, args.dtype)
     if args.smoke:
-        sizes, heads, head_dim, page = [(1, 200), (3, 70)], [(4, 2), (4, 1)], 32, 5
+        sizes, heads, head_dim, page = [(1, 600), (3, 70)], [(4, 2), (4, 1)], 32, 5
     else:
         sizes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
         heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
@@ -197,8 +197,7 @@ def bench_decode(ops, shape: Shape, device: torch.device, copy_gbps: float, gen:
     sets = input_sets(shape, device, gen)
     ref = sdpa_decode(sets[0], shape, expanded=False)
     out = triton_decode(ops, sets[0], shape)
-    cfg = ops.decode_config(shape.batch, shape.num_kv_heads, shape.num_q_heads // shape.num_kv_heads,
-                            shape.head_dim, shape.context, ops.num_sms(device))
+    cfg = ops.decode_config(shape.batch, shape.num_kv_heads, shape.head_dim, shape.context, ops.num_sms(device))
     ms = time_ms(rotating(lambda x: triton_decode(ops, x, shape), sets), device)
     gbps = shape.io_bytes / (ms * 1e-3) / 1e9
     row = {"shape": shape.label, "dtype": str(shape.dtype), "page_size": shape.page_size,
@@ -216,8 +215,7 @@ def sweep_decode(ops, shape: Shape, device: torch.device, gen: torch.Generator, 
     """Tile configs at the heuristic's split count, then split counts at the best tile config."""
     sets = input_sets(shape, device, gen)
     ref = sdpa_decode(sets[0], shape, expanded=False)
-    base = ops.decode_config(shape.batch, shape.num_kv_heads, shape.num_q_heads // shape.num_kv_heads,
-                             shape.head_dim, shape.context, ops.num_sms(device))
+    base = ops.decode_config(shape.batch, shape.num_kv_heads, shape.head_dim, shape.context, ops.num_sms(device))
     rep = 5 if smoke else 40
     tried = []
 
@@ -279,35 +277,58 @@ def check_graph_capture(ops, device: torch.device, gen: torch.Generator) -> dict
 # ---- prefill -----------------------------------------------------------------------------------
 
 
-def bench_prefill(ops, device: torch.device, gen: torch.Generator, smoke: bool) -> list[dict]:
-    """Chunks over cached prefixes vs a dense causal SDPA (offset mask) on the same K/V."""
-    cases = [(1, 64, 64), (2, 48, 16)] if smoke else [(1, 8192, 8192), (4, 8192, 2048)]
-    rows = []
-    for batch, context, chunk in cases:
+def prefill_cases(device: torch.device, gen: torch.Generator, smoke: bool) -> list[dict]:
+    """Chunks over cached prefixes, each with a dense causal SDPA reference (offset mask)."""
+    sizes = [(1, 64, 64), (2, 48, 16)] if smoke else [(1, 8192, 8192), (4, 8192, 2048)]
+    cases = []
+    for batch, context, chunk in sizes:
         shape = Shape(batch, context, 4 if smoke else 32, 2 if smoke else 8, 32 if smoke else 128,
                       16, torch.bfloat16)
         x = make_inputs(shape, device, gen)
         q = torch.randn(batch * chunk, shape.num_q_heads, shape.head_dim, device=device, dtype=shape.dtype)
         cu = torch.arange(0, batch * chunk + 1, chunk, dtype=torch.int32, device=device)
-        scale = shape.head_dim ** -0.5
-
-        def run():
-            return ops.paged_prefill(q, x["k_cache"], x["v_cache"], x["block_tables"], cu, x["context_lens"],
-                                     scale, chunk)
-
-        out = run()
         positions = torch.arange(context - chunk, context, device=device)
         mask = torch.arange(context, device=device)[None, :] <= positions[:, None]
         qd = q.view(batch, chunk, shape.num_q_heads, shape.head_dim).transpose(1, 2)
-        ref = F.scaled_dot_product_attention(qd, x["k"], x["v"], attn_mask=mask, scale=scale, enable_gqa=True)
-        ref = ref.transpose(1, 2).reshape_as(out)
-        ms = time_ms(run, device)
-        # causal FLOPs: each query attends to (its position + 1) keys, QK and PV
+        ref = F.scaled_dot_product_attention(qd, x["k"], x["v"], attn_mask=mask, scale=shape.head_dim ** -0.5,
+                                             enable_gqa=True)
+        # causal FLOPs: each query attends to (its position + 1) keys, for QK and for PV
         keys_seen = batch * sum(range(context - chunk + 1, context + 1))
-        flops = 4 * keys_seen * shape.num_q_heads * shape.head_dim
-        rows.append({"batch": batch, "context": context, "chunk": chunk, "ms": ms,
-                     "tflops": flops / (ms * 1e-3) / 1e12, "rel_err_vs_sdpa": rel_err(out, ref)})
-    return rows
+        cases.append({"shape": shape, "chunk": chunk, "q": q, "cu": cu, "x": x,
+                      "ref": ref.transpose(1, 2).reshape_as(q),
+                      "flops": 4 * keys_seen * shape.num_q_heads * shape.head_dim})
+    return cases
+
+
+def run_prefill(ops, case: dict, **config) -> torch.Tensor:
+    x, shape = case["x"], case["shape"]
+    return ops.paged_prefill(case["q"], x["k_cache"], x["v_cache"], x["block_tables"], case["cu"],
+                             x["context_lens"], shape.head_dim ** -0.5, case["chunk"], **config)
+
+
+def prefill_row(ops, case: dict, device: torch.device, rep_ms: int = 100, **config) -> dict:
+    err = rel_err(run_prefill(ops, case, **config), case["ref"])
+    ms = time_ms(lambda: run_prefill(ops, case, **config), device, rep_ms)
+    shape = case["shape"]
+    return {**config, "batch": shape.batch, "context": shape.context, "chunk": case["chunk"], "ms": ms,
+            "tflops": case["flops"] / (ms * 1e-3) / 1e12, "rel_err_vs_sdpa": err}
+
+
+def sweep_prefill(ops, case: dict, device: torch.device, smoke: bool) -> dict:
+    grid = [(16, 32), (16, 32), (4,), (1,)] if smoke else [(64, 128), (32, 64, 128), (4, 8), (2, 3, 4)]
+    tried = []
+    label = f"sweep prefill {case['shape'].batch}x{case['chunk']}"
+    for block_m, block_n, warps, stages in progress(list(itertools.product(*grid)), label):
+        config = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+        try:
+            tried.append(prefill_row(ops, case, device, 5 if smoke else 40, **config))
+        except Exception as err:  # out of shared memory / registers: record and move on
+            tried.append({**config, "ms": None, "error": f"{type(err).__name__}: {str(err)[:100]}"})
+    good = [r for r in tried if r["ms"] is not None and r["rel_err_vs_sdpa"] < 2e-2]
+    shape = case["shape"]
+    return {"case": f"{shape.batch}x{shape.context} chunk {case['chunk']}",
+            "heuristic": asdict(ops.prefill_config(shape.head_dim, shape.dtype, device)),
+            "best": min(good, key=lambda r: r["ms"], default=None), "tried": tried}
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -319,7 +340,8 @@ def fmt(value, spec: str = ".3f") -> str:
 
 def print_report(result: dict) -> None:
     print(f"\n## Decode attention on {result['device']}  (copy bandwidth {result['copy_gbps']:.0f} GB/s)\n")
-    print("| shape (BxT q/kv) | splits | triton ms | GB/s | of copy | rel err | cuDNN ms | flash ms |")
+    sdpa = "cuDNN ms | flash ms" if result["device"] != "cpu (interpreter)" else "math ms | -"
+    print(f"| shape (BxT q/kv) | splits | triton ms | GB/s | of copy | rel err | {sdpa} |")
     print("|---|---|---|---|---|---|---|---|")
     for r in result["decode"]:
         sdpa = [r.get("cudnn_attention") or r.get("math") or {}, r.get("flash_attention") or {}]
@@ -333,6 +355,12 @@ def print_report(result: dict) -> None:
         for r in result["prefill"]:
             print(f"| {r['batch']} x {r['context']} ({r['chunk']}) | {r['ms']:.3f} | {r['tflops']:.0f} | "
                   f"{r['rel_err_vs_sdpa']:.1e} |")
+    if result.get("prefill_sweep"):
+        print("\n| prefill case | heuristic ms | best ms | best (block_m, block_n, warps, stages) |\n|---|---|---|---|")
+        for s, r in zip(result["prefill_sweep"], result["prefill"]):
+            b = s["best"] or {}
+            print(f"| {s['case']} | {r['ms']:.3f} | {fmt(b.get('ms'))} | ({b.get('block_m')}, {b.get('block_n')}, "
+                  f"{b.get('num_warps')}, {b.get('num_stages')}) |")
     if result.get("sweep"):
         print("\n| shape | heuristic ms | best ms | best (block_n, warps, stages, dot, splits) |\n|---|---|---|---|")
         for s, r in zip(result["sweep"], result["decode"]):
@@ -362,7 +390,11 @@ def main() -> None:
     if device.type == "cuda":
         result["graph"] = check_graph_capture(ops, device, gen)
     if not args.no_prefill:
-        result["prefill"] = bench_prefill(ops, device, gen, args.smoke)
+        cases = prefill_cases(device, gen, args.smoke)
+        result["prefill"] = [prefill_row(ops, case, device) for case in cases]
+        if args.sweep:
+            result["prefill_sweep"] = [sweep_prefill(ops, case, device, args.smoke) for case in cases]
+        del cases
     if args.sweep:
         result["sweep"] = [sweep_decode(ops, s, device, gen, args.smoke) for s in shapes_from(args)]
     print_report(result)

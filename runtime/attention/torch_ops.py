@@ -38,7 +38,6 @@ def gather_kv(
     cache: torch.Tensor, page_ids: torch.Tensor, length: int | None = None
 ) -> torch.Tensor:
     """Pages `page_ids` [..., n] of one layer's cache as dense [..., Hkv, n * page_size, D]."""
-    _, num_kv_heads, page_size, head_dim = cache.shape
     pages = cache[page_ids.long()]  # [..., n, Hkv, S, D]
     pages = pages.movedim(-3, -4)  # [..., Hkv, n, S, D]
     dense = pages.flatten(-3, -2)  # [..., Hkv, n * S, D]

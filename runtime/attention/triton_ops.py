@@ -1,17 +1,19 @@
 """Paged attention as Triton kernels: the GPU backend, same signatures as `torch_ops.py`.
 
-Three kernels families sit here, between the model's attention layers and the paged KV cache
+Three kernel families sit here, between the model's attention layers and the paged KV cache
 (layout in `metadata.py`):
 
 - `store_kv`: one program per new token scatters its K/V rows (all kv heads) into the token's slot.
 - `paged_decode`: flash-decoding. Programs are (sequence, kv head, split); each split walks its
   share of the context in tiles of BLOCK_N tokens gathered from several pages, computing all
-  query heads of the GQA group at once (one `tl.dot` with the group padded to 16 rows, or a
-  broadcast-multiply for small groups), and leaves a partial output plus its log-sum-exp. A small
-  reduce kernel merges the splits; with one split the first kernel writes the output directly.
+  query heads of the GQA group at once (one `tl.dot` with the group padded to 16 rows; a
+  broadcast-multiply variant exists for tuning), and leaves a partial output plus its
+  log-sum-exp (base 2). A small reduce kernel merges the splits; with one split the first
+  kernel writes the output directly.
   The split layout depends only on the Python int `num_splits`: each sequence divides its own
   context_lens[b] evenly over the splits, so one launch configuration serves every length (CUDA
-  graphs) and the splits past a short context are simply empty.
+  graphs) and the splits past a short context are simply empty. `decode_num_splits` picks the
+  count from B, Hkv, the context bound and the SM count (about four programs per SM).
 - `paged_prefill`: flash attention over the pages for varlen prefill chunks. A program owns
   BLOCK_Q queries of one sequence times the GQA group's query heads (BLOCK_M = BLOCK_Q x group
   rows), so every K/V tile is loaded once per group; key tiles wholly below the block's first
@@ -80,22 +82,31 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, sms: 
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
-def decode_config(
-    batch: int, num_kv_heads: int, group: int, head_dim: int, max_context_len: int, sms: int
-) -> DecodeConfig:
+def decode_config(batch: int, num_kv_heads: int, head_dim: int, max_context_len: int, sms: int) -> DecodeConfig:
     block_n = 64 if head_dim <= 128 else 32
     return DecodeConfig(
         num_splits=decode_num_splits(batch, num_kv_heads, max_context_len, sms),
         block_n=block_n,
         num_warps=4,
         num_stages=2,
-        use_dot=group >= 4,
+        # Measured on an H200 (bench/attention_bench.py --sweep): the broadcast path is 7-15x
+        # slower for groups of 4 and 8; the padded tl.dot keeps decode at copy bandwidth.
+        use_dot=True,
     )
 
 
-def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+@functools.lru_cache(maxsize=None)
+def _is_hopper_or_newer(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> PrefillConfig:
     if dtype == torch.float32 or head_dim > 128:
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if device is not None and _is_hopper_or_newer(device):
+        # Best of the H200 sweep (bf16, D=128): ~380 TFLOP/s. Needs ~220 KB of shared memory,
+        # which pre-Hopper parts do not have.
+        return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
     return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
@@ -358,11 +369,13 @@ def paged_decode(
     group = num_q_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
+    if out.stride(-1) != 1:
+        raise ValueError("out needs a contiguous last (head_dim) axis")
     if batch == 0:
         return out
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * page_size
-    cfg = decode_config(batch, num_kv_heads, group, head_dim, max_context_len, num_sms(q.device))
+    cfg = decode_config(batch, num_kv_heads, head_dim, max_context_len, num_sms(q.device))
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps,
                      num_stages=num_stages, use_dot=use_dot)
     cfg = replace(cfg, **{k: val for k, val in overrides.items() if val is not None})
@@ -527,10 +540,12 @@ def paged_prefill(
     group = num_q_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
+    if out.stride(-1) != 1:
+        raise ValueError("out needs a contiguous last (head_dim) axis")
     batch = context_lens.shape[0]
     if num_tokens == 0 or batch == 0 or max_query_len <= 0:
         return out
-    cfg = prefill_config(head_dim, q.dtype)
+    cfg = prefill_config(head_dim, q.dtype, q.device)
     overrides = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     cfg = replace(cfg, **{k: val for k, val in overrides.items() if val is not None})
 

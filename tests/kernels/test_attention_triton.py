@@ -37,7 +37,7 @@ def poisoned(shape, dtype) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
 
 
-def torch_oracle(case, dtype):
+def torch_oracle(case):
     """The case's caches for the torch ops: same values, unowned (NaN) slots zeroed, float32."""
     return case.k_cache.nan_to_num(0.0).float(), case.v_cache.nan_to_num(0.0).float()
 
@@ -86,7 +86,7 @@ def test_decode_matches_torch(group, page_size, num_splits, use_dot):
     triton_ops.paged_decode(q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.3,
                             max_context_len=max(lengths), out=out,
                             num_splits=num_splits, block_n=16, use_dot=use_dot)
-    want = torch_ops.paged_decode(q, *torch_oracle(case, q.dtype), case.block_tables, case.context_lens, 0.3)
+    want = torch_ops.paged_decode(q, *torch_oracle(case), case.block_tables, case.context_lens, 0.3)
     assert not out.isnan().any()
     torch.testing.assert_close(out, want, **TOLERANCES[torch.float32])
 
@@ -102,7 +102,7 @@ def test_decode_dtypes_and_default_config(dtype):
     # A loose bound, as under CUDA graphs: the heuristic's split layout must still be exact.
     triton_ops.paged_decode(q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.25,
                             max_context_len=4096, out=out)
-    want = torch_ops.paged_decode(q.float(), *torch_oracle(case, dtype), case.block_tables, case.context_lens, 0.25)
+    want = torch_ops.paged_decode(q.float(), *torch_oracle(case), case.block_tables, case.context_lens, 0.25)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), want, **TOLERANCES[dtype])
 
@@ -149,7 +149,7 @@ def test_prefill_matches_torch(group, page_size, block_m, block_n):
     out = poisoned(q.shape, q.dtype)
     triton_ops.paged_prefill(q, case.k_cache, case.v_cache, case.block_tables, cu, case.context_lens, 0.2,
                              max_q, out=out, block_m=block_m, block_n=block_n)
-    want = torch_ops.paged_prefill(q, *torch_oracle(case, q.dtype), case.block_tables, cu, case.context_lens, 0.2, max_q)
+    want = torch_ops.paged_prefill(q, *torch_oracle(case), case.block_tables, cu, case.context_lens, 0.2, max_q)
     assert not out.isnan().any()
     torch.testing.assert_close(out, want, **TOLERANCES[torch.float32])
 
@@ -161,7 +161,7 @@ def test_prefill_dtypes_and_default_config(dtype):
     out = poisoned(q.shape, dtype)
     triton_ops.paged_prefill(q, case.k_cache, case.v_cache, case.block_tables, cu, case.context_lens, 0.2,
                              max_q, out=out)
-    want = torch_ops.paged_prefill(q.float(), *torch_oracle(case, dtype), case.block_tables, cu,
+    want = torch_ops.paged_prefill(q.float(), *torch_oracle(case), case.block_tables, cu,
                                    case.context_lens, 0.2, max_q)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), want, **TOLERANCES[dtype])
