@@ -55,6 +55,7 @@ class Ctx:
     param_limit: int | None = None  # only parameters declared before this index
     windowed: bool = False  # typing the value of `x[first/last n]`
     counts: list | None = None  # where budget expressions are collected
+    calls: frozenset[str] = frozenset({"value", "scalar"})  # kinds of built-ins allowed here
 
 
 def axis_order(axes: dict[str, AxisInfo], name: str) -> float:
@@ -66,6 +67,8 @@ class ExprChecker:
     def __init__(self, sink: DiagnosticSink, bindings: dict[str, Binding], axes: dict[str, AxisInfo],
                  poisoned: set[str]) -> None:
         self.sink, self.bindings, self.axes, self.poisoned = sink, bindings, axes, poisoned
+        # (kind, expr, ctx, message) checked later against parameter values: 'odd', 'bits', 'unit', 'positive'
+        self.numeric_checks: list[tuple[str, ast.Expr, Ctx, str]] = []
 
     # ---- helpers ---------------------------------------------------------------------------
 

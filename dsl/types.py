@@ -160,3 +160,14 @@ def arith(op: str, a: Scalar, b: Scalar) -> tuple[Scalar | None, str | None]:
         return None, f"cannot divide {unit_name(a)} by tokens"
     unit = None if (a.unit == "tokens" and b.unit == "tokens") else a.unit
     return Scalar(kind, unit, literal), None
+
+
+@dataclass(frozen=True)
+class PartitionOf(Type):
+    """The value of `split(...)` / `kmeans(...)`: a way to cut the key axis into items."""
+
+    kind: str  # 'pages' | 'spans' | 'clusters'
+    per: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"partition of key into {self.kind}"
