@@ -10,6 +10,7 @@ Public API:
     parse_source(text_or_bytes, path) -> ParsedFile                  (syntax only)
     format_source(text_or_bytes, path) -> str
     method_path(name) -> Path of a shipped method (methods/<name>.kvm)
+    load_method(name_or_path, params=None) -> CheckedMethod          (a shipped name or a .kvm path)
 """
 
 from __future__ import annotations
@@ -69,5 +70,12 @@ def method_path(name: str) -> Path:
     return path
 
 
+def load_method(name_or_path: str | Path, params: dict | None = None):
+    """A checked method from a shipped name ('snapkv') or a path to a user's .kvm file."""
+    text = str(name_or_path)
+    path = Path(text) if text.endswith(".kvm") or "/" in text or Path(text).is_file() else method_path(text)
+    return check_file(path, params)
+
+
 __all__ = ["Diagnostic", "KvmError", "METHODS_DIR", "Pos", "check_file", "check_source", "format_source",
-           "method_path", "parse_source"]
+           "load_method", "method_path", "parse_source"]

@@ -100,9 +100,13 @@ def number(xc: ExprChecker, arg: ast.Expr, ctx: Ctx, what: str, whole: bool = Fa
 
 def enum(xc: ExprChecker, arg: ast.Expr, ctx: Ctx, key: str, what: str) -> bool:
     members = ENUMS[key]
-    if isinstance(arg, ast.Name) and arg.id in members and arg.id not in ctx.locals and arg.id not in xc.bindings:
-        arg.ty = Enum(members)
-        return True
+    if isinstance(arg, ast.Name) and arg.id not in ctx.locals and arg.id not in xc.bindings:
+        if arg.id in members:
+            arg.ty = Enum(members)
+            return True
+        arg.ty = UNKNOWN
+        xc.error(arg, f"'{arg.id}' is not a {what}; expected {' or '.join(members)}")
+        return False
     t = xc.check(arg, ctx)
     if t is UNKNOWN:
         return False

@@ -12,10 +12,10 @@ import difflib
 from dataclasses import dataclass, field, replace
 
 from kvc.dsl import ast
-from kvc.dsl.builtins import AXES, BUILTINS, ENUMS, GROUP, HOOK_VALUES, SYMBOLS, HookSpec
+from kvc.dsl.builtins import AXES, GROUP, HOOK_VALUES, SYMBOLS, HookSpec
 from kvc.dsl.errors import DiagnosticSink, Pos
-from kvc.dsl.types import (BOOL, FLOAT, INT, STRING, TOKENS, UNKNOWN, Codec, Enum, ListOf, Scalar, Selection,
-                           Tensor, Type, arith, join_units, unit_name)
+from kvc.dsl.types import (BOOL, INT, STRING, TOKENS, UNKNOWN, Enum, ListOf, Scalar, Selection, Tensor, Type, arith,
+                           join_units, unit_name)
 
 KIND_WORDS = {"param": "parameter", "let": "definition", "state": "state", "shared": "shared state",
               "input": "input", "summary": "summary", "role": "role", "dim": "axis"}
@@ -31,7 +31,6 @@ class Binding:
     type: Type
     decl: ast.Decl | None = None
     deps: frozenset[str] = frozenset()  # lets: the context symbols they use
-    order: int = 0  # params: declaration index (defaults may only use earlier ones)
 
 
 @dataclass
@@ -52,7 +51,6 @@ class Ctx:
     symbols: frozenset[str]
     hook: HookSpec | None = None
     locals: dict[str, tuple[Type, Pos]] = field(default_factory=dict)
-    param_limit: int | None = None  # only parameters declared before this index
     windowed: bool = False  # typing the value of `x[first/last n]`
     counts: list | None = None  # where budget expressions are collected
     calls: frozenset[str] = frozenset({"value", "scalar"})  # kinds of built-ins allowed here
@@ -69,6 +67,7 @@ class ExprChecker:
         self.sink, self.bindings, self.axes, self.poisoned = sink, bindings, axes, poisoned
         # (kind, expr, ctx, message) checked later against parameter values: 'odd', 'bits', 'unit', 'positive'
         self.numeric_checks: list[tuple[str, ast.Expr, Ctx, str]] = []
+        self.declared: dict[str, Pos] = {}  # every top-level name of the file, for "declared later"
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -157,8 +156,6 @@ class ExprChecker:
                 return self.error(e, f"'{n}' is an axis, not a value", "axes are named after over/along/within/per/across")
             if b.kind not in ctx.kinds:
                 return self.error(e, f"the {KIND_WORDS[b.kind]} '{n}' cannot be used {ctx.where}")
-            if b.kind == "param" and ctx.param_limit is not None and b.order >= ctx.param_limit:
-                return self.error(e, f"parameter '{n}' is declared later; a default may only use earlier parameters")
             if b.kind == "let":
                 missing = sorted(b.deps - ctx.symbols)
                 if missing:
@@ -173,6 +170,9 @@ class ExprChecker:
             return self.error(e, f"'{n}' is an axis, not a value", "axes are named after over/along/within/per/across")
         if n in self.poisoned:
             return UNKNOWN
+        later = self.declared.get(n)
+        if later is not None and later.line >= e.pos.line:
+            return self.error(e, f"'{n}' is declared later (line {later.line}); declare it before it is used")
         return self.error(e, f"unknown name '{n}'", self.suggest(n, self.visible_names(ctx)))
 
     def view(self, b: Binding, ctx: Ctx) -> Type:
@@ -397,4 +397,4 @@ def _symbol_hint(name: str) -> str | None:
             }.get(name)
 
 
-__all__ = ["AxisInfo", "Binding", "Ctx", "ExprChecker", "KIND_WORDS", "ENUMS", "BUILTINS", "FLOAT"]
+__all__ = ["AxisInfo", "Binding", "Ctx", "ExprChecker", "KIND_WORDS"]

@@ -39,7 +39,7 @@ def check_hook(xc: ExprChecker, hook: ast.Hook, counts: list, has_replay: bool) 
                  'e.g. replay "Repeat the previous context:" in chunks of 2048')
     ctx = hook_ctx(spec, counts)
     if hook.where is not None:
-        wctx = replace(ctx, kinds=frozenset({"param", "let"}), calls=frozenset({"scalar"}), where=f"in a `where` of {spec.name}")
+        wctx = replace(ctx, kinds=frozenset({"param", "let"}), calls=frozenset({"scalar", "value"}), where=f"in a `where` of {spec.name}")
         t = xc.check(hook.where, wctx)
         if t is not UNKNOWN and t != BOOL:
             xc.error(hook.where, f"`where` needs a condition (a bool), not {t}")

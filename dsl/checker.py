@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvc.dsl import ast
-from kvc.dsl.builtins import AXES, BUILTINS, FAMILIES, HOOK_VALUES, HOOKS, SYMBOLS, HookSpec
+from kvc.dsl.builtins import AXES, BUILTINS, FAMILIES, HOOK_VALUES, SYMBOLS, HookSpec
 from kvc.dsl.check_exprs import AxisInfo, Binding, Ctx, ExprChecker
 from kvc.dsl.check_hooks import check_hook
+from kvc.dsl.check_params import ParamChecker, ParamInfo
 from kvc.dsl.errors import DiagnosticSink, Pos
-from kvc.dsl.evaluate import EvalError, Member, evaluate, sample_points
+from kvc.dsl.evaluate import EvalError, evaluate, sample_points
 from kvc.dsl.parser import KEYWORDS, ParsedFile
-from kvc.dsl.types import (BOOL, FLOAT, INT, STRING, TOKENS, UNKNOWN, Enum, ListOf, PartitionOf, Scalar,
-                           Selection, Tensor, Type)
+from kvc.dsl.types import UNKNOWN, ListOf, PartitionOf, Scalar, Selection, Tensor, Type
 
 STATIC = frozenset(s for s, spec in SYMBOLS.items() if spec.static)
 ALL_SYMBOLS = frozenset(SYMBOLS)
@@ -33,15 +33,6 @@ ALL_SYMBOLS = frozenset(SYMBOLS)
 _KV_DECL = HookSpec("a declaration", "layer", "", None, None, True, False, frozenset())
 _QUANTIZERS = {"quant", "fp8", "lloyd_max", "qjl"}
 _COMPRESSORS = {"project", "residual"}
-
-
-@dataclass
-class ParamInfo:
-    name: str
-    type: Type
-    default: object
-    decl: ast.Param
-    domain: tuple[str, list] | None = None  # ('range', [lo, hi]) or ('set', [values])
 
 
 @dataclass
@@ -78,8 +69,9 @@ class Checker:
                                           (("layer", 0), ("head", 1), ("kv_head", 2), ("query", 3), ("key", 4),
                                            ("channel", 6))}
         self.xc = ExprChecker(sink, self.bindings, self.axes, parsed.poisoned)
-        self.params: dict[str, ParamInfo] = {}
-        self.values: dict[str, object] = {}
+        self.pc = ParamChecker(self.xc, self.overrides)
+        self.params: dict[str, ParamInfo] = self.pc.params
+        self.values: dict[str, object] = self.pc.values
         self.lets: dict[str, ast.Expr] = {}
         self.counts: list = []
 
@@ -87,6 +79,10 @@ class Checker:
 
     def run(self) -> CheckedMethod:
         method = self.parsed.method
+        for item in method.items:
+            ident = getattr(item, "name", None)
+            if isinstance(ident, ast.Ident) and not isinstance(item, (ast.Header, ast.Hook)):
+                self.xc.declared.setdefault(ident.name, ident.pos)
         self.check_header(method)
         stores: dict[str, ast.Store] = {}
         replay: ast.Replay | None = None
@@ -105,7 +101,7 @@ class Checker:
                     self.check_replay(item)
             else:
                 self.check_named(item)
-        self.check_overrides(method)
+        self.pc.unknown_overrides(method.header or ast.Ident("", pos=Pos(1, 1)))
         seen: dict[tuple, ast.Hook] = {}
         for hook in method.hooks:
             key = (hook.name.name, repr(hook.where))
@@ -184,158 +180,12 @@ class Checker:
         elif isinstance(d, ast.Role):
             self.check_role(d)
 
-    # parameters
-
-    def param_type(self, tref: ast.TypeRef) -> Type:
-        if tref.kind == "scalar":
-            t = {"int": INT, "float": FLOAT, "bool": BOOL, "tokens": TOKENS}.get(tref.name or "")
-            if t is None:
-                self.xc.error(tref, f"unknown type '{tref.name}'", "types are int, float, bool, tokens, int[] and {a, b, ...}")
-                return UNKNOWN
-            return t
-        if tref.kind == "list":
-            if tref.name != "int":
-                self.xc.error(tref, f"lists hold whole numbers: int[], not {tref.name}[]")
-                return UNKNOWN
-            return ListOf(INT)
-        names = [m.name for m in tref.members]
-        for i, m in enumerate(tref.members):
-            if m.name in names[:i]:
-                self.xc.error(m, f"'{m.name}' is listed twice")
-                return UNKNOWN
-        return Enum(tuple(names))
-
     def check_param(self, p: ast.Param) -> None:
-        order = len(self.params)
-        t = self.param_type(p.type)
-        ctx = Ctx("in a parameter default", frozenset({"param"}), frozenset(), param_limit=order)
-        value: object = None
-        if t is not UNKNOWN:
-            value = self.param_value(p, t, p.default, ctx, "default")
-            if value is not None and p.domain is not None:
-                domain = self.check_domain(p, t, value)
-            else:
-                domain = None
-        else:
-            domain = None
-        b = self.declare(p.name, "param", t, p, order=order)
-        if b is None:
-            return
-        self.params[p.name.name] = ParamInfo(p.name.name, t, value, p, domain)
-        if value is not None:
-            self.values[p.name.name] = value
-
-    def param_value(self, p: ast.Param, t: Type, expr: ast.Expr, ctx: Ctx, what: str) -> object:
-        """Type-check and evaluate a default; report problems; None if unusable."""
-        name = p.name.name
-        if isinstance(t, Enum):
-            if isinstance(expr, ast.Name) and expr.id in t.members:
-                expr.ty = t
-                return Member(expr.id)
-            shown = expr.id if isinstance(expr, ast.Name) else "this"
-            self.xc.error(expr, f"{what} '{shown}' of {name} is not one of {', '.join(t.members)}")
-            return None
-        et = self.xc.check(expr, ctx)
-        if et is UNKNOWN:
-            return None
-        if not _fits(et, t):
-            self.xc.error(expr, f"{what} of {name} must be {_type_word(t)}, not {et}")
-            return None
-        try:
-            value = evaluate(expr, self.values)
-        except EvalError as e:
-            self.xc.error(expr, f"{what} of {name} must be a constant ({e})")
-            return None
-        return self.validate_value(p, t, value, expr, what)
-
-    def validate_value(self, p: ast.Param, t: Type, value: object, node: ast.Node, what: str) -> object:
-        name = p.name.name
-        if t in (INT, TOKENS):
-            if isinstance(value, float) and value.is_integer() and not isinstance(_literal(node), float):
-                value = int(value)
-            if not isinstance(value, int) or isinstance(value, bool):
-                self.xc.error(node, f"{what} of {name} must be a whole number, not {value!r}")
-                return None
-            if t == TOKENS and value < 0:
-                self.xc.error(node, f"{what} of {name} is negative ({value}); a number of tokens cannot be",
-                              "budgets and windows are counts of tokens, 0 or more")
-                return None
-        if t == FLOAT and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        return value
-
-    def check_domain(self, p: ast.Param, t: Type, value: object) -> tuple[str, list] | None:
-        dom = p.domain
-        assert dom is not None
-        ctx = Ctx("in a parameter range", frozenset(), frozenset())
-        items = []
-        for it in dom.items:
-            if isinstance(t, Enum):
-                if not (isinstance(it, ast.Name) and it.id in t.members):
-                    self.xc.error(it, f"'{getattr(it, 'id', it)}' is not one of {', '.join(t.members)}")
-                    return None
-                items.append(Member(it.id))
-                continue
-            et = self.xc.check(it, ctx)
-            if et is UNKNOWN:
-                return None
-            if not _fits(et, t if not isinstance(t, ListOf) else INT):
-                self.xc.error(it, f"range of {p.name.name} must hold {_type_word(t)}, not {et}")
-                return None
-            try:
-                items.append(evaluate(it, {}))
-            except EvalError as e:
-                self.xc.error(it, f"a range must be constant ({e})")
-                return None
-        name = p.name.name
-        if dom.kind == "range":
-            if isinstance(t, (Enum, ListOf)) or t == BOOL:
-                self.xc.error(dom, f"{name} is {t}; a [lo, hi] range needs a number", "list the allowed values: in {a, b}")
-                return None
-            lo, hi = items
-            if lo > hi:
-                self.xc.error(dom, f"empty range [{lo}, {hi}]: the low end is above the high end")
-                return None
-            if not lo <= value <= hi:
-                self.xc.error(p.default, f"default {value} of {name} is outside its range [{lo}, {hi}]")
-            return ("range", items)
-        if isinstance(t, ListOf):
-            bad = [v for v in value if v not in items] if isinstance(value, list) else []
-            if bad:
-                self.xc.error(p.default, f"{bad[0]} in the default of {name} is not one of the allowed values")
-            return ("set", items)
-        if value not in items:
-            self.xc.error(p.default, f"default {value} of {name} is not one of the allowed values "
-                                     f"{{{', '.join(str(i) for i in items)}}}")
-        return ("set", items)
-
-    def check_overrides(self, method: ast.Method) -> None:
-        where = method.header.pos if method.header else Pos(1, 1)
-        for name, raw in self.overrides.items():
-            info = self.params.get(name)
-            if info is None:
-                self.sink.error(where, f"method {method.name or '?'} has no parameter '{name}'",
-                                self.xc.suggest(name, self.params))
-                continue
-            if info.type is UNKNOWN:
-                continue
-            ok = _value_fits(raw, info.type)
-            if not ok:
-                self.sink.error(info.decl.pos, f"parameter {name} = {raw!r} is not {_type_word(info.type)}")
-                continue
-            value = Member(raw) if isinstance(info.type, Enum) else raw
-            if info.type == TOKENS and value < 0:
-                self.sink.error(info.decl.pos, f"parameter {name} = {raw!r} is negative; a number of tokens cannot be")
-                continue
-            if info.domain:
-                kind, items = info.domain
-                inside = items[0] <= value <= items[1] if kind == "range" else (
-                    all(v in items for v in value) if isinstance(value, list) else value in items)
-                if not inside:
-                    shown = f"[{items[0]}, {items[1]}]" if kind == "range" else "{" + ", ".join(map(str, items)) + "}"
-                    self.sink.error(info.decl.pos, f"parameter {name} = {raw!r} is outside its range {shown}")
-                    continue
-            self.values[name] = float(value) if info.type == FLOAT else value
+        t, info, value = self.pc.check(p)
+        if self.declare(p.name, "param", t, p) and info is not None:
+            self.params[p.name.name] = info
+            if value is not None:
+                self.values[p.name.name] = value
 
     # other declarations
 
@@ -502,7 +352,8 @@ class Checker:
                 except EvalError:
                     break
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
-                    at = ", ".join(f"{s}={point[s]}" for s in sorted(used) if s in point)
+                    shown = used | ({"layers"} if "layer" in used else set())
+                    at = ", ".join(f"{s}={point[s]}" for s in sorted(shown) if s in point)
                     self.xc.error(expr, f"{what} is negative: {_fmt(v)} tokens" + (f" at {at}" if at else "") +
                                   " with the default parameters",
                                   "a budget must stay 0 or more for every layer and context length")
@@ -561,47 +412,10 @@ class Checker:
             self.xc.error(header.family, need[1], need[2])
 
 
-def _fits(t: Type, want: Type) -> bool:
-    if isinstance(want, Scalar) and isinstance(t, Scalar):
-        if want == BOOL or t == BOOL:
-            return want == t
-        if want.kind == "int" and t.kind != "int":
-            return False
-        return t.literal or t.unit == want.unit
-    if isinstance(want, ListOf):
-        return isinstance(t, ListOf) and t.elem == want.elem
-    return t == want
-
-
-def _value_fits(v: object, t: Type) -> bool:
-    if isinstance(t, Enum):
-        return isinstance(v, str) and v in t.members
-    if t == BOOL:
-        return isinstance(v, bool)
-    if isinstance(v, bool):
-        return False
-    if t in (INT, TOKENS):
-        return isinstance(v, int)
-    if t == FLOAT:
-        return isinstance(v, (int, float))
-    if isinstance(t, ListOf):
-        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-    return False
-
-
-def _type_word(t: Type) -> str:
-    return {INT: "a whole number", TOKENS: "a number of tokens", FLOAT: "a number", BOOL: "true or false"}.get(
-        t, f"a list of whole numbers" if isinstance(t, ListOf) else str(t))
-
-
-def _literal(node: ast.Node) -> object:
-    return node.value if isinstance(node, ast.Number) else None
-
-
 def _fmt(v: object) -> str:
     if isinstance(v, float) and v.is_integer():
         return str(int(v))
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-__all__ = ["CheckedMethod", "Checker", "ParamInfo", "STRING"]
+__all__ = ["CheckedMethod", "Checker", "ParamInfo"]

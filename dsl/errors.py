@@ -78,6 +78,9 @@ class KvmError(KvcError):
         return self.diagnostics[0]
 
 
+MAX_DIAGNOSTICS = 100  # per file: past this, a file is not a method with typos but something else
+
+
 class DiagnosticSink:
     """Collects diagnostics for one file; fills in the source line for the caret display."""
 
@@ -95,6 +98,10 @@ class DiagnosticSink:
         if key in self._seen:  # one construct reached twice (e.g. a let used in two hooks)
             return
         self._seen.add(key)
+        if len(self.items) == MAX_DIAGNOSTICS:
+            self.items.append(Diagnostic(self.path, pos, f"too many errors (more than {MAX_DIAGNOSTICS}); stopping here"))
+        if len(self.items) > MAX_DIAGNOSTICS:
+            return
         line = self._lines[pos.line - 1] if 0 < pos.line <= len(self._lines) else None
         self.items.append(Diagnostic(self.path, pos, message, hint, line))
 

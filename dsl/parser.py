@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedEOF, UnexpectedToken, VisitError
 from lark.indenter import DedentError, Indenter
 
 from kvc.dsl import ast
-from kvc.dsl.errors import DiagnosticSink, KvmError, Pos
+from kvc.dsl.errors import DiagnosticSink, Pos
 from kvc.dsl.scanner import Comment, LogicalLine, Scan, decode, scan
 
 GRAMMAR_PATH = Path(__file__).with_name("grammar.lark")
@@ -35,6 +35,7 @@ _DECL_WORD = re.compile(r"\s*(param|let|dim|state|shared|input|summary|role)\s+(
 _STMT_TARGET = re.compile(r"\s*([A-Za-z_]\w*)\s*(\[[^\]]*\])?\s*\+?=")
 _STORE_TARGET = re.compile(r"\s*store\s+([A-Za-z_]\w*)")
 _ESCAPES = {"n": "\n", "t": "\t", '"': '"', "\\": "\\"}
+MAX_DEPTH = 64  # expression nesting; real methods stay under 15, and every later stage recurses
 
 
 class _KvmIndenter(Indenter):
@@ -342,14 +343,16 @@ def _describe(tok: Token) -> str:
     return f"'{tok}'"
 
 
-def _expected(names: set[str]) -> str:
-    shown = _terminal_names()
+def _expected(names: set[str], whole_file: bool = True) -> str:
+    shown = dict(_terminal_names())
+    if not whole_file:  # a single logical line ends where the file would
+        shown["$END"] = "end of line"
     names = set(names)
     parts: list[str] = []
     if {"NAME", "NUMBER", "LPAR"} <= names:
         names -= {"NAME", "NUMBER", "STRING", "LPAR", "LSQB", "MINUS", "NOT", "FIRST", "LAST", "TRUE", "FALSE"}
         parts.append("an expression")
-    parts += sorted(shown.get(n, n) for n in names)
+    parts += sorted({shown.get(n, n) for n in names})
     if not parts:
         return ""
     if len(parts) > 8:
@@ -366,10 +369,22 @@ def _keyword_hint(tok: Token, expected: set[str]) -> str | None:
     return f"did you mean '{close[0]}'?" if close else None
 
 
-def _report(e: Exception, sink: DiagnosticSink, dl: int, piece: str) -> None:
+def _open_brackets(piece: str, line: int, col: int) -> bool:
+    """Is (line, col) of `piece` inside an open bracket? (Strings are skipped.)"""
+    lines = piece.split("\n")
+    text = "\n".join(lines[:line - 1] + [lines[line - 1][:col - 1]]) if line <= len(lines) else piece
+    text = re.sub(r'"([^"\\\n]|\\.)*"', "", text)
+    return sum(text.count(c) for c in "([{") > sum(text.count(c) for c in ")]}")
+
+
+def _report(e: Exception, sink: DiagnosticSink, dl: int, piece: str, start: str = "file") -> None:
     """Translate a lark (or tree-building) error into one diagnostic."""
+    whole_file = start == "file"
     if isinstance(e, VisitError):
         e = e.orig_exc
+    if isinstance(e, RecursionError):
+        sink.error(Pos(1 + dl, 1), f"expression nested too deeply (more than {MAX_DEPTH} levels)")
+        return
     if isinstance(e, SyntaxIssue):
         sink.error(e.pos, e.message, e.hint)
         return
@@ -388,16 +403,25 @@ def _report(e: Exception, sink: DiagnosticSink, dl: int, piece: str) -> None:
         if tok.type == "_INDENT":
             sink.error(pos, "unexpected indentation", "only the statements of a hook are indented")
             return
-        what = _expected(expected)
-        sink.error(pos, f"unexpected {_describe(tok)}" + (f"; expected {what}" if what else ""),
-                   _keyword_hint(tok, expected))
+        if tok.type != "$END" and _open_brackets(piece, tok.line, tok.column):
+            expected.discard("_NL")  # inside brackets a line break continues the line
+        what = _expected(expected, whole_file)
+        hint = _keyword_hint(tok, expected)
+        if str(tok) == "=" and tok.type != "$END" and _open_brackets(piece, tok.line, tok.column):
+            hint = "`name = value` arguments come before the axis clauses (over, along, within, per, across)"
+        if start == "hook_head" and expected <= {"$END", "_NL"}:
+            hint = "a hook's statements go on the lines below `on NAME:`, indented"
+        described = "end of line" if tok.type == "$END" and not whole_file else _describe(tok)
+        sink.error(pos, f"unexpected {described}" + (f"; expected {what}" if what else ""), hint)
         return
     if isinstance(e, UnexpectedCharacters):
         sink.error(Pos(e.line + dl, e.column), f"unexpected character {e.char!r}")
         return
     if isinstance(e, UnexpectedEOF):
         line, col = _end_of(piece)
-        sink.error(Pos(line + dl, col), "unexpected end of file" + (f"; expected {_expected(set(e.expected))}" if e.expected else ""))
+        where = "end of file" if whole_file else "end of line"
+        sink.error(Pos(line + dl, col), f"unexpected {where}" +
+                   (f"; expected {_expected(set(e.expected), whole_file)}" if e.expected else ""))
         return
     if isinstance(e, DedentError):
         sink.error(Pos(1 + dl, 1), "inconsistent indentation", "indent every statement of a hook by the same amount")
@@ -417,10 +441,28 @@ def _end_of(piece: str) -> tuple[int, int]:
 def _parse_piece(text: str, start: str, line_offset: int, sink: DiagnosticSink):
     try:
         tree = _lark().parse(text, start=start)
-        return _ToAst(line_offset).transform(tree)
+        node = _ToAst(line_offset).transform(tree)
+        _check_depth(node)
+        return node
     except (LarkError, SyntaxIssue, DedentError) as e:
-        _report(e, sink, line_offset, text)
+        _report(e, sink, line_offset, text, start)
         return None
+
+
+def _check_depth(root: object) -> None:
+    """Reject expressions nested deeper than MAX_DEPTH (e.g. 5000 terms joined by '+'), iteratively."""
+    stack = [(root, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, ast.Expr):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise SyntaxIssue(node.pos, f"expression nested too deeply (more than {MAX_DEPTH} levels)",
+                                  "split it with `let` definitions or hook values")
+        if isinstance(node, ast.Node):
+            stack.extend((getattr(node, f), depth) for f in node.__dataclass_fields__ if f not in ("pos", "ty"))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((x, depth) for x in node)
 
 
 def parse_text(text: str, path: str, sink: DiagnosticSink) -> ParsedFile:
@@ -528,4 +570,4 @@ def parse(source: str | bytes, path: str = "<string>") -> ParsedFile:
     return parsed
 
 
-__all__ = ["KEYWORDS", "ParsedFile", "SyntaxIssue", "load", "parse", "parse_text", "KvmError"]
+__all__ = ["KEYWORDS", "ParsedFile", "SyntaxIssue", "load", "parse", "parse_text"]

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from kvc.dsl.errors import DiagnosticSink, Pos
 
-MAX_BYTES = 128 * 1024  # a method is a few dozen lines; this bounds the work on hostile input
+MAX_BYTES = 64 * 1024  # a method is a few dozen lines; this bounds the work on hostile input
 MAX_NESTING = 32
+MAX_LINE = 2000  # characters in one logical line (a statement); real ones stay under 150
 _OPEN = {"(": ")", "[": "]", "{": "}"}
 _CLOSE = {")": "(", "]": "[", "}": "{"}
 # A line starting at column 1 with one of these words begins a new declaration, even if an earlier
@@ -62,6 +63,7 @@ def decode(data: bytes, sink: DiagnosticSink) -> str | None:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
+        sink.set_text(data.decode("utf-8", errors="replace"))
         line = data.count(b"\n", 0, e.start) + 1
         line_start = data.rfind(b"\n", 0, e.start) + 1
         col = len(data[line_start:e.start].decode("utf-8", errors="replace")) + 1
@@ -95,6 +97,9 @@ def scan(text: str, sink: DiagnosticSink) -> Scan:
     def close_logical(end: int, end_line: int) -> None:
         nonlocal cur
         if cur is not None:
+            if end - cur[0] > MAX_LINE:
+                error(cur[1], cur[2], f"statement too long ({end - cur[0]} characters; at most {MAX_LINE})",
+                      "split it with `let` definitions or hook values")
             broken = any(ln in out.error_lines for ln in range(cur[1], end_line + 1))
             out.lines.append(LogicalLine(cur[1], end_line, cur[2], cur[0], end, broken))
             cur = None

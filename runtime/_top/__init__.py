@@ -2,10 +2,32 @@
 
 This file is the top of the import namespace (pyproject maps `kvc` to runtime/_top); it only
 re-exports the public Python API. The pipeline lives in `kvc.dsl`, `kvc.compiler`, `kvc.runtime`.
+The exports load lazily (PEP 562), so tools that need no torch (`kvc check`, `kvc fmt`) start fast.
 """
 
-from kvc.runtime.llm import LLM, RequestOutput
-from kvc.runtime.sampling_params import SamplingParams
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+
+_EXPORTS = {
+    "LLM": "kvc.runtime.llm",
+    "RequestOutput": "kvc.runtime.llm",
+    "SamplingParams": "kvc.runtime.sampling_params",
+}
+
+if TYPE_CHECKING:
+    from kvc.runtime.llm import LLM, RequestOutput
+    from kvc.runtime.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kvc' has no attribute {name!r}")
