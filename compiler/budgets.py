@@ -1,0 +1,118 @@
+"""Budget pass: how many tokens a method keeps, and how many KV bytes a request holds.
+
+Pipeline position: a pass over `MethodIR` (after `ir.build`, before `codegen`). It derives, in
+sympy, from the `keep` that runs at prefill end:
+
+- `kept`: tokens kept per KV head in one layer after prefill end, a function of `context` (the
+  prompt), `layer`, `layers`, `kv_heads` and the parameters. Counts are floored and clamped as
+  the language says (docs/language.md, Budgets); a head-adaptive budget is averaged over heads.
+- `kv_bytes`: K and V bytes of a request after prefill end, summed over layers, given the model
+  shape (`layers`, `kv_heads`, `head_dim`, `dtype_bytes`).
+- `peak_prefill_bytes`: the whole prompt is resident until prefill ends.
+- `steady_bytes`: after `generated` decode tokens: methods that evict while decoding stay at
+  their budget (evaluated at the grown context), the others grow by one token per step.
+
+`emit_python` prints these as plain Python functions (the generated hook module's `budget`);
+`lambdify` gives the same functions in-process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from kvc.compiler.ir import Keep, MethodIR, Select
+
+CONTEXT, LAYER, LAYERS, KV_HEADS, PROMPT = sp.symbols("context layer layers kv_heads prompt")
+HEAD_DIM, DTYPE_BYTES, GENERATED = sp.symbols("head_dim dtype_bytes generated")
+SHAPE_SYMBOLS = ("context", "layer", "layers", "kv_heads", "heads", "head_dim", "prompt")
+DECODE_HOOKS = ("decode_after_attention", "step_end")
+
+
+@dataclass(frozen=True)
+class Budgets:
+    kept: object  # sympy: tokens per KV head in one layer after prefill end
+    evicts_while_decoding: bool
+    params: tuple[str, ...]  # parameters the formulas use, sorted
+
+    @property
+    def kv_bytes(self):
+        per_layer = 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES * self.kept
+        return sp.Sum(per_layer, (LAYER, 0, LAYERS - 1))
+
+    @property
+    def peak_prefill_bytes(self):
+        return 2 * LAYERS * KV_HEADS * HEAD_DIM * DTYPE_BYTES * CONTEXT
+
+    def formulas(self) -> dict[str, str]:
+        return {"kept_tokens_per_layer": sp.sstr(self.kept), "kv_bytes": sp.sstr(self.kv_bytes),
+                "peak_prefill_bytes": sp.sstr(self.peak_prefill_bytes)}
+
+
+def _count(expr) -> object:
+    return sp.Max(0, sp.floor(expr))
+
+
+def kept_by(select: Select):
+    """Tokens per KV head a selection keeps, as sympy over `context` and the parameters."""
+    ranges = sum((_count(c) for c in (select.first, select.last) if c is not None), sp.Integer(0))
+    chosen = sp.Integer(0)
+    if select.top is not None:
+        chosen = _count(select.top.count)
+        if select.top.granularity == "head_adaptive":
+            chosen = chosen / KV_HEADS
+        elif select.top.granularity == "global":
+            chosen = chosen / (KV_HEADS * LAYERS)
+    return sp.Min(CONTEXT, ranges + chosen)
+
+
+def derive(method: MethodIR) -> Budgets:
+    """The budget formulas of a method (every token for `full` and methods without a keep)."""
+    keeps: list[Keep] = []
+    end = method.hook("prefill_end")
+    if end is not None:
+        keeps = end.keeps
+    kept = CONTEXT if not keeps else kept_by(keeps[-1].select)
+    kept = kept.subs(PROMPT, CONTEXT)
+    evicts = any(h.keeps for h in method.hooks if h.name in DECODE_HOOKS)
+    names = sorted(str(s) for s in kept.free_symbols if str(s) not in SHAPE_SYMBOLS)
+    return Budgets(kept, evicts, tuple(names))
+
+
+def _pycode(expr) -> str:
+    return sp.pycode(expr, fully_qualified_modules=True).replace("math.floor", "_floor")
+
+
+def emit_python(budgets: Budgets) -> str:
+    """Python source of `kept_tokens`, `kv_bytes`, `peak_prefill_bytes`, `steady_bytes`."""
+    unpack = "".join(f'    {p} = params["{p}"]\n' for p in budgets.params)
+    kept_src = _pycode(budgets.kept)
+    grow = "0" if budgets.evicts_while_decoding else "generated"
+    at = "prompt + generated" if budgets.evicts_while_decoding else "prompt"
+    return (
+        "def _floor(x):\n"
+        "    return math.floor(x)\n\n\n"
+        "def kept_tokens(context, layer, layers, kv_heads, params):\n"
+        '    """Tokens kept per KV head of `layer` after prefill end of a `context`-token prompt."""\n'
+        f"{unpack}"
+        f"    return int({kept_src})\n\n\n"
+        "def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
+        '    """K and V bytes of one request after prefill end, summed over layers."""\n'
+        "    kept = sum(kept_tokens(context, layer, layers, kv_heads, params) for layer in range(layers))\n"
+        "    return 2 * kv_heads * head_dim * dtype_bytes * kept\n\n\n"
+        "def peak_prefill_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
+        '    """K and V bytes while the prompt is prefilled (all of it resident until prefill end)."""\n'
+        "    return 2 * layers * kv_heads * head_dim * dtype_bytes * context\n\n\n"
+        "def steady_bytes(prompt, generated, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
+        '    """K and V bytes after `generated` decode steps."""\n'
+        f"    kept = sum(kept_tokens({at}, layer, layers, kv_heads, params) for layer in range(layers))\n"
+        f"    return 2 * kv_heads * head_dim * dtype_bytes * (kept + layers * {grow})\n"
+    )
+
+
+def lambdify(budgets: Budgets):
+    """`kept_tokens(context, layer, layers, kv_heads, params)` as an in-process function."""
+    namespace: dict[str, object] = {}
+    exec("import math\n" + emit_python(budgets), namespace)  # the same source the hook module gets
+    return namespace["kept_tokens"]

@@ -1,0 +1,379 @@
+"""The typed method IR: what a checked .kvm method computes, as data the passes can read.
+
+Pipeline position: first stage of `kvc.compiler`. `build(checked)` turns a `CheckedMethod` (the
+typed AST of `kvc.dsl`) into a `MethodIR`; the passes (`budgets`, `legality`, `fusion`) read it
+and `codegen` renders it. Tensor values keep the checker's named axes (`dims`) in the checker's
+order, which is also the order of the torch tensors the lowering builds. Scalar counts (budgets,
+windows, ranges) are sympy expressions with every `let` expanded and parameters left symbolic,
+so one generated module serves every parameter override.
+
+Constructs the lowering does not handle yet raise `NotLowerable` with the source position; the
+compiler then writes a manifest marked `"lowered": false` with that reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Union
+
+from kvc.dsl import ast
+from kvc.dsl.symbolic import to_sympy
+from kvc.dsl.types import Selection, Tensor
+
+LOWERED_FAMILIES = ("eviction", "full")
+
+
+class NotLowerable(Exception):
+    """The method is valid .kvm but this compiler version cannot lower it (yet)."""
+
+    def __init__(self, reason: str, pos: object = None) -> None:
+        super().__init__(reason)
+        self.reason, self.pos = reason, pos
+
+
+# ---- tensor values ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Value:
+    dims: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Input(Value):
+    """A tensor the engine hands the hook (`q`, `k`, `v`, `attn`) or a method state."""
+
+    name: str
+    kind: str  # 'hook' | 'state'
+
+
+@dataclass(frozen=True)
+class Window(Value):
+    """`x[first n along axis]` / `x[last n]`: a contiguous range of a sequence axis."""
+
+    src: Value
+    side: str  # 'first' | 'last'
+    count: object  # sympy
+    axis: str
+
+
+@dataclass(frozen=True)
+class Attention(Value):
+    """Causal softmax(q k^T / sqrt(d)) (or the logits); queries are the last positions."""
+
+    q: Value
+    k: Value
+    softmax: bool = True
+
+
+@dataclass(frozen=True)
+class Reduce(Value):
+    """sum/mean/max/min over axes; the pseudo-axis `group` folds `head` into `kv_head`."""
+
+    src: Value
+    fn: str
+    axes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Pool(Value):
+    """Stride-1 centred pooling along an axis, zero padding (avg counts it, max ignores it)."""
+
+    src: Value
+    mode: str  # 'avg' | 'max' | 'param:<name>'
+    kernel: object  # sympy
+    axis: str
+
+
+@dataclass(frozen=True)
+class Elementwise(Value):
+    fn: str  # 'neg' | 'abs' | 'exp' | 'log' | 'sqrt' | 'add' | 'sub' | 'mul' | 'div' | 'max' | 'min'
+    args: tuple[Value, ...]
+
+
+@dataclass(frozen=True)
+class Norm(Value):
+    src: Value
+    axis: str
+
+
+@dataclass(frozen=True)
+class Scalar(Value):
+    """A scalar operand inside a tensor expression (sympy)."""
+
+    expr: object
+
+
+TensorValue = Union[Input, Window, Attention, Reduce, Pool, Elementwise, Norm, Scalar]
+
+# ---- statements ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TopK:
+    score: Value
+    count: object  # sympy: tokens (per index of `per`, or in total across `across`)
+    granularity: str  # 'kv_head' | 'layer' (one set for every head) | 'head_adaptive' | 'global'
+    at_least: object = None  # sympy or None (head-adaptive safeguard per head)
+
+
+@dataclass(frozen=True)
+class Select:
+    """`top(...) + first a + last b`: ranges are forced, top ranks the other tokens."""
+
+    top: TopK | None
+    first: object = None  # sympy or None
+    last: object = None
+
+
+@dataclass(frozen=True)
+class Assign:
+    name: str
+    value: Value
+
+
+@dataclass(frozen=True)
+class Accumulate:
+    state: str
+    value: Value
+
+
+@dataclass(frozen=True)
+class Keep:
+    select: Select
+    role: str | None = None
+
+
+Stmt = Union[Assign, Accumulate, Keep]
+
+
+@dataclass(frozen=True)
+class HookIR:
+    name: str
+    where: object  # sympy condition or None
+    stmts: tuple[Stmt, ...]
+    line: int = 0
+
+    @property
+    def keeps(self) -> list[Keep]:
+        return [s for s in self.stmts if isinstance(s, Keep)]
+
+
+@dataclass(frozen=True)
+class StateIR:
+    name: str
+    dims: tuple[str, ...]
+    init: object  # sympy
+
+
+@dataclass(frozen=True)
+class ParamIR:
+    name: str
+    type: str
+    default: object
+    domain: object = None
+
+
+@dataclass
+class MethodIR:
+    name: str
+    family: str
+    path: str
+    source_sha256: str
+    params: list[ParamIR]
+    values: dict[str, object]
+    lets: dict[str, str]  # name -> formula text (documentation and the manifest)
+    states: list[StateIR] = field(default_factory=list)
+    stores: list[str] = field(default_factory=list)  # storage formats, carried as text for later
+    hooks: list[HookIR] = field(default_factory=list)
+
+    def hook(self, name: str) -> HookIR | None:
+        return next((h for h in self.hooks if h.name == name), None)
+
+
+# ---- building ------------------------------------------------------------------------------
+
+_REDUCERS = {"sum", "mean", "max", "min"}
+_UNARY = {"abs", "exp", "log", "sqrt"}
+_BINOPS = {"+": "add", "-": "sub", "*": "mul", "/": "div"}
+
+
+class _Builder:
+    def __init__(self, checked) -> None:
+        self.checked = checked
+        self.lets = checked.lets
+        self.env: dict[str, Value] = {}
+
+    def sym(self, expr: ast.Expr):
+        return to_sympy(expr, self.lets)
+
+    def dims(self, expr: ast.Expr) -> tuple[str, ...]:
+        if not isinstance(expr.ty, Tensor):
+            raise NotLowerable(f"expected a tensor, got {expr.ty}", expr.pos)
+        return tuple(expr.ty.dims)
+
+    def value(self, e: ast.Expr) -> Value:
+        if isinstance(e, ast.Name):
+            if e.id in self.env:
+                return self.env[e.id]
+            if e.id in ("q", "k", "v", "attn"):
+                return Input(self.dims(e), e.id, "hook")
+            binding = self.checked.bindings.get(e.id)
+            if binding is not None and binding.kind == "state":
+                return Input(self.dims(e), e.id, "state")
+            if isinstance(e.ty, Tensor):
+                raise NotLowerable(f"cannot lower the tensor '{e.id}' ({binding.kind if binding else '?'})", e.pos)
+            return Scalar((), self.sym(e))
+        if isinstance(e, ast.Number):
+            return Scalar((), self.sym(e))
+        if isinstance(e, ast.Subscript) and isinstance(e.index, ast.Range):
+            src = self.value(e.value)
+            axis = e.along.name if e.along else next(d for d in src.dims if d in ("query", "key"))
+            return Window(src.dims, src, e.index.kind, self.sym(e.index.count), axis)
+        if isinstance(e, ast.UnaryOp) and e.op == "-":
+            return Elementwise(self.dims(e), "neg", (self.value(e.operand),))
+        if isinstance(e, ast.BinOp) and e.op in _BINOPS and isinstance(e.ty, Tensor):
+            return Elementwise(self.dims(e), _BINOPS[e.op], (self.value(e.left), self.value(e.right)))
+        if isinstance(e, ast.Call):
+            return self.call(e)
+        raise NotLowerable(f"cannot lower {type(e).__name__} expressions yet", e.pos)
+
+    def call(self, e: ast.Call) -> Value:
+        name = e.func.name
+        if name in ("attention", "logits"):
+            return Attention(self.dims(e), self.value(e.args[0]), self.value(e.args[1]), name == "attention")
+        if name in _REDUCERS and len(e.args) == 1 and e.clause("over"):
+            axes = tuple(d.name for d in e.clause("over").dims)
+            return Reduce(self.dims(e), self.value(e.args[0]), name, axes)
+        if name in ("max", "min") and len(e.args) == 2 and isinstance(e.ty, Tensor):
+            return Elementwise(self.dims(e), name, (self.value(e.args[0]), self.value(e.args[1])))
+        if name == "pool":
+            mode_expr = e.args[1]
+            mode = mode_expr.id if mode_expr.id in ("avg", "max") else f"param:{mode_expr.id}"
+            axis = e.clause("along").dims[0].name
+            return Pool(self.dims(e), self.value(e.args[0]), mode, self.sym(e.args[2]), axis)
+        if name == "norm":
+            return Norm(self.dims(e), self.value(e.args[0]), e.clause("over").dims[0].name)
+        if name in _UNARY:
+            return Elementwise(self.dims(e), name, (self.value(e.args[0]),))
+        raise NotLowerable(f"cannot lower `{name}(...)` yet", e.pos)
+
+    def selection(self, e: ast.Expr) -> Select:
+        parts: list[ast.Expr] = []
+
+        def flatten(x: ast.Expr) -> None:
+            if isinstance(x, ast.BinOp) and x.op == "+" and isinstance(x.ty, Selection):
+                flatten(x.left)
+                flatten(x.right)
+            else:
+                parts.append(x)
+
+        flatten(e)
+        top, first, last = None, None, None
+        for p in parts:
+            if isinstance(p, ast.Range):
+                count = self.sym(p.count)
+                if p.kind == "first":
+                    first = count if first is None else first + count
+                else:
+                    last = count if last is None else last + count  # `last a + last b` would be max; rare
+            elif isinstance(p, ast.Call) and p.func.name == "top" and top is None:
+                top = self.top(p)
+            else:
+                raise NotLowerable("only `top(...)`, `first n` and `last n` selections are lowered yet", p.pos)
+        return Select(top, first, last)
+
+    def top(self, e: ast.Call) -> TopK:
+        ty: Selection = e.ty
+        if ty.item != "key":
+            raise NotLowerable("selections over partitions (pages, spans, clusters) are not lowered yet", e.pos)
+        if ty.across == ("kv_head",):
+            granularity = "head_adaptive"
+        elif ty.across:
+            granularity = "global"
+        elif ty.per == ("kv_head",):
+            granularity = "kv_head"
+        elif not ty.per:
+            granularity = "layer"
+        else:
+            raise NotLowerable(f"top per {', '.join(ty.per)} is not lowered yet", e.pos)
+        at_least = e.kwarg("at_least")
+        return TopK(self.value(e.args[0]), self.sym(e.args[1]), granularity,
+                    None if at_least is None else self.sym(at_least))
+
+    def hook(self, h: ast.Hook) -> HookIR:
+        self.env = {}
+        stmts: list[Stmt] = []
+        for s in h.body:
+            if isinstance(s, ast.Assign):
+                if s.target.index is not None:
+                    raise NotLowerable("writes to shared state are not lowered yet", s.pos)
+                value = self.value(s.value)
+                name = s.target.name.name
+                if self.checked.bindings.get(name) is not None and self.checked.bindings[name].kind == "state":
+                    raise NotLowerable("state assignment is not lowered yet (only `+=`)", s.pos)
+                self.env[name] = value
+                stmts.append(Assign(name, value))
+            elif isinstance(s, ast.Accumulate):
+                stmts.append(Accumulate(s.target.name.name, self.value(s.value)))
+            elif isinstance(s, ast.Keep):
+                stmts.append(Keep(self.selection(s.selection), s.role.name if s.role else None))
+            else:
+                raise NotLowerable(f"`{type(s).__name__.lower()}` statements are not lowered yet", s.pos)
+        where = None if h.where is None else self.sym(h.where)
+        return HookIR(h.name.name, where, tuple(stmts), h.pos.line)
+
+
+def _param_type(info) -> str:
+    return str(info.type)
+
+
+def build(checked, source: bytes | None = None) -> MethodIR:
+    """The IR of a checked method. Raises `NotLowerable` for what this compiler cannot lower yet."""
+    path = Path(checked.path)
+    data = source if source is not None else path.read_bytes()
+    method = MethodIR(
+        name=checked.name,
+        family=checked.family,
+        path=_display_path(path),
+        source_sha256=hashlib.sha256(data).hexdigest(),
+        params=[ParamIR(n, _param_type(p), checked.values[n], p.domain) for n, p in checked.params.items()],
+        values=dict(checked.values),
+        lets={n: _formula(e, checked.lets) for n, e in checked.lets.items()},
+    )
+    for decl in checked.method.items:
+        if isinstance(decl, ast.Store):
+            method.stores.append(f"store {decl.target.name}")
+        if isinstance(decl, ast.State):
+            if decl.shared:
+                raise NotLowerable("shared state is not lowered yet", decl.pos)
+            init = to_sympy(decl.init, checked.lets) if decl.init is not None else 0
+            method.states.append(StateIR(decl.name.name, tuple(d.name for d in decl.shape.dims), init))
+    if method.family not in LOWERED_FAMILIES:
+        raise NotLowerable(f"the {method.family} family is not lowered yet (issue 4 lowers eviction first)")
+    builder = _Builder(checked)
+    method.hooks = [builder.hook(h) for h in checked.hooks]
+    return method
+
+
+def _formula(expr: ast.Expr, lets) -> str:
+    from kvc.dsl.symbolic import NotSymbolic, formula
+
+    try:
+        return formula(expr, lets)
+    except NotSymbolic as e:
+        return f"<not symbolic: {e}>"
+
+
+def _display_path(path: Path) -> str:
+    """The .kvm path as written in generated files: relative to the repository for shipped ones."""
+    from kvc.dsl import METHODS_DIR
+
+    resolved = path.resolve()
+    root = METHODS_DIR.parent
+    try:
+        return resolved.relative_to(root).as_posix()
+    except ValueError:
+        return path.as_posix()

@@ -1,0 +1,90 @@
+"""Legality pass: which hook may run which IR operation, re-checked on the IR before codegen.
+
+Pipeline position: after `ir.build`, before `fusion`. The checker (`kvc.dsl`) already rejects a
+`keep` where the engine cannot evict and `attn` where no attention exists; this pass re-states
+those rules against the IR the code generator will actually see (so a future IR rewrite cannot
+smuggle an illegal op through) and adds the lowering limits of this compiler version: what the
+engine contract cannot run yet. It returns problems; `check` raises the first as `NotLowerable`.
+"""
+
+from __future__ import annotations
+
+from kvc.compiler.ir import Accumulate, Assign, Attention, Input, Keep, MethodIR, NotLowerable, Window
+
+# hook -> (may keep, hook inputs it has)
+HOOK_RULES: dict[str, tuple[bool, frozenset[str]]] = {
+    "prefill_chunk": (True, frozenset({"q", "k", "v", "attn"})),
+    "prefill_end": (True, frozenset({"q", "k", "v"})),
+    "decode_after_attention": (True, frozenset({"q", "k", "v", "attn"})),
+    "step_end": (True, frozenset({"q", "k", "v"})),
+    "turn_end": (True, frozenset({"k", "v"})),
+}
+GRANULARITIES = ("kv_head", "layer", "head_adaptive")  # 'global' (across layer) is not lowered yet
+
+
+def _inputs(value) -> list[Input]:
+    found = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Input):
+            found.append(v)
+        for field in ("src", "q", "k"):
+            if hasattr(v, field):
+                stack.append(getattr(v, field))
+        stack.extend(getattr(v, "args", ()))
+    return found
+
+
+def _windows_static(value) -> list[str]:
+    """`q[last n]` outside a chunk needs an n the engine can fix up front (no context symbols)."""
+    bad = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Window) and isinstance(v.src, Input) and v.src.name == "q":
+            names = {str(s) for s in getattr(v.count, "free_symbols", ())}
+            if names & {"context", "prompt", "step"}:
+                bad.append(f"q[{v.side} n] needs an n that does not depend on {', '.join(sorted(names))}")
+        if isinstance(v, Attention):
+            stack.extend([v.q, v.k])
+        for field in ("src",):
+            if hasattr(v, field):
+                stack.append(getattr(v, field))
+        stack.extend(getattr(v, "args", ()))
+    return bad
+
+
+def problems(method: MethodIR) -> list[str]:
+    out: list[str] = []
+    for hook in method.hooks:
+        rule = HOOK_RULES.get(hook.name)
+        if rule is None:
+            out.append(f"hook `{hook.name}` is not lowered yet")
+            continue
+        may_keep, inputs = rule
+        for stmt in hook.stmts:
+            value = stmt.value if isinstance(stmt, (Assign, Accumulate)) else None
+            if isinstance(stmt, Keep):
+                if not may_keep:
+                    out.append(f"`keep` is not allowed in {hook.name}")
+                if stmt.role is not None:
+                    out.append("`keep ... for ROLE` is not lowered yet")
+                top = stmt.select.top
+                if top is not None:
+                    value = top.score
+                    if top.granularity not in GRANULARITIES:
+                        out.append(f"{top.granularity} selections are not lowered yet")
+            if value is None:
+                continue
+            for inp in _inputs(value):
+                if inp.kind == "hook" and inp.name not in inputs:
+                    out.append(f"`{inp.name}` is not available in {hook.name}")
+            out.extend(_windows_static(value))
+    return out
+
+
+def check(method: MethodIR) -> None:
+    found = problems(method)
+    if found:
+        raise NotLowerable(found[0])

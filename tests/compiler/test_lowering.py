@@ -1,0 +1,92 @@
+"""The generated torch lowering keeps the same tokens as the hand-written references
+(tests/references/eviction.py), per layer and KV head, on random GQA q/k of several lengths."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from tests.references import eviction as ref
+
+HEADS, KV_HEADS, DIM, LAYERS = 8, 2, 16, 4
+LENGTHS = [37, 96, 181]
+
+
+def _qk(length: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(HEADS, length, DIM, generator=g), torch.randn(KV_HEADS, length, DIM, generator=g)
+
+
+def _lowering(name: str):
+    return importlib.import_module(f"kvc.kernels_generated.{name}.torch_lowering")
+
+
+def _same(ours, theirs):
+    assert len(ours) == len(theirs) == KV_HEADS
+    for head in range(KV_HEADS):
+        assert torch.equal(ours[head], theirs[head]), f"kv head {head}: {ours[head]} != {theirs[head]}"
+
+
+def _check(name, ref_name, ours_params, ref_params, length, seed, layer=0):
+    q, k = _qk(length, seed)
+    ours = _lowering(name).keep(q, k, layer=layer, num_layers=LAYERS, params=ours_params)
+    theirs = ref.select(ref_name, q, k, layer=layer, num_layers=LAYERS, **ref_params)
+    _same(ours, theirs)
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_streamingllm(length):
+    _check("streamingllm", "streamingllm", {"sink": 4, "recent": 28}, {"budget": 32, "n_sink": 4}, length, 1)
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("pooling", ["avg", "max"])
+def test_snapkv(length, pooling):
+    _check("snapkv", "snapkv", {"budget": 24, "window": 8, "kernel": 5, "pooling": pooling},
+           {"budget": 24, "window": 8, "kernel": 5, "pool": pooling}, length, 2)
+
+
+@pytest.mark.parametrize("length", [37, 96])
+def test_pyramidkv_layers(length):
+    """Each layer keeps SnapKV's choice at the budget of the compiled schedule (KVCache-Factory's)."""
+    from kvc.compiler import budgets, ir
+    from kvc.dsl import load_method
+
+    params = {"budget": 20, "window": 4, "kernel": 3, "pooling": "avg", "beta": 2}
+    kept = budgets.lambdify(budgets.derive(ir.build(load_method("pyramidkv"))))
+    for layer in range(LAYERS):
+        budget = kept(length, layer, LAYERS, KV_HEADS, params)
+        _check("pyramidkv", "snapkv", params, {"budget": budget, "window": 4, "kernel": 3, "pool": "avg"},
+               length, 3 + layer, layer=layer)
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_h2o(length):
+    heavy, recent = 0.2, 0.1
+    _check("h2o", "h2o", {"heavy": heavy, "recent": recent},
+           {"budget": int(heavy * length) + int(recent * length), "recent": int(recent * length)}, length, 4)
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_tova(length):
+    _check("tova", "tova", {"budget": 20}, {"budget": 20}, length, 5)
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("alpha_ref", [0.2, 0.5])
+def test_adakv(length, alpha_ref):
+    """kvc's at_least counts outside the window; kvpress's safeguard counts window tokens first."""
+    budget, window = 24, 4
+    extra = max(0, max(1, int(alpha_ref * budget)) - window)
+    alpha = (extra + 0.5) / (budget - window)
+    _check("adakv", "adakv", {"budget": budget, "window": window, "kernel": 5, "alpha": alpha},
+           {"budget": budget, "window": window, "kernel": 5, "pool": "avg", "alpha": alpha_ref}, length, 6)
+
+
+def test_short_prompts_keep_everything():
+    q, k = _qk(10, 7)
+    for name in ("snapkv", "tova", "adakv", "streamingllm", "full"):  # h2o keeps fractions of the prompt
+        kept = _lowering(name).keep(q, k, params={"window": 4} if name in ("snapkv", "adakv") else None)
+        _same(kept, [torch.arange(10)] * KV_HEADS)
