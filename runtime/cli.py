@@ -1,4 +1,5 @@
-"""The `kvc` command line. Subcommands: generate (offline generation)."""
+"""The `kvc` command line. Subcommands: generate (offline generation), serve (the HTTP API),
+bench serve (load-test a server)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_generate)
+    from kvc.runtime.server.cli import add_commands as add_server_commands  # `kvc serve`, `kvc bench serve`
+
+    add_server_commands(sub, _add_engine_args, _engine_options)
+    from kvc.dsl.cli import add_commands  # `kvc check` and `kvc fmt` (the method language)
+
+    add_commands(sub)
+    from kvc.compiler.cli import add_command as add_compile_command  # `kvc compile`
+
+    add_compile_command(sub)
     return parser
 
 

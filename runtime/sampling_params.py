@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from kvc.runtime.errors import InvalidSamplingParams
 
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
 
 @dataclass
 class SamplingParams:
@@ -53,6 +55,8 @@ class SamplingParams:
             raise bad("top_k", "must be -1 or 0 (no limit) or a positive integer")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", "must be an integer or None")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise bad("seed", f"must be in [{SEED_MIN}, {SEED_MAX}]")
         if isinstance(self.stop_token_ids, int) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):

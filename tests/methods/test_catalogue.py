@@ -83,10 +83,11 @@ def test_checking_the_whole_catalogue_takes_under_a_second() -> None:
     from kvc.dsl import parser
 
     parser._lark.cache_clear()  # include building the LALR parser
-    start = time.perf_counter()
+    # CPU time of this thread: the bar is the checker's cost, not how loaded the CI machine is
+    start = time.thread_time()
     for path in FILES:
         check_file(path)
-    assert time.perf_counter() - start < 1.0
+    assert time.thread_time() - start < 1.0
 
 
 def test_methods_md_lists_every_method() -> None:

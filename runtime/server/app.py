@@ -1,0 +1,253 @@
+"""The FastAPI application: routes, auth, draining, errors, and the OpenAPI schema.
+
+`build_app(engine, ServerConfig(...))` wraps an `Engine` into an ASGI app; `launch.py` runs it
+under uvicorn. The app starts the engine thread in its lifespan and stops it on shutdown.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from pydantic.json_schema import models_json_schema
+
+import kvc
+from kvc.runtime.engine import Engine
+from kvc.runtime.server import openai_api
+from kvc.runtime.server.async_engine import AsyncEngine
+from kvc.runtime.server.errors import (
+    CatchAllMiddleware,
+    ModelNotFound,
+    error_response,
+    install_error_handlers,
+)
+from kvc.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvc.runtime.server.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+
+log = logging.getLogger(__name__)
+
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # what --api-key guards
+_ALWAYS_OPEN = ("/health", "/metrics", "/version")  # also answered while draining
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_waiting: int = 1024  # sequences in the waiting queue before new requests get 503
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+
+
+class _Gate:
+    """ASGI middleware: 503 while draining, 401 without the API key."""
+
+    def __init__(self, app, state: "ServerState") -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            path = scope.get("path", "")
+            response = None
+            if self.state.draining and not path.startswith(_ALWAYS_OPEN):
+                response = error_response(503, "the server is shutting down", code="shutting_down")
+            elif self.state.config.api_key and path.startswith(_PROTECTED) and not self._authorized(scope):
+                response = error_response(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            if response is not None:
+                self.state.metrics.observe_error(response.status_code)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        got = headers.get(b"authorization", b"").decode("latin-1")
+        expected = f"Bearer {self.state.config.api_key}"
+        return hmac.compare_digest(got.encode("utf-8", "replace"), expected.encode("utf-8"))
+
+
+class ServerState:
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.aengine = AsyncEngine(engine, max_waiting=config.max_waiting)
+        self.metrics = ServerMetrics(self.aengine, config.served_model_name)
+        self.draining = False
+        self.ctx = openai_api.ServingContext(
+            aengine=self.aengine,
+            metrics=self.metrics,
+            tokenizer=engine.tokenizer,
+            model_name=config.served_model_name,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.spec.vocab_size,
+            eos_token_ids=tuple(engine.spec.eos_token_ids),
+        )
+
+    async def drain(self) -> None:
+        """Stop taking requests, give in-flight ones `shutdown_timeout` seconds, abort the rest."""
+        self.draining = True
+        n = len(self.aengine.active)
+        log.info("draining: %d request(s) in flight, %.0f s to finish", n, self.config.shutdown_timeout)
+        if not await self.aengine.wait_idle(self.config.shutdown_timeout):
+            log.warning("aborting %d request(s) still running after %.0f s",
+                        len(self.aengine.active), self.config.shutdown_timeout)
+            self.aengine.abort_all()
+            if not await self.aengine.wait_idle(5.0):
+                log.error("%d request(s) did not end after their abort", len(self.aengine.active))
+
+
+_ERRORS = {
+    status: {"model": ErrorResponse, "description": why}
+    for status, why in [
+        (400, "invalid request (`param` names the field)"),
+        (401, "bad or missing API key (only with --api-key)"),
+        (404, "unknown model"),
+        (500, "internal error (details only in the server log)"),
+        (503, "the waiting queue is full, or the server is shutting down"),
+    ]
+}
+
+
+def _stream_of(chunk_model) -> dict:
+    """The 200 of a streaming endpoint: server-sent events (OpenAPI < 3.2: the schema is one event)."""
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {"type": "string", "description": f"a {chunk_model.__name__} as JSON; the last event is [DONE]"},
+            "event": {"type": "string"},
+        },
+    }
+    return {200: {"content": {"text/event-stream": {"schema": event}},
+                  "description": f"JSON, or with stream=true server-sent {chunk_model.__name__} events"}}
+
+
+def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    state = ServerState(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.aengine.start()
+        log.info("serving %s (%s, method %s)", config.served_model_name, engine.device, engine.config.method)
+        try:
+            yield
+        finally:
+            state.aengine.abort_all()
+            await state.aengine.stop()
+
+    app = FastAPI(title="kvc", version=kvc.__version__, lifespan=lifespan,
+                  description="OpenAI-compatible API of the kvc engine")
+    app.state.kvc = state
+    install_error_handlers(app)
+    app.add_middleware(_Gate, state=state)
+    app.add_middleware(CatchAllMiddleware, on_error=state.metrics.observe_error)
+    ctx = state.ctx
+
+    def card() -> ModelCard:
+        return ModelCard(id=config.served_model_name, created=0, root=str(engine.config.model or "default"),
+                         max_model_len=engine.max_model_len, vocab_size=engine.spec.vocab_size,
+                         method=engine.config.method)
+
+    @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+    async def health():
+        if state.draining:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version():
+        return {"version": kvc.__version__}
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
+    async def list_models():
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={401: _ERRORS[401], 404: _ERRORS[404]})
+    async def get_model(model: str):
+        if model != config.served_model_name:
+            raise ModelNotFound(f"the model {model!r} does not exist", param="model")
+        return card()
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses=_ERRORS | _stream_of(CompletionChunk))
+    async def completions(body: CompletionRequest, request: Request):
+        return await openai_api.create_completion(ctx, body, request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=_ERRORS | _stream_of(ChatCompletionChunk))
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await openai_api.create_chat_completion(ctx, body, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest):
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            return error_response(400, "give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            tokens = ctx.render_chat(body.messages, body.add_generation_prompt is not False)
+        else:
+            tokens = ctx.encode(body.prompt, "prompt", add_special_tokens=bool(body.add_special_tokens))
+        return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest):
+        ctx.check_model(body.model)
+        if ctx.tokenizer is None:
+            return error_response(400, "this model has no tokenizer", "tokens")
+        if any(not 0 <= t < engine.spec.vocab_size for t in body.tokens):
+            return error_response(400, f"token ids must be in [0, {engine.spec.vocab_size})", "tokens")
+        return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+
+    app.openapi = lambda: _openapi(app, config)
+    return app
+
+
+def _openapi(app: FastAPI, config: ServerConfig) -> dict:
+    """FastAPI's schema, with its 422 replaced by the 400 the server really sends."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    for path, ops in schema.get("paths", {}).items():
+        for op in ops.values():
+            op.get("responses", {}).pop("422", None)
+            if config.api_key and path.startswith(_PROTECTED):
+                op["security"] = [{"bearer": []}]
+            if not config.api_key:
+                op.get("responses", {}).pop("401", None)
+    components = schema.setdefault("components", {})
+    _, chunk_schemas = models_json_schema([(m, "serialization") for m in (CompletionChunk, ChatCompletionChunk)],
+                                          ref_template="#/components/schemas/{model}")
+    components.setdefault("schemas", {}).update(chunk_schemas.get("$defs", {}))
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.get("schemas", {}).pop(name, None)
+    if config.api_key:
+        components.setdefault("securitySchemes", {})["bearer"] = {"type": "http", "scheme": "bearer"}
+    app.openapi_schema = schema
+    return schema

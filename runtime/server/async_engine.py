@@ -1,0 +1,281 @@
+"""The engine behind the server: one thread owns the `Engine`; asyncio handlers talk to it.
+
+The engine is not thread-safe, so exactly one thread touches it. Handlers (on the event loop)
+send commands through a thread-safe queue: add a group of sequences (one HTTP request: prompts x
+n), abort a group, stop. The engine thread runs commands between steps, steps while there is work
+and blocks on the queue when idle. After each step it posts every request's new tokens back to
+the loop in one `call_soon_threadsafe`, into the request's asyncio queue.
+
+    handler ──submit()──► commands ──► engine thread: add_request / abort / step ──┐
+    handler ◄── Request.queue ◄── loop.call_soon_threadsafe(deliver, outputs) ◄────┘
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvc.runtime.engine import Engine
+from kvc.runtime.sampling_params import SamplingParams
+from kvc.runtime.sequence import FINISH_ABORT, Sequence
+from kvc.runtime.server.errors import ServerBusy
+
+log = logging.getLogger(__name__)
+
+FINISH_ERROR = "error"  # the engine failed while running the request (a bug; logged)
+
+
+@dataclass
+class Output:
+    """New tokens of one sequence of a request, from one engine step."""
+
+    index: int  # which sequence of the request (prompt i, sample j -> i * n + j)
+    token_ids: list[int]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    time: float = 0.0  # time.perf_counter() when the step ended
+
+
+@dataclass(eq=False)  # identity: requests live in sets
+class Request:
+    """A group of sequences submitted together, as the event loop sees it."""
+
+    arrival: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # of list[Output]
+    seq_ids: list[int] = field(default_factory=list)
+    num_unfinished: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after each step, for /metrics and /health."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    pages_used: int = 0
+    pages_free: int = 0
+    pages_total: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+@dataclass
+class _Live:
+    request: Request
+    index: int
+    seq: Sequence
+    sent: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_waiting: int = 1024) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.stats = EngineStats(pages_total=engine.num_pages, pages_free=engine.pool.num_free)
+        self.active: set[Request] = set()  # requests whose handler is still running
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[int, _Live] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._idle: asyncio.Event | None = None
+        self._num_steps = 0
+
+    # ---- event-loop side ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="kvc-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Aborts whatever is left and ends the engine thread."""
+        if self._thread is None:
+            return
+        self._commands.put(("stop",))
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> Request:
+        """Queues one sequence per (prompt, params) pair; raises the engine's KvcError if any is
+        rejected (then none is queued)."""
+        assert self._loop is not None, "AsyncEngine.start() was not called"
+        request = Request(arrival=time.perf_counter())
+        done = self._loop.create_future()
+        self._commands.put(("add", request, prompts, params, done))
+        self.active.add(request)
+        self._idle.clear()
+        try:
+            await done
+        except BaseException:
+            self.release(request)  # cancelled (client gone) or rejected: nothing may stay queued
+            raise
+        return request
+
+    def abort(self, request: Request, index: int | None = None) -> None:
+        """Ends the request's unfinished sequences (or only sequence `index`); their pages are
+        freed at the engine thread's next command pass."""
+        if request.num_unfinished:
+            self._commands.put(("abort", request, index))
+
+    def release(self, request: Request) -> None:
+        """The handler is done with the request: abort what is left, stop counting it as active."""
+        self.abort(request)
+        self.active.discard(request)
+        if not self.active:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Waits until no request is active; False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def abort_all(self) -> None:
+        for request in list(self.active):
+            self.abort(request)
+
+    def _deliver(self, outputs: list[tuple[Request, Output]]) -> None:
+        for request, out in outputs:
+            if out.finish_reason is not None:
+                request.num_unfinished -= 1
+            request.queue.put_nowait(out)
+
+    def _resolve(self, request: Request, done: asyncio.Future, seq_ids: list[int], error) -> None:
+        request.seq_ids = seq_ids
+        request.num_unfinished = len(seq_ids)
+        if done.cancelled():
+            self.abort(request)
+        elif error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(None)
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.set_device(self.engine.device)  # the current device is per thread
+        try:
+            while True:
+                if not self.engine.has_unfinished():
+                    self._publish()
+                    if not self._handle(self._commands.get()):  # idle: block until work comes
+                        return
+                while True:
+                    try:
+                        command = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not self._handle(command):
+                        return
+                if self.engine.has_unfinished():
+                    self._step()
+        finally:  # stopped (or crashed): no handler may wait forever
+            outputs: list[tuple[Request, Output]] = []
+            for seq_id in list(self._live):
+                self._abort_seq(seq_id, outputs, FINISH_ABORT)
+            self._publish()
+            try:
+                self._post(outputs)
+            except RuntimeError:  # the event loop is already closed
+                pass
+
+    def _handle(self, command: tuple) -> bool:
+        kind = command[0]
+        if kind == "add":
+            self._add(*command[1:])
+        elif kind == "abort":
+            request, index = command[1], command[2]
+            outputs: list[tuple[Request, Output]] = []
+            for i, seq_id in enumerate(request.seq_ids):
+                if seq_id in self._live and index in (None, i):
+                    self._abort_seq(seq_id, outputs, FINISH_ABORT)
+            self._post(outputs)
+        elif kind == "stop":
+            return False
+        return True
+
+    def _add(self, request: Request, prompts, params, done) -> None:
+        engine = self.engine
+        seqs: list[Sequence] = []
+        error = None
+        try:
+            if engine.scheduler.num_waiting + len(prompts) > self.max_waiting:
+                raise ServerBusy(
+                    f"the server's waiting queue is full ({self.max_waiting} requests); retry later"
+                )
+            for ids, p in zip(prompts, params):
+                seqs.append(engine.add_request(ids, p))
+        except Exception as e:  # a KvcError for bad input; anything else is a bug, reported as 500
+            error = e
+            for seq in seqs:
+                engine.abort(seq.seq_id)
+            seqs = []
+        for index, seq in enumerate(seqs):
+            self._live[seq.seq_id] = _Live(request, index, seq)
+        self._loop.call_soon_threadsafe(self._resolve, request, done, [s.seq_id for s in seqs], error)
+
+    def _abort_seq(self, seq_id: int, outputs: list, reason: str) -> None:
+        live = self._live.pop(seq_id)
+        try:
+            self.engine.abort(seq_id)
+        except Exception:  # the engine's books are already broken; keep the server answering
+            log.exception("aborting sequence %d failed", seq_id)
+        outputs.append((live.request, self._output(live, reason)))
+
+    def _output(self, live: _Live, reason: str | None) -> Output:
+        seq = live.seq
+        new = seq.token_ids[seq.num_prompt_tokens + live.sent :]
+        live.sent += len(new)
+        return Output(live.index, new, reason, seq.num_prompt_tokens, seq.num_cached_tokens, time.perf_counter())
+
+    def _step(self) -> None:
+        outputs: list[tuple[Request, Output]] = []
+        try:
+            finished = {seq.seq_id for seq in self.engine.step()}
+        except Exception:
+            log.exception("engine step failed; aborting all %d running requests", len(self._live))
+            for seq_id in list(self._live):
+                self._abort_seq(seq_id, outputs, FINISH_ERROR)
+            self._post(outputs)
+            return
+        self._num_steps += 1
+        for seq_id, live in list(self._live.items()):
+            if seq_id in finished:
+                del self._live[seq_id]
+                outputs.append((live.request, self._output(live, live.seq.finish_reason)))
+            elif len(live.seq.token_ids) - live.seq.num_prompt_tokens > live.sent:
+                outputs.append((live.request, self._output(live, None)))
+        self._publish()
+        self._post(outputs)
+
+    def _post(self, outputs: list[tuple[Request, Output]]) -> None:
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _publish(self) -> None:
+        engine = self.engine
+        pool, sched = engine.pool, engine.scheduler
+        prefix = pool.stats()
+        self.stats = EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            pages_used=pool.num_used,
+            pages_free=pool.num_free,
+            pages_total=pool.num_pages,
+            prefix_query_tokens=int(prefix["query_tokens"]),
+            prefix_hit_tokens=int(prefix["hit_tokens"]),
+            num_preemptions=sched.num_preemptions,
+            num_steps=self._num_steps,
+        )

@@ -1,0 +1,91 @@
+"""The `kvc serve` and `kvc bench serve` subcommands (added to the `kvc` parser by runtime/cli.py).
+
+Heavy imports (fastapi, uvicorn, the engine) happen when a command runs, not when `kvc` parses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def add_commands(sub, add_engine_args, engine_options) -> None:
+    """Registers `serve` and `bench serve`; `add_engine_args`/`engine_options` are the CLI's
+    shared engine flags, so `kvc serve` takes the same ones as `kvc generate`."""
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    add_engine_args(serve)
+    serve.add_argument("--method-param", action="append", metavar="KEY=VALUE", help="a method parameter (repeatable)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("KVC_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 (default: $KVC_API_KEY)")
+    serve.add_argument("--served-model-name", help="the model name clients use (default: --model, or kvc-default)")
+    serve.add_argument("--max-waiting-requests", type=int, default=1024,
+                       help="waiting sequences before new requests get 503")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    serve.set_defaults(func=lambda a: _serve(a, engine_options))
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    b = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput)")
+    b.add_argument("--base-url", help="default: http://HOST:PORT")
+    b.add_argument("--host", default="127.0.0.1")
+    b.add_argument("--port", type=int, default=8000)
+    b.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    b.add_argument("--model", help="default: the server's first model")
+    b.add_argument("--api-key", default=os.environ.get("KVC_API_KEY"))
+    b.add_argument("--dataset", default="random", choices=["random", "multi-turn"])
+    b.add_argument("--num-prompts", type=int, default=100, help="requests (random) or conversations (multi-turn)")
+    b.add_argument("--input-len", type=int, default=256, help="prompt tokens (multi-turn: new tokens per turn)")
+    b.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
+    b.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1-r)..len*(1+r)")
+    b.add_argument("--num-turns", type=int, default=3, help="multi-turn: turns per conversation")
+    b.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests (or conversations) per second, Poisson arrivals; default inf: all at once")
+    b.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--no-ignore-eos", action="store_true", help="let EOS end requests early")
+    b.add_argument("--vocab-size", type=int, help="for random token prompts (default: from /v1/models)")
+    b.add_argument("--result-file", help="write the JSON result here")
+    b.add_argument("--no-progress", action="store_true")
+    b.set_defaults(func=_bench_serve)
+
+
+def _serve(a: argparse.Namespace, engine_options) -> int:
+    from kvc.runtime.server.launch import engine_config, parse_method_params, serve
+
+    cfg = engine_config(a.model, a.method, parse_method_params(a.method_param), engine_options(a))
+    return serve(cfg, host=a.host, port=a.port, served_model_name=a.served_model_name, api_key=a.api_key,
+                 max_waiting=a.max_waiting_requests, shutdown_timeout=a.shutdown_timeout)
+
+
+def _bench_serve(a: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvc.runtime.errors import KvcError
+    from kvc.runtime.server.bench import BenchConfig, format_table, run_benchmark
+
+    if a.num_prompts < 1 or a.input_len < 1 or a.output_len < 1 or a.num_turns < 1:
+        raise KvcError("--num-prompts, --input-len, --output-len and --num-turns must be at least 1")
+    if not 0 <= a.range_ratio < 1:
+        raise KvcError("--range-ratio must be in [0, 1)")
+    cfg = BenchConfig(
+        base_url=a.base_url or f"http://{a.host}:{a.port}", endpoint=a.endpoint, model=a.model,
+        api_key=a.api_key, dataset=a.dataset, num_prompts=a.num_prompts, input_len=a.input_len,
+        output_len=a.output_len, range_ratio=a.range_ratio, num_turns=a.num_turns,
+        request_rate=a.request_rate, max_concurrency=a.max_concurrency, seed=a.seed,
+        ignore_eos=not a.no_ignore_eos, vocab_size=a.vocab_size,
+        progress=not a.no_progress and sys.stderr.isatty(),
+    )
+    try:
+        result = asyncio.run(run_benchmark(cfg))
+    except Exception as e:  # unreachable server, failed test request: a message, not a traceback
+        raise KvcError(f"bench serve: {type(e).__name__}: {e}") from None
+    print(format_table(result))
+    if a.result_file:
+        with open(a.result_file, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if result["completed"] else 1

@@ -1,0 +1,280 @@
+"""The OpenAI endpoints' logic: request body -> token ids and `SamplingParams` -> `Generation` ->
+a JSON response or a server-sent event stream.
+
+Routing, auth and error handling live in `app.py`; this module only knows the request shapes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvc.runtime.errors import InvalidPromptError, InvalidSamplingParams, PromptTooLongError
+from kvc.runtime.sampling_params import SamplingParams
+from kvc.runtime.server.async_engine import AsyncEngine
+from kvc.runtime.server.errors import EngineFailed, ModelNotFound, error_body
+from kvc.runtime.server.generation import Generation
+from kvc.runtime.server.metrics import ServerMetrics
+from kvc.runtime.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerationRequest,
+    now,
+    random_id,
+)
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class ServingContext:
+    """What the handlers need from the server."""
+
+    aengine: AsyncEngine
+    metrics: ServerMetrics
+    tokenizer: Any  # a transformers tokenizer, or None for a model without one
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFound(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                                param="model")
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidPromptError(
+                "this model has no tokenizer; send prompts as token ids to /v1/completions", param=param
+            )
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except Exception as e:  # e.g. text the tokenizer's backend cannot take (lone surrogates)
+            raise InvalidPromptError(f"cannot tokenize {param}: {e}", param=param) from None
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidPromptError("this model has no chat template; use /v1/completions", param="messages")
+        plain = []
+        for m in messages:
+            d = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                d["content"] = "\n".join(part.text for part in m.content)
+            d.setdefault("content", "")
+            plain.append(d)
+        try:
+            text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+        except Exception as e:  # jinja errors, raise_exception() in a template
+            raise InvalidPromptError(f"the chat template rejected the messages: {e}", param="messages") from None
+        return self.encode(text, "messages")
+
+
+def _reject(param: str, why: str) -> InvalidSamplingParams:
+    return InvalidSamplingParams(f"{param}: {why}", param=param)
+
+
+def _check_common(req: GenerationRequest) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise _reject(name, "penalties are not supported by kvc; leave it 0")
+    if req.logit_bias:
+        raise _reject("logit_bias", "not supported by kvc")
+    if req.stop is not None:
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop
+        if any(s == "" for s in stops):
+            raise _reject("stop", "stop strings must not be empty")
+
+
+def _params(req: GenerationRequest, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        seed=req.seed,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+    )
+
+
+def _check_length(ctx: ServingContext, prompt: list[int], max_tokens: int, param: str) -> None:
+    n = len(prompt)
+    if n >= ctx.max_model_len:
+        raise PromptTooLongError(
+            f"the prompt has {n} tokens, but the model's context is {ctx.max_model_len} tokens "
+            "(prompt plus at least one new token must fit)", param=param)
+    if n + max_tokens > ctx.max_model_len:
+        raise _reject("max_tokens", f"the prompt has {n} tokens and max_tokens is {max_tokens}, but the "
+                      f"model's context is {ctx.max_model_len} tokens; lower max_tokens")
+
+
+def _completion_prompts(ctx: ServingContext, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [ctx.encode(prompt, "prompt")]
+    if not prompt:
+        raise InvalidPromptError("the prompt is empty", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [ctx.encode(p, "prompt") for p in prompt]
+    if all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    return [list(p) for p in prompt]
+
+
+async def _start(ctx: ServingContext, req: GenerationRequest, prompts: list[list[int]], max_tokens: int,
+                 http: HttpRequest) -> Generation:
+    n = req.n or 1
+    if len(prompts) * n > ctx.aengine.max_waiting:
+        raise _reject("n", f"the request asks for {len(prompts) * n} sequences; this server queues at most "
+                      f"{ctx.aengine.max_waiting} at once")
+    params = _params(req, max_tokens)
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    gen = Generation(ctx.aengine, ctx.metrics, ctx.tokenizer, ctx.eos_token_ids, prompts,
+                     [params] * len(prompts), n, stops, bool(req.include_stop_str_in_output),
+                     req.skip_special_tokens is not False)
+    await gen.start(http)
+    return gen
+
+
+# ---- /v1/completions --------------------------------------------------------------------------
+async def create_completion(ctx: ServingContext, req: CompletionRequest, http: HttpRequest):
+    ctx.check_model(req.model)
+    _check_common(req)
+    if req.echo:
+        raise _reject("echo", "not supported by kvc")
+    if req.suffix:
+        raise _reject("suffix", "not supported by kvc")
+    if req.logprobs:
+        raise _reject("logprobs", "not supported by kvc yet")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise _reject("best_of", "only best_of == n is supported")
+    prompts = _completion_prompts(ctx, req.prompt)
+    max_tokens = req.max_tokens or DEFAULT_COMPLETION_TOKENS
+    for p in prompts:
+        _check_length(ctx, p, max_tokens, "prompt")
+    gen = await _start(ctx, req, prompts, max_tokens, http)
+    rid, created = random_id("cmpl"), now()
+    with_ids = bool(req.return_token_ids)
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> dict:
+        body = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+                "choices": choices}
+        if usage is not None or include_usage:
+            body["usage"] = usage
+        return body
+
+    def choice(index: int, text: str, ids: list[int], reason: str | None) -> dict:
+        c = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        if with_ids:
+            c["token_ids"] = ids
+        return c
+
+    include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    if req.stream:
+        async def events() -> AsyncIterator[dict]:
+            async for step in gen.deltas():
+                for d in step:
+                    if d.text or d.finish_reason or (with_ids and d.token_ids):
+                        yield chunk([choice(d.index, d.text, d.token_ids, d.finish_reason)])
+            if include_usage:
+                yield chunk([], gen.usage())
+
+        return _sse(gen, events())
+
+    await _collect(gen)
+    return JSONResponse(chunk([choice(c.index, c.text.text, c.text.token_ids, c.finish_reason)
+                               for c in gen.choices], gen.usage()))
+
+
+# ---- /v1/chat/completions ---------------------------------------------------------------------
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, http: HttpRequest):
+    ctx.check_model(req.model)
+    _check_common(req)
+    if req.logprobs or req.top_logprobs:
+        raise _reject("logprobs", "not supported by kvc yet")
+    if req.tools and req.tool_choice != "none":
+        raise _reject("tools", "tool calling is not supported by kvc yet (tool_choice 'none' is)")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise _reject("response_format", "only {'type': 'text'} is supported")
+    prompt = ctx.render_chat(req.messages, req.add_generation_prompt is not False)
+    max_tokens = req.max_completion_tokens or req.max_tokens or max(1, ctx.max_model_len - len(prompt))
+    _check_length(ctx, prompt, max_tokens, "messages")
+    gen = await _start(ctx, req, [prompt], max_tokens, http)
+    rid, created = random_id("chatcmpl"), now()
+    with_ids = bool(req.return_token_ids)
+    include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> dict:
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+                "choices": choices}
+        if usage is not None or include_usage:
+            body["usage"] = usage
+        return body
+
+    def delta_choice(index: int, delta: dict, reason: str | None, ids: list[int] | None) -> dict:
+        c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        if with_ids and ids is not None:
+            c["token_ids"] = ids
+        return c
+
+    if req.stream:
+        async def events() -> AsyncIterator[dict]:
+            for c in gen.choices:
+                yield chunk([delta_choice(c.index, {"role": "assistant", "content": ""}, None, None)])
+            async for step in gen.deltas():
+                for d in step:
+                    if d.text or (with_ids and d.token_ids):
+                        yield chunk([delta_choice(d.index, {"content": d.text}, None, d.token_ids)])
+                    if d.finish_reason:
+                        yield chunk([delta_choice(d.index, {}, d.finish_reason, [])])
+            if include_usage:
+                yield chunk([], gen.usage())
+
+        return _sse(gen, events())
+
+    await _collect(gen)
+    choices = []
+    for c in gen.choices:
+        item = {"index": c.index, "message": {"role": "assistant", "content": c.text.text},
+                "logprobs": None, "finish_reason": c.finish_reason}
+        if with_ids:
+            item["token_ids"] = c.text.token_ids
+        choices.append(item)
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
+                         "choices": choices, "usage": gen.usage()})
+
+
+# ---- shared -----------------------------------------------------------------------------------
+async def _collect(gen: Generation) -> None:
+    try:
+        async for _ in gen.deltas():
+            pass
+    finally:
+        gen.close()
+    if gen.failed:
+        raise EngineFailed("the engine failed while generating; see the server log")
+
+
+def _sse(gen: Generation, events: AsyncIterator[dict]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                if gen.failed:
+                    break
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+            if gen.failed:
+                err = error_body(500, "the engine failed while generating; see the server log")
+                yield f"data: {json.dumps(err)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            gen.close()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

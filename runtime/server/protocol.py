@@ -1,0 +1,248 @@
+"""The HTTP API's request and response bodies (pydantic), shaped like OpenAI's and vLLM's.
+
+These models are also the server's OpenAPI schema, which the tests fuzz with schemathesis: every
+field a handler reads is declared here with its range, so that a request the schema allows never
+crashes the server, and every response validates against the model it is declared with.
+
+Optional fields accept `null` (OpenAI clients send it for "not given"). Fields OpenAI defines but
+kvc does not implement (penalties, logprobs, tools, ...) are declared so that a request using them
+gets a clear 400 instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvc.runtime.sampling_params import SEED_MAX, SEED_MIN
+
+MAX_N = 128  # choices per prompt
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# ---- requests ---------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False
+
+
+class GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = Field(None, description="the served model name; omitted: the one model served")
+    temperature: float | None = Field(None, ge=0, description="0 is greedy; default 1")
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_N, description="choices to generate per prompt")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = Field(None, description="up to any number of stop strings")
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    user: str | None = None
+    # OpenAI fields kvc does not implement: only their neutral values are accepted.
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    # vLLM's and kvc's own fields (OpenAI clients send them through `extra_body`)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: no limit")
+    stop_token_ids: list[NonNegInt] | None = None
+    ignore_eos: bool | None = False
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    return_token_ids: bool | None = Field(
+        False, description="kvc: each choice (and stream chunk) also carries its new token ids"
+    )
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: Prompt = Field(description="text, token ids, or a batch of either")
+    max_tokens: int | None = Field(None, ge=1, description="default 16")
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+
+class TextContent(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool_call_id, name, ... pass to the chat template
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContent] | None = None
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+
+
+class TokenizeRequest(BaseModel):
+    """Either `prompt` (text) or `messages` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = False
+    add_generation_prompt: bool | None = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses --------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion (the stream ends with `data: [DONE]`)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of a streamed completion (the stream ends with `data: [DONE]`)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvc"
+    root: str | None = None
+    max_model_len: int
+    vocab_size: int = Field(description="kvc: token ids are in [0, vocab_size)")
+    method: str = Field(description="kvc: the KV-cache method the server runs")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "shutting_down"]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

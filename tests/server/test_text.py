@@ -1,0 +1,85 @@
+"""Incremental detokenization and stop strings (runtime/server/text.py), without a server."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvc.runtime.server.text import ChoiceText, IncrementalDetokenizer, StopStrings
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kvc.runtime.default_model import ensure_default_model
+    from kvc.runtime.tokenizer import load_tokenizer
+
+    return load_tokenizer(ensure_default_model())
+
+
+def _stream(tokenizer, ids, stop=(), chunk=1, include=False):
+    text = ChoiceText(tokenizer, stop, include)
+    deltas = [text.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    deltas.append(text.finish())
+    return deltas, text
+
+
+def test_multibyte_character_waits_for_its_last_byte(tokenizer):
+    ids = list("é€".encode())  # byte-level: ids 0..255 are the bytes
+    detok = IncrementalDetokenizer(tokenizer)
+    assert [detok.add([i]) for i in ids] == ["", "é", "", "", "€"]
+    assert detok.flush() == ""
+
+
+def test_incomplete_character_at_the_end_is_flushed_as_replacement(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer)
+    assert [detok.add([i]) for i in list(b"a") + list("€".encode())[:2]] == ["a", "", ""]
+    assert detok.flush() == "\ufffd"
+
+
+@settings(max_examples=150, deadline=None)
+@given(ids=st.lists(st.integers(0, 300), max_size=40), chunk=st.integers(1, 4))
+def test_deltas_concatenate_to_the_full_decode(tokenizer, ids, chunk):
+    deltas, text = _stream(tokenizer, ids, chunk=chunk)
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(deltas) == full == text.text
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(alphabet="abcXY", max_size=30), stop=st.lists(st.text(alphabet="abc", min_size=1, max_size=4),
+                                                                   min_size=1, max_size=3))
+def test_stop_strings_never_leak_and_cut_at_the_first_match(text, stop):
+    s = StopStrings(stop)
+    shown = ""
+    for ch in text:
+        shown += s.add(ch)
+        # nothing shown ever contains a stop string, nor ends in the start of one that later matched
+        assert not any(x in shown for x in stop)
+    shown += s.flush()
+    # Generation ends as soon as the text contains a stop string, cut where the match starts.
+    expected, stopped = text, False
+    for k in range(1, len(text) + 1):
+        starts = [i for i in (text[:k].find(x) for x in stop) if i != -1]
+        if starts:
+            expected, stopped = text[: min(starts)], True
+            break
+    assert shown == expected
+    assert s.stopped == stopped
+
+
+def test_stop_string_split_over_tokens_is_held_back_then_cut(tokenizer):
+    ids = list(b"hello world")
+    deltas, text = _stream(tokenizer, ids, stop=["o w"])
+    assert "".join(deltas) == "hell"
+    assert deltas[4] == ""  # the 'o' might start "o w": held back
+    assert text.stopped and len(text.token_ids) == 7  # 'o', ' ', 'w' completed it at token 7
+
+
+def test_held_back_prefix_is_released_when_it_does_not_match(tokenizer):
+    deltas, text = _stream(tokenizer, list(b"ab ac"), stop=["abc"])
+    assert deltas[:3] == ["", "", "ab "] and "".join(deltas) == "ab ac" and not text.stopped
+
+
+def test_include_stop_str_in_output(tokenizer):
+    deltas, _ = _stream(tokenizer, list(b"say STOP now"), stop=["STOP"], include=True)
+    assert "".join(deltas) == "say STOP"
