@@ -19,6 +19,13 @@ _DTYPES = {
 }
 
 
+def _with_index(device: torch.device) -> torch.device:
+    """`cuda` -> `cuda:N` (the current device): APIs like torch.cuda.set_device need the index."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # local HF directory, "random:NAME", or None for the embedded default
@@ -58,7 +65,7 @@ class EngineConfig:
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            return _with_index(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as e:
@@ -67,7 +74,9 @@ class EngineConfig:
             raise ConfigError(f"device {self.device!r} asked for, but no CUDA GPU is available", param="device")
         if device.type not in ("cpu", "cuda"):
             raise ConfigError(f"unsupported device {self.device!r} (use cpu or cuda)", param="device")
-        return device
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {self.device!r}: only {torch.cuda.device_count()} GPU(s) visible", param="device")
+        return _with_index(device)
 
     def resolve_dtype(self, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):

@@ -174,6 +174,8 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def health():
         if state.draining:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
+        if state.aengine.failure is not None:
+            return JSONResponse({"status": "engine_failed"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/version", response_model=VersionResponse)

@@ -24,7 +24,7 @@ import torch
 from kvc.runtime.engine import Engine
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.sequence import FINISH_ABORT, Sequence
-from kvc.runtime.server.errors import ServerBusy
+from kvc.runtime.server.errors import EngineUnavailable, ServerBusy
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._idle: asyncio.Event | None = None
         self._num_steps = 0
+        self.failure: str | None = None  # set when the engine thread died: no request may wait on it
 
     # ---- event-loop side ----------------------------------------------------------------------
     def start(self) -> None:
@@ -109,9 +110,13 @@ class AsyncEngine:
         """Queues one sequence per (prompt, params) pair; raises the engine's KvcError if any is
         rejected (then none is queued)."""
         assert self._loop is not None, "AsyncEngine.start() was not called"
+        if self.failure is not None:
+            raise EngineUnavailable(f"the engine is not running ({self.failure}); see the server log")
         request = Request(arrival=time.perf_counter())
         done = self._loop.create_future()
         self._commands.put(("add", request, prompts, params, done))
+        if self.failure is not None:  # the thread died between the check above and the put
+            self._fail_queued()
         self.active.add(request)
         self._idle.clear()
         try:
@@ -164,9 +169,9 @@ class AsyncEngine:
 
     # ---- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        if self.engine.device.type == "cuda":
-            torch.cuda.set_device(self.engine.device)  # the current device is per thread
         try:
+            if self.engine.device.type == "cuda":
+                torch.cuda.set_device(self.engine.device)  # the current device is per thread
             while True:
                 if not self.engine.has_unfinished():
                     self._publish()
@@ -181,15 +186,41 @@ class AsyncEngine:
                         return
                 if self.engine.has_unfinished():
                     self._step()
+        except BaseException as e:
+            self.failure = f"{type(e).__name__}: {e}"
+            log.exception("the engine thread failed; failing every request from now on")
+            raise
         finally:  # stopped (or crashed): no handler may wait forever
+            reason = FINISH_ERROR if self.failure is not None else FINISH_ABORT
+            if self.failure is None:
+                self.failure = "stopped"
+            self._fail_queued()
             outputs: list[tuple[Request, Output]] = []
             for seq_id in list(self._live):
-                self._abort_seq(seq_id, outputs, FINISH_ABORT)
-            self._publish()
+                self._abort_seq(seq_id, outputs, reason)
             try:
                 self._post(outputs)
             except RuntimeError:  # the event loop is already closed
                 pass
+            try:
+                self._publish()
+            except Exception:  # best effort: the gauges are all that is lost
+                log.exception("publishing the final engine stats failed")
+
+    def _fail_queued(self) -> None:
+        """Answers every command still queued, so no submitter waits on a thread that is gone."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                request, done = command[1], command[4]
+                error = EngineUnavailable(f"the engine is not running ({self.failure})")
+                try:
+                    self._loop.call_soon_threadsafe(self._resolve, request, done, [], error)
+                except RuntimeError:  # the event loop is already closed
+                    return
 
     def _handle(self, command: tuple) -> bool:
         kind = command[0]

@@ -34,6 +34,12 @@ class ServerBusy(KvcError):
     status = 503
 
 
+class EngineUnavailable(KvcError):
+    """The engine thread is gone (it crashed or was stopped); the server cannot serve."""
+
+    status = 503
+
+
 class EngineFailed(KvcError):
     """The engine failed while running the request (logged where it happened)."""
 

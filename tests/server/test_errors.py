@@ -173,3 +173,23 @@ def test_openapi_schema_documents_400_not_422(server):
     op = schema["paths"]["/v1/completions"]["post"]
     assert "422" not in op["responses"] and {"400", "404", "500", "503"} <= set(op["responses"])
     assert "text/event-stream" in op["responses"]["200"]["content"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_engine_thread_fails_requests_fast_instead_of_hanging(caplog):
+    with live_server() as s:
+        aengine = s.state.aengine
+
+        def broken_publish():
+            raise RuntimeError("engine thread bug")
+
+        caplog.set_level(logging.ERROR)
+        aengine._publish = broken_publish
+        r = _post(s, "/v1/completions", {"prompt": "x", "max_tokens": 4})  # wakes the thread, which dies
+        assert r.status_code in (500, 503), r.text
+        aengine._thread.join(timeout=10)
+        assert not aengine._thread.is_alive()
+        for _ in range(3):  # later requests are answered at once, not queued forever
+            _error(_post(s, "/v1/completions", {"prompt": "x", "max_tokens": 4}), 503)
+        assert httpx.get(f"{s.url}/health", timeout=5).status_code == 503
+        assert "engine thread bug" in caplog.text
