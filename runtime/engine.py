@@ -1,5 +1,8 @@
 """The engine: owns the model, the KV pages, the scheduler and the model runner, and advances all
 live requests one step at a time (continuous batching). `LLM` and the server drive it.
+
+The KV method (`method_api.KVMethod`) is resolved from `config.method`, or passed in directly
+(tests, and later compiled methods); the engine only talks to it through the contract.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from kvc.runtime.attention.backend import PagedAttention, kv_bytes_per_page
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.errors import ConfigError, InvalidPromptError, OutOfKVMemory, PromptTooLongError
 from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.method_api import Hook, KVMethod
+from kvc.runtime.methods_builtin import resolve_method
 from kvc.runtime.model_runner import ModelRunner
 from kvc.runtime.models.loader import LoadedModel, resolve_model
 from kvc.runtime.sampling_params import SamplingParams
@@ -23,18 +28,13 @@ from kvc.runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_METHODS = ("full",)  # grows as the compiler lowers more methods (issue 4)
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, method: KVMethod | None = None) -> None:
         self.config = config
-        if config.method not in SUPPORTED_METHODS:
-            raise ConfigError(
-                f"unknown method {config.method!r}; available: {', '.join(SUPPORTED_METHODS)}",
-                param="method",
-            )
+        self.method = method if method is not None else resolve_method(config.method)
         self.device = config.resolve_device()
         dtype = None if config.dtype == "auto" else config.resolve_dtype(self.device, None)
         model_ref = config.model
@@ -54,9 +54,13 @@ class Engine:
                 f"({self.spec.max_position_embeddings})",
                 param="max_model_len",
             )
-        page_bytes = kv_bytes_per_page(
-            self.spec.num_layers, self.spec.num_kv_heads, config.page_size, self.spec.head_dim, self.spec.dtype
-        )
+        layout = self.method.layout(self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype)
+        if layout.bytes_per_token != kv_bytes_per_page(
+            self.spec.num_kv_heads, 1, self.spec.head_dim, layout.dtype
+        ):
+            raise ConfigError(f"method {self.method.name!r} asks for a storage layout the engine "
+                              "cannot hold yet (dense K/V pages only)", param="method")
+        page_bytes = layout.bytes_per_token * config.page_size  # one layer's page
         self.num_pages = max(1, self._kv_budget_bytes() // page_bytes)
         backend = config.attention_backend
         if backend == "auto":
@@ -67,7 +71,7 @@ class Engine:
             num_kv_heads=self.spec.num_kv_heads,
             page_size=config.page_size,
             head_dim=self.spec.head_dim,
-            dtype=self.spec.dtype,
+            dtype=layout.dtype,
             device=self.device,
             backend=backend,
         )
@@ -75,16 +79,21 @@ class Engine:
             "KV cache: %d pages of %d tokens (%.1f MiB), backend %s",
             self.num_pages, config.page_size, self.num_pages * page_bytes / 2**20, backend,
         )
-        salt = hashlib.sha256(f"{model_ref}|{config.method}|{self.spec}".encode()).digest()[:16]
-        self.pool = PagePool(self.num_pages, config.page_size, config.enable_prefix_caching, salt=salt)
+        salt = hashlib.sha256(f"{model_ref}|{self.method.name}|{self.spec}".encode()).digest()[:16]
+        # A compacting method's pages stop matching the logical tokens, and compaction writes in
+        # place: pages must not be shared, so no prefix caching for it (copy-on-write: later).
+        prefix_caching = config.enable_prefix_caching and not self.method.compacts
+        self.pool = PagePool(self.num_pages, config.page_size, prefix_caching, salt=salt)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_prefill_chunk=config.max_prefill_chunk,
-                enable_prefix_caching=config.enable_prefix_caching,
+                enable_prefix_caching=prefix_caching,
             ),
             self.pool,
+            num_layers=self.spec.num_layers,
+            budget=self.method.budget,
         )
         self.runner = ModelRunner(
             self.model,
@@ -95,6 +104,7 @@ class Engine:
             device=self.device,
             use_cuda_graphs=config.cuda_graphs,
             seed=config.seed,
+            method=self.method,
         )
         self.sequences: dict[int, Sequence] = {}
 
@@ -126,8 +136,9 @@ class Engine:
             params=params,
             eos_token_ids=self.spec.eos_token_ids,
             max_model_len=self.max_model_len,
+            num_layers=self.spec.num_layers,
         )
-        needed = -(-(min(n + params.max_tokens, self.max_model_len)) // self.config.page_size)
+        needed = self.scheduler.pages_needed(n, min(n + params.max_tokens, self.max_model_len))
         if needed > self.num_pages:
             raise OutOfKVMemory(
                 f"the request needs {needed} KV pages but the whole pool has {self.num_pages}; "
@@ -140,7 +151,7 @@ class Engine:
 
     def abort(self, seq_id: int) -> None:
         self.scheduler.abort(seq_id)
-        self.runner.remove_request(seq_id)
+        self._release(seq_id)
         self.sequences.pop(seq_id, None)
 
     def has_unfinished(self) -> bool:
@@ -152,9 +163,16 @@ class Engine:
         if batch is None:
             return []
         needs = batch.needs_sample()
-        sampled = self.runner.run(batch, needs)
-        finished = self.scheduler.postprocess(batch, sampled)
+        out = self.runner.run(batch, needs)
+        finished = self.scheduler.postprocess(batch, out.sampled, out.compacted)
         for seq in finished:
-            self.runner.remove_request(seq.seq_id)
-            self.sequences.pop(seq.seq_id, None)
+            self._release(seq.seq_id)
+        if Hook.STEP_END in self.method.hooks:
+            self.method.step_end([s.seq_id for s in batch.seqs])
         return finished
+
+    def _release(self, seq_id: int) -> None:
+        self.runner.remove_request(seq_id)
+        self.sequences.pop(seq_id, None)
+        if Hook.RELEASE in self.method.hooks:
+            self.method.release(seq_id)

@@ -3,18 +3,27 @@ paged attention, and samples the sequences that reached the end of their known t
 
 Decode-only steps on a GPU replay CUDA graphs captured per batch-size bucket; everything else
 (prefill chunks, mixed steps, CPU) runs eagerly.
+
+Positions are logical (`num_computed_tokens` onward); slots, tables and lengths are physical and
+per layer (`kv_lens`, `page_tables`). The method's hooks run inside the forward, per layer, right
+after attention: prefill_chunk / prefill_end for prefill chunks (a keep plan is compacted at once,
+before any later decode; `StepOutput.compacted` tells the scheduler which pages to free), and the
+decode hooks for decode rows (static shapes, no host sync, so they are CUDA-graph capturable).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvc.runtime.attention.backend import PagedAttention
 from kvc.runtime.attention.metadata import AttentionMetadata
+from kvc.runtime.kv.compaction import compact_layer
+from kvc.runtime.method_api import DecodeView, Hook, KVMethod, LayerCacheView, PrefillView
+from kvc.runtime.methods_builtin import FullMethod
 from kvc.runtime.models.base import CausalLM
 from kvc.runtime.sampler import sample
 from kvc.runtime.scheduler import ScheduledBatch
@@ -31,6 +40,12 @@ class StepInputs:
     sample_seqs: list[int]  # index into batch.seqs
 
 
+@dataclass
+class StepOutput:
+    sampled: dict[int, int]  # seq_id -> sampled token
+    compacted: dict[int, dict[int, int]] = field(default_factory=dict)  # seq_id -> layer -> kept
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -42,7 +57,10 @@ class ModelRunner:
         device: torch.device,
         use_cuda_graphs: bool,
         seed: int = 0,
+        method: KVMethod | None = None,
     ) -> None:
+        self.method = method or FullMethod()
+        self.num_layers = model.spec.num_layers
         self.model = model
         self.attention = attention
         self.page_size = page_size
@@ -69,19 +87,21 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, needs_sample: list[bool]) -> dict[int, int]:
-        """Runs the step; returns {seq_id: sampled token} for the sequences that sample."""
+    def run(self, batch: ScheduledBatch, needs_sample: list[bool]) -> StepOutput:
+        """Runs the step: the sampled tokens and the layers a keep plan compacted."""
         decode_only = batch.num_decodes == len(batch.seqs)
+        output = StepOutput({})
         if self.graphs is not None and decode_only and self.graphs.fits(len(batch.seqs)):
             logits = self.graphs.run(batch)
             rows = list(range(len(batch.seqs)))
         else:
             inputs = self.prepare(batch, needs_sample)
-            hidden = self.model(inputs.input_ids, inputs.positions, self._attn_fn(inputs.md))
+            attn = self._attn_fn(inputs.md, batch, output.compacted)
+            hidden = self.model(inputs.input_ids, inputs.positions, attn)
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
             rows = inputs.sample_seqs
         if not rows:
-            return {}
+            return output
         seqs = [batch.seqs[i] for i in rows]
         tokens = sample(
             logits,
@@ -89,42 +109,91 @@ class ModelRunner:
             [self.generators.get(s.seq_id) for s in seqs],
             self.default_generator,
         ).tolist()
-        return {s.seq_id: t for s, t in zip(seqs, tokens)}
+        output.sampled = {s.seq_id: t for s, t in zip(seqs, tokens)}
+        return output
 
-    def _attn_fn(self, md: AttentionMetadata):
-        attention, scale = self.attention, self.scale
+    def _attn_fn(
+        self,
+        md: AttentionMetadata,
+        batch: ScheduledBatch | None = None,
+        compacted: dict[int, dict[int, int]] | None = None,
+    ):
+        """The model's attention function for this step, with the method's hooks around it.
+        `batch` is None in a captured decode graph (only the decode hooks can run there)."""
+        attention, scale, method = self.attention, self.scale, self.method
+        hooks = method.hooks
+        decode_hooks = hooks & {Hook.DECODE_BEFORE_ATTENTION, Hook.DECODE_AFTER_ATTENTION}
+        prefill_hooks = batch is not None and batch.num_prefills > 0 and bool(
+            hooks & {Hook.PREFILL_CHUNK, Hook.PREFILL_END})
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return attention.forward(layer, q, k, v, md, scale)
+            d = md.num_decodes
+            view = None
+            if decode_hooks and d > 0:
+                view = DecodeView(layer, q[:d], k[:d], v[:d], md.block_tables[layer, :d],
+                                  md.context_lens[layer, :d])
+                if Hook.DECODE_BEFORE_ATTENTION in hooks:
+                    method.decode_before_attention(layer, view)
+            out = attention.forward(layer, q, k, v, md, scale)
+            if view is not None and Hook.DECODE_AFTER_ATTENTION in hooks:
+                method.decode_after_attention(layer, view, out[:d])
+            if prefill_hooks:
+                self._prefill_hooks(layer, q, k, v, md, batch, compacted)
+            return out
 
         return attn
 
+    def _prefill_hooks(self, layer, q, k, v, md, batch: ScheduledBatch, compacted) -> None:
+        """prefill_chunk for every prefill chunk of the step, then prefill_end (and compaction)
+        for the chunks that end their sequence's prefill."""
+        method = self.method
+        starts = md.cu_seqlens_q.tolist()
+        for i in range(batch.num_decodes, len(batch.seqs)):
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            rows = slice(starts[i], starts[i] + n)
+            table = seq.page_tables[layer]
+            length = seq.kv_lens[layer] + n  # stored after this chunk (postprocess advances it)
+            view = PrefillView(
+                seq_id=seq.seq_id, layer=layer, num_layers=self.num_layers,
+                q=q[rows], k=k[rows], v=v[rows], start=seq.num_computed_tokens,
+                prompt_len=seq.prefill_end,
+                cache=LayerCacheView(self.attention.k_cache, self.attention.v_cache, table, length),
+            )
+            if Hook.PREFILL_CHUNK in method.hooks:
+                method.prefill_chunk(layer, view)
+            if not view.is_last or Hook.PREFILL_END not in method.hooks:
+                continue
+            plan = method.prefill_end(layer, view)
+            if plan is None:
+                continue
+            if plan.lengths is not None:
+                raise NotImplementedError("per-head variable keep counts (Ada-KV) are not supported yet")
+            kept = compact_layer(self.attention.k_cache, self.attention.v_cache, table, length, plan.indices)
+            compacted.setdefault(seq.seq_id, {})[layer] = kept
+
     def prepare(self, batch: ScheduledBatch, needs_sample: list[bool]) -> StepInputs:
-        """Flattens the batch into token ids, positions, slots and page tables."""
-        page = self.page_size
+        """Flattens the batch into token ids, logical positions, and per-layer slots and tables."""
+        page, layers = self.page_size, self.num_layers
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(layers)]
         cu = [0]
-        ctx: list[int] = []
+        ctx: list[list[int]] = [[] for _ in range(layers)]
         sample_rows: list[int] = []
         sample_seqs: list[int] = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
-            table = seq.page_table
             ids.extend(seq.token_ids[start : start + n])
-            span = range(start, start + n)
-            positions.extend(span)
-            slots.extend(table[p // page] * page + p % page for p in span)
+            positions.extend(range(start, start + n))
+            for layer in range(layers):
+                table, kv = seq.page_tables[layer], seq.kv_lens[layer]
+                slots[layer].extend(table[p // page] * page + p % page for p in range(kv, kv + n))
+                ctx[layer].append(kv + n)
             cu.append(cu[-1] + n)
-            ctx.append(start + n)
             if needs_sample[i]:
                 sample_rows.append(cu[-1] - 1)
                 sample_seqs.append(i)
-        width = max(len(s.page_table) for s in batch.seqs)
-        tables = torch.zeros((len(batch.seqs), width), dtype=torch.int32)
-        for i, seq in enumerate(batch.seqs):
-            tables[i, : len(seq.page_table)] = torch.tensor(seq.page_table, dtype=torch.int32)
+        tables = _pack_tables(batch.seqs, layers, max(len(t) for s in batch.seqs for t in s.page_tables))
         dev = self.device
 
         def to_dev(values, dtype):
@@ -137,9 +206,19 @@ class ModelRunner:
             context_lens=to_dev(ctx, torch.int32),
             num_decodes=batch.num_decodes,
             max_query_len=max(batch.num_new_tokens),
-            max_context_len=max(ctx),
+            max_context_len=max(max(c) for c in ctx),
         )
         return StepInputs(to_dev(ids, torch.int64), to_dev(positions, torch.int64), md, sample_rows, sample_seqs)
+
+
+def _pack_tables(seqs, num_layers: int, width: int) -> torch.Tensor:
+    """[L, B, width] int32 page tables, zero-padded."""
+    tables = torch.zeros((num_layers, len(seqs), width), dtype=torch.int32)
+    for i, seq in enumerate(seqs):
+        for layer, table in enumerate(seq.page_tables):
+            if table:
+                tables[layer, i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    return tables
 
 
 class _DecodeGraphs:
@@ -149,12 +228,13 @@ class _DecodeGraphs:
         self.runner = runner
         self.buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512) if b < max_num_seqs]
         self.buckets.append(max_num_seqs)
-        n, dev = self.buckets[-1], runner.device
+        n, dev, layers = self.buckets[-1], runner.device, runner.num_layers
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.tables = torch.zeros((n, runner.max_pages_per_seq), dtype=torch.int32, device=dev)
-        self.ctx = torch.zeros(n, dtype=torch.int32, device=dev)
+        # per-layer static buffers: layer l's row of each is what its kernels read
+        self.slots = torch.full((layers, n), -1, dtype=torch.int64, device=dev)
+        self.tables = torch.zeros((layers, n, runner.max_pages_per_seq), dtype=torch.int32, device=dev)
+        self.ctx = torch.zeros((layers, n), dtype=torch.int32, device=dev)
         self.cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -166,10 +246,10 @@ class _DecodeGraphs:
     def _capture(self, b: int) -> None:
         r = self.runner
         md = AttentionMetadata(
-            slot_mapping=self.slots[:b],
-            block_tables=self.tables[:b],
+            slot_mapping=self.slots[:, :b],
+            block_tables=self.tables[:, :b],
             cu_seqlens_q=self.cu[: b + 1],
-            context_lens=self.ctx[:b],
+            context_lens=self.ctx[:, :b],
             num_decodes=b,
             max_query_len=1,
             max_context_len=r.max_model_len,
@@ -201,22 +281,24 @@ class _DecodeGraphs:
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
         if b not in self.graphs:
             self._capture(b)
-        page = self.runner.page_size
-        ids, pos, slots = [], [], []
-        tables = torch.zeros((b, self.tables.shape[1]), dtype=torch.int32)
-        ctx = torch.zeros(b, dtype=torch.int32)
+        page, layers = self.runner.page_size, self.runner.num_layers
+        ids, pos = [], []
+        slots = torch.full((layers, b), -1, dtype=torch.int64)
+        ctx = torch.zeros((layers, b), dtype=torch.int32)
         for i, seq in enumerate(batch.seqs):
             p = seq.num_computed_tokens
             ids.append(seq.token_ids[p])
             pos.append(p)
-            slots.append(seq.page_table[p // page] * page + p % page)
-            tables[i, : len(seq.page_table)] = torch.tensor(seq.page_table, dtype=torch.int32)
-            ctx[i] = p + 1
+            for layer, (table, kv) in enumerate(zip(seq.page_tables, seq.kv_lens)):
+                slots[layer, i] = table[kv // page] * page + kv % page
+                ctx[layer, i] = kv + 1
+        tables = torch.zeros((layers, b, self.tables.shape[2]), dtype=torch.int32)
+        tables[:, :n] = _pack_tables(batch.seqs, layers, self.tables.shape[2])
         pad = b - n
         self.input_ids[:b].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
         self.positions[:b].copy_(torch.tensor(pos + [0] * pad), non_blocking=True)
-        self.slots[:b].copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
-        self.tables[:b].copy_(tables, non_blocking=True)
-        self.ctx[:b].copy_(ctx, non_blocking=True)
+        self.slots[:, :b].copy_(slots, non_blocking=True)
+        self.tables[:, :b].copy_(tables, non_blocking=True)
+        self.ctx[:, :b].copy_(ctx, non_blocking=True)
         self.graphs[b].replay()
         return self.logits[b][:n]

@@ -12,6 +12,10 @@ Pages are taken lazily, as many as the tokens computed after this step need. Whe
 sequence needs a page and none is free, the most recently arrived running sequence is preempted
 (possibly the one asking): its pages go back, and it rejoins the front of the waiting queue to be
 recomputed from all its tokens later, through the prefix cache where its pages survived.
+
+Memory is per layer: each sequence has a page table per layer over one global pool, and a layer
+needs pages for its physical length `kv_lens[layer]`, which a method's prefill_end compaction can
+shrink (the runner reports it; `postprocess` frees the pages past the kept tokens at once).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 
 from kvc.runtime.errors import ConfigError, OutOfKVMemory, PromptTooLongError
 from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.method_api import FullBudget, KVBudget
 from kvc.runtime.sequence import FINISH_ABORT, FINISH_LENGTH, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -78,9 +83,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: PagePool) -> None:
+    def __init__(
+        self, config: SchedulerConfig, pool: PagePool, num_layers: int = 1, budget: KVBudget | None = None
+    ) -> None:
         self.config = config
         self.pool = pool
+        self.num_layers = num_layers
+        self.budget = budget or FullBudget()
         self.prefix_caching = config.enable_prefix_caching and pool.enable_prefix_caching
         self.waiting: deque[Sequence] = deque()  # by arrival; preempted ones rejoin the front
         self.running: list[Sequence] = []  # by arrival; the last one is preempted first
@@ -101,7 +110,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queues a new sequence; raises if it could never run, even alone."""
-        if seq.status is not SequenceStatus.WAITING or seq.page_table or seq.seq_id in self._live:
+        if seq.status is not SequenceStatus.WAITING or seq.holds_pages or seq.seq_id in self._live:
             raise ValueError(f"{seq} cannot be added: it is not a fresh waiting sequence")
         n = len(seq.token_ids)
         if n + 1 > seq.max_model_len:
@@ -110,7 +119,9 @@ class Scheduler:
                 "(prompt plus at least one new token must fit)",
                 param="prompt",
             )
-        needed = self.pool.pages_for(n + 1)
+        if seq.num_layers != self.num_layers:
+            raise ValueError(f"{seq} has {seq.num_layers} page tables, the model {self.num_layers} layers")
+        needed = self.pages_needed(n, n + 1)
         if needed > self.pool.num_pages:
             raise OutOfKVMemory(
                 f"a prompt of {n} tokens plus one new token needs {needed} KV pages of "
@@ -123,6 +134,20 @@ class Scheduler:
         else:  # rare: added out of arrival order
             i = bisect.bisect_right([s.arrival for s in self.waiting], seq.arrival)
             self.waiting.insert(i, seq)
+
+    def pages_needed(self, prompt_len: int, context_len: int) -> int:
+        """Pages (all layers) a request holds at its worst: its prefill peak or its steady state at
+        `context_len` tokens, by the method's budget."""
+        b, size = self.budget, self.pool.page_size
+        return sum(
+            -(-max(b.peak_tokens(prompt_len, layer), b.steady_tokens(context_len, layer)) // size)
+            for layer in range(self.num_layers)
+        )
+
+    def _growth(self, seq: Sequence, n: int) -> int:
+        """Fresh pages seq needs so every layer can store n more tokens."""
+        pages_for = self.pool.pages_for
+        return sum(pages_for(kv + n) - len(t) for kv, t in zip(seq.kv_lens, seq.page_tables))
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Finishes a waiting or running sequence at once, freeing its pages. Unknown ids: None."""
@@ -147,7 +172,7 @@ class Scheduler:
         def reserve(seq: Sequence, n: int) -> bool:
             """Pages for seq's next n tokens, preempting the newest running sequences for them."""
             nonlocal budget, preempted
-            need = self.pool.pages_for(seq.num_computed_tokens + n) - len(seq.page_table)
+            need = self._growth(seq, n)
             while need > self.pool.num_free:
                 victim = self.running[-1]
                 budget += step.pop(victim.seq_id, 0)  # it may already be in this step
@@ -155,7 +180,8 @@ class Scheduler:
                 preempted = True
                 if victim is seq:
                     return False
-            seq.page_table += self.pool.allocate(need)
+            for kv, table in zip(seq.kv_lens, seq.page_tables):
+                table += self.pool.allocate(self.pool.pages_for(kv + n) - len(table))
             return True
 
         decoding = [s for s in self.running if not s.is_prefill]  # one uncomputed token each
@@ -190,17 +216,21 @@ class Scheduler:
         pool = self.pool
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            hits = pool.lookup(seq.token_ids) if self.prefix_caching else []
-            computed = len(hits) * pool.page_size
+            layers = self.num_layers
+            hits = pool.lookup_layers(seq.token_ids, layers) if self.prefix_caching else [[]] * layers
+            computed = len(hits[0]) * pool.page_size
             n = min(len(seq.token_ids) - computed, budget, chunk_cap)
-            fresh = pool.pages_for(computed + n) - len(hits)
-            revived = sum(pool.ref_count(p) == 0 for p in hits)  # cached hits leave the free count
-            if fresh + revived > pool.num_free:
+            # the prompt stays resident until prefill_end: every layer needs pages for computed + n
+            fresh = pool.pages_for(computed + n) - len(hits[0])
+            revived = sum(pool.ref_count(p) == 0 for table in hits for p in table)  # cached hits
+            if fresh * layers + revived > pool.num_free:
                 break
             self.waiting.popleft()
             if self.prefix_caching:
-                hits = pool.match_prefix(seq.token_ids)
-            seq.page_table = hits + pool.allocate(fresh)
+                hits = pool.match_prefix_layers(seq.token_ids, layers)
+            seq.page_tables = [table + pool.allocate(fresh) for table in hits]
+            seq.kv_lens = [computed] * layers
+            seq.compressed = False
             seq.num_computed_tokens = seq.num_cached_tokens = computed
             seq.prefill_end = len(seq.token_ids)
             seq.status = SequenceStatus.RUNNING
@@ -212,23 +242,34 @@ class Scheduler:
         """Back to the front of the waiting queue, without pages; it will recompute everything."""
         log.debug("preempting %s", seq)
         self.running.remove(seq)
-        self.pool.free(seq.page_table)
-        seq.page_table = []
+        self._free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
-        """Advances the step's sequences, appends their sampled tokens; returns the finished."""
+    def postprocess(
+        self,
+        batch: ScheduledBatch,
+        sampled: dict[int, int],
+        compacted: dict[int, dict[int, int]] | None = None,
+    ) -> list[Sequence]:
+        """Advances the step's sequences, appends their sampled tokens; returns the finished.
+
+        `compacted[seq_id][layer]` is the physical length a method's keep plan left in that layer
+        during the step: the pages past it go back to the pool now."""
         finished = []
+        compacted = compacted or {}
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.needs_sample()):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
-            if self.prefix_caching:
+            seq.kv_lens = [kv + n for kv in seq.kv_lens]
+            for layer, kept in compacted.get(seq.seq_id, {}).items():
+                self._shrink(seq, layer, kept)
+            if self.prefix_caching and not seq.compressed:
                 self._register_full_pages(seq, before)
             if not samples:
                 continue
@@ -236,7 +277,7 @@ class Scheduler:
                 raise ValueError(f"sequence {seq.seq_id} reached its last token but got no sample")
             seq.append_token(sampled[seq.seq_id])
             reason = seq.check_stop()
-            if reason is None and len(seq.token_ids) > self.pool.num_pages * self.pool.page_size:
+            if reason is None and self._growth(seq, 1) + self._held(seq) > self.pool.num_pages:
                 # The pool could not hold this token's K/V even with the sequence alone in it.
                 reason = FINISH_LENGTH
             if reason is not None:
@@ -254,10 +295,27 @@ class Scheduler:
             prev = seq.page_hashes[i - 1] if i else None
             seq.page_hashes.append(self.pool.page_hash(prev, seq.token_ids[i * size : (i + 1) * size]))
         for i in range(first, end):
-            self.pool.register(seq.page_table[i], seq.page_hashes[i])
+            for layer, table in enumerate(seq.page_tables):
+                self.pool.register(table[i], self.pool.layer_key(seq.page_hashes[i], layer))
+
+    @staticmethod
+    def _held(seq: Sequence) -> int:
+        return sum(len(t) for t in seq.page_tables)
+
+    def _shrink(self, seq: Sequence, layer: int, kept: int) -> None:
+        """Layer `layer` of seq now stores `kept` tokens: free the pages past them."""
+        table = seq.page_tables[layer]
+        keep_pages = self.pool.pages_for(kept)
+        self.pool.free(table[keep_pages:])
+        del table[keep_pages:]
+        seq.kv_lens[layer] = kept
+        seq.compressed = True
+
+    def _free(self, seq: Sequence) -> None:
+        for table in seq.reset_cache():
+            self.pool.free(table)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.pool.free(seq.page_table)
-        seq.page_table = []
+        self._free(seq)
         seq.finish(reason)
         del self._live[seq.seq_id]

@@ -2,8 +2,12 @@
 
 A `Sequence` is created by the engine for each request, handed to the `Scheduler`, and moves
 WAITING -> RUNNING -> FINISHED (RUNNING -> WAITING again when it is preempted). The scheduler owns
-the bookkeeping fields (`num_computed_tokens`, `page_table`, `page_hashes`, `status`); the model
-runner only reads them to build a step.
+the bookkeeping fields (`num_computed_tokens`, `page_tables`, `kv_lens`, `page_hashes`, `status`);
+the model runner only reads them to build a step.
+
+Logical vs physical length: `num_computed_tokens` counts the tokens whose K/V were computed (RoPE
+positions continue from it), while `kv_lens[layer]` counts the tokens layer `layer` actually
+stores in `page_tables[layer]` (fewer once a method compacted the layer). For `full` they agree.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ class StopParams(Protocol):
 class Sequence:
     """A request's token history and cache bookkeeping.
 
-    Invariant while RUNNING: `page_table` holds enough pages for `num_computed_tokens` tokens
-    (page i holds tokens [i * page_size, (i + 1) * page_size)). The K/V of the last sampled token
+    Invariant while RUNNING: `page_tables[l]` holds enough pages for `kv_lens[l]` tokens (page i
+    holds stored tokens [i * page_size, (i + 1) * page_size)). The K/V of the last sampled token
     is computed by the next step, so a decoding sequence has
     `num_computed_tokens == len(token_ids) - 1` between steps.
     """
@@ -53,6 +57,7 @@ class Sequence:
         eos_token_ids: Seq[int] = (),
         max_model_len: int,
         arrival: int | None = None,
+        num_layers: int = 1,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise KvcError("the prompt is empty; give at least one token", param="prompt")
@@ -69,7 +74,9 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # prefix-cache hits at the last admission (for reporting)
         self.num_preemptions = 0
-        self.page_table: list[int] = []
+        self.page_tables: list[list[int]] = [[] for _ in range(num_layers)]
+        self.kv_lens: list[int] = [0] * num_layers  # physical tokens stored per layer
+        self.compressed = False  # a method compacted it: pages no longer equal the logical tokens
         # Chained hashes of the full pages of `token_ids`, filled by the scheduler as pages are
         # computed. Tokens never change once appended, so the list survives preemption.
         self.page_hashes: list[bytes] = []
@@ -80,8 +87,29 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, {self.status.name}, tokens={len(self.token_ids)}, "
-            f"computed={self.num_computed_tokens}, pages={self.page_table})"
+            f"computed={self.num_computed_tokens}, pages={self.page_tables[0]})"
         )
+
+    @property
+    def page_table(self) -> list[int]:
+        """Layer 0's page table (with one layer, the page table)."""
+        return self.page_tables[0]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.page_tables)
+
+    @property
+    def holds_pages(self) -> bool:
+        return any(self.page_tables)
+
+    def reset_cache(self) -> list[list[int]]:
+        """Forgets all stored K/V (preemption, finish); returns the tables to free."""
+        tables = self.page_tables
+        self.page_tables = [[] for _ in tables]
+        self.kv_lens = [0] * len(tables)
+        self.compressed = False
+        return tables
 
     @property
     def num_generated(self) -> int:

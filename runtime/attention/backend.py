@@ -4,7 +4,8 @@ The model runner calls `PagedAttention.forward` once per layer with the step's n
 `AttentionMetadata`. The step's K/V are stored first; then the decoding sequences (the first
 `num_decodes`, one token each) go to `paged_decode` and the prefill chunks to `paged_prefill`,
 both writing into one output tensor. `backend` picks the implementation: "torch"
-(`torch_ops.py`, CPU, the parity oracle) or "triton" (`triton_ops.py`, GPU).
+(`torch_ops.py`, CPU, the parity oracle) or "triton" (`triton_ops.py`, GPU). The kernels see one
+layer: the pool plus that layer's row of the per-layer tables, lengths and slots.
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ from kvc.runtime.errors import ConfigError
 BACKENDS = ("torch", "triton")
 
 
-def kv_bytes_per_page(
-    num_layers: int, num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    """Bytes one page costs across all layers, keys and values together."""
-    return 2 * num_layers * num_kv_heads * page_size * head_dim * dtype.itemsize
+def kv_bytes_per_page(num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one page (one layer's page_size tokens) costs, keys and values together."""
+    return 2 * num_kv_heads * page_size * head_dim * dtype.itemsize
 
 
 def load_ops(backend: str, device: torch.device) -> ModuleType:
@@ -53,14 +52,18 @@ def load_ops(backend: str, device: torch.device) -> ModuleType:
 
 
 class PagedAttention:
-    """Per-layer paged K/V caches, each [num_layers, num_pages, Hkv, page_size, D], and a backend."""
+    """The global paged K/V pool, k_cache and v_cache each [num_pages, Hkv, page_size, D] (a page
+    belongs to one layer of one sequence at a time), and a backend."""
 
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str = "torch") -> None:
-        if k_cache.shape != v_cache.shape or k_cache.dim() != 5:
+    def __init__(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str = "torch", num_layers: int = 1
+    ) -> None:
+        if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
             raise ValueError(
-                "k_cache and v_cache must both be [num_layers, num_pages, num_kv_heads, page_size, "
-                f"head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+                "k_cache and v_cache must both be [num_pages, num_kv_heads, page_size, head_dim], "
+                f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
             )
+        self.num_layers = num_layers
         self.k_cache = k_cache
         self.v_cache = v_cache
         self.backend = backend
@@ -78,26 +81,18 @@ class PagedAttention:
         device: torch.device | str,
         backend: str = "torch",
     ) -> PagedAttention:
-        shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
+        shape = (num_pages, num_kv_heads, page_size, head_dim)
         k_cache = torch.zeros(shape, dtype=dtype, device=device)
         v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        return cls(k_cache, v_cache, backend)
-
-    @property
-    def num_layers(self) -> int:
-        return self.k_cache.shape[0]
+        return cls(k_cache, v_cache, backend, num_layers)
 
     @property
     def num_pages(self) -> int:
-        return self.k_cache.shape[1]
+        return self.k_cache.shape[0]
 
     @property
     def page_size(self) -> int:
-        return self.k_cache.shape[3]
-
-    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's (k_cache, v_cache), each [num_pages, Hkv, page_size, D]."""
-        return self.k_cache[layer_idx], self.v_cache[layer_idx]
+        return self.k_cache.shape[2]
 
     def forward(
         self,
@@ -114,23 +109,24 @@ class PagedAttention:
         (num_decodes == B) touches no host value: it can be captured in a CUDA graph with the
         triton backend.
         """
-        k_cache, v_cache = self.layer(layer_idx)
+        k_cache, v_cache = self.k_cache, self.v_cache
+        tables, lens = md.block_tables[layer_idx], md.context_lens[layer_idx]
         ops = self.ops
-        ops.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        ops.store_kv(k, v, k_cache, v_cache, md.slot_mapping[layer_idx])
         out = torch.empty_like(q)
         num_decodes = md.num_decodes
         if num_decodes > 0:
             ops.paged_decode(
                 q[:num_decodes], k_cache, v_cache,
-                md.block_tables[:num_decodes], md.context_lens[:num_decodes], scale,
+                tables[:num_decodes], lens[:num_decodes], scale,
                 max_context_len=md.max_context_len, out=out[:num_decodes],
             )
         if md.num_prefills > 0:
             # Each decode owns exactly one token, so the prefill tokens start at num_decodes.
             ops.paged_prefill(
                 q[num_decodes:], k_cache, v_cache,
-                md.block_tables[num_decodes:], md.cu_seqlens_q[num_decodes:] - num_decodes,
-                md.context_lens[num_decodes:], scale, md.max_query_len,
+                tables[num_decodes:], md.cu_seqlens_q[num_decodes:] - num_decodes,
+                lens[num_decodes:], scale, md.max_query_len,
                 out=out[num_decodes:],
             )
         return out

@@ -4,7 +4,9 @@ A step is a flat list of new tokens from several sequences ("varlen" layout): th
 sequences first (one token each), then prefill chunks. Each sequence's K/V live in the paged cache;
 the new tokens' K/V are written at `slot_mapping` before attention reads them back.
 
-Cache layout (per layer): k_cache, v_cache of shape [num_pages, num_kv_heads, page_size, head_dim].
+Cache layout: one global pool k_cache, v_cache of shape [num_pages, num_kv_heads, page_size,
+head_dim] shared by all layers; each layer of each sequence has its own page table, so the tables,
+physical lengths and slots below carry a leading layer axis (layer l's row is what the kernels see).
 A slot is `page_id * page_size + offset`; slot -1 means "padding, write nothing".
 """
 
@@ -17,17 +19,17 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V go; -1 = skip
-    block_tables: torch.Tensor  # [B, max_pages] int32: page ids per sequence (padding: 0)
+    slot_mapping: torch.Tensor  # [L, T] int64: where each new token's K/V go per layer; -1 = skip
+    block_tables: torch.Tensor  # [L, B, max_pages] int32: page ids per layer and sequence (pad: 0)
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: offsets of each sequence's new tokens in the step
-    context_lens: torch.Tensor  # [B] int32: KV length of each sequence after this step's tokens
+    context_lens: torch.Tensor  # [L, B] int32: physical KV length per layer after this step
     num_decodes: int  # the first num_decodes sequences each have exactly one new token
     max_query_len: int  # longest run of new tokens of one sequence in this step
     max_context_len: int  # longest context_lens entry
 
     @property
     def num_seqs(self) -> int:
-        return self.context_lens.shape[0]
+        return self.context_lens.shape[1]
 
     @property
     def num_prefills(self) -> int:

@@ -10,6 +10,8 @@ backend, indexed by the same ids. A page is in exactly one of three places:
 
 Prefix caching hashes FULL pages in a chain, h_i = H(h_{i-1}, tokens of page i, salt), so a page's
 hash names its whole prefix. The salt fingerprints whatever else changes the K/V (model, method).
+Each layer has its own pages (one global pool, per-layer page tables): layer l's page of a prefix
+is registered under `layer_key(h, l)` (layer 0 under h itself), and a hit gives every layer's page.
 """
 
 from __future__ import annotations
@@ -143,6 +145,37 @@ class PagePool:
                 break
             pages.append(page)
         return pages
+
+    @staticmethod
+    def layer_key(page_hash: bytes, layer: int) -> bytes:
+        """The key of layer `layer`'s page of the prefix named by `page_hash`."""
+        if layer == 0:
+            return page_hash
+        return hashlib.blake2b(page_hash + struct.pack("<q", layer), digest_size=_DIGEST).digest()
+
+    def lookup_layers(self, token_ids: Seq[int], num_layers: int) -> list[list[int]]:
+        """Per layer, the cached pages of the longest leading run of full pages that every layer
+        still holds (as `lookup`, capped so the last token is computed); changes nothing."""
+        tables: list[list[int]] = [[] for _ in range(num_layers)]
+        if not self.enable_prefix_caching:
+            return tables
+        for h in self.prefix_hashes(token_ids, (len(token_ids) - 1) // self.page_size):
+            pages = [self._hash_page.get(self.layer_key(h, layer)) for layer in range(num_layers)]
+            if any(page is None for page in pages):
+                break
+            for table, page in zip(tables, pages):
+                table.append(page)
+        return tables
+
+    def match_prefix_layers(self, token_ids: Seq[int], num_layers: int) -> list[list[int]]:
+        """Like `lookup_layers`, but takes a reference on each hit page and counts the query."""
+        tables = self.lookup_layers(token_ids, num_layers)
+        for table in tables:
+            self.acquire(table)
+        if self.enable_prefix_caching:
+            self._queries += len(token_ids)
+            self._hits += len(tables[0]) * self.page_size
+        return tables
 
     def match_prefix(self, token_ids: Seq[int]) -> list[int]:
         """Like `lookup`, but takes a reference on each hit page and counts the query."""

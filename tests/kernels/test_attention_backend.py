@@ -22,7 +22,8 @@ NUM_KV_HEADS = 2
 
 
 def build_step(gen, decode_lens, prefill_shapes, group, page_size, device="cpu"):
-    """(attention with 2 layers, q, k, v, metadata, expected out, expected layer-1 caches).
+    """(pool caches, q, k, v, metadata for 2 layers (layer 1 is the case's), expected out,
+    expected caches after the step).
 
     decode_lens: context length after the step of each decode (0 = padding row);
     prefill_shapes: (context length after the step, new tokens) of each prefill chunk.
@@ -47,38 +48,36 @@ def build_step(gen, decode_lens, prefill_shapes, group, page_size, device="cpu")
             expected.append(reference_attention(q_b, case.keys[b], case.values[b], 0.3, list(range(n - q_len, n))))
         cu.append(cu[-1] + q_len)
 
-    other_layer = torch.randn(case.k_cache.shape, generator=gen).to(device)
-    k_cache = torch.stack([other_layer, case.k_cache])
-    v_cache = torch.stack([other_layer, case.v_cache])
-    want_caches = (k_cache[1].clone(), v_cache[1].clone())
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    want_caches = (k_cache.clone(), v_cache.clone())
     slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
     valid = slot_mapping[slot_mapping >= 0]
     for cache in (k_cache, v_cache):  # the step's own slots start out as garbage
-        cache[1, valid // page_size, :, valid % page_size] = torch.randn(
+        cache[valid // page_size, :, valid % page_size] = torch.randn(
             len(valid), NUM_KV_HEADS, HEAD_DIM, generator=gen).to(device)
 
+    # Layer 0's row points nowhere useful (all slots skipped, lengths 0): forward(1) must not read it.
     md = AttentionMetadata(
-        slot_mapping=slot_mapping,
-        block_tables=case.block_tables,
+        slot_mapping=torch.stack([torch.full_like(slot_mapping, -1), slot_mapping]),
+        block_tables=torch.stack([torch.zeros_like(case.block_tables), case.block_tables]),
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-        context_lens=case.context_lens,
+        context_lens=torch.stack([torch.zeros_like(case.context_lens), case.context_lens]),
         num_decodes=len(decode_lens),
         max_query_len=max(new_tokens),
         max_context_len=max(lengths),
     )
     step = (torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts), md)
-    return k_cache, v_cache, step, torch.cat(expected), want_caches, other_layer
+    return k_cache, v_cache, step, torch.cat(expected), want_caches
 
 
 def check_step(backend, gen, decode_lens, prefill_shapes, group, page_size, device="cpu", atol=2e-5):
-    k_cache, v_cache, (q, k, v, md), want, want_caches, other = build_step(
+    k_cache, v_cache, (q, k, v, md), want, want_caches = build_step(
         gen, decode_lens, prefill_shapes, group, page_size, device)
-    attention = PagedAttention(k_cache, v_cache, backend)
+    attention = PagedAttention(k_cache, v_cache, backend, num_layers=2)
     out = attention.forward(1, q, k, v, md, 0.3)
     torch.testing.assert_close(out.double(), want, atol=atol, rtol=1e-4)
-    assert torch.equal(attention.k_cache[1], want_caches[0])
-    assert torch.equal(attention.v_cache[1], want_caches[1])
-    assert torch.equal(attention.k_cache[0], other) and torch.equal(attention.v_cache[0], other)
+    assert torch.equal(attention.k_cache, want_caches[0])
+    assert torch.equal(attention.v_cache, want_caches[1])
 
 
 @settings(max_examples=40, deadline=None)
@@ -112,9 +111,10 @@ def test_triton_backend_steps(decode_lens, prefill_shapes):
 def test_allocate_and_page_bytes():
     attention = PagedAttention.allocate(num_layers=3, num_pages=7, num_kv_heads=2, page_size=4, head_dim=8,
                                         dtype=torch.bfloat16, device="cpu")
-    assert attention.k_cache.shape == (3, 7, 2, 4, 8) and attention.v_cache.dtype == torch.bfloat16
+    # one global pool: pages are interchangeable across layers
+    assert attention.k_cache.shape == (7, 2, 4, 8) and attention.v_cache.dtype == torch.bfloat16
     assert attention.page_size == 4 and attention.num_pages == 7 and attention.num_layers == 3
-    assert kv_bytes_per_page(3, 2, 4, 8, torch.bfloat16) == 2 * 3 * 2 * 4 * 8 * 2
+    assert kv_bytes_per_page(2, 4, 8, torch.bfloat16) == 2 * 2 * 4 * 8 * 2
 
 
 def test_unknown_backend_is_a_config_error():

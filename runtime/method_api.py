@@ -1,0 +1,205 @@
+"""The lifecycle contract between the engine and a KV-cache method (ARCHITECTURE.md, "the heart").
+
+The engine knows nothing about any method: it calls an object satisfying `KVMethod` at fixed
+points, with the typed views below. `full` (`methods_builtin.py`) implements every hook as a no-op;
+the compiler generates hook modules (kernels_generated/<method>/) implementing the same Protocol.
+
+Points, in the order a request meets them:
+
+- `layout(...)`  once, at engine start: bytes per stored token per layer and the storage dtype; the
+  page pool is sized from it.
+- `budget`       at admission: physical tokens per layer a request holds at its prefill peak and at
+  steady state (a function of context length and layer), so the scheduler admits by real memory.
+- `prefill_chunk(layer, view)`   after a chunk's K/V are stored and its attention ran.
+- `prefill_end(layer, view)`     right after the last prompt chunk of that layer (same forward), ->
+  an optional `KeepPlan`; the engine compacts the layer's pages to it before any decode.
+- `decode_before_attention(layer, view)` / `decode_after_attention(layer, view, out)`: decode
+  steps; they must stay free of host syncs (decode steps are CUDA-graph captured).
+- `step_end(seq_ids)`           after each engine step's bookkeeping.
+- `turn_end(seq_id)` / `turn_resume(seq_id, state)`: chain cache (not called yet: a later issue).
+- `release(seq_id)`             the sequence's pages were freed (finish, abort, preemption).
+
+The engine only calls the points named in `hooks`, so a method pays for nothing it does not use.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+class Hook(enum.Enum):
+    PREFILL_CHUNK = "prefill_chunk"
+    PREFILL_END = "prefill_end"
+    DECODE_BEFORE_ATTENTION = "decode_before_attention"
+    DECODE_AFTER_ATTENTION = "decode_after_attention"
+    STEP_END = "step_end"
+    TURN = "turn"  # turn_end / turn_resume
+    RELEASE = "release"
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How a method stores one token of one layer."""
+
+    dtype: torch.dtype
+    bytes_per_token: int  # per layer, keys and values together (page summaries included)
+
+
+@runtime_checkable
+class KVBudget(Protocol):
+    """Physical tokens per layer a request holds (what its pages must cover)."""
+
+    def peak_tokens(self, prompt_len: int, layer: int) -> int:
+        """At the prefill peak: before prefill_end compacts, the whole prompt is resident."""
+        ...
+
+    def steady_tokens(self, context_len: int, layer: int) -> int:
+        """After compression, for a request whose logical context is `context_len` tokens."""
+        ...
+
+
+@dataclass(frozen=True)
+class FullBudget:
+    """Every token stays: physical length = logical length."""
+
+    def peak_tokens(self, prompt_len: int, layer: int) -> int:
+        return prompt_len
+
+    def steady_tokens(self, context_len: int, layer: int) -> int:
+        return context_len
+
+
+@dataclass
+class LayerCacheView:
+    """One sequence's stored K/V in one layer: `page_ids` of the global pool hold `length` tokens."""
+
+    k_cache: torch.Tensor  # the whole pool, [num_pages, Hkv, page_size, D]
+    v_cache: torch.Tensor
+    page_ids: list[int]
+    length: int  # physical tokens stored (slot i of the sequence = page i // S, offset i % S)
+
+    def _dense(self, cache: torch.Tensor) -> torch.Tensor:
+        pages = cache[torch.tensor(self.page_ids, dtype=torch.long, device=cache.device)]
+        return pages.movedim(1, 0).flatten(1, 2)[:, : self.length]  # [Hkv, length, D]
+
+    def keys(self) -> torch.Tensor:
+        """Dense copy [Hkv, length, D] (post-RoPE keys)."""
+        return self._dense(self.k_cache)
+
+    def values(self) -> torch.Tensor:
+        return self._dense(self.v_cache)
+
+
+@dataclass
+class PrefillView:
+    """One sequence's prefill chunk in one layer, after its K/V are stored."""
+
+    seq_id: int
+    layer: int
+    num_layers: int
+    q: torch.Tensor  # [n, Hq, D] post-RoPE queries of the chunk
+    k: torch.Tensor  # [n, Hkv, D]
+    v: torch.Tensor  # [n, Hkv, D]
+    start: int  # logical position of the chunk's first token (0: a new prefill; reset state)
+    prompt_len: int  # tokens this prefill covers (prompt, or prompt + generated on recompute)
+    cache: LayerCacheView  # includes the chunk
+
+    @property
+    def is_last(self) -> bool:
+        return self.start + self.q.shape[0] == self.prompt_len
+
+
+@dataclass
+class KeepPlan:
+    """Which stored tokens of one layer survive: `indices[h]` are physical token indices of KV
+    head h, ascending, every head keeping the same count in this step.
+
+    Extension point (Ada-KV): per-head variable counts will come as `lengths [Hkv]` with indices
+    padded to the largest; the engine then needs per-head lengths in its metadata. Until then a
+    plan with `lengths` set is rejected."""
+
+    indices: torch.Tensor  # [Hkv, kept] int64
+    lengths: torch.Tensor | None = None
+
+    @property
+    def kept(self) -> int:
+        return self.indices.shape[1]
+
+
+@dataclass
+class DecodeView:
+    """A decode step's tensors in one layer (static shapes: CUDA-graph safe, no host values)."""
+
+    layer: int
+    q: torch.Tensor  # [B, Hq, D]
+    k: torch.Tensor  # [B, Hkv, D]
+    v: torch.Tensor
+    block_tables: torch.Tensor  # [B, max_pages] this layer's tables
+    context_lens: torch.Tensor  # [B] physical lengths after the step's token
+
+
+@runtime_checkable
+class KVMethod(Protocol):
+    name: str
+    hooks: frozenset[Hook]
+    compacts: bool  # may physical length drop below logical? (then no prefix caching)
+    budget: KVBudget
+
+    def layout(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVLayout: ...
+
+    def prefill_chunk(self, layer: int, view: PrefillView) -> None: ...
+
+    def prefill_end(self, layer: int, view: PrefillView) -> KeepPlan | None: ...
+
+    def decode_before_attention(self, layer: int, view: DecodeView) -> None: ...
+
+    def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None: ...
+
+    def step_end(self, seq_ids: Seq[int]) -> None: ...
+
+    def turn_end(self, seq_id: int) -> Any: ...
+
+    def turn_resume(self, seq_id: int, state: Any) -> None: ...
+
+    def release(self, seq_id: int) -> None: ...
+
+
+class MethodBase:
+    """Default no-op hooks and the dense K/V layout; methods override what they use."""
+
+    name = "base"
+    hooks: frozenset[Hook] = frozenset()
+    compacts = False
+    budget: KVBudget = FullBudget()
+
+    def layout(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVLayout:
+        return KVLayout(dtype=dtype, bytes_per_token=2 * num_kv_heads * head_dim * dtype.itemsize)
+
+    def prefill_chunk(self, layer: int, view: PrefillView) -> None:
+        return None
+
+    def prefill_end(self, layer: int, view: PrefillView) -> KeepPlan | None:
+        return None
+
+    def decode_before_attention(self, layer: int, view: DecodeView) -> None:
+        return None
+
+    def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None:
+        return None
+
+    def step_end(self, seq_ids: Seq[int]) -> None:
+        return None
+
+    def turn_end(self, seq_id: int) -> Any:
+        return None
+
+    def turn_resume(self, seq_id: int, state: Any) -> None:
+        return None
+
+    def release(self, seq_id: int) -> None:
+        return None
