@@ -17,6 +17,7 @@ import bisect
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvc.runtime.attention.backend import PagedAttention
@@ -68,6 +69,7 @@ class ModelRunner:
         self.device = device
         self.scale = model.spec.head_dim**-0.5
         self.max_pages_per_seq = -(-max_model_len // page_size)
+        self.tables = _TableCache(self.num_layers, self.max_pages_per_seq)
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
@@ -84,6 +86,7 @@ class ModelRunner:
 
     def remove_request(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
+        self.tables.drop(seq_id)
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -176,31 +179,35 @@ class ModelRunner:
         page, layers = self.page_size, self.num_layers
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[list[int]] = [[] for _ in range(layers)]
+        slots: list[np.ndarray] = []  # per sequence [L, n]: new tokens go after each layer's stored ones
         cu = [0]
-        ctx: list[list[int]] = [[] for _ in range(layers)]
+        ctx: list[list[int]] = []
         sample_rows: list[int] = []
         sample_seqs: list[int] = []
+        tables_np = self.tables.pack_numpy(batch.seqs, max(len(t) for s in batch.seqs for t in s.page_tables))
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            for layer in range(layers):
-                table, kv = seq.page_tables[layer], seq.kv_lens[layer]
-                slots[layer].extend(table[p // page] * page + p % page for p in range(kv, kv + n))
-                ctx[layer].append(kv + n)
+            kv = np.asarray(seq.kv_lens, dtype=np.int64)
+            phys = kv[:, None] + np.arange(n, dtype=np.int64)[None, :]  # [L, n] physical offsets
+            pages = np.take_along_axis(tables_np[:, i, :], phys // page, axis=1)
+            slots.append(pages.astype(np.int64) * page + phys % page)
+            ctx.append((kv + n).tolist())
             cu.append(cu[-1] + n)
             if needs_sample[i]:
                 sample_rows.append(cu[-1] - 1)
                 sample_seqs.append(i)
-        tables = _pack_tables(batch.seqs, layers, max(len(t) for s in batch.seqs for t in s.page_tables))
+        tables = torch.from_numpy(tables_np)
         dev = self.device
+        ctx = [list(c) for c in zip(*ctx)]  # [L, B]
+        slots = np.concatenate(slots, axis=1)
 
         def to_dev(values, dtype):
             return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
 
         md = AttentionMetadata(
-            slot_mapping=to_dev(slots, torch.int64),
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
             block_tables=tables.to(dev, non_blocking=True),
             cu_seqlens_q=to_dev(cu, torch.int32),
             context_lens=to_dev(ctx, torch.int32),
@@ -211,14 +218,36 @@ class ModelRunner:
         return StepInputs(to_dev(ids, torch.int64), to_dev(positions, torch.int64), md, sample_rows, sample_seqs)
 
 
-def _pack_tables(seqs, num_layers: int, width: int) -> torch.Tensor:
-    """[L, B, width] int32 page tables, zero-padded."""
-    tables = torch.zeros((num_layers, len(seqs), width), dtype=torch.int32)
-    for i, seq in enumerate(seqs):
-        for layer, table in enumerate(seq.page_tables):
-            if table:
-                tables[layer, i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    return tables
+class _TableCache:
+    """Per-sequence [L, W] int32 copies of the page tables, rebuilt only when the sequence's
+    `tables_version` changes: most decode steps reuse them, so a step costs one stack, not
+    L x B list-to-array conversions."""
+
+    def __init__(self, num_layers: int, width: int) -> None:
+        self.num_layers = num_layers
+        self.width = width
+        self._arrays: dict[int, tuple[int, np.ndarray]] = {}
+
+    def pack(self, seqs, width: int) -> torch.Tensor:
+        """[L, B, width] int32 page tables of `seqs`, zero-padded."""
+        return torch.from_numpy(self.pack_numpy(seqs, width))
+
+    def pack_numpy(self, seqs, width: int) -> np.ndarray:
+        rows = []
+        for seq in seqs:
+            hit = self._arrays.get(seq.seq_id)
+            if hit is None or hit[0] != seq.tables_version:
+                longest = max((len(t) for t in seq.page_tables), default=0)
+                arr = np.zeros((self.num_layers, max(self.width, longest)), dtype=np.int32)
+                for layer, table in enumerate(seq.page_tables):
+                    arr[layer, : len(table)] = table
+                hit = (seq.tables_version, arr)
+                self._arrays[seq.seq_id] = hit
+            rows.append(hit[1][:, :width])
+        return np.ascontiguousarray(np.stack(rows, axis=1))
+
+    def drop(self, seq_id: int) -> None:
+        self._arrays.pop(seq_id, None)
 
 
 class _DecodeGraphs:
@@ -283,22 +312,27 @@ class _DecodeGraphs:
             self._capture(b)
         page, layers = self.runner.page_size, self.runner.num_layers
         ids, pos = [], []
-        slots = torch.full((layers, b), -1, dtype=torch.int64)
-        ctx = torch.zeros((layers, b), dtype=torch.int32)
+        slot_rows = [[-1] * b for _ in range(layers)]  # plain lists: per-element tensor writes are slow
+        ctx_rows = [[0] * b for _ in range(layers)]
         for i, seq in enumerate(batch.seqs):
             p = seq.num_computed_tokens
             ids.append(seq.token_ids[p])
             pos.append(p)
             for layer, (table, kv) in enumerate(zip(seq.page_tables, seq.kv_lens)):
-                slots[layer, i] = table[kv // page] * page + kv % page
-                ctx[layer, i] = kv + 1
-        tables = torch.zeros((layers, b, self.tables.shape[2]), dtype=torch.int32)
-        tables[:, :n] = _pack_tables(batch.seqs, layers, self.tables.shape[2])
+                slot_rows[layer][i] = table[kv // page] * page + kv % page
+                ctx_rows[layer][i] = kv + 1
+        slots = torch.tensor(slot_rows, dtype=torch.int64)
+        ctx = torch.tensor(ctx_rows, dtype=torch.int32)
+        # only the columns in use travel: kernels never read past a row's context length, and
+        # padding rows have length 0, so stale entries beyond are harmless
+        width = max(len(t) for s in batch.seqs for t in s.page_tables)
+        tables = torch.zeros((layers, b, width), dtype=torch.int32)
+        tables[:, :n] = self.runner.tables.pack(batch.seqs, width)
         pad = b - n
         self.input_ids[:b].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
         self.positions[:b].copy_(torch.tensor(pos + [0] * pad), non_blocking=True)
         self.slots[:, :b].copy_(slots, non_blocking=True)
-        self.tables[:, :b].copy_(tables, non_blocking=True)
+        self.tables[:, :b, :width].copy_(tables, non_blocking=True)
         self.ctx[:, :b].copy_(ctx, non_blocking=True)
         self.graphs[b].replay()
         return self.logits[b][:n]

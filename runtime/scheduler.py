@@ -181,7 +181,10 @@ class Scheduler:
                 if victim is seq:
                     return False
             for kv, table in zip(seq.kv_lens, seq.page_tables):
-                table += self.pool.allocate(self.pool.pages_for(kv + n) - len(table))
+                grow = self.pool.pages_for(kv + n) - len(table)
+                if grow > 0:
+                    table += self.pool.allocate(grow)
+                    seq.tables_version += 1
             return True
 
         decoding = [s for s in self.running if not s.is_prefill]  # one uncomputed token each
@@ -229,6 +232,7 @@ class Scheduler:
             if self.prefix_caching:
                 hits = pool.match_prefix_layers(seq.token_ids, layers)
             seq.page_tables = [table + pool.allocate(fresh) for table in hits]
+            seq.tables_version += 1
             seq.kv_lens = [computed] * layers
             seq.compressed = False
             seq.num_computed_tokens = seq.num_cached_tokens = computed
@@ -308,6 +312,7 @@ class Scheduler:
         keep_pages = self.pool.pages_for(kept)
         self.pool.free(table[keep_pages:])
         del table[keep_pages:]
+        seq.tables_version += 1
         seq.kv_lens[layer] = kept
         seq.compressed = True
 

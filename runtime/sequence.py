@@ -75,6 +75,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prefix-cache hits at the last admission (for reporting)
         self.num_preemptions = 0
         self.page_tables: list[list[int]] = [[] for _ in range(num_layers)]
+        self.tables_version = 0  # bumped on every change of page_tables (the runner caches arrays)
         self.kv_lens: list[int] = [0] * num_layers  # physical tokens stored per layer
         self.compressed = False  # a method compacted it: pages no longer equal the logical tokens
         # Chained hashes of the full pages of `token_ids`, filled by the scheduler as pages are
@@ -107,6 +108,7 @@ class Sequence:
         """Forgets all stored K/V (preemption, finish); returns the tables to free."""
         tables = self.page_tables
         self.page_tables = [[] for _ in tables]
+        self.tables_version += 1
         self.kv_lens = [0] * len(tables)
         self.compressed = False
         return tables
