@@ -16,112 +16,26 @@ import math
 
 import torch
 
+from kvc.compiler.torch_primitives import (  # noqa: F401 -- the generated hooks call these
+    attention as _attention,
+    ceil as _ceil,
+    clamp_count as _count,
+    floor as _floor,
+    full_scores as _full_scores,
+    grow as _grow,
+    group as _group,
+    pool as _pool,
+    ranked as _ranked,
+    reduce as _reduce,
+    select as _select,
+    window as _window,
+)
+
 METHOD = "streamingllm"
 FAMILY = "eviction"
 DEFAULTS = {'recent': 2000, 'sink': 4}
 STATES = []
 NEG_INF = float("-inf")
-
-
-def _floor(x):
-    return math.floor(x)
-
-
-def _ceil(x):
-    return math.ceil(x)
-
-
-def _count(n, available):
-    """A count of tokens: floored, clamped to [0, available] (docs/language.md, Budgets)."""
-    return max(0, min(int(_floor(n)), int(available)))
-
-
-def _window(x, dim, side, n):
-    n = _count(n, x.shape[dim])
-    return x.narrow(dim, 0 if side == "first" else x.shape[dim] - n, n)
-
-
-def _attention(q, k, softmax=True):
-    """Causal q k^T / sqrt(d) of q [head, query, channel] (the last positions) over k [kv_head, key, channel]."""
-    heads, queries, head_dim = q.shape
-    length = k.shape[1]
-    keys = k.float().repeat_interleave(heads // k.shape[0], dim=0)
-    logits = q.float() @ keys.transpose(1, 2) / math.sqrt(head_dim)
-    query_pos = torch.arange(length - queries, length)[:, None]
-    logits = logits.masked_fill(torch.arange(length)[None, :] > query_pos, NEG_INF)
-    return logits.softmax(dim=-1) if softmax else logits
-
-
-def _reduce(x, fn, dims):
-    if fn == "sum":
-        return x.sum(dim=dims)
-    if fn == "mean":
-        return x.mean(dim=dims)
-    return x.amax(dim=dims) if fn == "max" else x.amin(dim=dims)
-
-
-def _group(x, fn, dim, kv_heads):
-    """Fold query heads into their KV head (head h reads KV head h // (heads // kv_heads))."""
-    shape = tuple(x.shape)
-    grouped = x.reshape(shape[:dim] + (kv_heads, shape[dim] // kv_heads) + shape[dim + 1:])
-    return _reduce(grouped, fn, (dim + 1,))
-
-
-def _pool(x, mode, kernel, dim):
-    """Stride-1 centred pooling; zero padding counts in avg, never wins in max."""
-    kernel = int(kernel)
-    if kernel == 1:
-        return x
-    moved = x.movedim(dim, -1)
-    radius = kernel // 2
-    pad = 0.0 if mode == "avg" else NEG_INF
-    windows = torch.nn.functional.pad(moved, (radius, radius), value=pad).unfold(-1, kernel, 1)
-    pooled = windows.sum(dim=-1) / kernel if mode == "avg" else windows.amax(dim=-1)
-    return pooled.movedim(-1, dim)
-
-
-def _grow(state, value):
-    """A state with a key axis grows with the cache: new keys start at 0."""
-    missing = value.shape[-1] - state.shape[-1]
-    return torch.nn.functional.pad(state, (0, missing)) if missing > 0 else state
-
-
-def _full_scores(score, per_head, kv_heads, context):
-    """[kv_head, key] float32 over every cached key (-inf past the score's keys); a per-layer score is shared."""
-    score = score.float()
-    if not per_head:
-        score = score.reshape(1, -1).expand(kv_heads, -1)
-    return torch.nn.functional.pad(score, (0, context - score.shape[-1]), value=NEG_INF)
-
-
-def _ranked(scores, excluded):
-    """Indices along the last dim, best first; ties to the older token; excluded ones last."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    out = excluded.expand_as(scores).gather(-1, order).to(torch.int8)
-    return order.gather(-1, torch.sort(out, dim=-1, stable=True).indices)
-
-
-def _select(scores, length, kv_heads, *, first, last, count, at_least, granularity):
-    """Kept key indices per KV head: the ranges, plus the top-ranked other tokens."""
-    forced = torch.zeros(length, dtype=torch.bool)
-    if first is not None:
-        forced[: _count(first, length)] = True
-    if last is not None:
-        forced[length - _count(last, length):] = True
-    chosen = torch.zeros(kv_heads, length, dtype=torch.bool)
-    candidates = int((~forced).sum())
-    if granularity in ("kv_head", "layer"):
-        n = _count(count, candidates)
-        chosen.scatter_(1, _ranked(scores, forced)[:, :n], True)
-    elif granularity == "head_adaptive":
-        total = _count(count, kv_heads * candidates)
-        floor_each = _count(at_least, candidates) if at_least is not None else 0
-        chosen.scatter_(1, _ranked(scores, forced)[:, :floor_each], True)
-        rest = max(0, total - kv_heads * floor_each)
-        flat = _ranked(scores.reshape(-1), (forced[None, :] | chosen).reshape(-1))[:rest]
-        chosen.view(-1)[flat] = True
-    kept = forced[None, :] | chosen
-    return [kept[head].nonzero().flatten() for head in range(kv_heads)]
 
 
 def prefill_end_scores(inputs, state, sym, params):

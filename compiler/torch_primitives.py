@@ -1,0 +1,111 @@
+"""The primitives every generated torch lowering (`kernels_generated/<method>/torch_lowering.py`)
+calls: windows, causal attention scores, reductions, GQA folding, pooling, state growth and the
+selection rule of `keep`. One copy here instead of one per generated file; their semantics are
+pinned in docs/language.md ("Semantics the compiler implements")."""
+
+import math
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def floor(x):
+    return math.floor(x)
+
+
+def ceil(x):
+    return math.ceil(x)
+
+
+def clamp_count(n, available):
+    """A count of tokens: floored, clamped to [0, available] (docs/language.md, Budgets)."""
+    return max(0, min(int(floor(n)), int(available)))
+
+
+def window(x, dim, side, n):
+    n = clamp_count(n, x.shape[dim])
+    return x.narrow(dim, 0 if side == "first" else x.shape[dim] - n, n)
+
+
+def attention(q, k, softmax=True):
+    """Causal q k^T / sqrt(d) of q [head, query, channel] (the last positions) over k [kv_head, key, channel]."""
+    heads, queries, head_dim = q.shape
+    length = k.shape[1]
+    keys = k.float().repeat_interleave(heads // k.shape[0], dim=0)
+    logits = q.float() @ keys.transpose(1, 2) / math.sqrt(head_dim)
+    query_pos = torch.arange(length - queries, length)[:, None]
+    logits = logits.masked_fill(torch.arange(length)[None, :] > query_pos, NEG_INF)
+    return logits.softmax(dim=-1) if softmax else logits
+
+
+def reduce(x, fn, dims):
+    if fn == "sum":
+        return x.sum(dim=dims)
+    if fn == "mean":
+        return x.mean(dim=dims)
+    return x.amax(dim=dims) if fn == "max" else x.amin(dim=dims)
+
+
+def group(x, fn, dim, kv_heads):
+    """Fold query heads into their KV head (head h reads KV head h // (heads // kv_heads))."""
+    shape = tuple(x.shape)
+    grouped = x.reshape(shape[:dim] + (kv_heads, shape[dim] // kv_heads) + shape[dim + 1:])
+    return reduce(grouped, fn, (dim + 1,))
+
+
+def pool(x, mode, kernel, dim):
+    """Stride-1 centred pooling; zero padding counts in avg, never wins in max."""
+    kernel = int(kernel)
+    if kernel == 1:
+        return x
+    moved = x.movedim(dim, -1)
+    radius = kernel // 2
+    pad = 0.0 if mode == "avg" else NEG_INF
+    windows = torch.nn.functional.pad(moved, (radius, radius), value=pad).unfold(-1, kernel, 1)
+    pooled = windows.sum(dim=-1) / kernel if mode == "avg" else windows.amax(dim=-1)
+    return pooled.movedim(-1, dim)
+
+
+def grow(state, value):
+    """A state with a key axis grows with the cache: new keys start at 0."""
+    missing = value.shape[-1] - state.shape[-1]
+    return torch.nn.functional.pad(state, (0, missing)) if missing > 0 else state
+
+
+def full_scores(score, per_head, kv_heads, context):
+    """[kv_head, key] float32 over every cached key (-inf past the score's keys); a per-layer score is shared."""
+    score = score.float()
+    if not per_head:
+        score = score.reshape(1, -1).expand(kv_heads, -1)
+    return torch.nn.functional.pad(score, (0, context - score.shape[-1]), value=NEG_INF)
+
+
+def ranked(scores, excluded):
+    """Indices along the last dim, best first; ties to the older token; excluded ones last."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    out = excluded.expand_as(scores).gather(-1, order).to(torch.int8)
+    return order.gather(-1, torch.sort(out, dim=-1, stable=True).indices)
+
+
+def select(scores, length, kv_heads, *, first, last, count, at_least, granularity):
+    """Kept key indices per KV head: the ranges, plus the top-ranked other tokens."""
+    forced = torch.zeros(length, dtype=torch.bool)
+    if first is not None:
+        forced[: clamp_count(first, length)] = True
+    if last is not None:
+        forced[length - clamp_count(last, length):] = True
+    chosen = torch.zeros(kv_heads, length, dtype=torch.bool)
+    candidates = int((~forced).sum())
+    if granularity in ("kv_head", "layer"):
+        n = clamp_count(count, candidates)
+        chosen.scatter_(1, ranked(scores, forced)[:, :n], True)
+    elif granularity == "head_adaptive":
+        total = clamp_count(count, kv_heads * candidates)
+        floor_each = clamp_count(at_least, candidates) if at_least is not None else 0
+        chosen.scatter_(1, ranked(scores, forced)[:, :floor_each], True)
+        rest = max(0, total - kv_heads * floor_each)
+        flat = ranked(scores.reshape(-1), (forced[None, :] | chosen).reshape(-1))[:rest]
+        chosen.view(-1)[flat] = True
+    kept = forced[None, :] | chosen
+    return [kept[head].nonzero().flatten() for head in range(kv_heads)]
