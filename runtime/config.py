@@ -30,6 +30,7 @@ def _with_index(device: torch.device) -> torch.device:
 class EngineConfig:
     model: str | None = None  # local HF directory, "random:NAME", or None for the embedded default
     method: str = "full"
+    method_params: dict | None = None  # overrides of the method's .kvm parameters (checked at resolve)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str | torch.dtype = "auto"  # "auto": float32 on CPU, the checkpoint's dtype on GPU
     page_size: int = 16
@@ -49,6 +50,8 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}", param=name)
 
+        if self.method_params is not None and not isinstance(self.method_params, dict):
+            raise ConfigError(f"method_params must be a dict, got {self.method_params!r}", param="method_params")
         positive_int("page_size", self.page_size)
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)

@@ -34,7 +34,7 @@ CPU_DEFAULT_KV_BYTES = 512 * 2**20
 class Engine:
     def __init__(self, config: EngineConfig, method: KVMethod | None = None) -> None:
         self.config = config
-        self.method = method if method is not None else resolve_method(config.method)
+        self.method = method if method is not None else resolve_method(config.method, config.method_params)
         self.device = config.resolve_device()
         dtype = None if config.dtype == "auto" else config.resolve_dtype(self.device, None)
         model_ref = config.model
@@ -54,6 +54,9 @@ class Engine:
                 f"({self.spec.max_position_embeddings})",
                 param="max_model_len",
             )
+        bind = getattr(self.method, "bind", None)  # compiled methods: the model's shape for their budget
+        if bind is not None:
+            bind(self.spec.num_layers, self.spec.num_kv_heads)
         layout = self.method.layout(self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype)
         if layout.bytes_per_token != kv_bytes_per_page(
             self.spec.num_kv_heads, 1, self.spec.head_dim, layout.dtype

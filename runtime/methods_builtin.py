@@ -1,7 +1,7 @@
 """Methods the engine can run without the compiler: `full` (dense attention, every hook a no-op).
 
-`resolve_method` turns `EngineConfig.method` into a `KVMethod`; compiled methods (issue 4) will be
-loaded from kernels_generated/<method>/ through the same function.
+`resolve_method` turns `EngineConfig.method` into a `KVMethod`; compiled methods are
+loaded from kernels_generated/<method>/ through the same function (methods_compiled.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,13 @@ class FullMethod(MethodBase):
 BUILTIN = {"full": FullMethod}
 
 
-def resolve_method(name: str) -> KVMethod:
+def resolve_method(name: str, params: dict | None = None) -> KVMethod:
+    """A built-in method, or a compiled one from kernels_generated/<name>/ (methods_compiled.py)."""
     factory = BUILTIN.get(name)
     if factory is None:
-        raise ConfigError(f"unknown method {name!r}; available: {', '.join(BUILTIN)}", param="method")
+        from kvc.runtime.methods_compiled import resolve_compiled
+
+        return resolve_compiled(name, params, list(BUILTIN))
+    if params:
+        raise ConfigError(f"method {name!r} takes no parameters, got {sorted(params)}", param="method_params")
     return factory()

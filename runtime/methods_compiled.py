@@ -1,0 +1,193 @@
+"""Compiled methods as `KVMethod`s: one generic adapter over kernels_generated/<method>/.
+
+Nothing here knows a method by name. The adapter reads `manifest.json` (lowered? parameters,
+kernels and their query windows) and calls the generated torch lowering at the contract's points:
+
+- `prefill_chunk`: keeps, per (sequence, layer), the last `w` post-RoPE queries of the prompt, where
+  `w` is the largest query window of the method's prefill_end kernels (the manifest's WINDOW_EXPR;
+  all queries when a kernel has none, none when no kernel reads queries). A generated
+  `prefill_chunk` hook (H2O's column sums) is called per chunk with the chunk's causal attention
+  over the keys stored so far, and its state is kept per (sequence, layer).
+- `prefill_end`: `inputs` = {q [Hq, w, D], k = cache.keys() [Hkv, T, D], v, attn}, `sym` =
+  {context = prompt = T, layer, layers, heads, kv_heads, head_dim, step = 0}; the generated
+  `prefill_end_scores` + `prefill_end_select` give the kept indices -> `KeepPlan`.
+- `release`: drops the sequence's buffers.
+
+Decode-time hooks of the generated lowering (step_end / decode_after_attention evictions of
+streamingllm, tova, h2o) are not run yet: a compiled method compresses at prefill end only, the
+semantics of `tests/references/model_forward.greedy_compressed`. Methods whose selection keeps
+per-head variable counts (Ada-KV, granularity "head_adaptive") are refused at resolve time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvc.runtime.errors import ConfigError
+from kvc.runtime.method_api import Hook, KeepPlan, MethodBase, PrefillView
+
+GENERATED = Path(__file__).resolve().parent.parent / "kernels_generated"
+ALL_QUERIES = -1
+
+
+def available() -> list[str]:
+    return sorted(p.parent.name for p in GENERATED.glob("*/manifest.json"))
+
+
+def _manifest(name: str) -> dict | None:
+    path = GENERATED / name / "manifest.json"
+    if "/" in name or name.startswith(".") or not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def _check_params(name: str, manifest: dict, params: dict[str, Any]) -> dict[str, Any]:
+    declared = manifest.get("parameters", {})
+    unknown = sorted(set(params) - set(declared))
+    if unknown:
+        raise ConfigError(f"method {name!r} has no parameter(s) {', '.join(map(repr, unknown))}; "
+                          f"its parameters: {', '.join(sorted(declared)) or 'none'}", param="method_params")
+    try:
+        from kvc.dsl import load_method
+
+        load_method(name, dict(params))  # ranges and types, from the .kvm's declarations
+    except ConfigError:
+        raise
+    except Exception as e:  # KvmError: a clear diagnostic pointing at the .kvm line
+        raise ConfigError(f"method {name!r}: bad method_params {params!r}: {e}", param="method_params") from None
+    return {**{k: v["default"] for k, v in declared.items()}, **params}
+
+
+def _query_window(manifest: dict, params: dict[str, Any]) -> int:
+    """How many trailing prompt queries prefill_end reads (ALL_QUERIES: every one)."""
+    window = 0
+    for kernel in manifest.get("kernels", []):
+        if kernel.get("hook") != "prefill_end":
+            continue
+        expr = kernel.get("flags", {}).get("WINDOW_EXPR", "None")
+        value = eval(expr, {"__builtins__": {}, "floor": math.floor, "ceil": math.ceil}, dict(params))  # noqa: S307
+        if value is None:
+            return ALL_QUERIES
+        window = max(window, int(value))
+    return window
+
+
+class CompiledBudget:
+    """Peak: the whole prompt per layer; steady: the generated kept-token formula + generated tokens."""
+
+    def __init__(self, kept_tokens, params: dict[str, Any], num_layers: int, num_kv_heads: int) -> None:
+        self.kept_tokens, self.params = kept_tokens, params
+        self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
+
+    def kept(self, prompt_len: int, layer: int) -> int:
+        return min(prompt_len, int(self.kept_tokens(prompt_len, layer, self.num_layers, self.num_kv_heads,
+                                                    self.params)))
+
+    def peak_tokens(self, prompt_len: int, layer: int) -> int:
+        return prompt_len
+
+    def steady_tokens(self, context_len: int, layer: int) -> int:
+        return context_len  # without the prompt length, the safe bound (see steady_tokens_after)
+
+    def steady_tokens_after(self, prompt_len: int, context_len: int, layer: int) -> int:
+        """Tokens held at `context_len` by a request whose prefill compressed `prompt_len` tokens."""
+        return self.kept(prompt_len, layer) + max(0, context_len - prompt_len)
+
+
+class CompiledMethod(MethodBase):
+    compacts = True
+
+    def __init__(self, name: str, manifest: dict, params: dict[str, Any]) -> None:
+        self.name = name
+        self.params = params
+        self.lowering = importlib.import_module(f"kvc.kernels_generated.{name}.torch_lowering")
+        self.hooks_module = importlib.import_module(f"kvc.kernels_generated.{name}.hooks")
+        self._chunk_hook = getattr(self.lowering, "prefill_chunk", None)
+        self._scores = getattr(self.lowering, "prefill_end_scores", None)
+        self._select = getattr(self.lowering, "prefill_end_select", None)
+        if self._scores is None or self._select is None:
+            raise ConfigError(f"method {name!r} has no prefill_end selection in its lowering; the engine "
+                              "runs compiled methods that compress at prefill end only", param="method")
+        if "head_adaptive" in inspect.getsource(self._select):
+            raise NotImplementedError(f"method {name!r} keeps per-head variable counts (Ada-KV); the engine "
+                                      "needs per-head lengths in its metadata first (KeepPlan.lengths)")
+        hooks = {Hook.PREFILL_END, Hook.RELEASE}
+        if self._chunk_hook is not None:
+            hooks.add(Hook.PREFILL_CHUNK)
+        self.hooks = frozenset(hooks)
+        self.window = _query_window(manifest, params)
+        if self._chunk_hook is not None or self.window != 0:
+            self.hooks = self.hooks | {Hook.PREFILL_CHUNK}
+        self.states = list(getattr(self.lowering, "STATES", []))
+        self._q: dict[tuple[int, int], torch.Tensor] = {}  # (seq, layer) -> [Hq, <=w, D]
+        self._state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.budget = CompiledBudget(self.hooks_module.kept_tokens, params, 1, 1)
+
+    def bind(self, num_layers: int, num_kv_heads: int) -> None:
+        """The model's shape, for the budget formulas (called by the engine before admission)."""
+        self.budget.num_layers, self.budget.num_kv_heads = num_layers, num_kv_heads
+
+    def _sym(self, view: PrefillView, heads: int, kv_heads: int, head_dim: int, context: int) -> dict:
+        return {"context": context, "prompt": context, "step": 0, "layer": view.layer,
+                "layers": view.num_layers, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+
+    def prefill_chunk(self, layer: int, view: PrefillView) -> None:
+        key = (view.seq_id, layer)
+        q = view.q.transpose(0, 1).float()  # [Hq, n, D]
+        if view.start == 0:  # a new prefill (or a recompute): reset
+            self._q.pop(key, None)
+            self._state.pop(key, None)
+        if self.window != 0:
+            prev = self._q.get(key)
+            q_all = q if prev is None else torch.cat([prev, q], dim=1)
+            self._q[key] = (q_all if self.window == ALL_QUERIES else q_all[:, -self.window:]).contiguous()
+        if self._chunk_hook is not None:
+            k = view.cache.keys().float()
+            state = self._state.get(key)
+            if state is None:
+                state = {s: torch.zeros(k.shape[0], 0, device=k.device) for s in self.states}
+            attn = self.lowering._attention(q, k, softmax=True)
+            sym = self._sym(view, q.shape[0], k.shape[0], k.shape[-1], k.shape[1])
+            self._state[key] = self._chunk_hook({"q": q, "k": k, "v": None, "attn": attn}, state, sym, self.params)
+
+    def prefill_end(self, layer: int, view: PrefillView) -> KeepPlan | None:
+        key = (view.seq_id, layer)
+        k = view.cache.keys().float()
+        kv_heads, length = k.shape[0], k.shape[1]
+        q = self._q.pop(key, None)
+        if q is None:
+            q = view.q.transpose(0, 1).float()
+        state = self._state.pop(key, None) or {s: torch.zeros(kv_heads, 0, device=k.device) for s in self.states}
+        sym = self._sym(view, q.shape[0], kv_heads, k.shape[-1], length)
+        inputs = {"q": q, "k": k, "v": view.cache.values().float()}
+        scores = self._scores(inputs, state, sym, self.params)
+        kept = self._select(scores, sym, self.params)
+        counts = {int(t.numel()) for t in kept}
+        if len(counts) != 1:
+            raise NotImplementedError(f"method {self.name!r} kept unequal counts per KV head {sorted(counts)}")
+        if counts.pop() >= length:
+            return None
+        return KeepPlan(torch.stack([t.to(torch.long) for t in kept]).to(k.device))
+
+    def release(self, seq_id: int) -> None:
+        for store in (self._q, self._state):
+            for key in [key for key in store if key[0] == seq_id]:
+                del store[key]
+
+
+def resolve_compiled(name: str, params: dict[str, Any] | None, builtin: list[str]) -> CompiledMethod:
+    manifest = _manifest(name)
+    if manifest is None:
+        names = sorted(set(builtin) | set(available()))
+        raise ConfigError(f"unknown method {name!r}; available: {', '.join(names)}", param="method")
+    if not manifest.get("lowered", False):
+        reason = manifest.get("reason", "no reason given")
+        raise ConfigError(f"method {name!r} is not lowered by the compiler yet: {reason}", param="method")
+    return CompiledMethod(name, manifest, _check_params(name, manifest, dict(params or {})))

@@ -1,0 +1,163 @@
+"""Compiled methods (kernels_generated/<m>/) served end to end through the generic adapter
+(`runtime/methods_compiled.py`): greedy tokens equal the hand-written oracle
+(`tests/references/model_forward.greedy_compressed`, prefill-end compression, no decode-time
+eviction) with the same semantics, on tiny random Llama and Qwen3, float32 CPU, chunked prefill of
+32, page size 7; pages held after prefill = ceil(kept / page) per layer; clear ConfigErrors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvc.runtime.config import EngineConfig
+from kvc.runtime.engine import Engine
+from kvc.runtime.errors import ConfigError
+from kvc.runtime.llm import LLM
+from kvc.runtime.sampling_params import SamplingParams
+from tests.models.tiny import make_tiny_llama, make_tiny_qwen3
+from tests.references.model_forward import greedy_compressed
+
+STEPS = 5
+LENGTHS = [30, 45, 70, 101]  # 30: shorter than some budgets (keeps all)
+
+
+def _pyramid_budget(length: int, layer: int, layers: int, kv_heads: int, params: dict) -> int:
+    """The compiled schedule's per-layer budget (tests/compiler/test_lowering.py compares the
+    compiled pyramidkv with SnapKV at this budget: the .kvm schedule is KVCache-Factory's)."""
+    from kvc.kernels_generated.pyramidkv import hooks
+
+    return hooks.kept_tokens(length, layer, layers, kv_heads, params)
+
+
+# method -> (kvc params, reference method, reference params as a function of (prompt length, layer, layers, kv_heads))
+CASES = {
+    "streamingllm": ({"sink": 4, "recent": 20}, "streamingllm", lambda n, *_: {"budget": 24, "n_sink": 4}),
+    "snapkv": ({"budget": 32, "window": 8, "kernel": 5}, "snapkv",
+               lambda n, *_: {"budget": 32, "window": 8, "kernel": 5, "pool": "avg"}),
+    "tova": ({"budget": 28}, "tova", lambda n, *_: {"budget": 28}),
+    "h2o": ({"heavy": 0.3, "recent": 0.1}, "h2o",
+            lambda n, *_: {"budget": int(0.3 * n) + int(0.1 * n), "recent": int(0.1 * n)}),
+}
+PYRAMID = {"budget": 24, "window": 8, "kernel": 5, "pooling": "avg", "beta": 2}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model_dir(request, tmp_path_factory) -> Path:
+    make = {"llama": make_tiny_llama, "qwen3": make_tiny_qwen3}[request.param]
+    return make(tmp_path_factory.mktemp(request.param))
+
+
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
+
+
+def make_llm(model_dir: Path, method: str, params: dict | None, page_size: int = 7) -> LLM:
+    return LLM(str(model_dir), method=method, method_params=params, device="cpu", dtype="float32",
+               page_size=page_size, max_num_batched_tokens=96, max_prefill_chunk=32, attention_backend="torch")
+
+
+def reference(hf, prompt: list[int], ref_method: str, ref_params) -> list[int]:
+    layers = hf.config.num_hidden_layers
+    if callable(ref_params):  # per-layer params: compress each layer with its own
+        from tests.references import model_forward as mf
+        from tests.references.eviction import gather_kv, rank
+
+        ids = torch.tensor(prompt)
+        lp, logits = mf.prefill(hf, ids)
+        caches = []
+        for layer, t in enumerate(lp):
+            kept = rank(ref_method, t.q, t.k, layer=layer, num_layers=layers, **ref_params(len(prompt), layer))
+            caches.append(mf.HeadCache(*gather_kv(t.k, t.v, list(kept.kept()))))
+        tokens = [int(logits[-1].argmax())]
+        for step in range(1, STEPS):
+            out = mf.decode(hf, caches, torch.tensor([tokens[-1]]), start=len(prompt) + step - 1)
+            tokens.append(int(out[-1].argmax()))
+        return tokens
+    return greedy_compressed(hf, torch.tensor(prompt), STEPS, ref_method, **ref_params)[0].tolist()
+
+
+def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert llm.engine.pool.num_free == llm.engine.pool.num_pages
+    return [list(o.outputs[0].token_ids) if hasattr(o, "outputs") else list(o.token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_tokens_match_the_reference(model_dir, method):
+    ours, ref_method, ref_params = CASES[method]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = prompts_of(LENGTHS, seed=11)
+    got = generate(make_llm(model_dir, method, ours), prompts)
+    for prompt, tokens in zip(prompts, got):
+        want = reference(hf, prompt, ref_method, {**ref_params(len(prompt))})
+        assert tokens == want, f"{method}, prompt of {len(prompt)} tokens"
+
+
+def test_pyramidkv_matches_snapkv_at_the_compiled_schedule(model_dir):
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    kv_heads, layers = hf.config.num_key_value_heads, hf.config.num_hidden_layers
+    prompts = prompts_of(LENGTHS, seed=12)
+    got = generate(make_llm(model_dir, "pyramidkv", PYRAMID), prompts)
+    for prompt, tokens in zip(prompts, got):
+        def per_layer(n, layer):
+            budget = _pyramid_budget(n, layer, layers, kv_heads, PYRAMID)
+            return {"budget": budget, "window": 8, "kernel": 5, "pool": "avg"}
+        assert tokens == reference(hf, prompt, "snapkv", per_layer), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv", "h2o"])
+def test_pages_after_prefill(model_dir, method):
+    params = PYRAMID if method == "pyramidkv" else CASES[method][0]
+    page, prompt_len = 7, 101
+    llm = make_llm(model_dir, method, params, page_size=page)
+    engine: Engine = llm.engine
+    seq = engine.add_request(prompts_of([prompt_len], seed=5)[0],
+                             SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True))
+    while seq.is_prefill:
+        engine.step()
+    layers = engine.spec.num_layers
+    kept = [engine.method.budget.kept(prompt_len, layer) for layer in range(layers)]
+    assert all(k < prompt_len for k in kept)
+    assert seq.kv_lens == kept
+    assert [len(t) for t in seq.page_tables] == [-(-k // page) for k in kept]
+    assert engine.pool.num_used == sum(-(-k // page) for k in kept)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.num_free == engine.pool.num_pages
+    assert not engine.method._q and not engine.method._state  # released
+
+
+def test_budget_formula():
+    from kvc.runtime.methods_builtin import resolve_method
+
+    m = resolve_method("snapkv", {"budget": 32, "window": 8})
+    m.bind(2, 2)
+    assert m.budget.peak_tokens(100, 0) == 100
+    assert m.budget.steady_tokens_after(100, 110, 1) == 32 + 10
+    assert m.budget.steady_tokens_after(20, 25, 0) == 25
+
+
+def test_config_errors(tmp_path):
+    from kvc.runtime.methods_builtin import resolve_method
+
+    with pytest.raises(ConfigError, match="unknown method 'nope'.*snapkv"):
+        resolve_method("nope")
+    with pytest.raises(ConfigError, match="not lowered.*quantization"):
+        resolve_method("kivi")
+    with pytest.raises(ConfigError, match="no parameter.*'bogus'"):
+        resolve_method("snapkv", {"bogus": 1})
+    with pytest.raises(ConfigError, match="window"):
+        resolve_method("snapkv", {"window": -3})
+    with pytest.raises(ConfigError, match="pooling"):
+        resolve_method("snapkv", {"pooling": "median"})
+    with pytest.raises(ConfigError, match="takes no parameters"):
+        resolve_method("full", {"budget": 3})
+    with pytest.raises(NotImplementedError, match="per-head"):
+        resolve_method("adakv")
+    with pytest.raises(ConfigError, match="unknown method"):
+        LLM(str(make_tiny_llama(tmp_path)), method="nope", device="cpu")
