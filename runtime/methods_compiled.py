@@ -37,6 +37,12 @@ GENERATED = Path(__file__).resolve().parent.parent / "kernels_generated"
 ALL_QUERIES = -1
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """float32 on the CPU: the generated torch lowering (compiler/torch_primitives.py) builds its
+    masks on the CPU, so its scoring runs there (prefill_end is outside the captured decode graphs)."""
+    return t.detach().to("cpu", torch.float32)
+
+
 def available() -> list[str]:
     return sorted(p.parent.name for p in GENERATED.glob("*/manifest.json"))
 
@@ -118,13 +124,11 @@ class CompiledMethod(MethodBase):
         if "head_adaptive" in inspect.getsource(self._select):
             raise NotImplementedError(f"method {name!r} keeps per-head variable counts (Ada-KV); the engine "
                                       "needs per-head lengths in its metadata first (KeepPlan.lengths)")
+        self.window = _query_window(manifest, params)
         hooks = {Hook.PREFILL_END, Hook.RELEASE}
-        if self._chunk_hook is not None:
+        if self._chunk_hook is not None or self.window != 0:  # per-chunk state or a query window
             hooks.add(Hook.PREFILL_CHUNK)
         self.hooks = frozenset(hooks)
-        self.window = _query_window(manifest, params)
-        if self._chunk_hook is not None or self.window != 0:
-            self.hooks = self.hooks | {Hook.PREFILL_CHUNK}
         self.states = list(getattr(self.lowering, "STATES", []))
         self._q: dict[tuple[int, int], torch.Tensor] = {}  # (seq, layer) -> [Hq, <=w, D]
         self._state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -140,7 +144,7 @@ class CompiledMethod(MethodBase):
 
     def prefill_chunk(self, layer: int, view: PrefillView) -> None:
         key = (view.seq_id, layer)
-        q = view.q.transpose(0, 1).float()  # [Hq, n, D]
+        q = _host(view.q.transpose(0, 1))  # [Hq, n, D]
         if view.start == 0:  # a new prefill (or a recompute): reset
             self._q.pop(key, None)
             self._state.pop(key, None)
@@ -149,24 +153,25 @@ class CompiledMethod(MethodBase):
             q_all = q if prev is None else torch.cat([prev, q], dim=1)
             self._q[key] = (q_all if self.window == ALL_QUERIES else q_all[:, -self.window:]).contiguous()
         if self._chunk_hook is not None:
-            k = view.cache.keys().float()
+            k = _host(view.cache.keys())
             state = self._state.get(key)
             if state is None:
-                state = {s: torch.zeros(k.shape[0], 0, device=k.device) for s in self.states}
+                state = {s: torch.zeros(k.shape[0], 0) for s in self.states}
             attn = self.lowering._attention(q, k, softmax=True)
             sym = self._sym(view, q.shape[0], k.shape[0], k.shape[-1], k.shape[1])
             self._state[key] = self._chunk_hook({"q": q, "k": k, "v": None, "attn": attn}, state, sym, self.params)
 
     def prefill_end(self, layer: int, view: PrefillView) -> KeepPlan | None:
         key = (view.seq_id, layer)
-        k = view.cache.keys().float()
+        device = view.cache.k_cache.device
+        k = _host(view.cache.keys())
         kv_heads, length = k.shape[0], k.shape[1]
         q = self._q.pop(key, None)
         if q is None:
-            q = view.q.transpose(0, 1).float()
-        state = self._state.pop(key, None) or {s: torch.zeros(kv_heads, 0, device=k.device) for s in self.states}
+            q = _host(view.q.transpose(0, 1))
+        state = self._state.pop(key, None) or {s: torch.zeros(kv_heads, 0) for s in self.states}
         sym = self._sym(view, q.shape[0], kv_heads, k.shape[-1], length)
-        inputs = {"q": q, "k": k, "v": view.cache.values().float()}
+        inputs = {"q": q, "k": k, "v": _host(view.cache.values())}
         scores = self._scores(inputs, state, sym, self.params)
         kept = self._select(scores, sym, self.params)
         counts = {int(t.numel()) for t in kept}
@@ -174,7 +179,7 @@ class CompiledMethod(MethodBase):
             raise NotImplementedError(f"method {self.name!r} kept unequal counts per KV head {sorted(counts)}")
         if counts.pop() >= length:
             return None
-        return KeepPlan(torch.stack([t.to(torch.long) for t in kept]).to(k.device))
+        return KeepPlan(torch.stack([t.to(torch.long) for t in kept]).to(device))
 
     def release(self, seq_id: int) -> None:
         for store in (self._q, self._state):
