@@ -14,6 +14,8 @@ from kvc.runtime.errors import KvcError
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local Hugging Face directory or random:NAME (default: the embedded tiny model)")
     p.add_argument("--method", default="full", help="KV-cache method (default: full)")
+    p.add_argument("--method-param", action="append", metavar="KEY=VALUE",
+                   help="override a parameter of the method's .kvm (repeatable)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -63,7 +65,10 @@ def _generate(a: argparse.Namespace) -> int:
             raise KvcError(f"--prompt-ids takes integers separated by spaces or commas, got {text!r}") from None
     if not prompts:
         prompts = ["Hello, my name is"]
-    llm = LLM(a.model, method=a.method, **_engine_options(a))
+    from kvc.runtime.server.launch import parse_method_params
+
+    method_params = parse_method_params(a.method_param) or None
+    llm = LLM(a.model, method=a.method, method_params=method_params, **_engine_options(a))
     outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
     for prompt, out in zip(prompts, outputs):
         if a.json:

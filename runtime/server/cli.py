@@ -16,7 +16,6 @@ def add_commands(sub, add_engine_args, engine_options) -> None:
     shared engine flags, so `kvc serve` takes the same ones as `kvc generate`."""
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     add_engine_args(serve)
-    serve.add_argument("--method-param", action="append", metavar="KEY=VALUE", help="a method parameter (repeatable)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("KVC_API_KEY"),

@@ -65,14 +65,27 @@ def engine_config(model: str | None, method: str, method_params: dict[str, str],
     return EngineConfig(model=model, method=method, **options)
 
 
-def parse_method_params(items: list[str] | None) -> dict[str, str]:
-    params = {}
+def parse_method_params(items: list[str] | None) -> dict[str, object]:
+    """`["budget=512", "pooling=max"]` -> {"budget": 512, "pooling": "max"}: numbers and booleans
+    are converted, anything else (enum values) stays text; the method's checker judges the rest."""
+    params: dict[str, object] = {}
     for item in items or []:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise ConfigError(f"--method-param takes key=value, got {item!r}", param="method_params")
-        params[key.strip()] = value.strip()
+        params[key.strip()] = _literal(value.strip())
     return params
+
+
+def _literal(text: str) -> object:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def serve(
