@@ -58,8 +58,9 @@ class KVBudget(Protocol):
         """At the prefill peak: before prefill_end compacts, the whole prompt is resident."""
         ...
 
-    def steady_tokens(self, context_len: int, layer: int) -> int:
-        """After compression, for a request whose logical context is `context_len` tokens."""
+    def steady_tokens(self, prompt_len: int, context_len: int, layer: int) -> int:
+        """After compression, for a request whose prefill compressed `prompt_len` tokens and whose
+        logical context is now `context_len` tokens."""
         ...
 
 
@@ -70,7 +71,7 @@ class FullBudget:
     def peak_tokens(self, prompt_len: int, layer: int) -> int:
         return prompt_len
 
-    def steady_tokens(self, context_len: int, layer: int) -> int:
+    def steady_tokens(self, prompt_len: int, context_len: int, layer: int) -> int:
         return context_len
 
 

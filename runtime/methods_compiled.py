@@ -99,10 +99,7 @@ class CompiledBudget:
     def peak_tokens(self, prompt_len: int, layer: int) -> int:
         return prompt_len
 
-    def steady_tokens(self, context_len: int, layer: int) -> int:
-        return context_len  # without the prompt length, the safe bound (see steady_tokens_after)
-
-    def steady_tokens_after(self, prompt_len: int, context_len: int, layer: int) -> int:
+    def steady_tokens(self, prompt_len: int, context_len: int, layer: int) -> int:
         """Tokens held at `context_len` by a request whose prefill compressed `prompt_len` tokens."""
         return self.kept(prompt_len, layer) + max(0, context_len - prompt_len)
 

@@ -139,13 +139,9 @@ class Scheduler:
         """Pages (all layers) a request holds at its worst: its prefill peak or its steady state at
         `context_len` tokens, by the method's budget."""
         b, size = self.budget, self.pool.page_size
-        after = getattr(b, "steady_tokens_after", None)  # a budget that knows the compressed prompt
-
-        def steady(layer: int) -> int:
-            return after(prompt_len, context_len, layer) if after else b.steady_tokens(context_len, layer)
-
         return sum(
-            -(-max(b.peak_tokens(prompt_len, layer), steady(layer)) // size) for layer in range(self.num_layers)
+            -(-max(b.peak_tokens(prompt_len, layer), b.steady_tokens(prompt_len, context_len, layer)) // size)
+            for layer in range(self.num_layers)
         )
 
     def _growth(self, seq: Sequence, n: int) -> int:

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import signal
 import socket
-from dataclasses import fields
 
 import uvicorn
 
@@ -57,12 +56,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def engine_config(model: str | None, method: str, method_params: dict[str, str], options: dict) -> EngineConfig:
-    if method_params:
-        if "method_params" not in {f.name for f in fields(EngineConfig)}:
-            raise ConfigError(f"method {method!r} takes no --method-param (got {', '.join(method_params)})",
-                              param="method_params")
-        options = options | {"method_params": method_params}
-    return EngineConfig(model=model, method=method, **options)
+    return EngineConfig(model=model, method=method, method_params=method_params or None, **options)
 
 
 def parse_method_params(items: list[str] | None) -> dict[str, object]:

@@ -138,8 +138,8 @@ def test_budget_formula():
     m = resolve_method("snapkv", {"budget": 32, "window": 8})
     m.bind(2, 2)
     assert m.budget.peak_tokens(100, 0) == 100
-    assert m.budget.steady_tokens_after(100, 110, 1) == 32 + 10
-    assert m.budget.steady_tokens_after(20, 25, 0) == 25
+    assert m.budget.steady_tokens(100, 110, 1) == 32 + 10
+    assert m.budget.steady_tokens(20, 25, 0) == 25
 
 
 def test_config_errors(tmp_path):

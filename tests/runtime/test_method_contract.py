@@ -38,7 +38,7 @@ class StreamingBudget:
     def peak_tokens(self, prompt_len: int, layer: int) -> int:
         return prompt_len
 
-    def steady_tokens(self, context_len: int, layer: int) -> int:
+    def steady_tokens(self, prompt_len: int, context_len: int, layer: int) -> int:
         return context_len  # no decode-time eviction: generated tokens stay
 
 
