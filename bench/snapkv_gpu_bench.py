@@ -24,6 +24,7 @@ import torch
 
 DEVICE = "cuda"
 KV_BYTES = 24 * 2**30
+PROFILE = False
 
 
 def sync() -> None:
@@ -106,6 +107,18 @@ def prefill_overhead(model: str, length: int, method: str, params: dict | None) 
         while not seq.is_finished:
             engine.step()
         runs.append({"prefill_s": prefill, "prefill_end_hooks_s": hook_s[0], "pages_after_prefill": used})
+    if PROFILE and method != "full":
+        from torch.profiler import ProfilerActivity, profile
+
+        seq = engine.add_request(torch.randint(0, vocab, (length,), generator=g).tolist(), params_s)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            while seq.num_generated == 0:
+                engine.step()
+            sync()
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+        while not seq.is_finished:
+            engine.step()
     best = min(runs[1:], key=lambda r: r["prefill_s"])
     out = {"method": method, "params": params, "T": length, **best, "page_size": engine.config.page_size,
            "num_layers": engine.spec.num_layers}
@@ -124,9 +137,10 @@ def main() -> None:
     ap.add_argument("--prefill-lengths", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--out", default="snapkv_gpu.json")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of (b) only")
+    ap.add_argument("--profile", action="store_true", help="print a torch profile of each compressing prefill")
     args = ap.parse_args()
-    global DEVICE, KV_BYTES
-    DEVICE = args.device
+    global DEVICE, KV_BYTES, PROFILE
+    DEVICE, PROFILE = args.device, args.profile
     KV_BYTES = KV_BYTES if DEVICE == "cuda" else 2**30
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     result = {"gpu": gpu, "torch": torch.__version__, "prefill": [],

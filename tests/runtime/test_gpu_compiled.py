@@ -28,7 +28,7 @@ def test_fused_scoring_on_gpu_matches_cpu(tmp_path, method, monkeypatch):
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (60, 150, 299)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     common = dict(dtype="float32", page_size=16, max_num_batched_tokens=64, max_prefill_chunk=32,
-                  method=method, method_params=CASES[method])
+                  method=method, method_params=CASES[method], kv_cache_memory=2**26)
     plans = {"cpu": [], "cuda": []}
     original = CompiledMethod.prefill_end
 
@@ -44,6 +44,8 @@ def test_fused_scoring_on_gpu_matches_cpu(tmp_path, method, monkeypatch):
     assert gpu_llm.engine.method._fused, "the fused kernels must run on CUDA"
     for r, o in zip(ref, got):
         assert o.token_ids == r.token_ids
+    del gpu_llm
+    torch.cuda.empty_cache()
     assert len(plans["cpu"]) == len(plans["cuda"])
     for a, b in zip(plans["cpu"], plans["cuda"]):
         assert (a is None) == (b is None)
