@@ -5,6 +5,7 @@ generated modules loaded by file path; `kvc compile --all` from a clean tree in 
 from __future__ import annotations
 
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -135,19 +136,23 @@ def test_modules_load_by_path_per_folder(tmp_path: Path):
     assert hooks_a.kept_tokens(100, 0, 2, 2, {"budget": 32, "window": 8}) == 32
 
 
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def test_compile_all_from_a_clean_tree_is_fast_and_deterministic(tmp_path: Path):
-    script = ("import sys, time; from pathlib import Path; t = time.perf_counter();"
-              "from kvc.compiler.cli import compile_command;"
-              "rc = compile_command([], everything=True, output=Path(sys.argv[1]), quiet=True);"
-              "print(time.perf_counter() - t); sys.exit(rc)")
+    script = ("import sys; from pathlib import Path; from kvc.compiler.cli import compile_command;"
+              "sys.exit(compile_command([], everything=True, output=Path(sys.argv[1]), quiet=True))")
     runs = []
     for out in (tmp_path / "one", tmp_path / "two"):
-        start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=60)
-        wall = time.perf_counter() - start
+        cpu, start = _children_cpu(), time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-        runs.append((wall, float(done.stdout)))
-    assert min(inside for _, inside in runs) < 5.0, runs  # imports + every shipped method
+        runs.append((_children_cpu() - cpu, time.perf_counter() - start))
+    # CPU seconds of the whole `python` process (imports + every shipped method), not wall time:
+    # the test machine is shared, so wall time measures the neighbours.
+    assert min(cpu for cpu, _ in runs) < 5.0, f"(cpu s, wall s) per run: {runs}"
     shipped = sorted(p.stem for p in METHODS_DIR.glob("*.kvm"))
     for name in shipped:
         assert _tree(tmp_path / "one" / name) == _tree(tmp_path / "two" / name) == _tree(OUTPUT_DIR / name)

@@ -17,6 +17,7 @@ from kvc.compiler import cache
 from kvc.compiler.cli import OUTPUT_DIR
 from kvc.dsl import METHODS_DIR
 from kvc.runtime import methods_compiled
+from kvc.runtime.cli import main
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.methods_builtin import resolve_method
 from tests.models.tiny import make_tiny_llama
@@ -130,28 +131,28 @@ def test_errors_through_llm(model_dir, tmp_path):
         make_llm(model_dir, str(kivi), None)
 
 
-def _kvc(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, cache.CACHE_ENV: str(cwd / "kvc-cache")}
-    return subprocess.run([sys.executable, "-m", "kvc.runtime.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=300)
-
-
-def test_errors_through_the_cli(model_dir, tmp_path):
+def test_errors_through_the_cli(model_dir, tmp_path, capsys):
     (tmp_path / "bad.kvm").write_text(BAD)
-    for command in ("generate", "serve"):
-        done = _kvc(command, "--model", str(model_dir), "--device", "cpu", "--method", "bad.kvm", cwd=tmp_path)
-        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
-        assert "bad.kvm:4:12: error: unknown name 'windw'" in done.stderr and "^^^^^" in done.stderr
-    done = _kvc("generate", "--model", str(model_dir), "--device", "cpu", "--method", "nothere.kvm", cwd=tmp_path)
-    assert done.returncode != 0 and "Traceback" not in done.stderr
-    assert "method file 'nothere.kvm' does not exist" in done.stderr
+    env = {**os.environ, cache.CACHE_ENV: str(tmp_path / "kvc-cache")}
+    done = subprocess.run([sys.executable, "-m", "kvc.runtime.cli", "generate", "--model", str(model_dir),
+                           "--device", "cpu", "--method", "bad.kvm"], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "bad.kvm:4:12: error: unknown name 'windw'" in done.stderr and "^^^^^" in done.stderr
+    # the same path in-process (a subprocess per case is slow on a shared machine)
+    bad = str(tmp_path / "bad.kvm")
+    cases = {"serve": (bad, f"{bad}:4:12: error: unknown name 'windw'"),
+             "generate": (str(tmp_path / "nothere.kvm"), f"method file '{tmp_path / 'nothere.kvm'}' does not exist")}
+    for command, (method, expected) in cases.items():
+        assert main([command, "--method", method, "--model", str(model_dir), "--device", "cpu"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("kvc: error: ") and expected in err and "Traceback" not in err, err
 
 
-def test_the_cli_serves_a_user_kvm(model_dir, tmp_path):
-    user_method(tmp_path)
-    done = _kvc("generate", "--model", str(model_dir), "--device", "cpu", "--method", "mine.kvm",
-                "--prompt-ids", "5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33 "
-                "34 35 36 37 38 39 40", "--max-tokens", "3", "--json", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert len(json.loads(done.stdout)["token_ids"]) == 3
-    assert any(p.name.startswith("mine-") for p in (tmp_path / "kvc-cache" / "methods").iterdir())
+def test_the_cli_serves_a_user_kvm(model_dir, tmp_path, cache_root, capsys):
+    path = user_method(tmp_path)
+    prompt = " ".join(str(t) for t in range(5, 45))
+    assert main(["generate", "--model", str(model_dir), "--device", "cpu", "--method", str(path),
+                 "--prompt-ids", prompt, "--max-tokens", "3", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
+    assert any(p.name.startswith("mine-") for p in cache_root.iterdir())
