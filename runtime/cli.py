@@ -13,7 +13,8 @@ from kvc.runtime.errors import KvcError
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local Hugging Face directory or random:NAME (default: the embedded tiny model)")
-    p.add_argument("--method", default="full", help="KV-cache method (default: full)")
+    p.add_argument("--method", default="full", help="KV-cache method: a shipped name or a .kvm path, compiled on "
+                   "start (default: full)")
     p.add_argument("--method-param", action="append", metavar="KEY=VALUE",
                    help="override a parameter of the method's .kvm (repeatable)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

@@ -1,7 +1,8 @@
 """Methods the engine can run without the compiler: `full` (dense attention, every hook a no-op).
 
-`resolve_method` turns `EngineConfig.method` into a `KVMethod`; compiled methods are
-loaded from kernels_generated/<method>/ through the same function (methods_compiled.py).
+`resolve_method` turns `EngineConfig.method` into a `KVMethod`: a built-in name, a shipped method
+name (kernels_generated/<method>/, recompiled from methods/<method>.kvm into the compile cache when
+stale) or the path of a user's .kvm file (compiled into the cache) — methods_compiled.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ BUILTIN = {"full": FullMethod}
 
 
 def resolve_method(name: str, params: dict | None = None) -> KVMethod:
-    """A built-in method, or a compiled one from kernels_generated/<name>/ (methods_compiled.py)."""
+    """A built-in method, or a compiled one: a shipped name or a .kvm path (methods_compiled.py)."""
     factory = BUILTIN.get(name)
     if factory is None:
         from kvc.runtime.methods_compiled import resolve_compiled

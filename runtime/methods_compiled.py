@@ -1,7 +1,10 @@
-"""Compiled methods as `KVMethod`s: one generic adapter over kernels_generated/<method>/.
+"""Compiled methods as `KVMethod`s: one generic adapter over a folder of generated code.
 
-Nothing here knows a method by name. The adapter reads `manifest.json` (lowered? parameters,
-kernels and their query windows) and calls the generated torch lowering at the contract's points:
+Nothing here knows a method by name. `resolve_compiled` finds the folder through the compile cache
+(`kvc.compiler.cache.locate`): kernels_generated/<method>/ when fresh, else methods/<method>.kvm
+(or a user's .kvm path) compiled into $KVC_CACHE_DIR/methods/; the generated modules are loaded
+by file path. The adapter reads `manifest.json` (lowered? parameters, kernels and their query
+windows) and calls the generated torch lowering at the contract's points:
 
 - `prefill_chunk`: keeps, per (sequence, layer), the last `w` post-RoPE queries of the prompt, where
   `w` is the largest query window of the method's prefill_end kernels (the manifest's WINDOW_EXPR;
@@ -27,19 +30,19 @@ per-head variable counts (Ada-KV, granularity "head_adaptive") are refused at re
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvc.compiler import cache as method_cache
+from kvc.dsl import METHODS_DIR, KvmError
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.method_api import Hook, KeepPlan, MethodBase, PrefillView
 
-GENERATED = Path(__file__).resolve().parent.parent / "kernels_generated"
+GENERATED = method_cache.GENERATED_DIR
 ALL_QUERIES = -1
 
 
@@ -52,26 +55,36 @@ def _operand(t: torch.Tensor) -> torch.Tensor:
 
 
 def available() -> list[str]:
-    return sorted(p.parent.name for p in GENERATED.glob("*/manifest.json"))
+    """Shipped method names: generated folders and methods/*.kvm (compiled on start when stale)."""
+    shipped = {p.parent.name for p in GENERATED.glob("*/manifest.json")}
+    return sorted(shipped | {p.stem for p in METHODS_DIR.glob("*.kvm")})
 
 
-def _manifest(name: str) -> dict | None:
-    path = GENERATED / name / "manifest.json"
-    if "/" in name or name.startswith(".") or not path.is_file():
-        return None
-    return json.loads(path.read_text())
+def _locate(spec: str) -> method_cache.CompiledFolder | None:
+    """The generated folder of a method name or .kvm path; user errors become `ConfigError`s."""
+    try:
+        return method_cache.locate(spec, generated=GENERATED)
+    except FileNotFoundError:
+        raise ConfigError(f"method file {spec!r} does not exist (give a shipped method name or the path of "
+                          "a .kvm file)", param="method") from None
+    except KvmError as e:
+        raise ConfigError(f"method {spec!r} does not compile:\n{e}", param="method") from None
+    except OSError as e:
+        raise ConfigError(f"cannot compile method {spec!r} into {method_cache.cache_dir()}: {e}; set "
+                          f"{method_cache.CACHE_ENV} to a writable folder", param="method") from None
 
 
-def _check_params(name: str, manifest: dict, params: dict[str, Any]) -> dict[str, Any]:
+def _check_params(name: str, manifest: dict, params: dict[str, Any], source: Path | None = None) -> dict[str, Any]:
     declared = manifest.get("parameters", {})
     unknown = sorted(set(params) - set(declared))
     if unknown:
         raise ConfigError(f"method {name!r} has no parameter(s) {', '.join(map(repr, unknown))}; "
                           f"its parameters: {', '.join(sorted(declared)) or 'none'}", param="method_params")
     try:
-        from kvc.dsl import load_method
+        from kvc.dsl import check_file
 
-        load_method(name, dict(params))  # ranges and types, from the .kvm's declarations
+        if source is not None:
+            check_file(source, dict(params))  # ranges and types, from the .kvm's declarations
     except ConfigError:
         raise
     except Exception as e:  # KvmError: a clear diagnostic pointing at the .kvm line
@@ -129,11 +142,12 @@ class CompiledMethod(MethodBase):
     compacts = True
     fused_devices = ("cuda",)  # where the fused Triton kernels run (tests add "cpu" under TRITON_INTERPRET)
 
-    def __init__(self, name: str, manifest: dict, params: dict[str, Any]) -> None:
+    def __init__(self, name: str, manifest: dict, params: dict[str, Any], folder: Path | None = None) -> None:
         self.name = name
         self.params = params
-        self.lowering = importlib.import_module(f"kvc.kernels_generated.{name}.torch_lowering")
-        self.hooks_module = importlib.import_module(f"kvc.kernels_generated.{name}.hooks")
+        folder = folder if folder is not None else GENERATED / name
+        self.lowering = method_cache.load_module(folder, "torch_lowering")
+        self.hooks_module = method_cache.load_module(folder, "hooks")
         self._chunk_hook = getattr(self.lowering, "prefill_chunk", None)
         self._scores = getattr(self.lowering, "prefill_end_scores", None)
         self._select = getattr(self.lowering, "prefill_end_select", None)
@@ -228,12 +242,17 @@ class CompiledMethod(MethodBase):
                 del store[key]
 
 
-def resolve_compiled(name: str, params: dict[str, Any] | None, builtin: list[str]) -> CompiledMethod:
-    manifest = _manifest(name)
-    if manifest is None:
+def resolve_compiled(spec: str, params: dict[str, Any] | None, builtin: list[str]) -> CompiledMethod:
+    """A shipped method name or a .kvm path -> the adapter over its (possibly just compiled) code."""
+    compiled = _locate(spec)
+    if compiled is None:
         names = sorted(set(builtin) | set(available()))
-        raise ConfigError(f"unknown method {name!r}; available: {', '.join(names)}", param="method")
+        raise ConfigError(f"unknown method {spec!r}; available: {', '.join(names)} (or the path of a .kvm "
+                          "file)", param="method")
+    manifest = compiled.manifest
     if not manifest.get("lowered", False):
         reason = manifest.get("reason", "no reason given")
-        raise ConfigError(f"method {name!r} is not lowered by the compiler yet: {reason}", param="method")
-    return CompiledMethod(name, manifest, _check_params(name, manifest, dict(params or {})))
+        raise ConfigError(f"method {spec!r} is not lowered by the compiler yet: {reason}", param="method")
+    name = manifest.get("method", spec)
+    checked = _check_params(name, manifest, dict(params or {}), compiled.source)
+    return CompiledMethod(name, manifest, checked, compiled.folder)

@@ -2,9 +2,9 @@
 # Do not edit: change the .kvm or the template and run `kvc compile`.
 """full (full): the hook module the engine will call, from `methods/full.kvm`.
 
-This is the stub layer of the lifecycle contract (ARCHITECTURE.md): `budget(...)` for admission
-and the scoring/selection entry points of the torch backend. The typed engine contract is
-plugged in next (issue 4); until then the engine does not import this module.
+This is the budget side of the lifecycle contract (ARCHITECTURE.md): `kept_tokens(...)` and
+`budget(...)` for admission (the engine's compiled-method adapter calls `kept_tokens`), and the
+scoring/selection entry points of the torch backend.
 
 Budget formulas (sympy, also in manifest.json):
     kept_tokens_per_layer = context
@@ -14,7 +14,7 @@ Budget formulas (sympy, also in manifest.json):
 
 import math
 
-from kvc.kernels_generated.full import torch_lowering
+from . import torch_lowering  # relative: the engine also loads this folder by path (compiler/cache.py)
 
 METHOD = "full"
 FAMILY = "full"
