@@ -146,6 +146,7 @@ class CompiledMethod(MethodBase):
         self.name = name
         self.params = params
         folder = folder if folder is not None else GENERATED / name
+        self.folder = folder
         self.lowering = method_cache.load_module(folder, "torch_lowering")
         self.hooks_module = method_cache.load_module(folder, "hooks")
         self._chunk_hook = getattr(self.lowering, "prefill_chunk", None)
@@ -179,7 +180,7 @@ class CompiledMethod(MethodBase):
         if device.type not in self.fused_devices or hook not in self._fused_names:
             return None
         if self._fused is None:
-            kernels = importlib.import_module(f"{self.lowering.__name__.rsplit('.', 1)[0]}.triton_kernels")
+            kernels = method_cache.load_module(self.folder, "triton_kernels")
             self._fused = {h: getattr(kernels, name) for h, name in self._fused_names.items()}
         return self._fused[hook]
 
