@@ -155,6 +155,8 @@ def compile_file(path: Path, stale: str | None = None) -> CompiledFolder:
             log.warning("compiled method %s from %s (stale: %s) into %s", manifest["method"], shown, stale, entry)
         else:
             log.info("compiled method %s from %s into %s", manifest["method"], shown, entry)
+    elif stale is not None:
+        log.info("method %s: using %s (the shipped folder is stale: %s)", manifest["method"], entry, stale)
     return CompiledFolder(entry, source, manifest)
 
 
