@@ -19,6 +19,12 @@ Three kernel families sit here, between the model's attention layers and the pag
   rows), so every K/V tile is loaded once per group; key tiles wholly below the block's first
   query run without the causal mask and tiles wholly above its last query are never visited.
 
+Per-head variable counts (`kv_starts [B, Hkv]`, metadata.py): decode and prefill programs start
+their tiles at their KV head's first used slot, so the slots before it are neither loaded nor
+masked (tokens are gathered one at a time: tiles need no alignment). `HAS_STARTS` is a constexpr:
+without starts nothing is loaded and the start folds to the constant 0, so the other methods run
+the kernels they ran before starts existed.
+
 All arithmetic after the loads is fp32 (softmax in base 2); inputs may be fp32, fp16 or bf16.
 Triton is optional: importing this module without it raises a `ModuleNotFoundError` that the
 backend turns into an actionable error.
@@ -520,8 +526,11 @@ def _prefill_kernel(
     # whole tiles among them need no causal mask.
     head_start = _head_start(kv_starts_ptr, seq, kv_head, stride_sb, HAS_STARTS)
     first_pos = context_len - q_len + first_query
-    unmasked_tiles = tl.maximum(first_pos + 1 - head_start, 0) // BLOCK_N
-    unmasked_end = tl.where(active, head_start + unmasked_tiles * BLOCK_N, head_start)
+    if HAS_STARTS:
+        unmasked_tiles = tl.maximum(first_pos + 1 - head_start, 0) // BLOCK_N
+        unmasked_end = tl.where(active, head_start + unmasked_tiles * BLOCK_N, head_start)
+    else:
+        unmasked_end = tl.where(active, (first_pos + 1) // BLOCK_N * BLOCK_N, 0)
 
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
