@@ -157,6 +157,7 @@ class DecodeView:
     v: torch.Tensor
     block_tables: torch.Tensor  # [B, max_pages] this layer's tables
     context_lens: torch.Tensor  # [B] physical lengths after the step's token
+    kv_starts: torch.Tensor | None = None  # [B, Hkv] first slot each KV head uses (None: all 0)
 
 
 @runtime_checkable

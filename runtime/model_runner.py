@@ -5,11 +5,12 @@ Decode-only steps on a GPU replay CUDA graphs captured per batch-size bucket; ev
 (prefill chunks, mixed steps, CPU) runs eagerly.
 
 Positions are logical (`num_computed_tokens` onward); slots, tables and lengths are physical and
-per layer (`kv_lens`, `page_tables`), with per-KV-head start slots (`kv_starts`) for layers a keep
-plan with per-head variable counts compacted. The method's hooks run inside the forward, per layer, right
-after attention: prefill_chunk / prefill_end for prefill chunks (a keep plan is compacted at once,
-before any later decode; `StepOutput.compacted` tells the scheduler which pages to free), and the
-decode hooks for decode rows (static shapes, no host sync, so they are CUDA-graph capturable).
+per layer (`kv_lens`, `page_tables`), plus per-KV-head start slots (`kv_starts`) in layers that a
+keep plan with per-head variable counts compacted. The method's hooks run inside the forward, per
+layer, right after attention: prefill_chunk / prefill_end for prefill chunks (a keep plan is
+compacted at once, before any later decode; `StepOutput.compacted` tells the scheduler which pages
+to free, and the runner records the plan's per-head start slots on the sequence), and the decode
+hooks for decode rows (static shapes, no host sync, so they are CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ class ModelRunner:
             view = None
             if decode_hooks and d > 0:
                 view = DecodeView(layer, q[:d], k[:d], v[:d], md.block_tables[layer, :d],
-                                  md.context_lens[layer, :d])
+                                  md.context_lens[layer, :d],
+                                  None if md.kv_starts is None else md.kv_starts[layer, :d])
                 if Hook.DECODE_BEFORE_ATTENTION in hooks:
                     method.decode_before_attention(layer, view)
             out = attention.forward(layer, q, k, v, md, scale)
