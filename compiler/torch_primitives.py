@@ -1,7 +1,8 @@
 """The primitives every generated torch lowering (`kernels_generated/<method>/torch_lowering.py`)
 calls: windows, causal attention scores, reductions, GQA folding, pooling, state growth and the
 selection rule of `keep`. One copy here instead of one per generated file; their semantics are
-pinned in docs/language.md ("Semantics the compiler implements")."""
+pinned in docs/language.md ("Semantics the compiler implements"). Every tensor they create lives on
+the device of their inputs, so a lowering runs on the CPU or the GPU alike."""
 
 import math
 
@@ -34,8 +35,8 @@ def attention(q, k, softmax=True):
     length = k.shape[1]
     keys = k.float().repeat_interleave(heads // k.shape[0], dim=0)
     logits = q.float() @ keys.transpose(1, 2) / math.sqrt(head_dim)
-    query_pos = torch.arange(length - queries, length)[:, None]
-    logits = logits.masked_fill(torch.arange(length)[None, :] > query_pos, NEG_INF)
+    query_pos = torch.arange(length - queries, length, device=q.device)[:, None]
+    logits = logits.masked_fill(torch.arange(length, device=q.device)[None, :] > query_pos, NEG_INF)
     return logits.softmax(dim=-1) if softmax else logits
 
 
@@ -90,12 +91,12 @@ def ranked(scores, excluded):
 
 def select(scores, length, kv_heads, *, first, last, count, at_least, granularity):
     """Kept key indices per KV head: the ranges, plus the top-ranked other tokens."""
-    forced = torch.zeros(length, dtype=torch.bool)
+    forced = torch.zeros(length, dtype=torch.bool, device=scores.device)
     if first is not None:
         forced[: clamp_count(first, length)] = True
     if last is not None:
         forced[length - clamp_count(last, length):] = True
-    chosen = torch.zeros(kv_heads, length, dtype=torch.bool)
+    chosen = torch.zeros(kv_heads, length, dtype=torch.bool, device=scores.device)
     candidates = int((~forced).sum())
     if granularity in ("kv_head", "layer"):
         n = clamp_count(count, candidates)

@@ -14,6 +14,12 @@ kernels and their query windows) and calls the generated torch lowering at the c
   (with per-head `lengths` when the counts differ: head-adaptive selections such as Ada-KV).
 - `release`: drops the sequence's buffers.
 
+Scoring runs on the cache's device. On a GPU, a hook the compiler fused into one Triton kernel
+(manifest `kernels`: a prefill_end keep score, a prefill_chunk state accumulation) calls that kernel
+(kernels_generated/<m>/triton_kernels.py), so no [head, query, key] matrix is materialised; the
+rest of the generated torch lowering runs as torch ops on the same device. On the CPU the torch
+lowering runs in float32.
+
 Decode-time hooks of the generated lowering (step_end / decode_after_attention evictions of
 streamingllm, tova, h2o) are not run yet: a compiled method compresses at prefill end only, the
 semantics of `tests/references/model_forward.greedy_compressed`.
@@ -40,10 +46,12 @@ GENERATED = Path(__file__).resolve().parent.parent / "kernels_generated"
 ALL_QUERIES = -1
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """float32 on the CPU: the generated torch lowering (compiler/torch_primitives.py) builds its
-    masks on the CPU, so its scoring runs there (prefill_end is outside the captured decode graphs)."""
-    return t.detach().to("cpu", torch.float32)
+def _operand(t: torch.Tensor) -> torch.Tensor:
+    """A scoring operand on its own device: float32 on the CPU (the reference precision), the
+    cache's dtype on a GPU (the fused kernels multiply bf16 with float32 accumulation, the torch
+    lowering upcasts itself)."""
+    t = t.detach()
+    return t.float() if t.device.type == "cpu" else t
 
 
 def available() -> list[str]:
@@ -88,6 +96,19 @@ def _query_window(manifest: dict, params: dict[str, Any]) -> int:
     return window
 
 
+def _fused_kernels(manifest: dict) -> dict[str, str]:
+    """hook -> the fused kernel computing all of it: a prefill_end kernel that is the keep's whole
+    score (not accumulating), or a prefill_chunk kernel that is the hook's only statement."""
+    fused = {}
+    for kernel in manifest.get("kernels", []):
+        hook, flags = kernel.get("hook"), kernel.get("flags", {})
+        if hook == "prefill_end" and not flags.get("ACCUMULATE", False):
+            fused[hook] = kernel["name"]
+        elif hook == "prefill_chunk" and flags.get("ACCUMULATE", False) and flags.get("WHOLE_HOOK", False):
+            fused[hook] = kernel["name"]
+    return fused
+
+
 class CompiledBudget:
     """Peak: the whole prompt per layer; steady: the generated bound on a layer's physical length
     (its most-keeping KV head, `held_tokens`) + generated tokens."""
@@ -111,6 +132,7 @@ class CompiledBudget:
 
 class CompiledMethod(MethodBase):
     compacts = True
+    fused_devices = ("cuda",)  # where the fused Triton kernels run (tests add "cpu" under TRITON_INTERPRET)
 
     def __init__(self, name: str, manifest: dict, params: dict[str, Any]) -> None:
         self.name = name
@@ -129,6 +151,8 @@ class CompiledMethod(MethodBase):
             hooks.add(Hook.PREFILL_CHUNK)
         self.hooks = frozenset(hooks)
         self.states = list(getattr(self.lowering, "STATES", []))
+        self._fused_names = _fused_kernels(manifest)
+        self._fused: dict[str, Any] | None = None  # hook -> entry point of triton_kernels.py, on first GPU use
         self._q: dict[tuple[int, int], torch.Tensor] = {}  # (seq, layer) -> [Hq, <=w, D]
         self._state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         held = getattr(self.hooks_module, "held_tokens", None)
@@ -141,13 +165,26 @@ class CompiledMethod(MethodBase):
         """The model's shape, for the budget formulas (called by the engine before admission)."""
         self.budget.num_layers, self.budget.num_kv_heads = num_layers, num_kv_heads
 
+    def _kernel(self, hook: str, device: torch.device):
+        """The fused Triton entry point computing `hook`'s scores (prefill_end) or state update
+        (prefill_chunk) on a GPU, or None: on the CPU the torch lowering runs."""
+        if device.type not in self.fused_devices or hook not in self._fused_names:
+            return None
+        if self._fused is None:
+            kernels = importlib.import_module(f"{self.lowering.__name__.rsplit('.', 1)[0]}.triton_kernels")
+            self._fused = {h: getattr(kernels, name) for h, name in self._fused_names.items()}
+        return self._fused[hook]
+
+    def _new_state(self, kv_heads: int, device: torch.device) -> dict[str, torch.Tensor]:
+        return {s: torch.zeros(kv_heads, 0, device=device) for s in self.states}
+
     def _sym(self, view: PrefillView, heads: int, kv_heads: int, head_dim: int, context: int) -> dict:
         return {"context": context, "prompt": context, "step": 0, "layer": view.layer,
                 "layers": view.num_layers, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
 
     def prefill_chunk(self, layer: int, view: PrefillView) -> None:
         key = (view.seq_id, layer)
-        q = _host(view.q.transpose(0, 1))  # [Hq, n, D]
+        q = _operand(view.q.transpose(0, 1))  # [Hq, n, D]
         if view.start == 0:  # a new prefill (or a recompute): reset
             self._q.pop(key, None)
             self._state.pop(key, None)
@@ -156,10 +193,14 @@ class CompiledMethod(MethodBase):
             q_all = q if prev is None else torch.cat([prev, q], dim=1)
             self._q[key] = (q_all if self.window == ALL_QUERIES else q_all[:, -self.window:]).contiguous()
         if self._chunk_hook is not None:
-            k = _host(view.cache.keys())
+            k = _operand(view.cache.keys())
             state = self._state.get(key)
             if state is None:
-                state = {s: torch.zeros(k.shape[0], 0) for s in self.states}
+                state = self._new_state(k.shape[0], k.device)
+            fused = self._kernel("prefill_chunk", k.device)
+            if fused is not None:  # no [head, query, key] matrix in memory
+                self._state[key] = fused(q, k, self.params, state)
+                return
             attn = self.lowering._attention(q, k, softmax=True)
             sym = self._sym(view, q.shape[0], k.shape[0], k.shape[-1], k.shape[1])
             self._state[key] = self._chunk_hook({"q": q, "k": k, "v": None, "attn": attn}, state, sym, self.params)
@@ -167,15 +208,18 @@ class CompiledMethod(MethodBase):
     def prefill_end(self, layer: int, view: PrefillView) -> KeepPlan | None:
         key = (view.seq_id, layer)
         device = view.cache.k_cache.device
-        k = _host(view.cache.keys())
+        k = _operand(view.cache.keys())
         kv_heads, length = k.shape[0], k.shape[1]
         q = self._q.pop(key, None)
         if q is None:
-            q = _host(view.q.transpose(0, 1))
-        state = self._state.pop(key, None) or {s: torch.zeros(kv_heads, 0) for s in self.states}
+            q = _operand(view.q.transpose(0, 1))
+        state = self._state.pop(key, None) or self._new_state(kv_heads, device)
         sym = self._sym(view, q.shape[0], kv_heads, k.shape[-1], length)
-        inputs = {"q": q, "k": k, "v": _host(view.cache.values())}
-        scores = self._scores(inputs, state, sym, self.params)
+        fused = self._kernel("prefill_end", device)
+        if fused is not None:
+            scores = fused(q, k, self.params, state)
+        else:
+            scores = self._scores({"q": q, "k": k, "v": _operand(view.cache.values())}, state, sym, self.params)
         kept = self._select(scores, sym, self.params)
         if all(int(t.numel()) >= length for t in kept):
             return None

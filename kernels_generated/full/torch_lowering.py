@@ -49,7 +49,7 @@ def score(q, k, *, layer=0, num_layers=1, params=None):
     """Prefill-end ranking scores of a whole prompt: q [heads, T or last window, D], k [kv_heads, T, D] -> [kv_heads, T]."""
     params = {**DEFAULTS, **(params or {})}
     sym = symbols(q, k, layer=layer, num_layers=num_layers)
-    return torch.zeros(k.shape[0], k.shape[1])
+    return torch.zeros(k.shape[0], k.shape[1], device=k.device)
 
 
 def select(scores, length, *, layer=0, num_layers=1, params=None):
@@ -57,7 +57,7 @@ def select(scores, length, *, layer=0, num_layers=1, params=None):
     params = {**DEFAULTS, **(params or {})}
     sym = {"context": length, "prompt": length, "step": 0, "layer": layer, "layers": num_layers,
            "heads": None, "kv_heads": scores.shape[0], "head_dim": None}
-    return [torch.arange(length) for _ in range(scores.shape[0])]
+    return [torch.arange(length, device=scores.device) for _ in range(scores.shape[0])]
 
 
 def keep(q, k, *, layer=0, num_layers=1, params=None):

@@ -2,8 +2,9 @@
 # Do not edit: change the .kvm or the template and run `kvc compile`.
 """h2o: fused Triton kernels from `methods/h2o.kvm` (fusion plan: 1 kernel(s)).
 
-Each entry point returns exactly what the torch lowering (`torch_lowering.py`) computes for the
-same value; tests run both under TRITON_INTERPRET=1. Import needs `triton`.
+Each entry point returns what the torch lowering (`torch_lowering.py`) computes for the same value
+(exactly in float32; bf16 inputs are multiplied in bf16 with float32 accumulation); tests run both
+under TRITON_INTERPRET=1. Import needs `triton`.
 """
 
 import math
@@ -11,6 +12,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from kvc.compiler.torch_primitives import pool as _pool
 
 DEFAULTS = {'heavy': 0.1, 'recent': 0.1}
 
@@ -25,106 +28,112 @@ def _eval(expr, names):
 
 
 # ---- kernel family `attention_columns` (column_sum): H2O-style: adds a prefill chunk's attention column sums into `seen`
-# Flags: ACCUMULATE=True, HEAD_REDUCE=group, KERNEL_EXPR=1, POOL=none, QUERY_REDUCE=sum, SLICED_KEYS=False, STATE=seen, WINDOW_EXPR=None
+# Flags: ACCUMULATE=True, HEAD_REDUCE=group, KERNEL_EXPR=1, POOL=none, QUERY_REDUCE=sum, SLICED_KEYS=False, STATE=seen, WHOLE_HOOK=True, WINDOW_EXPR=None
 
 @triton.jit
-def _column_sum_row_stats(q_ptr, k_ptr, m_ptr, l_ptr, queries, length, group, scale,
+def _column_sum_row_stats(q_ptr, k_ptr, m_ptr, l_ptr, queries, length, group, scale, keys_per_split,
                                  HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 BLOCK_D: tl.constexpr):
-    """Softmax max and normaliser of each query over its causal keys (queries are the last positions)."""
+                                 BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """Partial softmax max and normaliser of each query over one split of its causal keys (queries are the
+    last positions); the splits are merged on the host side of the wrapper."""
     head = tl.program_id(0)
     q_offs = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    split = tl.program_id(2)
     d_offs = tl.arange(0, BLOCK_D)
     q_ok = q_offs < queries
     q_pos = length - queries + q_offs
     q_tile = tl.load(q_ptr + (head * queries + q_offs[:, None]) * HEAD_DIM + d_offs[None, :],
-                     mask=q_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+                     mask=q_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0)
     kv_head = head // group
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q], tl.float32)
-    for start in range(0, length, BLOCK_K):
+    lo = split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, length)
+    for start in range(lo, hi, BLOCK_K):
         k_offs = start + tl.arange(0, BLOCK_K)
         k_tile = tl.load(k_ptr + (kv_head * length + k_offs[:, None]) * HEAD_DIM + d_offs[None, :],
-                         mask=(k_offs[:, None] < length) & (d_offs[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
-        s = tl.dot(q_tile, tl.trans(k_tile)) * scale
-        s = tl.where((k_offs[None, :] <= q_pos[:, None]) & (k_offs[None, :] < length), s, float("-inf"))
+                         mask=(k_offs[:, None] < hi) & (d_offs[None, :] < HEAD_DIM), other=0.0)
+        if IEEE:
+            s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q_tile, tl.trans(k_tile)) * scale
+        s = tl.where((k_offs[None, :] <= q_pos[:, None]) & (k_offs[None, :] < hi), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
         m = m_new
-    tl.store(m_ptr + head * queries + q_offs, m, mask=q_ok)
-    tl.store(l_ptr + head * queries + q_offs, l, mask=q_ok)
+    stats = (head * tl.num_programs(2) + split) * queries + q_offs
+    tl.store(m_ptr + stats, m, mask=q_ok)
+    tl.store(l_ptr + stats, l, mask=q_ok)
 
 
 @triton.jit
-def _column_sum_columns(q_ptr, k_ptr, m_ptr, l_ptr, out_ptr, queries, length, n_keys, group, heads_per_row,
-                               scale, HEAD_DIM: tl.constexpr, KERNEL: tl.constexpr, POOL_MAX: tl.constexpr,
-                               BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One row of scores (a KV head, or the whole layer) for a block of keys; no [query, key] matrix in memory."""
-    row = tl.program_id(0)
-    k_base = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+def _column_sum_columns(q_ptr, k_ptr, m_ptr, l_ptr, out_ptr, queries, length, n_keys, group, scale,
+                               HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                               BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """One query head's attention probabilities summed over its queries, for a block of keys: QK^T is
+    recomputed tile by tile from the row statistics, so no [query, key] matrix is written."""
+    head = tl.program_id(0)
+    k_offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     d_offs = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_K], tl.float32)
-    for member in range(0, heads_per_row):
-        head = row * heads_per_row + member
-        kv_head = head // group
-        if POOL_MAX:
-            pooled = tl.full([BLOCK_K], float("-inf"), tl.float32)
+    k_ok = k_offs < n_keys
+    k_tile = tl.load(k_ptr + ((head // group) * length + k_offs[:, None]) * HEAD_DIM + d_offs[None, :],
+                     mask=k_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0)
+    votes = tl.zeros([BLOCK_K], tl.float32)
+    for q_start in range(0, queries, BLOCK_Q):
+        q_offs = q_start + tl.arange(0, BLOCK_Q)
+        q_ok = q_offs < queries
+        q_pos = length - queries + q_offs
+        q_tile = tl.load(q_ptr + (head * queries + q_offs[:, None]) * HEAD_DIM + d_offs[None, :],
+                         mask=q_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0)
+        m = tl.load(m_ptr + head * queries + q_offs, mask=q_ok, other=0.0)
+        inv_l = 1.0 / tl.load(l_ptr + head * queries + q_offs, mask=q_ok, other=1.0)
+        if IEEE:
+            s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * scale
         else:
-            pooled = tl.zeros([BLOCK_K], tl.float32)
-        for shift in tl.static_range(KERNEL):
-            k_offs = k_base + shift - KERNEL // 2
-            k_ok = (k_offs >= 0) & (k_offs < n_keys)
-            k_tile = tl.load(k_ptr + (kv_head * length + k_offs[:, None]) * HEAD_DIM + d_offs[None, :],
-                             mask=k_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
-            votes = tl.zeros([BLOCK_K], tl.float32)
-            for q_start in range(0, queries, BLOCK_Q):
-                q_offs = q_start + tl.arange(0, BLOCK_Q)
-                q_ok = q_offs < queries
-                q_pos = length - queries + q_offs
-                q_tile = tl.load(q_ptr + (head * queries + q_offs[:, None]) * HEAD_DIM + d_offs[None, :],
-                                 mask=q_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
-                m = tl.load(m_ptr + head * queries + q_offs, mask=q_ok, other=0.0)
-                l = tl.load(l_ptr + head * queries + q_offs, mask=q_ok, other=1.0)
-                s = tl.dot(q_tile, tl.trans(k_tile)) * scale
-                p = tl.exp(s - m[:, None]) / l[:, None]
-                seen = q_ok[:, None] & k_ok[None, :] & (k_offs[None, :] <= q_pos[:, None])
-                votes += tl.sum(tl.where(seen, p, 0.0), axis=0)
-            if POOL_MAX:
-                pooled = tl.maximum(pooled, tl.where(k_ok, votes, float("-inf")))
-            else:
-                pooled += tl.where(k_ok, votes, 0.0)
-        if not POOL_MAX:
-            pooled = pooled / KERNEL
-        acc += pooled
-    acc = acc / heads_per_row
-    out_ok = k_base < n_keys
-    acc += tl.load(out_ptr + row * n_keys + k_base, mask=out_ok, other=0.0)
-    tl.store(out_ptr + row * n_keys + k_base, acc, mask=out_ok)
+            s = tl.dot(q_tile, tl.trans(k_tile)) * scale
+        p = tl.exp(s - m[:, None]) * inv_l[:, None]
+        seen = q_ok[:, None] & k_ok[None, :] & (k_offs[None, :] <= q_pos[:, None])
+        votes += tl.sum(tl.where(seen, p, 0.0), axis=0)
+    tl.store(out_ptr + head * n_keys + k_offs, votes, mask=k_ok)
 
 
-def column_sum(q, k, params=None, state=None, *, block_q=16, block_k=16):
-    """H2O-style: adds a prefill chunk's attention column sums into `seen`; equals the torch lowering's `prefill_chunk`."""
+def column_sum(q, k, params=None, state=None, *, block_q=None, block_k=None):
+    """H2O-style: adds a prefill chunk's attention column sums into `seen`; equals the torch lowering's `prefill_chunk`.
+
+    q [heads, queries, D] and k [kv_heads, keys, D] on any device Triton runs on, in their own dtype
+    (float32 inputs are multiplied in full float32 precision); scores come back float32 on q's device."""
     params = {**DEFAULTS, **(params or {})}
     names = {**params, "context": k.shape[1], "prompt": k.shape[1], "kv_heads": k.shape[0], "heads": q.shape[0]}
     queries = q.shape[1]
-    q = q[:, q.shape[1] - queries:].contiguous().float()
-    k = k.contiguous().float()
+    k = k.contiguous()
+    q = q[:, q.shape[1] - queries:].to(k.dtype).contiguous()
     heads, kv_heads, length, head_dim = q.shape[0], k.shape[0], k.shape[1], k.shape[2]
+    group = heads // kv_heads
     n_keys = length - queries if False else length
-    rows, heads_per_row = (kv_heads, heads // kv_heads)
-    pool = "none"
-    kernel = int(_eval("1", names)) if pool != "none" else 1
-    m = torch.empty(heads, queries, dtype=torch.float32)
-    l = torch.empty(heads, queries, dtype=torch.float32)
+    device, f32 = q.device, torch.float32
+    on_gpu = device.type != "cpu"
+    block_q = block_q or (max(16, min(64, triton.next_power_of_2(queries))) if on_gpu else 16)
+    block_k = block_k or (64 if on_gpu else 16)
     block_d = max(16, triton.next_power_of_2(head_dim))
     scale = 1.0 / math.sqrt(head_dim)
-    _column_sum_row_stats[(heads, triton.cdiv(queries, block_q))](
-        q, k, m, l, queries, length, heads // kv_heads, scale, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_K=block_k,
-        BLOCK_D=block_d)
-    seen = state["seen"]
-    out = torch.nn.functional.pad(seen.float(), (0, length - seen.shape[-1])).contiguous()
-    _column_sum_columns[(rows, triton.cdiv(n_keys, block_k))](
-        q, k, m, l, out, queries, length, n_keys, heads // kv_heads, heads_per_row, scale, HEAD_DIM=head_dim,
-        KERNEL=kernel, POOL_MAX=pool == "max", BLOCK_Q=block_q, BLOCK_K=block_k, BLOCK_D=block_d)
-    return {**state, "seen": out}
+    ieee = k.dtype == f32
+    q_blocks = triton.cdiv(queries, block_q)
+    splits = max(1, min(triton.cdiv(length, 4 * block_k), triton.cdiv(512, heads * q_blocks))) if on_gpu else 2
+    keys_per_split = triton.cdiv(triton.cdiv(length, splits), block_k) * block_k
+    splits = triton.cdiv(length, keys_per_split)
+    m_part = torch.empty(heads, splits, queries, dtype=f32, device=device)
+    l_part = torch.empty(heads, splits, queries, dtype=f32, device=device)
+    _column_sum_row_stats[(heads, q_blocks, splits)](
+        q, k, m_part, l_part, queries, length, group, scale, keys_per_split, HEAD_DIM=head_dim, BLOCK_Q=block_q,
+        BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee)
+    m = m_part.amax(dim=1)
+    l = (l_part * torch.exp(m_part - m[:, None]).nan_to_num(0.0)).sum(dim=1).contiguous()
+    m = m.contiguous()
+    votes = torch.empty(heads, n_keys, dtype=f32, device=device)
+    _column_sum_columns[(heads, triton.cdiv(n_keys, block_k))](
+        q, k, m, l, votes, queries, length, n_keys, group, scale, HEAD_DIM=head_dim, BLOCK_Q=block_q,
+        BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee)
+    seen = state["seen"].to(device=device, dtype=f32)
+    sums = votes.view(kv_heads, group, n_keys).mean(dim=1)
+    return {**state, "seen": torch.nn.functional.pad(seen, (0, length - seen.shape[-1])) + sums}

@@ -95,7 +95,7 @@ def score(q, k, *, layer=0, num_layers=1, params=None):
     """Prefill-end ranking scores of a whole prompt: q [heads, T or last window, D], k [kv_heads, T, D] -> [kv_heads, T]."""
     params = {**DEFAULTS, **(params or {})}
     sym = symbols(q, k, layer=layer, num_layers=num_layers)
-    state = {name: torch.zeros(k.shape[0], 0) for name in STATES}
+    state = {name: torch.zeros(k.shape[0], 0, device=k.device) for name in STATES}
     return prefill_end_scores({"q": q, "k": k}, state, sym, params)
 
 

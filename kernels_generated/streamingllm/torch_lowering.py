@@ -44,7 +44,7 @@ def prefill_end_scores(inputs, state, sym, params):
     kv_heads = sym["kv_heads"]
     recent = params["recent"]
     sink = params["sink"]
-    return torch.zeros(kv_heads, context)
+    return torch.zeros(kv_heads, context, device=inputs["k"].device)
 
 
 def prefill_end_select(scores, sym, params):
@@ -71,7 +71,7 @@ def step_end_scores(inputs, state, sym, params):
     kv_heads = sym["kv_heads"]
     recent = params["recent"]
     sink = params["sink"]
-    return torch.zeros(kv_heads, context)
+    return torch.zeros(kv_heads, context, device=inputs["k"].device)
 
 
 def step_end_select(scores, sym, params):
@@ -103,7 +103,7 @@ def score(q, k, *, layer=0, num_layers=1, params=None):
     """Prefill-end ranking scores of a whole prompt: q [heads, T or last window, D], k [kv_heads, T, D] -> [kv_heads, T]."""
     params = {**DEFAULTS, **(params or {})}
     sym = symbols(q, k, layer=layer, num_layers=num_layers)
-    state = {name: torch.zeros(k.shape[0], 0) for name in STATES}
+    state = {name: torch.zeros(k.shape[0], 0, device=k.device) for name in STATES}
     return prefill_end_scores({"q": q, "k": k}, state, sym, params)
 
 

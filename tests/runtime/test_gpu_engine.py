@@ -17,7 +17,7 @@ def test_triton_and_graphs_match_torch_path(tmp_path):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (1, 17, 64, 150, 299)]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    common = dict(dtype="float32", page_size=16, max_num_batched_tokens=64, max_prefill_chunk=32)
+    common = dict(dtype="float32", page_size=16, max_num_batched_tokens=64, max_prefill_chunk=32, kv_cache_memory=2**26)
     ref = LLM(str(model_dir), device="cpu", **common).generate(prompts, params)
     eager = LLM(str(model_dir), device="cuda", cuda_graphs=False, **common).generate(prompts, params)
     graphs_llm = LLM(str(model_dir), device="cuda", cuda_graphs=True, **common)
