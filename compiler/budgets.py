@@ -6,8 +6,12 @@ sympy, from the `keep` that runs at prefill end:
 - `kept`: tokens kept per KV head in one layer after prefill end, a function of `context` (the
   prompt), `layer`, `layers`, `kv_heads` and the parameters. Counts are floored and clamped as
   the language says (docs/language.md, Budgets); a head-adaptive budget is averaged over heads.
-- `kv_bytes`: K and V bytes of a request after prefill end, summed over layers, given the model
-  shape (`layers`, `kv_heads`, `head_dim`, `dtype_bytes`).
+- `held`: an upper bound on the tokens the most-keeping KV head of a layer keeps, which is the
+  layer's physical length (the engine stores per-head variable counts right-aligned in shared
+  slots, docs/design.md). Equal to `kept` unless the selection is head-adaptive: there one head
+  may take the whole layer's budget but the safeguard (`at_least`) of every other head.
+- `kv_bytes`: K and V bytes of a request after prefill end (the slots it holds: `held`), summed
+  over layers, given the model shape (`layers`, `kv_heads`, `head_dim`, `dtype_bytes`).
 - `peak_prefill_bytes`: the whole prompt is resident until prefill ends.
 - `steady_bytes`: after `generated` decode tokens: methods that evict while decoding stay at
   their budget (evaluated at the grown context), the others grow by one token per step.
@@ -32,13 +36,18 @@ DECODE_HOOKS = ("decode_after_attention", "step_end")
 
 @dataclass(frozen=True)
 class Budgets:
-    kept: object  # sympy: tokens per KV head in one layer after prefill end
+    kept: object  # sympy: tokens per KV head in one layer after prefill end (head-adaptive: average)
     evicts_while_decoding: bool
     params: tuple[str, ...]  # parameters the formulas use, sorted
+    held: object = None  # sympy: bound on the most-keeping head's tokens (the layer's slots); None: kept
+
+    def __post_init__(self) -> None:
+        if self.held is None:
+            object.__setattr__(self, "held", self.kept)
 
     @property
     def kv_bytes(self):
-        per_layer = 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES * self.kept
+        per_layer = 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES * self.held
         return sp.Sum(per_layer, (LAYER, 0, LAYERS - 1))
 
     @property
@@ -46,8 +55,8 @@ class Budgets:
         return 2 * LAYERS * KV_HEADS * HEAD_DIM * DTYPE_BYTES * CONTEXT
 
     def formulas(self) -> dict[str, str]:
-        return {"kept_tokens_per_layer": sp.sstr(self.kept), "kv_bytes": sp.sstr(self.kv_bytes),
-                "peak_prefill_bytes": sp.sstr(self.peak_prefill_bytes)}
+        return {"kept_tokens_per_layer": sp.sstr(self.kept), "held_tokens_per_layer": sp.sstr(self.held),
+                "kv_bytes": sp.sstr(self.kv_bytes), "peak_prefill_bytes": sp.sstr(self.peak_prefill_bytes)}
 
 
 def _count(expr) -> object:
@@ -67,6 +76,23 @@ def kept_by(select: Select):
     return sp.Min(CONTEXT, ranges + chosen)
 
 
+def held_by(select: Select):
+    """Tokens the most-keeping KV head of a layer may keep (an upper bound, as sympy).
+
+    Head-adaptive: every head first takes its safeguard `a` = at_least, then the layer's other
+    picks may all go to one head, which then holds max(a, count - (kv_heads - 1) * a) besides
+    the ranges. Global (one top-k across layers): one head may take the whole count."""
+    top = select.top
+    if top is None or top.granularity not in ("head_adaptive", "global"):
+        return kept_by(select)
+    ranges = sum((_count(c) for c in (select.first, select.last) if c is not None), sp.Integer(0))
+    count = _count(top.count)
+    if top.granularity == "head_adaptive" and top.at_least is not None:
+        floor_each = _count(top.at_least)
+        count = sp.Max(floor_each, count - (KV_HEADS - 1) * floor_each)
+    return sp.Min(CONTEXT, ranges + count)
+
+
 def derive(method: MethodIR) -> Budgets:
     """The budget formulas of a method (every token for `full` and methods without a keep)."""
     keeps: list[Keep] = []
@@ -74,10 +100,11 @@ def derive(method: MethodIR) -> Budgets:
     if end is not None:
         keeps = end.keeps
     kept = CONTEXT if not keeps else kept_by(keeps[-1].select)
-    kept = kept.subs(PROMPT, CONTEXT)
+    held = CONTEXT if not keeps else held_by(keeps[-1].select)
+    kept, held = kept.subs(PROMPT, CONTEXT), held.subs(PROMPT, CONTEXT)
     evicts = any(h.keeps for h in method.hooks if h.name in DECODE_HOOKS)
-    names = sorted(str(s) for s in kept.free_symbols if str(s) not in SHAPE_SYMBOLS)
-    return Budgets(kept, evicts, tuple(names))
+    names = sorted(str(s) for s in kept.free_symbols | held.free_symbols if str(s) not in SHAPE_SYMBOLS)
+    return Budgets(kept, evicts, tuple(names), held)
 
 
 def _pycode(expr) -> str:
@@ -85,9 +112,13 @@ def _pycode(expr) -> str:
 
 
 def emit_python(budgets: Budgets) -> str:
-    """Python source of `kept_tokens`, `kv_bytes`, `peak_prefill_bytes`, `steady_bytes`."""
-    unpack = "".join(f'    {p} = params["{p}"]\n' for p in budgets.params)
-    kept_src = _pycode(budgets.kept)
+    """Python source of `kept_tokens`, `held_tokens`, `kv_bytes`, `peak_prefill_bytes`,
+    `steady_bytes`."""
+    def unpack(expr) -> str:
+        used = {str(s) for s in expr.free_symbols}
+        return "".join(f'    {p} = params["{p}"]\n' for p in budgets.params if p in used)
+
+    kept_src, held_src = _pycode(budgets.kept), _pycode(budgets.held)
     grow = "0" if budgets.evicts_while_decoding else "generated"
     at = "prompt + generated" if budgets.evicts_while_decoding else "prompt"
     return (
@@ -95,18 +126,22 @@ def emit_python(budgets: Budgets) -> str:
         "    return math.floor(x)\n\n\n"
         "def kept_tokens(context, layer, layers, kv_heads, params):\n"
         '    """Tokens kept per KV head of `layer` after prefill end of a `context`-token prompt."""\n'
-        f"{unpack}"
+        f"{unpack(budgets.kept)}"
         f"    return int({kept_src})\n\n\n"
+        "def held_tokens(context, layer, layers, kv_heads, params):\n"
+        '    """At most this many tokens kept by the most-keeping KV head of `layer`: the slots the layer holds."""\n'
+        f"{unpack(budgets.held)}"
+        f"    return int({held_src})\n\n\n"
         "def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
-        '    """K and V bytes of one request after prefill end, summed over layers."""\n'
-        "    kept = sum(kept_tokens(context, layer, layers, kv_heads, params) for layer in range(layers))\n"
+        '    """K and V bytes of one request after prefill end (the slots it holds), summed over layers."""\n'
+        "    kept = sum(held_tokens(context, layer, layers, kv_heads, params) for layer in range(layers))\n"
         "    return 2 * kv_heads * head_dim * dtype_bytes * kept\n\n\n"
         "def peak_prefill_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
         '    """K and V bytes while the prompt is prefilled (all of it resident until prefill end)."""\n'
         "    return 2 * layers * kv_heads * head_dim * dtype_bytes * context\n\n\n"
         "def steady_bytes(prompt, generated, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
         '    """K and V bytes after `generated` decode steps."""\n'
-        f"    kept = sum(kept_tokens({at}, layer, layers, kv_heads, params) for layer in range(layers))\n"
+        f"    kept = sum(held_tokens({at}, layer, layers, kv_heads, params) for layer in range(layers))\n"
         f"    return 2 * kv_heads * head_dim * dtype_bytes * (kept + layers * {grow})\n"
     )
 

@@ -12,7 +12,8 @@ Points, in the order a request meets them:
   steady state (a function of context length and layer), so the scheduler admits by real memory.
 - `prefill_chunk(layer, view)`   after a chunk's K/V are stored and its attention ran.
 - `prefill_end(layer, view)`     right after the last prompt chunk of that layer (same forward), ->
-  an optional `KeepPlan`; the engine compacts the layer's pages to it before any decode.
+  an optional `KeepPlan` (equal or per-head variable counts); the engine compacts the layer's
+  pages to it before any decode.
 - `decode_before_attention(layer, view)` / `decode_after_attention(layer, view, out)`: decode
   steps; they must stay free of host syncs (decode steps are CUDA-graph captured).
 - `step_end(seq_ids)`           after each engine step's bookkeeping.
@@ -118,18 +119,32 @@ class PrefillView:
 @dataclass
 class KeepPlan:
     """Which stored tokens of one layer survive: `indices[h]` are physical token indices of KV
-    head h, ascending, every head keeping the same count in this step.
+    head h, ascending.
 
-    Extension point (Ada-KV): per-head variable counts will come as `lengths [Hkv]` with indices
-    padded to the largest; the engine then needs per-head lengths in its metadata. Until then a
-    plan with `lengths` set is rejected."""
+    Equal counts: `indices [Hkv, kept]`, `lengths` None. Per-head variable counts (Ada-KV):
+    `lengths [Hkv]` says head h keeps `indices[h, :lengths[h]]` (the rest is padding), and the
+    layer's physical length becomes the largest count; the engine stores each head right-aligned
+    and records per-head start slots (runtime/attention/metadata.py). `from_heads` builds either."""
 
-    indices: torch.Tensor  # [Hkv, kept] int64
-    lengths: torch.Tensor | None = None
+    indices: torch.Tensor  # [Hkv, max kept] int64
+    lengths: torch.Tensor | None = None  # [Hkv] int64, or None: every head keeps indices.shape[1]
 
     @property
     def kept(self) -> int:
-        return self.indices.shape[1]
+        """Physical tokens per head slot after compaction: the most-keeping head's count."""
+        return self.indices.shape[1] if self.lengths is None else int(self.lengths.max())
+
+    @classmethod
+    def from_heads(cls, kept: Seq[torch.Tensor]) -> KeepPlan:
+        """A plan from one 1-D index tensor per KV head; `lengths` only when the counts differ."""
+        counts = [int(t.numel()) for t in kept]
+        width = max(counts, default=0)
+        indices = torch.zeros((len(kept), width), dtype=torch.long, device=kept[0].device if kept else None)
+        for head, t in enumerate(kept):
+            indices[head, : counts[head]] = t.to(torch.long)
+        if len(set(counts)) <= 1:
+            return cls(indices)
+        return cls(indices, torch.tensor(counts, dtype=torch.long, device=indices.device))
 
 
 @dataclass
@@ -142,6 +157,7 @@ class DecodeView:
     v: torch.Tensor
     block_tables: torch.Tensor  # [B, max_pages] this layer's tables
     context_lens: torch.Tensor  # [B] physical lengths after the step's token
+    kv_starts: torch.Tensor | None = None  # [B, Hkv] first slot each KV head uses (None: all 0)
 
 
 @runtime_checkable

@@ -13,7 +13,8 @@ windows) and calls the generated torch lowering at the contract's points:
   over the keys stored so far, and its state is kept per (sequence, layer).
 - `prefill_end`: `inputs` = {q [Hq, w, D], k = cache.keys() [Hkv, T, D], v, attn}, `sym` =
   {context = prompt = T, layer, layers, heads, kv_heads, head_dim, step = 0}; the generated
-  `prefill_end_scores` + `prefill_end_select` give the kept indices -> `KeepPlan`.
+  `prefill_end_scores` + `prefill_end_select` give the kept indices per KV head -> `KeepPlan`
+  (with per-head `lengths` when the counts differ: head-adaptive selections such as Ada-KV).
 - `release`: drops the sequence's buffers.
 
 Scoring runs on the cache's device. On a GPU, a hook the compiler fused into one Triton kernel
@@ -24,13 +25,15 @@ lowering runs in float32.
 
 Decode-time hooks of the generated lowering (step_end / decode_after_attention evictions of
 streamingllm, tova, h2o) are not run yet: a compiled method compresses at prefill end only, the
-semantics of `tests/references/model_forward.greedy_compressed`. Methods whose selection keeps
-per-head variable counts (Ada-KV, granularity "head_adaptive") are refused at resolve time.
+semantics of `tests/references/model_forward.greedy_compressed`.
+
+Budget: a layer holds as many slots as its most-keeping KV head keeps (per-head variable counts
+are stored right-aligned in shared slots), so the steady state uses the generated `held_tokens`
+bound (the compiler's formula; equal to `kept_tokens` unless the selection is head-adaptive).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from pathlib import Path
 from typing import Any
@@ -120,14 +123,16 @@ def _fused_kernels(manifest: dict) -> dict[str, str]:
 
 
 class CompiledBudget:
-    """Peak: the whole prompt per layer; steady: the generated kept-token formula + generated tokens."""
+    """Peak: the whole prompt per layer; steady: the generated bound on a layer's physical length
+    (its most-keeping KV head, `held_tokens`) + generated tokens."""
 
-    def __init__(self, kept_tokens, params: dict[str, Any], num_layers: int, num_kv_heads: int) -> None:
-        self.kept_tokens, self.params = kept_tokens, params
+    def __init__(self, held_tokens, params: dict[str, Any], num_layers: int, num_kv_heads: int) -> None:
+        self.held_tokens, self.params = held_tokens, params
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
 
     def kept(self, prompt_len: int, layer: int) -> int:
-        return min(prompt_len, int(self.kept_tokens(prompt_len, layer, self.num_layers, self.num_kv_heads,
+        """Physical tokens (slots) layer `layer` holds at most after prefill end."""
+        return min(prompt_len, int(self.held_tokens(prompt_len, layer, self.num_layers, self.num_kv_heads,
                                                     self.params)))
 
     def peak_tokens(self, prompt_len: int, layer: int) -> int:
@@ -155,9 +160,6 @@ class CompiledMethod(MethodBase):
         if self._scores is None or self._select is None:
             raise ConfigError(f"method {name!r} has no prefill_end selection in its lowering; the engine "
                               "runs compiled methods that compress at prefill end only", param="method")
-        if "head_adaptive" in inspect.getsource(self._select):
-            raise NotImplementedError(f"method {name!r} keeps per-head variable counts (Ada-KV); the engine "
-                                      "needs per-head lengths in its metadata first (KeepPlan.lengths)")
         self.window = _query_window(manifest, params)
         hooks = {Hook.PREFILL_END, Hook.RELEASE}
         if self._chunk_hook is not None or self.window != 0:  # per-chunk state or a query window
@@ -168,7 +170,11 @@ class CompiledMethod(MethodBase):
         self._fused: dict[str, Any] | None = None  # hook -> entry point of triton_kernels.py, on first GPU use
         self._q: dict[tuple[int, int], torch.Tensor] = {}  # (seq, layer) -> [Hq, <=w, D]
         self._state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.budget = CompiledBudget(self.hooks_module.kept_tokens, params, 1, 1)
+        held = getattr(self.hooks_module, "held_tokens", None)
+        if held is None:
+            raise ConfigError(f"kernels_generated/{name}/hooks.py predates the held_tokens budget; "
+                              "run `kvc compile --all`", param="method")
+        self.budget = CompiledBudget(held, params, 1, 1)
 
     def bind(self, num_layers: int, num_kv_heads: int) -> None:
         """The model's shape, for the budget formulas (called by the engine before admission)."""
@@ -230,12 +236,9 @@ class CompiledMethod(MethodBase):
         else:
             scores = self._scores({"q": q, "k": k, "v": _operand(view.cache.values())}, state, sym, self.params)
         kept = self._select(scores, sym, self.params)
-        counts = {int(t.numel()) for t in kept}
-        if len(counts) != 1:
-            raise NotImplementedError(f"method {self.name!r} kept unequal counts per KV head {sorted(counts)}")
-        if counts.pop() >= length:
+        if all(int(t.numel()) >= length for t in kept):
             return None
-        return KeepPlan(torch.stack([t.to(torch.long) for t in kept]).to(device))
+        return KeepPlan.from_heads([t.to(device) for t in kept])
 
     def release(self, seq_id: int) -> None:
         for store in (self._q, self._state):

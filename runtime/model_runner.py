@@ -5,10 +5,12 @@ Decode-only steps on a GPU replay CUDA graphs captured per batch-size bucket; ev
 (prefill chunks, mixed steps, CPU) runs eagerly.
 
 Positions are logical (`num_computed_tokens` onward); slots, tables and lengths are physical and
-per layer (`kv_lens`, `page_tables`). The method's hooks run inside the forward, per layer, right
-after attention: prefill_chunk / prefill_end for prefill chunks (a keep plan is compacted at once,
-before any later decode; `StepOutput.compacted` tells the scheduler which pages to free), and the
-decode hooks for decode rows (static shapes, no host sync, so they are CUDA-graph capturable).
+per layer (`kv_lens`, `page_tables`), plus per-KV-head start slots (`kv_starts`) in layers that a
+keep plan with per-head variable counts compacted. The method's hooks run inside the forward, per
+layer, right after attention: prefill_chunk / prefill_end for prefill chunks (a keep plan is
+compacted at once, before any later decode; `StepOutput.compacted` tells the scheduler which pages
+to free, and the runner records the plan's per-head start slots on the sequence), and the decode
+hooks for decode rows (static shapes, no host sync, so they are CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ class ModelRunner:
         self.device = device
         self.scale = model.spec.head_dim**-0.5
         self.max_pages_per_seq = -(-max_model_len // page_size)
-        self.tables = _TableCache(self.num_layers, self.max_pages_per_seq)
+        self.num_kv_heads = model.spec.num_kv_heads
+        self.tables = _TableCache(self.num_layers, self.max_pages_per_seq, self.num_kv_heads)
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
@@ -134,7 +137,8 @@ class ModelRunner:
             view = None
             if decode_hooks and d > 0:
                 view = DecodeView(layer, q[:d], k[:d], v[:d], md.block_tables[layer, :d],
-                                  md.context_lens[layer, :d])
+                                  md.context_lens[layer, :d],
+                                  None if md.kv_starts is None else md.kv_starts[layer, :d])
                 if Hook.DECODE_BEFORE_ATTENTION in hooks:
                     method.decode_before_attention(layer, view)
             out = attention.forward(layer, q, k, v, md, scale)
@@ -169,10 +173,13 @@ class ModelRunner:
             plan = method.prefill_end(layer, view)
             if plan is None:
                 continue
-            if plan.lengths is not None:
-                raise NotImplementedError("per-head variable keep counts (Ada-KV) are not supported yet")
-            kept = compact_layer(self.attention.k_cache, self.attention.v_cache, table, length, plan.indices)
+            if seq.kv_starts[layer] is not None:
+                raise NotImplementedError("a keep plan for a layer already stored with per-head starts")
+            kept = compact_layer(self.attention.k_cache, self.attention.v_cache, table, length,
+                                 plan.indices, plan.lengths)
             compacted.setdefault(seq.seq_id, {})[layer] = kept
+            # per-head variable counts: head h's tokens sit right-aligned from slot kept - len_h
+            seq.set_kv_starts(layer, None if plan.lengths is None else (kept - plan.lengths).tolist())
 
     def prepare(self, batch: ScheduledBatch, needs_sample: list[bool]) -> StepInputs:
         """Flattens the batch into token ids, logical positions, and per-layer slots and tables."""
@@ -185,6 +192,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[int] = []
         tables_np = self.tables.pack_numpy(batch.seqs, max(len(t) for s in batch.seqs for t in s.page_tables))
+        starts_np = self.tables.pack_starts(batch.seqs)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
@@ -214,19 +222,22 @@ class ModelRunner:
             num_decodes=batch.num_decodes,
             max_query_len=max(batch.num_new_tokens),
             max_context_len=max(max(c) for c in ctx),
+            kv_starts=None if starts_np is None else torch.from_numpy(starts_np).to(dev, non_blocking=True),
         )
         return StepInputs(to_dev(ids, torch.int64), to_dev(positions, torch.int64), md, sample_rows, sample_seqs)
 
 
 class _TableCache:
-    """Per-sequence [L, W] int32 copies of the page tables, rebuilt only when the sequence's
-    `tables_version` changes: most decode steps reuse them, so a step costs one stack, not
-    L x B list-to-array conversions."""
+    """Per-sequence [L, W] int32 copies of the page tables (and [L, Hkv] KV-head start slots),
+    rebuilt only when the sequence's `tables_version` changes: most decode steps reuse them, so a
+    step costs one stack, not L x B list-to-array conversions."""
 
-    def __init__(self, num_layers: int, width: int) -> None:
+    def __init__(self, num_layers: int, width: int, num_kv_heads: int = 1) -> None:
         self.num_layers = num_layers
         self.width = width
+        self.num_kv_heads = num_kv_heads
         self._arrays: dict[int, tuple[int, np.ndarray]] = {}
+        self._starts: dict[int, tuple[int, np.ndarray]] = {}
 
     def pack(self, seqs, width: int) -> torch.Tensor:
         """[L, B, width] int32 page tables of `seqs`, zero-padded."""
@@ -246,12 +257,35 @@ class _TableCache:
             rows.append(hit[1][:, :width])
         return np.ascontiguousarray(np.stack(rows, axis=1))
 
+    def pack_starts(self, seqs) -> np.ndarray | None:
+        """[L, B, Hkv] int32 KV-head start slots of `seqs`, or None when every one is 0 (the
+        kernels then run without them)."""
+        if not any(seq.has_kv_starts for seq in seqs):
+            return None
+        out = np.zeros((self.num_layers, len(seqs), self.num_kv_heads), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            if not seq.has_kv_starts:
+                continue
+            hit = self._starts.get(seq.seq_id)
+            if hit is None or hit[0] != seq.tables_version:
+                arr = np.zeros((self.num_layers, self.num_kv_heads), dtype=np.int32)
+                for layer, starts in enumerate(seq.kv_starts):
+                    if starts is not None:
+                        arr[layer] = starts
+                hit = (seq.tables_version, arr)
+                self._starts[seq.seq_id] = hit
+            out[:, i] = hit[1]
+        return out
+
     def drop(self, seq_id: int) -> None:
         self._arrays.pop(seq_id, None)
+        self._starts.pop(seq_id, None)
 
 
 class _DecodeGraphs:
-    """CUDA graphs of decode-only steps, one per batch-size bucket, sharing one memory pool."""
+    """CUDA graphs of decode-only steps, one per batch-size bucket (and per "some KV head starts
+    past slot 0": those graphs read the static `starts` buffer, the others are the kernels
+    without it), sharing one memory pool."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int) -> None:
         self.runner = runner
@@ -265,14 +299,15 @@ class _DecodeGraphs:
         self.tables = torch.zeros((layers, n, runner.max_pages_per_seq), dtype=torch.int32, device=dev)
         self.ctx = torch.zeros((layers, n), dtype=torch.int32, device=dev)
         self.cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.starts = torch.zeros((layers, n, runner.num_kv_heads), dtype=torch.int32, device=dev)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
 
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
 
-    def _capture(self, b: int) -> None:
+    def _capture(self, b: int, with_starts: bool = False) -> None:
         r = self.runner
         md = AttentionMetadata(
             slot_mapping=self.slots[:, :b],
@@ -282,6 +317,7 @@ class _DecodeGraphs:
             num_decodes=b,
             max_query_len=1,
             max_context_len=r.max_model_len,
+            kv_starts=self.starts[:, :b] if with_starts else None,
         )
         attn = r._attn_fn(md)
 
@@ -296,10 +332,10 @@ class _DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[b] = step()
+            self.logits[b, with_starts] = step()
         self.pool = graph.pool()
-        self.graphs[b] = graph
-        log.debug("captured decode graph for batch %d", b)
+        self.graphs[b, with_starts] = graph
+        log.debug("captured decode graph for batch %d%s", b, " with KV-head starts" if with_starts else "")
 
     def capture_all(self) -> None:
         for b in reversed(self.buckets):
@@ -308,8 +344,10 @@ class _DecodeGraphs:
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         n = len(batch.seqs)
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
-        if b not in self.graphs:
-            self._capture(b)
+        starts = self.runner.tables.pack_starts(batch.seqs)  # [L, n, Hkv] or None
+        key = (b, starts is not None)
+        if key not in self.graphs:
+            self._capture(*key)
         page, layers = self.runner.page_size, self.runner.num_layers
         ids, pos = [], []
         slot_rows = [[-1] * b for _ in range(layers)]  # plain lists: per-element tensor writes are slow
@@ -334,5 +372,9 @@ class _DecodeGraphs:
         self.slots[:, :b].copy_(slots, non_blocking=True)
         self.tables[:, :b, :width].copy_(tables, non_blocking=True)
         self.ctx[:, :b].copy_(ctx, non_blocking=True)
-        self.graphs[b].replay()
-        return self.logits[b][:n]
+        if starts is not None:  # padding rows start at 0 (their context is empty anyway)
+            padded = np.zeros((layers, b, starts.shape[2]), dtype=np.int32)
+            padded[:, :n] = starts
+            self.starts[:, :b].copy_(torch.from_numpy(padded), non_blocking=True)
+        self.graphs[key].replay()
+        return self.logits[key][:n]

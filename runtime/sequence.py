@@ -8,6 +8,11 @@ the model runner only reads them to build a step.
 Logical vs physical length: `num_computed_tokens` counts the tokens whose K/V were computed (RoPE
 positions continue from it), while `kv_lens[layer]` counts the tokens layer `layer` actually
 stores in `page_tables[layer]` (fewer once a method compacted the layer). For `full` they agree.
+
+Per-head variable counts (a keep plan with `lengths`): `kv_starts[layer]` lists, per KV head, the
+first slot that head uses (its kept tokens are right-aligned below `kv_lens[layer]`); None means
+every head starts at slot 0. The model runner records it when it compacts the layer (in the
+forward that computed the plan); it goes with the cache (`reset_cache`).
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class Sequence:
         self.page_tables: list[list[int]] = [[] for _ in range(num_layers)]
         self.tables_version = 0  # bumped on every change of page_tables (the runner caches arrays)
         self.kv_lens: list[int] = [0] * num_layers  # physical tokens stored per layer
+        self.kv_starts: list[list[int] | None] = [None] * num_layers  # per layer, per KV head; None: 0
         self.compressed = False  # a method compacted it: pages no longer equal the logical tokens
         # Chained hashes of the full pages of `token_ids`, filled by the scheduler as pages are
         # computed. Tokens never change once appended, so the list survives preemption.
@@ -110,8 +116,18 @@ class Sequence:
         self.page_tables = [[] for _ in tables]
         self.tables_version += 1
         self.kv_lens = [0] * len(tables)
+        self.kv_starts = [None] * len(tables)
         self.compressed = False
         return tables
+
+    def set_kv_starts(self, layer: int, starts: list[int] | None) -> None:
+        """Layer `layer`'s KV head h now uses slots [starts[h], kv_lens[layer]) (all 0: None)."""
+        self.kv_starts[layer] = starts if starts is not None and any(starts) else None
+        self.tables_version += 1  # the runner caches the step arrays by this version
+
+    @property
+    def has_kv_starts(self) -> bool:
+        return any(s is not None for s in self.kv_starts)
 
     @property
     def num_generated(self) -> int:

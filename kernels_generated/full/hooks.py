@@ -7,6 +7,7 @@ This is the budget side of the lifecycle contract (ARCHITECTURE.md): `kept_token
 scoring/selection entry points of the torch backend.
 
 Budget formulas (sympy, also in manifest.json):
+    held_tokens_per_layer = context
     kept_tokens_per_layer = context
     kv_bytes = Sum(2*context*dtype_bytes*head_dim*kv_heads, (layer, 0, layers - 1))
     peak_prefill_bytes = 2*context*dtype_bytes*head_dim*kv_heads*layers
@@ -35,9 +36,14 @@ def kept_tokens(context, layer, layers, kv_heads, params):
     return int(context)
 
 
+def held_tokens(context, layer, layers, kv_heads, params):
+    """At most this many tokens kept by the most-keeping KV head of `layer`: the slots the layer holds."""
+    return int(context)
+
+
 def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):
-    """K and V bytes of one request after prefill end, summed over layers."""
-    kept = sum(kept_tokens(context, layer, layers, kv_heads, params) for layer in range(layers))
+    """K and V bytes of one request after prefill end (the slots it holds), summed over layers."""
+    kept = sum(held_tokens(context, layer, layers, kv_heads, params) for layer in range(layers))
     return 2 * kv_heads * head_dim * dtype_bytes * kept
 
 
@@ -48,7 +54,7 @@ def peak_prefill_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, para
 
 def steady_bytes(prompt, generated, *, layers, kv_heads, head_dim, dtype_bytes, params):
     """K and V bytes after `generated` decode steps."""
-    kept = sum(kept_tokens(prompt, layer, layers, kv_heads, params) for layer in range(layers))
+    kept = sum(held_tokens(prompt, layer, layers, kv_heads, params) for layer in range(layers))
     return 2 * kv_heads * head_dim * dtype_bytes * (kept + layers * generated)
 
 

@@ -7,6 +7,7 @@ This is the budget side of the lifecycle contract (ARCHITECTURE.md): `kept_token
 scoring/selection entry points of the torch backend.
 
 Budget formulas (sympy, also in manifest.json):
+    held_tokens_per_layer = Min(context, Max(0, floor(context*heavy)) + Max(0, floor(context*recent)))
     kept_tokens_per_layer = Min(context, Max(0, floor(context*heavy)) + Max(0, floor(context*recent)))
     kv_bytes = Sum(2*dtype_bytes*head_dim*kv_heads*Min(context, Max(0, floor(context*heavy)) + Max(0, floor(context*recent))), (layer, 0, layers - 1))
     peak_prefill_bytes = 2*context*dtype_bytes*head_dim*kv_heads*layers
@@ -37,9 +38,16 @@ def kept_tokens(context, layer, layers, kv_heads, params):
     return int(min(context, max(0, _floor(context*heavy)) + max(0, _floor(context*recent))))
 
 
+def held_tokens(context, layer, layers, kv_heads, params):
+    """At most this many tokens kept by the most-keeping KV head of `layer`: the slots the layer holds."""
+    heavy = params["heavy"]
+    recent = params["recent"]
+    return int(min(context, max(0, _floor(context*heavy)) + max(0, _floor(context*recent))))
+
+
 def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):
-    """K and V bytes of one request after prefill end, summed over layers."""
-    kept = sum(kept_tokens(context, layer, layers, kv_heads, params) for layer in range(layers))
+    """K and V bytes of one request after prefill end (the slots it holds), summed over layers."""
+    kept = sum(held_tokens(context, layer, layers, kv_heads, params) for layer in range(layers))
     return 2 * kv_heads * head_dim * dtype_bytes * kept
 
 
@@ -50,7 +58,7 @@ def peak_prefill_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, para
 
 def steady_bytes(prompt, generated, *, layers, kv_heads, head_dim, dtype_bytes, params):
     """K and V bytes after `generated` decode steps."""
-    kept = sum(kept_tokens(prompt + generated, layer, layers, kv_heads, params) for layer in range(layers))
+    kept = sum(held_tokens(prompt + generated, layer, layers, kv_heads, params) for layer in range(layers))
     return 2 * kv_heads * head_dim * dtype_bytes * (kept + layers * 0)
 
 

@@ -5,7 +5,8 @@ The model runner calls `PagedAttention.forward` once per layer with the step's n
 `num_decodes`, one token each) go to `paged_decode` and the prefill chunks to `paged_prefill`,
 both writing into one output tensor. `backend` picks the implementation: "torch"
 (`torch_ops.py`, CPU, the parity oracle) or "triton" (`triton_ops.py`, GPU). The kernels see one
-layer: the pool plus that layer's row of the per-layer tables, lengths and slots.
+layer: the pool plus that layer's row of the per-layer tables, lengths, slots and (per-head
+variable counts only) KV-head start slots.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class PagedAttention:
         """
         k_cache, v_cache = self.k_cache, self.v_cache
         tables, lens = md.block_tables[layer_idx], md.context_lens[layer_idx]
+        starts = None if md.kv_starts is None else md.kv_starts[layer_idx]  # [B, Hkv]
         ops = self.ops
         ops.store_kv(k, v, k_cache, v_cache, md.slot_mapping[layer_idx])
         out = torch.empty_like(q)
@@ -120,6 +122,7 @@ class PagedAttention:
                 q[:num_decodes], k_cache, v_cache,
                 tables[:num_decodes], lens[:num_decodes], scale,
                 max_context_len=md.max_context_len, out=out[:num_decodes],
+                kv_starts=None if starts is None else starts[:num_decodes],
             )
         if md.num_prefills > 0:
             # Each decode owns exactly one token, so the prefill tokens start at num_decodes.
@@ -127,6 +130,6 @@ class PagedAttention:
                 q[num_decodes:], k_cache, v_cache,
                 tables[num_decodes:], md.cu_seqlens_q[num_decodes:] - num_decodes,
                 lens[num_decodes:], scale, md.max_query_len,
-                out=out[num_decodes:],
+                out=out[num_decodes:], kv_starts=None if starts is None else starts[num_decodes:],
             )
         return out

@@ -8,6 +8,14 @@ Cache layout: one global pool k_cache, v_cache of shape [num_pages, num_kv_heads
 head_dim] shared by all layers; each layer of each sequence has its own page table, so the tables,
 physical lengths and slots below carry a leading layer axis (layer l's row is what the kernels see).
 A slot is `page_id * page_size + offset`; slot -1 means "padding, write nothing".
+
+Per-head variable counts (a keep plan with `lengths`, Ada-KV): pages are head-major, so every KV
+head has its own copy of each slot. After compaction KV head h's `len_h` kept tokens sit
+right-aligned in slots [M - len_h, M), M = max_h len_h the layer's physical length, and
+`kv_starts[l, b, h] = M - len_h` marks the front slots it does not use. New tokens append at the
+common slots M, M + 1, ... of every head (slot_mapping is unchanged); head h attends over
+[kv_starts[l, b, h], context_lens[l, b]). `kv_starts` is None when every start is 0 (every other
+method): the kernels then compile and run exactly as without it.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences each have exactly one new token
     max_query_len: int  # longest run of new tokens of one sequence in this step
     max_context_len: int  # longest context_lens entry
+    kv_starts: torch.Tensor | None = None  # [L, B, Hkv] int32: first slot each KV head reads; None = 0
 
     @property
     def num_seqs(self) -> int:

@@ -53,12 +53,15 @@ def paged_decode(
     scale: float,
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
+    kv_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q [B, Hq, D], over its first context_lens[b] cached tokens.
 
     All sequences run in one batched SDPA over `max_context_len` keys (an upper bound; default:
     everything the block table can address) with a key-padding mask, so there is no host sync.
-    Rows with context_lens == 0 (CUDA-graph padding) come out as zeros.
+    Rows with context_lens == 0 (CUDA-graph padding) come out as zeros. `kv_starts [B, Hkv]`
+    (None: all 0): KV head h of sequence b reads only slots [kv_starts[b, h], context_lens[b])
+    (per-head variable counts, stored right-aligned; see `metadata.py`).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
@@ -72,14 +75,18 @@ def paged_decode(
     page_ids = block_tables[:, :num_pages]
     keys = gather_kv(k_cache, page_ids, length)  # [B, Hkv, L, D]
     values = gather_kv(v_cache, page_ids, length)
-    valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
+    slots = torch.arange(length, device=q.device)
+    valid = slots[None, :] < context_lens[:, None]  # [B, L]
+    if kv_starts is None:
+        mask = valid[:, None, None, :]
+    else:  # [B, Hkv, 1, L]: each kv head from its own start
+        mask = (valid[:, None, :] & (slots[None, None, :] >= kv_starts[:, :, None]))[:, :, None, :]
 
     # The query heads of one GQA group become the "query length" axis of their kv head: the same
     # q.k dot products as repeating K/V per query head, without the copy.
     grouped_q = q.reshape(batch, num_kv_heads, group, head_dim)
     o = F.scaled_dot_product_attention(
-        grouped_q, keys.to(q.dtype), values.to(q.dtype), attn_mask=valid[:, None, None, :],
-        scale=scale,
+        grouped_q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale,
     )
     o = o.reshape(batch, num_q_heads, head_dim)
     o = torch.where((context_lens > 0)[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
@@ -105,12 +112,13 @@ def paged_prefill(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    kv_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for prefill chunks, q [Tq, Hq, D] in varlen layout (see cu_seqlens_q).
 
     Sequence b's chunk holds the last q_len of its context_lens[b] tokens, whose K/V are already
-    in the cache; query at position p sees keys 0..p. One SDPA per sequence (the lengths go to
-    the host once).
+    in the cache; query at position p sees keys 0..p (from kv_starts[b, h] on for KV head h when
+    `kv_starts [B, Hkv]` is given). One SDPA per sequence (the lengths go to the host once).
     """
     num_q_heads = q.shape[1]
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
@@ -126,11 +134,15 @@ def paged_prefill(
         num_pages = -(-kv_len // page_size)
         keys = gather_kv(k_cache, block_tables[b, :num_pages], kv_len).to(q.dtype)
         values = gather_kv(v_cache, block_tables[b, :num_pages], kv_len).to(q.dtype)
+        mask = causal_offset_mask(q_len, kv_len, q.device)
+        if kv_starts is not None:  # [Hq, q_len, kv_len]: each query head from its kv head's start
+            head_starts = kv_starts[b].repeat_interleave(num_q_heads // num_kv_heads)
+            mask = mask[None] & (torch.arange(kv_len, device=q.device)[None, None, :] >= head_starts[:, None, None])
         o = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1),  # [Hq, q_len, D]
             keys,
             values,
-            attn_mask=causal_offset_mask(q_len, kv_len, q.device),
+            attn_mask=mask,
             scale=scale,
             enable_gqa=num_q_heads != num_kv_heads,
         )

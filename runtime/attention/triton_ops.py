@@ -19,6 +19,12 @@ Three kernel families sit here, between the model's attention layers and the pag
   rows), so every K/V tile is loaded once per group; key tiles wholly below the block's first
   query run without the causal mask and tiles wholly above its last query are never visited.
 
+Per-head variable counts (`kv_starts [B, Hkv]`, metadata.py): decode and prefill programs start
+their tiles at their KV head's first used slot, so the slots before it are neither loaded nor
+masked (tokens are gathered one at a time: tiles need no alignment). `HAS_STARTS` is a constexpr:
+without starts nothing is loaded and the start folds to the constant 0, so the other methods run
+the kernels they ran before starts existed.
+
 All arithmetic after the loads is fp32 (softmax in base 2); inputs may be fp32, fp16 or bf16.
 Triton is optional: importing this module without it raises a `ModuleNotFoundError` that the
 backend turns into an actionable error.
@@ -216,18 +222,29 @@ def _split_len(context_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _head_start(kv_starts_ptr, seq, kv_head, stride_sb, HAS_STARTS: tl.constexpr):
+    # First stored slot of (seq, kv head): per-head variable counts are stored right-aligned
+    # (metadata.py); without HAS_STARTS every head starts at slot 0 and nothing is loaded.
+    if HAS_STARTS:
+        head_start = tl.load(kv_starts_ptr + seq.to(tl.int64) * stride_sb + kv_head)
+    else:
+        head_start = 0
+    return head_start
+
+
+@triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, kv_starts_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, num_splits,
     stride_qb, stride_qh,
     stride_kp, stride_kh, stride_ks,
     stride_vp, stride_vh, stride_vs,
-    stride_bt, stride_ob, stride_oh,
+    stride_bt, stride_sb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUT: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -235,8 +252,11 @@ def _decode_split_kernel(
     num_q_heads = tl.num_programs(1) * GROUP
 
     context_len = tl.load(context_lens_ptr + seq)
-    split_len = _split_len(context_len, num_splits, BLOCK_N)
-    start = split * split_len
+    # This kv head's tokens are slots [head_start, context_len); the splits share only those, so
+    # the slots before a start are never loaded (tiles need no alignment: tokens are gathered).
+    head_start = _head_start(kv_starts_ptr, seq, kv_head, stride_sb, HAS_STARTS)
+    split_len = _split_len(context_len - head_start, num_splits, BLOCK_N)
+    start = head_start + split * split_len
     end = tl.minimum(start + split_len, context_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -305,15 +325,17 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr,
-    num_splits, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+    part_out_ptr, part_lse_ptr, context_lens_ptr, kv_starts_ptr, out_ptr,
+    num_splits, stride_sb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr, HAS_STARTS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    context_len = tl.load(context_lens_ptr + seq)
-    split_len = _split_len(context_len, num_splits, BLOCK_N)
-    num_active = (context_len + split_len - 1) // split_len
+    active_len = tl.load(context_lens_ptr + seq) - _head_start(kv_starts_ptr, seq, head // GROUP, stride_sb,
+                                                               HAS_STARTS)
+    split_len = _split_len(active_len, num_splits, BLOCK_N)
+    num_active = (active_len + split_len - 1) // split_len
 
     offs_d = tl.arange(0, BLOCK_D)
     dim_mask = offs_d < HEAD_DIM
@@ -341,6 +363,17 @@ def _decode_reduce_kernel(
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
+def _starts_arg(kv_starts: torch.Tensor | None, context_lens: torch.Tensor, batch: int,
+                num_kv_heads: int) -> tuple[torch.Tensor, int]:
+    """The kernels' (kv_starts pointer, batch stride); without starts any tensor (never read)."""
+    if kv_starts is None:
+        return context_lens, 0
+    if kv_starts.shape != (batch, num_kv_heads) or kv_starts.stride(-1) != 1:
+        raise ValueError(f"kv_starts must be [{batch}, {num_kv_heads}] with a contiguous last axis, "
+                         f"got {tuple(kv_starts.shape)}")
+    return kv_starts, kv_starts.stride(0)
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -350,6 +383,7 @@ def paged_decode(
     scale: float,
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
+    kv_starts: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
@@ -357,7 +391,8 @@ def paged_decode(
     num_stages: int | None = None,
     use_dot: bool | None = None,
 ) -> torch.Tensor:
-    """One query per sequence, q [B, Hq, D], over its first context_lens[b] cached tokens.
+    """One query per sequence, q [B, Hq, D], over its first context_lens[b] cached tokens
+    (from kv_starts[b, h] on for KV head h when `kv_starts [B, Hkv]` int32 is given).
 
     `max_context_len` (an upper bound; default: what the block table can address) only feeds
     the split heuristic. The keyword-only knobs override the heuristic's `DecodeConfig`.
@@ -388,26 +423,27 @@ def paged_decode(
         part_out = part_lse = out  # unused
     block_d = triton.next_power_of_2(head_dim)
     block_h = max(16, triton.next_power_of_2(group)) if cfg.use_dot else triton.next_power_of_2(group)
+    starts, stride_sb = _starts_arg(kv_starts, context_lens, batch, num_kv_heads)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens,
+        q, k_cache, v_cache, block_tables, context_lens, starts,
         out, part_out, part_lse,
         scale * LOG2E, splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), stride_sb, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, DIRECT_OUT=splits == 1,
-        USE_DOT=cfg.use_dot, DOT_PRECISION=_dot_precision(q.dtype),
+        USE_DOT=cfg.use_dot, DOT_PRECISION=_dot_precision(q.dtype), HAS_STARTS=kv_starts is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         split_block = min(triton.next_power_of_2(splits), max(1, 8192 // block_d))
         _decode_reduce_kernel[(batch, num_q_heads)](
-            part_out, part_lse, context_lens, out,
-            splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_BLOCK=split_block,
-            num_warps=4 if head_dim >= 128 else 2,
+            part_out, part_lse, context_lens, starts, out,
+            splits, stride_sb, out.stride(0), out.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_BLOCK=split_block,
+            HAS_STARTS=kv_starts is not None, num_warps=4 if head_dim >= 128 else 2,
         )
     return out
 
@@ -447,15 +483,15 @@ def _prefill_tile(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
-    qk_scale,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, kv_starts_ptr,
+    out_ptr, qk_scale,
     stride_qt, stride_qh,
     stride_kp, stride_kh, stride_ks,
     stride_vp, stride_vh, stride_vs,
-    stride_bt, stride_ot, stride_oh,
+    stride_bt, stride_sb, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     q_block = tl.program_id(0)
@@ -485,9 +521,16 @@ def _prefill_kernel(
 
     last_pos = context_len - q_len + tl.minimum(first_query + BLOCK_Q, q_len) - 1
     kv_end = tl.where(active, last_pos + 1, 0)  # keys past the block's last query are invisible
-    # Keys below the block's first query position are visible to every row: no causal mask.
+    # Tiles run from this kv head's first stored slot (0 without starts): slots before it are
+    # never loaded. Keys below the block's first query position are visible to every row: the
+    # whole tiles among them need no causal mask.
+    head_start = _head_start(kv_starts_ptr, seq, kv_head, stride_sb, HAS_STARTS)
     first_pos = context_len - q_len + first_query
-    unmasked_end = tl.where(active, (first_pos + 1) // BLOCK_N * BLOCK_N, 0)
+    if HAS_STARTS:
+        unmasked_tiles = tl.maximum(first_pos + 1 - head_start, 0) // BLOCK_N
+        unmasked_end = tl.where(active, head_start + unmasked_tiles * BLOCK_N, head_start)
+    else:
+        unmasked_end = tl.where(active, (first_pos + 1) // BLOCK_N * BLOCK_N, 0)
 
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
@@ -495,7 +538,7 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for tile in range(0, unmasked_end, BLOCK_N):
+    for tile in range(head_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _prefill_tile(
             q, acc, m_i, l_i, tile, k_base, v_base, table, rows_pos, kv_end,
             qk_scale, stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d, dim_mask,
@@ -523,13 +566,15 @@ def paged_prefill(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    kv_starts: torch.Tensor | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention for prefill chunks, q [Tq, Hq, D] in varlen layout (see torch_ops).
+    """Causal attention for prefill chunks, q [Tq, Hq, D] in varlen layout (see torch_ops); KV
+    head h of sequence b from slot kv_starts[b, h] on when `kv_starts [B, Hkv]` is given.
 
     Rows of `out` past cu_seqlens_q[-1] are not written. The keyword-only knobs override the
     heuristic's `PrefillConfig`.
@@ -554,17 +599,18 @@ def paged_prefill(
     if block_q * group_pad < 16:  # tl.dot needs at least 16 rows
         block_q = 16 // group_pad
     grid = (triton.cdiv(max_query_len, block_q), batch, num_kv_heads)
+    starts, stride_sb = _starts_arg(kv_starts, context_lens, batch, num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, starts, out,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), stride_sb, out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_STARTS=kv_starts is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -133,3 +133,46 @@ def triton_device_and_ops():
         for name in stale:
             sys.modules.pop(name, None)
     return torch.device("cpu"), importlib.import_module("kvc.runtime.attention.triton_ops")
+
+
+# ---- per-head start slots (per-head variable counts, right-aligned; runtime/attention/metadata.py)
+
+
+def random_starts(case: PagedCase, num_kv_heads: int, gen: torch.Generator, keep_last: list[int] | None = None,
+                  ) -> torch.Tensor:
+    """[B, Hkv] int32 start slots: for sequence b, each in [0, context - keep_last[b]] (default 1:
+    at least the newest token stays visible); one head of each sequence keeps 0, as the most-keeping
+    head of a compacted layer does."""
+    lengths = case.context_lens.tolist()
+    keep_last = keep_last or [1] * len(lengths)
+    starts = torch.zeros((len(lengths), num_kv_heads), dtype=torch.int32)
+    for b, n in enumerate(lengths):
+        high = max(n - keep_last[b], 0)
+        starts[b] = torch.randint(0, high + 1, (num_kv_heads,), generator=gen, dtype=torch.int32)
+        starts[b, int(torch.randint(0, num_kv_heads, (1,), generator=gen))] = 0
+    return starts.to(case.context_lens.device)
+
+
+def poison_before_starts(case: PagedCase, starts: torch.Tensor, value: float = float("nan")) -> None:
+    """Writes `value` into every slot a KV head does not use (before its start), in place, so a
+    kernel reading one fails."""
+    table = case.block_tables.tolist()
+    for b, row in enumerate(starts.tolist()):
+        for h, start in enumerate(row):
+            for pos in range(start):
+                page, offset = table[b][pos // case.page_size], pos % case.page_size
+                case.k_cache[page, h, offset] = value
+                case.v_cache[page, h, offset] = value
+
+
+def reference_with_starts(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                          positions: list[int], starts: list[int]) -> torch.Tensor:
+    """`reference_attention`, KV head h reading keys starts[h]..positions[i] only."""
+    group = q.shape[1] // keys.shape[1]
+    out = q.new_zeros(q.shape, dtype=torch.float64)
+    for h, start in enumerate(starts):
+        heads = slice(h * group, (h + 1) * group)
+        shifted = [p - start for p in positions]
+        out[:, heads] = reference_attention(q[:, heads], keys[start:, h : h + 1], values[start:, h : h + 1], scale,
+                                            shifted)
+    return out

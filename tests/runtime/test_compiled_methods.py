@@ -157,7 +157,5 @@ def test_config_errors(tmp_path):
         resolve_method("snapkv", {"pooling": "median"})
     with pytest.raises(ConfigError, match="takes no parameters"):
         resolve_method("full", {"budget": 3})
-    with pytest.raises(NotImplementedError, match="per-head"):
-        resolve_method("adakv")
     with pytest.raises(ConfigError, match="unknown method"):
         LLM(str(make_tiny_llama(tmp_path)), method="nope", device="cpu")
