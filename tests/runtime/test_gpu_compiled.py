@@ -18,6 +18,8 @@ CASES = {
     "pyramidkv": {"budget": 48, "window": 8, "kernel": 5},
     "tova": {"budget": 40},
     "h2o": {"heavy": 0.25, "recent": 0.1},
+    "adakv": {"budget": 48, "window": 8, "kernel": 5},
+    "streamingllm": {"sink": 4, "recent": 40},
 }
 
 
@@ -41,7 +43,8 @@ def test_fused_scoring_on_gpu_matches_cpu(tmp_path, method, monkeypatch):
     ref = LLM(str(model_dir), device="cpu", **common).generate(prompts, params)
     gpu_llm = LLM(str(model_dir), device="cuda", **common)
     got = gpu_llm.generate(prompts, params)
-    assert gpu_llm.engine.method._fused, "the fused kernels must run on CUDA"
+    if gpu_llm.engine.method._fused_names:
+        assert gpu_llm.engine.method._fused, "the fused kernels must run on CUDA"
     for r, o in zip(ref, got):
         assert o.token_ids == r.token_ids
     del gpu_llm
