@@ -15,6 +15,9 @@ compare against); `DEFAULTS` lists them. Scores and tie-breaking are in `scores.
   observation-window attention (`snapkv_scores`).
 - PyramidKV (Cai et al. 2024): SnapKV with a per-layer budget falling linearly with depth
   (`pyramid_budgets`); `budget` is the average over layers, possibly fractional.
+- PyramidKV as KVCache-Factory schedules it (`pyramidkv_factory`, what kvc's
+  methods/pyramidkv.kvm follows): the same SnapKV selection with the integer per-layer budgets of
+  `kvcache_factory_budgets`; kvpress's real-valued schedule (`pyramid_budgets`) differs.
 - H2O (Zhang et al. 2023): the last `recent` tokens + the top budget - recent earlier tokens by
   accumulated attention (column sums over all prompt queries); `recent` defaults to budget // 2,
   the paper's even heavy/recent split.
@@ -48,6 +51,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "streamingllm": {"n_sink": 4},
     "snapkv": {"window": 64, "kernel": 5, "pool": "avg"},
     "pyramidkv": {"window": 64, "kernel": 5, "pool": "avg", "beta": 20},
+    "pyramidkv_factory": {"window": 32, "kernel": 5, "pool": "avg", "beta": 20},
     "h2o": {"recent": None},
     "observed_attention": {},
     "tova": {"per_kv_head": False},
@@ -152,6 +156,45 @@ def rank_pyramidkv(
     return rank_snapkv(q, k, budget=budgets[layer], window=window, kernel=kernel, pool=pool)
 
 
+def kvcache_factory_budgets(
+    length: int, *, num_layers: int, budget: int, window: int, beta: int = 20
+) -> list[int]:
+    """PyramidKV's per-layer token budgets (window included) in KVCache-Factory's integer arithmetic
+    (its PyramidKVCluster), for a T-token prompt and `budget` tokens per layer on average.
+
+    Beyond the window a layer keeps on average r = budget - window. Prompts shorter than 2r use
+    SnapKV's uniform budget. Otherwise the bottom layer keeps most = min(2r - r // beta, T - window)
+    beyond the window, the top least = 2r - most, and each layer above the bottom one keeps
+    (most - least) // (num_layers - 1) fewer. (kvpress computes the same shape in real numbers and
+    rounds each layer, with its own fallback; see `pyramid_budgets`.)
+    """
+    reserve = budget - window
+    if reserve <= 0 or beta < 1:
+        raise ValueError(f"need budget > window and beta >= 1, got {budget}, {window}, {beta}")
+    if length < 2 * reserve:
+        return [budget] * num_layers
+    most = min(2 * reserve - reserve // beta, length - window)
+    least = 2 * reserve - most
+    step = (most - least) // (num_layers - 1) if num_layers > 1 else 0
+    return [window + most - layer * step for layer in range(num_layers)]
+
+
+def rank_pyramidkv_factory(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    layer: int,
+    num_layers: int,
+    budget: int,
+    window: int = 32,
+    kernel: int = 5,
+    pool: str = "avg",
+    beta: int = 20,
+) -> Ranking:
+    budgets = kvcache_factory_budgets(k.shape[1], num_layers=num_layers, budget=budget, window=window, beta=beta)
+    return rank_snapkv(q, k, budget=budgets[layer], window=window, kernel=kernel, pool=pool)
+
+
 def rank_h2o(q: torch.Tensor, k: torch.Tensor, *, budget: int, recent: int | None = None) -> Ranking:
     length = k.shape[1]
     if length <= budget:
@@ -207,13 +250,14 @@ RANKINGS: dict[str, Callable[..., Ranking]] = {
     "streamingllm": rank_streamingllm,
     "snapkv": rank_snapkv,
     "pyramidkv": rank_pyramidkv,
+    "pyramidkv_factory": rank_pyramidkv_factory,
     "h2o": rank_h2o,
     "observed_attention": rank_observed_attention,
     "tova": rank_tova,
     "adakv": rank_adakv,
 }
 
-_LAYER_AWARE = {"pyramidkv"}
+_LAYER_AWARE = {"pyramidkv", "pyramidkv_factory"}
 
 
 def rank(

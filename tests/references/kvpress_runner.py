@@ -79,3 +79,17 @@ def run_press(
             out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, position_ids=position)
             logits.append(out.logits[0, -1].float())
     return kept, torch.stack(logits)
+
+
+def capture_scores(press: Any) -> list[torch.Tensor]:
+    """Make `press` record the scores it ranks by, one [Hkv, T] tensor per layer."""
+    recorded: list[torch.Tensor] = []
+    score = press.score
+
+    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
+        scores = score(*args, **kwargs)
+        recorded.append(scores[0].clone())
+        return scores
+
+    press.score = recording
+    return recorded

@@ -20,6 +20,7 @@ from tests.references.eviction import (
     adakv_safeguard,
     gather_kv,
     h2o,
+    kvcache_factory_budgets,
     pyramid_budgets,
     pyramidkv,
     rank,
@@ -130,6 +131,19 @@ def test_pyramid_budgets_properties(
     assert abs(sum(budgets) - num_layers * budget) <= num_layers / 2 + 1e-6
     if budgets[0] != budgets[-1]:  # a real pyramid stays within the prompt and above the window
         assert budgets[0] <= length - window and budgets[-1] >= window
+
+
+def test_kvcache_factory_budgets_floor_in_integers() -> None:
+    # r = 24 - 8 = 16: most = 2 * 16 - 16 // 2 = 24, least = 8, step (24 - 8) // 3 = 5; + window.
+    assert kvcache_factory_budgets(101, num_layers=4, budget=24, window=8, beta=2) == [32, 27, 22, 17]
+    # T < 2r = 32: SnapKV's uniform budget.
+    assert kvcache_factory_budgets(31, num_layers=4, budget=24, window=8, beta=2) == [24] * 4
+    # r = 36, 36 // 20 = 1: most = min(71, 72 - 4) = 68 (capped), least = 4, step 64 // 3 = 21.
+    assert kvcache_factory_budgets(72, num_layers=4, budget=40, window=4) == [72, 51, 30, 9]
+    # kvpress's real-valued schedule differs: 2 * 24 - 24 / 2 = 36 at the bottom.
+    assert pyramid_budgets(101, num_layers=4, budget=24, window=8, beta=2) == [36, 28, 20, 12]
+    with pytest.raises(ValueError, match="budget > window"):
+        kvcache_factory_budgets(100, num_layers=4, budget=8, window=8)
 
 
 def test_pyramidkv_is_snapkv_with_the_layer_budget() -> None:

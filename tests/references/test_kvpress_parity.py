@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from tests.references.compare import assert_logits_close, assert_same_kept
 from tests.references.conftest import ARCHS
 from tests.references.eviction import DEFAULTS
-from tests.references.kvpress_runner import run_press
+from tests.references.kvpress_runner import capture_scores, run_press
 from tests.references.model_forward import prefill, run_compressed
 from tests.references.scores import accumulated_attention, last_query_attention, snapkv_scores
 
@@ -114,20 +114,6 @@ def test_kept_tokens_and_logits_match_kvpress(case: str, arch: str, tiny_dirs: d
     assert_logits_close(ours.logits, theirs_logits, where=f"{case} {arch}")
     # The cases must compress: a budget that kept everything would pin nothing.
     assert sum(len(t) for t in ours.kept[-1]) < len(ours.kept[-1]) * length
-
-
-def capture_scores(press: Any) -> list[torch.Tensor]:
-    """Make `press` record the scores it ranks by, one [Hkv, T] tensor per layer."""
-    recorded: list[torch.Tensor] = []
-    score = press.score
-
-    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
-        scores = score(*args, **kwargs)
-        recorded.append(scores[0].clone())
-        return scores
-
-    press.score = recording
-    return recorded
 
 
 @pytest.mark.parametrize("arch", ARCHS)
