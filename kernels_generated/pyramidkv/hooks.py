@@ -7,9 +7,9 @@ This is the budget side of the lifecycle contract (ARCHITECTURE.md): `kept_token
 scoring/selection entry points of the torch backend.
 
 Budget formulas (sympy, also in manifest.json):
-    held_tokens_per_layer = Min(context, Max(0, floor(window)) + Max(0, floor(Piecewise((budget - window, context < 2*budget - 2*window), (-layer*floor((-2*budget + 2*window + 2*Min(context - window, 2*budget - 2*window - floor((budget - window)/beta)))/(layers - 1)) + Min(context - window, 2*budget - 2*window - floor((budget - window)/beta)), True)))))
-    kept_tokens_per_layer = Min(context, Max(0, floor(window)) + Max(0, floor(Piecewise((budget - window, context < 2*budget - 2*window), (-layer*floor((-2*budget + 2*window + 2*Min(context - window, 2*budget - 2*window - floor((budget - window)/beta)))/(layers - 1)) + Min(context - window, 2*budget - 2*window - floor((budget - window)/beta)), True)))))
-    kv_bytes = Sum(Piecewise((2*dtype_bytes*head_dim*kv_heads*Min(context, Max(0, floor(window)) + Max(0, floor(budget - window))), context < 2*budget - 2*window), (2*dtype_bytes*head_dim*kv_heads*Min(context, Max(0, floor(window)) + Max(0, floor(-layer*floor((-2*budget + 2*window + 2*Min(context - window, 2*budget - 2*window - floor((budget - window)/beta)))/(layers - 1)) + Min(context - window, 2*budget - 2*window - floor((budget - window)/beta))))), True)), (layer, 0, layers - 1))
+    held_tokens_per_layer = Min(context, Max(0, floor(window)) + Max(0, floor(Piecewise((budget - window, context < 2*budget - 2*window), (-layer*floor((-2*budget + 2*window + 2*Min(context - window, 2*budget - 2*window - floor((budget - window)/beta)))/Max(1, layers - 1)) + Min(context - window, 2*budget - 2*window - floor((budget - window)/beta)), True)))))
+    kept_tokens_per_layer = Min(context, Max(0, floor(window)) + Max(0, floor(Piecewise((budget - window, context < 2*budget - 2*window), (-layer*floor((-2*budget + 2*window + 2*Min(context - window, 2*budget - 2*window - floor((budget - window)/beta)))/Max(1, layers - 1)) + Min(context - window, 2*budget - 2*window - floor((budget - window)/beta)), True)))))
+    kv_bytes = Sum(Piecewise((2*dtype_bytes*head_dim*kv_heads*Min(context, Max(0, floor(window)) + Max(0, floor(budget - window))), context < 2*budget - 2*window), (2*dtype_bytes*head_dim*kv_heads*Min(context, Max(0, floor(window)) + Max(0, floor(-layer*floor((-2*budget + 2*window + 2*Min(context - window, 2*budget - 2*window - floor((budget - window)/beta)))/Max(1, layers - 1)) + Min(context - window, 2*budget - 2*window - floor((budget - window)/beta))))), True)), (layer, 0, layers - 1))
     peak_prefill_bytes = 2*context*dtype_bytes*head_dim*kv_heads*layers
 """
 
@@ -36,7 +36,7 @@ def kept_tokens(context, layer, layers, kv_heads, params):
     beta = params["beta"]
     budget = params["budget"]
     window = params["window"]
-    return int(min(context, max(0, _floor(window)) + max(0, _floor(((budget - window) if (context < 2*budget - 2*window) else (-layer*_floor((-2*budget + 2*window + 2*min(context - window, 2*budget - 2*window - _floor((budget - window)/beta)))/(layers - 1)) + min(context - window, 2*budget - 2*window - _floor((budget - window)/beta))))))))
+    return int(min(context, max(0, _floor(window)) + max(0, _floor(((budget - window) if (context < 2*budget - 2*window) else (-layer*_floor((-2*budget + 2*window + 2*min(context - window, 2*budget - 2*window - _floor((budget - window)/beta)))/max(1, layers - 1)) + min(context - window, 2*budget - 2*window - _floor((budget - window)/beta))))))))
 
 
 def held_tokens(context, layer, layers, kv_heads, params):
@@ -44,7 +44,7 @@ def held_tokens(context, layer, layers, kv_heads, params):
     beta = params["beta"]
     budget = params["budget"]
     window = params["window"]
-    return int(min(context, max(0, _floor(window)) + max(0, _floor(((budget - window) if (context < 2*budget - 2*window) else (-layer*_floor((-2*budget + 2*window + 2*min(context - window, 2*budget - 2*window - _floor((budget - window)/beta)))/(layers - 1)) + min(context - window, 2*budget - 2*window - _floor((budget - window)/beta))))))))
+    return int(min(context, max(0, _floor(window)) + max(0, _floor(((budget - window) if (context < 2*budget - 2*window) else (-layer*_floor((-2*budget + 2*window + 2*min(context - window, 2*budget - 2*window - _floor((budget - window)/beta)))/max(1, layers - 1)) + min(context - window, 2*budget - 2*window - _floor((budget - window)/beta))))))))
 
 
 def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):

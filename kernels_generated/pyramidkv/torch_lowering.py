@@ -78,7 +78,7 @@ def prefill_end_select(scores, sym, params):
         kv_heads,
         first=None,
         last=window,
-        count=((budget - window) if (context < 2*budget - 2*window) else (-layer*_floor((-2*budget + 2*window + 2*min(context - window, 2*budget - 2*window - _floor((budget - window)/beta)))/(layers - 1)) + min(context - window, 2*budget - 2*window - _floor((budget - window)/beta)))),
+        count=((budget - window) if (context < 2*budget - 2*window) else (-layer*_floor((-2*budget + 2*window + 2*min(context - window, 2*budget - 2*window - _floor((budget - window)/beta)))/max(1, layers - 1)) + min(context - window, 2*budget - 2*window - _floor((budget - window)/beta)))),
         at_least=None,
         granularity="kv_head",
     )

@@ -137,11 +137,8 @@ def test_compiled_pyramidkv_schedule_is_kvcache_factorys(
     assert got == [min(length, b) for b in want]
 
 
-@pytest.mark.xfail(strict=True, raises=ZeroDivisionError, reason=(
-    "engine bug: methods/pyramidkv.kvm steps by (most - least) // (layers - 1), so the generated "
-    "kept_tokens divides by zero for a 1-layer model whenever the prompt reaches 2 * (budget - window), "
-    "a traceback at admission instead of a schedule (kvpress uses a step of 0 there)"))
 def test_pyramidkv_budget_of_a_one_layer_model() -> None:
+    """One layer: no step between layers (KVCache-Factory and kvpress alike), not a division by zero."""
     method = resolve_method("pyramidkv", {"budget": 24, "window": 8})
     method.bind(1, 2)
     assert method.budget.kept(100, 0) == min(100, kvcache_factory_budgets(100, num_layers=1, budget=24, window=8)[0])
