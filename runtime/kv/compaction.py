@@ -18,14 +18,16 @@ def compact_layer(
     page_ids: list[int],
     length: int,
     keep: torch.Tensor,
+    checked: bool = True,
 ) -> int:
     """Keeps tokens `keep [Hkv, kept]` (physical indices < length) of the sequence whose tokens
-    sit in `page_ids`; returns `kept`. Pages must be owned by this sequence alone."""
+    sit in `page_ids`; returns `kept`. Pages must be owned by this sequence alone. `checked=False`
+    skips the range check of the indices (it reads them back: a device sync per call)."""
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     if keep.dim() != 2 or keep.shape[0] != num_kv_heads:
         raise ValueError(f"keep plan must be [{num_kv_heads}, kept], got {tuple(keep.shape)}")
     kept = keep.shape[1]
-    if kept > length or (kept and int(keep.max()) >= length) or (kept and int(keep.min()) < 0):
+    if kept > length or (checked and kept and (int(keep.max()) >= length or int(keep.min()) < 0)):
         raise ValueError(f"keep plan indexes outside the {length} stored tokens")
     if kept == 0:
         return 0
