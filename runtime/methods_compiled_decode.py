@@ -44,8 +44,10 @@ _MEMO_LIMIT = 4096
 
 
 class DecodeHooks:
-    """Mixed into `CompiledMethod`, which provides `name`, `params`, `lowering`, `states`, `_state`
-    ({(seq, layer): {state: tensor}}) and `budget` (for `num_layers` / `num_kv_heads`)."""
+    """Mixed into `CompiledMethod`, which provides `name`, `params`, `lowering`, `states` and `budget`
+    (for `num_layers` / `num_kv_heads`), and calls `_decode_start` from prefill_end and
+    `_release_decode` from release. Decode state lives apart from the prefill's: a recompute after
+    preemption starts a fresh prefill state and then replaces this one."""
 
     def _init_decode(self, manifest: dict) -> set[Hook]:
         """Reads the decode facts; returns the contract hooks they need."""
@@ -80,6 +82,7 @@ class DecodeHooks:
             hooks.add(Hook.STEP_END)
         self.decode_graphs = Hook.DECODE_AFTER_ATTENTION not in hooks
         self._decoding = bool(hooks)
+        self._decode_state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (seq, layer) -> states
         self._pending: dict[tuple[int, int], torch.Tensor] = {}  # decode_after_attention scores, until step end
         self._count_memo: dict[tuple, int] = {}
         self._stats: torch.Tensor | None = None  # the decode-statistics buffer, grown as needed
@@ -127,7 +130,7 @@ class DecodeHooks:
         if not self._decoding:
             return
         self._pending.pop(key, None)
-        self._state[key] = _gather_state(state, length, None if plan is None else plan.indices, device)
+        self._decode_state[key] = _gather_state(state, length, None if plan is None else plan.indices, device)
 
     def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None:
         if view.rows is None:
@@ -138,7 +141,7 @@ class DecodeHooks:
             attn = self._attention_stats(view)
         for b, row in enumerate(view.rows):
             key = (row.seq_id, layer)
-            state = self._state.get(key)
+            state = self._decode_state.get(key)
             if state is None:
                 state = {s: torch.zeros(kv_heads, 0, device=view.q.device) for s in self.states}
             inputs = {"attn": None if attn is None else attn[b, :, : row.length]}
@@ -146,9 +149,9 @@ class DecodeHooks:
                                    view.q.shape[2])
             if self._after["keeps"]:
                 self._pending[key] = self._after_fn(inputs, state, sym, self.params)
-                self._state[key] = state  # the generated scoring updates its state in place
+                self._decode_state[key] = state  # the generated scoring updates its state in place
             else:
-                self._state[key] = self._after_fn(inputs, state, sym, self.params)
+                self._decode_state[key] = self._after_fn(inputs, state, sym, self.params)
 
     def _attention_stats(self, view: DecodeView) -> torch.Tensor:
         """[B, R, W] float32: the rows' attention probabilities, folded as the manifest says."""
@@ -175,7 +178,7 @@ class DecodeHooks:
             return None
         head_dim = view.cache.k_cache.shape[-1]
         sym = self._decode_sym(layer, length, view.context_len, view.prompt_len, None, kv_heads, head_dim)
-        state = self._state.get(key)
+        state = self._decode_state.get(key)
         if state is None:
             state = {s: torch.zeros(kv_heads, 0, device=view.cache.k_cache.device) for s in self.states}
         if self._keep_hook == "decode_after_attention":
@@ -195,13 +198,14 @@ class DecodeHooks:
         indices = torch.stack([t.to(device=device, dtype=torch.long) for t in kept])
         if indices.shape[1] != count:
             raise RuntimeError(f"method {self.name!r}: selection kept {indices.shape[1]}, its count says {count}")
-        if key in self._state:
-            self._state[key] = _gather_state(state, length, indices, device)
+        if key in self._decode_state:
+            self._decode_state[key] = _gather_state(state, length, indices, device)
         return KeepPlan(indices)
 
     def _release_decode(self, seq_id: int) -> None:
-        for key in [key for key in self._pending if key[0] == seq_id]:
-            del self._pending[key]
+        for store in (self._pending, self._decode_state):
+            for key in [key for key in store if key[0] == seq_id]:
+                del store[key]
 
 
 def _gather_state(state: dict[str, torch.Tensor], length: int, indices: torch.Tensor | None,
