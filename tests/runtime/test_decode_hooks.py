@@ -177,3 +177,28 @@ def test_preemption_recomputes_and_releases(model_dir, hf):
     assert all(s.num_generated == STEPS for s in seqs)
     assert engine.pool.num_free == engine.pool.num_pages
     assert method_is_idle(engine)
+
+
+@pytest.mark.parametrize("method", ["h2o", "tova"])
+def test_triton_statistics_in_the_engine(model_dir, hf, method, monkeypatch):
+    """The engine with the Triton decode-statistics kernels (the GPU path; here under
+    TRITON_INTERPRET=1): same tokens as the oracle."""
+    pytest.importorskip("triton")
+    import importlib
+    import sys
+
+    from kvc.runtime import methods_compiled_decode
+    from tests.kernels.paged_cases import triton_device_and_ops
+
+    if triton_device_and_ops()[0].type != "cpu":
+        pytest.skip("on a GPU every engine test already runs these kernels")
+    sys.modules.pop("kvc.runtime.attention.decode_stats_triton", None)  # decorated under the interpreter
+    kernels = importlib.import_module("kvc.runtime.attention.decode_stats_triton")
+    monkeypatch.setattr(methods_compiled_decode, "decode_stats", kernels.decode_stats_triton)
+    engine = make_engine(model_dir, method)
+    prompt, steps = prompts_of([37], seed=8)[0], 10
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    want = greedy_compressed_decode(hf, torch.tensor(prompt), steps, method, **CASES[method])[0]
+    assert seq.generated_ids == want.tolist()
