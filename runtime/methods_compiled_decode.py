@@ -64,6 +64,8 @@ class DecodeHooks:
         unsupported = set(after["inputs"]) - {"attn"} if after else set()
         if facts.get("step_end") is not None:
             unsupported |= set(facts["step_end"]["inputs"]) & {"q", "attn"}
+        if after is not None and after["keeps"] and "attn" not in after["inputs"]:
+            unsupported.add("no attn (a keep that needs no attention belongs in step_end)")
         if unsupported:
             raise ConfigError(f"method {self.name!r}: decode hooks reading {', '.join(sorted(unsupported))} are not "
                               "served yet (decode_after_attention gets attn; step_end gets k and v)", param="method")
@@ -186,13 +188,7 @@ class DecodeHooks:
                 raise RuntimeError(f"method {self.name!r}: step_end without decode_after_attention's scores")
             scores = pending
         else:
-            inputs = {}
-            needed = self._keep_facts["inputs"]
-            if "k" in needed:
-                inputs["k"] = view.cache.keys().float()
-            if "v" in needed:
-                inputs["v"] = view.cache.values().float()
-            scores = self._step_scores(inputs, state, sym, self.params)
+            scores = self._step_scores(_CacheInputs(view.cache), state, sym, self.params)
         kept = self._select_fn(scores, sym, self.params)
         device = view.cache.k_cache.device
         indices = torch.stack([t.to(device=device, dtype=torch.long) for t in kept])
@@ -206,6 +202,22 @@ class DecodeHooks:
         for store in (self._pending, self._decode_state):
             for key in [key for key in store if key[0] == seq_id]:
                 del store[key]
+
+
+class _CacheInputs(dict):
+    """A step_end hook's inputs: `k` / `v` are dense copies of the layer's cache ([Hkv, n, D];
+    float32 on the CPU, the reference precision), made only if the hook reads them."""
+
+    def __init__(self, cache) -> None:
+        super().__init__()
+        self._cache = cache
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        if name not in ("k", "v"):
+            raise KeyError(name)
+        value = self._cache.keys() if name == "k" else self._cache.values()
+        self[name] = value = value.float() if value.device.type == "cpu" else value
+        return value
 
 
 def _gather_state(state: dict[str, torch.Tensor], length: int, indices: torch.Tensor | None,
