@@ -202,3 +202,53 @@ def test_triton_statistics_in_the_engine(model_dir, hf, method, monkeypatch):
         engine.step()
     want = greedy_compressed_decode(hf, torch.tensor(prompt), steps, method, **CASES[method])[0]
     assert seq.generated_ids == want.tolist()
+
+
+KNORM = """method knorm : eviction
+
+param budget: tokens = 16 in [1, 1048576]
+param window: tokens = 4 in [0, 1024]
+param every: int = 3 in [1, 4096]
+
+on prefill_end:
+  keep top(-norm(k, over channel), budget, per kv_head) + last window
+
+on step_end where step % every == 0:
+  keep top(-norm(k, over channel), budget, per kv_head) + last window
+"""
+
+
+def test_a_step_end_keep_with_where_reading_keys(model_dir, tmp_path, monkeypatch):
+    """A user's .kvm (compiled on start): step_end reads `k` and evicts every `every` steps only.
+    Kept keys per head are the smallest-norm ones plus the window, checked against the stored K."""
+    from kvc.compiler import cache
+
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "kvc-cache"))
+    path = tmp_path / "knorm.kvm"
+    path.write_text(KNORM)
+    llm = LLM(str(model_dir), method=str(path), device="cpu", dtype="float32", page_size=PAGE,
+              attention_backend="torch")
+    engine = llm.engine
+    assert Hook.STEP_END in engine.method.hooks and engine.method.decode_graphs
+    assert engine.method.budget.steady_tokens(30, 60, 0) == 20 + 30  # a `where` keep: no decode bound
+    seq = engine.add_request(prompts_of([30], seed=3)[0], SamplingParams(max_tokens=12, temperature=0,
+                                                                         ignore_eos=True))
+    seen, before = {}, None
+    while engine.has_unfinished():
+        engine.step()
+        if seq.is_finished or seq.is_prefill:
+            continue
+        step = seq.num_computed_tokens - 30
+        seen[step] = list(seq.kv_lens)
+        pages = torch.stack([engine.attention.k_cache[p] for p in seq.page_tables[0]])  # [P, Hkv, S, D]
+        keys = pages.movedim(1, 0).flatten(1, 2)[:, : seq.kv_lens[0]]  # layer 0, [Hkv, n, D]
+        if step > 0 and step % 3 == 0:  # evicted: 16 smallest-norm keys of the older ones + the window
+            older = before[:, :19]  # the 23 stored before eviction: 22 from the last step + the new one
+            want = older.norm(dim=-1).sort(dim=1, stable=True).indices[:, :16].sort(dim=1).values
+            torch.testing.assert_close(keys[:, :16], older.gather(1, want[..., None].expand(-1, -1, keys.shape[-1])))
+            torch.testing.assert_close(keys[:, 16:19], before[:, 19:22])
+        before = keys
+    # 20 kept at prefill end, +1 per step, back to 20 every third step
+    assert [seen[s][0] for s in sorted(seen)] == [20, 21, 22] * 3 + [20, 21, 22][: len(seen) - 9]
+    assert len(seen) == 11  # the 11th decoding step finishes the request
+    assert engine.pool.num_free == engine.pool.num_pages
