@@ -31,6 +31,7 @@ A `step_end`-only method (StreamingLLM) keeps its graphs: step_end runs after th
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -80,6 +81,9 @@ class DecodeHooks:
             self._keep_hook = keeping[0]
             self._keep_facts = facts[self._keep_hook]
             self._select_fn = getattr(self.lowering, f"{self._keep_hook}_select")
+            if "head_adaptive" in inspect.getsource(self._select_fn):
+                raise NotImplementedError(f"method {self.name!r} keeps per-head variable counts while decoding; "
+                                          "the engine needs per-head lengths in its metadata first")
             self._step_scores = getattr(self.lowering, "step_end_scores", None)
             hooks.add(Hook.STEP_END)
         self.decode_graphs = Hook.DECODE_AFTER_ATTENTION not in hooks
@@ -116,14 +120,17 @@ class DecodeHooks:
         return count
 
     def decode_bound(self, prompt_len: int, physical: int, layer: int) -> int:
-        """The most a layer holds during a decode step once `physical` tokens would be stored
-        without decode-time eviction: the decode keep's count at that length plus the step's token
-        (counts grow with length, so no earlier step held more). A keep with a `where` may skip
-        steps: no bound then."""
+        """The most a layer holds during a decode step once `physical` tokens (prefill kept +
+        generated) would be stored without decode-time eviction. The first step holds the prefill's
+        kept tokens plus its own; later ones at most the decode keep's count at `physical` plus the
+        step's token (counts grow with length, so no earlier step held more). A keep with a `where`
+        may skip steps: no bound then."""
         if self._keep_hook is None or self._keep_facts["where"] or physical <= 0:
             return physical
+        prefill_kept = self.budget.kept(prompt_len, layer)
+        first = prefill_kept + min(1, physical - prefill_kept)
         kept = self.decode_kept(physical, prompt_len, prompt_len, layer, self.budget.num_kv_heads)
-        return min(physical, kept + 1)
+        return min(physical, max(first, kept + 1))
 
     # ---- the contract's decode points ----------------------------------------------------------
     def _decode_start(self, key: tuple[int, int], state: dict[str, torch.Tensor], length: int,

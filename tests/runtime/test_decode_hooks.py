@@ -252,3 +252,18 @@ def test_a_step_end_keep_with_where_reading_keys(model_dir, tmp_path, monkeypatc
     assert [seen[s][0] for s in sorted(seen)] == [20, 21, 22] * 3 + [20, 21, 22][: len(seen) - 9]
     assert len(seen) == 11  # the 11th decoding step finishes the request
     assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_budget_counts_the_first_step_after_a_larger_prefill_keep(tmp_path, monkeypatch):
+    """Prefill keeps 40, decoding keeps 8: the first decoding step still holds 41."""
+    from kvc.compiler import cache
+
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "kvc-cache"))
+    path = tmp_path / "shrink.kvm"
+    path.write_text("method shrink : eviction\n\non prefill_end:\n  keep last 40\n\non step_end:\n  keep last 8\n")
+    m = resolve_method(str(path))
+    m.bind(2, 2)
+    assert m.budget.steady_tokens(100, 100, 0) == 40
+    assert m.budget.steady_tokens(100, 101, 0) == 41
+    assert m.budget.steady_tokens(100, 5000, 0) == 41
+    assert m.budget.steady_tokens(6, 9, 0) == 9  # below every count: nothing evicted
