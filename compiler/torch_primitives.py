@@ -90,23 +90,34 @@ def ranked(scores, excluded):
 
 
 def select(scores, length, kv_heads, *, first, last, count, at_least, granularity):
-    """Kept key indices per KV head: the ranges, plus the top-ranked other tokens."""
-    forced = torch.zeros(length, dtype=torch.bool, device=scores.device)
-    if first is not None:
-        forced[: clamp_count(first, length)] = True
-    if last is not None:
-        forced[length - clamp_count(last, length):] = True
-    chosen = torch.zeros(kv_heads, length, dtype=torch.bool, device=scores.device)
-    candidates = int((~forced).sum())
-    if granularity in ("kv_head", "layer"):
-        n = clamp_count(count, candidates)
-        chosen.scatter_(1, ranked(scores, forced)[:, :n], True)
-    elif granularity == "head_adaptive":
+    """Kept key indices per KV head: the ranges, plus the top-ranked other tokens.
+
+    Runs where `scores` live (CPU, GPU, or `meta` for shapes only) without reading a value back
+    when every head keeps the same count: that count is a function of `length` and the counts
+    alone, so the engine learns kept lengths on the host (a `meta` run) without a device sync."""
+    device = scores.device
+    n_first = clamp_count(first, length) if first is not None else 0
+    n_last = clamp_count(last, length) if last is not None else 0
+    forced = torch.zeros(length, dtype=torch.bool, device=device)
+    forced[:n_first] = True
+    forced[length - n_last:] = True
+    candidates = length - min(length, n_first + n_last)
+    chosen = torch.zeros(kv_heads, length, dtype=torch.bool, device=device)
+    if granularity == "head_adaptive":
         total = clamp_count(count, kv_heads * candidates)
         floor_each = clamp_count(at_least, candidates) if at_least is not None else 0
         chosen.scatter_(1, ranked(scores, forced)[:, :floor_each], True)
         rest = max(0, total - kv_heads * floor_each)
         flat = ranked(scores.reshape(-1), (forced[None, :] | chosen).reshape(-1))[:rest]
         chosen.view(-1)[flat] = True
+        kept = forced[None, :] | chosen
+        return [kept[head].nonzero().flatten() for head in range(kv_heads)]
+    n = 0
+    if granularity in ("kv_head", "layer"):
+        n = clamp_count(count, candidates)
+        chosen.scatter_(1, ranked(scores, forced)[:, :n], True)
     kept = forced[None, :] | chosen
-    return [kept[head].nonzero().flatten() for head in range(kv_heads)]
+    # the kept positions of each row, ascending: kept ones sort before the others by construction
+    position = torch.arange(length, device=device).expand(kv_heads, length)
+    order = torch.where(kept, position, position + length).sort(dim=-1).values
+    return list(order[:, : length - candidates + n].unbind(0))

@@ -168,10 +168,8 @@ class Engine:
         needs = batch.needs_sample()
         out = self.runner.run(batch, needs)
         finished = self.scheduler.postprocess(batch, out.sampled, out.compacted)
-        for seq in finished:
+        for seq in finished:  # step_end (decode-time eviction) ran in the runner, before postprocess
             self._release(seq.seq_id)
-        if Hook.STEP_END in self.method.hooks:
-            self.method.step_end([s.seq_id for s in batch.seqs])
         return finished
 
     def _release(self, seq_id: int) -> None:

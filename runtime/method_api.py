@@ -15,8 +15,10 @@ Points, in the order a request meets them:
   an optional `KeepPlan` (equal or per-head variable counts); the engine compacts the layer's
   pages to it before any decode.
 - `decode_before_attention(layer, view)` / `decode_after_attention(layer, view, out)`: decode
-  steps; they must stay free of host syncs (decode steps are CUDA-graph captured).
-- `step_end(seq_ids)`           after each engine step's bookkeeping.
+  steps; they must stay free of host syncs (decode steps are CUDA-graph captured, unless the
+  method sets `decode_graphs = False`: then `view.rows` carries host facts of each row).
+- `step_end(layer, view)`       after a step's forward, per layer of every sequence that decoded
+  in it, -> an optional `KeepPlan`, compacted at once (decode-time eviction).
 - `turn_end(seq_id)` / `turn_resume(seq_id, state)`: chain cache (not called yet: a later issue).
 - `release(seq_id)`             the sequence's pages were freed (finish, abort, preemption).
 
@@ -26,7 +28,6 @@ The engine only calls the points named in `hooks`, so a method pays for nothing 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -147,9 +148,20 @@ class KeepPlan:
         return cls(indices, torch.tensor(counts, dtype=torch.long, device=indices.device))
 
 
+@dataclass(frozen=True)
+class DecodeRow:
+    """Host facts of one decode row in one layer (eager steps only)."""
+
+    seq_id: int
+    length: int  # physical tokens stored in this layer after the step's token
+    context_len: int  # logical tokens after the step's token
+    prompt_len: int  # tokens the sequence's prefill covered
+
+
 @dataclass
 class DecodeView:
-    """A decode step's tensors in one layer (static shapes: CUDA-graph safe, no host values)."""
+    """A decode step's tensors in one layer (static shapes: CUDA-graph safe, no host values),
+    plus, in eager steps only, the pool and each row's host facts (`rows`; None when captured)."""
 
     layer: int
     q: torch.Tensor  # [B, Hq, D]
@@ -157,7 +169,23 @@ class DecodeView:
     v: torch.Tensor
     block_tables: torch.Tensor  # [B, max_pages] this layer's tables
     context_lens: torch.Tensor  # [B] physical lengths after the step's token
+    k_cache: torch.Tensor | None = None  # the whole pool, [num_pages, Hkv, page_size, D]
+    v_cache: torch.Tensor | None = None
+    scale: float | None = None  # the attention's softmax scale
+    rows: list[DecodeRow] | None = None
     kv_starts: torch.Tensor | None = None  # [B, Hkv] first slot each KV head uses (None: all 0)
+
+
+@dataclass
+class StepView:
+    """One sequence's layer after a decode step's forward (its new token stored)."""
+
+    seq_id: int
+    layer: int
+    num_layers: int
+    context_len: int  # logical tokens (RoPE positions keep growing after eviction)
+    prompt_len: int
+    cache: LayerCacheView  # `length` = physical tokens, the step's token included
 
 
 @runtime_checkable
@@ -165,6 +193,7 @@ class KVMethod(Protocol):
     name: str
     hooks: frozenset[Hook]
     compacts: bool  # may physical length drop below logical? (then no prefix caching)
+    decode_graphs: bool  # may decode steps (and the decode hooks) be CUDA-graph captured?
     budget: KVBudget
 
     def layout(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVLayout: ...
@@ -177,7 +206,7 @@ class KVMethod(Protocol):
 
     def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None: ...
 
-    def step_end(self, seq_ids: Seq[int]) -> None: ...
+    def step_end(self, layer: int, view: StepView) -> KeepPlan | None: ...
 
     def turn_end(self, seq_id: int) -> Any: ...
 
@@ -192,6 +221,7 @@ class MethodBase:
     name = "base"
     hooks: frozenset[Hook] = frozenset()
     compacts = False
+    decode_graphs = True
     budget: KVBudget = FullBudget()
 
     def layout(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVLayout:
@@ -209,7 +239,7 @@ class MethodBase:
     def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None:
         return None
 
-    def step_end(self, seq_ids: Seq[int]) -> None:
+    def step_end(self, layer: int, view: StepView) -> KeepPlan | None:
         return None
 
     def turn_end(self, seq_id: int) -> Any:

@@ -23,13 +23,13 @@ Scoring runs on the cache's device. On a GPU, a hook the compiler fused into one
 rest of the generated torch lowering runs as torch ops on the same device. On the CPU the torch
 lowering runs in float32.
 
-Decode-time hooks of the generated lowering (step_end / decode_after_attention evictions of
-streamingllm, tova, h2o) are not run yet: a compiled method compresses at prefill end only, the
-semantics of `tests/references/model_forward.greedy_compressed`.
+Decode-time hooks (decode_after_attention / step_end evictions: H2O, TOVA, StreamingLLM) run
+through `methods_compiled_decode.DecodeHooks`, mixed in here.
 
 Budget: a layer holds as many slots as its most-keeping KV head keeps (per-head variable counts
 are stored right-aligned in shared slots), so the steady state uses the generated `held_tokens`
-bound (the compiler's formula; equal to `kept_tokens` unless the selection is head-adaptive).
+bound (the compiler's formula; equal to `kept_tokens` unless the selection is head-adaptive),
+bounded by the decode-time keep when there is one.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from kvc.compiler import cache as method_cache
 from kvc.dsl import METHODS_DIR, KvmError
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.method_api import Hook, KeepPlan, MethodBase, PrefillView
+from kvc.runtime.methods_compiled_decode import DecodeHooks
 
 GENERATED = method_cache.GENERATED_DIR
 ALL_QUERIES = -1
@@ -129,6 +130,7 @@ class CompiledBudget:
     def __init__(self, held_tokens, params: dict[str, Any], num_layers: int, num_kv_heads: int) -> None:
         self.held_tokens, self.params = held_tokens, params
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
+        self.decode_bound = None  # (prompt_len, physical, layer) -> the most a decode step holds
 
     def kept(self, prompt_len: int, layer: int) -> int:
         """Physical tokens (slots) layer `layer` holds at most after prefill end."""
@@ -140,10 +142,11 @@ class CompiledBudget:
 
     def steady_tokens(self, prompt_len: int, context_len: int, layer: int) -> int:
         """Tokens held at `context_len` by a request whose prefill compressed `prompt_len` tokens."""
-        return self.kept(prompt_len, layer) + max(0, context_len - prompt_len)
+        grown = self.kept(prompt_len, layer) + max(0, context_len - prompt_len)
+        return grown if self.decode_bound is None else self.decode_bound(prompt_len, grown, layer)
 
 
-class CompiledMethod(MethodBase):
+class CompiledMethod(DecodeHooks, MethodBase):
     compacts = True
     fused_devices = ("cuda",)  # where the fused Triton kernels run (tests add "cpu" under TRITON_INTERPRET)
 
@@ -164,7 +167,6 @@ class CompiledMethod(MethodBase):
         hooks = {Hook.PREFILL_END, Hook.RELEASE}
         if self._chunk_hook is not None or self.window != 0:  # per-chunk state or a query window
             hooks.add(Hook.PREFILL_CHUNK)
-        self.hooks = frozenset(hooks)
         self.states = list(getattr(self.lowering, "STATES", []))
         self._fused_names = _fused_kernels(manifest)
         self._fused: dict[str, Any] | None = None  # hook -> entry point of triton_kernels.py, on first GPU use
@@ -175,6 +177,10 @@ class CompiledMethod(MethodBase):
             raise ConfigError(f"kernels_generated/{name}/hooks.py predates the held_tokens budget; "
                               "run `kvc compile --all`", param="method")
         self.budget = CompiledBudget(held, params, 1, 1)
+        hooks |= self._init_decode(manifest)
+        self.hooks = frozenset(hooks)
+        if Hook.STEP_END in hooks:
+            self.budget.decode_bound = self.decode_bound
 
     def bind(self, num_layers: int, num_kv_heads: int) -> None:
         """The model's shape, for the budget formulas (called by the engine before admission)."""
@@ -236,11 +242,12 @@ class CompiledMethod(MethodBase):
         else:
             scores = self._scores({"q": q, "k": k, "v": _operand(view.cache.values())}, state, sym, self.params)
         kept = self._select(scores, sym, self.params)
-        if all(int(t.numel()) >= length for t in kept):
-            return None
-        return KeepPlan.from_heads([t.to(device) for t in kept])
+        plan = None if all(int(t.numel()) >= length for t in kept) else KeepPlan.from_heads([t.to(device) for t in kept])
+        self._decode_start(key, state, length, plan, device)
+        return plan
 
     def release(self, seq_id: int) -> None:
+        self._release_decode(seq_id)
         for store in (self._q, self._state):
             for key in [key for key in store if key[0] == seq_id]:
                 del store[key]

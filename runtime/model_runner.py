@@ -10,7 +10,10 @@ keep plan with per-head variable counts compacted. The method's hooks run inside
 layer, right after attention: prefill_chunk / prefill_end for prefill chunks (a keep plan is
 compacted at once, before any later decode; `StepOutput.compacted` tells the scheduler which pages
 to free, and the runner records the plan's per-head start slots on the sequence), and the decode
-hooks for decode rows (static shapes, no host sync, so they are CUDA-graph capturable).
+hooks for decode rows (static shapes, no host sync, so they are CUDA-graph capturable; a method
+with `decode_graphs = False` runs its decode steps eagerly and its decode views carry host facts
+per row). After the forward, `step_end` runs per layer of each decoded sequence (eager code, also
+after a graph replay); its keep plans are compacted and reported like prefill_end's.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from kvc.runtime.attention.backend import PagedAttention
 from kvc.runtime.attention.metadata import AttentionMetadata
 from kvc.runtime.kv.compaction import compact_layer
-from kvc.runtime.method_api import DecodeView, Hook, KVMethod, LayerCacheView, PrefillView
+from kvc.runtime.method_api import DecodeRow, DecodeView, Hook, KVMethod, LayerCacheView, PrefillView, StepView
 from kvc.runtime.methods_builtin import FullMethod
 from kvc.runtime.models.base import CausalLM
 from kvc.runtime.sampler import sample
@@ -77,7 +80,7 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
         self.graphs: _DecodeGraphs | None = None
-        if use_cuda_graphs and device.type == "cuda":
+        if use_cuda_graphs and device.type == "cuda" and getattr(self.method, "decode_graphs", True):
             self.graphs = _DecodeGraphs(self, max_num_seqs)
 
     # ---- per-request sampling state -------------------------------------------------------
@@ -106,6 +109,8 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, attn)
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
             rows = inputs.sample_seqs
+        if Hook.STEP_END in self.method.hooks and batch.num_decodes:
+            self._step_end(batch, output.compacted)
         if not rows:
             return output
         seqs = [batch.seqs[i] for i in rows]
@@ -137,8 +142,9 @@ class ModelRunner:
             view = None
             if decode_hooks and d > 0:
                 view = DecodeView(layer, q[:d], k[:d], v[:d], md.block_tables[layer, :d],
-                                  md.context_lens[layer, :d],
-                                  None if md.kv_starts is None else md.kv_starts[layer, :d])
+                                  md.context_lens[layer, :d], attention.k_cache, attention.v_cache, scale,
+                                  None if batch is None else _decode_rows(batch, layer),
+                                  kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d])
                 if Hook.DECODE_BEFORE_ATTENTION in hooks:
                     method.decode_before_attention(layer, view)
             out = attention.forward(layer, q, k, v, md, scale)
@@ -180,6 +186,26 @@ class ModelRunner:
             compacted.setdefault(seq.seq_id, {})[layer] = kept
             # per-head variable counts: head h's tokens sit right-aligned from slot kept - len_h
             seq.set_kv_starts(layer, None if plan.lengths is None else (kept - plan.lengths).tolist())
+
+    def _step_end(self, batch: ScheduledBatch, compacted: dict[int, dict[int, int]]) -> None:
+        """step_end per layer of every sequence that decoded in this step; keep plans are
+        compacted at once and reported (the scheduler frees the pages past them)."""
+        method, cache = self.method, self.attention
+        for seq in batch.seqs[: batch.num_decodes]:
+            for layer in range(self.num_layers):
+                table = seq.page_tables[layer]
+                length = seq.kv_lens[layer] + 1  # the step's token is stored (postprocess advances kv_lens)
+                view = StepView(seq.seq_id, layer, self.num_layers, seq.num_computed_tokens + 1, seq.prefill_end,
+                                LayerCacheView(cache.k_cache, cache.v_cache, table, length))
+                plan = method.step_end(layer, view)
+                if plan is None:
+                    continue
+                if plan.lengths is not None or seq.kv_starts[layer] is not None:
+                    raise NotImplementedError("decode-time keep plans on per-head variable counts (Ada-KV) "
+                                              "are not supported yet")
+                # the plan comes from the method's own selection: skip the range check (a host sync)
+                kept = compact_layer(cache.k_cache, cache.v_cache, table, length, plan.indices, checked=False)
+                compacted.setdefault(seq.seq_id, {})[layer] = kept
 
     def prepare(self, batch: ScheduledBatch, needs_sample: list[bool]) -> StepInputs:
         """Flattens the batch into token ids, logical positions, and per-layer slots and tables."""
@@ -225,6 +251,12 @@ class ModelRunner:
             kv_starts=None if starts_np is None else torch.from_numpy(starts_np).to(dev, non_blocking=True),
         )
         return StepInputs(to_dev(ids, torch.int64), to_dev(positions, torch.int64), md, sample_rows, sample_seqs)
+
+
+def _decode_rows(batch: ScheduledBatch, layer: int) -> list[DecodeRow]:
+    """Host facts of the step's decode rows in one layer (eager steps)."""
+    return [DecodeRow(s.seq_id, s.kv_lens[layer] + 1, s.num_computed_tokens + 1, s.prefill_end)
+            for s in batch.seqs[: batch.num_decodes]]
 
 
 class _TableCache:

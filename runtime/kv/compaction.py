@@ -24,11 +24,13 @@ def compact_layer(
     length: int,
     keep: torch.Tensor,
     lengths: torch.Tensor | None = None,
+    checked: bool = True,
 ) -> int:
     """Keeps tokens `keep [Hkv, kept]` (physical indices < length) of the sequence whose tokens
     sit in `page_ids`; with `lengths [Hkv]` head h keeps only `keep[h, :lengths[h]]`. Returns the
     layer's new physical length M (`kept`, or max(lengths)). Pages must be owned by this
-    sequence alone."""
+    sequence alone. `checked=False` skips the range check of equal-count plans (it reads the
+    indices back: a device sync per call); per-head plans are always checked."""
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     if keep.dim() != 2 or keep.shape[0] != num_kv_heads:
         raise ValueError(f"keep plan must be [{num_kv_heads}, kept], got {tuple(keep.shape)}")
@@ -36,7 +38,7 @@ def compact_layer(
     kept = keep.shape[1]
     keep = keep.to(device=device, dtype=torch.long)
     if lengths is None:
-        lengths = torch.full((num_kv_heads,), kept, dtype=torch.long, device=device)
+        return _compact_equal(k_cache, v_cache, page_ids, length, keep, checked)
     lengths = lengths.to(device=device, dtype=torch.long)
     if lengths.shape != (num_kv_heads,) or bool((lengths < 0).any()) or bool((lengths > kept).any()):
         raise ValueError(f"keep plan lengths must be [{num_kv_heads}] counts in [0, {kept}], got {lengths.tolist()}")
@@ -58,3 +60,23 @@ def compact_layer(
         gathered = cache[src_page, heads, src_slot]  # [n, D], a copy
         cache[dst_page, heads, dst_slot] = gathered
     return physical
+
+
+def _compact_equal(k_cache, v_cache, page_ids: list[int], length: int, keep: torch.Tensor, checked: bool) -> int:
+    """Every head keeps `kept` tokens into slots [0, kept): no host reads unless `checked`."""
+    num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    kept = keep.shape[1]
+    if kept > length or (checked and kept and (int(keep.max()) >= length or int(keep.min()) < 0)):
+        raise ValueError(f"keep plan indexes outside the {length} stored tokens")
+    if kept == 0:
+        return 0
+    device = k_cache.device
+    pages = torch.tensor(page_ids, dtype=torch.long, device=device)
+    heads = torch.arange(num_kv_heads, device=device)[:, None].expand_as(keep)
+    src_page, src_slot = pages[keep // page_size], keep % page_size  # [Hkv, kept]
+    dst = torch.arange(kept, device=device)
+    dst_page, dst_slot = pages[dst // page_size][None].expand_as(keep), (dst % page_size)[None].expand_as(keep)
+    for cache in (k_cache, v_cache):
+        gathered = cache[src_page, heads, src_slot]  # [Hkv, kept, D], a copy
+        cache[dst_page, heads, dst_slot] = gathered
+    return kept

@@ -10,8 +10,10 @@ attention is our own function, registered with transformers' `AttentionInterface
 Prefill itself is uncompressed (as in kvpress and kvc: each layer's cache is compressed after its
 prompt attention ran), so the logits of the last prompt position are those of full attention;
 compression shows from the first token decoded after it. New tokens take positions T, T+1, ...
-(the logical length), whatever the compressed length. No eviction happens during decode: the
-kept prompt tokens plus every decoded token stay in the cache. Batch size 1, float32.
+(the logical length), whatever the compressed length. In `greedy_compressed` no eviction happens
+during decode: the kept prompt tokens plus every decoded token stay in the cache;
+`greedy_compressed_decode` also evicts after every decoding step, per layer right after its
+attention, with the rules of `decode_eviction.py` (H2O, TOVA, StreamingLLM). Batch size 1, float32.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -66,6 +68,8 @@ class CompressedRun:
 class _Session:
     caches: list[HeadCache] | None  # None while prefilling
     recorded: dict[int, LayerPrompt] = field(default_factory=dict)
+    # decode: called per layer with the newest query [Hq, D] once its K/V joined the cache
+    after_decode: Callable[[int, torch.Tensor, HeadCache], None] | None = None
 
 
 _active: _Session | None = None
@@ -100,6 +104,8 @@ def _attention(
     if _active.caches is not None:
         past.keys[:] = [torch.cat([past.keys[h], k[h]]) for h in range(k.shape[0])]
         past.values[:] = [torch.cat([past.values[h], v[h]]) for h in range(v.shape[0])]
+        if _active.after_decode is not None:
+            _active.after_decode(layer, q[:, -1], past)
     return out.transpose(0, 1)[None].to(query.dtype), None
 
 
@@ -197,3 +203,58 @@ def greedy_compressed(
         step_logits.append(logits)
         tokens.append(int(logits.argmax()))
     return torch.tensor(tokens), torch.stack(step_logits)
+
+
+def _decode_evictor(method: str, layers: list[LayerPrompt], rankings: list[Ranking], prompt_len: int,
+                    params: dict[str, Any]):
+    """The decode-time rule of `method` (kvc's parameter names), started from the prefill's result."""
+    from tests.references import decode_eviction
+    from tests.references.scores import accumulated_attention
+
+    if method == "streamingllm":
+        return decode_eviction.StreamingLLM(n_sink=params["sink"], recent=params["recent"])
+    if method == "tova":
+        return decode_eviction.TOVA(budget=params["budget"])
+    if method == "h2o":
+        seen = [accumulated_attention(t.q, t.k).gather(1, ranking.kept()) for t, ranking in zip(layers, rankings)]
+        return decode_eviction.H2O(heavy=int(params["heavy"] * prompt_len), recent=int(params["recent"] * prompt_len),
+                                   seen=seen)
+    raise ValueError(f"no decode-time reference for {method!r}")
+
+
+def _prefill_params(method: str, prompt_len: int, params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The prefill-end reference (`eviction.py`) of a decode-evicting method, from kvc's parameters."""
+    if method == "streamingllm":
+        return "streamingllm", {"budget": params["sink"] + params["recent"], "n_sink": params["sink"]}
+    if method == "tova":
+        return "tova", {"budget": params["budget"]}
+    if method == "h2o":
+        recent = int(params["recent"] * prompt_len)
+        return "h2o", {"budget": int(params["heavy"] * prompt_len) + recent, "recent": recent}
+    raise ValueError(f"no decode-time reference for {method!r}")
+
+
+def greedy_compressed_decode(
+    model: PreTrainedModel, prompt_ids: torch.Tensor, steps: int, method: str, **params: Any
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    """Like `greedy_compressed`, with the method's decode-time eviction after every step.
+
+    `method` is one of streamingllm (sink, recent), h2o (heavy, recent: fractions of the prompt)
+    and tova (budget), with kvc's parameter names. Returns the greedy tokens [steps], their logits
+    [steps, vocab], and per decoding step the cache length of every layer after eviction."""
+    prompt_len = prompt_ids.numel()
+    layers, prompt_logits = prefill(model, prompt_ids)
+    ref_method, ref_params = _prefill_params(method, prompt_len, params)
+    rankings, caches = compress(layers, ref_method, **ref_params)
+    evictor = _decode_evictor(method, layers, rankings, prompt_len, params)
+    step_logits = [prompt_logits[-1]]
+    tokens = [int(prompt_logits[-1].argmax())]
+    lengths = []
+    for step in range(1, steps):
+        session = _Session(caches=caches, after_decode=evictor.step)
+        with _reference_attention(model, session):
+            logits = _logits(model, torch.tensor([tokens[-1]]), prompt_len + step - 1)[-1]
+        lengths.append([cache.lengths()[0] for cache in caches])
+        step_logits.append(logits)
+        tokens.append(int(logits.argmax()))
+    return torch.tensor(tokens), torch.stack(step_logits), lengths

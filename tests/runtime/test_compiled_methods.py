@@ -1,7 +1,7 @@
 """Compiled methods (kernels_generated/<m>/) served end to end through the generic adapter
 (`runtime/methods_compiled.py`): greedy tokens equal the hand-written oracle
-(`tests/references/model_forward.greedy_compressed`, prefill-end compression, no decode-time
-eviction) with the same semantics, on tiny random Llama and Qwen3, float32 CPU, chunked prefill of
+(`tests/references/model_forward.greedy_compressed`, prefill-end compression; for the methods
+that also evict while decoding, `greedy_compressed_decode`) with the same semantics, on tiny random Llama and Qwen3, float32 CPU, chunked prefill of
 32, page size 7; pages held after prefill = ceil(kept / page) per layer; clear ConfigErrors."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kvc.runtime.errors import ConfigError
 from kvc.runtime.llm import LLM
 from kvc.runtime.sampling_params import SamplingParams
 from tests.models.tiny import make_tiny_llama, make_tiny_qwen3
-from tests.references.model_forward import greedy_compressed
+from tests.references.model_forward import greedy_compressed, greedy_compressed_decode
 
 STEPS = 5
 LENGTHS = [30, 45, 70, 101]  # 30: shorter than some budgets (keeps all)
@@ -41,6 +41,7 @@ CASES = {
     "h2o": ({"heavy": 0.3, "recent": 0.1}, "h2o",
             lambda n, *_: {"budget": int(0.3 * n) + int(0.1 * n), "recent": int(0.1 * n)}),
 }
+DECODE_EVICTING = {"streamingllm", "tova", "h2o"}  # their .kvm also keeps in decode hooks
 PYRAMID = {"budget": 24, "window": 8, "kernel": 5, "pooling": "avg", "beta": 2}
 
 
@@ -94,7 +95,10 @@ def test_tokens_match_the_reference(model_dir, method):
     prompts = prompts_of(LENGTHS, seed=11)
     got = generate(make_llm(model_dir, method, ours), prompts)
     for prompt, tokens in zip(prompts, got):
-        want = reference(hf, prompt, ref_method, {**ref_params(len(prompt))})
+        if method in DECODE_EVICTING:
+            want = greedy_compressed_decode(hf, torch.tensor(prompt), STEPS, method, **ours)[0].tolist()
+        else:
+            want = reference(hf, prompt, ref_method, {**ref_params(len(prompt))})
         assert tokens == want, f"{method}, prompt of {len(prompt)} tokens"
 
 

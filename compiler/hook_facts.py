@@ -1,0 +1,67 @@
+"""Hook facts: what the engine must know about each lowered hook to call it, as manifest data.
+
+Pipeline position: after `lower_torch` (it reads the emitted `HookCode`s), before `codegen`
+writes `manifest.json["hooks"]`. For each hook: the inputs it reads (`q`, `k`, `v`, `attn`),
+whether it keeps (then the lowering has `<hook>_scores` / `<hook>_select`), its `where`
+condition (Python over the symbols and parameters, or null), and, when it reads `attn`, how:
+
+- `{"reduce": "group", "fn": "mean"|"sum"}`: every use of `attn` is `fn(attn, over group)`;
+- `{"reduce": "head", "fn": ...}`: every use is `fn(attn, over head)` (one row for the layer);
+- `{"reduce": "none", "fn": null}`: per query head, unreduced.
+
+The engine's decode-statistics kernel (`runtime/attention/decode_stats.py`) computes exactly
+that reduction of the softmax probabilities, so a decode step never materialises [head, key] when
+the method only needs [kv_head, key] or [key]. The hook then receives `attn` with the reduced
+axis already folded to size 1, which its own reduction folds exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvc.compiler.ir import Accumulate, HookIR, Input, Keep, MethodIR, Reduce, Value
+from kvc.compiler.lower_torch import HookCode
+
+_FOLDABLE = {("group",): "group", ("head",): "head"}
+
+
+def _children(value: Value):
+    for f in dataclasses.fields(value):
+        item = getattr(value, f.name)
+        items = item if isinstance(item, tuple) else (item,)
+        yield from (x for x in items if isinstance(x, Value))
+
+
+def _attn_parents(value: Value, parent: Value | None, out: list) -> None:
+    if isinstance(value, Input) and value.name == "attn" and value.kind == "hook":
+        out.append(parent)
+        return
+    for child in _children(value):
+        _attn_parents(child, value, out)
+
+
+def attention_reduction(hook: HookIR) -> dict | None:
+    """How `hook` reads `attn` (see the module docstring); None when it does not."""
+    parents: list = []
+    for stmt in hook.stmts:  # Assigns are substituted into the statements that use them
+        if isinstance(stmt, Accumulate):
+            _attn_parents(stmt.value, None, parents)
+        elif isinstance(stmt, Keep) and stmt.select.top is not None:
+            _attn_parents(stmt.select.top.score, None, parents)
+    if not parents:
+        return None
+    kinds = {(p.fn, p.axes) if isinstance(p, Reduce) else None for p in parents}
+    if len(kinds) == 1:
+        kind = kinds.pop()
+        if kind is not None and kind[0] in ("mean", "sum") and kind[1] in _FOLDABLE:
+            return {"reduce": _FOLDABLE[kind[1]], "fn": kind[0]}
+    return {"reduce": "none", "fn": None}
+
+
+def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
+    """manifest["hooks"]: per hook name, its inputs, keep, where and attention reduction."""
+    out = {}
+    for hook, code in zip(method.hooks, codes):
+        out[hook.name] = {"inputs": sorted(code.inputs), "keeps": code.keep is not None, "where": code.where,
+                          "attention": attention_reduction(hook)}
+    return out

@@ -1,0 +1,95 @@
+"""Decode attention statistics: the softmax probabilities of a decode step's queries over each
+sequence's paged keys, reduced the way a method reads them (H2O's column sums, TOVA's last row).
+
+Sits beside the decode attention kernels (same cache layout, `metadata.py`): a compiled method
+whose decode hook reads `attn` gets it from here, reduced as its manifest says
+(`manifest["hooks"][hook]["attention"]`, from `compiler/hook_facts.py`):
+
+- `reduce="group"`: [B, Hkv, W], each KV head's query heads folded (`fn` mean or sum);
+- `reduce="head"`:  [B, 1, W], every query head of the layer folded;
+- `reduce="none"`:  [B, Hq, W], per query head.
+
+`out` is a preallocated float32 buffer of width W >= every row's context length; entries past a
+row's length are 0. Nothing is read back to the host, so the call is CUDA-graph safe. Two
+backends with one signature: `decode_stats_torch` (plain torch, the CPU path and the oracle) and
+the Triton kernels of `decode_stats_triton.py` (two passes: each query head's softmax max and
+normaliser over its keys, then the probabilities recomputed tile by tile and folded).
+"""
+
+from __future__ import annotations
+
+import torch
+
+REDUCTIONS = ("group", "head", "none")
+
+
+def rows(reduce: str, num_heads: int, num_kv_heads: int) -> int:
+    """Rows of the output per sequence."""
+    return {"group": num_kv_heads, "head": 1, "none": num_heads}[reduce]
+
+
+def check_args(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor, reduce: str, fn: str | None) -> None:
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+    if reduce != "none" and fn not in ("mean", "sum"):
+        raise ValueError(f"fn must be 'mean' or 'sum' for reduce={reduce!r}, got {fn!r}")
+    num_seqs, num_heads, _ = q.shape
+    num_kv_heads = k_cache.shape[1]
+    want = (num_seqs, rows(reduce, num_heads, num_kv_heads))
+    if num_heads % num_kv_heads or out.dtype != torch.float32 or out.dim() != 3 or tuple(out.shape[:2]) != want:
+        raise ValueError(f"out must be float32 [{want[0]}, {want[1]}, width], got {out.dtype} {tuple(out.shape)}")
+
+
+def decode_stats_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    reduce: str,
+    fn: str | None = "mean",
+) -> torch.Tensor:
+    """q [B, Hq, D] (one query per sequence) over the keys of each row's pages
+    (`block_tables [B, P]`, `context_lens [B]`) -> `out` [B, R, W] float32 (see the module docstring)."""
+    check_args(q, k_cache, out, reduce, fn)
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, _ = k_cache.shape
+    width = out.shape[-1]
+    pages = min(-(-width // page_size), block_tables.shape[1])
+    tables = block_tables[:, :pages].long()
+    keys = k_cache[tables].permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, pages * page_size, head_dim)
+    keys = torch.nn.functional.pad(keys[:, :, :width], (0, 0, 0, max(0, width - pages * page_size)))
+    group = num_heads // num_kv_heads
+    logits = torch.einsum("bhgd,bhwd->bhgw", q.float().reshape(num_seqs, num_kv_heads, group, head_dim),
+                          keys.float()) * scale
+    visible = torch.arange(width, device=q.device)[None, :] < context_lens.to(q.device).long()[:, None]
+    logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.nan_to_num(logits.softmax(dim=-1), nan=0.0)  # an empty row: all -inf -> 0
+    if reduce == "group":
+        result = probs.mean(dim=2) if fn == "mean" else probs.sum(dim=2)
+    elif reduce == "head":
+        flat = probs.reshape(num_seqs, num_heads, width)
+        result = flat.mean(dim=1, keepdim=True) if fn == "mean" else flat.sum(dim=1, keepdim=True)
+    else:
+        result = probs.reshape(num_seqs, num_heads, width)
+    out.copy_(result)
+    return out
+
+
+def decode_stats(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    reduce: str,
+    fn: str | None = "mean",
+) -> torch.Tensor:
+    """The Triton kernels on a GPU, plain torch elsewhere."""
+    if q.is_cuda:
+        from kvc.runtime.attention.decode_stats_triton import decode_stats_triton
+
+        return decode_stats_triton(q, k_cache, block_tables, context_lens, scale, out, reduce, fn)
+    return decode_stats_torch(q, k_cache, block_tables, context_lens, scale, out, reduce, fn)

@@ -1,0 +1,240 @@
+"""The decode-time half of the generic compiled-method adapter (`methods_compiled.py`).
+
+Nothing here knows a method by name: what a method does while decoding comes from its manifest's
+hook facts (`manifest["hooks"]`, written by `compiler/hook_facts.py`) and its generated torch
+lowering (`<hook>` accumulating state, or `<hook>_scores` + `<hook>_select` when it keeps).
+
+- `decode_after_attention(layer, view, out)`: when the hook reads `attn`, the decode-statistics
+  kernel (`attention/decode_stats.py`) computes the step's softmax probabilities over each row's
+  paged keys, folded as the manifest says (over the GQA group, over every head, or not), into one
+  float32 buffer; then, per row (sequence), the generated hook accumulates the method's state
+  (H2O's `seen`) and its ranking scores wait for step end. All on the device, no host reads.
+- `step_end(layer, view)`: the hook's generated selection (H2O heavy hitters + recent window,
+  TOVA's top, StreamingLLM's sink + window) -> `KeepPlan` of ascending physical indices, so the
+  newest tokens stay last; per-token state is gathered with the same indices. How many tokens
+  survive is known on the host without reading the device: the generated `<hook>_select` runs on a
+  `meta` tensor of the cache's shape (counts depend on lengths and parameters only), so a step
+  that does not evict skips the selection and a step that does never syncs for its size.
+- After `prefill_end`, the prefill state (H2O's column sums) continues into decoding, gathered to
+  the kept tokens.
+
+Symbols in decode hooks: `context` is the physical length the selection ranks (the stored
+tokens, the step's own included), `prompt` the tokens the prefill covered, `step` the decode
+steps so far (1 at the first), `heads` the model's query heads. The engine hands `attn` with the
+folded axis already reduced to size 1 (`[kv_head, key]` or `[1, key]`); the hook's own
+`mean(attn, over group|head)` then folds it exactly.
+
+Decode steps of a method whose `decode_after_attention` runs are not CUDA-graph captured
+(`decode_graphs = False`): the per-row state lives in Python dicts keyed by (sequence, layer).
+A `step_end`-only method (StreamingLLM) keeps its graphs: step_end runs after the replay.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from kvc.runtime.attention.decode_stats import decode_stats, rows
+from kvc.runtime.errors import ConfigError
+from kvc.runtime.method_api import DecodeView, Hook, KeepPlan, StepView
+
+DECODE_KEEP_HOOKS = ("decode_after_attention", "step_end")
+_MEMO_LIMIT = 4096
+
+
+class DecodeHooks:
+    """Mixed into `CompiledMethod`, which provides `name`, `params`, `lowering`, `states` and `budget`
+    (for `num_layers` / `num_kv_heads`), and calls `_decode_start` from prefill_end and
+    `_release_decode` from release. Decode state lives apart from the prefill's: a recompute after
+    preemption starts a fresh prefill state and then replaces this one."""
+
+    def _init_decode(self, manifest: dict) -> set[Hook]:
+        """Reads the decode facts; returns the contract hooks they need."""
+        facts = manifest.get("hooks", {})
+        if "decode_before_attention" in facts:
+            raise ConfigError(f"method {self.name!r} reads or estimates before decode attention; the engine does "
+                              "not serve decode_before_attention of compiled methods yet", param="method")
+        self._keep_hook = None  # the hook whose keep runs at step end
+        keeping = [h for h in DECODE_KEEP_HOOKS if facts.get(h, {}).get("keeps")]
+        if len(keeping) > 1:
+            raise ConfigError(f"method {self.name!r} keeps in both decode_after_attention and step_end; "
+                              "the engine serves one decode-time keep per method", param="method")
+        after = facts.get("decode_after_attention")
+        unsupported = set(after["inputs"]) - {"attn"} if after else set()
+        if facts.get("step_end") is not None:
+            unsupported |= set(facts["step_end"]["inputs"]) & {"q", "attn"}
+        if after is not None and after["keeps"] and "attn" not in after["inputs"]:
+            unsupported.add("no attn (a keep that needs no attention belongs in step_end)")
+        if unsupported:
+            raise ConfigError(f"method {self.name!r}: decode hooks reading {', '.join(sorted(unsupported))} are not "
+                              "served yet (decode_after_attention gets attn; step_end gets k and v)", param="method")
+        self._after = after
+        self._attention = after.get("attention") if after else None
+        hooks: set[Hook] = set()
+        if after is not None:
+            hooks.add(Hook.DECODE_AFTER_ATTENTION)
+            suffix = "_scores" if after["keeps"] else ""
+            self._after_fn = getattr(self.lowering, f"decode_after_attention{suffix}")
+        if keeping:
+            self._keep_hook = keeping[0]
+            self._keep_facts = facts[self._keep_hook]
+            self._select_fn = getattr(self.lowering, f"{self._keep_hook}_select")
+            if "head_adaptive" in inspect.getsource(self._select_fn):
+                raise NotImplementedError(f"method {self.name!r} keeps per-head variable counts while decoding; "
+                                          "the engine needs per-head lengths in its metadata first")
+            self._step_scores = getattr(self.lowering, "step_end_scores", None)
+            hooks.add(Hook.STEP_END)
+        self.decode_graphs = Hook.DECODE_AFTER_ATTENTION not in hooks
+        self._decoding = bool(hooks)
+        self._decode_state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (seq, layer) -> states
+        self._pending: dict[tuple[int, int], torch.Tensor] = {}  # decode_after_attention scores, until step end
+        self._count_memo: dict[tuple, int] = {}
+        self._stats: torch.Tensor | None = None  # the decode-statistics buffer, grown as needed
+        return hooks
+
+    # ---- symbols and host-side counts -------------------------------------------------------
+    def _decode_sym(self, layer: int, length: int, context_len: int, prompt_len: int, heads: int | None,
+                    kv_heads: int, head_dim: int | None) -> dict[str, Any]:
+        return {"context": length, "prompt": prompt_len, "step": context_len - prompt_len, "layer": layer,
+                "layers": self.budget.num_layers, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+
+    def decode_kept(self, length: int, prompt_len: int, context_len: int, layer: int, kv_heads: int) -> int:
+        """Tokens the decode-time keep leaves of `length` stored ones (host only: a `meta` run of the
+        generated selection). `length` when the method has no decode-time keep."""
+        if self._keep_hook is None:
+            return length
+        step = context_len - prompt_len if self._keep_facts["where"] else None
+        key = (length, prompt_len, layer, kv_heads, step)
+        count = self._count_memo.get(key)
+        if count is None:
+            sym = self._decode_sym(layer, length, context_len, prompt_len, None, kv_heads, None)
+            kept = self._select_fn(torch.empty(kv_heads, length, device="meta"), sym, self.params)
+            counts = {int(t.shape[0]) for t in kept}
+            if len(counts) != 1:
+                raise NotImplementedError(f"method {self.name!r} keeps unequal counts per KV head while decoding")
+            if len(self._count_memo) >= _MEMO_LIMIT:
+                self._count_memo.clear()
+            count = self._count_memo[key] = counts.pop()
+        return count
+
+    def decode_bound(self, prompt_len: int, physical: int, layer: int) -> int:
+        """The most a layer holds during a decode step once `physical` tokens (prefill kept +
+        generated) would be stored without decode-time eviction. The first step holds the prefill's
+        kept tokens plus its own; later ones at most the decode keep's count at `physical` plus the
+        step's token (counts grow with length, so no earlier step held more). A keep with a `where`
+        may skip steps: no bound then."""
+        if self._keep_hook is None or self._keep_facts["where"] or physical <= 0:
+            return physical
+        prefill_kept = self.budget.kept(prompt_len, layer)
+        first = prefill_kept + min(1, physical - prefill_kept)
+        kept = self.decode_kept(physical, prompt_len, prompt_len, layer, self.budget.num_kv_heads)
+        return min(physical, max(first, kept + 1))
+
+    # ---- the contract's decode points ----------------------------------------------------------
+    def _decode_start(self, key: tuple[int, int], state: dict[str, torch.Tensor], length: int,
+                      plan: KeepPlan | None, device: torch.device) -> None:
+        """After prefill_end: the prefill state continues into decoding, gathered to the kept tokens."""
+        if not self._decoding:
+            return
+        self._pending.pop(key, None)
+        self._decode_state[key] = _gather_state(state, length, None if plan is None else plan.indices, device)
+
+    def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None:
+        if view.rows is None:
+            raise RuntimeError(f"method {self.name!r} needs eager decode steps (decode_graphs is False)")
+        kv_heads = view.k.shape[1]
+        attn = None
+        if self._attention is not None:
+            attn = self._attention_stats(view)
+        for b, row in enumerate(view.rows):
+            key = (row.seq_id, layer)
+            state = self._decode_state.get(key)
+            if state is None:
+                state = {s: torch.zeros(kv_heads, 0, device=view.q.device) for s in self.states}
+            inputs = {"attn": None if attn is None else attn[b, :, : row.length]}
+            sym = self._decode_sym(layer, row.length, row.context_len, row.prompt_len, view.q.shape[1], kv_heads,
+                                   view.q.shape[2])
+            if self._after["keeps"]:
+                self._pending[key] = self._after_fn(inputs, state, sym, self.params)
+                self._decode_state[key] = state  # the generated scoring updates its state in place
+            else:
+                self._decode_state[key] = self._after_fn(inputs, state, sym, self.params)
+
+    def _attention_stats(self, view: DecodeView) -> torch.Tensor:
+        """[B, R, W] float32: the rows' attention probabilities, folded as the manifest says."""
+        reduce, fn = self._attention["reduce"], self._attention["fn"]
+        num_rows = rows(reduce, view.q.shape[1], view.k.shape[1])
+        width = max(row.length for row in view.rows)
+        shape = (view.q.shape[0], num_rows, width)
+        buf = self._stats
+        if buf is None or buf.device != view.q.device or any(a < b for a, b in zip(buf.shape, shape)):
+            grown = tuple(max(a, b) for a, b in zip(buf.shape, shape)) if buf is not None else shape
+            buf = self._stats = torch.empty(grown, dtype=torch.float32, device=view.q.device)
+        # a contiguous [B, R, W] view of the buffer's storage: the kernel writes every entry
+        out = buf.view(-1)[: shape[0] * shape[1] * shape[2]].view(shape)
+        return decode_stats(view.q, view.k_cache, view.block_tables, view.context_lens, view.scale, out, reduce, fn)
+
+    def step_end(self, layer: int, view: StepView) -> KeepPlan | None:
+        key = (view.seq_id, layer)
+        length, kv_heads = view.cache.length, view.cache.k_cache.shape[1]
+        pending = self._pending.pop(key, None)
+        if self._keep_hook is None:
+            return None
+        count = self.decode_kept(length, view.prompt_len, view.context_len, layer, kv_heads)
+        if count >= length:
+            return None
+        head_dim = view.cache.k_cache.shape[-1]
+        sym = self._decode_sym(layer, length, view.context_len, view.prompt_len, None, kv_heads, head_dim)
+        state = self._decode_state.get(key)
+        if state is None:
+            state = {s: torch.zeros(kv_heads, 0, device=view.cache.k_cache.device) for s in self.states}
+        if self._keep_hook == "decode_after_attention":
+            if pending is None:
+                raise RuntimeError(f"method {self.name!r}: step_end without decode_after_attention's scores")
+            scores = pending
+        else:
+            scores = self._step_scores(_CacheInputs(view.cache), state, sym, self.params)
+        kept = self._select_fn(scores, sym, self.params)
+        device = view.cache.k_cache.device
+        indices = torch.stack([t.to(device=device, dtype=torch.long) for t in kept])
+        if indices.shape[1] != count:
+            raise RuntimeError(f"method {self.name!r}: selection kept {indices.shape[1]}, its count says {count}")
+        if key in self._decode_state:
+            self._decode_state[key] = _gather_state(state, length, indices, device)
+        return KeepPlan(indices)
+
+    def _release_decode(self, seq_id: int) -> None:
+        for store in (self._pending, self._decode_state):
+            for key in [key for key in store if key[0] == seq_id]:
+                del store[key]
+
+
+class _CacheInputs(dict):
+    """A step_end hook's inputs: `k` / `v` are dense copies of the layer's cache ([Hkv, n, D];
+    float32 on the CPU, the reference precision), made only if the hook reads them."""
+
+    def __init__(self, cache) -> None:
+        super().__init__()
+        self._cache = cache
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        if name not in ("k", "v"):
+            raise KeyError(name)
+        value = self._cache.keys() if name == "k" else self._cache.values()
+        self[name] = value = value.float() if value.device.type == "cpu" else value
+        return value
+
+
+def _gather_state(state: dict[str, torch.Tensor], length: int, indices: torch.Tensor | None,
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """Per-token state ([kv_head, key], growing with the cache) follows the kept tokens; keys not
+    reached yet start at 0 (the state's initial value, as the lowering's `_grow` does)."""
+    out = {}
+    for name, value in state.items():
+        value = value.to(device)
+        if value.dim() == 2 and indices is not None and value.shape[-1] <= length:
+            value = torch.nn.functional.pad(value, (0, length - value.shape[-1])).gather(1, indices)
+        out[name] = value
+    return out

@@ -1,0 +1,90 @@
+"""Reference decode-time eviction, one rule per paper, written from the papers (never from kvc's
+compiler): what each KV head of one layer keeps after every decoding step.
+
+Each evictor sees, per layer and step, the newest query `q [Hq, D]` (post-RoPE) and the layer's
+cache after the step's token was appended (`HeadCache`, every head holding the same tokens,
+oldest first); it recomputes that query's attention densely (causal softmax(q k^T / sqrt(D)) over
+every cached key, the step's own included) and drops tokens in place. Counts are per KV head.
+
+- StreamingLLM (Xiao et al. 2024): once over `n_sink + recent`, the first `n_sink` tokens and the
+  newest `recent` stay.
+- H2O (Zhang et al. 2023): every token's accumulated attention (the prompt's column sums, then
+  each step's attention added, query heads of a KV head averaged) ranks the heavy hitters; once
+  over `heavy + recent`, the newest `recent` stay and the `heavy` best of the others (ties: the
+  older token). The accumulated scores follow the kept tokens.
+- TOVA (Oren et al. 2024): once over `budget`, keep the `budget` tokens the newest query attends
+  to most, averaged over every query head of the layer (one set for all heads); the newest token
+  itself may go.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tests.references.scores import top_indices
+
+
+def _probs(q: torch.Tensor, keys: list[torch.Tensor]) -> torch.Tensor:
+    """The newest query's attention over each KV head's cached keys: [Hq, n]."""
+    num_kv_heads = len(keys)
+    group = q.shape[0] // num_kv_heads
+    out = []
+    for h in range(num_kv_heads):
+        logits = q[h * group : (h + 1) * group].float() @ keys[h].float().T / math.sqrt(q.shape[-1])
+        out.append(logits.softmax(dim=-1))
+    return torch.cat(out)
+
+
+def _gather(cache, kept: torch.Tensor) -> None:
+    """Keep `kept [Hkv, n]` (ascending) of every head's keys and values, in place."""
+    cache.keys[:] = [cache.keys[h][kept[h]] for h in range(len(cache.keys))]
+    cache.values[:] = [cache.values[h][kept[h]] for h in range(len(cache.values))]
+
+
+class StreamingLLM:
+    def __init__(self, *, n_sink: int, recent: int) -> None:
+        self.n_sink, self.recent = n_sink, recent
+
+    def step(self, layer: int, q: torch.Tensor, cache) -> None:
+        n = cache.keys[0].shape[0]
+        if n <= self.n_sink + self.recent:
+            return
+        kept = torch.cat([torch.arange(self.n_sink), torch.arange(n - self.recent, n)])
+        _gather(cache, kept.expand(len(cache.keys), -1))
+
+
+class H2O:
+    """`seen[layer]` starts as the prompt's accumulated attention of the tokens prefill kept."""
+
+    def __init__(self, *, heavy: int, recent: int, seen: list[torch.Tensor]) -> None:
+        self.heavy, self.recent, self.seen = heavy, recent, seen
+
+    def step(self, layer: int, q: torch.Tensor, cache) -> None:
+        num_kv_heads = len(cache.keys)
+        probs = _probs(q, cache.keys)
+        received = probs.reshape(num_kv_heads, -1, probs.shape[-1]).mean(dim=1)  # [Hkv, n]
+        seen = torch.nn.functional.pad(self.seen[layer], (0, 1)) + received
+        n = seen.shape[1]
+        if n <= self.heavy + self.recent:
+            self.seen[layer] = seen
+            return
+        older = n - self.recent
+        heavy = top_indices(seen[:, :older], self.heavy)
+        kept = torch.cat([heavy, torch.arange(older, n).expand(num_kv_heads, -1)], dim=1)
+        _gather(cache, kept)
+        self.seen[layer] = seen.gather(1, kept)
+
+
+class TOVA:
+    def __init__(self, *, budget: int) -> None:
+        self.budget = budget
+
+    def step(self, layer: int, q: torch.Tensor, cache) -> None:
+        n = cache.keys[0].shape[0]
+        if n <= self.budget:
+            return
+        scores = _probs(q, cache.keys).mean(dim=0)  # [n], every head of the layer
+        kept = top_indices(scores, self.budget)
+        _gather(cache, kept.expand(len(cache.keys), -1))
