@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from pathlib import Path
 
 import torch
 

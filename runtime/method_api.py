@@ -28,6 +28,7 @@ The engine only calls the points named in `hooks`, so a method pays for nothing 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 

@@ -209,7 +209,7 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch, needs_sample: list[bool]) -> StepInputs:
         """Flattens the batch into token ids, logical positions, and per-layer slots and tables."""
-        page, layers = self.page_size, self.num_layers
+        page = self.page_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[np.ndarray] = []  # per sequence [L, n]: new tokens go after each layer's stored ones
