@@ -3,8 +3,9 @@
 The engine is built as a user builds it (`LLM(model, method=..., method_params=...)`); nothing in
 `runtime/` knows it is observed. Two spies, installed for the run only:
 - kept tokens: the method object's `prefill_end` is wrapped on the instance, and the `KeepPlan`
-  it returns is recorded per (sequence, layer): `indices [Hkv, kept]`, physical token indices,
-  which at prefill end are the prompt's positions (the whole prompt is resident). A `None` plan
+  it returns is recorded per (sequence, layer) as one index tensor per KV head: physical token
+  indices, which at prefill end are the prompt's positions (the whole prompt is resident); a plan
+  with per-head `lengths` (Ada-KV) gives head h its first `lengths[h]` indices. A `None` plan
   (keep everything) is recorded as every index;
 - logits: the runner's `sample` is wrapped and the logits rows it is given are recorded per
   request. Each request gets its own `SamplingParams` object, which is how a row is matched to
@@ -30,7 +31,7 @@ class ServedRequest:
     prompt: list[int]
     tokens: list[int]  # greedy tokens generated
     logits: torch.Tensor  # [steps, vocab]: row 0 from the prefill, row i from decoding tokens[i-1]
-    kept: list[torch.Tensor] = field(repr=False)  # per layer [Hkv, kept] ascending prompt indices
+    kept: list[list[torch.Tensor]] = field(repr=False)  # [layer][kv head]: ascending prompt indices
 
     def kept_heads(self, layer: int) -> list[torch.Tensor]:
         return list(self.kept[layer])
@@ -49,7 +50,7 @@ def serve(llm: LLM, prompts: list[list[int]], steps: int) -> list[ServedRequest]
     """Greedy `steps` tokens for every prompt, batched; the kept tokens and logits of each."""
     engine = llm.engine
     method = engine.method
-    kept: dict[tuple[int, int], torch.Tensor] = {}
+    kept: dict[tuple[int, int], list[torch.Tensor]] = {}
     logits: dict[int, list[torch.Tensor]] = {}  # id(params) -> rows
     prefill_end, sample = method.prefill_end, model_runner.sample
 
@@ -58,8 +59,12 @@ def serve(llm: LLM, prompts: list[list[int]], steps: int) -> list[ServedRequest]
         if (view.seq_id, layer) in kept:
             raise AssertionError(f"prefill_end ran twice for sequence {view.seq_id} layer {layer}")
         heads = view.k.shape[1]
-        indices = torch.arange(view.cache.length).expand(heads, -1) if plan is None else plan.indices
-        kept[view.seq_id, layer] = indices.detach().cpu().clone()
+        if plan is None:
+            kept[view.seq_id, layer] = [torch.arange(view.cache.length) for _ in range(heads)]
+        else:
+            indices = plan.indices.detach().cpu()
+            counts = [indices.shape[1]] * heads if plan.lengths is None else plan.lengths.tolist()
+            kept[view.seq_id, layer] = [indices[h, : counts[h]].clone() for h in range(heads)]
         return plan
 
     def spy_sample(rows: torch.Tensor, params, *args, **kwargs):

@@ -23,6 +23,14 @@ kvpress is configured to kvc's semantics:
   with no recent window. `ColumnSumPress` (below) undoes the division and forces the last
   floor(recent * T) tokens, the rest of kvpress (attention, pruning, decoding) unchanged.
   It needs eager attention (it reads the attention matrix); the others run with sdpa.
+- Ada-KV (`test_adakv_matches_kvpress`): `AdaKVPress(SnapKVPress(ratio, window_size=window,
+  kernel_size=kernel), alpha_safeguard=a)`, sdpa (it refuses eager). kvc's `budget` is the average
+  per KV head, window included, so the layer keeps Hkv * budget: kvpress's n_kept = budget
+  (`ratio_keeping`), its pruned count Hkv * (T - n_kept). kvpress's safeguard counts the window
+  first (max(1, int(a * n_kept)) per head, window scored above everything), kvc's `alpha` counts
+  beyond the window (floor(alpha * (budget - window))): `adakv_params` converts. kvpress masks
+  instead of evicting: its kept set is the complement of `masked_key_indices` (kvpress_runner),
+  and at decode it replaces masked keys by keys whose attention underflows to zero.
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tests.models.tiny import make_tiny_llama, make_tiny_qwen3
 from tests.references.compare import assert_logits_close, assert_same_kept
-from tests.references.eviction import Ranking
+from tests.references.eviction import ALWAYS, Ranking
+from tests.references.scores import top_indices
 from tests.references.kvpress_runner import capture_scores, run_press
 from tests.runtime.served import ServedRequest, make_llm, serve
 
@@ -156,3 +165,58 @@ def test_served_method_matches_kvpress(model_dir: Path, method: str) -> None:
         kept, logits = run_press(model, press, torch.tensor(served.prompt), torch.tensor(served.tokens[:1]))
         assert_kept_like_kvpress(served, kept, scores, where)
         assert_logits_close(served.logits[1:], logits, where=where)
+
+
+# name -> (budget per KV head incl. window, window, kernel, kvpress's alpha_safeguard)
+ADAKV = {
+    "safeguard-beyond-window": (24, 8, 5, 0.5),  # kvpress safeguard 12 > window 8: 4 more per head
+    "window-covers-safeguard": (28, 16, 3, 0.2),  # safeguard 5 < window 16: the window is the floor
+}
+
+
+def adakv_params(budget: int, window: int, kernel: int, alpha_safeguard: float) -> dict[str, Any]:
+    """kvc's method_params for kvpress's AdaKV: the safeguard moved outside the window."""
+    extra = max(0, max(1, int(alpha_safeguard * budget)) - window)
+    alpha = (extra + 0.5) / (budget - window)
+    assert math.floor(alpha * (budget - window)) == extra
+    return {"budget": budget, "window": window, "kernel": kernel, "alpha": alpha}
+
+
+def adakv_ranking(scores: torch.Tensor, n_kept: int, alpha_safeguard: float) -> Ranking:
+    """kvpress's Ada-KV decision as a ranking of its own scores [Hkv, T] (window already on top):
+    each head's safeguard forced, then the best Hkv * n_kept of the layer."""
+    n_safe = max(1, int(n_kept * alpha_safeguard))
+    safe = top_indices(scores, n_safe)
+    return Ranking(scores.float().scatter(1, safe, ALWAYS), scores.shape[0] * n_kept, across_heads=True)
+
+
+@pytest.mark.parametrize("case", sorted(ADAKV))
+def test_adakv_matches_kvpress(model_dir: Path, case: str) -> None:
+    budget, window, kernel, alpha_safeguard = ADAKV[case]
+    llm = make_llm(model_dir, "adakv", adakv_params(budget, window, kernel, alpha_safeguard),
+                   page_size=PAGE_SIZE, chunk=CHUNK)
+    heads, layers = llm.engine.spec.num_kv_heads, llm.engine.spec.num_layers
+    model = hf_model(model_dir, "sdpa")
+    ragged = 0
+    for served in serve(llm, PROMPTS, STEPS):
+        length = len(served.prompt)
+        where = f"adakv {case}, {length}-token prompt"
+        ratio = ratio_keeping(length, budget)
+        assert budget < length, f"{where}: the budget must compress"
+        inner = kvpress.SnapKVPress(ratio, window_size=window, kernel_size=kernel)
+        press = kvpress.AdaKVPress(inner, alpha_safeguard=alpha_safeguard)
+        scores = capture_scores(inner)
+        kept, logits = run_press(model, press, torch.tensor(served.prompt), torch.tensor(served.tokens[:1]))
+        assert len(kept) == layers and len(scores) == layers, where
+        for layer in range(layers):
+            ours, theirs = served.kept_heads(layer), kept[layer]
+            # kvpress's own count: Hkv * n_kept survive per layer; kvc's total is the same
+            assert sum(len(t) for t in theirs) == heads * compute_n_kept(length, ratio), where
+            assert sum(len(t) for t in ours) == heads * budget, f"{where} layer {layer}"
+            ragged += len({len(t) for t in ours}) > 1
+            if len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs)):
+                continue
+            ranking = adakv_ranking(scores[layer], compute_n_kept(length, ratio), alpha_safeguard)
+            assert_same_kept(ranking, ours, where=f"{where} layer {layer}")
+        assert_logits_close(served.logits[1:], logits, where=where)
+    assert ragged > 0, f"{case}: no layer kept unequal counts per head, Ada-KV is not exercised"
