@@ -10,10 +10,9 @@ under TRITON_INTERPRET=1. Import needs `triton`.
 import math
 
 import torch
-import triton
-import triton.language as tl
 
-from kvc.compiler.torch_primitives import pool as _pool
+from kvc.compiler.torch_primitives import pool as _pool  # noqa: F401 -- the wrappers that pool call it
+from kvc.compiler.triton_primitives import column_votes as _column_votes
 
 DEFAULTS = {'alpha': 0.2, 'budget': 2048, 'kernel': 5, 'window': 64}
 
@@ -30,74 +29,6 @@ def _eval(expr, names):
 # ---- kernel family `attention_columns` (window_score): observation-window scores, pooled, averaged over the GQA group
 # Flags: ACCUMULATE=False, HEAD_REDUCE=group, KERNEL_EXPR=kernel, POOL=avg, QUERY_REDUCE=mean, SLICED_KEYS=True, WINDOW_EXPR=window
 
-@triton.jit
-def _window_score_row_stats(q_ptr, k_ptr, m_ptr, l_ptr, queries, length, group, scale, keys_per_split,
-                                 HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
-    """Partial softmax max and normaliser of each query over one split of its causal keys (queries are the
-    last positions); the splits are merged on the host side of the wrapper."""
-    head = tl.program_id(0)
-    q_offs = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    split = tl.program_id(2)
-    d_offs = tl.arange(0, BLOCK_D)
-    q_ok = q_offs < queries
-    q_pos = length - queries + q_offs
-    q_tile = tl.load(q_ptr + (head * queries + q_offs[:, None]) * HEAD_DIM + d_offs[None, :],
-                     mask=q_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0)
-    kv_head = head // group
-    m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_Q], tl.float32)
-    lo = split * keys_per_split
-    hi = tl.minimum(lo + keys_per_split, length)
-    for start in range(lo, hi, BLOCK_K):
-        k_offs = start + tl.arange(0, BLOCK_K)
-        k_tile = tl.load(k_ptr + (kv_head * length + k_offs[:, None]) * HEAD_DIM + d_offs[None, :],
-                         mask=(k_offs[:, None] < hi) & (d_offs[None, :] < HEAD_DIM), other=0.0)
-        if IEEE:
-            s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q_tile, tl.trans(k_tile)) * scale
-        s = tl.where((k_offs[None, :] <= q_pos[:, None]) & (k_offs[None, :] < hi), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
-        m = m_new
-    stats = (head * tl.num_programs(2) + split) * queries + q_offs
-    tl.store(m_ptr + stats, m, mask=q_ok)
-    tl.store(l_ptr + stats, l, mask=q_ok)
-
-
-@triton.jit
-def _window_score_columns(q_ptr, k_ptr, m_ptr, l_ptr, out_ptr, queries, length, n_keys, group, scale,
-                               HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                               BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
-    """One query head's attention probabilities summed over its queries, for a block of keys: QK^T is
-    recomputed tile by tile from the row statistics, so no [query, key] matrix is written."""
-    head = tl.program_id(0)
-    k_offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    d_offs = tl.arange(0, BLOCK_D)
-    k_ok = k_offs < n_keys
-    k_tile = tl.load(k_ptr + ((head // group) * length + k_offs[:, None]) * HEAD_DIM + d_offs[None, :],
-                     mask=k_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0)
-    votes = tl.zeros([BLOCK_K], tl.float32)
-    for q_start in range(0, queries, BLOCK_Q):
-        q_offs = q_start + tl.arange(0, BLOCK_Q)
-        q_ok = q_offs < queries
-        q_pos = length - queries + q_offs
-        q_tile = tl.load(q_ptr + (head * queries + q_offs[:, None]) * HEAD_DIM + d_offs[None, :],
-                         mask=q_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0)
-        m = tl.load(m_ptr + head * queries + q_offs, mask=q_ok, other=0.0)
-        inv_l = 1.0 / tl.load(l_ptr + head * queries + q_offs, mask=q_ok, other=1.0)
-        if IEEE:
-            s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q_tile, tl.trans(k_tile)) * scale
-        p = tl.exp(s - m[:, None]) * inv_l[:, None]
-        seen = q_ok[:, None] & k_ok[None, :] & (k_offs[None, :] <= q_pos[:, None])
-        votes += tl.sum(tl.where(seen, p, 0.0), axis=0)
-    tl.store(out_ptr + head * n_keys + k_offs, votes, mask=k_ok)
-
-
 def window_score(q, k, params=None, state=None, *, block_q=None, block_k=None):
     """observation-window scores, pooled, averaged over the GQA group; equals the torch lowering's `score`.
 
@@ -106,37 +37,12 @@ def window_score(q, k, params=None, state=None, *, block_q=None, block_k=None):
     params = {**DEFAULTS, **(params or {})}
     names = {**params, "context": k.shape[1], "prompt": k.shape[1], "kv_heads": k.shape[0], "heads": q.shape[0]}
     queries = min(int(_eval("window", names)), q.shape[1])
-    k = k.contiguous()
-    q = q[:, q.shape[1] - queries:].to(k.dtype).contiguous()
-    heads, kv_heads, length, head_dim = q.shape[0], k.shape[0], k.shape[1], k.shape[2]
-    group = heads // kv_heads
+    kv_heads, length = k.shape[0], k.shape[1]
     n_keys = length - queries if True else length
-    device, f32 = q.device, torch.float32
-    on_gpu = device.type != "cpu"
-    block_q = block_q or (max(16, min(64, triton.next_power_of_2(queries))) if on_gpu else 16)
-    block_k = block_k or (64 if on_gpu else 16)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    scale = 1.0 / math.sqrt(head_dim)
-    ieee = k.dtype == f32
-    q_blocks = triton.cdiv(queries, block_q)
-    splits = max(1, min(triton.cdiv(length, 4 * block_k), triton.cdiv(512, heads * q_blocks))) if on_gpu else 2
-    keys_per_split = triton.cdiv(triton.cdiv(length, splits), block_k) * block_k
-    splits = triton.cdiv(length, keys_per_split)
-    m_part = torch.empty(heads, splits, queries, dtype=f32, device=device)
-    l_part = torch.empty(heads, splits, queries, dtype=f32, device=device)
-    _window_score_row_stats[(heads, q_blocks, splits)](
-        q, k, m_part, l_part, queries, length, group, scale, keys_per_split, HEAD_DIM=head_dim, BLOCK_Q=block_q,
-        BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee)
-    m = m_part.amax(dim=1)
-    l = (l_part * torch.exp(m_part - m[:, None]).nan_to_num(0.0)).sum(dim=1).contiguous()
-    m = m.contiguous()
-    votes = torch.empty(heads, n_keys, dtype=f32, device=device)
-    _window_score_columns[(heads, triton.cdiv(n_keys, block_k))](
-        q, k, m, l, votes, queries, length, n_keys, group, scale, HEAD_DIM=head_dim, BLOCK_Q=block_q,
-        BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee)
+    votes = _column_votes(q[:, q.shape[1] - queries:], k, n_keys, block_q=block_q, block_k=block_k)
     votes = votes / queries
     pool = "avg"
     if pool != "none":
         votes = _pool(votes, pool, int(_eval("kernel", names)), 1)
-    out = votes.view(kv_heads, group, n_keys).mean(dim=1)
+    out = votes.view(kv_heads, q.shape[0] // kv_heads, n_keys).mean(dim=1)
     return torch.nn.functional.pad(out, (0, length - n_keys), value=float("-inf"))
