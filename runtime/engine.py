@@ -17,7 +17,7 @@ from kvc.runtime.config import EngineConfig
 from kvc.runtime.errors import ConfigError, InvalidPromptError, OutOfKVMemory, PromptTooLongError
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.method_api import Hook, KVMethod
-from kvc.runtime.methods_builtin import resolve_method
+from kvc.runtime.methods import resolve_method
 from kvc.runtime.model_runner import ModelRunner
 from kvc.runtime.models.loader import LoadedModel, resolve_model
 from kvc.runtime.sampling_params import SamplingParams

@@ -1,8 +1,9 @@
 """The lifecycle contract between the engine and a KV-cache method (ARCHITECTURE.md, "the heart").
 
 The engine knows nothing about any method: it calls an object satisfying `KVMethod` at fixed
-points, with the typed views below. `full` (`methods_builtin.py`) implements every hook as a no-op;
-the compiler generates hook modules (kernels_generated/<method>/) implementing the same Protocol.
+points, with the typed views below. Every method, `full` included, is compiled code
+(kernels_generated/<method>/) adapted to this Protocol by `methods_compiled.py`; `MethodBase`
+gives the no-op defaults.
 
 Points, in the order a request meets them:
 

@@ -160,11 +160,13 @@ class CompiledMethod(DecodeHooks, MethodBase):
         self._chunk_hook = getattr(self.lowering, "prefill_chunk", None)
         self._scores = getattr(self.lowering, "prefill_end_scores", None)
         self._select = getattr(self.lowering, "prefill_end_select", None)
-        if self._scores is None or self._select is None:
-            raise ConfigError(f"method {name!r} has no prefill_end selection in its lowering; the engine "
-                              "runs compiled methods that compress at prefill end only", param="method")
+        facts = manifest.get("hooks", {})
+        if self._scores is None and any(facts.values()):
+            raise ConfigError(f"method {name!r} has decode-time or chunk hooks but no prefill_end selection; the "
+                              "engine serves compiled methods whose compression starts at prefill end",
+                              param="method")
         self.window = _query_window(manifest, params)
-        hooks = {Hook.PREFILL_END, Hook.RELEASE}
+        hooks = {Hook.PREFILL_END, Hook.RELEASE} if self._scores is not None else set()
         if self._chunk_hook is not None or self.window != 0:  # per-chunk state or a query window
             hooks.add(Hook.PREFILL_CHUNK)
         self.states = list(getattr(self.lowering, "STATES", []))
@@ -179,6 +181,7 @@ class CompiledMethod(DecodeHooks, MethodBase):
         self.budget = CompiledBudget(held, params, 1, 1)
         hooks |= self._init_decode(manifest)
         self.hooks = frozenset(hooks)
+        self.compacts = bool(hooks)  # a method with no hooks (`full`) keeps every token: prefix caching stays on
         if Hook.STEP_END in hooks:
             self.budget.decode_bound = self.decode_bound
 
@@ -253,11 +256,11 @@ class CompiledMethod(DecodeHooks, MethodBase):
                 del store[key]
 
 
-def resolve_compiled(spec: str, params: dict[str, Any] | None, builtin: list[str]) -> CompiledMethod:
+def resolve_compiled(spec: str, params: dict[str, Any] | None) -> CompiledMethod:
     """A shipped method name or a .kvm path -> the adapter over its (possibly just compiled) code."""
     compiled = _locate(spec)
     if compiled is None:
-        names = sorted(set(builtin) | set(available()))
+        names = available()
         raise ConfigError(f"unknown method {spec!r}; available: {', '.join(names)} (or the path of a .kvm "
                           "file)", param="method")
     manifest = compiled.manifest

@@ -28,8 +28,8 @@ import torch
 from kvc.runtime.attention.backend import PagedAttention
 from kvc.runtime.attention.metadata import AttentionMetadata
 from kvc.runtime.kv.compaction import compact_layer
+from kvc.runtime.methods import resolve_method
 from kvc.runtime.method_api import DecodeRow, DecodeView, Hook, KVMethod, LayerCacheView, PrefillView, StepView
-from kvc.runtime.methods_builtin import FullMethod
 from kvc.runtime.models.base import CausalLM
 from kvc.runtime.sampler import sample
 from kvc.runtime.scheduler import ScheduledBatch
@@ -65,7 +65,7 @@ class ModelRunner:
         seed: int = 0,
         method: KVMethod | None = None,
     ) -> None:
-        self.method = method or FullMethod()
+        self.method = method or resolve_method("full")
         self.num_layers = model.spec.num_layers
         self.model = model
         self.attention = attention

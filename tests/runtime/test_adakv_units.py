@@ -98,7 +98,7 @@ def test_held_tokens_bounds_every_head():
 
 
 def test_compiled_budget_reserves_the_most_keeping_head():
-    from kvc.runtime.methods_builtin import resolve_method
+    from kvc.runtime.methods import resolve_method
 
     m = resolve_method("adakv", {"budget": 24, "window": 4, "alpha": 0.425})
     m.bind(2, 2)

@@ -137,7 +137,7 @@ def test_pages_after_prefill(model_dir, method):
 
 
 def test_budget_formula():
-    from kvc.runtime.methods_builtin import resolve_method
+    from kvc.runtime.methods import resolve_method
 
     m = resolve_method("snapkv", {"budget": 32, "window": 8})
     m.bind(2, 2)
@@ -146,8 +146,19 @@ def test_budget_formula():
     assert m.budget.steady_tokens(20, 25, 0) == 25
 
 
+def test_full_is_a_compiled_method():
+    """`full` comes from methods/full.kvm through the same adapter: no hooks, nothing evicted."""
+    from kvc.runtime.methods import resolve_method
+    from kvc.runtime.methods_compiled import CompiledMethod
+
+    m = resolve_method("full")
+    m.bind(2, 2)
+    assert isinstance(m, CompiledMethod) and m.hooks == frozenset() and not m.compacts and m.decode_graphs
+    assert m.budget.peak_tokens(100, 0) == 100 and m.budget.steady_tokens(100, 130, 1) == 130
+
+
 def test_config_errors(tmp_path):
-    from kvc.runtime.methods_builtin import resolve_method
+    from kvc.runtime.methods import resolve_method
 
     with pytest.raises(ConfigError, match="unknown method 'nope'.*snapkv"):
         resolve_method("nope")
@@ -159,7 +170,7 @@ def test_config_errors(tmp_path):
         resolve_method("snapkv", {"window": -3})
     with pytest.raises(ConfigError, match="pooling"):
         resolve_method("snapkv", {"pooling": "median"})
-    with pytest.raises(ConfigError, match="takes no parameters"):
+    with pytest.raises(ConfigError, match="'full' has no parameter.*'budget'.*none"):
         resolve_method("full", {"budget": 3})
     with pytest.raises(ConfigError, match="unknown method"):
         LLM(str(make_tiny_llama(tmp_path)), method="nope", device="cpu")

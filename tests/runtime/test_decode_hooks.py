@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from kvc.runtime.engine import Engine
 from kvc.runtime.llm import LLM
 from kvc.runtime.method_api import Hook
-from kvc.runtime.methods_builtin import resolve_method
+from kvc.runtime.methods import resolve_method
 from kvc.runtime.sampling_params import SamplingParams
 from tests.models.tiny import make_tiny_llama, make_tiny_qwen3
 from tests.references.model_forward import greedy_compressed_decode

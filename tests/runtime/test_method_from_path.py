@@ -19,7 +19,7 @@ from kvc.dsl import METHODS_DIR
 from kvc.runtime import methods_compiled
 from kvc.runtime.cli import main
 from kvc.runtime.errors import ConfigError
-from kvc.runtime.methods_builtin import resolve_method
+from kvc.runtime.methods import resolve_method
 from tests.models.tiny import make_tiny_llama
 from tests.runtime.test_compiled_methods import LENGTHS, generate, make_llm, prompts_of
 

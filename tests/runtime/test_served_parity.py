@@ -36,7 +36,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from kvc.runtime.methods_builtin import resolve_method
+from kvc.runtime.methods import resolve_method
 from tests.models.tiny import make_tiny_llama, make_tiny_qwen3
 from tests.references.compare import assert_logits_close, assert_same_kept
 from tests.references.eviction import gather_kv, kvcache_factory_budgets, rank
