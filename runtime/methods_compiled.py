@@ -17,6 +17,9 @@ windows) and calls the generated torch lowering at the contract's points:
   (with per-head `lengths` when the counts differ: head-adaptive selections such as Ada-KV).
 - `release`: drops the sequence's buffers.
 
+A method with no hooks (`full`) gets an empty `hooks` set and `compacts = False`: the engine calls
+nothing and prefix caching stays on.
+
 Scoring runs on the cache's device. On a GPU, a hook the compiler fused into one Triton kernel
 (manifest `kernels`: a prefill_end keep score, a prefill_chunk state accumulation) calls that kernel
 (kernels_generated/<m>/triton_kernels.py), so no [head, query, key] matrix is materialised; the
