@@ -81,7 +81,8 @@ class Engine:
             "KV cache: %d pages of %d tokens (%.1f MiB), backend %s",
             self.num_pages, config.page_size, self.num_pages * page_bytes / 2**20, backend,
         )
-        salt = hashlib.sha256(f"{model_ref}|{self.method.name}|{self.spec}".encode()).digest()[:16]
+        method_id = getattr(self.method, "fingerprint", self.method.name)  # name + parameters + source
+        salt = hashlib.sha256(f"{model_ref}|{method_id}|{self.spec}".encode()).digest()[:16]
         # A compacting method's pages stop matching the logical tokens, and compaction writes in
         # place: pages must not be shared, so no prefix caching for it (copy-on-write: later).
         prefix_caching = config.enable_prefix_caching and not self.method.compacts

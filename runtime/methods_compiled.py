@@ -158,6 +158,7 @@ class CompiledMethod(DecodeHooks, MethodBase):
         self.params = params
         folder = folder if folder is not None else GENERATED / name
         self.folder = folder
+        self._source_sha256 = manifest.get("source_sha256", "")
         self.lowering = method_cache.load_module(folder, "torch_lowering")
         self.hooks_module = method_cache.load_module(folder, "hooks")
         self._chunk_hook = getattr(self.lowering, "prefill_chunk", None)
@@ -187,6 +188,13 @@ class CompiledMethod(DecodeHooks, MethodBase):
         self.compacts = bool(hooks)  # a method with no hooks (`full`) keeps every token: prefix caching stays on
         if Hook.STEP_END in hooks:
             self.budget.decode_bound = self.decode_bound
+
+    @property
+    def fingerprint(self) -> str:
+        """What makes two instances compute the same cache: the method, its parameters, and the
+        generated code's source hash (prefix-cache salt; chain records will carry it too)."""
+        params = ",".join(f"{k}={self.params[k]!r}" for k in sorted(self.params))
+        return f"{self.name}({params})@{self._source_sha256}"
 
     def bind(self, num_layers: int, num_kv_heads: int) -> None:
         """The model's shape, for the budget formulas (called by the engine before admission)."""

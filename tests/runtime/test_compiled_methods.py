@@ -157,6 +157,15 @@ def test_full_is_a_compiled_method():
     assert m.budget.peak_tokens(100, 0) == 100 and m.budget.steady_tokens(100, 130, 1) == 130
 
 
+def test_fingerprint_tells_parameters_apart():
+    from kvc.runtime.methods import resolve_method
+
+    a, b = resolve_method("snapkv", {"budget": 32}), resolve_method("snapkv", {"budget": 64})
+    assert a.fingerprint != b.fingerprint
+    assert a.fingerprint == resolve_method("snapkv", {"budget": 32}).fingerprint
+    assert resolve_method("full").fingerprint.startswith("full()@")
+
+
 def test_config_errors(tmp_path):
     from kvc.runtime.methods import resolve_method
 
