@@ -19,6 +19,13 @@ def ceil(x):
     return math.ceil(x)
 
 
+def symbols(q, k, *, layer=0, num_layers=1, prompt=None, step=0):
+    """The symbols of one layer of one sequence, from its queries and keys (every lowering's `symbols`)."""
+    return {"context": k.shape[1], "prompt": k.shape[1] if prompt is None else prompt, "step": step,
+            "layer": layer, "layers": num_layers, "heads": q.shape[0], "kv_heads": k.shape[0],
+            "head_dim": k.shape[-1]}
+
+
 def clamp_count(n, available):
     """A count of tokens: floored, clamped to [0, available] (docs/language.md, Budgets)."""
     return max(0, min(int(floor(n)), int(available)))

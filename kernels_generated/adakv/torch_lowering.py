@@ -28,6 +28,7 @@ from kvc.compiler.torch_primitives import (  # noqa: F401 -- the generated hooks
     ranked as _ranked,
     reduce as _reduce,
     select as _select,
+    symbols,
     window as _window,
 )
 
@@ -76,13 +77,6 @@ def prefill_end_select(scores, sym, params):
         at_least=alpha*(budget - window),
         granularity="head_adaptive",
     )
-
-
-def symbols(q, k, *, layer=0, num_layers=1, prompt=None, step=0):
-    """The symbols of one layer of one sequence, from its queries and keys."""
-    return {"context": k.shape[1], "prompt": k.shape[1] if prompt is None else prompt, "step": step,
-            "layer": layer, "layers": num_layers, "heads": q.shape[0], "kv_heads": k.shape[0],
-            "head_dim": k.shape[-1]}
 
 
 def score(q, k, *, layer=0, num_layers=1, params=None):
