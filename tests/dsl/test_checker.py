@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvc.dsl import KvmError, ast, check_file, check_source, method_path
+from kvc.dsl import KvmError, check_file, check_source, method_path
 from kvc.dsl.evaluate import evaluate
 from kvc.dsl.symbolic import formula
 from kvc.dsl.types import BOOL, TOKENS, Selection, Tensor

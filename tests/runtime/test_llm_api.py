@@ -4,7 +4,6 @@ abort, and clear errors for bad input."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvc import LLM, SamplingParams
 from kvc.runtime.errors import ConfigError, InvalidPromptError, InvalidSamplingParams, PromptTooLongError
