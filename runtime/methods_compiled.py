@@ -126,6 +126,19 @@ def _fused_kernels(manifest: dict) -> dict[str, str]:
     return fused
 
 
+def _keep_plan(kept: list[torch.Tensor], device: torch.device) -> KeepPlan:
+    """A `KeepPlan` without a device sync: the counts are the tensors' sizes (host facts), and
+    per-head counts stay a CPU tensor, so the engine learns the layer's new physical length and
+    start slots without reading the device (`KeepPlan.from_heads` would copy them to it)."""
+    counts = [int(t.numel()) for t in kept]
+    if len(set(counts)) <= 1:
+        return KeepPlan(torch.stack(kept).to(device=device, dtype=torch.long))
+    indices = torch.zeros((len(kept), max(counts)), dtype=torch.long, device=device)
+    for head, t in enumerate(kept):
+        indices[head, : counts[head]] = t
+    return KeepPlan(indices, torch.tensor(counts, dtype=torch.long))
+
+
 class CompiledBudget:
     """Peak: the whole prompt per layer; steady: the generated bound on a layer's physical length
     (its most-keeping KV head, `held_tokens`) + generated tokens."""
@@ -256,7 +269,7 @@ class CompiledMethod(DecodeHooks, MethodBase):
         else:
             scores = self._scores({"q": q, "k": k, "v": _operand(view.cache.values())}, state, sym, self.params)
         kept = self._select(scores, sym, self.params)
-        plan = None if all(int(t.numel()) >= length for t in kept) else KeepPlan.from_heads([t.to(device) for t in kept])
+        plan = None if all(int(t.numel()) >= length for t in kept) else _keep_plan(kept, device)
         self._decode_start(key, state, length, plan, device)
         return plan
 

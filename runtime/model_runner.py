@@ -27,7 +27,7 @@ import torch
 
 from kvc.runtime.attention.backend import PagedAttention
 from kvc.runtime.attention.metadata import AttentionMetadata
-from kvc.runtime.kv.compaction import compact_layer
+from kvc.runtime.kv.compaction import CompactionJob, compact_many
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.method_api import DecodeRow, DecodeView, Hook, KVMethod, LayerCacheView, PrefillView, StepView
 from kvc.runtime.models.base import CausalLM
@@ -157,10 +157,11 @@ class ModelRunner:
         return attn
 
     def _prefill_hooks(self, layer, q, k, v, md, batch: ScheduledBatch, compacted) -> None:
-        """prefill_chunk for every prefill chunk of the step, then prefill_end (and compaction)
-        for the chunks that end their sequence's prefill."""
+        """prefill_chunk for every prefill chunk of the step, then prefill_end for the chunks that
+        end their sequence's prefill; their keep plans are compacted together (one call)."""
         method = self.method
-        starts = md.cu_seqlens_q.tolist()
+        starts = np.cumsum([0, *batch.num_new_tokens]).tolist()  # host rows of each sequence's chunk
+        jobs: list[tuple[object, CompactionJob]] = []
         for i in range(batch.num_decodes, len(batch.seqs)):
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             rows = slice(starts[i], starts[i] + n)
@@ -177,35 +178,38 @@ class ModelRunner:
             if not view.is_last or Hook.PREFILL_END not in method.hooks:
                 continue
             plan = method.prefill_end(layer, view)
-            if plan is None:
-                continue
-            if seq.kv_starts[layer] is not None:
-                raise NotImplementedError("a keep plan for a layer already stored with per-head starts")
-            kept = compact_layer(self.attention.k_cache, self.attention.v_cache, table, length,
-                                 plan.indices, plan.lengths)
-            compacted.setdefault(seq.seq_id, {})[layer] = kept
-            # per-head variable counts: head h's tokens sit right-aligned from slot kept - len_h
-            seq.set_kv_starts(layer, None if plan.lengths is None else (kept - plan.lengths).tolist())
+            if plan is not None:
+                jobs.append((seq, CompactionJob(table, length, plan.indices, plan.lengths, seq.kv_starts[layer])))
+        self._compact(layer, jobs, compacted)
+
+    def _compact(self, layer: int, jobs: list, compacted: dict[int, dict[int, int]]) -> None:
+        """Applies one layer's keep plans (one kernel launch on a GPU), reports the kept lengths
+        and records the per-head start slots of plans with per-head variable counts."""
+        if not jobs:
+            return
+        backend = "triton" if self.attention.backend == "triton" else "auto"
+        done = compact_many(self.attention.k_cache, self.attention.v_cache, [job for _, job in jobs], backend=backend)
+        for (seq, _), result in zip(jobs, done):
+            compacted.setdefault(seq.seq_id, {})[layer] = result.length
+            if result.starts is not None or seq.kv_starts[layer] is not None:
+                seq.set_kv_starts(layer, result.starts)
 
     def _step_end(self, batch: ScheduledBatch, compacted: dict[int, dict[int, int]]) -> None:
-        """step_end per layer of every sequence that decoded in this step; keep plans are
-        compacted at once and reported (the scheduler frees the pages past them)."""
+        """step_end per layer of every sequence that decoded in this step; each layer's keep
+        plans are compacted at once and reported (the scheduler frees the pages past them)."""
         method, cache = self.method, self.attention
-        for seq in batch.seqs[: batch.num_decodes]:
-            for layer in range(self.num_layers):
+        decoded = batch.seqs[: batch.num_decodes]
+        for layer in range(self.num_layers):
+            jobs = []
+            for seq in decoded:
                 table = seq.page_tables[layer]
                 length = seq.kv_lens[layer] + 1  # the step's token is stored (postprocess advances kv_lens)
                 view = StepView(seq.seq_id, layer, self.num_layers, seq.num_computed_tokens + 1, seq.prefill_end,
                                 LayerCacheView(cache.k_cache, cache.v_cache, table, length))
                 plan = method.step_end(layer, view)
-                if plan is None:
-                    continue
-                if plan.lengths is not None or seq.kv_starts[layer] is not None:
-                    raise NotImplementedError("decode-time keep plans on per-head variable counts (Ada-KV) "
-                                              "are not supported yet")
-                # the plan comes from the method's own selection: skip the range check (a host sync)
-                kept = compact_layer(cache.k_cache, cache.v_cache, table, length, plan.indices, checked=False)
-                compacted.setdefault(seq.seq_id, {})[layer] = kept
+                if plan is not None:
+                    jobs.append((seq, CompactionJob(table, length, plan.indices, plan.lengths, seq.kv_starts[layer])))
+            self._compact(layer, jobs, compacted)
 
     def prepare(self, batch: ScheduledBatch, needs_sample: list[bool]) -> StepInputs:
         """Flattens the batch into token ids, logical positions, and per-layer slots and tables."""

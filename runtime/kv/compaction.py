@@ -1,20 +1,74 @@
-"""Compaction: applying a method's keep plan to one sequence's pages of one layer.
+"""Compaction: applying methods' keep plans to the pages of one layer.
 
-The kept K/V of each KV head are gathered (each head its own token indices: pages are head-major,
-[page, Hkv, slot, D], so heads can keep different tokens in the same slots) and written into the
-first ceil(M / page_size) pages of the layer's table, M being the layer's new physical length.
-The scheduler then frees the rest. All reads happen before any write, so compacting in place is
-safe. Plain torch (CPU and GPU); a Triton kernel can replace it later.
+A keep plan says which stored tokens of one sequence's layer survive, per KV head (pages are
+head-major, [page, Hkv, slot, D], so heads can keep different tokens in the same slots). The kept
+K/V are moved into the first ceil(M / page_size) pages of the layer's table, M being the layer's
+new physical length; the scheduler then frees the rest.
 
-Equal counts: every head's kept tokens fill slots [0, kept). Per-head variable counts (`lengths`):
-M = max_h len_h and head h's tokens are stored right-aligned in slots [M - len_h, M), so new
-tokens keep appending at the common slot M for every head; the caller records the start slots
-M - len_h (runtime/attention/metadata.py) and the kernels skip the slots before them.
+Layout after compaction. Equal counts: every head's `kept` tokens fill slots [0, kept), M = kept.
+Per-head variable counts (`counts`): M = max_h count_h and head h's tokens are stored
+right-aligned in slots [M - count_h, M), so new tokens keep appending at the common slot M for
+every head; the new start slots M - count_h are returned (the runner records them,
+runtime/attention/metadata.py) and the kernels skip the slots before them.
+
+Re-compaction: a layer compacted before may already have per-head starts; head h's stored tokens
+are then slots [start_h, length) and its kept indices must lie there (a chain cache compresses a
+layer again at each turn; decode-time eviction does it every step). The result is laid out as
+above, whatever the old starts were.
+
+Two backends, one contract (`compact_many`): the Triton kernel of `compaction_triton.py` (on CUDA,
+and under TRITON_INTERPRET=1 when asked), one launch for every plan of a layer, in place, with no
+host sync; and plain torch here (gather into a temporary, then scatter). Host syncs: the new
+physical length and starts must be known on the host (the scheduler frees pages with them), so
+per-head `counts` should be a CPU tensor (the compiled methods' plans are); counts on a GPU are
+read back, once per plan. The value checks (indices inside [start_h, length), ascending) read the
+indices back, so they run where that is free (CPU) or when asked (`checked=True`, or
+KVC_CHECK_COMPACTION=1 for the engine); shape and count checks are free and always run.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
+
+BACKENDS = ("auto", "torch", "triton")
+CHECK_ENV = "KVC_CHECK_COMPACTION"
+
+
+@dataclass
+class CompactionJob:
+    """One sequence's keep plan for one layer."""
+
+    page_ids: list[int]  # the layer's page table (pages owned by this sequence alone)
+    length: int  # physical slots stored
+    keep: torch.Tensor  # [Hkv, K] physical slot indices, ascending per head
+    counts: torch.Tensor | None = None  # [Hkv]: head h keeps keep[h, :counts[h]]; None: all K
+    starts: list[int] | None = None  # the layer's current per-head start slots; None: all 0
+
+
+@dataclass(frozen=True)
+class Compacted:
+    """A layer after compaction: its physical length and per-head start slots (None: all 0)."""
+
+    length: int
+    starts: list[int] | None
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """A job with its host facts resolved and checked: what both backends execute."""
+
+    page_ids: list[int]
+    keep: torch.Tensor  # [Hkv, K] on the cache's device, int64
+    counts: list[int]  # per head
+    physical: int  # M
+
+    @property
+    def offsets(self) -> list[int]:
+        """First destination slot of each head (right-aligned below M)."""
+        return [self.physical - c for c in self.counts]
 
 
 def compact_layer(
@@ -24,59 +78,127 @@ def compact_layer(
     length: int,
     keep: torch.Tensor,
     lengths: torch.Tensor | None = None,
-    checked: bool = True,
+    checked: bool | None = None,
+    starts: list[int] | None = None,
+    backend: str = "auto",
 ) -> int:
-    """Keeps tokens `keep [Hkv, kept]` (physical indices < length) of the sequence whose tokens
-    sit in `page_ids`; with `lengths [Hkv]` head h keeps only `keep[h, :lengths[h]]`. Returns the
-    layer's new physical length M (`kept`, or max(lengths)). Pages must be owned by this
-    sequence alone. `checked=False` skips the range check of equal-count plans (it reads the
-    indices back: a device sync per call); per-head plans are always checked."""
+    """Keeps tokens `keep [Hkv, kept]` of the sequence whose `length` tokens sit in `page_ids`;
+    with `lengths [Hkv]` head h keeps only `keep[h, :lengths[h]]`; with `starts`, head h's stored
+    tokens are slots [starts[h], length). Returns the new physical length M (`kept`, or
+    max(lengths)). One plan of `compact_many`."""
+    job = CompactionJob(page_ids, length, keep, lengths, starts)
+    return compact_many(k_cache, v_cache, [job], checked=checked, backend=backend)[0].length
+
+
+def compact_many(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    jobs: list[CompactionJob],
+    checked: bool | None = None,
+    backend: str = "auto",
+) -> list[Compacted]:
+    """Applies every job (one layer, distinct sequences) in place; `checked` None: check values
+    where that costs no device sync, or when KVC_CHECK_COMPACTION=1."""
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        raise ValueError(f"k_cache and v_cache must both be [pages, Hkv, page_size, D], got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    if checked is None:
+        checked = k_cache.device.type == "cpu" or os.environ.get(CHECK_ENV) == "1"
+    plans = [_resolve(k_cache, job, checked) for job in jobs]
+    results = [Compacted(p.physical, p.offsets if any(p.offsets) else None) for p in plans]
+    work = [p for p in plans if p.physical > 0]
+    if not work:
+        return results
+    if _use_triton(backend, k_cache.device):
+        from kvc.runtime.kv.compaction_triton import compact_triton
+
+        compact_triton(k_cache, v_cache, work)
+    else:
+        for plan in work:
+            _compact_torch(k_cache, v_cache, plan)
+    return results
+
+
+def _use_triton(backend: str, device: torch.device) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"compaction backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return False
+    if backend == "auto":
+        return device.type == "cuda"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"the Triton compaction kernel runs on CUDA (or under TRITON_INTERPRET=1), not {device.type}")
+    return True
+
+
+def _resolve(k_cache: torch.Tensor, job: CompactionJob, checked: bool) -> HostPlan:
+    """Host facts of a job (counts, M), after the checks that cost nothing; value checks if asked."""
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    keep, length = job.keep, job.length
     if keep.dim() != 2 or keep.shape[0] != num_kv_heads:
         raise ValueError(f"keep plan must be [{num_kv_heads}, kept], got {tuple(keep.shape)}")
+    if keep.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"keep plan indices must be integers, got {keep.dtype}")
+    width = keep.shape[1]
+    if job.counts is None:
+        counts = [width] * num_kv_heads
+    else:
+        counts = [int(c) for c in job.counts.detach().cpu().tolist()]  # free for CPU counts
+        if len(counts) != num_kv_heads or any(c < 0 or c > width for c in counts):
+            raise ValueError(f"keep plan lengths must be [{num_kv_heads}] counts in [0, {width}], got {counts}")
+    starts = job.starts if job.starts is not None else [0] * num_kv_heads
+    if len(starts) != num_kv_heads or any(s < 0 or s > length for s in starts):
+        raise ValueError(f"per-head starts must be [{num_kv_heads}] slots in [0, {length}], got {list(starts)}")
+    if len(job.page_ids) * page_size < length:
+        raise ValueError(f"{len(job.page_ids)} pages of {page_size} slots cannot hold {length} tokens")
+    for head, (count, start) in enumerate(zip(counts, starts)):
+        if count > length - start:
+            raise ValueError(f"keep plan keeps {count} tokens of KV head {head}, which stores only "
+                             f"{length - start} (slots [{start}, {length}))")
+    keep = keep.to(device=k_cache.device, dtype=torch.long)
+    if checked:
+        _check_values(keep, counts, starts, length)
+    return HostPlan(list(job.page_ids), keep, counts, max(counts, default=0))
+
+
+def _check_values(keep: torch.Tensor, counts: list[int], starts: list[int], length: int) -> None:
+    """Each head's kept indices lie in [start_h, length) and strictly ascend (reads them back)."""
+    rows = keep.cpu()
+    for head, (count, start) in enumerate(zip(counts, starts)):
+        row = rows[head, :count]
+        if count and (int(row.min()) < start or int(row.max()) >= length):
+            raise ValueError(f"keep plan indexes outside the stored tokens of KV head {head} "
+                             f"(slots [{start}, {length})): {row.tolist()}")
+        if count > 1 and not bool((row[1:] > row[:-1]).all()):
+            raise ValueError(f"keep plan indices of KV head {head} must ascend strictly: {row.tolist()}")
+
+
+def device_ints(values, device: torch.device) -> torch.Tensor:
+    """A host int array on `device` without a sync: pinned and copied asynchronously on CUDA."""
+    host = torch.as_tensor(values)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _compact_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, plan: HostPlan) -> None:
+    """Gather every kept row into a temporary, then scatter it: in place is safe whatever moves
+    where, as all reads happen before any write."""
+    import numpy as np
+
+    page_size = k_cache.shape[2]
     device = k_cache.device
-    kept = keep.shape[1]
-    keep = keep.to(device=device, dtype=torch.long)
-    if lengths is None:
-        return _compact_equal(k_cache, v_cache, page_ids, length, keep, checked)
-    lengths = lengths.to(device=device, dtype=torch.long)
-    if lengths.shape != (num_kv_heads,) or bool((lengths < 0).any()) or bool((lengths > kept).any()):
-        raise ValueError(f"keep plan lengths must be [{num_kv_heads}] counts in [0, {kept}], got {lengths.tolist()}")
-    valid = torch.arange(kept, device=device)[None, :] < lengths[:, None]  # [Hkv, kept]
-    src = keep[valid]  # head-major: head 0's tokens, then head 1's, ...
-    if src.numel() and (int(src.max()) >= length or int(src.min()) < 0):
-        raise ValueError(f"keep plan indexes outside the {length} stored tokens")
-    physical = int(lengths.max()) if num_kv_heads else 0
-    if physical > length:
-        raise ValueError(f"keep plan keeps {physical} tokens of a head, more than the {length} stored")
-    if src.numel() == 0:
-        return physical
-    pages = torch.tensor(page_ids, dtype=torch.long, device=device)
-    heads = torch.arange(num_kv_heads, device=device)[:, None].expand_as(keep)[valid]
-    dst = ((physical - lengths)[:, None] + torch.arange(kept, device=device)[None, :])[valid]
+    counts = plan.counts
+    heads = np.repeat(np.arange(len(counts)), counts)
+    dst = np.concatenate([off + np.arange(c) for off, c in zip(plan.offsets, counts)])
+    if len(set(counts)) == 1:
+        src = plan.keep[:, : counts[0]].reshape(-1)
+    else:
+        src = torch.cat([plan.keep[h, :c] for h, c in enumerate(counts)])
+    pages = device_ints(np.asarray(plan.page_ids, dtype=np.int64), device)
+    heads_t, dst_t = device_ints(heads, device), device_ints(dst, device)
     src_page, src_slot = pages[src // page_size], src % page_size
-    dst_page, dst_slot = pages[dst // page_size], dst % page_size
+    dst_page, dst_slot = pages[dst_t // page_size], dst_t % page_size
     for cache in (k_cache, v_cache):
-        gathered = cache[src_page, heads, src_slot]  # [n, D], a copy
-        cache[dst_page, heads, dst_slot] = gathered
-    return physical
-
-
-def _compact_equal(k_cache, v_cache, page_ids: list[int], length: int, keep: torch.Tensor, checked: bool) -> int:
-    """Every head keeps `kept` tokens into slots [0, kept): no host reads unless `checked`."""
-    num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
-    kept = keep.shape[1]
-    if kept > length or (checked and kept and (int(keep.max()) >= length or int(keep.min()) < 0)):
-        raise ValueError(f"keep plan indexes outside the {length} stored tokens")
-    if kept == 0:
-        return 0
-    device = k_cache.device
-    pages = torch.tensor(page_ids, dtype=torch.long, device=device)
-    heads = torch.arange(num_kv_heads, device=device)[:, None].expand_as(keep)
-    src_page, src_slot = pages[keep // page_size], keep % page_size  # [Hkv, kept]
-    dst = torch.arange(kept, device=device)
-    dst_page, dst_slot = pages[dst // page_size][None].expand_as(keep), (dst % page_size)[None].expand_as(keep)
-    for cache in (k_cache, v_cache):
-        gathered = cache[src_page, heads, src_slot]  # [Hkv, kept, D], a copy
-        cache[dst_page, heads, dst_slot] = gathered
-    return kept
+        gathered = cache[src_page, heads_t, src_slot]  # [n, D], a copy
+        cache[dst_page, heads_t, dst_slot] = gathered
