@@ -14,7 +14,8 @@ windows) and calls the generated torch lowering at the contract's points:
 - `prefill_end`: `inputs` = {q [Hq, w, D], k = cache.keys() [Hkv, T, D], v, attn}, `sym` =
   {context = prompt = T, layer, layers, heads, kv_heads, head_dim, step = 0}; the generated
   `prefill_end_scores` + `prefill_end_select` give the kept indices per KV head -> `KeepPlan`
-  (with per-head `lengths` when the counts differ: head-adaptive selections such as Ada-KV).
+  (with per-head `lengths` when the counts differ: head-adaptive selections such as Ada-KV; the
+  counts are the selected tensors' sizes and stay on the host, so no device sync reads them).
 - `release`: drops the sequence's buffers.
 
 A method with no hooks (`full`) gets an empty `hooks` set and `compacts = False`: the engine calls

@@ -107,7 +107,8 @@ def test_equal_counts_batch(block_t, page_size):
     for table, n, c in zip(tables, lengths, kept):
         keep = random_plan(n, [c] * HEADS, [0] * HEADS, g)
         lead = min(3, c)  # head 0's leading tokens are already in place (sinks): skipped
-        keep[0] = torch.cat([torch.arange(lead), torch.randperm(n - lead, generator=g)[: c - lead].sort().values + lead])
+        rest = torch.randperm(n - lead, generator=g)[: c - lead].sort().values + lead
+        keep[0] = torch.cat([torch.arange(lead), rest])
         jobs.append(CompactionJob(table, n, keep.to(DEVICE)))
     options = {} if block_t is None else {"block_t": block_t}
     got_torch, got_triton = run_both(k0, v0, jobs, **options)
@@ -153,7 +154,8 @@ def naive_walk(k0, job) -> torch.Tensor:
     for h in range(HEADS):
         for i in range(counts[h]):
             src, dst = int(job.keep[h, i]), m - counts[h] + i
-            k[job.page_ids[dst // page_size], h, dst % page_size] = k[job.page_ids[src // page_size], h, src % page_size]
+            row = k[job.page_ids[src // page_size], h, src % page_size].clone()
+            k[job.page_ids[dst // page_size], h, dst % page_size] = row
     return k
 
 

@@ -197,3 +197,16 @@ def test_recompaction_matches_the_reference(model_dir, hf, backend):
 
         triton_device_and_ops()  # re-imports triton under the interpreter if needed
     check(hf, model_dir, backend)
+
+
+def test_compiled_plans_keep_counts_on_the_host():
+    """The compiled adapter's plans: equal counts -> no lengths; per-head counts -> a CPU tensor
+    (the engine reads the new layout without a device sync), indices padded on the cache's device."""
+    from kvc.runtime.methods_compiled import _keep_plan
+
+    equal = _keep_plan([torch.tensor([0, 4]), torch.tensor([1, 2])], torch.device("cpu"))
+    assert equal.lengths is None and equal.indices.tolist() == [[0, 4], [1, 2]]
+    ragged = _keep_plan([torch.tensor([3]), torch.tensor([0, 1, 5]), torch.tensor([], dtype=torch.long)],
+                        torch.device("cpu"))
+    assert ragged.lengths.device.type == "cpu" and ragged.lengths.tolist() == [1, 3, 0]
+    assert ragged.indices.tolist() == [[3, 0, 0], [0, 1, 5], [0, 0, 0]] and ragged.kept == 3
