@@ -28,6 +28,7 @@ KVC_CHECK_COMPACTION=1 for the engine); shape and count checks are free and alwa
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -102,6 +103,7 @@ def compact_many(
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         raise ValueError(f"k_cache and v_cache must both be [pages, Hkv, page_size, D], got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
+    use_triton = _use_triton(backend, k_cache.device)
     if checked is None:
         checked = k_cache.device.type == "cpu" or os.environ.get(CHECK_ENV) == "1"
     plans = [_resolve(k_cache, job, checked) for job in jobs]
@@ -109,7 +111,7 @@ def compact_many(
     work = [p for p in plans if p.physical > 0]
     if not work:
         return results
-    if _use_triton(backend, k_cache.device):
+    if use_triton:
         from kvc.runtime.kv.compaction_triton import compact_triton
 
         compact_triton(k_cache, v_cache, work)
@@ -124,8 +126,8 @@ def _use_triton(backend: str, device: torch.device) -> bool:
         raise ValueError(f"compaction backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return False
-    if backend == "auto":
-        return device.type == "cuda"
+    if backend == "auto":  # the kernel where it runs natively; torch without triton installed
+        return device.type == "cuda" and importlib.util.find_spec("triton") is not None
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"the Triton compaction kernel runs on CUDA (or under TRITON_INTERPRET=1), not {device.type}")
     return True
