@@ -18,8 +18,10 @@ def add_commands(sub, add_engine_args, engine_options) -> None:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get("KVC_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1 (default: $KVC_API_KEY)")
+    serve.add_argument("--api-key", action="append",
+                       help="require 'Authorization: Bearer KEY' on /v1; repeat for several keys, each its own "
+                       "owner of chains (default: $KVC_API_KEY)")
+    serve.add_argument("--api-key-file", help="more API keys, one per line ('#' comments and blank lines skipped)")
     serve.add_argument("--served-model-name", help="the model name clients use (default: --model, or kvc-default)")
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="waiting sequences before new requests get 503")
@@ -56,8 +58,13 @@ def add_commands(sub, add_engine_args, engine_options) -> None:
 def _serve(a: argparse.Namespace, engine_options) -> int:
     from kvc.runtime.server.launch import engine_config, parse_method_params, serve
 
+    from kvc.runtime.server.auth import read_key_file
+
+    keys = list(a.api_key or ([os.environ["KVC_API_KEY"]] if os.environ.get("KVC_API_KEY") else []))
+    if a.api_key_file:
+        keys += read_key_file(a.api_key_file)
     cfg = engine_config(a.model, a.method, parse_method_params(a.method_param), engine_options(a))
-    return serve(cfg, host=a.host, port=a.port, served_model_name=a.served_model_name, api_key=a.api_key,
+    return serve(cfg, host=a.host, port=a.port, served_model_name=a.served_model_name, api_keys=keys,
                  max_waiting=a.max_waiting_requests, shutdown_timeout=a.shutdown_timeout)
 
 
