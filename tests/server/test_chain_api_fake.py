@@ -88,6 +88,7 @@ class FakeChainEngine:
         self.chains = FakeChainStore(max_chains, engine.config.page_size)
         self._chained: dict[int, tuple[object, str, int]] = {}  # seq_id -> (seq, chain id, reused)
         self._pending: dict[int, int] = {}  # seq_id -> reused, until the sequence is admitted
+        self.step_delay = 0.0  # seconds per step: lets a test hold a request running
 
     def __getattr__(self, name):  # everything that is not about chains is the real engine's
         return getattr(self._engine, name)
@@ -123,6 +124,7 @@ class FakeChainEngine:
         return seq
 
     def step(self):
+        time.sleep(self.step_delay)
         finished = self._engine.step()
         for seq_id in list(self._pending):
             seq = self._chained[seq_id][0]
