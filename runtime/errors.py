@@ -49,3 +49,39 @@ class OutOfKVMemory(KvcError):
     """A single request can never fit the KV page pool, even alone."""
 
     status = 503
+
+
+# ---- chain cache (issue 6): each carries its HTTP status and OpenAI error `code` -----------------
+class ChainNotFound(KvcError):
+    """Unknown chain id, or the chain belongs to another owner (API key)."""
+
+    status = http_status = 404
+    code = "chain_not_found"
+
+
+class ChainBusy(KvcError):
+    """A request is already running on the chain; a chain takes one request at a time."""
+
+    status = http_status = 409
+    code = "chain_busy"
+
+
+class ChainDiverged(KvcError):
+    """The prompt does not extend the chain's history and the chain cannot roll back to it."""
+
+    status = http_status = 409
+    code = "chain_diverged"
+
+
+class ChainEvicted(KvcError):
+    """The chain existed but was evicted (LRU, under memory pressure) or dropped."""
+
+    status = http_status = 410
+    code = "chain_evicted"
+
+
+class ChainCapacity(KvcError):
+    """No KV memory for the chain, even after evicting every idle chain."""
+
+    status = http_status = 503
+    code = "chain_capacity"

@@ -1,25 +1,29 @@
 """The FastAPI application: routes, auth, draining, errors, and the OpenAPI schema.
 
 `build_app(engine, ServerConfig(...))` wraps an `Engine` into an ASGI app; `launch.py` runs it
-under uvicorn. The app starts the engine thread in its lifespan and stops it on shutdown.
+under uvicorn. The app starts the engine thread in its lifespan and stops it on shutdown. With API
+keys, each request's owner (the sha256 of its key, `auth.py`) travels in the ASGI scope; chains
+belong to it (`/v1/chains/{id}`: describe, drop).
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic.json_schema import models_json_schema
 
 import kvc
 from kvc.runtime.engine import Engine
+from kvc.runtime.errors import ChainNotFound
 from kvc.runtime.server import openai_api
 from kvc.runtime.server.async_engine import AsyncEngine
+from kvc.runtime.server.auth import OWNER_SCOPE_KEY, ApiKeys, request_owner
 from kvc.runtime.server.errors import (
     CatchAllMiddleware,
     ModelNotFound,
@@ -28,6 +32,9 @@ from kvc.runtime.server.errors import (
 )
 from kvc.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvc.runtime.server.protocol import (
+    MAX_CHAIN_ID_LEN,
+    ChainDeleted,
+    ChainInfo,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -47,24 +54,28 @@ from kvc.runtime.server.protocol import (
 
 log = logging.getLogger(__name__)
 
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # what --api-key guards
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # what the API keys guard
 _ALWAYS_OPEN = ("/health", "/metrics", "/version")  # also answered while draining
+ChainIdPath = Annotated[str, Path(min_length=1, max_length=MAX_CHAIN_ID_LEN,
+                                  description="a chain id, from a response's chain_id")]
 
 
 @dataclass
 class ServerConfig:
     served_model_name: str
-    api_key: str | None = None
+    api_key: str | None = None  # one key (kept for callers that have one) ...
+    api_keys: tuple[str, ...] = field(default_factory=tuple)  # ... and/or several; each key is an owner
     max_waiting: int = 1024  # sequences in the waiting queue before new requests get 503
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
 
 
 class _Gate:
-    """ASGI middleware: 503 while draining, 401 without the API key."""
+    """ASGI middleware: 503 while draining, 401 without a valid API key; records the key's owner."""
 
     def __init__(self, app, state: "ServerState") -> None:
         self.app = app
         self.state = state
+        self.keys = state.keys
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
@@ -72,26 +83,28 @@ class _Gate:
             response = None
             if self.state.draining and not path.startswith(_ALWAYS_OPEN):
                 response = error_response(503, "the server is shutting down", code="shutting_down")
-            elif self.state.config.api_key and path.startswith(_PROTECTED) and not self._authorized(scope):
-                response = error_response(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            elif self.keys and path.startswith(_PROTECTED):
+                owner = self._owner(scope)
+                if owner is None:
+                    response = error_response(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                scope = {**scope, OWNER_SCOPE_KEY: owner}
             if response is not None:
                 self.state.metrics.observe_error(response.status_code)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-    def _authorized(self, scope) -> bool:
+    def _owner(self, scope) -> str | None:
         headers = dict(scope.get("headers") or [])
-        got = headers.get(b"authorization", b"").decode("latin-1")
-        expected = f"Bearer {self.state.config.api_key}"
-        return hmac.compare_digest(got.encode("utf-8", "replace"), expected.encode("utf-8"))
+        return self.keys.owner(headers.get(b"authorization", b"").decode("latin-1"))
 
 
 class ServerState:
     def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
+        self.keys = ApiKeys(([config.api_key] if config.api_key else []) + list(config.api_keys))
         self.aengine = AsyncEngine(engine, max_waiting=config.max_waiting)
         self.metrics = ServerMetrics(self.aengine, config.served_model_name)
         self.draining = False
@@ -118,16 +131,24 @@ class ServerState:
                 log.error("%d request(s) did not end after their abort", len(self.aengine.active))
 
 
-_ERRORS = {
-    status: {"model": ErrorResponse, "description": why}
-    for status, why in [
-        (400, "invalid request (`param` names the field)"),
-        (401, "bad or missing API key (only with --api-key)"),
-        (404, "unknown model"),
-        (500, "internal error (details only in the server log)"),
-        (503, "the waiting queue is full, or the server is shutting down"),
-    ]
+_WHY = {
+    400: "invalid request (`param` names the field)",
+    401: "bad or missing API key (only with --api-key)",
+    404: "unknown model; unknown chain (`chain_not_found`, also another key's chain)",
+    409: "the chain is busy (`chain_busy`) or the prompt does not extend it (`chain_diverged`)",
+    410: "the chain was evicted or deleted (`chain_evicted`)",
+    500: "internal error (details only in the server log)",
+    503: "the waiting queue is full, no memory for a chain (`chain_capacity`), or shutting down",
 }
+
+
+def _errors(*statuses: int) -> dict:
+    return {s: {"model": ErrorResponse, "description": _WHY[s]} for s in statuses}
+
+
+_ERRORS = _errors(400, 401, 404, 500, 503)
+_GENERATION_ERRORS = _errors(400, 401, 404, 409, 410, 500, 503)
+_CHAIN_ERRORS = _errors(400, 401, 404, 409, 410, 500, 503)
 
 
 def _stream_of(chunk_model) -> dict:
@@ -198,14 +219,28 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return card()
 
     @app.post("/v1/completions", response_model=CompletionResponse,
-              responses=_ERRORS | _stream_of(CompletionChunk))
+              responses=_GENERATION_ERRORS | _stream_of(CompletionChunk))
     async def completions(body: CompletionRequest, request: Request):
         return await openai_api.create_completion(ctx, body, request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-              responses=_ERRORS | _stream_of(ChatCompletionChunk))
+              responses=_GENERATION_ERRORS | _stream_of(ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await openai_api.create_chat_completion(ctx, body, request)
+
+    @app.get("/v1/chains/{chain_id}", response_model=ChainInfo, responses=_CHAIN_ERRORS)
+    async def get_chain(request: Request, chain_id: ChainIdPath):
+        _require_chains(state)
+        owner = request_owner(request.scope)
+        info = await state.aengine.call(lambda e: e.chain_info(chain_id, owner))
+        return ChainInfo(**{**info, "id": chain_id})
+
+    @app.delete("/v1/chains/{chain_id}", response_model=ChainDeleted, responses=_CHAIN_ERRORS)
+    async def delete_chain(request: Request, chain_id: ChainIdPath):
+        _require_chains(state)
+        owner = request_owner(request.scope)
+        await state.aengine.call(lambda e: e.drop_chain(chain_id, owner))
+        return ChainDeleted(id=chain_id)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest):
@@ -227,11 +262,17 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
             return error_response(400, f"token ids must be in [0, {engine.spec.vocab_size})", "tokens")
         return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
 
-    app.openapi = lambda: _openapi(app, config)
+    app.openapi = lambda: _openapi(app, state.keys)
     return app
 
 
-def _openapi(app: FastAPI, config: ServerConfig) -> dict:
+def _require_chains(state: ServerState) -> None:
+    """An engine without a chain cache holds no chain: every id is unknown (404)."""
+    if not state.aengine.supports_chains:
+        raise ChainNotFound("this engine has no chain cache, so no chain exists", param="chain_id")
+
+
+def _openapi(app: FastAPI, keys: ApiKeys) -> dict:
     """FastAPI's schema, with its 422 replaced by the 400 the server really sends."""
     if app.openapi_schema:
         return app.openapi_schema
@@ -239,9 +280,9 @@ def _openapi(app: FastAPI, config: ServerConfig) -> dict:
     for path, ops in schema.get("paths", {}).items():
         for op in ops.values():
             op.get("responses", {}).pop("422", None)
-            if config.api_key and path.startswith(_PROTECTED):
+            if keys and path.startswith(_PROTECTED):
                 op["security"] = [{"bearer": []}]
-            if not config.api_key:
+            if not keys:
                 op.get("responses", {}).pop("401", None)
     components = schema.setdefault("components", {})
     _, chunk_schemas = models_json_schema([(m, "serialization") for m in (CompletionChunk, ChatCompletionChunk)],
@@ -249,7 +290,7 @@ def _openapi(app: FastAPI, config: ServerConfig) -> dict:
     components.setdefault("schemas", {}).update(chunk_schemas.get("$defs", {}))
     for name in ("HTTPValidationError", "ValidationError"):
         components.get("schemas", {}).pop(name, None)
-    if config.api_key:
+    if keys:
         components.setdefault("securitySchemes", {})["bearer"] = {"type": "http", "scheme": "bearer"}
     app.openapi_schema = schema
     return schema

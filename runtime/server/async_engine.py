@@ -1,10 +1,11 @@
 """The engine behind the server: one thread owns the `Engine`; asyncio handlers talk to it.
 
-The engine is not thread-safe, so exactly one thread touches it. Handlers (on the event loop)
-send commands through a thread-safe queue: add a group of sequences (one HTTP request: prompts x
-n), abort a group, stop. The engine thread runs commands between steps, steps while there is work
-and blocks on the queue when idle. After each step it posts every request's new tokens back to
-the loop in one `call_soon_threadsafe`, into the request's asyncio queue.
+The engine is not thread-safe, so exactly one thread touches it. Handlers (on the event loop) send
+commands through a thread-safe queue: add a group of sequences (one HTTP request: prompts x n),
+abort a group, call an engine method (drop a chain, describe one), stop. The engine thread runs
+commands between steps, steps while there is work and blocks on the queue when idle. After each
+step it posts every request's new tokens back to the loop in one `call_soon_threadsafe`, into the
+request's asyncio queue.
 
     handler ──submit()──► commands ──► engine thread: add_request / abort / step ──┐
     handler ◄── Request.queue ◄── loop.call_soon_threadsafe(deliver, outputs) ◄────┘
@@ -17,10 +18,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from kvc.runtime.chains import ChainSpec
 from kvc.runtime.engine import Engine
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.sequence import FINISH_ABORT, Sequence
@@ -51,6 +55,7 @@ class Request:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # of list[Output]
     seq_ids: list[int] = field(default_factory=list)
     num_unfinished: int = 0
+    chain_id: str | None = None  # set when the engine accepted a chained request
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,10 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    chains_active: int = 0  # chain cache (ChainStore.stats())
+    chains_idle: int = 0
+    chains_evicted_total: int = 0
+    chain_pages: int = 0
 
 
 @dataclass
@@ -106,15 +115,22 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
 
-    async def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> Request:
+    @property
+    def supports_chains(self) -> bool:
+        """Whether the engine has a chain cache (every engine with issue 6's engine side does)."""
+        return hasattr(self.engine, "chains")
+
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams],
+                     chain: ChainSpec | None = None) -> Request:
         """Queues one sequence per (prompt, params) pair; raises the engine's KvcError if any is
-        rejected (then none is queued)."""
+        rejected (then none is queued). A chained request is one sequence."""
         assert self._loop is not None, "AsyncEngine.start() was not called"
+        assert chain is None or len(prompts) == 1, "a chained request has exactly one sequence"
         if self.failure is not None:
             raise EngineUnavailable(f"the engine is not running ({self.failure}); see the server log")
         request = Request(arrival=time.perf_counter())
         done = self._loop.create_future()
-        self._commands.put(("add", request, prompts, params, done))
+        self._commands.put(("add", request, prompts, params, chain, done))
         if self.failure is not None:  # the thread died between the check above and the put
             self._fail_queued()
         self.active.add(request)
@@ -125,6 +141,18 @@ class AsyncEngine:
             self.release(request)  # cancelled (client gone) or rejected: nothing may stay queued
             raise
         return request
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Runs `fn(engine)` on the engine thread between steps; returns its result or raises its
+        exception (a KvcError for the client)."""
+        assert self._loop is not None, "AsyncEngine.start() was not called"
+        if self.failure is not None:
+            raise EngineUnavailable(f"the engine is not running ({self.failure}); see the server log")
+        done = self._loop.create_future()
+        self._commands.put(("call", fn, done))
+        if self.failure is not None:
+            self._fail_queued()
+        return await done
 
     def abort(self, request: Request, index: int | None = None) -> None:
         """Ends the request's unfinished sequences (or only sequence `index`); their pages are
@@ -157,9 +185,11 @@ class AsyncEngine:
                 request.num_unfinished -= 1
             request.queue.put_nowait(out)
 
-    def _resolve(self, request: Request, done: asyncio.Future, seq_ids: list[int], error) -> None:
+    def _resolve(self, request: Request, done: asyncio.Future, seq_ids: list[int], error,
+                 chain_id: str | None = None) -> None:
         request.seq_ids = seq_ids
         request.num_unfinished = len(seq_ids)
+        request.chain_id = chain_id
         if done.cancelled():
             self.abort(request)
         elif error is not None:
@@ -214,13 +244,15 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                request, done = command[1], command[4]
-                error = EngineUnavailable(f"the engine is not running ({self.failure})")
-                try:
+            error = EngineUnavailable(f"the engine is not running ({self.failure})")
+            try:
+                if command[0] == "add":
+                    request, done = command[1], command[5]
                     self._loop.call_soon_threadsafe(self._resolve, request, done, [], error)
-                except RuntimeError:  # the event loop is already closed
-                    return
+                elif command[0] == "call":
+                    self._loop.call_soon_threadsafe(_settle, command[2], None, error)
+            except RuntimeError:  # the event loop is already closed
+                return
 
     def _handle(self, command: tuple) -> bool:
         kind = command[0]
@@ -233,11 +265,20 @@ class AsyncEngine:
                 if seq_id in self._live and index in (None, i):
                     self._abort_seq(seq_id, outputs, FINISH_ABORT)
             self._post(outputs)
+        elif kind == "call":
+            fn, done = command[1], command[2]
+            result = error = None
+            try:
+                result = fn(self.engine)
+            except Exception as e:  # a KvcError for the client; anything else is a bug, reported as 500
+                error = e
+            self._loop.call_soon_threadsafe(_settle, done, result, error)
+            self._publish()  # e.g. a dropped chain shows in the gauges at once
         elif kind == "stop":
             return False
         return True
 
-    def _add(self, request: Request, prompts, params, done) -> None:
+    def _add(self, request: Request, prompts, params, chain: ChainSpec | None, done) -> None:
         engine = self.engine
         seqs: list[Sequence] = []
         error = None
@@ -247,7 +288,8 @@ class AsyncEngine:
                     f"the server's waiting queue is full ({self.max_waiting} requests); retry later"
                 )
             for ids, p in zip(prompts, params):
-                seqs.append(engine.add_request(ids, p))
+                # only chained requests pass `chain`: plain ones call the engine as they always did
+                seqs.append(engine.add_request(ids, p) if chain is None else engine.add_request(ids, p, chain=chain))
         except Exception as e:  # a KvcError for bad input; anything else is a bug, reported as 500
             error = e
             for seq in seqs:
@@ -255,7 +297,8 @@ class AsyncEngine:
             seqs = []
         for index, seq in enumerate(seqs):
             self._live[seq.seq_id] = _Live(request, index, seq)
-        self._loop.call_soon_threadsafe(self._resolve, request, done, [s.seq_id for s in seqs], error)
+        chain_id = seqs[0].chain_id if chain is not None and seqs else None
+        self._loop.call_soon_threadsafe(self._resolve, request, done, [s.seq_id for s in seqs], error, chain_id)
 
     def _abort_seq(self, seq_id: int, outputs: list, reason: str) -> None:
         live = self._live.pop(seq_id)
@@ -299,6 +342,7 @@ class AsyncEngine:
         engine = self.engine
         pool, sched = engine.pool, engine.scheduler
         prefix = pool.stats()
+        chains = engine.chains.stats() if self.supports_chains else {}
         self.stats = EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
@@ -309,4 +353,18 @@ class AsyncEngine:
             prefix_hit_tokens=int(prefix["hit_tokens"]),
             num_preemptions=sched.num_preemptions,
             num_steps=self._num_steps,
+            chains_active=int(chains.get("active", 0)),
+            chains_idle=int(chains.get("idle", 0)),
+            chains_evicted_total=int(chains.get("evicted_total", 0)),
+            chain_pages=int(chains.get("pages", 0)),
         )
+
+
+def _settle(done: asyncio.Future, result, error) -> None:
+    """Completes a `call` future on the event loop (unless its caller has gone)."""
+    if done.cancelled():
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)

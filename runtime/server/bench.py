@@ -1,7 +1,8 @@
 """`kvc bench serve`: a load generator for any OpenAI-compatible server (like `vllm bench serve`).
 
-Requests come from a dataset (random lengths, or multi-turn conversations whose every turn
-resends the whole history), are sent at a request rate (Poisson arrivals, or all at once) under a
+Requests come from a dataset (random lengths; multi-turn conversations whose every turn resends
+the whole history; agent sessions with long tool results, replayed with or without chains, in
+`bench_agent.py`), are sent at a request rate (Poisson arrivals, or all at once) under a
 concurrency cap, and are streamed; each is timed from the client: time to first token (TTFT),
 inter-token latencies (ITL), time per output token after the first (TPOT), end-to-end latency.
 The summary (mean, median, p90, p99 in ms; request and token throughput) is printed as a markdown
@@ -38,12 +39,15 @@ class BenchConfig:
     endpoint: str = "/v1/completions"
     model: str | None = None
     api_key: str | None = None
-    dataset: str = "random"  # random | multi-turn
-    num_prompts: int = 100  # random: requests; multi-turn: conversations
+    dataset: str = "random"  # random | multi-turn | agent
+    num_prompts: int = 100  # random: requests; multi-turn: conversations; agent: sessions
     input_len: int = 256
     output_len: int = 64
     range_ratio: float = 0.0  # lengths uniform in [len * (1 - r), len * (1 + r)]
-    num_turns: int = 3  # multi-turn: turns per conversation
+    num_turns: int = 3  # multi-turn, agent: turns per conversation (session)
+    tool_len_min: int = 2048  # agent: tokens of a tool result, uniform in [min, max]
+    tool_len_max: int = 8192
+    chains: bool = False  # agent: replay each session on a chain (kvc's chain cache)
     request_rate: float = float("inf")  # requests (or conversations) per second; inf: all at once
     max_concurrency: int | None = None
     seed: int = 0
@@ -64,6 +68,10 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     output_text: str = ""
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
+    chain_id: str | None = None  # kvc: the chain the response named
+    status: int = 0  # the HTTP status
+    error_code: str | None = None  # the OpenAI error `code` of a failed request
 
     @property
     def tpot(self) -> float | None:
@@ -80,18 +88,22 @@ class _Client:
         self.cfg, self.http, self.model = cfg, http, model
         self.chat = cfg.endpoint.rstrip("/").endswith("chat/completions")
 
-    async def send(self, prompt, max_tokens: int) -> RequestResult:
-        """Streams one request; prompt is token ids (completions) or a message list (chat)."""
+    async def send(self, prompt, max_tokens: int, extra: dict | None = None) -> RequestResult:
+        """Streams one request; prompt is token ids (completions) or a message list (chat);
+        `extra` adds fields to the body (e.g. kvc's chain fields)."""
         body = {"model": self.model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": self.cfg.ignore_eos,
-                "return_token_ids": True}
+                "return_token_ids": True, **(extra or {})}
         body["messages" if self.chat else "prompt"] = prompt
         res = RequestResult()
         start = last = time.perf_counter()
         try:
             async with self.http.stream("POST", self.cfg.endpoint, json=body) as r:
+                res.status = r.status_code
                 if r.status_code != 200:
-                    res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                    text = (await r.aread()).decode(errors="replace")
+                    res.error = f"HTTP {r.status_code}: {text[:300]}"
+                    res.error_code = _error_code(text)
                     return res
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -100,9 +112,12 @@ class _Client:
                     if "error" in event:
                         res.error = str(event["error"].get("message"))
                         return res
-                    if event.get("usage"):
-                        res.prompt_tokens = event["usage"]["prompt_tokens"]
-                        res.output_tokens = event["usage"]["completion_tokens"]
+                    if event.get("chain_id"):
+                        res.chain_id = event["chain_id"]
+                    if usage := event.get("usage"):
+                        res.prompt_tokens = usage["prompt_tokens"]
+                        res.output_tokens = usage["completion_tokens"]
+                        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                     for choice in event.get("choices", []):
                         text = choice.get("text") if not self.chat else (choice.get("delta") or {}).get("content")
                         ids = choice.get("token_ids")
@@ -124,6 +139,13 @@ class _Client:
         except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
             res.error = f"{type(e).__name__}: {e}"
         return res
+
+
+def _error_code(text: str) -> str | None:
+    try:
+        return (json.loads(text).get("error") or {}).get("code")
+    except (ValueError, AttributeError):
+        return None
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -237,6 +259,10 @@ def format_table(result: dict) -> str:
     for name, label in [("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")]:
         for stat in ("mean", "median", "p90", "p99"):
             rows.append((f"{stat.capitalize()} {label} (ms)", f"{result[f'{stat}_{name}_ms']:.2f}"))
+    if "agent" in result:
+        from kvc.runtime.server.bench_agent import table_rows
+
+        rows += table_rows(result["agent"])
     lines = ["| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines)
 
@@ -253,6 +279,8 @@ async def _discover(cfg: BenchConfig, http: httpx.AsyncClient) -> tuple[str, int
 
 
 async def run_benchmark(cfg: BenchConfig) -> dict:
+    from kvc.runtime.server import bench_agent  # it builds on this module
+
     rng = random.Random(cfg.seed)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
@@ -262,19 +290,19 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
         probe = await client.send([{"role": "user", "content": "hi"}] if client.chat else [1, 2, 3], 2)
         if not probe.ok:
             raise RuntimeError(f"test request failed: {probe.error}")
-        total = cfg.num_prompts * (cfg.num_turns if cfg.dataset == "multi-turn" else 1)
-        gate = asyncio.Semaphore(cfg.max_concurrency or total)
+        total = cfg.num_prompts * (cfg.num_turns if cfg.dataset in ("multi-turn", "agent") else 1)
+        gate = asyncio.Semaphore(cfg.max_concurrency or total)  # agent: sessions in flight
         results: list[RequestResult] = []
-        run = {"random": _run_random, "multi-turn": _run_multi_turn}[cfg.dataset]
+        run = {"random": _run_random, "multi-turn": _run_multi_turn, "agent": bench_agent.run_agent}[cfg.dataset]
         start = time.perf_counter()
         if cfg.progress:
             from rich.progress import Progress
 
             with Progress(transient=True) as bar:
                 task = bar.add_task(f"bench {cfg.dataset}", total=total)
-                await run(cfg, client, rng, vocab, gate, results, lambda: bar.advance(task))
+                extra = await run(cfg, client, rng, vocab, gate, results, lambda: bar.advance(task))
         else:
-            await run(cfg, client, rng, vocab, gate, results, lambda: None)
+            extra = await run(cfg, client, rng, vocab, gate, results, lambda: None)
         duration = time.perf_counter() - start
     errors = sorted({r.error for r in results if not r.ok})
     return {
@@ -283,9 +311,11 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
         "model": model,
         "config": {k: (None if v == float("inf") else v) for k, v in asdict(cfg).items() if k != "api_key"},
         **summarize(cfg, results, duration),
+        **({"agent": extra} if extra is not None else {}),
         "errors": errors[:10],
         "per_request": {
             "input_tokens": [r.prompt_tokens for r in results],
+            "cached_tokens": [r.cached_tokens for r in results],
             "output_tokens": [r.output_tokens for r in results],
             "ttft_s": [r.ttft for r in results],
             "e2el_s": [r.e2e for r in results],

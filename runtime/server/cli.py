@@ -18,8 +18,10 @@ def add_commands(sub, add_engine_args, engine_options) -> None:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get("KVC_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1 (default: $KVC_API_KEY)")
+    serve.add_argument("--api-key", action="append",
+                       help="require 'Authorization: Bearer KEY' on /v1; repeat for several keys, each its own "
+                       "owner of chains (default: $KVC_API_KEY)")
+    serve.add_argument("--api-key-file", help="more API keys, one per line ('#' comments and blank lines skipped)")
     serve.add_argument("--served-model-name", help="the model name clients use (default: --model, or kvc-default)")
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="waiting sequences before new requests get 503")
@@ -36,15 +38,21 @@ def add_commands(sub, add_engine_args, engine_options) -> None:
     b.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     b.add_argument("--model", help="default: the server's first model")
     b.add_argument("--api-key", default=os.environ.get("KVC_API_KEY"))
-    b.add_argument("--dataset", default="random", choices=["random", "multi-turn"])
-    b.add_argument("--num-prompts", type=int, default=100, help="requests (random) or conversations (multi-turn)")
-    b.add_argument("--input-len", type=int, default=256, help="prompt tokens (multi-turn: new tokens per turn)")
+    b.add_argument("--dataset", default="random", choices=["random", "multi-turn", "agent"])
+    b.add_argument("--num-prompts", type=int, default=100,
+                   help="requests (random), conversations (multi-turn) or sessions (agent)")
+    b.add_argument("--input-len", type=int, default=256,
+                   help="prompt tokens (multi-turn: new tokens per turn; agent: the task prompt)")
     b.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
     b.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1-r)..len*(1+r)")
-    b.add_argument("--num-turns", type=int, default=3, help="multi-turn: turns per conversation")
+    b.add_argument("--num-turns", type=int, default=3, help="multi-turn, agent: turns per conversation")
+    b.add_argument("--tool-len-min", type=int, default=2048, help="agent: tool result tokens, at least")
+    b.add_argument("--tool-len-max", type=int, default=8192, help="agent: tool result tokens, at most")
+    b.add_argument("--chains", action="store_true",
+                   help="agent: replay each session on a chain (kvc's chain cache): turn k continues turn k-1's")
     b.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests (or conversations) per second, Poisson arrivals; default inf: all at once")
-    b.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    b.add_argument("--max-concurrency", type=int, help="requests (agent: sessions) in flight at most")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--no-ignore-eos", action="store_true", help="let EOS end requests early")
     b.add_argument("--vocab-size", type=int, help="for random token prompts (default: from /v1/models)")
@@ -56,8 +64,13 @@ def add_commands(sub, add_engine_args, engine_options) -> None:
 def _serve(a: argparse.Namespace, engine_options) -> int:
     from kvc.runtime.server.launch import engine_config, parse_method_params, serve
 
+    from kvc.runtime.server.auth import read_key_file
+
+    keys = list(a.api_key or ([os.environ["KVC_API_KEY"]] if os.environ.get("KVC_API_KEY") else []))
+    if a.api_key_file:
+        keys += read_key_file(a.api_key_file)
     cfg = engine_config(a.model, a.method, parse_method_params(a.method_param), engine_options(a))
-    return serve(cfg, host=a.host, port=a.port, served_model_name=a.served_model_name, api_key=a.api_key,
+    return serve(cfg, host=a.host, port=a.port, served_model_name=a.served_model_name, api_keys=keys,
                  max_waiting=a.max_waiting_requests, shutdown_timeout=a.shutdown_timeout)
 
 
@@ -71,10 +84,17 @@ def _bench_serve(a: argparse.Namespace) -> int:
         raise KvcError("--num-prompts, --input-len, --output-len and --num-turns must be at least 1")
     if not 0 <= a.range_ratio < 1:
         raise KvcError("--range-ratio must be in [0, 1)")
+    if not 1 <= a.tool_len_min <= a.tool_len_max:
+        raise KvcError("--tool-len-min must be at least 1 and at most --tool-len-max")
+    if a.chains and a.dataset != "agent":
+        raise KvcError("--chains replays the agent dataset on chains; add --dataset agent")
+    if a.max_concurrency is not None and a.max_concurrency < 1:
+        raise KvcError("--max-concurrency must be at least 1")
     cfg = BenchConfig(
         base_url=a.base_url or f"http://{a.host}:{a.port}", endpoint=a.endpoint, model=a.model,
         api_key=a.api_key, dataset=a.dataset, num_prompts=a.num_prompts, input_len=a.input_len,
         output_len=a.output_len, range_ratio=a.range_ratio, num_turns=a.num_turns,
+        tool_len_min=a.tool_len_min, tool_len_max=a.tool_len_max, chains=a.chains,
         request_rate=a.request_rate, max_concurrency=a.max_concurrency, seed=a.seed,
         ignore_eos=not a.no_ignore_eos, vocab_size=a.vocab_size,
         progress=not a.no_progress and sys.stderr.isatty(),

@@ -1,9 +1,10 @@
 """HTTP errors in OpenAI's schema: `{"error": {"message", "type", "param", "code"}}`.
 
-Every failure a client can see goes through `error_response`: the runtime's `KvcError`s (status
-from the error class), FastAPI's request validation (its 422 becomes a 400 naming the field),
-Starlette's HTTP errors (404 path, 405 method) and unexpected exceptions (500, logged with the
-traceback, which never reaches the client).
+Every failure a client can see goes through `error_response`: the runtime's `KvcError`s (status,
+and `code` where the class has one, from the error class: e.g. the chain errors' 404/409/410/503),
+FastAPI's request validation (its 422 becomes a 400 naming the field), Starlette's HTTP errors (404
+path, 405 method) and unexpected exceptions (500, logged with the traceback, which never reaches
+the client).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "conflict_error",
+    410: "not_found_error",
     500: "server_error",
     503: "service_unavailable",
 }
@@ -79,7 +82,7 @@ def kvc_error_status(e: KvcError) -> int:
 
 
 def kvc_error_response(e: KvcError) -> JSONResponse:
-    code = next((c for cls, c in _CODES.items() if isinstance(e, cls)), None)
+    code = getattr(e, "code", None) or next((c for cls, c in _CODES.items() if isinstance(e, cls)), None)
     status = kvc_error_status(e)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return error_response(status, e.message, e.param, code, headers)

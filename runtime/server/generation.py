@@ -4,7 +4,8 @@
 sequences (prompts x n), turns each step's tokens into text (`ChoiceText`: incremental
 detokenization, stop strings), ends a choice early on a stop string, watches for the client
 going away (then aborts at once, so the pages are freed), records metrics, and always releases
-the engine's sequences when the handler is done, however it ends.
+the engine's sequences when the handler is done, however it ends. A chained request (one
+sequence) carries its `ChainSpec` to the engine and the engine's chain id back.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from fastapi import Request as HttpRequest
 
+from kvc.runtime.chains import ChainSpec
 from kvc.runtime.sampling_params import SEED_MAX, SamplingParams
 from kvc.runtime.sequence import FINISH_STOP
 from kvc.runtime.server.async_engine import FINISH_ERROR, AsyncEngine, Output, Request
@@ -52,7 +54,8 @@ class Choice:
             self.first_time = out.time
         self.last_time = out.time
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
-        self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
+        # the engine's figure at the sequence's last admission (a preempted sequence is recomputed)
+        self.num_cached_tokens = out.num_cached_tokens
         silent = out.finish_reason == FINISH_STOP and ids and ids[-1] in self.silent_ids
         text = self.text.add(ids[:-1] if silent else ids)
         if silent:
@@ -84,8 +87,10 @@ class Generation:
         stop: list[str],
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        chain: ChainSpec | None = None,
     ) -> None:
         self.aengine = aengine
+        self.chain = chain
         self.metrics = metrics
         self.prompts = [p for p in prompts for _ in range(n)]
         self.params: list[SamplingParams] = []
@@ -107,7 +112,7 @@ class Generation:
     async def start(self, http: HttpRequest | None) -> None:
         """Queues the sequences (raises the engine's error if it rejects them) and starts watching
         for a client disconnect."""
-        self.request = await self.aengine.submit(self.prompts, self.params)
+        self.request = await self.aengine.submit(self.prompts, self.params, self.chain)
         if http is not None:
             self._watch = asyncio.ensure_future(self._watch_disconnect(http))
 
@@ -118,6 +123,11 @@ class Generation:
             self.disconnected = True
             # release, not only abort: a stream whose body never started would not close()
             self.aengine.release(self.request)
+
+    @property
+    def chain_id(self) -> str | None:
+        """The chain the response names (new for open/fork, the same for continue), or None."""
+        return self.request.chain_id if self.request is not None else None
 
     @property
     def finished(self) -> bool:
@@ -148,8 +158,8 @@ class Generation:
             self.aengine.abort(self.request, choice.index)  # the engine does not know stop strings
         self.metrics.observe_sequence(
             arrival=self.request.arrival, first=choice.first_time, last=choice.last_time,
-            prompt_tokens=choice.num_prompt_tokens, output_tokens=choice.num_output_tokens,
-            finish_reason=choice.finish_reason,
+            prompt_tokens=choice.num_prompt_tokens, cached_tokens=choice.num_cached_tokens,
+            output_tokens=choice.num_output_tokens, finish_reason=choice.finish_reason,
         )
 
     @property

@@ -88,7 +88,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     served_model_name: str | None = None,
-    api_key: str | None = None,
+    api_keys: list[str] | tuple[str, ...] = (),
     max_waiting: int = 1024,
     shutdown_timeout: float = 30.0,
     log_level: str = "info",
@@ -99,8 +99,8 @@ def serve(
         log.info("capturing CUDA graphs for decode batches %s", graphs.buckets)
         graphs.capture_all()
     name = served_model_name or engine_cfg.model or DEFAULT_MODEL_NAME
-    app = build_app(engine, ServerConfig(served_model_name=name, api_key=api_key, max_waiting=max_waiting,
-                                         shutdown_timeout=shutdown_timeout))
+    app = build_app(engine, ServerConfig(served_model_name=name, api_keys=tuple(api_keys),
+                                         max_waiting=max_waiting, shutdown_timeout=shutdown_timeout))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5, timeout_keep_alive=5)
     server = DrainingServer(config, app.state.kvc)

@@ -1,9 +1,9 @@
 """Prometheus metrics of the server, served at /metrics (names follow vLLM's, with `kvc:`).
 
-Two sources: the engine thread's `EngineStats` snapshot, read at scrape time by a collector
-(queue lengths, KV pages, prefix cache), and per-request observations the handlers make when a
-request ends (latencies, token counts). Each server has its own registry, so several servers can
-live in one process (the tests do that).
+Two sources: the engine thread's `EngineStats` snapshot, read at scrape time by a collector (queue
+lengths, KV pages, prefix cache, chain cache), and per-request observations the handlers make when
+a request ends (latencies, token counts, prompt tokens reused vs prefilled). Each server has its
+own registry, so several servers can live in one process (the tests do that).
 """
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ class _EngineCollector:
         yield counter("kvc:prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_hit_tokens)
         yield counter("kvc:num_preemptions", "Sequences preempted for lack of KV pages.", s.num_preemptions)
         yield counter("kvc:engine_steps", "Engine steps run.", s.num_steps)
+        yield gauge("kvc:chains_active", "Chains with a request running on them.", s.chains_active)
+        yield gauge("kvc:chains_idle", "Chains kept between turns (evictable, oldest first).", s.chains_idle)
+        yield gauge("kvc:chain_pages", "KV pages held by chains.", s.chain_pages)
+        yield counter("kvc:chains_evicted", "Idle chains evicted under memory pressure.", s.chains_evicted_total)
 
 
 class ServerMetrics:
@@ -70,6 +74,9 @@ class ServerMetrics:
         self.e2e = Histogram("kvc:e2e_request_latency_seconds", "Arrival to last token.",
                              m, buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("kvc:prompt_tokens", "Prompt tokens of finished sequences.", m, registry=r)
+        self.reused_tokens = Counter("kvc:prompt_tokens_reused",
+                                     "Prompt tokens not prefilled: prefix-cache hits and chain reuse.", m, registry=r)
+        self.prefilled_tokens = Counter("kvc:prompt_tokens_prefilled", "Prompt tokens prefilled.", m, registry=r)
         self.generation_tokens = Counter("kvc:generation_tokens", "Generated tokens of finished sequences.",
                                          m, registry=r)
         self.requests = Counter("kvc:request_success", "Finished sequences by finish reason.",
@@ -78,7 +85,7 @@ class ServerMetrics:
         r.register(_EngineCollector(aengine, model_name))
 
     def observe_sequence(self, *, arrival: float, first: float | None, last: float, prompt_tokens: int,
-                         output_tokens: int, finish_reason: str) -> None:
+                         output_tokens: int, finish_reason: str, cached_tokens: int = 0) -> None:
         """One finished sequence: perf_counter times of arrival, first and last token."""
         m = self.model_name
         if first is not None:
@@ -87,6 +94,8 @@ class ServerMetrics:
                 self.tpot.labels(m).observe((last - first) / (output_tokens - 1))
         self.e2e.labels(m).observe(last - arrival)
         self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.reused_tokens.labels(m).inc(cached_tokens)
+        self.prefilled_tokens.labels(m).inc(max(0, prompt_tokens - cached_tokens))
         self.generation_tokens.labels(m).inc(output_tokens)
         self.requests.labels(m, finish_reason).inc()
 

@@ -2,6 +2,8 @@
 a JSON response or a server-sent event stream.
 
 Routing, auth and error handling live in `app.py`; this module only knows the request shapes.
+Chained requests (`chain` / `chain_id` / `chain_fork`, issue 6) are validated here and carry a
+`ChainSpec` to the engine; their response (and last stream chunk) names the chain in `chain_id`.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from typing import Any
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvc.runtime.chains import ChainSpec
 from kvc.runtime.errors import InvalidPromptError, InvalidSamplingParams, PromptTooLongError
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.server.async_engine import AsyncEngine
+from kvc.runtime.server.auth import request_owner
 from kvc.runtime.server.errors import EngineFailed, ModelNotFound, error_body
 from kvc.runtime.server.generation import Generation
 from kvc.runtime.server.metrics import ServerMetrics
@@ -93,6 +97,25 @@ def _check_common(req: GenerationRequest) -> None:
             raise _reject("stop", "stop strings must not be empty")
 
 
+def _chain_spec(ctx: ServingContext, req: GenerationRequest, http: HttpRequest) -> ChainSpec | None:
+    """The request's chain fields as a ChainSpec (None for a plain request); 400 when they clash."""
+    given = [name for name, value in (("chain", req.chain), ("chain_id", req.chain_id),
+                                      ("chain_fork", req.chain_fork)) if value]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise _reject(given[1], f"give at most one of chain, chain_id and chain_fork (got {', '.join(given)})")
+    name = given[0]
+    if (req.n or 1) > 1:
+        raise _reject("n", f"a chained request ({name}) generates one sequence; n must be 1")
+    if (getattr(req, "best_of", None) or 1) > 1:
+        raise _reject("best_of", f"a chained request ({name}) generates one sequence; best_of must be 1")
+    if not ctx.aengine.supports_chains:
+        raise _reject(name, "this engine has no chain cache")
+    return ChainSpec(open=name == "chain", continue_id=req.chain_id, fork_id=req.chain_fork,
+                     owner=request_owner(http.scope))
+
+
 def _params(req: GenerationRequest, max_tokens: int) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
@@ -129,7 +152,7 @@ def _completion_prompts(ctx: ServingContext, prompt) -> list[list[int]]:
 
 
 async def _start(ctx: ServingContext, req: GenerationRequest, prompts: list[list[int]], max_tokens: int,
-                 http: HttpRequest) -> Generation:
+                 http: HttpRequest, chain: ChainSpec | None) -> Generation:
     n = req.n or 1
     if len(prompts) * n > ctx.aengine.max_waiting:
         raise _reject("n", f"the request asks for {len(prompts) * n} sequences; this server queues at most "
@@ -138,7 +161,7 @@ async def _start(ctx: ServingContext, req: GenerationRequest, prompts: list[list
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     gen = Generation(ctx.aengine, ctx.metrics, ctx.tokenizer, ctx.eos_token_ids, prompts,
                      [params] * len(prompts), n, stops, bool(req.include_stop_str_in_output),
-                     req.skip_special_tokens is not False)
+                     req.skip_special_tokens is not False, chain)
     await gen.start(http)
     return gen
 
@@ -147,6 +170,7 @@ async def _start(ctx: ServingContext, req: GenerationRequest, prompts: list[list
 async def create_completion(ctx: ServingContext, req: CompletionRequest, http: HttpRequest):
     ctx.check_model(req.model)
     _check_common(req)
+    chain = _chain_spec(ctx, req, http)
     if req.echo:
         raise _reject("echo", "not supported by kvc")
     if req.suffix:
@@ -156,19 +180,21 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise _reject("best_of", "only best_of == n is supported")
     prompts = _completion_prompts(ctx, req.prompt)
+    if chain is not None and len(prompts) > 1:
+        raise InvalidPromptError("a chained request takes one prompt, not a batch", param="prompt")
     max_tokens = req.max_tokens or DEFAULT_COMPLETION_TOKENS
     for p in prompts:
         _check_length(ctx, p, max_tokens, "prompt")
-    gen = await _start(ctx, req, prompts, max_tokens, http)
+    gen = await _start(ctx, req, prompts, max_tokens, http, chain)
     rid, created = random_id("cmpl"), now()
     with_ids = bool(req.return_token_ids)
 
-    def chunk(choices: list[dict], usage: dict | None = None) -> dict:
+    def chunk(choices: list[dict], usage: dict | None = None, last: bool = False) -> dict:
         body = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
                 "choices": choices}
         if usage is not None or include_usage:
             body["usage"] = usage
-        return body
+        return _with_chain(body, gen, last)
 
     def choice(index: int, text: str, ids: list[int], reason: str | None) -> dict:
         c = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
@@ -182,21 +208,23 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
             async for step in gen.deltas():
                 for d in step:
                     if d.text or d.finish_reason or (with_ids and d.token_ids):
-                        yield chunk([choice(d.index, d.text, d.token_ids, d.finish_reason)])
+                        yield chunk([choice(d.index, d.text, d.token_ids, d.finish_reason)],
+                                    last=d.finish_reason is not None)
             if include_usage:
-                yield chunk([], gen.usage())
+                yield chunk([], gen.usage(), last=True)
 
         return _sse(gen, events())
 
     await _collect(gen)
     return JSONResponse(chunk([choice(c.index, c.text.text, c.text.token_ids, c.finish_reason)
-                               for c in gen.choices], gen.usage()))
+                               for c in gen.choices], gen.usage(), last=True))
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, http: HttpRequest):
     ctx.check_model(req.model)
     _check_common(req)
+    chain = _chain_spec(ctx, req, http)
     if req.logprobs or req.top_logprobs:
         raise _reject("logprobs", "not supported by kvc yet")
     if req.tools and req.tool_choice != "none":
@@ -206,17 +234,17 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     prompt = ctx.render_chat(req.messages, req.add_generation_prompt is not False)
     max_tokens = req.max_completion_tokens or req.max_tokens or max(1, ctx.max_model_len - len(prompt))
     _check_length(ctx, prompt, max_tokens, "messages")
-    gen = await _start(ctx, req, [prompt], max_tokens, http)
+    gen = await _start(ctx, req, [prompt], max_tokens, http, chain)
     rid, created = random_id("chatcmpl"), now()
     with_ids = bool(req.return_token_ids)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
 
-    def chunk(choices: list[dict], usage: dict | None = None) -> dict:
+    def chunk(choices: list[dict], usage: dict | None = None, last: bool = False) -> dict:
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
                 "choices": choices}
         if usage is not None or include_usage:
             body["usage"] = usage
-        return body
+        return _with_chain(body, gen, last)
 
     def delta_choice(index: int, delta: dict, reason: str | None, ids: list[int] | None) -> dict:
         c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
@@ -233,9 +261,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                     if d.text or (with_ids and d.token_ids):
                         yield chunk([delta_choice(d.index, {"content": d.text}, None, d.token_ids)])
                     if d.finish_reason:
-                        yield chunk([delta_choice(d.index, {}, d.finish_reason, [])])
+                        yield chunk([delta_choice(d.index, {}, d.finish_reason, [])], last=True)
             if include_usage:
-                yield chunk([], gen.usage())
+                yield chunk([], gen.usage(), last=True)
 
         return _sse(gen, events())
 
@@ -247,11 +275,18 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         if with_ids:
             item["token_ids"] = c.text.token_ids
         choices.append(item)
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
-                         "choices": choices, "usage": gen.usage()})
+    return JSONResponse(_with_chain({"id": rid, "object": "chat.completion", "created": created,
+                                     "model": ctx.model_name, "choices": choices, "usage": gen.usage()}, gen, True))
 
 
 # ---- shared -----------------------------------------------------------------------------------
+def _with_chain(body: dict, gen: Generation, last: bool) -> dict:
+    """The response, or a stream's closing chunks (finish_reason, usage), name the chain."""
+    if last and gen.chain_id is not None:
+        body["chain_id"] = gen.chain_id
+    return body
+
+
 async def _collect(gen: Generation) -> None:
     try:
         async for _ in gen.deltas():

@@ -20,8 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvc.runtime.sampling_params import SEED_MAX, SEED_MIN
 
 MAX_N = 128  # choices per prompt
+MAX_CHAIN_ID_LEN = 128
 
 NonNegInt = Annotated[int, Field(ge=0)]
+ChainId = Annotated[str, Field(min_length=1, max_length=MAX_CHAIN_ID_LEN)]
 
 
 def random_id(prefix: str) -> str:
@@ -62,6 +64,10 @@ class GenerationRequest(BaseModel):
     return_token_ids: bool | None = Field(
         False, description="kvc: each choice (and stream chunk) also carries its new token ids"
     )
+    # kvc's chain cache (at most one of the three; n and best_of must be 1)
+    chain: bool | None = Field(None, description="kvc: open a chain: keep this request's KV for the next turn")
+    chain_id: ChainId | None = Field(None, description="kvc: continue this chain (resend the whole conversation)")
+    chain_fork: ChainId | None = Field(None, description="kvc: fork this chain into a new one and continue that")
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -142,6 +148,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    chain_id: str | None = Field(None, description="kvc: the chain this request continues or opened")
     system_fingerprint: str | None = None
 
 
@@ -165,6 +172,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    chain_id: str | None = Field(None, description="kvc: the chain this request continues or opened")
     system_fingerprint: str | None = None
 
 
@@ -190,6 +198,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    chain_id: str | None = Field(None, description="kvc: the chain this request continues or opened")
 
 
 class CompletionChunk(BaseModel):
@@ -201,6 +210,7 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    chain_id: str | None = Field(None, description="kvc: the chain this request continues or opened")
 
 
 class ModelCard(BaseModel):
@@ -235,6 +245,23 @@ class VersionResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok", "shutting_down"]
+
+
+class ChainInfo(BaseModel):
+    """kvc: a chain as GET /v1/chains/{id} shows it."""
+
+    id: str
+    object: Literal["chain"] = "chain"
+    tokens: int = Field(description="tokens of the chain's logical history")
+    state: Literal["active", "idle"] = Field(description="active: a request is running on it")
+    last_used: float = Field(description="unix time of the end of its last turn (or of its opening)")
+    pages: int = Field(description="KV pages the chain holds (pages shared with forks count in each)")
+
+
+class ChainDeleted(BaseModel):
+    id: str
+    object: Literal["chain"] = "chain"
+    deleted: Literal[True] = True
 
 
 class ErrorInfo(BaseModel):

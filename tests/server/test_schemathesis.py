@@ -31,6 +31,8 @@ OPERATIONS = [
     ("POST", "/detokenize", 25),
     ("GET", "/v1/models", 5),
     ("GET", "/v1/models/{model}", 10),
+    ("GET", "/v1/chains/{chain_id}", 10),
+    ("DELETE", "/v1/chains/{chain_id}", 10),
     ("GET", "/health", 3),
     ("GET", "/version", 3),
     ("GET", "/metrics", 3),
