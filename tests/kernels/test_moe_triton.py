@@ -208,3 +208,54 @@ def test_fused_experts_capture_in_a_cuda_graph():
     graph.replay()
     torch.testing.assert_close(out, experts.forward_torch(x, ids, weights), **TOLERANCES[torch.bfloat16])
 
+
+
+# ---- in the models ------------------------------------------------------------------------------
+
+
+def test_qwen3_moe_engine_greedy_tokens_with_triton_experts_equal_torch(tmp_path):
+    from kvc import LLM, SamplingParams
+    from tests.models.tiny import make_tiny_qwen3_moe
+
+    model_dir = make_tiny_qwen3_moe(tmp_path, mlp_only_layers=[1])  # sparse, dense, sparse
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (1, 40)]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for impl in ("torch", "triton"):
+        # chunks of 32 and a 64-token step budget: prefill chunks and decodes share steps
+        llm = LLM(str(model_dir), method="full", device=str(DEVICE), dtype="float32", page_size=16,
+                  max_num_batched_tokens=64, max_prefill_chunk=32)
+        assert set_moe_impl(llm.engine.model, impl) == 2
+        tokens[impl] = [out.token_ids for out in llm.generate(prompts, greedy)]
+    assert tokens["triton"] == tokens["torch"]
+    assert all(len(t) == 6 for t in tokens["triton"])
+
+
+def test_glm4_moe_lite_block_with_triton_experts_equals_transformers():
+    """GLM-4.7-Flash's MoE (sigmoid router with group-limited top-k, scaling factor, a shared
+    expert): transformers' block against its own router feeding the Triton experts."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.glm4_moe_lite import modeling_glm4_moe_lite as glm
+
+    config = transformers.Glm4MoeLiteConfig(
+        hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.8, norm_topk_prob=True,
+    )
+    torch.manual_seed(10)
+    block = glm.Glm4MoeLiteMoE(config).eval()
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, 0.1)
+        block.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    experts = RoutedExperts(8, 64, 32)
+    experts.load_state_dict(block.experts.state_dict())
+    experts = experts.to(DEVICE).requires_grad_(False)
+    experts.impl = "triton"
+    x = torch.randn(1, 13, 64)
+    with torch.no_grad():
+        want = block(x)[0]
+        ids, weights = block.route_tokens_to_experts(block.gate(x))
+        routed = experts(x[0].to(DEVICE), ids.to(DEVICE), weights.contiguous().to(DEVICE)).cpu()
+        got = routed + block.shared_experts(x[0])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
