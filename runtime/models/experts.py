@@ -97,7 +97,9 @@ class RoutedExperts(nn.Module):
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """The torch path (the oracle): grouped matmuls over the pairs sorted by expert."""
-        grouped: GroupedImpl = self.impl if self.impl in ("grouped_mm", "loop") else "auto"  # type: ignore[assignment]
+        grouped: GroupedImpl = "auto"
+        if self.impl in ("grouped_mm", "loop"):
+            grouped = self.impl
         num_tokens, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)

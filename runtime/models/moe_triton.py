@@ -7,9 +7,10 @@ The torch path in `experts.py` stays the CPU default and the oracle; this module
    each expert's rows are padded to a multiple of BLOCK_M so that every row block of the grouped
    GEMMs belongs to one expert. Output: `sorted_pairs [capacity]` (pair ids, `num_pairs` where
    padding), `block_experts [capacity / BLOCK_M]` and `num_padded [1]` (rows in use). Small
-   batches (decode) use one single-program Triton kernel (histogram, prefix sum, scatter in one
-   launch: launches, not bytes, are what decode pays for); large batches a few torch ops (a
-   stable argsort scales where one program would not). Both give the same, stable order.
+   batches (decode) use one single-program Triton kernel (pad fill, one-hot histogram, prefix
+   sum, scatter in one launch: launches, not bytes, are what decode pays for); large batches a
+   few torch ops (a stable argsort scales where one program's [pairs x experts] one-hot tiles
+   would not). Both give the same, stable order.
 2. gate_up: grouped GEMM over the sorted rows, gate and up tiles of the same expert accumulated
    side by side (fp32), `silu(gate) * up` applied in registers; the [rows, I] result is written
    in the activation dtype, indexed by sorted row.
@@ -36,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-ALIGN_TRITON_MAX_PAIRS = 2048  # above this, the single-program align kernel loses to a sort
+ALIGN_TRITON_MAX_PAIRS = 1024  # above this, the single-program align kernel loses to a sort (bench: align_ms)
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,8 @@ def align_by_expert(
     block_p = max(16, min(triton.next_power_of_2(max(num_pairs, capacity // block_m)), 8192 // block_e))
     _align_kernel[(1,)](
         flat, sorted_pairs, block_experts, num_padded, num_pairs, capacity, num_experts,
-        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p, num_warps=4,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p,
+        BLOCK_FILL=min(triton.next_power_of_2(capacity), 4096), num_warps=4,
     )
     return ExpertAlignment(sorted_pairs, block_experts, num_padded, block_m)
 
@@ -138,7 +140,14 @@ def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, capacity: i
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, capacity,
-                  num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+                  num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_FILL: tl.constexpr):
+    # Every row starts as padding; the barrier orders these stores before the scatter below,
+    # which overwrites some of them from other threads of this (single) program.
+    for r0 in range(0, capacity, BLOCK_FILL):
+        rows = r0 + tl.arange(0, BLOCK_FILL)
+        tl.store(sorted_ptr + rows, tl.zeros_like(rows) + num_pairs, mask=rows < capacity)
+    tl.debug_barrier()
     experts = tl.arange(0, BLOCK_E)
     lanes = tl.arange(0, BLOCK_P)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -158,13 +167,7 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pai
         dest = tl.sum(hit * rank, axis=1)
         tl.store(sorted_ptr + dest, pairs, mask=pairs < num_pairs)
         seen += tl.sum(hit, axis=0)
-    used_end = padded_start + counts
-    for r0 in range(0, capacity, BLOCK_P):  # padding rows (disjoint from the scattered ones)
-        rows = r0 + lanes
-        owner = tl.sum((rows[:, None] >= padded_end[None, :]).to(tl.int32), axis=1)
-        end = tl.sum(tl.where(experts[None, :] == owner[:, None], used_end[None, :], 0), axis=1)
-        tl.store(sorted_ptr + rows, tl.zeros_like(rows) + num_pairs, mask=(rows < capacity) & (rows >= end))
-    for b0 in range(0, capacity // BLOCK_M, BLOCK_P):
+    for b0 in range(0, capacity // BLOCK_M, BLOCK_P):  # a block's expert: ends at or before it
         blocks = b0 + lanes
         owner = tl.sum(((blocks * BLOCK_M)[:, None] >= padded_end[None, :]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + blocks, tl.minimum(owner, num_experts - 1),
