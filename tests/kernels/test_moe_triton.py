@@ -223,9 +223,11 @@ def test_qwen3_moe_engine_greedy_tokens_with_triton_experts_equal_torch(tmp_path
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     tokens = {}
     for impl in ("torch", "triton"):
-        # chunks of 32 and a 64-token step budget: prefill chunks and decodes share steps
+        # chunks of 32 and a 64-token step budget: prefill chunks and decodes share steps. On a
+        # GPU the Triton run replays CUDA graphs of its decode steps; the torch path's fp32 loop
+        # over experts syncs the host, so it runs eagerly.
         llm = LLM(str(model_dir), method="full", device=str(DEVICE), dtype="float32", page_size=16,
-                  max_num_batched_tokens=64, max_prefill_chunk=32)
+                  max_num_batched_tokens=64, max_prefill_chunk=32, cuda_graphs=impl == "triton")
         assert set_moe_impl(llm.engine.model, impl) == 2
         tokens[impl] = [out.token_ids for out in llm.generate(prompts, greedy)]
     assert tokens["triton"] == tokens["torch"]
