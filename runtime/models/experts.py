@@ -7,19 +7,37 @@ scattered back and summed with the routing weights.
 
 Expert weights are stacked: gate_up_proj [E, 2*I, H] (gate rows first), down_proj [E, H, I].
 That is transformers 5's fused layout; per-expert checkpoints are loaded into slices of it.
+
+`RoutedExperts.impl` picks the implementation: "auto" runs the fused Triton kernels
+(`moe_triton.py`) on CUDA when Triton is installed and this torch path elsewhere; "triton" forces
+the kernels (on CPU only under TRITON_INTERPRET=1, as the tests do); "torch" is this path with its
+grouped GEMM chosen by `grouped_linear`; "grouped_mm" and "loop" pin that choice. The torch path is
+the oracle the kernels are tested against. `set_moe_impl` sets it on every expert layer of a model.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import functools
+import logging
+import os
+from types import ModuleType
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvc.runtime.errors import ConfigError
 from kvc.runtime.models.base import CheckpointLayout
 
+if TYPE_CHECKING:
+    from kvc.runtime.models.moe_triton import MoeTileConfig
+
+log = logging.getLogger(__name__)
+
 GroupedImpl = Literal["auto", "grouped_mm", "loop"]
+ExpertsImpl = Literal["auto", "triton", "torch", "grouped_mm", "loop"]
+EXPERTS_IMPLS: tuple[str, ...] = get_args(ExpertsImpl)
 
 
 def grouped_linear(
@@ -61,20 +79,35 @@ class RoutedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.impl: GroupedImpl = "auto"
+        self.impl: ExpertsImpl = "auto"
+        self.tile_config: MoeTileConfig | None = None  # None: moe_triton's heuristic per batch
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """x [T, H], topk_ids/topk_weights [T, k] -> sum_j w_j * expert_{id_j}(x) [T, H]."""
+        kernels = triton_kernels_for(x.device, self.impl)
+        if kernels is not None:
+            return kernels.fused_experts(
+                x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, self.tile_config
+            )
+        return self.forward_torch(x, topk_ids, topk_weights)
+
+    def forward_torch(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The torch path (the oracle): grouped matmuls over the pairs sorted by expert."""
+        grouped: GroupedImpl = "auto"
+        if self.impl in ("grouped_mm", "loop"):
+            grouped = self.impl
         num_tokens, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         rows = x[order // k]
-        gate, up = grouped_linear(rows, self.gate_up_proj, counts, self.impl).chunk(2, dim=-1)
-        out_sorted = grouped_linear(F.silu(gate) * up, self.down_proj, counts, self.impl)
+        gate, up = grouped_linear(rows, self.gate_up_proj, counts, grouped).chunk(2, dim=-1)
+        out_sorted = grouped_linear(F.silu(gate) * up, self.down_proj, counts, grouped)
         # Weight each row (float32 weights), round to the activation dtype as the reference does
         # per expert, then un-sort and sum each token's k rows.
         out_sorted = (out_sorted * topk_weights.reshape(-1)[order, None]).to(x.dtype)
@@ -92,3 +125,55 @@ class RoutedExperts(nn.Module):
         # transformers >= 5 may save the stacked tensors directly.
         layout.add(f"{hf}.gate_up_proj", gate_up, alternative=True)
         layout.add(f"{hf}.down_proj", down, alternative=True)
+
+
+def triton_kernels_for(device: torch.device, impl: str) -> ModuleType | None:
+    """`moe_triton` when `impl` runs the Triton kernels on `device`, else None (the torch path).
+
+    "auto" means Triton on CUDA if it is installed; "triton" insists, with an actionable error
+    where it cannot run."""
+    if impl not in ("auto", "triton"):
+        return None
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if impl == "auto" and device.type != "cuda":
+        return None
+    if device.type != "cuda" and not interpret:
+        raise ConfigError(
+            f"the triton MoE kernels run on CUDA devices, not {device.type!r} (set "
+            "TRITON_INTERPRET=1 to emulate them, slowly, or use the 'torch' experts implementation)",
+            param="moe_impl",
+        )
+    kernels = _import_moe_triton()
+    if isinstance(kernels, ModuleType):
+        return kernels
+    if impl == "triton":
+        raise ConfigError(
+            f"the triton MoE kernels need the `triton` package ({kernels}); install it with "
+            "`pip install kvc[triton]` or use the 'torch' experts implementation",
+            param="moe_impl",
+        )
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _import_moe_triton() -> ModuleType | str:
+    """The kernel module, or why it cannot be imported (said once, not per layer call)."""
+    try:
+        from kvc.runtime.models import moe_triton
+    except ModuleNotFoundError as err:
+        log.warning("triton is not installed: MoE layers run the torch path (%s)", err)
+        return str(err)
+    return moe_triton
+
+
+def set_moe_impl(model: nn.Module, impl: str) -> int:
+    """Set the experts implementation of every routed-expert layer of `model`; returns how many."""
+    if impl not in EXPERTS_IMPLS:
+        raise ConfigError(
+            f"the experts implementation must be one of {', '.join(EXPERTS_IMPLS)}, got {impl!r}",
+            param="moe_impl",
+        )
+    layers = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    for layer in layers:
+        layer.impl = impl  # type: ignore[assignment]
+    return len(layers)

@@ -3,7 +3,8 @@
 A layer is sparse when it is not in `mlp_only_layers` and (layer_idx + 1) is a multiple of
 `decoder_sparse_step`; other layers keep a dense gated MLP of `intermediate_size`. The router is
 softmax over all experts (float32), then top-k, then optionally renormalized over the k
-(`norm_topk_prob`). There is no shared expert.
+(`norm_topk_prob`). There is no shared expert. The experts themselves run in `RoutedExperts`
+(experts.py): the fused Triton kernels on CUDA (moe_triton.py), the torch path elsewhere.
 """
 
 from __future__ import annotations

@@ -1,0 +1,343 @@
+"""Routed experts as fused Triton kernels: the GPU path of `experts.RoutedExperts`.
+
+The torch path in `experts.py` stays the CPU default and the oracle; this module computes the same
+`sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))` over each token's top-k experts in three launches:
+
+1. align: the (token, expert) pairs, flattened as `pair = token * k + j`, are grouped by expert;
+   each expert's rows are padded to a multiple of BLOCK_M so that every row block of the grouped
+   GEMMs belongs to one expert. Output: `sorted_pairs [capacity]` (pair ids, `num_pairs` where
+   padding), `block_experts [capacity / BLOCK_M]` and `num_padded [1]` (rows in use). Small
+   batches (decode) use one single-program Triton kernel (pad fill, one-hot histogram, prefix
+   sum, scatter in one launch: launches, not bytes, are what decode pays for); large batches a
+   few torch ops (a stable argsort scales where one program's [pairs x experts] one-hot tiles
+   would not). Both give the same, stable order.
+2. gate_up: grouped GEMM over the sorted rows, gate and up tiles of the same expert accumulated
+   side by side (fp32), `silu(gate) * up` applied in registers; the [rows, I] result is written
+   in the activation dtype, indexed by sorted row.
+3. down: grouped GEMM of that intermediate with the expert's down projection, scaled by the
+   pair's routing weight and written per pair; the k rows of a token are then summed by one
+   torch reduction (deterministic: no atomics).
+
+Everything is sized by host-known upper bounds (capacity = pairs + min(E, pairs) * (BLOCK_M - 1)
+rows, rounded to BLOCK_M); the row count actually in use lives on the device and programs past it
+return at once. No host sync, no data-dependent shape: a decode step with these kernels can be
+captured in a CUDA graph. Launch tiles come from `MoeTileConfig` (a small frozen dataclass, so a
+tuner can search it); `default_config` is the heuristic per rows-per-expert bucket.
+
+Inputs may be fp32, fp16 or bf16 (weights in the activation dtype); products accumulate in fp32,
+and fp32 inputs multiply in IEEE fp32 (never tf32), so the fp32 path matches the torch oracle.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+ALIGN_TRITON_MAX_PAIRS = 1024  # above this, the single-program align kernel loses to a sort (bench: align_ms)
+
+
+@dataclass(frozen=True)
+class MoeTileConfig:
+    """Launch tiles of the two grouped GEMMs (shared: block_m fixes the alignment of both)."""
+
+    block_m: int = 16  # rows of one expert per program; each expert's rows pad to a multiple
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 8  # row blocks walked together, so neighbouring programs share weight tiles
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def fit(self, n: int, k: int) -> MoeTileConfig:
+        """The tiles clipped to an [n, k] weight (tl.dot needs at least 16 each way)."""
+        return replace(self, block_n=min(self.block_n, _at_least_16(n)),
+                       block_k=min(self.block_k, _at_least_16(k)))
+
+
+def _at_least_16(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> MoeTileConfig:
+    """The heuristic tiles for a batch, bucketed by the average rows an expert receives."""
+    rows_per_expert = num_tokens * top_k / max(1, num_experts)
+    if dtype == torch.float32:  # twice the bytes per tile: smaller tiles, fewer stages
+        block_m = 16 if rows_per_expert <= 16 else 64
+        return MoeTileConfig(block_m=block_m, block_n=32, block_k=32, num_warps=4, num_stages=2)
+    if rows_per_expert <= 16:  # decode: weight-bandwidth bound, many narrow programs
+        return MoeTileConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
+    if rows_per_expert <= 64:
+        return MoeTileConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4)
+    if rows_per_expert <= 256:
+        return MoeTileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
+    return MoeTileConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+@dataclass
+class ExpertAlignment:
+    """(token, expert) pairs grouped by expert, each expert's rows padded to block_m."""
+
+    sorted_pairs: torch.Tensor  # [capacity] int32; pair id, or num_pairs on padding rows
+    block_experts: torch.Tensor  # [capacity // block_m] int32; the expert of each row block
+    num_padded: torch.Tensor  # [1] int32; rows in use (blocks past it are idle)
+    block_m: int
+
+
+def alignment_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows the alignment may need: each non-empty expert pads by at most block_m - 1."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, impl: str = "auto"
+) -> ExpertAlignment:
+    """Group the pairs of `topk_ids [T, k]` by expert (stable), padded per expert to block_m.
+
+    `impl` is "triton" (one program; small batches), "torch" (argsort) or "auto".
+    """
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    capacity = alignment_capacity(num_pairs, num_experts, block_m)
+    device = flat.device
+    if impl == "auto":
+        impl = "triton" if num_pairs <= ALIGN_TRITON_MAX_PAIRS else "torch"
+    if impl == "torch":
+        return _align_torch(flat, num_experts, block_m, capacity)
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    block_e = triton.next_power_of_2(num_experts)
+    block_p = max(16, min(triton.next_power_of_2(max(num_pairs, capacity // block_m)), 8192 // block_e))
+    _align_kernel[(1,)](
+        flat, sorted_pairs, block_experts, num_padded, num_pairs, capacity, num_experts,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p,
+        BLOCK_FILL=min(triton.next_power_of_2(capacity), 4096), num_warps=4,
+    )
+    return ExpertAlignment(sorted_pairs, block_experts, num_padded, block_m)
+
+
+def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, capacity: int) -> ExpertAlignment:
+    device, num_pairs = flat.device, flat.numel()
+    ids = flat.long()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, ids, torch.ones_like(ids))  # bincount would sync for its length
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_ids]
+    dest = (padded_end - padded)[sorted_ids] + rank
+    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, capacity, block_m, device=device)
+    owner = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
+    return ExpertAlignment(sorted_pairs, owner.to(torch.int32), padded_end[-1:].to(torch.int32), block_m)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, capacity,
+                  num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_FILL: tl.constexpr):
+    # Every row starts as padding; the barrier orders these stores before the scatter below,
+    # which overwrites some of them from other threads of this (single) program.
+    for r0 in range(0, capacity, BLOCK_FILL):
+        rows = r0 + tl.arange(0, BLOCK_FILL)
+        tl.store(sorted_ptr + rows, tl.zeros_like(rows) + num_pairs, mask=rows < capacity)
+    tl.debug_barrier()
+    experts = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, BLOCK_P)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):  # histogram by one-hot sums (no atomics)
+        ids = tl.load(ids_ptr + p0 + lanes, mask=p0 + lanes < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):  # scatter: rank within the expert, in pair order
+        pairs = p0 + lanes
+        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+        rank = tl.cumsum(hit, axis=0) - hit + (padded_start + seen)[None, :]
+        dest = tl.sum(hit * rank, axis=1)
+        tl.store(sorted_ptr + dest, pairs, mask=pairs < num_pairs)
+        seen += tl.sum(hit, axis=0)
+    for b0 in range(0, capacity // BLOCK_M, BLOCK_P):  # a block's expert: ends at or before it
+        blocks = b0 + lanes
+        owner = tl.sum(((blocks * BLOCK_M)[:, None] >= padded_end[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.minimum(owner, num_experts - 1),
+                 mask=blocks < capacity // BLOCK_M)
+
+
+@triton.jit
+def _mma(a, b, acc, DOT_PRECISION: tl.constexpr):
+    if DOT_PRECISION == "upcast":
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif DOT_PRECISION == "ieee":
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (row block, column block), GROUP_M row blocks sweeping the columns together."""
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+                    num_pairs, num_m_blocks, N, K,
+                    stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_or, stride_on,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + rows)
+    valid = pairs < num_pairs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xk
+    # [BLOCK_K, BLOCK_N] tiles of W[e].T: gate rows are [0, N), up rows [N, 2N)
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    u_ptrs = g_ptrs + N * stride_wn
+    n_ok = offs_n < N
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & n_ok[None, :]
+        gate = _mma(a, tl.load(g_ptrs, mask=w_ok, other=0.0), gate, DOT_PRECISION)
+        up = _mma(a, tl.load(u_ptrs, mask=w_ok, other=0.0), up, DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_xk
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    h = gate * tl.sigmoid(gate) * up
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_or + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, out_ptr, route_w_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+                 num_pairs, num_m_blocks, N, K,
+                 stride_hr, stride_hk, stride_we, stride_wn, stride_wk, stride_op, stride_on,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + rows)
+    valid = pairs < num_pairs
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hr + offs_k[None, :] * stride_hk
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = _mma(a, w, acc, DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_hk
+        w_ptrs += BLOCK_K * stride_wk
+    route_w = tl.load(route_w_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * route_w[:, None]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_op + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """"ieee" for fp32 (the parity path must not drop to tf32), "native" for 16-bit types, and
+    "upcast" for bf16 under the interpreter, whose tl.dot misreads bf16 (bf16 products are exact
+    in fp32, so upcasting changes only speed)."""
+    if dtype == torch.float32:
+        return "ieee"
+    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        return "upcast"
+    return "native"
+
+
+def fused_experts(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    config: MoeTileConfig | None = None,
+) -> torch.Tensor:
+    """x [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I], topk_ids/topk_weights [T, k]
+    -> [T, H] in x's dtype: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])."""
+    _check(x, gate_up_proj, down_proj, topk_ids, topk_weights)
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_i, hidden = gate_up_proj.shape
+    inter = two_i // 2
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return x.new_zeros(num_tokens, hidden)
+    config = config or default_config(num_tokens, top_k, num_experts, x.dtype)
+    align = align_by_expert(topk_ids, num_experts, config.block_m)
+    capacity = align.sorted_pairs.numel()
+    num_m_blocks = capacity // config.block_m
+    precision = dot_precision(x.dtype)
+
+    h = x.new_empty(capacity, inter)
+    tile = config.fit(inter, hidden)
+    _gate_up_kernel[(num_m_blocks * triton.cdiv(inter, tile.block_n),)](
+        x, gate_up_proj, h, align.sorted_pairs, align.block_experts, align.num_padded,
+        num_pairs, num_m_blocks, inter, hidden,
+        x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
+        TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m, DOT_PRECISION=precision,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    per_pair = x.new_empty(num_pairs, hidden)
+    route_w = topk_weights.reshape(-1)
+    tile = config.fit(hidden, inter)
+    _down_kernel[(num_m_blocks * triton.cdiv(hidden, tile.block_n),)](
+        h, down_proj, per_pair, route_w, align.sorted_pairs, align.block_experts, align.num_padded,
+        num_pairs, num_m_blocks, hidden, inter,
+        h.stride(0), h.stride(1), *down_proj.stride(), per_pair.stride(0), per_pair.stride(1),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m, DOT_PRECISION=precision,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def _check(x, gate_up_proj, down_proj, topk_ids, topk_weights) -> None:
+    num_experts, two_i, hidden = gate_up_proj.shape
+    if x.dim() != 2 or x.shape[1] != hidden or two_i % 2:
+        raise ValueError(f"x must be [T, {hidden}] for gate_up_proj {tuple(gate_up_proj.shape)}, "
+                         f"got {tuple(x.shape)}")
+    if down_proj.shape != (num_experts, hidden, two_i // 2):
+        raise ValueError(f"down_proj must be [{num_experts}, {hidden}, {two_i // 2}], "
+                         f"got {tuple(down_proj.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must both be [{x.shape[0]}, k], got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    if gate_up_proj.dtype != x.dtype or down_proj.dtype != x.dtype:
+        raise ValueError(f"expert weights ({gate_up_proj.dtype}, {down_proj.dtype}) must have the "
+                         f"activations' dtype {x.dtype}")
+    if not topk_ids.is_contiguous() or not topk_weights.is_contiguous():
+        raise ValueError("topk_ids and topk_weights must be contiguous")

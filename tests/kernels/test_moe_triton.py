@@ -1,0 +1,263 @@
+"""Oracle 4 for the MoE layer: the fused Triton experts (runtime/models/moe_triton.py) against the
+torch path (`RoutedExperts.forward_torch`) and a per-token loop written from the definition.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py sets it before triton
+is imported), so the sizes stay small: 8 experts, top-2, hidden 64, intermediate 32. Outputs that
+the kernels write are poisoned first where a stray unwritten row would show.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+from kvc.runtime.errors import ConfigError  # noqa: E402
+from kvc.runtime.models import moe_triton  # noqa: E402
+from kvc.runtime.models.experts import RoutedExperts, set_moe_impl  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1e-4),
+    torch.float16: dict(atol=2e-2, rtol=2e-2),
+    torch.bfloat16: dict(atol=6e-2, rtol=6e-2),
+}
+
+
+def make_experts(num_experts, hidden, inter, dtype=torch.float32, seed=0) -> RoutedExperts:
+    gen = torch.Generator().manual_seed(seed)
+    experts = RoutedExperts(num_experts, hidden, inter)
+    with torch.no_grad():  # scaled so that activations stay O(1) through both projections
+        experts.gate_up_proj.copy_(torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5)
+        experts.down_proj.copy_(torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5)
+    return experts.to(DEVICE, dtype).requires_grad_(False)
+
+
+def random_routing(num_tokens, num_experts, top_k, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    return ids.reshape(num_tokens, top_k).to(DEVICE), weights.to(DEVICE)
+
+
+def per_token_reference(experts: RoutedExperts, x, ids, weights) -> torch.Tensor:
+    """The definition, one token and one expert at a time, in float64."""
+    gate_up, down = experts.gate_up_proj.double().cpu(), experts.down_proj.double().cpu()
+    x, ids, weights = x.double().cpu(), ids.cpu(), weights.double().cpu()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            out[t] += weights[t, j] * (down[e] @ (F.silu(gate) * up))
+    return out
+
+
+# ---- alignment ---------------------------------------------------------------------------------
+
+
+def check_alignment(align: moe_triton.ExpertAlignment, ids: torch.Tensor, num_experts: int) -> None:
+    """The invariants the GEMMs rely on, checked from the definition."""
+    flat = ids.reshape(-1).cpu()
+    num_pairs, bm = flat.numel(), align.block_m
+    sorted_pairs = align.sorted_pairs.cpu().tolist()
+    block_experts = align.block_experts.cpu().tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    padded = [-(-c // bm) * bm for c in counts]
+    assert len(sorted_pairs) == moe_triton.alignment_capacity(num_pairs, num_experts, bm)
+    assert int(align.num_padded) == sum(padded)
+    start = 0
+    for e in range(num_experts):
+        segment = sorted_pairs[start : start + padded[e]]
+        want = [p for p in range(num_pairs) if int(flat[p]) == e]  # stable: in pair order
+        assert segment == want + [num_pairs] * (padded[e] - counts[e]), f"expert {e}"
+        for b in range(start // bm, (start + padded[e]) // bm):
+            assert block_experts[b] == e
+        start += padded[e]
+    assert all(p == num_pairs for p in sorted_pairs[start:])
+    assert all(0 <= e < num_experts for e in block_experts)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [
+    (1, 8, 2, 16), (5, 8, 2, 16), (33, 8, 2, 16), (33, 6, 3, 32), (70, 128, 8, 16), (4, 3, 1, 64),
+])
+def test_alignment_groups_pairs_by_expert(impl, num_tokens, num_experts, top_k, block_m):
+    ids, _ = random_routing(num_tokens, num_experts, top_k, seed=num_tokens)
+    align = moe_triton.align_by_expert(ids, num_experts, block_m, impl=impl)
+    check_alignment(align, ids, num_experts)
+
+
+def test_alignment_of_skewed_routing_spans_several_blocks():
+    ids = torch.tensor([[0, 5]] * 40 + [[5, 2]] * 3, device=DEVICE)  # expert 5 gets 43 rows
+    for impl in ("triton", "torch"):
+        align = moe_triton.align_by_expert(ids, 8, 16, impl=impl)
+        check_alignment(align, ids, 8)
+        assert align.block_experts.cpu().tolist().count(5) >= 3
+
+
+# ---- the fused experts ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("num_tokens", [1, 5, 33])
+def test_fused_experts_match_torch_path_and_definition(dtype, num_tokens):
+    experts = make_experts(8, 64, 32, dtype)
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 64, generator=gen).to(DEVICE, dtype)
+    ids, weights = random_routing(num_tokens, 8, 2, seed=num_tokens)
+    got = moe_triton.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights)
+    assert got.dtype == dtype and got.shape == (num_tokens, 64)
+    torch_path = experts.forward_torch(x, ids, weights)
+    definition = per_token_reference(experts, x, ids, weights)
+    torch.testing.assert_close(got, torch_path, **TOLERANCES[dtype])
+    torch.testing.assert_close(got.double().cpu(), definition, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("config", [
+    moe_triton.MoeTileConfig(block_m=16, block_n=16, block_k=16, group_m=1),
+    moe_triton.MoeTileConfig(block_m=32, block_n=32, block_k=32, group_m=4),
+    moe_triton.MoeTileConfig(block_m=64, block_n=128, block_k=64, group_m=8),
+])
+def test_fused_experts_any_tiles_odd_sizes_and_strided_input(config):
+    # hidden 48 / inter 40: partial tiles along both GEMMs' N and K; x a strided view
+    experts = make_experts(6, 48, 40)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(21, 2 * 48, generator=gen).to(DEVICE)[:, ::2]
+    ids, weights = random_routing(21, 6, 3, seed=3)
+    got = moe_triton.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, config)
+    torch.testing.assert_close(got.double().cpu(), per_token_reference(experts, x, ids, weights),
+                               atol=1e-5, rtol=1e-4)
+
+
+def test_fused_experts_large_batch_uses_the_sort_alignment():
+    num_tokens = moe_triton.ALIGN_TRITON_MAX_PAIRS // 2 + 7  # top-2: just past the threshold
+    experts = make_experts(8, 16, 16)
+    x = torch.randn(num_tokens, 16, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ids, weights = random_routing(num_tokens, 8, 2, seed=4)
+    config = moe_triton.MoeTileConfig(block_m=64, block_n=16, block_k=16)
+    got = moe_triton.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, config)
+    torch.testing.assert_close(got, experts.forward_torch(x, ids, weights), atol=1e-5, rtol=1e-4)
+
+
+def test_idle_experts_and_repeated_tokens():
+    experts = make_experts(8, 64, 32)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    ids = torch.tensor([[7, 7], [7, 0], [0, 7]], device=DEVICE)  # 6 idle experts; an id twice
+    weights = torch.tensor([[0.5, 0.25], [1.0, -2.0], [0.0, 3.0]], device=DEVICE)
+    got = moe_triton.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights)
+    torch.testing.assert_close(got.double().cpu(), per_token_reference(experts, x, ids, weights),
+                               atol=1e-5, rtol=1e-4)
+
+
+def test_routed_experts_dispatch_and_errors(monkeypatch):
+    experts = make_experts(8, 64, 32)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    ids, weights = random_routing(4, 8, 2, seed=6)
+    calls = []
+    real = moe_triton.fused_experts
+    monkeypatch.setattr(moe_triton, "fused_experts", lambda *a: calls.append(1) or real(*a))
+    assert set_moe_impl(torch.nn.Sequential(experts, make_experts(4, 64, 32)), "triton") == 2
+    torch.testing.assert_close(experts(x, ids, weights), experts.forward_torch(x, ids, weights),
+                               atol=1e-5, rtol=1e-4)
+    assert calls == [1]
+    experts.impl = "torch"
+    experts(x, ids, weights)
+    assert calls == [1]
+    with pytest.raises(ConfigError, match="must be one of"):
+        set_moe_impl(experts, "cutlass")
+    with pytest.raises(ValueError, match="down_proj must be"):
+        real(x, experts.gate_up_proj, experts.gate_up_proj, ids, weights)
+    if DEVICE.type == "cpu":
+        experts.impl = "auto"  # the CPU default stays the torch path, even under the interpreter
+        experts(x, ids, weights)
+        assert calls == [1]
+        experts.impl = "triton"
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+            experts(x, ids, weights)
+
+
+def test_default_config_buckets_and_fits():
+    decode = moe_triton.default_config(1, 8, 128, torch.bfloat16)
+    prefill = moe_triton.default_config(4096, 8, 128, torch.bfloat16)
+    assert decode.block_m == 16 and prefill.block_m > decode.block_m
+    assert replace(prefill, block_m=32).block_m == 32  # a plain dataclass a tuner can vary
+    fitted = prefill.fit(24, 40)
+    assert (fitted.block_n, fitted.block_k) == (32, 64)
+    assert moe_triton.MoeTileConfig(block_n=128, block_k=128).fit(8, 8).block_n == 16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_fused_experts_capture_in_a_cuda_graph():
+    experts = make_experts(16, 128, 64, torch.bfloat16)
+    x = torch.randn(8, 128, device=DEVICE, dtype=torch.bfloat16)
+    ids, weights = random_routing(8, 16, 4, seed=7)
+    for _ in range(2):  # compile outside the graph
+        moe_triton.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_triton.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights)
+    new_ids, new_weights = random_routing(8, 16, 4, seed=8)
+    ids.copy_(new_ids)
+    weights.copy_(new_weights)
+    x.normal_()
+    graph.replay()
+    torch.testing.assert_close(out, experts.forward_torch(x, ids, weights), **TOLERANCES[torch.bfloat16])
+
+
+
+# ---- in the models ------------------------------------------------------------------------------
+
+
+def test_qwen3_moe_engine_greedy_tokens_with_triton_experts_equal_torch(tmp_path):
+    from kvc import LLM, SamplingParams
+    from tests.models.tiny import make_tiny_qwen3_moe
+
+    model_dir = make_tiny_qwen3_moe(tmp_path, mlp_only_layers=[1])  # sparse, dense, sparse
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (1, 40)]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for impl in ("torch", "triton"):
+        # chunks of 32 and a 64-token step budget: prefill chunks and decodes share steps. On a
+        # GPU the Triton run replays CUDA graphs of its decode steps; the torch path's fp32 loop
+        # over experts syncs the host, so it runs eagerly.
+        llm = LLM(str(model_dir), method="full", device=str(DEVICE), dtype="float32", page_size=16,
+                  max_num_batched_tokens=64, max_prefill_chunk=32, cuda_graphs=impl == "triton")
+        assert set_moe_impl(llm.engine.model, impl) == 2
+        tokens[impl] = [out.token_ids for out in llm.generate(prompts, greedy)]
+    assert tokens["triton"] == tokens["torch"]
+    assert all(len(t) == 6 for t in tokens["triton"])
+
+
+def test_glm4_moe_lite_block_with_triton_experts_equals_transformers():
+    """GLM-4.7-Flash's MoE (sigmoid router with group-limited top-k, scaling factor, a shared
+    expert): transformers' block against its own router feeding the Triton experts."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.glm4_moe_lite import modeling_glm4_moe_lite as glm
+
+    config = transformers.Glm4MoeLiteConfig(
+        hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.8, norm_topk_prob=True,
+    )
+    torch.manual_seed(10)
+    block = glm.Glm4MoeLiteMoE(config).eval()
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, 0.1)
+        block.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    experts = RoutedExperts(8, 64, 32)
+    experts.load_state_dict(block.experts.state_dict())
+    experts = experts.to(DEVICE).requires_grad_(False)
+    experts.impl = "triton"
+    x = torch.randn(1, 13, 64)
+    with torch.no_grad():
+        want = block(x)[0]
+        ids, weights = block.route_tokens_to_experts(block.gate(x))
+        routed = experts(x[0].to(DEVICE), ids.to(DEVICE), weights.contiguous().to(DEVICE)).cpu()
+        got = routed + block.shared_experts(x[0])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
