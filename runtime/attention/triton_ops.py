@@ -15,6 +15,7 @@ backend turns into an actionable error.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import sys
 from types import ModuleType
@@ -26,7 +27,7 @@ def load(variant: str = "plain") -> ModuleType:
     """The generated attention module of `variant`, imported once per file content.
 
     Raises ModuleNotFoundError without Triton, KeyError for a variant this compiler does not have."""
-    import triton  # noqa: F401 -- fail here, with the package's name, when it is missing
+    importlib.import_module("triton")  # fail here, with the package's name, when it is missing
 
     from kvc.compiler.attention import locate
 
