@@ -9,8 +9,8 @@ condition (Python over the symbols and parameters, or null), and, when it reads 
 - `{"reduce": "head", "fn": ...}`: every use is `fn(attn, over head)` (one row for the layer);
 - `{"reduce": "none", "fn": null}`: per query head, unreduced.
 
-The engine's decode-statistics kernel (`runtime/attention/decode_stats.py`) computes exactly
-that reduction of the softmax probabilities, so a decode step never materialises [head, key] when
+The engine's decode attention (attention variant `decode_stats`, `compiler/attention.py`; torch:
+`runtime/attention/decode_stats.py`) emits exactly that reduction of the softmax probabilities, so a decode step never materialises [head, key] when
 the method only needs [kv_head, key] or [key]. The hook then receives `attn` with the reduced
 axis already folded to size 1, which its own reduction folds exactly.
 """

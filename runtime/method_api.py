@@ -17,7 +17,12 @@ Points, in the order a request meets them:
   pages to it before any decode.
 - `decode_before_attention(layer, view)` / `decode_after_attention(layer, view, out)`: decode
   steps; they must stay free of host syncs (decode steps are CUDA-graph captured, unless the
-  method sets `decode_graphs = False`: then `view.rows` carries host facts of each row).
+  method sets `decode_graphs = False`: then `view.rows` carries host facts of each row). A
+  method that reads the step's attention declares the fold in `attention.decode_stats`; the
+  decode attention kernels then emit it and `view.attn_stats` carries it to
+  decode_after_attention (no second pass over the keys).
+- `attention`: which generated attention kernels the method runs (`AttentionKernels`: the variant
+  its manifest names, `plain` by default) and the decode statistics they must emit.
 - `step_end(layer, view)`       after a step's forward, per layer of every sequence that decoded
   in it, -> an optional `KeepPlan`, compacted at once (decode-time eviction).
 - `turn_end(seq_id)` / `turn_resume(seq_id, state)`: chain cache (not called yet: a later issue).
@@ -35,6 +40,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from kvc.runtime.attention.metadata import StatsFold
+
 
 class Hook(enum.Enum):
     PREFILL_CHUNK = "prefill_chunk"
@@ -44,6 +51,17 @@ class Hook(enum.Enum):
     STEP_END = "step_end"
     TURN = "turn"  # turn_end / turn_resume
     RELEASE = "release"
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """The engine's attention kernels a method runs: a variant of the generated paged-attention
+    module (kernels_generated/_attention/<variant>.py, named by the method's manifest; the
+    triton backend loads it) and, when its decode hook reads `attn`, the statistics the decode
+    kernels emit (None: none)."""
+
+    variant: str = "plain"
+    decode_stats: StatsFold | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +194,10 @@ class DecodeView:
     scale: float | None = None  # the attention's softmax scale
     rows: list[DecodeRow] | None = None
     kv_starts: torch.Tensor | None = None  # [B, Hkv] first slot each KV head uses (None: all 0)
+    # [B, R, W] float32: the step's attention probabilities over each row's keys, folded as the
+    # method's `attention.decode_stats` says; filled by the decode attention before
+    # decode_after_attention (None when the method asks for none, and in decode_before_attention)
+    attn_stats: torch.Tensor | None = None
 
 
 @dataclass
@@ -197,6 +219,7 @@ class KVMethod(Protocol):
     compacts: bool  # may physical length drop below logical? (then no prefix caching)
     decode_graphs: bool  # may decode steps (and the decode hooks) be CUDA-graph captured?
     budget: KVBudget
+    attention: AttentionKernels  # the attention kernels it runs and the decode statistics it reads
 
     def layout(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVLayout: ...
 
@@ -225,6 +248,7 @@ class MethodBase:
     compacts = False
     decode_graphs = True
     budget: KVBudget = FullBudget()
+    attention = AttentionKernels()
 
     def layout(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVLayout:
         return KVLayout(dtype=dtype, bytes_per_token=2 * num_kv_heads * head_dim * dtype.itemsize)

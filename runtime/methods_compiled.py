@@ -30,6 +30,11 @@ lowering runs in float32.
 Decode-time hooks (decode_after_attention / step_end evictions: H2O, TOVA, StreamingLLM) run
 through `methods_compiled_decode.DecodeHooks`, mixed in here.
 
+Attention: `attention` (`AttentionKernels`) exposes the manifest's `attention` entry, the variant
+of the generated paged-attention kernels the method runs (`plain` for `full` and every method
+that only reads the cache; `decode_stats` when decode_after_attention reads `attn`) and the fold
+of the statistics those kernels emit; the triton backend loads that variant.
+
 Budget: a layer holds as many slots as its most-keeping KV head keeps (per-head variable counts
 are stored right-aligned in shared slots), so the steady state uses the generated `held_tokens`
 bound (the compiler's formula; equal to `kept_tokens` unless the selection is head-adaptive),
@@ -47,7 +52,8 @@ import torch
 from kvc.compiler import cache as method_cache
 from kvc.dsl import METHODS_DIR, KvmError
 from kvc.runtime.errors import ConfigError
-from kvc.runtime.method_api import Hook, KeepPlan, MethodBase, PrefillView
+from kvc.runtime.attention.metadata import StatsFold
+from kvc.runtime.method_api import AttentionKernels, Hook, KeepPlan, MethodBase, PrefillView
 from kvc.runtime.methods_compiled_decode import DecodeHooks
 
 GENERATED = method_cache.GENERATED_DIR
@@ -140,6 +146,16 @@ def _keep_plan(kept: list[torch.Tensor], device: torch.device) -> KeepPlan:
     return KeepPlan(indices, torch.tensor(counts, dtype=torch.long))
 
 
+def _attention_kernels(name: str, manifest: dict) -> AttentionKernels:
+    """The manifest's `attention` entry: the attention variant and the decode statistics it emits."""
+    entry = manifest.get("attention")
+    if entry is None:
+        raise ConfigError(f"the generated manifest of method {name!r} predates attention variants; run "
+                          "`kvc compile --all`", param="method")
+    fold = entry.get("decode_stats")
+    return AttentionKernels(entry["variant"], None if fold is None else StatsFold(fold["reduce"], fold["fn"]))
+
+
 class CompiledBudget:
     """Peak: the whole prompt per layer; steady: the generated bound on a layer's physical length
     (its most-keeping KV head, `held_tokens`) + generated tokens."""
@@ -197,6 +213,7 @@ class CompiledMethod(DecodeHooks, MethodBase):
             raise ConfigError(f"kernels_generated/{name}/hooks.py predates the held_tokens budget; "
                               "run `kvc compile --all`", param="method")
         self.budget = CompiledBudget(held, params, 1, 1)
+        self.attention = _attention_kernels(name, manifest)
         hooks |= self._init_decode(manifest)
         self.hooks = frozenset(hooks)
         self.compacts = bool(hooks)  # a method with no hooks (`full`) keeps every token: prefix caching stays on

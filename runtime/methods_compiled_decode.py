@@ -4,11 +4,13 @@ Nothing here knows a method by name: what a method does while decoding comes fro
 hook facts (`manifest["hooks"]`, written by `compiler/hook_facts.py`) and its generated torch
 lowering (`<hook>` accumulating state, or `<hook>_scores` + `<hook>_select` when it keeps).
 
-- `decode_after_attention(layer, view, out)`: when the hook reads `attn`, the decode-statistics
-  kernel (`attention/decode_stats.py`) computes the step's softmax probabilities over each row's
-  paged keys, folded as the manifest says (over the GQA group, over every head, or not), into one
-  float32 buffer; then, per row (sequence), the generated hook accumulates the method's state
-  (H2O's `seen`) and its ranking scores wait for step end. All on the device, no host reads.
+- `decode_after_attention(layer, view, out)`: when the hook reads `attn`, the method declares the
+  fold in `attention.decode_stats` (from the manifest's `attention` entry: over the GQA group, over
+  every head, or not) and runs the attention variant that emits it (`decode_stats`), so the decode
+  attention kernels themselves leave the step's softmax probabilities over each row's paged keys
+  in `view.attn_stats` (the torch backend: `attention/decode_stats.py`); then, per row
+  (sequence), the generated hook accumulates the method's state (H2O's `seen`) and its ranking
+  scores wait for step end. All on the device, no host reads.
 - `step_end(layer, view)`: the hook's generated selection (H2O heavy hitters + recent window,
   TOVA's top, StreamingLLM's sink + window) -> `KeepPlan` of ascending physical indices, so the
   newest tokens stay last; per-token state is gathered with the same indices. How many tokens
@@ -36,7 +38,6 @@ from typing import Any
 
 import torch
 
-from kvc.runtime.attention.decode_stats import decode_stats, rows
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.method_api import DecodeView, Hook, KeepPlan, StepView
 
@@ -45,7 +46,7 @@ _MEMO_LIMIT = 4096
 
 
 class DecodeHooks:
-    """Mixed into `CompiledMethod`, which provides `name`, `params`, `lowering`, `states` and `budget`
+    """Mixed into `CompiledMethod`, which provides `name`, `params`, `lowering`, `states`, `attention` and `budget`
     (for `num_layers` / `num_kv_heads`), and calls `_decode_start` from prefill_end and
     `_release_decode` from release. Decode state lives apart from the prefill's: a recompute after
     preemption starts a fresh prefill state and then replaces this one."""
@@ -71,7 +72,10 @@ class DecodeHooks:
             raise ConfigError(f"method {self.name!r}: decode hooks reading {', '.join(sorted(unsupported))} are not "
                               "served yet (decode_after_attention gets attn; step_end gets k and v)", param="method")
         self._after = after
-        self._attention = after.get("attention") if after else None
+        if after is not None and after.get("attention") and self.attention.decode_stats is None:
+            raise ConfigError(f"method {self.name!r} reads attention while decoding but its manifest names attention "
+                              f"variant {self.attention.variant!r}, which emits no statistics; run `kvc compile --all`",
+                              param="method")
         hooks: set[Hook] = set()
         if after is not None:
             hooks.add(Hook.DECODE_AFTER_ATTENTION)
@@ -91,7 +95,6 @@ class DecodeHooks:
         self._decode_state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (seq, layer) -> states
         self._pending: dict[tuple[int, int], torch.Tensor] = {}  # decode_after_attention scores, until step end
         self._count_memo: dict[tuple, int] = {}
-        self._stats: torch.Tensor | None = None  # the decode-statistics buffer, grown as needed
         return hooks
 
     # ---- symbols and host-side counts -------------------------------------------------------
@@ -145,9 +148,9 @@ class DecodeHooks:
         if view.rows is None:
             raise RuntimeError(f"method {self.name!r} needs eager decode steps (decode_graphs is False)")
         kv_heads = view.k.shape[1]
-        attn = None
-        if self._attention is not None:
-            attn = self._attention_stats(view)
+        attn = view.attn_stats  # [B, R, W], emitted by the decode attention
+        if attn is None and self.attention.decode_stats is not None:
+            raise RuntimeError(f"method {self.name!r}: the decode attention emitted no statistics (view.attn_stats)")
         for b, row in enumerate(view.rows):
             key = (row.seq_id, layer)
             state = self._decode_state.get(key)
@@ -161,20 +164,6 @@ class DecodeHooks:
                 self._decode_state[key] = state  # the generated scoring updates its state in place
             else:
                 self._decode_state[key] = self._after_fn(inputs, state, sym, self.params)
-
-    def _attention_stats(self, view: DecodeView) -> torch.Tensor:
-        """[B, R, W] float32: the rows' attention probabilities, folded as the manifest says."""
-        reduce, fn = self._attention["reduce"], self._attention["fn"]
-        num_rows = rows(reduce, view.q.shape[1], view.k.shape[1])
-        width = max(row.length for row in view.rows)
-        shape = (view.q.shape[0], num_rows, width)
-        buf = self._stats
-        if buf is None or buf.device != view.q.device or any(a < b for a, b in zip(buf.shape, shape)):
-            grown = tuple(max(a, b) for a, b in zip(buf.shape, shape)) if buf is not None else shape
-            buf = self._stats = torch.empty(grown, dtype=torch.float32, device=view.q.device)
-        # a contiguous [B, R, W] view of the buffer's storage: the kernel writes every entry
-        out = buf.view(-1)[: shape[0] * shape[1] * shape[2]].view(shape)
-        return decode_stats(view.q, view.k_cache, view.block_tables, view.context_lens, view.scale, out, reduce, fn)
 
     def step_end(self, layer: int, view: StepView) -> KeepPlan | None:
         key = (view.seq_id, layer)

@@ -80,6 +80,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
+        attention.use_variant(self.method.attention.variant)  # the attention kernels its manifest names
         self.graphs: _DecodeGraphs | None = None
         if use_cuda_graphs and device.type == "cuda" and getattr(self.method, "decode_graphs", True):
             self.graphs = _DecodeGraphs(self, max_num_seqs)
@@ -134,22 +135,26 @@ class ModelRunner:
         `batch` is None in a captured decode graph (only the decode hooks can run there)."""
         attention, scale, method = self.attention, self.scale, self.method
         hooks = method.hooks
+        fold = method.attention.decode_stats  # the decode statistics decode_after_attention reads
         decode_hooks = hooks & {Hook.DECODE_BEFORE_ATTENTION, Hook.DECODE_AFTER_ATTENTION}
         prefill_hooks = batch is not None and batch.num_prefills > 0 and bool(
             hooks & {Hook.PREFILL_CHUNK, Hook.PREFILL_END})
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             d = md.num_decodes
-            view = None
+            view = stats = None
             if decode_hooks and d > 0:
+                if fold is not None and Hook.DECODE_AFTER_ATTENTION in hooks:  # emitted by the decode kernels
+                    stats = attention.stats_request(fold, d, q.shape[1], md.max_context_len)
                 view = DecodeView(layer, q[:d], k[:d], v[:d], md.block_tables[layer, :d],
                                   md.context_lens[layer, :d], attention.k_cache, attention.v_cache, scale,
                                   None if batch is None else _decode_rows(batch, layer),
                                   kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d])
                 if Hook.DECODE_BEFORE_ATTENTION in hooks:
                     method.decode_before_attention(layer, view)
-            out = attention.forward(layer, q, k, v, md, scale)
+            out = attention.forward(layer, q, k, v, md, scale, stats=stats)
             if view is not None and Hook.DECODE_AFTER_ATTENTION in hooks:
+                view.attn_stats = None if stats is None else stats.out
                 method.decode_after_attention(layer, view, out[:d])
             if prefill_hooks:
                 self._prefill_hooks(layer, q, k, v, md, batch, compacted)

@@ -4,9 +4,15 @@ The model runner calls `PagedAttention.forward` once per layer with the step's n
 `AttentionMetadata`. The step's K/V are stored first; then the decoding sequences (the first
 `num_decodes`, one token each) go to `paged_decode` and the prefill chunks to `paged_prefill`,
 both writing into one output tensor. `backend` picks the implementation: "torch"
-(`torch_ops.py`, CPU, the parity oracle) or "triton" (`triton_ops.py`, GPU). The kernels see one
+(`torch_ops.py`, CPU, the parity oracle) or "triton": the generated kernels of the attention
+variant the method's manifest names (`use_variant`, called by the runner with
+`method.attention.variant`; `plain` until then), loaded by `triton_ops.load`. The kernels see one
 layer: the pool plus that layer's row of the per-layer tables, lengths, slots and (per-head
 variable counts only) KV-head start slots.
+
+Decode statistics: `forward(..., stats=DecodeStats)` asks the decode kernels to also emit the
+step's attention probabilities, folded as the method reads them (metadata.py); `stats_request`
+gives a request over one float32 buffer reused across layers (grown as needed).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from types import ModuleType
 import torch
 
 from kvc.runtime.attention import torch_ops
-from kvc.runtime.attention.metadata import AttentionMetadata
+from kvc.runtime.attention.metadata import AttentionMetadata, DecodeStats, StatsFold
 from kvc.runtime.errors import ConfigError
 
 BACKENDS = ("torch", "triton")
@@ -28,28 +34,32 @@ def kv_bytes_per_page(num_kv_heads: int, page_size: int, head_dim: int, dtype: t
     return 2 * num_kv_heads * page_size * head_dim * dtype.itemsize
 
 
-def load_ops(backend: str, device: torch.device) -> ModuleType:
-    """The module implementing store_kv / paged_decode / paged_prefill for `backend`."""
+def load_ops(backend: str, device: torch.device, variant: str = "plain") -> ModuleType:
+    """The module implementing store_kv / paged_decode / paged_prefill for `backend`: the torch ops,
+    or the generated Triton kernels of attention variant `variant` (the method's manifest names it)."""
     if backend == "torch":
         return torch_ops
     if backend != "triton":
         raise ConfigError(f"attention backend must be one of {BACKENDS}, got {backend!r}",
                           param="attention_backend")
-    try:
-        from kvc.runtime.attention import triton_ops
-    except ModuleNotFoundError as err:
-        raise ConfigError(
-            f"the triton attention backend needs the `triton` package ({err}); install it with "
-            "`pip install kvc[triton]` or use attention_backend='torch'",
-            param="attention_backend",
-        ) from err
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError(
             f"the triton attention backend runs on CUDA devices, not {device.type!r} "
             "(set TRITON_INTERPRET=1 to emulate it, slowly)",
             param="attention_backend",
         )
-    return triton_ops
+    from kvc.runtime.attention import triton_ops
+
+    try:
+        return triton_ops.load(variant)
+    except ModuleNotFoundError as err:
+        raise ConfigError(
+            f"the triton attention backend needs the `triton` package ({err}); install it with "
+            "`pip install kvc[triton]` or use attention_backend='torch'",
+            param="attention_backend",
+        ) from err
+    except KeyError as err:
+        raise ConfigError(f"the method's manifest names {err.args[0]}", param="method") from None
 
 
 class PagedAttention:
@@ -68,7 +78,24 @@ class PagedAttention:
         self.k_cache = k_cache
         self.v_cache = v_cache
         self.backend = backend
+        self.variant = "plain"
         self.ops = load_ops(backend, k_cache.device)
+        self._stats: torch.Tensor | None = None  # decode statistics buffer, reused across layers
+
+    def use_variant(self, variant: str) -> None:
+        """Run the generated attention kernels of `variant` (what the method's manifest names)."""
+        if variant != self.variant:
+            self.ops = load_ops(self.backend, self.k_cache.device, variant)
+            self.variant = variant
+
+    def stats_request(self, fold: StatsFold, num_decodes: int, num_heads: int, width: int) -> DecodeStats:
+        """A decode-statistics request over a contiguous [num_decodes, R, width] float32 view of one
+        buffer kept across layers and steps (grown, never shrunk; the kernels write every entry)."""
+        shape = (num_decodes, fold.rows(num_heads, self.k_cache.shape[1]), width)
+        numel = shape[0] * shape[1] * shape[2]
+        if self._stats is None or self._stats.numel() < numel:
+            self._stats = torch.empty(numel, dtype=torch.float32, device=self.k_cache.device)
+        return DecodeStats(fold.reduce, fold.fn, self._stats[:numel].view(shape))
 
     @classmethod
     def allocate(
@@ -103,8 +130,10 @@ class PagedAttention:
         v: torch.Tensor,
         md: AttentionMetadata,
         scale: float,
+        stats: DecodeStats | None = None,
     ) -> torch.Tensor:
-        """Attention output [T, Hq, D] for the step's queries q [T, Hq, D] (k, v: [T, Hkv, D]).
+        """Attention output [T, Hq, D] for the step's queries q [T, Hq, D] (k, v: [T, Hkv, D]);
+        with `stats`, the decode rows' attention statistics also land in `stats.out`.
 
         Rows past cu_seqlens_q[-1] (if any) are left unwritten. A decode-only step
         (num_decodes == B) touches no host value: it can be captured in a CUDA graph with the
@@ -122,7 +151,7 @@ class PagedAttention:
                 q[:num_decodes], k_cache, v_cache,
                 tables[:num_decodes], lens[:num_decodes], scale,
                 max_context_len=md.max_context_len, out=out[:num_decodes],
-                kv_starts=None if starts is None else starts[:num_decodes],
+                kv_starts=None if starts is None else starts[:num_decodes], stats=stats,
             )
         if md.num_prefills > 0:
             # Each decode owns exactly one token, so the prefill tokens start at num_decodes.

@@ -1,19 +1,20 @@
 """Decode attention statistics: the softmax probabilities of a decode step's queries over each
 sequence's paged keys, reduced the way a method reads them (H2O's column sums, TOVA's last row).
 
-Sits beside the decode attention kernels (same cache layout, `metadata.py`): a compiled method
-whose decode hook reads `attn` gets it from here, reduced as its manifest says
-(`manifest["hooks"][hook]["attention"]`, from `compiler/hook_facts.py`):
+The contract (`metadata.DecodeStats`): a compiled method whose decode hook reads `attn` gets it
+reduced as its manifest says (`manifest["attention"]["decode_stats"]`, from
+`compiler/hook_facts.py`):
 
 - `reduce="group"`: [B, Hkv, W], each KV head's query heads folded (`fn` mean or sum);
 - `reduce="head"`:  [B, 1, W], every query head of the layer folded;
 - `reduce="none"`:  [B, Hq, W], per query head.
 
 `out` is a preallocated float32 buffer of width W >= every row's context length; entries past a
-row's length are 0. Nothing is read back to the host, so the call is CUDA-graph safe. Two
-backends with one signature: `decode_stats_torch` (plain torch, the CPU path and the oracle) and
-the Triton kernels of `decode_stats_triton.py` (two passes: each query head's softmax max and
-normaliser over its keys, then the probabilities recomputed tile by tile and folded).
+row's length, and before a KV head's start slot (`kv_starts`), are 0. Nothing is read back to the
+host, so the call is CUDA-graph safe. On the GPU the decode attention kernels emit these
+statistics themselves (attention variant `decode_stats`, kernels_generated/_attention/); here is
+the plain torch version: the torch backend's path (`torch_ops.paged_decode(..., stats=)`) and the
+oracle of those kernels.
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ def decode_stats_torch(
     out: torch.Tensor,
     reduce: str,
     fn: str | None = "mean",
+    kv_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence) over the keys of each row's pages
-    (`block_tables [B, P]`, `context_lens [B]`) -> `out` [B, R, W] float32 (see the module docstring)."""
+    (`block_tables [B, P]`, `context_lens [B]`; KV head h from slot `kv_starts[b, h]` on when given)
+    -> `out` [B, R, W] float32 (see the module docstring)."""
     check_args(q, k_cache, out, reduce, fn)
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_cache.shape
@@ -63,8 +66,11 @@ def decode_stats_torch(
     group = num_heads // num_kv_heads
     logits = torch.einsum("bhgd,bhwd->bhgw", q.float().reshape(num_seqs, num_kv_heads, group, head_dim),
                           keys.float()) * scale
-    visible = torch.arange(width, device=q.device)[None, :] < context_lens.to(q.device).long()[:, None]
-    logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
+    slots = torch.arange(width, device=q.device)
+    visible = (slots[None, :] < context_lens.to(q.device).long()[:, None])[:, None, None, :]  # [B, 1, 1, W]
+    if kv_starts is not None:  # [B, Hkv, 1, W]: each KV head from its own start
+        visible = visible & (slots[None, None, None, :] >= kv_starts.to(q.device).long()[:, :, None, None])
+    logits = logits.masked_fill(~visible, float("-inf"))
     probs = torch.nan_to_num(logits.softmax(dim=-1), nan=0.0)  # an empty row: all -inf -> 0
     if reduce == "group":
         result = probs.mean(dim=2) if fn == "mean" else probs.sum(dim=2)
@@ -76,20 +82,3 @@ def decode_stats_torch(
     out.copy_(result)
     return out
 
-
-def decode_stats(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-    reduce: str,
-    fn: str | None = "mean",
-) -> torch.Tensor:
-    """The Triton kernels on a GPU, plain torch elsewhere."""
-    if q.is_cuda:
-        from kvc.runtime.attention.decode_stats_triton import decode_stats_triton
-
-        return decode_stats_triton(q, k_cache, block_tables, context_lens, scale, out, reduce, fn)
-    return decode_stats_torch(q, k_cache, block_tables, context_lens, scale, out, reduce, fn)

@@ -16,6 +16,12 @@ right-aligned in slots [M - len_h, M), M = max_h len_h the layer's physical leng
 common slots M, M + 1, ... of every head (slot_mapping is unchanged); head h attends over
 [kv_starts[l, b, h], context_lens[l, b]). `kv_starts` is None when every start is 0 (every other
 method): the kernels then compile and run exactly as without it.
+
+Decode statistics (`DecodeStats`): a method whose decode hook reads the step's attention (H2O's
+column sums, TOVA's last row) gets it from the decode attention itself. The caller hands
+`paged_decode` a request (how to fold the probabilities over query heads, and a float32 buffer
+`out [num_decodes, R, W]`, W >= every row's length); the kernels fill it, 0 past a row's length
+and before a KV head's start. `StatsFold` is the fold alone, as a method declares it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kvc.runtime.attention.decode_stats import rows as stats_rows
+
+
+@dataclass(frozen=True)
+class StatsFold:
+    """How decode statistics fold the softmax probabilities over query heads: `reduce` "group"
+    (each KV head's query heads: R = Hkv rows), "head" (every head: R = 1) or "none" (R = Hq),
+    with `fn` "mean" or "sum" (None for "none"). Validated by `decode_stats.check_args`."""
+
+    reduce: str
+    fn: str | None = None
+
+    def rows(self, num_heads: int, num_kv_heads: int) -> int:
+        return stats_rows(self.reduce, num_heads, num_kv_heads)
+
+
+@dataclass(frozen=True)
+class DecodeStats:
+    """A decode step's request for attention statistics: fold `reduce`/`fn`, output `out`
+    [num_decodes, R, W] float32 (contiguous last axis), written by `paged_decode(..., stats=)`."""
+
+    reduce: str
+    fn: str | None
+    out: torch.Tensor
 
 
 @dataclass

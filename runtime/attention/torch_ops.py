@@ -3,14 +3,19 @@
 Sits between the model's attention layers and the paged KV cache (see `metadata.py` for the
 layout). Each sequence's keys and values are gathered from its pages into a dense tensor and
 attention runs through `torch.nn.functional.scaled_dot_product_attention` in the input dtype, so
-that in float32 the engine matches Hugging Face token for token. `triton_ops.py` implements the
-same three functions with the same signatures.
+that in float32 the engine matches Hugging Face token for token. The generated Triton kernels
+(kernels_generated/_attention/, loaded by `triton_ops.py`) implement the same three functions with
+the same signatures. `paged_decode(..., stats=)` also computes the decode statistics a method
+reads (`decode_stats.decode_stats_torch`, the oracle of the kernels that emit them).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kvc.runtime.attention.decode_stats import decode_stats_torch
+from kvc.runtime.attention.metadata import DecodeStats
 
 
 def store_kv(
@@ -54,8 +59,10 @@ def paged_decode(
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
     kv_starts: torch.Tensor | None = None,
+    stats: DecodeStats | None = None,
 ) -> torch.Tensor:
-    """One query per sequence, q [B, Hq, D], over its first context_lens[b] cached tokens.
+    """One query per sequence, q [B, Hq, D], over its first context_lens[b] cached tokens;
+    `stats` (metadata.py) also asks for the step's attention statistics (into `stats.out`).
 
     All sequences run in one batched SDPA over `max_context_len` keys (an upper bound; default:
     everything the block table can address) with a key-padding mask, so there is no host sync.
@@ -90,6 +97,9 @@ def paged_decode(
     )
     o = o.reshape(batch, num_q_heads, head_dim)
     o = torch.where((context_lens > 0)[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+    if stats is not None:
+        decode_stats_torch(q, k_cache, block_tables, context_lens, scale, stats.out, stats.reduce, stats.fn,
+                           kv_starts=kv_starts)
     if out is None:
         return o
     out.copy_(o)

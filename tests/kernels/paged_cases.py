@@ -7,7 +7,6 @@ sequence's K/V dense next to the paged copy.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from dataclasses import dataclass
@@ -114,25 +113,29 @@ def reference_prefill(case: PagedCase, q: torch.Tensor, cu_seqlens: list[int], s
     return torch.cat(out)
 
 
-def triton_device_and_ops():
-    """(device, triton_ops): the GPU when there is one, else Triton's interpreter on the CPU.
+def triton_device_and_ops(variant: str = "plain"):
+    """(device, the generated attention kernels of `variant`): the GPU when there is one, else
+    Triton's interpreter on the CPU.
 
     TRITON_INTERPRET must be set before triton (whose own library functions are jit-decorated
     at import) and our kernels are imported. If something imported triton earlier without it,
-    its Python modules are dropped and imported again (the compiled `triton._C` stays).
+    its Python modules and the loaded kernel modules are dropped and imported again (the compiled
+    `triton._C` stays).
     """
+    from kvc.runtime.attention import triton_ops
+
     if torch.cuda.is_available():
-        return torch.device("cuda"), importlib.import_module("kvc.runtime.attention.triton_ops")
+        return torch.device("cuda"), triton_ops.load(variant)
     os.environ["TRITON_INTERPRET"] = "1"
     import triton.language.standard
 
     if type(triton.language.standard.sum).__name__ != "InterpretedFunction":
         stale = [name for name in sys.modules
                  if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")]
-        stale.append("kvc.runtime.attention.triton_ops")
+        stale += [name for name in sys.modules if name.startswith(triton_ops.MODULE_PREFIX)]
         for name in stale:
             sys.modules.pop(name, None)
-    return torch.device("cpu"), importlib.import_module("kvc.runtime.attention.triton_ops")
+    return torch.device("cpu"), triton_ops.load(variant)
 
 
 # ---- per-head start slots (per-head variable counts, right-aligned; runtime/attention/metadata.py)

@@ -19,9 +19,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvc.runtime.attention.metadata import StatsFold
 from kvc.runtime.engine import Engine
 from kvc.runtime.llm import LLM
-from kvc.runtime.method_api import Hook
+from kvc.runtime.method_api import AttentionKernels, Hook
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.sampling_params import SamplingParams
 from tests.models.tiny import make_tiny_llama, make_tiny_qwen3
@@ -122,7 +123,10 @@ def test_hooks_and_graphs_come_from_the_manifest():
     # per-row host state: eager decode steps; step_end alone runs after a graph replay
     assert not h2o.decode_graphs and not tova.decode_graphs
     assert stream.decode_graphs and snap.decode_graphs
-    assert h2o._attention == {"reduce": "group", "fn": "mean"} and tova._attention == {"reduce": "head", "fn": "mean"}
+    # the attention variant and the statistics its decode kernels emit, from the manifest
+    assert h2o.attention == AttentionKernels("decode_stats", StatsFold("group", "mean"))
+    assert tova.attention == AttentionKernels("decode_stats", StatsFold("head", "mean"))
+    assert stream.attention == snap.attention == AttentionKernels("plain", None)
 
 
 def test_budget_is_bounded_by_decode_eviction():
@@ -180,22 +184,20 @@ def test_preemption_recomputes_and_releases(model_dir, hf):
 
 
 @pytest.mark.parametrize("method", ["h2o", "tova"])
-def test_triton_statistics_in_the_engine(model_dir, hf, method, monkeypatch):
-    """The engine with the Triton decode-statistics kernels (the GPU path; here under
-    TRITON_INTERPRET=1): same tokens as the oracle."""
+def test_triton_statistics_in_the_engine(model_dir, hf, method):
+    """The engine on the triton backend (the GPU path; here under TRITON_INTERPRET=1): the
+    method runs the attention variant its manifest names, whose decode kernels emit the
+    statistics its hook reads; same tokens as the oracle."""
     pytest.importorskip("triton")
-    import importlib
-    import sys
-
-    from kvc.runtime import methods_compiled_decode
     from tests.kernels.paged_cases import triton_device_and_ops
 
-    if triton_device_and_ops()[0].type != "cpu":
-        pytest.skip("on a GPU every engine test already runs these kernels")
-    sys.modules.pop("kvc.runtime.attention.decode_stats_triton", None)  # decorated under the interpreter
-    kernels = importlib.import_module("kvc.runtime.attention.decode_stats_triton")
-    monkeypatch.setattr(methods_compiled_decode, "decode_stats", kernels.decode_stats_triton)
-    engine = make_engine(model_dir, method)
+    device, _ = triton_device_and_ops("decode_stats")
+    llm = LLM(str(model_dir), method=method, method_params=CASES[method], device=device.type, dtype="float32",
+              page_size=PAGE, max_num_batched_tokens=64, max_prefill_chunk=32, attention_backend="triton",
+              cuda_graphs=False)
+    engine = llm.engine
+    assert engine.method.attention.decode_stats is not None
+    assert engine.attention.variant == "decode_stats" and engine.attention.ops.EMITS_DECODE_STATS
     prompt, steps = prompts_of([37], seed=8)[0], 10
     seq = engine.add_request(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
     while engine.has_unfinished():
