@@ -13,6 +13,11 @@ class KvcError(Exception):
 
     status: int = 400
     param: str | None = None
+    code: str | None = None  # OpenAI's error `code`, where the error has one
+
+    @property
+    def http_status(self) -> int:
+        return self.status
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -49,3 +54,42 @@ class OutOfKVMemory(KvcError):
     """A single request can never fit the KV page pool, even alone."""
 
     status = 503
+
+
+class ChainError(KvcError):
+    """A chain-cache request that cannot be served (runtime/chains.py); `code` names which."""
+
+
+class ChainNotFound(ChainError):
+    """Unknown chain id, or a chain of another owner (never told apart: ids are not probed)."""
+
+    status = 404
+    code = "chain_not_found"
+
+
+class ChainBusy(ChainError):
+    """A request is already running on the chain (one at a time)."""
+
+    status = 409
+    code = "chain_busy"
+
+
+class ChainDiverged(ChainError):
+    """The prompt does not extend the chain's history and the chain cannot roll back to it."""
+
+    status = 409
+    code = "chain_diverged"
+
+
+class ChainEvicted(ChainError):
+    """The chain existed but was evicted under memory pressure, or dropped."""
+
+    status = 410
+    code = "chain_evicted"
+
+
+class ChainCapacity(ChainError):
+    """No memory for the chain's request, even with every idle chain evicted; retry later."""
+
+    status = 503
+    code = "chain_capacity"
