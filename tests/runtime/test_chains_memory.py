@@ -116,3 +116,25 @@ def test_capacity_when_active_chains_hold_the_pool(model_dir: Path) -> None:
         engine.step()
         check_books(engine)
     assert engine.chains.stats()["active"] == 0 and a in engine.chains
+
+
+def test_a_preempted_chained_turn_restarts_from_its_record(model_dir: Path) -> None:
+    """Two chained turns outgrow the pool together: one is preempted (no plain sequence is left to
+    take first), its record stays intact (copy-on-write), and it restarts its turn from it; with
+    `full` the tokens are those of the same conversation without chains."""
+    llm = small_llm(model_dir, pages=30)
+    engine = llm.engine
+    histories = [tokens(16, seed=s) for s in (1, 2)]
+    chains = [turn(llm, h, 1, ChainSpec(open=True)).chain_id for h in histories]
+    prompts = [h + [9, 10] for h in histories]
+    seqs = [engine.add_request(p, greedy(20), chain=ChainSpec(continue_id=c)) for p, c in zip(prompts, chains)]
+    while engine.has_unfinished():
+        engine.step()
+        check_books(engine)
+    assert engine.scheduler.num_preemptions > 0 and any(s.num_preemptions for s in seqs)
+    roomy = make_llm(model_dir, "full")
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.num_cached_tokens == 16
+        assert seq.generated_ids == roomy.generate(prompt, greedy(20))[0].token_ids
+    stats = engine.chains.stats()  # the first to finish went idle, and may then be evicted for the other
+    assert stats["idle"] + stats["evicted_total"] == 2 and stats["active"] == 0
