@@ -9,6 +9,11 @@ condition (Python over the symbols and parameters, or null), and, when it reads 
 - `{"reduce": "head", "fn": ...}`: every use is `fn(attn, over head)` (one row for the layer);
 - `{"reduce": "none", "fn": null}`: per query head, unreduced.
 
+A keeping hook also states `last`: the `+ last N` of its keep expression as Python over the
+symbols and parameters (null when it has none). Those N newest stored tokens always survive the
+keep, in order, so the chain cache knows how far back a session's stored tail is still verbatim
+(runtime/chains.py: rolling back to a common prefix after a stop-string cut).
+
 The engine's decode attention (attention variant `decode_stats`, `compiler/attention.py`; torch:
 `runtime/attention/decode_stats.py`) emits exactly that reduction of the softmax probabilities, so a decode step never materialises [head, key] when
 the method only needs [kv_head, key] or [key]. The hook then receives `attn` with the reduced
@@ -59,9 +64,10 @@ def attention_reduction(hook: HookIR) -> dict | None:
 
 
 def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
-    """manifest["hooks"]: per hook name, its inputs, keep, where and attention reduction."""
+    """manifest["hooks"]: per hook name, its inputs, keep, where, attention reduction and kept tail."""
     out = {}
     for hook, code in zip(method.hooks, codes):
+        last = None if code.keep is None or code.keep["last"] == "None" else code.keep["last"]
         out[hook.name] = {"inputs": sorted(code.inputs), "keeps": code.keep is not None, "where": code.where,
-                          "attention": attention_reduction(hook)}
+                          "attention": attention_reduction(hook), "last": last}
     return out

@@ -1,17 +1,339 @@
-"""Chain cache (issue 6): a session's KV kept between turns, so that a turn prefills only its suffix.
+"""The chain cache: a session's KV cache kept between turns, so a new turn prefills only its suffix.
 
-`ChainSpec` is what one request asks of the chain cache; the server builds it from the request's
-`chain` / `chain_id` / `chain_fork` fields and passes it to `Engine.add_request`.
+Where it sits: the engine validates a chained request with `ChainStore.begin` (synchronously, so
+errors reach the caller at once), the scheduler starts the admitted sequence from the record's
+pages (`attach` + `resume`) and hands the sequence's state back when the request finishes, stops
+or is aborted (`end_turn`); under memory pressure it evicts idle records oldest first
+(`evict_idle`) before it preempts anything. The method's per-sequence state crosses turns only
+through the contract's `turn_end` / `turn_resume` (methods listing `Hook.TURN`).
+
+A `ChainRecord` holds page references (one table per layer, in the pool's reference counts),
+physical lengths and per-head start slots, the method state, the logical token history (with a
+digest), the fingerprint of model + method + parameters, active/idle state, last use and owner.
+
+Semantics (docs/design.md, "Chain cache"):
+- Continue: the prompt must extend the history. The record stays untouched for the whole turn
+  (its pages are pinned by its own references); the sequence shares them and copies a page before
+  writing into it (the partial last page, or compaction in place): copy-on-write. So a turn that
+  is preempted, or aborted before it computed anything, leaves the chain's state intact, and
+  forks share pages for free.
+- Rollback: where the prompt diverges from the history, the chain rolls back to the common
+  prefix when every token after it is stored verbatim (appended after the last compaction, or
+  inside a keep's `+ last N`: `verbatim_from`); otherwise `ChainDiverged`.
+- Turn end: the sequence's computed tokens, pages and method state become the record's; the
+  record's previous pages are released (shared ones stay with whoever else holds them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+import hashlib
+import itertools
+import secrets
+import struct
+from collections import Counter, OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvc.runtime.errors import (
+    ChainBusy,
+    ChainDiverged,
+    ChainEvicted,
+    ChainNotFound,
+    KvcError,
+)
+from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.method_api import Hook, KVMethod
+
+_GONE_LIMIT = 65536  # evicted / dropped ids remembered for their 410
 
 
 @dataclass(frozen=True)
 class ChainSpec:
+    """What a request asks of the chain cache; exactly one of `open`, `continue_id`, `fork_id`."""
+
     open: bool = False  # {"chain": true}: record this request's KV as a new chain
     continue_id: str | None = None  # {"chain_id": ID}
     fork_id: str | None = None  # {"chain_fork": ID}: a new chain starting from ID's state
-    owner: str | None = None  # opaque owner key (the server passes sha256 of the API key); None: no auth
+    owner: str | None = None  # opaque owner key (the server passes a hash of the API key)
+
+    def __post_init__(self) -> None:
+        if sum((bool(self.open), self.continue_id is not None, self.fork_id is not None)) != 1:
+            raise KvcError("a chained request opens, continues or forks exactly one chain", param="chain")
+
+
+class ChainState(enum.Enum):
+    ACTIVE = "active"  # a request runs on it (busy); never evicted
+    IDLE = "idle"  # waiting for the next turn; evictable under memory pressure
+
+
+@dataclass
+class ChainRecord:
+    chain_id: str
+    owner: str | None
+    fingerprint: str
+    page_tables: list[list[int]]  # per layer, the pages this record holds a reference on
+    kv_lens: list[int]  # physical tokens per layer
+    kv_starts: list[list[int] | None]  # per layer, per KV head first slot (None: all 0)
+    tokens: list[int] = field(default_factory=list)  # logical history: tokens whose K/V are stored
+    verbatim_from: int = 0  # logical position from which every layer's stored tail is verbatim
+    compressed: bool = False  # pages no longer equal the logical tokens
+    method_state: Any = None  # KVMethod.turn_end's opaque value
+    state: ChainState = ChainState.ACTIVE
+    last_use: int = 0
+    digest: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        self.set_tokens(self.tokens)
+
+    def set_tokens(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.digest = hashlib.sha256(struct.pack(f"<{len(tokens)}q", *tokens)).hexdigest()
+
+    def pages(self) -> set[int]:
+        return {p for table in self.page_tables for p in table}
+
+
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class ChainStore:
+    """Every chain of one engine, keyed by an unguessable id."""
+
+    def __init__(self, pool: PagePool, num_layers: int, method: KVMethod, fingerprint: str) -> None:
+        self.pool = pool
+        self.num_layers = num_layers
+        self.method = method
+        self.fingerprint = fingerprint
+        self._records: dict[str, ChainRecord] = {}
+        self._gone: OrderedDict[str, str | None] = OrderedDict()  # id -> owner, for 410
+        self._clock = itertools.count(1)
+        self.evicted_total = 0
+        self.reused_tokens_total = 0
+        self.prefilled_tokens_total = 0
+
+    # ---- lookup ------------------------------------------------------------------------------
+    def get(self, chain_id: str, owner: str | None) -> ChainRecord:
+        """The record, or ChainNotFound (unknown, or another owner's) / ChainEvicted."""
+        record = self._records.get(chain_id)
+        if record is not None and record.owner == owner:
+            return record
+        if record is None and chain_id in self._gone and self._gone[chain_id] == owner:
+            raise ChainEvicted(f"chain {chain_id!r} was evicted or dropped; start a new chain", param="chain_id")
+        raise ChainNotFound(f"no chain {chain_id!r}", param="chain_id")
+
+    def __contains__(self, chain_id: str) -> bool:
+        return chain_id in self._records
+
+    def records(self) -> list[ChainRecord]:
+        return list(self._records.values())
+
+    # ---- a request starts --------------------------------------------------------------------
+    def begin(self, spec: ChainSpec, prompt: Seq[int]) -> ChainRecord:
+        """The record the request runs on, now active; rolls back to the prompt's common prefix
+        with the history where it may. Raises the chain errors; changes nothing when it does
+        (except a rollback, which leaves a valid, shorter chain)."""
+        if spec.open:
+            return self._new(spec.owner, [[] for _ in range(self.num_layers)], [0] * self.num_layers,
+                             [None] * self.num_layers)
+        if spec.continue_id is not None:
+            record = self.get(spec.continue_id, spec.owner)
+            self._check_usable(record)
+            self._match(record, prompt)
+            record.state = ChainState.ACTIVE
+            return record
+        source = self.get(spec.fork_id, spec.owner)
+        self._check_usable(source)
+        for table in source.page_tables:
+            self.pool.acquire(table)
+        fork = self._new(spec.owner, [list(t) for t in source.page_tables], list(source.kv_lens),
+                         [None if s is None else list(s) for s in source.kv_starts])
+        fork.set_tokens(list(source.tokens))
+        fork.verbatim_from, fork.compressed = source.verbatim_from, source.compressed
+        fork.method_state = source.method_state  # turn_resume copies it
+        source.last_use = next(self._clock)
+        try:
+            self._match(fork, prompt)
+        except ChainDiverged:
+            self._remove(fork, remember=False)
+            raise
+        return fork
+
+    def abandon(self, record: ChainRecord, spec: ChainSpec) -> None:
+        """Undoes `begin` for a request that was refused afterwards (capacity, bad options)."""
+        if spec.continue_id is not None:
+            record.state = ChainState.IDLE
+            record.last_use = next(self._clock)
+        else:
+            self._remove(record, remember=False)
+
+    def _new(self, owner, tables, kv_lens, kv_starts) -> ChainRecord:
+        chain_id = "chain-" + secrets.token_urlsafe(24)
+        record = ChainRecord(chain_id, owner, self.fingerprint, tables, kv_lens, kv_starts,
+                             last_use=next(self._clock))
+        self._records[chain_id] = record
+        return record
+
+    def _check_usable(self, record: ChainRecord) -> None:
+        if record.state is ChainState.ACTIVE:
+            raise ChainBusy(f"a request is already running on chain {record.chain_id!r}; one at a time",
+                            param="chain_id")
+        if record.fingerprint != self.fingerprint:
+            raise ChainDiverged(f"chain {record.chain_id!r} was recorded with another model, method or "
+                                "parameters", param="chain_id")
+
+    def _match(self, record: ChainRecord, prompt: Seq[int]) -> None:
+        """Makes the record's history a prefix of `prompt` (leaving at least the prompt's last
+        token to compute, for its logit), rolling back where allowed."""
+        history = len(record.tokens)
+        common = min(common_prefix(record.tokens, prompt), len(prompt) - 1)
+        if common == history:
+            return
+        if common < record.verbatim_from:
+            why = ("the prompt ends inside the history" if common == len(prompt) - 1 else
+                   f"the prompt differs from the history at token {common}")
+            raise ChainDiverged(
+                f"{why} of chain {record.chain_id!r} ({history} tokens); the method {self.method.name!r} compressed "
+                f"the history before token {record.verbatim_from}, so the chain can roll back to token "
+                f"{record.verbatim_from} or later only; resend the conversation as recorded, or start a new chain",
+                param="chain_id")
+        self._truncate(record, common)
+
+    def _truncate(self, record: ChainRecord, length: int) -> None:
+        """Rolls the record back to its first `length` logical tokens (all dropped ones verbatim)."""
+        drop = len(record.tokens) - length
+        for layer, table in enumerate(record.page_tables):
+            kv = record.kv_lens[layer] - drop
+            if kv < 0:
+                raise RuntimeError(f"chain {record.chain_id}: rollback below the stored tokens of layer {layer}")
+            keep = self.pool.pages_for(kv)
+            self.pool.free(table[keep:])
+            del table[keep:]
+            record.kv_lens[layer] = kv
+        record.set_tokens(record.tokens[:length])
+
+    # ---- the scheduler: admission, turn end ----------------------------------------------------
+    def attach(self, seq) -> None:
+        """Starts an admitted sequence from its record: shared pages (one more reference each),
+        physical lengths and starts; the history counts as computed."""
+        record: ChainRecord = seq.chain
+        for table in record.page_tables:
+            self.pool.acquire(table)
+        seq.page_tables = [list(t) for t in record.page_tables]
+        seq.kv_lens = list(record.kv_lens)
+        seq.kv_starts = [None if s is None else list(s) for s in record.kv_starts]
+        seq.tables_version += 1
+        history = len(record.tokens)
+        seq.num_computed_tokens = seq.num_cached_tokens = history
+        seq.compressed = record.compressed
+        seq.verbatim_from = record.verbatim_from
+        seq.history_gap = [history - kv for kv in record.kv_lens]
+
+    def resume(self, seq) -> None:
+        """The admission went through: the method gets the chain's state for this sequence."""
+        record: ChainRecord = seq.chain
+        hooks = self.method.hooks
+        if Hook.RELEASE in hooks:
+            self.method.release(seq.seq_id)  # what a preempted attempt of this turn left behind
+        if Hook.TURN in hooks:
+            self.method.turn_resume(seq.seq_id, record.method_state, list(seq.kv_lens))
+        history = len(record.tokens)
+        self.reused_tokens_total += history
+        self.prefilled_tokens_total += len(seq.token_ids) - history
+
+    def end_turn(self, seq) -> None:
+        """The request finished, stopped or was aborted. A running sequence's computed tokens, pages
+        and method state become the chain's (its tables are taken: the caller frees nothing of
+        them); a waiting one (never admitted, or preempted) leaves the chain as it was."""
+        from kvc.runtime.sequence import SequenceStatus
+
+        record: ChainRecord = seq.chain
+        if record is None or self._records.get(record.chain_id) is not record:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            old = record.page_tables
+            tables = seq.page_tables
+            for layer, table in enumerate(tables):  # pages taken for a step that never ran
+                keep = self.pool.pages_for(seq.kv_lens[layer])
+                self.pool.free(table[keep:])
+                del table[keep:]
+            seq.page_tables = [[] for _ in tables]
+            seq.tables_version += 1
+            record.page_tables = tables
+            record.kv_lens = list(seq.kv_lens)
+            record.kv_starts = [None if s is None else list(s) for s in seq.kv_starts]
+            record.set_tokens(list(seq.token_ids[: seq.num_computed_tokens]))
+            record.verbatim_from = min(seq.verbatim_from, len(record.tokens))
+            record.compressed = seq.compressed
+            record.method_state = self.method.turn_end(seq.seq_id) if Hook.TURN in self.method.hooks else None
+            for table in old:
+                self.pool.free(table)
+        record.state = ChainState.IDLE
+        record.last_use = next(self._clock)
+
+    # ---- memory ------------------------------------------------------------------------------
+    def evict_idle(self) -> bool:
+        """Evicts the idle chain used longest ago; False when there is none."""
+        idle = [r for r in self._records.values() if r.state is ChainState.IDLE]
+        if not idle:
+            return False
+        self._remove(min(idle, key=lambda r: r.last_use), remember=True)
+        self.evicted_total += 1
+        return True
+
+    def drop(self, chain_id: str, owner: str | None) -> None:
+        """Forgets a chain and releases its pages (later use: 410)."""
+        record = self.get(chain_id, owner)
+        if record.state is ChainState.ACTIVE:
+            raise ChainBusy(f"a request is running on chain {chain_id!r}; drop it when the request is done",
+                            param="chain_id")
+        self._remove(record, remember=True)
+
+    def _remove(self, record: ChainRecord, remember: bool) -> None:
+        for table in record.page_tables:
+            self.pool.free(table)
+        record.page_tables = [[] for _ in record.page_tables]
+        del self._records[record.chain_id]
+        if remember:
+            self._gone[record.chain_id] = record.owner
+            while len(self._gone) > _GONE_LIMIT:
+                self._gone.popitem(last=False)
+
+    def pinned_pages(self, exclude: ChainRecord | None = None) -> int:
+        """Distinct pages held by active chains other than `exclude` (never evicted)."""
+        pages: set[int] = set()
+        for r in self._records.values():
+            if r.state is ChainState.ACTIVE and r is not exclude:
+                pages |= r.pages()
+        return len(pages)
+
+    def extra_pages(self, seq) -> int:
+        """Pages seq's chain pins beyond those the sequence itself holds."""
+        if seq.chain is None:
+            return 0
+        own = {p for table in seq.page_tables for p in table}
+        return len(seq.chain.pages() - own)
+
+    def references(self) -> Counter:
+        """page -> references the records hold (for invariant checks)."""
+        return Counter(p for r in self._records.values() for table in r.page_tables for p in table)
+
+    def stats(self) -> dict[str, int]:
+        records = self._records.values()
+        pages: set[int] = set()
+        for r in records:
+            pages |= r.pages()
+        return {
+            "active": sum(r.state is ChainState.ACTIVE for r in records),
+            "idle": sum(r.state is ChainState.IDLE for r in records),
+            "evicted_total": self.evicted_total,
+            "pages": len(pages),
+            "reused_tokens_total": self.reused_tokens_total,
+            "prefilled_tokens_total": self.prefilled_tokens_total,
+        }

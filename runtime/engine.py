@@ -3,6 +3,11 @@ live requests one step at a time (continuous batching). `LLM` and the server dri
 
 The KV method (`method_api.KVMethod`) is resolved from `config.method`, or passed in directly
 (tests, and later compiled methods); the engine only talks to it through the contract.
+
+Chains (runtime/chains.py): `add_request(..., chain=ChainSpec(...))` opens, continues or forks a
+chain; it validates synchronously and raises the chain errors (404/409/410/503); the returned
+sequence carries `chain_id`. A chained request records its KV into its chain when it finishes,
+stops or is aborted. `drop_chain` forgets one; `chains.stats()` counts them.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import logging
 import torch
 
 from kvc.runtime.attention.backend import PagedAttention, kv_bytes_per_page
+from kvc.runtime.chains import ChainSpec, ChainStore
 from kvc.runtime.config import EngineConfig
-from kvc.runtime.errors import ConfigError, InvalidPromptError, OutOfKVMemory, PromptTooLongError
+from kvc.runtime.errors import ChainCapacity, ConfigError, InvalidPromptError, OutOfKVMemory, PromptTooLongError
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.method_api import Hook, KVMethod
 from kvc.runtime.methods import resolve_method
@@ -83,10 +89,12 @@ class Engine:
         )
         method_id = getattr(self.method, "fingerprint", self.method.name)  # name + parameters + source
         salt = hashlib.sha256(f"{model_ref}|{method_id}|{self.spec}".encode()).digest()[:16]
-        # A compacting method's pages stop matching the logical tokens, and compaction writes in
-        # place: pages must not be shared, so no prefix caching for it (copy-on-write: later).
+        # A compacting method's pages stop matching the logical tokens: no prefix caching for it
+        # (its chains still share pages, copy-on-write).
         prefix_caching = config.enable_prefix_caching and not self.method.compacts
         self.pool = PagePool(self.num_pages, config.page_size, prefix_caching, salt=salt)
+        self.chains = ChainStore(self.pool, self.spec.num_layers, self.method, fingerprint=salt.hex())
+        hooks = self.method.hooks
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -97,6 +105,8 @@ class Engine:
             self.pool,
             num_layers=self.spec.num_layers,
             budget=self.method.budget,
+            chains=self.chains,
+            compacts=(self.method.compacts and Hook.PREFILL_END in hooks, self.method.compacts and Hook.STEP_END in hooks),
         )
         self.runner = ModelRunner(
             self.model,
@@ -108,6 +118,7 @@ class Engine:
             use_cuda_graphs=config.cuda_graphs,
             seed=config.seed,
             method=self.method,
+            pool=self.pool,
         )
         self.sequences: dict[int, Sequence] = {}
 
@@ -121,7 +132,9 @@ class Engine:
         return CPU_DEFAULT_KV_BYTES
 
     # ---- requests --------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    chain: ChainSpec | None = None) -> Sequence:
+        """Queues a request; raises the user's errors at once (and the chain errors for `chain`)."""
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidPromptError("the prompt is empty; give at least one token", param="prompt")
@@ -141,16 +154,47 @@ class Engine:
             max_model_len=self.max_model_len,
             num_layers=self.spec.num_layers,
         )
-        needed = self.scheduler.pages_needed(n, min(n + params.max_tokens, self.max_model_len))
+        if chain is None:
+            self._check_fits(seq, params)
+            self.scheduler.add(seq)
+        else:
+            record = self.chains.begin(chain, prompt_token_ids)
+            seq.chain, seq.chain_id = record, record.chain_id
+            try:
+                self._check_fits(seq, params)
+                self.scheduler.add(seq)
+            except BaseException:
+                self.chains.abandon(record, chain)
+                raise
+        self.runner.add_request(seq.seq_id, params.seed)
+        self.sequences[seq.seq_id] = seq
+        return seq
+
+    def _check_fits(self, seq: Sequence, params: SamplingParams) -> None:
+        """OutOfKVMemory when the request can never fit the pool; ChainCapacity when a chained one
+        cannot fit beside the pages active chains pin (idle ones would be evicted)."""
+        physical = seq.physical_prompt_len  # a continuation counts its stored history, not its logical one
+        grown = physical + min(params.max_tokens, self.max_model_len - len(seq.token_ids))
+        needed = self.scheduler.pages_needed(physical, grown)
         if needed > self.num_pages:
             raise OutOfKVMemory(
                 f"the request needs {needed} KV pages but the whole pool has {self.num_pages}; "
                 f"raise kv_cache_memory or lower max_tokens",
             )
-        self.scheduler.add(seq)
-        self.runner.add_request(seq.seq_id, params.seed)
-        self.sequences[seq.seq_id] = seq
-        return seq
+        if seq.chain is not None:
+            # the record's pages stay pinned for the turn; a compacting turn may copy all of them,
+            # otherwise only each layer's partial last page is copied
+            compacts = self.scheduler.compacts_prefill or self.scheduler.compacts_decode
+            copies = len(seq.chain.pages()) if compacts else self.spec.num_layers
+            pinned = self.chains.pinned_pages(exclude=seq.chain)
+            if needed + copies + pinned > self.num_pages:
+                raise ChainCapacity(
+                    f"the chain's request needs {needed + copies} KV pages, {pinned} of the pool's {self.num_pages} "
+                    "are held by other active chains; retry later", param="chain_id")
+
+    def drop_chain(self, chain_id: str, owner: str | None) -> None:
+        """Forgets a chain and frees its pages (ChainNotFound / ChainEvicted / ChainBusy)."""
+        self.chains.drop(chain_id, owner)
 
     def abort(self, seq_id: int) -> None:
         self.scheduler.abort(seq_id)

@@ -13,6 +13,11 @@ class KvcError(Exception):
 
     status: int = 400
     param: str | None = None
+    code: str | None = None  # OpenAI's error `code`, where the error has one
+
+    @property
+    def http_status(self) -> int:
+        return self.status
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -51,37 +56,40 @@ class OutOfKVMemory(KvcError):
     status = 503
 
 
-# ---- chain cache (issue 6): each carries its HTTP status and OpenAI error `code` -----------------
-class ChainNotFound(KvcError):
-    """Unknown chain id, or the chain belongs to another owner (API key)."""
+class ChainError(KvcError):
+    """A chain-cache request that cannot be served (runtime/chains.py); `code` names which."""
 
-    status = http_status = 404
+
+class ChainNotFound(ChainError):
+    """Unknown chain id, or a chain of another owner (never told apart: ids are not probed)."""
+
+    status = 404
     code = "chain_not_found"
 
 
-class ChainBusy(KvcError):
-    """A request is already running on the chain; a chain takes one request at a time."""
+class ChainBusy(ChainError):
+    """A request is already running on the chain (one at a time)."""
 
-    status = http_status = 409
+    status = 409
     code = "chain_busy"
 
 
-class ChainDiverged(KvcError):
+class ChainDiverged(ChainError):
     """The prompt does not extend the chain's history and the chain cannot roll back to it."""
 
-    status = http_status = 409
+    status = 409
     code = "chain_diverged"
 
 
-class ChainEvicted(KvcError):
-    """The chain existed but was evicted (LRU, under memory pressure) or dropped."""
+class ChainEvicted(ChainError):
+    """The chain existed but was evicted under memory pressure, or dropped."""
 
-    status = http_status = 410
+    status = 410
     code = "chain_evicted"
 
 
-class ChainCapacity(KvcError):
-    """No KV memory for the chain, even after evicting every idle chain."""
+class ChainCapacity(ChainError):
+    """No memory for the chain's request, even with every idle chain evicted; retry later."""
 
-    status = http_status = 503
+    status = 503
     code = "chain_capacity"

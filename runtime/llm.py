@@ -1,4 +1,10 @@
-"""The offline Python API: `LLM(model=..., method="full").generate(prompts, params)`."""
+"""The offline Python API: `LLM(model=..., method="full").generate(prompts, params)`.
+
+Multi-turn sessions go through the chain cache: `generate(prompt, params, chain=ChainSpec(open=True))`
+returns outputs with a `chain_id`; the next turn passes the whole conversation with
+`chain=ChainSpec(continue_id=...)` (or `fork_id=...`) and only the new suffix is prefilled
+(`num_cached_tokens` says how many tokens were reused).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvc.runtime.chains import ChainSpec
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.engine import Engine
 from kvc.runtime.errors import ConfigError, InvalidPromptError, InvalidSamplingParams
@@ -22,8 +29,9 @@ class RequestOutput:
     token_ids: list[int]  # the new tokens only
     text: str
     finish_reason: str | None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens not prefilled: prefix-cache hits or chain reuse
     metrics: dict[str, Any] = field(default_factory=dict)
+    chain_id: str | None = None  # the chain this request opened, continued or forked
 
 
 class LLM:
@@ -56,8 +64,10 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        chain: ChainSpec | Seq[ChainSpec | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generates for all prompts together (continuous batching); outputs keep prompt order."""
+        """Generates for all prompts together (continuous batching); outputs keep prompt order.
+        `chain`: one `ChainSpec` per prompt (or one for a single prompt), None for no chain."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -72,11 +82,14 @@ class LLM:
             raise InvalidSamplingParams(
                 f"got {len(params)} SamplingParams for {len(prompts)} prompts", param="params"
             )
+        chains = [chain] * len(prompts) if chain is None or isinstance(chain, ChainSpec) else list(chain)
+        if len(chains) != len(prompts) or (isinstance(chain, ChainSpec) and len(prompts) != 1):
+            raise InvalidPromptError(f"got {len(chains)} chain specs for {len(prompts)} prompts", param="chain")
         token_lists = [self.encode(p) for p in prompts]  # all errors before any work starts
         seqs: list[Sequence] = []
         try:
-            for ids, p in zip(token_lists, params):
-                seqs.append(self.engine.add_request(ids, p))
+            for ids, p, c in zip(token_lists, params, chains):
+                seqs.append(self.engine.add_request(ids, p, chain=c))
             self._run(len(seqs), use_tqdm)
         finally:
             for seq in seqs:  # an error or Ctrl-C mid-run must not leave pages behind
@@ -90,6 +103,7 @@ class LLM:
                 text=self.decode(list(seq.generated_ids)),
                 finish_reason=seq.finish_reason,
                 num_cached_tokens=seq.num_cached_tokens,
+                chain_id=seq.chain_id,
             )
             for p, seq in zip(prompts, seqs)
         ]

@@ -25,7 +25,13 @@ Points, in the order a request meets them:
   its manifest names, `plain` by default) and the decode statistics they must emit.
 - `step_end(layer, view)`       after a step's forward, per layer of every sequence that decoded
   in it, -> an optional `KeepPlan`, compacted at once (decode-time eviction).
-- `turn_end(seq_id)` / `turn_resume(seq_id, state)`: chain cache (not called yet: a later issue).
+- `turn_end(seq_id)` / `turn_resume(seq_id, state, lengths)`: chain cache (runtime/chains.py), only
+  for methods listing `Hook.TURN`. `turn_end` hands over (and forgets) the sequence's state when
+  its turn is recorded into a chain; `turn_resume` installs a chain's state under a new sequence
+  (a copy: forks share one recorded state) before its continuation prefills, with per-token state
+  cut to the layers' physical `lengths` (a rollback drops the stored tail). A continuation looks
+  to the method like a new request whose prompt is the stored (compressed) history plus the new
+  suffix: `prompt`/`context` symbols count physical tokens, RoPE positions stay logical.
 - `release(seq_id)`             the sequence's pages were freed (finish, abort, preemption).
 
 The engine only calls the points named in `hooks`, so a method pays for nothing it does not use.
@@ -149,6 +155,9 @@ class KeepPlan:
 
     indices: torch.Tensor  # [Hkv, max kept] int64
     lengths: torch.Tensor | None = None  # [Hkv] int64, or None: every head keeps indices.shape[1]
+    # The plan keeps the last `tail` stored tokens of every head, in order, as the newest kept
+    # (a keep's `+ last N`): the chain cache's rollback relies on it (0: no such promise).
+    tail: int = 0
 
     @property
     def kept(self) -> int:
@@ -235,7 +244,7 @@ class KVMethod(Protocol):
 
     def turn_end(self, seq_id: int) -> Any: ...
 
-    def turn_resume(self, seq_id: int, state: Any) -> None: ...
+    def turn_resume(self, seq_id: int, state: Any, lengths: Seq[int]) -> None: ...
 
     def release(self, seq_id: int) -> None: ...
 
@@ -271,7 +280,7 @@ class MethodBase:
     def turn_end(self, seq_id: int) -> Any:
         return None
 
-    def turn_resume(self, seq_id: int, state: Any) -> None:
+    def turn_resume(self, seq_id: int, state: Any, lengths: Seq[int]) -> None:
         return None
 
     def release(self, seq_id: int) -> None:

@@ -17,6 +17,13 @@ windows) and calls the generated torch lowering at the contract's points:
   (with per-head `lengths` when the counts differ: head-adaptive selections such as Ada-KV; the
   counts are the selected tensors' sizes and stay on the host, so no device sync reads them).
 - `release`: drops the sequence's buffers.
+- `turn_end` / `turn_resume` (methods with per-token state, e.g. H2O's `seen`: `Hook.TURN`): the
+  chain cache takes each layer's state with the session (the decode state, or the prefill
+  accumulator of a prefill cut short) and gives it back, cut to the stored lengths, as the
+  prefill accumulator of the continuation, which then grows it over the new suffix. Query
+  windows are not carried over: a continued prefill observes its own suffix's queries.
+- Keep plans carry `tail`: the keep's `+ last N` (manifest hook fact `last`), evaluated with the
+  hook's symbols, so the chain cache knows which stored tokens are still verbatim.
 
 A method with no hooks (`full`) gets an empty `hooks` set and `compacts = False`: the engine calls
 nothing and prefix caching stays on.
@@ -50,6 +57,7 @@ from typing import Any
 import torch
 
 from kvc.compiler import cache as method_cache
+from kvc.compiler.torch_primitives import clamp_count
 from kvc.dsl import METHODS_DIR, KvmError
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.attention.metadata import StatsFold
@@ -204,6 +212,7 @@ class CompiledMethod(DecodeHooks, MethodBase):
         if self._chunk_hook is not None or self.window != 0:  # per-chunk state or a query window
             hooks.add(Hook.PREFILL_CHUNK)
         self.states = list(getattr(self.lowering, "STATES", []))
+        self._tails = {hook: fact.get("last") for hook, fact in facts.items() if fact.get("keeps")}
         self._fused_names = _fused_kernels(manifest)
         self._fused: dict[str, Any] | None = None  # hook -> entry point of triton_kernels.py, on first GPU use
         self._q: dict[tuple[int, int], torch.Tensor] = {}  # (seq, layer) -> [Hq, <=w, D]
@@ -215,6 +224,8 @@ class CompiledMethod(DecodeHooks, MethodBase):
         self.budget = CompiledBudget(held, params, 1, 1)
         self.attention = _attention_kernels(name, manifest)
         hooks |= self._init_decode(manifest)
+        if self.states:  # per-sequence state that a chain must carry between turns
+            hooks.add(Hook.TURN)
         self.hooks = frozenset(hooks)
         self.compacts = bool(hooks)  # a method with no hooks (`full`) keeps every token: prefix caching stays on
         if Hook.STEP_END in hooks:
@@ -288,8 +299,39 @@ class CompiledMethod(DecodeHooks, MethodBase):
             scores = self._scores({"q": q, "k": k, "v": _operand(view.cache.values())}, state, sym, self.params)
         kept = self._select(scores, sym, self.params)
         plan = None if all(int(t.numel()) >= length for t in kept) else _keep_plan(kept, device)
+        if plan is not None:
+            plan.tail = self.kept_tail("prefill_end", sym, length)
         self._decode_start(key, state, length, plan, device)
         return plan
+
+    def kept_tail(self, hook: str, sym: dict, length: int) -> int:
+        """How many of the newest of `length` stored tokens `hook`'s keep always keeps (`+ last N`)."""
+        expr = self._tails.get(hook)
+        if expr is None:
+            return 0
+        value = eval(expr, vars(self.lowering), {**sym, **self.params})  # noqa: S307 -- generated, like the lowering
+        return clamp_count(value, length)
+
+    # ---- chain cache -------------------------------------------------------------------------
+    def turn_end(self, seq_id: int) -> dict[int, dict[str, torch.Tensor]]:
+        """Per layer, the sequence's per-token state (decode state, or a cut-short prefill's
+        accumulator); the method forgets it."""
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for store in (self._state, self._decode_state):  # decode state wins: it is the newer
+            for key in [key for key in store if key[0] == seq_id]:
+                state[key[1]] = store.pop(key)
+        self.release(seq_id)
+        return state
+
+    def turn_resume(self, seq_id: int, state: Any, lengths) -> None:
+        """A chain's state becomes `seq_id`'s prefill accumulator (copied: forks share the record),
+        cut to the physical `lengths` per layer (a rollback dropped the stored tail)."""
+        self.release(seq_id)
+        for layer, tensors in (state or {}).items():
+            self._state[seq_id, layer] = {
+                name: (value[:, : lengths[layer]] if value.dim() == 2 else value).clone()
+                for name, value in tensors.items()
+            }
 
     def release(self, seq_id: int) -> None:
         self._release_decode(seq_id)

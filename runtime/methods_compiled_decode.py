@@ -19,6 +19,7 @@ lowering (`<hook>` accumulating state, or `<hook>_scores` + `<hook>_select` when
   that does not evict skips the selection and a step that does never syncs for its size.
 - After `prefill_end`, the prefill state (H2O's column sums) continues into decoding, gathered to
   the kept tokens.
+- Keep plans carry `tail` (the keep's `+ last N`, `CompiledMethod.kept_tail`) for the chain cache.
 
 Symbols in decode hooks: `context` is the physical length the selection ranks (the stored
 tokens, the step's own included), `prompt` the tokens the prefill covered, `step` the decode
@@ -192,7 +193,7 @@ class DecodeHooks:
             raise RuntimeError(f"method {self.name!r}: selection kept {indices.shape[1]}, its count says {count}")
         if key in self._decode_state:
             self._decode_state[key] = _gather_state(state, length, indices, device)
-        return KeepPlan(indices)
+        return KeepPlan(indices, tail=self.kept_tail(self._keep_hook, sym, length))
 
     def _release_decode(self, seq_id: int) -> None:
         for store in (self._pending, self._decode_state):

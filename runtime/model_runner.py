@@ -15,6 +15,12 @@ hooks for decode rows (static shapes, no host sync, so they are CUDA-graph captu
 with `decode_graphs = False` runs its decode steps eagerly and its decode views carry host facts
 per row). After the forward, `step_end` runs per layer of each decoded sequence (eager code, also
 after a graph replay); its keep plans are compacted and reported like prefill_end's.
+
+Copy-on-write (chain cache, runtime/chains.py): before a step writes into a page that is shared
+(another holder, or named by the prefix cache), the runner copies it into one of the sequence's
+`spare_pages` (set aside by the scheduler) and drops its reference on the original: at the start
+of the step for a partial last page about to be appended to, and before a compaction for the
+pages it rewrites. A keep plan's `tail` moves the sequence's `verbatim_from`.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 from kvc.runtime.attention.backend import PagedAttention
 from kvc.runtime.attention.metadata import AttentionMetadata
 from kvc.runtime.kv.compaction import CompactionJob, compact_many
+from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.method_api import DecodeRow, DecodeView, Hook, KVMethod, LayerCacheView, PrefillView, StepView
 from kvc.runtime.models.base import CausalLM
@@ -65,7 +72,9 @@ class ModelRunner:
         use_cuda_graphs: bool,
         seed: int = 0,
         method: KVMethod | None = None,
+        pool: PagePool | None = None,
     ) -> None:
+        self.pool = pool  # for copy-on-write of shared pages; None: pages are never shared
         self.method = method or resolve_method("full")
         self.num_layers = model.spec.num_layers
         self.model = model
@@ -102,6 +111,8 @@ class ModelRunner:
         """Runs the step: the sampled tokens and the layers a keep plan compacted."""
         decode_only = batch.num_decodes == len(batch.seqs)
         output = StepOutput({})
+        if self.pool is not None:
+            self._own_append_pages(batch)
         if self.graphs is not None and decode_only and self.graphs.fits(len(batch.seqs)):
             logits = self.graphs.run(batch)
             rows = list(range(len(batch.seqs)))
@@ -184,19 +195,26 @@ class ModelRunner:
             if not view.is_last or Hook.PREFILL_END not in method.hooks:
                 continue
             plan = method.prefill_end(layer, view)
-            if plan is not None:
-                jobs.append((seq, CompactionJob(table, length, plan.indices, plan.lengths, seq.kv_starts[layer])))
+            if plan is None:
+                continue
+            self._own_pages(seq, layer, -(-plan.kept // self.page_size))  # copy-on-write before compaction
+            jobs.append((seq, CompactionJob(table, length, plan.indices, plan.lengths, seq.kv_starts[layer]),
+                         seq.num_computed_tokens + n - plan.tail))
         self._compact(layer, jobs, compacted)
 
     def _compact(self, layer: int, jobs: list, compacted: dict[int, dict[int, int]]) -> None:
-        """Applies one layer's keep plans (one kernel launch on a GPU), reports the kept lengths
-        and records the per-head start slots of plans with per-head variable counts."""
+        """Applies one layer's keep plans (one kernel launch on a GPU), reports the kept lengths,
+        records the per-head start slots of plans with per-head variable counts and moves each
+        sequence's verbatim tail (`verbatim_from`: the first logical token a keep may have dropped
+        or moved, for the chain cache's rollback)."""
         if not jobs:
             return
         backend = "triton" if self.attention.backend == "triton" else "auto"
-        done = compact_many(self.attention.k_cache, self.attention.v_cache, [job for _, job in jobs], backend=backend)
-        for (seq, _), result in zip(jobs, done):
+        done = compact_many(self.attention.k_cache, self.attention.v_cache, [job for _, job, _ in jobs],
+                            backend=backend)
+        for (seq, _, verbatim), result in zip(jobs, done):
             compacted.setdefault(seq.seq_id, {})[layer] = result.length
+            seq.verbatim_from = max(seq.verbatim_from, verbatim)
             if result.starts is not None or seq.kv_starts[layer] is not None:
                 seq.set_kv_starts(layer, result.starts)
 
@@ -210,12 +228,46 @@ class ModelRunner:
             for seq in decoded:
                 table = seq.page_tables[layer]
                 length = seq.kv_lens[layer] + 1  # the step's token is stored (postprocess advances kv_lens)
-                view = StepView(seq.seq_id, layer, self.num_layers, seq.num_computed_tokens + 1, seq.prefill_end,
-                                LayerCacheView(cache.k_cache, cache.v_cache, table, length))
+                gap = seq.history_gap[layer]  # a chain continuation: its prompt is the stored history + suffix
+                view = StepView(seq.seq_id, layer, self.num_layers, seq.num_computed_tokens + 1 - gap,
+                                seq.prefill_end - gap, LayerCacheView(cache.k_cache, cache.v_cache, table, length))
                 plan = method.step_end(layer, view)
-                if plan is not None:
-                    jobs.append((seq, CompactionJob(table, length, plan.indices, plan.lengths, seq.kv_starts[layer])))
+                if plan is None:
+                    continue
+                self._own_pages(seq, layer, -(-plan.kept // self.page_size))
+                jobs.append((seq, CompactionJob(table, length, plan.indices, plan.lengths, seq.kv_starts[layer]),
+                             seq.num_computed_tokens + 1 - plan.tail))
             self._compact(layer, jobs, compacted)
+
+    # ---- copy-on-write -----------------------------------------------------------------------
+    def _own_append_pages(self, batch: ScheduledBatch) -> None:
+        """Each sequence's partial last page, which this step appends to, becomes its own."""
+        page = self.page_size
+        for seq in batch.seqs:
+            for layer, kv in enumerate(seq.kv_lens):
+                if kv % page:
+                    self._own_page(seq, layer, kv // page)
+
+    def _own_pages(self, seq, layer: int, count: int) -> None:
+        """The first `count` pages of seq's layer table become its own (a compaction rewrites them)."""
+        if self.pool is not None:
+            for index in range(min(count, len(seq.page_tables[layer]))):
+                self._own_page(seq, layer, index)
+
+    def _own_page(self, seq, layer: int, index: int) -> None:
+        table, pool = seq.page_tables[layer], self.pool
+        old = table[index]
+        if not pool.is_shared(old):
+            return
+        if not seq.spare_pages:
+            raise RuntimeError(f"sequence {seq.seq_id} writes into shared page {old} without a spare page "
+                               "(the scheduler reserves them)")
+        new = seq.spare_pages.pop()
+        for cache in (self.attention.k_cache, self.attention.v_cache):
+            cache[new].copy_(cache[old])
+        table[index] = new
+        pool.free([old])
+        seq.tables_version += 1
 
     def prepare(self, batch: ScheduledBatch, needs_sample: list[bool]) -> StepInputs:
         """Flattens the batch into token ids, logical positions, and per-layer slots and tables."""
@@ -265,7 +317,8 @@ class ModelRunner:
 
 def _decode_rows(batch: ScheduledBatch, layer: int) -> list[DecodeRow]:
     """Host facts of the step's decode rows in one layer (eager steps)."""
-    return [DecodeRow(s.seq_id, s.kv_lens[layer] + 1, s.num_computed_tokens + 1, s.prefill_end)
+    return [DecodeRow(s.seq_id, s.kv_lens[layer] + 1, s.num_computed_tokens + 1 - s.history_gap[layer],
+                      s.prefill_end - s.history_gap[layer])
             for s in batch.seqs[: batch.num_decodes]]
 
 

@@ -16,6 +16,15 @@ recomputed from all its tokens later, through the prefix cache where its pages s
 Memory is per layer: each sequence has a page table per layer over one global pool, and a layer
 needs pages for its physical length `kv_lens[layer]`, which a method's prefill_end compaction can
 shrink (the runner reports it; `postprocess` frees the pages past the kept tokens at once).
+
+Chains (runtime/chains.py): a chained request is admitted from its chain record's pages (only
+the suffix is prefilled) and at its end hands its pages to the record instead of freeing them.
+Pages can be shared (chain records, forks, the prefix cache): a step that writes into a shared
+page gets fresh `spare_pages` for the runner's copy-on-write (the partial last page of an append;
+every shared page when the step may compact), and `postprocess` returns the unused ones. When
+pages run out, idle chains are evicted oldest-last-use first, then running sequences without a
+chain are preempted, chained ones last (a chained one restarts its turn from its record, which
+stayed intact: copy-on-write).
 """
 
 from __future__ import annotations
@@ -25,10 +34,15 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from kvc.runtime.errors import ConfigError, OutOfKVMemory, PromptTooLongError
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.method_api import FullBudget, KVBudget
 from kvc.runtime.sequence import FINISH_ABORT, FINISH_LENGTH, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from kvc.runtime.chains import ChainStore
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +98,13 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, pool: PagePool, num_layers: int = 1, budget: KVBudget | None = None
+        self, config: SchedulerConfig, pool: PagePool, num_layers: int = 1, budget: KVBudget | None = None,
+        chains: ChainStore | None = None, compacts: tuple[bool, bool] = (False, False),
     ) -> None:
         self.config = config
+        self.chains = chains
+        # may compaction write into a sequence's pages (at prefill end, at decode steps)?
+        self.compacts_prefill, self.compacts_decode = compacts
         self.pool = pool
         self.num_layers = num_layers
         self.budget = budget or FullBudget()
@@ -121,7 +139,8 @@ class Scheduler:
             )
         if seq.num_layers != self.num_layers:
             raise ValueError(f"{seq} has {seq.num_layers} page tables, the model {self.num_layers} layers")
-        needed = self.pages_needed(n, n + 1)
+        physical = seq.physical_prompt_len
+        needed = self.pages_needed(physical, physical + 1)
         if needed > self.pool.num_pages:
             raise OutOfKVMemory(
                 f"a prompt of {n} tokens plus one new token needs {needed} KV pages of "
@@ -149,6 +168,45 @@ class Scheduler:
         pages_for = self.pool.pages_for
         return sum(pages_for(kv + n) - len(t) for kv, t in zip(seq.kv_lens, seq.page_tables))
 
+    def _copies(self, seq: Sequence, n: int) -> int:
+        """Spare pages seq's next step of n tokens may need for copy-on-write: its partial last
+        pages when they are shared, or every shared page when the step may compact."""
+        if seq.chain is None and not self.prefix_caching:
+            return 0  # nothing shares its pages
+        pool, size = self.pool, self.pool.page_size
+        if seq.is_prefill:
+            compacts = self.compacts_prefill and seq.num_computed_tokens + n == seq.prefill_end
+        else:
+            compacts = self.compacts_decode
+        if compacts:
+            return sum(pool.is_shared(p) for table in seq.page_tables for p in table)
+        return sum(kv % size != 0 and kv // size < len(t) and pool.is_shared(t[kv // size])
+                   for kv, t in zip(seq.kv_lens, seq.page_tables))
+
+    def _need(self, seq: Sequence, n: int) -> int:
+        return self._growth(seq, n) + self._copies(seq, n) - len(seq.spare_pages)
+
+    def _take(self, seq: Sequence, n: int) -> None:
+        """Allocates what `_need` counted: table growth and spare pages for copy-on-write."""
+        copies = self._copies(seq, n) - len(seq.spare_pages)
+        for kv, table in zip(seq.kv_lens, seq.page_tables):
+            grow = self.pool.pages_for(kv + n) - len(table)
+            if grow > 0:
+                table += self.pool.allocate(grow)
+                seq.tables_version += 1
+        if copies > 0:
+            seq.spare_pages += self.pool.allocate(copies)
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt: the newest without a chain, else the newest."""
+        for seq in reversed(self.running):
+            if seq.chain is None:
+                return seq
+        return self.running[-1]
+
+    def _evict_idle_chain(self) -> bool:
+        return self.chains is not None and self.chains.evict_idle()
+
     def abort(self, seq_id: int) -> Sequence | None:
         """Finishes a waiting or running sequence at once, freeing its pages. Unknown ids: None."""
         seq = self._live.get(seq_id)
@@ -172,19 +230,16 @@ class Scheduler:
         def reserve(seq: Sequence, n: int) -> bool:
             """Pages for seq's next n tokens, preempting the newest running sequences for them."""
             nonlocal budget, preempted
-            need = self._growth(seq, n)
-            while need > self.pool.num_free:
-                victim = self.running[-1]
+            while self._need(seq, n) > self.pool.num_free:
+                if self._evict_idle_chain():
+                    continue
+                victim = self._victim()
                 budget += step.pop(victim.seq_id, 0)  # it may already be in this step
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     return False
-            for kv, table in zip(seq.kv_lens, seq.page_tables):
-                grow = self.pool.pages_for(kv + n) - len(table)
-                if grow > 0:
-                    table += self.pool.allocate(grow)
-                    seq.tables_version += 1
+            self._take(seq, n)
             return True
 
         decoding = [s for s in self.running if not s.is_prefill]  # one uncomputed token each
@@ -219,6 +274,11 @@ class Scheduler:
         pool = self.pool
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
+            if seq.chain is not None:
+                if not self._admit_chained(seq, step, budget, chunk_cap):
+                    break
+                budget -= step[seq.seq_id]
+                continue
             layers = self.num_layers
             hits = pool.lookup_layers(seq.token_ids, layers) if self.prefix_caching else [[]] * layers
             computed = len(hits[0]) * pool.page_size
@@ -227,6 +287,8 @@ class Scheduler:
             fresh = pool.pages_for(computed + n) - len(hits[0])
             revived = sum(pool.ref_count(p) == 0 for table in hits for p in table)  # cached hits
             if fresh * layers + revived > pool.num_free:
+                if self._evict_idle_chain():
+                    continue  # evicted chains' pages may also be prefix hits now: look again
                 break
             self.waiting.popleft()
             if self.prefix_caching:
@@ -241,6 +303,25 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             step[seq.seq_id] = n
             budget -= n
+
+    def _admit_chained(self, seq: Sequence, step: dict[int, int], budget: int, chunk_cap: int) -> bool:
+        """Admits the head of the queue from its chain record (only its suffix to prefill); False
+        when its pages do not fit, even with every idle chain evicted."""
+        self.chains.attach(seq)
+        seq.prefill_end = len(seq.token_ids)
+        n = min(seq.num_uncomputed_tokens, budget, chunk_cap)
+        while self._need(seq, n) > self.pool.num_free:
+            if not self._evict_idle_chain():
+                self._free(seq)  # the record keeps its own references
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                return False
+        self.waiting.popleft()
+        self._take(seq, n)
+        self.chains.resume(seq)
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
+        step[seq.seq_id] = n
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Back to the front of the waiting queue, without pages; it will recompute everything."""
@@ -271,6 +352,9 @@ class Scheduler:
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
             seq.kv_lens = [kv + n for kv in seq.kv_lens]
+            if seq.spare_pages:  # copy-on-write pages the step did not need
+                self.pool.free(seq.spare_pages)
+                seq.spare_pages = []
             for layer, kept in compacted.get(seq.seq_id, {}).items():
                 self._shrink(seq, layer, kept)
             if self.prefix_caching and not seq.compressed:
@@ -281,7 +365,7 @@ class Scheduler:
                 raise ValueError(f"sequence {seq.seq_id} reached its last token but got no sample")
             seq.append_token(sampled[seq.seq_id])
             reason = seq.check_stop()
-            if reason is None and self._growth(seq, 1) + self._held(seq) > self.pool.num_pages:
+            if reason is None and self._growth(seq, 1) + self._held(seq) + self._pinned(seq) > self.pool.num_pages:
                 # The pool could not hold this token's K/V even with the sequence alone in it.
                 reason = FINISH_LENGTH
             if reason is not None:
@@ -306,6 +390,10 @@ class Scheduler:
     def _held(seq: Sequence) -> int:
         return sum(len(t) for t in seq.page_tables)
 
+    def _pinned(self, seq: Sequence) -> int:
+        """Pages seq's chain record holds that seq does not (they stay for the whole turn)."""
+        return 0 if seq.chain is None or self.chains is None else self.chains.extra_pages(seq)
+
     def _shrink(self, seq: Sequence, layer: int, kept: int) -> None:
         """Layer `layer` of seq now stores `kept` tokens: free the pages past them."""
         table = seq.page_tables[layer]
@@ -317,10 +405,18 @@ class Scheduler:
         seq.compressed = True
 
     def _free(self, seq: Sequence) -> None:
+        if seq.spare_pages:
+            self.pool.free(seq.spare_pages)
+            seq.spare_pages = []
         for table in seq.reset_cache():
             self.pool.free(table)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.chain is not None and self.chains is not None:
+            if seq.spare_pages:
+                self.pool.free(seq.spare_pages)
+                seq.spare_pages = []
+            self.chains.end_turn(seq)  # a running sequence's pages become the chain's
         self._free(seq)
         seq.finish(reason)
         del self._live[seq.seq_id]

@@ -13,6 +13,15 @@ Per-head variable counts (a keep plan with `lengths`): `kv_starts[layer]` lists,
 first slot that head uses (its kept tokens are right-aligned below `kv_lens[layer]`); None means
 every head starts at slot 0. The model runner records it when it compacts the layer (in the
 forward that computed the plan); it goes with the cache (`reset_cache`).
+
+Chained requests (runtime/chains.py): `chain` is the chain record the request continues (or
+opens); at admission the scheduler starts it from the record's pages (`num_computed_tokens` =
+the record's history, `kv_lens` its physical lengths), so only the suffix is prefilled.
+`history_gap[layer]` is logical minus physical length of that reused history: the method sees the
+turn as a request whose prompt is the stored history plus the suffix. `verbatim_from` is the
+logical position from which every layer's stored tail equals the logical tokens in order (what
+a rollback may cut). `spare_pages` are fresh pages the scheduler set aside for one step's
+copy-on-write of shared pages (the runner takes them; the rest go back after the step).
 """
 
 from __future__ import annotations
@@ -90,6 +99,11 @@ class Sequence:
         # Tokens the current admission prefills: the prompt, or prompt + generated after a
         # preemption (recompute). Past it the sequence decodes one token per step.
         self.prefill_end = self.num_prompt_tokens
+        self.chain = None  # the chain record this request continues or opens (runtime/chains.py)
+        self.chain_id: str | None = None
+        self.history_gap: list[int] = [0] * num_layers
+        self.verbatim_from = 0
+        self.spare_pages: list[int] = []
 
     def __repr__(self) -> str:
         return (
@@ -118,6 +132,8 @@ class Sequence:
         self.kv_lens = [0] * len(tables)
         self.kv_starts = [None] * len(tables)
         self.compressed = False
+        self.history_gap = [0] * len(tables)
+        self.verbatim_from = 0
         return tables
 
     def set_kv_starts(self, layer: int, starts: list[int] | None) -> None:
@@ -128,6 +144,15 @@ class Sequence:
     @property
     def has_kv_starts(self) -> bool:
         return any(s is not None for s in self.kv_starts)
+
+    @property
+    def physical_prompt_len(self) -> int:
+        """Tokens the most-storing layer holds once the prompt is prefilled: the prompt, or for a
+        chain continuation the record's stored history plus the new suffix."""
+        chain = self.chain
+        if chain is None:
+            return len(self.token_ids)
+        return max(chain.kv_lens, default=0) + len(self.token_ids) - len(chain.tokens)
 
     @property
     def num_generated(self) -> int:

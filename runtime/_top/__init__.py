@@ -10,15 +10,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "ChainSpec", "RequestOutput", "SamplingParams", "__version__"]
 
 _EXPORTS = {
     "LLM": "kvc.runtime.llm",
+    "ChainSpec": "kvc.runtime.chains",
     "RequestOutput": "kvc.runtime.llm",
     "SamplingParams": "kvc.runtime.sampling_params",
 }
 
 if TYPE_CHECKING:
+    from kvc.runtime.chains import ChainSpec
     from kvc.runtime.llm import LLM, RequestOutput
     from kvc.runtime.sampling_params import SamplingParams
 

@@ -3,7 +3,8 @@
 The scheduler asks this pool for page ids; the K/V tensors themselves live in the attention
 backend, indexed by the same ids. A page is in exactly one of three places:
 
-- in use: its reference count is > 0 (several sequences can share a full, cached prefix page);
+- in use: its reference count is > 0 (several sequences can share a full, cached prefix page;
+  chain records and their forks share pages the same way, runtime/chains.py);
 - free: on the plain free list, holding nothing anyone can find;
 - cached: free, but its content is still reachable through its prefix hash. Cached pages wait in
   an LRU queue and are evicted oldest first, only when the plain free list is empty.
@@ -69,6 +70,11 @@ class PagePool:
 
     def ref_count(self, page: int) -> int:
         return self._refs[page]
+
+    def is_shared(self, page: int) -> bool:
+        """Must a writer copy this page first? Another holder references it, or the prefix cache
+        names its content (copy-on-write)."""
+        return self._refs[page] > 1 or self._page_hash[page] is not None
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

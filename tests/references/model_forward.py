@@ -70,6 +70,8 @@ class _Session:
     recorded: dict[int, LayerPrompt] = field(default_factory=dict)
     # decode: called per layer with the newest query [Hq, D] once its K/V joined the cache
     after_decode: Callable[[int, torch.Tensor, HeadCache], None] | None = None
+    # decode: called per layer with all the step's queries [Hq, n, D] once their K/V joined the cache
+    after_chunk: Callable[[int, torch.Tensor, HeadCache], None] | None = None
 
 
 _active: _Session | None = None
@@ -106,6 +108,8 @@ def _attention(
         past.values[:] = [torch.cat([past.values[h], v[h]]) for h in range(v.shape[0])]
         if _active.after_decode is not None:
             _active.after_decode(layer, q[:, -1], past)
+        if _active.after_chunk is not None:
+            _active.after_chunk(layer, q, past)
     return out.transpose(0, 1)[None].to(query.dtype), None
 
 
