@@ -105,6 +105,8 @@ def align_by_expert(
     device = flat.device
     if impl == "auto":
         impl = "triton" if num_pairs <= ALIGN_TRITON_MAX_PAIRS else "torch"
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"align impl must be auto, triton or torch, got {impl!r}")
     if impl == "torch":
         return _align_torch(flat, num_experts, block_m, capacity)
     sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
