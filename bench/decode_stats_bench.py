@@ -201,8 +201,8 @@ def decode_stats_two_pass(
     grid = (num_seqs, num_kv_heads // per_program, triton.cdiv(width, block_n))
     _probs_kernel[grid](
         q, k_cache, block_tables, context_lens, stats[0], stats[1], out, scale, width, num_kv_heads,
-        *strides, out.stride(0), out.stride(1), KV_PER_PROGRAM=per_program, REDUCE={"none": 0, "group": 1, "head": 2}[reduce],
-        MEAN=fn == "mean", **common)
+        *strides, out.stride(0), out.stride(1), KV_PER_PROGRAM=per_program,
+        REDUCE={"none": 0, "group": 1, "head": 2}[reduce], MEAN=fn == "mean", **common)
     return out
 
 

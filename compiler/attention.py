@@ -12,16 +12,21 @@ splices in at named points. `plain` splices nothing (every method that only read
 included); `decode_stats` (methods whose decode hook reads `attn`: H2O, TOVA) makes the decode
 kernels emit the attention statistics. Splice points and what is in scope there:
 
-| point | where | in scope |
-| --- | --- | --- |
-| `module_doc`, `module_imports`, `module_end` | module docstring, imports, last code | |
-| `store_rows` | store_kv, after loading the new K/V rows | `k`, `v` [BLOCK_H, BLOCK_D], `mask` |
-| `k_tile`, `v_tile` | decode and prefill, after a K (V) tile load (dequantisation) | `k` (`v`) [BLOCK_N, BLOCK_D], `tokens`, `pages`, `in_page`, `kv_mask` |
-| `decode_scores` | decode split kernel, after the QK^T tile | `qk` [BLOCK_H, BLOCK_N] fp32 scaled base-2 logits (-inf where masked), `seq`, `heads`, `head_mask`, `tokens`, `token_mask`, `num_q_heads` |
-| `prefill_scores` | prefill tile, after QK^T and the causal mask | `qk` [BLOCK_M, BLOCK_N], `tokens`, `rows_pos` |
-| `decode_params`, `decode_args` | both decode kernels' parameters / launch arguments | the wrapper's locals |
-| `decode_split_end`, `decode_reduce_end` | after the split loop (`m_i`, `l_i`, `acc`) / the reduce (`m`, `total`) | |
-| `decode_prepare`, `decode_finish` | `paged_decode` before / after the launches | `stats`, `batch`, `num_q_heads`, `group`, `starts`, `stride_sb` |
+- `module_doc`, `module_imports`, `module_end`: the module docstring, imports, last code;
+- `store_rows` (store_kv, after loading the new rows): `k`, `v` [BLOCK_H, BLOCK_D], `mask`;
+- `k_tile`, `v_tile` (decode and prefill, after a K / V tile load: dequantisation goes here):
+  `k` / `v` [BLOCK_N, BLOCK_D], `tokens`, `pages`, `in_page`, `kv_mask`;
+- `decode_scores` (decode split kernel, after the QK^T tile): `qk` [BLOCK_H, BLOCK_N] float32
+  scaled base-2 logits (-inf where masked), `seq`, `heads`, `head_mask`, `tokens`, `token_mask`,
+  `num_q_heads`;
+- `prefill_scores` (prefill tile, after QK^T and the causal mask): `qk` [BLOCK_M, BLOCK_N],
+  `tokens`, `rows_pos`;
+- `decode_params`, `decode_args`: extra parameters of both decode kernels / their launch
+  arguments (the wrapper's locals);
+- `decode_split_end`, `decode_reduce_end`: after the split loop (`m_i`, `l_i`, `acc`, `heads`) /
+  after the reduce (`m`, `total`, `head`);
+- `decode_prepare`, `decode_finish`: `paged_decode` before / after the launches (`stats`, `batch`,
+  `num_q_heads`, `group`, `starts`, `stride_sb`).
 
 Rendering is deterministic: the same templates give the same bytes; the header names the
 templates and the .kvm files whose manifests name the variant.
