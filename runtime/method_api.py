@@ -111,6 +111,9 @@ class LayerCacheView:
     v_cache: torch.Tensor
     page_ids: list[int]
     length: int  # physical tokens stored (slot i of the sequence = page i // S, offset i % S)
+    # Per-head variable counts (a layer compacted by a per-head plan): KV head h stores its
+    # tokens in slots [starts[h], length); the slots before are padding. None: every head from 0.
+    starts: list[int] | None = None
 
     def _dense(self, cache: torch.Tensor) -> torch.Tensor:
         pages = cache[torch.tensor(self.page_ids, dtype=torch.long, device=cache.device)]

@@ -213,6 +213,7 @@ class CompiledMethod(DecodeHooks, MethodBase):
             hooks.add(Hook.PREFILL_CHUNK)
         self.states = list(getattr(self.lowering, "STATES", []))
         self._tails = {hook: fact.get("last") for hook, fact in facts.items() if fact.get("keeps")}
+        self._end_reads_v = "v" in facts.get("prefill_end", {}).get("inputs", ["v"])
         self._fused_names = _fused_kernels(manifest)
         self._fused: dict[str, Any] | None = None  # hook -> entry point of triton_kernels.py, on first GPU use
         self._q: dict[tuple[int, int], torch.Tensor] = {}  # (seq, layer) -> [Hq, <=w, D]
@@ -292,17 +293,47 @@ class CompiledMethod(DecodeHooks, MethodBase):
             q = _operand(view.q.transpose(0, 1))
         state = self._state.pop(key, None) or self._new_state(kv_heads, device)
         sym = self._sym(view, q.shape[0], kv_heads, k.shape[-1], length)
-        fused = self._kernel("prefill_end", device)
-        if fused is not None:
-            scores = fused(q, k, self.params, state)
+        starts = view.cache.starts
+        if starts is not None:  # a layer stored with per-head counts (a continued chain of Ada-KV)
+            scores = self._scores_per_head(view, q, k, state, sym, starts)
         else:
-            scores = self._scores({"q": q, "k": k, "v": _operand(view.cache.values())}, state, sym, self.params)
+            scores = self._end_scores(view, q, k, state, sym)
         kept = self._select(scores, sym, self.params)
+        if starts is not None:  # a head never keeps its padding slots (its floor may reach them)
+            kept = [t[t >= start] for t, start in zip(kept, starts)]
         plan = None if all(int(t.numel()) >= length for t in kept) else _keep_plan(kept, device)
         if plan is not None:
             plan.tail = self.kept_tail("prefill_end", sym, length)
         self._decode_start(key, state, length, plan, device)
         return plan
+
+    def _end_scores(self, view: PrefillView, q, k, state, sym, heads: slice = slice(None), start: int = 0):
+        """prefill_end's ranking scores [kv_head, key]: the fused kernel on a GPU, else the lowering
+        (values are copied out of the pages only when the hook reads them)."""
+        fused = self._kernel("prefill_end", k.device)
+        if fused is not None:
+            return fused(q, k, self.params, state)
+        v = _operand(view.cache.values())[heads, start:] if self._end_reads_v else None
+        return self._scores({"q": q, "k": k, "v": v}, state, sym, self.params)
+
+    def _scores_per_head(self, view: PrefillView, q, k, state, sym, starts: list[int]) -> torch.Tensor:
+        """Scores of a layer whose KV head h stores its tokens in slots [starts[h], length): each
+        head is scored alone over its own tokens (its query group, its context), so padding takes
+        no softmax mass and no pooling window; padding slots rank last (-inf)."""
+        kv_heads, length = k.shape[0], k.shape[1]
+        group = q.shape[0] // kv_heads
+        if any(value.dim() == 2 and value.shape[-1] for value in state.values()):
+            raise NotImplementedError(f"method {self.name!r}: per-token prefill state on a layer stored "
+                                      "with per-head counts")
+        scores = torch.full((kv_heads, length), float("-inf"), dtype=torch.float32, device=k.device)
+        for head, start in enumerate(starts):
+            own = k[head : head + 1, start:].contiguous()
+            head_sym = {**sym, "context": length - start, "prompt": length - start, "heads": group, "kv_heads": 1}
+            head_state = {name: value[head : head + 1] for name, value in state.items()}
+            head_scores = self._end_scores(view, q[head * group : (head + 1) * group], own, head_state, head_sym,
+                                           slice(head, head + 1), start)
+            scores[head, start:] = head_scores[0].float()
+        return scores
 
     def kept_tail(self, hook: str, sym: dict, length: int) -> int:
         """How many of the newest of `length` stored tokens `hook`'s keep always keeps (`+ last N`)."""

@@ -188,7 +188,7 @@ class ModelRunner:
                 seq_id=seq.seq_id, layer=layer, num_layers=self.num_layers,
                 q=q[rows], k=k[rows], v=v[rows], start=seq.num_computed_tokens,
                 prompt_len=seq.prefill_end,
-                cache=LayerCacheView(self.attention.k_cache, self.attention.v_cache, table, length),
+                cache=LayerCacheView(self.attention.k_cache, self.attention.v_cache, table, length, seq.kv_starts[layer]),
             )
             if Hook.PREFILL_CHUNK in method.hooks:
                 method.prefill_chunk(layer, view)
@@ -229,8 +229,9 @@ class ModelRunner:
                 table = seq.page_tables[layer]
                 length = seq.kv_lens[layer] + 1  # the step's token is stored (postprocess advances kv_lens)
                 gap = seq.history_gap[layer]  # a chain continuation: its prompt is the stored history + suffix
+                stored = LayerCacheView(cache.k_cache, cache.v_cache, table, length, seq.kv_starts[layer])
                 view = StepView(seq.seq_id, layer, self.num_layers, seq.num_computed_tokens + 1 - gap,
-                                seq.prefill_end - gap, LayerCacheView(cache.k_cache, cache.v_cache, table, length))
+                                seq.prefill_end - gap, stored)
                 plan = method.step_end(layer, view)
                 if plan is None:
                     continue

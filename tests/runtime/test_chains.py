@@ -18,18 +18,9 @@ from tests.runtime.chained import METHODS, check_books, greedy, make_llm, stored
 
 PROMPT = tokens(48, seed=1)
 USER = tokens(14, seed=2)
-ADAKV_RECOMPACT = pytest.mark.xfail(
-    strict=False, raises=NotImplementedError,
-    reason="Ada-KV re-compaction of a layer with per-head starts is not supported on main yet (helper compact)")
-
-
-def _params(method: str):
-    return pytest.param(method, marks=ADAKV_RECOMPACT) if method == "adakv" else method
-
-
-ALL = [_params(m) for m in METHODS]
+ALL = list(METHODS)
 # methods whose only compaction is at prefill end: a rollback restores exactly the shorter turn
-PREFILL_ONLY = [_params(m) for m in ("full", "snapkv", "pyramidkv", "adakv")]
+PREFILL_ONLY = ["full", "snapkv", "pyramidkv", "adakv"]
 
 
 @pytest.fixture(scope="module")
