@@ -21,6 +21,7 @@ if [ "$part" = tests ]; then
   timeout 120 python3 bench/attention_bench.py --no-prefill --out "$out/attention.json" 2>&1 | tail -14
   timeout 120 python3 bench/decode_stats_bench.py --out "$out/decode_stats.json" 2>&1 | tail -20
 else
+  timeout 100 python3 bench/attention_bench.py --no-prefill --out "$out/attention.json" 2>&1 | tail -12
   timeout 200 python3 bench/compaction_bench.py --out "$out/compaction.json" 2>&1 | tail -25
   timeout 300 python3 bench/moe_bench.py --e2e --e2e-layers 12 --out "$out/moe.json" 2>&1 | tail -30
 fi

@@ -31,6 +31,7 @@ import hashlib
 import itertools
 import secrets
 import struct
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -81,7 +82,8 @@ class ChainRecord:
     compressed: bool = False  # pages no longer equal the logical tokens
     method_state: Any = None  # KVMethod.turn_end's opaque value
     state: ChainState = ChainState.ACTIVE
-    last_use: int = 0
+    last_use: int = 0  # a logical clock: LRU order
+    last_used: float = field(default_factory=time.time)  # unix time of the last use, for clients
     digest: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
@@ -128,6 +130,16 @@ class ChainStore:
             raise ChainEvicted(f"chain {chain_id!r} was evicted or dropped; start a new chain", param="chain_id")
         raise ChainNotFound(f"no chain {chain_id!r}", param="chain_id")
 
+    def _touch(self, record: ChainRecord) -> None:
+        record.last_use = next(self._clock)
+        record.last_used = time.time()
+
+    def info(self, chain_id: str, owner: str | None) -> dict:
+        """What a client may see of its chain (ChainNotFound / ChainEvicted as `get`)."""
+        record = self.get(chain_id, owner)
+        return {"tokens": len(record.tokens), "state": record.state.value, "last_used": record.last_used,
+                "pages": sum(len(table) for table in record.page_tables)}
+
     def __contains__(self, chain_id: str) -> bool:
         return chain_id in self._records
 
@@ -157,7 +169,7 @@ class ChainStore:
         fork.set_tokens(list(source.tokens))
         fork.verbatim_from, fork.compressed = source.verbatim_from, source.compressed
         fork.method_state = source.method_state  # turn_resume copies it
-        source.last_use = next(self._clock)
+        self._touch(source)
         try:
             self._match(fork, prompt)
         except ChainDiverged:
@@ -169,7 +181,7 @@ class ChainStore:
         """Undoes `begin` for a request that was refused afterwards (capacity, bad options)."""
         if spec.continue_id is not None:
             record.state = ChainState.IDLE
-            record.last_use = next(self._clock)
+            self._touch(record)
         else:
             self._remove(record, remember=False)
 
@@ -275,7 +287,7 @@ class ChainStore:
             for table in old:
                 self.pool.free(table)
         record.state = ChainState.IDLE
-        record.last_use = next(self._clock)
+        self._touch(record)
 
     # ---- memory ------------------------------------------------------------------------------
     def evict_idle(self) -> bool:

@@ -196,6 +196,10 @@ class Engine:
         """Forgets a chain and frees its pages (ChainNotFound / ChainEvicted / ChainBusy)."""
         self.chains.drop(chain_id, owner)
 
+    def chain_info(self, chain_id: str, owner: str | None) -> dict:
+        """A chain's tokens, state (active/idle), last use (unix time) and pages held."""
+        return self.chains.info(chain_id, owner)
+
     def abort(self, seq_id: int) -> None:
         self.scheduler.abort(seq_id)
         self._release(seq_id)

@@ -21,12 +21,21 @@ import sys
 from types import ModuleType
 
 MODULE_PREFIX = "kvc_attention_"  # sys.modules names of loaded variants
+_LOADED: dict[str, ModuleType] = {}  # variant -> module: located (templates rendered, hashed) once a process
 
 
 def load(variant: str = "plain") -> ModuleType:
-    """The generated attention module of `variant`, imported once per file content.
+    """The generated attention module of `variant`, imported once per file content and located
+    once per process (locating renders the templates: far too slow for a per-call lookup).
 
     Raises ModuleNotFoundError without Triton, KeyError for a variant this compiler does not have."""
+    module = _LOADED.get(variant)
+    if module is None:
+        module = _LOADED[variant] = _load(variant)
+    return module
+
+
+def _load(variant: str) -> ModuleType:
     importlib.import_module("triton")  # fail here, with the package's name, when it is missing
 
     from kvc.compiler.attention import locate

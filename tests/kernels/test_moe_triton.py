@@ -246,6 +246,9 @@ def test_glm4_moe_lite_block_with_triton_experts_equals_transformers():
     )
     torch.manual_seed(10)
     block = glm.Glm4MoeLiteMoE(config).eval()
+    if not all(hasattr(block, name) for name in ("route_tokens_to_experts", "gate", "experts", "shared_experts")) \
+            or not hasattr(block.gate, "e_score_correction_bias"):
+        pytest.skip(f"transformers {transformers.__version__}: Glm4MoeLiteMoE has another layout than this test reads")
     with torch.no_grad():
         for param in block.parameters():
             param.normal_(0.0, 0.1)
