@@ -65,7 +65,7 @@ def group(x, fn, dim, kv_heads):
 def pool(x, mode, kernel, dim):
     """Stride-1 centred pooling; zero padding counts in avg, never wins in max."""
     kernel = int(kernel)
-    if kernel == 1:
+    if kernel == 1 or x.shape[dim] == 0:  # nothing to pool (a prompt no longer than the window)
         return x
     moved = x.movedim(dim, -1)
     radius = kernel // 2

@@ -90,3 +90,19 @@ def test_short_prompts_keep_everything():
     for name in ("snapkv", "tova", "adakv", "streamingllm", "full"):  # h2o keeps fractions of the prompt
         kept = _lowering(name).keep(q, k, params={"window": 4} if name in ("snapkv", "adakv") else None)
         _same(kept, [torch.arange(10)] * KV_HEADS)
+
+
+@pytest.mark.parametrize("pooling", ["avg", "max"])
+def test_pool_over_no_keys(pooling):
+    """A prompt no longer than SnapKV's window leaves no key to pool (the served request crashed)."""
+    from kvc.compiler.torch_primitives import pool
+
+    empty = torch.zeros(2, 0)
+    assert pool(empty, pooling, 5, 1).shape == (2, 0)
+    module = importlib.import_module("kvc.kernels_generated.snapkv.torch_lowering")
+    q, k = torch.randn(4, 3, 8), torch.randn(2, 3, 8)  # 3 tokens, window 8
+    sym = {"context": 3, "prompt": 3, "step": 0, "layer": 0, "layers": 1, "heads": 4, "kv_heads": 2, "head_dim": 8}
+    params = {"budget": 24, "window": 8, "kernel": 5, "pooling": pooling}
+    scores = module.prefill_end_scores({"q": q, "k": k, "v": None}, {}, sym, params)
+    kept = module.prefill_end_select(scores, sym, params)
+    assert [t.tolist() for t in kept] == [[0, 1, 2], [0, 1, 2]]
