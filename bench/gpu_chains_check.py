@@ -31,8 +31,10 @@ def main() -> int:
             first = llm.generate(prompt, greedy, chain=ChainSpec(open=True))[0]
             history = prompt + list(first.token_ids)
             second = llm.generate(history + user, greedy, chain=ChainSpec(continue_id=first.chain_id))[0]
-            fork = llm.generate(history + user, greedy, chain=ChainSpec(fork_id=first.chain_id))[0]
-            cut = history + user + list(fork.token_ids)[:5] + user  # a stop-string-like cut of the fork's turn
+            # the chain now holds turn 2 too (continuing keeps the id): fork it with a turn 3
+            convo = history + user + list(second.token_ids)
+            fork = llm.generate(convo + user, greedy, chain=ChainSpec(fork_id=first.chain_id))[0]
+            cut = convo + user + list(fork.token_ids)[:5] + user  # a stop-string-like cut of the fork's turn
             ok = second.num_cached_tokens == len(history) - 1
             try:
                 third = llm.generate(cut, greedy, chain=ChainSpec(continue_id=fork.chain_id))[0]
