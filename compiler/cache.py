@@ -181,16 +181,24 @@ def load_module(folder: Path, module: str) -> ModuleType:
     manifest = read_manifest(folder) or {}
     tag = _sha256(f"{folder.resolve()}\0{json.dumps(manifest.get('files', {}), sort_keys=True)}".encode())[:12]
     package = f"kvc_method_{re.sub(r'[^A-Za-z0-9_]', '_', str(manifest.get('method', folder.name)))}_{tag}"
-    if package not in sys.modules:
-        spec = importlib.util.spec_from_file_location(package, folder / "__init__.py",
-                                                      submodule_search_locations=[str(folder)])
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load generated code from {folder}")
-        pkg = importlib.util.module_from_spec(spec)
-        sys.modules[package] = pkg
-        try:
-            spec.loader.exec_module(pkg)
-        except BaseException:
-            del sys.modules[package]
-            raise
+    import_file(package, folder / "__init__.py", submodule_search_locations=[str(folder)])
     return importlib.import_module(f"{package}.{module}")
+
+
+def import_file(name: str, path: Path, **spec_options) -> ModuleType:
+    """The module `name` executed from `path`, once per process (sys.modules keeps it); a failed
+    import leaves nothing behind."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    spec = importlib.util.spec_from_file_location(name, path, **spec_options)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load generated code from {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module

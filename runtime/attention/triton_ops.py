@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import importlib.util
-import sys
 from types import ModuleType
 
 MODULE_PREFIX = "kvc_attention_"  # sys.modules names of loaded variants
@@ -39,23 +37,11 @@ def _load(variant: str) -> ModuleType:
     importlib.import_module("triton")  # fail here, with the package's name, when it is missing
 
     from kvc.compiler.attention import locate
+    from kvc.compiler.cache import import_file
 
     path = locate(variant)
     tag = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
-    name = f"{MODULE_PREFIX}{variant}_{tag}"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load the generated attention kernels {path}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return module
+    return import_file(f"{MODULE_PREFIX}{variant}_{tag}", path)
 
 
 def __getattr__(name: str):
