@@ -20,12 +20,12 @@ import itertools
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from timing import time_ms  # noqa: E402 -- bench/ is on sys.path
 
 
 @dataclass(frozen=True)
@@ -79,21 +79,6 @@ def shapes_from(args: argparse.Namespace) -> list[Shape]:
 
 
 # ---- timing ------------------------------------------------------------------------------------
-
-
-def time_ms(fn, device: torch.device, rep_ms: int = 100) -> float:
-    """Median time of fn() in ms: CUDA events via do_bench on the GPU, a host clock elsewhere."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=max(rep_ms // 4, 5), rep=rep_ms, return_mode="median")
-    fn()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[1]
 
 
 def copy_bandwidth_gbps(device: torch.device, smoke: bool) -> float:

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from timing import time_ms as _time_ms  # noqa: E402 -- bench/ is on sys.path
 
 
 @dataclass(frozen=True)
@@ -83,18 +84,7 @@ def ints(text: str) -> list[int]:
 
 
 def time_ms(fn, device: torch.device, rep_ms: int) -> float:
-    """Median ms of fn(): CUDA events via triton's do_bench on the GPU, a host clock elsewhere."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=max(rep_ms // 4, 10), rep=rep_ms, return_mode="median")
-    fn()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[1]
+    return _time_ms(fn, device, rep_ms, min_warmup=10)
 
 
 def copy_bandwidth_gbps(device: torch.device) -> float | None:

@@ -241,17 +241,22 @@ class ModelRunner:
             self._compact(layer, jobs, compacted)
 
     # ---- copy-on-write -----------------------------------------------------------------------
+    # The scheduler sets aside one spare page per shared page a step writes (`Scheduler._copies`),
+    # so a sequence without spare pages writes into no shared page: its tables are not walked
+    # (the hot path of every decode step, and of every keep plan of decode-time eviction).
     def _own_append_pages(self, batch: ScheduledBatch) -> None:
         """Each sequence's partial last page, which this step appends to, becomes its own."""
         page = self.page_size
         for seq in batch.seqs:
+            if not seq.spare_pages:
+                continue
             for layer, kv in enumerate(seq.kv_lens):
                 if kv % page:
                     self._own_page(seq, layer, kv // page)
 
     def _own_pages(self, seq, layer: int, count: int) -> None:
         """The first `count` pages of seq's layer table become its own (a compaction rewrites them)."""
-        if self.pool is not None:
+        if self.pool is not None and seq.spare_pages:
             for index in range(min(count, len(seq.page_tables[layer]))):
                 self._own_page(seq, layer, index)
 
