@@ -45,9 +45,11 @@ from kvc.runtime.errors import (
     KvcError,
 )
 from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.kv.positions import full_map, tail_is_verbatim, truncate_map
 from kvc.runtime.method_api import Hook, KVMethod
 
 _GONE_LIMIT = 65536  # evicted / dropped ids remembered for their 410
+QUERY_WINDOW = 32  # prefill queries kept per layer for a prune's scorer (SnapKV's default window)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ class ChainSpec:
     continue_id: str | None = None  # {"chain_id": ID}
     fork_id: str | None = None  # {"chain_fork": ID}: a new chain starting from ID's state
     owner: str | None = None  # opaque owner key (the server passes a hash of the API key)
+    # the prompt's chat messages as logical token ranges (chain_prune.Segment), for prunes by
+    # message index or role; None when unknown (a raw prompt)
+    segments: tuple | None = None
 
     def __post_init__(self) -> None:
         if sum((bool(self.open), self.continue_id is not None, self.fork_id is not None)) != 1:
@@ -81,6 +86,13 @@ class ChainRecord:
     verbatim_from: int = 0  # logical position from which every layer's stored tail is verbatim
     compressed: bool = False  # pages no longer equal the logical tokens
     method_state: Any = None  # KVMethod.turn_end's opaque value
+    # Per layer: the logical position of each stored slot (runtime/kv/positions.py; None: verbatim)
+    # and the last QUERY_WINDOW post-RoPE queries of the history's prefills [w, Hq, D] (a prune's
+    # scorer reads them).
+    positions: list = field(default_factory=list)
+    window_queries: list = field(default_factory=list)
+    segments: list | None = None  # chat messages as token ranges (chain_prune.Segment); None: unknown
+    pruned: set = field(default_factory=set)  # logical ranges pruned so far
     state: ChainState = ChainState.ACTIVE
     last_use: int = 0  # a logical clock: LRU order
     last_used: float = field(default_factory=time.time)  # unix time of the last use, for clients
@@ -88,6 +100,9 @@ class ChainRecord:
 
     def __post_init__(self) -> None:
         self.set_tokens(self.tokens)
+        layers = len(self.page_tables)
+        self.positions = self.positions or [None] * layers
+        self.window_queries = self.window_queries or [None] * layers
 
     def set_tokens(self, tokens: list[int]) -> None:
         self.tokens = tokens
@@ -95,6 +110,18 @@ class ChainRecord:
 
     def pages(self) -> set[int]:
         return {p for table in self.page_tables for p in table}
+
+
+def _turn_segments(seq, history: int) -> list | None:
+    """The messages of a finished turn: the prompt's (given by the server) and the reply."""
+    if seq.segments is None:
+        return None
+    from kvc.runtime.chain_prune import Segment
+
+    segments = [s for s in seq.segments if s.start < history]
+    if history > seq.num_prompt_tokens:
+        segments.append(Segment("assistant", seq.num_prompt_tokens, history))
+    return segments
 
 
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
@@ -119,6 +146,8 @@ class ChainStore:
         self.evicted_total = 0
         self.reused_tokens_total = 0
         self.prefilled_tokens_total = 0
+        self.prunes_total = 0  # runtime/chain_prune.py counts its work here
+        self.pruned_tokens_total = 0  # slots dropped by prunes, over layers and KV heads
 
     # ---- lookup ------------------------------------------------------------------------------
     def get(self, chain_id: str, owner: str | None) -> ChainRecord:
@@ -138,7 +167,8 @@ class ChainStore:
         """What a client may see of its chain (ChainNotFound / ChainEvicted as `get`)."""
         record = self.get(chain_id, owner)
         return {"tokens": len(record.tokens), "state": record.state.value, "last_used": record.last_used,
-                "pages": sum(len(table) for table in record.page_tables)}
+                "pages": sum(len(table) for table in record.page_tables), "stored_tokens": sum(record.kv_lens),
+                "messages": None if record.segments is None else len(record.segments)}
 
     def __contains__(self, chain_id: str) -> bool:
         return chain_id in self._records
@@ -169,6 +199,9 @@ class ChainStore:
         fork.set_tokens(list(source.tokens))
         fork.verbatim_from, fork.compressed = source.verbatim_from, source.compressed
         fork.method_state = source.method_state  # turn_resume copies it
+        fork.positions, fork.window_queries = list(source.positions), list(source.window_queries)
+        fork.segments = None if source.segments is None else list(source.segments)
+        fork.pruned = set(source.pruned)
         self._touch(source)
         try:
             self._match(fork, prompt)
@@ -207,7 +240,7 @@ class ChainStore:
         common = min(common_prefix(record.tokens, prompt), len(prompt) - 1)
         if common == history:
             return
-        if common < record.verbatim_from:
+        if common < record.verbatim_from and not self._tail_stored(record, common):
             why = ("the prompt ends inside the history" if common == len(prompt) - 1 else
                    f"the prompt differs from the history at token {common}")
             raise ChainDiverged(
@@ -216,6 +249,20 @@ class ChainStore:
                 f"{record.verbatim_from} or later only; resend the conversation as recorded, or start a new chain",
                 param="chain_id")
         self._truncate(record, common)
+
+    def _tail_stored(self, record: ChainRecord, common: int) -> bool:
+        """Whether every layer still stores the history's tokens from `common` on, as its last
+        slots in order (a method without a `+ last N` promise may still hold them: TOVA evicts one
+        token per step, rarely the newest); read from the position maps."""
+        history = len(record.tokens)
+        for layer, head in enumerate(record.positions):
+            length = record.kv_lens[layer]
+            if head is None:
+                continue  # stored verbatim: the newest slots are the newest tokens
+            full = full_map(head, length, history, head.shape[0], head.device)
+            if not tail_is_verbatim(full, record.kv_starts[layer], length, common, history):
+                return False
+        return True
 
     def _truncate(self, record: ChainRecord, length: int) -> None:
         """Rolls the record back to its first `length` logical tokens (all dropped ones verbatim)."""
@@ -228,7 +275,12 @@ class ChainStore:
             self.pool.free(table[keep:])
             del table[keep:]
             record.kv_lens[layer] = kv
+            record.positions[layer] = truncate_map(record.positions[layer], kv)
         record.set_tokens(record.tokens[:length])
+        if record.segments is not None:
+            record.segments = [s if s.end <= length else type(s)(s.role, s.start, length)
+                               for s in record.segments if s.start < length]
+        record.pruned = {(a, min(b, length)) for a, b in record.pruned if a < length}
 
     # ---- the scheduler: admission, turn end ----------------------------------------------------
     def attach(self, seq) -> None:
@@ -246,6 +298,8 @@ class ChainStore:
         seq.compressed = record.compressed
         seq.verbatim_from = record.verbatim_from
         seq.history_gap = [history - kv for kv in record.kv_lens]
+        seq.positions = list(record.positions)
+        seq.window_queries = list(record.window_queries)
 
     def resume(self, seq) -> None:
         """The admission went through: the method gets the chain's state for this sequence."""
@@ -283,6 +337,9 @@ class ChainStore:
             record.set_tokens(list(seq.token_ids[: seq.num_computed_tokens]))
             record.verbatim_from = min(seq.verbatim_from, len(record.tokens))
             record.compressed = seq.compressed
+            record.positions = seq.positions
+            record.window_queries = seq.window_queries
+            record.segments = _turn_segments(seq, len(record.tokens))
             record.method_state = self.method.turn_end(seq.seq_id) if Hook.TURN in self.method.hooks else None
             for table in old:
                 self.pool.free(table)
@@ -348,4 +405,6 @@ class ChainStore:
             "pages": len(pages),
             "reused_tokens_total": self.reused_tokens_total,
             "prefilled_tokens_total": self.prefilled_tokens_total,
+            "prunes_total": self.prunes_total,
+            "pruned_tokens_total": self.pruned_tokens_total,
         }

@@ -43,6 +43,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     cuda_graphs: bool = True
+    # prune chains automatically after each chat turn, e.g. "role=tool,older_than=2,keep=0.2"
+    # (runtime/chain_prune.py parse_auto_prune); None: only explicit prunes
+    auto_prune: str | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:

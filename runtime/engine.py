@@ -7,7 +7,9 @@ The KV method (`method_api.KVMethod`) is resolved from `config.method`, or passe
 Chains (runtime/chains.py): `add_request(..., chain=ChainSpec(...))` opens, continues or forks a
 chain; it validates synchronously and raises the chain errors (404/409/410/503); the returned
 sequence carries `chain_id`. A chained request records its KV into its chain when it finishes,
-stops or is aborted. `drop_chain` forgets one; `chains.stats()` counts them.
+stops or is aborted. `drop_chain` forgets one; `chains.stats()` counts them. `prune_chain` drops
+low-value history from an idle chain (runtime/chain_prune.py); with `config.auto_prune`, each chat
+turn's end prunes the messages it names.
 """
 
 from __future__ import annotations
@@ -18,9 +20,17 @@ import logging
 import torch
 
 from kvc.runtime.attention.backend import PagedAttention, kv_bytes_per_page
+from kvc.runtime.chain_prune import PruneRequest, Pruner, Scorer, parse_auto_prune, resolve_scorer
 from kvc.runtime.chains import ChainSpec, ChainStore
 from kvc.runtime.config import EngineConfig
-from kvc.runtime.errors import ChainCapacity, ConfigError, InvalidPromptError, OutOfKVMemory, PromptTooLongError
+from kvc.runtime.errors import (
+    ChainCapacity,
+    ConfigError,
+    InvalidPromptError,
+    KvcError,
+    OutOfKVMemory,
+    PromptTooLongError,
+)
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.method_api import Hook, KVMethod
 from kvc.runtime.methods import resolve_method
@@ -121,6 +131,10 @@ class Engine:
             pool=self.pool,
         )
         self.sequences: dict[int, Sequence] = {}
+        self.pruner = Pruner(self.chains, self.attention.k_cache, self.attention.v_cache, self.spec.num_layers,
+                             "triton" if backend == "triton" else "auto")
+        self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
+        self._scorers: dict[tuple, Scorer] = {}
 
     def _kv_budget_bytes(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -160,6 +174,7 @@ class Engine:
         else:
             record = self.chains.begin(chain, prompt_token_ids)
             seq.chain, seq.chain_id = record, record.chain_id
+            seq.segments = chain.segments
             try:
                 self._check_fits(seq, params)
                 self.scheduler.add(seq)
@@ -196,6 +211,30 @@ class Engine:
         """Forgets a chain and frees its pages (ChainNotFound / ChainEvicted / ChainBusy)."""
         self.chains.drop(chain_id, owner)
 
+    def prune_chain(self, chain_id: str, owner: str | None, request: PruneRequest) -> dict:
+        """Prunes an idle chain's history (runtime/chain_prune.py); its report as a dict. Raises the
+        chain errors, InvalidPrune for a request that names nothing prunable."""
+        record = self.chains.get(chain_id, owner)
+        report = self.pruner.prune(record, request, self._scorer(request))
+        return {"id": chain_id, **report.as_dict()}
+
+    def _scorer(self, request: PruneRequest) -> Scorer:
+        key = (request.scorer, tuple(sorted((request.scorer_params or {}).items())))
+        scorer = self._scorers.get(key)
+        if scorer is None:
+            scorer = self._scorers[key] = resolve_scorer(request, self.method)
+        return scorer
+
+    def _auto_prune(self, seq: Sequence) -> None:
+        """The server's automatic prune of a chain whose chat turn just ended (once per message)."""
+        record = seq.chain
+        if record is None or record.segments is None or record.chain_id not in self.chains:
+            return
+        try:
+            self.pruner.prune(record, self.auto_prune, self._scorer(self.auto_prune))
+        except KvcError as e:  # e.g. no page for a copy-on-write: the chain stays as it was
+            log.warning("automatic prune of chain %s skipped: %s", record.chain_id, e.message)
+
     def chain_info(self, chain_id: str, owner: str | None) -> dict:
         """A chain's tokens, state (active/idle), last use (unix time) and pages held."""
         return self.chains.info(chain_id, owner)
@@ -218,6 +257,8 @@ class Engine:
         finished = self.scheduler.postprocess(batch, out.sampled, out.compacted)
         for seq in finished:  # step_end (decode-time eviction) ran in the runner, before postprocess
             self._release(seq.seq_id)
+            if self.auto_prune is not None:
+                self._auto_prune(seq)
         return finished
 
     def _release(self, seq_id: int) -> None:

@@ -34,7 +34,9 @@ import torch
 
 from kvc.runtime.attention.backend import PagedAttention
 from kvc.runtime.attention.metadata import AttentionMetadata
+from kvc.runtime.chains import QUERY_WINDOW
 from kvc.runtime.kv.compaction import CompactionJob, compact_many
+from kvc.runtime.kv.positions import compact_map
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.method_api import DecodeRow, DecodeView, Hook, KVMethod, LayerCacheView, PrefillView, StepView
@@ -150,6 +152,7 @@ class ModelRunner:
         decode_hooks = hooks & {Hook.DECODE_BEFORE_ATTENTION, Hook.DECODE_AFTER_ATTENTION}
         prefill_hooks = batch is not None and batch.num_prefills > 0 and bool(
             hooks & {Hook.PREFILL_CHUNK, Hook.PREFILL_END})
+        chained = [] if batch is None else _chained_prefills(batch)
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             d = md.num_decodes
@@ -169,6 +172,10 @@ class ModelRunner:
                 method.decode_after_attention(layer, view, out[:d])
             if prefill_hooks:
                 self._prefill_hooks(layer, q, k, v, md, batch, compacted)
+            for seq, rows in chained:  # a chain keeps its latest prefill queries (a prune scores with them)
+                prev = seq.window_queries[layer]
+                both = q[rows] if prev is None else torch.cat([prev, q[rows]])
+                seq.window_queries[layer] = both[-QUERY_WINDOW:].clone()
             return out
 
         return attn
@@ -198,23 +205,29 @@ class ModelRunner:
             if plan is None:
                 continue
             self._own_pages(seq, layer, -(-plan.kept // self.page_size))  # copy-on-write before compaction
+            logical = seq.num_computed_tokens + n
             jobs.append((seq, CompactionJob(table, length, plan.indices, plan.lengths, seq.kv_starts[layer]),
-                         seq.num_computed_tokens + n - plan.tail))
+                         logical - plan.tail, logical))
         self._compact(layer, jobs, compacted)
 
     def _compact(self, layer: int, jobs: list, compacted: dict[int, dict[int, int]]) -> None:
         """Applies one layer's keep plans (one kernel launch on a GPU), reports the kept lengths,
         records the per-head start slots of plans with per-head variable counts and moves each
         sequence's verbatim tail (`verbatim_from`: the first logical token a keep may have dropped
-        or moved, for the chain cache's rollback)."""
+        or moved, for the chain cache's rollback); a chained sequence's position map follows the plan."""
         if not jobs:
             return
         backend = "triton" if self.attention.backend == "triton" else "auto"
-        done = compact_many(self.attention.k_cache, self.attention.v_cache, [job for _, job, _ in jobs],
+        done = compact_many(self.attention.k_cache, self.attention.v_cache, [job for _, job, _, _ in jobs],
                             backend=backend)
-        for (seq, _, verbatim), result in zip(jobs, done):
+        for (seq, job, verbatim, logical), result in zip(jobs, done):
             compacted.setdefault(seq.seq_id, {})[layer] = result.length
             seq.verbatim_from = max(seq.verbatim_from, verbatim)
+            if seq.positions is not None:
+                heads = job.keep.shape[0]
+                counts = [result.length] * heads if result.starts is None else [result.length - s for s in result.starts]
+                seq.positions[layer] = compact_map(seq.positions[layer], job.length, logical,
+                                                   job.keep.to(self.attention.k_cache.device), counts, result.length)
             if result.starts is not None or seq.kv_starts[layer] is not None:
                 seq.set_kv_starts(layer, result.starts)
 
@@ -236,8 +249,9 @@ class ModelRunner:
                 if plan is None:
                     continue
                 self._own_pages(seq, layer, -(-plan.kept // self.page_size))
+                logical = seq.num_computed_tokens + 1
                 jobs.append((seq, CompactionJob(table, length, plan.indices, plan.lengths, seq.kv_starts[layer]),
-                             seq.num_computed_tokens + 1 - plan.tail))
+                             logical - plan.tail, logical))
             self._compact(layer, jobs, compacted)
 
     # ---- copy-on-write -----------------------------------------------------------------------
@@ -319,6 +333,18 @@ class ModelRunner:
             kv_starts=None if starts_np is None else torch.from_numpy(starts_np).to(dev, non_blocking=True),
         )
         return StepInputs(to_dev(ids, torch.int64), to_dev(positions, torch.int64), md, sample_rows, sample_seqs)
+
+
+def _chained_prefills(batch: ScheduledBatch) -> list[tuple[object, slice]]:
+    """The step's prefill chunks of chained sequences, with their rows in the step's tokens."""
+    if batch.num_prefills == 0:
+        return []
+    out, start = [], 0
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        if i >= batch.num_decodes and seq.window_queries is not None:
+            out.append((seq, slice(start, start + n)))
+        start += n
+    return out
 
 
 def _decode_rows(batch: ScheduledBatch, layer: int) -> list[DecodeRow]:

@@ -104,6 +104,11 @@ class Sequence:
         self.history_gap: list[int] = [0] * num_layers
         self.verbatim_from = 0
         self.spare_pages: list[int] = []
+        # Chained sequences only (runtime/kv/positions.py, runtime/chain_prune.py): per layer, the
+        # position map of the stored slots and the last prefill queries; the prompt's messages.
+        self.positions: list | None = None
+        self.window_queries: list | None = None
+        self.segments: tuple | None = None
 
     def __repr__(self) -> str:
         return (
@@ -134,6 +139,7 @@ class Sequence:
         self.compressed = False
         self.history_gap = [0] * len(tables)
         self.verbatim_from = 0
+        self.positions = self.window_queries = None  # a chained re-admission takes its record's again
         return tables
 
     def set_kv_starts(self, layer: int, starts: list[int] | None) -> None:

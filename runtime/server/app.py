@@ -3,7 +3,8 @@
 `build_app(engine, ServerConfig(...))` wraps an `Engine` into an ASGI app; `launch.py` runs it
 under uvicorn. The app starts the engine thread in its lifespan and stops it on shutdown. With API
 keys, each request's owner (the sha256 of its key, `auth.py`) travels in the ASGI scope; chains
-belong to it (`/v1/chains/{id}`: describe, drop).
+belong to it (`/v1/chains/{id}`: describe, drop; `/v1/chains/{id}/prune`; `POST /v1/chains` opens
+one over a prompt without generating).
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ from kvc.runtime.server.errors import (
 from kvc.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvc.runtime.server.protocol import (
     MAX_CHAIN_ID_LEN,
+    ChainCreateRequest,
     ChainDeleted,
     ChainInfo,
+    ChainPruned,
+    ChainPruneRequest,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -234,6 +238,15 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         owner = request_owner(request.scope)
         info = await state.aengine.call(lambda e: e.chain_info(chain_id, owner))
         return ChainInfo(**{**info, "id": chain_id})
+
+    @app.post("/v1/chains", response_model=ChainInfo, responses=_CHAIN_ERRORS)
+    async def create_chain(body: ChainCreateRequest, request: Request):
+        return ChainInfo(**await openai_api.create_chain(ctx, body, request))
+
+    @app.post("/v1/chains/{chain_id}/prune", response_model=ChainPruned, responses=_CHAIN_ERRORS)
+    async def prune_chain(body: ChainPruneRequest, request: Request, chain_id: ChainIdPath):
+        _require_chains(state)
+        return ChainPruned(**await openai_api.prune_chain(ctx, chain_id, body, request))
 
     @app.delete("/v1/chains/{chain_id}", response_model=ChainDeleted, responses=_CHAIN_ERRORS)
     async def delete_chain(request: Request, chain_id: ChainIdPath):

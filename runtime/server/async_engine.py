@@ -75,6 +75,8 @@ class EngineStats:
     chains_idle: int = 0
     chains_evicted_total: int = 0
     chain_pages: int = 0
+    chain_prunes_total: int = 0
+    chain_pruned_tokens_total: int = 0
 
 
 @dataclass
@@ -357,6 +359,8 @@ class AsyncEngine:
             chains_idle=int(chains.get("idle", 0)),
             chains_evicted_total=int(chains.get("evicted_total", 0)),
             chain_pages=int(chains.get("pages", 0)),
+            chain_prunes_total=int(chains.get("prunes_total", 0)),
+            chain_pruned_tokens_total=int(chains.get("pruned_tokens_total", 0)),
         )
 
 

@@ -27,6 +27,9 @@ def add_commands(sub, add_engine_args, engine_options) -> None:
                        help="waiting sequences before new requests get 503")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    serve.add_argument("--auto-prune", metavar="SPEC",
+                       help="prune chains after each chat turn, e.g. 'role=tool,older_than=2,keep=0.2' (keys: role "
+                       "(a|b), older_than (assistant rounds), keep or keep_tokens, scorer); each message once")
     serve.set_defaults(func=lambda a: _serve(a, engine_options))
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -69,7 +72,10 @@ def _serve(a: argparse.Namespace, engine_options) -> int:
     keys = list(a.api_key or ([os.environ["KVC_API_KEY"]] if os.environ.get("KVC_API_KEY") else []))
     if a.api_key_file:
         keys += read_key_file(a.api_key_file)
-    cfg = engine_config(a.model, a.method, parse_method_params(a.method_param), engine_options(a))
+    options = engine_options(a)
+    if a.auto_prune:
+        options["auto_prune"] = a.auto_prune
+    cfg = engine_config(a.model, a.method, parse_method_params(a.method_param), options)
     return serve(cfg, host=a.host, port=a.port, served_model_name=a.served_model_name, api_keys=keys,
                  max_waiting=a.max_waiting_requests, shutdown_timeout=a.shutdown_timeout)
 

@@ -59,6 +59,9 @@ class _EngineCollector:
         yield gauge("kvc:chains_idle", "Chains kept between turns (evictable, oldest first).", s.chains_idle)
         yield gauge("kvc:chain_pages", "KV pages held by chains.", s.chain_pages)
         yield counter("kvc:chains_evicted", "Idle chains evicted under memory pressure.", s.chains_evicted_total)
+        yield counter("kvc:chain_prunes", "Prunes applied to chains (explicit and automatic).", s.chain_prunes_total)
+        yield counter("kvc:chain_pruned_tokens", "Stored token slots dropped by prunes (over layers and KV heads).",
+                      s.chain_pruned_tokens_total)
 
 
 class ServerMetrics:

@@ -8,6 +8,8 @@ Chained requests (`chain` / `chain_id` / `chain_fork`, issue 6) are validated he
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from typing import Any
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvc.runtime.chain_prune import PruneRequest, Segment
 from kvc.runtime.chains import ChainSpec
 from kvc.runtime.errors import InvalidPromptError, InvalidSamplingParams, PromptTooLongError
 from kvc.runtime.sampling_params import SamplingParams
@@ -25,6 +28,8 @@ from kvc.runtime.server.errors import EngineFailed, ModelNotFound, error_body
 from kvc.runtime.server.generation import Generation
 from kvc.runtime.server.metrics import ServerMetrics
 from kvc.runtime.server.protocol import (
+    ChainCreateRequest,
+    ChainPruneRequest,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -64,6 +69,24 @@ class ServingContext:
             raise InvalidPromptError(f"cannot tokenize {param}: {e}", param=param) from None
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        text, _ = self._chat_text(messages, add_generation_prompt)
+        return self.encode(text, "messages")
+
+    def render_chat_segments(self, messages: list[ChatMessage], add_generation_prompt: bool
+                             ) -> tuple[list[int], tuple[Segment, ...] | None]:
+        """The rendered prompt and each message's content as a token range (for a chain's prunes by
+        message); segments None when the tokenizer gives no character offsets."""
+        text, contents = self._chat_text(messages, add_generation_prompt)
+        if not getattr(self.tokenizer, "is_fast", False):
+            return self.encode(text, "messages"), None
+        try:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except Exception as e:
+            raise InvalidPromptError(f"cannot tokenize messages: {e}", param="messages") from None
+        ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+        return ids, message_segments(text, contents, [m.role for m in messages], offsets)
+
+    def _chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool) -> tuple[str, list[str]]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidPromptError("this model has no chat template; use /v1/completions", param="messages")
         plain = []
@@ -78,7 +101,27 @@ class ServingContext:
                                                       tokenize=False)
         except Exception as e:  # jinja errors, raise_exception() in a template
             raise InvalidPromptError(f"the chat template rejected the messages: {e}", param="messages") from None
-        return self.encode(text, "messages")
+        return text, [d["content"] for d in plain]
+
+
+def message_segments(text: str, contents: list[str], roles: list[str],
+                     offsets: list[tuple[int, int]]) -> tuple[Segment, ...]:
+    """Each message's content located in the rendered `text` (in order), as the token range that
+    covers it; a content the template changed or dropped gets an empty range."""
+    ends = [end for _, end in offsets]
+    segments, cursor, token = [], 0, 0
+    for content, role in zip(contents, roles):
+        at = text.find(content, cursor) if content else -1
+        if at < 0:
+            segments.append(Segment(role, token, token))
+            continue
+        cursor = at + len(content)
+        start = bisect.bisect_right(ends, at)  # the first token ending past the content's start
+        end = bisect.bisect_left(ends, cursor) + 1  # through the token holding its last character
+        end = min(end, len(offsets))
+        segments.append(Segment(role, start, end))
+        token = end
+    return tuple(segments)
 
 
 def _reject(param: str, why: str) -> InvalidSamplingParams:
@@ -231,7 +274,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         raise _reject("tools", "tool calling is not supported by kvc yet (tool_choice 'none' is)")
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise _reject("response_format", "only {'type': 'text'} is supported")
-    prompt = ctx.render_chat(req.messages, req.add_generation_prompt is not False)
+    if chain is None:
+        prompt = ctx.render_chat(req.messages, req.add_generation_prompt is not False)
+    else:  # a chain records where each message's tokens are (prunes by message index or role)
+        prompt, segments = ctx.render_chat_segments(req.messages, req.add_generation_prompt is not False)
+        chain = dataclasses.replace(chain, segments=segments)
     max_tokens = req.max_completion_tokens or req.max_tokens or max(1, ctx.max_model_len - len(prompt))
     _check_length(ctx, prompt, max_tokens, "messages")
     gen = await _start(ctx, req, [prompt], max_tokens, http, chain)
@@ -277,6 +324,41 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         choices.append(item)
     return JSONResponse(_with_chain({"id": rid, "object": "chat.completion", "created": created,
                                      "model": ctx.model_name, "choices": choices, "usage": gen.usage()}, gen, True))
+
+
+# ---- /v1/chains -------------------------------------------------------------------------------
+async def create_chain(ctx: ServingContext, req: ChainCreateRequest, http: HttpRequest) -> dict:
+    """A chain holding the prompt's K/V (computed once; a prefix-cache hit for `full`), nothing
+    generated into it: a cached prefix that can be pruned, continued and forked."""
+    ctx.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise _reject("prompt", "give exactly one of prompt and messages")
+    segments = None
+    if req.messages is not None:
+        prompt, segments = ctx.render_chat_segments(req.messages, bool(req.add_generation_prompt))
+    else:
+        prompt = _completion_prompts(ctx, req.prompt)[0]
+    _check_length(ctx, prompt, 1, "prompt" if req.messages is None else "messages")
+    if not ctx.aengine.supports_chains:
+        raise _reject("prompt", "this engine has no chain cache")
+    chain = ChainSpec(open=True, owner=request_owner(http.scope), segments=segments)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    gen = Generation(ctx.aengine, ctx.metrics, ctx.tokenizer, ctx.eos_token_ids, [prompt], [params], 1, [],
+                     False, True, chain)
+    await gen.start(http)
+    await _collect(gen)
+    owner = chain.owner
+    info = await ctx.aengine.call(lambda e: e.chain_info(gen.chain_id, owner))
+    return {**info, "id": gen.chain_id}
+
+
+async def prune_chain(ctx: ServingContext, chain_id: str, req: ChainPruneRequest, http: HttpRequest) -> dict:
+    request = PruneRequest(
+        token_ranges=tuple((a, b) for a, b in req.token_ranges or ()), messages=tuple(req.messages or ()),
+        roles=tuple(req.roles or ()), older_than_rounds=req.older_than_rounds or 0, keep=req.keep,
+        keep_tokens=req.keep_tokens, scorer=req.scorer, scorer_params=req.scorer_params)
+    owner = request_owner(http.scope)
+    return await ctx.aengine.call(lambda e: e.prune_chain(chain_id, owner, request))
 
 
 # ---- shared -----------------------------------------------------------------------------------

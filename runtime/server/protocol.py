@@ -256,6 +256,55 @@ class ChainInfo(BaseModel):
     state: Literal["active", "idle"] = Field(description="active: a request is running on it")
     last_used: float = Field(description="unix time of the end of its last turn (or of its opening)")
     pages: int = Field(description="KV pages the chain holds (pages shared with forks count in each)")
+    stored_tokens: int | None = Field(None, description="tokens stored, the most-storing KV head of each "
+                                      "layer summed over layers")
+    messages: int | None = Field(None, description="chat messages recorded (null: a raw prompt)")
+
+
+class ChainPruneRequest(BaseModel):
+    """kvc: POST /v1/chains/{id}/prune. Selectors add up; `older_than_rounds` limits the message
+    selectors to messages followed by at least that many assistant messages. Each selected range
+    keeps `keep` (a fraction) or `keep_tokens` of its stored tokens per layer and KV head, the
+    best-scored by `scorer` (a compiled method; default: the served method's, else snapkv)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ranges: list[Annotated[list[NonNegInt], Field(min_length=2, max_length=2)]] | None = Field(
+        None, max_length=4096, description="logical token ranges [start, end) of the chain's history")
+    messages: list[NonNegInt] | None = Field(None, max_length=4096, description="message indices")
+    roles: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(None, max_length=16)
+    older_than_rounds: NonNegInt | None = 0
+    keep: float | None = Field(None, ge=0.0, lt=1.0, description="fraction of each range to keep")
+    keep_tokens: NonNegInt | None = Field(None, description="tokens of each range to keep")
+    scorer: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    scorer_params: dict[str, Any] | None = None
+
+
+class ChainPruned(BaseModel):
+    """kvc: what a prune did. Stored tokens count the most-storing KV head of each layer, summed
+    over layers; `dropped` counts per range the slots dropped over layers and KV heads."""
+
+    id: str
+    object: Literal["chain.prune"] = "chain.prune"
+    ranges: list[list[int]]
+    tokens: int = Field(description="tokens of the chain's logical history (unchanged: matching stays valid)")
+    stored_tokens_before: int
+    stored_tokens: int
+    pages_before: int
+    pages: int
+    dropped: list[int]
+
+
+class ChainCreateRequest(BaseModel):
+    """kvc: POST /v1/chains: a chain holding a prefix (a cached prompt), computed and not extended,
+    to prune or continue later."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | Annotated[list[NonNegInt], Field(min_length=1)] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool | None = False
 
 
 class ChainDeleted(BaseModel):

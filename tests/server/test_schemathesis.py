@@ -33,6 +33,8 @@ OPERATIONS = [
     ("GET", "/v1/models/{model}", 10),
     ("GET", "/v1/chains/{chain_id}", 10),
     ("DELETE", "/v1/chains/{chain_id}", 10),
+    ("POST", "/v1/chains", 15),
+    ("POST", "/v1/chains/{chain_id}/prune", 25),
     ("GET", "/health", 3),
     ("GET", "/version", 3),
     ("GET", "/metrics", 3),

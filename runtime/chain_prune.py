@@ -1,0 +1,379 @@
+"""Prefix pruning: dropping low-value history (stale tool results) from an idle chain.
+
+A prune names logical token ranges of the chain's history (directly, or as messages by index or
+role, through the message segments the server recorded) and how much of each to keep (a fraction
+or a token count, per layer and KV head). The kept tokens of a range are the best-scored ones
+under a compiled method's scorer (`lowering.score`: SnapKV's observation-window votes, H2O's
+attention sums, ...), fed the chain's stored window of recent queries and each head's stored keys.
+Everything outside the ranges stays. The K/V move with the compaction kernels (in place, after
+copy-on-write of pages a fork or the prefix cache shares); the pages past the new length go back
+to the pool.
+
+Matching stays valid: the logical history (tokens, digest) does not change, so the next turn that
+resends the conversation continues the chain; only its stored form is smaller. The chain's
+position maps (runtime/kv/positions.py) say which slots hold which tokens, so a pruned chain can be
+pruned again, and the verbatim tail (rollback) starts after the last token a prune dropped.
+
+Layout: a layer stored with one length for every KV head stays so (each head drops as many tokens
+of a range as the head that may drop fewest: no head keeps less than asked); a layer already
+stored with per-head starts (head-adaptive methods) drops per head. Per-token method state
+(`turn_end`'s per-layer [Hkv, T] tensors) moves with the same plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvc.runtime.errors import ChainCapacity, ChainBusy, ConfigError, KvcError
+from kvc.runtime.kv.compaction import CompactionJob, compact_many
+from kvc.runtime.kv.page_pool import PoolExhausted
+from kvc.runtime.kv.positions import compact_map, full_map
+
+DEFAULT_SCORER = "snapkv"  # for methods without a token scorer of their own (full, quantization)
+
+
+class InvalidPrune(KvcError):
+    """A prune request that names nothing prunable, or bad keep options."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One chat message's tokens in a chain's logical history, [start, end)."""
+
+    role: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class PruneRequest:
+    """What to prune and how much to keep. Selectors add up: `token_ranges`, message indices
+    `messages`, and every message whose role is in `roles`; `older_than_rounds` N limits the
+    message selectors to messages followed by at least N assistant messages."""
+
+    token_ranges: tuple[tuple[int, int], ...] = ()
+    messages: tuple[int, ...] = ()
+    roles: tuple[str, ...] = ()
+    older_than_rounds: int = 0
+    keep: float | None = None  # fraction of each range's stored tokens, per layer and KV head
+    keep_tokens: int | None = None  # or a count per range, per layer and KV head
+    scorer: str | None = None  # a compiled method name; None: the served method's, else snapkv
+    scorer_params: dict | None = None
+    skip_pruned: bool = False  # leave ranges a prune already covered (the automatic prune)
+
+    def __post_init__(self) -> None:
+        if not (self.token_ranges or self.messages or self.roles):
+            raise InvalidPrune("name what to prune: token_ranges, messages (indices) or roles", param="roles")
+        if (self.keep is None) == (self.keep_tokens is None):
+            raise InvalidPrune("give exactly one of keep (a fraction) and keep_tokens (a count)", param="keep")
+        if self.keep is not None and not (isinstance(self.keep, (int, float)) and 0.0 <= self.keep < 1.0):
+            raise InvalidPrune(f"keep is the fraction of each range to keep, in [0, 1), got {self.keep!r}",
+                               param="keep")
+        if self.keep_tokens is not None and (isinstance(self.keep_tokens, bool) or not isinstance(
+                self.keep_tokens, int) or self.keep_tokens < 0):
+            raise InvalidPrune(f"keep_tokens must be a count >= 0, got {self.keep_tokens!r}", param="keep_tokens")
+        if isinstance(self.older_than_rounds, bool) or not isinstance(self.older_than_rounds, int) \
+                or self.older_than_rounds < 0:
+            raise InvalidPrune(f"older_than_rounds must be an integer >= 0, got {self.older_than_rounds!r}",
+                               param="older_than_rounds")
+        for a, b in self.token_ranges:
+            if not (isinstance(a, int) and isinstance(b, int)) or a < 0 or b <= a:
+                raise InvalidPrune(f"a token range is [start, end) with 0 <= start < end, got [{a}, {b}]",
+                                   param="token_ranges")
+
+    def kept(self, stored: int) -> int:
+        """How many of a range's `stored` tokens (one layer, one KV head) survive."""
+        if self.keep is not None:
+            return min(stored, math.ceil(self.keep * stored))
+        return min(stored, self.keep_tokens)
+
+
+@dataclass
+class PruneReport:
+    ranges: list[tuple[int, int]]  # the logical ranges pruned
+    tokens: int  # the chain's logical history (unchanged)
+    stored_before: int  # slots stored, summed over layers (the most-storing head of each)
+    stored_after: int
+    pages_before: int
+    pages_after: int
+    dropped: list[int] = field(default_factory=list)  # per range: slots dropped, over layers and heads
+
+    def as_dict(self) -> dict:
+        return {"ranges": [list(r) for r in self.ranges], "tokens": self.tokens,
+                "stored_tokens_before": self.stored_before, "stored_tokens": self.stored_after,
+                "pages_before": self.pages_before, "pages": self.pages_after, "dropped": self.dropped}
+
+
+def parse_auto_prune(text: str) -> PruneRequest:
+    """`role=tool,older_than=2,keep=0.2[,scorer=snapkv]` (the server's --auto-prune) -> a request
+    that prunes each matching message once."""
+    fields: dict = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--auto-prune: {item!r} is not key=value", param="auto_prune")
+        fields[key.strip()] = value.strip()
+    unknown = set(fields) - {"role", "older_than", "keep", "keep_tokens", "scorer"}
+    if unknown:
+        raise ConfigError(f"--auto-prune: unknown key(s) {', '.join(sorted(unknown))}; keys: role, older_than, "
+                          "keep, keep_tokens, scorer", param="auto_prune")
+    try:
+        return PruneRequest(
+            roles=tuple(r for r in fields.get("role", "tool").split("|") if r),
+            older_than_rounds=int(fields.get("older_than", "1")),
+            keep=float(fields["keep"]) if "keep" in fields else None,
+            keep_tokens=int(fields["keep_tokens"]) if "keep_tokens" in fields else None,
+            scorer=fields.get("scorer"), skip_pruned=True)
+    except ValueError as e:
+        raise ConfigError(f"--auto-prune {text!r}: {e}", param="auto_prune") from None
+    except InvalidPrune as e:
+        raise ConfigError(f"--auto-prune {text!r}: {e.message}", param="auto_prune") from None
+
+
+def resolve_ranges(record, request: PruneRequest) -> list[tuple[int, int]]:
+    """The logical token ranges `request` names in `record`'s history, sorted and merged."""
+    history = len(record.tokens)
+    ranges = []
+    for a, b in request.token_ranges:
+        if a >= history:
+            raise InvalidPrune(f"token range [{a}, {b}) starts past the chain's {history} tokens",
+                               param="token_ranges")
+        ranges.append((a, min(b, history)))
+    if request.messages or request.roles:
+        segments = record.segments
+        if segments is None:
+            raise InvalidPrune("this chain has no message boundaries (it was not opened through "
+                               "/v1/chat/completions); prune it by token_ranges", param="messages")
+        rounds_after = _rounds_after(segments)
+        for index in request.messages:
+            if not 0 <= index < len(segments):
+                raise InvalidPrune(f"message {index} does not exist; the chain holds {len(segments)} messages",
+                                   param="messages")
+        chosen = set(request.messages) | {i for i, s in enumerate(segments) if s.role in request.roles}
+        for i in sorted(chosen):
+            s = segments[i]
+            if rounds_after[i] >= request.older_than_rounds and s.end > s.start:
+                ranges.append((s.start, s.end))
+    if request.skip_pruned:
+        ranges = [r for r in ranges if r not in record.pruned]
+    return _merge(ranges)
+
+
+def _rounds_after(segments: list[Segment]) -> list[int]:
+    """Per message, how many assistant messages come after it."""
+    after, out = 0, [0] * len(segments)
+    for i in range(len(segments) - 1, -1, -1):
+        out[i] = after
+        after += segments[i].role == "assistant"
+    return out
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+class Scorer:
+    """A compiled method's prefill-end token scores, over a chain's stored keys and queries."""
+
+    def __init__(self, method) -> None:
+        lowering = getattr(method, "lowering", None)
+        if getattr(method, "_scores", None) is None or not hasattr(lowering, "score"):
+            raise InvalidPrune(f"method {method.name!r} scores no tokens (it has no prefill_end keep); "
+                               f"give another scorer, e.g. {DEFAULT_SCORER!r}", param="scorer")
+        self.method = method
+        self._score = lowering.score
+
+    def __call__(self, layer: int, num_layers: int, q: torch.Tensor, k: torch.Tensor,
+                 starts: list[int] | None) -> torch.Tensor:
+        """q [Hq, w, D], k [Hkv, L, D] -> float32 [Hkv, L]; each head scored over its own slots
+        (padding before a head's start ranks last)."""
+        params = self.method.params
+        if q.device.type == "cpu":
+            q, k = q.float(), k.float()
+        if starts is None:
+            return self._score(q, k, layer=layer, num_layers=num_layers, params=params).float()
+        kv_heads, length = k.shape[0], k.shape[1]
+        group = q.shape[0] // kv_heads
+        out = torch.full((kv_heads, length), float("-inf"), dtype=torch.float32, device=k.device)
+        for h, start in enumerate(starts):
+            if start < length:
+                own = k[h : h + 1, start:].contiguous()
+                out[h, start:] = self._score(q[h * group : (h + 1) * group], own, layer=layer,
+                                             num_layers=num_layers, params=params)[0].float()
+        return out
+
+
+def resolve_scorer(request: PruneRequest, served) -> Scorer:
+    """The request's scorer method, or the served method's own when it scores tokens, else snapkv."""
+    from kvc.runtime.methods import resolve_method
+
+    if request.scorer is None and request.scorer_params is None:
+        try:
+            return Scorer(served)
+        except InvalidPrune:
+            return Scorer(resolve_method(DEFAULT_SCORER))
+    name = request.scorer or getattr(served, "name", DEFAULT_SCORER)
+    try:
+        method = resolve_method(name, request.scorer_params)
+    except ConfigError as e:
+        raise InvalidPrune(f"scorer: {e.message}", param="scorer") from None
+    return Scorer(method)
+
+
+class Pruner:
+    """Applies prunes to idle chain records of one engine (in the engine thread, between steps)."""
+
+    def __init__(self, store, k_cache: torch.Tensor, v_cache: torch.Tensor, num_layers: int,
+                 compaction_backend: str = "auto") -> None:
+        self.store = store
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.num_layers = num_layers
+        self.backend = compaction_backend
+
+    def prune(self, record, request: PruneRequest, scorer: Scorer) -> PruneReport:
+        from kvc.runtime.chains import ChainState
+
+        if record.state is ChainState.ACTIVE:
+            raise ChainBusy(f"a request is running on chain {record.chain_id!r}; prune it when the request is done",
+                            param="chain_id")
+        ranges = resolve_ranges(record, request)
+        pages_before = sum(len(t) for t in record.page_tables)
+        report = PruneReport(ranges, len(record.tokens), sum(record.kv_lens), 0, pages_before, 0,
+                             [0] * len(ranges))
+        if ranges:
+            if any(q is None for q in record.window_queries):
+                raise InvalidPrune("this chain stores no queries to score with (no turn has run on it)",
+                                   param="chain_id")
+            last_dropped = -1
+            for layer in range(self.num_layers):
+                last_dropped = max(last_dropped, self._prune_layer(record, layer, ranges, request, scorer, report))
+            if last_dropped >= 0:
+                record.compressed = True
+                record.verbatim_from = max(record.verbatim_from, last_dropped + 1)
+            record.pruned |= set(ranges)
+        report.stored_after = sum(record.kv_lens)
+        report.pages_after = sum(len(t) for t in record.page_tables)
+        self.store.prunes_total += 1
+        self.store.pruned_tokens_total += sum(report.dropped)
+        return report
+
+    def _prune_layer(self, record, layer: int, ranges, request: PruneRequest, scorer: Scorer,
+                     report: PruneReport) -> int:
+        """Prunes one layer; returns the largest logical position it dropped (-1: none)."""
+        k_cache = self.k_cache
+        device, kv_heads, page = k_cache.device, k_cache.shape[1], k_cache.shape[2]
+        table, length = record.page_tables[layer], record.kv_lens[layer]
+        starts = record.kv_starts[layer]
+        history = len(record.tokens)
+        positions = full_map(record.positions[layer], length, history, kv_heads, device)
+        valid = torch.arange(length, device=device)[None, :] >= torch.tensor(starts or [0] * kv_heads,
+                                                                             device=device)[:, None]
+        candidates = [valid & (positions >= a) & (positions < b) for a, b in ranges]
+        stored = torch.stack([c.sum(dim=1) for c in candidates]).tolist()  # [range][head], one sync
+        drops = []
+        for per_head in stored:
+            wanted = [n - request.kept(n) for n in per_head]
+            drops.append(wanted if starts is not None else [min(wanted)] * kv_heads)
+        if not any(d for per_head in drops for d in per_head):
+            return -1
+        pages = self._dense_pages(table)
+        keys = k_cache[pages].movedim(1, 0).flatten(1, 2)[:, :length]  # [Hkv, length, D]
+        q = record.window_queries[layer].to(device).transpose(0, 1)  # [Hq, w, D]
+        scores = scorer(layer, self.num_layers, q, keys, starts)
+        # a key the scorer does not reach (-inf: e.g. SnapKV's own observation window, which the
+        # method always keeps) is kept before any scored one
+        scores = torch.where(torch.isneginf(scores), torch.full_like(scores, float("inf")), scores)
+        dropped = torch.zeros((kv_heads, length), dtype=torch.bool, device=device)
+        for r, (cand, per_head) in enumerate(zip(candidates, drops)):
+            order = scores.argsort(dim=1, stable=True)  # lowest first, ties to the older token
+            outside = (~cand).gather(1, order).to(torch.int8)  # then the range's tokens before any other
+            ranked = order.gather(1, outside.argsort(dim=1, stable=True))
+            for h, d in enumerate(per_head):
+                if d:
+                    dropped[h, ranked[h, :d]] = True
+            report.dropped[r] += sum(per_head)
+        kept_mask = valid & ~dropped
+        counts = kept_mask.sum(dim=1).tolist()
+        physical = max(counts)
+        width = physical
+        keep = torch.zeros((kv_heads, width), dtype=torch.long, device=device)
+        slots = torch.arange(length, device=device)
+        for h in range(kv_heads):
+            keep[h, : counts[h]] = slots[kept_mask[h]]
+        self._own_pages(record, layer, -(-physical // page))
+        job = CompactionJob(record.page_tables[layer], length, keep,
+                            None if len(set(counts)) == 1 else torch.tensor(counts), starts)
+        done = compact_many(self.k_cache, self.v_cache, [job], backend=self.backend)[0]
+        record.positions[layer] = compact_map(record.positions[layer], length, history, keep, counts, done.length)
+        self._move_state(record, layer, keep, counts, done.length, length)
+        keep_pages = -(-done.length // page)
+        self.store.pool.free(record.page_tables[layer][keep_pages:])
+        del record.page_tables[layer][keep_pages:]
+        record.kv_lens[layer] = done.length
+        record.kv_starts[layer] = done.starts
+        return int(positions[dropped].max())
+
+    def _dense_pages(self, table: list[int]) -> torch.Tensor:
+        return torch.tensor(table, dtype=torch.long, device=self.k_cache.device)
+
+    def _own_pages(self, record, layer: int, count: int) -> None:
+        """Copy-on-write: the first `count` pages of the record's layer become its own."""
+        pool, table = self.store.pool, record.page_tables[layer]
+        for index in range(min(count, len(table))):
+            old = table[index]
+            if not pool.is_shared(old):
+                continue
+            new = self._allocate(record)
+            for cache in (self.k_cache, self.v_cache):
+                cache[new].copy_(cache[old])
+            table[index] = new
+            pool.free([old])
+
+    def _allocate(self, record) -> int:
+        from kvc.runtime.chains import ChainState
+
+        pool = self.store.pool
+        while pool.num_free < 1:
+            state, record.state = record.state, ChainState.ACTIVE  # never evict the chain being pruned
+            try:
+                evicted = self.store.evict_idle()
+            finally:
+                record.state = state
+            if not evicted:
+                raise ChainCapacity("no free KV page to copy a shared page of the chain before pruning it; "
+                                    "retry later", param="chain_id")
+        try:
+            return pool.allocate(1)[0]
+        except PoolExhausted:
+            raise ChainCapacity("no free KV page to prune the chain; retry later", param="chain_id") from None
+
+    @staticmethod
+    def _move_state(record, layer: int, keep: torch.Tensor, counts: list[int], physical: int, length: int) -> None:
+        """Per-token method state of the layer ([Hkv, T] tensors aligned with the slots) follows
+        the keep plan; other state stays."""
+        state = record.method_state
+        if not isinstance(state, dict) or layer not in state:
+            return
+        moved = {}
+        for name, value in state[layer].items():
+            if not (torch.is_tensor(value) and value.dim() == 2 and value.shape[1] >= length):
+                moved[name] = value
+                continue
+            index = keep.to(value.device)
+            out = torch.zeros((value.shape[0], physical), dtype=value.dtype, device=value.device)
+            for h, count in enumerate(counts):
+                if count:
+                    out[h, physical - count:] = value[h, index[h, :count]]
+            moved[name] = out
+        state = dict(state)  # forks share the record's state dict: never change it in place
+        state[layer] = moved
+        record.method_state = state
