@@ -86,8 +86,9 @@ def active() -> dict[tuple[str, tuple], table_io.Entry]:
     return _ACTIVE
 
 
-def tuned(kernel: str, bucket: tuple, source_hash: str) -> dict | None:
-    """The tuned knobs of `kernel` at `bucket`, or None (the caller's heuristic applies)."""
+def tuned(kernel: str, bucket: tuple, digest: str) -> dict | None:
+    """The tuned knobs of `kernel` at `bucket` when tuned for the module file whose sha256 is
+    `digest` (the caller's SOURCE_HASH), or None (the caller's heuristic applies)."""
     entries = _ACTIVE if _ACTIVE is not None else active()
     if not entries:
         return None
@@ -95,7 +96,7 @@ def tuned(kernel: str, bucket: tuple, source_hash: str) -> dict | None:
     if entry is None:
         _note(kernel, bucket, "no tuned entry")
         return None
-    if entry.source_hash != source_hash:
+    if entry.source_hash != digest:
         _note(kernel, bucket, "tuned for another version of its source (stale hash)")
         return None
     return entry.config

@@ -46,9 +46,11 @@ def decode(heuristic: dict, effort: str, max_splits: int) -> list[dict]:
 
 def prefill(heuristic: dict, effort: str) -> list[dict]:
     if effort == "quick":
-        values = {"block_m": [64, 128], "block_n": [64, 128], "num_warps": [4, 8], "num_stages": [heuristic["num_stages"]]}
+        values = {"block_m": [64, 128], "block_n": [64, 128], "num_warps": [4, 8],
+                  "num_stages": [heuristic["num_stages"]]}
     else:
-        values = {"block_m": [32, 64, 128, 256], "block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [1, 2, 3, 4]}
+        values = {"block_m": [32, 64, 128, 256], "block_n": [32, 64, 128], "num_warps": [4, 8],
+                  "num_stages": [1, 2, 3, 4]}
     return _product(heuristic, values)
 
 

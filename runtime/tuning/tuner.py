@@ -121,9 +121,9 @@ def run(planned: list[Planned], device: torch.device, *, rep_ms: int = 25, min_g
 def entries(outcomes: list[Outcome]) -> list[table.Entry]:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return [
-        table.Entry(kernel=o.kernel, family=o.family, bucket=o.bucket, config=o.config, source=relative_source(o.source),
-                    source_hash=o.source_hash, untuned_config=o.heuristic or {}, untuned_ms=round(o.untuned_ms, 5),
-                    tuned_ms=round(o.tuned_ms, 5), tuned_at=now)
+        table.Entry(kernel=o.kernel, family=o.family, bucket=o.bucket, config=o.config,
+                    source=relative_source(o.source), source_hash=o.source_hash, untuned_config=o.heuristic or {},
+                    untuned_ms=round(o.untuned_ms, 5), tuned_ms=round(o.tuned_ms, 5), tuned_at=now)
         for o in outcomes if o.skipped is None and o.config is not None
     ]
 

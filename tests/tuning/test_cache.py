@@ -66,11 +66,12 @@ def test_round_trip_and_merge(tmp_path):
     assert json.loads(path.read_text())["entries"][0]["bucket"]["batch"] == 4  # human-readable bucket
     read = table.read(path)
     assert read.gpu == CPU and read.entries[("attention.plain.decode", DECODE_BUCKET)] == entry()
-    other = entry(kernel="attention.plain.prefill", family="prefill", bucket=buckets.prefill(7, 4, 2, 16, torch.float32),
-                  config={"block_m": 32})
+    other = entry(kernel="attention.plain.prefill", family="prefill",
+                  bucket=buckets.prefill(7, 4, 2, 16, torch.float32), config={"block_m": 32})
     merged = table.merge(path, CPU, [other, entry(config={"num_splits": 2})])
     assert len(merged.entries) == 2 and merged.entries[entry().key].config == {"num_splits": 2}
-    assert len(table.merge(path, GpuKey("other", (9, 0), "x"), [other]).entries) == 1  # another GPU's file: not mixed in
+    # another GPU's file is not mixed in
+    assert len(table.merge(path, GpuKey("other", (9, 0), "x"), [other]).entries) == 1
 
 
 def test_lookup_uses_the_entry_only_for_its_source_hash(tmp_path, caplog):
