@@ -1,5 +1,5 @@
 """The `kvc` command line. Subcommands: generate (offline generation), serve (the HTTP API),
-bench serve (load-test a server)."""
+bench serve (load-test a server), check/fmt, compile, tune (per-GPU kernel autotuning)."""
 
 from __future__ import annotations
 
@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvc.compiler.cli import add_command as add_compile_command  # `kvc compile`
 
     add_compile_command(sub)
+    from kvc.runtime.tuning.cli import add_command as add_tune_command  # `kvc tune`
+
+    add_tune_command(sub)
     return parser
 
 

@@ -40,6 +40,7 @@ from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.scheduler import Scheduler, SchedulerConfig
 from kvc.runtime.sequence import Sequence
 from kvc.runtime.tokenizer import load_tokenizer
+from kvc.runtime.tuning.lookup import load_for_device as load_tuned_configs
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ class Engine:
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
+        if backend == "triton":  # this GPU's `kvc tune` configs (runtime/tuning/); one log line
+            load_tuned_configs(self.device)
         self.attention = PagedAttention.allocate(
             num_layers=self.spec.num_layers,
             num_pages=self.num_pages,

@@ -40,6 +40,10 @@ their KV head's first used slot, so the slots before it are neither loaded nor m
 gathered one at a time: tiles need no alignment). `HAS_STARTS` is a constexpr: without starts
 nothing is loaded and the start folds to the constant 0.
 
+Launch configs (tiles, warps, stages, split count) are host-side choices per shape bucket: the
+GPU's `kvc tune` entry when runtime/tuning/ has one for this file's sha256, else the heuristics
+below (`decode_config`, `prefill_config`, `store_kv_num_warps`).
+
 All arithmetic after the loads is fp32 (softmax in base 2); inputs may be fp32, fp16 or bf16.
 
 Variant `decode_stats`: `paged_decode(..., stats=DecodeStats(reduce, fn, out))` also writes the
@@ -59,6 +63,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvc.runtime.tuning import buckets as tuning_buckets
+from kvc.runtime.tuning.lookup import source_hash, tuned
+
 from kvc.runtime.attention.decode_stats import check_args
 
 VARIANT = "decode_stats"
@@ -66,6 +73,8 @@ EMITS_DECODE_STATS = True  # paged_decode(..., stats=...) fills decode statistic
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
 MIN_TOKENS_PER_SPLIT = 256  # below this, a split's fixed cost (q load, partial write) dominates
+# `kvc tune` entries (runtime/tuning/) recorded for another version of this file are ignored.
+SOURCE_HASH = source_hash(__file__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,6 +146,36 @@ def prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device | Non
         # which pre-Hopper parts do not have.
         return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
     return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+
+
+def store_kv_num_warps(num_kv_heads: int, head_dim: int) -> int:
+    return 4 if num_kv_heads * head_dim >= 1024 else 1
+
+
+# The launch configs: this GPU's tuned entry for the shape bucket (`kvc tune`), else the heuristic.
+# One dict probe per launch; a graph-captured decode keeps the config of its bucket.
+
+
+def decode_launch_config(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_context_len: int,
+                         dtype: torch.dtype, device: torch.device) -> DecodeConfig:
+    cfg = decode_config(batch, num_kv_heads, head_dim, max_context_len, num_sms(device))
+    bucket = tuning_buckets.decode(batch, max_context_len, num_q_heads, num_kv_heads, head_dim, dtype)
+    knobs = tuned(f"attention.{VARIANT}.decode", bucket, SOURCE_HASH)
+    return replace(cfg, **knobs) if knobs else cfg
+
+
+def prefill_launch_config(max_query_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                          dtype: torch.dtype, device: torch.device) -> PrefillConfig:
+    cfg = prefill_config(head_dim, dtype, device)
+    bucket = tuning_buckets.prefill(max_query_len, num_q_heads, num_kv_heads, head_dim, dtype)
+    knobs = tuned(f"attention.{VARIANT}.prefill", bucket, SOURCE_HASH)
+    return replace(cfg, **knobs) if knobs else cfg
+
+
+def store_kv_launch_warps(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    knobs = tuned(f"attention.{VARIANT}.store_kv", tuning_buckets.store_kv(num_tokens, num_kv_heads, head_dim, dtype),
+                  SOURCE_HASH)
+    return knobs["num_warps"] if knobs else store_kv_num_warps(num_kv_heads, head_dim)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -233,8 +272,11 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    num_warps: int | None = None,
 ) -> None:
-    """Write new keys/values k, v [T, Hkv, D] into their slots; slot -1 writes nothing."""
+    """Write new keys/values k, v [T, Hkv, D] into their slots; slot -1 writes nothing.
+    `num_warps` overrides the launch config (this GPU's tuned entry, else `store_kv_num_warps`)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -248,7 +290,7 @@ def store_kv(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=k_cache.shape[2],
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        num_warps=num_warps or store_kv_launch_warps(num_tokens, num_kv_heads, head_dim, k.dtype),
     )
 
 
@@ -432,7 +474,7 @@ def paged_decode(
     `max_context_len` (an upper bound; default: what the block table can address) only feeds
     the split heuristic. `stats` (runtime/attention/metadata.py `DecodeStats`: reduce, fn, out)
     asks for the step's attention statistics, computed inside these kernels.
-    The keyword-only knobs override the heuristic's `DecodeConfig`.
+    The keyword-only knobs override the launch config (this GPU's tuned entry, else `decode_config`).
     No host sync and no value-dependent allocation: CUDA-graph capturable.
     """
     _check_cache(q, k_cache, v_cache)
@@ -447,7 +489,7 @@ def paged_decode(
         return out
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * page_size
-    cfg = decode_config(batch, num_kv_heads, head_dim, max_context_len, num_sms(q.device))
+    cfg = decode_launch_config(batch, num_q_heads, num_kv_heads, head_dim, max_context_len, q.dtype, q.device)
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps,
                      num_stages=num_stages, use_dot=use_dot)
     cfg = replace(cfg, **{k: val for k, val in overrides.items() if val is not None})
@@ -627,7 +669,7 @@ def paged_prefill(
     head h of sequence b from slot kv_starts[b, h] on when `kv_starts [B, Hkv]` is given.
 
     Rows of `out` past cu_seqlens_q[-1] are not written. The keyword-only knobs override the
-    heuristic's `PrefillConfig`.
+    launch config (this GPU's tuned entry, else `prefill_config`).
     """
     _check_cache(q, k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -640,7 +682,7 @@ def paged_prefill(
     batch = context_lens.shape[0]
     if num_tokens == 0 or batch == 0 or max_query_len <= 0:
         return out
-    cfg = prefill_config(head_dim, q.dtype, q.device)
+    cfg = prefill_launch_config(max_query_len, num_q_heads, num_kv_heads, head_dim, q.dtype, q.device)
     overrides = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     cfg = replace(cfg, **{k: val for k, val in overrides.items() if val is not None})
 
@@ -716,5 +758,5 @@ def _fold_stats(scores, lse, context_lens, starts, stride_sb, has_starts, stats,
 
 __all__ = [
     "DecodeConfig", "PrefillConfig", "decode_config", "decode_num_splits", "prefill_config",
-    "num_sms", "store_kv", "paged_decode", "paged_prefill",
+    "store_kv_num_warps", "decode_launch_config", "prefill_launch_config", "store_kv_launch_warps", "num_sms", "store_kv", "paged_decode", "paged_prefill",
 ]

@@ -27,7 +27,9 @@ TRITON_INTERPRET=1 a program runs its block operations in order, which is the sa
 
 Inputs packed by `compact_triton`: `meta [N, Hkv + 1 + W]` int32 (counts per head, the new
 physical length M, the page table), one pinned host-to-device copy; `keep [N, Hkv, K]` int64.
-Import needs `triton`.
+Launch knobs (BLOCK_T, the head-dim slice, warps): `launch_config` gives this GPU's `kvc tune`
+entry for the (plans, kept, Hkv, D, dtype) bucket (runtime/tuning/, keyed by this file's sha256),
+else the constants below. Import needs `triton`.
 """
 
 from __future__ import annotations
@@ -39,10 +41,26 @@ import triton
 import triton.language as tl
 
 from kvc.runtime.kv.compaction import HostPlan, device_ints
+from kvc.runtime.tuning import buckets as tuning_buckets
+from kvc.runtime.tuning.lookup import source_hash, tuned
 
 BLOCK_T = 128  # tokens per chunk of a walk
 MAX_BLOCK_D = 64  # head-dim slice per program (more programs per head for large D)
 NUM_WARPS = 4
+KERNEL = "kv.compaction"  # the tuning cache's name for this kernel
+SOURCE_HASH = source_hash(__file__)  # tuned entries recorded for another version of this file are ignored
+
+
+def default_config(head_dim: int) -> dict:
+    """The heuristic knobs (what a launch uses without a tuned entry)."""
+    return {"block_t": BLOCK_T, "block_d": min(triton.next_power_of_2(head_dim), MAX_BLOCK_D), "num_warps": NUM_WARPS}
+
+
+def launch_config(num_plans: int, kept: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> dict:
+    """This GPU's tuned knobs for the bucket (`kvc tune`), else `default_config`."""
+    cfg = default_config(head_dim)
+    knobs = tuned(KERNEL, tuning_buckets.compaction(num_plans, kept, num_kv_heads, head_dim, dtype), SOURCE_HASH)
+    return {**cfg, **knobs} if knobs else cfg
 
 
 @triton.jit
@@ -107,8 +125,9 @@ def _compact_kernel(
 
 
 def compact_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, plans: list[HostPlan],
-                   block_t: int = BLOCK_T, block_d: int | None = None, num_warps: int = NUM_WARPS) -> None:
-    """Applies `plans` (one layer, distinct sequences, already checked) in one launch."""
+                   block_t: int | None = None, block_d: int | None = None, num_warps: int | None = None) -> None:
+    """Applies `plans` (one layer, distinct sequences, already checked) in one launch; the knobs
+    given override the launch config."""
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
         raise ValueError("the compaction kernel needs k_cache and v_cache with equal strides and a contiguous head dim")
     _, num_kv_heads, page_size, head_dim = k_cache.shape
@@ -125,7 +144,8 @@ def compact_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, plans: list[Hos
         keep = plans[0].keep.contiguous()[None]
     else:
         keep = torch.stack([F.pad(p.keep, (0, kept - p.keep.shape[1])) for p in plans])
-    block_d = block_d or min(triton.next_power_of_2(head_dim), MAX_BLOCK_D)
+    cfg = launch_config(len(plans), kept, num_kv_heads, head_dim, k_cache.dtype)
+    block_t, block_d, num_warps = block_t or cfg["block_t"], block_d or cfg["block_d"], num_warps or cfg["num_warps"]
     grid = (len(plans) * num_kv_heads, 2, triton.cdiv(head_dim, block_d))
     _compact_kernel[grid](
         k_cache, v_cache, keep, meta_t,

@@ -21,8 +21,10 @@ The torch path in `experts.py` stays the CPU default and the oracle; this module
 Everything is sized by host-known upper bounds (capacity = pairs + min(E, pairs) * (BLOCK_M - 1)
 rows, rounded to BLOCK_M); the row count actually in use lives on the device and programs past it
 return at once. No host sync, no data-dependent shape: a decode step with these kernels can be
-captured in a CUDA graph. Launch tiles come from `MoeTileConfig` (a small frozen dataclass, so a
-tuner can search it); `default_config` is the heuristic per rows-per-expert bucket.
+captured in a CUDA graph. Launch tiles come from `MoeTileConfig` (a small frozen dataclass that
+`kvc tune` searches): `launch_config` gives this GPU's tuned entry for the shape bucket
+(runtime/tuning/, keyed by this file's sha256), else `default_config`, the heuristic per
+rows-per-expert bucket.
 
 Inputs may be fp32, fp16 or bf16 (weights in the activation dtype); products accumulate in fp32,
 and fp32 inputs multiply in IEEE fp32 (never tf32), so the fp32 path matches the torch oracle.
@@ -37,6 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kvc.runtime.tuning import buckets as tuning_buckets
+from kvc.runtime.tuning.lookup import source_hash, tuned
+
+KERNEL = "moe.fused_experts"  # the tuning cache's name for the gate_up + down launches
+SOURCE_HASH = source_hash(__file__)  # tuned entries recorded for another version of this file are ignored
 ALIGN_TRITON_MAX_PAIRS = 1024  # above this, the single-program align kernel loses to a sort (bench: align_ms)
 
 
@@ -74,6 +81,14 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     if rows_per_expert <= 256:
         return MoeTileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
     return MoeTileConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def launch_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+                  dtype: torch.dtype) -> MoeTileConfig:
+    """This GPU's tuned tiles for the batch's bucket (`kvc tune`), else `default_config`."""
+    cfg = default_config(num_tokens, top_k, num_experts, dtype)
+    knobs = tuned(KERNEL, tuning_buckets.moe(num_tokens, num_experts, top_k, hidden, inter, dtype), SOURCE_HASH)
+    return replace(cfg, **knobs) if knobs else cfg
 
 
 @dataclass
@@ -297,7 +312,7 @@ def fused_experts(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return x.new_zeros(num_tokens, hidden)
-    config = config or default_config(num_tokens, top_k, num_experts, x.dtype)
+    config = config or launch_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype)
     align = align_by_expert(topk_ids, num_experts, config.block_m)
     capacity = align.sorted_pairs.numel()
     num_m_blocks = capacity // config.block_m
