@@ -1,5 +1,7 @@
 """GPU smoke check of chains for every served method (CUDA, fused kernels, Triton compaction):
-turn 2 reuses turn 1's history (cached tokens) and a rolled-back continuation runs.
+turn 2 reuses turn 1's history (cached tokens), a rolled-back continuation runs, and a prune of
+the chain's first 200 tokens (keep 20%, the method's scorer or snapkv) frees pages and the next turn
+still reuses the whole history.
     python3 bench/gpu_chains_check.py            # on the GPU; prints one line per method
 """
 
@@ -41,9 +43,16 @@ def main() -> int:
                 rolled = third.num_cached_tokens
             except Exception as err:  # noqa: BLE001 -- report, TOVA may refuse (409)
                 rolled = f"{type(err).__name__}: {err}"
+            from kvc.runtime.chain_prune import PruneRequest
+
+            report = llm.engine.prune_chain(first.chain_id, None, PruneRequest(token_ranges=((0, 200),), keep=0.2))
+            fourth = llm.generate(convo + user, greedy, chain=ChainSpec(continue_id=first.chain_id))[0]
+            pruned_ok = fourth.num_cached_tokens == len(convo) - 1 and report["pages"] <= report["pages_before"]
             print(f"{method}: turn-2 cached {second.num_cached_tokens}/{len(history) - 1} "
-                  f"{'OK' if ok else 'WRONG'}; cut continuation cached {rolled}", flush=True)
-            failed += not ok
+                  f"{'OK' if ok else 'WRONG'}; cut continuation cached {rolled}; prune pages "
+                  f"{report['pages_before']}->{report['pages']}, then cached {fourth.num_cached_tokens}/"
+                  f"{len(convo) - 1} {'OK' if pruned_ok else 'WRONG'}", flush=True)
+            failed += not (ok and pruned_ok)
         except Exception as err:  # noqa: BLE001
             print(f"{method}: FAILED {type(err).__name__}: {err}", flush=True)
             failed += 1
