@@ -129,7 +129,7 @@ class BatchPlan:
     page_bytes: int  # one layer-page (K and V)
     pages_per_seq: int  # one sequence at steady state, input + the whole output stored (all layers)
     steady_tokens: float  # physical tokens per layer at that point, averaged over layers
-    prefill_pages: int  # one request's prefill peak (all layers)
+    prefill_pages: int  # one request alone at its worst: prefill peak (whole prompt) or steady (all layers)
     fits: int  # sequences the pool holds at steady state
     batch: int  # min(fits, max_batch); 0: the method does not run at this input
 
