@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -44,7 +45,7 @@ from kvc.runtime.bench.plan import (
     plan_batch,
 )
 from kvc.runtime.config import EngineConfig
-from kvc.runtime.errors import ConfigError
+from kvc.runtime.errors import ConfigError, OutOfKVMemory
 from kvc.runtime.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -232,7 +233,7 @@ def measure(cfg: ThroughputConfig, case: Case) -> list[dict]:
         _check_plan(engine, plan)
         clock = _Clock(engine.device)
         phases["load_s"] = time.perf_counter() - start
-        phases["warmup_s"] = clock.time(lambda: _warm_up(engine, cfg, case.input_len))
+        phases["warmup_s"] = clock.time(partial(_warm_up, engine, cfg, case.input_len))
         row.update(_decode_window(engine, cfg, case.input_len, plan.batch, clock, phases))
     finally:
         _abort_all(engine)
@@ -311,7 +312,7 @@ def _e2e(cfg: ThroughputConfig, case: Case, window_row: dict) -> dict:
     try:
         clock = _Clock(engine.device)
         phases["load_s"] = time.perf_counter() - start
-        phases["warmup_s"] = clock.time(lambda: _warm_up(engine, cfg, input_len))
+        phases["warmup_s"] = clock.time(partial(_warm_up, engine, cfg, input_len))
         sampling = SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
         clock.sync()
         t0 = time.perf_counter()
@@ -330,6 +331,10 @@ def _e2e(cfg: ThroughputConfig, case: Case, window_row: dict) -> dict:
         phases["prefill_s"] = time.perf_counter() - t0
         row["ttft_s"] = sum(first.values()) / len(first)
         row["ttft_max_s"] = max(first.values())
+        left = min(cfg.output_len - s.num_generated for s in seqs)
+        if left <= cfg.warmup + cfg.steps:
+            raise RuntimeError(f"the first requests generated all but {left} of their {cfg.output_len} tokens while "
+                               "the others prefilled; lower --e2e-batch or raise --output")
         phases["warmup_steps_s"] = _window(engine, seqs, cfg.warmup, clock)
         seconds = _window(engine, seqs, cfg.steps, clock)
         phases["window_s"] = seconds
@@ -380,10 +385,12 @@ def run(cfg: ThroughputConfig, progress: bool = False, on_row: Callable[[dict], 
                 bar.update(bar.task_ids[0], description=f"{case.method} @ {case.input_len}")
             try:
                 new = measure(cfg, case)
-            except torch.cuda.OutOfMemoryError as e:  # a plan the device cannot hold: a row, not a crash
+            except (RuntimeError, OutOfKVMemory) as e:  # out of device memory, a batch that did not hold: a row
+                log.exception("bench throughput: %s at %d input tokens failed", case.method, case.input_len)
+                what = "out of device memory" if isinstance(e, torch.cuda.OutOfMemoryError) else "failed"
                 new = [{"method": case.method, "params": case.resolved, "input_len": case.input_len,
                         "output_len": cfg.output_len, "mode": "decode_window", "batch": case.plan.batch,
-                        "pages_per_seq": case.plan.pages_per_seq, "error": f"out of device memory: {e}"}]
+                        "pages_per_seq": case.plan.pages_per_seq, "error": f"{what}: {e}"}]
                 _collect()
             rows += new
             for row in new:

@@ -40,8 +40,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def make_engine(model_dir: Path, method: str, **options):
-    opts = dict(device="cpu", dtype="float32", page_size=PAGE, max_num_batched_tokens=64, max_prefill_chunk=32,
-                attention_backend="torch", enable_prefix_caching=False, **options)
+    opts = {**dict(device="cpu", dtype="float32", page_size=PAGE, max_num_batched_tokens=64, max_prefill_chunk=32,
+                   attention_backend="torch", enable_prefix_caching=False), **options}
     return LLM(str(model_dir), method=method, method_params=CASES[method] or None, **opts).engine
 
 
@@ -95,6 +95,20 @@ def test_clones_decode_like_the_request_alone(model_dir, method):
         assert Hook.CLONE in engine.method.hooks
         m = engine.method
         assert not m._q and not m._state and not m._pending and not m._decode_state
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def test_clones_under_the_triton_backend(model_dir, method):
+    """The GPU path's kernels (paged attention, decode statistics, compaction), interpreted on the
+    CPU: clones still decode the source's tokens."""
+    engine = make_engine(model_dir, method, attention_backend="triton")
+    source = engine.add_request(prompt(), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    decode_until(engine, source, 2)
+    clones = engine.clone_sequence(source, 2)
+    while engine.has_unfinished():
+        engine.step()
+    assert all(c.generated_ids == source.generated_ids for c in clones)
+    assert engine.pool.num_free == engine.pool.num_pages
 
 
 def test_h2o_clone_without_its_state_diverges(model_dir, monkeypatch):
