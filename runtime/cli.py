@@ -1,5 +1,7 @@
 """The `kvc` command line. Subcommands: generate (offline generation), serve (the HTTP API),
-bench serve (load-test a server), check/fmt, compile, tune (per-GPU kernel autotuning)."""
+bench serve (load-test a server), bench throughput (decode tokens/s per method at a fixed KV
+memory, runtime/bench/), bench plot (its PNG), check/fmt, compile, tune (per-GPU kernel
+autotuning)."""
 
 from __future__ import annotations
 
@@ -99,7 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     from kvc.runtime.server.cli import add_commands as add_server_commands  # `kvc serve`, `kvc bench serve`
 
-    add_server_commands(sub, _add_engine_args, _engine_options)
+    bench_sub = add_server_commands(sub, _add_engine_args, _engine_options)
+    from kvc.runtime.bench.cli import add_commands as add_bench_commands  # `kvc bench throughput`, `kvc bench plot`
+
+    add_bench_commands(bench_sub)
     from kvc.dsl.cli import add_commands  # `kvc check` and `kvc fmt` (the method language)
 
     add_commands(sub)

@@ -10,6 +10,11 @@ sequence carries `chain_id`. A chained request records its KV into its chain whe
 stops or is aborted. `drop_chain` forgets one; `chains.stats()` counts them. `prune_chain` drops
 low-value history from an idle chain (runtime/chain_prune.py); with `config.auto_prune`, each chat
 turn's end prunes the messages it names.
+
+Clones (`clone_sequence`): a decoding sequence is copied into new running sequences, each with
+its own copy of the K/V pages, the scheduler's bookkeeping, the method's per-sequence state
+(`Hook.CLONE`) and the sampling generator's state, so every clone continues exactly as the source
+would. The throughput benchmark (runtime/bench/) builds its decode batch this way.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from kvc.runtime.tuning.lookup import load_for_device as load_tuned_configs
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
+CLONE_COPY_BYTES = 256 * 2**20  # K or V bytes gathered at once while copying a clone's pages
 
 
 class Engine:
@@ -209,6 +215,42 @@ class Engine:
                 raise ChainCapacity(
                     f"the chain's request needs {needed + copies} KV pages, {pinned} of the pool's {self.num_pages} "
                     "are held by other active chains; retry later", param="chain_id")
+
+    def clone_sequence(self, seq: Sequence, count: int) -> list[Sequence]:
+        """`count` new running sequences, each a copy of the decoding `seq` (its tokens, its K/V in
+        pages of its own, the method's state, the sampling generator's state). Refused whole with
+        OutOfKVMemory when the free pages do not cover them, ConfigError past max_num_seqs."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ConfigError(f"clone count must be a non-negative integer, got {count!r}", param="count")
+        clones = [
+            Sequence(seq.token_ids[: seq.num_prompt_tokens], params=seq.params, eos_token_ids=seq.eos_token_ids,
+                     max_model_len=seq.max_model_len, num_layers=self.spec.num_layers)
+            for _ in range(count)
+        ]
+        pairs = self.scheduler.clone(seq, clones)
+        self._copy_pages(pairs)
+        source_generator = self.runner.generators.get(seq.seq_id)
+        for clone in clones:
+            if Hook.CLONE in self.method.hooks:
+                self.method.clone(seq.seq_id, clone.seq_id)
+            self.runner.add_request(clone.seq_id, None if source_generator is None else 0)
+            if source_generator is not None:  # the clone draws what the source would
+                self.runner.generators[clone.seq_id].set_state(source_generator.get_state())
+            self.sequences[clone.seq_id] = clone
+        return clones
+
+    @torch.no_grad()
+    def _copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """K/V of page src -> page dst for every pair, a bounded number of pages at a time."""
+        if not pairs:
+            return
+        k_cache, v_cache = self.attention.k_cache, self.attention.v_cache
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=k_cache.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=k_cache.device)
+        step = max(1, CLONE_COPY_BYTES // (k_cache[0].numel() * k_cache.element_size()))
+        for cache in (k_cache, v_cache):
+            for i in range(0, len(pairs), step):
+                cache.index_copy_(0, dst[i : i + step], cache.index_select(0, src[i : i + step]))
 
     def drop_chain(self, chain_id: str, owner: str | None) -> None:
         """Forgets a chain and frees its pages (ChainNotFound / ChainEvicted / ChainBusy)."""

@@ -32,6 +32,10 @@ Points, in the order a request meets them:
   cut to the layers' physical `lengths` (a rollback drops the stored tail). A continuation looks
   to the method like a new request whose prompt is the stored (compressed) history plus the new
   suffix: `prompt`/`context` symbols count physical tokens, RoPE positions stay logical.
+- `clone(src_seq_id, dst_seq_id)`: the engine copied a running sequence's pages into a new one
+  (`Engine.clone_sequence`: the throughput benchmark's decode window); the method copies its own
+  per-sequence state, so the clone continues exactly as the source would. Only for methods
+  listing `Hook.CLONE`.
 - `release(seq_id)`             the sequence's pages were freed (finish, abort, preemption).
 
 The engine only calls the points named in `hooks`, so a method pays for nothing it does not use.
@@ -56,6 +60,7 @@ class Hook(enum.Enum):
     DECODE_AFTER_ATTENTION = "decode_after_attention"
     STEP_END = "step_end"
     TURN = "turn"  # turn_end / turn_resume
+    CLONE = "clone"  # the engine cloned a running sequence (its state must follow)
     RELEASE = "release"
 
 
@@ -249,6 +254,8 @@ class KVMethod(Protocol):
 
     def turn_resume(self, seq_id: int, state: Any, lengths: Seq[int]) -> None: ...
 
+    def clone(self, src_seq_id: int, dst_seq_id: int) -> None: ...
+
     def release(self, seq_id: int) -> None: ...
 
 
@@ -284,6 +291,9 @@ class MethodBase:
         return None
 
     def turn_resume(self, seq_id: int, state: Any, lengths: Seq[int]) -> None:
+        return None
+
+    def clone(self, src_seq_id: int, dst_seq_id: int) -> None:
         return None
 
     def release(self, seq_id: int) -> None:

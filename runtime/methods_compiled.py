@@ -17,6 +17,9 @@ windows) and calls the generated torch lowering at the contract's points:
   (with per-head `lengths` when the counts differ: head-adaptive selections such as Ada-KV; the
   counts are the selected tensors' sizes and stay on the host, so no device sync reads them).
 - `release`: drops the sequence's buffers.
+- `clone(src, dst)` (`Hook.CLONE`, every method with hooks): `dst` gets a copy (cloned tensors) of
+  every per-(sequence, layer) entry `src` has: query windows, prefill accumulators, and the
+  decode state and pending scores (`DecodeHooks._clone_decode`).
 - `turn_end` / `turn_resume` (methods with per-token state, e.g. H2O's `seen`: `Hook.TURN`): the
   chain cache takes each layer's state with the session (the decode state, or the prefill
   accumulator of a prefill cut short) and gives it back, cut to the stored lengths, as the
@@ -62,7 +65,7 @@ from kvc.dsl import METHODS_DIR, KvmError
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.attention.metadata import StatsFold
 from kvc.runtime.method_api import AttentionKernels, Hook, KeepPlan, MethodBase, PrefillView
-from kvc.runtime.methods_compiled_decode import DecodeHooks
+from kvc.runtime.methods_compiled_decode import DecodeHooks, copy_entries
 
 GENERATED = method_cache.GENERATED_DIR
 ALL_QUERIES = -1
@@ -227,6 +230,8 @@ class CompiledMethod(DecodeHooks, MethodBase):
         hooks |= self._init_decode(manifest)
         if self.states:  # per-sequence state that a chain must carry between turns
             hooks.add(Hook.TURN)
+        if hooks:  # some per-sequence state may exist: a cloned sequence must get its copy
+            hooks.add(Hook.CLONE)
         self.hooks = frozenset(hooks)
         self.compacts = bool(hooks)  # a method with no hooks (`full`) keeps every token: prefix caching stays on
         if Hook.STEP_END in hooks:
@@ -363,6 +368,13 @@ class CompiledMethod(DecodeHooks, MethodBase):
                 name: (value[:, : lengths[layer]] if value.dim() == 2 else value).clone()
                 for name, value in tensors.items()
             }
+
+    def clone(self, src_seq_id: int, dst_seq_id: int) -> None:
+        """`dst_seq_id` gets a copy of every per-layer entry of `src_seq_id` (cloned tensors)."""
+        self.release(dst_seq_id)
+        for store in (self._q, self._state):
+            copy_entries(store, src_seq_id, dst_seq_id)
+        self._clone_decode(src_seq_id, dst_seq_id)
 
     def release(self, seq_id: int) -> None:
         self._release_decode(seq_id)

@@ -195,10 +195,24 @@ class DecodeHooks:
             self._decode_state[key] = _gather_state(state, length, indices, device)
         return KeepPlan(indices, tail=self.kept_tail(self._keep_hook, sym, length))
 
+    def _clone_decode(self, src: int, dst: int) -> None:
+        """A cloned sequence's decode state and pending scores: copies of its source's."""
+        for store in (self._pending, self._decode_state):
+            copy_entries(store, src, dst)
+
     def _release_decode(self, seq_id: int) -> None:
         for store in (self._pending, self._decode_state):
             for key in [key for key in store if key[0] == seq_id]:
                 del store[key]
+
+
+def copy_entries(store: dict[tuple[int, int], Any], src: int, dst: int) -> None:
+    """store[(dst, layer)] = a copy of store[(src, layer)] for every layer src has (a tensor, or
+    a dict of tensors)."""
+    for (seq, layer), value in list(store.items()):
+        if seq == src:
+            store[dst, layer] = ({name: t.clone() for name, t in value.items()} if isinstance(value, dict)
+                                 else value.clone())
 
 
 class _CacheInputs(dict):

@@ -25,6 +25,10 @@ every shared page when the step may compact), and `postprocess` returns the unus
 pages run out, idle chains are evicted oldest-last-use first, then running sequences without a
 chain are preempted, chained ones last (a chained one restarts its turn from its record, which
 stayed intact: copy-on-write).
+
+Clones (`clone`, for `Engine.clone_sequence`): new sequences admitted straight as RUNNING decodes
+with the bookkeeping of a decoding source and fresh pages of the same shape (the engine copies the
+K/V into them); refused whole, before any change, when seats or free pages do not cover them all.
 """
 
 from __future__ import annotations
@@ -218,6 +222,48 @@ class Scheduler:
             self.waiting.remove(seq)
         self._finish(seq, FINISH_ABORT)
         return seq
+
+    def clone(self, seq: Sequence, clones: list[Sequence]) -> list[tuple[int, int]]:
+        """Admits `clones` (fresh sequences with seq's tokens) as running decodes, each with its
+        own pages for every page seq holds; returns the (source page, clone page) pairs whose K/V
+        the caller must copy. Raises (changing nothing) when seq is not a decoding, unchained
+        running sequence, when the seats (`max_num_seqs`) or the free pages do not cover them."""
+        if seq.status is not SequenceStatus.RUNNING or seq.is_prefill or seq.seq_id not in self._live:
+            raise ValueError(f"{seq} cannot be cloned: only a running sequence past its prefill can")
+        if seq.chain is not None or seq.spare_pages:
+            raise ValueError(f"{seq} cannot be cloned: it continues a chain (its pages are shared)")
+        seats = self.config.max_num_seqs - len(self.running)
+        if len(clones) > seats:
+            raise ConfigError(f"cloning {len(clones)} sequences needs {len(clones)} free seats, {seats} are left; "
+                              "raise max_num_seqs", param="max_num_seqs")
+        per_clone = self._held(seq)
+        if per_clone * len(clones) > self.pool.num_free:
+            raise OutOfKVMemory(f"cloning {len(clones)} sequences of {per_clone} KV pages each needs "
+                                f"{per_clone * len(clones)} pages, {self.pool.num_free} are free; "
+                                "give the engine more KV cache memory or clone fewer")
+        for clone in clones:
+            if clone.status is not SequenceStatus.WAITING or clone.holds_pages or clone.seq_id in self._live:
+                raise ValueError(f"{clone} cannot receive a clone: it is not a fresh sequence")
+        pairs: list[tuple[int, int]] = []
+        for clone in clones:
+            clone.page_tables = [self.pool.allocate(len(table)) for table in seq.page_tables]
+            for src, dst in zip(seq.page_tables, clone.page_tables):
+                pairs += zip(src, dst)
+            clone.tables_version += 1
+            clone.token_ids = list(seq.token_ids)
+            clone.num_prompt_tokens = seq.num_prompt_tokens
+            clone.num_computed_tokens = seq.num_computed_tokens
+            clone.prefill_end = seq.prefill_end
+            clone.kv_lens = list(seq.kv_lens)
+            clone.kv_starts = [None if s is None else list(s) for s in seq.kv_starts]
+            clone.compressed = seq.compressed
+            clone.page_hashes = list(seq.page_hashes)
+            clone.history_gap = list(seq.history_gap)
+            clone.verbatim_from = seq.verbatim_from
+            clone.status = SequenceStatus.RUNNING
+            self._live[clone.seq_id] = clone
+            bisect.insort(self.running, clone, key=lambda s: s.arrival)
+        return pairs
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:

@@ -93,10 +93,23 @@ def build_random_model(
 def resolve_model(
     spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> LoadedModel:
-    """`random:NAME` -> build_random_model(NAME); anything else is a checkpoint directory."""
+    """`random:NAME` -> build_random_model(NAME); anything else is a checkpoint directory.
+    `random:NAME,key=value,...` overrides integer config fields of the named shape (e.g.
+    `max_position_embeddings=139264`: random weights have no trained context to respect)."""
     if spec.startswith(RANDOM_PREFIX):
-        return build_random_model(spec[len(RANDOM_PREFIX) :], device, dtype)
+        name, *fields = spec[len(RANDOM_PREFIX) :].split(",")
+        return build_random_model(name, device, dtype, **_int_overrides(spec, fields))
     return load_model(spec, device, dtype)
+
+
+def _int_overrides(spec: str, fields: list[str]) -> dict[str, int]:
+    overrides = {}
+    for field in fields:
+        key, eq, value = field.partition("=")
+        if not eq or not key.strip() or not value.strip().isdigit():
+            raise ModelLoadError(f"model {spec!r}: config overrides are key=integer, got {field!r}")
+        overrides[key.strip()] = int(value)
+    return overrides
 
 
 def _check_dir(path: Path) -> Path:

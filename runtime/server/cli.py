@@ -11,9 +11,10 @@ import os
 import sys
 
 
-def add_commands(sub, add_engine_args, engine_options) -> None:
+def add_commands(sub, add_engine_args, engine_options):
     """Registers `serve` and `bench serve`; `add_engine_args`/`engine_options` are the CLI's
-    shared engine flags, so `kvc serve` takes the same ones as `kvc generate`."""
+    shared engine flags, so `kvc serve` takes the same ones as `kvc generate`. Returns the `bench`
+    subparsers, where runtime/cli.py adds the offline benchmarks."""
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
@@ -62,6 +63,7 @@ def add_commands(sub, add_engine_args, engine_options) -> None:
     b.add_argument("--result-file", help="write the JSON result here")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=_bench_serve)
+    return bench_sub
 
 
 def _serve(a: argparse.Namespace, engine_options) -> int:

@@ -1,0 +1,136 @@
+"""The `kvc bench throughput` and `kvc bench plot` subcommands (added under `kvc bench` by
+runtime/cli.py). The engine is imported when a command runs, not when `kvc` parses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvc.runtime.errors import ConfigError, KvcError
+
+DEFAULT_METHODS = "full,streamingllm,snapkv,pyramidkv,h2o,tova,adakv"
+
+
+def add_commands(bench_sub) -> None:
+    t = bench_sub.add_parser("throughput", help="decode tokens/s per method at the largest batch a fixed KV "
+                             "memory holds (offline; decode window over cloned post-prefill state)")
+    t.add_argument("--model", help="local Hugging Face directory or random:NAME (default: the embedded tiny model)")
+    t.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated (default: {DEFAULT_METHODS})")
+    t.add_argument("--method-params", action="append", metavar="METHOD:KEY=VALUE[,KEY=VALUE]",
+                   help="override a method's parameters (repeatable), e.g. snapkv:budget=2048,window=32")
+    t.add_argument("--budget", type=int, default=2048,
+                   help="tokens per KV head and layer every method keeps by default (default 2048)")
+    t.add_argument("--inputs", default="32768,131072", help="comma-separated input lengths (default 32768,131072)")
+    t.add_argument("--output", type=int, default=2048, help="output tokens each request is sized for (default 2048)")
+    t.add_argument("--kv-memory", required=True, help="KV page pool for every method, e.g. 60GiB")
+    t.add_argument("--steps", type=int, default=32, help="timed decode steps (default 32)")
+    t.add_argument("--warmup", type=int, default=4, help="decode steps before timing (default 4)")
+    t.add_argument("--max-batch", type=int, default=1024, help="cap on the batch (default 1024)")
+    t.add_argument("--decode-offset", type=int, default=0,
+                   help="tokens the single request decodes before it is cloned (default 0: right after prefill)")
+    t.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    t.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    t.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    t.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill tokens per step")
+    t.add_argument("--max-prefill-chunk", type=int, help="one request's prefill tokens per step")
+    t.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    t.add_argument("--no-cuda-graphs", action="store_true")
+    t.add_argument("--e2e", action="store_true", help="also prefill the batch's real prompts end to end and "
+                   "compare its decode step time with the decode window's")
+    t.add_argument("--e2e-batch", type=int, help="batch of the --e2e run (default: the largest batch)")
+    t.add_argument("--busy", action="store_true", help="GPU busy fraction of a profiled decode window (slow)")
+    t.add_argument("--busy-batch", type=int, default=64, help="batch of the --busy window (default 64)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", help="write the JSON result here")
+    t.add_argument("--plot", help="also render the PNG here (needs matplotlib)")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=_throughput)
+
+    p = bench_sub.add_parser("plot", help="render a `bench throughput` JSON result as a PNG bar chart")
+    p.add_argument("result", help="the JSON written by `kvc bench throughput --out`")
+    p.add_argument("-o", "--out", help="the PNG (default: the result's path with .png)")
+    p.set_defaults(func=_plot)
+
+
+def _csv(text: str, what: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ConfigError(f"--{what} is empty", param=what)
+    return items
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(item) for item in _csv(text, what)]
+    except ValueError:
+        raise ConfigError(f"--{what} takes comma-separated integers, got {text!r}", param=what) from None
+
+
+def parse_method_params(items: list[str] | None) -> dict[str, dict]:
+    """["snapkv:budget=2048,window=32", "h2o:heavy=0.05"] -> {"snapkv": {...}, "h2o": {...}}."""
+    from kvc.runtime.server.launch import parse_method_params as parse_pairs
+
+    out: dict[str, dict] = {}
+    for item in items or []:
+        method, colon, pairs = item.partition(":")
+        if not colon or not method.strip():
+            raise ConfigError(f"--method-params takes METHOD:KEY=VALUE[,KEY=VALUE], got {item!r}",
+                              param="method_params")
+        out.setdefault(method.strip(), {}).update(parse_pairs(_csv(pairs, "method-params")))
+    return out
+
+
+def _throughput(a: argparse.Namespace) -> int:
+    from kvc.runtime.bench.plan import parse_bytes
+    from kvc.runtime.bench.result import format_table
+    from kvc.runtime.bench.throughput import ThroughputConfig, run
+
+    cfg = ThroughputConfig(
+        methods=_csv(a.methods, "methods"), inputs=_ints(a.inputs, "inputs"), kv_memory=parse_bytes(a.kv_memory),
+        model=a.model, output_len=a.output, budget=a.budget, method_params=parse_method_params(a.method_params),
+        steps=a.steps, warmup=a.warmup, max_batch=a.max_batch, decode_offset=a.decode_offset, device=a.device,
+        dtype=a.dtype, page_size=a.page_size, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_prefill_chunk=a.max_prefill_chunk, attention_backend=a.attention_backend,
+        cuda_graphs=not a.no_cuda_graphs, e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy, busy_batch=a.busy_batch,
+        seed=a.seed)
+    if a.plot:
+        from kvc.runtime.bench.plot import _pyplot
+
+        _pyplot()  # missing matplotlib: say so now, not after the run
+
+    def show(row: dict) -> None:
+        if "error" in row:
+            print(f"{row['method']} @ {row['input_len']}: {row['error']}", file=sys.stderr, flush=True)
+        else:
+            print(f"{row['method']} @ {row['input_len']} ({row['mode']}): batch {row['batch']}, "
+                  f"{row['decode_tok_s']:.1f} tok/s, step {row['step_ms']:.2f} ms, phases "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in row.get("phases", {}).items()), file=sys.stderr, flush=True)
+
+    result = run(cfg, progress=not a.no_progress and sys.stderr.isatty(), on_row=show)
+    print(format_table(result))
+    if a.out:
+        _write(a.out, result)
+    if a.plot:
+        from kvc.runtime.bench.plot import render
+
+        render(result, a.plot)
+    return 0 if all("error" not in r for r in result["rows"]) else 1
+
+
+def _write(path: str, result: dict) -> None:
+    try:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    except OSError as e:
+        raise KvcError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _plot(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvc.runtime.bench.plot import load_result, render
+
+    out = a.out or str(Path(a.result).with_suffix(".png"))
+    print(render(load_result(a.result), out))
+    return 0

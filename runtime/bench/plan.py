@@ -1,0 +1,156 @@
+"""What a throughput run compares, decided before any engine is built.
+
+- `equal_budget_params`: each method's parameters at one common KV budget (tokens kept per KV head
+  and layer, 2048 by default), derived from the parameters its manifest declares, by their names
+  and types, never by the method's name: a `budget` in tokens is the budget; a `recent` window in
+  tokens next to `sink` tokens is the budget minus the sinks; fractions of the prompt named
+  `heavy` / `recent` split the budget between them at the given input length. Anything else keeps
+  its .kvm default; the user's `--method-params` override all of it. The JSON records the result.
+- `model_spec`: the model's shape (layers, KV heads, head dim, dtype) from its config alone, so the
+  batch is known before the weights are loaded; `model_for_context` lengthens a random model's
+  context when input + output need it (random weights have no trained context to respect).
+- `plan_batch`: the pool the engine will allocate for `--kv-memory` (the engine's own formula:
+  bytes // one layer-page of the method's layout; the caller checks the engine agrees) and the
+  pages one sequence holds at steady state with its whole output generated (the method's
+  `budget.steady_tokens(prompt, prompt + output, layer)` per layer, in pages); the largest batch is
+  the pool over that, capped by `--max-batch`. One request's prefill peak (the whole prompt
+  resident until prefill end) must also fit, or the method does not run at that input.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvc.runtime.config import EngineConfig
+from kvc.runtime.errors import ConfigError
+from kvc.runtime.models.base import ModelSpec
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """`60GiB`, `512MiB`, `1.5GB`, `1073741824` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match and match.group(2).lower()
+    if match is None or unit not in _UNITS:
+        raise ConfigError(f"--kv-memory takes a size such as 60GiB, 512MiB or a byte count, got {text!r}",
+                          param="kv_memory")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ConfigError(f"--kv-memory must be positive, got {text!r}", param="kv_memory")
+    return value
+
+
+def _fraction(tokens: int, input_len: int) -> float:
+    """The smallest float f <= 1 with floor(f * input_len) >= tokens (a count the lowering floors)."""
+    if tokens >= input_len:
+        return 1.0
+    f = tokens / input_len
+    while math.floor(f * input_len) < tokens:
+        f = math.nextafter(f, 2.0)
+    return f
+
+
+def declared_parameters(method: str) -> dict[str, dict]:
+    """The parameters a method's manifest declares (name -> {type, default}); {} when the method
+    cannot be located (resolving it later gives the user the clear error)."""
+    from kvc.compiler import cache as method_cache
+    from kvc.runtime.methods_compiled import GENERATED
+
+    try:
+        compiled = method_cache.locate(method, generated=GENERATED)
+    except Exception:  # noqa: BLE001 -- resolve_method reports it properly
+        return {}
+    return {} if compiled is None else dict(compiled.manifest.get("parameters", {}))
+
+
+def equal_budget_params(declared: dict[str, dict], input_len: int, budget: int) -> dict[str, object]:
+    """Parameter values that keep about `budget` tokens per KV head and layer (module docstring)."""
+    params: dict[str, object] = {}
+
+    def kind(name: str) -> str | None:
+        return declared.get(name, {}).get("type")
+
+    if kind("budget") == "tokens":
+        params["budget"] = budget
+    if kind("recent") == "tokens":
+        sink = int(declared["sink"]["default"]) if kind("sink") == "tokens" else 0
+        params["recent"] = max(1, budget - sink)
+    fractions = [name for name in ("heavy", "recent") if kind(name) == "float"]
+    for name in fractions:
+        params[name] = _fraction(budget // len(fractions), input_len)
+    return params
+
+
+def model_for_context(model: str, needed: int, spec: ModelSpec) -> str:
+    """`random:NAME` with its context raised to `needed` tokens when it is shorter; a checkpoint
+    directory must hold them itself."""
+    if spec.max_position_embeddings >= needed:
+        return model
+    if model.startswith("random:"):
+        return f"{model},max_position_embeddings={needed}"
+    raise ConfigError(f"model {model} holds {spec.max_position_embeddings} tokens, the run needs {needed} "
+                      "(input + output)", param="inputs")
+
+
+def model_spec(model: str, device: torch.device, dtype: str) -> ModelSpec:
+    """The model's shape and dtype as the engine will load it, from its config alone."""
+    from kvc.runtime.models.registry import default_dtype, make_spec, model_class_for_config
+
+    if model.startswith("random:"):
+        from kvc.runtime.models.loader import resolve_model
+
+        return resolve_model(model, "meta", None if dtype == "auto" else _dtype(dtype, device)).spec
+    from transformers import AutoConfig
+
+    from kvc.runtime.errors import ModelLoadError
+
+    try:
+        config = AutoConfig.from_pretrained(str(Path(model).expanduser()), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 -- transformers raises many types; the user needs the message
+        raise ModelLoadError(f"{model}: cannot read its config: {e}") from None
+    resolved = default_dtype(config, device) if dtype == "auto" else _dtype(dtype, device)
+    return make_spec(model_class_for_config(config), config, resolved, ())
+
+
+def _dtype(dtype: str, device: torch.device) -> torch.dtype:
+    return EngineConfig(dtype=dtype).resolve_dtype(device, None)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    num_pages: int  # the pool --kv-memory buys for this method's layout
+    page_bytes: int  # one layer-page (K and V)
+    pages_per_seq: int  # one sequence at steady state, input + the whole output stored (all layers)
+    steady_tokens: float  # physical tokens per layer at that point, averaged over layers
+    prefill_pages: int  # one request alone at its worst: prefill peak (whole prompt) or steady (all layers)
+    fits: int  # sequences the pool holds at steady state
+    batch: int  # min(fits, max_batch); 0: the method does not run at this input
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_len: int, output_len: int,
+               max_batch: int) -> BatchPlan:
+    """The largest batch of `method` at `input_len` + `output_len` in `kv_memory` bytes (module
+    docstring); `method` is bound to the model's shape here, as the engine binds it."""
+    bind = getattr(method, "bind", None)
+    if bind is not None:
+        bind(spec.num_layers, spec.num_kv_heads)
+    layout = method.layout(spec.num_kv_heads, spec.head_dim, spec.dtype)
+    page_bytes = layout.bytes_per_token * page_size
+    num_pages = max(1, kv_memory // page_bytes)
+    budget, layers = method.budget, range(spec.num_layers)
+    steady = [budget.steady_tokens(input_len, input_len + output_len, layer) for layer in layers]
+    per_seq = sum(-(-tokens // page_size) for tokens in steady)
+    peak = sum(-(-max(budget.peak_tokens(input_len, layer), tokens) // page_size)
+               for layer, tokens in zip(layers, steady))
+    fits = num_pages // per_seq if peak <= num_pages else 0
+    return BatchPlan(num_pages, page_bytes, per_seq, sum(steady) / len(steady), peak, fits, min(fits, max_batch))

@@ -1,0 +1,102 @@
+"""The throughput result object: where and how it was measured (header), and a markdown table.
+
+One JSON object: `benchmark`, `date` (UTC), `command`, `device` (GPU name), `versions` (torch,
+triton, transformers, python, git commit when known), `model`, `dtype`, `kv_memory_bytes`,
+`page_size`, `output_len`, `steps`, `warmup`, `budget` and `budget_rule` (how each method's
+parameters were set), `mode_notes`, then `rows` (per method and input: `method`, `params`,
+`input_len`, `output_len`, `batch`, `pages_per_seq`, `decode_tok_s`, `step_ms`, `prefill_s`,
+`ttft_s`, `mode`, `busy`, `phases`, `plan`; or `error`) and `ratios_vs_full` (per input, per method:
+decode tok/s and batch over `full`'s).
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+MODE_NOTES = {
+    "decode_window": "one real request prefilled (prefill_s, ttft_s), then cloned in its method's post-prefill state "
+                     "into `batch` sequences that own copies of its KV; `steps` decode steps timed after `warmup`",
+    "e2e": "`batch` real prompts prefilled end to end (prefill_s: all of them; ttft_s: mean), then the same "
+           "decode window; window_step_ratio = its step time / the decode window's at the same batch",
+}
+BUDGET_RULE = ("from each method's declared parameters: `budget` (tokens) = budget; `recent` (tokens) = budget - "
+               "`sink`; fractions `heavy`/`recent` of the prompt = budget/2 tokens each at the input length; "
+               "--method-params override")
+
+
+def _versions() -> dict[str, str | None]:
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"torch": torch.__version__, "triton": triton_version, "transformers": transformers.__version__,
+            "python": platform.python_version(), "kvc_commit": _commit()}
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def _device_name(device: str) -> str:
+    if torch.cuda.is_available() and device != "cpu":
+        index = torch.device(device).index if device.startswith("cuda:") else None
+        return torch.cuda.get_device_name(index)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def header(cfg, model: str) -> dict:
+    """Everything but the rows: what ran, where, with which versions."""
+    settings = asdict(cfg)
+    return {
+        "benchmark": "kvc bench throughput",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "device": _device_name(cfg.device),
+        "versions": _versions(),
+        "model": model,
+        "dtype": cfg.dtype,
+        "kv_memory_bytes": cfg.kv_memory,
+        "page_size": cfg.page_size,
+        "output_len": cfg.output_len,
+        "steps": cfg.steps,
+        "warmup": cfg.warmup,
+        "budget": cfg.budget,
+        "budget_rule": BUDGET_RULE,
+        "mode_notes": MODE_NOTES,
+        "settings": settings,
+    }
+
+
+def format_table(result: dict) -> str:
+    """A markdown table of the rows, with the decode tok/s ratio vs full."""
+    ratios = result.get("ratios_vs_full", {})
+    lines = ["| method | input | mode | batch | pages/seq | step ms | decode tok/s | vs full | prefill s | TTFT s | busy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result.get("rows", []):
+        if "error" in r:
+            lines.append(f"| {r['method']} | {r['input_len']} | {r['mode']} | - | - | - | - | - | - | - | "
+                         f"{r['error']} |")
+            continue
+        ratio = ratios.get(str(r["input_len"]), {}).get(r["method"], {}).get("decode_tok_s")
+        shown = "-" if ratio is None or r["mode"] != "decode_window" else f"{ratio:.2f}x"
+        busy = "-" if r.get("busy") is None else f"{r['busy']:.3f}"
+        lines.append(f"| {r['method']} | {r['input_len']} | {r['mode']} | {r['batch']} | {r['pages_per_seq']} | "
+                     f"{r['step_ms']:.2f} | {r['decode_tok_s']:.1f} | {shown} | {r['prefill_s']:.3f} | "
+                     f"{r['ttft_s']:.3f} | {busy} |")
+    return "\n".join(lines)

@@ -1,0 +1,184 @@
+"""`kvc bench throughput` / `kvc bench plot` (runtime/bench/) on a tiny random Qwen3 on the CPU.
+
+- The plan: every method gets about the same budget from its declared parameters; the largest
+  batch is the pool over one sequence's steady-state pages, recomputed here by hand from the
+  methods' published budgets (SnapKV: budget + output per layer; full: input + output), so SnapKV's
+  batch exceeds full's at the same KV memory.
+- A run through the CLI writes the JSON with every field, decode-window rows at the planned batch,
+  an e2e row per method with its step-time ratio, the ratios vs full, and the PNG.
+- The busy fraction: interval union by hand, and the profiler's own trace parsed on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvc.runtime.bench.busy import WINDOW, busy_from_trace, profile_busy, union_length
+from kvc.runtime.bench.cli import parse_method_params
+from kvc.runtime.bench.plan import declared_parameters, equal_budget_params, model_for_context, parse_bytes, plan_batch
+from kvc.runtime.bench.throughput import ThroughputConfig, prepare
+from kvc.runtime.cli import main
+from kvc.runtime.errors import ConfigError, KvcError, ModelLoadError
+from kvc.runtime.methods import resolve_method
+from kvc.runtime.models.loader import resolve_model
+from tests.models.tiny import make_tiny_qwen3
+
+PAGE = 4
+INPUT = 150
+OUTPUT = 24
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
+PAGE_BYTES = 2 * KV_HEADS * HEAD_DIM * 4 * PAGE  # one layer-page of K and V in float32
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3"))
+
+
+def test_equal_budget_params_follow_the_declarations():
+    at = {name: equal_budget_params(declared_parameters(name), 32768, 2048)
+          for name in ("full", "snapkv", "pyramidkv", "adakv", "tova", "streamingllm", "h2o")}
+    assert at["full"] == {}
+    assert at["snapkv"] == at["pyramidkv"] == at["adakv"] == at["tova"] == {"budget": 2048}
+    assert at["streamingllm"] == {"recent": 2044}  # + its 4 sink tokens
+    assert at["h2o"] == {"heavy": 1024 / 32768, "recent": 1024 / 32768}
+    for n in (131072, 30000, 3001):  # the lowering floors fraction * prompt: it must reach the count
+        h2o = equal_budget_params(declared_parameters("h2o"), n, 2048)
+        assert math.floor(h2o["heavy"] * n) == 1024 and math.floor(h2o["recent"] * n) == 1024
+    assert equal_budget_params(declared_parameters("h2o"), 100, 2048) == {"heavy": 1.0, "recent": 1.0}
+
+
+def test_largest_batch_follows_the_budgets(model_dir):
+    from kvc.runtime.bench.plan import model_spec
+
+    spec = model_spec(str(model_dir), torch.device("cpu"), "float32")
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (LAYERS, KV_HEADS, HEAD_DIM)
+    memory = 300 * PAGE_BYTES
+    full = plan_batch(resolve_method("full", None), spec, memory, PAGE, INPUT, OUTPUT, 1000)
+    snap = plan_batch(resolve_method("snapkv", {"budget": 40, "window": 8}), spec, memory, PAGE, INPUT, OUTPUT, 1000)
+    assert full.num_pages == snap.num_pages == 300
+    assert full.pages_per_seq == LAYERS * math.ceil((INPUT + OUTPUT) / PAGE) == 88
+    assert snap.pages_per_seq == LAYERS * math.ceil((40 + OUTPUT) / PAGE) == 32
+    assert (full.batch, snap.batch) == (300 // 88, 300 // 32) == (3, 9)
+    capped = plan_batch(resolve_method("snapkv", {"budget": 40, "window": 8}), spec, memory, PAGE, INPUT, OUTPUT, 4)
+    assert capped.batch == 4 and capped.fits == 9
+    # one request's prefill peak (the whole prompt) must fit too
+    small = plan_batch(resolve_method("snapkv", {"budget": 40, "window": 8}), spec, 40 * PAGE_BYTES, PAGE, INPUT,
+                       OUTPUT, 1000)
+    assert small.prefill_pages == LAYERS * math.ceil(INPUT / PAGE) == 76 and small.batch == 0
+
+
+def test_random_model_context_is_lengthened_for_the_run():
+    spec = resolve_model("random:qwen3-30b-a3b", "meta").spec
+    assert model_for_context("random:qwen3-30b-a3b", 1000, spec) == "random:qwen3-30b-a3b"
+    longer = model_for_context("random:qwen3-30b-a3b", 133121, spec)
+    assert resolve_model(longer, "meta").spec.max_position_embeddings == 133121
+    with pytest.raises(ConfigError, match="holds 40960 tokens"):
+        model_for_context("/some/dir", 133121, spec)
+    with pytest.raises(ModelLoadError, match="key=integer"):
+        resolve_model("random:qwen3-30b-a3b,max_position_embeddings=big", "meta")
+
+
+def test_option_parsing():
+    assert parse_bytes("60GiB") == 60 * 2**30 and parse_bytes("1.5MB") == 1_500_000 and parse_bytes("4096") == 4096
+    with pytest.raises(ConfigError, match="kv-memory"):
+        parse_bytes("60 parsecs")
+    assert parse_method_params(["snapkv:budget=512,pooling=max", "h2o:heavy=0.05"]) == {
+        "snapkv": {"budget": 512, "pooling": "max"}, "h2o": {"heavy": 0.05}}
+    with pytest.raises(ConfigError, match="METHOD:KEY=VALUE"):
+        parse_method_params(["budget=512"])
+    with pytest.raises(ConfigError, match="not in --methods"):
+        ThroughputConfig(methods=["full"], inputs=[100], kv_memory=2**20, method_params={"snapkv": {"budget": 8}})
+    with pytest.raises(ConfigError, match="must not finish"):
+        ThroughputConfig(methods=["full"], inputs=[100], kv_memory=2**20, output_len=16, steps=16)
+
+
+def test_bad_method_is_refused_before_any_measurement(model_dir):
+    cfg = ThroughputConfig(methods=["full", "snapkv"], inputs=[INPUT], kv_memory=300 * PAGE_BYTES,
+                           output_len=OUTPUT, steps=4, warmup=1, page_size=PAGE, device="cpu", dtype="float32",
+                           method_params={"snapkv": {"budget": 0}})
+    with pytest.raises(ConfigError, match="snapkv at 150 input tokens"):
+        prepare(cfg, str(model_dir))
+
+
+def test_cli_run_writes_the_result_and_plot(model_dir, tmp_path, capsys):
+    out, png = tmp_path / "result.json", tmp_path / "result.png"
+    pytest.importorskip("matplotlib")
+    code = main(["bench", "throughput", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
+                 "--methods", "full,snapkv", "--method-params", "snapkv:budget=40,window=8", "--inputs", str(INPUT),
+                 "--output", str(OUTPUT), "--kv-memory", str(300 * PAGE_BYTES), "--page-size", str(PAGE),
+                 "--steps", "4", "--warmup", "1", "--attention-backend", "torch", "--e2e", "--busy",
+                 "--out", str(out), "--plot", str(png), "--no-progress"])
+    assert code == 0
+    result = json.loads(out.read_text())
+    for key in ("date", "command", "device", "versions", "model", "kv_memory_bytes", "budget", "budget_rule",
+                "mode_notes", "rows", "ratios_vs_full"):
+        assert key in result, key
+    assert set(result["versions"]) >= {"torch", "triton", "transformers"}
+    rows = {(r["method"], r["mode"]): r for r in result["rows"]}
+    assert set(rows) == {("full", "decode_window"), ("full", "e2e"), ("snapkv", "decode_window"), ("snapkv", "e2e")}
+    assert rows["full", "decode_window"]["batch"] == 3 and rows["snapkv", "decode_window"]["batch"] == 9
+    assert rows["snapkv", "decode_window"]["params"]["budget"] == 40
+    for row in result["rows"]:
+        for key in ("method", "params", "input_len", "output_len", "batch", "pages_per_seq", "decode_tok_s",
+                    "step_ms", "prefill_s", "ttft_s", "mode", "busy", "phases"):
+            assert key in row, (row["method"], row["mode"], key)
+        assert row["decode_tok_s"] == pytest.approx(row["batch"] * 4 / (row["phases"]["window_s"]))
+        assert row["decode_tok_s"] > 0 and row["prefill_s"] > 0 and row["ttft_s"] > 0
+    window = rows["snapkv", "decode_window"]
+    assert window["kv_tokens_at_window"] == 40  # the real post-prefill state: the budget, per layer
+    assert window["busy"] is None and "CUDA" in window["busy_note"]
+    e2e = rows["snapkv", "e2e"]
+    assert e2e["window_step_ratio"] == pytest.approx(e2e["step_ms"] / window["step_ms"])
+    ratio = result["ratios_vs_full"][str(INPUT)]["snapkv"]
+    assert ratio["batch"] == 3.0
+    assert ratio["decode_tok_s"] == pytest.approx(window["decode_tok_s"] / rows["full", "decode_window"]["decode_tok_s"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "| snapkv | 150 | decode_window | 9 |" in table
+
+    again = tmp_path / "again.png"
+    assert main(["bench", "plot", str(out), "-o", str(again)]) == 0
+    assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
+    from kvc.runtime.bench.plot import render
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(KvcError, match=r"kvc\[bench\]"):
+        render({"rows": []}, tmp_path / "x.png")
+
+
+def test_plot_rejects_what_is_not_a_result(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": 3}')
+    assert main(["bench", "plot", str(bad)]) == 1
+    assert "not a `kvc bench throughput` result" in capsys.readouterr().err
+
+
+def test_union_of_kernel_intervals():
+    assert union_length([(0, 2), (1, 3), (5, 6)], (0, 10)) == 4  # overlaps count once
+    assert union_length([(-5, 1), (9, 20)], (0, 10)) == 2  # clipped to the window
+    assert union_length([], (0, 10)) == 0
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": WINDOW, "ts": 100.0, "dur": 100.0},
+        {"ph": "X", "cat": "kernel", "name": "a", "ts": 110.0, "dur": 50.0},
+        {"ph": "X", "cat": "kernel", "name": "b", "ts": 140.0, "dur": 30.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "c", "ts": 190.0, "dur": 20.0},
+        {"ph": "X", "cat": "cpu_op", "name": "d", "ts": 100.0, "dur": 100.0},
+    ]}
+    got = busy_from_trace(trace)
+    assert got["busy"] == pytest.approx(0.7) and got["kernels"] == 3 and got["window_ms"] == pytest.approx(0.1)
+
+
+def test_profiled_window_is_found_in_the_real_trace():
+    x = torch.randn(64, 64)
+    got = profile_busy(lambda: [x @ x for _ in range(10)], torch.device("cpu"))
+    assert got["window_ms"] > 0 and got["busy"] == 0.0 and got["kernels"] == 0  # no GPU, no kernels
