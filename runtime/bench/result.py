@@ -22,7 +22,8 @@ import torch
 
 MODE_NOTES = {
     "decode_window": "one real request prefilled (prefill_s, ttft_s), then cloned in its method's post-prefill state "
-                     "into `batch` sequences that own copies of its KV; `steps` decode steps timed after `warmup`",
+                     "into `batch` sequences that own copies of its KV, each fed a different next token (distinct "
+                     "rows: MoE routing as for independent requests); `steps` decode steps timed after `warmup`",
     "e2e": "`batch` real prompts prefilled end to end (prefill_s: all of them; ttft_s: mean), then the same "
            "decode window; window_step_ratio = its step time / the decode window's at the same batch",
 }

@@ -267,7 +267,9 @@ def _decode_window(engine, cfg: ThroughputConfig, input_len: int, batch: int, cl
     kv_tokens = sum(seq.kv_lens) / len(seq.kv_lens)
     clock.sync()
     t0 = time.perf_counter()
-    seqs = [seq, *engine.clone_sequence(seq, batch - 1)]
+    clones = engine.clone_sequence(seq, batch - 1)
+    _diverge(clones, engine.spec.vocab_size, cfg.seed)
+    seqs = [seq, *clones]
     clock.sync()
     phases["clone_s"] = time.perf_counter() - t0
     phases["warmup_steps_s"] = _window(engine, seqs, cfg.warmup, clock)
@@ -278,6 +280,15 @@ def _decode_window(engine, cfg: ThroughputConfig, input_len: int, batch: int, cl
     if cfg.busy:
         out.update(_busy(engine, cfg, seqs, clock, phases))
     return out
+
+
+def _diverge(clones: list, vocab: int, seed: int) -> None:
+    """Each clone feeds a different next token (its last, not yet computed one), so from the first
+    window step on the batch's rows are distinct requests: identical rows would all route to the
+    same experts of an MoE layer and make the window far cheaper than real traffic."""
+    g = torch.Generator().manual_seed(seed + 7)
+    for clone, token in zip(clones, torch.randint(0, vocab, (len(clones),), generator=g).tolist()):
+        clone.token_ids[-1] = token
 
 
 def _busy(engine, cfg: ThroughputConfig, seqs: list, clock: _Clock, phases: dict) -> dict:
