@@ -11,7 +11,7 @@ condition (Python over the symbols and parameters, or null), and, when it reads 
 
 `key_local`: every value the hook accumulates into its state, and its keep's ranking score, is
 computed key by key (from `attn`, parameters, the model's shape symbols and `[kv_head, key]`
-states, through elementwise operations and reductions over head axes only; no window, pooling,
+states (every state of the method has that shape), through elementwise operations and reductions over head axes only; no window, pooling,
 norm or attention over keys, no per-sequence symbol such as `context`, `prompt` or `step`, no
 `where`). The engine may then run the hook once over a whole decode batch with the rows' keys
 laid side by side, over per-token state kept in paged planes beside K/V (CUDA-graph capturable:
@@ -89,8 +89,8 @@ def _key_local_value(value: Value, names: set[str], states: dict[str, tuple[str,
 
 def key_local(method: MethodIR, hook: HookIR) -> bool:
     """Is `hook` computed key by key (see the module docstring)?"""
-    if hook.where is not None:
-        return False
+    if hook.where is not None or any(s.dims != PLANE_DIMS for s in method.states):
+        return False  # every state of the method must fit a plane: the engine keeps them all there
     names = _SHAPE_SYMBOLS | {p.name for p in method.params}
     states = {s.name: s.dims for s in method.states}
     values = []

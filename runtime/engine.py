@@ -85,7 +85,8 @@ class Engine:
         ):
             raise ConfigError(f"method {self.method.name!r} asks for a storage layout the engine "
                               "cannot hold yet (dense K/V pages only)", param="method")
-        page_bytes = layout.bytes_per_token * config.page_size  # one layer's page
+        # one layer's page: K/V and the method's per-token state planes
+        page_bytes = (layout.bytes_per_token + layout.state_bytes_per_token(self.spec.num_kv_heads)) * config.page_size
         self.num_pages = max(1, self._kv_budget_bytes() // page_bytes)
         backend = config.attention_backend
         if backend == "auto":
@@ -101,6 +102,7 @@ class Engine:
             dtype=layout.dtype,
             device=self.device,
             backend=backend,
+            state_planes=layout.state_planes,
         )
         log.info(
             "KV cache: %d pages of %d tokens (%.1f MiB), backend %s",

@@ -16,6 +16,14 @@ with `decode_graphs = False` runs its decode steps eagerly and its decode views 
 per row). After the forward, `step_end` runs per layer of each decoded sequence (eager code, also
 after a graph replay); its keep plans are compacted and reported like prefill_end's.
 
+State planes (runtime/kv/state_planes.py): when the method's layout asks for them, the attention
+layer holds them beside K/V; the views carry them, compaction moves them with K/V, and
+copy-on-write copies them with their pages. A step that writes planes owns the pages first:
+every page of a decode row (the decode hook rewrites the state of every stored slot) and every
+page of a layer whose prefill ends (prefill_end stores the state there, before compacting). Graph
+capture sizes the decode statistics buffer for the largest bucket first, so a later eager step
+never reallocates what a captured graph reads.
+
 Copy-on-write (chain cache, runtime/chains.py): before a step writes into a page that is shared
 (another holder, or named by the prefix cache), the runner copies it into one of the sequence's
 `spare_pages` (set aside by the scheduler) and drops its reference on the original: at the start
@@ -92,6 +100,9 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
         attention.use_variant(self.method.attention.variant)  # the attention kernels its manifest names
+        layout = self.method.layout(self.num_kv_heads, model.spec.head_dim, model.spec.dtype)
+        attention.add_planes(layout.state_planes)  # no-op when the engine allocated them
+        self.planes = {name: attention.planes[name] for name in layout.state_planes}
         self.graphs: _DecodeGraphs | None = None
         if use_cuda_graphs and device.type == "cuda" and getattr(self.method, "decode_graphs", True):
             self.graphs = _DecodeGraphs(self, max_num_seqs)
@@ -163,7 +174,8 @@ class ModelRunner:
                 view = DecodeView(layer, q[:d], k[:d], v[:d], md.block_tables[layer, :d],
                                   md.context_lens[layer, :d], attention.k_cache, attention.v_cache, scale,
                                   None if batch is None else _decode_rows(batch, layer),
-                                  kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d])
+                                  kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d],
+                                  planes=self.planes or None)
                 if Hook.DECODE_BEFORE_ATTENTION in hooks:
                     method.decode_before_attention(layer, view)
             out = attention.forward(layer, q, k, v, md, scale, stats=stats)
@@ -195,12 +207,15 @@ class ModelRunner:
                 seq_id=seq.seq_id, layer=layer, num_layers=self.num_layers,
                 q=q[rows], k=k[rows], v=v[rows], start=seq.num_computed_tokens,
                 prompt_len=seq.prefill_end,
-                cache=LayerCacheView(self.attention.k_cache, self.attention.v_cache, table, length, seq.kv_starts[layer]),
+                cache=LayerCacheView(self.attention.k_cache, self.attention.v_cache, table, length, seq.kv_starts[layer],
+                                     self.planes or None),
             )
             if Hook.PREFILL_CHUNK in method.hooks:
                 method.prefill_chunk(layer, view)
             if not view.is_last or Hook.PREFILL_END not in method.hooks:
                 continue
+            if self.planes:  # prefill_end stores the state in the layer's planes
+                self._own_pages(seq, layer, len(table))
             plan = method.prefill_end(layer, view)
             if plan is None:
                 continue
@@ -219,7 +234,7 @@ class ModelRunner:
             return
         backend = "triton" if self.attention.backend == "triton" else "auto"
         done = compact_many(self.attention.k_cache, self.attention.v_cache, [job for _, job, _, _ in jobs],
-                            backend=backend)
+                            backend=backend, planes=list(self.planes.values()))
         for (seq, job, verbatim, logical), result in zip(jobs, done):
             compacted.setdefault(seq.seq_id, {})[layer] = result.length
             seq.verbatim_from = max(seq.verbatim_from, verbatim)
@@ -242,7 +257,8 @@ class ModelRunner:
                 table = seq.page_tables[layer]
                 length = seq.kv_lens[layer] + 1  # the step's token is stored (postprocess advances kv_lens)
                 gap = seq.history_gap[layer]  # a chain continuation: its prompt is the stored history + suffix
-                stored = LayerCacheView(cache.k_cache, cache.v_cache, table, length, seq.kv_starts[layer])
+                stored = LayerCacheView(cache.k_cache, cache.v_cache, table, length, seq.kv_starts[layer],
+                                        self.planes or None)
                 view = StepView(seq.seq_id, layer, self.num_layers, seq.num_computed_tokens + 1 - gap,
                                 seq.prefill_end - gap, stored)
                 plan = method.step_end(layer, view)
@@ -259,10 +275,15 @@ class ModelRunner:
     # so a sequence without spare pages writes into no shared page: its tables are not walked
     # (the hot path of every decode step, and of every keep plan of decode-time eviction).
     def _own_append_pages(self, batch: ScheduledBatch) -> None:
-        """Each sequence's partial last page, which this step appends to, becomes its own."""
+        """Each sequence's partial last page, which this step appends to, becomes its own (every
+        page of a decode row when the decode hook writes state planes)."""
         page = self.page_size
-        for seq in batch.seqs:
+        for i, seq in enumerate(batch.seqs):
             if not seq.spare_pages:
+                continue
+            if self.planes and i < batch.num_decodes:
+                for layer, table in enumerate(seq.page_tables):
+                    self._own_pages(seq, layer, len(table))
                 continue
             for layer, kv in enumerate(seq.kv_lens):
                 if kv % page:
@@ -283,7 +304,7 @@ class ModelRunner:
             raise RuntimeError(f"sequence {seq.seq_id} writes into shared page {old} without a spare page "
                                "(the scheduler reserves them)")
         new = seq.spare_pages.pop()
-        for cache in (self.attention.k_cache, self.attention.v_cache):
+        for cache in (self.attention.k_cache, self.attention.v_cache, *self.planes.values()):
             cache[new].copy_(cache[old])
         table[index] = new
         pool.free([old])
@@ -430,6 +451,11 @@ class _DecodeGraphs:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
+        method = runner.method
+        if method.attention.decode_stats is not None and Hook.DECODE_AFTER_ATTENTION in method.hooks:
+            # the largest statistics buffer any step asks for, before any graph captures a view of it
+            runner.attention.stats_request(method.attention.decode_stats, n, runner.model.spec.num_heads,
+                                           runner.max_model_len)
 
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
