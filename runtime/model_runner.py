@@ -460,7 +460,8 @@ class _DecodeGraphs:
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
 
-    def _capture(self, b: int, with_starts: bool = False) -> None:
+    def _step_fn(self, b: int, with_starts: bool):
+        """The decode step a graph of bucket `b` captures: the model over the static buffers."""
         r = self.runner
         md = AttentionMetadata(
             slot_mapping=self.slots[:, :b],
@@ -477,6 +478,10 @@ class _DecodeGraphs:
         def step() -> torch.Tensor:
             return r.model.compute_logits(r.model(self.input_ids[:b], self.positions[:b], attn))
 
+        return step
+
+    def _capture(self, b: int, with_starts: bool = False) -> None:
+        step = self._step_fn(b, with_starts)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -496,11 +501,22 @@ class _DecodeGraphs:
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         n = len(batch.seqs)
+        key = self._load(batch)
+        if key not in self.graphs:
+            self._capture(*key)
+        self.graphs[key].replay()
+        return self.logits[key][:n]
+
+    def run_uncaptured(self, batch: ScheduledBatch) -> torch.Tensor:
+        """What `run` replays, run eagerly (the same buffers and code; tests on the CPU)."""
+        return self._step_fn(*self._load(batch))()[: len(batch.seqs)]
+
+    def _load(self, batch: ScheduledBatch) -> tuple[int, bool]:
+        """Fills the static buffers with the batch; the graph key (bucket, with starts)."""
+        n = len(batch.seqs)
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
         starts = self.runner.tables.pack_starts(batch.seqs)  # [L, n, Hkv] or None
         key = (b, starts is not None)
-        if key not in self.graphs:
-            self._capture(*key)
         page, layers = self.runner.page_size, self.runner.num_layers
         ids, pos = [], []
         slot_rows = [[-1] * b for _ in range(layers)]  # plain lists: per-element tensor writes are slow
@@ -529,5 +545,4 @@ class _DecodeGraphs:
             padded = np.zeros((layers, b, starts.shape[2]), dtype=np.int32)
             padded[:, :n] = starts
             self.starts[:, :b].copy_(torch.from_numpy(padded), non_blocking=True)
-        self.graphs[key].replay()
-        return self.logits[key][:n]
+        return key

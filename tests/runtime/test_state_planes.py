@@ -83,6 +83,30 @@ def test_planes_give_the_dict_path_tokens_and_lengths(model_dir, method, monkeyp
 
 
 @pytest.mark.parametrize("method", sorted(CASES))
+def test_the_graph_step_run_uncaptured(model_dir, method, monkeypatch):
+    """Decode-only steps through the CUDA-graph runner's own step (`_DecodeGraphs`: static buffers,
+    batch-size buckets with padding rows, statistics `max_model_len` wide, no host rows), run
+    without capture on the CPU: the dict path's tokens and lengths."""
+    from kvc.runtime.model_runner import _DecodeGraphs
+
+    prompts = prompts_of([33, 71, 48], seed=21)
+    options = dict(max_model_len=160, max_num_seqs=6)
+    want = run(make_llm(model_dir, method, False, monkeypatch, **options), prompts, 24)
+    llm = make_llm(model_dir, method, True, monkeypatch, **options)
+    runner = llm.engine.runner
+    graphs = runner.graphs = _DecodeGraphs(runner, 6)
+    replays = []
+
+    def replay(batch):
+        replays.append(len(batch.seqs))
+        return graphs.run_uncaptured(batch)
+
+    monkeypatch.setattr(graphs, "run", replay)
+    assert run(llm, prompts, 24) == want
+    assert {2, 3} <= set(replays)  # buckets 2 and 4 (one padding row)
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
 def test_decode_hook_reads_no_host_value(model_dir, method, monkeypatch):
     """Every decode_after_attention call gets its view without the rows' host facts (as in a
     captured graph) and runs with the host-reading tensor methods disarmed; tokens unchanged."""
