@@ -69,17 +69,64 @@ def run(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[list[list[int]]
     return [s.generated_ids for s in seqs], lengths
 
 
+def spy_plans(llm: LLM, monkeypatch) -> list[tuple[int, int, torch.Tensor]]:
+    """Every step_end keep plan of the engine's method, in call order: (layer, context, indices)."""
+    method = llm.engine.method
+    original, plans = method.step_end, []
+
+    def spy(layer, view):
+        plan = original(layer, view)
+        if plan is not None:
+            plans.append((layer, view.context_len, plan.indices.clone()))
+        return plan
+
+    monkeypatch.setattr(method, "step_end", spy)
+    return plans
+
+
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_planes_give_the_dict_path_tokens_and_lengths(model_dir, method, monkeypatch):
     """Three requests of different lengths arrive together: prefill chunks run beside decode rows
     (mixed steps), rows of one batch have different lengths, and eviction runs every step."""
     prompts = prompts_of([33, 71, 48], seed=21)
-    want = run(make_llm(model_dir, method, False, monkeypatch), prompts, 24)
+    dicts = make_llm(model_dir, method, False, monkeypatch)
+    want_plans = spy_plans(dicts, monkeypatch)
+    want = run(dicts, prompts, 24)
     llm = make_llm(model_dir, method, True, monkeypatch)
+    got_plans = spy_plans(llm, monkeypatch)
     got = run(llm, prompts, 24)
     assert got == want
+    # the same tokens evicted at every step: the state followed its keys through every compaction
+    assert len(got_plans) == len(want_plans) > 2 * 3 * 20
+    for a, b in zip(got_plans, want_plans):
+        assert a[:2] == b[:2] and torch.equal(a[2], b[2])
     m = llm.engine.method
     assert not m._in_pages and not m._decode_state and not m._pending  # released with the requests
+
+
+def test_plane_state_equals_the_dict_state_after_every_step(model_dir, monkeypatch):
+    """H2O's `seen` in the planes, read through each sequence's page tables, equals the dict
+    path's per-row state after every step (prefill end, then every decode step and its
+    compaction): the state followed its keys."""
+    dicts = make_llm(model_dir, "h2o", False, monkeypatch)
+    planes = make_llm(model_dir, "h2o", True, monkeypatch)
+    prompts = prompts_of([33, 71, 48], seed=21)
+    pairs = [(dicts.engine.add_request(p, greedy(16)), planes.engine.add_request(p, greedy(16))) for p in prompts]
+    plane = planes.engine.attention.planes["seen"]
+    compared = 0
+    while dicts.engine.has_unfinished():
+        dicts.engine.step()
+        planes.engine.step()
+        for want_seq, got_seq in pairs:
+            if got_seq.is_finished or got_seq.is_prefill:
+                continue
+            assert got_seq.kv_lens == want_seq.kv_lens
+            for layer, length in enumerate(got_seq.kv_lens):
+                want = dicts.engine.method._decode_state[want_seq.seq_id, layer]["seen"]
+                got = state_planes.read(plane, got_seq.page_tables[layer], length)
+                torch.testing.assert_close(got, want[:, :length])
+                compared += 1
+    assert not planes.engine.has_unfinished() and compared > 3 * 2 * 10
 
 
 @pytest.mark.parametrize("method", sorted(CASES))
@@ -172,20 +219,35 @@ def chain_turns(llm: LLM) -> list[list[int]]:
 
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_planes_cross_chain_turns(model_dir, method, monkeypatch):
-    want = chain_turns(make_llm(model_dir, method, False, monkeypatch, max_num_batched_tokens=4096))
+    """Same tokens per turn; and each continuation starts from the state the dict path resumes
+    (H2O's `seen` of the record's stored tokens, read back from its pages)."""
+    dicts = make_llm(model_dir, method, False, monkeypatch, max_num_batched_tokens=4096)
+    want_states = []
+    turn_resume = dicts.engine.method.turn_resume
+
+    def spy_resume(seq_id, state, lengths):
+        turn_resume(seq_id, state, lengths)
+        for layer in range(len(lengths)):
+            if (seq_id, layer) in dicts.engine.method._state:
+                want_states.append(dicts.engine.method._state[seq_id, layer]["seen"].clone())
+
+    monkeypatch.setattr(dicts.engine.method, "turn_resume", spy_resume)
+    want = chain_turns(dicts)
     llm = make_llm(model_dir, method, True, monkeypatch, max_num_batched_tokens=4096)
-    resumed = []
+    got_states = []
     original = llm.engine.method._resumed_state
 
     def spy(key, cache, stored):
         state = original(key, cache, stored)
-        resumed.append(state is not None)
+        if state:
+            got_states.append(state["seen"].clone())
         return state
 
     monkeypatch.setattr(llm.engine.method, "_resumed_state", spy)
     assert chain_turns(llm) == want
-    if llm.engine.method.states:  # H2O: later turns read `seen` back from the record's pages
-        assert any(resumed)
+    assert len(got_states) == len(want_states) == (3 * 2 if llm.engine.method.states else 0)
+    for got, want_state in zip(got_states, want_states):
+        torch.testing.assert_close(got, want_state)
 
 
 def test_batch_slots_read_and_write_where_the_tables_say():
