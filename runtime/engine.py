@@ -143,7 +143,7 @@ class Engine:
         )
         self.sequences: dict[int, Sequence] = {}
         self.pruner = Pruner(self.chains, self.attention.k_cache, self.attention.v_cache, self.spec.num_layers,
-                             "triton" if backend == "triton" else "auto")
+                             "triton" if backend == "triton" else "auto", planes=list(self.attention.planes.values()))
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
         self._scorers: dict[tuple, Scorer] = {}
 
@@ -250,7 +250,7 @@ class Engine:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=k_cache.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=k_cache.device)
         step = max(1, CLONE_COPY_BYTES // (k_cache[0].numel() * k_cache.element_size()))
-        for cache in (k_cache, v_cache):
+        for cache in (k_cache, v_cache, *self.attention.planes.values()):  # state planes follow their pages
             for i in range(0, len(pairs), step):
                 cache.index_copy_(0, dst[i : i + step], cache.index_select(0, src[i : i + step]))
 

@@ -322,9 +322,11 @@ class DecodeHooks:
         return KeepPlan(indices, tail=self.kept_tail(self._keep_hook, sym, cache.length))
 
     def _clone_decode(self, src: int, dst: int) -> None:
-        """A cloned sequence's decode state and pending scores: copies of its source's."""
+        """A cloned sequence's decode state and pending scores: copies of its source's (state in
+        the planes came with the copied pages: the clone's layers are marked in pages too)."""
         for store in (self._pending, self._decode_state):
             copy_entries(store, src, dst)
+        self._in_pages |= {(dst, layer) for seq, layer in self._in_pages if seq == src}
 
     def _release_decode(self, seq_id: int) -> None:
         for store in (self._pending, self._decode_state):

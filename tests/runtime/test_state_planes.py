@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvc.runtime.chain_prune import PruneRequest
 from kvc.runtime.chains import ChainSpec
 from kvc.runtime.kv import state_planes
 from kvc.runtime.kv.compaction import CompactionJob, compact_many
@@ -199,7 +200,8 @@ def test_planes_follow_preemption(model_dir, monkeypatch):
 
 
 def chain_turns(llm: LLM) -> list[list[int]]:
-    """Open a chain, continue it twice (state crosses turns), fork it; every turn's tokens."""
+    """Open a chain, continue it twice (state crosses turns), fork it, prune it and continue it;
+    every turn's tokens."""
     first_prompt = prompts_of([44], seed=8)[0]
     out = []
     first = llm.generate(first_prompt, greedy(7), chain=ChainSpec(open=True))[0]
@@ -213,6 +215,10 @@ def chain_turns(llm: LLM) -> list[list[int]]:
     third = llm.generate(history + prompts_of([9], seed=9)[0] + second.token_ids + [11, 12], greedy(5),
                          chain=ChainSpec(continue_id=first.chain_id))[0]
     out.append(third.token_ids)
+    llm.engine.prune_chain(first.chain_id, None, PruneRequest(token_ranges=((0, 60),), keep=0.5))
+    fourth = llm.generate(history + prompts_of([9], seed=9)[0] + second.token_ids + [11, 12] + third.token_ids
+                          + [13, 14], greedy(5), chain=ChainSpec(continue_id=first.chain_id))[0]
+    out.append(fourth.token_ids)
     check_books(llm.engine)
     return out
 
@@ -245,7 +251,7 @@ def test_planes_cross_chain_turns(model_dir, method, monkeypatch):
 
     monkeypatch.setattr(llm.engine.method, "_resumed_state", spy)
     assert chain_turns(llm) == want
-    assert len(got_states) == len(want_states) == (3 * 2 if llm.engine.method.states else 0)
+    assert len(got_states) == len(want_states) == (4 * 2 if llm.engine.method.states else 0)
     for got, want_state in zip(got_states, want_states):
         torch.testing.assert_close(got, want_state)
 
