@@ -106,6 +106,10 @@ class ModelRunner:
         self.graphs: _DecodeGraphs | None = None
         if use_cuda_graphs and device.type == "cuda" and getattr(self.method, "decode_graphs", True):
             self.graphs = _DecodeGraphs(self, max_num_seqs)
+            fold = self.method.attention.decode_stats
+            if fold is not None and Hook.DECODE_AFTER_ATTENTION in self.method.hooks:
+                # the largest statistics buffer any step asks for, before a graph captures a view of it
+                attention.stats_request(fold, self.graphs.buckets[-1], model.spec.num_heads, max_model_len)
 
     # ---- per-request sampling state -------------------------------------------------------
     def add_request(self, seq_id: int, seed: int | None) -> None:
@@ -451,11 +455,6 @@ class _DecodeGraphs:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
-        method = runner.method
-        if method.attention.decode_stats is not None and Hook.DECODE_AFTER_ATTENTION in method.hooks:
-            # the largest statistics buffer any step asks for, before any graph captures a view of it
-            runner.attention.stats_request(method.attention.decode_stats, n, runner.model.spec.num_heads,
-                                           runner.max_model_len)
 
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
