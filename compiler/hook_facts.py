@@ -13,9 +13,10 @@ condition (Python over the symbols and parameters, or null), and, when it reads 
 computed key by key (from `attn`, parameters, the model's shape symbols and `[kv_head, key]`
 states, and every state of the method has that shape; through elementwise operations and
 reductions over head axes only; no window, pooling, norm or attention over keys, no
-per-sequence symbol such as `context`, `prompt` or `step`, no `where`). The engine may then run the hook once over a whole decode batch with the rows' keys
-laid side by side, over per-token state kept in paged planes beside K/V (CUDA-graph capturable:
-runtime/methods_compiled_decode.py); the keep's counts still use the row's symbols, at step end.
+per-sequence symbol such as `context`, `prompt` or `step`, no `where`). The engine may then run
+the hook once over a whole decode batch with the rows' keys laid side by side, over per-token
+state kept in paged planes beside K/V (CUDA-graph capturable: runtime/methods_compiled_decode.py);
+the keep's counts still use the row's symbols, at step end.
 
 A keeping hook also states `last`: the `+ last N` of its keep expression as Python over the
 symbols and parameters (null when it has none). Those N newest stored tokens always survive the

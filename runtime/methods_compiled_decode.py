@@ -212,8 +212,8 @@ class DecodeHooks:
         planes = self._planes(cache.planes)
         full = _gather_state(state, length, None, device)  # every stored slot, new keys at 0
         for name in self.states:
-            value = full[name]
-            state_planes.write(planes[name], cache.page_ids, torch.nn.functional.pad(value, (0, length - value.shape[-1])))
+            value = torch.nn.functional.pad(full[name], (0, length - full[name].shape[-1]))
+            state_planes.write(planes[name], cache.page_ids, value)
         self._in_pages.add(key)
 
     def _planes(self, planes: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:

@@ -211,8 +211,8 @@ class ModelRunner:
                 seq_id=seq.seq_id, layer=layer, num_layers=self.num_layers,
                 q=q[rows], k=k[rows], v=v[rows], start=seq.num_computed_tokens,
                 prompt_len=seq.prefill_end,
-                cache=LayerCacheView(self.attention.k_cache, self.attention.v_cache, table, length, seq.kv_starts[layer],
-                                     self.planes or None),
+                cache=LayerCacheView(self.attention.k_cache, self.attention.v_cache, table, length,
+                                     seq.kv_starts[layer], self.planes or None),
             )
             if Hook.PREFILL_CHUNK in method.hooks:
                 method.prefill_chunk(layer, view)

@@ -207,7 +207,8 @@ def chain_turns(llm: LLM) -> list[list[int]]:
     first = llm.generate(first_prompt, greedy(7), chain=ChainSpec(open=True))[0]
     out.append(first.token_ids)
     history = first_prompt + first.token_ids
-    second = llm.generate(history + prompts_of([9], seed=9)[0], greedy(6), chain=ChainSpec(continue_id=first.chain_id))[0]
+    second = llm.generate(history + prompts_of([9], seed=9)[0], greedy(6),
+                          chain=ChainSpec(continue_id=first.chain_id))[0]
     out.append(second.token_ids)
     fork = llm.generate(history + prompts_of([9], seed=9)[0] + second.token_ids + [7, 8, 9], greedy(5),
                         chain=ChainSpec(fork_id=first.chain_id))[0]
