@@ -9,6 +9,15 @@ condition (Python over the symbols and parameters, or null), and, when it reads 
 - `{"reduce": "head", "fn": ...}`: every use is `fn(attn, over head)` (one row for the layer);
 - `{"reduce": "none", "fn": null}`: per query head, unreduced.
 
+`key_local`: every value the hook accumulates into its state, and its keep's ranking score, is
+computed key by key (from `attn`, parameters, the model's shape symbols and `[kv_head, key]`
+states, and every state of the method has that shape; through elementwise operations and
+reductions over head axes only; no window, pooling, norm or attention over keys, no
+per-sequence symbol such as `context`, `prompt` or `step`, no `where`). The engine may then run
+the hook once over a whole decode batch with the rows' keys laid side by side, over per-token
+state kept in paged planes beside K/V (CUDA-graph capturable: runtime/methods_compiled_decode.py);
+the keep's counts still use the row's symbols, at step end.
+
 A keeping hook also states `last`: the `+ last N` of its keep expression as Python over the
 symbols and parameters (null when it has none). Those N newest stored tokens always survive the
 keep, in order, so the chain cache knows how far back a session's stored tail is still verbatim
@@ -24,10 +33,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvc.compiler.ir import Accumulate, HookIR, Input, Keep, MethodIR, Reduce, Value
-from kvc.compiler.lower_torch import HookCode
+from kvc.compiler.ir import Accumulate, Elementwise, HookIR, Input, Keep, MethodIR, Reduce, Scalar, Value
+from kvc.compiler.lower_torch import HookCode, names_in
 
 _FOLDABLE = {("group",): "group", ("head",): "head"}
+_SHAPE_SYMBOLS = {"layer", "layers", "heads", "kv_heads", "head_dim"}  # the same for every row of a batch
+PLANE_DIMS = ("kv_head", "key")  # the state shape a paged plane holds
 
 
 def _children(value: Value):
@@ -63,11 +74,43 @@ def attention_reduction(hook: HookIR) -> dict | None:
     return {"reduce": "none", "fn": None}
 
 
+def _key_local_value(value: Value, names: set[str], states: dict[str, tuple[str, ...]]) -> bool:
+    if isinstance(value, Input):
+        if value.kind == "state":
+            return states.get(value.name) == PLANE_DIMS
+        return value.name == "attn" and value.dims[-1:] == ("key",)
+    if isinstance(value, Scalar):
+        return names_in(value.expr) <= names
+    if isinstance(value, Reduce):
+        return "key" not in value.axes and _key_local_value(value.src, names, states)
+    if isinstance(value, Elementwise):
+        return all(_key_local_value(a, names, states) for a in value.args)
+    return False  # windows, pooling, norms and attention look across keys
+
+
+def key_local(method: MethodIR, hook: HookIR) -> bool:
+    """Is `hook` computed key by key (see the module docstring)?"""
+    if hook.where is not None or any(s.dims != PLANE_DIMS for s in method.states):
+        return False  # every state of the method must fit a plane: the engine keeps them all there
+    names = _SHAPE_SYMBOLS | {p.name for p in method.params}
+    states = {s.name: s.dims for s in method.states}
+    values = []
+    for stmt in hook.stmts:
+        if isinstance(stmt, Accumulate):
+            if states.get(stmt.state) != PLANE_DIMS:
+                return False
+            values.append(stmt.value)
+        elif isinstance(stmt, Keep) and stmt.select.top is not None:
+            values.append(stmt.select.top.score)
+    return bool(values) and all(_key_local_value(v, names, states) and v.dims[-1:] == ("key",) for v in values)
+
+
 def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
-    """manifest["hooks"]: per hook name, its inputs, keep, where, attention reduction and kept tail."""
+    """manifest["hooks"]: per hook name, its inputs, keep, where, attention reduction, kept tail and
+    whether it is key-local."""
     out = {}
     for hook, code in zip(method.hooks, codes):
         last = None if code.keep is None or code.keep["last"] == "None" else code.keep["last"]
         out[hook.name] = {"inputs": sorted(code.inputs), "keeps": code.keep is not None, "where": code.where,
-                          "attention": attention_reduction(hook), "last": last}
+                          "attention": attention_reduction(hook), "last": last, "key_local": key_local(method, hook)}
     return out

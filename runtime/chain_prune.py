@@ -17,7 +17,8 @@ pruned again, and the verbatim tail (rollback) starts after the last token a pru
 Layout: a layer stored with one length for every KV head stays so (each head drops as many tokens
 of a range as the head that may drop fewest: no head keeps less than asked); a layer already
 stored with per-head starts (head-adaptive methods) drops per head. Per-token method state
-(`turn_end`'s per-layer [Hkv, T] tensors) moves with the same plan.
+(`turn_end`'s per-layer [Hkv, T] tensors) moves with the same plan; state kept in the pages'
+state planes (`IN_PAGES` layers, runtime/kv/state_planes.py) moves with the K/V.
 """
 
 from __future__ import annotations
@@ -233,9 +234,10 @@ class Pruner:
     """Applies prunes to idle chain records of one engine (in the engine thread, between steps)."""
 
     def __init__(self, store, k_cache: torch.Tensor, v_cache: torch.Tensor, num_layers: int,
-                 compaction_backend: str = "auto") -> None:
+                 compaction_backend: str = "auto", planes: list[torch.Tensor] | None = None) -> None:
         self.store = store
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.planes = list(planes or [])  # the method's state planes: compacted and copied with K/V
         self.num_layers = num_layers
         self.backend = compaction_backend
 
@@ -312,7 +314,7 @@ class Pruner:
         self._own_pages(record, layer, -(-physical // page))
         job = CompactionJob(record.page_tables[layer], length, keep,
                             None if len(set(counts)) == 1 else torch.tensor(counts), starts)
-        done = compact_many(self.k_cache, self.v_cache, [job], backend=self.backend)[0]
+        done = compact_many(self.k_cache, self.v_cache, [job], backend=self.backend, planes=self.planes)[0]
         record.positions[layer] = compact_map(record.positions[layer], length, history, keep, counts, done.length)
         self._move_state(record, layer, keep, counts, done.length, length)
         keep_pages = -(-done.length // page)
@@ -333,7 +335,7 @@ class Pruner:
             if not pool.is_shared(old):
                 continue
             new = self._allocate(record)
-            for cache in (self.k_cache, self.v_cache):
+            for cache in (self.k_cache, self.v_cache, *self.planes):
                 cache[new].copy_(cache[old])
             table[index] = new
             pool.free([old])
@@ -361,8 +363,8 @@ class Pruner:
         """Per-token method state of the layer ([Hkv, T] tensors aligned with the slots) follows
         the keep plan; other state stays."""
         state = record.method_state
-        if not isinstance(state, dict) or layer not in state:
-            return
+        if not isinstance(state, dict) or not isinstance(state.get(layer), dict):
+            return  # no state, or state in the pages' planes (moved with the K/V)
         moved = {}
         for name, value in state[layer].items():
             if not (torch.is_tensor(value) and value.dim() == 2 and value.shape[1] >= length):

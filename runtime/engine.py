@@ -85,7 +85,8 @@ class Engine:
         ):
             raise ConfigError(f"method {self.method.name!r} asks for a storage layout the engine "
                               "cannot hold yet (dense K/V pages only)", param="method")
-        page_bytes = layout.bytes_per_token * config.page_size  # one layer's page
+        # one layer's page: K/V and the method's per-token state planes
+        page_bytes = (layout.bytes_per_token + layout.state_bytes_per_token(self.spec.num_kv_heads)) * config.page_size
         self.num_pages = max(1, self._kv_budget_bytes() // page_bytes)
         backend = config.attention_backend
         if backend == "auto":
@@ -101,6 +102,7 @@ class Engine:
             dtype=layout.dtype,
             device=self.device,
             backend=backend,
+            state_planes=layout.state_planes,
         )
         log.info(
             "KV cache: %d pages of %d tokens (%.1f MiB), backend %s",
@@ -141,7 +143,7 @@ class Engine:
         )
         self.sequences: dict[int, Sequence] = {}
         self.pruner = Pruner(self.chains, self.attention.k_cache, self.attention.v_cache, self.spec.num_layers,
-                             "triton" if backend == "triton" else "auto")
+                             "triton" if backend == "triton" else "auto", planes=list(self.attention.planes.values()))
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
         self._scorers: dict[tuple, Scorer] = {}
 
@@ -248,7 +250,7 @@ class Engine:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=k_cache.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=k_cache.device)
         step = max(1, CLONE_COPY_BYTES // (k_cache[0].numel() * k_cache.element_size()))
-        for cache in (k_cache, v_cache):
+        for cache in (k_cache, v_cache, *self.attention.planes.values()):  # state planes follow their pages
             for i in range(0, len(pairs), step):
                 cache.index_copy_(0, dst[i : i + step], cache.index_select(0, src[i : i + step]))
 

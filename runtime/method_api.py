@@ -7,8 +7,9 @@ gives the no-op defaults.
 
 Points, in the order a request meets them:
 
-- `layout(...)`  once, at engine start: bytes per stored token per layer and the storage dtype; the
-  page pool is sized from it.
+- `layout(...)`  once, at engine start: bytes per stored token per layer and the storage dtype, and
+  the state planes the method keeps per token (float32 per KV head, paged like K/V:
+  runtime/kv/state_planes.py); the page pool is sized from it.
 - `budget`       at admission: physical tokens per layer a request holds at its prefill peak and at
   steady state (a function of context length and layer), so the scheduler admits by real memory.
 - `prefill_chunk(layer, view)`   after a chunk's K/V are stored and its attention ran.
@@ -81,6 +82,13 @@ class KVLayout:
 
     dtype: torch.dtype
     bytes_per_token: int  # per layer, keys and values together (page summaries included)
+    # per-token method state kept in pages beside K/V (runtime/kv/state_planes.py): one float32
+    # value per KV head and token per name, moved by compaction, freed and shared with the pages
+    state_planes: tuple[str, ...] = ()
+
+    def state_bytes_per_token(self, num_kv_heads: int) -> int:
+        """Bytes the state planes add per token per layer (the pool's page size counts them)."""
+        return 4 * num_kv_heads * len(self.state_planes)
 
 
 @runtime_checkable
@@ -119,6 +127,7 @@ class LayerCacheView:
     # Per-head variable counts (a layer compacted by a per-head plan): KV head h stores its
     # tokens in slots [starts[h], length); the slots before are padding. None: every head from 0.
     starts: list[int] | None = None
+    planes: dict[str, torch.Tensor] | None = None  # the pool's state planes (KVLayout.state_planes)
 
     def _dense(self, cache: torch.Tensor) -> torch.Tensor:
         pages = cache[torch.tensor(self.page_ids, dtype=torch.long, device=cache.device)]
@@ -215,6 +224,7 @@ class DecodeView:
     # method's `attention.decode_stats` says; filled by the decode attention before
     # decode_after_attention (None when the method asks for none, and in decode_before_attention)
     attn_stats: torch.Tensor | None = None
+    planes: dict[str, torch.Tensor] | None = None  # the pool's state planes (KVLayout.state_planes)
 
 
 @dataclass

@@ -65,7 +65,7 @@ from kvc.dsl import METHODS_DIR, KvmError
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.attention.metadata import StatsFold
 from kvc.runtime.method_api import AttentionKernels, Hook, KeepPlan, MethodBase, PrefillView
-from kvc.runtime.methods_compiled_decode import DecodeHooks, copy_entries
+from kvc.runtime.methods_compiled_decode import IN_PAGES, DecodeHooks, copy_entries
 
 GENERATED = method_cache.GENERATED_DIR
 ALL_QUERIES = -1
@@ -279,7 +279,8 @@ class CompiledMethod(DecodeHooks, MethodBase):
             k = _operand(view.cache.keys())
             state = self._state.get(key)
             if state is None:
-                state = self._new_state(k.shape[0], k.device)
+                stored = view.cache.length - view.q.shape[0]
+                state = self._resumed_state(key, view.cache, stored) or self._new_state(k.shape[0], k.device)
             fused = self._kernel("prefill_chunk", k.device)
             if fused is not None:  # no [head, query, key] matrix in memory
                 self._state[key] = fused(q, k, self.params, state)
@@ -296,7 +297,8 @@ class CompiledMethod(DecodeHooks, MethodBase):
         q = self._q.pop(key, None)
         if q is None:
             q = _operand(view.q.transpose(0, 1))
-        state = self._state.pop(key, None) or self._new_state(kv_heads, device)
+        state = (self._state.pop(key, None) or self._resumed_state(key, view.cache, length - view.q.shape[0])
+                 or self._new_state(kv_heads, device))
         sym = self._sym(view, q.shape[0], kv_heads, k.shape[-1], length)
         starts = view.cache.starts
         if starts is not None:  # a layer stored with per-head counts (a continued chain of Ada-KV)
@@ -309,7 +311,7 @@ class CompiledMethod(DecodeHooks, MethodBase):
         plan = None if all(int(t.numel()) >= length for t in kept) else _keep_plan(kept, device)
         if plan is not None:
             plan.tail = self.kept_tail("prefill_end", sym, length)
-        self._decode_start(key, state, length, plan, device)
+        self._decode_start(key, state, view.cache, plan)
         return plan
 
     def _end_scores(self, view: PrefillView, q, k, state, sym, heads: slice = slice(None), start: int = 0):
@@ -349,13 +351,15 @@ class CompiledMethod(DecodeHooks, MethodBase):
         return clamp_count(value, length)
 
     # ---- chain cache -------------------------------------------------------------------------
-    def turn_end(self, seq_id: int) -> dict[int, dict[str, torch.Tensor]]:
+    def turn_end(self, seq_id: int) -> dict[int, dict[str, torch.Tensor] | str]:
         """Per layer, the sequence's per-token state (decode state, or a cut-short prefill's
-        accumulator); the method forgets it."""
-        state: dict[int, dict[str, torch.Tensor]] = {}
+        accumulator), or `IN_PAGES` where it is in the state planes of the pages the chain record
+        keeps; the method forgets it."""
+        state: dict[int, dict[str, torch.Tensor] | str] = {}
         for store in (self._state, self._decode_state):  # decode state wins: it is the newer
             for key in [key for key in store if key[0] == seq_id]:
                 state[key[1]] = store.pop(key)
+        state.update(self._layers_in_pages(seq_id))  # decode state in the planes stays in the record's pages
         self.release(seq_id)
         return state
 
@@ -364,6 +368,9 @@ class CompiledMethod(DecodeHooks, MethodBase):
         cut to the physical `lengths` per layer (a rollback dropped the stored tail)."""
         self.release(seq_id)
         for layer, tensors in (state or {}).items():
+            if tensors == IN_PAGES:
+                self._resume_in_pages(seq_id, layer)
+                continue
             self._state[seq_id, layer] = {
                 name: (value[:, : lengths[layer]] if value.dim() == 2 else value).clone()
                 for name, value in tensors.items()

@@ -8,41 +8,65 @@ lowering (`<hook>` accumulating state, or `<hook>_scores` + `<hook>_select` when
   fold in `attention.decode_stats` (from the manifest's `attention` entry: over the GQA group, over
   every head, or not) and runs the attention variant that emits it (`decode_stats`), so the decode
   attention kernels themselves leave the step's softmax probabilities over each row's paged keys
-  in `view.attn_stats` (the torch backend: `attention/decode_stats.py`); then, per row
-  (sequence), the generated hook accumulates the method's state (H2O's `seen`) and its ranking
-  scores wait for step end. All on the device, no host reads.
+  in `view.attn_stats` (the torch backend: `attention/decode_stats.py`); then the generated hook
+  accumulates the method's state (H2O's `seen`) and its ranking scores wait for step end.
 - `step_end(layer, view)`: the hook's generated selection (H2O heavy hitters + recent window,
   TOVA's top, StreamingLLM's sink + window) -> `KeepPlan` of ascending physical indices, so the
-  newest tokens stay last; per-token state is gathered with the same indices. How many tokens
-  survive is known on the host without reading the device: the generated `<hook>_select` runs on a
-  `meta` tensor of the cache's shape (counts depend on lengths and parameters only), so a step
-  that does not evict skips the selection and a step that does never syncs for its size.
-- After `prefill_end`, the prefill state (H2O's column sums) continues into decoding, gathered to
-  the kept tokens.
+  newest tokens stay last; per-token state follows the same indices. How many tokens survive is
+  known on the host without reading the device: the generated `<hook>_select` runs on a `meta`
+  tensor of the cache's shape (counts depend on lengths and parameters only), so a step that
+  does not evict skips the selection and a step that does never syncs for its size.
+- After `prefill_end`, the prefill state (H2O's column sums) continues into decoding.
 - Keep plans carry `tail` (the keep's `+ last N`, `CompiledMethod.kept_tail`) for the chain cache.
+
+Where the decode state lives: paged state planes (the default), or per-row dicts (the oracle).
+
+- Planes, when the hook is key-local (manifest fact `key_local`: every accumulated value and the
+  ranking score is computed key by key from `attn`, parameters and `[kv_head, key]` states) and
+  `use_state_planes` is on. The method's `layout` asks for one float32 plane per state and one
+  for the pending scores (`<hook>.scores`); `PagedAttention` holds them beside K/V, addressed by
+  the same page tables and slots (runtime/kv/state_planes.py), so state scales with stored tokens
+  and is freed, shared (copy-on-write) and compacted with the pages. The decode hook then runs
+  the generated lowering ONCE per layer over the whole batch: the rows' keys laid side by side
+  (`attn [B, R, W]` -> `[R, B*W]`, each state gathered from its plane to `[Hkv, B*W]`, the new
+  token's slot at 0 as `_grow` would pad it), and scatters state and scores back (padding into
+  the planes' scratch page). Key-locality is what makes this exact: no value looks across keys,
+  so laying rows side by side changes nothing, and no per-row symbol enters the math (`context`
+  is the flattened width, which `_full_scores`/`_grow` only use to pad, and they pad nothing here).
+  Only device tensors of static shape, no host reads: the same code runs eagerly (CPU, mixed
+  steps) and inside the CUDA graphs of decode steps, so `decode_graphs` is True. Step end reads
+  the scores from their plane (eager, after the replay); compaction moves the planes with K/V.
+  Chains: the state stays in the pages the record keeps (`turn_end` marks such layers
+  `IN_PAGES`), and a continuation's first prefill chunk reads it back from them.
+- Dicts keyed by (sequence, layer), one generated call per row with the row's host facts
+  (`view.rows`), when the hook is not key-local or `use_state_planes` is off (tests compare the
+  two): those decode steps run eagerly (`decode_graphs = False`).
+
+A `step_end`-only method (StreamingLLM) keeps no decode state and its graphs: step_end runs after
+the replay.
 
 Symbols in decode hooks: `context` is the physical length the selection ranks (the stored
 tokens, the step's own included), `prompt` the tokens the prefill covered, `step` the decode
 steps so far (1 at the first), `heads` the model's query heads. The engine hands `attn` with the
 folded axis already reduced to size 1 (`[kv_head, key]` or `[1, key]`); the hook's own
 `mean(attn, over group|head)` then folds it exactly.
-
-Decode steps of a method whose `decode_after_attention` runs are not CUDA-graph captured
-(`decode_graphs = False`): the per-row state lives in Python dicts keyed by (sequence, layer).
-A `step_end`-only method (StreamingLLM) keeps its graphs: step_end runs after the replay.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
 import torch
 
 from kvc.runtime.errors import ConfigError
-from kvc.runtime.method_api import DecodeView, Hook, KeepPlan, StepView
+from kvc.runtime.kv import state_planes
+from kvc.runtime.kv.state_planes import BatchSlots
+from kvc.runtime.method_api import DecodeView, Hook, KeepPlan, KVLayout, LayerCacheView, StepView
 
 DECODE_KEEP_HOOKS = ("decode_after_attention", "step_end")
+IN_PAGES = "in pages"  # turn_end's state of a layer whose decode state stays in the record's pages
 _MEMO_LIMIT = 4096
 
 
@@ -51,6 +75,8 @@ class DecodeHooks:
     (for `num_layers` / `num_kv_heads`), and calls `_decode_start` from prefill_end and
     `_release_decode` from release. Decode state lives apart from the prefill's: a recompute after
     preemption starts a fresh prefill state and then replaces this one."""
+
+    use_state_planes = True  # keep key-local decode state in paged planes (False: per-row dicts, eager)
 
     def _init_decode(self, manifest: dict) -> set[Hook]:
         """Reads the decode facts; returns the contract hooks they need."""
@@ -78,6 +104,11 @@ class DecodeHooks:
                               f"variant {self.attention.variant!r}, which emits no statistics; run `kvc compile --all`",
                               param="method")
         hooks: set[Hook] = set()
+        self.paged_state = bool(after is not None and after.get("key_local") and self.use_state_planes)
+        self._scores_plane = "decode_after_attention.scores" if self.paged_state and after["keeps"] else None
+        self.state_planes: tuple[str, ...] = ()
+        if self.paged_state:
+            self.state_planes = tuple(self.states) + ((self._scores_plane,) if self._scores_plane else ())
         if after is not None:
             hooks.add(Hook.DECODE_AFTER_ATTENTION)
             suffix = "_scores" if after["keeps"] else ""
@@ -91,12 +122,41 @@ class DecodeHooks:
                                           "the engine needs per-head lengths in its metadata first")
             self._step_scores = getattr(self.lowering, "step_end_scores", None)
             hooks.add(Hook.STEP_END)
-        self.decode_graphs = Hook.DECODE_AFTER_ATTENTION not in hooks
+        if self.paged_state:
+            # a decode step writes the planes of every stored slot; a method listing STEP_END gets
+            # spare pages for each shared one (Scheduler._copies), which the runner copies first
+            hooks.add(Hook.STEP_END)
+        self.decode_graphs = self.paged_state or Hook.DECODE_AFTER_ATTENTION not in hooks
         self._decoding = bool(hooks)
         self._decode_state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (seq, layer) -> states
         self._pending: dict[tuple[int, int], torch.Tensor] = {}  # decode_after_attention scores, until step end
+        self._in_pages: set[tuple[int, int]] = set()  # (seq, layer) whose decode state is in the planes
+        self._resume_pages: set[tuple[int, int]] = set()  # (seq, layer) to read back at the first chunk
         self._count_memo: dict[tuple, int] = {}
         return hooks
+
+    def layout(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVLayout:
+        """Dense K/V pages, plus the state planes of paged decode state."""
+        return dataclasses.replace(super().layout(num_kv_heads, head_dim, dtype), state_planes=self.state_planes)
+
+    # ---- chain cache: decode state in the record's pages ------------------------------------
+    def _layers_in_pages(self, seq_id: int) -> dict[int, str]:
+        """turn_end's value for the layers whose decode state is in the planes: `IN_PAGES` (the
+        chain record keeps the pages, and with them the state)."""
+        return {layer: IN_PAGES for seq, layer in self._in_pages if seq == seq_id}
+
+    def _resume_in_pages(self, seq_id: int, layer: int) -> None:
+        """turn_resume of a layer recorded `IN_PAGES`: its first prefill chunk reads the state back."""
+        self._resume_pages.add((seq_id, layer))
+
+    def _resumed_state(self, key: tuple[int, int], cache: LayerCacheView, stored: int) -> dict | None:
+        """A continuation's state for slots [0, stored) (what the record's pages hold, cut by any
+        rollback), read from the planes once, at its first prefill chunk; None when not resumed so."""
+        if key not in self._resume_pages:
+            return None
+        self._resume_pages.discard(key)
+        planes = self._planes(cache.planes)
+        return {name: state_planes.read(planes[name], cache.page_ids, stored) for name in self.states}
 
     # ---- symbols and host-side counts -------------------------------------------------------
     def _decode_sym(self, layer: int, length: int, context_len: int, prompt_len: int, heads: int | None,
@@ -137,15 +197,36 @@ class DecodeHooks:
         return min(physical, max(first, kept + 1))
 
     # ---- the contract's decode points ----------------------------------------------------------
-    def _decode_start(self, key: tuple[int, int], state: dict[str, torch.Tensor], length: int,
-                      plan: KeepPlan | None, device: torch.device) -> None:
-        """After prefill_end: the prefill state continues into decoding, gathered to the kept tokens."""
+    def _decode_start(self, key: tuple[int, int], state: dict[str, torch.Tensor], cache: LayerCacheView,
+                      plan: KeepPlan | None) -> None:
+        """After prefill_end: the prefill state continues into decoding, gathered to the kept tokens
+        (dicts), or written into the planes at the stored slots, which compaction then moves with
+        K/V (the runner owns the layer's pages before prefill_end)."""
         if not self._decoding:
             return
         self._pending.pop(key, None)
-        self._decode_state[key] = _gather_state(state, length, None if plan is None else plan.indices, device)
+        length, device = cache.length, cache.k_cache.device
+        if not self.paged_state:
+            self._decode_state[key] = _gather_state(state, length, None if plan is None else plan.indices, device)
+            return
+        planes = self._planes(cache.planes)
+        full = _gather_state(state, length, None, device)  # every stored slot, new keys at 0
+        for name in self.states:
+            value = torch.nn.functional.pad(full[name], (0, length - full[name].shape[-1]))
+            state_planes.write(planes[name], cache.page_ids, value)
+        self._in_pages.add(key)
+
+    def _planes(self, planes: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        if planes is None or any(name not in planes for name in self.state_planes):
+            raise RuntimeError(f"method {self.name!r} keeps its decode state in the state planes "
+                               f"{list(self.state_planes)}, which the attention layer does not hold "
+                               "(PagedAttention.add_planes(method.layout(...).state_planes))")
+        return planes
 
     def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None:
+        if self.paged_state:
+            self._decode_after_paged(layer, view)
+            return
         if view.rows is None:
             raise RuntimeError(f"method {self.name!r} needs eager decode steps (decode_graphs is False)")
         kv_heads = view.k.shape[1]
@@ -166,6 +247,35 @@ class DecodeHooks:
             else:
                 self._decode_state[key] = self._after_fn(inputs, state, sym, self.params)
 
+    def _decode_after_paged(self, layer: int, view: DecodeView) -> None:
+        """The generated hook once over the batch, its rows' keys side by side (module docstring).
+        Tensors of static shape only, no host reads: CUDA-graph capturable."""
+        planes = self._planes(view.planes)
+        attn = view.attn_stats  # [B, R, W]
+        if attn is None:
+            raise RuntimeError(f"method {self.name!r}: the decode attention emitted no statistics (view.attn_stats)")
+        batch, rows, width = attn.shape
+        kv_heads = view.k.shape[1]
+        some = next(iter(planes.values()))
+        slots = BatchSlots.of(view.block_tables, view.context_lens, width, some.shape[2], some.shape[0] - 1)
+        # the state covers the slots stored before this step; the step's own starts at 0 (`_grow`)
+        before = torch.arange(width, device=attn.device)[None, :] < (view.context_lens.long() - 1)[:, None]
+        state = {}
+        for name in self.states:
+            value = torch.where(before[:, None, :], slots.gather(planes[name]), 0.0)
+            state[name] = value.transpose(0, 1).reshape(kv_heads, batch * width)
+        inputs = {"attn": attn.transpose(0, 1).reshape(rows, batch * width)}
+        sym = {"context": batch * width, "prompt": None, "step": None, "layer": layer,
+               "layers": self.budget.num_layers, "heads": view.q.shape[1], "kv_heads": kv_heads,
+               "head_dim": view.q.shape[2]}
+        if self._scores_plane is not None:
+            scores = self._after_fn(inputs, state, sym, self.params)  # updates `state` in place
+            slots.scatter(planes[self._scores_plane], _unflatten(scores, batch, width))
+        else:
+            state = self._after_fn(inputs, state, sym, self.params)
+        for name in self.states:
+            slots.scatter(planes[name], _unflatten(state[name], batch, width))
+
     def step_end(self, layer: int, view: StepView) -> KeepPlan | None:
         key = (view.seq_id, layer)
         length, kv_heads = view.cache.length, view.cache.k_cache.shape[1]
@@ -177,6 +287,8 @@ class DecodeHooks:
             return None
         head_dim = view.cache.k_cache.shape[-1]
         sym = self._decode_sym(layer, length, view.context_len, view.prompt_len, None, kv_heads, head_dim)
+        if self.paged_state:
+            return self._step_end_paged(view, count, sym)
         state = self._decode_state.get(key)
         if state is None:
             state = {s: torch.zeros(kv_heads, 0, device=view.cache.k_cache.device) for s in self.states}
@@ -186,24 +298,42 @@ class DecodeHooks:
             scores = pending
         else:
             scores = self._step_scores(_CacheInputs(view.cache), state, sym, self.params)
-        kept = self._select_fn(scores, sym, self.params)
-        device = view.cache.k_cache.device
-        indices = torch.stack([t.to(device=device, dtype=torch.long) for t in kept])
+        plan = self._plan(self._select_fn(scores, sym, self.params), count, sym, view.cache)
+        if key in self._decode_state:
+            self._decode_state[key] = _gather_state(state, length, plan.indices, plan.indices.device)
+        return plan
+
+    def _step_end_paged(self, view: StepView, count: int, sym: dict) -> KeepPlan:
+        """step_end over the planes: the scores (or the state) of the stored slots; compaction moves
+        the planes with K/V, so nothing is gathered here."""
+        cache = view.cache
+        planes = self._planes(cache.planes)
+        if self._keep_hook == "decode_after_attention":
+            scores = state_planes.read(planes[self._scores_plane], cache.page_ids, cache.length)
+        else:
+            state = {name: state_planes.read(planes[name], cache.page_ids, cache.length) for name in self.states}
+            scores = self._step_scores(_CacheInputs(cache), state, sym, self.params)
+        return self._plan(self._select_fn(scores, sym, self.params), count, sym, cache)
+
+    def _plan(self, kept: list[torch.Tensor], count: int, sym: dict, cache: LayerCacheView) -> KeepPlan:
+        indices = torch.stack([t.to(device=cache.k_cache.device, dtype=torch.long) for t in kept])
         if indices.shape[1] != count:
             raise RuntimeError(f"method {self.name!r}: selection kept {indices.shape[1]}, its count says {count}")
-        if key in self._decode_state:
-            self._decode_state[key] = _gather_state(state, length, indices, device)
-        return KeepPlan(indices, tail=self.kept_tail(self._keep_hook, sym, length))
+        return KeepPlan(indices, tail=self.kept_tail(self._keep_hook, sym, cache.length))
 
     def _clone_decode(self, src: int, dst: int) -> None:
-        """A cloned sequence's decode state and pending scores: copies of its source's."""
+        """A cloned sequence's decode state and pending scores: copies of its source's (state in
+        the planes came with the copied pages: the clone's layers are marked in pages too)."""
         for store in (self._pending, self._decode_state):
             copy_entries(store, src, dst)
+        self._in_pages |= {(dst, layer) for seq, layer in self._in_pages if seq == src}
 
     def _release_decode(self, seq_id: int) -> None:
         for store in (self._pending, self._decode_state):
             for key in [key for key in store if key[0] == seq_id]:
                 del store[key]
+        for keys in (self._in_pages, self._resume_pages):
+            keys -= {key for key in keys if key[0] == seq_id}
 
 
 def copy_entries(store: dict[tuple[int, int], Any], src: int, dst: int) -> None:
@@ -229,6 +359,11 @@ class _CacheInputs(dict):
         value = self._cache.keys() if name == "k" else self._cache.values()
         self[name] = value = value.float() if value.device.type == "cpu" else value
         return value
+
+
+def _unflatten(value: torch.Tensor, batch: int, width: int) -> torch.Tensor:
+    """[Hkv, B*W] (rows side by side) -> [B, Hkv, W]."""
+    return value.reshape(value.shape[0], batch, width).transpose(0, 1)
 
 
 def _gather_state(state: dict[str, torch.Tensor], length: int, indices: torch.Tensor | None,

@@ -16,6 +16,14 @@ with `decode_graphs = False` runs its decode steps eagerly and its decode views 
 per row). After the forward, `step_end` runs per layer of each decoded sequence (eager code, also
 after a graph replay); its keep plans are compacted and reported like prefill_end's.
 
+State planes (runtime/kv/state_planes.py): when the method's layout asks for them, the attention
+layer holds them beside K/V; the views carry them, compaction moves them with K/V, and
+copy-on-write copies them with their pages. A step that writes planes owns the pages first:
+every page of a decode row (the decode hook rewrites the state of every stored slot) and every
+page of a layer whose prefill ends (prefill_end stores the state there, before compacting). Graph
+capture sizes the decode statistics buffer for the largest bucket first, so a later eager step
+never reallocates what a captured graph reads.
+
 Copy-on-write (chain cache, runtime/chains.py): before a step writes into a page that is shared
 (another holder, or named by the prefix cache), the runner copies it into one of the sequence's
 `spare_pages` (set aside by the scheduler) and drops its reference on the original: at the start
@@ -92,9 +100,16 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
         attention.use_variant(self.method.attention.variant)  # the attention kernels its manifest names
+        layout = self.method.layout(self.num_kv_heads, model.spec.head_dim, model.spec.dtype)
+        attention.add_planes(layout.state_planes)  # no-op when the engine allocated them
+        self.planes = {name: attention.planes[name] for name in layout.state_planes}
         self.graphs: _DecodeGraphs | None = None
         if use_cuda_graphs and device.type == "cuda" and getattr(self.method, "decode_graphs", True):
             self.graphs = _DecodeGraphs(self, max_num_seqs)
+            fold = self.method.attention.decode_stats
+            if fold is not None and Hook.DECODE_AFTER_ATTENTION in self.method.hooks:
+                # the largest statistics buffer any step asks for, before a graph captures a view of it
+                attention.stats_request(fold, self.graphs.buckets[-1], model.spec.num_heads, max_model_len)
 
     # ---- per-request sampling state -------------------------------------------------------
     def add_request(self, seq_id: int, seed: int | None) -> None:
@@ -163,7 +178,8 @@ class ModelRunner:
                 view = DecodeView(layer, q[:d], k[:d], v[:d], md.block_tables[layer, :d],
                                   md.context_lens[layer, :d], attention.k_cache, attention.v_cache, scale,
                                   None if batch is None else _decode_rows(batch, layer),
-                                  kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d])
+                                  kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d],
+                                  planes=self.planes or None)
                 if Hook.DECODE_BEFORE_ATTENTION in hooks:
                     method.decode_before_attention(layer, view)
             out = attention.forward(layer, q, k, v, md, scale, stats=stats)
@@ -195,12 +211,15 @@ class ModelRunner:
                 seq_id=seq.seq_id, layer=layer, num_layers=self.num_layers,
                 q=q[rows], k=k[rows], v=v[rows], start=seq.num_computed_tokens,
                 prompt_len=seq.prefill_end,
-                cache=LayerCacheView(self.attention.k_cache, self.attention.v_cache, table, length, seq.kv_starts[layer]),
+                cache=LayerCacheView(self.attention.k_cache, self.attention.v_cache, table, length,
+                                     seq.kv_starts[layer], self.planes or None),
             )
             if Hook.PREFILL_CHUNK in method.hooks:
                 method.prefill_chunk(layer, view)
             if not view.is_last or Hook.PREFILL_END not in method.hooks:
                 continue
+            if self.planes:  # prefill_end stores the state in the layer's planes
+                self._own_pages(seq, layer, len(table))
             plan = method.prefill_end(layer, view)
             if plan is None:
                 continue
@@ -219,7 +238,7 @@ class ModelRunner:
             return
         backend = "triton" if self.attention.backend == "triton" else "auto"
         done = compact_many(self.attention.k_cache, self.attention.v_cache, [job for _, job, _, _ in jobs],
-                            backend=backend)
+                            backend=backend, planes=list(self.planes.values()))
         for (seq, job, verbatim, logical), result in zip(jobs, done):
             compacted.setdefault(seq.seq_id, {})[layer] = result.length
             seq.verbatim_from = max(seq.verbatim_from, verbatim)
@@ -242,7 +261,8 @@ class ModelRunner:
                 table = seq.page_tables[layer]
                 length = seq.kv_lens[layer] + 1  # the step's token is stored (postprocess advances kv_lens)
                 gap = seq.history_gap[layer]  # a chain continuation: its prompt is the stored history + suffix
-                stored = LayerCacheView(cache.k_cache, cache.v_cache, table, length, seq.kv_starts[layer])
+                stored = LayerCacheView(cache.k_cache, cache.v_cache, table, length, seq.kv_starts[layer],
+                                        self.planes or None)
                 view = StepView(seq.seq_id, layer, self.num_layers, seq.num_computed_tokens + 1 - gap,
                                 seq.prefill_end - gap, stored)
                 plan = method.step_end(layer, view)
@@ -259,10 +279,15 @@ class ModelRunner:
     # so a sequence without spare pages writes into no shared page: its tables are not walked
     # (the hot path of every decode step, and of every keep plan of decode-time eviction).
     def _own_append_pages(self, batch: ScheduledBatch) -> None:
-        """Each sequence's partial last page, which this step appends to, becomes its own."""
+        """Each sequence's partial last page, which this step appends to, becomes its own (every
+        page of a decode row when the decode hook writes state planes)."""
         page = self.page_size
-        for seq in batch.seqs:
+        for i, seq in enumerate(batch.seqs):
             if not seq.spare_pages:
+                continue
+            if self.planes and i < batch.num_decodes:
+                for layer, table in enumerate(seq.page_tables):
+                    self._own_pages(seq, layer, len(table))
                 continue
             for layer, kv in enumerate(seq.kv_lens):
                 if kv % page:
@@ -283,7 +308,7 @@ class ModelRunner:
             raise RuntimeError(f"sequence {seq.seq_id} writes into shared page {old} without a spare page "
                                "(the scheduler reserves them)")
         new = seq.spare_pages.pop()
-        for cache in (self.attention.k_cache, self.attention.v_cache):
+        for cache in (self.attention.k_cache, self.attention.v_cache, *self.planes.values()):
             cache[new].copy_(cache[old])
         table[index] = new
         pool.free([old])
@@ -434,7 +459,8 @@ class _DecodeGraphs:
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
 
-    def _capture(self, b: int, with_starts: bool = False) -> None:
+    def _step_fn(self, b: int, with_starts: bool):
+        """The decode step a graph of bucket `b` captures: the model over the static buffers."""
         r = self.runner
         md = AttentionMetadata(
             slot_mapping=self.slots[:, :b],
@@ -451,6 +477,10 @@ class _DecodeGraphs:
         def step() -> torch.Tensor:
             return r.model.compute_logits(r.model(self.input_ids[:b], self.positions[:b], attn))
 
+        return step
+
+    def _capture(self, b: int, with_starts: bool = False) -> None:
+        step = self._step_fn(b, with_starts)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -470,11 +500,22 @@ class _DecodeGraphs:
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         n = len(batch.seqs)
+        key = self._load(batch)
+        if key not in self.graphs:
+            self._capture(*key)
+        self.graphs[key].replay()
+        return self.logits[key][:n]
+
+    def run_uncaptured(self, batch: ScheduledBatch) -> torch.Tensor:
+        """What `run` replays, run eagerly (the same buffers and code; tests on the CPU)."""
+        return self._step_fn(*self._load(batch))()[: len(batch.seqs)]
+
+    def _load(self, batch: ScheduledBatch) -> tuple[int, bool]:
+        """Fills the static buffers with the batch; the graph key (bucket, with starts)."""
+        n = len(batch.seqs)
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
         starts = self.runner.tables.pack_starts(batch.seqs)  # [L, n, Hkv] or None
         key = (b, starts is not None)
-        if key not in self.graphs:
-            self._capture(*key)
         page, layers = self.runner.page_size, self.runner.num_layers
         ids, pos = [], []
         slot_rows = [[-1] * b for _ in range(layers)]  # plain lists: per-element tensor writes are slow
@@ -503,5 +544,4 @@ class _DecodeGraphs:
             padded = np.zeros((layers, b, starts.shape[2]), dtype=np.int32)
             padded[:, :n] = starts
             self.starts[:, :b].copy_(torch.from_numpy(padded), non_blocking=True)
-        self.graphs[key].replay()
-        return self.logits[key][:n]
+        return key

@@ -10,6 +10,10 @@ variant the method's manifest names (`use_variant`, called by the runner with
 layer: the pool plus that layer's row of the per-layer tables, lengths, slots and (per-head
 variable counts only) KV-head start slots.
 
+State planes (`runtime/kv/state_planes.py`): a method's per-token float32 state, one
+`[num_pages + 1, Hkv, page_size]` tensor per name its `KVLayout.state_planes` lists, addressed by
+the same page tables and slots as K/V (`planes`; the last page is scratch for batch padding).
+
 Decode statistics: `forward(..., stats=DecodeStats)` asks the decode kernels to also emit the
 step's attention probabilities, folded as the method reads them (metadata.py); `stats_request`
 gives a request over one float32 buffer reused across layers (grown as needed).
@@ -25,6 +29,7 @@ import torch
 from kvc.runtime.attention import torch_ops
 from kvc.runtime.attention.metadata import AttentionMetadata, DecodeStats, StatsFold
 from kvc.runtime.errors import ConfigError
+from kvc.runtime.kv import state_planes
 
 BACKENDS = ("torch", "triton")
 
@@ -81,6 +86,18 @@ class PagedAttention:
         self.variant = "plain"
         self.ops = load_ops(backend, k_cache.device)
         self._stats: torch.Tensor | None = None  # decode statistics buffer, reused across layers
+        self.planes: dict[str, torch.Tensor] = {}  # state planes, name -> [num_pages + 1, Hkv, page_size]
+
+    def add_planes(self, names: tuple[str, ...]) -> None:
+        """Allocates the state planes in `names` that are not there yet (zeroed)."""
+        missing = tuple(n for n in names if n not in self.planes)
+        self.planes.update(state_planes.allocate(missing, self.num_pages, self.k_cache.shape[1], self.page_size,
+                                                 self.k_cache.device))
+
+    @property
+    def scratch_page(self) -> int:
+        """The planes' scratch page (batch padding writes there)."""
+        return self.num_pages
 
     def use_variant(self, variant: str) -> None:
         """Run the generated attention kernels of `variant` (what the method's manifest names)."""
@@ -90,7 +107,9 @@ class PagedAttention:
 
     def stats_request(self, fold: StatsFold, num_decodes: int, num_heads: int, width: int) -> DecodeStats:
         """A decode-statistics request over a contiguous [num_decodes, R, width] float32 view of one
-        buffer kept across layers and steps (grown, never shrunk; the kernels write every entry)."""
+        buffer kept across layers and steps (grown, never shrunk; the kernels write every entry).
+        CUDA graphs capture views of it: the runner asks for the largest request before capturing,
+        so it is never reallocated under a captured graph."""
         shape = (num_decodes, fold.rows(num_heads, self.k_cache.shape[1]), width)
         numel = shape[0] * shape[1] * shape[2]
         if self._stats is None or self._stats.numel() < numel:
@@ -108,11 +127,14 @@ class PagedAttention:
         dtype: torch.dtype,
         device: torch.device | str,
         backend: str = "torch",
+        state_planes: tuple[str, ...] = (),
     ) -> PagedAttention:
         shape = (num_pages, num_kv_heads, page_size, head_dim)
         k_cache = torch.zeros(shape, dtype=dtype, device=device)
         v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        return cls(k_cache, v_cache, backend, num_layers)
+        attention = cls(k_cache, v_cache, backend, num_layers)
+        attention.add_planes(state_planes)
+        return attention
 
     @property
     def num_pages(self) -> int:

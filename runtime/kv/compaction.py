@@ -16,6 +16,10 @@ are then slots [start_h, length) and its kept indices must lie there (a chain ca
 layer again at each turn; decode-time eviction does it every step). The result is laid out as
 above, whatever the old starts were.
 
+State planes (`state_planes.py`: a method's per-token float32 state, `[pages + 1, Hkv,
+page_size]`, addressed like K/V) follow the same plan: `compact_many(..., planes=)` moves their
+kept slots exactly as it moves K/V, so slot s's state stays beside slot s's keys.
+
 Two backends, one contract (`compact_many`): the Triton kernel of `compaction_triton.py` (on CUDA,
 and under TRITON_INTERPRET=1 when asked), one launch for every plan of a layer, in place, with no
 host sync; and plain torch here (gather into a temporary, then scatter). Host syncs: the new
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -97,12 +102,18 @@ def compact_many(
     jobs: list[CompactionJob],
     checked: bool | None = None,
     backend: str = "auto",
+    planes: Seq[torch.Tensor] = (),
 ) -> list[Compacted]:
-    """Applies every job (one layer, distinct sequences) in place; `checked` None: check values
-    where that costs no device sync, or when KVC_CHECK_COMPACTION=1."""
+    """Applies every job (one layer, distinct sequences) in place, to K, V and every state plane
+    (`[pages (+ scratch), Hkv, page_size]`); `checked` None: check values where that costs no
+    device sync, or when KVC_CHECK_COMPACTION=1."""
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         raise ValueError(f"k_cache and v_cache must both be [pages, Hkv, page_size, D], got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
+    for plane in planes:
+        if plane.dim() != 3 or plane.shape[1:] != k_cache.shape[1:3] or plane.shape[0] < k_cache.shape[0]:
+            raise ValueError(f"a state plane must be [>= {k_cache.shape[0]} pages, {k_cache.shape[1]}, "
+                             f"{k_cache.shape[2]}], got {tuple(plane.shape)}")
     use_triton = _use_triton(backend, k_cache.device)
     if checked is None:
         checked = k_cache.device.type == "cpu" or os.environ.get(CHECK_ENV) == "1"
@@ -114,10 +125,10 @@ def compact_many(
     if use_triton:
         from kvc.runtime.kv.compaction_triton import compact_triton
 
-        compact_triton(k_cache, v_cache, work)
+        compact_triton(k_cache, v_cache, work, planes=planes)
     else:
         for plan in work:
-            _compact_torch(k_cache, v_cache, plan)
+            _compact_torch((k_cache, v_cache, *planes), plan)
     return results
 
 
@@ -183,13 +194,14 @@ def device_ints(values, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _compact_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, plan: HostPlan) -> None:
+def _compact_torch(caches: Seq[torch.Tensor], plan: HostPlan) -> None:
     """Gather every kept row into a temporary, then scatter it: in place is safe whatever moves
-    where, as all reads happen before any write."""
+    where, as all reads happen before any write. `caches`: K, V, then any state planes (their
+    rows are single values instead of head-dim vectors)."""
     import numpy as np
 
-    page_size = k_cache.shape[2]
-    device = k_cache.device
+    page_size = caches[0].shape[2]
+    device = caches[0].device
     counts = plan.counts
     heads = np.repeat(np.arange(len(counts)), counts)
     dst = np.concatenate([off + np.arange(c) for off, c in zip(plan.offsets, counts)])
@@ -201,6 +213,6 @@ def _compact_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, plan: HostPlan)
     heads_t, dst_t = device_ints(heads, device), device_ints(dst, device)
     src_page, src_slot = pages[src // page_size], src % page_size
     dst_page, dst_slot = pages[dst_t // page_size], dst_t % page_size
-    for cache in (k_cache, v_cache):
-        gathered = cache[src_page, heads_t, src_slot]  # [n, D], a copy
+    for cache in caches:
+        gathered = cache[src_page, heads_t, src_slot]  # [n, D] or [n], a copy
         cache[dst_page, heads_t, dst_slot] = gathered

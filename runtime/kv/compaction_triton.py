@@ -29,10 +29,14 @@ Inputs packed by `compact_triton`: `meta [N, Hkv + 1 + W]` int32 (counts per hea
 physical length M, the page table), one pinned host-to-device copy; `keep [N, Hkv, K]` int64.
 Launch knobs (BLOCK_T, the head-dim slice, warps): `launch_config` gives this GPU's `kvc tune`
 entry for the (plans, kept, Hkv, D, dtype) bucket (runtime/tuning/, keyed by this file's sha256),
-else the constants below. Import needs `triton`.
+else the constants below. State planes (`state_planes.py`) take one more launch each, with the
+same `meta` and `keep`: a plane is a cache whose rows are one float32 value ([pages, Hkv, S]
+viewed as [pages, Hkv, S, 1]). Import needs `triton`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence as Seq
 
 import numpy as np
 import torch
@@ -125,12 +129,14 @@ def _compact_kernel(
 
 
 def compact_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, plans: list[HostPlan],
-                   block_t: int | None = None, block_d: int | None = None, num_warps: int | None = None) -> None:
-    """Applies `plans` (one layer, distinct sequences, already checked) in one launch; the knobs
-    given override the launch config."""
+                   block_t: int | None = None, block_d: int | None = None, num_warps: int | None = None,
+                   planes: Seq[torch.Tensor] = ()) -> None:
+    """Applies `plans` (one layer, distinct sequences, already checked) in one launch for K and V,
+    and one per state plane (`[pages (+ scratch), Hkv, page_size]` float32: rows of one value); the
+    knobs given override the launch config."""
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
         raise ValueError("the compaction kernel needs k_cache and v_cache with equal strides and a contiguous head dim")
-    _, num_kv_heads, page_size, head_dim = k_cache.shape
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     device = k_cache.device
     width = max(len(p.page_ids) for p in plans)
     meta = np.zeros((len(plans), num_kv_heads + 1 + width), dtype=np.int32)
@@ -146,7 +152,19 @@ def compact_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, plans: list[Hos
         keep = torch.stack([F.pad(p.keep, (0, kept - p.keep.shape[1])) for p in plans])
     cfg = launch_config(len(plans), kept, num_kv_heads, head_dim, k_cache.dtype)
     block_t, block_d, num_warps = block_t or cfg["block_t"], block_d or cfg["block_d"], num_warps or cfg["num_warps"]
-    grid = (len(plans) * num_kv_heads, 2, triton.cdiv(head_dim, block_d))
+    _launch(k_cache, v_cache, 2, keep, meta_t, len(plans), block_d, block_t, num_warps)
+    for plane in planes:  # [pages, Hkv, S] as [pages, Hkv, S, 1]: one program per (plan, head)
+        rows = plane.unsqueeze(-1)
+        if rows.stride(2) != 1 or plane.stride(1) != plane.shape[2]:
+            raise ValueError("the compaction kernel needs contiguous state planes")
+        _launch(rows, rows, 1, keep, meta_t, len(plans), 2, block_t, num_warps)
+
+
+def _launch(k_cache, v_cache, caches: int, keep, meta_t, num_plans: int, block_d: int, block_t: int,
+            num_warps: int) -> None:
+    """One launch over (plan x head, the first `caches` of K and V, head-dim slices)."""
+    _, num_kv_heads, page_size, head_dim = k_cache.shape
+    grid = (num_plans * num_kv_heads, caches, triton.cdiv(head_dim, block_d))
     _compact_kernel[grid](
         k_cache, v_cache, keep, meta_t,
         keep.stride(0), keep.stride(1), meta_t.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

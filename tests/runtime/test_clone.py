@@ -112,8 +112,13 @@ def test_clones_under_the_triton_backend(model_dir, method):
 
 
 def test_h2o_clone_without_its_state_diverges(model_dir, monkeypatch):
-    """The clone hook is what makes an H2O clone exact: with fresh (zero) accumulated attention the
-    clone keeps other tokens than its source at the next eviction."""
+    """The clone hook is what makes an H2O clone exact when its state lives in per-row dicts
+    (`use_state_planes = False`; in state planes it travels with the copied pages,
+    tests/runtime/test_state_planes.py): with fresh (zero) accumulated attention the clone keeps
+    other tokens than its source at the next eviction."""
+    from kvc.runtime.methods_compiled import CompiledMethod
+
+    monkeypatch.setattr(CompiledMethod, "use_state_planes", False)
     engine = make_engine(model_dir, "h2o")
     monkeypatch.setattr(engine.method, "clone", lambda src, dst: None)
     source = engine.add_request(prompt(), greedy())

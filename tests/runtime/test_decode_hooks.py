@@ -62,7 +62,8 @@ def make_engine(model_dir: Path, method: str) -> Engine:
 
 def method_is_idle(engine: Engine) -> bool:
     m = engine.method
-    return not m._q and not m._state and not m._pending and not m._decode_state
+    return (not m._q and not m._state and not m._pending and not m._decode_state and not m._in_pages
+            and not m._resume_pages)
 
 
 @pytest.mark.parametrize("method", sorted(CASES))
@@ -120,9 +121,14 @@ def test_hooks_and_graphs_come_from_the_manifest():
     assert {Hook.DECODE_AFTER_ATTENTION, Hook.STEP_END} <= h2o.hooks and {Hook.DECODE_AFTER_ATTENTION} <= tova.hooks
     assert Hook.STEP_END in stream.hooks and Hook.DECODE_AFTER_ATTENTION not in stream.hooks
     assert not snap.hooks & {Hook.DECODE_AFTER_ATTENTION, Hook.STEP_END}
-    # per-row host state: eager decode steps; step_end alone runs after a graph replay
-    assert not h2o.decode_graphs and not tova.decode_graphs
-    assert stream.decode_graphs and snap.decode_graphs
+    # key-local decode hooks keep their state in paged planes: graph-capturable; step_end alone
+    # runs after a graph replay
+    assert h2o.decode_graphs and tova.decode_graphs and stream.decode_graphs and snap.decode_graphs
+    assert h2o.paged_state and tova.paged_state and not stream.paged_state
+    assert h2o.state_planes == ("seen", "decode_after_attention.scores")
+    assert tova.state_planes == ("decode_after_attention.scores",)
+    assert h2o.layout(2, 16, torch.float32).state_planes == h2o.state_planes
+    assert stream.layout(2, 16, torch.float32).state_planes == ()
     # the attention variant and the statistics its decode kernels emit, from the manifest
     assert h2o.attention == AttentionKernels("decode_stats", StatsFold("group", "mean"))
     assert tova.attention == AttentionKernels("decode_stats", StatsFold("head", "mean"))
