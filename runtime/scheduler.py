@@ -169,8 +169,21 @@ class Scheduler:
 
     def _growth(self, seq: Sequence, n: int) -> int:
         """Fresh pages seq needs so every layer can store n more tokens."""
+        if n <= self._room(seq):
+            return 0  # the common decode step: no layer is at a page boundary (no per-layer walk)
         pages_for = self.pool.pages_for
         return sum(pages_for(kv + n) - len(t) for kv, t in zip(seq.kv_lens, seq.page_tables))
+
+    def _room(self, seq: Sequence) -> int:
+        """Tokens every layer of seq can still store in the pages it holds. Walks the layers once
+        per change of its tables (`tables_version`); a step's append lowers it in `postprocess`."""
+        cached = seq.room
+        if cached is not None and cached[0] == seq.tables_version:
+            return cached[1]
+        size = self.pool.page_size
+        room = min((len(t) * size - kv for kv, t in zip(seq.kv_lens, seq.page_tables)), default=0)
+        seq.room = (seq.tables_version, room)
+        return room
 
     def _copies(self, seq: Sequence, n: int) -> int:
         """Spare pages seq's next step of n tokens may need for copy-on-write: its partial last
@@ -193,6 +206,8 @@ class Scheduler:
     def _take(self, seq: Sequence, n: int) -> None:
         """Allocates what `_need` counted: table growth and spare pages for copy-on-write."""
         copies = self._copies(seq, n) - len(seq.spare_pages)
+        if copies <= 0 and n <= self._room(seq):
+            return
         for kv, table in zip(seq.kv_lens, seq.page_tables):
             grow = self.pool.pages_for(kv + n) - len(table)
             if grow > 0:
@@ -398,6 +413,8 @@ class Scheduler:
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
             seq.kv_lens = [kv + n for kv in seq.kv_lens]
+            if seq.room is not None and seq.room[0] == seq.tables_version:
+                seq.room = (seq.tables_version, seq.room[1] - n)
             if seq.spare_pages:  # copy-on-write pages the step did not need
                 self.pool.free(seq.spare_pages)
                 seq.spare_pages = []
@@ -411,7 +428,8 @@ class Scheduler:
                 raise ValueError(f"sequence {seq.seq_id} reached its last token but got no sample")
             seq.append_token(sampled[seq.seq_id])
             reason = seq.check_stop()
-            if reason is None and self._growth(seq, 1) + self._held(seq) + self._pinned(seq) > self.pool.num_pages:
+            growth = self._growth(seq, 1)  # 0: the pages it holds take the token (no need to count them)
+            if reason is None and growth and growth + self._held(seq) + self._pinned(seq) > self.pool.num_pages:
                 # The pool could not hold this token's K/V even with the sequence alone in it.
                 reason = FINISH_LENGTH
             if reason is not None:

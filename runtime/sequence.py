@@ -90,6 +90,8 @@ class Sequence:
         self.num_preemptions = 0
         self.page_tables: list[list[int]] = [[] for _ in range(num_layers)]
         self.tables_version = 0  # bumped on every change of page_tables (the runner caches arrays)
+        # (tables_version, tokens every layer can still store in its pages): the scheduler's cache
+        self.room: tuple[int, int] | None = None
         self.kv_lens: list[int] = [0] * num_layers  # physical tokens stored per layer
         self.kv_starts: list[list[int] | None] = [None] * num_layers  # per layer, per KV head; None: 0
         self.compressed = False  # a method compacted it: pages no longer equal the logical tokens

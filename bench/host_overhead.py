@@ -1,0 +1,73 @@
+"""Host (Python) time of one decode step of the engine, without a model or a GPU: the scheduler
+(`schedule` + `postprocess`) and the decode graphs' input building (`_DecodeGraphs._load`), for a
+batch of decoding sequences that each store `--kv` tokens in every one of `--layers` layers (the
+SnapKV operating point of `kvc bench throughput`: Qwen3-30B-A3B has 48 layers).
+
+The GPU busy fraction of a decode step is GPU time / (GPU time + what the host adds), so this is
+the part of the step the H200 waits for.
+
+    python bench/host_overhead.py --batch 160 --layers 48 --kv 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from types import SimpleNamespace
+
+from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.model_runner import ScheduledBatch, _DecodeGraphs, _TableCache
+from kvc.runtime.sampling_params import SamplingParams
+from kvc.runtime.scheduler import Scheduler, SchedulerConfig
+from kvc.runtime.sequence import Sequence, SequenceStatus
+
+
+def build(batch: int, layers: int, kv: int, page: int, kv_heads: int):
+    pool = PagePool(batch * layers * (kv // page + 8), page, False)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(8192, batch),
+                                          enable_prefix_caching=False), pool, num_layers=layers)
+    params = SamplingParams(max_tokens=1 << 30, temperature=0, ignore_eos=True)
+    for _ in range(batch):  # decoding sequences in a method's post-prefill state (compressed to kv)
+        seq = Sequence(list(range(kv + 1)), params, max_model_len=1 << 30, num_layers=layers)
+        seq.page_tables = [pool.allocate(kv // page) for _ in range(layers)]
+        seq.kv_lens, seq.num_computed_tokens, seq.compressed = [kv] * layers, kv, True
+        seq.status = SequenceStatus.RUNNING
+        scheduler._live[seq.seq_id] = seq
+        scheduler.running.append(seq)
+    max_pages = kv // page + 64
+    runner = SimpleNamespace(device="cpu", num_layers=layers, max_pages_per_seq=max_pages, num_kv_heads=kv_heads,
+                             page_size=page, tables=_TableCache(layers, max_pages, kv_heads))
+    return scheduler, _DecodeGraphs(runner, batch)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=160)
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--kv", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--steps", type=int, default=64)
+    a = p.parse_args()
+    scheduler, graphs = build(a.batch, a.layers, a.kv, a.page_size, a.kv_heads)
+    times = {"schedule": 0.0, "graph inputs": 0.0, "postprocess": 0.0}
+    for step in range(a.steps + 4):
+        t0 = time.perf_counter()
+        batch: ScheduledBatch = scheduler.schedule()
+        t1 = time.perf_counter()
+        graphs._load(batch)
+        t2 = time.perf_counter()
+        scheduler.postprocess(batch, {s.seq_id: 7 for s in batch.seqs})
+        t3 = time.perf_counter()
+        if step >= 4:  # warm caches first
+            for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                times[name] += dt
+    total = sum(times.values())
+    print(f"batch {a.batch}, {a.layers} layers, {a.kv} tokens stored per layer, {a.steps} steps:")
+    for name, t in times.items():
+        print(f"  {name:13s} {1e3 * t / a.steps:7.2f} ms/step")
+    print(f"  {'total':13s} {1e3 * total / a.steps:7.2f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
