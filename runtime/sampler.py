@@ -22,9 +22,8 @@ def sample(
     default_generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """logits [N, V] (float32) -> token ids [N] (int64, on logits' device)."""
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     tokens = logits.argmax(dim=-1)
-    if bool(greedy.all()):
+    if all(p.greedy for p in params):  # decided on the host: no device round trip
         return tokens
     rows = [i for i, p in enumerate(params) if not p.greedy]
     sub = logits[rows].float()
