@@ -21,7 +21,6 @@ from pydantic.json_schema import models_json_schema
 
 import kvc
 from kvc.runtime.engine import Engine
-from kvc.runtime.errors import ChainNotFound
 from kvc.runtime.server import openai_api
 from kvc.runtime.server.async_engine import AsyncEngine
 from kvc.runtime.server.auth import OWNER_SCOPE_KEY, ApiKeys, request_owner
@@ -234,7 +233,6 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/chains/{chain_id}", response_model=ChainInfo, responses=_CHAIN_ERRORS)
     async def get_chain(request: Request, chain_id: ChainIdPath):
-        _require_chains(state)
         owner = request_owner(request.scope)
         info = await state.aengine.call(lambda e: e.chain_info(chain_id, owner))
         return ChainInfo(**{**info, "id": chain_id})
@@ -245,12 +243,10 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chains/{chain_id}/prune", response_model=ChainPruned, responses=_CHAIN_ERRORS)
     async def prune_chain(body: ChainPruneRequest, request: Request, chain_id: ChainIdPath):
-        _require_chains(state)
         return ChainPruned(**await openai_api.prune_chain(ctx, chain_id, body, request))
 
     @app.delete("/v1/chains/{chain_id}", response_model=ChainDeleted, responses=_CHAIN_ERRORS)
     async def delete_chain(request: Request, chain_id: ChainIdPath):
-        _require_chains(state)
         owner = request_owner(request.scope)
         await state.aengine.call(lambda e: e.drop_chain(chain_id, owner))
         return ChainDeleted(id=chain_id)
@@ -277,12 +273,6 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     app.openapi = lambda: _openapi(app, state.keys)
     return app
-
-
-def _require_chains(state: ServerState) -> None:
-    """An engine without a chain cache holds no chain: every id is unknown (404)."""
-    if not state.aengine.supports_chains:
-        raise ChainNotFound("this engine has no chain cache, so no chain exists", param="chain_id")
 
 
 def _openapi(app: FastAPI, keys: ApiKeys) -> dict:

@@ -117,11 +117,6 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
 
-    @property
-    def supports_chains(self) -> bool:
-        """Whether the engine has a chain cache (every engine with issue 6's engine side does)."""
-        return hasattr(self.engine, "chains")
-
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams],
                      chain: ChainSpec | None = None) -> Request:
         """Queues one sequence per (prompt, params) pair; raises the engine's KvcError if any is
@@ -344,7 +339,7 @@ class AsyncEngine:
         engine = self.engine
         pool, sched = engine.pool, engine.scheduler
         prefix = pool.stats()
-        chains = engine.chains.stats() if self.supports_chains else {}
+        chains = engine.chains.stats()
         self.stats = EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,

@@ -153,8 +153,6 @@ def _chain_spec(ctx: ServingContext, req: GenerationRequest, http: HttpRequest) 
         raise _reject("n", f"a chained request ({name}) generates one sequence; n must be 1")
     if (getattr(req, "best_of", None) or 1) > 1:
         raise _reject("best_of", f"a chained request ({name}) generates one sequence; best_of must be 1")
-    if not ctx.aengine.supports_chains:
-        raise _reject(name, "this engine has no chain cache")
     return ChainSpec(open=name == "chain", continue_id=req.chain_id, fork_id=req.chain_fork,
                      owner=request_owner(http.scope))
 
@@ -339,8 +337,6 @@ async def create_chain(ctx: ServingContext, req: ChainCreateRequest, http: HttpR
     else:
         prompt = _completion_prompts(ctx, req.prompt)[0]
     _check_length(ctx, prompt, 1, "prompt" if req.messages is None else "messages")
-    if not ctx.aengine.supports_chains:
-        raise _reject("prompt", "this engine has no chain cache")
     chain = ChainSpec(open=True, owner=request_owner(http.scope), segments=segments)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     gen = Generation(ctx.aengine, ctx.metrics, ctx.tokenizer, ctx.eos_token_ids, [prompt], [params], 1, [],

@@ -279,33 +279,7 @@ def test_openai_client_with_extra_body(cs):
     assert e.value.status_code == 410 and e.value.code == "chain_evicted"
 
 
-# ---- without a chain cache, and cached_tokens of the real engine ------------------------------
-class _NoChains:
-    """An engine without the chain side (what `supports_chains` guards against)."""
-
-    def __init__(self, engine) -> None:
-        self._engine = engine
-
-    def __getattr__(self, name):
-        if name in ("chains", "drop_chain", "chain_info"):
-            raise AttributeError(name)
-        return getattr(self._engine, name)
-
-
-def test_an_engine_without_chains_rejects_them_cleanly():
-    from kvc.runtime.server.app import ServerConfig, build_app
-    from tests.server.conftest import LiveServer, make_engine
-
-    server = LiveServer(build_app(_NoChains(make_engine()), ServerConfig(served_model_name="kvc-test"))).start()
-    try:
-        _error(_post(server, _body(chain=True)), 400, param="chain")
-        _error(httpx.get(f"{server.url}/v1/chains/chain-x"), 404, "chain_not_found")
-        assert _post(server, _body()).status_code == 200
-        assert server.metric("kvc:chains_idle") == 0
-    finally:
-        server.stop()
-
-
+# ---- cached_tokens of the real engine ------------------------------------------------------------
 def test_cached_tokens_from_the_prefix_cache_stream_and_not(server):
     rng = random.Random(6)
     prompt = [rng.randrange(3, 290) for _ in range(40)]  # 2 full pages of 16, then 8 tokens
