@@ -32,6 +32,7 @@ from kvc.runtime.errors import ChainCapacity, ChainBusy, ConfigError, KvcError
 from kvc.runtime.kv.compaction import CompactionJob, compact_many
 from kvc.runtime.kv.page_pool import PoolExhausted
 from kvc.runtime.kv.positions import compact_map, full_map
+from kvc.runtime.method_api import Hook
 
 DEFAULT_SCORER = "snapkv"  # for methods without a token scorer of their own (full, quantization)
 
@@ -187,7 +188,7 @@ class Scorer:
 
     def __init__(self, method) -> None:
         lowering = getattr(method, "lowering", None)
-        if getattr(method, "_scores", None) is None or not hasattr(lowering, "score"):
+        if Hook.PREFILL_END not in getattr(method, "hooks", ()) or not hasattr(lowering, "score"):
             raise InvalidPrune(f"method {method.name!r} scores no tokens (it has no prefill_end keep); "
                                f"give another scorer, e.g. {DEFAULT_SCORER!r}", param="scorer")
         self.method = method
@@ -341,16 +342,9 @@ class Pruner:
             pool.free([old])
 
     def _allocate(self, record) -> int:
-        from kvc.runtime.chains import ChainState
-
         pool = self.store.pool
         while pool.num_free < 1:
-            state, record.state = record.state, ChainState.ACTIVE  # never evict the chain being pruned
-            try:
-                evicted = self.store.evict_idle()
-            finally:
-                record.state = state
-            if not evicted:
+            if not self.store.evict_idle(exclude=record):  # never the chain being pruned
                 raise ChainCapacity("no free KV page to copy a shared page of the chain before pruning it; "
                                     "retry later", param="chain_id")
         try:

@@ -347,9 +347,9 @@ class ChainStore:
         self._touch(record)
 
     # ---- memory ------------------------------------------------------------------------------
-    def evict_idle(self) -> bool:
-        """Evicts the idle chain used longest ago; False when there is none."""
-        idle = [r for r in self._records.values() if r.state is ChainState.IDLE]
+    def evict_idle(self, exclude: ChainRecord | None = None) -> bool:
+        """Evicts the idle chain used longest ago (never `exclude`); False when there is none."""
+        idle = [r for r in self._records.values() if r.state is ChainState.IDLE and r is not exclude]
         if not idle:
             return False
         self._remove(min(idle, key=lambda r: r.last_use), remember=True)
