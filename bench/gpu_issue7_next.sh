@@ -14,5 +14,6 @@ echo "gpu tests: rc=$? $(tail -1 "$out/gpu_tests.log")"
 timeout 60 python3 -m kvc.runtime.cli tune --model random:qwen3-30b-a3b --dtype bfloat16 --effort quick \
   --kernels compaction --out "$out/tune_compaction.json" > "$out/tune_compaction.log" 2>&1
 echo "tune compaction: rc=$?"; cp -r kernels_generated/tuned "$out/"
-METHODS=full,snapkv,h2o,tova PART_TIMEOUT=150 bash bench/gpu_throughput.sh "$out" window32
+METHODS=full,snapkv PART_TIMEOUT=100 bash bench/gpu_throughput.sh "$out" window32
+METHODS=h2o,tova STEPS=8 TAG=_h2o_tova PART_TIMEOUT=120 bash bench/gpu_throughput.sh "$out" window32
 PART_TIMEOUT=200 bash bench/gpu_throughput.sh "$out" e2e
