@@ -36,7 +36,7 @@ def build(batch: int, layers: int, kv: int, page: int, kv_heads: int):
         scheduler.running.append(seq)
     max_pages = kv // page + 64
     runner = SimpleNamespace(device="cpu", num_layers=layers, max_pages_per_seq=max_pages, num_kv_heads=kv_heads,
-                             page_size=page, tables=_TableCache(layers, max_pages, kv_heads))
+                             page_size=page, tables=_TableCache(layers, kv_heads))
     return scheduler, _DecodeGraphs(runner, batch)
 
 

@@ -32,7 +32,7 @@ from kvc.runtime.errors import ChainCapacity, ChainBusy, ConfigError, KvcError
 from kvc.runtime.kv.compaction import CompactionJob, compact_many
 from kvc.runtime.kv.page_pool import PoolExhausted
 from kvc.runtime.kv.positions import compact_map, full_map
-from kvc.runtime.method_api import Hook
+from kvc.runtime.method_api import Hook, LayerCacheView
 
 DEFAULT_SCORER = "snapkv"  # for methods without a token scorer of their own (full, quantization)
 
@@ -234,11 +234,9 @@ def resolve_scorer(request: PruneRequest, served) -> Scorer:
 class Pruner:
     """Applies prunes to idle chain records of one engine (in the engine thread, between steps)."""
 
-    def __init__(self, store, k_cache: torch.Tensor, v_cache: torch.Tensor, num_layers: int,
-                 compaction_backend: str = "auto", planes: list[torch.Tensor] | None = None) -> None:
+    def __init__(self, store, attention, num_layers: int, compaction_backend: str = "auto") -> None:
         self.store = store
-        self.k_cache, self.v_cache = k_cache, v_cache
-        self.planes = list(planes or [])  # the method's state planes: compacted and copied with K/V
+        self.attention = attention  # PagedAttention: K/V and the method's state planes (moved together)
         self.num_layers = num_layers
         self.backend = compaction_backend
 
@@ -272,8 +270,8 @@ class Pruner:
     def _prune_layer(self, record, layer: int, ranges, request: PruneRequest, scorer: Scorer,
                      report: PruneReport) -> int:
         """Prunes one layer; returns the largest logical position it dropped (-1: none)."""
-        k_cache = self.k_cache
-        device, kv_heads, page = k_cache.device, k_cache.shape[1], k_cache.shape[2]
+        cache = self.attention
+        device, kv_heads, page = cache.k_cache.device, cache.k_cache.shape[1], cache.k_cache.shape[2]
         table, length = record.page_tables[layer], record.kv_lens[layer]
         starts = record.kv_starts[layer]
         history = len(record.tokens)
@@ -288,8 +286,7 @@ class Pruner:
             drops.append(wanted if starts is not None else [min(wanted)] * kv_heads)
         if not any(d for per_head in drops for d in per_head):
             return -1
-        pages = self._dense_pages(table)
-        keys = k_cache[pages].movedim(1, 0).flatten(1, 2)[:, :length]  # [Hkv, length, D]
+        keys = LayerCacheView(cache.k_cache, cache.v_cache, table, length, starts).keys()
         q = record.window_queries[layer].to(device).transpose(0, 1)  # [Hq, w, D]
         scores = scorer(layer, self.num_layers, q, keys, starts)
         # a key the scorer does not reach (-inf: e.g. SnapKV's own observation window, which the
@@ -315,7 +312,8 @@ class Pruner:
         self._own_pages(record, layer, -(-physical // page))
         job = CompactionJob(record.page_tables[layer], length, keep,
                             None if len(set(counts)) == 1 else torch.tensor(counts), starts)
-        done = compact_many(self.k_cache, self.v_cache, [job], backend=self.backend, planes=self.planes)[0]
+        done = compact_many(cache.k_cache, cache.v_cache, [job], backend=self.backend,
+                            planes=list(cache.planes.values()))[0]
         record.positions[layer] = compact_map(record.positions[layer], length, history, keep, counts, done.length)
         self._move_state(record, layer, keep, counts, done.length, length)
         keep_pages = -(-done.length // page)
@@ -325,9 +323,6 @@ class Pruner:
         record.kv_starts[layer] = done.starts
         return int(positions[dropped].max())
 
-    def _dense_pages(self, table: list[int]) -> torch.Tensor:
-        return torch.tensor(table, dtype=torch.long, device=self.k_cache.device)
-
     def _own_pages(self, record, layer: int, count: int) -> None:
         """Copy-on-write: the first `count` pages of the record's layer become its own."""
         pool, table = self.store.pool, record.page_tables[layer]
@@ -336,8 +331,7 @@ class Pruner:
             if not pool.is_shared(old):
                 continue
             new = self._allocate(record)
-            for cache in (self.k_cache, self.v_cache, *self.planes):
-                cache[new].copy_(cache[old])
+            self.attention.copy_pages([old], [new])
             table[index] = new
             pool.free([old])
 

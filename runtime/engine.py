@@ -50,7 +50,6 @@ from kvc.runtime.tuning.lookup import load_for_device as load_tuned_configs
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
-CLONE_COPY_BYTES = 256 * 2**20  # K or V bytes gathered at once while copying a clone's pages
 
 
 class Engine:
@@ -142,8 +141,7 @@ class Engine:
             pool=self.pool,
         )
         self.sequences: dict[int, Sequence] = {}
-        self.pruner = Pruner(self.chains, self.attention.k_cache, self.attention.v_cache, self.spec.num_layers,
-                             "triton" if backend == "triton" else "auto", planes=list(self.attention.planes.values()))
+        self.pruner = Pruner(self.chains, self.attention, self.spec.num_layers, "triton" if backend == "triton" else "auto")
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
         self._scorers: dict[tuple, Scorer] = {}
 
@@ -230,7 +228,7 @@ class Engine:
             for _ in range(count)
         ]
         pairs = self.scheduler.clone(seq, clones)
-        self._copy_pages(pairs)
+        self.attention.copy_pages([src for src, _ in pairs], [dst for _, dst in pairs])
         source_generator = self.runner.generators.get(seq.seq_id)
         for clone in clones:
             if Hook.CLONE in self.method.hooks:
@@ -240,19 +238,6 @@ class Engine:
                 self.runner.generators[clone.seq_id].set_state(source_generator.get_state())
             self.sequences[clone.seq_id] = clone
         return clones
-
-    @torch.no_grad()
-    def _copy_pages(self, pairs: list[tuple[int, int]]) -> None:
-        """K/V of page src -> page dst for every pair, a bounded number of pages at a time."""
-        if not pairs:
-            return
-        k_cache, v_cache = self.attention.k_cache, self.attention.v_cache
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=k_cache.device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=k_cache.device)
-        step = max(1, CLONE_COPY_BYTES // (k_cache[0].numel() * k_cache.element_size()))
-        for cache in (k_cache, v_cache, *self.attention.planes.values()):  # state planes follow their pages
-            for i in range(0, len(pairs), step):
-                cache.index_copy_(0, dst[i : i + step], cache.index_select(0, src[i : i + step]))
 
     def drop_chain(self, chain_id: str, owner: str | None) -> None:
         """Forgets a chain and frees its pages (ChainNotFound / ChainEvicted / ChainBusy)."""

@@ -95,7 +95,7 @@ class ModelRunner:
         self.scale = model.spec.head_dim**-0.5
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.num_kv_heads = model.spec.num_kv_heads
-        self.tables = _TableCache(self.num_layers, self.max_pages_per_seq, self.num_kv_heads)
+        self.tables = _TableCache(self.num_layers, self.num_kv_heads)
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
@@ -308,8 +308,7 @@ class ModelRunner:
             raise RuntimeError(f"sequence {seq.seq_id} writes into shared page {old} without a spare page "
                                "(the scheduler reserves them)")
         new = seq.spare_pages.pop()
-        for cache in (self.attention.k_cache, self.attention.v_cache, *self.planes.values()):
-            cache[new].copy_(cache[old])
+        self.attention.copy_pages([old], [new])
         table[index] = new
         pool.free([old])
         seq.tables_version += 1
@@ -384,9 +383,8 @@ class _TableCache:
     KV-head start slots, rebuilt only when the sequence's `tables_version` changes: most decode
     steps reuse them, so a step costs array copies, not L x B list-to-array conversions."""
 
-    def __init__(self, num_layers: int, width: int, num_kv_heads: int = 1) -> None:
+    def __init__(self, num_layers: int, num_kv_heads: int = 1) -> None:
         self.num_layers = num_layers
-        self.width = width
         self.num_kv_heads = num_kv_heads
         self._arrays: dict[int, tuple[int, np.ndarray]] = {}
         self._starts: dict[int, tuple[int, np.ndarray]] = {}

@@ -34,6 +34,9 @@ from kvc.runtime.kv import state_planes
 BACKENDS = ("torch", "triton")
 
 
+COPY_BYTES = 256 * 2**20  # K or V bytes gathered at once by copy_pages
+
+
 def kv_bytes_per_page(num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one page (one layer's page_size tokens) costs, keys and values together."""
     return 2 * num_kv_heads * page_size * head_dim * dtype.itemsize
@@ -93,6 +96,20 @@ class PagedAttention:
         missing = tuple(n for n in names if n not in self.planes)
         self.planes.update(state_planes.allocate(missing, self.num_pages, self.k_cache.shape[1], self.page_size,
                                                  self.k_cache.device))
+
+    @torch.no_grad()
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Page src[i] -> page dst[i]: K, V and every state plane (a page's whole content), at
+        most COPY_BYTES of K (or V) gathered at once. Copy-on-write, clones and prunes call it."""
+        if not src:
+            return
+        device = self.k_cache.device
+        src_t = torch.tensor(src, dtype=torch.long, device=device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=device)
+        step = max(1, COPY_BYTES // (self.k_cache[0].numel() * self.k_cache.element_size()))
+        for cache in (self.k_cache, self.v_cache, *self.planes.values()):
+            for i in range(0, len(src), step):
+                cache.index_copy_(0, dst_t[i : i + step], cache.index_select(0, src_t[i : i + step]))
 
     @property
     def scratch_page(self) -> int:
