@@ -39,8 +39,10 @@ def add_commands(bench_sub) -> None:
     t.add_argument("--e2e", action="store_true", help="also prefill the batch's real prompts end to end and "
                    "compare its decode step time with the decode window's")
     t.add_argument("--e2e-batch", type=int, help="batch of the --e2e run (default: the largest batch)")
-    t.add_argument("--busy", action="store_true", help="GPU busy fraction of a profiled decode window (slow)")
-    t.add_argument("--busy-batch", type=int, default=64, help="batch of the --busy window (default 64)")
+    t.add_argument("--busy", action="store_true", help="profile a decode window of every row (and the --e2e "
+                   "row's): GPU busy fraction, host gap per step, top kernels by GPU time (slow)")
+    t.add_argument("--busy-batch", type=int, default=64, help="batch of the --busy windows (default 64; a larger "
+                   "value profiles the whole batch)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", help="write the JSON result here")
     t.add_argument("--plot", help="also render the PNG here (needs matplotlib)")
@@ -83,7 +85,7 @@ def parse_method_params(items: list[str] | None) -> dict[str, dict]:
 
 def _throughput(a: argparse.Namespace) -> int:
     from kvc.runtime.bench.plan import parse_bytes
-    from kvc.runtime.bench.result import format_table
+    from kvc.runtime.bench.result import format_profiles, format_table
     from kvc.runtime.bench.throughput import ThroughputConfig, run
 
     cfg = ThroughputConfig(
@@ -109,6 +111,9 @@ def _throughput(a: argparse.Namespace) -> int:
 
     result = run(cfg, progress=not a.no_progress and sys.stderr.isatty(), on_row=show)
     print(format_table(result))
+    profiles = format_profiles(result)
+    if profiles:
+        print("\n" + profiles)
     if a.out:
         _write(a.out, result)
     if a.plot:

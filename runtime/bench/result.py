@@ -5,8 +5,12 @@ triton, transformers, python, git commit when known), `model`, `dtype`, `kv_memo
 `page_size`, `output_len`, `steps`, `warmup`, `budget` and `budget_rule` (how each method's
 parameters were set), `mode_notes`, then `rows` (per method and input: `method`, `params`,
 `input_len`, `output_len`, `batch`, `pages_per_seq`, `decode_tok_s`, `step_ms`, `prefill_s`,
-`ttft_s`, `mode`, `busy`, `phases`, `plan`; or `error`) and `ratios_vs_full` (per input, per method:
-decode tok/s and batch over `full`'s).
+`ttft_s`, `mode`, `busy`, `phases`, `plan`; with --e2e `step_ms_at_e2e_batch` on decode windows and
+`window_step_ratio` on e2e rows; with --busy `busy_profile`; or `error`) and `ratios_vs_full` (per
+input, per method: decode tok/s and batch over `full`'s).
+
+`format_table` is the run's markdown summary; `format_profiles` adds, per profiled row, its top
+kernels by GPU time (`busy.py`'s `by_kernel`), so a run's stdout shows where a step's time goes.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ MODE_NOTES = {
                      "into `batch` sequences that own copies of its KV, each fed a different next token (distinct "
                      "rows: MoE routing as for independent requests); `steps` decode steps timed after `warmup`",
     "e2e": "`batch` real prompts prefilled end to end (prefill_s: all of them; ttft_s: mean), then the same "
-           "decode window; window_step_ratio = its step time / the decode window's at the same batch",
+           "decode window; window_step_ratio = its step time / the decode window's at the same batch "
+           "(step_ms_at_e2e_batch: the decode window's batch cut to the e2e batch, timed unprofiled)",
 }
 BUDGET_RULE = ("from each method's declared parameters: `budget` (tokens) = budget; `recent` (tokens) = budget - "
                "`sink`; fractions `heavy`/`recent` of the prompt = budget/2 tokens each at the input length; "
@@ -84,20 +89,61 @@ def header(cfg, model: str) -> dict:
     }
 
 
+def _e2e_check(row: dict) -> str:
+    """The e2e check's cell: the window's step at the e2e batch, or the e2e step over it."""
+    if row.get("window_step_ratio") is not None:
+        return f"{row['window_step_ratio']:.2f}x window"
+    if row.get("step_ms_at_e2e_batch") is not None:
+        return f"{row['step_ms_at_e2e_batch']:.2f} ms @{row['e2e_batch']}"
+    return "-"
+
+
 def format_table(result: dict) -> str:
     """A markdown table of the rows, with the decode tok/s ratio vs full."""
     ratios = result.get("ratios_vs_full", {})
-    lines = ["| method | input | mode | batch | pages/seq | step ms | decode tok/s | vs full | prefill s | TTFT s | busy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | input | mode | batch | pages/seq | step ms | decode tok/s | vs full | prefill s | TTFT s | busy "
+             "| e2e check |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.get("rows", []):
         if "error" in r:
-            lines.append(f"| {r['method']} | {r['input_len']} | {r['mode']} | - | - | - | - | - | - | - | "
+            lines.append(f"| {r['method']} | {r['input_len']} | {r['mode']} | - | - | - | - | - | - | - | - | "
                          f"{r['error']} |")
             continue
         ratio = ratios.get(str(r["input_len"]), {}).get(r["method"], {}).get("decode_tok_s")
         shown = "-" if ratio is None or r["mode"] != "decode_window" else f"{ratio:.2f}x"
-        busy = "-" if r.get("busy") is None else f"{r['busy']:.3f}"
+        busy = "-" if r.get("busy") is None else f"{r['busy']:.3f} @{r['busy_batch']}"
         lines.append(f"| {r['method']} | {r['input_len']} | {r['mode']} | {r['batch']} | {r['pages_per_seq']} | "
                      f"{r['step_ms']:.2f} | {r['decode_tok_s']:.1f} | {shown} | {r['prefill_s']:.3f} | "
-                     f"{r['ttft_s']:.3f} | {busy} |")
+                     f"{r['ttft_s']:.3f} | {busy} | {_e2e_check(r)} |")
     return "\n".join(lines)
+
+
+def format_profiles(result: dict, top: int = 12) -> str:
+    """Per profiled row, a heading with its busy fraction and per-step times, and a markdown table
+    of its `top` kernels by GPU time (the rest summed in one line); '' when no row was profiled."""
+    blocks = []
+    for r in result.get("rows", []):
+        profile = r.get("busy_profile")
+        if not profile:
+            continue
+        steps = profile["steps"]
+        lines = [f"#### {r['method']} @ {r['input_len']} ({r['mode']}, batch {r['busy_batch']}, {steps} profiled "
+                 f"steps): busy {profile['busy']:.3f}, step {profile['window_ms_per_step']:.2f} ms = GPU "
+                 f"{profile['gpu_ms_per_step']:.2f} ms + host gap {profile['host_gap_ms_per_step']:.2f} ms",
+                 "", "| kernel | calls | calls/step | total ms | ms/step | share |", "|---|---|---|---|---|---|"]
+        kernels = profile.get("by_kernel", [])
+        for k in kernels[:top]:
+            lines.append(f"| {_cell(k['name'])} | {k['calls']} | {k['calls'] / steps:.1f} | {k['total_ms']:.2f} | "
+                         f"{k['ms_per_step']:.3f} | {100 * k['share']:.1f}% |")
+        rest = kernels[top:]
+        if rest:
+            calls, total = sum(k["calls"] for k in rest), sum(k["total_ms"] for k in rest)
+            lines.append(f"| ({len(rest)} other kernels) | {calls} | {calls / steps:.1f} | {total:.2f} | "
+                         f"{total / steps:.3f} | {100 * sum(k['share'] for k in rest):.1f}% |")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def _cell(text: str) -> str:
+    """`text` safe inside a markdown table cell."""
+    return text.replace("|", "\\|")

@@ -14,10 +14,12 @@ stored):
    (synchronised wall time around `Engine.step`, scheduling and sampling included):
    `decode_tok_s = batch * steps / time`, `step_ms = time / steps`. Every timed step decodes the
    whole batch (checked: no preemption, every sequence advanced by one token per step);
-4. `--busy`: the batch is cut to `--busy-batch` (64) sequences and a profiled window gives the GPU
-   busy fraction (`busy.py`);
+4. then the batch is cut down (`e2e.after_window`): with `--e2e`, to the e2e batch, timed again
+   (`step_ms_at_e2e_batch`); with `--busy`, to `--busy-batch` (64) sequences for a profiled window
+   (`busy`, `busy_profile`: busy fraction, host gap per step, GPU time per kernel; `busy.py`);
 5. `--e2e`: a second engine prefills `batch` real prompts end to end, then times the same decode
-   window (`"mode": "e2e"`, with `window_step_ratio` = its step time over the decode window's).
+   window (`"mode": "e2e"`, `window_step_ratio` = its step time over the decode window's at the
+   same batch), profiled too with `--busy` (`e2e.py`).
 
 Prefilling hundreds of long prompts does not fit a short GPU call; the decode window is the
 shortcut, and the e2e row is its check (the acceptance: within 10% at 32K, batch >= 64).
@@ -27,7 +29,6 @@ N tokens before cloning, to measure later in the output). Phases are timed (`pha
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from functools import partial
 
 import torch
 
+from kvc.runtime.bench.e2e import after_window, e2e_row, steps_after_prefill
 from kvc.runtime.bench.plan import (
     BatchPlan,
     declared_parameters,
@@ -44,13 +46,12 @@ from kvc.runtime.bench.plan import (
     model_spec,
     plan_batch,
 )
+from kvc.runtime.bench.steps import Clock, abort_all, collect, make_engine, prompt, until, warm_up, window
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.errors import ConfigError, OutOfKVMemory
 from kvc.runtime.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-WARMUP_PROMPT_EXTRA = 256  # the warm-up prompt: budget * 2 + this (so methods compact), capped by the input
 
 
 @dataclass
@@ -89,93 +90,19 @@ class ThroughputConfig:
                               "least 0", param="warmup")
         if not self.methods or not self.inputs or any(n < 2 for n in self.inputs):
             raise ConfigError("give at least one method and input lengths of at least 2 tokens", param="inputs")
-        if self.decode_offset + self.warmup + self.steps >= self.output_len:
-            raise ConfigError(f"decode_offset + warmup + steps ({self.decode_offset + self.warmup + self.steps}) must "
-                              f"stay below the output length ({self.output_len}): sequences must not finish "
-                              "inside the window", param="steps")
+        if self.e2e_batch is not None and (isinstance(self.e2e_batch, bool) or not isinstance(self.e2e_batch, int)
+                                           or self.e2e_batch < 1):
+            raise ConfigError(f"e2e_batch must be a positive integer, got {self.e2e_batch!r}", param="e2e_batch")
+        needed = steps_after_prefill(self, "decode_window")
+        if needed >= self.output_len:
+            raise ConfigError(f"the decode window's steps after prefill ({needed}: decode_offset, warmup + steps, again "
+                              "at the e2e batch with --e2e, the profile's with --busy) must stay below the output "
+                              f"length ({self.output_len}): sequences must not finish inside the window",
+                              param="steps")
         unknown = set(self.method_params) - set(self.methods)
         if unknown:
             raise ConfigError(f"--method-params names method(s) not in --methods: {', '.join(sorted(unknown))}",
                               param="method_params")
-
-
-class _Clock:
-    """Synchronised wall time on the engine's device."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def time(self, fn: Callable[[], object]) -> float:
-        self.sync()
-        start = time.perf_counter()
-        fn()
-        self.sync()
-        return time.perf_counter() - start
-
-
-def _engine(cfg: ThroughputConfig, model: str, method, params: dict, input_len: int, seats: int):
-    from kvc.runtime.engine import Engine
-
-    config = EngineConfig(
-        model=model, method=method.name, method_params=params or None, device=cfg.device, dtype=cfg.dtype,
-        page_size=cfg.page_size, kv_cache_memory=cfg.kv_memory, max_num_seqs=seats,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, max_prefill_chunk=cfg.max_prefill_chunk,
-        max_model_len=input_len + cfg.output_len + 1, enable_prefix_caching=False,
-        attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs, seed=cfg.seed)
-    return Engine(config, method=method)
-
-
-def _abort_all(engine) -> None:
-    for seq_id in list(engine.sequences):
-        engine.abort(seq_id)
-
-
-def _collect() -> None:
-    """Frees the device memory of an engine nothing references any more (one engine at a time)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _prompt(vocab: int, n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n,), generator=g).tolist()
-
-
-def _until(engine, done: Callable[[], bool], clock: _Clock, limit: int) -> float:
-    """Steps the engine until `done()`; the synchronised time of those steps."""
-    total, steps = 0.0, 0
-    while not done():
-        if steps >= limit:
-            raise RuntimeError(f"the engine did not get there in {limit} steps")
-        total += clock.time(engine.step)
-        steps += 1
-    return total
-
-
-def _window(engine, seqs: list, steps: int, clock: _Clock) -> float:
-    """Seconds of `steps` engine steps, each decoding every one of `seqs` (checked)."""
-    before = [s.num_generated for s in seqs]
-    preemptions = engine.scheduler.num_preemptions
-    seconds = clock.time(lambda: [engine.step() for _ in range(steps)])
-    advanced = {s.num_generated - b for s, b in zip(seqs, before)}
-    if engine.scheduler.num_preemptions != preemptions or advanced != {steps} or engine.scheduler.num_waiting:
-        raise RuntimeError(f"the decode window did not decode all {len(seqs)} sequences at every step "
-                           f"(advanced {sorted(advanced)} tokens, {engine.scheduler.num_preemptions - preemptions} "
-                           "preemptions); the planned batch does not hold")
-    return seconds
-
-
-def _warm_up(engine, cfg: ThroughputConfig, input_len: int) -> None:
-    n = min(input_len, 2 * cfg.budget + WARMUP_PROMPT_EXTRA)
-    seq = engine.add_request(_prompt(engine.spec.vocab_size, n, cfg.seed + 1),
-                             SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    while not seq.is_finished:
-        engine.step()
 
 
 @dataclass
@@ -228,21 +155,21 @@ def measure(cfg: ThroughputConfig, case: Case) -> list[dict]:
                         f"pages, the pool has {plan.num_pages}")
         return [row]
     method = resolve_method(case.method, case.params or None)
-    engine = _engine(cfg, case.model, method, case.params, case.input_len, plan.batch)
+    engine = make_engine(cfg, case.model, method, case.params, case.input_len, plan.batch)
     try:
         _check_plan(engine, plan)
-        clock = _Clock(engine.device)
+        clock = Clock(engine.device)
         phases["load_s"] = time.perf_counter() - start
-        phases["warmup_s"] = clock.time(partial(_warm_up, engine, cfg, case.input_len))
+        phases["warmup_s"] = clock.time(partial(warm_up, engine, cfg, case.input_len))
         row.update(_decode_window(engine, cfg, case.input_len, plan.batch, clock, phases))
     finally:
-        _abort_all(engine)
+        abort_all(engine)
         del engine
-        _collect()
+        collect()
     row["phases"] = phases
     rows = [row]
     if cfg.e2e:
-        rows.append(_e2e(cfg, case, row))
+        rows.append(e2e_row(cfg, case, row))
     return rows
 
 
@@ -251,18 +178,18 @@ def _check_plan(engine, plan: BatchPlan) -> None:
         raise RuntimeError(f"the engine allocated {engine.num_pages} KV pages, the plan counted {plan.num_pages}")
 
 
-def _decode_window(engine, cfg: ThroughputConfig, input_len: int, batch: int, clock: _Clock,
+def _decode_window(engine, cfg: ThroughputConfig, input_len: int, batch: int, clock: Clock,
                    phases: dict) -> dict:
     params = SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
-    prompt = _prompt(engine.spec.vocab_size, input_len, cfg.seed)
+    tokens = prompt(engine.spec.vocab_size, input_len, cfg.seed)
     clock.sync()
     t0 = time.perf_counter()
-    seq = engine.add_request(prompt, params)
-    prefill_s = _until(engine, lambda: seq.num_generated >= 1, clock, limit=input_len + 1)
+    seq = engine.add_request(tokens, params)
+    prefill_s = until(engine, lambda: seq.num_generated >= 1, clock, limit=input_len + 1)
     ttft_s = time.perf_counter() - t0
     phases["prefill_s"] = ttft_s
     if cfg.decode_offset:
-        phases["offset_s"] = _until(engine, lambda: seq.num_generated >= 1 + cfg.decode_offset, clock,
+        phases["offset_s"] = until(engine, lambda: seq.num_generated >= 1 + cfg.decode_offset, clock,
                                     limit=cfg.decode_offset)
     kv_tokens = sum(seq.kv_lens) / len(seq.kv_lens)
     clock.sync()
@@ -272,13 +199,12 @@ def _decode_window(engine, cfg: ThroughputConfig, input_len: int, batch: int, cl
     seqs = [seq, *clones]
     clock.sync()
     phases["clone_s"] = time.perf_counter() - t0
-    phases["warmup_steps_s"] = _window(engine, seqs, cfg.warmup, clock)
-    seconds = _window(engine, seqs, cfg.steps, clock)
+    phases["warmup_steps_s"] = window(engine, seqs, cfg.warmup, clock)
+    seconds = window(engine, seqs, cfg.steps, clock)
     phases["window_s"] = seconds
     out = {"decode_tok_s": batch * cfg.steps / seconds, "step_ms": 1e3 * seconds / cfg.steps,
            "prefill_s": prefill_s, "ttft_s": ttft_s, "kv_tokens_at_window": kv_tokens, "busy": None}
-    if cfg.busy:
-        out.update(_busy(engine, cfg, seqs, clock, phases))
+    out.update(after_window(engine, cfg, seqs, out["step_ms"], clock, phases))
     return out
 
 
@@ -289,75 +215,6 @@ def _diverge(clones: list, vocab: int, seed: int) -> None:
     g = torch.Generator().manual_seed(seed + 7)
     for clone, token in zip(clones, torch.randint(0, vocab, (len(clones),), generator=g).tolist()):
         clone.token_ids[-1] = token
-
-
-def _busy(engine, cfg: ThroughputConfig, seqs: list, clock: _Clock, phases: dict) -> dict:
-    """The GPU busy fraction of a profiled window at `busy_batch` sequences (fewer when the batch
-    is smaller); None off CUDA."""
-    if engine.device.type != "cuda":
-        return {"busy": None, "busy_note": "needs a CUDA device"}
-    from kvc.runtime.bench.busy import profile_busy
-
-    keep = min(cfg.busy_batch, len(seqs))
-    for seq in seqs[keep:]:
-        engine.abort(seq.seq_id)
-    seqs = seqs[:keep]
-    t0 = time.perf_counter()
-    _window(engine, seqs, 2, clock)  # the bucket's graph, captured outside the profile
-    result = profile_busy(lambda: _window(engine, seqs, min(cfg.steps, 16), clock), engine.device)
-    phases["busy_s"] = time.perf_counter() - t0
-    return {"busy": result["busy"], "busy_batch": keep, "busy_profile": result}
-
-
-def _e2e(cfg: ThroughputConfig, case: Case, window_row: dict) -> dict:
-    """`batch` real prompts prefilled end to end, then the same decode window."""
-    from kvc.runtime.methods import resolve_method
-
-    plan, input_len = case.plan, case.input_len
-    batch = min(cfg.e2e_batch or plan.batch, plan.batch)
-    row = {"method": window_row["method"], "params": window_row["params"], "input_len": input_len,
-           "output_len": cfg.output_len, "mode": "e2e", "batch": batch, "pages_per_seq": plan.pages_per_seq}
-    phases: dict[str, float] = {}
-    start = time.perf_counter()
-    engine = _engine(cfg, case.model, resolve_method(case.method, case.params or None), case.params, input_len, batch)
-    try:
-        clock = _Clock(engine.device)
-        phases["load_s"] = time.perf_counter() - start
-        phases["warmup_s"] = clock.time(partial(_warm_up, engine, cfg, input_len))
-        sampling = SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
-        clock.sync()
-        t0 = time.perf_counter()
-        seqs = [engine.add_request(_prompt(engine.spec.vocab_size, input_len, cfg.seed + 2 + i), sampling)
-                for i in range(batch)]
-        first: dict[int, float] = {}
-
-        def all_started() -> bool:
-            now = time.perf_counter()
-            for s in seqs:
-                if s.num_generated >= 1 and s.seq_id not in first:
-                    first[s.seq_id] = now - t0
-            return len(first) == len(seqs)
-
-        row["prefill_s"] = _until(engine, all_started, clock, limit=batch * (input_len + 1))
-        phases["prefill_s"] = time.perf_counter() - t0
-        row["ttft_s"] = sum(first.values()) / len(first)
-        row["ttft_max_s"] = max(first.values())
-        left = min(cfg.output_len - s.num_generated for s in seqs)
-        if left <= cfg.warmup + cfg.steps:
-            raise RuntimeError(f"the first requests generated all but {left} of their {cfg.output_len} tokens while "
-                               "the others prefilled; lower --e2e-batch or raise --output")
-        phases["warmup_steps_s"] = _window(engine, seqs, cfg.warmup, clock)
-        seconds = _window(engine, seqs, cfg.steps, clock)
-        phases["window_s"] = seconds
-    finally:
-        _abort_all(engine)
-        del engine
-        _collect()
-    row.update({"decode_tok_s": batch * cfg.steps / seconds, "step_ms": 1e3 * seconds / cfg.steps, "busy": None,
-                "phases": phases})
-    if batch == window_row.get("batch") and window_row.get("step_ms"):
-        row["window_step_ratio"] = row["step_ms"] / window_row["step_ms"]
-    return row
 
 
 def ratios(rows: list[dict], baseline: str = "full") -> dict[str, dict[str, dict]]:
@@ -402,7 +259,7 @@ def run(cfg: ThroughputConfig, progress: bool = False, on_row: Callable[[dict], 
                 new = [{"method": case.method, "params": case.resolved, "input_len": case.input_len,
                         "output_len": cfg.output_len, "mode": "decode_window", "batch": case.plan.batch,
                         "pages_per_seq": case.plan.pages_per_seq, "error": f"{what}: {e}"}]
-                _collect()
+                collect()
             rows += new
             for row in new:
                 if on_row is not None:

@@ -1,0 +1,106 @@
+"""Engine plumbing shared by the benchmark's runs (`throughput.py`'s decode window, `e2e.py`'s
+end-to-end run and profiles): build one engine per run, warm it up, step it with synchronised
+timing, time a window of decode steps that must decode the whole batch, cut a batch down, and free
+the engine's device memory before the next.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvc.runtime.config import EngineConfig
+from kvc.runtime.sampling_params import SamplingParams
+
+WARMUP_PROMPT_EXTRA = 256  # the warm-up prompt: budget * 2 + this (so methods compact), capped by the input
+
+
+class Clock:
+    """Synchronised wall time on the engine's device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def time(self, fn: Callable[[], object]) -> float:
+        self.sync()
+        start = time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - start
+
+
+def make_engine(cfg, model: str, method, params: dict, input_len: int, seats: int):
+    """The engine of one run: `cfg` (a ThroughputConfig)'s settings, `seats` sequences at most."""
+    from kvc.runtime.engine import Engine
+
+    config = EngineConfig(
+        model=model, method=method.name, method_params=params or None, device=cfg.device, dtype=cfg.dtype,
+        page_size=cfg.page_size, kv_cache_memory=cfg.kv_memory, max_num_seqs=seats,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, max_prefill_chunk=cfg.max_prefill_chunk,
+        max_model_len=input_len + cfg.output_len + 1, enable_prefix_caching=False,
+        attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs, seed=cfg.seed)
+    return Engine(config, method=method)
+
+
+def abort_all(engine) -> None:
+    for seq_id in list(engine.sequences):
+        engine.abort(seq_id)
+
+
+def collect() -> None:
+    """Frees the device memory of an engine nothing references any more (one engine at a time)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def prompt(vocab: int, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def until(engine, done: Callable[[], bool], clock: Clock, limit: int) -> float:
+    """Steps the engine until `done()`; the synchronised time of those steps."""
+    total, steps = 0.0, 0
+    while not done():
+        if steps >= limit:
+            raise RuntimeError(f"the engine did not get there in {limit} steps")
+        total += clock.time(engine.step)
+        steps += 1
+    return total
+
+
+def window(engine, seqs: list, steps: int, clock: Clock) -> float:
+    """Seconds of `steps` engine steps, each decoding every one of `seqs` (checked)."""
+    before = [s.num_generated for s in seqs]
+    preemptions = engine.scheduler.num_preemptions
+    seconds = clock.time(lambda: [engine.step() for _ in range(steps)])
+    advanced = {s.num_generated - b for s, b in zip(seqs, before)}
+    if engine.scheduler.num_preemptions != preemptions or advanced != {steps} or engine.scheduler.num_waiting:
+        raise RuntimeError(f"the decode window did not decode all {len(seqs)} sequences at every step "
+                           f"(advanced {sorted(advanced)} tokens, {engine.scheduler.num_preemptions - preemptions} "
+                           "preemptions); the planned batch does not hold")
+    return seconds
+
+
+def cut(engine, seqs: list, keep: int) -> list:
+    """The first `keep` of `seqs`; the others are aborted (their pages freed)."""
+    for seq in seqs[keep:]:
+        engine.abort(seq.seq_id)
+    return seqs[:keep]
+
+
+def warm_up(engine, cfg, input_len: int) -> None:
+    """One short request end to end (compiles the kernels, so no timing after includes JIT)."""
+    n = min(input_len, 2 * cfg.budget + WARMUP_PROMPT_EXTRA)
+    seq = engine.add_request(prompt(engine.spec.vocab_size, n, cfg.seed + 1),
+                             SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    while not seq.is_finished:
+        engine.step()

@@ -1,0 +1,137 @@
+"""The decode window's checks (runtime/bench/e2e.py) on a tiny random Qwen3 on the CPU: the window
+timed again at the e2e batch (like for like), the e2e row's ratio against that, the profiles of
+both rows (the CUDA check patched so the glue runs under the CPU profiler: no kernels, busy 0), the
+batch cuts in the right order, and the tables of a result.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvc.runtime.bench import e2e
+from kvc.runtime.bench.result import format_profiles, format_table
+from kvc.runtime.bench.throughput import ThroughputConfig, run
+from kvc.runtime.cli import main
+from kvc.runtime.errors import ConfigError
+from tests.models.tiny import make_tiny_qwen3
+
+PAGE = 4
+INPUT = 150
+OUTPUT = 40
+PAGE_BYTES = 2 * 2 * 16 * 4 * PAGE  # one layer-page of K and V: 2 KV heads x head dim 16, float32
+SNAPKV = {"snapkv": {"budget": 40, "window": 8}}  # 7 sequences fit 300 pages (40 each)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture
+def cpu_profiles(monkeypatch):
+    """Profiles on the CPU: the glue runs, the trace has no GPU activity."""
+    monkeypatch.setattr(e2e, "profiling_supported", lambda device: True)
+
+
+def _cfg(model_dir: Path, **kw) -> ThroughputConfig:
+    settings = {"steps": 4, "warmup": 1, **kw}
+    return ThroughputConfig(methods=["snapkv"], inputs=[INPUT], kv_memory=300 * PAGE_BYTES, model=str(model_dir),
+                            output_len=OUTPUT, page_size=PAGE, device="cpu", dtype="float32",
+                            attention_backend="torch", method_params=SNAPKV, **settings)
+
+
+def test_e2e_row_is_compared_with_the_window_at_its_own_batch(model_dir, cpu_profiles):
+    result = run(_cfg(model_dir, e2e=True, e2e_batch=4, busy=True, busy_batch=2))
+    window, e2e_row = result["rows"]
+    assert (window["mode"], window["batch"], e2e_row["mode"], e2e_row["batch"]) == ("decode_window", 7, "e2e", 4)
+    # the decode window, cut from 7 to 4 sequences, timed again without the profiler
+    assert window["e2e_batch"] == 4
+    assert window["step_ms_at_e2e_batch"] == pytest.approx(1e3 * window["phases"]["window_at_e2e_batch_s"] / 4)
+    assert e2e_row["window_step_ms"] == window["step_ms_at_e2e_batch"]
+    assert e2e_row["window_step_ratio"] == pytest.approx(e2e_row["step_ms"] / window["step_ms_at_e2e_batch"])
+    # then cut to 2 and profiled: the window and the e2e row alike
+    for row in (window, e2e_row):
+        assert row["busy_batch"] == 2 and row["busy"] == 0.0, row["mode"]
+        profile = row["busy_profile"]
+        assert profile["steps"] == 4 and profile["by_kernel"] == [] and profile["window_ms"] > 0
+        assert profile["host_gap_ms_per_step"] == pytest.approx(profile["window_ms_per_step"])
+        assert row["phases"]["busy_s"] > 0
+    table = format_table(result)
+    assert "| snapkv | 150 | e2e | 4 |" in table and "0.000 @2" in table.split("| e2e |")[1]
+    assert f"{window['step_ms_at_e2e_batch']:.2f} ms @4" in table
+    assert f"{e2e_row['window_step_ratio']:.2f}x window" in table
+
+
+def test_profile_batch_above_the_e2e_batch_is_cut_first(model_dir, cpu_profiles):
+    result = run(_cfg(model_dir, e2e=True, e2e_batch=3, busy=True, busy_batch=6))
+    window, e2e_row = result["rows"]
+    assert window["busy_batch"] == 6 and window["e2e_batch"] == 3
+    assert e2e_row["busy_batch"] == 3  # the e2e run has 3 sequences: all profiled
+    assert "window_at_e2e_batch_s" in window["phases"]
+
+
+def test_e2e_at_the_planned_batch_reuses_the_window(model_dir):
+    result = run(_cfg(model_dir, e2e=True))
+    window, e2e_row = result["rows"]
+    assert window["e2e_batch"] == e2e_row["batch"] == 7
+    assert window["step_ms_at_e2e_batch"] == window["step_ms"] and "window_at_e2e_batch_s" not in window["phases"]
+    assert e2e_row["window_step_ratio"] == pytest.approx(e2e_row["step_ms"] / window["step_ms"])
+    assert window["busy"] is None and e2e_row["busy"] is None and "busy_profile" not in e2e_row
+
+
+def test_off_cuda_the_profile_says_why(model_dir):
+    (window,) = run(_cfg(model_dir, busy=True))["rows"]
+    assert window["busy"] is None and "CUDA" in window["busy_note"] and "busy_profile" not in window
+
+
+def test_window_steps_must_leave_output(model_dir):
+    # after its first token a window sequence runs warmup + steps (14), again at the e2e batch with
+    # --e2e (28), then the profile's 2 + min(steps, 16) with --busy (42): the output is 40
+    for kw in ({}, {"e2e": True, "e2e_batch": 2}, {"busy": True}):
+        _cfg(model_dir, steps=12, warmup=2, **kw)
+    with pytest.raises(ConfigError, match=r"after prefill \(42"):
+        _cfg(model_dir, steps=12, warmup=2, e2e=True, e2e_batch=2, busy=True)
+    with pytest.raises(ConfigError, match=r"after prefill \(40"):
+        _cfg(model_dir, steps=12, warmup=2, busy=True, decode_offset=12)
+    with pytest.raises(ConfigError, match="e2e_batch"):
+        _cfg(model_dir, e2e=True, e2e_batch=0)
+
+
+def test_cli_prints_the_profiles(model_dir, cpu_profiles, capsys):
+    code = main(["bench", "throughput", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
+                 "--methods", "snapkv", "--method-params", "snapkv:budget=40,window=8", "--inputs", str(INPUT),
+                 "--output", str(OUTPUT), "--kv-memory", str(300 * PAGE_BYTES), "--page-size", str(PAGE),
+                 "--steps", "4", "--warmup", "1", "--attention-backend", "torch", "--e2e", "--e2e-batch", "4",
+                 "--busy", "--busy-batch", "4", "--no-progress"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "#### snapkv @ 150 (decode_window, batch 4, 4 profiled steps): busy 0.000" in out
+    assert "#### snapkv @ 150 (e2e, batch 4, 4 profiled steps): busy 0.000" in out
+
+
+def _kernel(i: int) -> dict:
+    ms = 14.0 - i
+    return {"name": f"k{i}|x", "calls": 2 * (i + 1), "total_ms": ms, "ms_per_step": ms / 2, "share": ms / 105.0}
+
+
+def test_profile_tables_show_the_top_kernels_and_the_rest():
+    profile = {"busy": 0.5, "window_ms": 420.0, "gpu_ms": 210.0, "kernels": 210, "steps": 2,
+               "window_ms_per_step": 210.0, "gpu_ms_per_step": 105.0, "host_gap_ms_per_step": 105.0,
+               "by_kernel": [_kernel(i) for i in range(14)]}
+    result = {"rows": [
+        {"method": "pyramidkv", "input_len": 32768, "mode": "decode_window", "busy_batch": 159, "busy": 0.5,
+         "busy_profile": profile},
+        {"method": "full", "input_len": 32768, "mode": "decode_window", "busy": None},
+    ]}
+    text = format_profiles(result)
+    lines = text.splitlines()
+    assert lines[0] == ("#### pyramidkv @ 32768 (decode_window, batch 159, 2 profiled steps): busy 0.500, "
+                        "step 210.00 ms = GPU 105.00 ms + host gap 105.00 ms")
+    rows = [line for line in lines if line.startswith("| k") and not line.startswith("| kernel")]
+    assert len(rows) == 12 and rows[0] == "| k0\\|x | 2 | 1.0 | 14.00 | 7.000 | 13.3% |"
+    # the two smallest (2 and 1 ms) summed in one line
+    assert lines[-1] == "| (2 other kernels) | 54 | 27.0 | 3.00 | 1.500 | 2.9% |"
+    assert "full" not in text
+    assert format_profiles({"rows": [result["rows"][1]]}) == ""
