@@ -105,8 +105,11 @@ def _throughput(a: argparse.Namespace) -> int:
         if "error" in row:
             print(f"{row['method']} @ {row['input_len']}: {row['error']}", file=sys.stderr, flush=True)
         else:
+            checks = "".join([
+                f", {row['window_step_ratio']:.2f}x the window's step" if row.get("window_step_ratio") else "",
+                f", busy {row['busy']:.3f} @{row['busy_batch']}" if row.get("busy") is not None else ""])
             print(f"{row['method']} @ {row['input_len']} ({row['mode']}): batch {row['batch']}, "
-                  f"{row['decode_tok_s']:.1f} tok/s, step {row['step_ms']:.2f} ms, phases "
+                  f"{row['decode_tok_s']:.1f} tok/s, step {row['step_ms']:.2f} ms{checks}, phases "
                   + ", ".join(f"{k} {v:.1f}" for k, v in row.get("phases", {}).items()), file=sys.stderr, flush=True)
 
     result = run(cfg, progress=not a.no_progress and sys.stderr.isatty(), on_row=show)

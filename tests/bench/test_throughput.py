@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -108,12 +109,8 @@ def test_bad_method_is_refused_before_any_measurement(model_dir):
 
 def test_cli_run_writes_the_result_and_plot(model_dir, tmp_path, capsys):
     out, png = tmp_path / "result.json", tmp_path / "result.png"
-    try:  # the JSON and the tables are checked without matplotlib too
-        import matplotlib  # noqa: F401
-
-        plot = ["--plot", str(png)]
-    except ImportError:
-        plot = []
+    # the JSON and the tables are checked without matplotlib too
+    plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") is not None else []
     code = main(["bench", "throughput", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
                  "--methods", "full,snapkv", "--method-params", "snapkv:budget=40,window=8", "--inputs", str(INPUT),
                  "--output", str(OUTPUT), "--kv-memory", str(300 * PAGE_BYTES), "--page-size", str(PAGE),
