@@ -53,7 +53,7 @@ bench() {  # name, time limit, arguments of `kvc bench throughput`
 
 for part in ${PARTS:-a b c d}; do
   case $part in
-    a) timeout "${TUNE_TIMEOUT:-50}" "$py" -m kvc.runtime.cli tune "${model_args[@]+"${model_args[@]}"}" \
+    a) timeout "${TUNE_TIMEOUT:-60}" "$py" -m kvc.runtime.cli tune "${model_args[@]+"${model_args[@]}"}" \
          --dtype "$dtype" --effort quick --kernels compaction --out "$work/tune_compaction.json" \
          > "$work/tune_compaction.log" 2>&1
        rc=$?; cp -r kernels_generated/tuned "$work/" 2>/dev/null
