@@ -43,6 +43,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     cuda_graphs: bool = True
+    # schedule the next decode step while the current one runs (runtime/engine.py `step`);
+    # None: on for a GPU, off on the CPU (where it buys nothing; tests turn it on)
+    async_scheduling: bool | None = None
     # prune chains automatically after each chat turn, e.g. "role=tool,older_than=2,keep=0.2"
     # (runtime/chain_prune.py parse_auto_prune); None: only explicit prunes
     auto_prune: str | None = None

@@ -144,6 +144,12 @@ class Engine:
         self.pruner = Pruner(self.chains, self.attention, self.spec.num_layers, "triton" if backend == "triton" else "auto")
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
         self._scorers: dict[tuple, Scorer] = {}
+        # Async scheduling (`step`): on by default on a GPU; never with decode-time eviction, whose
+        # step_end reads the step's results before the next one may be built.
+        wanted = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self._async = wanted and Hook.STEP_END not in hooks
+        self._launched: tuple | None = None  # (batch, StepOutput) running ahead of its commit
+        self._drained: list[Sequence] = []  # finished by a `drain`, reported by the next step
 
     def _kv_budget_bytes(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -222,6 +228,7 @@ class Engine:
         OutOfKVMemory when the free pages do not cover them, ConfigError past max_num_seqs."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ConfigError(f"clone count must be a non-negative integer, got {count!r}", param="count")
+        self.drain()
         clones = [
             Sequence(seq.token_ids[: seq.num_prompt_tokens], params=seq.params, eos_token_ids=seq.eos_token_ids,
                      max_model_len=seq.max_model_len, num_layers=self.spec.num_layers)
@@ -277,21 +284,53 @@ class Engine:
         self.sequences.pop(seq_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._launched is not None or bool(self._drained)
 
     def step(self) -> list[Sequence]:
-        """One engine step; returns the sequences that finished in it."""
+        """One engine step; returns the sequences that finished in it.
+
+        Async scheduling: a plain decode step is left running on the device (`_launched`); the
+        next call schedules and launches the step after it over its pending tokens, and only then
+        waits for its tokens and commits them. The host's work for a step so overlaps the
+        device's previous one. A step that cannot be scheduled ahead (a request waits, a prefill,
+        a chain, decode-time eviction, pages short) is run the plain way, after a commit."""
+        finished, self._drained = self._drained, []
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            batch, out = launched
+            ahead = self.scheduler.schedule_ahead(batch)
+            nxt = None if ahead is None else (ahead, self.runner.run(ahead, ahead.needs_sample(), out, defer=True))
+            finished += self._commit(batch, out)
+            if nxt is not None:
+                self.scheduler.advance(nxt[0], nxt[1].compacted)
+                self._launched = nxt
+            return finished
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
-        needs = batch.needs_sample()
-        out = self.runner.run(batch, needs)
-        finished = self.scheduler.postprocess(batch, out.sampled, out.compacted)
-        for seq in finished:  # step_end (decode-time eviction) ran in the runner, before postprocess
+            return finished
+        overlap = self._async and batch.num_prefills == 0 and all(s.chain is None for s in batch.seqs)
+        out = self.runner.run(batch, batch.needs_sample(), defer=overlap)
+        self.scheduler.advance(batch, out.compacted)
+        if overlap:
+            self._launched = (batch, out)
+            return finished
+        return finished + self._commit(batch, out)
+
+    def _commit(self, batch, out) -> list[Sequence]:
+        """Appends an advanced step's tokens (waiting for them); the sequences that finished."""
+        finished = self.scheduler.commit(batch, out.resolve())
+        for seq in finished:  # step_end (decode-time eviction) ran in the runner, before the commit
             self._release(seq.seq_id)
             if self.auto_prune is not None:
                 self._auto_prune(seq)
         return finished
+
+    def drain(self) -> None:
+        """Commits the step left running (async scheduling), so every sequence's tokens are on the
+        host; what finished is reported by the next `step()`."""
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            self._drained += self._commit(*launched)
 
     def _release(self, seq_id: int) -> None:
         self.runner.remove_request(seq_id)

@@ -51,6 +51,7 @@ from kvc.runtime.method_api import DecodeRow, DecodeView, Hook, KVMethod, LayerC
 from kvc.runtime.models.base import CausalLM
 from kvc.runtime.sampler import sample
 from kvc.runtime.scheduler import ScheduledBatch
+from kvc.runtime.transfer import PendingTokens, copy_into, to_device
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,25 @@ class StepInputs:
 
 @dataclass
 class StepOutput:
-    sampled: dict[int, int]  # seq_id -> sampled token
+    sampled: dict[int, int]  # seq_id -> sampled token (filled by `resolve`)
     compacted: dict[int, dict[int, int]] = field(default_factory=dict)  # seq_id -> layer -> kept
+    tokens: PendingTokens | None = None  # the sampled tokens, in the order of `seq_ids`
+    seq_ids: list[int] = field(default_factory=list)
+
+    def resolve(self) -> dict[int, int]:
+        """seq_id -> sampled token; waits for the step's sampling kernels."""
+        if self.tokens is not None and not self.sampled:
+            self.sampled = dict(zip(self.seq_ids, self.tokens.resolve()))
+        return self.sampled
+
+    def feed(self, seqs) -> tuple[list[int], list[int]] | None:
+        """For a next step over `seqs` (async scheduling): (rows of `seqs` whose input token is
+        pending, their rows in this step's tokens), or None when no row's is."""
+        if self.tokens is None:
+            return None
+        where = {seq_id: i for i, seq_id in enumerate(self.seq_ids)}
+        dst = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens >= len(seq.token_ids)]
+        return (dst, [where[seqs[i].seq_id] for i in dst]) if dst else None
 
 
 class ModelRunner:
@@ -124,17 +142,25 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, needs_sample: list[bool]) -> StepOutput:
-        """Runs the step: the sampled tokens and the layers a keep plan compacted."""
+    def run(self, batch: ScheduledBatch, needs_sample: list[bool], after: StepOutput | None = None,
+            defer: bool = False) -> StepOutput:
+        """Runs the step: the sampled tokens and the layers a keep plan compacted.
+
+        `after`: the step launched before this one, whose sampled tokens (still on the device) are
+        the input of this step's pending rows (async scheduling). `defer`: return once the step is
+        queued, its tokens unread (`StepOutput.resolve` reads them)."""
         decode_only = batch.num_decodes == len(batch.seqs)
         output = StepOutput({})
+        feed = None if after is None else after.feed(batch.seqs)
         if self.pool is not None:
             self._own_append_pages(batch)
         if self.graphs is not None and decode_only and self.graphs.fits(len(batch.seqs)):
-            logits = self.graphs.run(batch)
+            logits = self.graphs.run(batch, None if feed is None else (after.tokens.device, feed))
             rows = list(range(len(batch.seqs)))
         else:
             inputs = self.prepare(batch, needs_sample)
+            if feed is not None:
+                _feed_pending(inputs.input_ids, after.tokens.device, feed, [0, *np.cumsum(batch.num_new_tokens)])
             attn = self._attn_fn(inputs.md, batch, output.compacted)
             hidden = self.model(inputs.input_ids, inputs.positions, attn)
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
@@ -149,8 +175,10 @@ class ModelRunner:
             [s.params for s in seqs],
             [self.generators.get(s.seq_id) for s in seqs],
             self.default_generator,
-        ).tolist()
-        output.sampled = {s.seq_id: t for s, t in zip(seqs, tokens)}
+        )
+        output.tokens, output.seq_ids = PendingTokens(tokens), [s.seq_id for s in seqs]
+        if not defer:
+            output.resolve()
         return output
 
     def _attn_fn(
@@ -327,7 +355,8 @@ class ModelRunner:
         starts_np = self.tables.pack_starts(batch.seqs)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start : start + n])
+            known = seq.token_ids[start : start + n]
+            ids.extend(known + [0] * (n - len(known)))  # a pending token: the caller feeds it
             positions.extend(range(start, start + n))
             kv = np.asarray(seq.kv_lens, dtype=np.int64)
             phys = kv[:, None] + np.arange(n, dtype=np.int64)[None, :]  # [L, n] physical offsets
@@ -343,20 +372,29 @@ class ModelRunner:
         ctx = [list(c) for c in zip(*ctx)]  # [L, B]
         slots = np.concatenate(slots, axis=1)
 
-        def to_dev(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+        def to_dev(values, dtype=None):
+            return to_device(values, dev, dtype)
 
         md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            block_tables=tables.to(dev, non_blocking=True),
+            slot_mapping=to_dev(slots),
+            block_tables=to_dev(tables),
             cu_seqlens_q=to_dev(cu, torch.int32),
             context_lens=to_dev(ctx, torch.int32),
             num_decodes=batch.num_decodes,
             max_query_len=max(batch.num_new_tokens),
             max_context_len=max(max(c) for c in ctx),
-            kv_starts=None if starts_np is None else torch.from_numpy(starts_np).to(dev, non_blocking=True),
+            kv_starts=None if starts_np is None else to_dev(starts_np),
         )
         return StepInputs(to_dev(ids, torch.int64), to_dev(positions, torch.int64), md, sample_rows, sample_seqs)
+
+
+def _feed_pending(input_ids: torch.Tensor, tokens: torch.Tensor, feed: tuple[list[int], list[int]],
+                  offsets: list[int]) -> None:
+    """Writes the pending input tokens (still on the device) into a step's token ids: row i of
+    `feed[0]` (its last token, at offsets[i + 1] - 1) takes `tokens[feed[1][i]]`."""
+    dst, src = feed
+    rows = to_device([int(offsets[i + 1]) - 1 for i in dst], input_ids.device, torch.int64)
+    input_ids.index_copy_(0, rows, tokens.index_select(0, to_device(src, tokens.device, torch.int64)))
 
 
 def _chained_prefills(batch: ScheduledBatch) -> list[tuple[object, slice]]:
@@ -513,20 +551,23 @@ class _DecodeGraphs:
         for b in reversed(self.buckets):
             self._capture(b)
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, feed: tuple[torch.Tensor, tuple[list[int], list[int]]] | None = None
+            ) -> torch.Tensor:
+        """Replays the batch's graph; `feed`: (the previous step's device tokens, the rows they feed)."""
         n = len(batch.seqs)
-        key = self._load(batch)
+        key = self._load(batch, feed)
         if key not in self.graphs:
             self._capture(*key)
         self.graphs[key].replay()
         return self.logits[key][:n]
 
-    def run_uncaptured(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run_uncaptured(self, batch: ScheduledBatch, feed=None) -> torch.Tensor:
         """What `run` replays, run eagerly (the same buffers and code; tests on the CPU)."""
-        return self._step_fn(*self._load(batch))()[: len(batch.seqs)]
+        return self._step_fn(*self._load(batch, feed))()[: len(batch.seqs)]
 
-    def _load(self, batch: ScheduledBatch) -> tuple[int, bool]:
-        """Fills the static buffers with the batch; the graph key (bucket, with starts).
+    def _load(self, batch: ScheduledBatch, feed=None) -> tuple[int, bool]:
+        """Fills the static buffers with the batch; the graph key (bucket, with starts). `feed`:
+        (the previous step's device tokens, (rows, their rows there)) for pending input tokens.
 
         Incremental: a host mirror of the page tables and KV-head starts keeps each row's last
         load, and only rows whose sequence or `tables_version` changed are rewritten and copied to
@@ -540,7 +581,7 @@ class _DecodeGraphs:
         with_starts = any(self._row_starts[:n])
         key = (b, with_starts)
         pos = [seq.num_computed_tokens for seq in seqs]
-        ids = [seq.token_ids[p] for seq, p in zip(seqs, pos)]
+        ids = [seq.token_ids[p] if p < len(seq.token_ids) else 0 for seq, p in zip(seqs, pos)]  # 0: pending
         kv = np.array([seq.kv_lens for seq in seqs], dtype=np.int64).T  # [L, n]
         pages = np.take_along_axis(self._host_tables[:, :n], (kv // page)[:, :, None], axis=2)[:, :, 0]
         slots = np.full((layers, b), -1, dtype=np.int64)  # padding rows: no slot, no context
@@ -548,22 +589,24 @@ class _DecodeGraphs:
         ctx = np.zeros((layers, b), dtype=np.int32)
         ctx[:, :n] = kv + 1
         pad = b - n
-        self.input_ids[:b].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
-        self.positions[:b].copy_(torch.tensor(pos + [0] * pad), non_blocking=True)
-        self.slots[:, :b].copy_(torch.from_numpy(slots), non_blocking=True)
-        self.ctx[:, :b].copy_(torch.from_numpy(ctx), non_blocking=True)
+        copy_into(self.input_ids[:b], ids + [0] * pad)
+        copy_into(self.positions[:b], pos + [0] * pad)
+        copy_into(self.slots[:, :b], slots)
+        copy_into(self.ctx[:, :b], ctx)
         # Page tables: only changed rows travel (stale entries past a row's table, and in padding
         # rows, are never read: kernels stop at the row's context length, 0 for padding).
         width = self._host_tables.shape[2]
         if len(changed) > n // 4:
-            self.tables[:, :n, :width].copy_(torch.from_numpy(self._host_tables[:, :n]), non_blocking=True)
+            copy_into(self.tables[:, :n, :width], self._host_tables[:, :n])
         else:
             for i in changed:
-                self.tables[:, i, :width].copy_(torch.from_numpy(self._host_tables[:, i]), non_blocking=True)
+                copy_into(self.tables[:, i, :width], self._host_tables[:, i])
         if with_starts:  # padding rows start at 0 (their context is empty anyway)
             starts = np.zeros((layers, b, self._host_starts.shape[2]), dtype=np.int32)
             starts[:, :n] = self._host_starts[:, :n]
-            self.starts[:, :b].copy_(torch.from_numpy(starts), non_blocking=True)
+            copy_into(self.starts[:, :b], starts)
+        if feed is not None:
+            _feed_pending(self.input_ids, feed[0], feed[1], list(range(n + 1)))
         return key
 
     def _update_mirror(self, seqs) -> list[int]:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from kvc.runtime.sampling_params import SamplingParams
+from kvc.runtime.transfer import to_device
 
 
 def sample(
@@ -25,9 +26,11 @@ def sample(
     tokens = logits.argmax(dim=-1)
     if all(p.greedy for p in params):  # decided on the host: no device round trip
         return tokens
+    dev = logits.device
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    sub = logits[rows].float()
-    temps = torch.tensor([params[i].temperature for i in rows], device=sub.device, dtype=sub.dtype)
+    index = to_device(rows, dev, torch.int64)  # host lists reach the device without a stream wait
+    sub = logits.index_select(0, index).float()
+    temps = to_device([params[i].temperature for i in rows], dev, sub.dtype)
     probs = _filtered_probs(
         sub / temps[:, None],
         top_k=[params[i].top_k for i in rows],
@@ -35,14 +38,16 @@ def sample(
     )
     noise = torch.empty_like(probs)
     shared = [j for j, i in enumerate(rows) if generators[i] is None]
-    if shared:
-        noise[shared] = torch.empty(
+    if len(shared) == len(rows):
+        noise.exponential_(generator=default_generator)
+    elif shared:
+        noise[to_device(shared, dev, torch.int64)] = torch.empty(
             (len(shared), probs.shape[1]), device=probs.device, dtype=probs.dtype
         ).exponential_(generator=default_generator)
     for j, i in enumerate(rows):
         if generators[i] is not None:
             noise[j].exponential_(generator=generators[i])
-    tokens[rows] = (probs / noise).argmax(dim=-1)
+    tokens.index_copy_(0, index, (probs / noise).argmax(dim=-1))
     return tokens
 
 
@@ -53,11 +58,11 @@ def _filtered_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float]) 
         return torch.softmax(logits, dim=-1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=logits.device)
+    k = to_device([kk if 0 < kk < vocab else vocab for kk in top_k], logits.device, torch.int64)
     drop = rank >= k[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    p = torch.tensor(top_p, device=logits.device, dtype=sorted_probs.dtype)
+    p = to_device(top_p, logits.device, sorted_probs.dtype)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop = drop | (mass_before >= p[:, None])  # the top token always survives: its mass_before is 0
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

@@ -1,7 +1,9 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
 The engine calls `schedule()` for a `ScheduledBatch`, runs it through the model, and hands the
-sampled tokens to `postprocess()`. One step mixes decodes and prefill chunks under a token budget:
+sampled tokens to `postprocess()` (= `advance()`, what the step changes whatever its tokens, then
+`commit()`, which appends them). An async engine advances a step at its launch and, while it runs,
+`schedule_ahead()` builds the next decode step over its pending tokens; it commits them later. One step mixes decodes and prefill chunks under a token budget:
 
 1. running sequences that decode (one token each), oldest first;
 2. running sequences still prefilling, a chunk each: min(remaining, budget left, chunk cap);
@@ -81,11 +83,8 @@ class ScheduledBatch:
     _needs_sample: list[bool] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        # Captured now: postprocess moves num_computed_tokens on.
-        self._needs_sample = [
-            s.num_computed_tokens + n == len(s.token_ids)
-            for s, n in zip(self.seqs, self.num_new_tokens)
-        ]
+        # Captured now: advance moves num_computed_tokens on.
+        self._needs_sample = [n == s.num_uncomputed_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
 
     def needs_sample(self) -> list[bool]:
         """Per sequence: does its chunk reach its last known token, so it samples the next one."""
@@ -247,6 +246,8 @@ class Scheduler:
             raise ValueError(f"{seq} cannot be cloned: only a running sequence past its prefill can")
         if seq.chain is not None or seq.spare_pages:
             raise ValueError(f"{seq} cannot be cloned: it continues a chain (its pages are shared)")
+        if seq.pending:
+            raise ValueError(f"{seq} cannot be cloned while its sampled token is pending (commit the step first)")
         seats = self.config.max_num_seqs - len(self.running)
         if len(clones) > seats:
             raise ConfigError(f"cloning {len(clones)} sequences needs {len(clones)} free seats, {seats} are left; "
@@ -404,12 +405,19 @@ class Scheduler:
         """Advances the step's sequences, appends their sampled tokens; returns the finished.
 
         `compacted[seq_id][layer]` is the physical length a method's keep plan left in that layer
-        during the step: the pages past it go back to the pool now."""
-        finished = []
+        during the step: the pages past it go back to the pool now. (`advance` then `commit`: an
+        async engine calls them apart, the step's launch between.)"""
+        self.advance(batch, compacted)
+        return self.commit(batch, sampled)
+
+    def advance(self, batch: ScheduledBatch, compacted: dict[int, dict[int, int]] | None = None) -> None:
+        """What a launched step changes whatever its tokens are: computed tokens, stored lengths,
+        the pages a keep plan freed, the prefix cache's full pages; a sampling sequence's token
+        becomes `pending` (its K/V is the next step's to compute)."""
         compacted = compacted or {}
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.needs_sample()):
             if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while the step ran
+                continue  # aborted (or finished by an earlier step's tokens) while the step ran
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
             seq.kv_lens = [kv + n for kv in seq.kv_lens]
@@ -422,10 +430,19 @@ class Scheduler:
                 self._shrink(seq, layer, kept)
             if self.prefix_caching and not seq.compressed:
                 self._register_full_pages(seq, before)
-            if not samples:
+            if samples:
+                seq.pending += 1
+
+    def commit(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
+        """Appends the advanced step's sampled tokens and stops the sequences they end; returns
+        the finished."""
+        finished = []
+        for seq, samples in zip(batch.seqs, batch.needs_sample()):
+            if seq.status is not SequenceStatus.RUNNING or not samples:
                 continue
             if seq.seq_id not in sampled:
                 raise ValueError(f"sequence {seq.seq_id} reached its last token but got no sample")
+            seq.pending -= 1
             seq.append_token(sampled[seq.seq_id])
             reason = seq.check_stop()
             growth = self._growth(seq, 1)  # 0: the pages it holds take the token (no need to count them)
@@ -437,6 +454,26 @@ class Scheduler:
                 self._finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def schedule_ahead(self, launched: ScheduledBatch) -> ScheduledBatch | None:
+        """The next decode step of `launched`'s sequences while its tokens are still pending on the
+        device (async scheduling): each decodes its pending token. None (the caller commits first
+        and schedules normally) unless it is the plain continuation: `launched` decoded every
+        running sequence, none is chained, nothing waits, and the free pages take every next
+        token without preempting. A sequence that its pending token stops by length is left out."""
+        if self.waiting or launched.num_prefills or len(launched.seqs) != len(self.running):
+            return None
+        seqs = []
+        for seq in launched.seqs:
+            if seq.status is not SequenceStatus.RUNNING or seq.chain is not None or seq.pending != 1:
+                return None
+            if not seq.stops_by_length:
+                seqs.append(seq)
+        if not seqs or sum(self._need(seq, 1) for seq in seqs) > self.pool.num_free:
+            return None
+        for seq in seqs:
+            self._take(seq, 1)
+        return ScheduledBatch(seqs=seqs, num_new_tokens=[1] * len(seqs), num_decodes=len(seqs))
 
     def _register_full_pages(self, seq: Sequence, computed_before: int) -> None:
         """Names in the prefix cache each page that this step filled."""

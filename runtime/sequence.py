@@ -22,6 +22,12 @@ turn as a request whose prompt is the stored history plus the suffix. `verbatim_
 logical position from which every layer's stored tail equals the logical tokens in order (what
 a rollback may cut). `spare_pages` are fresh pages the scheduler set aside for one step's
 copy-on-write of shared pages (the runner takes them; the rest go back after the step).
+
+Async scheduling (runtime/engine.py): `pending` counts sampled tokens still on the device, not yet
+in `token_ids`. The scheduler advances a step's bookkeeping when the step is launched and appends
+its tokens when they arrive (`Scheduler.advance` / `commit`), so between the two a decoding
+sequence has `num_computed_tokens == len(token_ids)` and one pending token, which the next step
+feeds straight from the device. Readers of `token_ids` only ever see committed tokens.
 """
 
 from __future__ import annotations
@@ -106,6 +112,7 @@ class Sequence:
         self.history_gap: list[int] = [0] * num_layers
         self.verbatim_from = 0
         self.spare_pages: list[int] = []
+        self.pending = 0  # sampled tokens on the device, not yet appended (async scheduling)
         # Chained sequences only (runtime/kv/positions.py, runtime/chain_prune.py): per layer, the
         # position map of the stored slots and the last prefill queries; the prompt's messages.
         self.positions: list | None = None
@@ -181,7 +188,15 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        """Tokens known (committed or pending on the device) whose K/V are not computed yet."""
+        return len(self.token_ids) + self.pending - self.num_computed_tokens
+
+    @property
+    def stops_by_length(self) -> bool:
+        """With its pending tokens appended, will it stop by length (max_tokens or the context)
+        whatever they are? Such a sequence is not scheduled ahead of its tokens."""
+        n = len(self.token_ids) + self.pending
+        return n - self.num_prompt_tokens >= self.params.max_tokens or n >= self.max_model_len
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -203,3 +218,4 @@ class Sequence:
         """Marks the sequence FINISHED; the scheduler has already taken its pages back."""
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
+        self.pending = 0

@@ -46,8 +46,8 @@ def test_uncaptured_graph_steps_decode_like_eager_steps(model_dir: Path, method:
     graphs = runner.graphs = _DecodeGraphs(runner, 6)
     loads = []
 
-    def replay(batch):
-        logits = graphs.run_uncaptured(batch)
+    def replay(batch, feed=None):
+        logits = graphs.run_uncaptured(batch, feed)
         n = len(batch.seqs)
         slots, ctx = _reference(graphs, batch)
         assert torch.equal(graphs.slots[:, :n].cpu(), slots) and torch.equal(graphs.ctx[:, :n].cpu(), ctx)

@@ -1,0 +1,62 @@
+"""Host <-> device copies that never stall the host behind queued GPU work.
+
+A copy from pageable host memory to the GPU, and any read of a device tensor (`.tolist()`,
+`.item()`), wait for the whole stream: with async scheduling the next step is already queued, so
+such a wait would serialise the host with it. Here host data goes through pinned memory (torch's
+caching host allocator records each copy's use, so a block is reused only once its copy is done),
+and a step's sampled tokens come back through a pinned buffer and an event recorded right after
+their copy (`PendingTokens.resolve` waits for that step only, not for what was queued after it).
+On the CPU the same calls are plain conversions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A list, numpy array or CPU tensor on `device`, copied without a stream wait on CUDA."""
+    if isinstance(values, torch.Tensor):
+        host = values if dtype is None else values.to(dtype)
+    elif isinstance(values, np.ndarray):
+        host = torch.from_numpy(values) if dtype is None else torch.from_numpy(values).to(dtype)
+    else:
+        host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_into(dst: torch.Tensor, values) -> None:
+    """dst.copy_(values) from host data, without a stream wait on CUDA."""
+    host = values if isinstance(values, torch.Tensor) else (
+        torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dst.dtype))
+    if dst.device.type == "cuda":
+        host = host.pin_memory()
+    dst.copy_(host, non_blocking=dst.device.type == "cuda")
+
+
+class PendingTokens:
+    """A step's sampled token ids: on the device at once (the next step can feed them), on the host
+    once `resolve()` returns."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.device = tokens  # [N] int64
+        self._event = None
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tokens
+        self._values: list[int] | None = None
+
+    def resolve(self) -> list[int]:
+        """The token ids (waits for their step's kernels, not for later ones)."""
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._values = self._host.tolist()
+        return self._values
