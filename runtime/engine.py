@@ -299,12 +299,13 @@ class Engine:
         if launched is not None:
             batch, out = launched
             ahead = self.scheduler.schedule_ahead(batch)
-            nxt = None if ahead is None else (ahead, self.runner.run(ahead, ahead.needs_sample(), out, defer=True))
-            finished += self._commit(batch, out)
-            if nxt is not None:
-                self.scheduler.advance(nxt[0], nxt[1].compacted)
-                self._launched = nxt
-            return finished
+            if ahead is not None:
+                ahead_out = self.runner.run(ahead, ahead.needs_sample(), out, defer=True)
+                finished += self._commit(batch, out)
+                self.scheduler.advance(ahead, ahead_out.compacted)
+                self._launched = (ahead, ahead_out)
+                return finished
+            finished += self._commit(batch, out)  # then this call's step, scheduled the plain way
         batch = self.scheduler.schedule()
         if batch is None:
             return finished

@@ -36,6 +36,8 @@ def add_commands(bench_sub) -> None:
     t.add_argument("--max-prefill-chunk", type=int, help="one request's prefill tokens per step")
     t.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     t.add_argument("--no-cuda-graphs", action="store_true")
+    t.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="schedule each decode step while the one before runs (auto: on a GPU)")
     t.add_argument("--e2e", action="store_true", help="also prefill the batch's real prompts end to end and "
                    "compare its decode step time with the decode window's")
     t.add_argument("--e2e-batch", type=int, help="batch of the --e2e run (default: the largest batch)")
@@ -94,7 +96,8 @@ def _throughput(a: argparse.Namespace) -> int:
         steps=a.steps, warmup=a.warmup, max_batch=a.max_batch, decode_offset=a.decode_offset, device=a.device,
         dtype=a.dtype, page_size=a.page_size, max_num_batched_tokens=a.max_num_batched_tokens,
         max_prefill_chunk=a.max_prefill_chunk, attention_backend=a.attention_backend,
-        cuda_graphs=not a.no_cuda_graphs, e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy, busy_batch=a.busy_batch,
+        cuda_graphs=not a.no_cuda_graphs,
+        async_scheduling={"auto": None, "on": True, "off": False}[a.async_scheduling], e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy, busy_batch=a.busy_batch,
         seed=a.seed)
     if a.plot:
         from kvc.runtime.bench.plot import _pyplot

@@ -45,7 +45,8 @@ def make_engine(cfg, model: str, method, params: dict, input_len: int, seats: in
         page_size=cfg.page_size, kv_cache_memory=cfg.kv_memory, max_num_seqs=seats,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_prefill_chunk=cfg.max_prefill_chunk,
         max_model_len=input_len + cfg.output_len + 1, enable_prefix_caching=False,
-        attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs, seed=cfg.seed)
+        attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
+        async_scheduling=cfg.async_scheduling, seed=cfg.seed)
     return Engine(config, method=method)
 
 
@@ -78,11 +79,12 @@ def until(engine, done: Callable[[], bool], clock: Clock, limit: int) -> float:
 
 
 def window(engine, seqs: list, steps: int, clock: Clock) -> float:
-    """Seconds of `steps` engine steps, each decoding every one of `seqs` (checked)."""
-    before = [s.num_generated for s in seqs]
+    """Seconds of `steps` engine steps, each decoding every one of `seqs` (checked). A token counts
+    once sampled: with async scheduling the last step's tokens are still pending on the device."""
+    before = [s.num_generated + s.pending for s in seqs]
     preemptions = engine.scheduler.num_preemptions
     seconds = clock.time(lambda: [engine.step() for _ in range(steps)])
-    advanced = {s.num_generated - b for s, b in zip(seqs, before)}
+    advanced = {s.num_generated + s.pending - b for s, b in zip(seqs, before)}
     if engine.scheduler.num_preemptions != preemptions or advanced != {steps} or engine.scheduler.num_waiting:
         raise RuntimeError(f"the decode window did not decode all {len(seqs)} sequences at every step "
                            f"(advanced {sorted(advanced)} tokens, {engine.scheduler.num_preemptions - preemptions} "

@@ -74,6 +74,7 @@ class ThroughputConfig:
     max_prefill_chunk: int | None = None
     attention_backend: str = "auto"
     cuda_graphs: bool = True
+    async_scheduling: bool | None = None  # None: the engine's default (on for a GPU)
     e2e: bool = False
     e2e_batch: int | None = None  # None: the planned (largest) batch
     busy: bool = False
@@ -259,7 +260,8 @@ def run(cfg: ThroughputConfig, progress: bool = False, on_row: Callable[[dict], 
                 new = [{"method": case.method, "params": case.resolved, "input_len": case.input_len,
                         "output_len": cfg.output_len, "mode": "decode_window", "batch": case.plan.batch,
                         "pages_per_seq": case.plan.pages_per_seq, "error": f"{what}: {e}"}]
-                collect()
+            # after the except block: its exception's traceback held the failed engine's frames
+            collect()
             rows += new
             for row in new:
                 if on_row is not None:

@@ -42,8 +42,9 @@ def _cfg(model_dir: Path, **kw) -> ThroughputConfig:
                             attention_backend="torch", method_params=SNAPKV, **settings)
 
 
-def test_e2e_row_is_compared_with_the_window_at_its_own_batch(model_dir, cpu_profiles):
-    result = run(_cfg(model_dir, e2e=True, e2e_batch=4, busy=True, busy_batch=2))
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_e2e_row_is_compared_with_the_window_at_its_own_batch(model_dir, cpu_profiles, async_scheduling):
+    result = run(_cfg(model_dir, e2e=True, e2e_batch=4, busy=True, busy_batch=2, async_scheduling=async_scheduling))
     window, e2e_row = result["rows"]
     assert (window["mode"], window["batch"], e2e_row["mode"], e2e_row["batch"]) == ("decode_window", 7, "e2e", 4)
     # the decode window, cut from 7 to 4 sequences, timed again without the profiler
