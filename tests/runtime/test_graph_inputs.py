@@ -1,4 +1,4 @@
-"""The decode graphs' static inputs (`_DecodeGraphs._load`, vectorised over layers and rows): the
+"""The decode graphs' static inputs (`DecodeGraphs._load`, vectorised over layers and rows): the
 graph step run uncaptured on the CPU decodes exactly what eager steps decode, for methods whose
 layers store different lengths (PyramidKV), per-head start slots (Ada-KV), one length (SnapKV) and
 no compression (full), with batch sizes that leave padding rows in their bucket and rows that
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvc.runtime.model_runner import _DecodeGraphs
+from kvc.runtime.decode_graphs import DecodeGraphs
 from tests.models.tiny import make_tiny_llama
 from tests.runtime.chained import METHODS, greedy, make_llm, tokens
 
@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("graph-inputs"), seed=9, num_hidden_layers=3)
 
 
-def _reference(graphs: _DecodeGraphs, batch) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference(graphs: DecodeGraphs, batch) -> tuple[torch.Tensor, torch.Tensor]:
     page, n = graphs.runner.page_size, len(batch.seqs)
     slots = torch.full((graphs.runner.num_layers, n), -1, dtype=torch.int64)
     ctx = torch.zeros((graphs.runner.num_layers, n), dtype=torch.int32)
@@ -43,7 +43,7 @@ def test_uncaptured_graph_steps_decode_like_eager_steps(model_dir: Path, method:
     want = [o.token_ids for o in eager.generate(prompts, steps)]
     llm = make_llm(model_dir, method, METHODS[method], max_num_seqs=6)
     runner = llm.engine.runner
-    graphs = runner.graphs = _DecodeGraphs(runner, 6)
+    graphs = runner.graphs = DecodeGraphs(runner, 6)
     loads = []
 
     def replay(batch):
