@@ -3,21 +3,45 @@
 `ModelRunner.run` hands a decode-only batch to `DecodeGraphs.run`: the batch is loaded into
 static device buffers (`_load`: token ids, positions, per-layer slots, context lengths, page
 tables and KV-head starts, incrementally from a host mirror), and the graph of its key is
-replayed, captured lazily on first use. All graphs share one memory pool. `run_uncaptured` runs
-the same step eagerly over the same buffers (the CPU tests).
+replayed, captured lazily on first use. `run_uncaptured` runs the same step eagerly over the
+same buffers (the CPU tests).
+
+Graph keys (`GraphKey`): the batch-size bucket (padding rows have no slot and no context), whether
+some KV head starts past slot 0 (those graphs read the static `starts` buffer), and the context
+bucket: the smallest rung of `context_ladder` that covers the step's longest stored context + 1
+over every row and layer. The captured `AttentionMetadata.max_context_len` is that rung, so all
+that a decode step sizes by the longest context scales with what is stored, not with
+max_model_len: the decode-statistics buffer and its scores scratch, the state-plane temporaries
+of methods that read them (`[B, Hkv, W]`), and the split-KV grid of the decode kernels. The
+ladder is the powers of two from the tuner's smallest context bucket (256) up, ending at the
+longest context a sequence can reach (`longest_context`): a rung then costs at most twice the
+stored width, there are about log2(longest / 256) of them, and each power-of-two rung is exactly
+one tuning bucket (runtime/tuning/buckets.py `context_bucket`), so a graph launches the tuned
+config of its own context bucket.
+
+Memory: every graph reads the same static buffers, allocated once at their largest here, and the
+statistics buffer, which `reserve_stats` sizes for the largest batch bucket and rung before any
+capture (eager steps never ask for more: no more rows than max_num_seqs, no longer context than
+`longest_context`), so nothing a captured graph reads is ever reallocated. Graphs share one
+memory pool and copy their logits into one static buffer: a graph keeps no output of its own in
+the pool, so what one capture frees the next reuses and the pool stays about the size of the
+largest graph's temporaries; capture is lazy, and there are at most (batch buckets) x 2 x
+(rungs) graphs (`num_graphs` counts them).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from kvc.runtime.attention.metadata import AttentionMetadata
+from kvc.runtime.method_api import Hook
 from kvc.runtime.scheduler import ScheduledBatch
+from kvc.runtime.tuning.buckets import BATCH_BUCKETS, MIN_CONTEXT_BUCKET
 
 if TYPE_CHECKING:
     from kvc.runtime.model_runner import ModelRunner
@@ -25,15 +49,46 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class GraphKey(NamedTuple):
+    batch: int  # batch-size bucket
+    starts: bool  # reads the KV-head start slots
+    context: int  # context bucket: the captured max_context_len
+
+
+def longest_context(max_model_len: int, num_pages: int, page_size: int) -> int:
+    """The longest context a decode row can have: within max_model_len, and within the pages of
+    the whole pool (one layer of one sequence cannot hold more)."""
+    return max(1, min(max_model_len, num_pages * page_size))
+
+
+def context_ladder(longest: int, smallest: int = MIN_CONTEXT_BUCKET) -> list[int]:
+    """The context buckets: `smallest` doubled while below `longest`, then `longest`."""
+    ladder, rung = [], smallest
+    while rung < longest:
+        ladder.append(rung)
+        rung *= 2
+    return [*ladder, longest]
+
+
+def context_bucket(ladder: list[int], needed: int) -> int:
+    """The smallest rung of `ladder` that holds `needed` tokens."""
+    i = bisect.bisect_left(ladder, needed)
+    if i == len(ladder):
+        raise RuntimeError(f"a decode row holds {needed} tokens, past the {ladder[-1]} the decode graphs "
+                           "were sized for (max_model_len and the pool bound every row)")
+    return ladder[i]
+
+
 class DecodeGraphs:
-    """CUDA graphs of decode-only steps, one per batch-size bucket (and per "some KV head starts
-    past slot 0": those graphs read the static `starts` buffer, the others are the kernels
-    without it), sharing one memory pool."""
+    """CUDA graphs of decode-only steps, one per `GraphKey` (module docstring), sharing one
+    memory pool and one static logits buffer."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int) -> None:
         self.runner = runner
-        self.buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512) if b < max_num_seqs]
+        self.buckets = [b for b in BATCH_BUCKETS if b < max_num_seqs]
         self.buckets.append(max_num_seqs)
+        self.contexts = context_ladder(longest_context(runner.max_model_len, runner.attention.num_pages,
+                                                       runner.page_size))
         n, dev, layers = self.buckets[-1], runner.device, runner.num_layers
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -43,8 +98,8 @@ class DecodeGraphs:
         self.ctx = torch.zeros((layers, n), dtype=torch.int32, device=dev)
         self.cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.starts = torch.zeros((layers, n, runner.num_kv_heads), dtype=torch.int32, device=dev)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
+        self.logits: torch.Tensor | None = None  # [n, vocab] float32, every graph's output (`_step_fn`)
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.pool = None
         # host mirror of what the table and starts buffers hold, per row (`_load`)
         self._loaded: list[tuple[int, int] | None] = [None] * n
@@ -52,12 +107,25 @@ class DecodeGraphs:
         self._host_starts = np.zeros((layers, n, runner.num_kv_heads), dtype=np.int32)
         self._row_starts = [False] * n
 
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs)
+
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
 
-    def _step_fn(self, b: int, with_starts: bool):
-        """The decode step a graph of bucket `b` captures: the model over the static buffers."""
+    def reserve_stats(self) -> None:
+        """When the method's decode hook reads attention statistics: their buffer at the largest
+        request any step makes (largest batch bucket, largest rung), before any capture."""
         r = self.runner
+        fold = r.method.attention.decode_stats
+        if fold is not None and Hook.DECODE_AFTER_ATTENTION in r.method.hooks:
+            r.attention.stats_request(fold, self.buckets[-1], r.model.spec.num_heads, self.contexts[-1])
+
+    def _step_fn(self, key: GraphKey):
+        """The decode step a graph of `key` captures: the model over the static buffers, the
+        logits copied into the static output."""
+        r, b = self.runner, key.batch
         md = AttentionMetadata(
             slot_mapping=self.slots[:, :b],
             block_tables=self.tables[:, :b],
@@ -65,18 +133,23 @@ class DecodeGraphs:
             context_lens=self.ctx[:, :b],
             num_decodes=b,
             max_query_len=1,
-            max_context_len=r.max_model_len,
-            kv_starts=self.starts[:, :b] if with_starts else None,
+            max_context_len=key.context,
+            kv_starts=self.starts[:, :b] if key.starts else None,
         )
         attn = r._attn_fn(md)
+        if self.logits is None:  # outside any capture
+            self.logits = torch.empty((self.buckets[-1], r.model.spec.vocab_size), dtype=torch.float32,
+                                      device=r.device)
+        out = self.logits[:b]
 
         def step() -> torch.Tensor:
-            return r.model.compute_logits(r.model(self.input_ids[:b], self.positions[:b], attn))
+            out.copy_(r.model.compute_logits(r.model(self.input_ids[:b], self.positions[:b], attn)))
+            return out
 
         return step
 
-    def _capture(self, b: int, with_starts: bool = False) -> None:
-        step = self._step_fn(b, with_starts)
+    def _capture(self, key: GraphKey) -> None:
+        step = self._step_fn(key)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -85,29 +158,31 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[b, with_starts] = step()
+            step()
         self.pool = graph.pool()
-        self.graphs[b, with_starts] = graph
-        log.debug("captured decode graph for batch %d%s", b, " with KV-head starts" if with_starts else "")
+        self.graphs[key] = graph
+        log.debug("captured decode graph %d for batch %d, context %d%s", len(self.graphs), key.batch, key.context,
+                  " with KV-head starts" if key.starts else "")
 
     def capture_all(self) -> None:
+        """Every batch bucket at the first context bucket (longer contexts capture when reached)."""
         for b in reversed(self.buckets):
-            self._capture(b)
+            self._capture(GraphKey(b, False, self.contexts[0]))
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         n = len(batch.seqs)
         key = self._load(batch)
         if key not in self.graphs:
-            self._capture(*key)
+            self._capture(key)
         self.graphs[key].replay()
-        return self.logits[key][:n]
+        return self.logits[:n]
 
     def run_uncaptured(self, batch: ScheduledBatch) -> torch.Tensor:
         """What `run` replays, run eagerly (the same buffers and code; tests on the CPU)."""
-        return self._step_fn(*self._load(batch))()[: len(batch.seqs)]
+        return self._step_fn(self._load(batch))()[: len(batch.seqs)]
 
-    def _load(self, batch: ScheduledBatch) -> tuple[int, bool]:
-        """Fills the static buffers with the batch; the graph key (bucket, with starts).
+    def _load(self, batch: ScheduledBatch) -> GraphKey:
+        """Fills the static buffers with the batch; its graph key.
 
         Incremental: a host mirror of the page tables and KV-head starts keeps each row's last
         load, and only rows whose sequence or `tables_version` changed are rewritten and copied to
@@ -119,7 +194,6 @@ class DecodeGraphs:
         page, layers = self.runner.page_size, self.runner.num_layers
         changed = self._update_mirror(seqs)
         with_starts = any(self._row_starts[:n])
-        key = (b, with_starts)
         pos = [seq.num_computed_tokens for seq in seqs]
         ids = [seq.token_ids[p] for seq, p in zip(seqs, pos)]
         kv = np.array([seq.kv_lens for seq in seqs], dtype=np.int64).T  # [L, n]
@@ -128,6 +202,7 @@ class DecodeGraphs:
         slots[:, :n] = pages.astype(np.int64) * page + kv % page
         ctx = np.zeros((layers, b), dtype=np.int32)
         ctx[:, :n] = kv + 1
+        key = GraphKey(b, with_starts, context_bucket(self.contexts, int(ctx.max())))
         pad = b - n
         self.input_ids[:b].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
         self.positions[:b].copy_(torch.tensor(pos + [0] * pad), non_blocking=True)

@@ -1,8 +1,8 @@
 """Runs one scheduled step through the model: builds the step's tensors, calls the model with
 paged attention, and samples the sequences that reached the end of their known tokens.
 
-Decode-only steps on a GPU replay CUDA graphs captured per batch-size bucket; everything else
-(prefill chunks, mixed steps, CPU) runs eagerly.
+Decode-only steps on a GPU replay CUDA graphs captured per batch-size and context bucket
+(runtime/decode_graphs.py); everything else (prefill chunks, mixed steps, CPU) runs eagerly.
 
 Positions are logical (`num_computed_tokens` onward); slots, tables and lengths are physical and
 per layer (`kv_lens`, `page_tables`), plus per-KV-head start slots (`kv_starts`) in layers that a
@@ -106,10 +106,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if use_cuda_graphs and device.type == "cuda" and getattr(self.method, "decode_graphs", True):
             self.graphs = DecodeGraphs(self, max_num_seqs)
-            fold = self.method.attention.decode_stats
-            if fold is not None and Hook.DECODE_AFTER_ATTENTION in self.method.hooks:
-                # the largest statistics buffer any step asks for, before a graph captures a view of it
-                attention.stats_request(fold, self.graphs.buckets[-1], model.spec.num_heads, max_model_len)
+            self.graphs.reserve_stats()  # before a graph captures a view of the statistics buffer
 
     # ---- per-request sampling state -------------------------------------------------------
     def add_request(self, seq_id: int, seed: int | None) -> None:

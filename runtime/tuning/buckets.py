@@ -5,8 +5,9 @@ A bucket is a tuple of ints and a dtype name in a fixed field order (`Family.fie
 lookup at launch is a tuple build and one dict probe. Sizes round up to the buckets the engine
 really produces: decode batches to the CUDA-graph batch buckets of `runtime/decode_graphs.py`
 (`DecodeGraphs`; a test keeps the two lists equal), context bounds and prefill chunks to powers
-of two. A graph-captured decode step passes `max_context_len = max_model_len`, so its bucket, and
-therefore its launch config, is fixed for the life of the graph.
+of two. A graph-captured decode step passes its context bucket (a power of two from
+MIN_CONTEXT_BUCKET, or the longest context) as `max_context_len`, so its bucket, and therefore its
+launch config, is fixed for the life of the graph.
 """
 
 from __future__ import annotations
