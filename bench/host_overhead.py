@@ -1,5 +1,5 @@
 """Host (Python) time of one decode step of the engine, without a model or a GPU: the scheduler
-(`schedule` + `postprocess`) and the decode graphs' input building (`_DecodeGraphs._load`), for a
+(`schedule` + `postprocess`) and the decode graphs' input building (`DecodeGraphs._load`), for a
 batch of decoding sequences that each store `--kv` tokens in every one of `--layers` layers (the
 SnapKV operating point of `kvc bench throughput`: Qwen3-30B-A3B has 48 layers).
 
@@ -16,7 +16,8 @@ import time
 from types import SimpleNamespace
 
 from kvc.runtime.kv.page_pool import PagePool
-from kvc.runtime.model_runner import ScheduledBatch, _DecodeGraphs, _TableCache
+from kvc.runtime.decode_graphs import DecodeGraphs
+from kvc.runtime.model_runner import ScheduledBatch, _TableCache
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.scheduler import Scheduler, SchedulerConfig
 from kvc.runtime.sequence import Sequence, SequenceStatus
@@ -36,8 +37,9 @@ def build(batch: int, layers: int, kv: int, page: int, kv_heads: int):
         scheduler.running.append(seq)
     max_pages = kv // page + 64
     runner = SimpleNamespace(device="cpu", num_layers=layers, max_pages_per_seq=max_pages, num_kv_heads=kv_heads,
-                             page_size=page, tables=_TableCache(layers, kv_heads))
-    return scheduler, _DecodeGraphs(runner, batch)
+                             page_size=page, tables=_TableCache(layers, kv_heads), max_model_len=max_pages * page,
+                             attention=SimpleNamespace(num_pages=pool.num_pages))
+    return scheduler, DecodeGraphs(runner, batch)
 
 
 def main() -> None:

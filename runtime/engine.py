@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from kvc.runtime.attention.backend import PagedAttention, kv_bytes_per_page
+from kvc.runtime.attention.backend import PagedAttention, kv_bytes_per_page, layer_page_bytes, pool_pages
 from kvc.runtime.chain_prune import PruneRequest, Pruner, Scorer, parse_auto_prune, resolve_scorer
 from kvc.runtime.chains import ChainSpec, ChainStore
 from kvc.runtime.config import EngineConfig
@@ -85,8 +85,8 @@ class Engine:
             raise ConfigError(f"method {self.method.name!r} asks for a storage layout the engine "
                               "cannot hold yet (dense K/V pages only)", param="method")
         # one layer's page: K/V and the method's per-token state planes
-        page_bytes = (layout.bytes_per_token + layout.state_bytes_per_token(self.spec.num_kv_heads)) * config.page_size
-        self.num_pages = max(1, self._kv_budget_bytes() // page_bytes)
+        page_bytes = layer_page_bytes(layout, self.spec.num_kv_heads, config.page_size)
+        self.num_pages = pool_pages(self._kv_budget_bytes(), page_bytes)
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"

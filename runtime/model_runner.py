@@ -1,8 +1,8 @@
 """Runs one scheduled step through the model: builds the step's tensors, calls the model with
 paged attention, and samples the sequences that reached the end of their known tokens.
 
-Decode-only steps on a GPU replay CUDA graphs captured per batch-size bucket; everything else
-(prefill chunks, mixed steps, CPU) runs eagerly.
+Decode-only steps on a GPU replay CUDA graphs captured per batch-size and context bucket
+(runtime/decode_graphs.py); everything else (prefill chunks, mixed steps, CPU) runs eagerly.
 
 Positions are logical (`num_computed_tokens` onward); slots, tables and lengths are physical and
 per layer (`kv_lens`, `page_tables`), plus per-KV-head start slots (`kv_starts`) in layers that a
@@ -33,7 +33,6 @@ pages it rewrites. A keep plan's `tail` moves the sequence's `verbatim_from`.
 
 from __future__ import annotations
 
-import bisect
 import logging
 from dataclasses import dataclass, field
 
@@ -43,6 +42,7 @@ import torch
 from kvc.runtime.attention.backend import PagedAttention
 from kvc.runtime.attention.metadata import AttentionMetadata
 from kvc.runtime.chains import QUERY_WINDOW
+from kvc.runtime.decode_graphs import DecodeGraphs
 from kvc.runtime.kv.compaction import CompactionJob, compact_many
 from kvc.runtime.kv.positions import compact_map
 from kvc.runtime.kv.page_pool import PagePool
@@ -51,7 +51,7 @@ from kvc.runtime.method_api import DecodeRow, DecodeView, Hook, KVMethod, LayerC
 from kvc.runtime.models.base import CausalLM
 from kvc.runtime.sampler import sample
 from kvc.runtime.scheduler import ScheduledBatch
-from kvc.runtime.transfer import PendingTokens, copy_into, to_device
+from kvc.runtime.transfer import PendingTokens, feed_pending, to_device
 
 log = logging.getLogger(__name__)
 
@@ -121,13 +121,10 @@ class ModelRunner:
         layout = self.method.layout(self.num_kv_heads, model.spec.head_dim, model.spec.dtype)
         attention.add_planes(layout.state_planes)  # no-op when the engine allocated them
         self.planes = {name: attention.planes[name] for name in layout.state_planes}
-        self.graphs: _DecodeGraphs | None = None
+        self.graphs: DecodeGraphs | None = None
         if use_cuda_graphs and device.type == "cuda" and getattr(self.method, "decode_graphs", True):
-            self.graphs = _DecodeGraphs(self, max_num_seqs)
-            fold = self.method.attention.decode_stats
-            if fold is not None and Hook.DECODE_AFTER_ATTENTION in self.method.hooks:
-                # the largest statistics buffer any step asks for, before a graph captures a view of it
-                attention.stats_request(fold, self.graphs.buckets[-1], model.spec.num_heads, max_model_len)
+            self.graphs = DecodeGraphs(self, max_num_seqs)
+            self.graphs.reserve_stats()  # before a graph captures a view of the statistics buffer
 
     # ---- per-request sampling state -------------------------------------------------------
     def add_request(self, seq_id: int, seed: int | None) -> None:
@@ -160,7 +157,7 @@ class ModelRunner:
         else:
             inputs = self.prepare(batch, needs_sample)
             if feed is not None:
-                _feed_pending(inputs.input_ids, after.tokens.device, feed, [0, *np.cumsum(batch.num_new_tokens)])
+                feed_pending(inputs.input_ids, after.tokens.device, feed, [0, *np.cumsum(batch.num_new_tokens)])
             attn = self._attn_fn(inputs.md, batch, output.compacted)
             hidden = self.model(inputs.input_ids, inputs.positions, attn)
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
@@ -388,15 +385,6 @@ class ModelRunner:
         return StepInputs(to_dev(ids, torch.int64), to_dev(positions, torch.int64), md, sample_rows, sample_seqs)
 
 
-def _feed_pending(input_ids: torch.Tensor, tokens: torch.Tensor, feed: tuple[list[int], list[int]],
-                  offsets: list[int]) -> None:
-    """Writes the pending input tokens (still on the device) into a step's token ids: row i of
-    `feed[0]` (its last token, at offsets[i + 1] - 1) takes `tokens[feed[1][i]]`."""
-    dst, src = feed
-    rows = to_device([int(offsets[i + 1]) - 1 for i in dst], input_ids.device, torch.int64)
-    input_ids.index_copy_(0, rows, tokens.index_select(0, to_device(src, tokens.device, torch.int64)))
-
-
 def _chained_prefills(batch: ScheduledBatch) -> list[tuple[object, slice]]:
     """The step's prefill chunks of chained sequences, with their rows in the step's tokens."""
     if batch.num_prefills == 0:
@@ -480,156 +468,3 @@ class _TableCache:
     def drop(self, seq_id: int) -> None:
         self._arrays.pop(seq_id, None)
         self._starts.pop(seq_id, None)
-
-
-class _DecodeGraphs:
-    """CUDA graphs of decode-only steps, one per batch-size bucket (and per "some KV head starts
-    past slot 0": those graphs read the static `starts` buffer, the others are the kernels
-    without it), sharing one memory pool."""
-
-    def __init__(self, runner: ModelRunner, max_num_seqs: int) -> None:
-        self.runner = runner
-        self.buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512) if b < max_num_seqs]
-        self.buckets.append(max_num_seqs)
-        n, dev, layers = self.buckets[-1], runner.device, runner.num_layers
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        # per-layer static buffers: layer l's row of each is what its kernels read
-        self.slots = torch.full((layers, n), -1, dtype=torch.int64, device=dev)
-        self.tables = torch.zeros((layers, n, runner.max_pages_per_seq), dtype=torch.int32, device=dev)
-        self.ctx = torch.zeros((layers, n), dtype=torch.int32, device=dev)
-        self.cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.starts = torch.zeros((layers, n, runner.num_kv_heads), dtype=torch.int32, device=dev)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
-        self.pool = None
-        # host mirror of what the table and starts buffers hold, per row (`_load`)
-        self._loaded: list[tuple[int, int] | None] = [None] * n
-        self._host_tables = np.zeros((layers, n, 1), dtype=np.int32)
-        self._host_starts = np.zeros((layers, n, runner.num_kv_heads), dtype=np.int32)
-        self._row_starts = [False] * n
-
-    def fits(self, batch_size: int) -> bool:
-        return batch_size <= self.buckets[-1]
-
-    def _step_fn(self, b: int, with_starts: bool):
-        """The decode step a graph of bucket `b` captures: the model over the static buffers."""
-        r = self.runner
-        md = AttentionMetadata(
-            slot_mapping=self.slots[:, :b],
-            block_tables=self.tables[:, :b],
-            cu_seqlens_q=self.cu[: b + 1],
-            context_lens=self.ctx[:, :b],
-            num_decodes=b,
-            max_query_len=1,
-            max_context_len=r.max_model_len,
-            kv_starts=self.starts[:, :b] if with_starts else None,
-        )
-        attn = r._attn_fn(md)
-
-        def step() -> torch.Tensor:
-            return r.model.compute_logits(r.model(self.input_ids[:b], self.positions[:b], attn))
-
-        return step
-
-    def _capture(self, b: int, with_starts: bool = False) -> None:
-        step = self._step_fn(b, with_starts)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile kernels and settle allocations outside the graph
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[b, with_starts] = step()
-        self.pool = graph.pool()
-        self.graphs[b, with_starts] = graph
-        log.debug("captured decode graph for batch %d%s", b, " with KV-head starts" if with_starts else "")
-
-    def capture_all(self) -> None:
-        for b in reversed(self.buckets):
-            self._capture(b)
-
-    def run(self, batch: ScheduledBatch, feed: tuple[torch.Tensor, tuple[list[int], list[int]]] | None = None
-            ) -> torch.Tensor:
-        """Replays the batch's graph; `feed`: (the previous step's device tokens, the rows they feed)."""
-        n = len(batch.seqs)
-        key = self._load(batch, feed)
-        if key not in self.graphs:
-            self._capture(*key)
-        self.graphs[key].replay()
-        return self.logits[key][:n]
-
-    def run_uncaptured(self, batch: ScheduledBatch, feed=None) -> torch.Tensor:
-        """What `run` replays, run eagerly (the same buffers and code; tests on the CPU)."""
-        return self._step_fn(*self._load(batch, feed))()[: len(batch.seqs)]
-
-    def _load(self, batch: ScheduledBatch, feed=None) -> tuple[int, bool]:
-        """Fills the static buffers with the batch; the graph key (bucket, with starts). `feed`:
-        (the previous step's device tokens, (rows, their rows there)) for pending input tokens.
-
-        Incremental: a host mirror of the page tables and KV-head starts keeps each row's last
-        load, and only rows whose sequence or `tables_version` changed are rewritten and copied to
-        the device (in steady decoding, the rows that crossed a page boundary). Slots and context
-        lengths are computed vectorised over [layer, row] from the mirror. (Row by row over 48
-        layers this cost ~12 ms per step at batch 160; the GPU waited for it.)"""
-        seqs, n = batch.seqs, len(batch.seqs)
-        b = self.buckets[bisect.bisect_left(self.buckets, n)]
-        page, layers = self.runner.page_size, self.runner.num_layers
-        changed = self._update_mirror(seqs)
-        with_starts = any(self._row_starts[:n])
-        key = (b, with_starts)
-        pos = [seq.num_computed_tokens for seq in seqs]
-        ids = [seq.token_ids[p] if p < len(seq.token_ids) else 0 for seq, p in zip(seqs, pos)]  # 0: pending
-        kv = np.array([seq.kv_lens for seq in seqs], dtype=np.int64).T  # [L, n]
-        pages = np.take_along_axis(self._host_tables[:, :n], (kv // page)[:, :, None], axis=2)[:, :, 0]
-        slots = np.full((layers, b), -1, dtype=np.int64)  # padding rows: no slot, no context
-        slots[:, :n] = pages.astype(np.int64) * page + kv % page
-        ctx = np.zeros((layers, b), dtype=np.int32)
-        ctx[:, :n] = kv + 1
-        pad = b - n
-        copy_into(self.input_ids[:b], ids + [0] * pad)
-        copy_into(self.positions[:b], pos + [0] * pad)
-        copy_into(self.slots[:, :b], slots)
-        copy_into(self.ctx[:, :b], ctx)
-        # Page tables: only changed rows travel (stale entries past a row's table, and in padding
-        # rows, are never read: kernels stop at the row's context length, 0 for padding).
-        width = self._host_tables.shape[2]
-        if len(changed) > n // 4:
-            copy_into(self.tables[:, :n, :width], self._host_tables[:, :n])
-        else:
-            for i in changed:
-                copy_into(self.tables[:, i, :width], self._host_tables[:, i])
-        if with_starts:  # padding rows start at 0 (their context is empty anyway)
-            starts = np.zeros((layers, b, self._host_starts.shape[2]), dtype=np.int32)
-            starts[:, :n] = self._host_starts[:, :n]
-            copy_into(self.starts[:, :b], starts)
-        if feed is not None:
-            _feed_pending(self.input_ids, feed[0], feed[1], list(range(n + 1)))
-        return key
-
-    def _update_mirror(self, seqs) -> list[int]:
-        """Rewrites the mirror rows whose sequence or tables changed since the last load (all of
-        them when the mirror must widen); returns their indices."""
-        tables = self.runner.tables
-        longest = max(tables.longest(seq) for seq in seqs)
-        if longest > self._host_tables.shape[2]:  # widen (rare): every row is rewritten
-            width = min(max(longest, 2 * self._host_tables.shape[2]), self.tables.shape[2])
-            self._host_tables = np.zeros((self.runner.num_layers, len(self._loaded), width), dtype=np.int32)
-            self._loaded = [None] * len(self._loaded)
-        changed = []
-        for i, seq in enumerate(seqs):
-            mark = (seq.seq_id, seq.tables_version)
-            if self._loaded[i] == mark:
-                continue
-            self._loaded[i] = mark
-            changed.append(i)
-            arr = tables.array(seq)
-            w = min(arr.shape[1], self._host_tables.shape[2])
-            self._host_tables[:, i, :w] = arr[:, :w]
-            self._host_tables[:, i, w:] = 0
-            has = seq.has_kv_starts
-            self._row_starts[i] = has
-            self._host_starts[:, i] = tables.starts_array(seq) if has else 0
-        return changed

@@ -37,6 +37,19 @@ def copy_into(dst: torch.Tensor, values) -> None:
     dst.copy_(host, non_blocking=dst.device.type == "cuda")
 
 
+# (a previous step's sampled tokens on the device, (rows of this step, their rows in those tokens))
+Feed = tuple[torch.Tensor, tuple[list[int], list[int]]]
+
+
+def feed_pending(input_ids: torch.Tensor, tokens: torch.Tensor, rows: tuple[list[int], list[int]],
+                 offsets: list[int]) -> None:
+    """Writes pending input tokens, still on the device, into a step's token ids: sequence i of
+    `rows[0]` (its last token sits at offsets[i + 1] - 1) takes `tokens[rows[1][k]]`."""
+    dst, src = rows
+    at = to_device([int(offsets[i + 1]) - 1 for i in dst], input_ids.device, torch.int64)
+    input_ids.index_copy_(0, at, tokens.index_select(0, to_device(src, tokens.device, torch.int64)))
+
+
 class PendingTokens:
     """A step's sampled token ids: on the device at once (the next step can feed them), on the host
     once `resolve()` returns."""

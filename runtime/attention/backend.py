@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from kvc.runtime.attention import torch_ops
 from kvc.runtime.attention.metadata import AttentionMetadata, DecodeStats, StatsFold
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv import state_planes
+
+if TYPE_CHECKING:
+    from kvc.runtime.method_api import KVLayout
 
 BACKENDS = ("torch", "triton")
 
@@ -40,6 +44,18 @@ COPY_BYTES = 256 * 2**20  # K or V bytes gathered at once by copy_pages
 def kv_bytes_per_page(num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one page (one layer's page_size tokens) costs, keys and values together."""
     return 2 * num_kv_heads * page_size * head_dim * dtype.itemsize
+
+
+def layer_page_bytes(layout: KVLayout, num_kv_heads: int, page_size: int) -> int:
+    """Bytes one page of the pool costs (one layer's page_size tokens): the layout's K/V bytes
+    plus its state planes. The engine sizes its pool with it and the throughput plan counts
+    with it, so the two cannot disagree."""
+    return (layout.bytes_per_token + layout.state_bytes_per_token(num_kv_heads)) * page_size
+
+
+def pool_pages(kv_memory: int, page_bytes: int) -> int:
+    """Pages `kv_memory` bytes buy at `page_bytes` each (at least one)."""
+    return max(1, kv_memory // page_bytes)
 
 
 def load_ops(backend: str, device: torch.device, variant: str = "plain") -> ModuleType:

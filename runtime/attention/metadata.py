@@ -64,7 +64,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [L, B] int32: physical KV length per layer after this step
     num_decodes: int  # the first num_decodes sequences each have exactly one new token
     max_query_len: int  # longest run of new tokens of one sequence in this step
-    max_context_len: int  # longest context_lens entry
+    max_context_len: int  # bound on context_lens: its longest entry, or a decode graph's context bucket
     kv_starts: torch.Tensor | None = None  # [L, B, Hkv] int32: first slot each KV head reads; None = 0
 
     @property

@@ -9,8 +9,9 @@
 - `model_spec`: the model's shape (layers, KV heads, head dim, dtype) from its config alone, so the
   batch is known before the weights are loaded; `model_for_context` lengthens a random model's
   context when input + output need it (random weights have no trained context to respect).
-- `plan_batch`: the pool the engine will allocate for `--kv-memory` (the engine's own formula:
-  bytes // one layer-page of the method's layout; the caller checks the engine agrees) and the
+- `plan_batch`: the pool the engine will allocate for `--kv-memory` (the engine's own functions,
+  `attention.backend.layer_page_bytes` / `pool_pages`: bytes // one layer-page of the method's
+  layout, K/V and state planes; the caller checks the engine agrees) and the
   pages one sequence holds at steady state with its whole output generated (the method's
   `budget.steady_tokens(prompt, prompt + output, layer)` per layer, in pages); the largest batch is
   the pool over that, capped by `--max-batch`. One request's prefill peak (the whole prompt
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from kvc.runtime.attention.backend import layer_page_bytes, pool_pages
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.models.base import ModelSpec
@@ -126,7 +128,7 @@ def _dtype(dtype: str, device: torch.device) -> torch.dtype:
 @dataclass(frozen=True)
 class BatchPlan:
     num_pages: int  # the pool --kv-memory buys for this method's layout
-    page_bytes: int  # one layer-page (K and V)
+    page_bytes: int  # one layer-page (K, V and the method's state planes)
     pages_per_seq: int  # one sequence at steady state, input + the whole output stored (all layers)
     steady_tokens: float  # physical tokens per layer at that point, averaged over layers
     prefill_pages: int  # one request alone at its worst: prefill peak (whole prompt) or steady (all layers)
@@ -145,8 +147,8 @@ def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_le
     if bind is not None:
         bind(spec.num_layers, spec.num_kv_heads)
     layout = method.layout(spec.num_kv_heads, spec.head_dim, spec.dtype)
-    page_bytes = layout.bytes_per_token * page_size
-    num_pages = max(1, kv_memory // page_bytes)
+    page_bytes = layer_page_bytes(layout, spec.num_kv_heads, page_size)
+    num_pages = pool_pages(kv_memory, page_bytes)
     budget, layers = method.budget, range(spec.num_layers)
     steady = [budget.steady_tokens(input_len, input_len + output_len, layer) for layer in layers]
     per_seq = sum(-(-tokens // page_size) for tokens in steady)

@@ -3,10 +3,11 @@ lookup (the generated attention wrappers, moe_triton, compaction_triton) and for
 
 A bucket is a tuple of ints and a dtype name in a fixed field order (`Family.fields`), so the
 lookup at launch is a tuple build and one dict probe. Sizes round up to the buckets the engine
-really produces: decode batches to the CUDA-graph batch buckets of `runtime/model_runner.py`
-(`_DecodeGraphs`; a test keeps the two lists equal), context bounds and prefill chunks to powers
-of two. A graph-captured decode step passes `max_context_len = max_model_len`, so its bucket, and
-therefore its launch config, is fixed for the life of the graph.
+really produces: decode batches to the CUDA-graph batch buckets of `runtime/decode_graphs.py`
+(`DecodeGraphs`; a test keeps the two lists equal), context bounds and prefill chunks to powers
+of two. A graph-captured decode step passes its context bucket (a power of two from
+MIN_CONTEXT_BUCKET, or the longest context) as `max_context_len`, so its bucket, and therefore its
+launch config, is fixed for the life of the graph.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-# The decode CUDA-graph batch buckets (runtime/model_runner.py `_DecodeGraphs.buckets`, before the
+# The decode CUDA-graph batch buckets (runtime/decode_graphs.py `DecodeGraphs.buckets`, before the
 # engine's max_num_seqs is appended); larger batches round to powers of two.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_CONTEXT_BUCKET = 256

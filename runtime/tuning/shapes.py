@@ -30,7 +30,7 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    max_len: int  # max_position_embeddings: the context bucket a graph-captured decode uses
+    max_len: int  # max_position_embeddings: the largest context bucket a graph-captured decode uses
     moe: MoeShape | None
 
 

@@ -198,15 +198,15 @@ def test_schedule_ahead_refusals(model_dir):
 
 @pytest.mark.parametrize("method", ["full", "adakv"])
 def test_graph_inputs_take_pending_tokens(model_dir, method):
-    """The decode graphs' input path (`_DecodeGraphs._load` with a feed, run uncaptured on the CPU):
+    """The decode graphs' input path (`DecodeGraphs._load` with a feed, run uncaptured on the CPU):
     running ahead through it gives the plain engine's tokens."""
-    from kvc.runtime.model_runner import _DecodeGraphs
+    from kvc.runtime.decode_graphs import DecodeGraphs
 
     stops = stop_ids_of(model_dir, method)
     work = list(zip(prompts(), params(stops)))
     plain, _ = run(make_engine(model_dir, method, False), work)
     engine = make_engine(model_dir, method, True)
-    graphs = engine.runner.graphs = _DecodeGraphs(engine.runner, 8)
+    graphs = engine.runner.graphs = DecodeGraphs(engine.runner, 8)
     fed = []
 
     def replay(batch, feed=None):

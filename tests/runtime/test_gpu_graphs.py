@@ -59,3 +59,30 @@ def test_graph_decode_equals_eager(tmp_path, method, monkeypatch):
         assert got[0] == oracle[0]  # greedy tokens
         assert got[1] == oracle[1]  # physical lengths after every step
         assert got[2] == oracle[2]  # chained turns
+
+
+GROWING = {"full": {}, "h2o": {"heavy": 0.6, "recent": 0.6}, "tova": {"budget": 300}}
+
+
+@pytest.mark.parametrize("method", sorted(GROWING))
+def test_decode_crosses_a_context_bucket(tmp_path, method):
+    """Prompts of 250 and 240 tokens decode 20 and 12 tokens without evicting (H2O keeps 1.2 x the
+    prompt, TOVA 300), so the longest context grows past the 256 rung: graphs of context buckets
+    256 and 512 (max_model_len) replay, and the greedy tokens equal eager steps'."""
+    model_dir = make_tiny_qwen3(tmp_path)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (250, 240)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (20, 12)]
+    outputs = []
+    for graphs in (False, True):
+        llm = LLM(str(model_dir), device="cuda", dtype="float32", page_size=16, method=method,
+                  method_params=GROWING[method], kv_cache_memory=2**26, cuda_graphs=graphs)
+        outputs.append([o.token_ids for o in llm.generate(prompts, params)])
+        if graphs:
+            captured = llm.engine.runner.graphs
+            assert captured.contexts == [256, 512]
+            assert {key.context for key in captured.graphs} == {256, 512}
+            assert captured.num_graphs == len(captured.graphs) <= 2 * len(captured.buckets) * len(captured.contexts)
+        del llm
+        torch.cuda.empty_cache()
+    assert outputs[0] == outputs[1]

@@ -132,17 +132,17 @@ def test_plane_state_equals_the_dict_state_after_every_step(model_dir, monkeypat
 
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_the_graph_step_run_uncaptured(model_dir, method, monkeypatch):
-    """Decode-only steps through the CUDA-graph runner's own step (`_DecodeGraphs`: static buffers,
+    """Decode-only steps through the CUDA-graph runner's own step (`DecodeGraphs`: static buffers,
     batch-size buckets with padding rows, statistics `max_model_len` wide, no host rows), run
     without capture on the CPU: the dict path's tokens and lengths."""
-    from kvc.runtime.model_runner import _DecodeGraphs
+    from kvc.runtime.decode_graphs import DecodeGraphs
 
     prompts = prompts_of([33, 71, 48], seed=21)
     options = dict(max_model_len=160, max_num_seqs=6)
     want = run(make_llm(model_dir, method, False, monkeypatch, **options), prompts, 24)
     llm = make_llm(model_dir, method, True, monkeypatch, **options)
     runner = llm.engine.runner
-    graphs = runner.graphs = _DecodeGraphs(runner, 6)
+    graphs = runner.graphs = DecodeGraphs(runner, 6)
     replays = []
 
     def replay(batch):
