@@ -145,9 +145,9 @@ def test_the_graph_step_run_uncaptured(model_dir, method, monkeypatch):
     graphs = runner.graphs = DecodeGraphs(runner, 6)
     replays = []
 
-    def replay(batch):
+    def replay(batch, feed=None):
         replays.append(len(batch.seqs))
-        return graphs.run_uncaptured(batch)
+        return graphs.run_uncaptured(batch, feed)
 
     monkeypatch.setattr(graphs, "run", replay)
     assert run(llm, prompts, 24) == want
