@@ -5,7 +5,8 @@
 #  (b) snapkv at 32K: decode window, again at the e2e batch (64), and 64 real prompts end to end,
 #      both windows profiled at batch 64 (--busy: busy fraction, host gap per step, top kernels);
 #  (c) pyramidkv and snapkv decode windows at 32K, 16 steps, profiled at their whole batch;
-#  (d) h2o and tova decode windows at 32K, 8 steps (eager per-step compaction may be slow).
+#  (d) h2o and tova decode windows at 32K, 8 steps (eager per-step compaction may be slow);
+#  (w) full and snapkv decode windows at 32K, 32 steps (the acceptance's 32K ratio).
 # Each part runs under `timeout` and writes into a scratch folder; after each part $OUT is repacked
 # (the device returns at most 8 files): results.tar.gz (every log, JSON, markdown table and the tuned
 # cache) and summary.md (each part's exit status, tables and last log lines). A call cut short
@@ -13,7 +14,7 @@
 # Usage (device machine, kvc installed): bash bench/gpu_issue7_s5.sh "$OUT"
 # Env, to check the script on a CPU: MODEL ('' = the embedded default model), DTYPE, KV_MEMORY,
 # INPUT, OUTPUT_LEN, E2E_BATCH, E2E_STEPS, EXTRA (more arguments of every bench run, e.g.
-# "--device cpu --attention-backend torch"), PYTHON, PARTS (default "a b c d"), and per-part limits
+# "--device cpu --attention-backend torch"), PYTHON, PARTS (default "a b c d"; w on demand), and per-part limits
 # TUNE_TIMEOUT, E2E_TIMEOUT, PROFILE_TIMEOUT, EAGER_TIMEOUT (seconds).
 set -uo pipefail
 out=${1:?output folder}
@@ -60,6 +61,7 @@ for part in ${PARTS:-a b c d}; do
        note tune_compaction "$rc" "" "$work/tune_compaction.log" ;;
     b) bench e2e32_snapkv "${E2E_TIMEOUT:-250}" --methods snapkv --steps "${E2E_STEPS:-32}" --e2e \
          --e2e-batch "${E2E_BATCH:-64}" --busy --busy-batch "${E2E_BATCH:-64}" ;;
+    w) bench window32 "${WINDOW_TIMEOUT:-100}" --methods full,snapkv --steps 32 ;;
     c) bench window32_profile "${PROFILE_TIMEOUT:-120}" --methods pyramidkv,snapkv --steps 16 --busy \
          --busy-batch 1024 ;;
     d) bench window32_h2o_tova "${EAGER_TIMEOUT:-100}" --methods h2o,tova --steps 8 ;;
