@@ -6,7 +6,7 @@
 #      both windows profiled at batch 64 (--busy: busy fraction, host gap per step, top kernels);
 #  (c) pyramidkv and snapkv decode windows at 32K, 16 steps, profiled at their whole batch;
 #  (d) h2o and tova decode windows at 32K, 8 steps (eager per-step compaction may be slow);
-#  (w) full and snapkv decode windows at 32K, 32 steps (the acceptance's 32K ratio).
+#  (w) full and snapkv decode windows at 32K, 32 steps (the acceptance's 32K ratio); (x) the same at 128K.
 # Each part runs under `timeout` and writes into a scratch folder; after each part $OUT is repacked
 # (the device returns at most 8 files): results.tar.gz (every log, JSON, markdown table and the tuned
 # cache) and summary.md (each part's exit status, tables and last log lines). A call cut short
@@ -62,6 +62,7 @@ for part in ${PARTS:-a b c d}; do
     b) bench e2e32_snapkv "${E2E_TIMEOUT:-250}" --methods snapkv --steps "${E2E_STEPS:-32}" --e2e \
          --e2e-batch "${E2E_BATCH:-64}" --busy --busy-batch "${E2E_BATCH:-64}" ;;
     w) bench window32 "${WINDOW_TIMEOUT:-100}" --methods full,snapkv --steps 32 ;;
+    x) bench window128 "${WINDOW_TIMEOUT:-100}" --methods full,snapkv --steps 32 --inputs 131072 ;;
     c) bench window32_profile "${PROFILE_TIMEOUT:-120}" --methods pyramidkv,snapkv --steps 16 --busy \
          --busy-batch 1024 ;;
     d) bench window32_h2o_tova "${EAGER_TIMEOUT:-100}" --methods h2o,tova --steps 8 ;;

@@ -38,6 +38,8 @@ def add_commands(bench_sub) -> None:
     t.add_argument("--no-cuda-graphs", action="store_true")
     t.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="schedule each decode step while the one before runs (auto: on a GPU)")
+    t.add_argument("--temperature", type=float, default=1.0, help="decode sampling temperature (default 1: rows "
+                   "stay distinct requests, so MoE layers route like real traffic; 0: greedy)")
     t.add_argument("--e2e", action="store_true", help="also prefill the batch's real prompts end to end and "
                    "compare its decode step time with the decode window's")
     t.add_argument("--e2e-batch", type=int, help="batch of the --e2e run (default: the largest batch)")
@@ -97,7 +99,8 @@ def _throughput(a: argparse.Namespace) -> int:
         dtype=a.dtype, page_size=a.page_size, max_num_batched_tokens=a.max_num_batched_tokens,
         max_prefill_chunk=a.max_prefill_chunk, attention_backend=a.attention_backend,
         cuda_graphs=not a.no_cuda_graphs,
-        async_scheduling={"auto": None, "on": True, "off": False}[a.async_scheduling], e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy, busy_batch=a.busy_batch,
+        async_scheduling={"auto": None, "on": True, "off": False}[a.async_scheduling],
+        temperature=a.temperature, e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy, busy_batch=a.busy_batch,
         seed=a.seed)
     if a.plot:
         from kvc.runtime.bench.plot import _pyplot

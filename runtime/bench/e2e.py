@@ -131,7 +131,7 @@ def e2e_row(cfg: ThroughputConfig, case: Case, window_row: dict) -> dict:
 def _prefill_all(engine, cfg: ThroughputConfig, input_len: int, batch: int, clock: Clock, row: dict,
                  phases: dict) -> list:
     """Adds `batch` distinct prompts and steps until each has its first token (prefill_s, ttft_s)."""
-    sampling = SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=cfg.output_len, temperature=cfg.temperature, ignore_eos=True)
     clock.sync()
     t0 = time.perf_counter()
     seqs = [engine.add_request(prompt(engine.spec.vocab_size, input_len, cfg.seed + 2 + i), sampling)

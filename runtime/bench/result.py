@@ -26,8 +26,10 @@ import torch
 
 MODE_NOTES = {
     "decode_window": "one real request prefilled (prefill_s, ttft_s), then cloned in its method's post-prefill state "
-                     "into `batch` sequences that own copies of its KV, each fed a different next token (distinct "
-                     "rows: MoE routing as for independent requests); `steps` decode steps timed after `warmup`",
+                     "into `batch` sequences that own copies of its KV, each fed a different next token and sampling "
+                     "at `temperature` (rows stay distinct requests: MoE routing as for independent requests; "
+                     "greedy clones fall back into the same tokens and experts); `steps` decode steps timed "
+                     "after `warmup`",
     "e2e": "`batch` real prompts prefilled end to end (prefill_s: all of them; ttft_s: mean), then the same "
            "decode window; window_step_ratio = its step time / the decode window's at the same batch "
            "(step_ms_at_e2e_batch: the decode window's batch cut to the e2e batch, timed unprofiled)",
@@ -82,6 +84,7 @@ def header(cfg, model: str) -> dict:
         "output_len": cfg.output_len,
         "steps": cfg.steps,
         "warmup": cfg.warmup,
+        "temperature": cfg.temperature,
         "budget": cfg.budget,
         "budget_rule": BUDGET_RULE,
         "mode_notes": MODE_NOTES,

@@ -75,6 +75,7 @@ class ThroughputConfig:
     attention_backend: str = "auto"
     cuda_graphs: bool = True
     async_scheduling: bool | None = None  # None: the engine's default (on for a GPU)
+    temperature: float = 1.0  # decode sampling (window and e2e); 0: greedy
     e2e: bool = False
     e2e_batch: int | None = None  # None: the planned (largest) batch
     busy: bool = False
@@ -86,6 +87,9 @@ class ThroughputConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}", param=name)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
+                not 0 <= self.temperature <= 100:
+            raise ConfigError(f"temperature must be a number in [0, 100], got {self.temperature!r}", param="temperature")
         if self.warmup < 1 or self.decode_offset < 0:
             raise ConfigError("warmup must be at least 1 (it captures the decode graph) and decode_offset at "
                               "least 0", param="warmup")
@@ -181,7 +185,7 @@ def _check_plan(engine, plan: BatchPlan) -> None:
 
 def _decode_window(engine, cfg: ThroughputConfig, input_len: int, batch: int, clock: Clock,
                    phases: dict) -> dict:
-    params = SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=cfg.output_len, temperature=cfg.temperature, ignore_eos=True)
     tokens = prompt(engine.spec.vocab_size, input_len, cfg.seed)
     clock.sync()
     t0 = time.perf_counter()
