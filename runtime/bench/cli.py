@@ -40,6 +40,9 @@ def add_commands(bench_sub) -> None:
                    help="schedule each decode step while the one before runs (auto: on a GPU)")
     t.add_argument("--temperature", type=float, default=1.0, help="decode sampling temperature (default 1: rows "
                    "stay distinct requests, so MoE layers route like real traffic; 0: greedy)")
+    t.add_argument("--sources", type=int, default=4, help="real requests prefilled for the decode window; "
+                   "each clone takes every layer's KV from a random one (distinct contexts: MoE routing as "
+                   "for independent requests; default 4)")
     t.add_argument("--e2e", action="store_true", help="also prefill the batch's real prompts end to end and "
                    "compare its decode step time with the decode window's")
     t.add_argument("--e2e-batch", type=int, help="batch of the --e2e run (default: the largest batch)")
@@ -100,7 +103,7 @@ def _throughput(a: argparse.Namespace) -> int:
         max_prefill_chunk=a.max_prefill_chunk, attention_backend=a.attention_backend,
         cuda_graphs=not a.no_cuda_graphs,
         async_scheduling={"auto": None, "on": True, "off": False}[a.async_scheduling],
-        temperature=a.temperature, e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy, busy_batch=a.busy_batch,
+        temperature=a.temperature, sources=a.sources, e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy, busy_batch=a.busy_batch,
         seed=a.seed)
     if a.plot:
         from kvc.runtime.bench.plot import _pyplot

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 MODE_NOTES = {
-    "decode_window": "one real request prefilled (prefill_s, ttft_s), then cloned in its method's post-prefill state "
-                     "into `batch` sequences that own copies of its KV, each fed a different next token and sampling "
-                     "at `temperature` (rows stay distinct requests: MoE routing as for independent requests; "
-                     "greedy clones fall back into the same tokens and experts); `steps` decode steps timed "
-                     "after `warmup`",
+    "decode_window": "one real request prefilled (prefill_s, ttft_s) and `sources` - 1 more, then the first cloned "
+                     "in its method's post-prefill state into the rest of `batch` sequences that own copies of "
+                     "its KV; each clone's every layer then takes the KV of a random source (mixed_layers: "
+                     "distinct contexts, so MoE layers route like independent requests) and each clone feeds a "
+                     "different next token, sampling at `temperature`; `steps` decode steps timed after `warmup`",
     "e2e": "`batch` real prompts prefilled end to end (prefill_s: all of them; ttft_s: mean), then the same "
            "decode window; window_step_ratio = its step time / the decode window's at the same batch "
            "(step_ms_at_e2e_batch: the decode window's batch cut to the e2e batch, timed unprofiled)",

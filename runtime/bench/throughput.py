@@ -46,6 +46,7 @@ from kvc.runtime.bench.plan import (
     model_spec,
     plan_batch,
 )
+from kvc.runtime.bench.sources import mix_layers, prefill_sources
 from kvc.runtime.bench.steps import Clock, abort_all, collect, make_engine, prompt, until, warm_up, window
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.errors import ConfigError, OutOfKVMemory
@@ -76,6 +77,7 @@ class ThroughputConfig:
     cuda_graphs: bool = True
     async_scheduling: bool | None = None  # None: the engine's default (on for a GPU)
     temperature: float = 1.0  # decode sampling (window and e2e); 0: greedy
+    sources: int = 4  # real requests the decode window's clones mix their layers from (sources.py)
     e2e: bool = False
     e2e_batch: int | None = None  # None: the planned (largest) batch
     busy: bool = False
@@ -83,7 +85,7 @@ class ThroughputConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("output_len", "budget", "steps", "max_batch", "page_size", "busy_batch"):
+        for name in ("output_len", "budget", "steps", "max_batch", "page_size", "busy_batch", "sources"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}", param=name)
@@ -197,18 +199,24 @@ def _decode_window(engine, cfg: ThroughputConfig, input_len: int, batch: int, cl
         phases["offset_s"] = until(engine, lambda: seq.num_generated >= 1 + cfg.decode_offset, clock,
                                     limit=cfg.decode_offset)
     kv_tokens = sum(seq.kv_lens) / len(seq.kv_lens)
+    count = min(cfg.sources, batch)
+    t0 = time.perf_counter()
+    sources = [seq, *prefill_sources(engine, params, input_len, count - 1, cfg.seed, clock)]
+    phases["sources_s"] = time.perf_counter() - t0
     clock.sync()
     t0 = time.perf_counter()
-    clones = engine.clone_sequence(seq, batch - 1)
+    clones = engine.clone_sequence(seq, batch - count)
     _diverge(clones, engine.spec.vocab_size, cfg.seed)
-    seqs = [seq, *clones]
+    mixed = mix_layers(engine, clones, sources, cfg.seed)
+    seqs = [*sources, *clones]  # a cut keeps the sources
     clock.sync()
     phases["clone_s"] = time.perf_counter() - t0
     phases["warmup_steps_s"] = window(engine, seqs, cfg.warmup, clock)
     seconds = window(engine, seqs, cfg.steps, clock)
     phases["window_s"] = seconds
     out = {"decode_tok_s": batch * cfg.steps / seconds, "step_ms": 1e3 * seconds / cfg.steps,
-           "prefill_s": prefill_s, "ttft_s": ttft_s, "kv_tokens_at_window": kv_tokens, "busy": None}
+           "prefill_s": prefill_s, "ttft_s": ttft_s, "kv_tokens_at_window": kv_tokens, "busy": None,
+           "sources": count, "mixed_layers": mixed}
     out.update(after_window(engine, cfg, seqs, out["step_ms"], clock, phases))
     return out
 
