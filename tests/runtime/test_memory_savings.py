@@ -72,7 +72,8 @@ def test_snapkv_holds_the_budget_pages_not_the_prompt_pages(model_dir):
     seq = engine.add_request(prompts(1, seed=1)[0], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     held_in_forward: list[int] = []  # pages in use while the model runs each step
     run = engine.runner.run
-    engine.runner.run = lambda batch, needs: (held_in_forward.append(engine.pool.num_used), run(batch, needs))[1]
+    engine.runner.run = lambda batch, needs, *rest, **kw: (held_in_forward.append(engine.pool.num_used),
+                                                          run(batch, needs, *rest, **kw))[1]
     while seq.is_prefill:
         engine.step()
     assert max(held_in_forward) == LAYERS * pages(PROMPT)  # the prompt was resident until prefill_end...
