@@ -124,11 +124,12 @@ def poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: real(*a, **kw).fill_(-7))
 
 
-# (pairs, experts, block_m, routing): one chunk exactly and one past it (128 / 129 pairs, the
-# smallest chunk), 8-warp chunks (2049 and 3000 pairs: 2048 per chunk), decode at 18 tokens x
-# top-8 (144), empty experts, all pairs on one expert (many blocks of one expert, expert 0 empty)
+# (pairs, experts, block_m, routing): no pairs; one chunk exactly and one past it (128 / 129
+# pairs, the smallest chunk); 8-warp chunks (2049 and 3000 pairs: 2048 per chunk); decode at 18
+# tokens x top-8 (144); empty experts; all pairs on one expert (many blocks of one expert, expert 0
+# empty: the chunk overrun comes off bin 0 all the same)
 PARALLEL_CASES = [
-    (1, 128, 16, "uniform"), (2, 8, 64, "one"), (17, 60, 32, "uniform"), (128, 8, 16, "uniform"),
+    (0, 8, 16, "uniform"), (1, 128, 16, "uniform"), (2, 8, 64, "one"), (17, 60, 32, "uniform"), (128, 8, 16, "uniform"),
     (129, 8, 64, "skewed"), (144, 128, 16, "uniform"), (300, 60, 16, "sparse"), (640, 60, 64, "skewed"),
     (1025, 8, 32, "one"), (1280, 8, 16, "sparse"), (2049, 128, 32, "skewed"), (3000, 60, 16, "uniform"),
     (3000, 8, 64, "uniform"),
