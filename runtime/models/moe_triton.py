@@ -36,11 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kvc.runtime.models.moe_align import (  # noqa: F401 -- re-exported: the alignment is step 1 here
-    ALIGN_TRITON_MAX_PAIRS,
-    ExpertAlignment,
+from kvc.runtime.models.moe_align import (  # the others re-exported: the alignment is step 1 here
+    ALIGN_TRITON_MAX_PAIRS,  # noqa: F401
+    ExpertAlignment,  # noqa: F401
     align_by_expert,
-    alignment_capacity,
+    alignment_capacity,  # noqa: F401
 )
 from kvc.runtime.tuning import buckets as tuning_buckets
 from kvc.runtime.tuning.lookup import source_hash, tuned
