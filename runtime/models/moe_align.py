@@ -32,13 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
-# "auto" runs the parallel kernel up to here, the torch path above. Reasoning (to confirm with
-# `bench/moe_bench.py --align`): the torch path costs ~10 launches, 0.46-0.71 ms eager on the H200
-# from 8 to 32768 pairs (bench/results/issue7_moe.json); the parallel kernel is one launch whose
-# per-program work is 2 x pairs / (32 x num_warps) ids per thread, i.e. 64 per thread per pass at
-# 16384 pairs (2048 tokens x top-8): tens of microseconds at most. Far above that (long prefill
-# chunks) the sort's n log n across the whole GPU beats E programs that each read every pair, and
-# the GEMMs dwarf both anyway.
+# "auto" runs the parallel kernel up to here, the torch path above. An estimate, not a measurement
+# (confirm with `python bench/moe_align_bench.py`): the torch path is ~10 launches, 0.46-0.71 ms
+# eager on the H200 from 8 to 32768 pairs (bench/results/issue7_moe.json; less inside a graph,
+# where its radix sort still takes several kernels). The parallel kernel is one launch whose
+# programs each pass over all pair ids twice: at 16384 pairs (2048 tokens x top-8) that is 8
+# chunks of 2048 per pass, 8 ids per thread per chunk (8 warps), roughly tens of microseconds,
+# still at or under the sort. Past it (long prefill chunks) per-program work keeps growing
+# linearly while the sort spreads over the whole GPU, and the grouped GEMMs dwarf both anyway.
+# Decode batches up to 1024 x top-8 (8192 pairs) stay on the kernel with a factor 2 margin.
 ALIGN_TRITON_MAX_PAIRS = 16384
 ALIGN_IMPLS = ("auto", "triton", "single", "torch")
 _FILL = 128  # rows / blocks per store in the padding and block-expert loops
