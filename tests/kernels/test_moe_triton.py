@@ -1,5 +1,7 @@
 """Oracle 4 for the MoE layer: the fused Triton experts (runtime/models/moe_triton.py) against the
-torch path (`RoutedExperts.forward_torch`) and a per-token loop written from the definition.
+torch path (`RoutedExperts.forward_torch`) and a per-token loop written from the definition; the
+expert alignment (runtime/models/moe_align.py) against its invariants and, bit for bit, against
+the torch sort.
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py sets it before triton
 is imported), so the sizes stay small: 8 experts, top-2, hidden 64, intermediate 32. Outputs that
