@@ -8,8 +8,8 @@ BLOCK_M]` (blocks past the rows in use get expert E - 1) and `num_padded [1]` (r
 
 Three implementations give the same tensors, bit for bit:
 - "triton" (`_align_parallel_kernel`): one program per expert, one launch. Every program builds the
-  full expert histogram (`tl.histogram`, warp ballots: cheap, and identical in every program, so
-  no atomics and no second launch), takes its padded start from the prefix sum, then scans the
+  full expert histogram (`tl.histogram`: shared-memory counters, cheap; identical in every
+  program, so no global atomics and no second launch), takes its padded start from the prefix sum, then scans the
   pairs in order and writes its own ones at start + (stable rank: a cumsum of `ids == e`), its
   padding rows and its row blocks' expert; the rows and blocks past the end are split among all
   programs. Each program reads all pair ids twice (from L2: a few KB), so the per-program work
@@ -139,8 +139,8 @@ def _align_parallel_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for p0 in range(0, num_pairs, BLOCK_P):
-        # lanes past the end read id 0 and are taken off bin 0 below: the histogram's unmasked
-        # form, whose ballots need ids in [0, BLOCK_E)
+        # lanes past the end read id 0 and are taken off bin 0 below (the histogram's plain
+        # form; every id it sees must lie in [0, BLOCK_E))
         ids = tl.load(ids_ptr + p0 + lanes, mask=p0 + lanes < num_pairs, other=0).to(tl.int32)
         counts += tl.histogram(ids, BLOCK_E)
     overrun = (num_pairs + BLOCK_P - 1) // BLOCK_P * BLOCK_P - num_pairs

@@ -175,6 +175,36 @@ def test_auto_alignment_runs_the_kernel_up_to_the_threshold_then_torch(monkeypat
         moe_triton.align_by_expert(ids, 8, 24)
 
 
+HOPPER_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvc.runtime.models import moe_align
+signature = {"ids_ptr": "*i64", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
+             "num_pairs": "i32", "capacity": "i32", "num_experts": "i32", "BLOCK_M": "constexpr",
+             "BLOCK_E": "constexpr", "BLOCK_P": "constexpr", "BLOCK_FILL": "constexpr"}
+block_p, num_warps = moe_align.parallel_launch(3000)
+source = ASTSource(fn=moe_align._align_parallel_kernel, signature=signature,
+                   constexprs={"BLOCK_M": 16, "BLOCK_E": 128, "BLOCK_P": block_p, "BLOCK_FILL": 128})
+kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+assert kernel.asm["cubin"]
+"""
+
+
+def test_parallel_align_kernel_compiles_for_hopper():
+    """The interpreter does not lower tl.histogram or the dynamic loops: compile the kernel for
+    sm_90 ahead of time (no GPU needed), in a process without TRITON_INTERPRET."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 # ---- the fused experts ---------------------------------------------------------------------------
 
 
