@@ -4,12 +4,14 @@ experts), Qwen3-30B-A3B's MoE shape (128 experts, top-8, hidden 2048, expert int
 
     python bench/moe_bench.py --out moe.json                  # tokens 1, 8, 64, 256, 4096
     python bench/moe_bench.py --sweep --e2e --out moe.json    # + tile sweep + decode steps
+    python bench/moe_bench.py --align --tokens 8 --out moe.json  # + the alignment table, old vs new
     python bench/moe_bench.py --device cpu                    # tiny dry run, TRITON_INTERPRET=1
 
 Per token count: median ms of each path, expert weight bandwidth (bytes of the distinct experts
 the batch routes to, over the time: decode reads weights, little else), TFLOP/s (6 T k H I), the
-error against the torch path, and the time of both expert alignments (single-program Triton
-kernel, torch argsort) that `moe_triton.ALIGN_TRITON_MAX_PAIRS` chooses between. Routing is
+error against the torch path, and the time of both expert alignments (parallel Triton kernel,
+torch argsort) that `moe_align.ALIGN_TRITON_MAX_PAIRS` chooses between (`--align` adds the
+table of bench/moe_align_bench.py: old vs new per pair count, inside CUDA graphs). Routing is
 random top-k of random logits, rotated over several sets so that the L2 cannot keep the experts
 of the previous call. Up to 256 tokens the Triton call is also timed as a CUDA graph replay (how
 the engine's decode steps run it); the torch path is captured too where it can be (its loop
@@ -68,6 +70,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rep-ms", type=int, default=200)
     p.add_argument("--sweep", action="store_true", help="also time a grid of tile configs")
     p.add_argument("--e2e", action="store_true", help="decode steps of a random-weight model")
+    p.add_argument("--align", action="store_true",
+                   help="the expert alignment alone, old vs new (bench/moe_align_bench.py)")
     p.add_argument("--e2e-layers", type=int, help="layers of the e2e model (default: all 48; cpu 2)")
     p.add_argument("--e2e-batch", default="1,8,64", help="decode batch sizes, comma separated")
     p.add_argument("--e2e-context", type=int, default=512, help="prompt tokens per sequence")
@@ -318,6 +322,10 @@ def print_report(result: dict) -> None:
               f"{fmt(tr['tflops'], '.1f'):>7} {fmt(r.get('triton_graph', {}).get('ms')):>8} {fmt(to['ms']):>9} "
               f"{fmt(r.get('torch_graph', {}).get('ms')):>8} {fmt(speedup, '.2f'):>7} {r['rel_err_vs_torch']:>8.1e} "
               f"{fmt(r['align_ms']['triton'], '.4f'):>9}/{fmt(r['align_ms']['torch'], '.4f')}")
+    if result.get("align"):
+        from moe_align_bench import print_align
+
+        print_align(result["align"])
     e2e = result.get("e2e")
     if e2e:
         print(f"decode steps, {e2e['model']} with {e2e['layers']} layers, context {e2e['context']}:")
@@ -352,6 +360,11 @@ def main() -> None:
     for n in progress(tokens, "moe"):
         result["micro"].append(bench_tokens(shape, experts, n, args, device, result["copy_gbps"]))
     del experts
+    if args.align:
+        from moe_align_bench import PAIRS, bench_align  # bench/ is on sys.path
+
+        pairs = [4, 16, 66] if device.type == "cpu" else PAIRS
+        result["align"] = bench_align(pairs, shape.num_experts, shape.top_k, device, 5 if device.type == "cpu" else 100)
     if args.e2e:
         result["e2e"] = e2e_decode(args, device)
     print_report(result)

@@ -3,14 +3,11 @@
 The torch path in `experts.py` stays the CPU default and the oracle; this module computes the same
 `sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))` over each token's top-k experts in three launches:
 
-1. align: the (token, expert) pairs, flattened as `pair = token * k + j`, are grouped by expert;
-   each expert's rows are padded to a multiple of BLOCK_M so that every row block of the grouped
-   GEMMs belongs to one expert. Output: `sorted_pairs [capacity]` (pair ids, `num_pairs` where
-   padding), `block_experts [capacity / BLOCK_M]` and `num_padded [1]` (rows in use). Small
-   batches (decode) use one single-program Triton kernel (pad fill, one-hot histogram, prefix
-   sum, scatter in one launch: launches, not bytes, are what decode pays for); large batches a
-   few torch ops (a stable argsort scales where one program's [pairs x experts] one-hot tiles
-   would not). Both give the same, stable order.
+1. align (moe_align.py): the (token, expert) pairs, flattened as `pair = token * k + j`, are
+   grouped by expert, each expert's rows padded to a multiple of BLOCK_M so that every row block of
+   the grouped GEMMs belongs to one expert: `sorted_pairs`, `block_experts`, `num_padded`. One
+   parallel Triton launch (a program per expert) up to `ALIGN_TRITON_MAX_PAIRS` pairs, a few
+   torch ops above; both give the same, stable order.
 2. gate_up: grouped GEMM over the sorted rows, gate and up tiles of the same expert accumulated
    side by side (fp32), `silu(gate) * up` applied in registers; the [rows, I] result is written
    in the activation dtype, indexed by sorted row.
@@ -39,12 +36,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kvc.runtime.models.moe_align import (  # the others re-exported: the alignment is step 1 here
+    ALIGN_TRITON_MAX_PAIRS,  # noqa: F401
+    ExpertAlignment,  # noqa: F401
+    align_by_expert,
+    alignment_capacity,  # noqa: F401
+)
 from kvc.runtime.tuning import buckets as tuning_buckets
 from kvc.runtime.tuning.lookup import source_hash, tuned
 
 KERNEL = "moe.fused_experts"  # the tuning cache's name for the gate_up + down launches
 SOURCE_HASH = source_hash(__file__)  # tuned entries recorded for another version of this file are ignored
-ALIGN_TRITON_MAX_PAIRS = 1024  # above this, the single-program align kernel loses to a sort (bench: align_ms)
 
 
 @dataclass(frozen=True)
@@ -89,106 +91,6 @@ def launch_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, in
     cfg = default_config(num_tokens, top_k, num_experts, dtype)
     knobs = tuned(KERNEL, tuning_buckets.moe(num_tokens, num_experts, top_k, hidden, inter, dtype), SOURCE_HASH)
     return replace(cfg, **knobs) if knobs else cfg
-
-
-@dataclass
-class ExpertAlignment:
-    """(token, expert) pairs grouped by expert, each expert's rows padded to block_m."""
-
-    sorted_pairs: torch.Tensor  # [capacity] int32; pair id, or num_pairs on padding rows
-    block_experts: torch.Tensor  # [capacity // block_m] int32; the expert of each row block
-    num_padded: torch.Tensor  # [1] int32; rows in use (blocks past it are idle)
-    block_m: int
-
-
-def alignment_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Rows the alignment may need: each non-empty expert pads by at most block_m - 1."""
-    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return -(-bound // block_m) * block_m
-
-
-def align_by_expert(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, impl: str = "auto"
-) -> ExpertAlignment:
-    """Group the pairs of `topk_ids [T, k]` by expert (stable), padded per expert to block_m.
-
-    `impl` is "triton" (one program; small batches), "torch" (argsort) or "auto".
-    """
-    flat = topk_ids.reshape(-1)
-    num_pairs = flat.numel()
-    capacity = alignment_capacity(num_pairs, num_experts, block_m)
-    device = flat.device
-    if impl == "auto":
-        impl = "triton" if num_pairs <= ALIGN_TRITON_MAX_PAIRS else "torch"
-    if impl not in ("triton", "torch"):
-        raise ValueError(f"align impl must be auto, triton or torch, got {impl!r}")
-    if impl == "torch":
-        return _align_torch(flat, num_experts, block_m, capacity)
-    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
-    block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    block_e = triton.next_power_of_2(num_experts)
-    block_p = max(16, min(triton.next_power_of_2(max(num_pairs, capacity // block_m)), 8192 // block_e))
-    _align_kernel[(1,)](
-        flat, sorted_pairs, block_experts, num_padded, num_pairs, capacity, num_experts,
-        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p,
-        BLOCK_FILL=min(triton.next_power_of_2(capacity), 4096), num_warps=4,
-    )
-    return ExpertAlignment(sorted_pairs, block_experts, num_padded, block_m)
-
-
-def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, capacity: int) -> ExpertAlignment:
-    device, num_pairs = flat.device, flat.numel()
-    ids = flat.long()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, ids, torch.ones_like(ids))  # bincount would sync for its length
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    order = torch.argsort(ids, stable=True)
-    sorted_ids = ids[order]
-    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_ids]
-    dest = (padded_end - padded)[sorted_ids] + rank
-    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(0, capacity, block_m, device=device)
-    owner = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
-    return ExpertAlignment(sorted_pairs, owner.to(torch.int32), padded_end[-1:].to(torch.int32), block_m)
-
-
-@triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, capacity,
-                  num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_FILL: tl.constexpr):
-    # Every row starts as padding; the barrier orders these stores before the scatter below,
-    # which overwrites some of them from other threads of this (single) program.
-    for r0 in range(0, capacity, BLOCK_FILL):
-        rows = r0 + tl.arange(0, BLOCK_FILL)
-        tl.store(sorted_ptr + rows, tl.zeros_like(rows) + num_pairs, mask=rows < capacity)
-    tl.debug_barrier()
-    experts = tl.arange(0, BLOCK_E)
-    lanes = tl.arange(0, BLOCK_P)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for p0 in range(0, num_pairs, BLOCK_P):  # histogram by one-hot sums (no atomics)
-        ids = tl.load(ids_ptr + p0 + lanes, mask=p0 + lanes < num_pairs, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, axis=0)
-    padded_start = padded_end - padded
-    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for p0 in range(0, num_pairs, BLOCK_P):  # scatter: rank within the expert, in pair order
-        pairs = p0 + lanes
-        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.cumsum(hit, axis=0) - hit + (padded_start + seen)[None, :]
-        dest = tl.sum(hit * rank, axis=1)
-        tl.store(sorted_ptr + dest, pairs, mask=pairs < num_pairs)
-        seen += tl.sum(hit, axis=0)
-    for b0 in range(0, capacity // BLOCK_M, BLOCK_P):  # a block's expert: ends at or before it
-        blocks = b0 + lanes
-        owner = tl.sum(((blocks * BLOCK_M)[:, None] >= padded_end[None, :]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, tl.minimum(owner, num_experts - 1),
-                 mask=blocks < capacity // BLOCK_M)
 
 
 @triton.jit

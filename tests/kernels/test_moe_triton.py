@@ -1,5 +1,7 @@
 """Oracle 4 for the MoE layer: the fused Triton experts (runtime/models/moe_triton.py) against the
-torch path (`RoutedExperts.forward_torch`) and a per-token loop written from the definition.
+torch path (`RoutedExperts.forward_torch`) and a per-token loop written from the definition; the
+expert alignment (runtime/models/moe_align.py) against its invariants and, bit for bit, against
+the torch sort.
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py sets it before triton
 is imported), so the sizes stay small: 8 experts, top-2, hidden 64, intermediate 32. Outputs that
@@ -81,7 +83,7 @@ def check_alignment(align: moe_triton.ExpertAlignment, ids: torch.Tensor, num_ex
     assert all(0 <= e < num_experts for e in block_experts)
 
 
-@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("impl", ["triton", "single", "torch"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [
     (1, 8, 2, 16), (5, 8, 2, 16), (33, 8, 2, 16), (33, 6, 3, 32), (70, 128, 8, 16), (4, 3, 1, 64),
 ])
@@ -93,10 +95,114 @@ def test_alignment_groups_pairs_by_expert(impl, num_tokens, num_experts, top_k, 
 
 def test_alignment_of_skewed_routing_spans_several_blocks():
     ids = torch.tensor([[0, 5]] * 40 + [[5, 2]] * 3, device=DEVICE)  # expert 5 gets 43 rows
-    for impl in ("triton", "torch"):
+    for impl in ("triton", "single", "torch"):
         align = moe_triton.align_by_expert(ids, 8, 16, impl=impl)
         check_alignment(align, ids, 8)
         assert align.block_experts.cpu().tolist().count(5) >= 3
+
+
+def routing_ids(num_pairs: int, num_experts: int, kind: str, seed: int) -> torch.Tensor:
+    """[num_pairs, 1] expert ids: uniform, skewed (half the pairs on three experts), one (every
+    pair on the last expert) or sparse (only every fourth expert used; the rest get no pair)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "uniform":
+        ids = torch.randint(0, num_experts, (num_pairs,), generator=gen)
+    elif kind == "skewed":
+        hot = torch.tensor([0, num_experts // 2, num_experts - 1])
+        ids = torch.where(torch.rand(num_pairs, generator=gen) < 0.5,
+                          hot[torch.randint(0, 3, (num_pairs,), generator=gen)],
+                          torch.randint(0, num_experts, (num_pairs,), generator=gen))
+    elif kind == "one":
+        ids = torch.full((num_pairs,), num_experts - 1)
+    else:
+        ids = torch.randint(0, -(-num_experts // 4), (num_pairs,), generator=gen) * 4
+    return ids.view(num_pairs, 1).to(DEVICE)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty filled with -7: an output row the kernel forgets to write cannot pass."""
+    real = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real(*a, **kw).fill_(-7))
+
+
+# (pairs, experts, block_m, routing): no pairs; one chunk exactly and one past it (128 / 129
+# pairs, the smallest chunk); 8-warp chunks (2049 and 3000 pairs: 2048 per chunk); decode at 18
+# tokens x top-8 (144); empty experts; all pairs on one expert (many blocks of one expert, expert 0
+# empty: the chunk overrun comes off bin 0 all the same)
+PARALLEL_CASES = [
+    (0, 8, 16, "uniform"), (1, 128, 16, "uniform"), (2, 8, 64, "one"), (17, 60, 32, "uniform"), (128, 8, 16, "uniform"),
+    (129, 8, 64, "skewed"), (144, 128, 16, "uniform"), (300, 60, 16, "sparse"), (640, 60, 64, "skewed"),
+    (1025, 8, 32, "one"), (1280, 8, 16, "sparse"), (2049, 128, 32, "skewed"), (3000, 60, 16, "uniform"),
+    (3000, 8, 64, "uniform"),
+]
+
+
+@pytest.mark.parametrize("num_pairs,num_experts,block_m,kind", PARALLEL_CASES)
+def test_parallel_alignment_equals_the_torch_path_exactly(poisoned_empty, num_pairs, num_experts, block_m, kind):
+    ids = routing_ids(num_pairs, num_experts, kind, seed=num_pairs)
+    want = moe_triton.align_by_expert(ids, num_experts, block_m, impl="torch")
+    got = moe_triton.align_by_expert(ids, num_experts, block_m, impl="triton")
+    assert got.block_m == block_m
+    assert torch.equal(got.num_padded, want.num_padded)
+    assert torch.equal(got.sorted_pairs, want.sorted_pairs)
+    assert torch.equal(got.block_experts, want.block_experts)
+
+
+def test_parallel_alignment_of_int32_ids_and_many_tokens_per_row(poisoned_empty):
+    ids, _ = random_routing(40, 16, 6, seed=11)  # [40, 6]: pair = token * 6 + j
+    got = moe_triton.align_by_expert(ids.to(torch.int32), 16, 32, impl="triton")
+    check_alignment(got, ids, 16)
+
+
+def test_auto_alignment_runs_the_kernel_up_to_the_threshold_then_torch(monkeypatch):
+    from kvc.runtime.models import moe_align
+
+    assert moe_align.ALIGN_TRITON_MAX_PAIRS >= 8192  # decode batches of 1024 x top-8 stay on the kernel
+    calls = []
+    real_torch = moe_align._align_torch
+    monkeypatch.setattr(moe_align, "_align_torch", lambda *a: calls.append(1) or real_torch(*a))
+    monkeypatch.setattr(moe_align, "ALIGN_TRITON_MAX_PAIRS", 20)
+    ids, _ = random_routing(10, 8, 2, seed=12)
+    check_alignment(moe_triton.align_by_expert(ids, 8, 16), ids, 8)
+    assert calls == []
+    ids, _ = random_routing(11, 8, 2, seed=12)
+    check_alignment(moe_triton.align_by_expert(ids, 8, 16), ids, 8)
+    assert calls == [1]
+    with pytest.raises(ValueError, match="align impl must be one of"):
+        moe_triton.align_by_expert(ids, 8, 16, impl="sort")
+    with pytest.raises(ValueError, match="power of two"):
+        moe_triton.align_by_expert(ids, 8, 24)
+
+
+HOPPER_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvc.runtime.models import moe_align
+signature = {"ids_ptr": "*i64", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
+             "num_pairs": "i32", "capacity": "i32", "num_experts": "i32", "BLOCK_M": "constexpr",
+             "BLOCK_E": "constexpr", "BLOCK_P": "constexpr", "BLOCK_FILL": "constexpr"}
+block_p, num_warps = moe_align.parallel_launch(3000)
+source = ASTSource(fn=moe_align._align_parallel_kernel, signature=signature,
+                   constexprs={"BLOCK_M": 16, "BLOCK_E": 128, "BLOCK_P": block_p, "BLOCK_FILL": 128})
+kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+assert kernel.asm["cubin"]
+"""
+
+
+def test_parallel_align_kernel_compiles_for_hopper():
+    """The interpreter does not lower tl.histogram or the dynamic loops: compile the kernel for
+    sm_90 ahead of time (no GPU needed), in a process without TRITON_INTERPRET."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 # ---- the fused experts ---------------------------------------------------------------------------
@@ -133,13 +239,19 @@ def test_fused_experts_any_tiles_odd_sizes_and_strided_input(config):
                                atol=1e-5, rtol=1e-4)
 
 
-def test_fused_experts_large_batch_uses_the_sort_alignment():
-    num_tokens = moe_triton.ALIGN_TRITON_MAX_PAIRS // 2 + 7  # top-2: just past the threshold
+def test_fused_experts_past_the_align_threshold_use_the_sort_alignment(monkeypatch):
+    from kvc.runtime.models import moe_align
+
+    monkeypatch.setattr(moe_align, "ALIGN_TRITON_MAX_PAIRS", 64)  # the real one is too big to interpret
+    calls = []
+    real_torch = moe_align._align_torch
+    monkeypatch.setattr(moe_align, "_align_torch", lambda *a: calls.append(1) or real_torch(*a))
     experts = make_experts(8, 16, 16)
-    x = torch.randn(num_tokens, 16, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    ids, weights = random_routing(num_tokens, 8, 2, seed=4)
+    x = torch.randn(39, 16, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ids, weights = random_routing(39, 8, 2, seed=4)  # 78 pairs
     config = moe_triton.MoeTileConfig(block_m=64, block_n=16, block_k=16)
     got = moe_triton.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, config)
+    assert calls == [1]
     torch.testing.assert_close(got, experts.forward_torch(x, ids, weights), atol=1e-5, rtol=1e-4)
 
 
