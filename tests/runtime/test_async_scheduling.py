@@ -217,3 +217,20 @@ def test_graph_inputs_take_pending_tokens(model_dir, method):
     ahead, _ = run(engine, work)
     assert ahead == plain
     assert sum(fed) >= len(fed) // 2  # most graph steps took their input tokens from the device
+
+
+def test_cli_flag_runs_ahead_with_the_same_tokens(capsys):
+    """`kvc generate --async-scheduling on|off` on the CPU: the same tokens either way."""
+    import json
+
+    from kvc.runtime.cli import main
+
+    outputs = []
+    for flag in ("on", "off"):
+        assert main(["generate", "--prompt", "hello there", "--max-tokens", "12", "--json", "--max-model-len", "256",
+                     "--ignore-eos", "--async-scheduling", flag]) == 0
+        outputs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 12
+    with pytest.raises(SystemExit):  # argparse: usage and the choices on stderr
+        main(["generate", "--prompt", "hi", "--async-scheduling", "sometimes"])
+    assert "invalid choice: 'sometimes'" in capsys.readouterr().err
