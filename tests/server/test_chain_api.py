@@ -26,7 +26,9 @@ def cs():
 
 @contextmanager
 def _running(server, body):
-    """A streamed request, held running (slow steps) until the block ends; then the client leaves."""
+    """A streamed request, held running (slow steps) until the block ends; then the client leaves,
+    and the steps stay slow until the server has aborted it (so the tokens it adds meanwhile stay
+    few, whatever the machine's load: a continuation may roll back over them)."""
     server.fake.step_delay = 0.02
     try:
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
@@ -34,6 +36,7 @@ def _running(server, body):
             while not next(lines).startswith("data: "):  # admitted and decoding once an event came
                 pass
             yield
+        server.wait_metric("kvc:num_requests_running", 0)
     finally:
         server.fake.step_delay = 0.0
 
