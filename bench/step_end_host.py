@@ -7,6 +7,11 @@ lengths). The state planes hold random scores (few distinct values: ties), so ro
 tokens; both paths' plans are checked tensor-equal before timing. Compaction is not timed (one
 `compact_many` per layer either way).
 
+On this CPU the torch ops compute too (the selection's sorts over every stored token), which a
+GPU does asynchronously; `--device meta` runs the same calls on shape-only tensors, leaving the
+host's own time (Python, dispatch): what a GPU decode step waits for. Plans are compared on the
+CPU first either way.
+
     python bench/step_end_host.py --batch 64 --layers 8 --kv 2048
 """
 
@@ -26,7 +31,7 @@ PARAMS = {"streamingllm": {"sink": 4}, "h2o": {"heavy": 0.0625, "recent": 0.0625
 
 
 def synthetic(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_heads: int = 4,
-              head_dim: int = 8, seed: int = 0, ragged: bool = False):
+              head_dim: int = 8, seed: int = 0, ragged: bool = False, device: str = "cpu"):
     """(method, views per layer): `batch` sequences storing kv + 1 tokens (kv kept before the step),
     their page tables shuffled over one pool that all layers share (step end only reads it).
     `ragged`: every third row stores a token more (another group)."""
@@ -46,6 +51,8 @@ def synthetic(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_he
     planes = state_planes.allocate(method.state_planes, batch * per_seq, kv_heads, page, "cpu")
     for plane in planes.values():
         plane.copy_(torch.randint(0, 4, plane.shape, generator=g).float())
+    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+    planes = {name: plane.to(device) for name, plane in planes.items()}
     order = torch.randperm(batch * per_seq, generator=g).tolist()
     views = []
     for layer in range(layers):
@@ -77,16 +84,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--kv", type=int, default=2048)
+    parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "meta"])
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"step end host time per decode step, batch {args.batch} x {args.layers} layers, {args.kv} kept tokens")
+    print(f"step end host time per decode step, batch {args.batch} x {args.layers} layers, {args.kv} kept tokens, "
+          f"head dim {args.head_dim}, device {args.device}, 1 thread")
     for name in args.methods.split(","):
-        method, views = synthetic(name, args.batch, args.layers, args.kv)
+        method, views = synthetic(name, args.batch, args.layers, args.kv, head_dim=args.head_dim)
         plans = per_row(method, views)
         if not same_plans(plans, batched(method, views)):
             raise SystemExit(f"{name}: step_end_batch's plans differ from step_end's")
         evicting = sum(p is not None for layer in plans for p in layer)
+        if args.device != "cpu":
+            method, views = synthetic(name, args.batch, args.layers, args.kv, head_dim=args.head_dim,
+                                      device=args.device)
         times = {}
         for label, fn in (("per row", per_row), ("batched", batched)):
             runs = []

@@ -299,19 +299,7 @@ class DecodeHooks:
         sym = self._decode_sym(layer, length, view.context_len, view.prompt_len, None, kv_heads, head_dim)
         if self.paged_state:
             return self._step_end_paged(view, count, sym)
-        state = self._decode_state.get(key)
-        if state is None:
-            state = {s: torch.zeros(kv_heads, 0, device=view.cache.k_cache.device) for s in self.states}
-        if self._keep_hook == "decode_after_attention":
-            if pending is None:
-                raise RuntimeError(f"method {self.name!r}: step_end without decode_after_attention's scores")
-            scores = pending
-        else:
-            scores = self._step_scores(_CacheInputs(view.cache), state, sym, self.params)
-        plan = self._plan(self._select_fn(scores, sym, self.params), count, sym, view.cache)
-        if key in self._decode_state:
-            self._decode_state[key] = _gather_state(state, length, plan.indices, plan.indices.device)
-        return plan
+        return self._step_end_row(layer, view, count, sym, pending)
 
     def _step_end_paged(self, view: StepView, count: int, sym: dict) -> KeepPlan:
         """step_end over the planes: the scores (or the state) of the stored slots; compaction moves
@@ -361,9 +349,8 @@ class DecodeHooks:
         if count >= length:
             return [None] * len(views)
         sym = self._decode_sym(layer, length, first.context_len, first.prompt_len, None, kv_heads, head_dim)
-        tail = self.kept_tail(self._keep_hook, sym, length)
         if self._group_mode == "symbolic":  # the same scores, so the same plan, for every row
-            plan = self._step_end_per_row(layer, first, count, sym)
+            plan = self._step_end_row(layer, first, count, sym)
             for view in views[1:]:
                 key = (view.seq_id, layer)
                 if key in self._decode_state:  # no state: the per-row path would store an empty dict
@@ -377,16 +364,25 @@ class DecodeHooks:
         if indices.shape != (rows, count):
             raise RuntimeError(f"method {self.name!r}: the stacked selection kept {tuple(indices.shape)}, "
                                f"its count says ({rows}, {count})")
+        tail = self.kept_tail(self._keep_hook, sym, length)
         return [KeepPlan(plan, tail=tail) for plan in indices.view(len(views), kv_heads, count).unbind(0)]
 
-    def _step_end_per_row(self, layer: int, view: StepView, count: int, sym: dict) -> KeepPlan:
-        """The tail of `step_end` for one row whose count and symbols are known."""
+    def _step_end_row(self, layer: int, view: StepView, count: int, sym: dict,
+                      pending: torch.Tensor | None = None) -> KeepPlan:
+        """step_end of one row over its dict state, its count and symbols known: the keep's scores
+        (decode_after_attention's `pending` ones, or step_end's own), the plan, and the state
+        gathered to the kept tokens."""
         key = (view.seq_id, layer)
         state = self._decode_state.get(key)
         if state is None:
             state = {s: torch.zeros(view.cache.k_cache.shape[1], 0, device=view.cache.k_cache.device)
                      for s in self.states}
-        scores = self._step_scores(_CacheInputs(view.cache), state, sym, self.params)
+        if self._keep_hook == "decode_after_attention":
+            if pending is None:
+                raise RuntimeError(f"method {self.name!r}: step_end without decode_after_attention's scores")
+            scores = pending
+        else:
+            scores = self._step_scores(_CacheInputs(view.cache), state, sym, self.params)
         plan = self._plan(self._select_fn(scores, sym, self.params), count, sym, view.cache)
         if key in self._decode_state:
             self._decode_state[key] = _gather_state(state, view.cache.length, plan.indices, plan.indices.device)
