@@ -129,3 +129,24 @@ def test_batched_plans_over_random_planes(method):
     assert all(p is not None for layer in want for p in layer)
     rows = [p.indices for p in got[0][:2]]  # rows 0 and 1: one group
     assert torch.equal(rows[0], rows[1]) is (method == "streamingllm")
+
+
+def test_rowwise_select_fact():
+    """The compiler's `rowwise_select`: per-row granularities blind to `kv_heads` only."""
+    import json
+
+    from kvc.compiler.hook_facts import rowwise_select
+    from kvc.compiler.lower_torch import HookCode
+
+    root = Path(__file__).resolve().parents[2] / "kernels_generated"
+    facts = {name: json.loads((root / name / "manifest.json").read_text())["hooks"]
+             for name in ("streamingllm", "h2o", "tova", "adakv")}
+    assert facts["streamingllm"]["step_end"]["rowwise_select"]
+    assert facts["h2o"]["decode_after_attention"]["rowwise_select"]
+    assert facts["tova"]["decode_after_attention"]["rowwise_select"]
+    assert not facts["adakv"]["prefill_end"]["rowwise_select"]  # head_adaptive: heads share one budget
+    keep = {"first": "None", "last": "8", "count": "budget", "at_least": "None", "granularity": "kv_head"}
+    assert rowwise_select(HookCode("h", keep=keep))
+    assert not rowwise_select(HookCode("h", keep={**keep, "count": "budget/kv_heads"}))
+    assert not rowwise_select(HookCode("h", keep={**keep, "granularity": "head_adaptive"}))
+    assert not rowwise_select(HookCode("h"))
