@@ -23,6 +23,12 @@ symbols and parameters (null when it has none). Those N newest stored tokens alw
 keep, in order, so the chain cache knows how far back a session's stored tail is still verbatim
 (runtime/chains.py: rolling back to a common prefix after a stop-string cut).
 
+A keeping hook states `rowwise_select` too: its selection keeps each KV head's tokens from that
+head's score row and the symbols alone (granularity `none`, `kv_head` or `layer`, not
+`head_adaptive`), and none of its counts, ranges or `where` reads `kv_heads`. The engine may then
+stack the score rows of several sequences whose symbols are equal into one selection, `kv_heads`
+set to the stacked row count (step end over a decode batch: runtime/methods_compiled_decode.py).
+
 The engine's decode attention (attention variant `decode_stats`, `compiler/attention.py`; torch:
 `runtime/attention/decode_stats.py`) emits exactly that reduction of the softmax probabilities, so a decode step never materialises [head, key] when
 the method only needs [kv_head, key] or [key]. The hook then receives `attn` with the reduced
@@ -32,6 +38,7 @@ axis already folded to size 1, which its own reduction folds exactly.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from kvc.compiler.ir import Accumulate, Elementwise, HookIR, Input, Keep, MethodIR, Reduce, Scalar, Value
 from kvc.compiler.lower_torch import HookCode, names_in
@@ -39,6 +46,7 @@ from kvc.compiler.lower_torch import HookCode, names_in
 _FOLDABLE = {("group",): "group", ("head",): "head"}
 _SHAPE_SYMBOLS = {"layer", "layers", "heads", "kv_heads", "head_dim"}  # the same for every row of a batch
 PLANE_DIMS = ("kv_head", "key")  # the state shape a paged plane holds
+_ROWWISE_GRANULARITIES = {"none", "kv_head", "layer"}  # each KV head ranked and kept on its own row
 
 
 def _children(value: Value):
@@ -105,12 +113,22 @@ def key_local(method: MethodIR, hook: HookIR) -> bool:
     return bool(values) and all(_key_local_value(v, names, states) and v.dims[-1:] == ("key",) for v in values)
 
 
+def rowwise_select(code: HookCode) -> bool:
+    """Whether a keeping hook's selection is per KV head row and blind to `kv_heads` (module docstring)."""
+    keep = code.keep
+    if keep is None or keep["granularity"] not in _ROWWISE_GRANULARITIES:
+        return False
+    exprs = [keep[name] for name in ("first", "last", "count", "at_least")] + [code.where or ""]
+    return not any(re.search(r"\bkv_heads\b", expr) for expr in exprs)
+
+
 def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
-    """manifest["hooks"]: per hook name, its inputs, keep, where, attention reduction, kept tail and
-    whether it is key-local."""
+    """manifest["hooks"]: per hook name, its inputs, keep, where, attention reduction, kept tail,
+    whether it is key-local and whether its selection is row-wise."""
     out = {}
     for hook, code in zip(method.hooks, codes):
         last = None if code.keep is None or code.keep["last"] == "None" else code.keep["last"]
         out[hook.name] = {"inputs": sorted(code.inputs), "keeps": code.keep is not None, "where": code.where,
-                          "attention": attention_reduction(hook), "last": last, "key_local": key_local(method, hook)}
+                          "attention": attention_reduction(hook), "last": last, "key_local": key_local(method, hook),
+                          "rowwise_select": rowwise_select(code)}
     return out

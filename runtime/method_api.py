@@ -26,6 +26,10 @@ Points, in the order a request meets them:
   its manifest names, `plain` by default) and the decode statistics they must emit.
 - `step_end(layer, view)`       after a step's forward, per layer of every sequence that decoded
   in it, -> an optional `KeepPlan`, compacted at once (decode-time eviction).
+- `step_end_batch(layer, views)` the same for every sequence that decoded, at once: one plan (or
+  None) per view, in order, equal to what `step_end` gives each view alone. The engine calls it
+  when the method has it (`MethodBase`'s runs `step_end` per view), so a method may batch its
+  step-end work across sequences (the host cost of decode-time eviction at large batches).
 - `turn_end(seq_id)` / `turn_resume(seq_id, state, lengths)`: chain cache (runtime/chains.py), only
   for methods listing `Hook.TURN`. `turn_end` hands over (and forgets) the sequence's state when
   its turn is recorded into a chain; `turn_resume` installs a chain's state under a new sequence
@@ -296,6 +300,10 @@ class MethodBase:
 
     def step_end(self, layer: int, view: StepView) -> KeepPlan | None:
         return None
+
+    def step_end_batch(self, layer: int, views: Seq[StepView]) -> list[KeepPlan | None]:
+        """`step_end` of each view, in order; a method overrides it to batch across sequences."""
+        return [self.step_end(layer, view) for view in views]
 
     def turn_end(self, seq_id: int) -> Any:
         return None

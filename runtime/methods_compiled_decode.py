@@ -16,6 +16,15 @@ lowering (`<hook>` accumulating state, or `<hook>_scores` + `<hook>_select` when
   known on the host without reading the device: the generated `<hook>_select` runs on a `meta`
   tensor of the cache's shape (counts depend on lengths and parameters only), so a step that
   does not evict skips the selection and a step that does never syncs for its size.
+- `step_end_batch(layer, views)`: the same plans for a whole decode batch, with host work per
+  group of rows rather than per row. Rows whose symbols are equal (stored length, context and
+  prompt length: the same count and `sym`) form a group. A keep whose scores read nothing but the
+  symbols (a `step_end` hook with no inputs, a method without state: StreamingLLM) selects once
+  per group and every row gets that plan. A keep whose scores are in a plane and whose selection
+  is row-wise (manifest fact `rowwise_select`: each KV head kept from its own score row, no count
+  reading `kv_heads`) reads the group's scores as [G, Hkv, n] and runs the generated selection once
+  over the G*Hkv rows (`kv_heads` set to G*Hkv). Anything else, and a group of one, runs
+  `step_end` per row, the oracle the batched plans equal (tensor-equal indices, same tail).
 - After `prefill_end`, the prefill state (H2O's column sums) continues into decoding.
 - Keep plans carry `tail` (the keep's `+ last N`, `CompiledMethod.kept_tail`) for the chain cache.
 
@@ -122,6 +131,7 @@ class DecodeHooks:
                                           "the engine needs per-head lengths in its metadata first")
             self._step_scores = getattr(self.lowering, "step_end_scores", None)
             hooks.add(Hook.STEP_END)
+        self._group_mode = _group_mode(self._keep_hook, facts, bool(self.states), self.paged_state)
         if self.paged_state:
             # a decode step writes the planes of every stored slot; a method listing STEP_END gets
             # spare pages for each shared one (Scheduler._copies), which the runner copies first
@@ -289,19 +299,7 @@ class DecodeHooks:
         sym = self._decode_sym(layer, length, view.context_len, view.prompt_len, None, kv_heads, head_dim)
         if self.paged_state:
             return self._step_end_paged(view, count, sym)
-        state = self._decode_state.get(key)
-        if state is None:
-            state = {s: torch.zeros(kv_heads, 0, device=view.cache.k_cache.device) for s in self.states}
-        if self._keep_hook == "decode_after_attention":
-            if pending is None:
-                raise RuntimeError(f"method {self.name!r}: step_end without decode_after_attention's scores")
-            scores = pending
-        else:
-            scores = self._step_scores(_CacheInputs(view.cache), state, sym, self.params)
-        plan = self._plan(self._select_fn(scores, sym, self.params), count, sym, view.cache)
-        if key in self._decode_state:
-            self._decode_state[key] = _gather_state(state, length, plan.indices, plan.indices.device)
-        return plan
+        return self._step_end_row(layer, view, count, sym, pending)
 
     def _step_end_paged(self, view: StepView, count: int, sym: dict) -> KeepPlan:
         """step_end over the planes: the scores (or the state) of the stored slots; compaction moves
@@ -320,6 +318,75 @@ class DecodeHooks:
         if indices.shape[1] != count:
             raise RuntimeError(f"method {self.name!r}: selection kept {indices.shape[1]}, its count says {count}")
         return KeepPlan(indices, tail=self.kept_tail(self._keep_hook, sym, cache.length))
+
+    def step_end_batch(self, layer: int, views: list[StepView]) -> list[KeepPlan | None]:
+        """`step_end` of every view, in order, grouped by equal symbols (module docstring)."""
+        if self._group_mode is None or len(views) < 2:
+            return [self.step_end(layer, view) for view in views]
+        plans: list[KeepPlan | None] = [None] * len(views)
+        groups: dict[tuple, list[int]] = {}
+        for i, view in enumerate(views):
+            cache = view.cache
+            key = (cache.length, view.context_len, view.prompt_len, tuple(cache.k_cache.shape[1:]),
+                   cache.k_cache.device)
+            groups.setdefault(key, []).append(i)
+        for rows in groups.values():
+            if len(rows) == 1:
+                plans[rows[0]] = self.step_end(layer, views[rows[0]])
+                continue
+            for i, plan in zip(rows, self._step_end_group(layer, [views[i] for i in rows])):
+                plans[i] = plan
+        return plans
+
+    def _step_end_group(self, layer: int, views: list[StepView]) -> list[KeepPlan | None]:
+        """step_end of rows with equal symbols: one selection for the group."""
+        first = views[0]
+        for view in views:
+            self._pending.pop((view.seq_id, layer), None)
+        cache = first.cache
+        length, kv_heads, head_dim = cache.length, cache.k_cache.shape[1], cache.k_cache.shape[-1]
+        count = self.decode_kept(length, first.prompt_len, first.context_len, layer, kv_heads)
+        if count >= length:
+            return [None] * len(views)
+        sym = self._decode_sym(layer, length, first.context_len, first.prompt_len, None, kv_heads, head_dim)
+        if self._group_mode == "symbolic":  # the same scores, so the same plan, for every row
+            plan = self._step_end_row(layer, first, count, sym)
+            for view in views[1:]:
+                key = (view.seq_id, layer)
+                if key in self._decode_state:  # no state: the per-row path would store an empty dict
+                    self._decode_state[key] = {}
+            return [plan] + [KeepPlan(plan.indices, tail=plan.tail) for _ in views[1:]]
+        planes = self._planes(cache.planes)
+        scores = _read_rows(planes[self._scores_plane], [view.cache.page_ids for view in views], length)
+        rows = len(views) * kv_heads
+        kept = self._select_fn(scores.reshape(rows, length), {**sym, "kv_heads": rows}, self.params)
+        indices = torch.stack([t.to(device=cache.k_cache.device, dtype=torch.long) for t in kept])
+        if indices.shape != (rows, count):
+            raise RuntimeError(f"method {self.name!r}: the stacked selection kept {tuple(indices.shape)}, "
+                               f"its count says ({rows}, {count})")
+        tail = self.kept_tail(self._keep_hook, sym, length)
+        return [KeepPlan(plan, tail=tail) for plan in indices.view(len(views), kv_heads, count).unbind(0)]
+
+    def _step_end_row(self, layer: int, view: StepView, count: int, sym: dict,
+                      pending: torch.Tensor | None = None) -> KeepPlan:
+        """step_end of one row over its dict state, its count and symbols known: the keep's scores
+        (decode_after_attention's `pending` ones, or step_end's own), the plan, and the state
+        gathered to the kept tokens."""
+        key = (view.seq_id, layer)
+        state = self._decode_state.get(key)
+        if state is None:
+            state = {s: torch.zeros(view.cache.k_cache.shape[1], 0, device=view.cache.k_cache.device)
+                     for s in self.states}
+        if self._keep_hook == "decode_after_attention":
+            if pending is None:
+                raise RuntimeError(f"method {self.name!r}: step_end without decode_after_attention's scores")
+            scores = pending
+        else:
+            scores = self._step_scores(_CacheInputs(view.cache), state, sym, self.params)
+        plan = self._plan(self._select_fn(scores, sym, self.params), count, sym, view.cache)
+        if key in self._decode_state:
+            self._decode_state[key] = _gather_state(state, view.cache.length, plan.indices, plan.indices.device)
+        return plan
 
     def _clone_decode(self, src: int, dst: int) -> None:
         """A cloned sequence's decode state and pending scores: copies of its source's (state in
@@ -343,6 +410,32 @@ def copy_entries(store: dict[tuple[int, int], Any], src: int, dst: int) -> None:
         if seq == src:
             store[dst, layer] = ({name: t.clone() for name, t in value.items()} if isinstance(value, dict)
                                  else value.clone())
+
+
+def _group_mode(keep_hook: str | None, facts: dict, stateful: bool, paged: bool) -> str | None:
+    """How `step_end_batch` batches a group of rows with equal symbols: "symbolic" (scores from the
+    symbols alone: one selection, one plan for all), "planes" (scores in a plane, row-wise
+    selection: one stacked selection), or None (per row)."""
+    if keep_hook is None:
+        return None
+    keep = facts[keep_hook]
+    if keep_hook == "step_end" and not keep["inputs"] and not stateful and not paged:
+        return "symbolic"
+    if keep_hook == "decode_after_attention" and paged and keep.get("rowwise_select"):
+        return "planes"
+    return None
+
+
+def _read_rows(plane: torch.Tensor, tables: list[list[int]], n: int) -> torch.Tensor:
+    """The state of slots [0, n) of several sequences' layer: [G, Hkv, n] float32, row g equal to
+    `state_planes.read(plane, tables[g], n)`."""
+    page_size = plane.shape[2]
+    pages = -(-n // page_size)
+    if any(len(table) < pages for table in tables):
+        raise ValueError(f"a table of fewer than {pages} pages of {page_size} slots cannot hold {n} tokens")
+    ids = torch.tensor([table[:pages] for table in tables], dtype=torch.long).to(plane.device)  # [G, pages]
+    slots = torch.arange(n, device=plane.device)
+    return plane[ids[:, slots // page_size], :, slots % page_size].permute(0, 2, 1)
 
 
 class _CacheInputs(dict):

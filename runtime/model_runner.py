@@ -13,8 +13,9 @@ plans are compacted at once, all sequences in one `compact_many` call, before an
 per-head start slots on the sequence; a layer that has starts is compacted over them), and the decode
 hooks for decode rows (static shapes, no host sync, so they are CUDA-graph capturable; a method
 with `decode_graphs = False` runs its decode steps eagerly and its decode views carry host facts
-per row). After the forward, `step_end` runs per layer of each decoded sequence (eager code, also
-after a graph replay); its keep plans are compacted and reported like prefill_end's.
+per row). After the forward, step_end runs per layer over the decoded sequences (`step_end_batch`
+when the method has it, else `step_end` per sequence; eager code, also after a graph replay); its
+keep plans are compacted and reported like prefill_end's.
 
 State planes (runtime/kv/state_planes.py): when the method's layout asks for them, the attention
 layer holds them beside K/V; the views carry them, compaction moves them with K/V, and
@@ -276,27 +277,34 @@ class ModelRunner:
                 seq.set_kv_starts(layer, result.starts)
 
     def _step_end(self, batch: ScheduledBatch, compacted: dict[int, dict[int, int]]) -> None:
-        """step_end per layer of every sequence that decoded in this step; each layer's keep
-        plans are compacted at once and reported (the scheduler frees the pages past them)."""
+        """step_end per layer of every sequence that decoded in this step (`step_end_batch`, one call
+        per layer, when the method has it); each layer's keep plans are compacted at once and
+        reported (the scheduler frees the pages past them)."""
         method, cache = self.method, self.attention
         decoded = batch.seqs[: batch.num_decodes]
+        batched = getattr(method, "step_end_batch", None)
         for layer in range(self.num_layers):
-            jobs = []
+            views = []
             for seq in decoded:
-                table = seq.page_tables[layer]
                 length = seq.kv_lens[layer] + 1  # the step's token is stored (postprocess advances kv_lens)
                 gap = seq.history_gap[layer]  # a chain continuation: its prompt is the stored history + suffix
-                stored = LayerCacheView(cache.k_cache, cache.v_cache, table, length, seq.kv_starts[layer],
-                                        self.planes or None)
-                view = StepView(seq.seq_id, layer, self.num_layers, seq.num_computed_tokens + 1 - gap,
-                                seq.prefill_end - gap, stored)
-                plan = method.step_end(layer, view)
+                stored = LayerCacheView(cache.k_cache, cache.v_cache, seq.page_tables[layer], length,
+                                        seq.kv_starts[layer], self.planes or None)
+                views.append(StepView(seq.seq_id, layer, self.num_layers, seq.num_computed_tokens + 1 - gap,
+                                      seq.prefill_end - gap, stored))
+            plans = batched(layer, views) if batched is not None else [method.step_end(layer, v) for v in views]
+            if len(plans) != len(views):
+                raise RuntimeError(f"method {method.name!r}: step_end_batch gave {len(plans)} plans for "
+                                   f"{len(views)} sequences")
+            jobs = []
+            for seq, view, plan in zip(decoded, views, plans):
                 if plan is None:
                     continue
                 self._own_pages(seq, layer, -(-plan.kept // self.page_size))
                 logical = seq.num_computed_tokens + 1
-                jobs.append((seq, CompactionJob(table, length, plan.indices, plan.lengths, seq.kv_starts[layer]),
-                             logical - plan.tail, logical))
+                job = CompactionJob(view.cache.page_ids, view.cache.length, plan.indices, plan.lengths,
+                                    seq.kv_starts[layer])
+                jobs.append((seq, job, logical - plan.tail, logical))
             self._compact(layer, jobs, compacted)
 
     # ---- copy-on-write -----------------------------------------------------------------------

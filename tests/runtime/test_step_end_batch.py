@@ -1,0 +1,152 @@
+"""`step_end_batch` of compiled decode-time evictions (runtime/methods_compiled_decode.py): the
+plans of a whole decode batch at once, grouped by equal symbols, equal to `step_end` per row.
+
+On a tiny random Llama (float32, CPU, page size 5), five requests whose prompt lengths repeat
+(groups of rows with the same stored length, context and prompt length) next to lengths of their
+own (groups of one), so the steps mix stacked selections, shared plans and per-row fallbacks;
+eviction runs at every step. Checked at every layer of every step: the batched plans are
+tensor-equal to the per-row oracle's (indices, lengths, tail), the batched path really ran (a
+group of several rows took the stacked or shared selection), and end to end the greedy tokens
+and kv_lens equal a run whose runner calls `step_end` per row.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvc.runtime import methods_compiled_decode
+from kvc.runtime.llm import LLM
+from kvc.runtime.method_api import MethodBase
+from kvc.runtime.sampling_params import SamplingParams
+from tests.models.tiny import make_tiny_llama
+
+PAGE = 5
+STEPS = 20
+LENGTHS = [40, 40, 40, 57, 57, 33]
+CASES = {
+    "streamingllm": ({"sink": 4, "recent": 20}, "symbolic"),
+    "h2o": ({"heavy": 0.3, "recent": 0.1}, "planes"),
+    "tova": ({"budget": 26}, "planes"),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("stepend"), seed=7, num_hidden_layers=2)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def make_llm(model_dir: Path, method: str) -> LLM:
+    return LLM(str(model_dir), method=method, method_params=CASES[method][0], device="cpu", dtype="float32",
+               page_size=PAGE, max_num_batched_tokens=128, max_prefill_chunk=64, attention_backend="torch")
+
+
+def run(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts()]
+    lengths = []
+    while engine.has_unfinished():
+        engine.step()
+        lengths.append([list(s.kv_lens) for s in seqs])
+    assert engine.pool.num_free == engine.pool.num_pages
+    return [s.generated_ids for s in seqs], lengths
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_batched_plans_equal_the_per_row_plans(model_dir, method, monkeypatch):
+    llm = make_llm(model_dir, method)
+    m = llm.engine.method
+    assert m._group_mode == CASES[method][1]  # decided from the manifest facts, not the name
+    original = m.step_end_batch
+    groups, compared = [], [0]
+
+    def checked(layer, views):
+        want = [type(m).step_end(m, layer, view) for view in views]  # the oracle reads, never moves, state
+        got = original(layer, views)
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a.indices, b.indices) and a.indices.dtype == b.indices.dtype
+                assert a.lengths is None and b.lengths is None and a.tail == b.tail
+                compared[0] += 1
+        return got
+
+    group = m._step_end_group
+
+    def spy_group(layer, views):
+        groups.append(len(views))
+        return group(layer, views)
+
+    monkeypatch.setattr(m, "step_end_batch", checked)
+    monkeypatch.setattr(m, "_step_end_group", spy_group)
+    run(llm)
+    assert compared[0] > 2 * len(LENGTHS) * (STEPS - 6)  # eviction at (almost) every step, every row
+    assert groups and max(groups) == 3 and 2 in groups  # the repeated lengths batched
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_greedy_tokens_unchanged_end_to_end(model_dir, method, monkeypatch):
+    batched = run(make_llm(model_dir, method))
+    monkeypatch.setattr(methods_compiled_decode.DecodeHooks, "step_end_batch", MethodBase.step_end_batch)
+    per_row = run(make_llm(model_dir, method))
+    assert batched == per_row
+    assert any(l != len(prompts()[0]) for step in batched[1] for row in step for l in row)  # it evicted
+
+
+def test_stacked_rows_read_like_one_row_reads():
+    """`_read_rows` over several tables equals `state_planes.read` of each (pages out of order)."""
+    from kvc.runtime.kv import state_planes
+
+    plane = torch.randn(9, 2, 4)
+    tables = [[3, 0, 7], [5, 2, 1], [8, 6, 4]]
+    got = methods_compiled_decode._read_rows(plane, tables, 10)
+    assert got.shape == (3, 2, 10)
+    for g, table in enumerate(tables):
+        assert torch.equal(got[g], state_planes.read(plane, table, 10))
+    with pytest.raises(ValueError):
+        methods_compiled_decode._read_rows(plane, [[1, 2], [3]], 10)
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_batched_plans_over_random_planes(method):
+    """Planes of random scores with ties, page tables out of order, two groups (every third row a
+    token longer): the batched plans equal the per-row ones, and rows of one group keep
+    different tokens where the scores decide (so a plan handed to the wrong row would show)."""
+    from bench.step_end_host import batched, per_row, same_plans, synthetic
+
+    m, views = synthetic(method, batch=7, layers=2, kv=60, page=4, head_dim=4, seed=3, ragged=True)
+    want, got = per_row(m, views), batched(m, views)
+    assert same_plans(got, want)
+    assert all(p is not None for layer in want for p in layer)
+    rows = [p.indices for p in got[0][:2]]  # rows 0 and 1: one group
+    assert torch.equal(rows[0], rows[1]) is (method == "streamingllm")
+
+
+def test_rowwise_select_fact():
+    """The compiler's `rowwise_select`: per-row granularities blind to `kv_heads` only."""
+    import json
+
+    from kvc.compiler.hook_facts import rowwise_select
+    from kvc.compiler.lower_torch import HookCode
+
+    root = Path(__file__).resolve().parents[2] / "kernels_generated"
+    facts = {name: json.loads((root / name / "manifest.json").read_text())["hooks"]
+             for name in ("streamingllm", "h2o", "tova", "adakv")}
+    assert facts["streamingllm"]["step_end"]["rowwise_select"]
+    assert facts["h2o"]["decode_after_attention"]["rowwise_select"]
+    assert facts["tova"]["decode_after_attention"]["rowwise_select"]
+    assert not facts["adakv"]["prefill_end"]["rowwise_select"]  # head_adaptive: heads share one budget
+    keep = {"first": "None", "last": "8", "count": "budget", "at_least": "None", "granularity": "kv_head"}
+    assert rowwise_select(HookCode("h", keep=keep))
+    assert not rowwise_select(HookCode("h", keep={**keep, "count": "budget/kv_heads"}))
+    assert not rowwise_select(HookCode("h", keep={**keep, "granularity": "head_adaptive"}))
+    assert not rowwise_select(HookCode("h"))
