@@ -12,6 +12,8 @@ import sys
 
 from kvc.runtime.errors import KvcError
 
+ASYNC_SCHEDULING_CHOICES = {"auto": None, "on": True, "off": False}  # --async-scheduling -> EngineConfig
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local Hugging Face directory or random:NAME (default: the embedded tiny model)")
@@ -30,7 +32,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--async-scheduling", choices=tuple(ASYNC_SCHEDULING_CHOICES), default="auto",
                    help="schedule the next decode step while the current one runs (auto: on a GPU)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -47,7 +49,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
         max_model_len=a.max_model_len,
         enable_prefix_caching=not a.no_prefix_caching,
         cuda_graphs=not a.no_cuda_graphs,
-        async_scheduling={"auto": None, "on": True, "off": False}[a.async_scheduling],
+        async_scheduling=ASYNC_SCHEDULING_CHOICES[a.async_scheduling],
         seed=a.seed,
     )
 

@@ -309,7 +309,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return finished
-        overlap = self._async and batch.num_prefills == 0 and all(s.chain is None for s in batch.seqs)
+        overlap = self._async and self.scheduler.may_run_ahead(batch)
         out = self.runner.run(batch, batch.needs_sample(), defer=overlap)
         self.scheduler.advance(batch, out.compacted)
         if overlap:

@@ -455,17 +455,22 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    @staticmethod
+    def may_run_ahead(batch: ScheduledBatch) -> bool:
+        """Can `batch` stay running while the next step is scheduled: decodes only, none chained."""
+        return batch.num_prefills == 0 and all(seq.chain is None for seq in batch.seqs)
+
     def schedule_ahead(self, launched: ScheduledBatch) -> ScheduledBatch | None:
         """The next decode step of `launched`'s sequences while its tokens are still pending on the
         device (async scheduling): each decodes its pending token. None (the caller commits first
         and schedules normally) unless it is the plain continuation: `launched` decoded every
         running sequence, none is chained, nothing waits, and the free pages take every next
         token without preempting. A sequence that its pending token stops by length is left out."""
-        if self.waiting or launched.num_prefills or len(launched.seqs) != len(self.running):
+        if self.waiting or not self.may_run_ahead(launched) or len(launched.seqs) != len(self.running):
             return None
         seqs = []
         for seq in launched.seqs:
-            if seq.status is not SequenceStatus.RUNNING or seq.chain is not None or seq.pending != 1:
+            if seq.status is not SequenceStatus.RUNNING or seq.pending != 1:
                 return None
             if not seq.stops_by_length:
                 seqs.append(seq)

@@ -15,14 +15,18 @@ import numpy as np
 import torch
 
 
+def _host(values, dtype: torch.dtype | None) -> torch.Tensor:
+    """A list, numpy array or CPU tensor as a CPU tensor (of `dtype` when given)."""
+    if isinstance(values, np.ndarray):
+        values = torch.from_numpy(values)
+    if isinstance(values, torch.Tensor):
+        return values if dtype is None else values.to(dtype)
+    return torch.tensor(values, dtype=dtype)
+
+
 def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A list, numpy array or CPU tensor on `device`, copied without a stream wait on CUDA."""
-    if isinstance(values, torch.Tensor):
-        host = values if dtype is None else values.to(dtype)
-    elif isinstance(values, np.ndarray):
-        host = torch.from_numpy(values) if dtype is None else torch.from_numpy(values).to(dtype)
-    else:
-        host = torch.tensor(values, dtype=dtype)
+    host = _host(values, dtype)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
@@ -30,8 +34,7 @@ def to_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
 
 def copy_into(dst: torch.Tensor, values) -> None:
     """dst.copy_(values) from host data, without a stream wait on CUDA."""
-    host = values if isinstance(values, torch.Tensor) else (
-        torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dst.dtype))
+    host = _host(values, None if isinstance(values, (torch.Tensor, np.ndarray)) else dst.dtype)
     if dst.device.type == "cuda":
         host = host.pin_memory()
     dst.copy_(host, non_blocking=dst.device.type == "cuda")
