@@ -9,7 +9,7 @@
 #  (w) full and snapkv decode windows at 32K, 32 steps (the acceptance's 32K ratio); (x) the same at 128K.
 # Next session (faithful windows: --sources, mixed layers): (t) GPU tests + the MoE align bench;
 #  (e) the e2e check in one run with an 8-source window; (f) full, snapkv, pyramidkv, adakv at 32K with
-#  8 sources; (g) full, snapkv at 128K with 4 sources; (h) streamingllm, h2o, tova at 32K (8 steps).
+#  8 sources, each profiled at its own batch; (g) full, snapkv at 128K with 4 sources; (h) streamingllm, h2o, tova at 32K (8 steps).
 #  Suggested calls: PARTS="t e", then PARTS="f h", then PARTS="g" (each under 10 minutes).
 # Each part runs under `timeout` and writes into a scratch folder; after each part $OUT is repacked
 # (the device returns at most 8 files): results.tar.gz (every log, JSON, markdown table and the tuned
@@ -71,8 +71,10 @@ for part in ${PARTS:-a b c d}; do
        note gpu_tests "$rc" "$work/moe_align.md" "$work/gpu_tests.log" ;;
     e) bench e2e32_sources8 "${E2E_TIMEOUT:-330}" --methods snapkv --steps 32 --sources 8 --e2e \
          --e2e-batch "${E2E_BATCH:-64}" --busy --busy-batch "${E2E_BATCH:-64}" ;;
-    f) bench window32_sources8 "${WINDOW_TIMEOUT:-240}" --methods full,snapkv,pyramidkv,adakv --steps 32 --sources 8 ;;
-    g) bench window128_sources4 "${WINDOW_TIMEOUT:-300}" --methods full,snapkv --steps 32 --sources 4 --inputs 131072 ;;
+    f) bench window32_sources8 "${WINDOW_TIMEOUT:-240}" --methods full,snapkv,pyramidkv,adakv --steps 32 --sources 8 \
+         --busy --busy-batch 1024 ;;
+    g) bench window128_sources4 "${WINDOW_TIMEOUT:-300}" --methods "${G_METHODS:-full,snapkv}" --steps 32 --sources 4 \
+         --inputs 131072 ;;
     h) bench window32_eviction "${EAGER_TIMEOUT:-240}" --methods streamingllm,h2o,tova --steps 8 --sources 8 ;;
     w) bench window32 "${WINDOW_TIMEOUT:-100}" --methods full,snapkv --steps 32 ;;
     x) bench window128 "${WINDOW_TIMEOUT:-100}" --methods full,snapkv --steps 32 --inputs 131072 ;;
