@@ -122,7 +122,8 @@ def _throughput(a: argparse.Namespace) -> int:
                   f"{row['decode_tok_s']:.1f} tok/s, step {row['step_ms']:.2f} ms{checks}, phases "
                   + ", ".join(f"{k} {v:.1f}" for k, v in row.get("phases", {}).items()), file=sys.stderr, flush=True)
 
-    result = run(cfg, progress=not a.no_progress and sys.stderr.isatty(), on_row=show)
+    partial = (lambda result: _write(a.out, result)) if a.out else None  # rows so far, after every case
+    result = run(cfg, progress=not a.no_progress and sys.stderr.isatty(), on_row=show, on_partial=partial)
     print(format_table(result))
     profiles = format_profiles(result)
     if profiles:

@@ -244,8 +244,11 @@ def ratios(rows: list[dict], baseline: str = "full") -> dict[str, dict[str, dict
     return out
 
 
-def run(cfg: ThroughputConfig, progress: bool = False, on_row: Callable[[dict], None] | None = None) -> dict:
-    """Every (method, input) of `cfg`; the result object (`result.header` + rows + ratios)."""
+def run(cfg: ThroughputConfig, progress: bool = False, on_row: Callable[[dict], None] | None = None,
+        on_partial: Callable[[dict], None] | None = None) -> dict:
+    """Every (method, input) of `cfg`; the result object (`result.header` + rows + ratios).
+    `on_partial` gets the result so far (`"complete": False`) after every case, so a run cut short
+    (a time limit) still leaves the rows it finished."""
     from kvc.runtime.bench.result import header
 
     model = cfg.model
@@ -278,6 +281,8 @@ def run(cfg: ThroughputConfig, progress: bool = False, on_row: Callable[[dict], 
             for row in new:
                 if on_row is not None:
                     on_row(row)
+            if on_partial is not None:
+                on_partial({**result, "rows": rows, "ratios_vs_full": ratios(rows), "complete": False})
             if bar is not None:
                 bar.advance(bar.task_ids[0])
     finally:
@@ -285,6 +290,7 @@ def run(cfg: ThroughputConfig, progress: bool = False, on_row: Callable[[dict], 
             bar.stop()
     result["rows"] = rows
     result["ratios_vs_full"] = ratios(rows)
+    result["complete"] = True
     return result
 
 

@@ -122,6 +122,7 @@ def test_cli_run_writes_the_result_and_plot(model_dir, tmp_path, capsys):
                 "mode_notes", "rows", "ratios_vs_full"):
         assert key in result, key
     assert set(result["versions"]) >= {"torch", "triton", "transformers"}
+    assert result["complete"] is True
     rows = {(r["method"], r["mode"]): r for r in result["rows"]}
     assert set(rows) == {("full", "decode_window"), ("full", "e2e"), ("snapkv", "decode_window"), ("snapkv", "e2e")}
     assert rows["full", "decode_window"]["batch"] == 3 and rows["snapkv", "decode_window"]["batch"] == 9
@@ -149,6 +150,32 @@ def test_cli_run_writes_the_result_and_plot(model_dir, tmp_path, capsys):
     again = tmp_path / "again.png"
     assert main(["bench", "plot", str(out), "-o", str(again)]) == 0
     assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_writes_the_rows_of_a_run_cut_short(model_dir, tmp_path, monkeypatch):
+    """--out holds the finished rows after every case (`complete` false), so a time limit that stops
+    the run keeps them; here the second case's measurement stops the run."""
+    import kvc.runtime.bench.throughput as throughput
+
+    out, calls = tmp_path / "result.json", []
+
+    def measure(cfg, case):
+        calls.append(case.method)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a time limit's signal leaves: no row, no final write
+        return [{"method": case.method, "input_len": case.input_len, "mode": "decode_window", "batch": 1,
+                 "decode_tok_s": 10.0, "step_ms": 1.0}]
+
+    monkeypatch.setattr(throughput, "measure", measure)
+    code = main(["bench", "throughput", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
+                 "--methods", "full,snapkv", "--inputs", str(INPUT), "--output", str(OUTPUT), "--kv-memory",
+                 str(300 * PAGE_BYTES), "--page-size", str(PAGE), "--steps", "4", "--warmup", "1", "--out", str(out),
+                 "--no-progress"])
+    assert code == 130  # the CLI's answer to an interrupt
+    result = json.loads(out.read_text())
+    assert result["complete"] is False
+    assert [r["method"] for r in result["rows"]] == ["full"]
+    assert "date" in result and "command" in result
 
 
 def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
