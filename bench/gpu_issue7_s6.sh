@@ -4,7 +4,9 @@
 #  lane 0 (GPU 0): (t) the GPU tests of graphs, compiled methods and the engine;
 #                  (a) 32K, all seven methods, 8-source windows;
 #                  (i) 32K, full + the decode-time evictions with --evict-interval 16, when the CLI has it.
-#  lane 1 (GPU 1): (b) 128K, all seven methods, 2-source windows (each source is a 21 s prefill).
+#  lane 1 (GPU 1): (s) `kvc tune --kernels scores` (the window-score kernel `column_votes`, new to the
+#                  tuner; quick effort, at most 6 candidates a bucket), then its cache file is kept;
+#                  (b) 128K, all seven methods, 2-source windows (each source is a 21 s prefill).
 # With one GPU (LANES="0" or "1"), the lanes run one after the other on it.
 # Every bench run writes its JSON after each method (`complete: false` until it ends), so a part cut
 # by its time limit keeps the methods it finished. After each part a lane repacks its scratch folder
@@ -13,7 +15,7 @@
 # Env: PYTHON, MODEL ('' = the embedded default model), KV_MEMORY, EXTRA (more arguments of every
 # bench run, e.g. "--device cpu --attention-backend torch" to check the script on a CPU), INPUTS_A,
 # INPUTS_B (input lengths of parts a and b), SOURCES_A, SOURCES_B, STEPS, LANES (default "0 1"),
-# and the limits T_TESTS, T_A, T_I, T_B (seconds).
+# and the limits T_TESTS, T_A, T_I, T_B, T_S (seconds).
 set -uo pipefail
 out=${1:?output folder}
 mkdir -p "$out"
@@ -46,12 +48,17 @@ lane() {  # lane number, then its parts
       t) timeout "${T_TESTS:-110}" "$py" -m pytest -q tests/runtime/test_gpu_graphs.py tests/runtime/test_gpu_compiled.py \
            tests/runtime/test_gpu_engine.py > "$work/gpu_tests.log" 2>&1
          note gpu_tests $? "" "$work/gpu_tests.log" ;;
+      s) timeout "${T_S:-100}" "$py" -m kvc.runtime.cli tune "${model_args[@]+"${model_args[@]}"}" \
+           --dtype "${DTYPE:-bfloat16}" --effort quick --kernels scores --max-candidates 6 \
+           --out "$work/tune_scores.json" > "$work/tune_scores.log" 2>&1
+         rc=$?; cp -r kernels_generated/tuned "$work/"
+         note tune_scores "$rc" "" "$work/tune_scores.log" ;;
       a) bench window32_all "${T_A:-300}" --methods "$all" --inputs "${INPUTS_A:-32768}" --sources "${SOURCES_A:-8}" ;;
       i) if "$py" -m kvc.runtime.cli bench throughput --help 2>/dev/null | grep -q -- --evict-interval; then
            bench window32_interval16 "${T_I:-150}" --methods full,streamingllm,h2o,tova --inputs "${INPUTS_A:-32768}" \
-             --sources "${SOURCES_A:-8}" --evict-interval 16
+             --sources 4 --evict-interval 16
          else echo "## window32_interval16: skipped (no --evict-interval)" >> "$summary"; fi ;;
-      b) bench window128_all "${T_B:-540}" --methods "$all" --inputs "${INPUTS_B:-131072}" --sources "${SOURCES_B:-2}" ;;
+      b) bench window128_all "${T_B:-460}" --methods "$all" --inputs "${INPUTS_B:-131072}" --sources "${SOURCES_B:-2}" ;;
       *) echo "unknown part $part" >> "$summary" ;;
     esac
   done
@@ -61,9 +68,9 @@ lane() {  # lane number, then its parts
 read -r -a lanes <<< "${LANES:-0 1}"
 if [ "${#lanes[@]}" -gt 1 ]; then
   CUDA_VISIBLE_DEVICES=0 lane 0 t a i &
-  CUDA_VISIBLE_DEVICES=1 lane 1 b &
+  CUDA_VISIBLE_DEVICES=1 lane 1 s b &
   wait
 else
-  lane "${lanes[0]}" t a i b
+  lane "${lanes[0]}" t a i s b
 fi
 echo "== $out: $(ls "$out" | tr '\n' ' ')"

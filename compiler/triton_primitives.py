@@ -6,13 +6,22 @@ state) stay in the generated wrappers (compiler/templates/attention_columns.py.j
 `column_votes`: per query head, the causal softmax attention of the last `queries` positions
 summed over those queries, for each of the first `n_keys` keys, without writing the [query, key]
 matrix: a split-K pass for each query's softmax max and normaliser, then a per-head column pass
-that recomputes QK^T tile by tile."""
+that recomputes QK^T tile by tile. Its launch knobs (BLOCK_Q, BLOCK_K, warps) come from this GPU's
+`kvc tune` entry for the (queries, keys, heads, kv_heads, head_dim, dtype) bucket when one was
+measured for this file's version (runtime/tuning/: kernel `scores.column_votes`), else from
+`votes_config`'s heuristic."""
 
 import math
 
 import torch
 import triton
 import triton.language as tl
+
+from kvc.runtime.tuning import buckets as tuning_buckets
+from kvc.runtime.tuning.lookup import source_hash, tuned
+
+KERNEL = "scores.column_votes"  # the tuning cache's name for the two kernels of `column_votes`
+SOURCE_HASH = source_hash(__file__)  # tuned entries recorded for another version of this file are ignored
 
 
 @triton.jit
@@ -83,9 +92,25 @@ def _columns(q_ptr, k_ptr, m_ptr, l_ptr, out_ptr, queries, length, n_keys, group
     tl.store(out_ptr + head * n_keys + k_offs, votes, mask=k_ok)
 
 
-def column_votes(q, k, n_keys, *, block_q=None, block_k=None):
+def votes_config(queries: int, on_gpu: bool) -> dict:
+    """The heuristic knobs of `column_votes` (what a launch uses without a tuned entry)."""
+    if not on_gpu:
+        return {"block_q": 16, "block_k": 16, "num_warps": 4}
+    return {"block_q": max(16, min(64, triton.next_power_of_2(queries))), "block_k": 64, "num_warps": 4}
+
+
+def launch_config(queries: int, keys: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  on_gpu: bool) -> dict:
+    """This GPU's tuned knobs for the bucket (`kvc tune`), else `votes_config`."""
+    cfg = votes_config(queries, on_gpu)
+    knobs = tuned(KERNEL, tuning_buckets.votes(queries, keys, heads, kv_heads, head_dim, dtype), SOURCE_HASH)
+    return {**cfg, **knobs} if knobs else cfg
+
+
+def column_votes(q, k, n_keys, *, block_q=None, block_k=None, num_warps=None):
     """q [heads, queries, D] (the last positions), k [kv_heads, keys, D] -> float32 [heads, n_keys] on q's
-    device; float32 inputs are multiplied in full float32 precision, others natively with float32 sums."""
+    device; float32 inputs are multiplied in full float32 precision, others natively with float32 sums.
+    Knobs given override the launch config (tuned entry or heuristic)."""
     k = k.contiguous()
     q = q.to(k.dtype).contiguous()
     heads, queries = q.shape[0], q.shape[1]
@@ -93,8 +118,9 @@ def column_votes(q, k, n_keys, *, block_q=None, block_k=None):
     group = heads // kv_heads
     device, f32 = q.device, torch.float32
     on_gpu = device.type != "cpu"
-    block_q = block_q or (max(16, min(64, triton.next_power_of_2(queries))) if on_gpu else 16)
-    block_k = block_k or (64 if on_gpu else 16)
+    if block_q is None or block_k is None or num_warps is None:
+        cfg = launch_config(queries, length, heads, kv_heads, head_dim, k.dtype, on_gpu)
+        block_q, block_k, num_warps = block_q or cfg["block_q"], block_k or cfg["block_k"], num_warps or cfg["num_warps"]
     block_d = max(16, triton.next_power_of_2(head_dim))
     scale = 1.0 / math.sqrt(head_dim)
     ieee = k.dtype == f32
@@ -106,12 +132,12 @@ def column_votes(q, k, n_keys, *, block_q=None, block_k=None):
     l_part = torch.empty(heads, splits, queries, dtype=f32, device=device)
     _row_stats[(heads, q_blocks, splits)](
         q, k, m_part, l_part, queries, length, group, scale, keys_per_split, HEAD_DIM=head_dim, BLOCK_Q=block_q,
-        BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee)
+        BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee, num_warps=num_warps)
     m = m_part.amax(dim=1)
     l = (l_part * torch.exp(m_part - m[:, None]).nan_to_num(0.0)).sum(dim=1).contiguous()
     m = m.contiguous()
     votes = torch.empty(heads, n_keys, dtype=f32, device=device)
     _columns[(heads, triton.cdiv(n_keys, block_k))](
         q, k, m, l, votes, queries, length, n_keys, group, scale, HEAD_DIM=head_dim, BLOCK_Q=block_q,
-        BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee)
+        BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee, num_warps=num_warps)
     return votes

@@ -218,6 +218,7 @@ class CompiledMethod(DecodeHooks, MethodBase):
         self._tails = {hook: fact.get("last") for hook, fact in facts.items() if fact.get("keeps")}
         self._end_reads_v = "v" in facts.get("prefill_end", {}).get("inputs", ["v"])
         self._fused_names = _fused_kernels(manifest)
+        self.fused_scores = bool(self._fused_names)  # launches the generated score kernels (`kvc tune`: scores)
         self._fused: dict[str, Any] | None = None  # hook -> entry point of triton_kernels.py, on first GPU use
         self._q: dict[tuple[int, int], torch.Tensor] = {}  # (seq, layer) -> [Hq, <=w, D]
         self._state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}

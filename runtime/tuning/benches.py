@@ -9,7 +9,8 @@ do not fit are skipped (`Skip`) and reported.
 
 Kernels: per attention variant `attention.<variant>.{decode,prefill,store_kv}` (the variant's
 generated module; `decode_stats` decodes emit statistics, as the methods naming it always ask),
-`moe.fused_experts` (runtime/models/moe_triton.py), `kv.compaction` (runtime/kv/compaction_triton.py).
+`moe.fused_experts` (runtime/models/moe_triton.py), `kv.compaction` (runtime/kv/compaction_triton.py),
+`scores.column_votes` (compiler/triton_primitives.py: the generated window scores and column sums).
 """
 
 from __future__ import annotations
@@ -261,3 +262,36 @@ def _compaction(shape: ModelShape, plans: int, kept: int, effort: str, device: t
     bucket = buckets.compaction(plans, kept, shape.kv_heads, shape.head_dim, shape.dtype)
     return Bench(compaction_triton.KERNEL, "compaction", bucket, Path(compaction_triton.__file__), heuristic,
                  space.compaction(heuristic, effort, shape.head_dim), launch, result)
+
+
+def votes(shape: ModelShape, effort: str, limits: space.Limits, device: torch.device,
+          memory_bytes: int) -> list[Planned]:
+    s = shape
+    return [Planned("scores.column_votes", "votes", buckets.votes(q, n, s.q_heads, s.kv_heads, s.head_dim, s.dtype),
+                    lambda q=q, n=n: _votes(s, q, n, effort, device, memory_bytes))
+            for q, n in space.votes_buckets(effort, limits)]
+
+
+def _votes(shape: ModelShape, queries: int, keys: int, effort: str, device: torch.device,
+           memory_bytes: int) -> Bench:
+    from kvc.compiler import triton_primitives
+
+    s = shape
+    key_bytes = s.kv_heads * keys * s.head_dim * torch.finfo(s.dtype).bits // 8
+    if key_bytes + 2 * s.q_heads * queries * 4 * 8 > memory_bytes:
+        raise Skip(f"keys of {key_bytes / 2**30:.1f} GiB exceed the memory budget")
+    gen = torch.Generator().manual_seed(queries * 13 + keys)
+    q = _randn(s.q_heads, queries, s.head_dim, dtype=s.dtype, device=device, gen=gen)
+    k = _randn(s.kv_heads, keys, s.head_dim, dtype=s.dtype, device=device, gen=gen)
+    n_keys = keys - queries  # a window's scores cover the keys before it (SnapKV's sliced keys)
+    heuristic = triton_primitives.votes_config(queries, device.type != "cpu")
+
+    def launch(cfg):
+        return lambda: triton_primitives.column_votes(q, k, n_keys, **cfg)
+
+    def result(cfg):
+        return launch(cfg)().clone()
+
+    bucket = buckets.votes(queries, keys, s.q_heads, s.kv_heads, s.head_dim, s.dtype)
+    return Bench(triton_primitives.KERNEL, "votes", bucket, Path(triton_primitives.__file__), heuristic,
+                 space.votes(heuristic, effort), launch, result, _tolerance(s.dtype))

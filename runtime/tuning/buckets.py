@@ -44,11 +44,13 @@ FAMILIES = {
         Family("moe", ("tokens", "experts", "top_k", "hidden", "inter", "dtype"),
                ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")),
         Family("compaction", ("plans", "kept", "kv_heads", "head_dim", "dtype"), ("block_t", "block_d", "num_warps")),
+        Family("votes", ("queries", "keys", "heads", "kv_heads", "head_dim", "dtype"),
+               ("block_q", "block_k", "num_warps")),
     )
 }
 
 # What a knob may be (a tuned file is data from disk: a bad value must not reach a launch).
-_POW2 = {"block_n", "block_m", "block_k", "block_t", "block_d", "num_warps"}
+_POW2 = {"block_n", "block_m", "block_k", "block_q", "block_t", "block_d", "num_warps"}
 _RANGES = {"num_splits": (1, 1024), "num_stages": (1, 8), "group_m": (1, 64), "num_warps": (1, 32),
            "block_t": (1, 4096), "block_d": (1, 1024)}
 _BLOCK_RANGE = (16, 1024)  # tl.dot tiles: at least 16 each way
@@ -108,6 +110,12 @@ def compaction(plans: int, kept: int, kv_heads: int, head_dim: int, dtype: torch
     return (next_pow2(plans), tokens_bucket(kept), kv_heads, head_dim, dtype_name(dtype))
 
 
+def votes(queries: int, keys: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple:
+    """`column_votes` (the window scores of SnapKV-like prefill ends, H2O's chunk column sums):
+    queries scored, keys stored, head counts and size."""
+    return (tokens_bucket(queries), context_bucket(keys), heads, kv_heads, head_dim, dtype_name(dtype))
+
+
 def as_dict(family: str, bucket: tuple) -> dict:
     return dict(zip(FAMILIES[family].fields, bucket))
 
@@ -125,7 +133,8 @@ def describe(family: str, bucket: tuple) -> str:
 
 
 _SHORT = {"batch": "B", "context": "ctx", "tokens": "T", "q_heads": "Hq", "kv_heads": "Hkv", "head_dim": "D",
-          "experts": "E", "top_k": "k", "hidden": "H", "inter": "I", "plans": "plans", "kept": "kept"}
+          "experts": "E", "top_k": "k", "hidden": "H", "inter": "I", "plans": "plans", "kept": "kept",
+          "queries": "Q", "keys": "keys", "heads": "Hq"}
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 

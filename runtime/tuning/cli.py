@@ -3,7 +3,7 @@
 Pipeline position: the command-line front of runtime/tuning/. It reads the model's shape
 (`--model`), plans a bench per kernel and shape bucket (the attention variants the method names,
 or all of them; the fused MoE when the model has experts; the compaction kernel when the method
-compacts), tunes them with a progress bar, merges the winners into this GPU's file in
+compacts; the window-score kernel `column_votes` when the method's generated kernels call it), tunes them with a progress bar, merges the winners into this GPU's file in
 `kernels_generated/tuned/` (or `--tuned-dir`), prints the old-vs-new table and writes it as JSON
 with `--out`. It needs a CUDA GPU: without one it exits 2 with a message. The hidden `--interpret`
 flag runs tiny sizes under TRITON_INTERPRET=1 on the CPU (the tests: mechanics, not speed).
@@ -20,21 +20,21 @@ from pathlib import Path
 from kvc.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
-KERNEL_GROUPS = ("attention", "moe", "compaction")
+KERNEL_GROUPS = ("attention", "moe", "compaction", "scores")
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune", help="autotune the Triton kernels for this GPU (writes kernels_generated/tuned/)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--method", help="tune the kernels this method runs (its attention variant, compaction if it "
-                       "compacts)")
+                       "compacts, its generated score kernels)")
     which.add_argument("--all", action="store_true", help="every attention variant and kernel (the default)")
     p.add_argument("--effort", choices=("quick", "full"), default="quick",
                    help="quick: a few buckets, a neighbourhood of the heuristic; full: every bucket, the whole space")
     p.add_argument("--model", help="model whose shapes to tune for: a directory or random:NAME (default: the "
                    "embedded tiny model), e.g. random:qwen3-30b-a3b")
     p.add_argument("--dtype", default="auto", help="auto (as served), bfloat16, float16 or float32")
-    p.add_argument("--kernels", default=",".join(KERNEL_GROUPS), help="comma list of attention, moe, compaction")
+    p.add_argument("--kernels", default=",".join(KERNEL_GROUPS), help="comma list of " + ", ".join(KERNEL_GROUPS))
     p.add_argument("--max-batch", type=int, default=256, help="largest decode batch bucket (the engine's max_num_seqs)")
     p.add_argument("--max-chunk", type=int, default=2048, help="largest prefill chunk (max_num_batched_tokens)")
     p.add_argument("--max-context", type=int, help="largest context bucket (default: the model's max length)")
@@ -78,12 +78,13 @@ def _plan(args, device, shape, memory_bytes):
     if unknown:
         raise ConfigError(f"--kernels: unknown {', '.join(unknown)} (choose from {', '.join(KERNEL_GROUPS)})",
                           param="kernels")
-    variants, compacts = sorted(VARIANTS), True
+    variants, compacts, scores = sorted(VARIANTS), True, True
     if args.method:
         from kvc.runtime.methods import resolve_method
 
         method = resolve_method(args.method)
         variants, compacts = [method.attention.variant], method.compacts
+        scores = getattr(method, "fused_scores", False)
     limits = space.Limits(args.max_batch, args.max_chunk, args.max_context)
     planned = []
     if "attention" in groups:
@@ -94,6 +95,8 @@ def _plan(args, device, shape, memory_bytes):
         planned += benches.moe(shape, args.effort, limits, device, memory_bytes)
     if "compaction" in groups and compacts:
         planned += benches.compaction(shape, args.effort, limits, device, memory_bytes)
+    if "scores" in groups and scores:
+        planned += benches.votes(shape, args.effort, limits, device, memory_bytes)
     return planned
 
 

@@ -77,6 +77,15 @@ def compaction(heuristic: dict, effort: str, head_dim: int) -> list[dict]:
     return _product(heuristic, values)
 
 
+def votes(heuristic: dict, effort: str) -> list[dict]:
+    if effort == "quick":
+        values = {"block_q": _around(heuristic["block_q"], (0.5, 1, 2), 16, 128), "block_k": [32, 64, 128],
+                  "num_warps": [4, 8]}
+    else:
+        values = {"block_q": [16, 32, 64, 128], "block_k": [16, 32, 64, 128, 256], "num_warps": [2, 4, 8]}
+    return _product(heuristic, values)
+
+
 @dataclass(frozen=True)
 class Limits:
     """How far the buckets go (the engine's own limits; smaller for a short run)."""
@@ -121,3 +130,16 @@ def compaction_buckets(effort: str, limits: Limits) -> list[tuple[int, int]]:
     if effort == "quick":
         plans, kept = sorted({plans[0], plans[-1]}), sorted({kept[0], kept[-1]})
     return [(p, k) for p in plans for k in kept]
+
+
+def votes_buckets(effort: str, limits: Limits) -> list[tuple[int, int]]:
+    """(queries, keys) of `column_votes`: an observation window (SnapKV's 32, or 64) or a prefill
+    chunk's queries (H2O's column sums) x power-of-two key counts up to the context bound."""
+    top = buckets.context_bucket(limits.max_context or 8192)
+    windows = [16, 32, 64]
+    chunks = [c for c in chunk_buckets(effort, limits) if c > windows[-1]]
+    keys = [c for c in (1 << p for p in range(10, 22)) if c <= top] or [top]
+    if effort == "quick":
+        windows, chunks = [32], chunks[-1:]
+        keys = sorted({keys[0], *[c for c in keys if c == 32768], keys[-1]})
+    return [(q, k) for q in windows for k in keys] + [(c, k) for c in chunks for k in keys if k >= c]

@@ -31,7 +31,7 @@ def test_unknown_kernel_group_is_a_user_error(capsys, tmp_path):
 
 @pytest.fixture(scope="module")
 def tuned_run(tmp_path_factory):
-    """One tiny run for the snapkv method (plain attention + compaction) on the default model."""
+    """One tiny run for the snapkv method (plain attention, compaction, its window scores) on the default model."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("the interpreted run is the CPU stand-in for a GPU run")
@@ -49,7 +49,8 @@ def test_tiny_run_writes_the_cache_and_the_summary(tuned_run, capsys):
     assert code == 0
     summary = json.loads((root / "summary.json").read_text())
     kernels = {r["kernel"] for r in summary["results"]}
-    assert kernels == {"attention.plain.decode", "attention.plain.prefill", "attention.plain.store_kv", "kv.compaction"}
+    assert kernels == {"attention.plain.decode", "attention.plain.prefill", "attention.plain.store_kv", "kv.compaction",
+                       "scores.column_votes"}
     for row in summary["results"]:
         assert "skipped" not in row, row
         assert row["tuned_ms"] <= row["untuned_ms"] and row["speedup"] >= 1.0

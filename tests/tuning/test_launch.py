@@ -1,7 +1,7 @@
 """A tuned entry really drives the launch, and kernels stay correct with non-default tuned configs.
 
 Under TRITON_INTERPRET=1 on the CPU (tests/conftest.py) at tiny sizes: for each tuned kernel (the
-generated attention wrappers, the fused MoE, the compaction kernel) a table holding a
+generated attention wrappers, the fused MoE, the compaction kernel, the window scores) a table holding a
 non-heuristic config for the call's bucket is installed; a spy on the Triton kernel records the
 launch (grid, constexprs, warps) and the output is checked against the torch reference. A stale
 source hash gives the heuristic launch back.
@@ -158,3 +158,25 @@ def test_compaction_uses_the_tuned_knobs(monkeypatch):
     want_k, want_v = k0.clone(), v0.clone()
     compact_layer(want_k, want_v, pages, length, keep, checked=True, backend="torch")
     assert torch.equal(kt, want_k) and torch.equal(vt, want_v)
+
+
+@pytest.mark.parametrize("fresh_hash", [True, False])
+def test_column_votes_uses_the_tuned_knobs(monkeypatch, fresh_hash):
+    from kvc.compiler import triton_primitives as tp
+
+    gen = torch.Generator().manual_seed(9)
+    queries, keys = 6, 40
+    q = torch.randn(HQ, queries, D, generator=gen).to(DEVICE)
+    k = torch.randn(HKV, keys, D, generator=gen).to(DEVICE)
+    want = tp.column_votes(q, k, keys - queries, block_q=16, block_k=16, num_warps=4)
+    install(tp.KERNEL, "votes", buckets.votes(queries, keys, HQ, HKV, D, torch.float32),
+            {"block_q": 32, "block_k": 32, "num_warps": 2}, tp.SOURCE_HASH if fresh_hash else "stale")
+    rows, cols = spy_on(monkeypatch, tp, "_row_stats"), spy_on(monkeypatch, tp, "_columns")
+    got = tp.column_votes(q, k, keys - queries)
+    (_, row_kw), = rows.calls
+    (col_grid, col_kw), = cols.calls
+    expect = (32, 32, 2) if fresh_hash else (16, 16, 4)  # a stale entry: the CPU heuristic
+    assert (row_kw["BLOCK_Q"], row_kw["BLOCK_K"], row_kw["num_warps"]) == expect
+    assert (col_kw["BLOCK_Q"], col_kw["BLOCK_K"], col_kw["num_warps"]) == expect
+    assert col_grid == (HQ, -(-(keys - queries) // expect[1]))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
