@@ -15,6 +15,25 @@ from kvc.runtime.errors import KvcError
 ASYNC_SCHEDULING_CHOICES = {"auto": None, "on": True, "off": False}  # --async-scheduling -> EngineConfig
 
 
+def _interval(text: str) -> int:
+    """--evict-interval's value: an integer >= 1 (argparse reports the error with the flag's name)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (1: evict at every step), got {text!r}")
+    return value
+
+
+def add_evict_interval(p: argparse.ArgumentParser) -> None:
+    """`--evict-interval N` (EngineConfig.evict_interval), for generate, serve and bench throughput."""
+    p.add_argument("--evict-interval", type=_interval, default=1, metavar="N",
+                   help="decode-time eviction (a method keeping at step end: StreamingLLM, H2O, TOVA) only once "
+                   "a row stores N tokens past its kept count, then back down to it; peak KV memory grows by "
+                   "N-1 tokens per row and layer (default 1: every step)")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local Hugging Face directory or random:NAME (default: the embedded tiny model)")
     p.add_argument("--method", default="full", help="KV-cache method: a shipped name or a .kvm path, compiled on "
@@ -34,6 +53,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--async-scheduling", choices=tuple(ASYNC_SCHEDULING_CHOICES), default="auto",
                    help="schedule the next decode step while the current one runs (auto: on a GPU)")
+    add_evict_interval(p)
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -50,6 +70,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
         enable_prefix_caching=not a.no_prefix_caching,
         cuda_graphs=not a.no_cuda_graphs,
         async_scheduling=ASYNC_SCHEDULING_CHOICES[a.async_scheduling],
+        evict_interval=a.evict_interval,
         seed=a.seed,
     )
 

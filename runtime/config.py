@@ -49,6 +49,11 @@ class EngineConfig:
     # prune chains automatically after each chat turn, e.g. "role=tool,older_than=2,keep=0.2"
     # (runtime/chain_prune.py parse_auto_prune); None: only explicit prunes
     auto_prune: str | None = None
+    # decode-time eviction (a method keeping at step end: StreamingLLM, H2O, TOVA) evicts a row
+    # only once it stores `evict_interval` tokens past its kept count, then back down to the count
+    # (kvpress DecodingPress's compression_interval); 1: every step. Peak memory grows by N - 1
+    # tokens per layer and row (docs/design.md, "Eviction interval")
+    evict_interval: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -61,6 +66,7 @@ class EngineConfig:
         positive_int("page_size", self.page_size)
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        positive_int("evict_interval", self.evict_interval)
         for name in ("max_prefill_chunk", "max_model_len", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))

@@ -56,6 +56,8 @@ class Engine:
     def __init__(self, config: EngineConfig, method: KVMethod | None = None) -> None:
         self.config = config
         self.method = method if method is not None else resolve_method(config.method, config.method_params)
+        # the contract's `evict_interval`: before anything sizes memory by the method's budget
+        self.method.evict_interval = config.evict_interval
         self.device = config.resolve_device()
         dtype = None if config.dtype == "auto" else config.resolve_dtype(self.device, None)
         model_ref = config.model

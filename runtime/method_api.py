@@ -12,6 +12,12 @@ Points, in the order a request meets them:
   runtime/kv/state_planes.py); the page pool is sized from it.
 - `budget`       at admission: physical tokens per layer a request holds at its prefill peak and at
   steady state (a function of context length and layer), so the scheduler admits by real memory.
+- `evict_interval`  set once by the engine at start, before admission (`EngineConfig.evict_interval`):
+  a method that evicts while decoding (keep plans from `step_end`) leaves a row alone until it
+  stores `evict_interval` tokens past its kept count, then evicts it back down to that count in
+  one plan (kvpress DecodingPress's `compression_interval`); `step_end` returns None on the steps
+  between. Its `budget` must count the N - 1 tokens a row then holds above the per-step peak.
+  1 (`MethodBase`'s default): every step. A method without decode-time eviction ignores it.
 - `prefill_chunk(layer, view)`   after a chunk's K/V are stored and its attention ran.
 - `prefill_end(layer, view)`     right after the last prompt chunk of that layer (same forward), ->
   an optional `KeepPlan` (equal or per-head variable counts); the engine compacts the layer's
@@ -251,6 +257,7 @@ class KVMethod(Protocol):
     decode_graphs: bool  # may decode steps (and the decode hooks) be CUDA-graph captured?
     budget: KVBudget
     attention: AttentionKernels  # the attention kernels it runs and the decode statistics it reads
+    evict_interval: int  # decode-time eviction every N tokens of growth (set by the engine; module docstring)
 
     def layout(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVLayout: ...
 
@@ -282,6 +289,7 @@ class MethodBase:
     decode_graphs = True
     budget: KVBudget = FullBudget()
     attention = AttentionKernels()
+    evict_interval = 1
 
     def layout(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVLayout:
         return KVLayout(dtype=dtype, bytes_per_token=2 * num_kv_heads * head_dim * dtype.itemsize)

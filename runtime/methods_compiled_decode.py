@@ -25,6 +25,12 @@ lowering (`<hook>` accumulating state, or `<hook>_scores` + `<hook>_select` when
   reading `kv_heads`) reads the group's scores as [G, Hkv, n] and runs the generated selection once
   over the G*Hkv rows (`kv_heads` set to G*Hkv). Anything else, and a group of one, runs
   `step_end` per row, the oracle the batched plans equal (tensor-equal indices, same tail).
+- Eviction interval (`evict_interval`, set by the engine from `EngineConfig.evict_interval`): a
+  row evicts only once its stored length reaches its count + N (`_due`), then down to the count
+  at once: the selection at that length, over the scores of that step (StreamingLLM keeps exactly
+  what per-step eviction keeps at that length; H2O's accumulated and TOVA's last-step scores rank
+  N tokens at once, the usual batched approximation). N = 1 is eviction at every step. The decode
+  bound counts the N - 1 tokens a row holds above the per-step peak.
 - After `prefill_end`, the prefill state (H2O's column sums) continues into decoding.
 - Keep plans carry `tail` (the keep's `+ last N`, `CompiledMethod.kept_tail`) for the chain cache.
 
@@ -193,18 +199,24 @@ class DecodeHooks:
             count = self._count_memo[key] = counts.pop()
         return count
 
+    def _due(self, length: int, count: int) -> bool:
+        """Does a row storing `length` tokens, of which the keep leaves `count`, evict at this step:
+        has it grown `evict_interval` tokens past the count (N = 1: whenever the keep drops any)."""
+        return length >= count + self.evict_interval
+
     def decode_bound(self, prompt_len: int, physical: int, layer: int) -> int:
         """The most a layer holds during a decode step once `physical` tokens (prefill kept +
         generated) would be stored without decode-time eviction. The first step holds the prefill's
-        kept tokens plus its own; later ones at most the decode keep's count at `physical` plus the
-        step's token (counts grow with length, so no earlier step held more). A keep with a `where`
-        may skip steps: no bound then."""
+        kept tokens plus its own; later ones at most the decode keep's count at `physical` plus
+        `evict_interval` (the step's token, and the N - 1 a row keeps between evictions; counts grow
+        with length, so no earlier step held more). A keep with a `where` may skip steps: no bound
+        then."""
         if self._keep_hook is None or self._keep_facts["where"] or physical <= 0:
             return physical
         prefill_kept = self.budget.kept(prompt_len, layer)
         first = prefill_kept + min(1, physical - prefill_kept)
         kept = self.decode_kept(physical, prompt_len, prompt_len, layer, self.budget.num_kv_heads)
-        return min(physical, max(first, kept + 1))
+        return min(physical, max(first, kept + self.evict_interval))
 
     # ---- the contract's decode points ----------------------------------------------------------
     def _decode_start(self, key: tuple[int, int], state: dict[str, torch.Tensor], cache: LayerCacheView,
@@ -293,7 +305,7 @@ class DecodeHooks:
         if self._keep_hook is None:
             return None
         count = self.decode_kept(length, view.prompt_len, view.context_len, layer, kv_heads)
-        if count >= length:
+        if not self._due(length, count):
             return None
         head_dim = view.cache.k_cache.shape[-1]
         sym = self._decode_sym(layer, length, view.context_len, view.prompt_len, None, kv_heads, head_dim)
@@ -346,7 +358,7 @@ class DecodeHooks:
         cache = first.cache
         length, kv_heads, head_dim = cache.length, cache.k_cache.shape[1], cache.k_cache.shape[-1]
         count = self.decode_kept(length, first.prompt_len, first.context_len, layer, kv_heads)
-        if count >= length:
+        if not self._due(length, count):
             return [None] * len(views)
         sym = self._decode_sym(layer, length, first.context_len, first.prompt_len, None, kv_heads, head_dim)
         if self._group_mode == "symbolic":  # the same scores, so the same plan, for every row

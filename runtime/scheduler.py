@@ -18,6 +18,10 @@ recomputed from all its tokens later, through the prefix cache where its pages s
 Memory is per layer: each sequence has a page table per layer over one global pool, and a layer
 needs pages for its physical length `kv_lens[layer]`, which a method's prefill_end compaction can
 shrink (the runner reports it; `postprocess` frees the pages past the kept tokens at once).
+Admission sizes a request by the method's budget (`pages_needed`), whose decode-time bound
+already counts the engine's eviction interval (a row holds up to its kept count + N tokens per
+layer); growth (`_growth`) takes pages by the real stored lengths, so a row between evictions
+simply holds more pages until the eviction step frees them.
 
 Chains (runtime/chains.py): a chained request is admitted from its chain record's pages (only
 the suffix is prefilled) and at its end hands its pages to the record instead of freeing them.

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from kvc.runtime.cli import ASYNC_SCHEDULING_CHOICES
+from kvc.runtime.cli import ASYNC_SCHEDULING_CHOICES, add_evict_interval
 from kvc.runtime.errors import ConfigError, KvcError
 
 DEFAULT_METHODS = "full,streamingllm,snapkv,pyramidkv,h2o,tova,adakv"
@@ -39,6 +39,7 @@ def add_commands(bench_sub) -> None:
     t.add_argument("--no-cuda-graphs", action="store_true")
     t.add_argument("--async-scheduling", choices=tuple(ASYNC_SCHEDULING_CHOICES), default="auto",
                    help="schedule each decode step while the one before runs (auto: on a GPU)")
+    add_evict_interval(t)  # the plan sizes the batch by the peak it implies
     t.add_argument("--temperature", type=float, default=1.0, help="decode sampling temperature (default 1: rows "
                    "stay distinct requests, so MoE layers route like real traffic; 0: greedy)")
     t.add_argument("--sources", type=int, default=4, help="real requests prefilled for the decode window; "
@@ -103,7 +104,7 @@ def _throughput(a: argparse.Namespace) -> int:
         dtype=a.dtype, page_size=a.page_size, max_num_batched_tokens=a.max_num_batched_tokens,
         max_prefill_chunk=a.max_prefill_chunk, attention_backend=a.attention_backend,
         cuda_graphs=not a.no_cuda_graphs,
-        async_scheduling=ASYNC_SCHEDULING_CHOICES[a.async_scheduling],
+        async_scheduling=ASYNC_SCHEDULING_CHOICES[a.async_scheduling], evict_interval=a.evict_interval,
         temperature=a.temperature, sources=a.sources, e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy, busy_batch=a.busy_batch,
         seed=a.seed)
     if a.plot:

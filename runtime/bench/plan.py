@@ -15,7 +15,10 @@
   pages one sequence holds at steady state with its whole output generated (the method's
   `budget.steady_tokens(prompt, prompt + output, layer)` per layer, in pages); the largest batch is
   the pool over that, capped by `--max-batch`. One request's prefill peak (the whole prompt
-  resident until prefill end) must also fit, or the method does not run at that input.
+  resident until prefill end) must also fit, or the method does not run at that input. The method
+  gets the run's `--evict-interval` first, as the engine gives it: a decode-time keep's steady
+  tokens are then its peak between evictions (the kept count + N), so the batch never outgrows
+  the pool.
 """
 
 from __future__ import annotations
@@ -134,15 +137,18 @@ class BatchPlan:
     prefill_pages: int  # one request alone at its worst: prefill peak (whole prompt) or steady (all layers)
     fits: int  # sequences the pool holds at steady state
     batch: int  # min(fits, max_batch); 0: the method does not run at this input
+    evict_interval: int = 1  # the decode-time eviction interval the steady state was counted with
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
 def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_len: int, output_len: int,
-               max_batch: int) -> BatchPlan:
+               max_batch: int, evict_interval: int = 1) -> BatchPlan:
     """The largest batch of `method` at `input_len` + `output_len` in `kv_memory` bytes (module
-    docstring); `method` is bound to the model's shape here, as the engine binds it."""
+    docstring); `method` is bound to the model's shape and given `evict_interval` here, as the
+    engine does."""
+    method.evict_interval = evict_interval
     bind = getattr(method, "bind", None)
     if bind is not None:
         bind(spec.num_layers, spec.num_kv_heads)
@@ -155,4 +161,5 @@ def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_le
     peak = sum(-(-max(budget.peak_tokens(input_len, layer), tokens) // page_size)
                for layer, tokens in zip(layers, steady))
     fits = num_pages // per_seq if peak <= num_pages else 0
-    return BatchPlan(num_pages, page_bytes, per_seq, sum(steady) / len(steady), peak, fits, min(fits, max_batch))
+    return BatchPlan(num_pages, page_bytes, per_seq, sum(steady) / len(steady), peak, fits, min(fits, max_batch),
+                     evict_interval)

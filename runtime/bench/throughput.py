@@ -76,6 +76,7 @@ class ThroughputConfig:
     attention_backend: str = "auto"
     cuda_graphs: bool = True
     async_scheduling: bool | None = None  # None: the engine's default (on for a GPU)
+    evict_interval: int = 1  # EngineConfig.evict_interval; the plan counts its peak
     temperature: float = 1.0  # decode sampling (window and e2e); 0: greedy
     sources: int = 4  # real requests the decode window's clones mix their layers from (sources.py)
     e2e: bool = False
@@ -85,7 +86,8 @@ class ThroughputConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("output_len", "budget", "steps", "max_batch", "page_size", "busy_batch", "sources"):
+        for name in ("output_len", "budget", "steps", "max_batch", "page_size", "busy_batch", "sources",
+                     "evict_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}", param=name)
@@ -142,7 +144,8 @@ def prepare(cfg: ThroughputConfig, model: str) -> list[Case]:
             except ConfigError as e:
                 raise ConfigError(f"{name} at {input_len} input tokens with {params}: {e.message}",
                                   param=e.param) from None
-            plan = plan_batch(method, spec, cfg.kv_memory, cfg.page_size, input_len, cfg.output_len, cfg.max_batch)
+            plan = plan_batch(method, spec, cfg.kv_memory, cfg.page_size, input_len, cfg.output_len, cfg.max_batch,
+                              cfg.evict_interval)
             cases.append(Case(name, input_len, params, dict(getattr(method, "params", params)), ref, plan))
     return cases
 

@@ -15,6 +15,10 @@ every cached key, the step's own included) and drops tokens in place. Counts are
 - TOVA (Oren et al. 2024): once over `budget`, keep the `budget` tokens the newest query attends
   to most, averaged over every query head of the layer (one set for all heads); the newest token
   itself may go.
+
+`interval` (kvpress DecodingPress's compression_interval; 1: the papers' every-step rule): a head
+evicts only once it holds `interval` tokens past its budget, then back down to the budget by the
+same rule at that length (H2O keeps accumulating meanwhile).
 """
 
 from __future__ import annotations
@@ -44,12 +48,12 @@ def _gather(cache, kept: torch.Tensor) -> None:
 
 
 class StreamingLLM:
-    def __init__(self, *, n_sink: int, recent: int) -> None:
-        self.n_sink, self.recent = n_sink, recent
+    def __init__(self, *, n_sink: int, recent: int, interval: int = 1) -> None:
+        self.n_sink, self.recent, self.interval = n_sink, recent, interval
 
     def step(self, layer: int, q: torch.Tensor, cache) -> None:
         n = cache.keys[0].shape[0]
-        if n <= self.n_sink + self.recent:
+        if n < self.n_sink + self.recent + self.interval:
             return
         kept = torch.cat([torch.arange(self.n_sink), torch.arange(n - self.recent, n)])
         _gather(cache, kept.expand(len(cache.keys), -1))
@@ -58,8 +62,8 @@ class StreamingLLM:
 class H2O:
     """`seen[layer]` starts as the prompt's accumulated attention of the tokens prefill kept."""
 
-    def __init__(self, *, heavy: int, recent: int, seen: list[torch.Tensor]) -> None:
-        self.heavy, self.recent, self.seen = heavy, recent, seen
+    def __init__(self, *, heavy: int, recent: int, seen: list[torch.Tensor], interval: int = 1) -> None:
+        self.heavy, self.recent, self.seen, self.interval = heavy, recent, seen, interval
 
     def step(self, layer: int, q: torch.Tensor, cache) -> None:
         num_kv_heads = len(cache.keys)
@@ -67,7 +71,7 @@ class H2O:
         received = probs.reshape(num_kv_heads, -1, probs.shape[-1]).mean(dim=1)  # [Hkv, n]
         seen = torch.nn.functional.pad(self.seen[layer], (0, 1)) + received
         n = seen.shape[1]
-        if n <= self.heavy + self.recent:
+        if n < self.heavy + self.recent + self.interval:
             self.seen[layer] = seen
             return
         older = n - self.recent
@@ -78,12 +82,12 @@ class H2O:
 
 
 class TOVA:
-    def __init__(self, *, budget: int) -> None:
-        self.budget = budget
+    def __init__(self, *, budget: int, interval: int = 1) -> None:
+        self.budget, self.interval = budget, interval
 
     def step(self, layer: int, q: torch.Tensor, cache) -> None:
         n = cache.keys[0].shape[0]
-        if n <= self.budget:
+        if n < self.budget + self.interval:
             return
         scores = _probs(q, cache.keys).mean(dim=0)  # [n], every head of the layer
         kept = top_indices(scores, self.budget)

@@ -210,19 +210,20 @@ def greedy_compressed(
 
 
 def _decode_evictor(method: str, layers: list[LayerPrompt], rankings: list[Ranking], prompt_len: int,
-                    params: dict[str, Any]):
-    """The decode-time rule of `method` (kvc's parameter names), started from the prefill's result."""
+                    params: dict[str, Any], interval: int = 1):
+    """The decode-time rule of `method` (kvc's parameter names), started from the prefill's result,
+    evicting every `interval` tokens of growth past the budget."""
     from tests.references import decode_eviction
     from tests.references.scores import accumulated_attention
 
     if method == "streamingllm":
-        return decode_eviction.StreamingLLM(n_sink=params["sink"], recent=params["recent"])
+        return decode_eviction.StreamingLLM(n_sink=params["sink"], recent=params["recent"], interval=interval)
     if method == "tova":
-        return decode_eviction.TOVA(budget=params["budget"])
+        return decode_eviction.TOVA(budget=params["budget"], interval=interval)
     if method == "h2o":
         seen = [accumulated_attention(t.q, t.k).gather(1, ranking.kept()) for t, ranking in zip(layers, rankings)]
         return decode_eviction.H2O(heavy=int(params["heavy"] * prompt_len), recent=int(params["recent"] * prompt_len),
-                                   seen=seen)
+                                   seen=seen, interval=interval)
     raise ValueError(f"no decode-time reference for {method!r}")
 
 
@@ -239,9 +240,10 @@ def _prefill_params(method: str, prompt_len: int, params: dict[str, Any]) -> tup
 
 
 def greedy_compressed_decode(
-    model: PreTrainedModel, prompt_ids: torch.Tensor, steps: int, method: str, **params: Any
+    model: PreTrainedModel, prompt_ids: torch.Tensor, steps: int, method: str, interval: int = 1, **params: Any
 ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
-    """Like `greedy_compressed`, with the method's decode-time eviction after every step.
+    """Like `greedy_compressed`, with the method's decode-time eviction after every step (after
+    `interval` tokens of growth past the budget, with `interval` > 1).
 
     `method` is one of streamingllm (sink, recent), h2o (heavy, recent: fractions of the prompt)
     and tova (budget), with kvc's parameter names. Returns the greedy tokens [steps], their logits
@@ -250,7 +252,7 @@ def greedy_compressed_decode(
     layers, prompt_logits = prefill(model, prompt_ids)
     ref_method, ref_params = _prefill_params(method, prompt_len, params)
     rankings, caches = compress(layers, ref_method, **ref_params)
-    evictor = _decode_evictor(method, layers, rankings, prompt_len, params)
+    evictor = _decode_evictor(method, layers, rankings, prompt_len, params, interval)
     step_logits = [prompt_logits[-1]]
     tokens = [int(prompt_logits[-1].argmax())]
     lengths = []
