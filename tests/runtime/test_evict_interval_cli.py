@@ -54,7 +54,7 @@ def test_bench_throughput_passes_it_to_the_run(monkeypatch):
 
     seen = []
 
-    def fake_run(cfg, progress, on_row):
+    def fake_run(cfg, progress, on_row, on_partial=None):
         seen.append(cfg)
         return {"rows": []}
 
