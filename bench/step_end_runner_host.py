@@ -6,13 +6,15 @@ Each of `--batch` sequences stores `--kv` tokens plus the step's in each of `--l
 the point where the method evicts (every third row a token longer with `--ragged`: two groups).
 Page tables are shuffled over one pool per layer; the state planes hold random scores with ties.
 
-Modes (`--mode`):
-- `gpu-host`: what a GPU step's host waits for. Tensors on `meta` (shape-only: the selection's
-  sorts cost nothing), the compaction on the Triton path with its launch stubbed out (here, in
-  the bench only: `compaction_triton._launch`), value checks off as on a GPU. This is the number
-  the per-step cost of decode-time eviction at large batches is made of.
-- `cpu`: the engine's CPU path as is (float32 tensors, torch compaction doing the copies, value
-  checks on): host time plus the CPU's own compute.
+Modes (`--mode`), each timing what a GPU step's host waits for in its own way; both run the
+compaction on the Triton path with its launch stubbed out (here, in the bench only:
+`compaction_triton._launch`) and value checks off, as on a GPU:
+- `host` (default): float32 CPU tensors of a small head dim; torch ops dispatch in C++ as they
+  do on a GPU, but compute too: the selection's sorts over every stored token (H2O, TOVA) are
+  real CPU work here, asynchronous on a GPU, so this overstates those methods.
+- `meta`: shape-only tensors (no compute), but torch runs meta ops through Python
+  decompositions (about a millisecond per op), so this overstates every torch op instead.
+`cpu` is the engine's CPU path as it is (torch compaction doing the copies, value checks on).
 
     PYTHONPATH=. python bench/step_end_runner_host.py --batch 317 --layers 48 --kv 2048
 """
@@ -67,6 +69,7 @@ def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_
     runner.method, runner.pool, runner.num_layers, runner.page_size = method, None, layers, page
     runner.attention = SimpleNamespace(k_cache=k_cache, v_cache=v_cache, backend=backend)
     runner.planes = planes
+    runner.num_kv_heads, runner.tables = kv_heads, model_runner._TableCache(layers, kv_heads)
     seqs = []
     for b in range(batch):
         extra = 1 if ragged and b % 3 == 2 else 0
@@ -116,15 +119,17 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--ragged", action="store_true", help="every third row a token longer (two groups)")
-    parser.add_argument("--mode", default="gpu-host", choices=["gpu-host", "cpu"])
+    parser.add_argument("--mode", default="host", choices=["host", "meta", "cpu"])
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.mode == "gpu-host":
+    if args.mode != "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # lets compact_many take the Triton path off CUDA
         stub_launch()
-        compact = model_runner.compact_many
-        model_runner.compact_many = lambda *a, **kw: compact(*a, **{**kw, "checked": False})
-    device, backend = ("meta", "triton") if args.mode == "gpu-host" else ("cpu", "torch")
+        seam = "compact_batch" if hasattr(model_runner, "compact_batch") else "compact_many"  # after / before
+        compact = getattr(model_runner, seam)
+        setattr(model_runner, seam, lambda *a, **kw: compact(*a, **{**kw, "checked": False}))
+    device = "meta" if args.mode == "meta" else "cpu"
+    backend = "torch" if args.mode == "cpu" else "triton"
     print(f"runner step end per decode step, batch {args.batch} x {args.layers} layers, {args.kv} kept, "
           f"mode {args.mode}{', ragged' if args.ragged else ''}, 1 thread")
     for name in args.methods.split(","):

@@ -243,13 +243,15 @@ def compact_batch(
     the start slots)."""
     _check_caches(k_cache, v_cache, planes)
     use_triton = _use_triton(backend, k_cache.device)
+    if len(batch.lengths) == 0:
+        return np.zeros(0, dtype=np.int64)
     if checked is None:
         checked = k_cache.device.type == "cpu" or os.environ.get(CHECK_ENV) == "1"
     _check_host(batch, k_cache.shape[1], k_cache.shape[2])
     if checked:
         _check_values(batch)
     physical = batch.physical
-    if len(physical) == 0 or not physical.any():
+    if not physical.any():
         return physical
     if use_triton:
         _compact_triton(k_cache, v_cache, batch, physical, planes)
