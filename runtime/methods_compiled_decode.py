@@ -328,10 +328,12 @@ class DecodeHooks:
         if self._group_mode is None or len(views) < 2:
             return [self.step_end(layer, view) for view in views]
         plans: list[KeepPlan | None] = [None] * len(views)
+        keys = [(view.cache.length, view.context_len, view.prompt_len, id(view.cache.k_cache))  # the pool: shape
+                for view in views]
+        if keys.count(keys[0]) == len(keys):  # the common case (a decode batch in step): one group
+            return self._step_end_group(layer, views)
         groups: dict[tuple, list[int]] = {}
-        for i, view in enumerate(views):
-            cache = view.cache
-            key = (cache.length, view.context_len, view.prompt_len, id(cache.k_cache))  # the pool fixes shape, device
+        for i, key in enumerate(keys):
             rows = groups.get(key)
             if rows is None:
                 groups[key] = [i]

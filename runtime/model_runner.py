@@ -267,20 +267,19 @@ class ModelRunner:
         Job j of `batch` is `seqs[j]`'s."""
         backend = "triton" if self.attention.backend == "triton" else "auto"
         physical = compact_batch(self.attention.k_cache, self.attention.v_cache, batch, backend=backend,
-                                 planes=list(self.planes.values())).tolist()
+                                 planes=list(self.planes.values()))
         uniform = batch.starts is None and bool((batch.counts == batch.widths[:, None]).all())  # no starts anywhere
-        for j, seq in enumerate(seqs):
-            length = physical[j]
+        for j, (seq, length, tail_from) in enumerate(zip(seqs, physical.tolist(), verbatim)):
             per_seq = compacted.get(seq.seq_id)
             if per_seq is None:
                 compacted[seq.seq_id] = {layer: length}
             else:
                 per_seq[layer] = length
-            if verbatim[j] > seq.verbatim_from:
-                seq.verbatim_from = verbatim[j]
+            if tail_from > seq.verbatim_from:
+                seq.verbatim_from = tail_from
             if uniform and seq.positions is None and seq.kv_starts[layer] is None:
                 continue  # equal counts over no starts: nothing more to record
-            result = batch.result(j, np.asarray(physical))
+            result = batch.result(j, physical)
             if seq.positions is not None:
                 keep = batch.keep_of(j)
                 counts = [length] * keep.shape[0] if result.starts is None else [length - s for s in result.starts]
@@ -314,6 +313,7 @@ class ModelRunner:
             rows = [i for i, plan in enumerate(plans) if plan is not None]
             if not rows:
                 continue
+            every = len(rows) == len(plans)  # the common case: every row evicts
             if packed is None:
                 width = max(self.tables.longest(seq) for seq in decoded)
                 packed, versions = self.tables.pack_numpy(decoded, width), [s.tables_version for s in decoded]
@@ -325,11 +325,12 @@ class ModelRunner:
                         if seq.tables_version != versions[i]:
                             self._refresh_table(packed, i, seq)
                             versions[i] = seq.tables_version
-            seqs = [decoded[i] for i in rows]
-            self._compact(layer, self._plan_batch(layer, [plans[i] for i in rows], [views[i] for i in rows],
-                                                  packed[layer, rows]),
-                          seqs, [s.num_computed_tokens + 1 - plans[i].tail for s, i in zip(seqs, rows)],
-                          [s.num_computed_tokens + 1 for s in seqs], compacted)
+            seqs = decoded if every else [decoded[i] for i in rows]
+            kept = plans if every else [plans[i] for i in rows]
+            job_views = views if every else [views[i] for i in rows]
+            logical = [seq.num_computed_tokens + 1 for seq in seqs]
+            jobs = self._plan_batch(layer, kept, job_views, packed[layer] if every else packed[layer, rows])
+            self._compact(layer, jobs, seqs, [n - plan.tail for n, plan in zip(logical, kept)], logical, compacted)
 
     def _refresh_table(self, packed: np.ndarray, row: int, seq) -> None:
         """Row `row` of the step's packed tables after copy-on-write changed seq's tables."""
@@ -342,26 +343,21 @@ class ModelRunner:
         """One layer's step-end plans as a `CompactionBatch`: plans over one tensor (a `StackedPlan`'s
         stack, or one shared plan) gathered once; counts, lengths and starts as numpy."""
         k_cache = self.attention.k_cache
-        sources, lengths, pages, ragged, starts = [], [], [], [], None
-        for j, (plan, view) in enumerate(zip(plans, views)):
-            sources.append((plan.stack, plan.row) if isinstance(plan, StackedPlan) else (plan.indices, None))
-            if plan.lengths is not None:  # per-head variable counts (compiled methods keep them on the CPU)
-                ragged.append(j)
-            cache = view.cache
-            lengths.append(cache.length)
-            pages.append(len(cache.page_ids))
-            if cache.starts is not None:
-                if starts is None:
-                    starts = np.zeros((len(plans), self.num_kv_heads), dtype=np.int64)
-                starts[j] = cache.starts
+        sources = [(plan.stack, plan.row) if isinstance(plan, StackedPlan) else (plan.indices, None) for plan in plans]
+        caches = [view.cache for view in views]
+        lengths = np.array([cache.length for cache in caches], dtype=np.int64)
+        pages = np.array([len(cache.page_ids) for cache in caches], dtype=np.int64)
+        starts = None
+        if any(cache.starts is not None for cache in caches):
+            starts = np.array([cache.starts or [0] * self.num_kv_heads for cache in caches], dtype=np.int64)
         keep, pos, widths = stack_keeps(sources, k_cache.device)
         if keep.shape[1] != self.num_kv_heads:
             raise RuntimeError(f"method {self.method.name!r}: keep plans of layer {layer} have {keep.shape[1]} KV "
                                f"heads, the model {self.num_kv_heads}")
         counts = np.repeat(widths[:, None], keep.shape[1], axis=1)
-        for j in ragged:
-            counts[j] = plans[j].lengths.detach().cpu().numpy()
-        lengths, pages = np.array(lengths, dtype=np.int64), np.array(pages, dtype=np.int64)
+        for j, plan in enumerate(plans):
+            if plan.lengths is not None:  # per-head variable counts (compiled methods keep them on the CPU)
+                counts[j] = plan.lengths.detach().cpu().numpy()
         return CompactionBatch(keep, pos, widths, counts, lengths, tables, pages, starts)
 
     # ---- copy-on-write -----------------------------------------------------------------------

@@ -118,20 +118,24 @@ def stack_keeps(sources: Seq[tuple[torch.Tensor, int | None]], device: torch.dev
     [Hkv, k], None) or (`stack` [G, Hkv, k], row): plans naming the same tensor are moved and
     gathered once (every row of a stack in order: the stack itself; one plan or one row for all: an
     expanded view, no copy). K is the widest plan; narrower groups are padded."""
-    groups: dict[int, tuple[torch.Tensor, list[int], list]] = {}
-    for job, (tensor, row) in enumerate(sources):
-        group = groups.get(id(tensor))
-        if group is None:
-            groups[id(tensor)] = (tensor, [job], [row])
-        else:
-            group[1].append(job)
-            group[2].append(row)
+    tensors = [tensor for tensor, _ in sources]
+    if tensors and all(tensor is tensors[0] for tensor in tensors):  # the common case: one shared tensor
+        groups = {0: (tensors[0], list(range(len(sources))), [row for _, row in sources])}
+    else:
+        groups: dict[int, tuple[torch.Tensor, list[int], list]] = {}
+        for job, (tensor, row) in enumerate(sources):
+            group = groups.get(id(tensor))
+            if group is None:
+                groups[id(tensor)] = (tensor, [job], [row])
+            else:
+                group[1].append(job)
+                group[2].append(row)
     parts = []
     pos, widths = np.empty(len(sources), dtype=np.int64), np.empty(len(sources), dtype=np.int64)
     for tensor, jobs, rows in groups.values():
         stack = tensor if rows[0] is not None else tensor[None]
         if rows[0] is None:
-            rows = [0] * len(jobs)
+            rows = [0] * len(jobs)  # one plan for every job of the group
         if stack.dim() != 3:
             raise ValueError(f"keep plan must be [Hkv, kept], got {tuple(stack.shape[1:])}")
         if stack.dtype not in (torch.int32, torch.int64):
