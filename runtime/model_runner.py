@@ -8,7 +8,7 @@ Positions are logical (`num_computed_tokens` onward); slots, tables and lengths 
 per layer (`kv_lens`, `page_tables`), plus per-KV-head start slots (`kv_starts`) in layers that a
 keep plan with per-head variable counts compacted. The method's hooks run inside the forward, per
 layer, right after attention: prefill_chunk / prefill_end for prefill chunks (the layer's keep
-plans are compacted at once, all sequences in one `compact_many` call, before any later decode;
+plans are compacted at once, all sequences in one `compact_batch` call, before any later decode;
 `StepOutput.compacted` tells the scheduler which pages to free, and the runner records the new
 per-head start slots on the sequence; a layer that has starts is compacted over them), and the decode
 hooks for decode rows (static shapes, no host sync, so they are CUDA-graph capturable; a method

@@ -20,9 +20,18 @@ State planes (`state_planes.py`: a method's per-token float32 state, `[pages + 1
 page_size]`, addressed like K/V) follow the same plan: `compact_many(..., planes=)` moves their
 kept slots exactly as it moves K/V, so slot s's state stays beside slot s's keys.
 
-Two backends, one contract (`compact_many`): the Triton kernel of `compaction_triton.py` (on CUDA,
-and under TRITON_INTERPRET=1 when asked), one launch for every plan of a layer, in place, with no
-host sync; and plain torch here (gather into a temporary, then scatter). Host syncs: the new
+One layer's jobs travel as one `CompactionBatch`: host facts (counts, lengths, page tables,
+starts) as numpy arrays and every plan in one `keep [N, Hkv, K]` tensor, so the host work per
+layer is a few numpy and torch calls, not a few per sequence (decode-time eviction compacts every
+row of a decode batch at every step). Plans that share a tensor are moved and gathered once
+(`stack_keeps`: the rows of one stacked selection, or one plan several rows share, expanded).
+`compact_many(jobs)` builds the batch from a list of `CompactionJob`s (Python per job); the
+runner builds it straight from its cached page-table arrays (`compact_batch`).
+
+Two backends, one contract: the Triton kernel of `compaction_triton.py` (on CUDA, and under
+TRITON_INTERPRET=1 when asked), one launch for every plan of a layer, in place, with no host sync,
+its inputs packed here (that file, whose hash keys the kernel's tuned entries, stays as it is);
+and plain torch here (every job's kept rows gathered into one temporary, then scattered). Host syncs: the new
 physical length and starts must be known on the host (the scheduler frees pages with them), so
 per-head `counts` should be a CPU tensor (the compiled methods' plans are); counts on a GPU are
 read back, once per plan. The value checks (indices inside [start_h, length), ascending) read the
