@@ -13,7 +13,7 @@
     Qwen3-8B (bf16), against `full`. Prefill time to the first token, and the prefill-end overhead
     broken down by CUDA events (and host time) around: the method's prefill_end hooks (scoring and
     selection; the dense `LayerCacheView.keys()/values()` copies inside them are counted apart),
-    prefill_chunk (the query window capture), compaction (`model_runner.compact_many`), and the
+    prefill_chunk (the query window capture), compaction (`model_runner.compact_batch`), and the
     rest (overhead not in those regions).
 
     python bench/compaction_bench.py --out compaction.json          # on the GPU
@@ -225,10 +225,10 @@ def prefill_run(sz: dict, device: str, method: str, params: dict | None) -> dict
                                  method_params=params))
     clock = Clock(device)
     regions = Regions(clock)
-    saved = (LayerCacheView.keys, LayerCacheView.values, model_runner.compact_many)
+    saved = (LayerCacheView.keys, LayerCacheView.values, model_runner.compact_batch)
     LayerCacheView.keys = regions.wrap("keys_copies", LayerCacheView.keys)
     LayerCacheView.values = regions.wrap("keys_copies", LayerCacheView.values)
-    model_runner.compact_many = regions.wrap("compaction", model_runner.compact_many)
+    model_runner.compact_batch = regions.wrap("compaction", model_runner.compact_batch)
     m = engine.method
     for hook, name in (("prefill_end", "prefill_end_hooks"), ("prefill_chunk", "query_capture")):
         if hasattr(m, hook):
@@ -253,7 +253,7 @@ def prefill_run(sz: dict, device: str, method: str, params: dict | None) -> dict
                 engine.step()
             runs.append({"prefill_ms": prefill_ms, "pages_after_prefill": pages, "regions": regions.totals()})
     finally:
-        LayerCacheView.keys, LayerCacheView.values, model_runner.compact_many = saved
+        LayerCacheView.keys, LayerCacheView.values, model_runner.compact_batch = saved
     best = min(runs[1:], key=lambda r: r["prefill_ms"])
     del engine
     gc.collect()

@@ -204,6 +204,24 @@ class KeepPlan:
         return cls(indices, torch.tensor(counts, dtype=torch.long, device=indices.device))
 
 
+class StackedPlan(KeepPlan):
+    """Row `row` of a selection that several sequences' plans of one step share, `stack [G, Hkv,
+    kept]` (a batched `step_end_batch`): equal counts; `indices` is `stack[row]`, made only when
+    read. The engine hands every row of a stack to the compaction at once (one tensor moved and
+    gathered per layer, not one per sequence)."""
+
+    def __init__(self, stack: torch.Tensor, row: int, tail: int = 0) -> None:
+        self.stack, self.row, self.lengths, self.tail = stack, row, None, tail
+
+    @property
+    def indices(self) -> torch.Tensor:  # type: ignore[override]
+        return self.stack[self.row]
+
+    @property
+    def kept(self) -> int:
+        return self.stack.shape[2]
+
+
 @dataclass(frozen=True)
 class DecodeRow:
     """Host facts of one decode row in one layer (eager steps only)."""

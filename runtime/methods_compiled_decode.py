@@ -71,14 +71,16 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv import state_planes
 from kvc.runtime.kv.state_planes import BatchSlots
-from kvc.runtime.method_api import DecodeView, Hook, KeepPlan, KVLayout, LayerCacheView, StepView
+from kvc.runtime.method_api import DecodeView, Hook, KeepPlan, KVLayout, LayerCacheView, StackedPlan, StepView
 
 DECODE_KEEP_HOOKS = ("decode_after_attention", "step_end")
 IN_PAGES = "in pages"  # turn_end's state of a layer whose decode state stays in the record's pages
@@ -326,22 +328,29 @@ class DecodeHooks:
         return self._plan(self._select_fn(scores, sym, self.params), count, sym, cache)
 
     def _plan(self, kept: list[torch.Tensor], count: int, sym: dict, cache: LayerCacheView) -> KeepPlan:
-        indices = torch.stack([t.to(device=cache.k_cache.device, dtype=torch.long) for t in kept])
+        indices = _stacked(kept, cache.k_cache.device)
         if indices.shape[1] != count:
             raise RuntimeError(f"method {self.name!r}: selection kept {indices.shape[1]}, its count says {count}")
         return KeepPlan(indices, tail=self.kept_tail(self._keep_hook, sym, cache.length))
 
     def step_end_batch(self, layer: int, views: list[StepView]) -> list[KeepPlan | None]:
-        """`step_end` of every view, in order, grouped by equal symbols (module docstring)."""
+        """`step_end` of every view, in order, grouped by equal symbols (module docstring). A
+        group's rows share their plan's tensor: one plan object (symbols alone), or `StackedPlan`
+        rows of one stacked selection, so the engine moves one tensor per group, not per row."""
         if self._group_mode is None or len(views) < 2:
             return [self.step_end(layer, view) for view in views]
         plans: list[KeepPlan | None] = [None] * len(views)
+        keys = [(view.cache.length, view.context_len, view.prompt_len, id(view.cache.k_cache))  # the pool: shape
+                for view in views]
+        if keys.count(keys[0]) == len(keys):  # the common case (a decode batch in step): one group
+            return self._step_end_group(layer, views)
         groups: dict[tuple, list[int]] = {}
-        for i, view in enumerate(views):
-            cache = view.cache
-            key = (cache.length, view.context_len, view.prompt_len, tuple(cache.k_cache.shape[1:]),
-                   cache.k_cache.device)
-            groups.setdefault(key, []).append(i)
+        for i, key in enumerate(keys):
+            rows = groups.get(key)
+            if rows is None:
+                groups[key] = [i]
+            else:
+                rows.append(i)
         for rows in groups.values():
             if len(rows) == 1:
                 plans[rows[0]] = self.step_end(layer, views[rows[0]])
@@ -353,31 +362,35 @@ class DecodeHooks:
     def _step_end_group(self, layer: int, views: list[StepView]) -> list[KeepPlan | None]:
         """step_end of rows with equal symbols: one selection for the group."""
         first = views[0]
-        for view in views:
-            self._pending.pop((view.seq_id, layer), None)
+        pending = self._pending
+        if pending:
+            for view in views:
+                pending.pop((view.seq_id, layer), None)
         cache = first.cache
         length, kv_heads, head_dim = cache.length, cache.k_cache.shape[1], cache.k_cache.shape[-1]
         count = self.decode_kept(length, first.prompt_len, first.context_len, layer, kv_heads)
         if not self._due(length, count):
             return [None] * len(views)
         sym = self._decode_sym(layer, length, first.context_len, first.prompt_len, None, kv_heads, head_dim)
-        if self._group_mode == "symbolic":  # the same scores, so the same plan, for every row
+        if self._group_mode == "symbolic":  # the same scores, so the same plan (one object) for every row
             plan = self._step_end_row(layer, first, count, sym)
-            for view in views[1:]:
-                key = (view.seq_id, layer)
-                if key in self._decode_state:  # no state: the per-row path would store an empty dict
-                    self._decode_state[key] = {}
-            return [plan] + [KeepPlan(plan.indices, tail=plan.tail) for _ in views[1:]]
+            if self._decode_state:
+                for view in views[1:]:
+                    key = (view.seq_id, layer)
+                    if key in self._decode_state:  # no state: the per-row path would store an empty dict
+                        self._decode_state[key] = {}
+            return [plan] * len(views)
         planes = self._planes(cache.planes)
         scores = _read_rows(planes[self._scores_plane], [view.cache.page_ids for view in views], length)
         rows = len(views) * kv_heads
         kept = self._select_fn(scores.reshape(rows, length), {**sym, "kv_heads": rows}, self.params)
-        indices = torch.stack([t.to(device=cache.k_cache.device, dtype=torch.long) for t in kept])
+        indices = _stacked(kept, cache.k_cache.device)
         if indices.shape != (rows, count):
             raise RuntimeError(f"method {self.name!r}: the stacked selection kept {tuple(indices.shape)}, "
                                f"its count says ({rows}, {count})")
         tail = self.kept_tail(self._keep_hook, sym, length)
-        return [KeepPlan(plan, tail=tail) for plan in indices.view(len(views), kv_heads, count).unbind(0)]
+        stack = indices.view(len(views), kv_heads, count)
+        return [StackedPlan(stack, g, tail) for g in range(len(views))]
 
     def _step_end_row(self, layer: int, view: StepView, count: int, sym: dict,
                       pending: torch.Tensor | None = None) -> KeepPlan:
@@ -440,14 +453,22 @@ def _group_mode(keep_hook: str | None, facts: dict, stateful: bool, paged: bool)
 
 def _read_rows(plane: torch.Tensor, tables: list[list[int]], n: int) -> torch.Tensor:
     """The state of slots [0, n) of several sequences' layer: [G, Hkv, n] float32, row g equal to
-    `state_planes.read(plane, tables[g], n)`."""
+    `state_planes.read(plane, tables[g], n)`. The tables go to the device in one array."""
     page_size = plane.shape[2]
     pages = -(-n // page_size)
     if any(len(table) < pages for table in tables):
         raise ValueError(f"a table of fewer than {pages} pages of {page_size} slots cannot hold {n} tokens")
-    ids = torch.tensor([table[:pages] for table in tables], dtype=torch.long).to(plane.device)  # [G, pages]
+    flat = itertools.chain.from_iterable(table if len(table) == pages else table[:pages] for table in tables)
+    ids = np.fromiter(flat, dtype=np.int64, count=len(tables) * pages).reshape(len(tables), pages)
+    ids = torch.from_numpy(ids).to(plane.device)  # [G, pages]
     slots = torch.arange(n, device=plane.device)
     return plane[ids[:, slots // page_size], :, slots % page_size].permute(0, 2, 1)
+
+
+def _stacked(kept: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The generated selection's per-row index tensors (equal lengths) as one [rows, kept] int64
+    tensor on `device`: one stack, one move (not one per row)."""
+    return torch.stack(kept).to(device=device, dtype=torch.long)
 
 
 class _CacheInputs(dict):

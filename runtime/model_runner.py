@@ -8,7 +8,7 @@ Positions are logical (`num_computed_tokens` onward); slots, tables and lengths 
 per layer (`kv_lens`, `page_tables`), plus per-KV-head start slots (`kv_starts`) in layers that a
 keep plan with per-head variable counts compacted. The method's hooks run inside the forward, per
 layer, right after attention: prefill_chunk / prefill_end for prefill chunks (the layer's keep
-plans are compacted at once, all sequences in one `compact_many` call, before any later decode;
+plans are compacted at once, all sequences in one `compact_batch` call, before any later decode;
 `StepOutput.compacted` tells the scheduler which pages to free, and the runner records the new
 per-head start slots on the sequence; a layer that has starts is compacted over them), and the decode
 hooks for decode rows (static shapes, no host sync, so they are CUDA-graph capturable; a method
@@ -44,11 +44,12 @@ from kvc.runtime.attention.backend import PagedAttention
 from kvc.runtime.attention.metadata import AttentionMetadata
 from kvc.runtime.chains import QUERY_WINDOW
 from kvc.runtime.decode_graphs import DecodeGraphs
-from kvc.runtime.kv.compaction import CompactionJob, compact_many
+from kvc.runtime.kv.compaction import CompactionBatch, CompactionJob, batch_of_jobs, compact_batch, stack_keeps
 from kvc.runtime.kv.positions import compact_map
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.methods import resolve_method
-from kvc.runtime.method_api import DecodeRow, DecodeView, Hook, KVMethod, LayerCacheView, PrefillView, StepView
+from kvc.runtime.method_api import (DecodeRow, DecodeView, Hook, KVMethod, LayerCacheView, PrefillView, StackedPlan,
+                                    StepView)
 from kvc.runtime.models.base import CausalLM
 from kvc.runtime.sampler import sample
 from kvc.runtime.scheduler import ScheduledBatch
@@ -253,59 +254,111 @@ class ModelRunner:
             logical = seq.num_computed_tokens + n
             jobs.append((seq, CompactionJob(table, length, plan.indices, plan.lengths, seq.kv_starts[layer]),
                          logical - plan.tail, logical))
-        self._compact(layer, jobs, compacted)
+        if jobs:
+            batch = batch_of_jobs(self.attention.k_cache, [job for _, job, _, _ in jobs])
+            self._compact(layer, batch, [j[0] for j in jobs], [j[2] for j in jobs], [j[3] for j in jobs], compacted)
 
-    def _compact(self, layer: int, jobs: list, compacted: dict[int, dict[int, int]]) -> None:
+    def _compact(self, layer: int, batch: CompactionBatch, seqs: list, verbatim: list[int], logical: list[int],
+                 compacted: dict[int, dict[int, int]]) -> None:
         """Applies one layer's keep plans (one kernel launch on a GPU), reports the kept lengths,
         records the per-head start slots of plans with per-head variable counts and moves each
         sequence's verbatim tail (`verbatim_from`: the first logical token a keep may have dropped
-        or moved, for the chain cache's rollback); a chained sequence's position map follows the plan."""
-        if not jobs:
-            return
+        or moved, for the chain cache's rollback); a chained sequence's position map follows the plan.
+        Job j of `batch` is `seqs[j]`'s."""
         backend = "triton" if self.attention.backend == "triton" else "auto"
-        done = compact_many(self.attention.k_cache, self.attention.v_cache, [job for _, job, _, _ in jobs],
-                            backend=backend, planes=list(self.planes.values()))
-        for (seq, job, verbatim, logical), result in zip(jobs, done):
-            compacted.setdefault(seq.seq_id, {})[layer] = result.length
-            seq.verbatim_from = max(seq.verbatim_from, verbatim)
+        physical = compact_batch(self.attention.k_cache, self.attention.v_cache, batch, backend=backend,
+                                 planes=list(self.planes.values()))
+        uniform = batch.starts is None and bool((batch.counts == batch.widths[:, None]).all())  # no starts anywhere
+        for j, (seq, length, tail_from) in enumerate(zip(seqs, physical.tolist(), verbatim)):
+            per_seq = compacted.get(seq.seq_id)
+            if per_seq is None:
+                compacted[seq.seq_id] = {layer: length}
+            else:
+                per_seq[layer] = length
+            if tail_from > seq.verbatim_from:
+                seq.verbatim_from = tail_from
+            if uniform and seq.positions is None and seq.kv_starts[layer] is None:
+                continue  # equal counts over no starts: nothing more to record
+            result = batch.result(j, physical)
             if seq.positions is not None:
-                heads = job.keep.shape[0]
-                counts = [result.length] * heads if result.starts is None else [result.length - s for s in result.starts]
-                seq.positions[layer] = compact_map(seq.positions[layer], job.length, logical,
-                                                   job.keep.to(self.attention.k_cache.device), counts, result.length)
+                keep = batch.keep_of(j)
+                counts = [length] * keep.shape[0] if result.starts is None else [length - s for s in result.starts]
+                seq.positions[layer] = compact_map(seq.positions[layer], int(batch.lengths[j]), logical[j], keep,
+                                                   counts, length)
             if result.starts is not None or seq.kv_starts[layer] is not None:
                 seq.set_kv_starts(layer, result.starts)
 
     def _step_end(self, batch: ScheduledBatch, compacted: dict[int, dict[int, int]]) -> None:
         """step_end per layer of every sequence that decoded in this step (`step_end_batch`, one call
         per layer, when the method has it); each layer's keep plans are compacted at once and
-        reported (the scheduler frees the pages past them)."""
-        method, cache = self.method, self.attention
+        reported (the scheduler frees the pages past them). Host work per layer is Python per row
+        (views, bookkeeping) plus numpy and a few torch calls: the page tables come from the
+        runner's cached arrays, and plans sharing a tensor (`StackedPlan`) move as one."""
+        method, cache, page = self.method, self.attention, self.page_size
         decoded = batch.seqs[: batch.num_decodes]
         batched = getattr(method, "step_end_batch", None)
-        for layer in range(self.num_layers):
-            views = []
-            for seq in decoded:
-                length = seq.kv_lens[layer] + 1  # the step's token is stored (postprocess advances kv_lens)
-                gap = seq.history_gap[layer]  # a chain continuation: its prompt is the stored history + suffix
-                stored = LayerCacheView(cache.k_cache, cache.v_cache, seq.page_tables[layer], length,
-                                        seq.kv_starts[layer], self.planes or None)
-                views.append(StepView(seq.seq_id, layer, self.num_layers, seq.num_computed_tokens + 1 - gap,
-                                      seq.prefill_end - gap, stored))
+        planes = self.planes or None
+        k_cache, v_cache, num_layers = cache.k_cache, cache.v_cache, self.num_layers
+        packed = versions = None  # [L, B, W] page tables of `decoded`, built once the first layer compacts
+        for layer in range(num_layers):
+            views = [StepView(seq.seq_id, layer, num_layers, seq.num_computed_tokens + 1 - seq.history_gap[layer],
+                              seq.prefill_end - seq.history_gap[layer],  # a chain's prompt: stored history + suffix
+                              LayerCacheView(k_cache, v_cache, seq.page_tables[layer], seq.kv_lens[layer] + 1,
+                                             seq.kv_starts[layer], planes))  # the step's token is stored
+                     for seq in decoded]
             plans = batched(layer, views) if batched is not None else [method.step_end(layer, v) for v in views]
             if len(plans) != len(views):
                 raise RuntimeError(f"method {method.name!r}: step_end_batch gave {len(plans)} plans for "
                                    f"{len(views)} sequences")
-            jobs = []
-            for seq, view, plan in zip(decoded, views, plans):
-                if plan is None:
-                    continue
-                self._own_pages(seq, layer, -(-plan.kept // self.page_size))
-                logical = seq.num_computed_tokens + 1
-                job = CompactionJob(view.cache.page_ids, view.cache.length, plan.indices, plan.lengths,
-                                    seq.kv_starts[layer])
-                jobs.append((seq, job, logical - plan.tail, logical))
-            self._compact(layer, jobs, compacted)
+            rows = [i for i, plan in enumerate(plans) if plan is not None]
+            if not rows:
+                continue
+            every = len(rows) == len(plans)  # the common case: every row evicts
+            if packed is None:
+                width = max(self.tables.longest(seq) for seq in decoded)
+                packed, versions = self.tables.pack_numpy(decoded, width), [s.tables_version for s in decoded]
+            if self.pool is not None:
+                for i in rows:
+                    seq = decoded[i]
+                    if seq.spare_pages:  # copy-on-write before compaction; a table it changes is re-read
+                        self._own_pages(seq, layer, -(-plans[i].kept // page))
+                        if seq.tables_version != versions[i]:
+                            self._refresh_table(packed, i, seq)
+                            versions[i] = seq.tables_version
+            seqs = decoded if every else [decoded[i] for i in rows]
+            kept = plans if every else [plans[i] for i in rows]
+            job_views = views if every else [views[i] for i in rows]
+            logical = [seq.num_computed_tokens + 1 for seq in seqs]
+            jobs = self._plan_batch(layer, kept, job_views, packed[layer] if every else packed[layer, rows])
+            self._compact(layer, jobs, seqs, [n - plan.tail for n, plan in zip(logical, kept)], logical, compacted)
+
+    def _refresh_table(self, packed: np.ndarray, row: int, seq) -> None:
+        """Row `row` of the step's packed tables after copy-on-write changed seq's tables."""
+        arr = self.tables.array(seq)
+        width = min(packed.shape[2], arr.shape[1])
+        packed[:, row] = 0
+        packed[:, row, :width] = arr[:, :width]
+
+    def _plan_batch(self, layer: int, plans: list, views: list[StepView], tables: np.ndarray) -> CompactionBatch:
+        """One layer's step-end plans as a `CompactionBatch`: plans over one tensor (a `StackedPlan`'s
+        stack, or one shared plan) gathered once; counts, lengths and starts as numpy."""
+        k_cache = self.attention.k_cache
+        sources = [(plan.stack, plan.row) if isinstance(plan, StackedPlan) else (plan.indices, None) for plan in plans]
+        caches = [view.cache for view in views]
+        lengths = np.array([cache.length for cache in caches], dtype=np.int64)
+        pages = np.array([len(cache.page_ids) for cache in caches], dtype=np.int64)
+        starts = None
+        if any(cache.starts is not None for cache in caches):
+            starts = np.array([cache.starts or [0] * self.num_kv_heads for cache in caches], dtype=np.int64)
+        keep, pos, widths = stack_keeps(sources, k_cache.device)
+        if keep.shape[1] != self.num_kv_heads:
+            raise RuntimeError(f"method {self.method.name!r}: keep plans of layer {layer} have {keep.shape[1]} KV "
+                               f"heads, the model {self.num_kv_heads}")
+        counts = np.repeat(widths[:, None], keep.shape[1], axis=1)
+        for j, plan in enumerate(plans):
+            if plan.lengths is not None:  # per-head variable counts (compiled methods keep them on the CPU)
+                counts[j] = plan.lengths.detach().cpu().numpy()
+        return CompactionBatch(keep, pos, widths, counts, lengths, tables, pages, starts)
 
     # ---- copy-on-write -----------------------------------------------------------------------
     # The scheduler sets aside one spare page per shared page a step writes (`Scheduler._copies`),

@@ -20,9 +20,18 @@ State planes (`state_planes.py`: a method's per-token float32 state, `[pages + 1
 page_size]`, addressed like K/V) follow the same plan: `compact_many(..., planes=)` moves their
 kept slots exactly as it moves K/V, so slot s's state stays beside slot s's keys.
 
-Two backends, one contract (`compact_many`): the Triton kernel of `compaction_triton.py` (on CUDA,
-and under TRITON_INTERPRET=1 when asked), one launch for every plan of a layer, in place, with no
-host sync; and plain torch here (gather into a temporary, then scatter). Host syncs: the new
+One layer's jobs travel as one `CompactionBatch`: host facts (counts, lengths, page tables,
+starts) as numpy arrays and every plan in one `keep [N, Hkv, K]` tensor, so the host work per
+layer is a few numpy and torch calls, not a few per sequence (decode-time eviction compacts every
+row of a decode batch at every step). Plans that share a tensor are moved and gathered once
+(`stack_keeps`: the rows of one stacked selection, or one plan several rows share, expanded).
+`compact_many(jobs)` builds the batch from a list of `CompactionJob`s (Python per job); the
+runner builds it straight from its cached page-table arrays (`compact_batch`).
+
+Two backends, one contract: the Triton kernel of `compaction_triton.py` (on CUDA, and under
+TRITON_INTERPRET=1 when asked), one launch for every plan of a layer, in place, with no host sync,
+its inputs packed here (that file, whose hash keys the kernel's tuned entries, stays as it is);
+and plain torch here (every job's kept rows gathered into one temporary, then scattered). Host syncs: the new
 physical length and starts must be known on the host (the scheduler frees pages with them), so
 per-head `counts` should be a CPU tensor (the compiled methods' plans are); counts on a GPU are
 read back, once per plan. The value checks (indices inside [start_h, length), ascending) read the
@@ -37,6 +46,7 @@ import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 BACKENDS = ("auto", "torch", "triton")
@@ -64,7 +74,7 @@ class Compacted:
 
 @dataclass(frozen=True)
 class HostPlan:
-    """A job with its host facts resolved and checked: what both backends execute."""
+    """One job with its host facts resolved and checked (`compaction_triton.compact_triton`'s input)."""
 
     page_ids: list[int]
     keep: torch.Tensor  # [Hkv, K] on the cache's device, int64
@@ -75,6 +85,124 @@ class HostPlan:
     def offsets(self) -> list[int]:
         """First destination slot of each head (right-aligned below M)."""
         return [self.physical - c for c in self.counts]
+
+
+@dataclass
+class CompactionBatch:
+    """One layer's jobs in one piece, what both backends execute. Job j (the callers' order) keeps
+    `keep[pos[j], h, :counts[j, h]]` of the `lengths[j]` slots its page table `tables[j, :pages[j]]`
+    stores. Host facts are numpy arrays; `keep` is one device tensor whose rows are grouped by the
+    tensor their plan came from (`stack_keeps`), and may share memory (stride 0)."""
+
+    keep: torch.Tensor  # [N, Hkv, K] int64 on the cache's device, K the widest plan
+    pos: np.ndarray  # [N]: job j's row of `keep`
+    widths: np.ndarray  # [N]: job j's own plan width (its row past it is padding)
+    counts: np.ndarray  # [N, Hkv]: tokens kept per head
+    lengths: np.ndarray  # [N]: physical slots stored
+    tables: np.ndarray  # [N, W] page tables, zero-padded
+    pages: np.ndarray  # [N]: pages in each table
+    starts: np.ndarray | None = None  # [N, Hkv]: the layers' current start slots; None: all 0
+
+    @property
+    def physical(self) -> np.ndarray:
+        """[N]: each job's new physical length M (its most-keeping head)."""
+        return self.counts.max(axis=1, initial=0)
+
+    def keep_of(self, job: int) -> torch.Tensor:
+        """Job `job`'s plan, [Hkv, its width]."""
+        return self.keep[int(self.pos[job]), :, : int(self.widths[job])]
+
+    def result(self, job: int, physical: np.ndarray | None = None) -> Compacted:
+        """Job `job` after compaction (`physical`: `self.physical`, when the caller has it)."""
+        length = int(self.physical[job] if physical is None else physical[job])
+        counts = self.counts[job]
+        if (counts == length).all():
+            return Compacted(length, None)
+        return Compacted(length, [length - int(c) for c in counts])
+
+
+def stack_keeps(sources: Seq[tuple[torch.Tensor, int | None]], device: torch.device) -> tuple[
+        torch.Tensor, np.ndarray, np.ndarray]:
+    """(keep [N, Hkv, K] on `device`, pos [N], widths [N]) of N plans, each given as (`plan`
+    [Hkv, k], None) or (`stack` [G, Hkv, k], row): plans naming the same tensor are moved and
+    gathered once (every row of a stack in order: the stack itself; one plan or one row for all: an
+    expanded view, no copy). K is the widest plan; narrower groups are padded."""
+    tensors = [tensor for tensor, _ in sources]
+    if tensors and all(tensor is tensors[0] for tensor in tensors):  # the common case: one shared tensor
+        groups = {0: (tensors[0], list(range(len(sources))), [row for _, row in sources])}
+    else:
+        groups: dict[int, tuple[torch.Tensor, list[int], list]] = {}
+        for job, (tensor, row) in enumerate(sources):
+            group = groups.get(id(tensor))
+            if group is None:
+                groups[id(tensor)] = (tensor, [job], [row])
+            else:
+                group[1].append(job)
+                group[2].append(row)
+    parts = []
+    pos, widths = np.empty(len(sources), dtype=np.int64), np.empty(len(sources), dtype=np.int64)
+    for tensor, jobs, rows in groups.values():
+        stack = tensor if rows[0] is not None else tensor[None]
+        if rows[0] is None:
+            rows = [0] * len(jobs)  # one plan for every job of the group
+        if stack.dim() != 3:
+            raise ValueError(f"keep plan must be [Hkv, kept], got {tuple(stack.shape[1:])}")
+        if stack.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"keep plan indices must be integers, got {stack.dtype}")
+        stack = stack.to(device=device, dtype=torch.long)
+        if rows == list(range(stack.shape[0])):
+            part = stack
+        elif len(set(rows)) == 1:
+            part = stack[rows[0]].expand(len(rows), *stack.shape[1:])
+        else:
+            part = stack[torch.as_tensor(rows, device=device)]
+        at = sum(p.shape[0] for p in parts)
+        pos[jobs] = np.arange(at, at + len(jobs))
+        widths[jobs] = stack.shape[2]
+        parts.append(part)
+    if not parts:
+        return torch.zeros(0, 0, 0, dtype=torch.long, device=device), pos, widths
+    if len({p.shape[1] for p in parts}) != 1:
+        raise ValueError(f"keep plans of one layer must have one KV head count, got {[p.shape[1] for p in parts]}")
+    if len(parts) == 1:
+        keep = parts[0]
+    else:
+        width = max(p.shape[2] for p in parts)
+        keep = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[2])) for p in parts])
+    if keep.stride(-1) != 1:
+        keep = keep.contiguous()
+    return keep, pos, widths
+
+
+def batch_of_jobs(k_cache: torch.Tensor, jobs: Seq[CompactionJob]) -> CompactionBatch:
+    """The batch of a list of jobs (Python per job: their tables, counts and starts are lists)."""
+    num_kv_heads = k_cache.shape[1]
+    for job in jobs:
+        if job.keep.dim() != 2 or job.keep.shape[0] != num_kv_heads:
+            raise ValueError(f"keep plan must be [{num_kv_heads}, kept], got {tuple(job.keep.shape)}")
+    keep, pos, widths = stack_keeps([(job.keep, None) for job in jobs], k_cache.device)
+    counts = np.repeat(widths[:, None], num_kv_heads, axis=1)
+    for j, job in enumerate(jobs):
+        if job.counts is not None:
+            values = [int(c) for c in job.counts.detach().cpu().tolist()]  # free for CPU counts
+            if len(values) != num_kv_heads:
+                raise ValueError(f"keep plan lengths must be [{num_kv_heads}] counts in [0, {int(widths[j])}], "
+                                 f"got {values}")
+            counts[j] = values
+    width = max((len(job.page_ids) for job in jobs), default=1)
+    tables = np.zeros((len(jobs), max(width, 1)), dtype=np.int64)
+    for j, job in enumerate(jobs):
+        tables[j, : len(job.page_ids)] = job.page_ids
+    starts = None
+    if any(job.starts is not None for job in jobs):
+        starts = np.zeros((len(jobs), num_kv_heads), dtype=np.int64)
+        for j, job in enumerate(jobs):
+            if job.starts is not None:
+                if len(job.starts) != num_kv_heads:
+                    raise ValueError(f"per-head starts must be [{num_kv_heads}] slots, got {list(job.starts)}")
+                starts[j] = job.starts
+    return CompactionBatch(keep, pos, widths, counts, np.array([job.length for job in jobs], dtype=np.int64),
+                           tables, np.array([len(job.page_ids) for job in jobs], dtype=np.int64), starts)
 
 
 def compact_layer(
@@ -107,6 +235,45 @@ def compact_many(
     """Applies every job (one layer, distinct sequences) in place, to K, V and every state plane
     (`[pages (+ scratch), Hkv, page_size]`); `checked` None: check values where that costs no
     device sync, or when KVC_CHECK_COMPACTION=1."""
+    _check_caches(k_cache, v_cache, planes)
+    if not jobs:
+        return []
+    batch = batch_of_jobs(k_cache, jobs)
+    physical = compact_batch(k_cache, v_cache, batch, checked=checked, backend=backend, planes=planes)
+    return [batch.result(j, physical) for j in range(len(jobs))]
+
+
+def compact_batch(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: CompactionBatch,
+    checked: bool | None = None,
+    backend: str = "auto",
+    planes: Seq[torch.Tensor] = (),
+) -> np.ndarray:
+    """`compact_many` of a ready batch (host work per layer, not per job): checks it, applies it,
+    and returns each job's new physical length M ([N], the callers' order; `batch.result` gives
+    the start slots)."""
+    _check_caches(k_cache, v_cache, planes)
+    use_triton = _use_triton(backend, k_cache.device)
+    if len(batch.lengths) == 0:
+        return np.zeros(0, dtype=np.int64)
+    if checked is None:
+        checked = k_cache.device.type == "cpu" or os.environ.get(CHECK_ENV) == "1"
+    _check_host(batch, k_cache.shape[1], k_cache.shape[2])
+    if checked:
+        _check_values(batch)
+    physical = batch.physical
+    if not physical.any():
+        return physical
+    if use_triton:
+        _compact_triton(k_cache, v_cache, batch, physical, planes)
+    else:
+        _compact_torch((k_cache, v_cache, *planes), batch, physical)
+    return physical
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, planes: Seq[torch.Tensor]) -> None:
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         raise ValueError(f"k_cache and v_cache must both be [pages, Hkv, page_size, D], got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
@@ -114,22 +281,6 @@ def compact_many(
         if plane.dim() != 3 or plane.shape[1:] != k_cache.shape[1:3] or plane.shape[0] < k_cache.shape[0]:
             raise ValueError(f"a state plane must be [>= {k_cache.shape[0]} pages, {k_cache.shape[1]}, "
                              f"{k_cache.shape[2]}], got {tuple(plane.shape)}")
-    use_triton = _use_triton(backend, k_cache.device)
-    if checked is None:
-        checked = k_cache.device.type == "cpu" or os.environ.get(CHECK_ENV) == "1"
-    plans = [_resolve(k_cache, job, checked) for job in jobs]
-    results = [Compacted(p.physical, p.offsets if any(p.offsets) else None) for p in plans]
-    work = [p for p in plans if p.physical > 0]
-    if not work:
-        return results
-    if use_triton:
-        from kvc.runtime.kv.compaction_triton import compact_triton
-
-        compact_triton(k_cache, v_cache, work, planes=planes)
-    else:
-        for plan in work:
-            _compact_torch((k_cache, v_cache, *planes), plan)
-    return results
 
 
 def _use_triton(backend: str, device: torch.device) -> bool:
@@ -144,46 +295,88 @@ def _use_triton(backend: str, device: torch.device) -> bool:
     return True
 
 
-def _resolve(k_cache: torch.Tensor, job: CompactionJob, checked: bool) -> HostPlan:
-    """Host facts of a job (counts, M), after the checks that cost nothing; value checks if asked."""
-    num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
-    keep, length = job.keep, job.length
-    if keep.dim() != 2 or keep.shape[0] != num_kv_heads:
-        raise ValueError(f"keep plan must be [{num_kv_heads}, kept], got {tuple(keep.shape)}")
-    if keep.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"keep plan indices must be integers, got {keep.dtype}")
-    width = keep.shape[1]
-    if job.counts is None:
-        counts = [width] * num_kv_heads
-    else:
-        counts = [int(c) for c in job.counts.detach().cpu().tolist()]  # free for CPU counts
-        if len(counts) != num_kv_heads or any(c < 0 or c > width for c in counts):
-            raise ValueError(f"keep plan lengths must be [{num_kv_heads}] counts in [0, {width}], got {counts}")
-    starts = job.starts if job.starts is not None else [0] * num_kv_heads
-    if len(starts) != num_kv_heads or any(s < 0 or s > length for s in starts):
-        raise ValueError(f"per-head starts must be [{num_kv_heads}] slots in [0, {length}], got {list(starts)}")
-    if len(job.page_ids) * page_size < length:
-        raise ValueError(f"{len(job.page_ids)} pages of {page_size} slots cannot hold {length} tokens")
-    for head, (count, start) in enumerate(zip(counts, starts)):
-        if count > length - start:
-            raise ValueError(f"keep plan keeps {count} tokens of KV head {head}, which stores only "
-                             f"{length - start} (slots [{start}, {length}))")
-    keep = keep.to(device=k_cache.device, dtype=torch.long)
-    if checked:
-        _check_values(keep, counts, starts, length)
-    return HostPlan(list(job.page_ids), keep, counts, max(counts, default=0))
+def _check_host(batch: CompactionBatch, num_kv_heads: int, page_size: int) -> None:
+    """The checks that cost nothing (host facts only), vectorised; the first failing job is named."""
+    keep, counts, lengths = batch.keep, batch.counts, batch.lengths
+    if keep.dim() != 3 or keep.shape[1] != num_kv_heads:
+        raise ValueError(f"keep plan must be [{num_kv_heads}, kept], got {tuple(keep.shape[1:])}")
+    bad = ((counts < 0) | (counts > batch.widths[:, None])).any(axis=1)
+    if bad.any():
+        j = int(bad.argmax())
+        raise ValueError(f"keep plan lengths must be [{num_kv_heads}] counts in [0, {int(batch.widths[j])}], got "
+                         f"{counts[j].tolist()}")
+    starts = np.zeros_like(counts) if batch.starts is None else batch.starts
+    bad = ((starts < 0) | (starts > lengths[:, None])).any(axis=1)
+    if bad.any():
+        j = int(bad.argmax())
+        raise ValueError(f"per-head starts must be [{num_kv_heads}] slots in [0, {int(lengths[j])}], got "
+                         f"{starts[j].tolist()}")
+    bad = batch.pages * page_size < lengths
+    if bad.any():
+        j = int(bad.argmax())
+        raise ValueError(f"{int(batch.pages[j])} pages of {page_size} slots cannot hold {int(lengths[j])} tokens")
+    over = counts > lengths[:, None] - starts
+    if over.any():
+        j, head = (int(i) for i in np.argwhere(over)[0])
+        start, length = int(starts[j, head]), int(lengths[j])
+        raise ValueError(f"keep plan keeps {int(counts[j, head])} tokens of KV head {head}, which stores only "
+                         f"{length - start} (slots [{start}, {length}))")
 
 
-def _check_values(keep: torch.Tensor, counts: list[int], starts: list[int], length: int) -> None:
+def _check_values(batch: CompactionBatch) -> None:
     """Each head's kept indices lie in [start_h, length) and strictly ascend (reads them back)."""
-    rows = keep.cpu()
-    for head, (count, start) in enumerate(zip(counts, starts)):
-        row = rows[head, :count]
-        if count and (int(row.min()) < start or int(row.max()) >= length):
-            raise ValueError(f"keep plan indexes outside the stored tokens of KV head {head} "
-                             f"(slots [{start}, {length})): {row.tolist()}")
-        if count > 1 and not bool((row[1:] > row[:-1]).all()):
-            raise ValueError(f"keep plan indices of KV head {head} must ascend strictly: {row.tolist()}")
+    keep = batch.keep.cpu()[torch.as_tensor(batch.pos)]  # [N, Hkv, K], the callers' order
+    valid = torch.as_tensor(np.arange(keep.shape[2])[None, None, :] < batch.counts[:, :, None])
+    starts = np.zeros_like(batch.counts) if batch.starts is None else batch.starts
+    low = torch.as_tensor(starts)[:, :, None]
+    high = torch.as_tensor(batch.lengths)[:, None, None]
+    outside = (valid & ((keep < low) | (keep >= high))).any(dim=2)
+    descending = (valid[:, :, 1:] & (keep[:, :, 1:] <= keep[:, :, :-1])).any(dim=2)
+    for bad, what in ((outside, "outside"), (descending, "ascend")):
+        if bad.any():
+            j, head = (int(i) for i in bad.nonzero()[0])
+            row = keep[j, head, : int(batch.counts[j, head])].tolist()
+            if what == "outside":
+                raise ValueError(f"keep plan indexes outside the stored tokens of KV head {head} (slots "
+                                 f"[{int(starts[j, head])}, {int(batch.lengths[j])})): {row}")
+            raise ValueError(f"keep plan indices of KV head {head} must ascend strictly: {row}")
+
+
+def _resolve(k_cache: torch.Tensor, job: CompactionJob, checked: bool) -> HostPlan:
+    """One job's host facts (counts, M) after the free checks, values too if asked: the input of
+    `compaction_triton.compact_triton` (the tuner and the kernel tests call it per plan)."""
+    batch = batch_of_jobs(k_cache, [job])
+    _check_host(batch, k_cache.shape[1], k_cache.shape[2])
+    if checked:
+        _check_values(batch)
+    counts = batch.counts[0].tolist()
+    return HostPlan(list(job.page_ids), batch.keep_of(0), counts, max(counts, default=0))
+
+
+def _compact_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: CompactionBatch, physical: np.ndarray,
+                    planes: Seq[torch.Tensor]) -> None:
+    """The kernel's launches for a batch: its inputs packed here, vectorised (`meta [N, Hkv + 1 +
+    W]` int32: counts, M, page table; one pinned copy), `keep` as it is (its row stride may be 0),
+    so compaction_triton.py (the kernel, its tuned entries keyed by the file's hash) is untouched;
+    `compact_triton` there is the same launch for a list of `HostPlan`s."""
+    from kvc.runtime.kv import compaction_triton as kernel
+
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("the compaction kernel needs k_cache and v_cache with equal strides and a contiguous head dim")
+    live = np.flatnonzero(physical > 0)  # jobs that keep nothing move nothing
+    rows = batch.pos[live]
+    keep = batch.keep if np.array_equal(rows, np.arange(batch.keep.shape[0])) else \
+        batch.keep[device_ints(rows, k_cache.device)]
+    meta = np.concatenate([batch.counts[live], physical[live, None], batch.tables[live]], axis=1).astype(np.int32)
+    meta_t = device_ints(meta, k_cache.device)
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    cfg = kernel.launch_config(len(live), keep.shape[2], num_kv_heads, head_dim, k_cache.dtype)
+    kernel._launch(k_cache, v_cache, 2, keep, meta_t, len(live), cfg["block_d"], cfg["block_t"], cfg["num_warps"])
+    for plane in planes:  # [pages, Hkv, S] as [pages, Hkv, S, 1]: one program per (plan, head)
+        rows_1 = plane.unsqueeze(-1)
+        if rows_1.stride(2) != 1 or plane.stride(1) != plane.shape[2]:
+            raise ValueError("the compaction kernel needs contiguous state planes")
+        kernel._launch(rows_1, rows_1, 1, keep, meta_t, len(live), 2, cfg["block_t"], cfg["num_warps"])
 
 
 def device_ints(values, device: torch.device) -> torch.Tensor:
@@ -194,25 +387,29 @@ def device_ints(values, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _compact_torch(caches: Seq[torch.Tensor], plan: HostPlan) -> None:
-    """Gather every kept row into a temporary, then scatter it: in place is safe whatever moves
-    where, as all reads happen before any write. `caches`: K, V, then any state planes (their
-    rows are single values instead of head-dim vectors)."""
-    import numpy as np
-
+def _compact_torch(caches: Seq[torch.Tensor], batch: CompactionBatch, physical: np.ndarray) -> None:
+    """Gather every kept row of every job into a temporary, then scatter it: in place is safe
+    whatever moves where, as all reads happen before any write (and jobs own disjoint pages).
+    `caches`: K, V, then any state planes (their rows are single values, not head-dim vectors)."""
     page_size = caches[0].shape[2]
     device = caches[0].device
-    counts = plan.counts
-    heads = np.repeat(np.arange(len(counts)), counts)
-    dst = np.concatenate([off + np.arange(c) for off, c in zip(plan.offsets, counts)])
-    if len(set(counts)) == 1:
-        src = plan.keep[:, : counts[0]].reshape(-1)
-    else:
-        src = torch.cat([plan.keep[h, :c] for h, c in enumerate(counts)])
-    pages = device_ints(np.asarray(plan.page_ids, dtype=np.int64), device)
-    heads_t, dst_t = device_ints(heads, device), device_ints(dst, device)
-    src_page, src_slot = pages[src // page_size], src % page_size
-    dst_page, dst_slot = pages[dst_t // page_size], dst_t % page_size
+    keep = batch.keep[device_ints(batch.pos, device)]  # [N, Hkv, K], the callers' order
+    num_jobs, num_heads, width = keep.shape
+    token = np.arange(width)
+    valid = token[None, None, :] < batch.counts[:, :, None]  # [N, Hkv, K]
+    offsets = physical[:, None] - batch.counts  # right-aligned below M
+    dst = np.broadcast_to(offsets[:, :, None] + token, valid.shape)
+    jobs = np.broadcast_to(np.arange(num_jobs)[:, None, None], valid.shape)
+    heads = np.broadcast_to(np.arange(num_heads)[None, :, None], valid.shape)
+    src = keep.reshape(-1)
+    if not valid.all():
+        flat = np.flatnonzero(valid)
+        src = src[device_ints(flat, device)]
+        dst, jobs, heads = dst.reshape(-1)[flat], jobs.reshape(-1)[flat], heads.reshape(-1)[flat]
+    dst, jobs, heads = (device_ints(a.reshape(-1).copy(), device) for a in (dst, jobs, heads))
+    tables = device_ints(batch.tables.astype(np.int64), device)
+    src_page, src_slot = tables[jobs, src // page_size], src % page_size
+    dst_page, dst_slot = tables[jobs, dst // page_size], dst % page_size
     for cache in caches:
-        gathered = cache[src_page, heads_t, src_slot]  # [n, D] or [n], a copy
-        cache[dst_page, heads_t, dst_slot] = gathered
+        gathered = cache[src_page, heads, src_slot]  # [n, D] or [n], a copy
+        cache[dst_page, heads, dst_slot] = gathered

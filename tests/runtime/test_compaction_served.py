@@ -131,11 +131,11 @@ def serve(model_dir: Path, backend: str):
     spy = Recompacting(engine)
     calls: list[int] = []  # plans per compaction call
     logits: dict[int, list[torch.Tensor]] = {}
-    compact, sample = model_runner.compact_many, model_runner.sample
+    compact, sample = model_runner.compact_batch, model_runner.sample
 
-    def spy_compact(k_cache, v_cache, jobs, **kwargs):
-        calls.append(len(jobs))
-        return compact(k_cache, v_cache, jobs, **kwargs)
+    def spy_compact(k_cache, v_cache, batch, **kwargs):
+        calls.append(len(batch.lengths))
+        return compact(k_cache, v_cache, batch, **kwargs)
 
     def spy_sample(rows, params, *args, **kwargs):
         for row, p in zip(rows, params):
@@ -145,7 +145,7 @@ def serve(model_dir: Path, backend: str):
     g = torch.Generator().manual_seed(31)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (46, 71)]
     params = [SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True) for _ in prompts]
-    model_runner.compact_many, model_runner.sample = spy_compact, spy_sample
+    model_runner.compact_batch, model_runner.sample = spy_compact, spy_sample
     layouts = []  # after each decode step: per sequence per layer (kv_len, starts, pages)
     try:
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -154,7 +154,7 @@ def serve(model_dir: Path, backend: str):
             layouts.append([(s.num_computed_tokens - s.num_prompt_tokens, list(s.kv_lens), list(s.kv_starts),
                              [len(t) for t in s.page_tables]) for s in seqs])
     finally:
-        model_runner.compact_many, model_runner.sample = compact, sample
+        model_runner.compact_batch, model_runner.sample = compact, sample
     assert engine.pool.num_free == engine.pool.num_pages
     return engine, spy, calls, prompts, seqs, [torch.stack(logits[id(sp)]) for sp in params], layouts
 

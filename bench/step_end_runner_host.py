@@ -1,0 +1,158 @@
+"""Host time of the runner's whole step end for decode-time eviction, per decode step, no model:
+`ModelRunner._step_end` over a synthetic decode batch (views, `step_end_batch`, compaction jobs,
+`compact_many` up to the kernel launch, the per-row result bookkeeping) at every layer.
+
+Each of `--batch` sequences stores `--kv` tokens plus the step's in each of `--layers` layers, at
+the point where the method evicts (every third row a token longer with `--ragged`: two groups).
+Page tables are shuffled over one pool per layer; the state planes hold random scores with ties.
+
+Modes (`--mode`), each timing what a GPU step's host waits for in its own way; both run the
+compaction on the Triton path with its launch stubbed out (here, in the bench only:
+`compaction_triton._launch`) and value checks off, as on a GPU:
+- `host` (default): float32 CPU tensors of a small head dim; torch ops dispatch in C++ as they
+  do on a GPU, but compute too: the selection's sorts over every stored token (H2O, TOVA) are
+  real CPU work here, asynchronous on a GPU, so this overstates those methods.
+- `meta`: shape-only tensors (no compute), but torch runs meta ops through Python
+  decompositions (about a millisecond per op), so this overstates every torch op instead.
+`cpu` is the engine's CPU path as it is (torch compaction doing the copies, value checks on).
+
+    PYTHONPATH=. python bench/step_end_runner_host.py --batch 317 --layers 48 --kv 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from types import SimpleNamespace
+
+import torch
+
+from bench.step_end_host import PARAMS
+from kvc.runtime import model_runner
+from kvc.runtime.kv import state_planes
+from kvc.runtime.methods import resolve_method
+from kvc.runtime.sequence import Sequence
+
+
+def make_method(name: str, layers: int, kv: int, kv_heads: int):
+    """(method, prompt length): the method evicts back to `kv` kept tokens at length kv + 1."""
+    params = dict(PARAMS.get(name, {}))
+    if name == "streamingllm":
+        params["recent"] = kv - params["sink"]
+    elif name == "tova":
+        params["budget"] = kv
+    method = resolve_method(name, params)
+    method.bind(layers, kv_heads)
+    return method, kv * 8 if name == "h2o" else kv  # H2O keeps fractions of the prompt
+
+
+def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_heads: int = 4,
+                head_dim: int = 8, device: str = "cpu", backend: str = "torch", ragged: bool = False,
+                seed: int = 0):
+    """(runner, batch): a `ModelRunner` holding only what `_step_end` reads, and its decode batch."""
+    method, prompt = make_method(name, layers, kv, kv_heads)
+    per_seq = -(-(kv + 2) // page)
+    pages = batch * per_seq
+    g = torch.Generator().manual_seed(seed)
+    shape = (pages, kv_heads, page, head_dim)
+    if device == "meta":
+        k_cache, v_cache = torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
+    else:
+        k_cache, v_cache = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    planes = state_planes.allocate(method.state_planes, pages, kv_heads, page, device)
+    if device != "meta":
+        for plane in planes.values():
+            plane.copy_(torch.randint(0, 4, plane.shape, generator=g).float())
+    runner = model_runner.ModelRunner.__new__(model_runner.ModelRunner)
+    runner.method, runner.pool, runner.num_layers, runner.page_size = method, None, layers, page
+    runner.attention = SimpleNamespace(k_cache=k_cache, v_cache=v_cache, backend=backend)
+    runner.planes = planes
+    runner.num_kv_heads, runner.tables = kv_heads, model_runner._TableCache(layers, kv_heads)
+    seqs = []
+    for b in range(batch):
+        extra = 1 if ragged and b % 3 == 2 else 0
+        seq = Sequence([1] * prompt, SimpleNamespace(max_tokens=1, stop_token_ids=(), ignore_eos=True),
+                       max_model_len=prompt + 64, num_layers=layers)
+        seq.num_computed_tokens = prompt + extra
+        seq.kv_lens = [kv + extra] * layers
+        seqs.append(seq)
+    _distinct_tables(seqs, pages, per_seq, layers, g)
+    return runner, SimpleNamespace(seqs=seqs, num_decodes=batch)
+
+
+def _distinct_tables(seqs, pages: int, per_seq: int, layers: int, g: torch.Generator) -> None:
+    """Within each layer the rows own disjoint pages (one shuffle per layer)."""
+    shuffles = [torch.randperm(pages, generator=g).tolist() for _ in range(min(layers, 4))]
+    for layer in range(layers):
+        order = shuffles[layer % len(shuffles)]
+        for b, seq in enumerate(seqs):
+            seq.page_tables[layer] = order[b * per_seq: (b + 1) * per_seq]
+
+
+def stub_launch() -> None:
+    """The Triton launch becomes a no-op (bench only): what is left is the host's packing."""
+    from kvc.runtime.kv import compaction_triton
+
+    compaction_triton._launch = lambda *args, **kwargs: None
+
+
+def time_step(runner, batch, repeat: int) -> tuple[float, float, int]:
+    """(seconds of one `_step_end`, of them in the generated selection, layers x rows compacted),
+    the best of `repeat` runs (the machine is shared: the least disturbed one). The selection
+    (sorts over every stored token) is device work on a GPU: the host's own time is the rest."""
+    method = runner.method
+    select, spent = method._select_fn, []
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = select(*args, **kwargs)
+        spent.append(time.perf_counter() - start)
+        return out
+
+    method._select_fn = timed
+    runner._step_end(batch, {})  # warm-up: first calls import and memoise
+    best, compacted = None, {}
+    for _ in range(repeat):
+        compacted, spent[:] = {}, []
+        start = time.perf_counter()
+        runner._step_end(batch, compacted)
+        run = (time.perf_counter() - start, sum(spent))
+        if best is None or run[0] < best[0]:
+            best = run
+    method._select_fn = select
+    return best[0], best[1], sum(len(layers) for layers in compacted.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default="streamingllm,h2o,tova")
+    parser.add_argument("--batch", type=int, default=317)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--kv", type=int, default=2048)
+    parser.add_argument("--head-dim", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--ragged", action="store_true", help="every third row a token longer (two groups)")
+    parser.add_argument("--mode", default="host", choices=["host", "meta", "cpu"])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.mode != "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # lets compact_many take the Triton path off CUDA
+        stub_launch()
+        seam = "compact_batch" if hasattr(model_runner, "compact_batch") else "compact_many"  # after / before
+        compact = getattr(model_runner, seam)
+        setattr(model_runner, seam, lambda *a, **kw: compact(*a, **{**kw, "checked": False}))
+    device = "meta" if args.mode == "meta" else "cpu"
+    backend = "torch" if args.mode == "cpu" else "triton"
+    print(f"runner step end per decode step, batch {args.batch} x {args.layers} layers, {args.kv} kept, "
+          f"mode {args.mode}{', ragged' if args.ragged else ''}, 1 thread")
+    for name in args.methods.split(","):
+        runner, batch = make_runner(name, args.batch, args.layers, args.kv, head_dim=args.head_dim, device=device,
+                                    backend=backend, ragged=args.ragged)
+        seconds, selecting, plans = time_step(runner, batch, args.repeat)
+        print(f"{name:>13}: {seconds * 1e3:9.1f} ms per step, of which selection {selecting * 1e3:8.1f} ms, "
+              f"host {(seconds - selecting) * 1e3:8.1f} ms   ({plans} plans)")
+
+
+if __name__ == "__main__":
+    main()
