@@ -32,6 +32,11 @@ Points, in the order a request meets them:
   its manifest names, `plain` by default) and the decode statistics they must emit.
 - `step_end(layer, view)`       after a step's forward, per layer of every sequence that decoded
   in it, -> an optional `KeepPlan`, compacted at once (decode-time eviction).
+- `step_end_due(layer, lengths, prompt_lens, context_lens)` (optional) before step_end, per layer:
+  a bool array over the decoded rows (host int arrays: stored length with the step's token, prompt
+  and context as the views carry them) saying which rows' step_end may give a plan; the engine
+  builds views and calls step_end(_batch) for those rows only (None: all). A row left out must be
+  one whose step_end would return None (an eviction interval's steps between evictions).
 - `step_end_batch(layer, views)` the same for every sequence that decoded, at once: one plan (or
   None) per view, in order, equal to what `step_end` gives each view alone. The engine calls it
   when the method has it (`MethodBase`'s runs `step_end` per view), so a method may batch its

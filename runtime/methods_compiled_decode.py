@@ -201,6 +201,22 @@ class DecodeHooks:
             count = self._count_memo[key] = counts.pop()
         return count
 
+    def step_end_due(self, layer: int, lengths: np.ndarray, prompt_lens: np.ndarray,
+                     context_lens: np.ndarray) -> np.ndarray:
+        """The contract's `step_end_due`: which rows' `step_end` may give a plan at this step (host
+        facts per row; one `decode_kept` per distinct row, rows of a batch mostly share them)."""
+        if self._keep_hook is None:
+            return np.zeros(len(lengths), dtype=bool)
+        kv_heads = self.budget.num_kv_heads
+        facts = np.stack([lengths, prompt_lens, context_lens], axis=1)
+        if len(facts) and (facts == facts[0]).all():
+            n, p, c = (int(x) for x in facts[0])
+            return np.full(len(facts), self._due(n, self.decode_kept(n, p, c, layer, kv_heads)))
+        distinct, inverse = np.unique(facts, axis=0, return_inverse=True)
+        due = np.array([self._due(int(n), self.decode_kept(int(n), int(p), int(c), layer, kv_heads))
+                        for n, p, c in distinct], dtype=bool)
+        return due[inverse.reshape(-1)]
+
     def _due(self, length: int, count: int) -> bool:
         """Does a row storing `length` tokens, of which the keep leaves `count`, evict at this step:
         has it grown `evict_interval` tokens past the count (N = 1: whenever the keep drops any)."""

@@ -300,34 +300,50 @@ class ModelRunner:
         planes = self.planes or None
         k_cache, v_cache, num_layers = cache.k_cache, cache.v_cache, self.num_layers
         packed = versions = None  # [L, B, W] page tables of `decoded`, built once the first layer compacts
+        due_fn = getattr(method, "step_end_due", None)
+        if due_fn is not None:  # host facts of every row and layer, for the method's cheap "may it evict now"
+            gaps = np.array([seq.history_gap for seq in decoded], dtype=np.int64)  # [B, L]
+            lengths = np.array([seq.kv_lens for seq in decoded], dtype=np.int64) + 1  # the step's token is stored
+            contexts = np.array([seq.num_computed_tokens + 1 for seq in decoded], dtype=np.int64)[:, None] - gaps
+            prompts = np.array([seq.prefill_end for seq in decoded], dtype=np.int64)[:, None] - gaps
+        everyone = list(range(len(decoded)))
         for layer in range(num_layers):
+            candidates = everyone
+            if due_fn is not None:
+                due = due_fn(layer, lengths[:, layer], prompts[:, layer], contexts[:, layer])
+                if due is not None:
+                    if not due.any():
+                        continue  # no row evicts in this layer at this step (an eviction interval's steps between)
+                    if not due.all():
+                        candidates = np.flatnonzero(due).tolist()
             views = [StepView(seq.seq_id, layer, num_layers, seq.num_computed_tokens + 1 - seq.history_gap[layer],
                               seq.prefill_end - seq.history_gap[layer],  # a chain's prompt: stored history + suffix
                               LayerCacheView(k_cache, v_cache, seq.page_tables[layer], seq.kv_lens[layer] + 1,
                                              seq.kv_starts[layer], planes))  # the step's token is stored
-                     for seq in decoded]
+                     for seq in (decoded if candidates is everyone else [decoded[i] for i in candidates])]
             plans = batched(layer, views) if batched is not None else [method.step_end(layer, v) for v in views]
             if len(plans) != len(views):
                 raise RuntimeError(f"method {method.name!r}: step_end_batch gave {len(plans)} plans for "
                                    f"{len(views)} sequences")
-            rows = [i for i, plan in enumerate(plans) if plan is not None]
-            if not rows:
+            found = [i for i, plan in enumerate(plans) if plan is not None]  # indices into `candidates`
+            if not found:
                 continue
-            every = len(rows) == len(plans)  # the common case: every row evicts
+            rows = [candidates[i] for i in found]
+            every = len(rows) == len(decoded)  # the common case: every row evicts
             if packed is None:
                 width = max(self.tables.longest(seq) for seq in decoded)
                 packed, versions = self.tables.pack_numpy(decoded, width), [s.tables_version for s in decoded]
             if self.pool is not None:
-                for i in rows:
-                    seq = decoded[i]
+                for i, row in zip(found, rows):
+                    seq = decoded[row]
                     if seq.spare_pages:  # copy-on-write before compaction; a table it changes is re-read
                         self._own_pages(seq, layer, -(-plans[i].kept // page))
-                        if seq.tables_version != versions[i]:
-                            self._refresh_table(packed, i, seq)
-                            versions[i] = seq.tables_version
-            seqs = decoded if every else [decoded[i] for i in rows]
-            kept = plans if every else [plans[i] for i in rows]
-            job_views = views if every else [views[i] for i in rows]
+                        if seq.tables_version != versions[row]:
+                            self._refresh_table(packed, row, seq)
+                            versions[row] = seq.tables_version
+            seqs = decoded if every else [decoded[row] for row in rows]
+            kept = plans if every else [plans[i] for i in found]
+            job_views = views if every else [views[i] for i in found]
             logical = [seq.num_computed_tokens + 1 for seq in seqs]
             jobs = self._plan_batch(layer, kept, job_views, packed[layer] if every else packed[layer, rows])
             self._compact(layer, jobs, seqs, [n - plan.tail for n, plan in zip(logical, kept)], logical, compacted)

@@ -108,6 +108,33 @@ def test_tokens_and_lengths_follow_the_interval_oracle(model_dir, hf, method, in
         assert all(b - a == interval for a, b in zip(evictions, evictions[1:]))
 
 
+@pytest.mark.parametrize("method", ["streamingllm", "h2o"])
+def test_step_end_runs_only_for_rows_due(model_dir, method):
+    """`step_end_due` leaves out the rows (and the layers) that do not evict at this step: every
+    view handed to `step_end_batch` gives a plan, and with N = 16 most steps hand over none."""
+    engine = make_engine(model_dir, method, CASES[method], 16)
+    calls: list[int] = []
+    real = engine.method.step_end_batch
+
+    def spy(layer, views):
+        plans = real(layer, views)
+        assert all(plan is not None for plan in plans), "a row that is not due reached step_end"
+        calls.append(len(views))
+        return plans
+
+    engine.method.step_end_batch = spy
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for prompt in prompts_of([33, 33, 71], seed=5):
+        engine.add_request(prompt, params)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    layers = engine.spec.num_layers
+    assert calls and len(calls) <= layers * (2 * 40 // 16 + 2)  # a few eviction steps, not every step
+    assert min(calls) >= 1
+
+
 def _layer0_keys(engine: Engine, seq) -> torch.Tensor:
     """Layer 0's stored keys of `seq`, one row per slot: [n, Hkv * D]."""
     pages = torch.stack([engine.attention.k_cache[p] for p in seq.page_tables[0]])  # [P, Hkv, S, D]
