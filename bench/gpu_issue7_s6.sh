@@ -15,6 +15,7 @@
 # Env: PYTHON, MODEL ('' = the embedded default model), KV_MEMORY, EXTRA (more arguments of every
 # bench run, e.g. "--device cpu --attention-backend torch" to check the script on a CPU), INPUTS_A,
 # INPUTS_B (input lengths of parts a and b), SOURCES_A, SOURCES_B, STEPS, LANES (default "0 1"),
+# PARTS0 / PARTS1 (each lane's parts, default "t a i" / "s b"),
 # and the limits T_TESTS, T_A, T_I, T_B, T_S (seconds).
 set -uo pipefail
 out=${1:?output folder}
@@ -67,10 +68,10 @@ lane() {  # lane number, then its parts
 
 read -r -a lanes <<< "${LANES:-0 1}"
 if [ "${#lanes[@]}" -gt 1 ]; then
-  CUDA_VISIBLE_DEVICES=0 lane 0 t a i &
-  CUDA_VISIBLE_DEVICES=1 lane 1 s b &
+  CUDA_VISIBLE_DEVICES=0 lane 0 ${PARTS0:-t a i} &
+  CUDA_VISIBLE_DEVICES=1 lane 1 ${PARTS1:-s b} &
   wait
 else
-  lane "${lanes[0]}" t a i s b
+  lane "${lanes[0]}" ${PARTS0:-t a i} ${PARTS1:-s b}
 fi
 echo "== $out: $(ls "$out" | tr '\n' ' ')"
