@@ -41,7 +41,7 @@ import torch
 from kvc.runtime.attention.metadata import AttentionMetadata
 from kvc.runtime.method_api import Hook
 from kvc.runtime.scheduler import ScheduledBatch
-from kvc.runtime.transfer import Feed, copy_into, feed_pending
+from kvc.runtime.transfer import Feed, copy_into, feed_pending, to_device
 from kvc.runtime.tuning.buckets import BATCH_BUCKETS, MIN_CONTEXT_BUCKET
 
 if TYPE_CHECKING:
@@ -103,8 +103,10 @@ class DecodeGraphs:
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.pool = None
         # host mirror of what the table and starts buffers hold, per row (`_load`)
-        self._loaded: list[tuple[int, int] | None] = [None] * n
+        # (seq_id, tables_version, len(grown_layers)) of each row's last load
+        self._loaded: list[tuple[int, int, int] | None] = [None] * n
         self._host_tables = np.zeros((layers, n, 1), dtype=np.int32)
+        self._row_lens = np.zeros((layers, n), dtype=np.int64)  # pages of each [layer, row] table loaded
         self._host_starts = np.zeros((layers, n, runner.num_kv_heads), dtype=np.int32)
         self._row_starts = [False] * n
 
@@ -188,14 +190,17 @@ class DecodeGraphs:
         """Fills the static buffers with the batch (pending input tokens from `feed`); its graph key.
 
         Incremental: a host mirror of the page tables and KV-head starts keeps each row's last
-        load, and only rows whose sequence or `tables_version` changed are rewritten and copied to
-        the device (in steady decoding, the rows that crossed a page boundary). Slots and context
-        lengths are computed vectorised over [layer, row] from the mirror. (Row by row over 48
-        layers this cost ~12 ms per step at batch 160; the GPU waited for it.)"""
+        load; a row whose sequence only appended pages since (in steady decoding, the layers that
+        crossed a page boundary) gets just those pages, on the host and on the device (one scatter
+        for the whole step), and only rows whose sequence or tables otherwise changed are rewritten
+        and copied whole. Slots and context lengths are computed vectorised over [layer, row] from
+        the mirror. (Row by row over 48 layers this cost ~12 ms per step at batch 160; rewriting
+        every row whose tables changed, as PyramidKV's per-layer lengths do at nearly every step,
+        cost about as much again; the GPU waited for both.)"""
         seqs, n = batch.seqs, len(batch.seqs)
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
         page, layers = self.runner.page_size, self.runner.num_layers
-        changed = self._update_mirror(seqs)
+        rebuilt, appended = self._update_mirror(seqs)
         with_starts = any(self._row_starts[:n])
         pos = [seq.num_computed_tokens for seq in seqs]
         ids = [seq.token_ids[p] if p < len(seq.token_ids) else 0 for seq, p in zip(seqs, pos)]  # 0: pending
@@ -211,14 +216,17 @@ class DecodeGraphs:
         copy_into(self.positions[:b], pos + [0] * pad)
         copy_into(self.slots[:, :b], slots)
         copy_into(self.ctx[:, :b], ctx)
-        # Page tables: only changed rows travel (stale entries past a row's table, and in padding
-        # rows, are never read: kernels stop at the row's context length, 0 for padding).
+        # Page tables: rebuilt rows travel whole (the whole block when many did), appended pages
+        # one entry each (stale entries past a row's table, and in padding rows, are never read:
+        # kernels stop at the row's context length, 0 for padding).
         width = self._host_tables.shape[2]
-        if len(changed) > n // 4:
+        if len(rebuilt) > n // 4:
             copy_into(self.tables[:, :n, :width], self._host_tables[:, :n])
         else:
-            for i in changed:
+            for i in rebuilt:
                 copy_into(self.tables[:, i, :width], self._host_tables[:, i])
+            if appended:
+                self._scatter_pages(appended)
         if with_starts:  # padding rows start at 0 (their context is empty anyway)
             starts = np.zeros((layers, b, self._host_starts.shape[2]), dtype=np.int32)
             starts[:, :n] = self._host_starts[:, :n]
@@ -227,27 +235,53 @@ class DecodeGraphs:
             feed_pending(self.input_ids, feed[0], feed[1], list(range(n + 1)))
         return key
 
-    def _update_mirror(self, seqs) -> list[int]:
-        """Rewrites the mirror rows whose sequence or tables changed since the last load (all of
-        them when the mirror must widen); returns their indices."""
+    def _update_mirror(self, seqs) -> tuple[list[int], list[tuple[int, int, int, int]]]:
+        """Brings the mirror rows up to the batch's sequences: a row whose sequence only appended
+        pages since its last load (`Sequence.grown_since`) gets just those entries, any other row
+        whose sequence or tables changed is rewritten (every row when the mirror must widen).
+        Returns (rewritten rows, appended runs as (layer, row, first, end) page columns)."""
         tables = self.runner.tables
         longest = max(tables.longest(seq) for seq in seqs)
         if longest > self._host_tables.shape[2]:  # widen (rare): every row is rewritten
             width = min(max(longest, 2 * self._host_tables.shape[2]), self.tables.shape[2])
             self._host_tables = np.zeros((self.runner.num_layers, len(self._loaded), width), dtype=np.int32)
             self._loaded = [None] * len(self._loaded)
-        changed = []
+        rebuilt, appended = [], []
         for i, seq in enumerate(seqs):
-            mark = (seq.seq_id, seq.tables_version)
-            if self._loaded[i] == mark:
+            loaded = self._loaded[i]
+            if loaded is not None and loaded[0] == seq.seq_id and loaded[1] == seq.tables_version:
                 continue
-            self._loaded[i] = mark
-            changed.append(i)
-            arr = tables.array(seq)
+            arr, lens = tables.array(seq), tables.lengths(seq)
+            grown = None if loaded is None or loaded[0] != seq.seq_id else seq.grown_since(loaded[1], loaded[2])
+            self._loaded[i] = (seq.seq_id, seq.tables_version, len(seq.grown_layers))
+            if grown is not None:
+                for layer in set(grown):
+                    first, end = int(self._row_lens[layer, i]), int(lens[layer])
+                    self._host_tables[layer, i, first:end] = arr[layer, first:end]
+                    self._row_lens[layer, i] = end
+                    appended.append((layer, i, first, end))
+                continue
+            rebuilt.append(i)
             w = min(arr.shape[1], self._host_tables.shape[2])
             self._host_tables[:, i, :w] = arr[:, :w]
             self._host_tables[:, i, w:] = 0
+            self._row_lens[:, i] = lens
             has = seq.has_kv_starts
             self._row_starts[i] = has
             self._host_starts[:, i] = tables.starts_array(seq) if has else 0
-        return changed
+        return rebuilt, appended
+
+    def _scatter_pages(self, appended: list[tuple[int, int, int, int]]) -> None:
+        """Copies the mirror's appended page entries into the device tables: their flat indices and
+        values in one pinned copy, then one scatter on the device."""
+        layer_idx, row_idx, col_idx = [], [], []
+        for layer, row, first, end in appended:
+            layer_idx += [layer] * (end - first)
+            row_idx += [row] * (end - first)
+            col_idx += range(first, end)
+        layer, row, col = (np.asarray(idx, dtype=np.int64) for idx in (layer_idx, row_idx, col_idx))
+        _, rows, width = self.tables.shape
+        index = (layer * rows + row) * width + col
+        values = self._host_tables[layer, row, col].astype(np.int64)
+        both = to_device(np.stack([index, values]), self.tables.device)
+        self.tables.view(-1).index_copy_(0, both[0], both[1].to(torch.int32))

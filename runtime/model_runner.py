@@ -481,43 +481,89 @@ def _decode_rows(batch: ScheduledBatch, layer: int) -> list[DecodeRow]:
             for s in batch.seqs[: batch.num_decodes]]
 
 
+class _Tables:
+    """One sequence's cached arrays (`_TableCache`) and the tables snapshot they hold."""
+
+    __slots__ = ("version", "mark", "array", "lens", "starts")
+
+    def __init__(self, version: int, mark: int, array: np.ndarray, lens: np.ndarray) -> None:
+        self.version, self.mark = version, mark  # (tables_version, len(grown_layers)) when last synced
+        self.array = array  # [L, W] int32, W >= the longest table; zeros past each table
+        self.lens = lens  # [L] int64: pages of each layer's table
+        self.starts: np.ndarray | None = None  # [L, Hkv] int32, built on first use
+
+
 class _TableCache:
-    """Per-sequence [L, W] int32 copies of the page tables (W: its longest table) and [L, Hkv]
-    KV-head start slots, rebuilt only when the sequence's `tables_version` changes: most decode
-    steps reuse them, so a step costs array copies, not L x B list-to-array conversions."""
+    """Per-sequence [L, W] int32 copies of the page tables (W >= its longest table) and [L, Hkv]
+    KV-head start slots, kept in step with the sequence's `tables_version`: most decode steps reuse
+    them, and a step that only appended pages (`Sequence.grown_since`, the scheduler's page-boundary
+    growth) writes just those pages; any other change rebuilds them (L list-to-array conversions).
+    So with per-layer lengths (PyramidKV, Ada-KV), where some layer of nearly every row crosses a
+    page boundary at every step, a step costs a few entries per row, not L x B conversions."""
 
     def __init__(self, num_layers: int, num_kv_heads: int = 1) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
-        self._arrays: dict[int, tuple[int, np.ndarray]] = {}
-        self._starts: dict[int, tuple[int, np.ndarray]] = {}
+        self._entries: dict[int, _Tables] = {}
+
+    def _sync(self, seq) -> _Tables:
+        entry = self._entries.get(seq.seq_id)
+        if entry is not None and entry.version == seq.tables_version:
+            return entry
+        grown = None if entry is None else seq.grown_since(entry.version, entry.mark)
+        if grown is None:
+            entry = self._rebuild(seq)
+        else:
+            for layer in set(grown):
+                self._append(entry, layer, seq.page_tables[layer])
+            entry.version, entry.mark = seq.tables_version, len(seq.grown_layers)
+        return entry
+
+    def _rebuild(self, seq) -> _Tables:
+        tables = seq.page_tables
+        lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+        arr = np.zeros((self.num_layers, max(1, int(lens.max(initial=0)))), dtype=np.int32)
+        for layer, table in enumerate(tables):
+            arr[layer, : len(table)] = table
+        entry = _Tables(seq.tables_version, len(seq.grown_layers), arr, lens)
+        self._entries[seq.seq_id] = entry
+        return entry
+
+    @staticmethod
+    def _append(entry: _Tables, layer: int, table: list[int]) -> None:
+        """Writes the pages appended to `layer`'s table since the entry's copy of it."""
+        old, new = int(entry.lens[layer]), len(table)
+        width = entry.array.shape[1]
+        if new > width:  # widen with slack: the longest layer grows a page at a time
+            wider = np.zeros((entry.array.shape[0], max(new, width + max(8, width // 8))), dtype=np.int32)
+            wider[:, :width] = entry.array
+            entry.array = wider
+        entry.array[layer, old:new] = table[old:new]
+        entry.lens[layer] = new
 
     def array(self, seq) -> np.ndarray:
-        """seq's [L, W] int32 page tables (W >= its longest table), cached by tables_version."""
-        hit = self._arrays.get(seq.seq_id)
-        if hit is None or hit[0] != seq.tables_version:
-            longest = max((len(t) for t in seq.page_tables), default=0)
-            arr = np.zeros((self.num_layers, max(1, longest)), dtype=np.int32)
-            for layer, table in enumerate(seq.page_tables):
-                arr[layer, : len(table)] = table
-            hit = (seq.tables_version, arr)
-            self._arrays[seq.seq_id] = hit
-        return hit[1]
+        """seq's [L, W] int32 page tables (W >= its longest table, zeros past each table). The
+        array is updated in place by later appends: copy what must stay as it is now."""
+        return self._sync(seq).array
+
+    def lengths(self, seq) -> np.ndarray:
+        """[L] int64 pages of each of seq's layer tables (read-only)."""
+        return self._sync(seq).lens
 
     def longest(self, seq) -> int:
-        return self.array(seq).shape[1]
+        """Pages of seq's longest layer table (at least 1)."""
+        return max(1, int(self._sync(seq).lens.max(initial=0)))
 
     def starts_array(self, seq) -> np.ndarray:
         """seq's [L, Hkv] int32 KV-head start slots (0 where a layer has none), cached."""
-        hit = self._starts.get(seq.seq_id)
-        if hit is None or hit[0] != seq.tables_version:
+        entry = self._sync(seq)  # appended pages keep the starts; any other change rebuilt the entry
+        if entry.starts is None:
             arr = np.zeros((self.num_layers, self.num_kv_heads), dtype=np.int32)
             for layer, starts in enumerate(seq.kv_starts):
                 if starts is not None:
                     arr[layer] = starts
-            hit = (seq.tables_version, arr)
-            self._starts[seq.seq_id] = hit
-        return hit[1]
+            entry.starts = arr
+        return entry.starts
 
     def pack(self, seqs, width: int) -> torch.Tensor:
         """[L, B, width] int32 page tables of `seqs`, zero-padded."""
@@ -543,5 +589,4 @@ class _TableCache:
         return out
 
     def drop(self, seq_id: int) -> None:
-        self._arrays.pop(seq_id, None)
-        self._starts.pop(seq_id, None)
+        self._entries.pop(seq_id, None)

@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvc.runtime.errors import ConfigError, OutOfKVMemory, PromptTooLongError
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.method_api import FullBudget, KVBudget
@@ -55,6 +57,35 @@ if TYPE_CHECKING:
     from kvc.runtime.chains import ChainStore
 
 log = logging.getLogger(__name__)
+
+
+class Room:
+    """A sequence's free token slots per layer in the pages it holds, valid at `version` of its
+    tables (`Sequence.room`, the scheduler's cache): a decode step's check for a page boundary is
+    one comparison, and the layers that need pages at one are found without walking them."""
+
+    __slots__ = ("version", "free", "least")
+
+    def __init__(self, version: int, free: np.ndarray) -> None:
+        self.version = version
+        self.free = free  # [L] int64: len(page_tables[l]) * page_size - kv_lens[l]
+        self.least = int(free.min()) if len(free) else 0  # tokens every layer can still store
+
+    def use(self, n: int) -> None:
+        """Every layer stored n more tokens."""
+        self.free -= n
+        self.least -= n
+
+    def pages_for(self, n: int, page_size: int) -> np.ndarray:
+        """[L] pages each layer needs to store n more tokens (<= 0: none; as pages_for(kv + n) -
+        len(table), which is negative where a layer holds spare pages)."""
+        return -((self.free - n) // page_size)
+
+    def grew(self, slots: np.ndarray, version: int) -> None:
+        """The layers gained `slots` free slots by appended pages; the tables are now at `version`."""
+        self.free += slots
+        self.least = int(self.free.min()) if len(self.free) else 0
+        self.version = version
 
 
 @dataclass
@@ -172,20 +203,22 @@ class Scheduler:
 
     def _growth(self, seq: Sequence, n: int) -> int:
         """Fresh pages seq needs so every layer can store n more tokens."""
-        if n <= self._room(seq):
-            return 0  # the common decode step: no layer is at a page boundary (no per-layer walk)
-        pages_for = self.pool.pages_for
-        return sum(pages_for(kv + n) - len(t) for kv, t in zip(seq.kv_lens, seq.page_tables))
+        room = self._room(seq)
+        if n <= room.least:
+            return 0  # the common decode step: no layer is at a page boundary
+        return int(room.pages_for(n, self.pool.page_size).sum())
 
-    def _room(self, seq: Sequence) -> int:
-        """Tokens every layer of seq can still store in the pages it holds. Walks the layers once
-        per change of its tables (`tables_version`); a step's append lowers it in `postprocess`."""
-        cached = seq.room
-        if cached is not None and cached[0] == seq.tables_version:
-            return cached[1]
+    def _room(self, seq: Sequence) -> Room:
+        """seq's free slots per layer in the pages it holds. Walks the layers once per change of
+        its tables other than `_take`'s appends (which update it); a step's tokens use it up in
+        `advance`."""
+        room = seq.room
+        if room is not None and room.version == seq.tables_version:
+            return room
         size = self.pool.page_size
-        room = min((len(t) * size - kv for kv, t in zip(seq.kv_lens, seq.page_tables)), default=0)
-        seq.room = (seq.tables_version, room)
+        held = np.fromiter((len(t) for t in seq.page_tables), dtype=np.int64, count=len(seq.page_tables))
+        room = Room(seq.tables_version, held * size - np.asarray(seq.kv_lens, dtype=np.int64))
+        seq.room = room
         return room
 
     def _copies(self, seq: Sequence, n: int) -> int:
@@ -209,13 +242,12 @@ class Scheduler:
     def _take(self, seq: Sequence, n: int) -> None:
         """Allocates what `_need` counted: table growth and spare pages for copy-on-write."""
         copies = self._copies(seq, n) - len(seq.spare_pages)
-        if copies <= 0 and n <= self._room(seq):
-            return
-        for kv, table in zip(seq.kv_lens, seq.page_tables):
-            grow = self.pool.pages_for(kv + n) - len(table)
-            if grow > 0:
-                table += self.pool.allocate(grow)
-                seq.tables_version += 1
+        room = self._room(seq)
+        if n > room.least:
+            grow = room.pages_for(n, self.pool.page_size)
+            for layer in np.flatnonzero(grow > 0).tolist():  # in layer order, as pages were always taken
+                seq.grow_table(layer, self.pool.allocate(int(grow[layer])))
+            room.grew(np.maximum(grow, 0) * self.pool.page_size, seq.tables_version)
         if copies > 0:
             seq.spare_pages += self.pool.allocate(copies)
 
@@ -425,8 +457,8 @@ class Scheduler:
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
             seq.kv_lens = [kv + n for kv in seq.kv_lens]
-            if seq.room is not None and seq.room[0] == seq.tables_version:
-                seq.room = (seq.tables_version, seq.room[1] - n)
+            if seq.room is not None and seq.room.version == seq.tables_version:
+                seq.room.use(n)
             if seq.spare_pages:  # copy-on-write pages the step did not need
                 self.pool.free(seq.spare_pages)
                 seq.spare_pages = []

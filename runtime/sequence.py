@@ -43,6 +43,8 @@ FINISH_STOP = "stop"  # a stop token or an end-of-sequence token was sampled
 FINISH_LENGTH = "length"  # max_tokens reached, or the context (model or KV pool) is full
 FINISH_ABORT = "abort"  # the user or the engine cancelled the request
 
+_GROWN_LOG_CAP = 4096  # appends a sequence logs (`grown_layers`) before its readers rebuild once
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()  # queued; holds no pages
@@ -96,8 +98,10 @@ class Sequence:
         self.num_preemptions = 0
         self.page_tables: list[list[int]] = [[] for _ in range(num_layers)]
         self.tables_version = 0  # bumped on every change of page_tables (the runner caches arrays)
-        # (tables_version, tokens every layer can still store in its pages): the scheduler's cache
-        self.room: tuple[int, int] | None = None
+        # One layer per version bump that only appended pages to that layer (`grow_table`), in
+        # order: readers of the tables update their copies incrementally (`grown_since`).
+        self.grown_layers: list[int] = []
+        self.room = None  # the scheduler's cache of free slots per layer (scheduler.Room)
         self.kv_lens: list[int] = [0] * num_layers  # physical tokens stored per layer
         self.kv_starts: list[list[int] | None] = [None] * num_layers  # per layer, per KV head; None: 0
         self.compressed = False  # a method compacted it: pages no longer equal the logical tokens
@@ -143,6 +147,7 @@ class Sequence:
         tables = self.page_tables
         self.page_tables = [[] for _ in tables]
         self.tables_version += 1
+        self.grown_layers = []
         self.kv_lens = [0] * len(tables)
         self.kv_starts = [None] * len(tables)
         self.compressed = False
@@ -150,6 +155,31 @@ class Sequence:
         self.verbatim_from = 0
         self.positions = self.window_queries = None  # a chained re-admission takes its record's again
         return tables
+
+    def grow_table(self, layer: int, pages: list[int]) -> None:
+        """Appends fresh pages to layer `layer`'s table: the change readers may apply incrementally.
+
+        Every other change of `page_tables` bumps `tables_version` alone, which `grown_since`
+        reports as "rebuild"."""
+        self.page_tables[layer] += pages
+        self.tables_version += 1
+        self.grown_layers.append(layer)
+        if len(self.grown_layers) >= _GROWN_LOG_CAP:  # bound the log: readers rebuild once
+            self.grown_layers = []
+            self.tables_version += 1
+
+    def grown_since(self, version: int, mark: int) -> list[int] | None:
+        """The layers whose tables only grew by appended pages since a reader's snapshot at
+        (`tables_version`, len(`grown_layers`)) = (version, mark), with repeats; None when
+        anything else changed since (the reader rebuilds its copy).
+
+        Sound whatever bumps the version: each `grow_table` adds one bump and one log entry, any
+        other change a bump alone (and a cleared log only shrinks), so the two counts advance
+        equally exactly when every change since was an append."""
+        log = self.grown_layers
+        if self.tables_version - version != len(log) - mark:
+            return None
+        return log[mark:]
 
     def set_kv_starts(self, layer: int, starts: list[int] | None) -> None:
         """Layer `layer`'s KV head h now uses slots [starts[h], kv_lens[layer]) (all 0: None)."""
