@@ -106,7 +106,7 @@ class DecodeGraphs:
         # (seq_id, tables_version, len(grown_layers)) of each row's last load
         self._loaded: list[tuple[int, int, int] | None] = [None] * n
         self._host_tables = np.zeros((layers, n, 1), dtype=np.int32)
-        self._row_lens = np.zeros((layers, n), dtype=np.int64)  # pages of each [layer, row] table loaded
+        self._row_lens = [[0] * layers for _ in range(n)]  # per row, per layer: pages of its table loaded
         self._host_starts = np.zeros((layers, n, runner.num_kv_heads), dtype=np.int32)
         self._row_starts = [False] * n
 
@@ -225,8 +225,8 @@ class DecodeGraphs:
         else:
             for i in rebuilt:
                 copy_into(self.tables[:, i, :width], self._host_tables[:, i])
-            if appended:
-                self._scatter_pages(appended)
+            if appended[0]:
+                self._scatter_pages(*appended)
         if with_starts:  # padding rows start at 0 (their context is empty anyway)
             starts = np.zeros((layers, b, self._host_starts.shape[2]), dtype=np.int32)
             starts[:, :n] = self._host_starts[:, :n]
@@ -235,53 +235,58 @@ class DecodeGraphs:
             feed_pending(self.input_ids, feed[0], feed[1], list(range(n + 1)))
         return key
 
-    def _update_mirror(self, seqs) -> tuple[list[int], list[tuple[int, int, int, int]]]:
+    def _update_mirror(self, seqs) -> tuple[list[int], tuple[list[int], list[int]]]:
         """Brings the mirror rows up to the batch's sequences: a row whose sequence only appended
-        pages since its last load (`Sequence.grown_since`) gets just those entries, any other row
-        whose sequence or tables changed is rewritten (every row when the mirror must widen).
-        Returns (rewritten rows, appended runs as (layer, row, first, end) page columns)."""
+        pages since its last load (`Sequence.grown_since`) gets just those entries, read from its
+        tables; any other row whose sequence or tables changed is rewritten from the runner's
+        arrays (every row when the mirror must widen). Returns (rewritten rows, (flat indices into
+        the device tables, page ids) of the appended entries)."""
         tables = self.runner.tables
-        longest = max(tables.longest(seq) for seq in seqs)
+        stale = []  # (row, seq, grown layers or None: rewrite)
+        longest = 0
+        for i, seq in enumerate(seqs):
+            loaded = self._loaded[i]
+            if loaded is None or loaded[0] != seq.seq_id:
+                stale.append((i, seq, None))
+                longest = max(longest, tables.longest(seq))
+            elif loaded[1] != seq.tables_version:
+                grown = seq.grown_since(loaded[1], loaded[2])
+                stale.append((i, seq, None if grown is None else set(grown)))
+                longest = max(longest, tables.longest(seq) if grown is None else
+                              max(len(seq.page_tables[layer]) for layer in grown))
         if longest > self._host_tables.shape[2]:  # widen (rare): every row is rewritten
             width = min(max(longest, 2 * self._host_tables.shape[2]), self.tables.shape[2])
             self._host_tables = np.zeros((self.runner.num_layers, len(self._loaded), width), dtype=np.int32)
             self._loaded = [None] * len(self._loaded)
-        rebuilt, appended = [], []
-        for i, seq in enumerate(seqs):
-            loaded = self._loaded[i]
-            if loaded is not None and loaded[0] == seq.seq_id and loaded[1] == seq.tables_version:
-                continue
-            arr, lens = tables.array(seq), tables.lengths(seq)
-            grown = None if loaded is None or loaded[0] != seq.seq_id else seq.grown_since(loaded[1], loaded[2])
+            stale = [(i, seq, None) for i, seq in enumerate(seqs)]
+        rebuilt, index, values = [], [], []
+        _, rows, width = self.tables.shape
+        for i, seq, grown in stale:
             self._loaded[i] = (seq.seq_id, seq.tables_version, len(seq.grown_layers))
+            lens = self._row_lens[i]
             if grown is not None:
-                for layer in set(grown):
-                    first, end = int(self._row_lens[layer, i]), int(lens[layer])
-                    self._host_tables[layer, i, first:end] = arr[layer, first:end]
-                    self._row_lens[layer, i] = end
-                    appended.append((layer, i, first, end))
+                for layer in grown:
+                    table = seq.page_tables[layer]
+                    first, end = lens[layer], len(table)
+                    self._host_tables[layer, i, first:end] = table[first:end]
+                    lens[layer] = end
+                    base = (layer * rows + i) * width
+                    index += range(base + first, base + end)
+                    values += table[first:end]
                 continue
             rebuilt.append(i)
+            arr = tables.array(seq)
             w = min(arr.shape[1], self._host_tables.shape[2])
             self._host_tables[:, i, :w] = arr[:, :w]
             self._host_tables[:, i, w:] = 0
-            self._row_lens[:, i] = lens
+            self._row_lens[i] = list(tables.lengths(seq))
             has = seq.has_kv_starts
             self._row_starts[i] = has
             self._host_starts[:, i] = tables.starts_array(seq) if has else 0
-        return rebuilt, appended
+        return rebuilt, (index, values)
 
-    def _scatter_pages(self, appended: list[tuple[int, int, int, int]]) -> None:
-        """Copies the mirror's appended page entries into the device tables: their flat indices and
-        values in one pinned copy, then one scatter on the device."""
-        layer_idx, row_idx, col_idx = [], [], []
-        for layer, row, first, end in appended:
-            layer_idx += [layer] * (end - first)
-            row_idx += [row] * (end - first)
-            col_idx += range(first, end)
-        layer, row, col = (np.asarray(idx, dtype=np.int64) for idx in (layer_idx, row_idx, col_idx))
-        _, rows, width = self.tables.shape
-        index = (layer * rows + row) * width + col
-        values = self._host_tables[layer, row, col].astype(np.int64)
-        both = to_device(np.stack([index, values]), self.tables.device)
+    def _scatter_pages(self, index: list[int], values: list[int]) -> None:
+        """Writes page ids into the device tables at flat indices: both in one pinned copy, then
+        one scatter on the device."""
+        both = to_device(np.array([index, values], dtype=np.int64), self.tables.device)
         self.tables.view(-1).index_copy_(0, both[0], both[1].to(torch.int32))

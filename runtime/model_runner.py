@@ -484,12 +484,13 @@ def _decode_rows(batch: ScheduledBatch, layer: int) -> list[DecodeRow]:
 class _Tables:
     """One sequence's cached arrays (`_TableCache`) and the tables snapshot they hold."""
 
-    __slots__ = ("version", "mark", "array", "lens", "starts")
+    __slots__ = ("version", "mark", "array", "lens", "longest", "starts")
 
-    def __init__(self, version: int, mark: int, array: np.ndarray, lens: np.ndarray) -> None:
+    def __init__(self, version: int, mark: int, array: np.ndarray, lens: list[int]) -> None:
         self.version, self.mark = version, mark  # (tables_version, len(grown_layers)) when last synced
         self.array = array  # [L, W] int32, W >= the longest table; zeros past each table
-        self.lens = lens  # [L] int64: pages of each layer's table
+        self.lens = lens  # pages of each layer's table
+        self.longest = max(1, max(lens, default=0))
         self.starts: np.ndarray | None = None  # [L, Hkv] int32, built on first use
 
 
@@ -521,8 +522,8 @@ class _TableCache:
 
     def _rebuild(self, seq) -> _Tables:
         tables = seq.page_tables
-        lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
-        arr = np.zeros((self.num_layers, max(1, int(lens.max(initial=0)))), dtype=np.int32)
+        lens = [len(t) for t in tables]
+        arr = np.zeros((self.num_layers, max(1, max(lens, default=0))), dtype=np.int32)
         for layer, table in enumerate(tables):
             arr[layer, : len(table)] = table
         entry = _Tables(seq.tables_version, len(seq.grown_layers), arr, lens)
@@ -532,7 +533,7 @@ class _TableCache:
     @staticmethod
     def _append(entry: _Tables, layer: int, table: list[int]) -> None:
         """Writes the pages appended to `layer`'s table since the entry's copy of it."""
-        old, new = int(entry.lens[layer]), len(table)
+        old, new = entry.lens[layer], len(table)
         width = entry.array.shape[1]
         if new > width:  # widen with slack: the longest layer grows a page at a time
             wider = np.zeros((entry.array.shape[0], max(new, width + max(8, width // 8))), dtype=np.int32)
@@ -540,19 +541,20 @@ class _TableCache:
             entry.array = wider
         entry.array[layer, old:new] = table[old:new]
         entry.lens[layer] = new
+        entry.longest = max(entry.longest, new)
 
     def array(self, seq) -> np.ndarray:
         """seq's [L, W] int32 page tables (W >= its longest table, zeros past each table). The
         array is updated in place by later appends: copy what must stay as it is now."""
         return self._sync(seq).array
 
-    def lengths(self, seq) -> np.ndarray:
-        """[L] int64 pages of each of seq's layer tables (read-only)."""
+    def lengths(self, seq) -> list[int]:
+        """Pages of each of seq's layer tables (read-only)."""
         return self._sync(seq).lens
 
     def longest(self, seq) -> int:
         """Pages of seq's longest layer table (at least 1)."""
-        return max(1, int(self._sync(seq).lens.max(initial=0)))
+        return self._sync(seq).longest
 
     def starts_array(self, seq) -> np.ndarray:
         """seq's [L, Hkv] int32 KV-head start slots (0 where a layer has none), cached."""

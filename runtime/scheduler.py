@@ -46,10 +46,9 @@ from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from kvc.runtime.errors import ConfigError, OutOfKVMemory, PromptTooLongError
 from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.kv.room import Room
 from kvc.runtime.method_api import FullBudget, KVBudget
 from kvc.runtime.sequence import FINISH_ABORT, FINISH_LENGTH, Sequence, SequenceStatus
 
@@ -57,35 +56,6 @@ if TYPE_CHECKING:
     from kvc.runtime.chains import ChainStore
 
 log = logging.getLogger(__name__)
-
-
-class Room:
-    """A sequence's free token slots per layer in the pages it holds, valid at `version` of its
-    tables (`Sequence.room`, the scheduler's cache): a decode step's check for a page boundary is
-    one comparison, and the layers that need pages at one are found without walking them."""
-
-    __slots__ = ("version", "free", "least")
-
-    def __init__(self, version: int, free: np.ndarray) -> None:
-        self.version = version
-        self.free = free  # [L] int64: len(page_tables[l]) * page_size - kv_lens[l]
-        self.least = int(free.min()) if len(free) else 0  # tokens every layer can still store
-
-    def use(self, n: int) -> None:
-        """Every layer stored n more tokens."""
-        self.free -= n
-        self.least -= n
-
-    def pages_for(self, n: int, page_size: int) -> np.ndarray:
-        """[L] pages each layer needs to store n more tokens (<= 0: none; as pages_for(kv + n) -
-        len(table), which is negative where a layer holds spare pages)."""
-        return -((self.free - n) // page_size)
-
-    def grew(self, slots: np.ndarray, version: int) -> None:
-        """The layers gained `slots` free slots by appended pages; the tables are now at `version`."""
-        self.free += slots
-        self.least = int(self.free.min()) if len(self.free) else 0
-        self.version = version
 
 
 @dataclass
@@ -206,7 +176,7 @@ class Scheduler:
         room = self._room(seq)
         if n <= room.least:
             return 0  # the common decode step: no layer is at a page boundary
-        return int(room.pages_for(n, self.pool.page_size).sum())
+        return room.growth(n)
 
     def _room(self, seq: Sequence) -> Room:
         """seq's free slots per layer in the pages it holds. Walks the layers once per change of
@@ -216,8 +186,7 @@ class Scheduler:
         if room is not None and room.version == seq.tables_version:
             return room
         size = self.pool.page_size
-        held = np.fromiter((len(t) for t in seq.page_tables), dtype=np.int64, count=len(seq.page_tables))
-        room = Room(seq.tables_version, held * size - np.asarray(seq.kv_lens, dtype=np.int64))
+        room = Room(seq.tables_version, [len(t) * size - kv for kv, t in zip(seq.kv_lens, seq.page_tables)], size)
         seq.room = room
         return room
 
@@ -244,10 +213,9 @@ class Scheduler:
         copies = self._copies(seq, n) - len(seq.spare_pages)
         room = self._room(seq)
         if n > room.least:
-            grow = room.pages_for(n, self.pool.page_size)
-            for layer in np.flatnonzero(grow > 0).tolist():  # in layer order, as pages were always taken
-                seq.grow_table(layer, self.pool.allocate(int(grow[layer])))
-            room.grew(np.maximum(grow, 0) * self.pool.page_size, seq.tables_version)
+            for layer, pages in room.short(n):  # in layer order, as pages were always taken
+                seq.grow_table(layer, self.pool.allocate(pages))
+                room.grew(layer, pages, seq.tables_version)
         if copies > 0:
             seq.spare_pages += self.pool.allocate(copies)
 

@@ -26,6 +26,7 @@ import torch
 from kvc.runtime import sequence as sequence_module
 from kvc.runtime.decode_graphs import DecodeGraphs
 from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.kv.room import Room
 from kvc.runtime.model_runner import ModelRunner, _TableCache
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -64,7 +65,7 @@ def _check_cache(cache: _TableCache, seq: Sequence) -> None:
 def _check_room(scheduler: Scheduler, seq: Sequence) -> None:
     room = scheduler._room(seq)
     free = [len(t) * PAGE - kv for t, kv in zip(seq.page_tables, seq.kv_lens)]
-    np.testing.assert_array_equal(room.free, free)
+    assert room.free() == free
     assert room.least == min(free)
     for n in (1, 3, PAGE + 1):
         want = sum(scheduler.pool.pages_for(kv + n) - len(t) for kv, t in zip(seq.kv_lens, seq.page_tables))
@@ -183,3 +184,25 @@ def test_grown_since_reports_only_pure_appends() -> None:
     mark = (seq.tables_version, len(seq.grown_layers))
     seq.reset_cache()
     assert seq.grown_since(*mark) is None
+
+
+def test_room_matches_a_walk_over_the_layers() -> None:
+    """`Room` against the per-layer formulas, including layers that hold whole spare pages (their
+    negative count is part of the growth the scheduler always computed)."""
+    rng = random.Random(7)
+    for _ in range(200):
+        free = [rng.randrange(0, 3 * PAGE) for _ in range(rng.randrange(1, 9))]
+        room = Room(0, free, PAGE)
+        for _ in range(6):
+            used = rng.randrange(0, min(free) + 1)
+            room.use(used)
+            free = [f - used for f in free]
+            assert room.free() == free and room.least == min(free)
+            n = rng.randrange(1, 2 * PAGE)
+            short = [(layer, -((f - n) // PAGE)) for layer, f in enumerate(free) if f < n]
+            assert room.short(n) == short
+            assert room.growth(n) == sum(-((f - n) // PAGE) for f in free)
+            for layer, pages in short:
+                room.grew(layer, pages, room.version + 1)
+                free[layer] += pages * PAGE
+    assert Room(3, [0, PAGE + 1], PAGE).growth(1) == 0  # one page short in layer 0, one spare in layer 1

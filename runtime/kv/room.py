@@ -1,0 +1,69 @@
+"""Free token slots per layer of one sequence's pages: the scheduler's page-boundary bookkeeping.
+
+Every step the scheduler asks of each running sequence "do all its layers have a free slot for the
+next token, and if not, which layers need how many pages?" (`Scheduler._growth` / `_take`). A
+`Room` answers without walking the layers: it keeps the layers sorted by their free slots at the
+time it was built, and a step's tokens (`use`) lower every layer's free slots alike, so they stay
+in order and the layers short of slots are a prefix of that order (a bisection). When layers
+store different lengths (PyramidKV, Ada-KV) some layer of nearly every row crosses a page
+boundary at every step; this keeps that cost at the few layers that cross.
+
+The scheduler caches one on the sequence (`Sequence.room`), valid at one `tables_version`: its own
+appends (`grew`) move it along, any other change of the tables makes the scheduler build a new
+one from the tables.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+
+class Room:
+    """Free slots per layer (len(page_tables[l]) * page_size - kv_lens[l]) of one sequence, valid
+    at `version` of its tables."""
+
+    __slots__ = ("version", "page_size", "_base", "_order", "_used")
+
+    def __init__(self, version: int, free: list[int], page_size: int) -> None:
+        self.version = version
+        self.page_size = page_size
+        self._base = list(free)  # per layer, its free slots when _used was 0
+        self._order = sorted((slots, layer) for layer, slots in enumerate(free))
+        self._used = 0  # tokens stored in every layer since
+
+    @property
+    def least(self) -> int:
+        """Tokens every layer can still store (0 without layers)."""
+        return self._order[0][0] - self._used if self._order else 0
+
+    def free(self) -> list[int]:
+        """Free slots per layer, in layer order."""
+        return [slots - self._used for slots in self._base]
+
+    def use(self, n: int) -> None:
+        """Every layer stored n more tokens."""
+        self._used += n
+
+    def short(self, n: int) -> list[tuple[int, int]]:
+        """(layer, pages) for each layer that needs pages to store n more tokens, in layer order."""
+        need = self._used + n
+        cut = bisect.bisect_left(self._order, (need, -1))
+        return sorted((layer, (need - slots + self.page_size - 1) // self.page_size)
+                      for slots, layer in self._order[:cut])
+
+    def growth(self, n: int) -> int:
+        """Fresh pages every layer needs to store n more tokens: the sum over layers of
+        pages_for(kv + n) - len(table), where a layer holding whole pages past kv + n counts
+        negative (as the scheduler always counted it)."""
+        need, size = self._used + n, self.page_size
+        if self._order and self._order[-1][0] - need >= size:  # rare: some layer holds a spare page
+            return sum(-((slots - need) // size) for slots, _ in self._order)
+        return sum(pages for _, pages in self.short(n))
+
+    def grew(self, layer: int, pages: int, version: int) -> None:
+        """Layer `layer` appended `pages` pages; the tables are now at `version`."""
+        old = self._base[layer]
+        del self._order[bisect.bisect_left(self._order, (old, layer))]
+        self._base[layer] = old + pages * self.page_size
+        bisect.insort(self._order, (self._base[layer], layer))
+        self.version = version
