@@ -21,7 +21,9 @@ shrink (the runner reports it; `postprocess` frees the pages past the kept token
 Admission sizes a request by the method's budget (`pages_needed`), whose decode-time bound
 already counts the engine's eviction interval (a row holds up to its kept count + N tokens per
 layer); growth (`_growth`) takes pages by the real stored lengths, so a row between evictions
-simply holds more pages until the eviction step frees them.
+simply holds more pages until the eviction step frees them. Which layers are at a page boundary
+comes from each sequence's `Room` (runtime/kv/room.py), not from a walk over the layers, and
+their new pages are logged as appends (`Sequence.grow_table`).
 
 Chains (runtime/chains.py): a chained request is admitted from its chain record's pages (only
 the suffix is prefilled) and at its end hands its pages to the record instead of freeing them.
