@@ -225,7 +225,7 @@ class DecodeGraphs:
         else:
             for i in rebuilt:
                 copy_into(self.tables[:, i, :width], self._host_tables[:, i])
-            if appended[0]:
+            if appended is not None:
                 self._scatter_pages(*appended)
         if with_starts:  # padding rows start at 0 (their context is empty anyway)
             starts = np.zeros((layers, b, self._host_starts.shape[2]), dtype=np.int32)
@@ -235,46 +235,48 @@ class DecodeGraphs:
             feed_pending(self.input_ids, feed[0], feed[1], list(range(n + 1)))
         return key
 
-    def _update_mirror(self, seqs) -> tuple[list[int], tuple[list[int], list[int]]]:
+    def _update_mirror(self, seqs) -> tuple[list[int], tuple[np.ndarray, np.ndarray] | None]:
         """Brings the mirror rows up to the batch's sequences: a row whose sequence only appended
         pages since its last load (`Sequence.grown_since`) gets just those entries, read from its
         tables; any other row whose sequence or tables changed is rewritten from the runner's
         arrays (every row when the mirror must widen). Returns (rewritten rows, (flat indices into
-        the device tables, page ids) of the appended entries)."""
+        the device tables, page ids) of the appended entries, or None when there are none)."""
         tables = self.runner.tables
-        stale = []  # (row, seq, grown layers or None: rewrite)
-        longest = 0
+        rebuilt: list[int] = []
+        layer_of, row_of, col_of, values = [], [], [], []  # one entry per appended page
         for i, seq in enumerate(seqs):
             loaded = self._loaded[i]
-            if loaded is None or loaded[0] != seq.seq_id:
-                stale.append((i, seq, None))
-                longest = max(longest, tables.longest(seq))
-            elif loaded[1] != seq.tables_version:
+            grown = None
+            if loaded is not None and loaded[0] == seq.seq_id:
+                if loaded[1] == seq.tables_version:
+                    continue
                 grown = seq.grown_since(loaded[1], loaded[2])
-                stale.append((i, seq, None if grown is None else set(grown)))
-                longest = max(longest, tables.longest(seq) if grown is None else
-                              max(len(seq.page_tables[layer]) for layer in grown))
+            self._loaded[i] = (seq.seq_id, seq.tables_version, len(seq.grown_layers))
+            if grown is None:
+                rebuilt.append(i)
+                continue
+            lens, page_tables = self._row_lens[i], seq.page_tables
+            for layer in set(grown):
+                table = page_tables[layer]
+                first = lens[layer]
+                end = lens[layer] = len(table)
+                for col in range(first, end):
+                    layer_of.append(layer)
+                    row_of.append(i)
+                    col_of.append(col)
+                values += table[first:end]
+        longest = max((tables.longest(seqs[i]) for i in rebuilt), default=0)
+        if col_of:
+            longest = max(longest, max(col_of) + 1)
         if longest > self._host_tables.shape[2]:  # widen (rare): every row is rewritten
             width = min(max(longest, 2 * self._host_tables.shape[2]), self.tables.shape[2])
             self._host_tables = np.zeros((self.runner.num_layers, len(self._loaded), width), dtype=np.int32)
             self._loaded = [None] * len(self._loaded)
-            stale = [(i, seq, None) for i, seq in enumerate(seqs)]
-        rebuilt, index, values = [], [], []
-        _, rows, width = self.tables.shape
-        for i, seq, grown in stale:
-            self._loaded[i] = (seq.seq_id, seq.tables_version, len(seq.grown_layers))
-            lens = self._row_lens[i]
-            if grown is not None:
-                for layer in grown:
-                    table = seq.page_tables[layer]
-                    first, end = lens[layer], len(table)
-                    self._host_tables[layer, i, first:end] = table[first:end]
-                    lens[layer] = end
-                    base = (layer * rows + i) * width
-                    index += range(base + first, base + end)
-                    values += table[first:end]
-                continue
-            rebuilt.append(i)
+            for i, seq in enumerate(seqs):
+                self._loaded[i] = (seq.seq_id, seq.tables_version, len(seq.grown_layers))
+            rebuilt, col_of = list(range(len(seqs))), []
+        for i in rebuilt:
+            seq = seqs[i]
             arr = tables.array(seq)
             w = min(arr.shape[1], self._host_tables.shape[2])
             self._host_tables[:, i, :w] = arr[:, :w]
@@ -283,10 +285,16 @@ class DecodeGraphs:
             has = seq.has_kv_starts
             self._row_starts[i] = has
             self._host_starts[:, i] = tables.starts_array(seq) if has else 0
-        return rebuilt, (index, values)
+        if not col_of:
+            return rebuilt, None
+        layer, row, col = (np.array(idx, dtype=np.int64) for idx in (layer_of, row_of, col_of))
+        page_ids = np.array(values, dtype=np.int64)
+        self._host_tables[layer, row, col] = page_ids
+        _, rows, width = self.tables.shape
+        return rebuilt, ((layer * rows + row) * width + col, page_ids)
 
-    def _scatter_pages(self, index: list[int], values: list[int]) -> None:
+    def _scatter_pages(self, index: np.ndarray, values: np.ndarray) -> None:
         """Writes page ids into the device tables at flat indices: both in one pinned copy, then
         one scatter on the device."""
-        both = to_device(np.array([index, values], dtype=np.int64), self.tables.device)
+        both = to_device(np.stack([index, values]), self.tables.device)
         self.tables.view(-1).index_copy_(0, both[0], both[1].to(torch.int32))

@@ -22,7 +22,7 @@ class Room:
     """Free slots per layer (len(page_tables[l]) * page_size - kv_lens[l]) of one sequence, valid
     at `version` of its tables."""
 
-    __slots__ = ("version", "page_size", "_base", "_order", "_used")
+    __slots__ = ("version", "page_size", "_base", "_order", "_used", "_short")
 
     def __init__(self, version: int, free: list[int], page_size: int) -> None:
         self.version = version
@@ -30,6 +30,7 @@ class Room:
         self._base = list(free)  # per layer, its free slots when _used was 0
         self._order = sorted((slots, layer) for layer, slots in enumerate(free))
         self._used = 0  # tokens stored in every layer since
+        self._short: tuple[int, list[tuple[int, int]]] | None = None  # the last `short`, by _used + n
 
     @property
     def least(self) -> int:
@@ -47,9 +48,13 @@ class Room:
     def short(self, n: int) -> list[tuple[int, int]]:
         """(layer, pages) for each layer that needs pages to store n more tokens, in layer order."""
         need = self._used + n
+        if self._short is not None and self._short[0] == need:  # asked by _need, then by _take
+            return self._short[1]
         cut = bisect.bisect_left(self._order, (need, -1))
-        return sorted((layer, (need - slots + self.page_size - 1) // self.page_size)
-                      for slots, layer in self._order[:cut])
+        short = sorted((layer, (need - slots + self.page_size - 1) // self.page_size)
+                       for slots, layer in self._order[:cut])
+        self._short = (need, short)
+        return short
 
     def growth(self, n: int) -> int:
         """Fresh pages every layer needs to store n more tokens: the sum over layers of
@@ -66,4 +71,5 @@ class Room:
         del self._order[bisect.bisect_left(self._order, (old, layer))]
         self._base[layer] = old + pages * self.page_size
         bisect.insort(self._order, (self._base[layer], layer))
+        self._short = None
         self.version = version
