@@ -108,7 +108,7 @@ class Sequence:
         # One layer per version bump that only appended pages to that layer (`grow_table`), in
         # order: readers of the tables update their copies incrementally (`grown_since`).
         self.grown_layers: list[int] = []
-        self.room = None  # the scheduler's cache of free slots per layer (scheduler.Room)
+        self.room = None  # the scheduler's cache of free slots per layer (runtime/kv/room.py)
         self.kv_lens: list[int] = [0] * num_layers  # physical tokens stored per layer
         self.kv_starts: list[list[int] | None] = [None] * num_layers  # per layer, per KV head; None: 0
         self.compressed = False  # a method compacted it: pages no longer equal the logical tokens
