@@ -215,9 +215,13 @@ class Scheduler:
         copies = self._copies(seq, n) - len(seq.spare_pages)
         room = self._room(seq)
         if n > room.least:
-            for layer, pages in room.short(n):  # in layer order, as pages were always taken
-                seq.grow_table(layer, self.pool.allocate(pages))
-                room.grew(layer, pages, seq.tables_version)
+            short = room.short(n)
+            fresh = self.pool.allocate(sum(count for _, count in short))
+            at = 0
+            for layer, count in short:  # in layer order: the pages each layer always got
+                seq.grow_table(layer, fresh[at : at + count])
+                at += count
+            room.grew(short, seq.tables_version)
         if copies > 0:
             seq.spare_pages += self.pool.allocate(copies)
 

@@ -65,11 +65,20 @@ class Room:
             return sum(-((slots - need) // size) for slots, _ in self._order)
         return sum(pages for _, pages in self.short(n))
 
-    def grew(self, layer: int, pages: int, version: int) -> None:
-        """Layer `layer` appended `pages` pages; the tables are now at `version`."""
-        old = self._base[layer]
-        del self._order[bisect.bisect_left(self._order, (old, layer))]
-        self._base[layer] = old + pages * self.page_size
-        bisect.insort(self._order, (self._base[layer], layer))
+    def grew(self, short: list[tuple[int, int]], version: int) -> None:
+        """The layers of `short(n)` appended their pages; the tables are now at `version`."""
+        order, base, size = self._order, self._base, self.page_size
+        del order[: len(short)]  # `short` is the prefix of the order, in another order
+        grown = []
+        for layer, pages in short:
+            base[layer] += pages * size
+            grown.append((base[layer], layer))
+        if len(grown) <= 4:  # a few layers at a page boundary (per-layer lengths)
+            for item in grown:
+                bisect.insort(order, item)
+        else:  # many or all layers at once (equal lengths): one merge of two sorted runs
+            grown.sort()
+            order[:0] = grown
+            order.sort()
         self._short = None
         self.version = version

@@ -202,7 +202,7 @@ def test_room_matches_a_walk_over_the_layers() -> None:
             short = [(layer, -((f - n) // PAGE)) for layer, f in enumerate(free) if f < n]
             assert room.short(n) == short
             assert room.growth(n) == sum(-((f - n) // PAGE) for f in free)
+            room.grew(room.short(n), room.version + 1)
             for layer, pages in short:
-                room.grew(layer, pages, room.version + 1)
                 free[layer] += pages * PAGE
     assert Room(3, [0, PAGE + 1], PAGE).growth(1) == 0  # one page short in layer 0, one spare in layer 1
