@@ -24,7 +24,7 @@ py=${PYTHON:-python3}
 model=${MODEL-random:qwen3-30b-a3b}
 model_args=(); [ -n "$model" ] && model_args=(--model "$model")
 read -r -a extra <<< "${EXTRA:-}"
-all=full,streamingllm,snapkv,pyramidkv,h2o,tova,adakv
+all=${METHODS:-full,streamingllm,snapkv,pyramidkv,h2o,tova,adakv}
 common=("${model_args[@]+"${model_args[@]}"}" --dtype "${DTYPE:-bfloat16}" --kv-memory "${KV_MEMORY:-60GiB}"
         --output "${OUTPUT_LEN:-2048}" --steps "${STEPS:-32}" --no-progress "${extra[@]+"${extra[@]}"}")
 
