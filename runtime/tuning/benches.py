@@ -269,7 +269,7 @@ def votes(shape: ModelShape, effort: str, limits: space.Limits, device: torch.de
     s = shape
     return [Planned("scores.column_votes", "votes", buckets.votes(q, n, s.q_heads, s.kv_heads, s.head_dim, s.dtype),
                     lambda q=q, n=n: _votes(s, q, n, effort, device, memory_bytes))
-            for q, n in space.votes_buckets(effort, limits)]
+            for q, n in space.votes_buckets(effort, limits, s.max_len)]
 
 
 def _votes(shape: ModelShape, queries: int, keys: int, effort: str, device: torch.device,

@@ -132,10 +132,11 @@ def compaction_buckets(effort: str, limits: Limits) -> list[tuple[int, int]]:
     return [(p, k) for p in plans for k in kept]
 
 
-def votes_buckets(effort: str, limits: Limits) -> list[tuple[int, int]]:
+def votes_buckets(effort: str, limits: Limits, max_len: int) -> list[tuple[int, int]]:
     """(queries, keys) of `column_votes`: an observation window (SnapKV's 32, or 64) or a prefill
-    chunk's queries (H2O's column sums) x power-of-two key counts up to the context bound."""
-    top = buckets.context_bucket(limits.max_context or 8192)
+    chunk's queries (H2O's column sums) x power-of-two key counts up to the context bound (the
+    model's `max_len` unless limited)."""
+    top = buckets.context_bucket(limits.max_context or max_len)
     windows = [16, 32, 64]
     chunks = [c for c in chunk_buckets(effort, limits) if c > windows[-1]]
     keys = [c for c in (1 << p for p in range(10, 22)) if c <= top] or [top]
