@@ -3,7 +3,8 @@
 Pipeline position: the command-line front of runtime/tuning/. It reads the model's shape
 (`--model`), plans a bench per kernel and shape bucket (the attention variants the method names,
 or all of them; the fused MoE when the model has experts; the compaction kernel when the method
-compacts; the window-score kernel `column_votes` when the method's generated kernels call it), tunes them with a progress bar, merges the winners into this GPU's file in
+compacts; the window-score kernel `column_votes` when the method's generated kernels call it),
+tunes them with a progress bar, merges the winners into this GPU's file in
 `kernels_generated/tuned/` (or `--tuned-dir`), prints the old-vs-new table and writes it as JSON
 with `--out`. It needs a CUDA GPU: without one it exits 2 with a message. The hidden `--interpret`
 flag runs tiny sizes under TRITON_INTERPRET=1 on the CPU (the tests: mechanics, not speed).
