@@ -1,7 +1,7 @@
 """The `kvc` command line. Subcommands: generate (offline generation), serve (the HTTP API),
 bench serve (load-test a server), bench throughput (decode tokens/s per method at a fixed KV
 memory, runtime/bench/), bench plot (its PNG), check/fmt, compile, tune (per-GPU kernel
-autotuning)."""
+autotuning), eval (accuracy against KV budget, runtime/eval/)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def add_evict_interval(p: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="local Hugging Face directory or random:NAME (default: the embedded tiny model)")
+    p.add_argument("--model", help="local Hugging Face directory, gguf:FILE (or a .gguf path), random:tiny (the test "
+                   "model) or random:NAME (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--method", default="full", help="KV-cache method: a shipped name or a .kvm path, compiled on "
                    "start (default: full)")
     p.add_argument("--method-param", action="append", metavar="KEY=VALUE",

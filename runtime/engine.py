@@ -53,19 +53,18 @@ CPU_DEFAULT_KV_BYTES = 512 * 2**20
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, method: KVMethod | None = None) -> None:
+    def __init__(self, config: EngineConfig, method: KVMethod | None = None,
+                 loaded: LoadedModel | None = None) -> None:
+        """`loaded`: a model already in memory (its weights are shared, never written), for tools
+        that build several engines over one model (`kvc eval`); otherwise `config.model` is loaded."""
         self.config = config
         self.method = method if method is not None else resolve_method(config.method, config.method_params)
         # the contract's `evict_interval`: before anything sizes memory by the method's budget
         self.method.evict_interval = config.evict_interval
         self.device = config.resolve_device()
         dtype = None if config.dtype == "auto" else config.resolve_dtype(self.device, None)
-        model_ref = config.model
-        if model_ref is None:
-            from kvc.runtime.default_model import ensure_default_model
-
-            model_ref = str(ensure_default_model())
-        self.loaded: LoadedModel = resolve_model(model_ref, self.device, dtype)
+        self.loaded: LoadedModel = loaded or resolve_model(config.model, self.device, dtype)  # None: the default
+        model_ref = str(self.loaded.path or config.model)
         self.model = self.loaded.model
         self.spec = self.model.spec
         self.tokenizer = load_tokenizer(self.loaded.path) if self.loaded.path is not None else None

@@ -8,6 +8,7 @@ returns outputs with a `chain_id`; the next turn passes the whole conversation w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,13 @@ class LLM:
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
 
+    @classmethod
+    def from_engine(cls, engine: Engine) -> LLM:
+        """The Python API over an engine built elsewhere (e.g. one that shares a loaded model)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm.tokenizer = engine, engine.tokenizer
+        return llm
+
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -65,9 +73,12 @@ class LLM:
         params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
         chain: ChainSpec | Seq[ChainSpec | None] | None = None,
+        on_finished: Callable[[int], None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for all prompts together (continuous batching); outputs keep prompt order.
-        `chain`: one `ChainSpec` per prompt (or one for a single prompt), None for no chain."""
+        `chain`: one `ChainSpec` per prompt (or one for a single prompt), None for no chain.
+        `on_finished(n)`: called after each engine step that finished n > 0 requests (a caller's
+        own progress bar)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -90,7 +101,7 @@ class LLM:
         try:
             for ids, p, c in zip(token_lists, params, chains):
                 seqs.append(self.engine.add_request(ids, p, chain=c))
-            self._run(len(seqs), use_tqdm)
+            self._run(len(seqs), use_tqdm, on_finished)
         finally:
             for seq in seqs:  # an error or Ctrl-C mid-run must not leave pages behind
                 if not seq.is_finished:
@@ -108,10 +119,12 @@ class LLM:
             for p, seq in zip(prompts, seqs)
         ]
 
-    def _run(self, total: int, use_tqdm: bool) -> None:
+    def _run(self, total: int, use_tqdm: bool, on_finished: Callable[[int], None] | None = None) -> None:
         if not use_tqdm:
             while self.engine.has_unfinished():
-                self.engine.step()
+                finished = len(self.engine.step())
+                if finished and on_finished is not None:
+                    on_finished(finished)
             return
         from rich.progress import Progress
 

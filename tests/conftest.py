@@ -10,3 +10,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# transformers' per-tensor loading bars would flood the logs of every failing test
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_model: uses the embedded default model (SmolLM2-135M-Instruct)")

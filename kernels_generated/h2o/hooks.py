@@ -7,9 +7,9 @@ This is the budget side of the lifecycle contract (ARCHITECTURE.md): `kept_token
 scoring/selection entry points of the torch backend.
 
 Budget formulas (sympy, also in manifest.json):
-    held_tokens_per_layer = Min(context, Max(0, floor(context*heavy)) + Max(0, floor(context*recent)))
-    kept_tokens_per_layer = Min(context, Max(0, floor(context*heavy)) + Max(0, floor(context*recent)))
-    kv_bytes = Sum(2*dtype_bytes*head_dim*kv_heads*Min(context, Max(0, floor(context*heavy)) + Max(0, floor(context*recent))), (layer, 0, layers - 1))
+    held_tokens_per_layer = Min(context, Max(0, floor(Piecewise((budget - floor(budget/2), budget > 0), (context*recent, True)))) + Max(0, floor(Piecewise((floor(budget/2), budget > 0), (context*heavy, True)))))
+    kept_tokens_per_layer = Min(context, Max(0, floor(Piecewise((budget - floor(budget/2), budget > 0), (context*recent, True)))) + Max(0, floor(Piecewise((floor(budget/2), budget > 0), (context*heavy, True)))))
+    kv_bytes = Sum(2*dtype_bytes*head_dim*kv_heads*Min(context, Max(0, floor(Piecewise((budget - floor(budget/2), budget > 0), (context*recent, True)))) + Max(0, floor(Piecewise((floor(budget/2), budget > 0), (context*heavy, True))))), (layer, 0, layers - 1))
     peak_prefill_bytes = 2*context*dtype_bytes*head_dim*kv_heads*layers
 """
 
@@ -19,7 +19,7 @@ from . import torch_lowering  # relative: the engine also loads this folder by p
 
 METHOD = "h2o"
 FAMILY = "eviction"
-DEFAULTS = {'heavy': 0.1, 'recent': 0.1}
+DEFAULTS = {'budget': 0, 'heavy': 0.1, 'recent': 0.1}
 HOOKS = ['prefill_chunk', 'prefill_end', 'decode_after_attention']
 
 score = torch_lowering.score
@@ -33,16 +33,18 @@ def _floor(x):
 
 def kept_tokens(context, layer, layers, kv_heads, params):
     """Tokens kept per KV head of `layer` after prefill end of a `context`-token prompt."""
+    budget = params["budget"]
     heavy = params["heavy"]
     recent = params["recent"]
-    return int(min(context, max(0, _floor(context*heavy)) + max(0, _floor(context*recent))))
+    return int(min(context, max(0, _floor(((budget - _floor((1/2)*budget)) if (budget > 0) else (context*recent)))) + max(0, _floor(((_floor((1/2)*budget)) if (budget > 0) else (context*heavy))))))
 
 
 def held_tokens(context, layer, layers, kv_heads, params):
     """At most this many tokens kept by the most-keeping KV head of `layer`: the slots the layer holds."""
+    budget = params["budget"]
     heavy = params["heavy"]
     recent = params["recent"]
-    return int(min(context, max(0, _floor(context*heavy)) + max(0, _floor(context*recent))))
+    return int(min(context, max(0, _floor(((budget - _floor((1/2)*budget)) if (budget > 0) else (context*recent)))) + max(0, _floor(((_floor((1/2)*budget)) if (budget > 0) else (context*heavy))))))
 
 
 def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):

@@ -34,13 +34,13 @@ from kvc.compiler.torch_primitives import (  # noqa: F401 -- the generated hooks
 
 METHOD = "h2o"
 FAMILY = "eviction"
-DEFAULTS = {'heavy': 0.1, 'recent': 0.1}
+DEFAULTS = {'budget': 0, 'heavy': 0.1, 'recent': 0.1}
 STATES = ['seen']
 NEG_INF = float("-inf")
 
 
 def prefill_chunk(inputs, state, sym, params):
-    """`on prefill_chunk` (methods/h2o.kvm:14)."""
+    """`on prefill_chunk` (methods/h2o.kvm:19)."""
     attn = inputs["attn"]
     kv_heads = sym["kv_heads"]
     t1 = _group(attn, "mean", 0, kv_heads)
@@ -50,7 +50,8 @@ def prefill_chunk(inputs, state, sym, params):
 
 
 def prefill_end_scores(inputs, state, sym, params):
-    """`on prefill_end` (methods/h2o.kvm:17): ranking scores [kv_head, key]."""
+    """`on prefill_end` (methods/h2o.kvm:22): ranking scores [kv_head, key]."""
+    budget = params["budget"]
     context = sym["context"]
     heavy = params["heavy"]
     kv_heads = sym["kv_heads"]
@@ -62,6 +63,7 @@ def prefill_end_scores(inputs, state, sym, params):
 
 def prefill_end_select(scores, sym, params):
     """`on prefill_end`: kept key indices per KV head (a list of ascending index tensors)."""
+    budget = params["budget"]
     context = sym["context"]
     heavy = params["heavy"]
     kv_heads = sym["kv_heads"]
@@ -72,16 +74,17 @@ def prefill_end_select(scores, sym, params):
         context,
         kv_heads,
         first=None,
-        last=prompt*recent,
-        count=heavy*prompt,
+        last=((budget - _floor((1/2)*budget)) if (budget > 0) else (prompt*recent)),
+        count=((_floor((1/2)*budget)) if (budget > 0) else (heavy*prompt)),
         at_least=None,
         granularity="kv_head",
     )
 
 
 def decode_after_attention_scores(inputs, state, sym, params):
-    """`on decode_after_attention` (methods/h2o.kvm:20): ranking scores [kv_head, key]."""
+    """`on decode_after_attention` (methods/h2o.kvm:25): ranking scores [kv_head, key]."""
     attn = inputs["attn"]
+    budget = params["budget"]
     context = sym["context"]
     heavy = params["heavy"]
     kv_heads = sym["kv_heads"]
@@ -95,6 +98,7 @@ def decode_after_attention_scores(inputs, state, sym, params):
 
 def decode_after_attention_select(scores, sym, params):
     """`on decode_after_attention`: kept key indices per KV head (a list of ascending index tensors)."""
+    budget = params["budget"]
     context = sym["context"]
     heavy = params["heavy"]
     kv_heads = sym["kv_heads"]
@@ -105,8 +109,8 @@ def decode_after_attention_select(scores, sym, params):
         context,
         kv_heads,
         first=None,
-        last=prompt*recent,
-        count=heavy*prompt,
+        last=((budget - _floor((1/2)*budget)) if (budget > 0) else (prompt*recent)),
+        count=((_floor((1/2)*budget)) if (budget > 0) else (heavy*prompt)),
         at_least=None,
         granularity="kv_head",
     )

@@ -14,7 +14,7 @@ import torch
 from kvc.compiler.torch_primitives import pool as _pool  # noqa: F401 -- the wrappers that pool call it
 from kvc.compiler.triton_primitives import column_votes as _column_votes
 
-DEFAULTS = {'heavy': 0.1, 'recent': 0.1}
+DEFAULTS = {'budget': 0, 'heavy': 0.1, 'recent': 0.1}
 
 
 def _floor(x):

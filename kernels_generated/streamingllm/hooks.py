@@ -7,9 +7,9 @@ This is the budget side of the lifecycle contract (ARCHITECTURE.md): `kept_token
 scoring/selection entry points of the torch backend.
 
 Budget formulas (sympy, also in manifest.json):
-    held_tokens_per_layer = Min(context, Max(0, floor(recent)) + Max(0, floor(sink)))
-    kept_tokens_per_layer = Min(context, Max(0, floor(recent)) + Max(0, floor(sink)))
-    kv_bytes = Sum(2*dtype_bytes*head_dim*kv_heads*Min(context, Max(0, floor(recent)) + Max(0, floor(sink))), (layer, 0, layers - 1))
+    held_tokens_per_layer = Min(context, Max(0, floor(sink)) + Max(0, floor(Piecewise((budget - sink, budget > 0), (recent, True)))))
+    kept_tokens_per_layer = Min(context, Max(0, floor(sink)) + Max(0, floor(Piecewise((budget - sink, budget > 0), (recent, True)))))
+    kv_bytes = Sum(2*dtype_bytes*head_dim*kv_heads*Min(context, Max(0, floor(sink)) + Max(0, floor(Piecewise((budget - sink, budget > 0), (recent, True))))), (layer, 0, layers - 1))
     peak_prefill_bytes = 2*context*dtype_bytes*head_dim*kv_heads*layers
 """
 
@@ -19,7 +19,7 @@ from . import torch_lowering  # relative: the engine also loads this folder by p
 
 METHOD = "streamingllm"
 FAMILY = "eviction"
-DEFAULTS = {'recent': 2000, 'sink': 4}
+DEFAULTS = {'budget': 0, 'recent': 2000, 'sink': 4}
 HOOKS = ['prefill_end', 'step_end']
 
 score = torch_lowering.score
@@ -33,16 +33,18 @@ def _floor(x):
 
 def kept_tokens(context, layer, layers, kv_heads, params):
     """Tokens kept per KV head of `layer` after prefill end of a `context`-token prompt."""
+    budget = params["budget"]
     recent = params["recent"]
     sink = params["sink"]
-    return int(min(context, max(0, _floor(recent)) + max(0, _floor(sink))))
+    return int(min(context, max(0, _floor(sink)) + max(0, _floor(((budget - sink) if (budget > 0) else (recent))))))
 
 
 def held_tokens(context, layer, layers, kv_heads, params):
     """At most this many tokens kept by the most-keeping KV head of `layer`: the slots the layer holds."""
+    budget = params["budget"]
     recent = params["recent"]
     sink = params["sink"]
-    return int(min(context, max(0, _floor(recent)) + max(0, _floor(sink))))
+    return int(min(context, max(0, _floor(sink)) + max(0, _floor(((budget - sink) if (budget > 0) else (recent))))))
 
 
 def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):

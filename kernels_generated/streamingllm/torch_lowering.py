@@ -34,13 +34,14 @@ from kvc.compiler.torch_primitives import (  # noqa: F401 -- the generated hooks
 
 METHOD = "streamingllm"
 FAMILY = "eviction"
-DEFAULTS = {'recent': 2000, 'sink': 4}
+DEFAULTS = {'budget': 0, 'recent': 2000, 'sink': 4}
 STATES = []
 NEG_INF = float("-inf")
 
 
 def prefill_end_scores(inputs, state, sym, params):
-    """`on prefill_end` (methods/streamingllm.kvm:12)."""
+    """`on prefill_end` (methods/streamingllm.kvm:16)."""
+    budget = params["budget"]
     context = sym["context"]
     kv_heads = sym["kv_heads"]
     recent = params["recent"]
@@ -50,6 +51,7 @@ def prefill_end_scores(inputs, state, sym, params):
 
 def prefill_end_select(scores, sym, params):
     """`on prefill_end`: kept key indices per KV head (a list of ascending index tensors)."""
+    budget = params["budget"]
     context = sym["context"]
     kv_heads = sym["kv_heads"]
     recent = params["recent"]
@@ -59,7 +61,7 @@ def prefill_end_select(scores, sym, params):
         context,
         kv_heads,
         first=sink,
-        last=recent,
+        last=((budget - sink) if (budget > 0) else (recent)),
         count=None,
         at_least=None,
         granularity="none",
@@ -67,7 +69,8 @@ def prefill_end_select(scores, sym, params):
 
 
 def step_end_scores(inputs, state, sym, params):
-    """`on step_end` (methods/streamingllm.kvm:15)."""
+    """`on step_end` (methods/streamingllm.kvm:19)."""
+    budget = params["budget"]
     context = sym["context"]
     kv_heads = sym["kv_heads"]
     recent = params["recent"]
@@ -77,6 +80,7 @@ def step_end_scores(inputs, state, sym, params):
 
 def step_end_select(scores, sym, params):
     """`on step_end`: kept key indices per KV head (a list of ascending index tensors)."""
+    budget = params["budget"]
     context = sym["context"]
     kv_heads = sym["kv_heads"]
     recent = params["recent"]
@@ -86,7 +90,7 @@ def step_end_select(scores, sym, params):
         context,
         kv_heads,
         first=sink,
-        last=recent,
+        last=((budget - sink) if (budget > 0) else (recent)),
         count=None,
         at_least=None,
         granularity="none",

@@ -256,9 +256,9 @@ def run(cfg: ThroughputConfig, progress: bool = False, on_row: Callable[[dict], 
 
     model = cfg.model
     if model is None:
-        from kvc.runtime.default_model import ensure_default_model
+        from kvc.runtime.models.loader import model_directory
 
-        model = str(ensure_default_model())
+        model = str(model_directory(None))
     result = header(cfg, model)
     cases = prepare(cfg, model)
     for case in cases:

@@ -1,5 +1,9 @@
-"""Turning a model reference into a ready `LoadedModel`: a local Hugging Face directory, or a named
-full-size shape with random weights (`random:qwen3-30b-a3b`) for benchmarks.
+"""Turning a model reference into a ready `LoadedModel`. A reference is one of:
+- None: the embedded default model (SmolLM2-135M-Instruct, runtime/default_model.py);
+- a local Hugging Face directory;
+- `gguf:PATH` or a `.gguf` path: a GGUF file, converted once into the model cache (gguf.py);
+- `random:tiny`: the tiny random-weight Qwen3 with a byte tokenizer that tests use (random_tiny.py);
+- `random:NAME`: a named full-size shape with random weights (`random:qwen3-30b-a3b`) for benchmarks.
 
 Loading a directory: check it, read config.json (our own JSON read first, so a broken file gets a
 precise message; then transformers' AutoConfig, local files only), pick the kvc class, allocate
@@ -19,6 +23,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from kvc.runtime.errors import ModelLoadError, UnsupportedArchitectureError
+from kvc.runtime.models.gguf import ensure_converted, is_gguf
 from kvc.runtime.models.layers import RMSNorm
 from kvc.runtime.models.named_configs import named_config
 from kvc.runtime.models.registry import (
@@ -29,6 +34,8 @@ from kvc.runtime.models.registry import (
     model_class_for,
     model_class_for_config,
 )
+from kvc.runtime.models.random_tiny import NAME as TINY_NAME
+from kvc.runtime.models.random_tiny import ensure_tiny_model
 from kvc.runtime.models.weights import load_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -91,15 +98,32 @@ def build_random_model(
 
 
 def resolve_model(
-    spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    spec: str | None, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> LoadedModel:
-    """`random:NAME` -> build_random_model(NAME); anything else is a checkpoint directory.
-    `random:NAME,key=value,...` overrides integer config fields of the named shape (e.g.
-    `max_position_embeddings=139264`: random weights have no trained context to respect)."""
+    """A model reference (module docstring) loaded. `random:NAME,key=value,...` overrides integer
+    config fields of the named shape (e.g. `max_position_embeddings=139264`: random weights have no
+    trained context to respect)."""
+    directory = model_directory(spec)
+    if directory is not None:
+        return load_model(directory, device, dtype)
+    name, *fields = spec[len(RANDOM_PREFIX) :].split(",")
+    return build_random_model(name, device, dtype, **_int_overrides(spec, fields))
+
+
+def model_directory(spec: str | None) -> Path | None:
+    """The Hugging Face directory a reference loads from (built or converted on first use), or None
+    for `random:NAME` shapes, which have none."""
+    if spec is None:
+        from kvc.runtime.default_model import ensure_default_model
+
+        return ensure_default_model()
+    if spec == RANDOM_PREFIX + TINY_NAME:
+        return ensure_tiny_model()
     if spec.startswith(RANDOM_PREFIX):
-        name, *fields = spec[len(RANDOM_PREFIX) :].split(",")
-        return build_random_model(name, device, dtype, **_int_overrides(spec, fields))
-    return load_model(spec, device, dtype)
+        return None
+    if is_gguf(spec):
+        return ensure_converted(spec)
+    return Path(spec).expanduser()
 
 
 def _int_overrides(spec: str, fields: list[str]) -> dict[str, int]:

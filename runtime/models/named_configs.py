@@ -131,7 +131,7 @@ def named_config(name: str, **overrides: Any) -> Any:
     fields = NAMED_CONFIGS.get(name.lower())
     if fields is None:
         raise ModelLoadError(
-            f"unknown model name {name!r}; known names: {', '.join(sorted(NAMED_CONFIGS))}"
+            f"unknown model name {name!r}; known names: tiny (the test model), {', '.join(sorted(NAMED_CONFIGS))}"
         )
     fields = {**fields, **overrides}
     return AutoConfig.for_model(fields.pop("model_type"), **fields)

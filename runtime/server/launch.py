@@ -15,13 +15,14 @@ import socket
 import uvicorn
 
 from kvc.runtime.config import EngineConfig
+from kvc.runtime.default_model import SERVED_NAME
 from kvc.runtime.engine import Engine
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.server.app import ServerConfig, ServerState, build_app
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "kvc-default"
+DEFAULT_MODEL_NAME = SERVED_NAME  # the embedded default model: SmolLM2-135M-Instruct
 
 
 class DrainingServer(uvicorn.Server):

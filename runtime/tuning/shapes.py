@@ -37,19 +37,14 @@ class ModelShape:
 def _config(ref: str | None):
     from transformers import AutoConfig
 
-    from kvc.runtime.models.loader import RANDOM_PREFIX
+    from kvc.runtime.models.loader import RANDOM_PREFIX, model_directory
     from kvc.runtime.models.named_configs import named_config
 
-    if ref and ref.startswith(RANDOM_PREFIX):
+    path = model_directory(ref)  # None: a random:NAME shape
+    if path is None:
         return named_config(ref[len(RANDOM_PREFIX):])
-    if ref is None:
-        from kvc.runtime.default_model import ensure_default_model
-
-        path = ensure_default_model()
-    else:
-        path = Path(ref).expanduser()
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{path}: no config.json (pass a Hugging Face model directory or random:NAME)")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path}: no config.json (pass a Hugging Face model directory, gguf:FILE or random:NAME)")
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as err:  # transformers raises many types; the user needs the message

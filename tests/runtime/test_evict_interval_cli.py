@@ -68,7 +68,8 @@ def test_bench_throughput_passes_it_to_the_run(monkeypatch):
 
 def test_generate_runs_with_an_interval(capsys):
     """`kvc generate --method streamingllm --evict-interval 4` end to end on the CPU."""
-    assert main(["generate", "--prompt-ids", " ".join(str(t) for t in range(3, 43)), "--max-tokens", "20",
+    assert main(["generate", "--model", "random:tiny", "--prompt-ids", " ".join(str(t) for t in range(3, 43)),
+                 "--max-tokens", "20",
                  "--json", "--max-model-len", "256", "--ignore-eos", "--method", "streamingllm",
                  "--method-param", "sink=4", "--method-param", "recent=8", "--evict-interval", "4"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -64,6 +64,7 @@ def make_engine(**options):
     from kvc.runtime.config import EngineConfig
     from kvc.runtime.engine import Engine
 
+    options.setdefault("model", "random:tiny")  # the byte-tokenizer test model: shapes, not answers
     options.setdefault("kv_cache_memory", TEST_KV_BYTES)
     options.setdefault("max_model_len", 512)
     return Engine(EngineConfig(**options))
@@ -88,7 +89,7 @@ def live_server(engine_options: dict | None = None, prepare=None, **server_optio
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[LiveServer]:
-    """The shared server: default model, max_model_len 512, no API key."""
+    """The shared server: the tiny test model, max_model_len 512, no API key."""
     with live_server(max_waiting=256) as s:
         yield s
 
@@ -98,4 +99,4 @@ def llm():
     """The offline API on the same model, the reference for greedy outputs."""
     from kvc import LLM
 
-    return LLM(kv_cache_memory=TEST_KV_BYTES, max_model_len=512)
+    return LLM("random:tiny", kv_cache_memory=TEST_KV_BYTES, max_model_len=512)

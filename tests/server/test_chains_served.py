@@ -17,7 +17,7 @@ from tests.server.conftest import live_server
 PROMPT = tokens(44, seed=11)
 USER = tokens(9, seed=12)
 STEPS = 12
-ENGINE = {"page_size": 4, "max_model_len": 512, "kv_cache_memory": 2**24}
+ENGINE = {"model": "random:tiny", "page_size": 4, "max_model_len": 512, "kv_cache_memory": 2**24}
 
 
 def _client(server) -> openai.OpenAI:

@@ -23,7 +23,7 @@ def interval_server():
 def test_completions_follow_the_offline_engine(interval_server):
     engine = interval_server.state.engine
     assert engine.method.evict_interval == 4
-    want = LLM(kv_cache_memory=TEST_KV_BYTES, max_model_len=512, **OPTIONS).generate(
+    want = LLM("random:tiny", kv_cache_memory=TEST_KV_BYTES, max_model_len=512, **OPTIONS).generate(
         [PROMPT], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].token_ids
     body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     r = httpx.post(f"{interval_server.url}/v1/completions", json=body, timeout=60)

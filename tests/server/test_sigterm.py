@@ -47,7 +47,8 @@ def test_sigterm_under_load_drains_and_exits_0():
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvc.runtime.cli", "serve", "--port", str(port), "--max-model-len", "4096",
+        [sys.executable, "-m", "kvc.runtime.cli", "serve", "--model", "random:tiny", "--port", str(port),
+         "--max-model-len", "4096",
          "--kv-cache-memory", str(64 * 2**20), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
          "--served-model-name", "drain"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -11,10 +11,10 @@ from kvc.runtime.server.text import ChoiceText, IncrementalDetokenizer, StopStri
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from kvc.runtime.default_model import ensure_default_model
+    from kvc.runtime.models.random_tiny import ensure_tiny_model
     from kvc.runtime.tokenizer import load_tokenizer
 
-    return load_tokenizer(ensure_default_model())
+    return load_tokenizer(ensure_tiny_model())  # byte-level: ids 0..255 are the bytes
 
 
 def _stream(tokenizer, ids, stop=(), chunk=1, include=False):

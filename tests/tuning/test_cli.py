@@ -13,7 +13,7 @@ from kvc.runtime.cli import main
 from kvc.runtime.tuning import lookup, table
 from kvc.runtime.tuning.keys import gpu_key
 
-TINY = ["--max-batch", "1", "--max-chunk", "16", "--max-context", "256", "--max-candidates", "2", "--rep-ms", "1"]
+TINY = ["--model", "random:tiny", "--max-batch", "1", "--max-chunk", "16", "--max-context", "256", "--max-candidates", "2", "--rep-ms", "1"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
@@ -31,7 +31,7 @@ def test_unknown_kernel_group_is_a_user_error(capsys, tmp_path):
 
 @pytest.fixture(scope="module")
 def tuned_run(tmp_path_factory):
-    """One tiny run for the snapkv method (plain attention, compaction, its window scores) on the default model."""
+    """One tiny run for the snapkv method (plain attention, compaction, its window scores) on the tiny test model."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("the interpreted run is the CPU stand-in for a GPU run")
@@ -83,9 +83,9 @@ def test_engine_start_loads_the_tuned_configs(tuned_run, monkeypatch, caplog):
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     options = dict(method="full", device="cpu", dtype="float32", cuda_graphs=False, max_num_batched_tokens=16)
     with caplog.at_level(logging.INFO, logger="kvc.runtime.tuning.lookup"):
-        tuned = LLM(None, attention_backend="triton", **options)
+        tuned = LLM("random:tiny", attention_backend="triton", **options)
     lines = [r.getMessage() for r in caplog.records if r.name == "kvc.runtime.tuning.lookup"]
     assert lines == [f"tuned kernel configs: {count} entries loaded from {table.path_for(root, gpu_key('cpu'))}"]
     assert len(lookup.active()) == count
-    want = [o.token_ids for o in LLM(None, attention_backend="torch", **options).generate(prompts, params)]
+    want = [o.token_ids for o in LLM("random:tiny", attention_backend="torch", **options).generate(prompts, params)]
     assert [o.token_ids for o in tuned.generate(prompts, params)] == want
