@@ -197,7 +197,8 @@ def _extra_fields(path: Path) -> dict[str, dict[str, Any]]:
 
     fields = GGUFReader(str(path)).fields
     arch = fields["general.architecture"].contents() if "general.architecture" in fields else ""
-    wanted = {("tokenizer", "pre"): "tokenizer.ggml.pre", ("tokenizer", "add_bos_token"): "tokenizer.ggml.add_bos_token",
+    wanted = {("tokenizer", "pre"): "tokenizer.ggml.pre",
+              ("tokenizer", "add_bos_token"): "tokenizer.ggml.add_bos_token",
               ("config", "head_dim"): f"{arch}.attention.key_length",
               ("config", "moe_intermediate_size"): f"{arch}.expert_feed_forward_length"}
     out: dict[str, dict[str, Any]] = {"tokenizer": {}, "config": {}}

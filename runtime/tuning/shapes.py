@@ -8,7 +8,6 @@ default model. The engine's launches are then bucketed exactly as the tuner's (b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 

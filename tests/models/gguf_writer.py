@@ -3,8 +3,9 @@
 
 Written from the GGUF format's public conventions (gguf-py's tensor name map and metadata keys):
 float32 tensors under llama.cpp's names, Llama's q/k rows permuted into llama.cpp's rotary
-order (which the reader undoes), Qwen3-MoE's per-expert weights stacked into ffn_{gate,up,down}_exps, and kvc's byte-level test tokenizer (runtime/models/byte_tokenizer.py) as a `gpt2`
-vocabulary with its merges and ChatML control tokens. The model's vocab must be the byte
+order (which the reader undoes), Qwen3-MoE's per-expert weights stacked into
+ffn_{gate,up,down}_exps, and kvc's byte-level test tokenizer (runtime/models/byte_tokenizer.py)
+as a `gpt2` vocabulary with its merges and ChatML control tokens. The model's vocab must be the byte
 tokenizer's (`byte_tokenizer.VOCAB_SIZE`).
 """
 

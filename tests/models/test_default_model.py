@@ -14,7 +14,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvc import LLM, SamplingParams
-from tests.models.real_model import real_model_dir  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.real_model
 
@@ -37,6 +36,7 @@ def passage(rng: random.Random, tokenizer, length: int) -> list[int]:
     head, tail = text.split("@BODY@")
     return tokenizer.encode(head, add_special_tokens=False) + body + tokenizer.encode(tail, add_special_tokens=False)
 
+
 def test_converted_files_follow_the_gguf(real_model_dir: Path) -> None:
     config = json.loads((real_model_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 30
@@ -46,7 +46,8 @@ def test_converted_files_follow_the_gguf(real_model_dir: Path) -> None:
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2 and len(tokenizer) == 49152
     assert tokenizer.encode("Hello world") == [19556, 905]  # no BOS prepended
     assert json.loads((real_model_dir / "generation_config.json").read_text())["eos_token_id"] == [2]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    chat = [{"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert text.startswith("<|im_start|>system\n")  # the template's default system prompt
 

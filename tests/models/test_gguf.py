@@ -20,7 +20,8 @@ from tests.models.tiny import load_hf, make_tiny_llama, make_tiny_qwen3, make_ti
 pytest.importorskip("gguf")
 
 MAKERS = {"llama": make_tiny_llama, "qwen3": make_tiny_qwen3, "qwen3_moe": make_tiny_qwen3_moe}
-TEXTS = ["Hello, world! The cat is in the house.", "héllo 日本語 🎉\n\n\ttabs  and   spaces", "<|im_start|>user\nhi<|im_end|>"]
+TEXTS = ["Hello, world! The cat is in the house.", "héllo 日本語 🎉\n\n\ttabs  and   spaces",
+         "<|im_start|>user\nhi<|im_end|>"]
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], steps: int) -> list[int]:
