@@ -9,7 +9,8 @@ at position T over each side's compressed cache) must agree within 1e-4 relative
 
 kvpress is configured to kvc's semantics:
 - budgets: kvpress keeps int(T * (1 - ratio)) tokens; the ratio is chosen per prompt so that this
-  is kvc's count (`ratio_keeping`), checked before use.
+  is kvc's count (`ratio_keeping`), checked before use. These conversions live in
+  kvc.runtime.eval.kvpress_reference, which runs kvc eval's cases through kvpress.
 - StreamingLLM: `n_sink` = sink, kept = sink + recent. SnapKV: `window_size` = window,
   `kernel_size` = kernel (kvpress averages the window's votes where kvc sums them: the same
   ranking). TOVA: no parameter (both average the last query over all heads).
@@ -20,9 +21,10 @@ kvpress is configured to kvc's semantics:
   bottom layer at T - window (prompts here are long enough); `get_layer_budget` is checked.
 - H2O: kvpress has no H2O; its `ObservedAttentionPress` is H2O's prefill scoring (the prompt's
   attention received per key, GQA-averaged) divided by the number of queries that see each key,
-  with no recent window. `ColumnSumPress` (below) undoes the division and forces the last
-  floor(recent * T) tokens, the rest of kvpress (attention, pruning, decoding) unchanged.
-  It needs eager attention (it reads the attention matrix); the others run with sdpa.
+  with no recent window. `ColumnSumPress` (kvc.runtime.eval.kvpress_reference) undoes the
+  division and forces the last floor(recent * T) tokens, the rest of kvpress (attention,
+  pruning, decoding) unchanged. It needs eager attention (it reads the attention matrix); the
+  others run with sdpa.
 - Ada-KV (`test_adakv_matches_kvpress`): `AdaKVPress(SnapKVPress(ratio, window_size=window,
   kernel_size=kernel), alpha_safeguard=a)`, sdpa (it refuses eager). kvc's `budget` is the average
   per KV head, window included, so the layer keeps Hkv * budget: kvpress's n_kept = budget
@@ -36,7 +38,6 @@ kvpress is configured to kvc's semantics:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,48 +48,25 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from tests.models.tiny import make_tiny_llama, make_tiny_qwen3
 from tests.references.compare import assert_logits_close, assert_same_kept
 from tests.references.eviction import ALWAYS, Ranking
-from tests.references.scores import top_indices
 from tests.references.kvpress_runner import capture_scores, run_press
+from tests.references.scores import top_indices
 from tests.runtime.served import ServedRequest, make_llm, serve
 
 kvpress = pytest.importorskip(
     "kvpress", reason="kvpress (the test extra) is not installed; 0.5.5 needs transformers < 5.3"
+)
+# kvc eval's kvpress reference configures kvpress the same way: one piece of code serves both.
+from kvc.runtime.eval.kvpress_reference import (  # noqa: E402
+    ColumnSumPress,
+    adakv_params,
+    pyramid_press,
+    ratio_keeping,
 )
 from kvpress.utils import compute_n_kept  # noqa: E402
 
 LENGTHS = [53, 101, 211]
 PAGE_SIZE, CHUNK = 7, 24
 STEPS = 2
-
-
-@dataclass
-class ColumnSumPress(kvpress.ObservedAttentionPress):
-    """kvpress's observed attention turned into H2O's prefill selection: summed attention (not the
-    average over the T - j queries that see key j), the last `recent` tokens always kept."""
-
-    recent: int = 0
-
-    def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
-        scores = super().score(module, hidden_states, keys, values, attentions, kwargs)
-        length = scores.shape[-1]
-        scores = scores * torch.arange(length, 0, -1, dtype=scores.dtype, device=scores.device)
-        if self.recent:
-            scores[..., length - self.recent :] = scores.max() + 1  # kvpress's way of forcing a window
-        return scores
-
-
-def ratio_keeping(length: int, kept: int) -> float:
-    """A kvpress compression ratio that keeps exactly `kept` of `length` tokens."""
-    ratio = 1 - (kept + 0.5) / length
-    assert compute_n_kept(length, ratio) == kept, (length, kept, ratio)
-    return ratio
-
-
-def pyramid_press(schedule: list[int], length: int, window: int, kernel: int) -> Any:
-    """A PyramidKVPress whose per-layer budgets are kvc's `schedule` (window included)."""
-    bottom, top = schedule[0], schedule[-1]
-    c = (bottom + top) / 2
-    return kvpress.PyramidKVPress(1 - c / length, window_size=window, kernel_size=kernel, beta=c / top)
 
 
 # method -> (kvc method_params, attention kvpress runs with, press for a prompt: (T, kvc's per-layer kept) -> press)
@@ -172,14 +150,6 @@ ADAKV = {
     "safeguard-beyond-window": (24, 8, 5, 0.5),  # kvpress safeguard 12 > window 8: 4 more per head
     "window-covers-safeguard": (28, 16, 3, 0.2),  # safeguard 5 < window 16: the window is the floor
 }
-
-
-def adakv_params(budget: int, window: int, kernel: int, alpha_safeguard: float) -> dict[str, Any]:
-    """kvc's method_params for kvpress's AdaKV: the safeguard moved outside the window."""
-    extra = max(0, max(1, int(alpha_safeguard * budget)) - window)
-    alpha = (extra + 0.5) / (budget - window)
-    assert math.floor(alpha * (budget - window)) == extra
-    return {"budget": budget, "window": window, "kernel": kernel, "alpha": alpha}
 
 
 def adakv_ranking(scores: torch.Tensor, n_kept: int, alpha_safeguard: float) -> Ranking:
