@@ -50,7 +50,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from kvc.runtime.errors import ConfigError
+from kvc.runtime.errors import ConfigError, PromptTooLongError
 
 log = logging.getLogger(__name__)
 
@@ -394,11 +394,16 @@ def run_on_model(model: Any, prompts: list[ReferencePrompt], methods: list[Refer
                  ) -> dict[int, list[list[int]]]:
     """`run_kvpress` on a loaded model (its attention implementation is switched as needed)."""
     original = model.config._attn_implementation
+    room = getattr(model.config, "max_position_embeddings", None) or math.inf
     device = next(model.parameters()).device
     results: dict[int, list[list[int]]] = {i: [] for i in range(len(methods))}
     try:
         for done, case in enumerate(prompts, 1):
             length = len(case.prompt)
+            max_tokens = min(case.max_tokens, room - length)  # kvc stops a sequence at the model's length too
+            if max_tokens < 1:
+                raise PromptTooLongError(f"--reference kvpress: a {length}-token prompt leaves no room for a token "
+                                         f"in the model's {room} positions", param="prompt")
             stops = set(case.stop_token_ids) | set(eos_token_ids)
             by_attention: dict[str, dict[int, Any]] = defaultdict(dict)
             for i, method in enumerate(methods):
@@ -413,7 +418,7 @@ def run_on_model(model: Any, prompts: list[ReferencePrompt], methods: list[Refer
                 for i, compressed in caches.items():
                     same_shape[compressed.lengths].append(i)
                 for group in same_shape.values():
-                    rows = greedy(model, [caches[i] for i in group], first, length, case.max_tokens, stops)
+                    rows = greedy(model, [caches[i] for i in group], first, length, max_tokens, stops)
                     tokens.update(zip(group, rows))
                 del caches
             for i, per_prompt in results.items():

@@ -220,6 +220,18 @@ def test_stop_token_ends_its_row_only(model_dir: Path) -> None:
 
 
 @needs_kvpress
+def test_generation_ends_at_the_models_length(model_dir: Path) -> None:
+    """As kvc's engine: prompt + generated tokens stay within max_position_embeddings (512 here)."""
+    from kvc.runtime.errors import PromptTooLongError
+
+    near, over = prompts_of((508,), seed=36, max_tokens=10)[0], prompts_of((512,), seed=36)[0]
+    tokens = ref.run_kvpress(model_dir, [near], [("snapkv", {"budget": 64, "window": 8})])[0][0]
+    assert len(tokens) == 4 or (len(tokens) < 4 and tokens[-1] in eos_of(hf_model(model_dir, "sdpa")))
+    with pytest.raises(PromptTooLongError, match="512-token prompt"):
+        ref.run_kvpress(model_dir, [over], [("full", {})])
+
+
+@needs_kvpress
 def test_h2o_token_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """H2O's integer `budget` (budget // 2 heavy hitters + the rest recent): counts come from the
     compiled method, here a .kvm with that parameter (methods/h2o.kvm's variant)."""
