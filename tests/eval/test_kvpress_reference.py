@@ -45,6 +45,8 @@ CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("h2o", {"heavy": 0.2, "recent": 0.1}),  # eager attention: the second prefill
     ("streamingllm", {"sink": 4, "recent": 120}),  # keeps all of the 90-token prompt
     ("h2o", {"heavy": 0.5, "recent": 0.5}),  # keeps every token: `full`'s run
+    ("streamingllm", {"budget": 32}),  # kvc's token budgets: 4 sinks + 28 recent, batched with 1-3
+    ("h2o", {"budget": 41}),  # 20 heavy hitters + 21 recent
 ]
 
 
@@ -140,14 +142,14 @@ def test_shared_run_is_each_press_alone(model_dir: Path) -> None:
                      "PinnedPyramidKVPress", "AdaKVPress", "ColumnSumPress"}
     assert shared[10] == shared[0], "a press that keeps every token is `full`"
     assert shared[9][0] == shared[0][0], "streamingllm keeps the whole 90-token prompt"
-    compressed = [i for i in range(1, 9) if shared[i] != shared[0]]
+    compressed = [i for i in [*range(1, 9), 11, 12] if shared[i] != shared[0]]
     assert len(compressed) >= 4, f"compression changed only configs {compressed}: the prompts pin too little"
 
     prefills = [shape for shape in forwards.shapes if shape[1] > 1]
     assert prefills == [(1, n) for n in LENGTHS for _ in range(2)], "one sdpa and one eager prefill per prompt"
     batches = {shape[0] for shape in forwards.shapes if shape[1] == 1}
-    # 3: snapkv, tova, streamingllm at 32 tokens; 5 / 4: full, adakv x2, uncompressed h2o (and streamingllm)
-    assert {3, 4, 5} <= batches, batches
+    # 4: snapkv, tova, streamingllm x2 at 32 tokens; 5 / 4: full, adakv x2, uncompressed h2o (and streamingllm)
+    assert {4, 5} <= batches and max(batches) == 5, batches
 
 
 def kept_indices(compressed: ref.CompressedCache, whole: ref.CompressedCache, layer: int) -> list[torch.Tensor]:
@@ -169,7 +171,7 @@ def test_kept_tokens_are_kvc_engines(model_dir: Path) -> None:
     from tests.runtime.served import make_llm, serve
 
     prompts = prompts_of(LENGTHS, seed=32)
-    configs = [c for c in CONFIGS if c[0] != "full"][:-1]
+    configs = [c for c in CONFIGS if c[0] != "full"]
     methods = methods_for(model_dir, configs)
     model = hf_model(model_dir, "sdpa")
     pinned = ragged = 0
@@ -232,33 +234,18 @@ def test_generation_ends_at_the_models_length(model_dir: Path) -> None:
 
 
 @needs_kvpress
-def test_h2o_token_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """H2O's integer `budget` (budget // 2 heavy hitters + the rest recent): counts come from the
-    compiled method, here a .kvm with that parameter (methods/h2o.kvm's variant)."""
-    from kvc.runtime.methods import resolve_method
-
-    source = (Path(ref.__file__).parents[2] / "methods" / "h2o.kvm").read_text()
-    if "param budget" not in source:
-        source = source.replace("param recent", "param budget: tokens = 0 in [0, 1048576]\nparam recent")
-        source = source.replace("on prefill_chunk", "let heavy_kept = budget // 2 if budget > 0 else heavy * prompt\n"
-                                "let recent_kept = budget - budget // 2 if budget > 0 else recent * prompt\n\n"
-                                "on prefill_chunk")
-        source = source.replace("top(seen, heavy * prompt, per kv_head) + last (recent * prompt)",
-                                "top(seen, heavy_kept, per kv_head) + last recent_kept")
-    kvm = tmp_path / "h2o.kvm"
-    kvm.write_text(source)
-    monkeypatch.setenv("KVC_CACHE_DIR", str(tmp_path / "cache"))
-    for budget, length in [(41, 100), (40, 77)]:
-        method = resolve_method(str(kvm), {"budget": budget})
-        method.bind(4, 2)
-        press, attention = ref.ReferenceMethod("h2o", method, 4, 8, 2, 16).press(length)
-        assert (type(press).__name__, attention) == ("ColumnSumPress", "eager")
-        assert press.recent == budget - budget // 2
-        assert int(length * (1 - press.compression_ratio)) == budget
-    fractions = resolve_method(str(kvm), {"heavy": 0.2, "recent": 0.1})
-    fractions.bind(4, 2)
-    press, _ = ref.ReferenceMethod("h2o", fractions, 4, 8, 2, 16).press(100)
-    assert press.recent == 10 and int(100 * (1 - press.compression_ratio)) == 30
+def test_token_budgets(model_dir: Path) -> None:
+    """H2O's and StreamingLLM's integer `budget` (H2O: budget // 2 heavy hitters + the rest recent;
+    StreamingLLM: the sinks + budget - sink recent) reach the presses as kvc's counts."""
+    configs = [("h2o", {"budget": 41}), ("h2o", {"heavy": 0.2, "recent": 0.1}), ("streamingllm", {"budget": 40}),
+               ("streamingllm", {"sink": 2, "budget": 40})]
+    presses = [method.press(100) for method in methods_for(model_dir, configs)]
+    kept = [int(100 * (1 - press.compression_ratio)) for press, _ in presses]
+    assert kept == [41, 30, 40, 40]
+    assert [type(press).__name__ for press, _ in presses] == ["ColumnSumPress"] * 2 + ["StreamingLLMPress"] * 2
+    assert [attention for _, attention in presses] == ["eager", "eager", "sdpa", "sdpa"]
+    assert (presses[0][0].recent, presses[1][0].recent) == (21, 10)
+    assert (presses[2][0].n_sink, presses[3][0].n_sink) == (4, 2)
 
 
 @needs_kvpress
