@@ -2,7 +2,7 @@
 
 kvc eval scores each method against its KV budget; this module gives the same cases' answers from
 an outside implementation, kvpress 0.5.5's presses on the same weights in transformers, so its
-accuracy sits beside kvc's in one table (docs/design.md, Oracles). It is a reference adapter and
+accuracy sits beside kvc's in one table. It is a reference adapter and
 so necessarily names methods: `_PRESSES` maps a kvc method and its `method_params` to the press
 running the same algorithm, with kvc's counts read from the compiled method (`kept_tokens`, the
 keep's `+ last N`, the parameters with the .kvm's defaults):
@@ -15,7 +15,7 @@ keep's `+ last N`, the parameters with the .kvm's defaults):
   with `get_layer_budget`; where kvpress caps its bottom layer differently, the schedule is pinned);
 - adakv: `AdaKVPress(SnapKVPress(...), alpha_safeguard=a)`, kvc's alpha (counted beyond the window)
   converted to kvpress's (counted with it, `adakv_safeguard`);
-- tova: `TOVAPress`; streamingllm: `StreamingLLMPress(n_sink=sink)`, keeping sink + recent;
+- tova: `TOVAPress`; streamingllm: `StreamingLLMPress(n_sink=sink)`, keeping kvc's sink + recent (or budget);
 - h2o: `ColumnSumPress` (below), kvpress's observed attention as H2O's prefill selection, with
   kvc's heavy and recent counts (fractions of the prompt, or a token budget); eager attention.
 
