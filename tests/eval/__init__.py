@@ -1,0 +1,1 @@
+"""Tests of kvc eval (runtime/eval/): its synthetic tasks, their prompts and scoring."""

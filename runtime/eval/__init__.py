@@ -1,0 +1,1 @@
+"""kvc eval: accuracy against KV budget (docs/accuracy.md)."""
