@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvc.runtime.tuning.cli import add_command as add_tune_command  # `kvc tune`
 
     add_tune_command(sub)
+    from kvc.runtime.eval.cli import add_command as add_eval_command  # `kvc eval`
+
+    add_eval_command(sub)
     return parser
 
 

@@ -437,6 +437,14 @@ def run_kvpress(model_dir: str | Path, prompts: list[ReferencePrompt], configs: 
     kvpress's presses on `model_dir`'s weights in transformers: config index -> tokens per prompt.
     `dtype` None: kvc's default (float32 on the CPU, the checkpoint's dtype elsewhere).
     `progress(done, total)` is called after each prompt."""
+    model, eos = load_reference_model(model_dir, device, dtype)
+    return run_on_model(model, prompts, reference_methods(configs, model.config), eos, progress)
+
+
+def load_reference_model(model_dir: str | Path, device: str = "cpu",
+                         dtype: torch.dtype | None = None) -> tuple[Any, tuple[int, ...]]:
+    """The Hugging Face model kvpress runs on (sdpa attention; the shared prefill switches to eager
+    where a press needs it) and its end-of-generation ids, loaded once for many `run_on_model` calls."""
     _kvpress()
     from kvc.runtime.models.registry import default_dtype, eos_ids_of
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -445,7 +453,6 @@ def run_kvpress(model_dir: str | Path, prompts: list[ReferencePrompt], configs: 
         model_config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--reference kvpress: cannot read {model_dir}: {e}", param="model") from None
-    methods = reference_methods(configs, model_config)
     target = torch.device(device)
     dtype = dtype or default_dtype(model_config, target)
     log.info("kvpress reference: loading %s (%s, %s)", model_dir, target, dtype)
@@ -455,5 +462,4 @@ def run_kvpress(model_dir: str | Path, prompts: list[ReferencePrompt], configs: 
         generation = GenerationConfig.from_pretrained(model_dir)
     except OSError:
         generation = None
-    eos = eos_ids_of(model_config, *([generation] if generation is not None else []))
-    return run_on_model(model, prompts, methods, eos, progress)
+    return model, eos_ids_of(model_config, *([generation] if generation is not None else []))

@@ -1,0 +1,102 @@
+"""`kvc eval`: accuracy against KV budget, per method, on synthetic long-context tasks (runtime/eval/,
+docs/accuracy.md). Parses the flags, shows a progress bar over the questions, writes the result JSON
+after every cell, then the markdown table and the plot."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_METHODS = "full,streamingllm,snapkv,pyramidkv,tova,h2o,adakv"
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"takes comma-separated positive integers, got {text!r}")
+    return values
+
+
+def _names(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("takes comma-separated names")
+    return names
+
+
+def add_command(sub) -> None:
+    from kvc.runtime.eval.tasks import TASKS
+
+    default_tasks = ",".join(name for name, task in TASKS.items() if getattr(task, "default", True))
+    p = sub.add_parser("eval", help="accuracy against KV budget per method on synthetic long-context tasks",
+                       description="Runs every method at every budget on generated long-context tasks through "
+                       "kvc's engine (greedy) and reports accuracy with 95%% intervals (docs/accuracy.md).")
+    p.add_argument("--model", help="model directory, gguf:FILE (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--methods", type=_names, default=_names(DEFAULT_METHODS),
+                   help=f"comma-separated methods (names or .kvm paths; default {DEFAULT_METHODS})")
+    p.add_argument("--budgets", type=_ints, default=[128, 256, 512, 1024],
+                   help="KV budgets in tokens per KV head, for every method with a `budget` parameter "
+                   "(default 128,256,512,1024)")
+    p.add_argument("--tasks", type=_names, default=_names(default_tasks),
+                   help=f"comma-separated tasks (default {default_tasks}; all: {', '.join(TASKS)})")
+    p.add_argument("--lengths", type=_ints, default=[2048, 4096], help="context lengths in tokens (default 2048,4096)")
+    p.add_argument("--cases", type=int, default=24, help="cases per task and length (default 24)")
+    p.add_argument("--seed", type=int, default=0, help="the cases' seed (default 0)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16 or float16")
+    p.add_argument("--batch", type=int, default=8, help="requests decoding together (default 8)")
+    p.add_argument("--method-param", action="append", metavar="KEY=VALUE",
+                   help="a parameter for every method that declares it (repeatable)")
+    p.add_argument("--reference", choices=["kvpress"], help="also run the same cases through kvpress's presses")
+    p.add_argument("--out", type=Path, default=Path("kvc-eval.json"),
+                   help="result JSON, rewritten after every cell; an existing one of the same run is continued "
+                   "(default kvc-eval.json)")
+    p.add_argument("--markdown", type=Path, help="write the table here too (it is always printed)")
+    p.add_argument("--plot", type=Path, help="PNG plot of accuracy against budget (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run)
+
+
+def _run(a: argparse.Namespace) -> int:
+    from kvc.runtime.eval import report
+    from kvc.runtime.eval.runner import EvalConfig, Evaluation
+    from kvc.runtime.server.launch import parse_method_params
+
+    cfg = EvalConfig(model=a.model, methods=a.methods, budgets=a.budgets, tasks=a.tasks, lengths=a.lengths,
+                     cases=a.cases, seed=a.seed, device=a.device, dtype=a.dtype, batch=a.batch,
+                     method_params=parse_method_params(a.method_param), reference=a.reference)
+    evaluation = Evaluation(cfg)
+    result = report.header(evaluation)
+    evaluation.done = report.load_previous(a.out, result)
+    result["cells"] = list(evaluation.done.values())
+    if evaluation.done:
+        print(f"kvc eval: continuing {a.out}: {len(evaluation.done)} cell(s) already done", file=sys.stderr)
+    pending = evaluation.pending()
+    total = sum(evaluation.items(t, n) for _, _, t, n in pending)
+
+    def on_cell(cell: dict) -> None:
+        result["cells"].append(cell)
+        report.write_json(a.out, result)
+
+    if a.no_progress or not sys.stderr.isatty():
+        evaluation.run(on_cell)
+    else:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        columns = (TextColumn("kvc eval"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        with Progress(*columns, transient=True) as progress:
+            bar = progress.add_task("questions", total=total)
+            evaluation.run(on_cell, on_items=lambda n: progress.advance(bar, n))
+    result["complete"] = True
+    report.write_json(a.out, result)
+    table = report.markdown(result)
+    print(table, end="")
+    if a.markdown:
+        a.markdown.write_text(table)
+    if a.plot:
+        report.plot(result, a.plot)
+    return 0

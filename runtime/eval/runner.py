@@ -1,0 +1,280 @@
+"""Runs `kvc eval`'s cases through kvc's engine (runtime/eval/, docs/accuracy.md).
+
+A setting is one method at one KV budget: every method that declares a `budget` parameter (tokens
+kept per KV head after prefill) runs at each `--budgets` value, a method without one (`full`) once
+at its defaults. Each setting gets its own engine, all over one loaded model (`Engine(loaded=...)`:
+the weights load once, each engine has its own KV pool and method). A cell (setting x task x
+length) runs its cases as one batch through continuous batching, greedy; a multi-turn task opens a
+chain per case and asks each later turn through it, so a turn prefills only its new suffix over the
+method's compressed history. The outside reference (`--reference kvpress`) runs the same
+single-turn cases through kvpress_reference.py. After every cell the result goes to `on_cell`
+(report.py writes it to disk), and cells already in a previous result of the same run are skipped:
+an interrupted run keeps what it finished and a rerun continues it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvc.runtime.chains import ChainSpec
+from kvc.runtime.config import EngineConfig
+from kvc.runtime.engine import Engine
+from kvc.runtime.errors import ConfigError
+from kvc.runtime.eval.stats import wilson_interval
+from kvc.runtime.eval.tasks import TASKS, Case, Task, make_cases
+from kvc.runtime.llm import LLM, RequestOutput
+from kvc.runtime.methods import resolve_method
+from kvc.runtime.models.loader import LoadedModel, resolve_model
+from kvc.runtime.sampling_params import SamplingParams
+from kvc.runtime.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+BUDGET_PARAM = "budget"  # the .kvm parameter `--budgets` sets (docs/language.md, "Budgets")
+KVC, KVPRESS = "kvc", "kvpress"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One method at one budget (None: a method without a budget, run at its defaults)."""
+
+    method: str
+    budget: int | None
+    params: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def label(self) -> str:
+        return self.method if self.budget is None else f"{self.method}@{self.budget}"
+
+    @property
+    def method_params(self) -> dict[str, Any]:
+        return dict(self.params)
+
+
+@dataclass
+class EvalConfig:
+    model: str | None = None  # None: the embedded default model
+    methods: list[str] = field(default_factory=lambda: ["full"])
+    budgets: list[int] = field(default_factory=lambda: [128, 256, 512, 1024])
+    tasks: list[str] = field(default_factory=lambda: ["passkey"])
+    lengths: list[int] = field(default_factory=lambda: [2048])
+    cases: int = 24
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    batch: int = 8  # requests decoding together in one engine
+    method_params: dict[str, Any] = field(default_factory=dict)  # extra parameters for every method
+    reference: str | None = None  # "kvpress": the same cases through kvpress's presses
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.tasks if t not in TASKS]
+        if unknown:
+            raise ConfigError(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(sorted(TASKS))}",
+                              param="tasks")
+        for name, values in (("budgets", self.budgets), ("lengths", self.lengths)):
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+                raise ConfigError(f"--{name} takes positive integers, got {values!r}", param=name)
+        for name in ("cases", "batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name} must be a positive integer, got {value!r}", param=name)
+        if not self.methods:
+            raise ConfigError("--methods names at least one method", param="methods")
+        if self.reference not in (None, KVPRESS):
+            raise ConfigError(f"--reference takes kvpress, got {self.reference!r}", param="reference")
+
+
+def settings_for(cfg: EvalConfig) -> list[Setting]:
+    """Every (method, budget) the run covers, in `--methods` order; unknown methods and bad
+    parameters fail here, before any model work."""
+    out: list[Setting] = []
+    for method in cfg.methods:
+        declared = resolve_method(method, cfg.method_params or None).params
+        if BUDGET_PARAM in declared:
+            for budget in cfg.budgets:
+                params = {**cfg.method_params, BUDGET_PARAM: budget}
+                resolve_method(method, params)  # the method's own range check, now
+                out.append(Setting(method, budget, tuple(sorted(params.items()))))
+        else:
+            out.append(Setting(method, None, tuple(sorted(cfg.method_params.items()))))
+    return out
+
+
+def cell_key(engine: str, setting: Setting, task: str, length: int) -> tuple:
+    return (engine, setting.method, setting.budget, task, length)
+
+
+class Evaluation:
+    """One `kvc eval` run: the cases, the settings, and the cells done so far."""
+
+    def __init__(self, cfg: EvalConfig, done: dict[tuple, dict] | None = None,
+                 loaded: LoadedModel | None = None) -> None:
+        self.cfg = cfg
+        self.settings = settings_for(cfg)
+        probe = EngineConfig(model=cfg.model, device=cfg.device, dtype=cfg.dtype)
+        self.device = probe.resolve_device()
+        dtype = None if cfg.dtype == "auto" else probe.resolve_dtype(self.device, None)
+        self.loaded = loaded or resolve_model(cfg.model, self.device, dtype)
+        if self.loaded.path is None:
+            raise ConfigError("kvc eval needs a model with a tokenizer (a directory, gguf:FILE or the default), "
+                              "not a random:NAME shape", param="model")
+        self.tokenizer = load_tokenizer(self.loaded.path)
+        self.tasks: dict[str, Task] = {name: TASKS[name] for name in cfg.tasks}
+        self.cases: dict[tuple[str, int], list[Case]] = {
+            (task, length): make_cases(task, self.tokenizer, length, cfg.cases, cfg.seed)
+            for task in cfg.tasks for length in cfg.lengths
+        }
+        self.done = dict(done or {})
+        self._reference = None  # kvpress's Hugging Face model, loaded at its first cell
+
+    # ---- the plan ---------------------------------------------------------------------------
+    def cells(self) -> list[tuple[str, Setting, str, int]]:
+        """(engine, setting, task, length) of every cell, kvc's first, then the reference's."""
+        out = [(KVC, s, t, n) for s in self.settings for t in self.cfg.tasks for n in self.cfg.lengths]
+        if self.cfg.reference == KVPRESS:
+            from kvc.runtime.eval.kvpress_reference import kvpress_methods
+
+            supported = set(kvpress_methods())
+            out += [(KVPRESS, s, t, n) for s in self.settings for t in self.cfg.tasks for n in self.cfg.lengths
+                    if s.method in supported and not self.tasks[t].multi_turn]
+        return out
+
+    def items(self, task: str, length: int) -> int:
+        """Questions in a cell: every case's turns."""
+        return sum(1 + len(c.turns) for c in self.cases[task, length])
+
+    def pending(self) -> list[tuple[str, Setting, str, int]]:
+        return [c for c in self.cells() if cell_key(c[0], c[1], c[2], c[3]) not in self.done]
+
+    # ---- running ----------------------------------------------------------------------------
+    def run(self, on_cell: Callable[[dict], None] | None = None,
+            on_items: Callable[[int], None] | None = None) -> list[dict]:
+        """Every pending cell; each finished cell goes to `on_cell` at once."""
+        pending = self.pending()
+        kvc_cells = [c for c in pending if c[0] == KVC]
+        for setting in dict.fromkeys(s for _, s, _, _ in kvc_cells):
+            llm = self._llm(setting)
+            try:
+                for _, s, task, length in kvc_cells:
+                    if s == setting:
+                        self._finish(self._run_kvc(llm, setting, task, length, on_items), on_cell)
+            finally:
+                del llm
+                gc.collect()
+        reference = [c for c in pending if c[0] == KVPRESS]
+        for task, length in dict.fromkeys((t, n) for _, _, t, n in reference):
+            settings = [s for _, s, t, n in reference if (t, n) == (task, length)]
+            for cell in self._run_kvpress(settings, task, length, on_items):
+                self._finish(cell, on_cell)
+        return list(self.done.values())
+
+    def _finish(self, cell: dict, on_cell: Callable[[dict], None] | None) -> None:
+        key = (cell["engine"], cell["method"], cell["budget"], cell["task"], cell["length"])
+        self.done[key] = cell
+        if on_cell is not None:
+            on_cell(cell)
+
+    def _llm(self, setting: Setting) -> LLM:
+        cfg = self.cfg
+        spec = self.loaded.spec
+        longest = max(_tokens_needed(c) for cases in self.cases.values() for c in cases)
+        bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+        config = EngineConfig(
+            model=cfg.model, method=setting.method, method_params=setting.method_params or None, device=cfg.device,
+            dtype=cfg.dtype, max_num_seqs=cfg.batch, max_model_len=min(spec.max_position_embeddings, longest + 16),
+            kv_cache_memory=int(cfg.batch * (longest + 64) * bytes_per_token * 1.25), seed=cfg.seed,
+        )
+        return LLM.from_engine(Engine(config, loaded=self.loaded))
+
+    def _run_kvc(self, llm: LLM, setting: Setting, task: str, length: int,
+                 on_items: Callable[[int], None] | None) -> dict:
+        cases = self.cases[task, length]
+        start = time.perf_counter()
+        if self.tasks[task].multi_turn:
+            outs = _chained(llm, cases, on_items)
+        else:
+            outs = [[o] for o in llm.generate([list(c.prompt) for c in cases], [_params(c) for c in cases],
+                                              on_finished=on_items)]
+        texts = [[o.text for o in turns] for turns in outs]
+        cached = [[o.num_cached_tokens for o in turns] for turns in outs]
+        return self._cell(KVC, setting, task, length, texts, time.perf_counter() - start, cached)
+
+    def _run_kvpress(self, settings: list[Setting], task: str, length: int,
+                     on_items: Callable[[int], None] | None) -> list[dict]:
+        """One cell of every setting at once: kvpress_reference shares each prompt's prefill among
+        the settings' presses. `seconds` is the cell's share of that run."""
+        from kvc.runtime.eval.kvpress_reference import (ReferencePrompt, load_reference_model, reference_methods,
+                                                        run_on_model)
+
+        if self._reference is None:
+            self._reference = load_reference_model(self.loaded.path, str(self.device), self.loaded.spec.dtype)
+        model, eos = self._reference
+        cases = self.cases[task, length]
+        prompts = [ReferencePrompt(c.prompt, c.max_tokens, c.stop_token_ids) for c in cases]
+        start = time.perf_counter()
+        methods = reference_methods([(s.method, s.method_params) for s in settings], model.config)
+        progress = None if on_items is None else (lambda done, total: on_items(len(settings)))
+        answers = run_on_model(model, prompts, methods, eos, progress)
+        seconds = (time.perf_counter() - start) / max(1, len(settings))
+        return [self._cell(KVPRESS, s, task, length,
+                           [[self.tokenizer.decode(ids, skip_special_tokens=True)] for ids in answers[i]], seconds)
+                for i, s in enumerate(settings)]
+
+    def _cell(self, engine: str, setting: Setting, task: str, length: int, texts: list[list[str]],
+              seconds: float, cached: list[list[int]] | None = None) -> dict:
+        """A cell's result: per question the expected answer, the output and the verdict (and for kvc
+        the prompt tokens the engine did not prefill: a chained turn's reused history)."""
+        judge = self.tasks[task]
+        items = []
+        for i, (case, turns) in enumerate(zip(self.cases[task, length], texts)):
+            expected = [case.answer] + [t.answer for t in case.turns]
+            for turn, (want, got) in enumerate(zip(expected, turns)):
+                item = {"case": case.index, "turn": turn, "expected": want, "output": got,
+                        "correct": bool(judge.correct(want, got)), **dict(case.info)}
+                if cached is not None:
+                    item["cached_tokens"] = cached[i][turn]
+                items.append(item)
+        correct = sum(i["correct"] for i in items)
+        low, high = wilson_interval(correct, len(items))
+        return {"engine": engine, "method": setting.method, "budget": setting.budget,
+                "params": setting.method_params, "task": task, "length": length, "n": len(items),
+                "correct": correct, "accuracy": correct / len(items) if items else 0.0, "ci95": [low, high],
+                "seconds": round(seconds, 2), "items": items}
+
+
+def _params(case: Case) -> SamplingParams:
+    return SamplingParams(max_tokens=case.max_tokens, temperature=0.0, stop_token_ids=list(case.stop_token_ids))
+
+
+def _tokens_needed(case: Case) -> int:
+    """The longest history a case reaches: its prompt, every turn's suffix and every answer."""
+    return len(case.prompt) + sum(len(t.suffix) for t in case.turns) + (1 + len(case.turns)) * case.max_tokens
+
+
+def _chained(llm: LLM, cases: list[Case], on_items: Callable[[int], None] | None) -> list[list[RequestOutput]]:
+    """Each case's turns through one chain: turn k's prompt is everything so far (prompt, the
+    tokens generated, the earlier suffixes) plus its own suffix, and only that suffix is prefilled."""
+    outs = llm.generate([list(c.prompt) for c in cases], [_params(c) for c in cases],
+                        chain=[ChainSpec(open=True) for _ in cases], on_finished=on_items)
+    histories = [list(c.prompt) + o.token_ids for c, o in zip(cases, outs)]
+    chains = [o.chain_id for o in outs]
+    texts = [[o] for o in outs]
+    try:
+        for turn in range(max(len(c.turns) for c in cases)):
+            live = [i for i, c in enumerate(cases) if turn < len(c.turns)]
+            prompts = [histories[i] + list(cases[i].turns[turn].suffix) for i in live]
+            outs = llm.generate(prompts, [_params(cases[i]) for i in live],
+                                chain=[ChainSpec(continue_id=chains[i]) for i in live], on_finished=on_items)
+            for i, prompt, out in zip(live, prompts, outs):
+                histories[i] = prompt + out.token_ids
+                texts[i].append(out)
+    finally:
+        for chain_id in chains:
+            if chain_id is not None:
+                llm.engine.drop_chain(chain_id, None)
+    return texts
