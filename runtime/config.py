@@ -54,6 +54,10 @@ class EngineConfig:
     # (kvpress DecodingPress's compression_interval); 1: every step. Peak memory grows by N - 1
     # tokens per layer and row (docs/design.md, "Eviction interval")
     evict_interval: int = 1
+    # prefill first: while a request prefills or waits to be admitted, steps run prefill chunks only
+    # and decodes wait (throughput over latency; it keeps replayed prefills, runtime/prefill_record.py,
+    # out of mixed steps). False: decodes first, then prefill chunks, in one step
+    prefill_first: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -41,6 +41,7 @@ from kvc.runtime.method_api import Hook, KVMethod
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.model_runner import ModelRunner
 from kvc.runtime.models.loader import LoadedModel, resolve_model
+from kvc.runtime.prefill_record import PrefillRecord
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.scheduler import Scheduler, SchedulerConfig
 from kvc.runtime.sequence import Sequence
@@ -122,6 +123,7 @@ class Engine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_prefill_chunk=config.max_prefill_chunk,
                 enable_prefix_caching=prefix_caching,
+                prefill_first=config.prefill_first,
             ),
             self.pool,
             num_layers=self.spec.num_layers,
@@ -163,8 +165,11 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    chain: ChainSpec | None = None) -> Sequence:
-        """Queues a request; raises the user's errors at once (and the chain errors for `chain`)."""
+                    chain: ChainSpec | None = None, record: PrefillRecord | None = None,
+                    replay: PrefillRecord | None = None) -> Sequence:
+        """Queues a request; raises the user's errors at once (and the chain errors for `chain`).
+        `record`: capture this request's prefill into it; `replay`: take the prefill from a record
+        of the same prompt instead of running the model (runtime/prefill_record.py)."""
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidPromptError("the prompt is empty; give at least one token", param="prompt")
@@ -177,6 +182,13 @@ class Engine:
         vocab = self.spec.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidPromptError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if replay is not None:
+            if chain is not None and not chain.open:
+                raise ConfigError("replay: a recorded prefill starts at the prompt's first token; a chain "
+                                  "continuation prefills only its suffix", param="replay")
+            if not replay.complete or list(replay.tokens) != list(prompt_token_ids):
+                raise InvalidPromptError("replay: the prefill record is incomplete or of another prompt",
+                                         param="replay")
         seq = Sequence(
             prompt_token_ids,
             params=params,
@@ -184,6 +196,9 @@ class Engine:
             max_model_len=self.max_model_len,
             num_layers=self.spec.num_layers,
         )
+        if record is not None:
+            record.start(prompt_token_ids, self.spec.num_layers)
+        seq.record, seq.replay = record, replay
         if chain is None:
             self._check_fits(seq, params)
             self.scheduler.add(seq)

@@ -17,6 +17,7 @@ from kvc.runtime.chains import ChainSpec
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.engine import Engine
 from kvc.runtime.errors import ConfigError, InvalidPromptError, InvalidSamplingParams
+from kvc.runtime.prefill_record import PrefillRecord
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.sequence import Sequence
 
@@ -74,11 +75,14 @@ class LLM:
         use_tqdm: bool = False,
         chain: ChainSpec | Seq[ChainSpec | None] | None = None,
         on_finished: Callable[[int], None] | None = None,
+        record: Seq[PrefillRecord | None] | None = None,
+        replay: Seq[PrefillRecord | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for all prompts together (continuous batching); outputs keep prompt order.
         `chain`: one `ChainSpec` per prompt (or one for a single prompt), None for no chain.
         `on_finished(n)`: called after each engine step that finished n > 0 requests (a caller's
-        own progress bar)."""
+        own progress bar). `record` / `replay`: per prompt, a `PrefillRecord` to capture its prefill
+        into, or to take it from (runtime/prefill_record.py)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -96,11 +100,15 @@ class LLM:
         chains = [chain] * len(prompts) if chain is None or isinstance(chain, ChainSpec) else list(chain)
         if len(chains) != len(prompts) or (isinstance(chain, ChainSpec) and len(prompts) != 1):
             raise InvalidPromptError(f"got {len(chains)} chain specs for {len(prompts)} prompts", param="chain")
+        records = list(record) if record is not None else [None] * len(prompts)
+        replays = list(replay) if replay is not None else [None] * len(prompts)
+        if len(records) != len(prompts) or len(replays) != len(prompts):
+            raise InvalidPromptError("record / replay take one entry per prompt", param="record")
         token_lists = [self.encode(p) for p in prompts]  # all errors before any work starts
         seqs: list[Sequence] = []
         try:
-            for ids, p, c in zip(token_lists, params, chains):
-                seqs.append(self.engine.add_request(ids, p, chain=c))
+            for ids, p, c, rec, rep in zip(token_lists, params, chains, records, replays):
+                seqs.append(self.engine.add_request(ids, p, chain=c, record=rec, replay=rep))
             self._run(len(seqs), use_tqdm, on_finished)
         finally:
             for seq in seqs:  # an error or Ctrl-C mid-run must not leave pages behind

@@ -156,6 +156,11 @@ class ModelRunner:
         if self.graphs is not None and decode_only and self.graphs.fits(len(batch.seqs)):
             logits = self.graphs.run(batch, None if feed is None else (after.tokens.device, feed))
             rows = list(range(len(batch.seqs)))
+        elif _replayable(batch):  # every row takes its prefill from a record: no model layers
+            inputs = self.prepare(batch, needs_sample)
+            self._replay(inputs.md, batch, output.compacted)
+            rows = inputs.sample_seqs
+            logits = torch.stack([batch.seqs[i].replay.logits for i in rows]).to(self.device) if rows else None
         else:
             inputs = self.prepare(batch, needs_sample)
             if feed is not None:
@@ -164,6 +169,7 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, attn)
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
             rows = inputs.sample_seqs
+            _record_logits(batch, rows, logits)
         if Hook.STEP_END in self.method.hooks and batch.num_decodes:
             self._step_end(batch, output.compacted)
         if not rows:
@@ -185,9 +191,12 @@ class ModelRunner:
         md: AttentionMetadata,
         batch: ScheduledBatch | None = None,
         compacted: dict[int, dict[int, int]] | None = None,
+        compute: bool = True,
     ):
         """The model's attention function for this step, with the method's hooks around it.
-        `batch` is None in a captured decode graph (only the decode hooks can run there)."""
+        `batch` is None in a captured decode graph (only the decode hooks can run there).
+        `compute` False: store K/V and run the hooks, but no attention (a replayed prefill's output
+        is never read)."""
         attention, scale, method = self.attention, self.scale, self.method
         hooks = method.hooks
         fold = method.attention.decode_stats  # the decode statistics decode_after_attention reads
@@ -195,6 +204,7 @@ class ModelRunner:
         prefill_hooks = batch is not None and batch.num_prefills > 0 and bool(
             hooks & {Hook.PREFILL_CHUNK, Hook.PREFILL_END})
         chained = [] if batch is None else _chained_prefills(batch)
+        recording = [] if batch is None else _recording_prefills(batch)
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             d = md.num_decodes
@@ -209,7 +219,13 @@ class ModelRunner:
                                   planes=self.planes or None)
                 if Hook.DECODE_BEFORE_ATTENTION in hooks:
                     method.decode_before_attention(layer, view)
-            out = attention.forward(layer, q, k, v, md, scale, stats=stats)
+            if compute:
+                out = attention.forward(layer, q, k, v, md, scale, stats=stats)
+            else:
+                out = None
+                attention.store(layer, k, v, md)
+            for seq, rows in recording:
+                seq.record.add(layer, q[rows], k[rows], v[rows])
             if view is not None and Hook.DECODE_AFTER_ATTENTION in hooks:
                 view.attn_stats = None if stats is None else stats.out
                 method.decode_after_attention(layer, view, out[:d])
@@ -222,6 +238,16 @@ class ModelRunner:
             return out
 
         return attn
+
+    def _replay(self, md: AttentionMetadata, batch: ScheduledBatch, compacted: dict[int, dict[int, int]]) -> None:
+        """A step of replayed prefill chunks (runtime/prefill_record.py): per layer the recorded
+        q/k/v of every row, stored and handed to the method's prefill hooks; no model layers."""
+        attn = self._attn_fn(md, batch, compacted, compute=False)
+        spans = [(seq.replay, seq.num_computed_tokens, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        for layer in range(self.num_layers):
+            parts = [record.rows(layer, start, n) for record, start, n in spans]
+            q, k, v = (torch.cat(x).to(self.device) for x in zip(*parts))
+            attn(layer, q, k, v)
 
     def _prefill_hooks(self, layer, q, k, v, md, batch: ScheduledBatch, compacted) -> None:
         """prefill_chunk for every prefill chunk of the step, then prefill_end for the chunks that
@@ -472,6 +498,46 @@ def _chained_prefills(batch: ScheduledBatch) -> list[tuple[object, slice]]:
             out.append((seq, slice(start, start + n)))
         start += n
     return out
+
+
+def _recording_prefills(batch: ScheduledBatch) -> list[tuple[object, slice]]:
+    """The step's prefill chunks of sequences recording their prefill (runtime/prefill_record.py),
+    with the rows of their prompt's tokens in the step's tokens. A chunk that does not continue the
+    record where it stopped (a prefix-cache hit skipped tokens) invalidates it; a preempted
+    sequence's recompute from token 0 starts it again."""
+    if batch.num_prefills == 0:
+        return []
+    out, start = [], 0
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        record = seq.record
+        if i >= batch.num_decodes and record is not None and not record.complete and not record.invalid:
+            at = seq.num_computed_tokens
+            if at == 0 and record.recorded:
+                record.start(list(record.tokens), len(seq.kv_lens))
+            if at != record.recorded:
+                record.invalid = True
+            elif at < len(record.tokens):
+                out.append((seq, slice(start, start + min(n, len(record.tokens) - at))))
+        start += n
+    return out
+
+
+def _record_logits(batch: ScheduledBatch, rows: list[int], logits: torch.Tensor) -> None:
+    """Keeps the logits of a recording sequence's last prompt token (its record's first token)."""
+    for j, i in enumerate(rows):
+        seq = batch.seqs[i]
+        record = seq.record
+        if record is None or record.logits is not None or record.invalid or i < batch.num_decodes:
+            continue
+        if seq.num_computed_tokens + batch.num_new_tokens[i] == len(record.tokens) == record.recorded:
+            record.logits = logits[j].detach().float().clone()
+
+
+def _replayable(batch: ScheduledBatch) -> bool:
+    """Whether every row of the step is a prefill chunk its sequence's record covers."""
+    return batch.num_decodes == 0 and all(
+        seq.replay is not None and seq.replay.covers(seq.num_computed_tokens, n)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens))
 
 
 def _decode_rows(batch: ScheduledBatch, layer: int) -> list[DecodeRow]:

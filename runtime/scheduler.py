@@ -66,6 +66,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step
     max_prefill_chunk: int | None = None  # one sequence's prefill tokens per step; None: the budget
     enable_prefix_caching: bool = True
+    prefill_first: bool = False  # EngineConfig.prefill_first: no decodes while prefills can run
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
@@ -314,21 +315,28 @@ class Scheduler:
             self._take(seq, n)
             return True
 
+        def run(queue: list[Sequence]) -> None:
+            nonlocal budget
+            for seq in queue:
+                if budget == 0:
+                    break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue  # preempted for an older sequence in this loop
+                n = min(seq.num_uncomputed_tokens, budget, chunk_cap)
+                if reserve(seq, n):
+                    step[seq.seq_id] = n
+                    budget -= n
+
         decoding = [s for s in self.running if not s.is_prefill]  # one uncomputed token each
         prefilling = [s for s in self.running if s.is_prefill]
-        for seq in decoding + prefilling:
-            if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted for an older sequence in this loop
-            n = min(seq.num_uncomputed_tokens, budget, chunk_cap)
-            if reserve(seq, n):
-                step[seq.seq_id] = n
-                budget -= n
+        prefill_first = self.config.prefill_first and bool(prefilling or self.waiting)
+        run(prefilling if prefill_first else decoding + prefilling)
 
         # Right after a preemption the pool is tight: admitting now would only thrash.
         if not preempted or not step:
             self._admit(step, budget, chunk_cap)
+        if prefill_first and not step:  # nothing could prefill (no seat or pages): decode instead
+            run(decoding)
 
         if not step:
             return None

@@ -129,6 +129,10 @@ class Sequence:
         self.positions: list | None = None
         self.window_queries: list | None = None
         self.segments: tuple | None = None
+        # Prefill records (runtime/prefill_record.py): this request's prefill is recorded into
+        # `record`, or taken from `replay` instead of running the model.
+        self.record = None
+        self.replay = None
 
     def __repr__(self) -> str:
         return (

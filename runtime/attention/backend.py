@@ -177,6 +177,11 @@ class PagedAttention:
     def page_size(self) -> int:
         return self.k_cache.shape[2]
 
+    def store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
+        """Writes the step's keys/values into their slots of layer `layer_idx` (no attention: a
+        replayed prefill, runtime/prefill_record.py, needs only the stored K/V)."""
+        self.ops.store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping[layer_idx])
+
     def forward(
         self,
         layer_idx: int,
@@ -198,7 +203,7 @@ class PagedAttention:
         tables, lens = md.block_tables[layer_idx], md.context_lens[layer_idx]
         starts = None if md.kv_starts is None else md.kv_starts[layer_idx]  # [B, Hkv]
         ops = self.ops
-        ops.store_kv(k, v, k_cache, v_cache, md.slot_mapping[layer_idx])
+        self.store(layer_idx, k, v, md)
         out = torch.empty_like(q)
         num_decodes = md.num_decodes
         if num_decodes > 0:

@@ -48,7 +48,12 @@ def add_command(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="the cases' seed (default 0)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16 or float16")
-    p.add_argument("--batch", type=int, default=8, help="requests decoding together (default 8)")
+    p.add_argument("--batch", type=int, default=16, help="cases running together in one engine (default 16)")
+    p.add_argument("--no-share-prefill", action="store_true",
+                   help="run the model in every setting's engine instead of prefilling each case once and "
+                   "replaying it into every method and budget (the same answers, many more prefills)")
+    p.add_argument("--record-memory", type=float, default=6.0, metavar="GIB",
+                   help="GiB of shared prefills held at once; bounds the cases per group (default 6)")
     p.add_argument("--method-param", action="append", metavar="KEY=VALUE",
                    help="a parameter for every method that declares it (repeatable)")
     p.add_argument("--reference", choices=["kvpress"], help="also run the same cases through kvpress's presses")
@@ -68,7 +73,8 @@ def _run(a: argparse.Namespace) -> int:
 
     cfg = EvalConfig(model=a.model, methods=a.methods, budgets=a.budgets, tasks=a.tasks, lengths=a.lengths,
                      cases=a.cases, seed=a.seed, device=a.device, dtype=a.dtype, batch=a.batch,
-                     method_params=parse_method_params(a.method_param), reference=a.reference)
+                     method_params=parse_method_params(a.method_param), reference=a.reference,
+                     share_prefill=not a.no_share_prefill, record_memory=int(a.record_memory * 2**30))
     evaluation = Evaluation(cfg)
     result = report.header(evaluation)
     evaluation.done = report.load_previous(a.out, result)

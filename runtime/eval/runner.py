@@ -2,14 +2,22 @@
 
 A setting is one method at one KV budget: every method that declares a `budget` parameter (tokens
 kept per KV head after prefill) runs at each `--budgets` value, a method without one (`full`) once
-at its defaults. Each setting gets its own engine, all over one loaded model (`Engine(loaded=...)`:
-the weights load once, each engine has its own KV pool and method). A cell (setting x task x
-length) runs its cases as one batch through continuous batching, greedy; a multi-turn task opens a
-chain per case and asks each later turn through it, so a turn prefills only its new suffix over the
-method's compressed history. The outside reference (`--reference kvpress`) runs the same
-single-turn cases through kvpress_reference.py. After every cell the result goes to `on_cell`
-(report.py writes it to disk), and cells already in a previous result of the same run are skipped:
-an interrupted run keeps what it finished and a rerun continues it.
+at its defaults. Each setting runs in its own engine, all over one loaded model
+(`Engine(loaded=...)`: the weights load once, each engine has its own KV pool and method).
+
+One prefill per case, shared by every setting (runtime/prefill_record.py): a method's prefill
+hooks never change the forward, so the first setting's engine prefills a group of cases once,
+recording each layer's q/k/v and the last token's logits (and answers them: its own result), and
+the engine of every other setting takes those prefills as records: it stores their K/V, runs its
+method's prefill hooks and compaction on them, and decodes from there. Engines schedule prefills
+first so that the replaying engines batch exactly as the recording one did. `--no-share-prefill`
+runs the model in every engine instead (the same answers, about as many prefills as settings).
+Cases go in groups whose records fit `record_memory`; a group runs as one batch, greedy. A
+multi-turn task opens a chain per case and asks each later turn through it, so a turn prefills only
+its new suffix over the method's compressed history. `--reference kvpress` runs the same
+single-turn cases through kvpress_reference.py. Each cell (setting x task x length) goes to
+`on_cell` when it is done (report.py writes it to disk), and cells already in a previous result of
+the same run are skipped: an interrupted run keeps what it finished and a rerun continues it.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from kvc.runtime.eval.tasks import TASKS, Case, Task, make_cases
 from kvc.runtime.llm import LLM, RequestOutput
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.models.loader import LoadedModel, resolve_model
+from kvc.runtime.prefill_record import PrefillRecord
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.tokenizer import load_tokenizer
 
@@ -67,9 +76,11 @@ class EvalConfig:
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
-    batch: int = 8  # requests decoding together in one engine
+    batch: int = 16  # requests running together in one engine (a group of cases)
     method_params: dict[str, Any] = field(default_factory=dict)  # extra parameters for every method
     reference: str | None = None  # "kvpress": the same cases through kvpress's presses
+    share_prefill: bool = True  # one prefill per case, replayed into every setting's engine
+    record_memory: int = 6 * 2**30  # bytes of prefill records held at once (sets the group size)
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -156,16 +167,12 @@ class Evaluation:
             on_items: Callable[[int], None] | None = None) -> list[dict]:
         """Every pending cell; each finished cell goes to `on_cell` at once."""
         pending = self.pending()
-        kvc_cells = [c for c in pending if c[0] == KVC]
-        for setting in dict.fromkeys(s for _, s, _, _ in kvc_cells):
-            llm = self._llm(setting)
-            try:
-                for _, s, task, length in kvc_cells:
-                    if s == setting:
-                        self._finish(self._run_kvc(llm, setting, task, length, on_items), on_cell)
-            finally:
-                del llm
-                gc.collect()
+        kvc_cells: dict[tuple[str, int], list[Setting]] = {}
+        for engine, setting, task, length in pending:
+            if engine == KVC:
+                kvc_cells.setdefault((task, length), []).append(setting)
+        for (task, length), settings in kvc_cells.items():
+            self._run_kvc(settings, task, length, on_cell, on_items)
         reference = [c for c in pending if c[0] == KVPRESS]
         for task, length in dict.fromkeys((t, n) for _, _, t, n in reference):
             settings = [s for _, s, t, n in reference if (t, n) == (task, length)]
@@ -179,6 +186,41 @@ class Evaluation:
         if on_cell is not None:
             on_cell(cell)
 
+    def groups(self, task: str, length: int) -> list[list[Case]]:
+        """The cases of a cell in groups of at most `batch`, whose prefill records fit `record_memory`."""
+        cases = self.cases[task, length]
+        spec = self.loaded.spec
+        per_case = (spec.num_layers * max(len(c.prompt) for c in cases) * (spec.num_heads + 2 * spec.num_kv_heads)
+                    * spec.head_dim * spec.dtype.itemsize)
+        size = self.cfg.batch if not self.cfg.share_prefill else max(1, min(self.cfg.batch,
+                                                                             self.cfg.record_memory // per_case))
+        return [cases[i:i + size] for i in range(0, len(cases), size)]
+
+    def _run_kvc(self, settings: list[Setting], task: str, length: int, on_cell: Callable[[dict], None] | None,
+                 on_items: Callable[[int], None] | None) -> None:
+        """Every pending setting of one (task, length): per group of cases, the first setting's
+        engine prefills and records them, every other setting's engine replays the records."""
+        multi_turn = self.tasks[task].multi_turn
+        outputs: dict[Setting, list[list[RequestOutput]]] = {s: [] for s in settings}
+        seconds = dict.fromkeys(settings, 0.0)
+        groups = self.groups(task, length)
+        for g, group in enumerate(groups):
+            records = [PrefillRecord() for _ in group] if self.cfg.share_prefill else None
+            for i, setting in enumerate(settings):
+                start = time.perf_counter()
+                llm = self._llm(setting)
+                try:  # the first setting's engine records the prefills (any method's forward is the same)
+                    shared = {} if records is None else {"record": records} if i == 0 else {"replay": records}
+                    outputs[setting].extend(_run_group(llm, group, multi_turn, on_items, **shared))
+                finally:
+                    del llm
+                    gc.collect()
+                seconds[setting] += time.perf_counter() - start
+                if g == len(groups) - 1:
+                    texts = [[o.text for o in turns] for turns in outputs[setting]]
+                    cached = [[o.num_cached_tokens for o in turns] for turns in outputs[setting]]
+                    self._finish(self._cell(KVC, setting, task, length, texts, seconds[setting], cached), on_cell)
+
     def _llm(self, setting: Setting) -> LLM:
         cfg = self.cfg
         spec = self.loaded.spec
@@ -188,21 +230,9 @@ class Evaluation:
             model=cfg.model, method=setting.method, method_params=setting.method_params or None, device=cfg.device,
             dtype=cfg.dtype, max_num_seqs=cfg.batch, max_model_len=min(spec.max_position_embeddings, longest + 16),
             kv_cache_memory=int(cfg.batch * (longest + 64) * bytes_per_token * 1.25), seed=cfg.seed,
+            prefill_first=True, enable_prefix_caching=False,  # replays batch as the recording did
         )
         return LLM.from_engine(Engine(config, loaded=self.loaded))
-
-    def _run_kvc(self, llm: LLM, setting: Setting, task: str, length: int,
-                 on_items: Callable[[int], None] | None) -> dict:
-        cases = self.cases[task, length]
-        start = time.perf_counter()
-        if self.tasks[task].multi_turn:
-            outs = _chained(llm, cases, on_items)
-        else:
-            outs = [[o] for o in llm.generate([list(c.prompt) for c in cases], [_params(c) for c in cases],
-                                              on_finished=on_items)]
-        texts = [[o.text for o in turns] for turns in outs]
-        cached = [[o.num_cached_tokens for o in turns] for turns in outs]
-        return self._cell(KVC, setting, task, length, texts, time.perf_counter() - start, cached)
 
     def _run_kvpress(self, settings: list[Setting], task: str, length: int,
                      on_items: Callable[[int], None] | None) -> list[dict]:
@@ -256,25 +286,32 @@ def _tokens_needed(case: Case) -> int:
     return len(case.prompt) + sum(len(t.suffix) for t in case.turns) + (1 + len(case.turns)) * case.max_tokens
 
 
-def _chained(llm: LLM, cases: list[Case], on_items: Callable[[int], None] | None) -> list[list[RequestOutput]]:
-    """Each case's turns through one chain: turn k's prompt is everything so far (prompt, the
-    tokens generated, the earlier suffixes) plus its own suffix, and only that suffix is prefilled."""
-    outs = llm.generate([list(c.prompt) for c in cases], [_params(c) for c in cases],
-                        chain=[ChainSpec(open=True) for _ in cases], on_finished=on_items)
+def _run_group(llm: LLM, cases: list[Case], multi_turn: bool, on_items: Callable[[int], None] | None,
+               record: list[PrefillRecord] | None = None,
+               replay: list[PrefillRecord] | None = None) -> list[list[RequestOutput]]:
+    """Each case's outputs, turn by turn. A multi-turn case runs through one chain: turn k's prompt
+    is everything so far (prompt, the tokens generated, the earlier suffixes) plus its own suffix,
+    and only that suffix is prefilled; the first turn records or replays its prefill."""
+    params = [_params(c) for c in cases]
+    chains = [ChainSpec(open=True) for _ in cases] if multi_turn else None
+    outs = llm.generate([list(c.prompt) for c in cases], params, chain=chains, on_finished=on_items,
+                        record=record, replay=replay)
+    results = [[o] for o in outs]
+    if not multi_turn:
+        return results
     histories = [list(c.prompt) + o.token_ids for c, o in zip(cases, outs)]
-    chains = [o.chain_id for o in outs]
-    texts = [[o] for o in outs]
+    ids = [o.chain_id for o in outs]
     try:
         for turn in range(max(len(c.turns) for c in cases)):
             live = [i for i, c in enumerate(cases) if turn < len(c.turns)]
             prompts = [histories[i] + list(cases[i].turns[turn].suffix) for i in live]
-            outs = llm.generate(prompts, [_params(cases[i]) for i in live],
-                                chain=[ChainSpec(continue_id=chains[i]) for i in live], on_finished=on_items)
-            for i, prompt, out in zip(live, prompts, outs):
+            turn_outs = llm.generate(prompts, [params[i] for i in live],
+                                     chain=[ChainSpec(continue_id=ids[i]) for i in live], on_finished=on_items)
+            for i, prompt, out in zip(live, prompts, turn_outs):
                 histories[i] = prompt + out.token_ids
-                texts[i].append(out)
+                results[i].append(out)
     finally:
-        for chain_id in chains:
+        for chain_id in ids:
             if chain_id is not None:
                 llm.engine.drop_chain(chain_id, None)
-    return texts
+    return results

@@ -94,17 +94,27 @@ def test_an_interrupted_run_continues_where_it_stopped(tiny_run, tmp_path, monke
     ran: list[tuple] = []
     real = Evaluation._run_kvc
 
-    def spy(self, llm, setting, task, length, on_items):
-        ran.append((setting.label, task))
-        return real(self, llm, setting, task, length, on_items)
+    def spy(self, settings, task, length, on_cell, on_items):
+        ran.append(([s.label for s in settings], task))
+        return real(self, settings, task, length, on_cell, on_items)
 
     monkeypatch.setattr(Evaluation, "_run_kvc", spy)
     again.run()
     last = result["cells"][3]
-    assert ran == [(Setting(last["method"], last["budget"]).label, last["task"])]
+    assert ran == [([Setting(last["method"], last["budget"]).label], last["task"])]
     other = dict(report.header(again), seed=cfg.seed + 1)
     with pytest.raises(ConfigError, match="holds another run"):
         report.load_previous(path, other)
+
+
+def test_shared_prefills_give_the_answers_of_separate_ones(tiny_run) -> None:
+    """One prefill per case replayed into every setting = every engine running the model itself."""
+    cfg, _, _, result, _ = tiny_run
+    separate = Evaluation(EvalConfig(**{**cfg.__dict__, "share_prefill": False})).run()
+    answers = {(c["method"], c["budget"], c["task"]): [(i["output"], i["cached_tokens"]) for i in c["items"]]
+               for c in separate}
+    for c in result["cells"]:
+        assert [(i["output"], i["cached_tokens"]) for i in c["items"]] == answers[c["method"], c["budget"], c["task"]]
 
 
 def test_table_and_plot(tiny_run, tmp_path) -> None:
