@@ -158,6 +158,7 @@ def main() -> None:
     p.add_argument("--threads", default="1,2", help="torch thread counts, each run on both sides")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch", type=int, default=8, help="prompts in the batch case (0: skip it)")
+    p.add_argument("--batch-repeats", type=int, default=None, help="repeats of the batch case (default: --repeats)")
     p.add_argument("--batch-min", type=int, default=500, help="shortest prompt of the batch")
     p.add_argument("--batch-max", type=int, default=2000, help="longest prompt of the batch")
     p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per prompt in the batch case")
@@ -183,7 +184,8 @@ def main() -> None:
         "cpu": cpu_name(), "cores": os.cpu_count(),
         "torch": torch.__version__, "transformers": transformers.__version__, "prefill": [], "batch": [],
     }
-    batch_runs = (3 if a.batch_hf else 2) * a.repeats if a.batch else 0
+    batch_repeats = a.repeats if a.batch_repeats is None else a.batch_repeats
+    batch_runs = (3 if a.batch_hf else 2) * batch_repeats if a.batch else 0
     total = len(threads) * (2 * a.repeats * len(lengths) + batch_runs)
     with Progress(transient=True) as bar:
         task = bar.add_task("cpu prefill bench", total=total)
@@ -196,7 +198,7 @@ def main() -> None:
             for n in lengths:
                 results["prefill"].append(prefill_case(sides, gen, t, n, a.repeats, progress))
             if a.batch:
-                results["batch"].append(batch_case(sides, gen, t, batch_lengths, a.new_tokens, a.repeats,
+                results["batch"].append(batch_case(sides, gen, t, batch_lengths, a.new_tokens, batch_repeats,
                                                    a.batch_hf, progress))
     print(table(results))
     if a.out:

@@ -129,7 +129,7 @@ def _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, max_c
 def _decode_by_row(q, k_cache, v_cache, block_tables, context_lens, scale, kv_starts, out):
     """paged_decode one row at a time over exactly its context_lens[b] keys (host lengths); a mask
     only for a row with per-head starts. Writes into `out` when given."""
-    batch, num_q_heads, head_dim = q.shape
+    _, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     o = torch.zeros_like(q) if out is None else out
     head_starts = None if kv_starts is None else kv_starts.tolist()

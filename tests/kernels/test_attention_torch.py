@@ -10,7 +10,7 @@ from tests.kernels.paged_cases import make_case, reference_decode, reference_pre
 
 HEAD_DIM = 16
 NUM_KV_HEADS = 2
-TOL = dict(atol=2e-5, rtol=1e-4)
+TOL = {"atol": 2e-5, "rtol": 1e-4}
 
 
 def fresh(seed: int) -> torch.Generator:
