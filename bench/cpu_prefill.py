@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -44,11 +45,15 @@ def random_prompt(gen: torch.Generator, length: int, vocab: int) -> list[int]:
     return torch.randint(100, vocab, (length,), generator=gen).tolist()
 
 
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def timed(fn):
-    """(wall seconds, CPU seconds of the process, fn())."""
-    start, cpu = time.perf_counter(), time.process_time()
+    """(wall seconds, CPU seconds of the process, minor page faults, fn())."""
+    start, cpu, faults = time.perf_counter(), time.process_time(), minor_faults()
     result = fn()
-    return time.perf_counter() - start, time.process_time() - cpu, result
+    return time.perf_counter() - start, time.process_time() - cpu, minor_faults() - faults, result
 
 
 class Sides:
@@ -86,6 +91,7 @@ class Sides:
 
 def prefill_case(sides: Sides, gen: torch.Generator, threads: int, length: int, repeats: int, progress) -> dict:
     kvc_s, hf_s, kvc_cpu, hf_cpu, same = [], [], [], [], []
+    faults: dict[str, list[int]] = {"kvc": [], "hf": []}
     for r in range(repeats):
         prompt = random_prompt(gen, length, sides.vocab)
         runs = {
@@ -95,14 +101,15 @@ def prefill_case(sides: Sides, gen: torch.Generator, threads: int, length: int, 
         order = ["kvc", "hf"] if r % 2 == 0 else ["hf", "kvc"]
         got = {}
         for side in order:
-            seconds, cpu, got[side] = timed(runs[side])
+            seconds, cpu, page_faults, got[side] = timed(runs[side])
             (kvc_s if side == "kvc" else hf_s).append(seconds)
             (kvc_cpu if side == "kvc" else hf_cpu).append(cpu)
+            faults[side].append(page_faults)
             progress()
         same.append(got["kvc"] == got["hf"])
     kvc, hf = statistics.median(kvc_s), statistics.median(hf_s)
     return {"threads": threads, "length": length, "kvc_s": kvc_s, "hf_s": hf_s, "kvc_cpu_s": kvc_cpu,
-            "hf_cpu_s": hf_cpu, "kvc_median_s": kvc, "hf_median_s": hf, "speed_vs_hf": hf / kvc,
+            "hf_cpu_s": hf_cpu, "kvc_minor_faults": faults["kvc"], "hf_minor_faults": faults["hf"], "kvc_median_s": kvc, "hf_median_s": hf, "speed_vs_hf": hf / kvc,
             "cpu_speed_vs_hf": statistics.median(hf_cpu) / statistics.median(kvc_cpu), "same_first_token": same}
 
 
@@ -122,7 +129,7 @@ def batch_case(sides: Sides, gen: torch.Generator, threads: int, lengths: list[i
         order = list(runs) if r % 2 == 0 else list(reversed(runs))
         got = {}
         for side in order:
-            seconds, cpu, got[side] = timed(runs[side])
+            seconds, cpu, _, got[side] = timed(runs[side])
             times[side].append(seconds)
             cpu_times[side].append(cpu)
             progress()

@@ -34,12 +34,15 @@ def store_kv(
     """
     _, num_kv_heads, page_size, head_dim = k_cache.shape
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    if bool(keep.all()):  # the usual step: no padding, so no masked copies of k and v
+        slots = slot_mapping.long()
+    else:
+        slots, k, v = slot_mapping[keep].long(), k[keep], v[keep]
     heads = torch.arange(num_kv_heads, device=slots.device)
     rows = ((slots // page_size * num_kv_heads)[:, None] + heads[None, :]) * page_size + (slots % page_size)[:, None]
-    rows = rows.flatten()  # [n * Hkv], token-major like k[keep]
-    k_cache.view(-1, head_dim).index_copy_(0, rows, k[keep].reshape(-1, head_dim).to(k_cache.dtype))
-    v_cache.view(-1, head_dim).index_copy_(0, rows, v[keep].reshape(-1, head_dim).to(v_cache.dtype))
+    rows = rows.flatten()  # [n * Hkv], token-major like k
+    k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
+    v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_cache.dtype))
 
 
 def gather_kv(

@@ -8,9 +8,9 @@ before the weight multiply; cos/sin are computed in float32 and cast to the acti
 the output projection to what comes back.
 
 Elementwise steps write into tensors they just made (in-place ops where the result is fresh, `out=`
-halves in rope): on the CPU every new large tensor costs page faults, which took a sizeable share of
-a prefill (docs/benchmarks.md, "CPU (embedded default model)"). The values are the same bits as the
-out-of-place expressions they replace (the same operations in the same order).
+halves in rope), so a prefill allocates fewer large tensors, each of which can cost page faults on the
+CPU (docs/benchmarks.md, "CPU (embedded default model)"). The values are the same bits as the
+out-of-place expressions of the reference models (the same operations in the same order).
 """
 
 from __future__ import annotations

@@ -173,15 +173,18 @@ def test_prefill_runs_the_cpu_flash_kernel():
     assert "aten::_scaled_dot_product_attention_math" not in names
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_rows_match_page_offsets(cache_dtype):
-    # Every (slot, head) lands at [page, head, offset] of a cache with more heads and longer pages.
+def test_store_kv_rows_match_page_offsets(cache_dtype, padded):
+    # Every (slot, head) lands at [page, head, offset] of a cache with more heads and longer pages,
+    # with and without a padding slot (-1: the masked path; none: k and v are stored as they are).
     gen = fresh(12)
     num_pages, heads, page_size = 6, 3, 8
     k_cache = torch.zeros(num_pages, heads, page_size, HEAD_DIM, dtype=cache_dtype)
     v_cache = torch.zeros_like(k_cache)
     slots = torch.randperm(num_pages * page_size, generator=gen)[:20]
-    slots[3] = -1
+    if padded:
+        slots[3] = -1
     k = torch.randn(20, heads, HEAD_DIM, generator=gen)
     v = torch.randn(20, heads, HEAD_DIM, generator=gen)
     torch_ops.store_kv(k, v, k_cache, v_cache, slots)
@@ -189,7 +192,7 @@ def test_store_kv_rows_match_page_offsets(cache_dtype):
         if slot >= 0:
             assert torch.equal(k_cache[slot // page_size, :, slot % page_size], k[t].to(cache_dtype))
             assert torch.equal(v_cache[slot // page_size, :, slot % page_size], v[t].to(cache_dtype))
-    assert int((k_cache.abs().sum(-1) > 0).sum()) == 19 * heads
+    assert int((k_cache.abs().sum(-1) > 0).sum()) == (19 if padded else 20) * heads
 
 
 @pytest.mark.parametrize("with_starts", [False, True])
