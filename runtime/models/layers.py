@@ -6,6 +6,11 @@ before the weight multiply; cos/sin are computed in float32 and cast to the acti
 
 `Attention` stops at the seam: it calls the engine's `AttentionFn` with roped q/k/v and applies
 the output projection to what comes back.
+
+Elementwise steps write into tensors they just made (in-place ops where the result is fresh, `out=`
+halves in rope), so a prefill allocates fewer large tensors, each of which can cost page faults on the
+CPU (docs/benchmarks.md, "CPU (embedded default model)"). The values are the same bits as the
+out-of-place expressions of the reference models (the same operations in the same order).
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)  # a new tensor
+        if self.weight.dtype != normed.dtype:  # weight * normed promotes: no in-place product
+            return self.weight * normed
+        return normed.mul_(self.weight)
 
 
 class RotaryEmbedding(HasBuffers):
@@ -68,11 +75,16 @@ class RotaryEmbedding(HasBuffers):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; rotates the pairs (i, i + head_dim/2) by the position's angles."""
+    """x [T, heads, head_dim]; rotates the pairs (i, i + head_dim/2) by the position's angles.
+    Returns a new contiguous tensor: (x1 cos - x2 sin, x2 cos + x1 sin), each half computed in place."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    out = torch.empty(x.shape, dtype=torch.result_type(x, cos), device=x.device)
+    first, second = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=first).sub_(x2 * sin)
+    torch.mul(x2, cos, out=second).add_(x1 * sin)
+    return out
 
 
 class GatedMLP(nn.Module):
@@ -86,7 +98,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # silu(gate) * up in the projection's own buffer; down_proj reads the strided half as is
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
     def add_to_layout(self, layout: CheckpointLayout, hf: str, kvc: str) -> None:
         i = self.intermediate_size

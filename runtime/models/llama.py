@@ -38,8 +38,10 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The residual sums land in the attention output (a new tensor), not in a fresh one; an
+        # addition is commutative, so the bits are those of x + attention.
+        h = self.self_attn(self.input_layernorm(x), cos, sin, attn).add_(x)
+        return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
 class LlamaForCausalLM(CausalLM):
