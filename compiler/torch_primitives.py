@@ -41,9 +41,9 @@ def attention(q, k, softmax=True):
     heads, queries, head_dim = q.shape
     length = k.shape[1]
     keys = k.float().repeat_interleave(heads // k.shape[0], dim=0)
-    logits = q.float() @ keys.transpose(1, 2) / math.sqrt(head_dim)
+    logits = (q.float() @ keys.transpose(1, 2)).div_(math.sqrt(head_dim))  # in place: one [h, q, k] buffer
     query_pos = torch.arange(length - queries, length, device=q.device)[:, None]
-    logits = logits.masked_fill(torch.arange(length, device=q.device)[None, :] > query_pos, NEG_INF)
+    logits.masked_fill_(torch.arange(length, device=q.device)[None, :] > query_pos, NEG_INF)
     return logits.softmax(dim=-1) if softmax else logits
 
 

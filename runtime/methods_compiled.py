@@ -193,6 +193,7 @@ class CompiledBudget:
 class CompiledMethod(DecodeHooks, MethodBase):
     compacts = True
     fused_devices = ("cuda",)  # where the fused Triton kernels run (tests add "cpu" under TRITON_INTERPRET)
+    QUERY_BLOCK_BYTES = 8 << 20  # the torch path's attention matrix per block of a chunk's queries
 
     def __init__(self, name: str, manifest: dict, params: dict[str, Any], folder: Path | None = None) -> None:
         self.name = name
@@ -286,9 +287,25 @@ class CompiledMethod(DecodeHooks, MethodBase):
             if fused is not None:  # no [head, query, key] matrix in memory
                 self._state[key] = fused(q, k, self.params, state)
                 return
-            attn = self.lowering._attention(q, k, softmax=True)
-            sym = self._sym(view, q.shape[0], k.shape[0], k.shape[-1], k.shape[1])
-            self._state[key] = self._chunk_hook({"q": q, "k": k, "v": None, "attn": attn}, state, sym, self.params)
+            self._state[key] = self._chunk_in_blocks(view, q, k, state)
+
+    def _chunk_in_blocks(self, view: PrefillView, q: torch.Tensor, k: torch.Tensor, state: dict) -> dict:
+        """The torch path of a chunk hook, over blocks of the chunk's queries: each block is a
+        smaller prefill chunk (its queries the newest positions of the keys up to it), which the
+        contract already makes equivalent, since the engine may chunk a prompt anywhere. The
+        [head, query, key] matrix of a block stays near `QUERY_BLOCK_BYTES`, instead of the whole
+        chunk's (151 MB per layer for 2,048 queries over 2,048 keys at 9 heads, several passes each)."""
+        heads, queries = q.shape[0], q.shape[1]
+        length = k.shape[1]
+        block = max(16, self.QUERY_BLOCK_BYTES // (4 * heads * length))
+        for first in range(0, queries, block):
+            last = min(queries, first + block)
+            keys = k[:, : length - queries + last]
+            attn = self.lowering._attention(q[:, first:last], keys, softmax=True)
+            sym = self._sym(view, heads, k.shape[0], k.shape[-1], keys.shape[1])
+            state = self._chunk_hook({"q": q[:, first:last], "k": keys, "v": None, "attn": attn}, state, sym,
+                                     self.params)
+        return state
 
     def prefill_end(self, layer: int, view: PrefillView) -> KeepPlan | None:
         key = (view.seq_id, layer)

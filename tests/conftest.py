@@ -14,6 +14,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # transformers' per-tensor loading bars would flood the logs of every failing test
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# `pytest -n N` runs N workers: one thread each, or N workers x all cores oversubscribe the machine
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 def pytest_configure(config):

@@ -31,7 +31,7 @@ def _names(text: str) -> list[str]:
 def add_command(sub) -> None:
     from kvc.runtime.eval.tasks import TASKS
 
-    default_tasks = ",".join(name for name, task in TASKS.items() if getattr(task, "default", True))
+    default_tasks = ",".join(name for name, task in TASKS.items() if task.default)
     p = sub.add_parser("eval", help="accuracy against KV budget per method on synthetic long-context tasks",
                        description="Runs every method at every budget on generated long-context tasks through "
                        "kvc's engine (greedy) and reports accuracy with 95%% intervals (docs/accuracy.md).")

@@ -50,6 +50,7 @@ class Task(Protocol):
     name: str
     description: str  # one line for reports
     multi_turn: bool
+    default: bool  # run when `kvc eval --tasks` is not given
 
     def cases(self, tokenizer, length: int, count: int, seed: int) -> list[Case]: ...
 
@@ -136,6 +137,7 @@ class NumberTask:
     answer_digits: int = 5
     chat: bool = True  # frame with the tokenizer's chat template where it has one
     system: str | None = None  # the system prompt; None: the chat template's default
+    default: bool = True  # among `kvc eval`'s default tasks
     multi_turn = False
 
     def correct(self, expected: str, generated_text: str) -> bool:
@@ -328,7 +330,7 @@ TASKS: dict[str, Task] = {
         MultiKey(),
         KVLookup(),
         MultiTurn(),
-        Passkey(name="passkey_repeat", repeat=True,
+        Passkey(name="passkey_repeat", repeat=True, default=False,
                 description="a 5-digit pass key in one repeated passage (eviction's known weak spot), depth 0-100%"),
     )
 }

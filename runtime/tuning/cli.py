@@ -69,16 +69,20 @@ def _dtype(name: str):
     return dtype
 
 
-def _plan(args, device, shape, memory_bytes):
-    from kvc.compiler.attention import VARIANTS
-    from kvc.runtime.attention import triton_ops
-    from kvc.runtime.tuning import benches, space
-
+def _kernel_groups(args) -> list[str]:
     groups = [g.strip() for g in args.kernels.split(",") if g.strip()]
     unknown = sorted(set(groups) - set(KERNEL_GROUPS))
     if unknown:
         raise ConfigError(f"--kernels: unknown {', '.join(unknown)} (choose from {', '.join(KERNEL_GROUPS)})",
                           param="kernels")
+    return groups
+
+
+def _plan(args, groups, device, shape, memory_bytes):
+    from kvc.compiler.attention import VARIANTS
+    from kvc.runtime.attention import triton_ops
+    from kvc.runtime.tuning import benches, space
+
     variants, compacts, scores = sorted(VARIANTS), True, True
     if args.method:
         from kvc.runtime.methods import resolve_method
@@ -116,9 +120,11 @@ def tune_command(args: argparse.Namespace) -> int:
     from kvc.runtime.tuning.keys import gpu_key
     from kvc.runtime.tuning.shapes import model_shape
 
-    shape = model_shape(args.model, device, _dtype(args.dtype))
+    groups = _kernel_groups(args)  # flags first: a typo must not wait for the model to load
+    dtype = _dtype(args.dtype)
+    shape = model_shape(args.model, device, dtype)
     memory_bytes = int(args.memory_gib * 2**30)
-    planned = _plan(args, device, shape, memory_bytes)
+    planned = _plan(args, groups, device, shape, memory_bytes)
     if not planned:
         print("kvc tune: nothing to tune for this method and model", file=sys.stderr)
         return 0

@@ -72,10 +72,13 @@ def test_budget_formulas_match_references(layers):
     stream, snap, h2o, tova, adakv = (_kept(n) for n in ("streamingllm", "snapkv", "h2o", "tova", "adakv"))
     for T in CONTEXTS:
         for layer in (0, layers // 2, layers - 1):
-            assert stream(T, layer, layers, 8, {"sink": 4, "recent": 1020}) == min(T, 1024)
+            assert stream(T, layer, layers, 8, {"sink": 4, "recent": 1020, "budget": 0}) == min(T, 1024)
+            assert stream(T, layer, layers, 8, {"sink": 4, "recent": 2000, "budget": 256}) == min(T, 256)
             assert snap(T, layer, layers, 8, {"budget": 512, "window": 32}) == min(T, 512)
             heavy, recent = 0.1, 0.2
-            assert h2o(T, layer, layers, 8, {"heavy": heavy, "recent": recent}) == min(T, int(heavy * T) + int(recent * T))
+            assert h2o(T, layer, layers, 8, {"heavy": heavy, "recent": recent, "budget": 0}) == min(
+                T, int(heavy * T) + int(recent * T))
+            assert h2o(T, layer, layers, 8, {"heavy": heavy, "recent": recent, "budget": 256}) == min(T, 256)
             assert tova(T, layer, layers, 8, {"budget": 512}) == min(T, 512)
             assert adakv(T, layer, layers, 8, {"budget": 512, "window": 64}) == min(T, 512)
 

@@ -1,8 +1,9 @@
 """Compiled methods (kernels_generated/<m>/) served end to end through the generic adapter
 (`runtime/methods_compiled.py`): greedy tokens equal the hand-written oracle
-(`tests/references/model_forward.greedy_compressed`, prefill-end compression; for the methods
-that also evict while decoding, `greedy_compressed_decode`) with the same semantics, on tiny random Llama and Qwen3, float32 CPU, chunked prefill of
-32, page size 7; pages held after prefill = ceil(kept / page) per layer; clear ConfigErrors."""
+(`tests/references/model_forward.greedy_compressed`, prefill-end compression; for the methods that
+also evict while decoding, `greedy_compressed_decode`) with the same semantics, on tiny random
+Llama and Qwen3, float32 CPU, chunked prefill of 32, page size 7; pages held after prefill =
+ceil(kept / page) per layer; clear ConfigErrors."""
 
 from __future__ import annotations
 
@@ -99,6 +100,20 @@ def test_tokens_match_the_reference(model_dir, method):
         else:
             want = reference(hf, prompt, ref_method, {**ref_params(len(prompt))})
         assert tokens == want, f"{method}, prompt of {len(prompt)} tokens"
+
+
+def test_chunk_hooks_in_query_blocks_keep_the_same_tokens(model_dir, monkeypatch):
+    """The torch path runs a chunk hook over blocks of the chunk's queries (16 here, the smallest
+    block, so each chunk of 32 is two): H2O's accumulated scores, hence its tokens, are unchanged."""
+    from kvc.runtime.methods_compiled import CompiledMethod
+
+    monkeypatch.setattr(CompiledMethod, "QUERY_BLOCK_BYTES", 1)
+    ours = CASES["h2o"][0]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = prompts_of(LENGTHS, seed=11)
+    for prompt, tokens in zip(prompts, generate(make_llm(model_dir, "h2o", ours), prompts)):
+        want = greedy_compressed_decode(hf, torch.tensor(prompt), STEPS, "h2o", **ours)[0].tolist()
+        assert tokens == want, f"prompt of {len(prompt)} tokens"
 
 
 def test_pyramidkv_matches_snapkv_at_the_compiled_schedule(model_dir):
