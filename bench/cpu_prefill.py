@@ -109,7 +109,8 @@ def prefill_case(sides: Sides, gen: torch.Generator, threads: int, length: int, 
         same.append(got["kvc"] == got["hf"])
     kvc, hf = statistics.median(kvc_s), statistics.median(hf_s)
     return {"threads": threads, "length": length, "kvc_s": kvc_s, "hf_s": hf_s, "kvc_cpu_s": kvc_cpu,
-            "hf_cpu_s": hf_cpu, "kvc_minor_faults": faults["kvc"], "hf_minor_faults": faults["hf"], "kvc_median_s": kvc, "hf_median_s": hf, "speed_vs_hf": hf / kvc,
+            "hf_cpu_s": hf_cpu, "kvc_minor_faults": faults["kvc"], "hf_minor_faults": faults["hf"],
+            "kvc_median_s": kvc, "hf_median_s": hf, "speed_vs_hf": hf / kvc,
             "cpu_speed_vs_hf": statistics.median(hf_cpu) / statistics.median(kvc_cpu), "same_first_token": same}
 
 
@@ -136,7 +137,8 @@ def batch_case(sides: Sides, gen: torch.Generator, threads: int, lengths: list[i
         same.append(got["kvc_batched"] == got["kvc_one_by_one"])
     medians = {side: statistics.median(t) for side, t in times.items() if t}
     result = {"threads": threads, "lengths": lengths, "new_tokens": new_tokens, "times_s": times,
-              "cpu_times_s": cpu_times, "median_s": medians, "batched_speedup": medians["kvc_one_by_one"] / medians["kvc_batched"],
+              "cpu_times_s": cpu_times, "median_s": medians,
+              "batched_speedup": medians["kvc_one_by_one"] / medians["kvc_batched"],
               "same_tokens_batched_and_one_by_one": same}
     if with_hf:
         result["batched_vs_hf_one_by_one"] = medians["hf_one_by_one"] / medians["kvc_batched"]

@@ -63,17 +63,17 @@ def hf_decode_tps(model: str, batch: int, context: int, steps: int) -> dict:
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     ids = torch.randint(0, config.vocab_size, (batch, context), device="cuda")
 
-    def run(n: int) -> float:
+    def run(lm, n: int) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+            lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                         do_sample=False, pad_token_id=0)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    run(2)  # warm-up
-    short, long = run(4), run(4 + steps)
+    run(hf, 2)  # warm-up
+    short, long = run(hf, 4), run(hf, 4 + steps)
     dt = long - short
     out = {"engine": "hf-transformers", "version": transformers.__version__, "batch": batch, "context": context,
            "step_ms": 1e3 * dt / steps, "decode_tok_s": batch * steps / dt}

@@ -112,8 +112,9 @@ def generate_ir(method: MethodIR) -> dict[str, str]:
         header=_header(method.path, TORCH_TEMPLATE), **context)}
     templates = [TORCH_TEMPLATE, HOOKS_TEMPLATE]
     if plan.kernels:
+        families = ", ".join(sorted({FAMILY_TEMPLATES[k.family] for k in plan.kernels}))
         files["triton_kernels.py"] = _ENV.get_template(TRITON_TEMPLATE).render(
-            header=_header(method.path, f"{TRITON_TEMPLATE} + {', '.join(sorted({FAMILY_TEMPLATES[k.family] for k in plan.kernels}))}"),
+            header=_header(method.path, f"{TRITON_TEMPLATE} + {families}"),
             method=method, defaults=defaults, kernels=plan.kernels)
         templates += [TRITON_TEMPLATE] + [FAMILY_TEMPLATES[k.family] for k in plan.kernels]
     formulas = budgets.formulas()

@@ -100,11 +100,13 @@ def plan(method: MethodIR) -> FusionPlan:
                     doc = ("TOVA-style: the last query's attention, averaged over every head" if name ==
                            "last_query_score" else "observation-window scores, pooled, averaged over the GQA group")
                     flags["ACCUMULATE"] = False
-                    out.kernels.append(KernelSpec("attention_columns", name, hook.name, tuple(sorted(flags.items())), doc))
+                    out.kernels.append(KernelSpec("attention_columns", name, hook.name,
+                                                  tuple(sorted(flags.items())), doc))
             if isinstance(stmt, Accumulate) and hook.name == "prefill_chunk" and _column_sum(stmt.value):
                 flags = {"HEAD_REDUCE": "group", "POOL": "none", "QUERY_REDUCE": "sum", "SLICED_KEYS": False,
                          "ACCUMULATE": True, "KERNEL_EXPR": "1", "WINDOW_EXPR": "None", "STATE": stmt.state,
                          "WHOLE_HOOK": len(hook.stmts) == 1}
-                out.kernels.append(KernelSpec("attention_columns", "column_sum", hook.name, tuple(sorted(flags.items())),
-                                              f"H2O-style: adds a prefill chunk's attention column sums into `{stmt.state}`"))
+                out.kernels.append(KernelSpec(
+                    "attention_columns", "column_sum", hook.name, tuple(sorted(flags.items())),
+                    f"H2O-style: adds a prefill chunk's attention column sums into `{stmt.state}`"))
     return out

@@ -30,9 +30,10 @@ stack the score rows of several sequences whose symbols are equal into one selec
 set to the stacked row count (step end over a decode batch: runtime/methods_compiled_decode.py).
 
 The engine's decode attention (attention variant `decode_stats`, `compiler/attention.py`; torch:
-`runtime/attention/decode_stats.py`) emits exactly that reduction of the softmax probabilities, so a decode step never materialises [head, key] when
-the method only needs [kv_head, key] or [key]. The hook then receives `attn` with the reduced
-axis already folded to size 1, which its own reduction folds exactly.
+`runtime/attention/decode_stats.py`) emits exactly that reduction of the softmax probabilities,
+so a decode step never materialises [head, key] when the method only needs [kv_head, key] or
+[key]. The hook then receives `attn` with the reduced axis already folded to size 1, which its
+own reduction folds exactly.
 """
 
 from __future__ import annotations

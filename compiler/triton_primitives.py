@@ -120,7 +120,8 @@ def column_votes(q, k, n_keys, *, block_q=None, block_k=None, num_warps=None):
     on_gpu = device.type != "cpu"
     if block_q is None or block_k is None or num_warps is None:
         cfg = launch_config(queries, length, heads, kv_heads, head_dim, k.dtype, on_gpu)
-        block_q, block_k, num_warps = block_q or cfg["block_q"], block_k or cfg["block_k"], num_warps or cfg["num_warps"]
+        block_q, block_k = block_q or cfg["block_q"], block_k or cfg["block_k"]
+        num_warps = num_warps or cfg["num_warps"]
     block_d = max(16, triton.next_power_of_2(head_dim))
     scale = 1.0 / math.sqrt(head_dim)
     ieee = k.dtype == f32

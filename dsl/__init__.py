@@ -66,7 +66,8 @@ def method_path(name: str) -> Path:
     path = METHODS_DIR / f"{name}.kvm"
     if not path.is_file():
         known = sorted(p.stem for p in METHODS_DIR.glob("*.kvm"))
-        raise KvmError([Diagnostic(str(path), Pos(1, 1), f"no shipped method named '{name}'; known: {', '.join(known)}")])
+        raise KvmError([Diagnostic(str(path), Pos(1, 1),
+                                   f"no shipped method named '{name}'; known: {', '.join(known)}")])
     return path
 
 

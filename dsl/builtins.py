@@ -30,7 +30,8 @@ AXES = {
     "layer": AxisSpec("layer", "layers", "transformer layers (only in per-request values and `shared` state)"),
     "head": AxisSpec("head", "heads", "attention (query) heads"),
     "kv_head": AxisSpec("kv_head", "kv_heads", "key/value heads; `heads / kv_heads` query heads share one"),
-    "query": AxisSpec("query", "queries", "the hook's queries: a prefill chunk, a replayed chunk, or a window q[last n]"),
+    "query": AxisSpec("query", "queries",
+                      "the hook's queries: a prefill chunk, a replayed chunk, or a window q[last n]"),
     "key": AxisSpec("key", "context", "the cached tokens of this layer, oldest first"),
     "channel": AxisSpec("channel", "head_dim", "components of one head's query/key/value vector"),
 }
@@ -82,7 +83,8 @@ def _hook(name, scope, when, q, attn, kv, step, verbs, replay=False):
 HOOKS = {
     h.name: h
     for h in [
-        _hook("prefill_chunk", "layer", "after a prefill chunk's K/V are written", "chunk", "chunk", True, False, {"keep"}),
+        _hook("prefill_chunk", "layer", "after a prefill chunk's K/V are written", "chunk", "chunk",
+              True, False, {"keep"}),
         _hook("prefill_end", "layer", "after the last prefill chunk", "window", None, True, False, {"keep"}),
         _hook("replay_chunk", "layer", "after a chunk of the `replay` pass (its K/V are then dropped)",
               "chunk", "chunk", True, False, set(), replay=True),
@@ -133,7 +135,8 @@ BUILTINS = {
         _b("min", "value", "min(x, over D...) | min(x, within P) | min(a, b) | min(list)", "minimum"),
         _b("quantile", "value", "quantile(x, p, over D...)", "the p-quantile over axes"),
         _b("norm", "value", "norm(x, over D)", "L2 norm over an axis"),
-        _b("pool", "value", "pool(x, avg|max, kernel, along D)", "1-D pooling, stride 1, centred (odd kernel), zero padded"),
+        _b("pool", "value", "pool(x, avg|max, kernel, along D)",
+           "1-D pooling, stride 1, centred (odd kernel), zero padded"),
         _b("cumsum", "value", "cumsum(x, along D)", "running sum along an axis"),
         _b("redundancy", "value", "redundancy(x, threshold, along D)",
            "R-KV redundancy: mean cosine similarity of each item to the others along D (the newest near-copy, "
@@ -160,10 +163,12 @@ BUILTINS = {
         _b("rotate", "codec", "rotate(hadamard|random, along channel)", "an orthogonal rotation before quantizing"),
         _b("lloyd_max", "codec", "lloyd_max(bits, along channel)",
            "per-coordinate Lloyd-Max codebook for rotated unit vectors (norm kept separately)"),
-        _b("qjl", "codec", "qjl(bits, along channel)", "a 1-bit quantized Johnson-Lindenstrauss sketch of the previous stage's error"),
+        _b("qjl", "codec", "qjl(bits, along channel)",
+           "a 1-bit quantized Johnson-Lindenstrauss sketch of the previous stage's error"),
         _b("project", "codec", "project(down, up, group = g, prerope = true|false, along D...)",
            "store x·down (a low-rank latent), read back latent·up; `group` KV heads share one latent"),
-        _b("residual", "codec", "residual(ref)", "subtract a per-item reference (e.g. a cluster centroid) before the next stage"),
+        _b("residual", "codec", "residual(ref)",
+           "subtract a per-item reference (e.g. a cluster centroid) before the next stage"),
     ]
 }
 

@@ -161,10 +161,12 @@ def _attention(xc, e, ctx):
     if qt is None or kt is None:
         return UNKNOWN
     if "channel" not in qt.dims or not {"head", "kv_head"} & set(qt.dims) or "key" in qt.dims:
-        return xc.error(b.args[0], f"the first argument of {e.func.name} must be queries [head, (query,) channel], got {qt}")
+        return xc.error(b.args[0], f"the first argument of {e.func.name} must be queries "
+                                   f"[head, (query,) channel], got {qt}")
     items = [d for d in kt.dims if d == "key" or _is_partition(xc, d)]
     if "channel" not in kt.dims or len(items) != 1:
-        return xc.error(b.args[1], f"the second argument of {e.func.name} must be keys [kv_head, key, channel], got {kt}")
+        return xc.error(b.args[1], f"the second argument of {e.func.name} must be keys "
+                                   f"[kv_head, key, channel], got {kt}")
     dims = xc.broadcast(e, tuple(d for d in qt.dims if d != "channel"), tuple(d for d in kt.dims if d != "channel"))
     return UNKNOWN if dims is None else Tensor(dims)
 
@@ -535,7 +537,8 @@ def _residual(xc, e, ctx):
     if t is None:
         return UNKNOWN
     if "channel" not in t.dims or not any(_is_partition(xc, d) for d in t.dims):
-        return xc.error(b.args[0], f"the reference is one vector per partition item, e.g. [kv_head, clusters, channel], got {t}")
+        return xc.error(b.args[0], "the reference is one vector per partition item, "
+                                   f"e.g. [kv_head, clusters, channel], got {t}")
     return Codec("residual")
 
 

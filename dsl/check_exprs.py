@@ -153,14 +153,15 @@ class ExprChecker:
         b = self.bindings.get(n)
         if b is not None:
             if b.kind == "dim":
-                return self.error(e, f"'{n}' is an axis, not a value", "axes are named after over/along/within/per/across")
+                return self.error(e, f"'{n}' is an axis, not a value",
+                                  "axes are named after over/along/within/per/across")
             if b.kind not in ctx.kinds:
                 return self.error(e, f"the {KIND_WORDS[b.kind]} '{n}' cannot be used {ctx.where}")
             if b.kind == "let":
                 missing = sorted(b.deps - ctx.symbols)
                 if missing:
-                    return self.error(e, f"'{n}' uses {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
-                                         f"not available {ctx.where}")
+                    return self.error(e, f"'{n}' uses {', '.join(missing)}, "
+                                         f"which {'is' if len(missing) == 1 else 'are'} not available {ctx.where}")
             return self.view(b, ctx)
         if n in SYMBOLS:
             if n not in ctx.symbols:
@@ -191,7 +192,8 @@ class ExprChecker:
             return self.error(e, f"'{n}' only exists inside hooks ({HOOK_VALUES[n].split(':')[0]})")
         if n == "q":
             if h.q is None:
-                return self.error(e, f"q is not available in {h.name}", "queries exist in prefill, replay and decode hooks")
+                return self.error(e, f"q is not available in {h.name}",
+                                  "queries exist in prefill, replay and decode hooks")
             if h.q == "window" and not ctx.windowed:
                 return self.error(e, f"{h.name} keeps only a window of queries: write q[last N]",
                                   "N must be a parameter expression; the engine keeps that many recent queries")

@@ -39,7 +39,8 @@ def check_hook(xc: ExprChecker, hook: ast.Hook, counts: list, has_replay: bool) 
                  'e.g. replay "Repeat the previous context:" in chunks of 2048')
     ctx = hook_ctx(spec, counts)
     if hook.where is not None:
-        wctx = replace(ctx, kinds=frozenset({"param", "let"}), calls=frozenset({"scalar", "value"}), where=f"in a `where` of {spec.name}")
+        wctx = replace(ctx, kinds=frozenset({"param", "let"}), calls=frozenset({"scalar", "value"}),
+                       where=f"in a `where` of {spec.name}")
         t = xc.check(hook.where, wctx)
         if t is not UNKNOWN and t != BOOL:
             xc.error(hook.where, f"`where` needs a condition (a bool), not {t}")
@@ -101,7 +102,8 @@ def check_stmt(xc: ExprChecker, stmt: ast.Stmt, ctx: Ctx) -> None:
                 xc.error(target, f"only tensor states accumulate with +=, and '{name}' is {target_t}")
             elif isinstance(value_t, Tensor):
                 if set(value_t.dims) != set(target_t.dims):
-                    xc.error(stmt.value, f"cannot add {value_t} into '{name}': {target_t}", _reduce_hint(value_t, target_t))
+                    xc.error(stmt.value, f"cannot add {value_t} into '{name}': {target_t}",
+                             _reduce_hint(value_t, target_t))
             elif not (isinstance(value_t, Scalar) and value_t.numeric):
                 xc.error(stmt.value, f"cannot add {value_t} into '{name}': {target_t}")
             return
@@ -172,4 +174,5 @@ def check_role_use(xc: ExprChecker, role: ast.Ident) -> None:
             xc.error(role, f"unknown role '{role.name}'",
                      xc.suggest(role.name, [n for n, x in xc.bindings.items() if x.kind == "role"]))
     elif b.kind != "role":
-        xc.error(role, f"'{role.name}' is a {KIND_WORDS[b.kind]}, not a role", "declare `role NAME = <mask over kv_head>`")
+        xc.error(role, f"'{role.name}' is a {KIND_WORDS[b.kind]}, not a role",
+                 "declare `role NAME = <mask over kv_head>`")

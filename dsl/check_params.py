@@ -49,7 +49,8 @@ class ParamChecker:
     def unknown_overrides(self, header: ast.Node) -> None:
         for name in self.overrides:
             if name not in self.params:
-                self.xc.sink.error(header.pos, f"this method has no parameter '{name}'", self.xc.suggest(name, self.params))
+                self.xc.sink.error(header.pos, f"this method has no parameter '{name}'",
+                                   self.xc.suggest(name, self.params))
 
     # ---- pieces ----------------------------------------------------------------------------
 
@@ -57,7 +58,8 @@ class ParamChecker:
         if tref.kind == "scalar":
             t = _SCALARS.get(tref.name or "")
             if t is None:
-                self.xc.error(tref, f"unknown type '{tref.name}'", "types are int, float, bool, tokens, int[] and {a, b, ...}")
+                self.xc.error(tref, f"unknown type '{tref.name}'",
+                              "types are int, float, bool, tokens, int[] and {a, b, ...}")
                 return UNKNOWN
             return t
         if tref.kind == "list":
@@ -128,7 +130,8 @@ class ParamChecker:
                 return None
         if dom.kind == "range":
             if not (isinstance(t, Scalar) and t.numeric):
-                self.xc.error(dom, f"{name} is {t}; a [lo, hi] range needs a number", "list the allowed values: in {a, b}")
+                self.xc.error(dom, f"{name} is {t}; a [lo, hi] range needs a number",
+                              "list the allowed values: in {a, b}")
                 return None
             lo, hi = items
             if lo > hi:

@@ -314,7 +314,8 @@ class Checker:
             self.xc.check(codec, ctx)
             names.append(codec.func.name)
             if codec.func.name == "qjl" and i == 0:
-                self.xc.error(codec, "qjl encodes the error of a previous stage; put it after one (... then qjl(1, along channel))")
+                self.xc.error(codec, "qjl encodes the error of a previous stage; "
+                                     "put it after one (... then qjl(1, along channel))")
             if codec.func.name in ("residual", "rotate") and i == len(d.codecs) - 1:
                 self.xc.error(codec, f"{codec.func.name}(...) must be followed by the stage that encodes its output")
         if d.exempt is not None:
@@ -324,7 +325,8 @@ class Checker:
 
     def check_replay(self, d: ast.Replay) -> None:
         if not d.prompt.value.strip():
-            self.xc.error(d.prompt, "the replay prompt is empty", 'e.g. replay "Repeat the previous context:" in chunks of 2048')
+            self.xc.error(d.prompt, "the replay prompt is empty",
+                          'e.g. replay "Repeat the previous context:" in chunks of 2048')
         ctx = Ctx("in replay", frozenset({"param"}), STATIC, counts=self.counts)
         self.xc.count(d.chunk, ctx, "the replay chunk")
         self.xc.numeric_checks.append(("positive", d.chunk, ctx, "the replay chunk"))
@@ -405,8 +407,8 @@ class Checker:
                        "e.g. on decode_before_attention:\n        read top(score, budget, per kv_head)"),
             "quantization": (bool(codecs & _QUANTIZERS), "a quantization method needs a `store` with quant, fp8, "
                              "lloyd_max or qjl", "e.g. store k as quant(2, group = 32, along key)"),
-            "compression": (bool(codecs & _COMPRESSORS), "a compression method needs a `store` with project or residual",
-                            "e.g. store k as project(k_down[layer], k_up[layer])"),
+            "compression": (bool(codecs & _COMPRESSORS), "a compression method needs a `store` with project or "
+                            "residual", "e.g. store k as project(k_down[layer], k_up[layer])"),
         }[family]
         if not need[0]:
             self.xc.error(header.family, need[1], need[2])

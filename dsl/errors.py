@@ -99,7 +99,8 @@ class DiagnosticSink:
             return
         self._seen.add(key)
         if len(self.items) == MAX_DIAGNOSTICS:
-            self.items.append(Diagnostic(self.path, pos, f"too many errors (more than {MAX_DIAGNOSTICS}); stopping here"))
+            self.items.append(Diagnostic(self.path, pos,
+                                         f"too many errors (more than {MAX_DIAGNOSTICS}); stopping here"))
         if len(self.items) > MAX_DIAGNOSTICS:
             return
         line = self._lines[pos.line - 1] if 0 < pos.line <= len(self._lines) else None

@@ -5,7 +5,8 @@ checked AST, e.g. to get a request's KV footprint as a function of `context`. `l
 expanded; every other free name (parameters, `context`, `layer`, `layers`, ...) becomes a sympy
 Symbol, so parameters can be substituted later or kept symbolic. `formula` prints an expression
 as text and `read_formula` parses such text back (every identifier that is not one of the sympy
-functions used here becomes a Symbol, so a parameter named `beta` or `gamma` stays a symbol). sympy is imported only when these are called.
+functions used here becomes a Symbol, so a parameter named `beta` or `gamma` stays a symbol).
+sympy is imported only when these are called.
 
 Mapping: `//` -> floor(a/b), `%` -> Mod, min/max -> Min/Max, `a if c else b` -> Piecewise,
 comparisons -> relations, and/or/not -> And/Or/Not, round(x) -> floor(x + 1/2).

@@ -94,7 +94,8 @@ class EngineConfig:
         if device.type not in ("cpu", "cuda"):
             raise ConfigError(f"unsupported device {self.device!r} (use cpu or cuda)", param="device")
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(f"device {self.device!r}: only {torch.cuda.device_count()} GPU(s) visible", param="device")
+            raise ConfigError(f"device {self.device!r}: only {torch.cuda.device_count()} GPU(s) visible",
+                              param="device")
         return _with_index(device)
 
     def resolve_dtype(self, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:

@@ -129,7 +129,8 @@ class Engine:
             num_layers=self.spec.num_layers,
             budget=self.method.budget,
             chains=self.chains,
-            compacts=(self.method.compacts and Hook.PREFILL_END in hooks, self.method.compacts and Hook.STEP_END in hooks),
+            compacts=(self.method.compacts and Hook.PREFILL_END in hooks,
+                      self.method.compacts and Hook.STEP_END in hooks),
         )
         self.runner = ModelRunner(
             self.model,
@@ -144,7 +145,8 @@ class Engine:
             pool=self.pool,
         )
         self.sequences: dict[int, Sequence] = {}
-        self.pruner = Pruner(self.chains, self.attention, self.spec.num_layers, "triton" if backend == "triton" else "auto")
+        self.pruner = Pruner(self.chains, self.attention, self.spec.num_layers,
+                             "triton" if backend == "triton" else "auto")
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
         self._scorers: dict[tuple, Scorer] = {}
         # Async scheduling (`step`): on by default on a GPU; never with decode-time eviction, whose

@@ -3,7 +3,8 @@
 The engine calls `schedule()` for a `ScheduledBatch`, runs it through the model, and hands the
 sampled tokens to `postprocess()` (= `advance()`, what the step changes whatever its tokens, then
 `commit()`, which appends them). An async engine advances a step at its launch and, while it runs,
-`schedule_ahead()` builds the next decode step over its pending tokens; it commits them later. One step mixes decodes and prefill chunks under a token budget:
+`schedule_ahead()` builds the next decode step over its pending tokens; it commits them later.
+One step mixes decodes and prefill chunks under a token budget:
 
 1. running sequences that decode (one token each), oldest first;
 2. running sequences still prefilling, a chunk each: min(remaining, budget left, chunk cap);

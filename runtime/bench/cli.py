@@ -105,8 +105,8 @@ def _throughput(a: argparse.Namespace) -> int:
         max_prefill_chunk=a.max_prefill_chunk, attention_backend=a.attention_backend,
         cuda_graphs=not a.no_cuda_graphs,
         async_scheduling=ASYNC_SCHEDULING_CHOICES[a.async_scheduling], evict_interval=a.evict_interval,
-        temperature=a.temperature, sources=a.sources, e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy, busy_batch=a.busy_batch,
-        seed=a.seed)
+        temperature=a.temperature, sources=a.sources, e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy,
+        busy_batch=a.busy_batch, seed=a.seed)
     if a.plot:
         from kvc.runtime.bench.plot import _pyplot
 

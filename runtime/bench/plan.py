@@ -2,9 +2,10 @@
 
 - `equal_budget_params`: each method's parameters at one common KV budget (tokens kept per KV head
   and layer, 2048 by default), derived from the parameters its manifest declares, by their names
-  and types, never by the method's name: a `budget` in tokens is the budget; a `recent` window in
-  tokens next to `sink` tokens is the budget minus the sinks; fractions of the prompt named
-  `heavy` / `recent` split the budget between them at the given input length. Anything else keeps
+  and types, never by the method's name: a `budget` in tokens is the budget, and then the only
+  parameter set (the .kvm convention: it overrides the method's native sizes); otherwise a `recent`
+  window in tokens next to `sink` tokens is the budget minus the sinks, and fractions of the prompt
+  named `heavy` / `recent` split the budget between them at the given input length. Anything else keeps
   its .kvm default; the user's `--method-params` override all of it. The JSON records the result.
 - `model_spec`: the model's shape (layers, KV heads, head dim, dtype) from its config alone, so the
   batch is known before the weights are loaded; `model_for_context` lengthens a random model's
@@ -83,7 +84,7 @@ def equal_budget_params(declared: dict[str, dict], input_len: int, budget: int) 
         return declared.get(name, {}).get("type")
 
     if kind("budget") == "tokens":
-        params["budget"] = budget
+        return {"budget": budget}
     if kind("recent") == "tokens":
         sink = int(declared["sink"]["default"]) if kind("sink") == "tokens" else 0
         params["recent"] = max(1, budget - sink)

@@ -104,8 +104,8 @@ def _e2e_check(row: dict) -> str:
 def format_table(result: dict) -> str:
     """A markdown table of the rows, with the decode tok/s ratio vs full."""
     ratios = result.get("ratios_vs_full", {})
-    lines = ["| method | input | mode | batch | pages/seq | step ms | decode tok/s | vs full | prefill s | TTFT s | busy "
-             "| e2e check |",
+    lines = ["| method | input | mode | batch | pages/seq | step ms | decode tok/s | vs full "
+             "| prefill s | TTFT s | busy | e2e check |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.get("rows", []):
         if "error" in r:

@@ -93,7 +93,8 @@ class ThroughputConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}", param=name)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
                 not 0 <= self.temperature <= 100:
-            raise ConfigError(f"temperature must be a number in [0, 100], got {self.temperature!r}", param="temperature")
+            raise ConfigError(f"temperature must be a number in [0, 100], got {self.temperature!r}",
+                              param="temperature")
         if self.warmup < 1 or self.decode_offset < 0:
             raise ConfigError("warmup must be at least 1 (it captures the decode graph) and decode_offset at "
                               "least 0", param="warmup")
@@ -104,9 +105,9 @@ class ThroughputConfig:
             raise ConfigError(f"e2e_batch must be a positive integer, got {self.e2e_batch!r}", param="e2e_batch")
         needed = steps_after_prefill(self, "decode_window")
         if needed >= self.output_len:
-            raise ConfigError(f"the decode window's steps after prefill ({needed}: decode_offset, warmup + steps, again "
-                              "at the e2e batch with --e2e, the profile's with --busy) must stay below the output "
-                              f"length ({self.output_len}): sequences must not finish inside the window",
+            raise ConfigError(f"the decode window's steps after prefill ({needed}: decode_offset, warmup + steps, "
+                              "again at the e2e batch with --e2e, the profile's with --busy) must stay below the "
+                              f"output length ({self.output_len}): sequences must not finish inside the window",
                               param="steps")
         unknown = set(self.method_params) - set(self.methods)
         if unknown:

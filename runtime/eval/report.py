@@ -84,8 +84,9 @@ def markdown(result: dict[str, Any]) -> str:
     """One row per method and budget (kvpress's under kvc's), one column per task and length:
     accuracy in %, its 95% interval and the number of questions."""
     cells = result["cells"]
-    columns = sorted({(c["task"], c["length"]) for c in cells}, key=lambda tl: (list(result["tasks"]).index(tl[0])
-                                                                               if tl[0] in result["tasks"] else 99, tl[1]))
+    tasks = list(result["tasks"])
+    columns = sorted({(c["task"], c["length"]) for c in cells},
+                     key=lambda tl: (tasks.index(tl[0]) if tl[0] in tasks else len(tasks), tl[1]))
     rows: dict[str, dict[tuple, dict]] = {}
     order = sorted(cells, key=lambda c: (c["method"] != "full", c["method"], c["budget"] or 0, c["engine"]))
     for c in order:

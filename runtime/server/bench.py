@@ -191,7 +191,8 @@ async def _run_multi_turn(cfg, client, rng, vocab, gate, results, tick) -> None:
     for _ in range(cfg.num_prompts):
         turns = []
         for _ in range(cfg.num_turns):
-            in_len, out_len = _lengths(rng, cfg.input_len, cfg.range_ratio), _lengths(rng, cfg.output_len, cfg.range_ratio)
+            in_len = _lengths(rng, cfg.input_len, cfg.range_ratio)
+            out_len = _lengths(rng, cfg.output_len, cfg.range_ratio)
             user = _words(rng, in_len) if client.chat else [rng.randrange(vocab) for _ in range(in_len)]
             turns.append((user, out_len))
         tasks.append(asyncio.ensure_future(conversation(turns)))

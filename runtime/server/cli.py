@@ -23,7 +23,9 @@ def add_commands(sub, add_engine_args, engine_options):
                        help="require 'Authorization: Bearer KEY' on /v1; repeat for several keys, each its own "
                        "owner of chains (default: $KVC_API_KEY)")
     serve.add_argument("--api-key-file", help="more API keys, one per line ('#' comments and blank lines skipped)")
-    serve.add_argument("--served-model-name", help="the model name clients use (default: --model, or SmolLM2-135M-Instruct for the default model)")
+    serve.add_argument("--served-model-name",
+                       help="the model name clients use (default: --model, or SmolLM2-135M-Instruct for the "
+                       "default model)")
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="waiting sequences before new requests get 503")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -31,9 +31,10 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                        "compacts, its generated score kernels)")
     which.add_argument("--all", action="store_true", help="every attention variant and kernel (the default)")
     p.add_argument("--effort", choices=("quick", "full"), default="quick",
-                   help="quick: a few buckets, a neighbourhood of the heuristic; full: every bucket, the whole space")
-    p.add_argument("--model", help="model whose shapes to tune for: a directory, gguf:FILE or random:NAME (default: the "
-                   "embedded default model), e.g. random:qwen3-30b-a3b")
+                   help="quick: a few buckets, a neighbourhood of the heuristic; "
+                   "full: every bucket, the whole space")
+    p.add_argument("--model", help="model whose shapes to tune for: a directory, gguf:FILE or random:NAME "
+                   "(default: the embedded default model), e.g. random:qwen3-30b-a3b")
     p.add_argument("--dtype", default="auto", help="auto (as served), bfloat16, float16 or float32")
     p.add_argument("--kernels", default=",".join(KERNEL_GROUPS), help="comma list of " + ", ".join(KERNEL_GROUPS))
     p.add_argument("--max-batch", type=int, default=256, help="largest decode batch bucket (the engine's max_num_seqs)")

@@ -45,13 +45,17 @@ def test_equal_budget_params_follow_the_declarations():
     at = {name: equal_budget_params(declared_parameters(name), 32768, 2048)
           for name in ("full", "snapkv", "pyramidkv", "adakv", "tova", "streamingllm", "h2o")}
     assert at["full"] == {}
-    assert at["snapkv"] == at["pyramidkv"] == at["adakv"] == at["tova"] == {"budget": 2048}
-    assert at["streamingllm"] == {"recent": 2044}  # + its 4 sink tokens
-    assert at["h2o"] == {"heavy": 1024 / 32768, "recent": 1024 / 32768}
+    # a `budget` in tokens is the whole budget (streamingllm's and h2o's override their native sizes)
+    assert all(at[name] == {"budget": 2048} for name in at if name != "full")
+    # without one: a recent window beside sink tokens, or fractions of the prompt
+    stream = {k: v for k, v in declared_parameters("streamingllm").items() if k != "budget"}
+    assert equal_budget_params(stream, 32768, 2048) == {"recent": 2044}  # + its 4 sink tokens
+    fractions = {k: v for k, v in declared_parameters("h2o").items() if k != "budget"}
+    assert equal_budget_params(fractions, 32768, 2048) == {"heavy": 1024 / 32768, "recent": 1024 / 32768}
     for n in (131072, 30000, 3001):  # the lowering floors fraction * prompt: it must reach the count
-        h2o = equal_budget_params(declared_parameters("h2o"), n, 2048)
+        h2o = equal_budget_params(fractions, n, 2048)
         assert math.floor(h2o["heavy"] * n) == 1024 and math.floor(h2o["recent"] * n) == 1024
-    assert equal_budget_params(declared_parameters("h2o"), 100, 2048) == {"heavy": 1.0, "recent": 1.0}
+    assert equal_budget_params(fractions, 100, 2048) == {"heavy": 1.0, "recent": 1.0}
 
 
 def test_largest_batch_follows_the_budgets(model_dir):
@@ -140,7 +144,8 @@ def test_cli_run_writes_the_result_and_plot(model_dir, tmp_path, capsys):
     assert e2e["window_step_ratio"] == pytest.approx(e2e["step_ms"] / window["step_ms"])
     ratio = result["ratios_vs_full"][str(INPUT)]["snapkv"]
     assert ratio["batch"] == 3.0
-    assert ratio["decode_tok_s"] == pytest.approx(window["decode_tok_s"] / rows["full", "decode_window"]["decode_tok_s"])
+    full_tok_s = rows["full", "decode_window"]["decode_tok_s"]
+    assert ratio["decode_tok_s"] == pytest.approx(window["decode_tok_s"] / full_tok_s)
     table = capsys.readouterr().out
     assert "| snapkv | 150 | decode_window | 9 |" in table
     if not plot:

@@ -32,7 +32,8 @@ def test_per_request_hooks_see_a_layer_axis() -> None:
 def test_tables_for_the_compiler() -> None:
     quest = check_file(method_path("quest"))
     assert quest.axes["pages"].kind == "partition"
-    assert quest.bindings["kmax"].kind == "summary" and quest.bindings["kmax"].type == Tensor(("kv_head", "pages", "channel"))
+    assert quest.bindings["kmax"].kind == "summary"
+    assert quest.bindings["kmax"].type == Tensor(("kv_head", "pages", "channel"))
     assert quest.values == {"page_size": 16, "budget": 2048, "dense_layers": 2}
     retro = check_file(method_path("retroinfer"))
     assert retro.axes["clusters"].per == ("kv_head",)
@@ -104,7 +105,8 @@ def test_bad_families_and_hooks_are_reported_together() -> None:
 
 
 def test_later_defaults_see_overrides() -> None:
-    src = "method m : eviction\nparam budget: tokens = 2048\nparam window: tokens = budget // 64\non step_end:\n  keep last window\n"
+    src = ("method m : eviction\nparam budget: tokens = 2048\nparam window: tokens = budget // 64\n"
+           "on step_end:\n  keep last window\n")
     assert check_source(src, "m.kvm").values["window"] == 32
     assert check_source(src, "m.kvm", {"budget": 512}).values["window"] == 8
 

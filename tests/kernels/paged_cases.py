@@ -109,7 +109,8 @@ def reference_prefill(case: PagedCase, q: torch.Tensor, cu_seqlens: list[int], s
     for b, n in enumerate(case.context_lens.tolist()):
         q_len = cu_seqlens[b + 1] - cu_seqlens[b]
         positions = list(range(n - q_len, n))
-        out.append(reference_attention(q[cu_seqlens[b] : cu_seqlens[b + 1]], case.keys[b], case.values[b], scale, positions))
+        out.append(reference_attention(q[cu_seqlens[b] : cu_seqlens[b + 1]], case.keys[b], case.values[b],
+                                       scale, positions))
     return torch.cat(out)
 
 

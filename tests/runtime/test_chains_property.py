@@ -1,13 +1,14 @@
 """Property test: random interleavings of chain operations leak no page.
 
-Operations: open a chain, continue one (extending its history, or cutting its tail: a rollback,
-or a 409 when the cut reaches compressed tokens), fork one, prune one (a token range, keeping a
-fraction; refused while busy), abort a running request, drop a chain, and engine steps in between; on a small pool with chunked prefill, so idle chains are
-evicted, sequences are preempted mid-prefill and mid-decode, and forks share pages. After every
-operation the pool's books balance and each page's reference count is exactly what running
-sequences and chain records hold (`chained.check_books`); at the end, with every request aborted
-and every chain dropped, every page is free. Every idle chain's position maps stay consistent: each
-KV head's stored slots hold distinct tokens of its history, oldest first.
+Operations: open a chain, continue one (extending its history, or cutting its tail: a rollback, or
+a 409 when the cut reaches compressed tokens), fork one, prune one (a token range, keeping a
+fraction; refused while busy), abort a running request, drop a chain, and engine steps in between;
+on a small pool with chunked prefill, so idle chains are evicted, sequences are preempted
+mid-prefill and mid-decode, and forks share pages. After every operation the pool's books balance
+and each page's reference count is exactly what running sequences and chain records hold
+(`chained.check_books`); at the end, with every request aborted and every chain dropped, every page
+is free. Every idle chain's position maps stay consistent: each KV head's stored slots hold
+distinct tokens of its history, oldest first.
 
 `full` (prefix caching on: chains and the prefix cache share pages), `h2o` (per-token method
 state across turns, eviction at every decode step: copy-on-write of compacted pages) and `adakv`

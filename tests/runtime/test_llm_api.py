@@ -27,7 +27,8 @@ def test_text_and_token_prompts(llm):
 def test_seed_reproducible_and_batch_independent(llm):
     p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = llm.generate(["the seed"], p)[0].token_ids
-    crowd = llm.generate(["other", "the seed", "more prompts here"], [SamplingParams(max_tokens=5), p, SamplingParams(max_tokens=9)])
+    crowd = llm.generate(["other", "the seed", "more prompts here"],
+                         [SamplingParams(max_tokens=5), p, SamplingParams(max_tokens=9)])
     assert crowd[1].token_ids == alone
     other = llm.generate(["the seed"], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True))
     assert other[0].token_ids != alone

@@ -139,7 +139,8 @@ def test_stop_token_ids_and_return_token_ids(client, llm):
     stop_id = ref.token_ids[5]
     cut = ref.token_ids.index(stop_id)
     r = client.completions.create(model="kvc-test", prompt=PROMPTS[2], max_tokens=16, temperature=0,
-                                  extra_body={"stop_token_ids": [stop_id], "ignore_eos": True, "return_token_ids": True})
+                                  extra_body={"stop_token_ids": [stop_id], "ignore_eos": True,
+                                              "return_token_ids": True})
     c = r.choices[0]
     assert c.finish_reason == "stop"
     assert c.model_extra["token_ids"] == ref.token_ids[: cut + 1]  # the stop token counts, unshown

@@ -13,7 +13,8 @@ from kvc.runtime.cli import main
 from kvc.runtime.tuning import lookup, table
 from kvc.runtime.tuning.keys import gpu_key
 
-TINY = ["--model", "random:tiny", "--max-batch", "1", "--max-chunk", "16", "--max-context", "256", "--max-candidates", "2", "--rep-ms", "1"]
+TINY = ["--model", "random:tiny", "--max-batch", "1", "--max-chunk", "16", "--max-context", "256",
+        "--max-candidates", "2", "--rep-ms", "1"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
