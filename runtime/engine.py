@@ -45,7 +45,6 @@ from kvc.runtime.prefill_record import PrefillRecord
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.scheduler import Scheduler, SchedulerConfig
 from kvc.runtime.sequence import Sequence
-from kvc.runtime.tokenizer import load_tokenizer
 from kvc.runtime.tuning.lookup import load_for_device as load_tuned_configs
 
 log = logging.getLogger(__name__)
@@ -68,7 +67,7 @@ class Engine:
         model_ref = str(self.loaded.path or config.model)
         self.model = self.loaded.model
         self.spec = self.model.spec
-        self.tokenizer = load_tokenizer(self.loaded.path) if self.loaded.path is not None else None
+        self.tokenizer = self.loaded.tokenizer()
 
         self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
         if self.max_model_len > self.spec.max_position_embeddings:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -109,16 +108,17 @@ def model_spec(model: str, device: torch.device, dtype: str) -> ModelSpec:
     """The model's shape and dtype as the engine will load it, from its config alone."""
     from kvc.runtime.models.registry import default_dtype, make_spec, model_class_for_config
 
-    if model.startswith("random:"):
-        from kvc.runtime.models.loader import resolve_model
+    from kvc.runtime.models.loader import model_directory, resolve_model
 
+    directory = model_directory(model)  # random:tiny, gguf: and the default have one too
+    if directory is None:  # a random:NAME shape: built on the meta device, no memory
         return resolve_model(model, "meta", None if dtype == "auto" else _dtype(dtype, device)).spec
     from transformers import AutoConfig
 
     from kvc.runtime.errors import ModelLoadError
 
     try:
-        config = AutoConfig.from_pretrained(str(Path(model).expanduser()), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     except Exception as e:  # noqa: BLE001 -- transformers raises many types; the user needs the message
         raise ModelLoadError(f"{model}: cannot read its config: {e}") from None
     resolved = default_dtype(config, device) if dtype == "auto" else _dtype(dtype, device)

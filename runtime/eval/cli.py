@@ -84,11 +84,20 @@ def _run(a: argparse.Namespace) -> int:
     pending = evaluation.pending()
     total = sum(evaluation.items(t, n) for _, _, t, n in pending)
 
+    bar = not (a.no_progress or not sys.stderr.isatty())
+    finished = [0]
+
     def on_cell(cell: dict) -> None:
         result["cells"].append(cell)
         report.write_json(a.out, result)
+        finished[0] += 1
+        if not bar:  # a log's progress: one line per cell
+            budget = "" if cell["budget"] is None else f"@{cell['budget']}"
+            print(f"kvc eval: [{finished[0]}/{len(pending)}] {cell['engine']} {cell['method']}{budget} "
+                  f"{cell['task']} {cell['length']}: {cell['correct']}/{cell['n']} in {cell['seconds']:.0f} s",
+                  file=sys.stderr, flush=True)
 
-    if a.no_progress or not sys.stderr.isatty():
+    if not bar:
         evaluation.run(on_cell)
     else:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn

@@ -456,6 +456,9 @@ def load_reference_model(model_dir: str | Path, device: str = "cpu",
     target = torch.device(device)
     dtype = dtype or default_dtype(model_config, target)
     log.info("kvpress reference: loading %s (%s, %s)", model_dir, target, dtype)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its per-tensor loading bar: thousands of lines in a log
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
     model = model.to(target).eval()
     try:

@@ -96,9 +96,19 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
+    # On the CPU, prefill-sized inputs run gate and up as two matmuls over the fused weight's
+    # halves: oneDNN/MKL multiply [T, 576] x [576, 2 x 1536] 10-20% slower than twice x [576, 1536]
+    # (SmolLM2, T = 2048, 1-2 threads; docs/benchmarks.md, "CPU"). Few rows (decode) stay fused.
+    CPU_SPLIT_ROWS = 64
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        # silu(gate) * up in the projection's own buffer; down_proj reads the strided half as is
+        if x.device.type == "cpu" and x.shape[0] > self.CPU_SPLIT_ROWS:
+            i, w, b = self.intermediate_size, self.gate_up_proj.weight, self.gate_up_proj.bias
+            gate = F.linear(x, w[:i], None if b is None else b[:i])
+            up = F.linear(x, w[i:], None if b is None else b[i:])
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        # silu(gate) * up in the gate's own buffer; down_proj reads a strided (fused) half as is
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
     def add_to_layout(self, layout: CheckpointLayout, hf: str, kvc: str) -> None:

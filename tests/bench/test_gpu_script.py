@@ -20,7 +20,7 @@ SCRIPT = ROOT / "bench" / "gpu_issue7_s5.sh"
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("tar") is None, reason="needs bash and tar")
 def test_script_packs_its_results(tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": sys.executable, "MODEL": "", "DTYPE": "float32", "KV_MEMORY": "4MiB",
+    env = {**os.environ, "PYTHON": sys.executable, "MODEL": "random:tiny", "DTYPE": "float32", "KV_MEMORY": "4MiB",
            "INPUT": "200", "OUTPUT_LEN": "128", "E2E_BATCH": "4", "E2E_STEPS": "4", "PARTS": "a b",
            "EXTRA": "--device cpu --attention-backend torch --budget 64 --page-size 4 --max-batch 8",
            "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}

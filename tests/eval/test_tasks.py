@@ -3,28 +3,20 @@ cases on every run, case i independent of the case count, needles where their de
 multi-turn suffixes that continue the chat template, the scoring rule, and clear errors.
 
 No model runs here: the byte-level tokenizer of the tiny random model serves every test, and
-SmolLM2's tokenizer (the model the wording is validated on, bench/eval_tasks_check.py) the ones
-marked for it, when /tmp/smol holds it."""
+SmolLM2's tokenizer (the embedded default model, the one the wording is validated on,
+bench/eval_tasks_check.py) the ones that take the `smol` fixture."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
-
 import pytest
 
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.eval import filler
 from kvc.runtime.eval.prompts import MIN_FILLER, Frame
 from kvc.runtime.eval.tasks import DEPTHS, REPEATED, TASKS, Case, make_cases, number_correct
+from kvc.runtime.models.random_tiny import ensure_tiny_model
 from kvc.runtime.tokenizer import load_tokenizer
-
-try:  # the tiny random model's home once the default model becomes SmolLM2 (models/random_tiny.py)
-    from kvc.runtime.models.random_tiny import ensure_tiny_model
-except ImportError:
-    from kvc.runtime.default_model import ensure_default_model as ensure_tiny_model
-
-SMOL = Path("/tmp/smol")
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +25,8 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def smol():
-    if not (SMOL / "tokenizer.json").exists():
-        pytest.skip("no SmolLM2 tokenizer at /tmp/smol")
-    return load_tokenizer(SMOL)
+def smol(real_model_dir):
+    return load_tokenizer(real_model_dir)
 
 
 def _find(haystack: tuple[int, ...], needle: tuple[int, ...]) -> list[int]:
