@@ -54,6 +54,9 @@ def add_command(sub) -> None:
                    "replaying it into every method and budget (the same answers, many more prefills)")
     p.add_argument("--record-memory", type=float, default=6.0, metavar="GIB",
                    help="GiB of shared prefills held at once; bounds the cases per group (default 6)")
+    p.add_argument("--evict-interval", type=int, default=1, metavar="N",
+                   help="decode-time eviction once N tokens past the kept count (default 1: every step; "
+                   "larger than the answers: prefill-time eviction only, as kvpress runs)")
     p.add_argument("--method-param", action="append", metavar="KEY=VALUE",
                    help="a parameter for every method that declares it (repeatable)")
     p.add_argument("--reference", choices=["kvpress"], help="also run the same cases through kvpress's presses")
@@ -74,10 +77,13 @@ def _run(a: argparse.Namespace) -> int:
     cfg = EvalConfig(model=a.model, methods=a.methods, budgets=a.budgets, tasks=a.tasks, lengths=a.lengths,
                      cases=a.cases, seed=a.seed, device=a.device, dtype=a.dtype, batch=a.batch,
                      method_params=parse_method_params(a.method_param), reference=a.reference,
-                     share_prefill=not a.no_share_prefill, record_memory=int(a.record_memory * 2**30))
+                     share_prefill=not a.no_share_prefill, record_memory=int(a.record_memory * 2**30),
+                     evict_interval=a.evict_interval)
     evaluation = Evaluation(cfg)
     result = report.header(evaluation)
     evaluation.done = report.load_previous(a.out, result)
+    if evaluation.done:  # the file's tasks too: a continued run may name fewer or others
+        result["tasks"] = {**report.previous_tasks(a.out), **result["tasks"]}
     result["cells"] = list(evaluation.done.values())
     if evaluation.done:
         print(f"kvc eval: continuing {a.out}: {len(evaluation.done)} cell(s) already done", file=sys.stderr)

@@ -35,6 +35,7 @@ def header(evaluation) -> dict[str, Any]:
         "dtype": str(evaluation.loaded.spec.dtype).removeprefix("torch."),
         "seed": cfg.seed,
         "cases": cfg.cases,
+        "evict_interval": cfg.evict_interval,
         "tasks": {name: evaluation.tasks[name].description for name in cfg.tasks},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version(), "kvc_commit": _commit()},
@@ -44,9 +45,10 @@ def header(evaluation) -> dict[str, Any]:
 
 
 def same_run(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    """Whether a previous result holds cells of this run (same model, device, dtype, seed, cases)."""
+    """Whether a previous result holds cells of this run (same model, device, dtype, seed, cases,
+    eviction interval; a file from before the interval was recorded ran at 1)."""
     keys = ("kvc_eval", "model_path", "device", "dtype", "seed", "cases")
-    return all(old.get(k) == new.get(k) for k in keys)
+    return all(old.get(k) == new.get(k) for k in keys) and old.get("evict_interval", 1) == new.get("evict_interval", 1)
 
 
 def load_previous(path: Path | None, fresh: dict[str, Any]) -> dict[tuple, dict]:
@@ -59,9 +61,14 @@ def load_previous(path: Path | None, fresh: dict[str, Any]) -> dict[tuple, dict]
         raise ConfigError(f"{path}: cannot read the previous result ({err}); remove it or pick another --out",
                           param="out") from None
     if not same_run(old, fresh):
-        raise ConfigError(f"{path} holds another run (model, device, dtype, seed or cases differ); remove it or pick "
-                          "another --out", param="out")
+        raise ConfigError(f"{path} holds another run (model, device, dtype, seed, cases or eviction interval "
+                          "differ); remove it or pick another --out", param="out")
     return {(c["engine"], c["method"], c["budget"], c["task"], c["length"]): c for c in old.get("cells", [])}
+
+
+def previous_tasks(path: Path) -> dict[str, str]:
+    """The task descriptions an earlier run into `path` recorded (load_previous has read it already)."""
+    return dict(json.loads(path.read_text()).get("tasks", {}))
 
 
 def write_json(path: Path, result: dict[str, Any]) -> None:
@@ -120,7 +127,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     panels = sorted({(c["task"], c["length"]) for c in cells}, key=lambda tl: (tl[0], tl[1]))
     if not panels:
         raise ConfigError("nothing to plot: the result has no cells", param="plot")
-    tasks = sorted({t for t, _ in panels})
+    order = list(result.get("tasks", {}))  # the run's task order, as the table's columns
+    tasks = sorted({t for t, _ in panels}, key=lambda t: (order.index(t) if t in order else len(order), t))
     lengths = sorted({n for _, n in panels})
     fig, axes = plt.subplots(len(tasks), len(lengths), figsize=(4.2 * len(lengths), 3.2 * len(tasks)),
                              squeeze=False, sharey=True)
@@ -154,12 +162,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 ax.set_ylabel("accuracy (%)")
             if r == len(tasks) - 1:
                 ax.set_xlabel("KV budget (tokens per KV head)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8, frameon=False)
+    legend: dict[str, Any] = {}  # every panel's lines, once each (panels may hold different methods)
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
     fig.suptitle(f"kvc eval · {result['model']} · {result['device']} {result['dtype']} · {result['date']}",
                  fontsize=9)
-    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
-    fig.savefig(path, dpi=120)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.legend(list(legend.values()), list(legend), loc="center left", bbox_to_anchor=(1.0, 0.5),
+               ncol=1 + len(legend) // 16, fontsize=8, frameon=False)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the legend sits right of the panels
     plt.close(fig)
 
 

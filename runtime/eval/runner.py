@@ -81,6 +81,7 @@ class EvalConfig:
     reference: str | None = None  # "kvpress": the same cases through kvpress's presses
     share_prefill: bool = True  # one prefill per case, replayed into every setting's engine
     record_memory: int = 6 * 2**30  # bytes of prefill records held at once (sets the group size)
+    evict_interval: int = 1  # EngineConfig.evict_interval: decode-time eviction every N tokens of growth
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -90,7 +91,7 @@ class EvalConfig:
         for name, values in (("budgets", self.budgets), ("lengths", self.lengths)):
             if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
                 raise ConfigError(f"--{name} takes positive integers, got {values!r}", param=name)
-        for name in ("cases", "batch"):
+        for name in ("cases", "batch", "evict_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name} must be a positive integer, got {value!r}", param=name)
@@ -230,6 +231,7 @@ class Evaluation:
             model=cfg.model, method=setting.method, method_params=setting.method_params or None, device=cfg.device,
             dtype=cfg.dtype, max_num_seqs=cfg.batch, max_model_len=min(spec.max_position_embeddings, longest + 16),
             kv_cache_memory=int(cfg.batch * (longest + 64) * bytes_per_token * 1.25), seed=cfg.seed,
+            evict_interval=cfg.evict_interval,
             prefill_first=True, enable_prefix_caching=False,  # replays batch as the recording did
         )
         return LLM.from_engine(Engine(config, loaded=self.loaded))

@@ -37,6 +37,8 @@ def test_bad_configurations_fail_before_any_work() -> None:
         settings_for(EvalConfig(methods=["snapkv"], budgets=[10**9], **TINY))
     with pytest.raises(ConfigError, match="random:NAME"):
         Evaluation(EvalConfig(tasks=["passkey"], lengths=[256], **{**TINY, "model": "random:qwen3-0.6b"}))
+    with pytest.raises(ConfigError, match="evict_interval"):
+        EvalConfig(evict_interval=0, **TINY)
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +104,9 @@ def test_an_interrupted_run_continues_where_it_stopped(tiny_run, tmp_path, monke
     again.run()
     last = result["cells"][3]
     assert ran == [([Setting(last["method"], last["budget"]).label], last["task"])]
-    other = dict(report.header(again), seed=cfg.seed + 1)
-    with pytest.raises(ConfigError, match="holds another run"):
-        report.load_previous(path, other)
+    for changed in ({"seed": cfg.seed + 1}, {"evict_interval": 64}):  # another run: never mixed into this file
+        with pytest.raises(ConfigError, match="holds another run"):
+            report.load_previous(path, dict(report.header(again), **changed))
 
 
 def test_shared_prefills_give_the_answers_of_separate_ones(tiny_run) -> None:
@@ -115,6 +117,21 @@ def test_shared_prefills_give_the_answers_of_separate_ones(tiny_run) -> None:
                for c in separate}
     for c in result["cells"]:
         assert [(i["output"], i["cached_tokens"]) for i in c["items"]] == answers[c["method"], c["budget"], c["task"]]
+
+
+def test_decode_eviction_deferred_past_the_answers(tiny_run) -> None:
+    """--evict-interval larger than any answer: a decode-evicting method keeps its prefill-end
+    cache while it answers (kvpress's semantics), so its answers are those of an engine that never
+    evicts while decoding; at interval 1 the engine evicts at every step."""
+    cfg = EvalConfig(methods=["streamingllm"], budgets=[48], tasks=["passkey"], lengths=[640],
+                     evict_interval=1 << 20, **TINY)
+    evaluation = Evaluation(cfg)
+    cells = evaluation.run()
+    llm = evaluation._llm(evaluation.settings[0])
+    assert llm.engine.method.evict_interval == 1 << 20
+    assert Evaluation(EvalConfig(**{**cfg.__dict__, "evict_interval": 1}))._llm(
+        evaluation.settings[0]).engine.method.evict_interval == 1
+    assert [c["n"] for c in cells] == [cfg.cases]
 
 
 def test_table_and_plot(tiny_run, tmp_path) -> None:
