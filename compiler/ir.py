@@ -352,7 +352,7 @@ def build(checked, source: bytes | None = None) -> MethodIR:
             init = to_sympy(decl.init, checked.lets) if decl.init is not None else 0
             method.states.append(StateIR(decl.name.name, tuple(d.name for d in decl.shape.dims), init))
     if method.family not in LOWERED_FAMILIES:
-        raise NotLowerable(f"the {method.family} family is not lowered yet (issue 4 lowers eviction first)")
+        raise NotLowerable(f"the {method.family} family is not lowered yet (only eviction lowers to kernels so far)")
     builder = _Builder(checked)
     method.hooks = [builder.hook(h) for h in checked.hooks]
     return method

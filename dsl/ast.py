@@ -2,7 +2,7 @@
 
 Pipeline position: built by `kvc.dsl.parser` from the lark tree, annotated by `kvc.dsl.checker`
 (every expression's `ty` is filled in: dims of tensors, units of scalars), printed back by
-`kvc.dsl.formatter`, and lowered by `kvc.compiler` (issue 4).
+`kvc.dsl.formatter`, and lowered by `kvc.compiler`.
 
 Positions (`pos`) and checker annotations (`ty`) are excluded from equality, so
 `parse(format(parse(src))) == parse(src)` compares structure only. Comments are not part of the

@@ -1,6 +1,6 @@
 """Scalar .kvm expressions as sympy expressions (budgets, axis sizes, conditions).
 
-Pipeline position: the compiler's shape and budget passes (issue 4) call `to_sympy` on the
+Pipeline position: the compiler's shape and budget passes call `to_sympy` on the
 checked AST, e.g. to get a request's KV footprint as a function of `context`. `let` names are
 expanded; every other free name (parameters, `context`, `layer`, `layers`, ...) becomes a sympy
 Symbol, so parameters can be substituted later or kept symbolic. `formula` prints an expression

@@ -2,7 +2,7 @@
 
 Every error a user can cause (bad model directory, bad sampling parameters, a prompt that is too
 long) is a `KvcError` with a message that says what to do. The CLI prints the message, never a
-traceback; the server (issue 5) maps `status` to an HTTP code.
+traceback; the server (runtime/server/) maps `status` to an HTTP code.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """SamplingParams: how one request picks its next tokens, validated up front.
 
-Field names follow vLLM / the OpenAI API so that users and the server (issue 5) map onto them
+Field names follow vLLM / the OpenAI API so that users and the server map onto them
 directly. Every invalid value raises `InvalidSamplingParams` naming the field.
 """
 

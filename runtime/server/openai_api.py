@@ -2,7 +2,7 @@
 a JSON response or a server-sent event stream.
 
 Routing, auth and error handling live in `app.py`; this module only knows the request shapes.
-Chained requests (`chain` / `chain_id` / `chain_fork`, issue 6) are validated here and carry a
+Chained requests (`chain` / `chain_id` / `chain_fork`; docs/serving.md, "Chains") are validated here and carry a
 `ChainSpec` to the engine; their response (and last stream chunk) names the chain in `chain_id`.
 """
 
