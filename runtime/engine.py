@@ -67,7 +67,7 @@ class Engine:
         model_ref = str(self.loaded.path or config.model)
         self.model = self.loaded.model
         self.spec = self.model.spec
-        self.tokenizer = self.loaded.tokenizer()
+        self.tokenizer = self.loaded.tokenizer
 
         self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
         if self.max_model_len > self.spec.max_position_embeddings:

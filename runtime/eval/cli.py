@@ -82,24 +82,22 @@ def _run(a: argparse.Namespace) -> int:
     evaluation = Evaluation(cfg)
     result = report.header(evaluation)
     evaluation.done = report.load_previous(a.out, result)
-    if evaluation.done:  # the file's tasks too: a continued run may name fewer or others
-        result["tasks"] = {**report.previous_tasks(a.out), **result["tasks"]}
     result["cells"] = list(evaluation.done.values())
-    if evaluation.done:
+    already = len(result["cells"])
+    if already:
         print(f"kvc eval: continuing {a.out}: {len(evaluation.done)} cell(s) already done", file=sys.stderr)
     pending = evaluation.pending()
     total = sum(evaluation.items(t, n) for _, _, t, n in pending)
 
-    bar = not (a.no_progress or not sys.stderr.isatty())
-    finished = [0]
+    bar = not a.no_progress and sys.stderr.isatty()
 
     def on_cell(cell: dict) -> None:
         result["cells"].append(cell)
         report.write_json(a.out, result)
-        finished[0] += 1
         if not bar:  # a log's progress: one line per cell
             budget = "" if cell["budget"] is None else f"@{cell['budget']}"
-            print(f"kvc eval: [{finished[0]}/{len(pending)}] {cell['engine']} {cell['method']}{budget} "
+            done = len(result["cells"]) - already
+            print(f"kvc eval: [{done}/{len(pending)}] {cell['engine']} {cell['method']}{budget} "
                   f"{cell['task']} {cell['length']}: {cell['correct']}/{cell['n']} in {cell['seconds']:.0f} s",
                   file=sys.stderr, flush=True)
 

@@ -52,7 +52,8 @@ def same_run(old: dict[str, Any], new: dict[str, Any]) -> bool:
 
 
 def load_previous(path: Path | None, fresh: dict[str, Any]) -> dict[tuple, dict]:
-    """The finished cells of an earlier, interrupted run into the same file (none if it differs)."""
+    """The finished cells of an earlier, interrupted run into the same file (none if it differs);
+    the file's task descriptions join `fresh["tasks"]`."""
     if path is None or not path.exists():
         return {}
     try:
@@ -63,12 +64,10 @@ def load_previous(path: Path | None, fresh: dict[str, Any]) -> dict[tuple, dict]
     if not same_run(old, fresh):
         raise ConfigError(f"{path} holds another run (model, device, dtype, seed, cases or eviction interval "
                           "differ); remove it or pick another --out", param="out")
-    return {(c["engine"], c["method"], c["budget"], c["task"], c["length"]): c for c in old.get("cells", [])}
-
-
-def previous_tasks(path: Path) -> dict[str, str]:
-    """The task descriptions an earlier run into `path` recorded (load_previous has read it already)."""
-    return dict(json.loads(path.read_text()).get("tasks", {}))
+    cells = {(c["engine"], c["method"], c["budget"], c["task"], c["length"]): c for c in old.get("cells", [])}
+    if cells:  # the file's tasks stay described: a continued run may name fewer or others
+        fresh["tasks"] = {**old.get("tasks", {}), **fresh["tasks"]}
+    return cells
 
 
 def write_json(path: Path, result: dict[str, Any]) -> None:

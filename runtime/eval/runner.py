@@ -40,7 +40,6 @@ from kvc.runtime.methods import resolve_method
 from kvc.runtime.models.loader import LoadedModel, resolve_model
 from kvc.runtime.prefill_record import PrefillRecord
 from kvc.runtime.sampling_params import SamplingParams
-from kvc.runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -135,13 +134,14 @@ class Evaluation:
         if self.loaded.path is None:
             raise ConfigError("kvc eval needs a model with a tokenizer (a directory, gguf:FILE or the default), "
                               "not a random:NAME shape", param="model")
-        self.tokenizer = load_tokenizer(self.loaded.path)
+        self.tokenizer = self.loaded.tokenizer  # the one every engine over this model uses
         self.tasks: dict[str, Task] = {name: TASKS[name] for name in cfg.tasks}
         self.cases: dict[tuple[str, int], list[Case]] = {
             (task, length): make_cases(task, self.tokenizer, length, cfg.cases, cfg.seed)
             for task in cfg.tasks for length in cfg.lengths
         }
         self.done = dict(done or {})
+        self._longest = max(_tokens_needed(c) for cases in self.cases.values() for c in cases)  # sizes every engine
         self._reference = None  # kvpress's Hugging Face model, loaded at its first cell
 
     # ---- the plan ---------------------------------------------------------------------------
@@ -225,7 +225,7 @@ class Evaluation:
     def _llm(self, setting: Setting) -> LLM:
         cfg = self.cfg
         spec = self.loaded.spec
-        longest = max(_tokens_needed(c) for cases in self.cases.values() for c in cases)
+        longest = self._longest
         bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
         config = EngineConfig(
             model=cfg.model, method=setting.method, method_params=setting.method_params or None, device=cfg.device,

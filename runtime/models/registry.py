@@ -8,7 +8,8 @@ module is built on the meta device, then given uninitialized memory where it wil
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +40,13 @@ class LoadedModel:
     spec: ModelSpec
     hf_config: Any  # transformers.PretrainedConfig
     path: Path | None  # None for random-weight models
-    _tokenizer: Any = field(default=None, init=False, repr=False, compare=False)
 
+    @cached_property
     def tokenizer(self):
         """The directory's tokenizer (None without one), loaded once for every engine over this model."""
-        if self._tokenizer is None and self.path is not None:
-            from kvc.runtime.tokenizer import load_tokenizer
+        from kvc.runtime.tokenizer import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.path) or False  # False: looked, there is none
-        return self._tokenizer or None
+        return None if self.path is None else load_tokenizer(self.path)
 
 
 def model_class_for(architectures: Iterable[str] | str | None, model_type: str | None) -> type[CausalLM]:
