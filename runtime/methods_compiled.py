@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from kvc.compiler import cache as method_cache
-from kvc.compiler.torch_primitives import clamp_count
+from kvc.runtime.primitives.torch_primitives import clamp_count
 from kvc.dsl import METHODS_DIR, KvmError
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.attention.metadata import StatsFold

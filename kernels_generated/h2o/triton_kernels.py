@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from kvc.compiler.torch_primitives import pool as _pool  # noqa: F401 -- the wrappers that pool call it
-from kvc.compiler.triton_primitives import column_votes as _column_votes
+from kvc.runtime.primitives.torch_primitives import pool as _pool  # noqa: F401 -- the wrappers that pool call it
+from kvc.runtime.primitives.triton_primitives import column_votes as _column_votes
 
 DEFAULTS = {'budget': 0, 'heavy': 0.1, 'recent': 0.1}
 

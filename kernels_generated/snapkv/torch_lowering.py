@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from kvc.compiler.torch_primitives import (  # noqa: F401 -- the generated hooks call these
+from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the generated hooks call these
     attention as _attention,
     ceil as _ceil,
     clamp_count as _count,

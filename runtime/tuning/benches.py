@@ -10,7 +10,7 @@ do not fit are skipped (`Skip`) and reported.
 Kernels: per attention variant `attention.<variant>.{decode,prefill,store_kv}` (the variant's
 generated module; `decode_stats` decodes emit statistics, as the methods naming it always ask),
 `moe.fused_experts` (runtime/models/moe_triton.py), `kv.compaction` (runtime/kv/compaction_triton.py),
-`scores.column_votes` (compiler/triton_primitives.py: the generated window scores and column sums).
+`scores.column_votes` (runtime/primitives/triton_primitives.py: the generated window scores and column sums).
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def votes(shape: ModelShape, effort: str, limits: space.Limits, device: torch.de
 
 def _votes(shape: ModelShape, queries: int, keys: int, effort: str, device: torch.device,
            memory_bytes: int) -> Bench:
-    from kvc.compiler import triton_primitives
+    from kvc.runtime.primitives import triton_primitives
 
     s = shape
     key_bytes = s.kv_heads * keys * s.head_dim * torch.finfo(s.dtype).bits // 8

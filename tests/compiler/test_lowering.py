@@ -95,7 +95,7 @@ def test_short_prompts_keep_everything():
 @pytest.mark.parametrize("pooling", ["avg", "max"])
 def test_pool_over_no_keys(pooling):
     """A prompt no longer than SnapKV's window leaves no key to pool (the served request crashed)."""
-    from kvc.compiler.torch_primitives import pool
+    from kvc.runtime.primitives.torch_primitives import pool
 
     empty = torch.zeros(2, 0)
     assert pool(empty, pooling, 5, 1).shape == (2, 0)

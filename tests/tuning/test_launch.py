@@ -162,7 +162,7 @@ def test_compaction_uses_the_tuned_knobs(monkeypatch):
 
 @pytest.mark.parametrize("fresh_hash", [True, False])
 def test_column_votes_uses_the_tuned_knobs(monkeypatch, fresh_hash):
-    from kvc.compiler import triton_primitives as tp
+    from kvc.runtime.primitives import triton_primitives as tp
 
     gen = torch.Generator().manual_seed(9)
     queries, keys = 6, 40
