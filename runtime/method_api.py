@@ -67,6 +67,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from kvc.runtime.attention.metadata import StatsFold
+from kvc.runtime.kv.plans import KeepPlan, Plan, ReadPlan, RewritePlan, StackedPlan  # noqa: F401 -- the contract's plans
 
 
 class Hook(enum.Enum):
@@ -173,58 +174,6 @@ class PrefillView:
     @property
     def is_last(self) -> bool:
         return self.start + self.q.shape[0] == self.prompt_len
-
-
-@dataclass
-class KeepPlan:
-    """Which stored tokens of one layer survive: `indices[h]` are physical token indices of KV
-    head h, ascending.
-
-    Equal counts: `indices [Hkv, kept]`, `lengths` None. Per-head variable counts (Ada-KV):
-    `lengths [Hkv]` says head h keeps `indices[h, :lengths[h]]` (the rest is padding), and the
-    layer's physical length becomes the largest count; the engine stores each head right-aligned
-    and records per-head start slots (runtime/attention/metadata.py). `from_heads` builds either."""
-
-    indices: torch.Tensor  # [Hkv, max kept] int64
-    lengths: torch.Tensor | None = None  # [Hkv] int64, or None: every head keeps indices.shape[1]
-    # The plan keeps the last `tail` stored tokens of every head, in order, as the newest kept
-    # (a keep's `+ last N`): the chain cache's rollback relies on it (0: no such promise).
-    tail: int = 0
-
-    @property
-    def kept(self) -> int:
-        """Physical tokens per head slot after compaction: the most-keeping head's count."""
-        return self.indices.shape[1] if self.lengths is None else int(self.lengths.max())
-
-    @classmethod
-    def from_heads(cls, kept: Seq[torch.Tensor]) -> KeepPlan:
-        """A plan from one 1-D index tensor per KV head; `lengths` only when the counts differ."""
-        counts = [int(t.numel()) for t in kept]
-        width = max(counts, default=0)
-        indices = torch.zeros((len(kept), width), dtype=torch.long, device=kept[0].device if kept else None)
-        for head, t in enumerate(kept):
-            indices[head, : counts[head]] = t.to(torch.long)
-        if len(set(counts)) <= 1:
-            return cls(indices)
-        return cls(indices, torch.tensor(counts, dtype=torch.long, device=indices.device))
-
-
-class StackedPlan(KeepPlan):
-    """Row `row` of a selection that several sequences' plans of one step share, `stack [G, Hkv,
-    kept]` (a batched `step_end_batch`): equal counts; `indices` is `stack[row]`, made only when
-    read. The engine hands every row of a stack to the compaction at once (one tensor moved and
-    gathered per layer, not one per sequence)."""
-
-    def __init__(self, stack: torch.Tensor, row: int, tail: int = 0) -> None:
-        self.stack, self.row, self.lengths, self.tail = stack, row, None, tail
-
-    @property
-    def indices(self) -> torch.Tensor:  # type: ignore[override]
-        return self.stack[self.row]
-
-    @property
-    def kept(self) -> int:
-        return self.stack.shape[2]
 
 
 @dataclass(frozen=True)

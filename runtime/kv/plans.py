@@ -1,0 +1,107 @@
+"""Plans: what a method's hooks answer, carried out by the executor (runtime/kv/executor.py).
+
+- `KeepPlan`: which stored tokens of one sequence's layer survive (eviction); the executor moves
+  every per-token tensor of the KV spec to the kept slots and frees the pages past them.
+- `ReadPlan`: which pages or tokens each decode row's KV heads attend to in this step (sparse
+  attention); static in shape, so decode steps stay inside CUDA graphs.
+- `RewritePlan`: re-encode a range of one sequence's layer in place from its full-precision copy
+  (a quantization residual window that filled).
+
+docs/design.md, "Plans", has the rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KeepPlan:
+    """Which stored tokens of one layer survive: `indices[h]` are physical token indices of KV
+    head h, ascending.
+
+    Equal counts: `indices [Hkv, kept]`, `lengths` None. Per-head variable counts (Ada-KV):
+    `lengths [Hkv]` says head h keeps `indices[h, :lengths[h]]` (the rest is padding), and the
+    layer's physical length becomes the largest count; the engine stores each head right-aligned
+    and records per-head start slots (runtime/attention/metadata.py). `from_heads` builds either."""
+
+    indices: torch.Tensor  # [Hkv, max kept] int64
+    lengths: torch.Tensor | None = None  # [Hkv] int64, or None: every head keeps indices.shape[1]
+    # The plan keeps the last `tail` stored tokens of every head, in order, as the newest kept
+    # (a keep's `+ last N`): the chain cache's rollback relies on it (0: no such promise).
+    tail: int = 0
+
+    @property
+    def kept(self) -> int:
+        """Physical tokens per head slot after compaction: the most-keeping head's count."""
+        return self.indices.shape[1] if self.lengths is None else int(self.lengths.max())
+
+    @classmethod
+    def from_heads(cls, kept: Seq[torch.Tensor]) -> KeepPlan:
+        """A plan from one 1-D index tensor per KV head; `lengths` only when the counts differ."""
+        counts = [int(t.numel()) for t in kept]
+        width = max(counts, default=0)
+        indices = torch.zeros((len(kept), width), dtype=torch.long, device=kept[0].device if kept else None)
+        for head, t in enumerate(kept):
+            indices[head, : counts[head]] = t.to(torch.long)
+        if len(set(counts)) <= 1:
+            return cls(indices)
+        return cls(indices, torch.tensor(counts, dtype=torch.long, device=indices.device))
+
+
+class StackedPlan(KeepPlan):
+    """Row `row` of a selection that several sequences' plans of one step share, `stack [G, Hkv,
+    kept]` (a batched `step_end_batch`): equal counts; `indices` is `stack[row]`, made only when
+    read. The engine hands every row of a stack to the compaction at once (one tensor moved and
+    gathered per layer, not one per sequence)."""
+
+    def __init__(self, stack: torch.Tensor, row: int, tail: int = 0) -> None:
+        self.stack, self.row, self.lengths, self.tail = stack, row, None, tail
+
+    @property
+    def indices(self) -> torch.Tensor:  # type: ignore[override]
+        return self.stack[self.row]
+
+    @property
+    def kept(self) -> int:
+        return self.stack.shape[2]
+
+
+@dataclass
+class ReadPlan:
+    """What each decode row's KV heads read this step, exactly one of: `pages [B, Hkv, P]` int32,
+    indices into the row's page table of the layer (-1: none), or `tokens [B, Hkv, T]` int32, slots
+    of the layer (-1: none). Head h of row b attends to the listed slots that are stored (below the
+    row's length, at or past the head's start), in any order, each at most once. Shapes are static
+    (P, T fixed by the method's budget), device tensors only: built inside captured decode graphs."""
+
+    pages: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.pages is None) == (self.tokens is None):
+            raise ValueError("a ReadPlan lists pages or tokens (exactly one of them)")
+        plan = self.pages if self.pages is not None else self.tokens
+        if plan.dim() != 3:
+            raise ValueError(f"a ReadPlan is [rows, kv_heads, n], got shape {tuple(plan.shape)}")
+
+
+@dataclass(frozen=True)
+class RewritePlan:
+    """Re-encode slots [start, end) of one sequence's layer into the spec's encoding from their
+    full-precision copies (the residual window); the residual then holds the slots past `end`.
+    The range must lie inside the stored residual window and end at the layer's length."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.end:
+            raise ValueError(f"a RewritePlan covers [start, end) with 0 <= start <= end, got [{self.start}, "
+                             f"{self.end})")
+
+
+Plan = KeepPlan | RewritePlan

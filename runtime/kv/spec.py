@@ -1,0 +1,227 @@
+"""The KV storage spec: every tensor a method stores, and how attention reads K and V from them.
+
+A method's `kv_spec(...)` (the contract, runtime/method_api.py; compiled methods derive it from the
+.kvm file) names its tensors, each stored at one extent:
+
+- `TOKEN`: one value per stored slot and KV head, at the token's slot like K and V
+  (`[pages + 1, Hkv, page_size, *shape]`): K/V themselves, quantized codes, scales, zero points,
+  per-token method state (H2O's `seen`);
+- `PAGE`: one value per page and KV head (`[pages + 1, Hkv, *shape]`): Quest's key min/max;
+- `SEQ`: one value per sequence, layer and KV head (`[rows + 1, layers, Hkv, *shape]`): a
+  quantization method's full-precision residual window.
+
+One page id addresses every TOKEN and PAGE tensor; one row id every SEQ tensor. The last page and
+the last row are scratch (batch padding writes there). `keys` / `values` say how attention reads K
+and V (`Dense` or `Quantized`), `summaries` which PAGE tensors the store keeps current. Bytes per
+token, per page and per sequence come from here and size the pool, admission and the largest batch.
+docs/design.md, "KV spec", has the rules; runtime/kv/store.py holds the tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+K, V = "k", "v"  # the names of dense keys and values
+REDUCERS = ("max", "min", "sum", "mean")
+PACKINGS = {"": 1, "int4x2": 2, "int2x4": 4}  # codes per stored element along the last axis
+
+
+class Extent(enum.Enum):
+    TOKEN = "token"
+    PAGE = "page"
+    SEQ = "seq"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One stored tensor: `shape` is per slot (TOKEN), page (PAGE) or sequence-layer (SEQ), per KV
+    head. `packing` says how integer codes share an element (`int4x2`: two 4-bit codes per uint8,
+    low bits first, along the last axis; `shape` counts stored elements)."""
+
+    name: str
+    extent: Extent
+    dtype: torch.dtype
+    shape: tuple[int, ...] = ()
+    packing: str = ""
+
+    def __post_init__(self) -> None:
+        if self.packing not in PACKINGS:
+            raise ValueError(f"tensor {self.name!r}: unknown packing {self.packing!r} (one of {sorted(PACKINGS)})")
+        if any(not isinstance(n, int) or n < 1 for n in self.shape):
+            raise ValueError(f"tensor {self.name!r}: shape {self.shape} must be positive integers")
+
+    @property
+    def bytes(self) -> int:
+        """Bytes per slot, page or sequence-layer, per KV head."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Dense:
+    """Attention reads the tensor as it is: `[.., D]` in the model's dtype."""
+
+    tensor: str
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """Integer codes with a scale (and a zero point) per group of `group` channels of a token:
+    `x = (code - zero) * scale` (asymmetric: unsigned codes and a zero point) or `x = code * scale`
+    (symmetric: signed codes, `zero` None). `codes`, `scale` and `zero` are TOKEN tensors
+    (`scale`/`zero` of shape [D // group]). `residual`: a SEQ tensor `[R, D]` in the model dtype
+    holding the newest stored tokens in full precision, slot s at row `s % R`; attention reads the
+    last `resid_len` slots of a layer (a per-sequence, per-layer count the store keeps) from it
+    instead of the codes."""
+
+    codes: str
+    scale: str
+    bits: int
+    group: int
+    zero: str | None = None
+    residual: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.bits not in (2, 4, 8):
+            raise ValueError(f"quantized {self.codes!r}: bits must be 2, 4 or 8, got {self.bits}")
+        if self.group < 1:
+            raise ValueError(f"quantized {self.codes!r}: group must be >= 1, got {self.group}")
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero is None
+
+
+Encoding = Dense | Quantized
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A PAGE tensor the store keeps equal to `fn` over the page's stored slots of the decoded
+    keys (`source` "k") or values ("v"), per KV head and channel: recomputed for every page a step
+    writes (appends, the partial last page included) and every page a compaction rewrites."""
+
+    tensor: str
+    source: str
+    fn: str
+
+    def __post_init__(self) -> None:
+        if self.source not in (K, V) or self.fn not in REDUCERS:
+            raise ValueError(f"summary {self.tensor!r}: source must be k or v and fn one of {REDUCERS}")
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    tensors: tuple[TensorSpec, ...]
+    keys: Encoding = Dense(K)
+    values: Encoding = Dense(V)
+    summaries: tuple[Summary, ...] = ()
+    # the method's keeps may give KV heads different counts (stored right-aligned, per-head start
+    # slots the kernels read: docs/design.md, "KV memory")
+    head_starts: bool = False
+    _by_name: dict = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_name = {}
+        for t in self.tensors:
+            if t.name in by_name:
+                raise ValueError(f"KV spec: tensor {t.name!r} named twice")
+            by_name[t.name] = t
+        object.__setattr__(self, "_by_name", by_name)
+        for enc in (self.keys, self.values):
+            self._check_encoding(enc)
+        for s in self.summaries:
+            self._need(s.tensor, Extent.PAGE, "summary")
+
+    def _need(self, name: str | None, extent: Extent, what: str) -> TensorSpec | None:
+        if name is None:
+            return None
+        t = self._by_name.get(name)
+        if t is None:
+            raise ValueError(f"KV spec: {what} names tensor {name!r}, which the spec does not list")
+        if t.extent is not extent:
+            raise ValueError(f"KV spec: {what} tensor {name!r} is stored per {t.extent.value}, not per "
+                             f"{extent.value}")
+        return t
+
+    def _check_encoding(self, enc: Encoding) -> None:
+        if isinstance(enc, Dense):
+            self._need(enc.tensor, Extent.TOKEN, "dense")
+            return
+        codes = self._need(enc.codes, Extent.TOKEN, "codes")
+        self._need(enc.scale, Extent.TOKEN, "scale")
+        self._need(enc.zero, Extent.TOKEN, "zero point")
+        self._need(enc.residual, Extent.SEQ, "residual")
+        if codes.dtype.is_floating_point:
+            raise ValueError(f"KV spec: codes tensor {codes.name!r} must be an integer dtype")
+
+    # ---- lookups -------------------------------------------------------------------------------
+    def tensor(self, name: str) -> TensorSpec:
+        return self._by_name[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def of(self, extent: Extent) -> tuple[TensorSpec, ...]:
+        return tuple(t for t in self.tensors if t.extent is extent)
+
+    @property
+    def dense(self) -> bool:
+        """K and V stored as plain tensors (the engine's dense kernels read them)."""
+        return isinstance(self.keys, Dense) and isinstance(self.values, Dense)
+
+    @property
+    def kv_tensors(self) -> frozenset[str]:
+        """The tensors attention reads K and V from."""
+        names = set()
+        for enc in (self.keys, self.values):
+            if isinstance(enc, Dense):
+                names.add(enc.tensor)
+            else:
+                names |= {n for n in (enc.codes, enc.scale, enc.zero, enc.residual) if n}
+        return frozenset(names)
+
+    @property
+    def method_tensors(self) -> tuple[TensorSpec, ...]:
+        """Per-token tensors that are the method's own (state planes), not K/V or summaries."""
+        summaries = {s.tensor for s in self.summaries}
+        return tuple(t for t in self.tensors if t.name not in self.kv_tensors and t.name not in summaries)
+
+    # ---- bytes ---------------------------------------------------------------------------------
+    def bytes_per_token(self, num_kv_heads: int) -> int:
+        """TOKEN tensors: bytes one stored token costs in one layer."""
+        return num_kv_heads * sum(t.bytes for t in self.of(Extent.TOKEN))
+
+    def bytes_per_page(self, num_kv_heads: int, page_size: int) -> int:
+        """Bytes one page of the pool costs (one layer's `page_size` slots): what the pool is divided by."""
+        per_page = num_kv_heads * sum(t.bytes for t in self.of(Extent.PAGE))
+        return self.bytes_per_token(num_kv_heads) * page_size + per_page
+
+    def bytes_per_row(self, num_kv_heads: int, num_layers: int) -> int:
+        """SEQ tensors: bytes one sequence's row costs, every layer."""
+        return num_layers * num_kv_heads * sum(t.bytes for t in self.of(Extent.SEQ))
+
+    @property
+    def uses_rows(self) -> bool:
+        return bool(self.of(Extent.SEQ))
+
+    def describe(self) -> str:
+        """One line per tensor (logs, `kvc` messages)."""
+        return "; ".join(f"{t.name}: {t.extent.value} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+                         f"{' ' + t.packing if t.packing else ''}" for t in self.tensors)
+
+
+def dense_spec(head_dim: int, dtype: torch.dtype, extra: tuple[TensorSpec, ...] = (),
+               summaries: tuple[Summary, ...] = (), head_starts: bool = False) -> KVSpec:
+    """K and V in the model's dtype, per token (`full` and every eviction method), plus `extra`
+    tensors (per-token method state, page summaries)."""
+    kv = (TensorSpec(K, Extent.TOKEN, dtype, (head_dim,)), TensorSpec(V, Extent.TOKEN, dtype, (head_dim,)))
+    return KVSpec(kv + tuple(extra), summaries=summaries, head_starts=head_starts)
+
+
+def state_plane(name: str) -> TensorSpec:
+    """A method's per-token float32 state (one value per slot and KV head), paged with K/V."""
+    return TensorSpec(name, Extent.TOKEN, torch.float32)
