@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from kvc.runtime.kv import state_planes
+from kvc.runtime.kv.store import KVStore
 from kvc.runtime.method_api import LayerCacheView, StepView
 from kvc.runtime.methods import resolve_method
 
@@ -46,20 +46,21 @@ def synthetic(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_he
     length = kv + 1
     per_seq = -(-(length + 1) // page)
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(batch * per_seq, kv_heads, page, head_dim, generator=g)
-    v_cache = torch.randn(batch * per_seq, kv_heads, page, head_dim, generator=g)
-    planes = state_planes.allocate(method.state_planes, batch * per_seq, kv_heads, page, "cpu")
-    for plane in planes.values():
-        plane.copy_(torch.randint(0, 4, plane.shape, generator=g).float())
-    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
-    planes = {name: plane.to(device) for name, plane in planes.items()}
+    store = KVStore(method.kv_spec(kv_heads, head_dim, torch.float32), batch * per_seq, kv_heads, page, layers,
+                    "cpu")
+    for tensor in store.tensors.values():  # K/V random; the state planes random scores with ties
+        random = torch.randint(0, 4, tensor.shape, generator=g).float() if tensor.dim() == 3 else \
+            torch.randn(tensor.shape, generator=g)
+        tensor.copy_(random)
+    store.tensors = {name: t.to(device) for name, t in store.tensors.items()}
+    store.device = torch.device(device)
     order = torch.randperm(batch * per_seq, generator=g).tolist()
     views = []
     for layer in range(layers):
         row = []
         for b in range(batch):
             n = length + 1 if ragged and b % 3 == 2 else length
-            cache = LayerCacheView(k_cache, v_cache, order[b * per_seq: (b + 1) * per_seq], n, None, planes or None)
+            cache = LayerCacheView(store, order[b * per_seq: (b + 1) * per_seq], n, None)
             row.append(StepView(b, layer, layers, prompt + (n - kv), prompt, cache))
         views.append(row)
     return method, views

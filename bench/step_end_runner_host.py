@@ -30,7 +30,8 @@ import torch
 
 from bench.step_end_host import PARAMS
 from kvc.runtime import model_runner
-from kvc.runtime.kv import state_planes
+from kvc.runtime.kv.executor import KVExecutor
+from kvc.runtime.kv.store import KVStore
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.sequence import Sequence
 
@@ -55,19 +56,16 @@ def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_
     per_seq = -(-(kv + 2) // page)
     pages = batch * per_seq
     g = torch.Generator().manual_seed(seed)
-    shape = (pages, kv_heads, page, head_dim)
-    if device == "meta":
-        k_cache, v_cache = torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
-    else:
-        k_cache, v_cache = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-    planes = state_planes.allocate(method.state_planes, pages, kv_heads, page, device)
-    if device != "meta":
-        for plane in planes.values():
-            plane.copy_(torch.randint(0, 4, plane.shape, generator=g).float())
+    store = KVStore(method.kv_spec(kv_heads, head_dim, torch.float32), pages, kv_heads, page, layers, device)
+    if device != "meta":  # K/V random; the state planes random scores with ties
+        for tensor in store.tensors.values():
+            tensor.copy_(torch.randint(0, 4, tensor.shape, generator=g).float() if tensor.dim() == 3 else
+                         torch.randn(tensor.shape, generator=g))
     runner = model_runner.ModelRunner.__new__(model_runner.ModelRunner)
     runner.method, runner.pool, runner.num_layers, runner.page_size = method, None, layers, page
-    runner.attention = SimpleNamespace(k_cache=k_cache, v_cache=v_cache, backend=backend)
-    runner.planes = planes
+    runner.attention = SimpleNamespace(store=store, backend=backend, k_cache=store.k_cache, v_cache=store.v_cache)
+    runner.store, runner.planes = store, store.method_tensors()
+    runner.executor = KVExecutor(store, None, "triton" if backend == "triton" else "auto")
     runner.num_kv_heads, runner.tables = kv_heads, model_runner._TableCache(layers, kv_heads)
     seqs = []
     for b in range(batch):

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvc.runtime.errors import ChainCapacity, ChainBusy, ConfigError, KvcError
-from kvc.runtime.kv.compaction import CompactionJob, compact_many
+from kvc.runtime.kv.compaction import CompactionJob, batch_of_jobs
 from kvc.runtime.kv.page_pool import PoolExhausted
 from kvc.runtime.kv.positions import compact_map, full_map
 from kvc.runtime.method_api import Hook, LayerCacheView
@@ -234,11 +234,10 @@ def resolve_scorer(request: PruneRequest, served) -> Scorer:
 class Pruner:
     """Applies prunes to idle chain records of one engine (in the engine thread, between steps)."""
 
-    def __init__(self, store, attention, num_layers: int, compaction_backend: str = "auto") -> None:
-        self.store = store
-        self.attention = attention  # PagedAttention: K/V and the method's state planes (moved together)
+    def __init__(self, store, executor, num_layers: int) -> None:
+        self.store = store  # the chain store
+        self.executor = executor  # the KV store's plan executor: every spec tensor moves with the K/V
         self.num_layers = num_layers
-        self.backend = compaction_backend
 
     def prune(self, record, request: PruneRequest, scorer: Scorer) -> PruneReport:
         from kvc.runtime.chains import ChainState
@@ -270,8 +269,8 @@ class Pruner:
     def _prune_layer(self, record, layer: int, ranges, request: PruneRequest, scorer: Scorer,
                      report: PruneReport) -> int:
         """Prunes one layer; returns the largest logical position it dropped (-1: none)."""
-        cache = self.attention
-        device, kv_heads, page = cache.k_cache.device, cache.k_cache.shape[1], cache.k_cache.shape[2]
+        store = self.executor.store
+        device, kv_heads, page = store.device, store.num_kv_heads, store.page_size
         table, length = record.page_tables[layer], record.kv_lens[layer]
         starts = record.kv_starts[layer]
         history = len(record.tokens)
@@ -286,7 +285,7 @@ class Pruner:
             drops.append(wanted if starts is not None else [min(wanted)] * kv_heads)
         if not any(d for per_head in drops for d in per_head):
             return -1
-        keys = LayerCacheView(cache.k_cache, cache.v_cache, table, length, starts).keys()
+        keys = LayerCacheView(store, table, length, starts).keys()
         q = record.window_queries[layer].to(device).transpose(0, 1)  # [Hq, w, D]
         scores = scorer(layer, self.num_layers, q, keys, starts)
         # a key the scorer does not reach (-inf: e.g. SnapKV's own observation window, which the
@@ -312,8 +311,8 @@ class Pruner:
         self._own_pages(record, layer, -(-physical // page))
         job = CompactionJob(record.page_tables[layer], length, keep,
                             None if len(set(counts)) == 1 else torch.tensor(counts), starts)
-        done = compact_many(cache.k_cache, cache.v_cache, [job], backend=self.backend,
-                            planes=list(cache.planes.values()))[0]
+        batch = batch_of_jobs(store.token_tensors()[0], [job])
+        done = batch.result(0, self.executor.compact(batch))
         record.positions[layer] = compact_map(record.positions[layer], length, history, keep, counts, done.length)
         self._move_state(record, layer, keep, counts, done.length, length)
         keep_pages = -(-done.length // page)
@@ -327,13 +326,8 @@ class Pruner:
         """Copy-on-write: the first `count` pages of the record's layer become its own."""
         pool, table = self.store.pool, record.page_tables[layer]
         for index in range(min(count, len(table))):
-            old = table[index]
-            if not pool.is_shared(old):
-                continue
-            new = self._allocate(record)
-            self.attention.copy_pages([old], [new])
-            table[index] = new
-            pool.free([old])
+            if pool.is_shared(table[index]):
+                self.executor.own_page(table, index, [self._allocate(record)])
 
     def _allocate(self, record) -> int:
         pool = self.store.pool

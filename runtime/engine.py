@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from kvc.runtime.attention.backend import PagedAttention, kv_bytes_per_page, layer_page_bytes, pool_pages
+from kvc.runtime.attention.backend import PagedAttention, layer_page_bytes, pool_pages
 from kvc.runtime.chain_prune import PruneRequest, Pruner, Scorer, parse_auto_prune, resolve_scorer
 from kvc.runtime.chains import ChainSpec, ChainStore
 from kvc.runtime.config import EngineConfig
@@ -79,14 +79,12 @@ class Engine:
         bind = getattr(self.method, "bind", None)  # compiled methods: the model's shape for their budget
         if bind is not None:
             bind(self.spec.num_layers, self.spec.num_kv_heads)
-        layout = self.method.layout(self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype)
-        if layout.bytes_per_token != kv_bytes_per_page(
-            self.spec.num_kv_heads, 1, self.spec.head_dim, layout.dtype
-        ):
-            raise ConfigError(f"method {self.method.name!r} asks for a storage layout the engine "
-                              "cannot hold yet (dense K/V pages only)", param="method")
-        # one layer's page: K/V and the method's per-token state planes
-        page_bytes = layer_page_bytes(layout, self.spec.num_kv_heads, config.page_size)
+        kv_spec = self.method.kv_spec(self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype)
+        if not kv_spec.dense:
+            raise ConfigError(f"method {self.method.name!r} stores K/V encoded ({kv_spec.describe()}); the "
+                              "attention kernels read dense K/V only so far", param="method")
+        # one layer's page: every per-token tensor of the spec, plus its per-page ones
+        page_bytes = layer_page_bytes(kv_spec, self.spec.num_kv_heads, config.page_size)
         self.num_pages = pool_pages(self._kv_budget_bytes(), page_bytes)
         backend = config.attention_backend
         if backend == "auto":
@@ -99,10 +97,10 @@ class Engine:
             num_kv_heads=self.spec.num_kv_heads,
             page_size=config.page_size,
             head_dim=self.spec.head_dim,
-            dtype=layout.dtype,
+            dtype=self.spec.dtype,
             device=self.device,
             backend=backend,
-            state_planes=layout.state_planes,
+            spec=kv_spec,
         )
         log.info(
             "KV cache: %d pages of %d tokens (%.1f MiB), backend %s",
@@ -144,8 +142,7 @@ class Engine:
             pool=self.pool,
         )
         self.sequences: dict[int, Sequence] = {}
-        self.pruner = Pruner(self.chains, self.attention, self.spec.num_layers,
-                             "triton" if backend == "triton" else "auto")
+        self.pruner = Pruner(self.chains, self.runner.executor, self.spec.num_layers)
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
         self._scorers: dict[tuple, Scorer] = {}
         # Async scheduling (`step`): on by default on a GPU; never with decode-time eviction, whose

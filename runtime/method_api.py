@@ -7,9 +7,9 @@ gives the no-op defaults.
 
 Points, in the order a request meets them:
 
-- `layout(...)`  once, at engine start: bytes per stored token per layer and the storage dtype, and
-  the state planes the method keeps per token (float32 per KV head, paged like K/V:
-  runtime/kv/state_planes.py); the page pool is sized from it.
+- `kv_spec(...)` once, at engine start: every tensor the method stores, per token, page or
+  sequence, and how attention reads K and V (runtime/kv/spec.py); the pool is sized from its bytes
+  and the attention kernels are chosen by it.
 - `budget`       at admission: physical tokens per layer a request holds at its prefill peak and at
   steady state (a function of context length and layer), so the scheduler admits by real memory.
 - `evict_interval`  set once by the engine at start, before admission (`EngineConfig.evict_interval`):
@@ -67,6 +67,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from kvc.runtime.attention.metadata import StatsFold
+from kvc.runtime.kv.spec import K, V, KVSpec, dense_spec
+from kvc.runtime.kv.store import KVStore
 from kvc.runtime.kv.plans import KeepPlan, Plan, ReadPlan, RewritePlan, StackedPlan  # noqa: F401 -- the contract's plans
 
 
@@ -90,21 +92,6 @@ class AttentionKernels:
 
     variant: str = "plain"
     decode_stats: StatsFold | None = None
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """How a method stores one token of one layer."""
-
-    dtype: torch.dtype
-    bytes_per_token: int  # per layer, keys and values together (page summaries included)
-    # per-token method state kept in pages beside K/V (runtime/kv/state_planes.py): one float32
-    # value per KV head and token per name, moved by compaction, freed and shared with the pages
-    state_planes: tuple[str, ...] = ()
-
-    def state_bytes_per_token(self, num_kv_heads: int) -> int:
-        """Bytes the state planes add per token per layer (the pool's page size counts them)."""
-        return 4 * num_kv_heads * len(self.state_planes)
 
 
 @runtime_checkable
@@ -134,27 +121,29 @@ class FullBudget:
 
 @dataclass
 class LayerCacheView:
-    """One sequence's stored K/V in one layer: `page_ids` of the global pool hold `length` tokens."""
+    """One sequence's stored KV in one layer: `page_ids` of the store hold `length` slots."""
 
-    k_cache: torch.Tensor  # the whole pool, [num_pages, Hkv, page_size, D]
-    v_cache: torch.Tensor
+    store: KVStore  # every tensor of the method's KV spec (runtime/kv/store.py)
     page_ids: list[int]
     length: int  # physical tokens stored (slot i of the sequence = page i // S, offset i % S)
     # Per-head variable counts (a layer compacted by a per-head plan): KV head h stores its
     # tokens in slots [starts[h], length); the slots before are padding. None: every head from 0.
     starts: list[int] | None = None
-    planes: dict[str, torch.Tensor] | None = None  # the pool's state planes (KVLayout.state_planes)
-
-    def _dense(self, cache: torch.Tensor) -> torch.Tensor:
-        pages = cache[torch.tensor(self.page_ids, dtype=torch.long, device=cache.device)]
-        return pages.movedim(1, 0).flatten(1, 2)[:, : self.length]  # [Hkv, length, D]
 
     def keys(self) -> torch.Tensor:
-        """Dense copy [Hkv, length, D] (post-RoPE keys)."""
-        return self._dense(self.k_cache)
+        """Dense copy [Hkv, length, D] (post-RoPE keys; decoded when the spec stores them encoded)."""
+        return self.store.decoded(K, self.page_ids, self.length)
 
     def values(self) -> torch.Tensor:
-        return self._dense(self.v_cache)
+        return self.store.decoded(V, self.page_ids, self.length)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.store.num_kv_heads
+
+    @property
+    def device(self) -> torch.device:
+        return self.store.device
 
 
 @dataclass
@@ -197,8 +186,7 @@ class DecodeView:
     v: torch.Tensor
     block_tables: torch.Tensor  # [B, max_pages] this layer's tables
     context_lens: torch.Tensor  # [B] physical lengths after the step's token
-    k_cache: torch.Tensor | None = None  # the whole pool, [num_pages, Hkv, page_size, D]
-    v_cache: torch.Tensor | None = None
+    store: KVStore | None = None  # every tensor of the method's KV spec (runtime/kv/store.py)
     scale: float | None = None  # the attention's softmax scale
     rows: list[DecodeRow] | None = None
     kv_starts: torch.Tensor | None = None  # [B, Hkv] first slot each KV head uses (None: all 0)
@@ -206,7 +194,6 @@ class DecodeView:
     # method's `attention.decode_stats` says; filled by the decode attention before
     # decode_after_attention (None when the method asks for none, and in decode_before_attention)
     attn_stats: torch.Tensor | None = None
-    planes: dict[str, torch.Tensor] | None = None  # the pool's state planes (KVLayout.state_planes)
 
 
 @dataclass
@@ -231,7 +218,7 @@ class KVMethod(Protocol):
     attention: AttentionKernels  # the attention kernels it runs and the decode statistics it reads
     evict_interval: int  # decode-time eviction every N tokens of growth (set by the engine; module docstring)
 
-    def layout(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVLayout: ...
+    def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVSpec: ...
 
     def prefill_chunk(self, layer: int, view: PrefillView) -> None: ...
 
@@ -253,7 +240,7 @@ class KVMethod(Protocol):
 
 
 class MethodBase:
-    """Default no-op hooks and the dense K/V layout; methods override what they use."""
+    """Default no-op hooks and dense K/V; methods override what they use."""
 
     name = "base"
     hooks: frozenset[Hook] = frozenset()
@@ -263,8 +250,8 @@ class MethodBase:
     attention = AttentionKernels()
     evict_interval = 1
 
-    def layout(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVLayout:
-        return KVLayout(dtype=dtype, bytes_per_token=2 * num_kv_heads * head_dim * dtype.itemsize)
+    def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVSpec:
+        return dense_spec(head_dim, dtype)
 
     def prefill_chunk(self, layer: int, view: PrefillView) -> None:
         return None

@@ -309,7 +309,7 @@ class CompiledMethod(DecodeHooks, MethodBase):
 
     def prefill_end(self, layer: int, view: PrefillView) -> KeepPlan | None:
         key = (view.seq_id, layer)
-        device = view.cache.k_cache.device
+        device = view.cache.device
         k = _operand(view.cache.keys())
         kv_heads, length = k.shape[0], k.shape[1]
         q = self._q.pop(key, None)

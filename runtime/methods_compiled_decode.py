@@ -38,7 +38,7 @@ Where the decode state lives: paged state planes (the default), or per-row dicts
 
 - Planes, when the hook is key-local (manifest fact `key_local`: every accumulated value and the
   ranking score is computed key by key from `attn`, parameters and `[kv_head, key]` states) and
-  `use_state_planes` is on. The method's `layout` asks for one float32 plane per state and one
+  `use_state_planes` is on. The method's `kv_spec` lists one float32 per-token tensor per state and one
   for the pending scores (`<hook>.scores`); `PagedAttention` holds them beside K/V, addressed by
   the same page tables and slots (runtime/kv/state_planes.py), so state scales with stored tokens
   and is freed, shared (copy-on-write) and compacted with the pages. The decode hook then runs
@@ -80,7 +80,8 @@ import torch
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv import state_planes
 from kvc.runtime.kv.state_planes import BatchSlots
-from kvc.runtime.method_api import DecodeView, Hook, KeepPlan, KVLayout, LayerCacheView, StackedPlan, StepView
+from kvc.runtime.kv.spec import KVSpec, state_plane
+from kvc.runtime.method_api import DecodeView, Hook, KeepPlan, LayerCacheView, StackedPlan, StepView
 
 DECODE_KEEP_HOOKS = ("decode_after_attention", "step_end")
 IN_PAGES = "in pages"  # turn_end's state of a layer whose decode state stays in the record's pages
@@ -153,9 +154,11 @@ class DecodeHooks:
         self._count_memo: dict[tuple, int] = {}
         return hooks
 
-    def layout(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVLayout:
-        """Dense K/V pages, plus the state planes of paged decode state."""
-        return dataclasses.replace(super().layout(num_kv_heads, head_dim, dtype), state_planes=self.state_planes)
+    def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVSpec:
+        """Dense K/V, plus one per-token float32 tensor per state plane of paged decode state."""
+        spec = super().kv_spec(num_kv_heads, head_dim, dtype)
+        planes = tuple(state_plane(name) for name in self.state_planes)
+        return dataclasses.replace(spec, tensors=spec.tensors + planes) if planes else spec
 
     # ---- chain cache: decode state in the record's pages ------------------------------------
     def _layers_in_pages(self, seq_id: int) -> dict[int, str]:
@@ -173,7 +176,7 @@ class DecodeHooks:
         if key not in self._resume_pages:
             return None
         self._resume_pages.discard(key)
-        planes = self._planes(cache.planes)
+        planes = self._planes(cache.store)
         return {name: state_planes.read(planes[name], cache.page_ids, stored) for name in self.states}
 
     # ---- symbols and host-side counts -------------------------------------------------------
@@ -245,23 +248,24 @@ class DecodeHooks:
         if not self._decoding:
             return
         self._pending.pop(key, None)
-        length, device = cache.length, cache.k_cache.device
+        length, device = cache.length, cache.device
         if not self.paged_state:
             self._decode_state[key] = _gather_state(state, length, None if plan is None else plan.indices, device)
             return
-        planes = self._planes(cache.planes)
+        planes = self._planes(cache.store)
         full = _gather_state(state, length, None, device)  # every stored slot, new keys at 0
         for name in self.states:
             value = torch.nn.functional.pad(full[name], (0, length - full[name].shape[-1]))
             state_planes.write(planes[name], cache.page_ids, value)
         self._in_pages.add(key)
 
-    def _planes(self, planes: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        if planes is None or any(name not in planes for name in self.state_planes):
-            raise RuntimeError(f"method {self.name!r} keeps its decode state in the state planes "
-                               f"{list(self.state_planes)}, which the attention layer does not hold "
-                               "(PagedAttention.add_planes(method.layout(...).state_planes))")
-        return planes
+    def _planes(self, store) -> dict[str, torch.Tensor]:
+        """The store's tensors of this method's state planes, by name."""
+        if store is None or any(name not in store.spec for name in self.state_planes):
+            raise RuntimeError(f"method {self.name!r} keeps its decode state in the per-token tensors "
+                               f"{list(self.state_planes)}, which the KV store does not hold (its spec is "
+                               "not this method's kv_spec)")
+        return {name: store[name] for name in self.state_planes}
 
     def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None:
         if self.paged_state:
@@ -290,7 +294,7 @@ class DecodeHooks:
     def _decode_after_paged(self, layer: int, view: DecodeView) -> None:
         """The generated hook once over the batch, its rows' keys side by side (module docstring).
         Tensors of static shape only, no host reads: CUDA-graph capturable."""
-        planes = self._planes(view.planes)
+        planes = self._planes(view.store)
         attn = view.attn_stats  # [B, R, W]
         if attn is None:
             raise RuntimeError(f"method {self.name!r}: the decode attention emitted no statistics (view.attn_stats)")
@@ -318,14 +322,14 @@ class DecodeHooks:
 
     def step_end(self, layer: int, view: StepView) -> KeepPlan | None:
         key = (view.seq_id, layer)
-        length, kv_heads = view.cache.length, view.cache.k_cache.shape[1]
+        length, kv_heads = view.cache.length, view.cache.num_kv_heads
         pending = self._pending.pop(key, None)
         if self._keep_hook is None:
             return None
         count = self.decode_kept(length, view.prompt_len, view.context_len, layer, kv_heads)
         if not self._due(length, count):
             return None
-        head_dim = view.cache.k_cache.shape[-1]
+        head_dim = view.cache.store.head_dim("k")
         sym = self._decode_sym(layer, length, view.context_len, view.prompt_len, None, kv_heads, head_dim)
         if self.paged_state:
             return self._step_end_paged(view, count, sym)
@@ -335,7 +339,7 @@ class DecodeHooks:
         """step_end over the planes: the scores (or the state) of the stored slots; compaction moves
         the planes with K/V, so nothing is gathered here."""
         cache = view.cache
-        planes = self._planes(cache.planes)
+        planes = self._planes(cache.store)
         if self._keep_hook == "decode_after_attention":
             scores = state_planes.read(planes[self._scores_plane], cache.page_ids, cache.length)
         else:
@@ -344,7 +348,7 @@ class DecodeHooks:
         return self._plan(self._select_fn(scores, sym, self.params), count, sym, cache)
 
     def _plan(self, kept: list[torch.Tensor], count: int, sym: dict, cache: LayerCacheView) -> KeepPlan:
-        indices = _stacked(kept, cache.k_cache.device)
+        indices = _stacked(kept, cache.device)
         if indices.shape[1] != count:
             raise RuntimeError(f"method {self.name!r}: selection kept {indices.shape[1]}, its count says {count}")
         return KeepPlan(indices, tail=self.kept_tail(self._keep_hook, sym, cache.length))
@@ -356,7 +360,7 @@ class DecodeHooks:
         if self._group_mode is None or len(views) < 2:
             return [self.step_end(layer, view) for view in views]
         plans: list[KeepPlan | None] = [None] * len(views)
-        keys = [(view.cache.length, view.context_len, view.prompt_len, id(view.cache.k_cache))  # the pool: shape
+        keys = [(view.cache.length, view.context_len, view.prompt_len, id(view.cache.store))  # the store: shapes
                 for view in views]
         if keys.count(keys[0]) == len(keys):  # the common case (a decode batch in step): one group
             return self._step_end_group(layer, views)
@@ -383,7 +387,7 @@ class DecodeHooks:
             for view in views:
                 pending.pop((view.seq_id, layer), None)
         cache = first.cache
-        length, kv_heads, head_dim = cache.length, cache.k_cache.shape[1], cache.k_cache.shape[-1]
+        length, kv_heads, head_dim = cache.length, cache.num_kv_heads, cache.store.head_dim("k")
         count = self.decode_kept(length, first.prompt_len, first.context_len, layer, kv_heads)
         if not self._due(length, count):
             return [None] * len(views)
@@ -396,11 +400,11 @@ class DecodeHooks:
                     if key in self._decode_state:  # no state: the per-row path would store an empty dict
                         self._decode_state[key] = {}
             return [plan] * len(views)
-        planes = self._planes(cache.planes)
+        planes = self._planes(cache.store)
         scores = _read_rows(planes[self._scores_plane], [view.cache.page_ids for view in views], length)
         rows = len(views) * kv_heads
         kept = self._select_fn(scores.reshape(rows, length), {**sym, "kv_heads": rows}, self.params)
-        indices = _stacked(kept, cache.k_cache.device)
+        indices = _stacked(kept, cache.device)
         if indices.shape != (rows, count):
             raise RuntimeError(f"method {self.name!r}: the stacked selection kept {tuple(indices.shape)}, "
                                f"its count says ({rows}, {count})")
@@ -416,7 +420,7 @@ class DecodeHooks:
         key = (view.seq_id, layer)
         state = self._decode_state.get(key)
         if state is None:
-            state = {s: torch.zeros(view.cache.k_cache.shape[1], 0, device=view.cache.k_cache.device)
+            state = {s: torch.zeros(view.cache.num_kv_heads, 0, device=view.cache.device)
                      for s in self.states}
         if self._keep_hook == "decode_after_attention":
             if pending is None:

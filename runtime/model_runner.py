@@ -17,9 +17,9 @@ per row). After the forward, step_end runs per layer over the decoded sequences 
 when the method has it, else `step_end` per sequence; eager code, also after a graph replay); its
 keep plans are compacted and reported like prefill_end's.
 
-State planes (runtime/kv/state_planes.py): when the method's layout asks for them, the attention
-layer holds them beside K/V; the views carry them, compaction moves them with K/V, and
-copy-on-write copies them with their pages. A step that writes planes owns the pages first:
+The KV store (runtime/kv/store.py) holds every tensor of the method's KV spec; the views carry
+it, and the executor (runtime/kv/executor.py) moves all of them with a keep plan and copies them
+with their pages (copy-on-write). A step that writes planes owns the pages first:
 every page of a decode row (the decode hook rewrites the state of every stored slot) and every
 page of a layer whose prefill ends (prefill_end stores the state there, before compacting). Graph
 capture sizes the decode statistics buffer for the largest bucket first, so a later eager step
@@ -44,7 +44,8 @@ from kvc.runtime.attention.backend import PagedAttention
 from kvc.runtime.attention.metadata import AttentionMetadata
 from kvc.runtime.chains import QUERY_WINDOW
 from kvc.runtime.decode_graphs import DecodeGraphs
-from kvc.runtime.kv.compaction import CompactionBatch, CompactionJob, batch_of_jobs, compact_batch, stack_keeps
+from kvc.runtime.kv.compaction import CompactionBatch, CompactionJob, batch_of_jobs, stack_keeps
+from kvc.runtime.kv.executor import KVExecutor
 from kvc.runtime.kv.positions import compact_map
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.methods import resolve_method
@@ -120,9 +121,9 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
         attention.use_variant(self.method.attention.variant)  # the attention kernels its manifest names
-        layout = self.method.layout(self.num_kv_heads, model.spec.head_dim, model.spec.dtype)
-        attention.add_planes(layout.state_planes)  # no-op when the engine allocated them
-        self.planes = {name: attention.planes[name] for name in layout.state_planes}
+        self.store = attention.store  # every tensor of the method's KV spec (runtime/kv/store.py)
+        self.executor = KVExecutor(self.store, pool, "triton" if attention.backend == "triton" else "auto")
+        self.planes = self.store.method_tensors()  # the method's per-token state: every decode row writes it
         self.graphs: DecodeGraphs | None = None
         if use_cuda_graphs and device.type == "cuda" and getattr(self.method, "decode_graphs", True):
             self.graphs = DecodeGraphs(self, max_num_seqs)
@@ -213,17 +214,16 @@ class ModelRunner:
                 if fold is not None and Hook.DECODE_AFTER_ATTENTION in hooks:  # emitted by the decode kernels
                     stats = attention.stats_request(fold, d, q.shape[1], md.max_context_len)
                 view = DecodeView(layer, q[:d], k[:d], v[:d], md.block_tables[layer, :d],
-                                  md.context_lens[layer, :d], attention.k_cache, attention.v_cache, scale,
+                                  md.context_lens[layer, :d], self.store, scale,
                                   None if batch is None else _decode_rows(batch, layer),
-                                  kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d],
-                                  planes=self.planes or None)
+                                  kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d])
                 if Hook.DECODE_BEFORE_ATTENTION in hooks:
                     method.decode_before_attention(layer, view)
             if compute:
                 out = attention.forward(layer, q, k, v, md, scale, stats=stats)
             else:
                 out = None
-                attention.store(layer, k, v, md)
+                attention.write(layer, k, v, md)
             for seq, rows in recording:
                 seq.record.add(layer, q[rows], k[rows], v[rows])
             if view is not None and Hook.DECODE_AFTER_ATTENTION in hooks:
@@ -264,8 +264,7 @@ class ModelRunner:
                 seq_id=seq.seq_id, layer=layer, num_layers=self.num_layers,
                 q=q[rows], k=k[rows], v=v[rows], start=seq.num_computed_tokens,
                 prompt_len=seq.prefill_end,
-                cache=LayerCacheView(self.attention.k_cache, self.attention.v_cache, table, length,
-                                     seq.kv_starts[layer], self.planes or None),
+                cache=LayerCacheView(self.store, table, length, seq.kv_starts[layer]),
             )
             if Hook.PREFILL_CHUNK in method.hooks:
                 method.prefill_chunk(layer, view)
@@ -281,7 +280,7 @@ class ModelRunner:
             jobs.append((seq, CompactionJob(table, length, plan.indices, plan.lengths, seq.kv_starts[layer]),
                          logical - plan.tail, logical))
         if jobs:
-            batch = batch_of_jobs(self.attention.k_cache, [job for _, job, _, _ in jobs])
+            batch = batch_of_jobs(self.store.token_tensors()[0], [job for _, job, _, _ in jobs])
             self._compact(layer, batch, [j[0] for j in jobs], [j[2] for j in jobs], [j[3] for j in jobs], compacted)
 
     def _compact(self, layer: int, batch: CompactionBatch, seqs: list, verbatim: list[int], logical: list[int],
@@ -291,9 +290,7 @@ class ModelRunner:
         sequence's verbatim tail (`verbatim_from`: the first logical token a keep may have dropped
         or moved, for the chain cache's rollback); a chained sequence's position map follows the plan.
         Job j of `batch` is `seqs[j]`'s."""
-        backend = "triton" if self.attention.backend == "triton" else "auto"
-        physical = compact_batch(self.attention.k_cache, self.attention.v_cache, batch, backend=backend,
-                                 planes=list(self.planes.values()))
+        physical = self.executor.compact(batch)
         uniform = batch.starts is None and bool((batch.counts == batch.widths[:, None]).all())  # no starts anywhere
         for j, (seq, length, tail_from) in enumerate(zip(seqs, physical.tolist(), verbatim)):
             per_seq = compacted.get(seq.seq_id)
@@ -320,11 +317,10 @@ class ModelRunner:
         reported (the scheduler frees the pages past them). Host work per layer is Python per row
         (views, bookkeeping) plus numpy and a few torch calls: the page tables come from the
         runner's cached arrays, and plans sharing a tensor (`StackedPlan`) move as one."""
-        method, cache, page = self.method, self.attention, self.page_size
+        method, page = self.method, self.page_size
         decoded = batch.seqs[: batch.num_decodes]
         batched = getattr(method, "step_end_batch", None)
-        planes = self.planes or None
-        k_cache, v_cache, num_layers = cache.k_cache, cache.v_cache, self.num_layers
+        store, num_layers = self.store, self.num_layers
         packed = versions = None  # [L, B, W] page tables of `decoded`, built once the first layer compacts
         due_fn = getattr(method, "step_end_due", None)
         if due_fn is not None:  # host facts of every row and layer, for the method's cheap "may it evict now"
@@ -344,8 +340,8 @@ class ModelRunner:
                         candidates = np.flatnonzero(due).tolist()
             views = [StepView(seq.seq_id, layer, num_layers, seq.num_computed_tokens + 1 - seq.history_gap[layer],
                               seq.prefill_end - seq.history_gap[layer],  # a chain's prompt: stored history + suffix
-                              LayerCacheView(k_cache, v_cache, seq.page_tables[layer], seq.kv_lens[layer] + 1,
-                                             seq.kv_starts[layer], planes))  # the step's token is stored
+                              LayerCacheView(store, seq.page_tables[layer], seq.kv_lens[layer] + 1,
+                                             seq.kv_starts[layer]))  # the step's token is stored
                      for seq in (decoded if candidates is everyone else [decoded[i] for i in candidates])]
             plans = batched(layer, views) if batched is not None else [method.step_end(layer, v) for v in views]
             if len(plans) != len(views):
@@ -384,7 +380,7 @@ class ModelRunner:
     def _plan_batch(self, layer: int, plans: list, views: list[StepView], tables: np.ndarray) -> CompactionBatch:
         """One layer's step-end plans as a `CompactionBatch`: plans over one tensor (a `StackedPlan`'s
         stack, or one shared plan) gathered once; counts, lengths and starts as numpy."""
-        k_cache = self.attention.k_cache
+        device = self.store.device
         sources = [(plan.stack, plan.row) if isinstance(plan, StackedPlan) else (plan.indices, None) for plan in plans]
         caches = [view.cache for view in views]
         lengths = np.array([cache.length for cache in caches], dtype=np.int64)
@@ -392,7 +388,7 @@ class ModelRunner:
         starts = None
         if any(cache.starts is not None for cache in caches):
             starts = np.array([cache.starts or [0] * self.num_kv_heads for cache in caches], dtype=np.int64)
-        keep, pos, widths = stack_keeps(sources, k_cache.device)
+        keep, pos, widths = stack_keeps(sources, device)
         if keep.shape[1] != self.num_kv_heads:
             raise RuntimeError(f"method {self.method.name!r}: keep plans of layer {layer} have {keep.shape[1]} KV "
                                f"heads, the model {self.num_kv_heads}")
@@ -428,18 +424,8 @@ class ModelRunner:
                 self._own_page(seq, layer, index)
 
     def _own_page(self, seq, layer: int, index: int) -> None:
-        table, pool = seq.page_tables[layer], self.pool
-        old = table[index]
-        if not pool.is_shared(old):
-            return
-        if not seq.spare_pages:
-            raise RuntimeError(f"sequence {seq.seq_id} writes into shared page {old} without a spare page "
-                               "(the scheduler reserves them)")
-        new = seq.spare_pages.pop()
-        self.attention.copy_pages([old], [new])
-        table[index] = new
-        pool.free([old])
-        seq.tables_version += 1
+        if self.executor.own_page(seq.page_tables[layer], index, seq.spare_pages):
+            seq.tables_version += 1
 
     def prepare(self, batch: ScheduledBatch, needs_sample: list[bool]) -> StepInputs:
         """Flattens the batch into token ids, logical positions, and per-layer slots and tables."""

@@ -10,9 +10,9 @@ variant the method's manifest names (`use_variant`, called by the runner with
 layer: the pool plus that layer's row of the per-layer tables, lengths, slots and (per-head
 variable counts only) KV-head start slots.
 
-State planes (`runtime/kv/state_planes.py`): a method's per-token float32 state, one
-`[num_pages + 1, Hkv, page_size]` tensor per name its `KVLayout.state_planes` lists, addressed by
-the same page tables and slots as K/V (`planes`; the last page is scratch for batch padding).
+The tensors live in a `KVStore` (runtime/kv/store.py) built from the method's KV spec: K/V, the
+method's per-token state (`planes`) and page summaries, all addressed by the same page ids; a
+step's store refreshes the summaries of the pages it wrote.
 
 Decode statistics: `forward(..., stats=DecodeStats)` asks the decode kernels to also emit the
 step's attention probabilities, folded as the method reads them (metadata.py); `stats_request`
@@ -23,34 +23,41 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import TYPE_CHECKING
-
 import torch
 
 from kvc.runtime.attention import torch_ops
 from kvc.runtime.attention.metadata import AttentionMetadata, DecodeStats, StatsFold
 from kvc.runtime.errors import ConfigError
-from kvc.runtime.kv import state_planes
-
-if TYPE_CHECKING:
-    from kvc.runtime.method_api import KVLayout
+from kvc.runtime.kv.spec import K, V, KVSpec, dense_spec
+from kvc.runtime.kv.store import KVStore
 
 BACKENDS = ("torch", "triton")
 
 
-COPY_BYTES = 256 * 2**20  # K or V bytes gathered at once by copy_pages
-
-
 def kv_bytes_per_page(num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one page (one layer's page_size tokens) costs, keys and values together."""
-    return 2 * num_kv_heads * page_size * head_dim * dtype.itemsize
+    """Bytes one page of dense K/V (one layer's page_size tokens) costs, keys and values together."""
+    return dense_spec(head_dim, dtype).bytes_per_page(num_kv_heads, page_size)
 
 
-def layer_page_bytes(layout: KVLayout, num_kv_heads: int, page_size: int) -> int:
-    """Bytes one page of the pool costs (one layer's page_size tokens): the layout's K/V bytes
-    plus its state planes. The engine sizes its pool with it and the throughput plan counts
+def layer_page_bytes(spec: KVSpec, num_kv_heads: int, page_size: int) -> int:
+    """Bytes one page of the pool costs (one layer's page_size slots of every TOKEN tensor of the
+    spec, plus its PAGE tensors). The engine sizes its pool with it and the throughput plan counts
     with it, so the two cannot disagree."""
-    return (layout.bytes_per_token + layout.state_bytes_per_token(num_kv_heads)) * page_size
+    return spec.bytes_per_page(num_kv_heads, page_size)
+
+
+def last_in_page(slots: torch.Tensor, page_size: int, scratch_page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pages [T], stored [T]) of a step's new tokens `slots [T]` (-1: padding) for a summary
+    refresh: each token that is the last of the step in its page names that page and how many of
+    its slots are stored after the step; every other token (and padding) names the scratch page
+    with 0. Static shapes, no host read (CUDA-graph safe). A sequence's tokens in one page are
+    consecutive in the step and ascending, so "the next token lies in another page" finds them."""
+    slots = slots.long()
+    pages = torch.where(slots >= 0, slots // page_size, torch.full_like(slots, -1))
+    following = torch.cat([pages[1:], pages.new_full((1,), -2)])
+    last = (slots >= 0) & (following != pages)
+    pages = torch.where(last, pages, torch.full_like(pages, scratch_page))
+    return pages, torch.where(last, slots % page_size + 1, torch.zeros_like(slots))
 
 
 def pool_pages(kv_memory: int, page_bytes: int) -> int:
@@ -87,55 +94,56 @@ def load_ops(backend: str, device: torch.device, variant: str = "plain") -> Modu
 
 
 class PagedAttention:
-    """The global paged K/V pool, k_cache and v_cache each [num_pages, Hkv, page_size, D] (a page
-    belongs to one layer of one sequence at a time), and a backend."""
+    """The attention layer over a `KVStore` (runtime/kv/store.py: every tensor of the method's KV
+    spec, paged; a page belongs to one layer of one sequence at a time) and a backend."""
 
-    def __init__(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str = "torch", num_layers: int = 1
-    ) -> None:
-        if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
-            raise ValueError(
-                "k_cache and v_cache must both be [num_pages, num_kv_heads, page_size, head_dim], "
-                f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-            )
+    def __init__(self, store: KVStore, backend: str = "torch", num_layers: int = 1) -> None:
         self.num_layers = num_layers
-        self.k_cache = k_cache
-        self.v_cache = v_cache
+        self.store = store
         self.backend = backend
         self.variant = "plain"
-        self.ops = load_ops(backend, k_cache.device)
+        self.ops = load_ops(backend, store.device)
         self._stats: torch.Tensor | None = None  # decode statistics buffer, reused across layers
-        self.planes: dict[str, torch.Tensor] = {}  # state planes, name -> [num_pages + 1, Hkv, page_size]
 
-    def add_planes(self, names: tuple[str, ...]) -> None:
-        """Allocates the state planes in `names` that are not there yet (zeroed)."""
-        missing = tuple(n for n in names if n not in self.planes)
-        self.planes.update(state_planes.allocate(missing, self.num_pages, self.k_cache.shape[1], self.page_size,
-                                                 self.k_cache.device))
+    @classmethod
+    def from_caches(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str = "torch",
+                    num_layers: int = 1) -> PagedAttention:
+        """Over existing dense K/V tensors `[pages, Hkv, page_size, D]` (tests, tools): the last page
+        is the store's scratch page."""
+        if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+            raise ValueError("k_cache and v_cache must both be [num_pages, num_kv_heads, page_size, head_dim], "
+                             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        spec = dense_spec(k_cache.shape[3], k_cache.dtype)
+        store = KVStore.from_tensors(spec, {K: k_cache, V: v_cache}, num_layers)
+        return cls(store, backend, num_layers)
 
-    @torch.no_grad()
+    @property
+    def k_cache(self) -> torch.Tensor:
+        """The dense keys of the store, `[pages + 1, Hkv, page_size, D]`."""
+        return self.store.k_cache
+
+    @property
+    def v_cache(self) -> torch.Tensor:
+        return self.store.v_cache
+
+    @property
+    def planes(self) -> dict[str, torch.Tensor]:
+        """The method's per-token tensors (state planes), by name."""
+        return self.store.method_tensors()
+
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        """Page src[i] -> page dst[i]: K, V and every state plane (a page's whole content), at
-        most COPY_BYTES of K (or V) gathered at once. Copy-on-write, clones and prunes call it."""
-        if not src:
-            return
-        device = self.k_cache.device
-        src_t = torch.tensor(src, dtype=torch.long, device=device)
-        dst_t = torch.tensor(dst, dtype=torch.long, device=device)
-        step = max(1, COPY_BYTES // (self.k_cache[0].numel() * self.k_cache.element_size()))
-        for cache in (self.k_cache, self.v_cache, *self.planes.values()):
-            for i in range(0, len(src), step):
-                cache.index_copy_(0, dst_t[i : i + step], cache.index_select(0, src_t[i : i + step]))
+        """Page src[i] -> page dst[i]: every tensor of the spec (a page's whole content)."""
+        self.store.copy_pages(src, dst)
 
     @property
     def scratch_page(self) -> int:
-        """The planes' scratch page (batch padding writes there)."""
-        return self.num_pages
+        """The store's scratch page (batch padding writes there)."""
+        return self.store.scratch_page
 
     def use_variant(self, variant: str) -> None:
         """Run the generated attention kernels of `variant` (what the method's manifest names)."""
         if variant != self.variant:
-            self.ops = load_ops(self.backend, self.k_cache.device, variant)
+            self.ops = load_ops(self.backend, self.store.device, variant)
             self.variant = variant
 
     def stats_request(self, fold: StatsFold, num_decodes: int, num_heads: int, width: int) -> DecodeStats:
@@ -143,10 +151,10 @@ class PagedAttention:
         buffer kept across layers and steps (grown, never shrunk; the kernels write every entry).
         CUDA graphs capture views of it: the runner asks for the largest request before capturing,
         so it is never reallocated under a captured graph."""
-        shape = (num_decodes, fold.rows(num_heads, self.k_cache.shape[1]), width)
+        shape = (num_decodes, fold.rows(num_heads, self.store.num_kv_heads), width)
         numel = shape[0] * shape[1] * shape[2]
         if self._stats is None or self._stats.numel() < numel:
-            self._stats = torch.empty(numel, dtype=torch.float32, device=self.k_cache.device)
+            self._stats = torch.empty(numel, dtype=torch.float32, device=self.store.device)
         return DecodeStats(fold.reduce, fold.fn, self._stats[:numel].view(shape))
 
     @classmethod
@@ -160,27 +168,30 @@ class PagedAttention:
         dtype: torch.dtype,
         device: torch.device | str,
         backend: str = "torch",
-        state_planes: tuple[str, ...] = (),
+        spec: KVSpec | None = None,
+        num_rows: int = 0,
     ) -> PagedAttention:
-        shape = (num_pages, num_kv_heads, page_size, head_dim)
-        k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        attention = cls(k_cache, v_cache, backend, num_layers)
-        attention.add_planes(state_planes)
-        return attention
+        """A store of `spec` (None: dense K/V of `head_dim` in `dtype`) over `num_pages` pages."""
+        spec = spec if spec is not None else dense_spec(head_dim, dtype)
+        load_ops(backend, torch.device(device))  # a bad backend fails before the pool is allocated
+        store = KVStore(spec, num_pages, num_kv_heads, page_size, num_layers, device, num_rows)
+        return cls(store, backend, num_layers)
 
     @property
     def num_pages(self) -> int:
-        return self.k_cache.shape[0]
+        return self.store.num_pages
 
     @property
     def page_size(self) -> int:
-        return self.k_cache.shape[2]
+        return self.store.page_size
 
-    def store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
         """Writes the step's keys/values into their slots of layer `layer_idx` (no attention: a
         replayed prefill, runtime/prefill_record.py, needs only the stored K/V)."""
-        self.ops.store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping[layer_idx])
+        slots = md.slot_mapping[layer_idx]
+        self.ops.store_kv(k, v, self.k_cache, self.v_cache, slots)
+        if self.store.spec.summaries:
+            self.store.refresh_summaries(*last_in_page(slots, self.store.page_size, self.store.scratch_page))
 
     def forward(
         self,
@@ -203,7 +214,7 @@ class PagedAttention:
         tables, lens = md.block_tables[layer_idx], md.context_lens[layer_idx]
         starts = None if md.kv_starts is None else md.kv_starts[layer_idx]  # [B, Hkv]
         ops = self.ops
-        self.store(layer_idx, k, v, md)
+        self.write(layer_idx, k, v, md)
         out = torch.empty_like(q)
         num_decodes = md.num_decodes
         if num_decodes > 0:

@@ -16,9 +16,9 @@ are then slots [start_h, length) and its kept indices must lie there (a chain ca
 layer again at each turn; decode-time eviction does it every step). The result is laid out as
 above, whatever the old starts were.
 
-State planes (`state_planes.py`: a method's per-token float32 state, `[pages + 1, Hkv,
-page_size]`, addressed like K/V) follow the same plan: `compact_many(..., planes=)` moves their
-kept slots exactly as it moves K/V, so slot s's state stays beside slot s's keys.
+Every per-token tensor of a KV spec (runtime/kv/spec.py: K/V, quantized codes and scales, a
+method's per-token state) follows the same plan: `compact_tensors` moves the kept slots of each
+exactly as it moves K/V, so slot s's state and scales stay beside slot s's keys.
 
 One layer's jobs travel as one `CompactionBatch`: host facts (counts, lengths, page tables,
 starts) as numpy arrays and every plan in one `keep [N, Hkv, K]` tensor, so the host work per
@@ -232,10 +232,9 @@ def compact_many(
     backend: str = "auto",
     planes: Seq[torch.Tensor] = (),
 ) -> list[Compacted]:
-    """Applies every job (one layer, distinct sequences) in place, to K, V and every state plane
-    (`[pages (+ scratch), Hkv, page_size]`); `checked` None: check values where that costs no
-    device sync, or when KVC_CHECK_COMPACTION=1."""
-    _check_caches(k_cache, v_cache, planes)
+    """Applies every job (one layer, distinct sequences) in place, to K, V and every other
+    per-token tensor in `planes` (`[pages (+ scratch), Hkv, page_size, *shape]`); `checked` None:
+    check values where that costs no device sync, or when KVC_CHECK_COMPACTION=1."""
     if not jobs:
         return []
     batch = batch_of_jobs(k_cache, jobs)
@@ -251,36 +250,46 @@ def compact_batch(
     backend: str = "auto",
     planes: Seq[torch.Tensor] = (),
 ) -> np.ndarray:
-    """`compact_many` of a ready batch (host work per layer, not per job): checks it, applies it,
-    and returns each job's new physical length M ([N], the callers' order; `batch.result` gives
-    the start slots)."""
-    _check_caches(k_cache, v_cache, planes)
-    use_triton = _use_triton(backend, k_cache.device)
+    """`compact_tensors` of dense K, V and `planes`."""
+    return compact_tensors([k_cache, v_cache, *planes], batch, checked=checked, backend=backend)
+
+
+def compact_tensors(tensors: Seq[torch.Tensor], batch: CompactionBatch, checked: bool | None = None,
+                    backend: str = "auto") -> np.ndarray:
+    """Applies a ready batch (host work per layer, not per job) to every per-token tensor in
+    `tensors` (`[pages (+ scratch), Hkv, page_size, *shape]`, one page layout: a KV spec's TOKEN
+    tensors); returns each job's new physical length M ([N], the callers' order; `batch.result`
+    gives the start slots)."""
+    _check_tensors(tensors)
+    first = tensors[0]
+    use_triton = _use_triton(backend, first.device)
     if len(batch.lengths) == 0:
         return np.zeros(0, dtype=np.int64)
     if checked is None:
-        checked = k_cache.device.type == "cpu" or os.environ.get(CHECK_ENV) == "1"
-    _check_host(batch, k_cache.shape[1], k_cache.shape[2])
+        checked = first.device.type == "cpu" or os.environ.get(CHECK_ENV) == "1"
+    _check_host(batch, first.shape[1], first.shape[2])
     if checked:
         _check_values(batch)
     physical = batch.physical
     if not physical.any():
         return physical
     if use_triton:
-        _compact_triton(k_cache, v_cache, batch, physical, planes)
+        _compact_triton(tensors, batch, physical)
     else:
-        _compact_torch((k_cache, v_cache, *planes), batch, physical)
+        _compact_torch(tensors, batch, physical)
     return physical
 
 
-def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, planes: Seq[torch.Tensor]) -> None:
-    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
-        raise ValueError(f"k_cache and v_cache must both be [pages, Hkv, page_size, D], got {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)}")
-    for plane in planes:
-        if plane.dim() != 3 or plane.shape[1:] != k_cache.shape[1:3] or plane.shape[0] < k_cache.shape[0]:
-            raise ValueError(f"a state plane must be [>= {k_cache.shape[0]} pages, {k_cache.shape[1]}, "
-                             f"{k_cache.shape[2]}], got {tuple(plane.shape)}")
+def _check_tensors(tensors: Seq[torch.Tensor]) -> None:
+    if not tensors:
+        raise ValueError("compaction needs at least one per-token tensor")
+    first = tensors[0]
+    if first.dim() < 3:
+        raise ValueError(f"a per-token tensor is [pages, Hkv, page_size, ...], got {tuple(first.shape)}")
+    for t in tensors:
+        if t.dim() < 3 or t.shape[1:3] != first.shape[1:3] or t.shape[0] < first.shape[0] - 1:
+            raise ValueError(f"per-token tensors must share [pages, {first.shape[1]}, {first.shape[2]}, ...], got "
+                             f"{tuple(t.shape)} beside {tuple(first.shape)}")
 
 
 def _use_triton(backend: str, device: torch.device) -> bool:
@@ -353,30 +362,43 @@ def _resolve(k_cache: torch.Tensor, job: CompactionJob, checked: bool) -> HostPl
     return HostPlan(list(job.page_ids), batch.keep_of(0), counts, max(counts, default=0))
 
 
-def _compact_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: CompactionBatch, physical: np.ndarray,
-                    planes: Seq[torch.Tensor]) -> None:
+def _compact_triton(tensors: Seq[torch.Tensor], batch: CompactionBatch, physical: np.ndarray) -> None:
     """The kernel's launches for a batch: its inputs packed here, vectorised (`meta [N, Hkv + 1 +
     W]` int32: counts, M, page table; one pinned copy), `keep` as it is (its row stride may be 0),
     so compaction_triton.py (the kernel, its tuned entries keyed by the file's hash) is untouched;
-    `compact_triton` there is the same launch for a list of `HostPlan`s."""
+    `compact_triton` there is the same launch for a list of `HostPlan`s. Two tensors of one shape,
+    dtype and strides (dense K and V) share a launch; any other per-token tensor gets its own, its
+    per-slot values seen as one row."""
     from kvc.runtime.kv import compaction_triton as kernel
 
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError("the compaction kernel needs k_cache and v_cache with equal strides and a contiguous head dim")
+    first = tensors[0]
     live = np.flatnonzero(physical > 0)  # jobs that keep nothing move nothing
     rows = batch.pos[live]
     keep = batch.keep if np.array_equal(rows, np.arange(batch.keep.shape[0])) else \
-        batch.keep[device_ints(rows, k_cache.device)]
+        batch.keep[device_ints(rows, first.device)]
     meta = np.concatenate([batch.counts[live], physical[live, None], batch.tables[live]], axis=1).astype(np.int32)
-    meta_t = device_ints(meta, k_cache.device)
-    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-    cfg = kernel.launch_config(len(live), keep.shape[2], num_kv_heads, head_dim, k_cache.dtype)
-    kernel._launch(k_cache, v_cache, 2, keep, meta_t, len(live), cfg["block_d"], cfg["block_t"], cfg["num_warps"])
-    for plane in planes:  # [pages, Hkv, S] as [pages, Hkv, S, 1]: one program per (plan, head)
-        rows_1 = plane.unsqueeze(-1)
-        if rows_1.stride(2) != 1 or plane.stride(1) != plane.shape[2]:
-            raise ValueError("the compaction kernel needs contiguous state planes")
-        kernel._launch(rows_1, rows_1, 1, keep, meta_t, len(live), 2, cfg["block_t"], cfg["num_warps"])
+    meta_t = device_ints(meta, first.device)
+    num_kv_heads = first.shape[1]
+    rest = list(tensors)
+    if len(rest) >= 2 and _pairs(rest[0], rest[1]):
+        k_cache, v_cache = rest.pop(0), rest.pop(0)
+        cfg = kernel.launch_config(len(live), keep.shape[2], num_kv_heads, k_cache.shape[3], k_cache.dtype)
+        kernel._launch(k_cache, v_cache, 2, keep, meta_t, len(live), cfg["block_d"], cfg["block_t"],
+                       cfg["num_warps"])
+    for tensor in rest:  # [pages, Hkv, S, *shape] as [pages, Hkv, S, n]: one program per (plan, head, slice)
+        rows_n = tensor.reshape(*tensor.shape[:3], -1)
+        if not tensor.is_contiguous():
+            raise ValueError("the compaction kernel needs contiguous per-token tensors")
+        width = rows_n.shape[3]
+        cfg = kernel.launch_config(len(live), keep.shape[2], num_kv_heads, max(width, 2), tensor.dtype)
+        block_d = max(2, min(cfg["block_d"], 1 << (width - 1).bit_length()))
+        kernel._launch(rows_n, rows_n, 1, keep, meta_t, len(live), block_d, cfg["block_t"], cfg["num_warps"])
+
+
+def _pairs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Can two tensors share one launch (dense K and V)?"""
+    return (a.dim() == 4 and a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+            and a.stride(3) == 1)
 
 
 def device_ints(values, device: torch.device) -> torch.Tensor:
@@ -390,7 +412,7 @@ def device_ints(values, device: torch.device) -> torch.Tensor:
 def _compact_torch(caches: Seq[torch.Tensor], batch: CompactionBatch, physical: np.ndarray) -> None:
     """Gather every kept row of every job into a temporary, then scatter it: in place is safe
     whatever moves where, as all reads happen before any write (and jobs own disjoint pages).
-    `caches`: K, V, then any state planes (their rows are single values, not head-dim vectors)."""
+    `caches`: per-token tensors (a slot's value may be a vector, as K's, or a single value)."""
     page_size = caches[0].shape[2]
     device = caches[0].device
     keep = batch.keep[device_ints(batch.pos, device)]  # [N, Hkv, K], the callers' order

@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _keys(engine, seq, layer: int, tokens: int) -> torch.Tensor:
-    view = LayerCacheView(engine.attention.k_cache, engine.attention.v_cache, seq.page_tables[layer], tokens,
+    view = LayerCacheView(engine.attention.store, seq.page_tables[layer], tokens,
                           seq.kv_starts[layer])
     return torch.cat([view.keys(), view.values()])
 

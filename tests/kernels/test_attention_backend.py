@@ -73,7 +73,7 @@ def build_step(gen, decode_lens, prefill_shapes, group, page_size, device="cpu")
 def check_step(backend, gen, decode_lens, prefill_shapes, group, page_size, device="cpu", atol=2e-5):
     k_cache, v_cache, (q, k, v, md), want, want_caches = build_step(
         gen, decode_lens, prefill_shapes, group, page_size, device)
-    attention = PagedAttention(k_cache, v_cache, backend, num_layers=2)
+    attention = PagedAttention.from_caches(k_cache, v_cache, backend, num_layers=2)
     out = attention.forward(1, q, k, v, md, 0.3)
     torch.testing.assert_close(out.double(), want, atol=atol, rtol=1e-4)
     assert torch.equal(attention.k_cache, want_caches[0])
@@ -112,7 +112,7 @@ def test_allocate_and_page_bytes():
     attention = PagedAttention.allocate(num_layers=3, num_pages=7, num_kv_heads=2, page_size=4, head_dim=8,
                                         dtype=torch.bfloat16, device="cpu")
     # one global pool: pages are interchangeable across layers
-    assert attention.k_cache.shape == (7, 2, 4, 8) and attention.v_cache.dtype == torch.bfloat16
+    assert attention.k_cache.shape == (8, 2, 4, 8) and attention.v_cache.dtype == torch.bfloat16  # + scratch
     assert attention.page_size == 4 and attention.num_pages == 7 and attention.num_layers == 3
     assert kv_bytes_per_page(2, 4, 8, torch.bfloat16) == 2 * 2 * 4 * 8 * 2
 

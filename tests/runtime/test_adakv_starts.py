@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from kvc.runtime.kv.spec import dense_spec
+from kvc.runtime.kv.store import KVStore
 from kvc.runtime.method_api import LayerCacheView, PrefillView
 from kvc.runtime.methods import resolve_method
 
@@ -18,7 +20,8 @@ def _view(length: int, starts, seed: int = 0) -> PrefillView:
     k = torch.randn(pages, KV_HEADS, PAGE, DIM, generator=g)
     v = torch.randn(pages, KV_HEADS, PAGE, DIM, generator=g)
     q = torch.randn(length, HEADS, DIM, generator=g)
-    cache = LayerCacheView(k, v, list(range(pages)), length, starts)
+    cache = LayerCacheView(KVStore.from_tensors(dense_spec(DIM, k.dtype), {"k": k, "v": v}, 1), list(range(pages)),
+                           length, starts)
     return PrefillView(seq_id=1, layer=0, num_layers=1, q=q, k=q[:, :KV_HEADS], v=q[:, :KV_HEADS],
                        start=0, prompt_len=length, cache=cache)
 

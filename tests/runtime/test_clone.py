@@ -54,7 +54,7 @@ def greedy() -> SamplingParams:
 
 
 def dense(engine, seq, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    view = LayerCacheView(engine.attention.k_cache, engine.attention.v_cache, seq.page_tables[layer],
+    view = LayerCacheView(engine.attention.store, seq.page_tables[layer],
                           seq.kv_lens[layer], seq.kv_starts[layer])
     return view.keys(), view.values()
 

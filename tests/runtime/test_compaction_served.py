@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import kvc.runtime.model_runner as model_runner
+import kvc.runtime.kv.executor as executor_module
 from kvc.runtime.llm import LLM
 from kvc.runtime.method_api import Hook, KeepPlan, StepView
 from kvc.runtime.sampling_params import SamplingParams
@@ -100,7 +101,7 @@ class Recompacting:
         indices = torch.zeros((heads, max(keep_n)), dtype=torch.long)
         for h, r in enumerate(rel):
             indices[h, : len(r)] = torch.tensor(r) + (length - stored[h])  # slots [start_h, length)
-        device = view.cache.k_cache.device
+        device = view.cache.device
         return KeepPlan(indices.to(device), None if kind == "equal" else torch.tensor(keep_n))
 
 
@@ -132,11 +133,11 @@ def serve(model_dir: Path, backend: str):
     spy = Recompacting(engine)
     calls: list[int] = []  # plans per compaction call
     logits: dict[int, list[torch.Tensor]] = {}
-    compact, sample = model_runner.compact_batch, model_runner.sample
+    compact, sample = executor_module.compact_tensors, model_runner.sample
 
-    def spy_compact(k_cache, v_cache, batch, **kwargs):
+    def spy_compact(tensors, batch, **kwargs):
         calls.append(len(batch.lengths))
-        return compact(k_cache, v_cache, batch, **kwargs)
+        return compact(tensors, batch, **kwargs)
 
     def spy_sample(rows, params, *args, **kwargs):
         for row, p in zip(rows, params):
@@ -146,7 +147,7 @@ def serve(model_dir: Path, backend: str):
     g = torch.Generator().manual_seed(31)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (46, 71)]
     params = [SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True) for _ in prompts]
-    model_runner.compact_batch, model_runner.sample = spy_compact, spy_sample
+    executor_module.compact_tensors, model_runner.sample = spy_compact, spy_sample
     layouts = []  # after each decode step: per sequence per layer (kv_len, starts, pages)
     try:
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -155,7 +156,7 @@ def serve(model_dir: Path, backend: str):
             layouts.append([(s.num_computed_tokens - s.num_prompt_tokens, list(s.kv_lens), list(s.kv_starts),
                              [len(t) for t in s.page_tables]) for s in seqs])
     finally:
-        model_runner.compact_batch, model_runner.sample = compact, sample
+        executor_module.compact_tensors, model_runner.sample = compact, sample
     assert engine.pool.num_free == engine.pool.num_pages
     return engine, spy, calls, prompts, seqs, [torch.stack(logits[id(sp)]) for sp in params], layouts
 

@@ -36,7 +36,7 @@ def test_fused_scoring_on_gpu_matches_cpu(tmp_path, method, monkeypatch):
 
     def spy(self, layer, view):
         plan = original(self, layer, view)
-        plans[view.cache.k_cache.device.type].append(None if plan is None else plan.indices.cpu())
+        plans[view.cache.device.type].append(None if plan is None else plan.indices.cpu())
         return plan
 
     monkeypatch.setattr(CompiledMethod, "prefill_end", spy)

@@ -1,0 +1,75 @@
+"""The plan executor: carries out methods' plans on the KV store, for every tensor of the spec.
+
+The one place that knows what moving a page or a slot means for a spec's tensors:
+
+- keep plans (`compact`): every TOKEN tensor's kept slots move together (runtime/kv/compaction.py),
+  then the PAGE summaries of every page the compaction rewrote are recomputed;
+- copies (`copy_pages`, copy-on-write `own_page`): every TOKEN and PAGE tensor of a page at once;
+- rewrite plans (`rewrite`): a range re-encoded from its full-precision copies.
+
+Read plans need no executor step: the attention kernels take them as they are. docs/design.md,
+"Plans".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvc.runtime.kv.compaction import CompactionBatch, compact_tensors
+from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.kv.store import KVStore
+
+
+class KVExecutor:
+    def __init__(self, store: KVStore, pool: PagePool | None = None, compaction_backend: str = "auto") -> None:
+        self.store = store
+        self.pool = pool
+        self.backend = compaction_backend
+
+    # ---- keep plans ----------------------------------------------------------------------------
+    def compact(self, batch: CompactionBatch, checked: bool | None = None) -> np.ndarray:
+        """Applies one layer's keep plans to every per-token tensor; returns each job's new physical
+        length (the callers' order). Page summaries of the rewritten pages are recomputed."""
+        physical = compact_tensors(self.store.token_tensors(), batch, checked=checked, backend=self.backend)
+        if self.store.spec.summaries and len(physical):
+            self._refresh_rewritten(batch, physical)
+        return physical
+
+    def _refresh_rewritten(self, batch: CompactionBatch, physical: np.ndarray) -> None:
+        """Summaries of pages [0, ceil(M / S)) of every job: what its compaction rewrote."""
+        page = self.store.page_size
+        pages, lengths = [], []
+        for j, m in enumerate(physical.tolist()):
+            full = -(-m // page)
+            pages.extend(batch.tables[j, :full].tolist())
+            lengths.extend([page] * (m // page) + ([m % page] if m % page else []))
+        self.refresh_pages(pages, lengths)
+
+    def refresh_pages(self, pages: list[int], lengths: list[int]) -> None:
+        """Recomputes the summaries of `pages`, page i storing `lengths[i]` slots."""
+        if pages and self.store.spec.summaries:
+            device = self.store.device
+            self.store.refresh_summaries(torch.tensor(pages, dtype=torch.long, device=device),
+                                         torch.tensor(lengths, dtype=torch.long, device=device))
+
+    # ---- copies --------------------------------------------------------------------------------
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Page src[i] -> page dst[i], every tensor of the spec."""
+        self.store.copy_pages(src, dst)
+
+    def own_page(self, table: list[int], index: int, spare: list[int]) -> bool:
+        """Copy-on-write: `table[index]` becomes a page of its own, copied into a page taken from
+        `spare` when it is shared (another holder, or named by the prefix cache); the reference on the
+        old page is dropped. Returns whether the table changed."""
+        pool = self.pool
+        old = table[index]
+        if pool is None or not pool.is_shared(old):
+            return False
+        if not spare:
+            raise RuntimeError(f"a write into shared page {old} without a spare page (the scheduler reserves them)")
+        new = spare.pop()
+        self.store.copy_pages([old], [new])
+        table[index] = new
+        pool.free([old])
+        return True

@@ -1,0 +1,212 @@
+"""The KV store: every tensor of a method's KV spec (runtime/kv/spec.py), allocated over the pool.
+
+TOKEN tensors are `[pages + 1, Hkv, page_size, *shape]`, PAGE tensors `[pages + 1, Hkv, *shape]`,
+SEQ tensors `[rows + 1, layers, Hkv, *shape]`; the last page and row are scratch. Page ids come
+from the page pool (runtime/kv/page_pool.py), row ids from a row pool; the store only holds the
+tensors and does what any spec tensor needs done: copy pages or rows, write a step's new tokens
+(encoding K and V as the spec says), keep page summaries current, and decode one sequence's keys
+or values for hooks that read them densely. Moving slots (keep plans) and re-encoding ranges
+(rewrite plans) is the executor's (runtime/kv/executor.py). docs/design.md, "KV spec".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvc.runtime.kv.spec import K, V, Dense, Extent, KVSpec, Quantized
+
+COPY_BYTES = 256 * 2**20  # bytes of one tensor gathered at once by copy_pages
+
+
+class KVStore:
+    def __init__(self, spec: KVSpec, num_pages: int, num_kv_heads: int, page_size: int, num_layers: int,
+                 device: torch.device | str, num_rows: int = 0) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+        self.spec = spec
+        self.num_pages, self.page_size = num_pages, page_size
+        self.num_kv_heads, self.num_layers = num_kv_heads, num_layers
+        self.num_rows = num_rows if spec.uses_rows else 0
+        self.device = torch.device(device)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for t in spec.tensors:
+            if t.extent is Extent.TOKEN:
+                shape = (num_pages + 1, num_kv_heads, page_size, *t.shape)
+            elif t.extent is Extent.PAGE:
+                shape = (num_pages + 1, num_kv_heads, *t.shape)
+            else:
+                shape = (self.num_rows + 1, num_layers, num_kv_heads, *t.shape)
+            self.tensors[t.name] = torch.zeros(shape, dtype=t.dtype, device=self.device)
+
+    @classmethod
+    def from_tensors(cls, spec: KVSpec, tensors: dict[str, torch.Tensor], num_layers: int) -> KVStore:
+        """A store adopting existing TOKEN tensors (tests, tools); their last page is the scratch page."""
+        first = tensors[spec.of(Extent.TOKEN)[0].name]
+        store = cls.__new__(cls)
+        store.spec = spec
+        store.num_pages, store.page_size = first.shape[0] - 1, first.shape[2]
+        store.num_kv_heads, store.num_layers, store.num_rows = first.shape[1], num_layers, 0
+        store.device = first.device
+        store.tensors = dict(tensors)
+        return store
+
+    # ---- lookups -------------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    @property
+    def scratch_page(self) -> int:
+        return self.num_pages
+
+    @property
+    def scratch_row(self) -> int:
+        return self.num_rows
+
+    @property
+    def k_cache(self) -> torch.Tensor:
+        """The dense keys `[pages + 1, Hkv, page_size, D]` (a spec whose keys are `Dense`)."""
+        return self._dense(self.spec.keys, "keys")
+
+    @property
+    def v_cache(self) -> torch.Tensor:
+        return self._dense(self.spec.values, "values")
+
+    def _dense(self, enc, what: str) -> torch.Tensor:
+        if not isinstance(enc, Dense):
+            raise TypeError(f"the KV spec stores {what} encoded ({type(enc).__name__}), not as a dense tensor")
+        return self.tensors[enc.tensor]
+
+    def token_tensors(self) -> list[torch.Tensor]:
+        """Every TOKEN tensor (what a keep plan moves), dense K and V first."""
+        first = [self.tensors[e.tensor] for e in (self.spec.keys, self.spec.values) if isinstance(e, Dense)]
+        rest = [self.tensors[t.name] for t in self.spec.of(Extent.TOKEN)
+                if not any(self.tensors[t.name] is f for f in first)]
+        return first + rest
+
+    def method_tensors(self) -> dict[str, torch.Tensor]:
+        """The method's own tensors (per-token state: H2O's `seen`), by name."""
+        return {t.name: self.tensors[t.name] for t in self.spec.method_tensors}
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    # ---- copies --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Page src[i] -> page dst[i] for every TOKEN and PAGE tensor (a page's whole content), at most
+        COPY_BYTES of one tensor gathered at once. Copy-on-write, clones and prunes call it."""
+        self._copy([t for t in self.spec.tensors if t.extent is not Extent.SEQ], src, dst)
+
+    @torch.no_grad()
+    def copy_rows(self, src: list[int], dst: list[int]) -> None:
+        """Row src[i] -> row dst[i] for every SEQ tensor (every layer)."""
+        self._copy(self.spec.of(Extent.SEQ), src, dst)
+
+    def _copy(self, specs, src: list[int], dst: list[int]) -> None:
+        if not src:
+            return
+        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for t in specs:
+            tensor = self.tensors[t.name]
+            step = max(1, COPY_BYTES // max(1, tensor[0].numel() * tensor.element_size()))
+            for i in range(0, len(src), step):
+                tensor.index_copy_(0, dst_t[i : i + step], tensor.index_select(0, src_t[i : i + step]))
+
+    # ---- dense reads (hooks, prunes) -------------------------------------------------------------
+    def decoded(self, which: str, page_ids: list[int], length: int, layer: int | None = None,
+                row: int | None = None, resid_len: int = 0) -> torch.Tensor:
+        """The keys (`which` "k") or values ("v") of one sequence's layer, slots [0, length), dense:
+        [Hkv, length, D] in the stored dtype (dequantized, the residual window's full-precision
+        copies for its last `resid_len` slots)."""
+        enc = self.spec.keys if which == K else self.spec.values
+        pages = self._page_index(page_ids, length)
+        if isinstance(enc, Dense):
+            return _flat(self.tensors[enc.tensor], pages, length)
+        from kvc.runtime.kv import encodings
+
+        x = encodings.dequantize(
+            _flat(self.tensors[enc.codes], pages, length), _flat(self.tensors[enc.scale], pages, length),
+            None if enc.zero is None else _flat(self.tensors[enc.zero], pages, length), enc,
+            self.head_dim(which), self.model_dtype(which))
+        if enc.residual is not None and resid_len > 0:
+            if layer is None or row is None:
+                raise ValueError("a residual window is read with the sequence's layer and row")
+            resid = self.tensors[enc.residual][row, layer]  # [Hkv, R, D]
+            slots = torch.arange(length - resid_len, length, device=self.device)
+            x[:, length - resid_len:] = resid[:, slots % resid.shape[1]].to(x.dtype)
+        return x
+
+    def head_dim(self, which: str) -> int:
+        enc = self.spec.keys if which == K else self.spec.values
+        if isinstance(enc, Dense):
+            return self.spec.tensor(enc.tensor).shape[-1]
+        return self.spec.tensor(enc.scale).shape[-1] * enc.group
+
+    def model_dtype(self, which: str) -> torch.dtype:
+        """The dtype K (or V) decode to: the dense tensor's, or the residual's / scale's."""
+        enc = self.spec.keys if which == K else self.spec.values
+        if isinstance(enc, Dense):
+            return self.spec.tensor(enc.tensor).dtype
+        return self.spec.tensor(enc.residual or enc.scale).dtype
+
+    def _page_index(self, page_ids: list[int], length: int) -> torch.Tensor:
+        pages = -(-length // self.page_size)
+        if len(page_ids) < pages:
+            raise ValueError(f"{len(page_ids)} pages of {self.page_size} slots cannot hold {length} tokens")
+        return torch.tensor(page_ids[:pages], dtype=torch.long, device=self.device)
+
+    # ---- page summaries --------------------------------------------------------------------------
+    def refresh_summaries(self, pages: torch.Tensor, lengths: torch.Tensor, *, page_ids=None, length=None) -> None:
+        """Recomputes every summary of the given pages from their stored slots: `pages [n]` page ids,
+        `lengths [n]` the slots each page stores (1..page_size; 0: leave the page alone). Static
+        shapes, no host read: runs inside captured decode graphs (padding rows point at the scratch
+        page with length 0)."""
+        if not self.spec.summaries or pages.numel() == 0:
+            return
+        pages = pages.long()
+        slot = torch.arange(self.page_size, device=self.device)
+        valid = (slot[None, :] < lengths.long()[:, None])  # [n, S]
+        for which in {s.source for s in self.spec.summaries}:
+            x = self._page_values(which, pages).float()  # [n, Hkv, S, D]
+            for s in (s for s in self.spec.summaries if s.source == which):
+                out = self.tensors[s.tensor]
+                value = _reduce_slots(x, valid, s.fn).to(out.dtype)  # [n, Hkv, D]
+                keep = (lengths > 0).view(-1, *([1] * (value.dim() - 1)))
+                out[pages] = torch.where(keep, value, out[pages])
+
+    def _page_values(self, which: str, pages: torch.Tensor) -> torch.Tensor:
+        enc = self.spec.keys if which == K else self.spec.values
+        if isinstance(enc, Dense):
+            return self.tensors[enc.tensor][pages]
+        from kvc.runtime.kv import encodings
+
+        zero = None if enc.zero is None else self.tensors[enc.zero][pages]
+        return encodings.dequantize(self.tensors[enc.codes][pages], self.tensors[enc.scale][pages], zero, enc,
+                                    self.head_dim(which), self.model_dtype(which))
+
+
+def _flat(tensor: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """TOKEN tensor slots [0, length) of the pages `pages` as [Hkv, length, *shape] (a copy)."""
+    x = tensor.index_select(0, pages)  # [n, Hkv, S, *shape]
+    return x.movedim(1, 0).flatten(1, 2)[:, :length]
+
+
+def _reduce_slots(x: torch.Tensor, valid: torch.Tensor, fn: str) -> torch.Tensor:
+    """`fn` over the valid slots of each page: x [n, Hkv, S, D], valid [n, S] -> [n, Hkv, D]."""
+    mask = valid[:, None, :, None]
+    if fn == "max":
+        return torch.where(mask, x, torch.full_like(x, float("-inf"))).amax(dim=2)
+    if fn == "min":
+        return torch.where(mask, x, torch.full_like(x, float("inf"))).amin(dim=2)
+    total = torch.where(mask, x, torch.zeros_like(x)).sum(dim=2)
+    if fn == "sum":
+        return total
+    return total / valid.sum(dim=1).clamp(min=1)[:, None, None]
+
+
+def encoding_of(spec: KVSpec, which: str) -> Dense | Quantized:
+    return spec.keys if which == K else spec.values
+
+
+__all__ = ["KVStore", "K", "V", "encoding_of"]
