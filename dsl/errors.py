@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvc.runtime.errors import KvcError
+from kvc.errors import KvcError
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local Hugging Face directory, gguf:FILE (or a .gguf path), random:tiny (the test "
                    "model) or random:NAME (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--method", default="full", help="KV-cache method: a shipped name or a .kvm path, compiled on "
-                   "start (default: full)")
+                   "start, or a folder compiled by `kvc compile FILE --out DIR` (default: full)")
     p.add_argument("--method-param", action="append", metavar="KEY=VALUE",
                    help="override a parameter of the method's .kvm (repeatable)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

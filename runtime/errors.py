@@ -1,29 +1,20 @@
 """User-facing errors of the runtime.
 
 Every error a user can cause (bad model directory, bad sampling parameters, a prompt that is too
-long) is a `KvcError` with a message that says what to do. The CLI prints the message, never a
-traceback; the server (runtime/server/) maps `status` to an HTTP code.
+long) is a `KvcError` (defined in the leaf module `kvc.errors`, re-exported here) with a message
+that says what to do. The CLI prints the message, never a traceback; the server (runtime/server/)
+maps `status` to an HTTP code.
 """
 
 from __future__ import annotations
 
+from kvc.errors import KvcError
 
-class KvcError(Exception):
-    """Base class for errors caused by user input or configuration."""
-
-    status: int = 400
-    param: str | None = None
-    code: str | None = None  # OpenAI's error `code`, where the error has one
-
-    @property
-    def http_status(self) -> int:
-        return self.status
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        if param is not None:
-            self.param = param
+__all__ = [
+    "ChainBusy", "ChainCapacity", "ChainDiverged", "ChainError", "ChainEvicted", "ChainNotFound", "ConfigError",
+    "InvalidPromptError", "InvalidSamplingParams", "KvcError", "ModelLoadError", "OutOfKVMemory",
+    "PromptTooLongError", "UnsupportedArchitectureError",
+]
 
 
 class ModelLoadError(KvcError):

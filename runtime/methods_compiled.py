@@ -86,12 +86,14 @@ def available() -> list[str]:
 
 
 def _locate(spec: str) -> method_cache.CompiledFolder | None:
-    """The generated folder of a method name or .kvm path; user errors become `ConfigError`s."""
+    """The generated folder of a method name, compiled folder or .kvm path; user errors become `ConfigError`s."""
     try:
         return method_cache.locate(spec, generated=GENERATED)
     except FileNotFoundError:
-        raise ConfigError(f"method file {spec!r} does not exist (give a shipped method name or the path of "
-                          "a .kvm file)", param="method") from None
+        raise ConfigError(f"method file {spec!r} does not exist (give a shipped method name, the path of "
+                          "a .kvm file or a folder compiled by `kvc compile FILE --out DIR`)", param="method") from None
+    except method_cache.FolderError as e:
+        raise ConfigError(e.message, param="method") from None
     except KvmError as e:
         raise ConfigError(f"method {spec!r} does not compile:\n{e}", param="method") from None
     except OSError as e:
@@ -409,12 +411,12 @@ class CompiledMethod(DecodeHooks, MethodBase):
 
 
 def resolve_compiled(spec: str, params: dict[str, Any] | None) -> CompiledMethod:
-    """A shipped method name or a .kvm path -> the adapter over its (possibly just compiled) code."""
+    """A shipped method name, compiled folder or .kvm path -> the adapter over its (possibly just compiled) code."""
     compiled = _locate(spec)
     if compiled is None:
         names = available()
         raise ConfigError(f"unknown method {spec!r}; available: {', '.join(names)} (or the path of a .kvm "
-                          "file)", param="method")
+                          "file or of a compiled folder)", param="method")
     manifest = compiled.manifest
     if not manifest.get("lowered", False):
         reason = manifest.get("reason", "no reason given")

@@ -2,9 +2,9 @@
 # Do not edit: change the .kvm or the template and run `kvc compile`.
 """adakv (eviction): the hook module the engine will call, from `methods/adakv.kvm`.
 
-This is the budget side of the lifecycle contract (ARCHITECTURE.md): `kept_tokens(...)` and
-`budget(...)` for admission (the engine's compiled-method adapter calls `kept_tokens`), and the
-scoring/selection entry points of the torch backend.
+This is the budget side of the lifecycle contract (docs/design.md, "The lifecycle contract"):
+`kept_tokens(...)` and `budget(...)` for admission (the engine's compiled-method adapter calls
+`kept_tokens`), and the scoring/selection entry points of the torch backend.
 
 Budget formulas (sympy, also in manifest.json):
     held_tokens_per_layer = Min(context, Max(0, floor(window)) + Max(0, -(kv_heads - 1)*Max(0, floor(alpha*(budget - window))) + Max(0, floor(kv_heads*(budget - window))), floor(alpha*(budget - window))))

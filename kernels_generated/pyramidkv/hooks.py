@@ -2,9 +2,9 @@
 # Do not edit: change the .kvm or the template and run `kvc compile`.
 """pyramidkv (eviction): the hook module the engine will call, from `methods/pyramidkv.kvm`.
 
-This is the budget side of the lifecycle contract (ARCHITECTURE.md): `kept_tokens(...)` and
-`budget(...)` for admission (the engine's compiled-method adapter calls `kept_tokens`), and the
-scoring/selection entry points of the torch backend.
+This is the budget side of the lifecycle contract (docs/design.md, "The lifecycle contract"):
+`kept_tokens(...)` and `budget(...)` for admission (the engine's compiled-method adapter calls
+`kept_tokens`), and the scoring/selection entry points of the torch backend.
 
 Budget formulas (sympy, also in manifest.json):
     held_tokens_per_layer = Min(context, Max(0, floor(window)) + Max(0, floor(Piecewise((budget - window, context < 2*budget - 2*window), (-layer*floor((-2*budget + 2*window + 2*Min(context - window, 2*budget - 2*window - floor((budget - window)/beta)))/Max(1, layers - 1)) + Min(context - window, 2*budget - 2*window - floor((budget - window)/beta)), True)))))

@@ -36,7 +36,7 @@ def test_check_detects_a_stale_file_and_a_changed_kvm(tmp_path: Path):
     assert compile_command([str(src)], check=True, output=out, quiet=True) == 0
     changed = tmp_path / "snapkv.kvm"
     changed.write_text(src.read_text().replace("kernel: int = 5", "kernel: int = 7"))
-    assert compile_command([str(changed)], check=True, output=out, quiet=True) == 1
+    assert compile_command([str(changed)], check=True, out=out / "snapkv", quiet=True) == 1
 
 
 def test_compile_error_uses_the_dsl_format(tmp_path: Path, capsys):

@@ -1,6 +1,7 @@
 """Methods compiled on start: `LLM(model, method="path/to/mine.kvm")` and a stale shipped method
 recompiled into the compile cache ($KVC_CACHE_DIR), on a tiny random Llama, float32 CPU; broken
-or missing .kvm files give the DSL's file:line:col diagnostic through LLM(...) and `kvc generate`."""
+or missing .kvm files give the DSL's file:line:col diagnostic through LLM(...) and `kvc generate`.
+A folder from `kvc compile FILE --out DIR` serves as it is, and is refused once its .kvm changed."""
 
 from __future__ import annotations
 
@@ -156,3 +157,36 @@ def test_the_cli_serves_a_user_kvm(model_dir, tmp_path, cache_root, capsys):
                  "--prompt-ids", prompt, "--max-tokens", "3", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
     assert any(p.name.startswith("mine-") for p in cache_root.iterdir())
+
+
+def test_a_compiled_folder_serves_like_its_kvm(model_dir, tmp_path, cache_root, capsys):
+    path = user_method(tmp_path)
+    folder = tmp_path / "compiled"
+    assert main(["compile", str(path), "--out", str(folder)]) == 0
+    assert capsys.readouterr().out == f"compiled {path} into {folder} (serve it with --method {folder})\n"
+    served = make_llm(model_dir, str(folder), None)
+    assert Path(served.engine.method.lowering.__file__).parent == folder and served.engine.method.name == "mine"
+    assert not cache_root.exists()  # used as it is: nothing compiled
+    prompts = prompts_of(LENGTHS[-2:], seed=23)
+    assert generate(served, prompts) == generate(make_llm(model_dir, str(path), None), prompts)
+    assert resolve_method(str(folder), {"budget": 40}).params["budget"] == 40
+    with pytest.raises(ConfigError, match=f"{path}:.*window"):  # params still checked by the .kvm
+        resolve_method(str(folder), {"window": -3})
+
+
+def test_a_stale_folder_is_refused_through_llm_and_the_cli(model_dir, tmp_path, capsys):
+    path = user_method(tmp_path)
+    folder = tmp_path / "compiled"
+    assert main(["compile", str(path), "--out", str(folder)]) == 0
+    capsys.readouterr()
+    path.write_text(path.read_text().replace("kernel: int = 5", "kernel: int = 7"))
+    expected = (f"{path.resolve()} changed since {folder} was compiled from it; recompile it with "
+                f"`kvc compile {path.resolve()} --out {folder}`")
+    with pytest.raises(ConfigError) as info:
+        make_llm(model_dir, str(folder), None)
+    assert str(info.value) == expected and info.value.param == "method"
+    assert main(["generate", "--model", str(model_dir), "--device", "cpu", "--method", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"kvc: error: {expected}\n"
+    assert main(["compile", str(path), "--out", str(folder)]) == 0  # the command it names fixes it
+    assert make_llm(model_dir, str(folder), None).engine.method.params["kernel"] == 7
