@@ -46,7 +46,7 @@ def synthetic(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_he
     length = kv + 1
     per_seq = -(-(length + 1) // page)
     g = torch.Generator().manual_seed(seed)
-    store = KVStore(method.kv_spec(kv_heads, head_dim, torch.float32), batch * per_seq, kv_heads, page, layers,
+    store = KVStore(method.kv_spec(kv_heads, head_dim, torch.float32, page), batch * per_seq, kv_heads, page, layers,
                     "cpu")
     for tensor in store.tensors.values():  # K/V random; the state planes random scores with ties
         random = torch.randint(0, 4, tensor.shape, generator=g).float() if tensor.dim() == 3 else \

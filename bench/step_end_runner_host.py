@@ -56,7 +56,7 @@ def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_
     per_seq = -(-(kv + 2) // page)
     pages = batch * per_seq
     g = torch.Generator().manual_seed(seed)
-    store = KVStore(method.kv_spec(kv_heads, head_dim, torch.float32), pages, kv_heads, page, layers, device)
+    store = KVStore(method.kv_spec(kv_heads, head_dim, torch.float32, page), pages, kv_heads, page, layers, device)
     if device != "meta":  # K/V random; the state planes random scores with ties
         for tensor in store.tensors.values():
             tensor.copy_(torch.randint(0, 4, tensor.shape, generator=g).float() if tensor.dim() == 3 else

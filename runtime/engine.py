@@ -79,7 +79,7 @@ class Engine:
         bind = getattr(self.method, "bind", None)  # compiled methods: the model's shape for their budget
         if bind is not None:
             bind(self.spec.num_layers, self.spec.num_kv_heads)
-        kv_spec = self.method.kv_spec(self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype)
+        kv_spec = self.method.kv_spec(self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype, config.page_size)
         if not kv_spec.dense:
             raise ConfigError(f"method {self.method.name!r} stores K/V encoded ({kv_spec.describe()}); the "
                               "attention kernels read dense K/V only so far", param="method")

@@ -218,7 +218,7 @@ class KVMethod(Protocol):
     attention: AttentionKernels  # the attention kernels it runs and the decode statistics it reads
     evict_interval: int  # decode-time eviction every N tokens of growth (set by the engine; module docstring)
 
-    def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVSpec: ...
+    def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec: ...
 
     def prefill_chunk(self, layer: int, view: PrefillView) -> None: ...
 
@@ -250,7 +250,7 @@ class MethodBase:
     attention = AttentionKernels()
     evict_interval = 1
 
-    def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVSpec:
+    def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec:
         return dense_spec(head_dim, dtype)
 
     def prefill_chunk(self, layer: int, view: PrefillView) -> None:

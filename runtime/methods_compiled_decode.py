@@ -154,9 +154,9 @@ class DecodeHooks:
         self._count_memo: dict[tuple, int] = {}
         return hooks
 
-    def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVSpec:
+    def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec:
         """Dense K/V, plus one per-token float32 tensor per state plane of paged decode state."""
-        spec = super().kv_spec(num_kv_heads, head_dim, dtype)
+        spec = super().kv_spec(num_kv_heads, head_dim, dtype, page_size)
         planes = tuple(state_plane(name) for name in self.state_planes)
         return dataclasses.replace(spec, tensors=spec.tensors + planes) if planes else spec
 

@@ -69,13 +69,19 @@ class Dense:
 
 @dataclass(frozen=True)
 class Quantized:
-    """Integer codes with a scale (and a zero point) per group of `group` channels of a token:
-    `x = (code - zero) * scale` (asymmetric: unsigned codes and a zero point) or `x = code * scale`
-    (symmetric: signed codes, `zero` None). `codes`, `scale` and `zero` are TOKEN tensors
-    (`scale`/`zero` of shape [D // group]). `residual`: a SEQ tensor `[R, D]` in the model dtype
-    holding the newest stored tokens in full precision, slot s at row `s % R`; attention reads the
-    last `resid_len` slots of a layer (a per-sequence, per-layer count the store keeps) from it
-    instead of the codes."""
+    """Integer codes with a scale (and a zero point) per group: `x = (code - zero) * scale`
+    (asymmetric: unsigned codes and a zero point) or `x = code * scale` (symmetric: signed codes,
+    `zero` None). `codes` is a TOKEN tensor. `axis` says what a group spans:
+
+    - "channel" (per token): `group` channels of one token share a scale; `scale`/`zero` are TOKEN
+      tensors of shape [D // group] (KIVI's values, FP8-style per-token scales);
+    - "token" (per channel): `group` consecutive slots share a scale per channel; `scale`/`zero` are
+      PAGE tensors of shape [max(1, page_size // group), D], a group longer than a page stored in
+      each of its pages (KIVI's keys).
+
+    `residual`: a SEQ tensor `[R, D]` in the model dtype holding the newest stored tokens in full
+    precision, slot s at row `s % R`; attention reads the last `resid_len` slots of a layer (a
+    per-sequence, per-layer count the store keeps) from it instead of the codes."""
 
     codes: str
     scale: str
@@ -83,12 +89,15 @@ class Quantized:
     group: int
     zero: str | None = None
     residual: str | None = None
+    axis: str = "channel"
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 4, 8):
             raise ValueError(f"quantized {self.codes!r}: bits must be 2, 4 or 8, got {self.bits}")
         if self.group < 1:
             raise ValueError(f"quantized {self.codes!r}: group must be >= 1, got {self.group}")
+        if self.axis not in ("channel", "token"):
+            raise ValueError(f"quantized {self.codes!r}: axis must be channel or token, got {self.axis!r}")
 
     @property
     def symmetric(self) -> bool:
@@ -152,8 +161,9 @@ class KVSpec:
             self._need(enc.tensor, Extent.TOKEN, "dense")
             return
         codes = self._need(enc.codes, Extent.TOKEN, "codes")
-        self._need(enc.scale, Extent.TOKEN, "scale")
-        self._need(enc.zero, Extent.TOKEN, "zero point")
+        groups = Extent.TOKEN if enc.axis == "channel" else Extent.PAGE
+        self._need(enc.scale, groups, "scale")
+        self._need(enc.zero, groups, "zero point")
         self._need(enc.residual, Extent.SEQ, "residual")
         if codes.dtype.is_floating_point:
             raise ValueError(f"KV spec: codes tensor {codes.name!r} must be an integer dtype")

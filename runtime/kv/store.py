@@ -141,7 +141,8 @@ class KVStore:
         enc = self.spec.keys if which == K else self.spec.values
         if isinstance(enc, Dense):
             return self.spec.tensor(enc.tensor).shape[-1]
-        return self.spec.tensor(enc.scale).shape[-1] * enc.group
+        scale = self.spec.tensor(enc.scale).shape[-1]
+        return scale * enc.group if enc.axis == "channel" else scale
 
     def model_dtype(self, which: str) -> torch.dtype:
         """The dtype K (or V) decode to: the dense tensor's, or the residual's / scale's."""

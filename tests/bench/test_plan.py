@@ -41,7 +41,7 @@ def test_plan_counts_the_pages_the_engine_allocates(model_dir):
         plan = plan_batch(resolve_method(name, None), spec, MEMORY, PAGE, 150, 24, 1000)
         assert plan.num_pages == engine.num_pages, name
         assert plan.page_bytes == layer_page_bytes(
-            engine.method.kv_spec(spec.num_kv_heads, spec.head_dim, spec.dtype), spec.num_kv_heads, PAGE), name
+            engine.method.kv_spec(spec.num_kv_heads, spec.head_dim, spec.dtype, PAGE), spec.num_kv_heads, PAGE), name
         served.append(name)
         if engine.attention.planes:
             with_planes.append(name)

@@ -127,10 +127,10 @@ def test_hooks_and_graphs_come_from_the_manifest():
     assert h2o.paged_state and tova.paged_state and not stream.paged_state
     assert h2o.state_planes == ("seen", "decode_after_attention.scores")
     assert tova.state_planes == ("decode_after_attention.scores",)
-    spec = h2o.kv_spec(2, 16, torch.float32)
+    spec = h2o.kv_spec(2, 16, torch.float32, 4)
     assert tuple(t.name for t in spec.method_tensors) == h2o.state_planes
     assert spec.bytes_per_token(2) == 2 * (2 * 16 * 4) + 2 * 2 * 4  # K/V, and two float32 planes per head
-    assert stream.kv_spec(2, 16, torch.float32).method_tensors == ()
+    assert stream.kv_spec(2, 16, torch.float32, 4).method_tensors == ()
     # the attention variant and the statistics its decode kernels emit, from the manifest
     assert h2o.attention == AttentionKernels("decode_stats", StatsFold("group", "mean"))
     assert tova.attention == AttentionKernels("decode_stats", StatsFold("head", "mean"))
