@@ -32,10 +32,7 @@ from kvc.runtime.errors import ChainCapacity, ChainBusy, ConfigError, KvcError
 from kvc.runtime.kv.compaction import CompactionJob, batch_of_jobs
 from kvc.runtime.kv.page_pool import PoolExhausted
 from kvc.runtime.kv.positions import compact_map, full_map
-from kvc.runtime.method_api import Hook, LayerCacheView
-
-DEFAULT_SCORER = "snapkv"  # for methods without a token scorer of their own (full, quantization)
-
+from kvc.runtime.method_api import LayerCacheView
 
 class InvalidPrune(KvcError):
     """A prune request that names nothing prunable, or bad keep options."""
@@ -62,7 +59,7 @@ class PruneRequest:
     older_than_rounds: int = 0
     keep: float | None = None  # fraction of each range's stored tokens, per layer and KV head
     keep_tokens: int | None = None  # or a count per range, per layer and KV head
-    scorer: str | None = None  # a compiled method name; None: the served method's, else snapkv
+    scorer: str | None = None  # a method name; None: the engine's --prune-scorer, else the served method
     scorer_params: dict | None = None
     skip_pruned: bool = False  # leave ranges a prune already covered (the automatic prune)
 
@@ -184,48 +181,48 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 class Scorer:
-    """A compiled method's prefill-end token scores, over a chain's stored keys and queries."""
+    """A method's token scores (`KVMethod.token_scores`) over a chain's stored keys and queries."""
 
     def __init__(self, method) -> None:
-        lowering = getattr(method, "lowering", None)
-        if Hook.PREFILL_END not in getattr(method, "hooks", ()) or not hasattr(lowering, "score"):
-            raise InvalidPrune(f"method {method.name!r} scores no tokens (it has no prefill_end keep); "
-                               f"give another scorer, e.g. {DEFAULT_SCORER!r}", param="scorer")
+        if not method.scores_tokens:
+            raise InvalidPrune(f"method {method.name!r} scores no tokens (it has no prefill_end keep); name a scorer "
+                               "(a method that does) in the request, or start the server with --prune-scorer",
+                               param="scorer")
         self.method = method
-        self._score = lowering.score
+
+    @property
+    def query_window(self) -> int:
+        return self.method.query_window
 
     def __call__(self, layer: int, num_layers: int, q: torch.Tensor, k: torch.Tensor,
                  starts: list[int] | None) -> torch.Tensor:
         """q [Hq, w, D], k [Hkv, L, D] -> float32 [Hkv, L]; each head scored over its own slots
         (padding before a head's start ranks last)."""
-        params = self.method.params
         if q.device.type == "cpu":
             q, k = q.float(), k.float()
+        score = self.method.token_scores
         if starts is None:
-            return self._score(q, k, layer=layer, num_layers=num_layers, params=params).float()
+            return score(layer, num_layers, q, k).float()
         kv_heads, length = k.shape[0], k.shape[1]
         group = q.shape[0] // kv_heads
         out = torch.full((kv_heads, length), float("-inf"), dtype=torch.float32, device=k.device)
         for h, start in enumerate(starts):
             if start < length:
                 own = k[h : h + 1, start:].contiguous()
-                out[h, start:] = self._score(q[h * group : (h + 1) * group], own, layer=layer,
-                                             num_layers=num_layers, params=params)[0].float()
+                out[h, start:] = score(layer, num_layers, q[h * group : (h + 1) * group], own)[0].float()
         return out
 
 
-def resolve_scorer(request: PruneRequest, served) -> Scorer:
-    """The request's scorer method, or the served method's own when it scores tokens, else snapkv."""
+def resolve_scorer(request: PruneRequest, served, default: str | None = None) -> Scorer:
+    """The request's scorer method; without one the engine's default (`default`, the server's
+    --prune-scorer), else the served method's own token scores."""
     from kvc.runtime.methods import resolve_method
 
-    if request.scorer is None and request.scorer_params is None:
-        try:
-            return Scorer(served)
-        except InvalidPrune:
-            return Scorer(resolve_method(DEFAULT_SCORER))
-    name = request.scorer or getattr(served, "name", DEFAULT_SCORER)
+    name = request.scorer or (None if request.scorer_params is not None else default)
+    if name is None and request.scorer_params is None:
+        return Scorer(served)
     try:
-        method = resolve_method(name, request.scorer_params)
+        method = resolve_method(name or served.name, request.scorer_params)
     except ConfigError as e:
         raise InvalidPrune(f"scorer: {e.message}", param="scorer") from None
     return Scorer(method)
@@ -250,8 +247,9 @@ class Pruner:
         report = PruneReport(ranges, len(record.tokens), sum(record.kv_lens), 0, pages_before, 0,
                              [0] * len(ranges))
         if ranges:
-            if any(q is None for q in record.window_queries):
-                raise InvalidPrune("this chain stores no queries to score with (no turn has run on it)",
+            if scorer.query_window and any(q is None for q in record.window_queries):
+                raise InvalidPrune("this chain stores no queries to score with (no turn has run on it, or the "
+                                   "served method's query window is 0: start the server with --prune-scorer)",
                                    param="chain_id")
             last_dropped = -1
             for layer in range(self.num_layers):
@@ -286,7 +284,12 @@ class Pruner:
         if not any(d for per_head in drops for d in per_head):
             return -1
         keys = LayerCacheView(store, table, length, starts).keys()
-        q = record.window_queries[layer].to(device).transpose(0, 1)  # [Hq, w, D]
+        stored = record.window_queries[layer]
+        if stored is None or not scorer.query_window:  # a scorer that reads no queries
+            stored = keys.new_zeros((0, self.num_heads(keys, stored), keys.shape[-1]))
+        q = stored.to(device).transpose(0, 1)  # [Hq, w, D]
+        if scorer.query_window > 0:
+            q = q[:, -scorer.query_window:]
         scores = scorer(layer, self.num_layers, q, keys, starts)
         # a key the scorer does not reach (-inf: e.g. SnapKV's own observation window, which the
         # method always keeps) is kept before any scored one
@@ -339,6 +342,10 @@ class Pruner:
             return pool.allocate(1)[0]
         except PoolExhausted:
             raise ChainCapacity("no free KV page to prune the chain; retry later", param="chain_id") from None
+
+    @staticmethod
+    def num_heads(keys: torch.Tensor, stored) -> int:
+        return keys.shape[0] if stored is None else stored.shape[1]
 
     @staticmethod
     def _move_state(record, layer: int, keep: torch.Tensor, counts: list[int], physical: int, length: int) -> None:

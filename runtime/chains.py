@@ -49,7 +49,6 @@ from kvc.runtime.kv.positions import full_map, tail_is_verbatim, truncate_map
 from kvc.runtime.method_api import Hook, KVMethod
 
 _GONE_LIMIT = 65536  # evicted / dropped ids remembered for their 410
-QUERY_WINDOW = 32  # prefill queries kept per layer for a prune's scorer (SnapKV's default window)
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ class ChainRecord:
     compressed: bool = False  # pages no longer equal the logical tokens
     method_state: Any = None  # KVMethod.turn_end's opaque value
     # Per layer: the logical position of each stored slot (runtime/kv/positions.py; None: verbatim)
-    # and the last QUERY_WINDOW post-RoPE queries of the history's prefills [w, Hq, D] (a prune's
+    # and the newest post-RoPE queries of the history's prefills [w, Hq, D] (a prune's
     # scorer reads them).
     positions: list = field(default_factory=list)
     window_queries: list = field(default_factory=list)

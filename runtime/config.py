@@ -49,6 +49,12 @@ class EngineConfig:
     # prune chains automatically after each chat turn, e.g. "role=tool,older_than=2,keep=0.2"
     # (runtime/chain_prune.py parse_auto_prune); None: only explicit prunes
     auto_prune: str | None = None
+    # the method whose token scores rank a chain's tokens when a prune names no scorer; None: the
+    # served method's own (a method without token scores then needs a scorer in each prune)
+    prune_scorer: str | None = None
+    # queries a chain keeps per layer for a scorer that reads every prefill query (H2O's attention
+    # sums); a scorer with an observation window keeps exactly its window
+    chain_queries: int = 32
     # decode-time eviction (a method keeping at step end: StreamingLLM, H2O, TOVA) evicts a row
     # only once it stores `evict_interval` tokens past its kept count, then back down to the count
     # (kvpress DecodingPress's compression_interval); 1: every step. Peak memory grows by N - 1

@@ -20,6 +20,7 @@ would. The throughput benchmark (runtime/bench/) builds its decode batch this wa
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 
 import torch
@@ -76,9 +77,7 @@ class Engine:
                 f"({self.spec.max_position_embeddings})",
                 param="max_model_len",
             )
-        bind = getattr(self.method, "bind", None)  # compiled methods: the model's shape for their budget
-        if bind is not None:
-            bind(self.spec.num_layers, self.spec.num_kv_heads)
+        self.method.bind(self.spec.num_layers, self.spec.num_kv_heads)  # the model's shape, for its budget
         kv_spec = self.method.kv_spec(self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype, config.page_size)
         if not kv_spec.dense:
             raise ConfigError(f"method {self.method.name!r} stores K/V encoded ({kv_spec.describe()}); the "
@@ -106,7 +105,7 @@ class Engine:
             "KV cache: %d pages of %d tokens (%.1f MiB), backend %s",
             self.num_pages, config.page_size, self.num_pages * page_bytes / 2**20, backend,
         )
-        method_id = getattr(self.method, "fingerprint", self.method.name)  # name + parameters + source
+        method_id = self.method.fingerprint  # name + parameters (+ generated source)
         salt = hashlib.sha256(f"{model_ref}|{method_id}|{self.spec}".encode()).digest()[:16]
         # A compacting method's pages stop matching the logical tokens: no prefix caching for it
         # (its chains still share pages, copy-on-write).
@@ -144,7 +143,8 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}
         self.pruner = Pruner(self.chains, self.runner.executor, self.spec.num_layers)
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
-        self._scorers: dict[tuple, Scorer] = {}
+        self._scorers: dict[str, Scorer] = {}
+        self.runner.chain_window = self._chain_window()
         # Async scheduling (`step`): on by default on a GPU; never with decode-time eviction, whose
         # step_end reads the step's results before the next one may be built.
         wanted = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
@@ -272,11 +272,21 @@ class Engine:
         return {"id": chain_id, **report.as_dict()}
 
     def _scorer(self, request: PruneRequest) -> Scorer:
-        key = (request.scorer, tuple(sorted((request.scorer_params or {}).items())))
+        key = json.dumps([request.scorer, request.scorer_params], sort_keys=True, default=repr)
         scorer = self._scorers.get(key)
         if scorer is None:
-            scorer = self._scorers[key] = resolve_scorer(request, self.method)
+            scorer = self._scorers[key] = resolve_scorer(request, self.method, self.config.prune_scorer)
         return scorer
+
+    def _chain_window(self) -> int:
+        """Prefill queries a chained turn keeps per layer: the default prune scorer's observation
+        window (`config.chain_queries` for one reading every query; 0 without a default scorer)."""
+        try:
+            scorer = resolve_scorer(PruneRequest(roles=("tool",), keep=0.0), self.method, self.config.prune_scorer)
+        except KvcError:  # the served method scores no tokens and no --prune-scorer names one
+            return 0
+        window = scorer.query_window
+        return self.config.chain_queries if window < 0 else window
 
     def _auto_prune(self, seq: Sequence) -> None:
         """The server's automatic prune of a chain whose chat turn just ended (once per message)."""

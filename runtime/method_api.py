@@ -64,6 +64,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from kvc.runtime.attention.metadata import StatsFold
@@ -210,25 +211,42 @@ class StepView:
 
 @runtime_checkable
 class KVMethod(Protocol):
+    """Everything the engine reads from a method (docs/design.md, "The lifecycle contract", has the
+    table). The engine reads nothing else and calls only the points listed in `hooks`."""
+
     name: str
+    params: dict[str, Any]  # the method's parameters (defaults and overrides), for reports and scorers
+    fingerprint: str  # what makes two instances store the same KV: prefix-cache salt, chain records
     hooks: frozenset[Hook]
     compacts: bool  # may physical length drop below logical? (then no prefix caching)
     decode_graphs: bool  # may decode steps (and the decode hooks) be CUDA-graph captured?
     budget: KVBudget
     attention: AttentionKernels  # the attention kernels it runs and the decode statistics it reads
     evict_interval: int  # decode-time eviction every N tokens of growth (set by the engine; module docstring)
+    scores_tokens: bool  # does `token_scores` rank stored tokens (a chain prune's scorer)?
+    query_window: int  # the newest prefill queries `token_scores` reads (0: none)
+    tuned_kernels: frozenset[str]  # `kvc tune` groups beyond attention it launches ("compaction", "scores")
+
+    def bind(self, num_layers: int, num_kv_heads: int) -> None: ...
 
     def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec: ...
 
     def prefill_chunk(self, layer: int, view: PrefillView) -> None: ...
 
-    def prefill_end(self, layer: int, view: PrefillView) -> KeepPlan | None: ...
+    def prefill_end(self, layer: int, view: PrefillView) -> Plan | None: ...
 
-    def decode_before_attention(self, layer: int, view: DecodeView) -> None: ...
+    def decode_before_attention(self, layer: int, view: DecodeView) -> ReadPlan | None: ...
 
     def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None: ...
 
-    def step_end(self, layer: int, view: StepView) -> KeepPlan | None: ...
+    def step_end(self, layer: int, view: StepView) -> Plan | None: ...
+
+    def step_end_batch(self, layer: int, views: Seq[StepView]) -> list[Plan | None]: ...
+
+    def step_end_due(self, layer: int, lengths: np.ndarray, prompt_lens: np.ndarray,
+                     context_lens: np.ndarray) -> np.ndarray | None: ...
+
+    def token_scores(self, layer: int, num_layers: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor: ...
 
     def turn_end(self, seq_id: int) -> Any: ...
 
@@ -243,12 +261,24 @@ class MethodBase:
     """Default no-op hooks and dense K/V; methods override what they use."""
 
     name = "base"
+    params: dict[str, Any] = {}
     hooks: frozenset[Hook] = frozenset()
     compacts = False
     decode_graphs = True
     budget: KVBudget = FullBudget()
     attention = AttentionKernels()
     evict_interval = 1
+    scores_tokens = False
+    query_window = 0
+    tuned_kernels: frozenset[str] = frozenset()
+
+    @property
+    def fingerprint(self) -> str:
+        params = ",".join(f"{k}={self.params[k]!r}" for k in sorted(self.params))
+        return f"{self.name}({params})"
+
+    def bind(self, num_layers: int, num_kv_heads: int) -> None:
+        return None
 
     def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec:
         return dense_spec(head_dim, dtype)
@@ -256,21 +286,30 @@ class MethodBase:
     def prefill_chunk(self, layer: int, view: PrefillView) -> None:
         return None
 
-    def prefill_end(self, layer: int, view: PrefillView) -> KeepPlan | None:
+    def prefill_end(self, layer: int, view: PrefillView) -> Plan | None:
         return None
 
-    def decode_before_attention(self, layer: int, view: DecodeView) -> None:
+    def decode_before_attention(self, layer: int, view: DecodeView) -> ReadPlan | None:
         return None
 
     def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None:
         return None
 
-    def step_end(self, layer: int, view: StepView) -> KeepPlan | None:
+    def step_end(self, layer: int, view: StepView) -> Plan | None:
         return None
 
-    def step_end_batch(self, layer: int, views: Seq[StepView]) -> list[KeepPlan | None]:
+    def step_end_batch(self, layer: int, views: Seq[StepView]) -> list[Plan | None]:
         """`step_end` of each view, in order; a method overrides it to batch across sequences."""
         return [self.step_end(layer, view) for view in views]
+
+    def step_end_due(self, layer: int, lengths: np.ndarray, prompt_lens: np.ndarray,
+                     context_lens: np.ndarray) -> np.ndarray | None:
+        """Which decoded rows' step_end may give a plan (None: all of them)."""
+        return None
+
+    def token_scores(self, layer: int, num_layers: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Scores [Hkv, n] of stored keys k [Hkv, n, D] given queries q [Hq, w, D] (higher: keep)."""
+        raise NotImplementedError(f"method {self.name!r} scores no tokens")
 
     def turn_end(self, seq_id: int) -> Any:
         return None

@@ -221,7 +221,6 @@ class CompiledMethod(DecodeHooks, MethodBase):
         self._tails = {hook: fact.get("last") for hook, fact in facts.items() if fact.get("keeps")}
         self._end_reads_v = "v" in facts.get("prefill_end", {}).get("inputs", ["v"])
         self._fused_names = _fused_kernels(manifest)
-        self.fused_scores = bool(self._fused_names)  # launches the generated score kernels (`kvc tune`: scores)
         self._fused: dict[str, Any] | None = None  # hook -> entry point of triton_kernels.py, on first GPU use
         self._q: dict[tuple[int, int], torch.Tensor] = {}  # (seq, layer) -> [Hq, <=w, D]
         self._state: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -240,6 +239,12 @@ class CompiledMethod(DecodeHooks, MethodBase):
         self.compacts = bool(hooks)  # a method with no hooks (`full`) keeps every token: prefix caching stays on
         if Hook.STEP_END in hooks:
             self.budget.decode_bound = self.decode_bound
+        # a chain prune's scorer: the prompt's keep scores (`token_scores`), reading the newest
+        # `query_window` prefill queries (-1: every query, H2O's attention sums over the prompt)
+        self.scores_tokens = self._scores is not None and hasattr(self.lowering, "score")
+        self.query_window = -1 if self.window == ALL_QUERIES or (self.window == 0 and self._chunk_hook) else self.window
+        self.tuned_kernels = frozenset({"compaction"} if self.compacts else ()) | (
+            frozenset({"scores"}) if self._fused_names else frozenset())
 
     @property
     def fingerprint(self) -> str:
@@ -247,6 +252,11 @@ class CompiledMethod(DecodeHooks, MethodBase):
         generated code's source hash (prefix-cache salt; chain records will carry it too)."""
         params = ",".join(f"{k}={self.params[k]!r}" for k in sorted(self.params))
         return f"{self.name}({params})@{self._source_sha256}"
+
+    def token_scores(self, layer: int, num_layers: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The prompt's keep scores [Hkv, n] of keys k [Hkv, n, D] under queries q [Hq, w, D] (the
+        generated `score`: a whole prompt's prefill_end scores)."""
+        return self.lowering.score(q, k, layer=layer, num_layers=num_layers, params=self.params)
 
     def bind(self, num_layers: int, num_kv_heads: int) -> None:
         """The model's shape, for the budget formulas (called by the engine before admission)."""

@@ -42,7 +42,6 @@ import torch
 
 from kvc.runtime.attention.backend import PagedAttention
 from kvc.runtime.attention.metadata import AttentionMetadata
-from kvc.runtime.chains import QUERY_WINDOW
 from kvc.runtime.decode_graphs import DecodeGraphs
 from kvc.runtime.kv.compaction import CompactionBatch, CompactionJob, batch_of_jobs, stack_keeps
 from kvc.runtime.kv.executor import KVExecutor
@@ -106,6 +105,7 @@ class ModelRunner:
         pool: PagePool | None = None,
     ) -> None:
         self.pool = pool  # for copy-on-write of shared pages; None: pages are never shared
+        self.chain_window = 0  # prefill queries a chained sequence keeps per layer (set by the engine)
         self.method = method or resolve_method("full")
         self.num_layers = model.spec.num_layers
         self.model = model
@@ -125,7 +125,7 @@ class ModelRunner:
         self.executor = KVExecutor(self.store, pool, "triton" if attention.backend == "triton" else "auto")
         self.planes = self.store.method_tensors()  # the method's per-token state: every decode row writes it
         self.graphs: DecodeGraphs | None = None
-        if use_cuda_graphs and device.type == "cuda" and getattr(self.method, "decode_graphs", True):
+        if use_cuda_graphs and device.type == "cuda" and self.method.decode_graphs:
             self.graphs = DecodeGraphs(self, max_num_seqs)
             self.graphs.reserve_stats()  # before a graph captures a view of the statistics buffer
 
@@ -204,7 +204,7 @@ class ModelRunner:
         decode_hooks = hooks & {Hook.DECODE_BEFORE_ATTENTION, Hook.DECODE_AFTER_ATTENTION}
         prefill_hooks = batch is not None and batch.num_prefills > 0 and bool(
             hooks & {Hook.PREFILL_CHUNK, Hook.PREFILL_END})
-        chained = [] if batch is None else _chained_prefills(batch)
+        chained = [] if batch is None or not self.chain_window else _chained_prefills(batch)
         recording = [] if batch is None else _recording_prefills(batch)
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -234,7 +234,7 @@ class ModelRunner:
             for seq, rows in chained:  # a chain keeps its latest prefill queries (a prune scores with them)
                 prev = seq.window_queries[layer]
                 both = q[rows] if prev is None else torch.cat([prev, q[rows]])
-                seq.window_queries[layer] = both[-QUERY_WINDOW:].clone()
+                seq.window_queries[layer] = both[-self.chain_window:].clone()
             return out
 
         return attn
@@ -319,31 +319,30 @@ class ModelRunner:
         runner's cached arrays, and plans sharing a tensor (`StackedPlan`) move as one."""
         method, page = self.method, self.page_size
         decoded = batch.seqs[: batch.num_decodes]
-        batched = getattr(method, "step_end_batch", None)
+        batched = method.step_end_batch
         store, num_layers = self.store, self.num_layers
         packed = versions = None  # [L, B, W] page tables of `decoded`, built once the first layer compacts
-        due_fn = getattr(method, "step_end_due", None)
-        if due_fn is not None:  # host facts of every row and layer, for the method's cheap "may it evict now"
-            gaps = np.array([seq.history_gap for seq in decoded], dtype=np.int64)  # [B, L]
-            lengths = np.array([seq.kv_lens for seq in decoded], dtype=np.int64) + 1  # the step's token is stored
-            contexts = np.array([seq.num_computed_tokens + 1 for seq in decoded], dtype=np.int64)[:, None] - gaps
-            prompts = np.array([seq.prefill_end for seq in decoded], dtype=np.int64)[:, None] - gaps
+        due_fn = method.step_end_due
+        # host facts of every row and layer, for the method's cheap "may it evict now"
+        gaps = np.array([seq.history_gap for seq in decoded], dtype=np.int64)  # [B, L]
+        lengths = np.array([seq.kv_lens for seq in decoded], dtype=np.int64) + 1  # the step's token is stored
+        contexts = np.array([seq.num_computed_tokens + 1 for seq in decoded], dtype=np.int64)[:, None] - gaps
+        prompts = np.array([seq.prefill_end for seq in decoded], dtype=np.int64)[:, None] - gaps
         everyone = list(range(len(decoded)))
         for layer in range(num_layers):
             candidates = everyone
-            if due_fn is not None:
-                due = due_fn(layer, lengths[:, layer], prompts[:, layer], contexts[:, layer])
-                if due is not None:
-                    if not due.any():
-                        continue  # no row evicts in this layer at this step (an eviction interval's steps between)
-                    if not due.all():
-                        candidates = np.flatnonzero(due).tolist()
+            due = due_fn(layer, lengths[:, layer], prompts[:, layer], contexts[:, layer])
+            if due is not None:
+                if not due.any():
+                    continue  # no row evicts in this layer at this step (an eviction interval's steps between)
+                if not due.all():
+                    candidates = np.flatnonzero(due).tolist()
             views = [StepView(seq.seq_id, layer, num_layers, seq.num_computed_tokens + 1 - seq.history_gap[layer],
                               seq.prefill_end - seq.history_gap[layer],  # a chain's prompt: stored history + suffix
                               LayerCacheView(store, seq.page_tables[layer], seq.kv_lens[layer] + 1,
                                              seq.kv_starts[layer]))  # the step's token is stored
                      for seq in (decoded if candidates is everyone else [decoded[i] for i in candidates])]
-            plans = batched(layer, views) if batched is not None else [method.step_end(layer, v) for v in views]
+            plans = batched(layer, views)
             if len(plans) != len(views):
                 raise RuntimeError(f"method {method.name!r}: step_end_batch gave {len(plans)} plans for "
                                    f"{len(views)} sequences")

@@ -150,9 +150,7 @@ def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_le
     docstring); `method` is bound to the model's shape and given `evict_interval` here, as the
     engine does."""
     method.evict_interval = evict_interval
-    bind = getattr(method, "bind", None)
-    if bind is not None:
-        bind(spec.num_layers, spec.num_kv_heads)
+    method.bind(spec.num_layers, spec.num_kv_heads)
     kv_spec = method.kv_spec(spec.num_kv_heads, spec.head_dim, spec.dtype, page_size)
     page_bytes = layer_page_bytes(kv_spec, spec.num_kv_heads, page_size)
     num_pages = pool_pages(kv_memory, page_bytes)

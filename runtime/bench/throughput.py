@@ -147,7 +147,7 @@ def prepare(cfg: ThroughputConfig, model: str) -> list[Case]:
                                   param=e.param) from None
             plan = plan_batch(method, spec, cfg.kv_memory, cfg.page_size, input_len, cfg.output_len, cfg.max_batch,
                               cfg.evict_interval)
-            cases.append(Case(name, input_len, params, dict(getattr(method, "params", params)), ref, plan))
+            cases.append(Case(name, input_len, params, dict(method.params), ref, plan))
     return cases
 
 

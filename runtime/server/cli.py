@@ -33,6 +33,10 @@ def add_commands(sub, add_engine_args, engine_options):
     serve.add_argument("--auto-prune", metavar="SPEC",
                        help="prune chains after each chat turn, e.g. 'role=tool,older_than=2,keep=0.2' (keys: role "
                        "(a|b), older_than (assistant rounds), keep or keep_tokens, scorer); each message once")
+    serve.add_argument("--prune-scorer", metavar="METHOD",
+                       help="the method whose token scores rank a chain's tokens when a prune names no scorer "
+                       "(default: the served method's own; a method without token scores, such as full, then "
+                       "needs one in each prune)")
     serve.set_defaults(func=lambda a: _serve(a, engine_options))
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -79,6 +83,8 @@ def _serve(a: argparse.Namespace, engine_options) -> int:
     options = engine_options(a)
     if a.auto_prune:
         options["auto_prune"] = a.auto_prune
+    if a.prune_scorer:
+        options["prune_scorer"] = a.prune_scorer
     cfg = engine_config(a.model, a.method, parse_method_params(a.method_param), options)
     return serve(cfg, host=a.host, port=a.port, served_model_name=a.served_model_name, api_keys=keys,
                  max_waiting=a.max_waiting_requests, shutdown_timeout=a.shutdown_timeout)

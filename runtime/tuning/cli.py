@@ -89,8 +89,8 @@ def _plan(args, groups, device, shape, memory_bytes):
         from kvc.runtime.methods import resolve_method
 
         method = resolve_method(args.method)
-        variants, compacts = [method.attention.variant], method.compacts
-        scores = getattr(method, "fused_scores", False)
+        variants = [method.attention.variant]
+        compacts, scores = "compaction" in method.tuned_kernels, "scores" in method.tuned_kernels
     limits = space.Limits(args.max_batch, args.max_chunk, args.max_context)
     planned = []
     if "attention" in groups:

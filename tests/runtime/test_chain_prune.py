@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvc.runtime.chain_prune import InvalidPrune, PruneRequest, Segment, parse_auto_prune
-from kvc.runtime.chains import QUERY_WINDOW, ChainSpec
+from kvc.runtime.chains import ChainSpec
 from kvc.runtime.errors import ChainBusy, ChainDiverged, ConfigError
 from kvc.runtime.kv.positions import compact_map, full_map, tail_is_verbatim, truncate_map
 from kvc.runtime.sampling_params import SamplingParams
@@ -49,7 +49,7 @@ def _check_positions(llm, chain_id: str) -> None:
 
 @pytest.mark.parametrize("ranges,keep", [([(10, 40)], 0.25), ([(2, 12), (20, 35)], 0.5)])
 def test_full_chain_pruned_equals_the_reference(model_dir: Path, ranges, keep: float) -> None:
-    llm = make_llm(model_dir, "full")
+    llm = make_llm(model_dir, "full", prune_scorer="snapkv")
     first = turn(llm, PROMPT, 6, ChainSpec(open=True))
     report = llm.engine.prune_chain(first.chain_id, None, PruneRequest(
         token_ranges=tuple(ranges), keep=keep, scorer="snapkv", scorer_params=SNAP))
@@ -62,12 +62,12 @@ def test_full_chain_pruned_equals_the_reference(model_dir: Path, ranges, keep: f
     second = turn(llm, convo, 5, ChainSpec(continue_id=first.chain_id))
     assert second.num_cached_tokens == len(PROMPT) + 5  # matching stays valid: only the suffix runs
     expected = pruned_session(load_hf(model_dir), PROMPT, 6, ranges, keep, convo, 5,
-                              stored_queries=QUERY_WINDOW, **SNAP)
+                              stored_queries=32, **SNAP)
     assert (first.token_ids, second.token_ids) == expected
 
 
 def test_prune_again_and_keep_tokens(model_dir: Path) -> None:
-    llm = make_llm(model_dir, "full")
+    llm = make_llm(model_dir, "full", prune_scorer="snapkv")
     first = turn(llm, PROMPT, 4, ChainSpec(open=True, segments=SEGMENTS))
     once = llm.engine.prune_chain(first.chain_id, None, PruneRequest(roles=("tool",), keep=0.5))
     assert once["ranges"] == [[10, 40]] and once["stored_tokens"] == 2 * (51 - 15)
@@ -85,7 +85,7 @@ def test_prune_again_and_keep_tokens(model_dir: Path) -> None:
 
 
 def test_prune_a_fork_leaves_the_other_intact(model_dir: Path) -> None:
-    llm = make_llm(model_dir, "full")
+    llm = make_llm(model_dir, "full", prune_scorer="snapkv")
     base = turn(llm, PROMPT, 4, ChainSpec(open=True))
     history = PROMPT + base.token_ids
     fork = turn(llm, history + USER[:3], 3, ChainSpec(fork_id=base.chain_id))
@@ -96,7 +96,7 @@ def test_prune_a_fork_leaves_the_other_intact(model_dir: Path) -> None:
     check_books(llm.engine)
     # the base chain continues exactly as an unpruned chain does
     continued = turn(llm, history + USER, 4, ChainSpec(continue_id=base.chain_id))
-    fresh = make_llm(model_dir, "full")
+    fresh = make_llm(model_dir, "full", prune_scorer="snapkv")
     unpruned = turn(fresh, PROMPT, 4, ChainSpec(open=True))
     reference = turn(fresh, history + USER, 4, ChainSpec(continue_id=unpruned.chain_id))
     assert continued.token_ids == reference.token_ids
@@ -105,7 +105,8 @@ def test_prune_a_fork_leaves_the_other_intact(model_dir: Path) -> None:
 
 @pytest.mark.parametrize("method", list(METHODS))
 def test_every_method_prunes_and_continues(model_dir: Path, method: str) -> None:
-    llm = make_llm(model_dir, method, METHODS[method])
+    # a method without token scores (full) prunes with the engine's --prune-scorer
+    llm = make_llm(model_dir, method, METHODS[method], prune_scorer=None if method != "full" else "snapkv")
     first = turn(llm, PROMPT + USER, 8, ChainSpec(open=True, segments=SEGMENTS))
     report = llm.engine.prune_chain(first.chain_id, None, PruneRequest(token_ranges=((0, 50),), keep=0.0))
     check_books(llm.engine)
@@ -122,6 +123,14 @@ def test_every_method_prunes_and_continues(model_dir: Path, method: str) -> None
     second = turn(llm, PROMPT + USER + first.token_ids + USER, 4, ChainSpec(continue_id=first.chain_id))
     assert second.num_cached_tokens == len(PROMPT + USER) + 7
     check_books(llm.engine)
+
+
+def test_a_method_without_token_scores_needs_a_scorer(model_dir: Path) -> None:
+    llm = make_llm(model_dir, "full")
+    first = turn(llm, PROMPT, 3, ChainSpec(open=True))
+    with pytest.raises(InvalidPrune, match="scores no tokens.*--prune-scorer"):
+        llm.engine.prune_chain(first.chain_id, None, PruneRequest(token_ranges=((0, 20),), keep=0.5))
+    assert _record(llm, first.chain_id).window_queries == [None, None]  # no default scorer: no queries kept
 
 
 def test_prune_refuses_while_busy_and_bad_requests(model_dir: Path) -> None:

@@ -113,6 +113,8 @@ def test_create_chain_from_a_prefix_and_prune_it() -> None:
 def test_auto_prune_prunes_old_tool_results_once(method: str) -> None:
     options = {**ENGINE, "method": method, "method_params": ENGINE["method_params"] if method == "snapkv" else None,
                "auto_prune": "role=tool,older_than=1,keep=0.2"}
+    if method == "full":  # scores no tokens: the server's --prune-scorer ranks them
+        options["prune_scorer"] = "snapkv"
     with live_server(options) as server:
         client = _client(server)
         first = _chat(client, _messages(), {"chain": True})
