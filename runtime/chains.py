@@ -39,6 +39,7 @@ from typing import Any
 
 from kvc.runtime.errors import (
     ChainBusy,
+    ChainCapacity,
     ChainDiverged,
     ChainEvicted,
     ChainNotFound,
@@ -46,6 +47,7 @@ from kvc.runtime.errors import (
 )
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.positions import full_map, tail_is_verbatim, truncate_map
+from kvc.runtime.kv.rows import RowPool
 from kvc.runtime.method_api import Hook, KVMethod
 
 _GONE_LIMIT = 65536  # evicted / dropped ids remembered for their 410
@@ -85,6 +87,10 @@ class ChainRecord:
     verbatim_from: int = 0  # logical position from which every layer's stored tail is verbatim
     compressed: bool = False  # pages no longer equal the logical tokens
     method_state: Any = None  # KVMethod.turn_end's opaque value
+    # the KV spec's per-sequence tensors (runtime/kv/rows.py): the record's row (None: none) and,
+    # per layer, the newest stored slots its residual window holds in full precision
+    row: int | None = None
+    resid_lens: list = field(default_factory=list)
     # Per layer: the logical position of each stored slot (runtime/kv/positions.py; None: verbatim)
     # and the newest post-RoPE queries of the history's prefills [w, Hq, D] (a prune's
     # scorer reads them).
@@ -100,6 +106,7 @@ class ChainRecord:
     def __post_init__(self) -> None:
         self.set_tokens(self.tokens)
         layers = len(self.page_tables)
+        self.resid_lens = self.resid_lens or [0] * layers
         self.positions = self.positions or [None] * layers
         self.window_queries = self.window_queries or [None] * layers
 
@@ -134,8 +141,11 @@ def common_prefix(a: Seq[int], b: Seq[int]) -> int:
 class ChainStore:
     """Every chain of one engine, keyed by an unguessable id."""
 
-    def __init__(self, pool: PagePool, num_layers: int, method: KVMethod, fingerprint: str) -> None:
+    def __init__(self, pool: PagePool, num_layers: int, method: KVMethod, fingerprint: str,
+                 rows: RowPool | None = None, copy_row=None) -> None:
         self.pool = pool
+        self.rows = rows  # the per-sequence rows; a record holds the row of its last turn
+        self.copy_row = copy_row  # (src, dst): a row's content copied on the device (a fork's)
         self.num_layers = num_layers
         self.method = method
         self.fingerprint = fingerprint
@@ -197,6 +207,14 @@ class ChainStore:
                          [None if s is None else list(s) for s in source.kv_starts])
         fork.set_tokens(list(source.tokens))
         fork.verbatim_from, fork.compressed = source.verbatim_from, source.compressed
+        if source.row is not None:  # rows are never shared: the fork gets a copy of the source's
+            try:
+                fork.row = self._fresh_row(exclude=source)
+            except ChainCapacity:
+                self._remove(fork, remember=False)
+                raise
+            self.copy_row([source.row], [fork.row])
+            fork.resid_lens = list(source.resid_lens)
         fork.method_state = source.method_state  # turn_resume copies it
         fork.positions, fork.window_queries = list(source.positions), list(source.window_queries)
         fork.segments = None if source.segments is None else list(source.segments)
@@ -208,6 +226,13 @@ class ChainStore:
             self._remove(fork, remember=False)
             raise
         return fork
+
+    def _fresh_row(self, exclude: ChainRecord) -> int:
+        """A free row, evicting idle chains for it (never `exclude`); ChainCapacity when none frees one."""
+        while self.rows.num_free == 0:
+            if not self.evict_idle(exclude=exclude):
+                raise ChainCapacity("no per-sequence row is free for the fork; retry later", param="chain_id")
+        return self.rows.allocate()
 
     def abandon(self, record: ChainRecord, spec: ChainSpec) -> None:
         """Undoes `begin` for a request that was refused afterwards (capacity, bad options)."""
@@ -274,6 +299,7 @@ class ChainStore:
             self.pool.free(table[keep:])
             del table[keep:]
             record.kv_lens[layer] = kv
+            record.resid_lens[layer] = max(0, record.resid_lens[layer] - drop)
             record.positions[layer] = truncate_map(record.positions[layer], kv)
         record.set_tokens(record.tokens[:length])
         if record.segments is not None:
@@ -342,6 +368,11 @@ class ChainStore:
             record.method_state = self.method.turn_end(seq.seq_id) if Hook.TURN in self.method.hooks else None
             for table in old:
                 self.pool.free(table)
+            if seq.row is not None:  # the record takes the sequence's row (its residual windows)
+                if record.row is not None:
+                    self.rows.free(record.row)
+                record.row, seq.row = seq.row, None
+                record.resid_lens = list(seq.resid_lens)
         record.state = ChainState.IDLE
         self._touch(record)
 
@@ -366,6 +397,9 @@ class ChainStore:
     def _remove(self, record: ChainRecord, remember: bool) -> None:
         for table in record.page_tables:
             self.pool.free(table)
+        if record.row is not None:
+            self.rows.free(record.row)
+            record.row = None
         record.page_tables = [[] for _ in record.page_tables]
         del self._records[record.chain_id]
         if remember:

@@ -38,6 +38,7 @@ from kvc.runtime.errors import (
     PromptTooLongError,
 )
 from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.kv.rows import RowPool
 from kvc.runtime.method_api import Hook, KVMethod
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.model_runner import ModelRunner
@@ -82,9 +83,16 @@ class Engine:
         if not kv_spec.dense:
             raise ConfigError(f"method {self.method.name!r} stores K/V encoded ({kv_spec.describe()}); the "
                               "attention kernels read dense K/V only so far", param="method")
-        # one layer's page: every per-token tensor of the spec, plus its per-page ones
+        # one layer's page: every per-token tensor of the spec, plus its per-page ones; the rows of
+        # its per-sequence tensors (a running sequence's, and an idle chain's) come off the budget first
         page_bytes = layer_page_bytes(kv_spec, self.spec.num_kv_heads, config.page_size)
-        self.num_pages = pool_pages(self._kv_budget_bytes(), page_bytes)
+        num_rows = 2 * config.max_num_seqs if kv_spec.uses_rows else 0
+        row_bytes = num_rows * kv_spec.bytes_per_row(self.spec.num_kv_heads, self.spec.num_layers)
+        if row_bytes >= self._kv_budget_bytes():
+            raise ConfigError(f"method {self.method.name!r}: {num_rows} rows of per-sequence tensors take "
+                              f"{row_bytes} bytes, the whole KV budget; raise kv_cache_memory or lower max_num_seqs",
+                              param="kv_cache_memory")
+        self.num_pages = pool_pages(self._kv_budget_bytes() - row_bytes, page_bytes)
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
@@ -100,7 +108,9 @@ class Engine:
             device=self.device,
             backend=backend,
             spec=kv_spec,
+            num_rows=num_rows,
         )
+        self.rows = RowPool(num_rows) if num_rows else None
         log.info(
             "KV cache: %d pages of %d tokens (%.1f MiB), backend %s",
             self.num_pages, config.page_size, self.num_pages * page_bytes / 2**20, backend,
@@ -111,7 +121,8 @@ class Engine:
         # (its chains still share pages, copy-on-write).
         prefix_caching = config.enable_prefix_caching and not self.method.compacts
         self.pool = PagePool(self.num_pages, config.page_size, prefix_caching, salt=salt)
-        self.chains = ChainStore(self.pool, self.spec.num_layers, self.method, fingerprint=salt.hex())
+        self.chains = ChainStore(self.pool, self.spec.num_layers, self.method, fingerprint=salt.hex(),
+                                 rows=self.rows, copy_row=self.attention.store.copy_rows)
         hooks = self.method.hooks
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -127,6 +138,8 @@ class Engine:
             chains=self.chains,
             compacts=(self.method.compacts and Hook.PREFILL_END in hooks,
                       self.method.compacts and Hook.STEP_END in hooks),
+            rows=self.rows,
+            residual=self.attention.store.residual_window,
         )
         self.runner = ModelRunner(
             self.model,
@@ -250,6 +263,8 @@ class Engine:
         ]
         pairs = self.scheduler.clone(seq, clones)
         self.attention.copy_pages([src for src, _ in pairs], [dst for _, dst in pairs])
+        if seq.row is not None:
+            self.attention.store.copy_rows([seq.row] * len(clones), [clone.row for clone in clones])
         source_generator = self.runner.generators.get(seq.seq_id)
         for clone in clones:
             if Hook.CLONE in self.method.hooks:

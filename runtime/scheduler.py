@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING
 from kvc.runtime.errors import ConfigError, OutOfKVMemory, PromptTooLongError
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.room import Room
+from kvc.runtime.kv.rows import RowPool
 from kvc.runtime.method_api import FullBudget, KVBudget
 from kvc.runtime.sequence import FINISH_ABORT, FINISH_LENGTH, Sequence, SequenceStatus
 
@@ -112,9 +113,13 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, pool: PagePool, num_layers: int = 1, budget: KVBudget | None = None,
         chains: ChainStore | None = None, compacts: tuple[bool, bool] = (False, False),
+        rows: RowPool | None = None, residual: int = 0,
     ) -> None:
         self.config = config
         self.chains = chains
+        # the KV spec's per-sequence rows (None: the spec has no per-sequence tensors) and the
+        # slots its residual window holds (0: none)
+        self.rows, self.residual = rows, residual
         # may compaction write into a sequence's pages (at prefill end, at decode steps)?
         self.compacts_prefill, self.compacts_decode = compacts
         self.pool = pool
@@ -234,8 +239,22 @@ class Scheduler:
                 return seq
         return self.running[-1]
 
-    def _evict_idle_chain(self) -> bool:
-        return self.chains is not None and self.chains.evict_idle()
+    def _evict_idle_chain(self, exclude=None) -> bool:
+        return self.chains is not None and self.chains.evict_idle(exclude=exclude)
+
+    def _row_free(self) -> bool:
+        return self.rows is None or self.rows.num_free > 0
+
+    def _take_row(self, seq: Sequence) -> None:
+        """seq's row of the per-sequence tensors; a chain continuation's starts as a copy of its
+        record's (the runner copies it before the step)."""
+        if self.rows is None:
+            return
+        seq.row = self.rows.allocate()
+        record = seq.chain
+        if record is not None and record.row is not None:
+            seq.row_source = record.row
+            seq.resid_lens = [min(r, kv) for r, kv in zip(record.resid_lens, seq.kv_lens)]
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Finishes a waiting or running sequence at once, freeing its pages. Unknown ids: None."""
@@ -269,6 +288,9 @@ class Scheduler:
             raise OutOfKVMemory(f"cloning {len(clones)} sequences of {per_clone} KV pages each needs "
                                 f"{per_clone * len(clones)} pages, {self.pool.num_free} are free; "
                                 "give the engine more KV cache memory or clone fewer")
+        if self.rows is not None and self.rows.num_free < len(clones):
+            raise OutOfKVMemory(f"cloning {len(clones)} sequences needs as many per-sequence rows, "
+                                f"{self.rows.num_free} are free")
         for clone in clones:
             if clone.status is not SequenceStatus.WAITING or clone.holds_pages or clone.seq_id in self._live:
                 raise ValueError(f"{clone} cannot receive a clone: it is not a fresh sequence")
@@ -288,6 +310,9 @@ class Scheduler:
             clone.page_hashes = list(seq.page_hashes)
             clone.history_gap = list(seq.history_gap)
             clone.verbatim_from = seq.verbatim_from
+            clone.resid_lens = list(seq.resid_lens)
+            if self.rows is not None:  # the caller copies the row with the pages
+                clone.row = self.rows.allocate()
             clone.status = SequenceStatus.RUNNING
             self._live[clone.seq_id] = clone
             bisect.insort(self.running, clone, key=lambda s: s.arrival)
@@ -367,11 +392,12 @@ class Scheduler:
             # the prompt stays resident until prefill_end: every layer needs pages for computed + n
             fresh = pool.pages_for(computed + n) - len(hits[0])
             revived = sum(pool.ref_count(p) == 0 for table in hits for p in table)  # cached hits
-            if fresh * layers + revived > pool.num_free:
+            if fresh * layers + revived > pool.num_free or not self._row_free():
                 if self._evict_idle_chain():
                     continue  # evicted chains' pages may also be prefix hits now: look again
                 break
             self.waiting.popleft()
+            self._take_row(seq)
             if self.prefix_caching:
                 hits = pool.match_prefix_layers(seq.token_ids, layers)
             seq.page_tables = [table + pool.allocate(fresh) for table in hits]
@@ -391,13 +417,14 @@ class Scheduler:
         self.chains.attach(seq)
         seq.prefill_end = len(seq.token_ids)
         n = min(seq.num_uncomputed_tokens, budget, chunk_cap)
-        while self._need(seq, n) > self.pool.num_free:
-            if not self._evict_idle_chain():
+        while self._need(seq, n) > self.pool.num_free or not self._row_free():
+            if not self._evict_idle_chain(exclude=seq.chain):
                 self._free(seq)  # the record keeps its own references
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
                 return False
         self.waiting.popleft()
         self._take(seq, n)
+        self._take_row(seq)
         self.chains.resume(seq)
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
@@ -429,17 +456,20 @@ class Scheduler:
         self.advance(batch, compacted)
         return self.commit(batch, sampled)
 
-    def advance(self, batch: ScheduledBatch, compacted: dict[int, dict[int, int]] | None = None) -> None:
+    def advance(self, batch: ScheduledBatch, compacted: dict[int, dict[int, int]] | None = None,
+                rewritten: dict[int, dict[int, int]] | None = None) -> None:
         """What a launched step changes whatever its tokens are: computed tokens, stored lengths,
         the pages a keep plan freed, the prefix cache's full pages; a sampling sequence's token
         becomes `pending` (its K/V is the next step's to compute)."""
-        compacted = compacted or {}
+        compacted, rewritten = compacted or {}, rewritten or {}
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.needs_sample()):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted (or finished by an earlier step's tokens) while the step ran
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
             seq.kv_lens = [kv + n for kv in seq.kv_lens]
+            if self.residual:  # the step's tokens joined each layer's residual window
+                seq.resid_lens = [min(r + n, self.residual) for r in seq.resid_lens]
             if seq.room is not None and seq.room.version == seq.tables_version:
                 seq.room.use(n)
             if seq.spare_pages:  # copy-on-write pages the step did not need
@@ -447,6 +477,9 @@ class Scheduler:
                 seq.spare_pages = []
             for layer, kept in compacted.get(seq.seq_id, {}).items():
                 self._shrink(seq, layer, kept)
+                seq.resid_lens[layer] = 0  # moved slots are read from their codes
+            for layer, resid in rewritten.get(seq.seq_id, {}).items():
+                seq.resid_lens[layer] = resid
             if self.prefix_caching and not seq.compressed:
                 self._register_full_pages(seq, before)
             if samples:
@@ -533,6 +566,9 @@ class Scheduler:
         if seq.spare_pages:
             self.pool.free(seq.spare_pages)
             seq.spare_pages = []
+        if seq.row is not None:
+            self.rows.free(seq.row)
+            seq.row = None
         for table in seq.reset_cache():
             self.pool.free(table)
 

@@ -123,6 +123,13 @@ class Sequence:
         self.history_gap: list[int] = [0] * num_layers
         self.verbatim_from = 0
         self.spare_pages: list[int] = []
+        # The KV spec's per-sequence tensors (runtime/kv/rows.py): this sequence's row, the row the
+        # runner copies into it before its first step (a chain continuation starts from its record's),
+        # and per layer how many of the newest stored slots that row's residual window holds in full
+        # precision (attention reads them from there).
+        self.row: int | None = None
+        self.row_source: int | None = None
+        self.resid_lens: list[int] = [0] * num_layers
         self.pending = 0  # sampled tokens on the device, not yet appended (async scheduling)
         # Chained sequences only (runtime/kv/positions.py, runtime/chain_prune.py): per layer, the
         # position map of the stored slots and the last prefill queries; the prompt's messages.
@@ -163,6 +170,8 @@ class Sequence:
         self.kv_starts = [None] * len(tables)
         self.compressed = False
         self.history_gap = [0] * len(tables)
+        self.resid_lens = [0] * len(tables)
+        self.row_source = None
         self.verbatim_from = 0
         self.positions = self.window_queries = None  # a chained re-admission takes its record's again
         return tables

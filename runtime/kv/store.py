@@ -76,6 +76,16 @@ class KVStore:
             raise TypeError(f"the KV spec stores {what} encoded ({type(enc).__name__}), not as a dense tensor")
         return self.tensors[enc.tensor]
 
+    @property
+    def residual_window(self) -> int:
+        """Slots a residual window holds (the K or V encoding's SEQ residual; 0: none). K's and V's
+        must agree: one count per sequence and layer says how many newest slots both read from it."""
+        windows = {self.spec.tensor(e.residual).shape[0] for e in (self.spec.keys, self.spec.values)
+                   if isinstance(e, Quantized) and e.residual is not None}
+        if len(windows) > 1:
+            raise ValueError(f"the KV spec's K and V residual windows differ ({sorted(windows)}); they must agree")
+        return windows.pop() if windows else 0
+
     def token_tensors(self) -> list[torch.Tensor]:
         """Every TOKEN tensor (what a keep plan moves), dense K and V first."""
         first = [self.tensors[e.tensor] for e in (self.spec.keys, self.spec.values) if isinstance(e, Dense)]
