@@ -108,7 +108,8 @@ def source_shape(source: Source) -> tuple[int, ...]:
 class KernelOperand:
     """A source as kernel arguments: `data` (the dense cache or the codes) with its page, head and
     slot strides; scale, zero and residual pointers (a stand-in tensor when absent: never read) and
-    their strides; the constexprs. `bits` 0 means dense; `window` 0 means no residual reads."""
+    their strides; the constexprs. `bits` 0 means dense; `window` 0 means no residual reads or
+    writes."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -121,6 +122,17 @@ class KernelOperand:
     asymmetric: bool
     window: int
 
+    def args(self) -> tuple:
+        """The kernels' operand parameters in order: `{x}_cache_ptr, {x}_scale_ptr, {x}_zero_ptr,
+        {x}_resid_ptr`, then the nine strides (compiler/templates/paged_attention.py.jinja,
+        `operand_params`)."""
+        return (self.data, self.scale, self.zero, self.residual, *self.strides)
+
+    def constants(self, prefix: str) -> dict:
+        """The kernels' operand constexprs, `{X}_BITS` ... `{X}_WINDOW` (`operand_consts`)."""
+        return {f"{prefix}_BITS": self.bits, f"{prefix}_PER_ELEMENT": self.per_element, f"{prefix}_GROUP": self.group,
+                f"{prefix}_ASYM": self.asymmetric, f"{prefix}_WINDOW": self.window}
+
 
 def kernel_operand(source: Source, use_residual: bool) -> KernelOperand:
     """`source` as kernel arguments; `use_residual`: the op reads (or writes) residual windows (it
@@ -129,14 +141,12 @@ def kernel_operand(source: Source, use_residual: bool) -> KernelOperand:
         s = source.stride()
         return KernelOperand(source, source, source, source, (s[0], s[1], s[2], 0, 0, 0, 0, 0, 0), 0, 1, 1,
                              False, 0)
-    data = source.codes
     resid = source.residual if use_residual else None
-    cs, ss = data.stride(), source.scale.stride()
-    rs = resid.stride() if resid is not None else (0, 0, 0)
+    cs, ss = source.codes.stride(), source.scale.stride()
+    rs = resid.stride() if resid is not None else (0, 0, 0, 0)
     return KernelOperand(
-        data, source.scale, source.zero if source.zero is not None else source.scale,
+        source.codes, source.scale, source.zero if source.zero is not None else source.scale,
         resid if resid is not None else source.scale,
         (cs[0], cs[1], cs[2], ss[0], ss[1], ss[2], rs[0], rs[1], rs[2]),
         source.enc.bits, source.per_element, source.enc.group, not source.enc.symmetric,
         0 if resid is None else resid.shape[2])
-

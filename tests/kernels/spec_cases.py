@@ -155,17 +155,33 @@ def _place(dst: torch.Tensor, x: torch.Tensor, pages: list[int], page_size: int)
         dst[page, :, : chunk.stop - chunk.start] = x[chunk].transpose(0, 1).to(dst.dtype)
 
 
-def to_device(case: SpecCase, device) -> SpecCase:
-    def move(source):
-        if isinstance(source, torch.Tensor):
-            return source.to(device)
-        return QuantizedPages(source.enc, source.codes.to(device), source.scale.to(device),
-                              None if source.zero is None else source.zero.to(device), source.head_dim, source.dtype,
-                              None if source.residual is None else source.residual.to(device))
+def _each(source, fn):
+    """`fn` applied to every tensor of a source (a dense cache, or the parts of QuantizedPages)."""
+    if isinstance(source, torch.Tensor):
+        return fn(source)
+    opt = (lambda t: None if t is None else fn(t))  # noqa: E731
+    return QuantizedPages(source.enc, fn(source.codes), opt(source.scale), opt(source.zero), source.head_dim,
+                          source.dtype, opt(source.residual))
 
-    return SpecCase(move(case.k_source), move(case.v_source), case.full_keys, case.full_values, case.keys,
-                    case.values, case.block_tables.to(device), case.context_lens.to(device), case.rows.to(device),
-                    None if case.resid_lens is None else case.resid_lens.to(device), case.page_size)
+
+def moved(source, device):
+    return _each(source, lambda t: t.to(device))
+
+
+def emptied(source):
+    """The source with every entry 0 (a store must fill what a test reads)."""
+    return _each(source, torch.zeros_like)
+
+
+def nan_free(source):
+    """The source with NaN (unowned) entries 0: the torch ops' copy of a poisoned pool."""
+    return _each(source, lambda t: t.nan_to_num(0.0) if t.is_floating_point() else t)
+
+
+def tensors(source) -> list[torch.Tensor]:
+    if isinstance(source, torch.Tensor):
+        return [source]
+    return [t for t in (source.codes, source.scale, source.zero, source.residual) if t is not None]
 
 
 # ---- read plans and the oracle -------------------------------------------------------------------

@@ -14,8 +14,8 @@ from kvc.runtime.attention.sources import QuantizedPages
 from kvc.runtime.kv import encodings
 from kvc.runtime.kv.plans import ReadPlan
 from tests.kernels.paged_cases import reference_attention
-from tests.kernels.spec_cases import (INT2_SYM_G16, INT4_ASYM_G8, INT8_PER_TOKEN, Enc, fold_oracle, make_spec_case,
-                                      oracle_decode, oracle_prefill, random_plan)
+from tests.kernels.spec_cases import (INT2_SYM_G16, INT4_ASYM_G8, INT8_PER_TOKEN, Enc, emptied, fold_oracle,
+                                      make_spec_case, oracle_decode, oracle_prefill, random_plan)
 
 HEAD_DIM = 32
 TOL = dict(atol=1e-5, rtol=1e-4)
@@ -137,17 +137,6 @@ def test_prefill_chunks_over_a_quantized_prefix(k_name, v_name, window, with_sta
     torch.testing.assert_close(got, want.float(), **TOL)
 
 
-def _empty_like_case(case):
-    """The case's pools with the sequences' entries cleared (a store must fill them)."""
-    def clear(source):
-        if isinstance(source, torch.Tensor):
-            return torch.zeros_like(source)
-        return QuantizedPages(source.enc, torch.zeros_like(source.codes), torch.zeros_like(source.scale),
-                              None if source.zero is None else torch.zeros_like(source.zero), source.head_dim,
-                              source.dtype, None if source.residual is None else torch.zeros_like(source.residual))
-    return clear(case.k_source), clear(case.v_source)
-
-
 @pytest.mark.parametrize("k_name,v_name", [("int4-asym-g8", "int8-token"), ("dense", "int2-sym-g16")])
 def test_store_then_read_gives_the_oracle(k_name, v_name):
     """store_kv of whole prompts (one padding token) into empty pools, then a decode: the same as
@@ -156,7 +145,7 @@ def test_store_then_read_gives_the_oracle(k_name, v_name):
     lengths = [13, 6, 21]
     window = 8
     case = case_for(k_name, v_name, gen, window=window, lengths=lengths)
-    k_pool, v_pool = _empty_like_case(case)
+    k_pool, v_pool = emptied(case.k_source), emptied(case.v_source)
     k = torch.cat([*case.full_keys, torch.randn(1, 2, HEAD_DIM, generator=gen)])
     v = torch.cat([*case.full_values, torch.randn(1, 2, HEAD_DIM, generator=gen)])
     slots = []
