@@ -254,38 +254,78 @@ READ_ALL, READ_PAGES, READ_TOKENS = 0, 1, 2  # the constexpr READ: the whole con
 
 
 @triton.jit
+def _codes(ptr, row_mask, BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, ASYM: tl.constexpr,
+           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The integer codes of the rows at `ptr` [BLOCK_N, 1] as fp32 [BLOCK_N, BLOCK_D]: packed bytes are
+    # loaded once, contiguously, and their fields interleaved back (low bits first); a signed code
+    # is stored as its two's-complement bits.
+    if PER_ELEMENT == 1:
+        offs_d = tl.arange(0, BLOCK_D)
+        code = tl.load(ptr + offs_d[None, :], mask=row_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0)
+        code = code.to(tl.float32)
+    else:
+        offs_c = tl.arange(0, BLOCK_D // PER_ELEMENT)
+        packed = tl.load(ptr + offs_c[None, :], mask=row_mask[:, None] & (offs_c < HEAD_DIM // PER_ELEMENT)[None, :],
+                         other=0).to(tl.int32)
+        f0 = packed & ((1 << BITS) - 1)
+        f1 = (packed >> BITS) & ((1 << BITS) - 1)
+        if PER_ELEMENT == 2:
+            field = tl.join(f0, f1)
+        else:
+            f2 = (packed >> (2 * BITS)) & ((1 << BITS) - 1)
+            f3 = (packed >> (3 * BITS)) & ((1 << BITS) - 1)
+            field = tl.join(tl.join(f0, f2), tl.join(f1, f3))
+        field = tl.reshape(field, [row_mask.shape[0], BLOCK_D])
+        if not ASYM:
+            field = (field ^ (1 << (BITS - 1))) - (1 << (BITS - 1))
+        code = field.to(tl.float32)
+    return code
+
+
+@triton.jit
 def _load_operand(
-    base, scale_base, zero_base, resid_base, pages, in_page, tokens, offs_d, kv_mask, resid_start,
+    base, scale_base, zero_base, resid_base, pages, in_page, tokens, token_mask, kv_mask, resid_start,
     stride_p, stride_s, stride_sp, stride_ss, stride_rs,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, GROUP: tl.constexpr, ASYM: tl.constexpr,
     WINDOW: tl.constexpr,
 ):
     # A K or V tile [BLOCK_N, BLOCK_D] of one KV head's slots `tokens` (at `pages`, `in_page`): the
     # dense cache as it is (BITS 0), or the codes decoded in fp32, `(code - zero) * scale` or
     # `code * scale`, with the slots from `resid_start` on read from the residual window instead.
+    offs_d = tl.arange(0, BLOCK_D)
     if BITS == 0:
         x = tl.load(base + pages[:, None] * stride_p + in_page[:, None] * stride_s + offs_d[None, :],
                     mask=kv_mask, other=0.0)
     else:
-        codes_mask = kv_mask
+        BLOCK_N: tl.constexpr = tokens.shape[0]
+        row_mask = token_mask
         if WINDOW > 0:
             in_window = tokens >= resid_start
-            codes_mask = kv_mask & (tokens < resid_start)[:, None]
-        element = tl.load(base + pages[:, None] * stride_p + in_page[:, None] * stride_s
-                          + (offs_d // PER_ELEMENT)[None, :], mask=codes_mask, other=0)
-        if PER_ELEMENT > 1:  # several codes per uint8, low bits first
-            field = (element.to(tl.int32) >> ((offs_d % PER_ELEMENT) * BITS)[None, :]) & ((1 << BITS) - 1)
-            if not ASYM:  # a signed code is stored as its two's-complement bits
-                field = (field ^ (1 << (BITS - 1))) - (1 << (BITS - 1))
-            code = field.to(tl.float32)
-        else:
-            code = element.to(tl.float32)
-        at = pages[:, None] * stride_sp + in_page[:, None] * stride_ss + (offs_d // GROUP)[None, :]
-        scale = tl.load(scale_base + at, mask=codes_mask, other=0.0).to(tl.float32)
-        if ASYM:
-            x = (code - tl.load(zero_base + at, mask=codes_mask, other=0.0).to(tl.float32)) * scale
-        else:
-            x = code * scale
+            row_mask = token_mask & (tokens < resid_start)
+        code = _codes(base + pages[:, None] * stride_p + in_page[:, None] * stride_s, row_mask, BITS, PER_ELEMENT,
+                      ASYM, HEAD_DIM, BLOCK_D)
+        group_rows = pages[:, None] * stride_sp + in_page[:, None] * stride_ss
+        if BLOCK_D % GROUP == 0 and (GROUP & (GROUP - 1)) == 0:
+            # groups tile the channels: load [BLOCK_N, G] scales once and broadcast them
+            offs_g = tl.arange(0, BLOCK_D // GROUP)
+            group_mask = row_mask[:, None] & (offs_g < HEAD_DIM // GROUP)[None, :]
+            scale = tl.load(scale_base + group_rows + offs_g[None, :], mask=group_mask, other=0.0).to(tl.float32)
+            code = tl.reshape(code, [BLOCK_N, BLOCK_D // GROUP, GROUP])
+            if ASYM:
+                zero = tl.load(zero_base + group_rows + offs_g[None, :], mask=group_mask, other=0.0).to(tl.float32)
+                x = (code - zero[:, :, None]) * scale[:, :, None]
+            else:
+                x = code * scale[:, :, None]
+            x = tl.reshape(x, [BLOCK_N, BLOCK_D])
+        else:  # a group that does not tile BLOCK_D: each channel gathers its group's scale
+            at = group_rows + (offs_d // GROUP)[None, :]
+            group_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+            scale = tl.load(scale_base + at, mask=group_mask, other=0.0).to(tl.float32)
+            if ASYM:
+                x = (code - tl.load(zero_base + at, mask=group_mask, other=0.0).to(tl.float32)) * scale
+            else:
+                x = code * scale
         if WINDOW > 0:
             recent = tl.load(resid_base + (tokens % WINDOW)[:, None] * stride_rs + offs_d[None, :],
                              mask=kv_mask & in_window[:, None], other=0.0)
@@ -347,26 +387,45 @@ def _store_operand(
         else:
             qmax = (1 << (BITS - 1)) - 1
         xf = x.to(tl.float32)
-        offs_g = tl.arange(0, BLOCK_G)
-        member = ((offs_d[None, :] // GROUP) == offs_g[:, None]) & dim_ok[None, :]  # [BLOCK_G, BLOCK_D]
-        member = member[None, :, :]
-        if ASYM:
-            low = tl.min(tl.where(member, xf[:, None, :], float("inf")), axis=2)  # [BLOCK_H, BLOCK_G]
-            spread = tl.max(tl.where(member, xf[:, None, :], float("-inf")), axis=2) - low
-        else:
-            spread = tl.max(tl.where(member, tl.abs(xf)[:, None, :], 0.0), axis=2)
-        scale = tl.math.div_rn(spread, tl.full(spread.shape, qmax, tl.float32))
-        scale = scale.to(scale_ptr.dtype.element_ty).to(tl.float32)  # as stored
-        scale = tl.where(scale > 0, scale, 1.0)
-        group_ok = row_ok[:, None] & (offs_g < HEAD_DIM // GROUP)[None, :]
-        group_at = page * stride_sp + offs_h[:, None] * stride_sh + offset * stride_ss + offs_g[None, :]
+        group_ok = row_ok[:, None] & (tl.arange(0, BLOCK_G) < HEAD_DIM // GROUP)[None, :]
+        group_at = page * stride_sp + offs_h[:, None] * stride_sh + offset * stride_ss + tl.arange(0, BLOCK_G)[None, :]
+        if BLOCK_D % GROUP == 0 and (GROUP & (GROUP - 1)) == 0:
+            # groups tile the channels (BLOCK_G = BLOCK_D // GROUP): reduce and broadcast by reshaping;
+            # channels past HEAD_DIM fill whole groups, which are never stored
+            x3 = tl.reshape(xf, [BLOCK_H, BLOCK_G, GROUP])
+            if ASYM:
+                low = tl.min(x3, axis=2)
+                spread = tl.max(x3, axis=2) - low
+            else:
+                spread = tl.max(tl.abs(x3), axis=2)
+            scale = tl.math.div_rn(spread, tl.full(spread.shape, qmax, tl.float32))
+            scale = scale.to(scale_ptr.dtype.element_ty).to(tl.float32)  # as stored
+            scale = tl.where(scale > 0, scale, 1.0)
+            y = tl.math.div_rn(x3, tl.broadcast_to(scale[:, :, None], x3.shape))
+            if ASYM:
+                zero = tl.math.div_rn(-low, scale).to(zero_ptr.dtype.element_ty).to(tl.float32)
+                y = y + zero[:, :, None]
+            y = tl.reshape(y, [BLOCK_H, BLOCK_D])
+        else:  # a group that does not tile BLOCK_D: masks pick each group's channels
+            offs_g = tl.arange(0, BLOCK_G)
+            member = ((offs_d[None, :] // GROUP) == offs_g[:, None]) & dim_ok[None, :]  # [BLOCK_G, BLOCK_D]
+            member = member[None, :, :]
+            if ASYM:
+                low = tl.min(tl.where(member, xf[:, None, :], float("inf")), axis=2)  # [BLOCK_H, BLOCK_G]
+                spread = tl.max(tl.where(member, xf[:, None, :], float("-inf")), axis=2) - low
+            else:
+                spread = tl.max(tl.where(member, tl.abs(xf)[:, None, :], 0.0), axis=2)
+            scale = tl.math.div_rn(spread, tl.full(spread.shape, qmax, tl.float32))
+            scale = scale.to(scale_ptr.dtype.element_ty).to(tl.float32)  # as stored
+            scale = tl.where(scale > 0, scale, 1.0)
+            scale_d = tl.sum(tl.where(member, scale[:, :, None], 0.0), axis=1)  # each channel's group's
+            y = tl.math.div_rn(xf, tl.where(scale_d > 0, scale_d, 1.0))
+            if ASYM:
+                zero = tl.math.div_rn(-low, scale).to(zero_ptr.dtype.element_ty).to(tl.float32)
+                y = y + tl.sum(tl.where(member, zero[:, :, None], 0.0), axis=1)
         tl.store(scale_ptr + group_at, scale.to(scale_ptr.dtype.element_ty), mask=group_ok)
-        scale_d = tl.sum(tl.where(member, scale[:, :, None], 0.0), axis=1)  # each channel's group's
-        y = tl.math.div_rn(xf, tl.where(scale_d > 0, scale_d, 1.0))
         if ASYM:
-            zero = tl.math.div_rn(-low, scale).to(zero_ptr.dtype.element_ty).to(tl.float32)
             tl.store(zero_ptr + group_at, zero.to(zero_ptr.dtype.element_ty), mask=group_ok)
-            y = y + tl.sum(tl.where(member, zero[:, :, None], 0.0), axis=1)
             code = tl.minimum(tl.maximum(tl.floor(y + 0.5), 0.0), qmax).to(tl.int32)
         else:
             code = tl.minimum(tl.maximum(tl.floor(y + 0.5), -qmax), qmax).to(tl.int32)
@@ -595,8 +654,8 @@ def _decode_split_kernel(
         in_page = tokens % PAGE_SIZE
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = _load_operand(
-            k_base, k_scale_base, k_zero_base, k_resid_base, pages, in_page, tokens, offs_d, kv_mask, resid_start,
-            stride_kp, stride_ks, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s,
+            k_base, k_scale_base, k_zero_base, k_resid_base, pages, in_page, tokens, token_mask, kv_mask, resid_start,
+            stride_kp, stride_ks, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, HEAD_DIM, BLOCK_D,
             K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW,
         ).to(q_ptr.dtype.element_ty)
 
@@ -616,8 +675,8 @@ def _decode_split_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _load_operand(
-            v_base, v_scale_base, v_zero_base, v_resid_base, pages, in_page, tokens, offs_d, kv_mask, resid_start,
-            stride_vp, stride_vs, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s,
+            v_base, v_scale_base, v_zero_base, v_resid_base, pages, in_page, tokens, token_mask, kv_mask, resid_start,
+            stride_vp, stride_vs, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s, HEAD_DIM, BLOCK_D,
             V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW,
         ).to(q_ptr.dtype.element_ty)
 
@@ -823,6 +882,7 @@ def _prefill_tile(
     k_scale_base, k_zero_base, k_resid_base, v_scale_base, v_zero_base, v_resid_base, resid_start,
     stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s,
     PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr,
     V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr,
 ):
@@ -832,8 +892,8 @@ def _prefill_tile(
     in_page = tokens % PAGE_SIZE
     kv_mask = token_mask[:, None] & dim_mask[None, :]
     k = _load_operand(
-        k_base, k_scale_base, k_zero_base, k_resid_base, pages, in_page, tokens, offs_d, kv_mask, resid_start,
-        stride_kp, stride_ks, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s,
+        k_base, k_scale_base, k_zero_base, k_resid_base, pages, in_page, tokens, token_mask, kv_mask, resid_start,
+        stride_kp, stride_ks, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, HEAD_DIM, BLOCK_D,
         K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW,
     ).to(q.dtype)
 
@@ -846,8 +906,8 @@ def _prefill_tile(
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = _load_operand(
-        v_base, v_scale_base, v_zero_base, v_resid_base, pages, in_page, tokens, offs_d, kv_mask, resid_start,
-        stride_vp, stride_vs, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s,
+        v_base, v_scale_base, v_zero_base, v_resid_base, pages, in_page, tokens, token_mask, kv_mask, resid_start,
+        stride_vp, stride_vs, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s, HEAD_DIM, BLOCK_D,
         V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW,
     ).to(q.dtype)
 
@@ -933,7 +993,7 @@ def _prefill_kernel(
             qk_scale, stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d, dim_mask,
             k_scale_base, k_zero_base, k_resid_base, v_scale_base, v_zero_base, v_resid_base, resid_start,
             stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s,
-            PAGE_SIZE, False, DOT_PRECISION,
+            PAGE_SIZE, False, DOT_PRECISION, HEAD_DIM, BLOCK_D,
             K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW,
         )
     for tile in range(unmasked_end, kv_end, BLOCK_N):
@@ -942,7 +1002,7 @@ def _prefill_kernel(
             qk_scale, stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d, dim_mask,
             k_scale_base, k_zero_base, k_resid_base, v_scale_base, v_zero_base, v_resid_base, resid_start,
             stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s,
-            PAGE_SIZE, True, DOT_PRECISION,
+            PAGE_SIZE, True, DOT_PRECISION, HEAD_DIM, BLOCK_D,
             K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW,
         )
 

@@ -19,7 +19,7 @@ from kvc.runtime.attention import torch_ops
 from kvc.runtime.attention.metadata import DecodeStats
 from kvc.runtime.kv.plans import ReadPlan
 from tests.kernels.paged_cases import triton_device_and_ops
-from tests.kernels.spec_cases import (INT2_SYM_G16, INT4_ASYM_G8, INT8_PER_TOKEN, emptied, make_spec_case, moved,
+from tests.kernels.spec_cases import (INT2_SYM_G16, Enc, INT4_ASYM_G8, INT8_PER_TOKEN, emptied, make_spec_case, moved,
                                       nan_free, random_plan, tensors)
 
 if not torch.cuda.is_available():
@@ -31,7 +31,8 @@ _, plain_ops = triton_device_and_ops("plain")
 HEAD_DIM = 16
 TOL = dict(atol=2e-5, rtol=1e-4)
 LENGTHS = [13, 0, 37, 1]
-ENCODINGS = {"dense": None, "int8-token": INT8_PER_TOKEN, "int4-asym-g8": INT4_ASYM_G8, "int2-sym-g16": INT2_SYM_G16}
+ENCODINGS = {"dense": None, "int8-token": INT8_PER_TOKEN, "int4-asym-g8": INT4_ASYM_G8, "int2-sym-g16": INT2_SYM_G16,
+             "int4-asym-g12": Enc(4, 12, False, "int4x2")}
 
 
 def fresh(seed: int) -> torch.Generator:
@@ -42,8 +43,8 @@ def on_device(source):
     return moved(source, DEVICE)
 
 
-def case_for(k_name, v_name, gen, *, window=0, lengths=LENGTHS, resid_lens=None, page_size=4):
-    return make_spec_case(lengths, 2, HEAD_DIM, page_size, k_enc=ENCODINGS[k_name], v_enc=ENCODINGS[v_name],
+def case_for(k_name, v_name, gen, *, window=0, lengths=LENGTHS, resid_lens=None, page_size=4, head_dim=HEAD_DIM):
+    return make_spec_case(lengths, 2, head_dim, page_size, k_enc=ENCODINGS[k_name], v_enc=ENCODINGS[v_name],
                           gen=gen, window=window, resid_lens=resid_lens, stale=float("nan"))
 
 
@@ -114,7 +115,7 @@ def test_decode_by_read_plan(by, width, k_name, window, with_starts, num_splits)
     out = poisoned(q.shape)
     spec_ops.paged_decode(q.to(DEVICE), on_device(case.k_source), on_device(case.v_source), dev(case.block_tables),
                           dev(case.context_lens), 0.3, out=out, kv_starts=dev(starts), rows=dev(case.rows),
-                          resid_lens=dev(case.resid_lens), read=device_plan, num_splits=num_splits, block_n=8)
+                          resid_lens=dev(case.resid_lens), read=device_plan, num_splits=num_splits, block_n=16)
     assert not out.isnan().any()
     torch.testing.assert_close(out.cpu(), want, **TOL)
 
@@ -137,7 +138,7 @@ def test_decode_stats_over_quantized_keys_and_plans(by, reduce, fn, num_splits):
     device_plan = None if plan is None else ReadPlan(pages=dev(plan.pages), tokens=dev(plan.tokens))
     spec_ops.paged_decode(q.to(DEVICE), on_device(case.k_source), on_device(case.v_source), dev(case.block_tables),
                           dev(case.context_lens), 0.3, out=out, stats=stats, rows=dev(case.rows),
-                          resid_lens=dev(case.resid_lens), read=device_plan, num_splits=num_splits, block_n=8)
+                          resid_lens=dev(case.resid_lens), read=device_plan, num_splits=num_splits, block_n=16)
     torch.testing.assert_close(out.cpu(), want, **TOL)
     assert not stats.out.isnan().any()
     torch.testing.assert_close(stats.out.cpu(), want_stats.out, **TOL)
@@ -195,6 +196,41 @@ def test_store_quantizes_like_the_torch_store(k_name, v_name, window):
         assert torch.equal(got.cpu(), want), (got.dtype, got.shape)
 
 
+@pytest.mark.parametrize("k_name,v_name", [("int8-token", "int4-asym-g8"), ("int4-asym-g12", "int8-token")])
+def test_groups_that_do_not_tile_the_block(k_name, v_name):
+    """head_dim 24 (block 32): per-token groups of 24 and groups of 12 take the gathered-scale path,
+    groups of 8 leave a padded group; store, decode and prefill still agree with torch."""
+    gen = fresh(83)
+    head_dim, lengths = 24, [11, 6]
+    case = case_for(k_name, v_name, gen, window=4, lengths=lengths, head_dim=head_dim)
+    q = torch.randn(2, 4, head_dim, generator=gen)
+    extra = dict(rows=case.rows, resid_lens=case.resid_lens)
+    want = torch_ops.paged_decode(q, nan_free(case.k_source), nan_free(case.v_source), case.block_tables,
+                                  case.context_lens, 0.3, **extra)
+    got = spec_ops.paged_decode(q.to(DEVICE), on_device(case.k_source), on_device(case.v_source),
+                                dev(case.block_tables), dev(case.context_lens), 0.3, rows=dev(case.rows),
+                                resid_lens=dev(case.resid_lens), num_splits=2, block_n=16)
+    torch.testing.assert_close(got.cpu(), want, **TOL)
+    cu = torch.tensor([0, 11, 14], dtype=torch.int32)
+    qp = torch.randn(14, 4, head_dim, generator=gen)
+    want = torch_ops.paged_prefill(qp, nan_free(case.k_source), nan_free(case.v_source), case.block_tables, cu,
+                                   case.context_lens, 0.2, 11, **extra)
+    got = spec_ops.paged_prefill(qp.to(DEVICE), on_device(case.k_source), on_device(case.v_source),
+                                 dev(case.block_tables), dev(cu), dev(case.context_lens), 0.2, 11, rows=dev(case.rows),
+                                 resid_lens=dev(case.resid_lens), block_m=16, block_n=16)
+    torch.testing.assert_close(got.cpu(), want, **TOL)
+    k = torch.randn(3, 2, head_dim, generator=gen)
+    slots = torch.tensor([case.block_tables[0, 2] * 4 + 2, -1, case.block_tables[1, 1] * 4 + 1])
+    want_k, want_v = emptied(case.k_source), emptied(case.v_source)
+    cu_store = torch.tensor([0, 1, 3], dtype=torch.int32)
+    torch_ops.store_kv(k, k, want_k, want_v, slots, cu_store, case.context_lens, case.rows)
+    got_k, got_v = on_device(emptied(case.k_source)), on_device(emptied(case.v_source))
+    spec_ops.store_kv(k.to(DEVICE), k.to(DEVICE), got_k, got_v, dev(slots), dev(cu_store), dev(case.context_lens),
+                      dev(case.rows))
+    for a, b in zip(tensors(got_k) + tensors(got_v), tensors(want_k) + tensors(want_v)):
+        assert torch.equal(a.cpu(), b)
+
+
 def test_dense_operands_through_spec_equal_plain_bit_for_bit():
     gen = fresh(71)
     case = case_for("dense", "dense", gen, page_size=5)
@@ -202,8 +238,8 @@ def test_dense_operands_through_spec_equal_plain_bit_for_bit():
     q = torch.randn(len(LENGTHS), 4, HEAD_DIM, generator=gen).to(DEVICE)
     args = (dev(case.block_tables), dev(case.context_lens), 0.3)
     for splits in (1, 3):
-        a = spec_ops.paged_decode(q, k_cache, v_cache, *args, num_splits=splits, block_n=8)
-        b = plain_ops.paged_decode(q, k_cache, v_cache, *args, num_splits=splits, block_n=8)
+        a = spec_ops.paged_decode(q, k_cache, v_cache, *args, num_splits=splits, block_n=16)
+        b = plain_ops.paged_decode(q, k_cache, v_cache, *args, num_splits=splits, block_n=16)
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
     cu = torch.tensor([0, 13, 13, 20, 21], dtype=torch.int32, device=DEVICE)
     qp = torch.randn(21, 4, HEAD_DIM, generator=gen).to(DEVICE)
