@@ -10,7 +10,10 @@ A variant is the module template `paged_attention.py.jinja` (which includes one 
 kernel family: `paged_store_kv`, `paged_decode`, `paged_prefill`) plus the code a variant template
 splices in at named points. `plain` splices nothing (every method that only reads the cache, `full`
 included); `decode_stats` (methods whose decode hook reads `attn`: H2O, TOVA) makes the decode
-kernels emit the attention statistics. Splice points and what is in scope there:
+kernels emit the attention statistics; `spec` is rendered `by_spec`: K and V each dense or
+quantized (codes, scales, zero points, residual windows), read-plan decode, quantizing store, and
+the statistics, every encoding parameter a constexpr of the launch. `variant_for_spec` picks one
+from a KV spec (runtime/kv/spec.py) alone. Splice points and what is in scope there:
 
 - `module_doc`, `module_imports`, `module_end`: the module docstring, imports, last code;
 - `store_rows` (store_kv, after loading the new rows): `k`, `v` [BLOCK_H, BLOCK_D], `mask`;
@@ -46,6 +49,7 @@ import jinja2
 
 MODULE_TEMPLATE = "paged_attention.py.jinja"
 FAMILY_TEMPLATES = ("paged_store_kv.py.jinja", "paged_decode.py.jinja", "paged_prefill.py.jinja")
+SPEC_TEMPLATE = "paged_spec.py.jinja"  # the helpers of variants rendered by_spec
 FOLDER = "_attention"  # kernels_generated/_attention/<variant>.py
 SPLICE_POINTS = ("module_doc", "module_imports", "module_end", "store_rows", "k_tile", "v_tile", "decode_scores",
                  "prefill_scores", "decode_params", "decode_args", "decode_split_end", "decode_reduce_end",
@@ -57,15 +61,22 @@ class Variant:
     name: str
     splices: str | None  # the template whose macros fill splice points (None: nothing spliced)
     emits_decode_stats: bool  # paged_decode(..., stats=...) fills the decode statistics
+    # K/V as a KV spec stores them: quantized sources, residual windows, read plans (else dense
+    # caches over whole contexts, and the kernels exactly as they were before specs)
+    by_spec: bool = False
+    reads: tuple[str, ...] = ()  # templates the splices import
 
     @property
     def templates(self) -> list[str]:
-        return [MODULE_TEMPLATE, *FAMILY_TEMPLATES, *([self.splices] if self.splices else [])]
+        return [MODULE_TEMPLATE, *FAMILY_TEMPLATES, *([SPEC_TEMPLATE] if self.by_spec else []),
+                *([self.splices] if self.splices else []), *self.reads]
 
 
 VARIANTS = {
     "plain": Variant("plain", None, False),
     "decode_stats": Variant("decode_stats", "paged_variant_decode_stats.py.jinja", True),
+    "spec": Variant("spec", "paged_variant_spec.py.jinja", True, by_spec=True,
+                    reads=("paged_variant_decode_stats.py.jinja",)),
 }
 
 
@@ -74,6 +85,17 @@ def variant_for(hook_facts: dict) -> str:
     emitting decode statistics when decode_after_attention reads `attn`, else `plain`."""
     after = hook_facts.get("decode_after_attention") or {}
     return "decode_stats" if after.get("attention") else "plain"
+
+
+def variant_for_spec(dense: bool, decode_stats: bool = False, read_plan: bool = False) -> str:
+    """The variant that reads a KV spec's K/V: `dense` is `KVSpec.dense` (runtime/kv/spec.py: keys
+    and values both `Dense`), `decode_stats` whether decode emits statistics, `read_plan` whether
+    decode may take a ReadPlan. Dense K/V over whole contexts keep the kernels they always ran
+    (`plain`, `decode_stats`); anything else runs `spec`, whose launches take the encodings (bits,
+    group, zero point, packing, residual window) as constexprs: one module for every encoding."""
+    if dense and not read_plan:
+        return "decode_stats" if decode_stats else "plain"
+    return "spec"
 
 
 def manifest_entry(hook_facts: dict) -> dict:
@@ -130,7 +152,8 @@ def render_body(name: str) -> str:
 
     variant = _variant(name)
     text = _env().get_template(MODULE_TEMPLATE).render(
-        header="", variant=name, emits_decode_stats=variant.emits_decode_stats, splice=_splicer(variant))
+        header="", variant=name, emits_decode_stats=variant.emits_decode_stats, by_spec=variant.by_spec,
+        splice=_splicer(variant))
     return _tidy(text).lstrip("\n")
 
 
@@ -158,8 +181,9 @@ def body_of(text: str) -> str:
 
 
 def render_all(users: dict[str, list[str]]) -> dict[str, str]:
-    """`{relative path: text}` of kernels_generated/_attention/ for `{variant: [.kvm paths]}`."""
-    return {f"{FOLDER}/{name}.py": render(name, users[name]) for name in sorted(users)}
+    """`{relative path: text}` of kernels_generated/_attention/ for `{variant: [.kvm paths]}`: every
+    variant, those no manifest names too (the engine picks `spec` by a method's KV spec)."""
+    return {f"{FOLDER}/{name}.py": render(name, users.get(name, [])) for name in sorted(VARIANTS)}
 
 
 def locate(name: str, generated: Path | None = None) -> Path:

@@ -10,7 +10,8 @@ reduced as its manifest says (`manifest["attention"]["decode_stats"]`, from
 - `reduce="none"`:  [B, Hq, W], per query head.
 
 `out` is a preallocated float32 buffer of width W >= every row's context length; entries past a
-row's length, and before a KV head's start slot (`kv_starts`), are 0. Nothing is read back to the
+row's length, and before a KV head's start slot (`kv_starts`), are 0; a decode restricted by a read
+plan (runtime/kv/plans.py) covers the slots it read, every other entry 0. Nothing is read back to the
 host, so the call is CUDA-graph safe. On the GPU the decode attention kernels emit these
 statistics themselves (attention variant `decode_stats`, kernels_generated/_attention/); here is
 the plain torch version: the torch backend's path (`torch_ops.paged_decode(..., stats=)`) and the
@@ -62,7 +63,25 @@ def decode_stats_torch(
     pages = min(-(-width // page_size), block_tables.shape[1])
     tables = block_tables[:, :pages].long()
     keys = k_cache[tables].permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, pages * page_size, head_dim)
-    keys = torch.nn.functional.pad(keys[:, :, :width], (0, 0, 0, max(0, width - pages * page_size)))
+    return stats_from_keys(q, keys, context_lens, scale, out, reduce, fn, kv_starts)
+
+
+def stats_from_keys(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    reduce: str,
+    fn: str | None = "mean",
+    kv_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`decode_stats_torch` over keys already gathered (and decoded): `keys [B, Hkv, n, D]`, slot t
+    of row b at `keys[b, :, t]` (n may fall short of or pass the width W; missing slots are 0)."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    width = out.shape[-1]
+    keys = torch.nn.functional.pad(keys[:, :, :width], (0, 0, 0, max(0, width - keys.shape[2])))
     group = num_heads // num_kv_heads
     logits = torch.einsum("bhgd,bhwd->bhgw", q.float().reshape(num_seqs, num_kv_heads, group, head_dim),
                           keys.float()) * scale
@@ -72,13 +91,51 @@ def decode_stats_torch(
         visible = visible & (slots[None, None, None, :] >= kv_starts.to(q.device).long()[:, :, None, None])
     logits = logits.masked_fill(~visible, float("-inf"))
     probs = torch.nan_to_num(logits.softmax(dim=-1), nan=0.0)  # an empty row: all -inf -> 0
-    if reduce == "group":
-        result = probs.mean(dim=2) if fn == "mean" else probs.sum(dim=2)
-    elif reduce == "head":
-        flat = probs.reshape(num_seqs, num_heads, width)
-        result = flat.mean(dim=1, keepdim=True) if fn == "mean" else flat.sum(dim=1, keepdim=True)
-    else:
-        result = probs.reshape(num_seqs, num_heads, width)
-    out.copy_(result)
+    out.copy_(_fold(probs, reduce, fn))
     return out
 
+
+def _fold(probs: torch.Tensor, reduce: str, fn: str | None) -> torch.Tensor:
+    """probs [B, Hkv, group, n] -> [B, R, n] as `reduce`/`fn` ask."""
+    num_seqs, num_kv_heads, group, n = probs.shape
+    if reduce == "group":
+        return probs.mean(dim=2) if fn == "mean" else probs.sum(dim=2)
+    flat = probs.reshape(num_seqs, num_kv_heads * group, n)
+    if reduce == "head":
+        return flat.mean(dim=1, keepdim=True) if fn == "mean" else flat.sum(dim=1, keepdim=True)
+    return flat
+
+
+def stats_over_slots(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    slots: torch.Tensor,
+    read: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    reduce: str,
+    fn: str | None = "mean",
+) -> torch.Tensor:
+    """Statistics of a decode that read only some slots (a read plan): KV head h of row b attended
+    to `keys [B, Hkv, n, D]` at slots `slots [B, Hkv, n]` where `read [B, Hkv, n]`; every other
+    entry of `out` is 0. Slots a row reads are distinct (the plan's contract)."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, n = keys.shape[1], keys.shape[2]
+    group = num_heads // num_kv_heads
+    logits = torch.einsum("bhgd,bhnd->bhgn", q.float().reshape(num_seqs, num_kv_heads, group, head_dim),
+                          keys.float()) * scale
+    logits = logits.masked_fill(~read[:, :, None, :], float("-inf"))
+    probs = torch.nan_to_num(logits.softmax(dim=-1), nan=0.0)  # [B, Hkv, group, n]
+    index = torch.where(read, slots, 0).clamp(0, max(out.shape[-1] - 1, 0))  # unread entries carry 0
+    if reduce == "group":
+        folded = _fold(probs, reduce, fn)
+    elif reduce == "head":  # every head's entries land in the one row
+        weight = probs / num_heads if fn == "mean" else probs
+        folded, index = weight.reshape(num_seqs, 1, num_heads * n), index.repeat_interleave(group, 1).reshape(
+            num_seqs, 1, num_heads * n)
+    else:
+        folded, index = probs.reshape(num_seqs, num_heads, n), index.repeat_interleave(group, 1)
+    out.zero_()
+    if n and out.shape[-1]:
+        out.scatter_add_(2, index, folded)
+    return out

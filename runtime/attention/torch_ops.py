@@ -7,6 +7,12 @@ that in float32 the engine matches Hugging Face token for token. The generated T
 (kernels_generated/_attention/, loaded by `triton_ops.py`) implement the same three functions with
 the same signatures. `paged_decode(..., stats=)` also computes the decode statistics a method
 reads (`decode_stats.decode_stats_torch`, the oracle of the kernels that emit them).
+
+K and V are each a dense cache or a `QuantizedPages` source (sources.py: codes, scales, zero
+points and an optional full-precision residual window), decoded by runtime/kv/encodings.py; a dense
+operand takes exactly the code path it always took. `rows [B]` (each sequence's SEQ row) and
+`resid_lens [B]` say which newest slots come from the residual; `paged_decode(..., read=ReadPlan)`
+attends only to the slots a plan lists (runtime/kv/plans.py).
 """
 
 from __future__ import annotations
@@ -14,18 +20,33 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvc.runtime.attention import decode_stats
 from kvc.runtime.attention.decode_stats import decode_stats_torch
 from kvc.runtime.attention.metadata import DecodeStats
+from kvc.runtime.attention.sources import QuantizedPages, Source, is_dense
+from kvc.runtime.kv import encodings
+from kvc.runtime.kv.plans import ReadPlan
 
 
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: Source,
+    v_cache: Source,
     slot_mapping: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    context_lens: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """Write new keys/values k, v [T, Hkv, D] into their slots; slot -1 writes nothing.
+
+    A `QuantizedPages` operand gets the tokens quantized into its codes, scale and zero point;
+    one with a residual window also gets them in full precision at `residual[row, h, t % R]`, t
+    being the token's slot in its sequence's layer. That needs each token's sequence: give the
+    step's `cu_seqlens_q [B + 1]`, `context_lens [B]` (lengths after the step) and `rows [B]` (the
+    sequences' SEQ rows); token i of sequence b sits at slot `context_lens[b] - cu_seqlens_q[b + 1]
+    + i`. Only a sequence's newest R tokens of the step are written to the window (older ones
+    would be overwritten within the step anyway).
 
     Uses a boolean mask (one host sync), so this path is not CUDA-graph capturable; the Triton
     version is. Each (token, head) is one row of the cache seen as [pages * Hkv * page_size, D]
@@ -34,15 +55,59 @@ def store_kv(
     """
     _, num_kv_heads, page_size, head_dim = k_cache.shape
     keep = slot_mapping >= 0
+    tokens = None  # the kept tokens' indices, when a residual window needs their sequences
     if bool(keep.all()):  # the usual step: no padding, so no masked copies of k and v
         slots = slot_mapping.long()
     else:
         slots, k, v = slot_mapping[keep].long(), k[keep], v[keep]
+        tokens = keep.nonzero().flatten()
     heads = torch.arange(num_kv_heads, device=slots.device)
-    rows = ((slots // page_size * num_kv_heads)[:, None] + heads[None, :]) * page_size + (slots % page_size)[:, None]
-    rows = rows.flatten()  # [n * Hkv], token-major like k
-    k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
-    v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_cache.dtype))
+    flat = ((slots // page_size * num_kv_heads)[:, None] + heads[None, :]) * page_size + (slots % page_size)[:, None]
+    flat = flat.flatten()  # [n * Hkv], token-major like k
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        if is_dense(cache):
+            cache.view(-1, head_dim).index_copy_(0, flat, x.reshape(-1, head_dim).to(cache.dtype))
+            continue
+        codes, scale, zero = encodings.quantize(
+            x, cache.enc, cache.codes.dtype, packing=encodings.packing_of(head_dim, cache.codes.shape[-1]),
+            scale_dtype=cache.scale.dtype, zero_dtype=cache.scale.dtype if cache.zero is None else cache.zero.dtype)
+        for dst, new in ((cache.codes, codes), (cache.scale, scale), (cache.zero, zero)):
+            if dst is not None:
+                _write_slots(dst, flat, slots, heads, new)
+        if cache.residual is not None:
+            _store_residual(cache, x, slot_mapping.shape[0], tokens, cu_seqlens_q, context_lens, rows)
+
+
+def _write_slots(dst: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,
+                 new: torch.Tensor) -> None:
+    """new [n, Hkv, E] into the TOKEN tensor dst [pages, Hkv, page_size, E] at `slots`."""
+    if dst.is_contiguous():
+        dst.view(-1, dst.shape[-1]).index_copy_(0, flat, new.reshape(-1, dst.shape[-1]).to(dst.dtype))
+    else:
+        page_size = dst.shape[2]
+        dst[(slots // page_size)[:, None], heads[None, :], (slots % page_size)[:, None]] = new.to(dst.dtype)
+
+
+def _store_residual(source: QuantizedPages, x: torch.Tensor, num_tokens: int, tokens: torch.Tensor | None,
+                    cu_seqlens_q: torch.Tensor | None, context_lens: torch.Tensor | None,
+                    rows: torch.Tensor | None) -> None:
+    """The kept tokens x [n, Hkv, D] (`tokens`: their indices in the step, None: all) into the
+    residual window of their sequences' rows."""
+    if cu_seqlens_q is None or context_lens is None or rows is None:
+        raise ValueError(f"store_kv: quantized {source.enc.codes!r} keeps a residual window; pass cu_seqlens_q, "
+                         "context_lens and rows so that each new token finds its sequence's row")
+    device = x.device
+    if tokens is None:
+        tokens = torch.arange(num_tokens, device=device)
+    ends = cu_seqlens_q[1:].to(device=device, dtype=torch.long)
+    seq = torch.searchsorted(ends, tokens, right=True).clamp(max=max(ends.shape[0] - 1, 0))
+    lengths = context_lens.to(device=device, dtype=torch.long)[seq]
+    position = lengths - ends[seq] + tokens  # the token's slot in its sequence's layer
+    window = source.window
+    newest = position >= lengths - window  # older tokens of a long chunk would be overwritten anyway
+    row = rows.to(device=device, dtype=torch.long)[seq][newest]
+    heads = torch.arange(x.shape[1], device=device)
+    source.residual[row[:, None], heads[None, :], (position[newest] % window)[:, None]] = x[newest].to(source.dtype)
 
 
 def gather_kv(
@@ -59,10 +124,63 @@ def gather_kv(
     return dense if length is None else dense[..., :length, :]
 
 
+def gather_source(source: Source, page_ids: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """`gather_kv` of a dense cache or a quantized source, decoded: [..., Hkv, n * page_size, D] in
+    the source's dtype (before any residual override, `with_residual`)."""
+    if is_dense(source):
+        return gather_kv(source, page_ids, length)
+    codes = gather_kv(source.codes, page_ids, length)
+    scale = gather_kv(source.scale, page_ids, length)
+    zero = None if source.zero is None else gather_kv(source.zero, page_ids, length)
+    return encodings.dequantize(codes, scale, zero, source.enc, source.head_dim, source.dtype)
+
+
+def reads_residual(source: Source, resid_lens: torch.Tensor | None) -> bool:
+    return resid_lens is not None and not is_dense(source) and source.residual is not None
+
+
+def with_residual(x: torch.Tensor, source: Source, rows: torch.Tensor | None, resid_lens: torch.Tensor | None,
+                  context_lens: torch.Tensor) -> torch.Tensor:
+    """x [B, Hkv, L, D] (slot t of row b at x[b, :, t]) with each row's newest `resid_lens[b]` stored
+    slots taken from the source's residual window (x itself when nothing is read from one)."""
+    if not reads_residual(source, resid_lens):
+        return x
+    if rows is None:
+        raise ValueError("a residual window is read by the sequences' rows: pass rows with resid_lens")
+    length, window = x.shape[2], source.window
+    slots = torch.arange(length, device=x.device)
+    lengths = context_lens.to(x.device).long()[:, None]
+    newest = (slots[None, :] >= lengths - resid_lens.to(x.device).long()[:, None]) & (slots[None, :] < lengths)
+    recent = source.residual[rows.to(x.device).long()[:, None], :, (slots % window)[None, :]]  # [B, L, Hkv, D]
+    return torch.where(newest[:, None, :, None], recent.transpose(1, 2).to(x.dtype), x)
+
+
+def plan_slots(read: ReadPlan, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots [B, Hkv, n] int64, listed [B, Hkv, n] bool) of a read plan: every slot of each listed
+    page (n = P * page_size) or the listed tokens (n = T); -1 entries are not listed."""
+    if read.pages is not None:
+        pages = read.pages.long()
+        offsets = torch.arange(page_size, device=pages.device)
+        slots = (pages[..., None] * page_size + offsets).flatten(-2)
+        return slots, (pages >= 0)[..., None].expand(*pages.shape, page_size).flatten(-2)
+    tokens = read.tokens.long()
+    return tokens, tokens >= 0
+
+
+def read_slots(source: Source, page_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Slot `offsets` of page `page_ids` (both [B, Hkv, n]) of each KV head, decoded: [B, Hkv, n, D]."""
+    heads = torch.arange(page_ids.shape[1], device=page_ids.device)[None, :, None]
+    if is_dense(source):
+        return source[page_ids, heads, offsets]
+    zero = None if source.zero is None else source.zero[page_ids, heads, offsets]
+    return encodings.dequantize(source.codes[page_ids, heads, offsets], source.scale[page_ids, heads, offsets], zero,
+                                source.enc, source.head_dim, source.dtype)
+
+
 def paged_decode(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: Source,
+    v_cache: Source,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
@@ -70,6 +188,9 @@ def paged_decode(
     out: torch.Tensor | None = None,
     kv_starts: torch.Tensor | None = None,
     stats: DecodeStats | None = None,
+    rows: torch.Tensor | None = None,
+    resid_lens: torch.Tensor | None = None,
+    read: ReadPlan | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q [B, Hq, D], over its first context_lens[b] cached tokens;
     `stats` (metadata.py) also asks for the step's attention statistics (into `stats.out`).
@@ -79,26 +200,47 @@ def paged_decode(
     (per-head variable counts, stored right-aligned; see `metadata.py`). `max_context_len` bounds
     every row's length (default: everything the block table can address).
 
+    `k_cache` / `v_cache`: dense caches or `QuantizedPages` (sources.py). With `resid_lens [B]`
+    int32, slot t of row b with `t >= context_lens[b] - resid_lens[b]` is read from a quantized
+    operand's residual window, `residual[rows[b], h, t % R]` (`rows [B]` int32: the SEQ rows).
+    `read` (a ReadPlan): KV head h of row b attends only to the slots the plan lists for it that
+    are stored (below context_lens[b], at or past kv_starts[b, h]); a row that reads none comes out
+    as zeros. With `stats`, the statistics cover the slots read, every other entry 0.
+
     On a GPU all sequences run in one batched SDPA over `max_context_len` keys with a key-padding
     mask, so there is no host sync (CUDA graphs capture it). On the CPU, where reading the lengths
     costs nothing, each row gathers and attends over its own keys only: the batched form copied
     every row's pages up to the longest row and then masked them (half a decode step at batch 8 of
-    500-2,000 tokens).
+    500-2,000 tokens). A read plan gathers only the slots it lists, batched, on either device.
     """
-    if q.device.type == "cpu":
-        o = _decode_by_row(q, k_cache, v_cache, block_tables, context_lens, scale, kv_starts, out)
+    residual = (rows, resid_lens)
+    if read is not None:
+        o = _decode_by_plan(q, k_cache, v_cache, block_tables, context_lens, scale, kv_starts, read, residual,
+                            stats)
+    elif q.device.type == "cpu":
+        o = _decode_by_row(q, k_cache, v_cache, block_tables, context_lens, scale, kv_starts, out, residual)
     else:
-        o = _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, kv_starts)
-    if stats is not None:
-        decode_stats_torch(q, k_cache, block_tables, context_lens, scale, stats.out, stats.reduce, stats.fn,
-                           kv_starts=kv_starts)
+        o = _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, kv_starts,
+                           residual)
+    if stats is not None and read is None:
+        if is_dense(k_cache):
+            decode_stats_torch(q, k_cache, block_tables, context_lens, scale, stats.out, stats.reduce, stats.fn,
+                               kv_starts=kv_starts)
+        else:
+            decode_stats.check_args(q, k_cache, stats.out, stats.reduce, stats.fn)
+            width = stats.out.shape[-1]
+            pages = min(-(-width // k_cache.shape[2]), block_tables.shape[1])
+            keys = with_residual(gather_source(k_cache, block_tables[:, :pages]), k_cache, rows, resid_lens,
+                                 context_lens)
+            decode_stats.stats_from_keys(q, keys, context_lens, scale, stats.out, stats.reduce, stats.fn, kv_starts)
     if out is None or o is out:
         return o
     out.copy_(o)
     return out
 
 
-def _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, kv_starts):
+def _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, kv_starts,
+                   residual=(None, None)):
     """paged_decode as one batched SDPA with a key-padding mask (no host value read)."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
@@ -110,8 +252,8 @@ def _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, max_c
     length = min(max_context_len, num_pages * page_size)
 
     page_ids = block_tables[:, :num_pages]
-    keys = gather_kv(k_cache, page_ids, length)  # [B, Hkv, L, D]
-    values = gather_kv(v_cache, page_ids, length)
+    keys = with_residual(gather_source(k_cache, page_ids, length), k_cache, *residual, context_lens)  # [B, Hkv, L, D]
+    values = with_residual(gather_source(v_cache, page_ids, length), v_cache, *residual, context_lens)
     slots = torch.arange(length, device=q.device)
     valid = slots[None, :] < context_lens[:, None]  # [B, L]
     if kv_starts is None:
@@ -129,11 +271,12 @@ def _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, max_c
     return torch.where((context_lens > 0)[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
 
 
-def _decode_by_row(q, k_cache, v_cache, block_tables, context_lens, scale, kv_starts, out):
+def _decode_by_row(q, k_cache, v_cache, block_tables, context_lens, scale, kv_starts, out, residual=(None, None)):
     """paged_decode one row at a time over exactly its context_lens[b] keys (host lengths); a mask
     only for a row with per-head starts. Writes into `out` when given."""
     _, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    rows, resid_lens = residual
     o = torch.zeros_like(q) if out is None else out
     head_starts = None if kv_starts is None else kv_starts.tolist()
     for b, length in enumerate(context_lens.tolist()):
@@ -141,8 +284,8 @@ def _decode_by_row(q, k_cache, v_cache, block_tables, context_lens, scale, kv_st
             o[b] = 0
             continue
         pages = block_tables[b, : -(-length // page_size)]
-        keys = gather_kv(k_cache, pages, length)[None].to(q.dtype)  # [1, Hkv, n, D]
-        values = gather_kv(v_cache, pages, length)[None].to(q.dtype)
+        keys, values = (_row_operand(cache, pages, length, b, context_lens, residual, q.dtype)  # [1, Hkv, n, D]
+                        for cache in (k_cache, v_cache))
         mask = None
         if head_starts is not None and any(head_starts[b]):  # [1, Hkv, 1, n]
             mask = (torch.arange(length, device=q.device)[None, :] >= kv_starts[b][:, None])[None, :, None, :]
@@ -150,6 +293,58 @@ def _decode_by_row(q, k_cache, v_cache, block_tables, context_lens, scale, kv_st
         row = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask, scale=scale)
         o[b] = row.reshape(num_q_heads, head_dim)
     return o
+
+
+def _row_operand(cache: Source, pages: torch.Tensor, length: int, b: int, context_lens: torch.Tensor,
+                 residual: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """Row b's first `length` slots of one operand, [1, Hkv, length, D] in `dtype`, decoded and with
+    its residual window read in (a dense cache: the plain gather it always was)."""
+    rows, resid_lens = residual
+    if is_dense(cache):
+        return gather_kv(cache, pages, length).to(dtype)[None]
+    one = slice(b, b + 1)
+    x = gather_source(cache, pages, length)[None]
+    return with_residual(x, cache, None if rows is None else rows[one], None if resid_lens is None else resid_lens[one],
+                         context_lens[one]).to(dtype)
+
+
+def _decode_by_plan(q, k_cache, v_cache, block_tables, context_lens, scale, kv_starts, read, residual, stats):
+    """paged_decode over the slots a read plan lists, gathered per (row, KV head) into [B, Hkv, n, D]
+    (batched, no host value read) and attended with a mask of the stored ones."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    plan = read.pages if read.pages is not None else read.tokens
+    if plan.shape[:2] != (batch, num_kv_heads):
+        raise ValueError(f"the read plan is for [{plan.shape[0]}, {plan.shape[1]}] rows x KV heads, the step has "
+                         f"[{batch}, {num_kv_heads}]")
+    slots, listed = plan_slots(read, page_size)  # [B, Hkv, n]
+    lengths = context_lens.to(q.device).long()
+    stored = listed & (slots < lengths[:, None, None]) & (slots >= 0)
+    if kv_starts is not None:
+        stored &= slots >= kv_starts.to(q.device).long()[:, :, None]
+    safe = torch.where(stored, slots, 0)
+    table_index = (safe // page_size).clamp(max=block_tables.shape[1] - 1)
+    page_ids = block_tables.long().gather(1, table_index.flatten(1)).view_as(safe)
+    rows, resid_lens = residual
+    operands = []
+    for cache in (k_cache, v_cache):
+        x = read_slots(cache, page_ids, safe % page_size)  # [B, Hkv, n, D]
+        if reads_residual(cache, resid_lens):
+            if rows is None:
+                raise ValueError("a residual window is read by the sequences' rows: pass rows with resid_lens")
+            newest = safe >= (lengths - resid_lens.to(q.device).long())[:, None, None]
+            heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
+            recent = cache.residual[rows.to(q.device).long()[:, None, None], heads, safe % cache.window]
+            x = torch.where(newest[..., None], recent.to(x.dtype), x)
+        operands.append(x.to(q.dtype))
+    keys, values = operands
+    grouped_q = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=stored[:, :, None, :], scale=scale)
+    o = torch.where(stored.any(-1)[:, :, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+    if stats is not None:
+        decode_stats.check_args(q, k_cache, stats.out, stats.reduce, stats.fn)
+        decode_stats.stats_over_slots(q, keys, slots, stored, scale, stats.out, stats.reduce, stats.fn)
+    return o.reshape(batch, num_q_heads, head_dim)
 
 
 def causal_offset_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -187,8 +382,8 @@ def _attend_over_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 def paged_prefill(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: Source,
+    v_cache: Source,
     block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
@@ -196,6 +391,8 @@ def paged_prefill(
     max_query_len: int,
     out: torch.Tensor | None = None,
     kv_starts: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    resid_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for prefill chunks, q [Tq, Hq, D] in varlen layout (see cu_seqlens_q).
 
@@ -208,6 +405,9 @@ def paged_prefill(
     chunk (no cached prefix, every start 0) runs `is_causal`, the call Hugging Face makes; a chunk
     over a cached prefix goes through `_attend_over_prefix`; per-head starts use a mask. A row of
     starts that is all 0 takes the path of no starts, so zero starts stay bit-identical to none.
+
+    Quantized operands (`QuantizedPages`) are decoded per row; `rows`/`resid_lens` read the newest
+    slots from their residual windows, as in `paged_decode`.
     """
     num_q_heads = q.shape[1]
     num_kv_heads = k_cache.shape[1]
@@ -224,8 +424,8 @@ def paged_prefill(
         if q_len == 0:
             continue
         num_pages = -(-kv_len // page_size)
-        keys = gather_kv(k_cache, block_tables[b, :num_pages], kv_len).to(q.dtype)[None]  # [1, Hkv, L, D]
-        values = gather_kv(v_cache, block_tables[b, :num_pages], kv_len).to(q.dtype)[None]
+        keys, values = (_row_operand(cache, block_tables[b, :num_pages], kv_len, b, context_lens, (rows, resid_lens),
+                                     q.dtype) for cache in (k_cache, v_cache))  # [1, Hkv, L, D]
         queries = q[start:end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
         if head_starts is not None and any(head_starts[b]):
             # [Hq, q_len, kv_len]: each query head from its kv head's start

@@ -1,0 +1,152 @@
+"""Where attention reads K and V from: a dense paged tensor, or a `QuantizedPages` source.
+
+Every attention op (torch_ops.py and the generated kernels, kernels_generated/_attention/) takes
+its K and its V operand independently as either
+
+- a dense tensor `[pages, Hkv, page_size, D]` in the model dtype (the `Dense` encoding of the KV
+  spec, runtime/kv/spec.py: unchanged since the engine's first kernels), or
+- a `QuantizedPages`: integer codes, scales and zero points at the same page ids and slots, plus,
+  optionally, this layer's full-precision residual window (a SEQ tensor, one row per sequence).
+
+`kernel_operand` turns either into what the generated Triton wrappers pass to their kernels, so
+the generated modules share one reading of a source. The encoding arithmetic is
+runtime/kv/encodings.py; docs/compiler.md, "The engine's attention kernels", has the rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvc.runtime.kv import encodings
+from kvc.runtime.kv.spec import Quantized
+
+
+@dataclass(frozen=True)
+class QuantizedPages:
+    """One attention operand (K or V) stored quantized in the paged pool.
+
+    `codes [P, Hkv, S, Dc]`, `scale [P, Hkv, S, G]` and `zero [P, Hkv, S, G]` (None when the
+    encoding is symmetric) share page ids and slots with every other per-token tensor; `G = D //
+    enc.group`, `Dc = D / codes per element` (the packing follows from Dc). Slots decode to `dtype`
+    (the model dtype). `residual [R_rows, Hkv, R, D]` (optional, in `dtype`): this layer's slice of
+    the SEQ residual tensor, slot t of the sequence in row r at `residual[r, h, t % R]`; the ops read
+    a row's newest `resid_lens[b]` slots from it instead of the codes (and `store_kv` writes both).
+    Build one per layer once: the checks run at construction."""
+
+    enc: Quantized
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    head_dim: int
+    dtype: torch.dtype
+    residual: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        name = f"quantized {self.enc.codes!r}"
+        if self.codes.dim() != 4:
+            raise ValueError(f"{name}: codes must be [pages, kv_heads, page_size, stored], got "
+                             f"{tuple(self.codes.shape)}")
+        encodings.check(self.enc, self.head_dim, self.codes.dtype,
+                        encodings.packing_of(self.head_dim, self.codes.shape[-1]))
+        want = (*self.codes.shape[:3], self.head_dim // self.enc.group)
+        if tuple(self.scale.shape) != want or not self.scale.dtype.is_floating_point:
+            raise ValueError(f"{name}: scale must be a floating [{', '.join(map(str, want))}], got "
+                             f"{self.scale.dtype} {tuple(self.scale.shape)}")
+        if (self.zero is None) != self.enc.symmetric:
+            raise ValueError(f"{name}: a zero point tensor is needed exactly when the encoding is asymmetric")
+        if self.zero is not None and (tuple(self.zero.shape) != want or self.zero.stride() != self.scale.stride()
+                                      or not self.zero.dtype.is_floating_point):
+            raise ValueError(f"{name}: zero must be a floating tensor shaped and strided like scale {want}")
+        if self.residual is not None:
+            r = self.residual
+            heads = self.codes.shape[1]
+            if r.dim() != 4 or r.shape[1] != heads or r.shape[3] != self.head_dim or r.dtype != self.dtype:
+                raise ValueError(f"{name}: residual must be {self.dtype} [rows, {self.codes.shape[1]}, window, "
+                                 f"{self.head_dim}], got {r.dtype} {tuple(r.shape)}")
+        tensors = (self.codes, self.scale, self.zero, self.residual)
+        if any(t is not None and t.stride(-1) != 1 for t in tensors):
+            raise ValueError(f"{name}: codes, scale, zero and residual need a contiguous last axis")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """[pages, Hkv, page_size, D], as a dense cache would be."""
+        return (*self.codes.shape[:3], self.head_dim)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def per_element(self) -> int:
+        """Codes per stored element (1, 2 or 4)."""
+        return self.head_dim // self.codes.shape[-1]
+
+    @property
+    def window(self) -> int:
+        """Slots of the residual window (0 without one)."""
+        return 0 if self.residual is None else self.residual.shape[2]
+
+
+Source = torch.Tensor | QuantizedPages
+
+
+def is_dense(source: Source) -> bool:
+    return isinstance(source, torch.Tensor)
+
+
+def source_shape(source: Source) -> tuple[int, ...]:
+    """[pages, Hkv, page_size, D] of either kind of source."""
+    return tuple(source.shape)
+
+
+# ---- what the generated Triton wrappers pass (no Triton import here) ----------------------------------
+
+
+@dataclass(frozen=True)
+class KernelOperand:
+    """A source as kernel arguments: `data` (the dense cache or the codes) with its page, head and
+    slot strides; scale, zero and residual pointers (a stand-in tensor when absent: never read) and
+    their strides; the constexprs. `bits` 0 means dense; `window` 0 means no residual reads or
+    writes."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    residual: torch.Tensor
+    strides: tuple[int, ...]  # data p, h, s; scale (= zero) p, h, s; residual row, h, slot
+    bits: int
+    per_element: int
+    group: int
+    asymmetric: bool
+    window: int
+
+    def args(self) -> tuple:
+        """The kernels' operand parameters in order: `{x}_cache_ptr, {x}_scale_ptr, {x}_zero_ptr,
+        {x}_resid_ptr`, then the nine strides (compiler/templates/paged_attention.py.jinja,
+        `operand_params`)."""
+        return (self.data, self.scale, self.zero, self.residual, *self.strides)
+
+    def constants(self, prefix: str) -> dict:
+        """The kernels' operand constexprs, `{X}_BITS` ... `{X}_WINDOW` (`operand_consts`)."""
+        return {f"{prefix}_BITS": self.bits, f"{prefix}_PER_ELEMENT": self.per_element, f"{prefix}_GROUP": self.group,
+                f"{prefix}_ASYM": self.asymmetric, f"{prefix}_WINDOW": self.window}
+
+
+def kernel_operand(source: Source, use_residual: bool) -> KernelOperand:
+    """`source` as kernel arguments; `use_residual`: the op reads (or writes) residual windows (it
+    was given the rows and, to read, resid_lens), so a source with a residual passes its window."""
+    if is_dense(source):
+        s = source.stride()
+        return KernelOperand(source, source, source, source, (s[0], s[1], s[2], 0, 0, 0, 0, 0, 0), 0, 1, 1,
+                             False, 0)
+    resid = source.residual if use_residual else None
+    cs, ss = source.codes.stride(), source.scale.stride()
+    rs = resid.stride() if resid is not None else (0, 0, 0, 0)
+    return KernelOperand(
+        source.codes, source.scale, source.zero if source.zero is not None else source.scale,
+        resid if resid is not None else source.scale,
+        (cs[0], cs[1], cs[2], ss[0], ss[1], ss[2], rs[0], rs[1], rs[2]),
+        source.enc.bits, source.per_element, source.enc.group, not source.enc.symmetric,
+        0 if resid is None else resid.shape[2])

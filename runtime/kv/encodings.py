@@ -1,0 +1,139 @@
+"""Quantized K/V encodings in plain PyTorch: the reference of every kernel that reads or writes them.
+
+A `Quantized` encoding (runtime/kv/spec.py) stores each token's `D` channels as integer codes with
+one scale (and, asymmetric, one zero point) per group of `group` channels:
+
+- symmetric: signed codes in [-qmax, qmax], qmax = 2^(bits-1) - 1, `scale = absmax / qmax`,
+  `x = code * scale`;
+- asymmetric: unsigned codes in [0, 2^bits - 1], `scale = (max - min) / (2^bits - 1)`,
+  `zero = -min / scale` (a float), `x = (code - zero) * scale`.
+
+Codes round to nearest (`floor(y + 0.5)`, the same formula as the Triton store, so both give the
+same codes), computed against the scale and zero point *as stored* (rounded to their dtypes), so
+what is stored decodes to within half a step of the input (up to that rounding). A group whose
+range is 0 (or whose scale underflows its dtype) gets scale 1. Packing (`TensorSpec.packing`):
+`int4x2` / `int2x4` put 2 / 4 codes in one uint8 along the last axis, low bits first; a signed code
+is stored as its two's-complement low bits. docs/design.md, "KV spec", has the storage rules.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvc.runtime.kv.spec import PACKINGS, Quantized
+
+
+def code_range(enc: Quantized) -> tuple[int, int]:
+    """The smallest and largest code of `enc`."""
+    if enc.symmetric:
+        qmax = 2 ** (enc.bits - 1) - 1
+        return -qmax, qmax
+    return 0, 2**enc.bits - 1
+
+
+def packing_of(head_dim: int, stored: int) -> str:
+    """The packing of codes stored as `stored` elements per token for `head_dim` channels."""
+    for name, per in PACKINGS.items():
+        if stored * per == head_dim:
+            return name
+    raise ValueError(f"codes of width {stored} do not hold {head_dim} channels (one, two or four codes an element)")
+
+
+def check(enc: Quantized, head_dim: int, code_dtype: torch.dtype, packing: str = "") -> None:
+    """ValueError unless codes of `enc` fit `code_dtype` with `packing` for `head_dim` channels."""
+    if packing not in PACKINGS:
+        raise ValueError(f"unknown packing {packing!r} (one of {sorted(PACKINGS)})")
+    per = PACKINGS[packing]
+    if head_dim % enc.group:
+        raise ValueError(f"quantized {enc.codes!r}: group {enc.group} does not divide head_dim {head_dim}")
+    if code_dtype.is_floating_point or code_dtype == torch.bool:
+        raise ValueError(f"quantized {enc.codes!r}: codes need an integer dtype, got {code_dtype}")
+    if per > 1:
+        if code_dtype != torch.uint8 or enc.bits * per != 8:
+            raise ValueError(f"quantized {enc.codes!r}: packing {packing!r} holds {8 // per}-bit codes in uint8, "
+                             f"got {enc.bits}-bit codes in {code_dtype}")
+        if head_dim % per:
+            raise ValueError(f"quantized {enc.codes!r}: head_dim {head_dim} is not a multiple of {per} ({packing})")
+        return
+    lo, hi = code_range(enc)
+    info = torch.iinfo(code_dtype)
+    if lo < info.min or hi > info.max:
+        raise ValueError(f"quantized {enc.codes!r}: codes in [{lo}, {hi}] do not fit {code_dtype}")
+
+
+def pack(codes: torch.Tensor, bits: int, per: int) -> torch.Tensor:
+    """Integer codes [..., D] -> uint8 [..., D // per], `per` codes of `bits` bits per byte, low bits first."""
+    if per == 1:
+        raise ValueError("pack needs several codes per byte")
+    fields = (codes.to(torch.int32) & (2**bits - 1)).unflatten(-1, (-1, per))
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
+    return (fields << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int, per: int, signed: bool) -> torch.Tensor:
+    """uint8 [..., Dc] -> int32 codes [..., Dc * per] (sign-extended from `bits` bits when `signed`)."""
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
+    fields = (packed.to(torch.int32)[..., None] >> shifts) & (2**bits - 1)
+    if signed:
+        half = 2 ** (bits - 1)
+        fields = (fields ^ half) - half
+    return fields.flatten(-2)
+
+
+def _stored(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`value` rounded to the storage dtype and read back as float32 (what a kernel will load)."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"scales and zero points need a floating dtype, got {dtype}")
+    return value.to(dtype).float()
+
+
+def quantize(
+    x: torch.Tensor,
+    enc: Quantized,
+    code_dtype: torch.dtype,
+    *,
+    packing: str = "",
+    scale_dtype: torch.dtype = torch.float32,
+    zero_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [..., D] -> (codes [..., D // per] code_dtype, scale [..., D // group] scale_dtype,
+    zero [..., D // group] zero_dtype or None when symmetric)."""
+    head_dim = x.shape[-1]
+    check(enc, head_dim, code_dtype, packing)
+    lo, hi = code_range(enc)
+    xf = x.float().unflatten(-1, (head_dim // enc.group, enc.group))  # [..., G, group]
+    if enc.symmetric:
+        scale = _stored(xf.abs().amax(-1) / hi, scale_dtype)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        y = xf / scale[..., None]
+        zero = None
+    else:
+        low = xf.amin(-1)
+        scale = _stored((xf.amax(-1) - low) / hi, scale_dtype)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zero = _stored(-low / scale, zero_dtype)
+        y = xf / scale[..., None] + zero[..., None]
+    codes = torch.floor(y + 0.5).clamp(lo, hi).flatten(-2)
+    per = PACKINGS[packing]
+    codes = pack(codes, enc.bits, per) if per > 1 else codes.to(code_dtype)
+    return codes, scale.to(scale_dtype), None if zero is None else zero.to(zero_dtype)
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    enc: Quantized,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """(codes [..., Dc], scale [..., G], zero [..., G] | None) -> x [..., D] in `dtype`; the packing
+    follows from Dc (D / Dc codes per element). Arithmetic in float32: `(code - zero) * scale` or
+    `code * scale`, then one rounding to `dtype` (the kernels compute exactly this)."""
+    per = PACKINGS[packing_of(head_dim, codes.shape[-1])]
+    if (zero is None) != enc.symmetric:
+        raise ValueError(f"quantized {enc.codes!r}: a zero point is needed exactly when asymmetric")
+    code = (unpack(codes, enc.bits, per, enc.symmetric) if per > 1 else codes).float()
+    s = scale.float().repeat_interleave(enc.group, dim=-1)
+    x = code * s if zero is None else (code - zero.float().repeat_interleave(enc.group, dim=-1)) * s
+    return x.to(dtype)
