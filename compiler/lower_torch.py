@@ -14,6 +14,7 @@ over local names (parameters and symbols).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import sympy as sp
@@ -21,6 +22,7 @@ import sympy as sp
 from kvc.compiler.ir import (Accumulate, Assign, Attention, Elementwise, HookIR, Input, Keep, MethodIR, Norm,
                              NotLowerable, Pool, Reduce, Scalar, Value, Window)
 
+_NUMBER = re.compile(r"[0-9.]+(e-?[0-9]+)?")
 SYMBOLS = ("context", "prompt", "step", "layer", "layers", "heads", "kv_heads", "head_dim")
 _UNARY = {"neg": "-({})", "abs": "torch.abs({})", "exp": "torch.exp({})", "log": "torch.log({})",
           "sqrt": "torch.sqrt({})"}
@@ -80,7 +82,7 @@ class _Emitter:
         if dims == to:
             return var
         key = (var, dims, to)
-        if key not in self.aligned:
+        if key not in self.aligned or var.startswith("state["):  # a state may change between two reads
             heads = ""
             if "kv_head" in dims and "head" in to:
                 self.code.names.add("heads")
@@ -89,8 +91,12 @@ class _Emitter:
         return self.aligned[key]
 
     def operand(self, v: Value, to: tuple[str, ...]) -> str:
-        """An operand of an elementwise operation whose result is over `to`."""
-        return self.value(v) if isinstance(v, Scalar) else self.laid_out(self.value(v), v.dims, to)
+        """An operand of an elementwise operation whose result is over `to` (a number parenthesised:
+        sympy prints 1/2 for a half)."""
+        if isinstance(v, Scalar):
+            text = self.value(v)
+            return text if text.isidentifier() or _NUMBER.fullmatch(text) else f"({text})"
+        return self.laid_out(self.value(v), v.dims, to)
 
     def _value(self, v: Value) -> str:
         if isinstance(v, Input):
@@ -141,7 +147,8 @@ class _Emitter:
             a, b = (self.operand(x, v.dims) for x in v.args)
             if v.fn in ("max", "min") and any(isinstance(x, Scalar) for x in v.args):
                 tensor, number = (a, b) if isinstance(v.args[1], Scalar) else (b, a)
-                return self.emit(f"torch.clamp({tensor}, {v.fn}={number})"), v.dims
+                bound = "min" if v.fn == "max" else "max"  # max(x, n) is x clamped from below at n
+                return self.emit(f"torch.clamp({tensor}, {bound}={number})"), v.dims
             return self.emit(_BINARY[v.fn].format(a, b)), v.dims
         raise NotLowerable(f"cannot lower {type(v).__name__} to torch yet")
 
@@ -192,8 +199,11 @@ def emit_hook(hook: HookIR) -> HookCode:
     if len(keeps) > 1:
         raise NotLowerable(f"{hook.name}: more than one `keep` in a hook is not lowered yet")
     for stmt in hook.stmts:
-        if isinstance(stmt, Assign):
-            continue  # values are substituted where they are used (the IR is a tree)
+        if isinstance(stmt, Assign):  # computed in statement order: a later `+=` must not change it
+            var = em.value(stmt.value)
+            if var.startswith("state["):  # a state read as it is now, not as a later `+=` leaves it
+                em.memo[id(stmt.value)] = em.emit(var)
+            continue
         if isinstance(stmt, Accumulate):
             target = f'state["{stmt.state}"]'
             if isinstance(stmt.value, Scalar):

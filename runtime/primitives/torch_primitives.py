@@ -79,6 +79,9 @@ def reduce(x, fn, dims):
         return x.sum(dim=dims)
     if fn == "mean":
         return x.mean(dim=dims)
+    if any(x.shape[d] == 0 for d in dims):  # over no entries (an empty range): the identity, -inf / +inf
+        shape = [size for d, size in enumerate(x.shape) if d not in {d % x.dim() for d in dims}]
+        return x.new_full(shape, NEG_INF if fn == "max" else -NEG_INF)
     return x.amax(dim=dims) if fn == "max" else x.amin(dim=dims)
 
 
