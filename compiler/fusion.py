@@ -15,14 +15,24 @@ heads). It covers:
   k)[first (context - w) along key], over query), ...), over group)`;
 - the last query's scores (TOVA): `mean(attention(q[last 1], k), over head, query)`;
 - attention column sums of a prefill chunk (H2O): `seen += sum(mean(attn, over group), over query)`.
+
+A match is exact, axes included: the hook's own `q` (its last `w` queries) and `k`, `attn` over
+[head, query, key], keys sliced only as `[first (context - w) along key]`, pooling along `key`,
+the result over [kv_head, key] (or [key]). The wrapper's own steps (pooling, the group or head
+mean, the -inf padding of the window's keys) act on those axes by position, which the match pins;
+anything else declines, and the torch lowering (axis-aligned by name) computes it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import sympy as sp
+
 from kvc.compiler.lower_torch import pyexpr
 from kvc.compiler.ir import Accumulate, Attention, Input, Keep, MethodIR, Pool, Reduce, Value, Window
+
+KEYS = ("kv_head", "key", "channel")
 
 
 @dataclass(frozen=True)
@@ -47,10 +57,10 @@ def _window_score(value: Value) -> dict | None:
     """Match reduce-group(pool?(reduce-query(attention(q[last w], k)[first ... along key])))."""
     flags: dict[str, object] = {}
     v = value
-    if isinstance(v, Reduce) and v.axes == ("group",) and v.fn == "mean":
+    if isinstance(v, Reduce) and v.axes == ("group",) and v.fn == "mean" and v.dims == ("kv_head", "key"):
         flags["HEAD_REDUCE"] = "group"
         v = v.src
-    elif isinstance(v, Reduce) and set(v.axes) == {"head", "query"} and v.fn == "mean":
+    elif isinstance(v, Reduce) and set(v.axes) == {"head", "query"} and v.fn == "mean" and v.dims == ("key",):
         flags["HEAD_REDUCE"] = "all"
         flags["QUERY_REDUCE"] = "mean"
         flags["POOL"] = "none"
@@ -69,14 +79,31 @@ def _window_score(value: Value) -> dict | None:
             return None
         flags["QUERY_REDUCE"] = v.fn
         v = v.src
-    flags["SLICED_KEYS"] = isinstance(v, Window) and v.axis == "key" and v.side == "first"
-    if flags["SLICED_KEYS"]:
+    sliced = v if isinstance(v, Window) else None
+    if sliced is not None:
         v = v.src
-    if not (isinstance(v, Attention) and v.softmax and isinstance(v.q, Window) and v.q.side == "last"):
+    if not _window_attention(v):
         return None
+    if sliced is not None:  # only `[first (context - w) along key]`: the keys before the window
+        if not (sliced.axis == "key" and sliced.side == "first"
+                and sp.simplify(sp.sympify(sliced.count) - (sp.Symbol("context") - sp.sympify(v.q.count))) == 0):
+            return None
+    flags["SLICED_KEYS"] = sliced is not None
     flags["WINDOW_EXPR"] = pyexpr(v.q.count)
     flags.setdefault("KERNEL_EXPR", "1")
     return flags
+
+
+def _window_attention(v: Value) -> bool:
+    """`attention(q[last w], k)` of the hook's own q and k, over [head, query, key]: what the kernel
+    computes (any other operand, range or axis layout is left to the torch lowering)."""
+    return (isinstance(v, Attention) and v.softmax and v.dims == ("head", "query", "key")
+            and isinstance(v.q, Window) and v.q.side == "last" and v.q.axis == "query"
+            and _hook_input(v.q.src, "q", ("head", "query", "channel")) and _hook_input(v.k, "k", KEYS))
+
+
+def _hook_input(v: Value, name: str, dims: tuple[str, ...]) -> bool:
+    return isinstance(v, Input) and v.kind == "hook" and v.name == name and v.dims == dims
 
 
 def _column_sum(value: Value) -> bool:
@@ -86,7 +113,8 @@ def _column_sum(value: Value) -> bool:
     while isinstance(v, Reduce) and v.fn in ("sum", "mean"):
         axes.append((v.fn, v.axes))
         v = v.src
-    return isinstance(v, Input) and v.name == "attn" and sorted(axes) == [("mean", ("group",)), ("sum", ("query",))]
+    return _hook_input(v, "attn", ("head", "query", "key")) and sorted(axes) == [("mean", ("group",)),
+                                                                                ("sum", ("query",))]
 
 
 def plan(method: MethodIR) -> FusionPlan:
@@ -102,7 +130,8 @@ def plan(method: MethodIR) -> FusionPlan:
                     flags["ACCUMULATE"] = False
                     out.kernels.append(KernelSpec("attention_columns", name, hook.name,
                                                   tuple(sorted(flags.items())), doc))
-            if isinstance(stmt, Accumulate) and hook.name == "prefill_chunk" and _column_sum(stmt.value):
+            if (isinstance(stmt, Accumulate) and hook.name == "prefill_chunk" and stmt.dims == ("kv_head", "key")
+                    and _column_sum(stmt.value)):
                 flags = {"HEAD_REDUCE": "group", "POOL": "none", "QUERY_REDUCE": "sum", "SLICED_KEYS": False,
                          "ACCUMULATE": True, "KERNEL_EXPR": "1", "WINDOW_EXPR": "None", "STATE": stmt.state,
                          "WHOLE_HOOK": len(hook.stmts) == 1}

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Union
 
 from kvc.dsl import ast
-from kvc.dsl.symbolic import to_sympy
+from kvc.dsl.symbolic import NotSymbolic, to_sympy
+from kvc.dsl.types import Scalar as ScalarType
 from kvc.dsl.types import Selection, Tensor
 
 LOWERED_FAMILIES = ("eviction", "full")
@@ -95,8 +96,10 @@ class Elementwise(Value):
 
 @dataclass(frozen=True)
 class Norm(Value):
+    """L2 norm over axes."""
+
     src: Value
-    axis: str
+    axes: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ class Assign:
 class Accumulate:
     state: str
     value: Value
+    dims: tuple[str, ...] = ()  # the state's axes (the value is laid out over them before adding)
 
 
 @dataclass(frozen=True)
@@ -215,9 +219,14 @@ class _Builder:
         return tuple(expr.ty.dims)
 
     def value(self, e: ast.Expr) -> Value:
+        if isinstance(e, ast.Name) and e.id in self.env:
+            return self.env[e.id]
+        if isinstance(e.ty, ScalarType) and not any(isinstance(n, ast.Name) and n.id in self.env for n in ast.walk(e)):
+            try:  # a number inside a tensor expression: sympy, like counts
+                return Scalar((), self.sym(e))
+            except NotSymbolic as err:
+                raise NotLowerable(f"cannot lower the number: {err}", e.pos) from None
         if isinstance(e, ast.Name):
-            if e.id in self.env:
-                return self.env[e.id]
             if e.id in ("q", "k", "v", "attn"):
                 return Input(self.dims(e), e.id, "hook")
             binding = self.checked.bindings.get(e.id)
@@ -255,7 +264,7 @@ class _Builder:
             axis = e.clause("along").dims[0].name
             return Pool(self.dims(e), self.value(e.args[0]), mode, self.sym(e.args[2]), axis)
         if name == "norm":
-            return Norm(self.dims(e), self.value(e.args[0]), e.clause("over").dims[0].name)
+            return Norm(self.dims(e), self.value(e.args[0]), tuple(d.name for d in e.clause("over").dims))
         if name in _UNARY:
             return Elementwise(self.dims(e), name, (self.value(e.args[0]),))
         raise NotLowerable(f"cannot lower `{name}(...)` yet", e.pos)
@@ -317,7 +326,8 @@ class _Builder:
                 self.env[name] = value
                 stmts.append(Assign(name, value))
             elif isinstance(s, ast.Accumulate):
-                stmts.append(Accumulate(s.target.name.name, self.value(s.value)))
+                state = self.checked.bindings[s.target.name.name].type
+                stmts.append(Accumulate(s.target.name.name, self.value(s.value), tuple(state.dims)))
             elif isinstance(s, ast.Keep):
                 stmts.append(Keep(self.selection(s.selection), s.role.name if s.role else None))
             else:

@@ -2,13 +2,19 @@
 
 Pipeline position: used by `codegen` to fill the named points of `templates/torch_lowering.py.jinja`.
 Every IR value becomes one Python statement over a torch tensor whose dimensions are the value's
-named axes in order; the template's prelude holds the helpers (`_attention`, `_window`,
-`_reduce`, `_group`, `_pool`, `_select`) so the emitted code stays one line per operation.
-Scalar counts are sympy, printed with `sympy.pycode` over local names (parameters and symbols).
+named axes in order (`value.dims`, the checker's order); the template's prelude holds the helpers
+(`_attention`, `_window`, `_reduce`, `_group`, `_pool`, `_align`, `_select`) so the emitted code
+stays one line per operation. Axes combine by name, never by position: reductions, norms, pooling
+and windows find their axis by name, and an operand of an elementwise operation (or of
+`_attention`) whose axes differ from what it meets is first laid out by `_align` (permuted,
+size-1 axes added, `kv_head` repeated into `head`). A score over a range of the key axis is placed
+back at its keys' positions before ranking. Scalar counts are sympy, printed with `sympy.pycode`
+over local names (parameters and symbols).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import sympy as sp
@@ -16,6 +22,7 @@ import sympy as sp
 from kvc.compiler.ir import (Accumulate, Assign, Attention, Elementwise, HookIR, Input, Keep, MethodIR, Norm,
                              NotLowerable, Pool, Reduce, Scalar, Value, Window)
 
+_NUMBER = re.compile(r"[0-9.]+(e-?[0-9]+)?")
 SYMBOLS = ("context", "prompt", "step", "layer", "layers", "heads", "kv_heads", "head_dim")
 _UNARY = {"neg": "-({})", "abs": "torch.abs({})", "exp": "torch.exp({})", "log": "torch.log({})",
           "sqrt": "torch.sqrt({})"}
@@ -49,6 +56,7 @@ class _Emitter:
         self.code = code
         self.counter = 0
         self.memo: dict[int, str] = {}
+        self.aligned: dict[tuple, str] = {}
 
     def scalar(self, expr) -> str:
         self.code.names |= names_in(expr)
@@ -61,10 +69,34 @@ class _Emitter:
         return var
 
     def value(self, v: Value) -> str:
+        """A variable (or expression) holding `v` as a torch tensor laid out over `v.dims`, in order."""
         key = id(v)
         if key not in self.memo:
             self.memo[key] = self._value(v)
         return self.memo[key]
+
+    def laid_out(self, var: str, dims: tuple[str, ...], to: tuple[str, ...]) -> str:
+        """`var` (a tensor over `dims`) laid out over `to`: axes matched by name, permuted, a size-1
+        axis where `to` has one `dims` lacks, `kv_head` repeated into `head`. Nothing when equal."""
+        dims, to = tuple(dims), tuple(to)
+        if dims == to:
+            return var
+        key = (var, dims, to)
+        if key not in self.aligned or var.startswith("state["):  # a state may change between two reads
+            heads = ""
+            if "kv_head" in dims and "head" in to:
+                self.code.names.add("heads")
+                heads = ", heads"
+            self.aligned[key] = self.emit(f"_align({var}, {_names(dims)}, {_names(to)}{heads})")
+        return self.aligned[key]
+
+    def operand(self, v: Value, to: tuple[str, ...]) -> str:
+        """An operand of an elementwise operation whose result is over `to` (a number parenthesised:
+        sympy prints 1/2 for a half)."""
+        if isinstance(v, Scalar):
+            text = self.value(v)
+            return text if text.isidentifier() or _NUMBER.fullmatch(text) else f"({text})"
+        return self.laid_out(self.value(v), v.dims, to)
 
     def _value(self, v: Value) -> str:
         if isinstance(v, Input):
@@ -74,13 +106,18 @@ class _Emitter:
             return v.name
         if isinstance(v, Scalar):
             return self.scalar(v.expr)
+        var, dims = self._op(v)
+        return self.laid_out(var, dims, v.dims)
+
+    def _op(self, v: Value) -> tuple[str, tuple[str, ...]]:
+        """One torch operation for `v`: the variable and the axes of its result, in the order the
+        operation leaves them (`_value` lays them out as `v.dims`)."""
         if isinstance(v, Window):
             src = self.value(v.src)
-            return self.emit(f'_window({src}, {v.src.dims.index(v.axis)}, "{v.side}", {self.scalar(v.count)})')
+            return self.emit(f'_window({src}, {v.src.dims.index(v.axis)}, "{v.side}", {self.scalar(v.count)})'), \
+                v.src.dims
         if isinstance(v, Attention):
-            if "query" not in v.q.dims:
-                raise NotLowerable("attention of decode queries is not lowered yet")
-            return self.emit(f"_attention({self.value(v.q)}, {self.value(v.k)}, softmax={v.softmax})")
+            return self._attention(v)
         if isinstance(v, Reduce):
             x, dims = self.value(v.src), list(v.src.dims)
             if "group" in v.axes:
@@ -88,21 +125,69 @@ class _Emitter:
                 self.code.names.add("kv_heads")
                 dims[dims.index("head")] = "kv_head"
             rest = tuple(dims.index(a) for a in v.axes if a != "group")
-            return self.emit(f'_reduce({x}, "{v.fn}", {rest})') if rest else x
+            kept = tuple(d for d in dims if d not in v.axes)
+            return (self.emit(f'_reduce({x}, "{v.fn}", {rest})') if rest else x), kept
         if isinstance(v, Pool):
             if v.mode.startswith("param:"):
                 mode = v.mode.split(":", 1)[1]
                 self.code.names.add(mode)
             else:
                 mode = f'"{v.mode}"'
-            return self.emit(f"_pool({self.value(v.src)}, {mode}, {self.scalar(v.kernel)}, {v.src.dims.index(v.axis)})")
+            src = self.value(v.src)
+            return self.emit(f"_pool({src}, {mode}, {self.scalar(v.kernel)}, {v.src.dims.index(v.axis)})"), v.src.dims
         if isinstance(v, Norm):
-            return self.emit(f"torch.linalg.vector_norm({self.value(v.src)}.float(), dim={v.src.dims.index(v.axis)})")
+            src = self.value(v.src)
+            axes = tuple(v.src.dims.index(a) for a in v.axes)
+            dim = axes[0] if len(axes) == 1 else axes
+            return self.emit(f"torch.linalg.vector_norm({src}.float(), dim={dim})"), \
+                tuple(d for d in v.src.dims if d not in v.axes)
         if isinstance(v, Elementwise):
-            args = [self.value(a) for a in v.args]
-            table = _UNARY if len(args) == 1 else _BINARY
-            return self.emit(table[v.fn].format(*args))
+            if len(v.args) == 1:
+                return self.emit(_UNARY[v.fn].format(self.operand(v.args[0], v.dims))), v.dims
+            a, b = (self.operand(x, v.dims) for x in v.args)
+            if v.fn in ("max", "min") and any(isinstance(x, Scalar) for x in v.args):
+                tensor, number = (a, b) if isinstance(v.args[1], Scalar) else (b, a)
+                bound = "min" if v.fn == "max" else "max"  # max(x, n) is x clamped from below at n
+                return self.emit(f"torch.clamp({tensor}, {bound}={number})"), v.dims
+            return self.emit(_BINARY[v.fn].format(a, b)), v.dims
         raise NotLowerable(f"cannot lower {type(v).__name__} to torch yet")
+
+    def _attention(self, v: Attention) -> tuple[str, tuple[str, ...]]:
+        """`_attention` takes q [head, query, channel] and k [kv_head, key, channel] (query head h
+        reads KV head h // (heads // kv_heads)); other operands are laid out so first."""
+        if "query" not in v.q.dims:
+            raise NotLowerable("attention of decode queries is not lowered yet")
+        item = next(d for d in v.k.dims if d not in ("head", "kv_head", "channel"))
+        head = "head" if "head" in v.dims else "kv_head"
+        kv = next((d for d in ("kv_head", "head") if d in v.k.dims), "kv_head")
+        q = self.laid_out(self.value(v.q), v.q.dims, (head, "query", "channel"))
+        k = self.laid_out(self.value(v.k), v.k.dims, (kv, item, "channel"))
+        return self.emit(f"_attention({q}, {k}, softmax={v.softmax})"), (head, "query", item)
+
+    def key_start(self, v: Value) -> str | None:
+        """Where the keys of a score over a range of the key axis start (Python over the symbols), or
+        None when the range starts at the oldest key: `top` ranks every key by name, the others at -inf."""
+        ranges = _key_ranges(v)
+        if all(w.side == "first" for w in ranges):
+            return None
+        self.code.names.add("context")
+        parts = ", ".join(f'("{w.side}", {self.scalar(w.count)})' for w in ranges)
+        return f"_range_start(context, [{parts}])"
+
+
+def _names(dims: tuple[str, ...]) -> str:
+    return "(" + ", ".join(f'"{d}"' for d in dims) + ("," if len(dims) == 1 else "") + ")"
+
+
+def _key_ranges(v: Value) -> list[Window]:
+    """The ranges taken of the key axis on the way to `v`, outermost first (the checker makes every
+    operand with a key axis hold the same ones, so following one of them is enough)."""
+    if isinstance(v, Window):
+        return _key_ranges(v.src) + ([v] if v.axis == "key" else [])
+    if isinstance(v, Attention):
+        return _key_ranges(v.k)
+    children = [c for c in (getattr(v, "src", None), *getattr(v, "args", ())) if c is not None and "key" in c.dims]
+    return _key_ranges(children[0]) if children else []
 
 
 def emit_hook(hook: HookIR) -> HookCode:
@@ -114,11 +199,19 @@ def emit_hook(hook: HookIR) -> HookCode:
     if len(keeps) > 1:
         raise NotLowerable(f"{hook.name}: more than one `keep` in a hook is not lowered yet")
     for stmt in hook.stmts:
-        if isinstance(stmt, Assign):
-            continue  # values are substituted where they are used (the IR is a tree)
+        if isinstance(stmt, Assign):  # computed in statement order: a later `+=` must not change it
+            var = em.value(stmt.value)
+            if var.startswith("state["):  # a state read as it is now, not as a later `+=` leaves it
+                em.memo[id(stmt.value)] = em.emit(var)
+            continue
         if isinstance(stmt, Accumulate):
-            value = em.value(stmt.value)
-            code.lines.append(f'state["{stmt.state}"] = _grow(state["{stmt.state}"], {value}) + {value}')
+            target = f'state["{stmt.state}"]'
+            if isinstance(stmt.value, Scalar):
+                code.lines.append(f"{target} = {target} + {em.value(stmt.value)}")
+                continue
+            value = em.laid_out(em.value(stmt.value), stmt.value.dims, stmt.dims)
+            grow = "" if stmt.dims[-1:] == ("key",) or "key" not in stmt.dims else f", {stmt.dims.index('key')}"
+            code.lines.append(f"{target} = _grow({target}, {value}{grow}) + {value}")
         if isinstance(stmt, Keep):
             code.names |= {"kv_heads", "context"}  # `_select` always needs them
             sel, top = stmt.select, stmt.select.top
@@ -126,9 +219,11 @@ def emit_hook(hook: HookIR) -> HookCode:
                     "last": "None" if sel.last is None else em.scalar(sel.last),
                     "count": "None", "at_least": "None", "granularity": "none", "score": "None"}
             if top is not None:
-                score = em.value(top.score)
                 per_head = "kv_head" in top.score.dims
-                code.lines.append(f"scores = _full_scores({score}, {str(per_head)}, kv_heads, context)")
+                score = em.laid_out(em.value(top.score), top.score.dims, ("kv_head", "key") if per_head else ("key",))
+                start = em.key_start(top.score)
+                start = "" if start is None else f", start={start}"
+                code.lines.append(f"scores = _full_scores({score}, {str(per_head)}, kv_heads, context{start})")
                 code.names |= {"kv_heads", "context"}
                 keep.update(score="scores", count=em.scalar(top.count), granularity=top.granularity,
                             at_least="None" if top.at_least is None else em.scalar(top.at_least))

@@ -139,14 +139,17 @@ def reduce(xc: ExprChecker, node: ast.Node, t: Tensor, dims: list[str]) -> Type:
     for d in dims:
         if d == "group":
             if "head" not in cur:
-                return xc.error(node, f"nothing to reduce over group: {Tensor(tuple(cur))} has no head axis",
+                return xc.error(node, f"nothing to reduce over group: {t.reshaped(cur)} has no head axis",
                                 "values over kv_head are already one per KV head" if "kv_head" in cur else None)
+            if t.range_of("head"):
+                return xc.error(node, f"cannot fold {t} over group: it holds a range of the query heads, and "
+                                      "each KV head needs all of its group")
             cur = ["kv_head" if x == "head" else x for x in cur]
         elif d in cur:
             cur.remove(d)
         else:
-            return xc.error(node, f"{Tensor(tuple(cur))} has no {d} axis to reduce")
-    return Tensor(xc.sort_dims(cur))
+            return xc.error(node, f"{t.reshaped(cur)} has no {d} axis to reduce")
+    return t.reshaped(xc.sort_dims(cur))
 
 
 # ---- value functions -----------------------------------------------------------------------
@@ -167,8 +170,25 @@ def _attention(xc, e, ctx):
     if "channel" not in kt.dims or len(items) != 1:
         return xc.error(b.args[1], f"the second argument of {e.func.name} must be keys "
                                    f"[kv_head, key, channel], got {kt}")
-    dims = xc.broadcast(e, tuple(d for d in qt.dims if d != "channel"), tuple(d for d in kt.dims if d != "channel"))
-    return UNKNOWN if dims is None else Tensor(dims)
+    heads = ("head", "kv_head")
+    extra = [d for d in qt.dims if d not in heads + ("query", "channel")]
+    extra += [d for d in kt.dims if d not in heads + ("channel",) + tuple(items)]
+    if extra:
+        return xc.error(e, f"{e.func.name} scores queries [head, query, channel] against keys [kv_head, key, channel]; "
+                           f"reduce the {extra[0]} axis first")
+    if qt.range_of("channel") != kt.range_of("channel"):
+        return xc.error(e, f"the queries {qt} and keys {kt} of {e.func.name} hold different channels",
+                        "take the same range of both, or none")
+    if kt.range_of(items[0]):
+        return xc.error(b.args[1], f"{e.func.name} needs every key, got {kt}: the causal mask places queries by "
+                                   "the keys' positions",
+                        f"take the range of the result: {e.func.name}(q, k)[... along key]")
+    if any(not r.startswith("last ") for r in qt.range_of("query")):
+        return xc.error(b.args[0], f"{e.func.name} reads the newest queries, got {qt}: the causal mask places them at "
+                                   "the end of the keys", "write q[last n]")
+    t = xc.combine(e, qt.reshaped(d for d in qt.dims if d != "channel"),
+                   kt.reshaped(d for d in kt.dims if d != "channel"))
+    return UNKNOWN if t is None else t
 
 
 def _is_partition(xc: ExprChecker, d: str) -> bool:
@@ -228,9 +248,11 @@ def within(xc: ExprChecker, clause: ast.Clause, t: Tensor) -> Type:
                         "declare one with `dim pages = split(key, size = 16)` or `dim clusters = kmeans(k, size = 16)`")
     if "key" not in t.dims:
         return xc.error(clause, f"{t} has no key axis to group into {info.name}")
+    if t.range_of("key"):
+        return xc.error(clause, f"{t} holds a range of the keys; {info.name} cover them all")
     if info.per and not ({"kv_head", "head"} & set(t.dims)):
         return xc.error(clause, f"{info.name} differ per KV head, but {t} has no head axis")
-    return Tensor(xc.sort_dims([info.name if d == "key" else d for d in t.dims]))
+    return t.reshaped(xc.sort_dims([info.name if d == "key" else d for d in t.dims]))
 
 
 def _elementwise_extreme(xc, e, b: Bound, ctx):
@@ -255,8 +277,8 @@ def _elementwise_extreme(xc, e, b: Bound, ctx):
     for t, arg in ((a, b.args[0]), (c, b.args[1])):
         if not (isinstance(t, Tensor) and t.dtype == "float") and not (isinstance(t, Scalar) and t.numeric):
             return xc.error(arg, f"{name} needs numbers or tensors, not {t}")
-    dims = xc.broadcast(e, getattr(a, "dims", ()), getattr(c, "dims", ()))
-    return UNKNOWN if dims is None else Tensor(dims)
+    t = xc.combine(e, a, c)
+    return UNKNOWN if t is None else t
 
 
 def _quantile(xc, e, ctx):
@@ -336,7 +358,7 @@ def _similarity(xc, e, ctx):
         return xc.error(b.args[0], f"{e.func.name} compares vectors: its argument needs a channel axis, got {t}")
     if not _along_one(xc, e, b, t):
         return UNKNOWN
-    return Tensor(tuple(d for d in t.dims if d != "channel"))
+    return t.reshaped(d for d in t.dims if d != "channel")
 
 
 def _elementwise(xc, e, ctx):
@@ -389,6 +411,9 @@ def _top(xc, e, ctx):
             return xc.error(e, f"{item} is what top selects; it cannot be `per` or `across`")
     if set(per) & set(across):
         return xc.error(e, "an axis cannot be both `per` and `across`")
+    ranged = [d for d in per + across if t.range_of(d)]
+    if ranged:
+        return xc.error(b.args[0], f"the score {t} holds a range of the {ranged[0]} axis; top selects for all of them")
     missing = [d for d in t.dims if d != item and d not in per and d not in across]
     if missing:
         m = missing[0]

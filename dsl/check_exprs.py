@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field, replace
 
-from kvc.dsl import ast
+from kvc.dsl import ast, formatter
 from kvc.dsl.builtins import AXES, GROUP, HOOK_VALUES, SYMBOLS, HookSpec
 from kvc.dsl.errors import DiagnosticSink, Pos
 from kvc.dsl.types import (BOOL, INT, STRING, TOKENS, UNKNOWN, Enum, ListOf, Scalar, Selection, Tensor, Type, arith,
@@ -230,6 +230,35 @@ class ExprChecker:
             return None
         return self.sort_dims(dims)
 
+    def combine(self, node: ast.Node, a: Type, b: Type, dtype: str = "float") -> Tensor | None:
+        """The type of an elementwise `a op b` of numbers and tensors: axes match by name (`kv_head`
+        reads as `head` against `head`: each query head uses its KV head), and both operands must
+        hold the same entries of every axis they share, or the lowering could only pair them by
+        position."""
+        ta = a if isinstance(a, Tensor) else Tensor(())
+        tb = b if isinstance(b, Tensor) else Tensor(())
+        dims = self.broadcast(node, ta.dims, tb.dims)
+        if dims is None:
+            return None
+        ranges: dict[str, tuple[str, ...]] = {}
+        for axis in dims:
+            names = (axis, "kv_head") if axis == "head" else (axis,)
+            held = [(t, n, t.range_of(n)) for t in (ta, tb) for n in names if n in t.dims]
+            if len(held) == 2 and held[0][1] != held[1][1] and (held[0][2] or held[1][2]):
+                self.error(node, f"cannot combine {ta} with {tb}: query head h reads KV head h // (heads / "
+                                 "kv_heads), so neither side can hold a range of its heads",
+                           "combine them first, then take the range")
+                return None
+            if len(held) == 2 and held[0][2] != held[1][2]:
+                chain = max(held[0][2], held[1][2], key=len)
+                example = "x" + "".join(f"[{r} along {axis}]" for r in chain)
+                self.error(node, f"cannot combine {ta} with {tb}: they hold different entries of the {axis} axis",
+                           f"take the same range of both sides, e.g. {example}")
+                return None
+            if held and held[0][2]:
+                ranges[axis] = held[0][2]
+        return Tensor(dims, dtype, tuple((d, ranges[d]) for d in dims if d in ranges))
+
     def _BinOp(self, e: ast.BinOp, ctx: Ctx) -> Type:
         lt, rt = self.check(e.left, ctx), self.check(e.right, ctx)
         if UNKNOWN in (lt, rt):
@@ -247,8 +276,8 @@ class ExprChecker:
                     return self.error(side, f"arithmetic on a mask ({t})")
                 if not isinstance(t, Tensor) and not (isinstance(t, Scalar) and t.numeric):
                     return self.error(side, f"'{e.op}' needs numbers or tensors, not {t}")
-            dims = self.broadcast(e, getattr(lt, "dims", ()), getattr(rt, "dims", ()))
-            return UNKNOWN if dims is None else Tensor(dims)
+            t = self.combine(e, lt, rt)
+            return UNKNOWN if t is None else t
         if isinstance(lt, Scalar) and isinstance(rt, Scalar):
             t, err = arith(e.op, lt, rt)
             if err:
@@ -295,8 +324,8 @@ class ExprChecker:
                 return BOOL
             return self.error(e, f"'{e.op}' needs a whole number and a list, not {lt} and {rt}")
         if isinstance(lt, Tensor) or isinstance(rt, Tensor):
-            dims = self.broadcast(e, getattr(lt, "dims", ()), getattr(rt, "dims", ()))
-            return UNKNOWN if dims is None else Tensor(dims, "bool")
+            t = self.combine(e, lt, rt, "bool")
+            return UNKNOWN if t is None else t
         if isinstance(lt, Scalar) and isinstance(rt, Scalar):
             if lt.numeric and rt.numeric:
                 _, err = join_units(lt, rt)
@@ -358,19 +387,25 @@ class ExprChecker:
             if e.along is not None:
                 if e.along.name not in vt.dims:
                     return self.error(e.along, f"{vt} has no {e.along.name} axis")
+                axis = e.along.name
             else:
                 seq = [d for d in vt.dims if d in ("query", "key")]
                 if len(seq) != 1:
                     return self.error(e, f"{vt} has {'no' if not seq else 'two'} sequence axes to slice",
                                       "say which: x[last n along query]" if seq else None)
-            return vt
+                axis = seq[0]
+            ranges = dict(vt.ranges)
+            ranges[axis] = ranges.get(axis, ()) + (formatter.expr(e.index),)
+            return vt.reshaped(vt.dims, ranges=ranges)
         vt, it = self.check(e.value, ctx), self.check(e.index, ctx)
         if UNKNOWN in (vt, it):
             return UNKNOWN
         if not (isinstance(it, Scalar) and it.kind == "int"):
             return self.error(e.index, f"an index must be a whole number (a layer), not {it}")
         if isinstance(vt, Tensor) and "layer" in vt.dims:
-            return Tensor(tuple(d for d in vt.dims if d != "layer"), vt.dtype)
+            if vt.range_of("layer"):
+                return self.error(e, f"{vt} holds a range of layers: it has no entry for every layer to index")
+            return vt.reshaped(d for d in vt.dims if d != "layer")
         if isinstance(vt, Selection) and "layer" in vt.per:
             return replace(vt, per=tuple(d for d in vt.per if d != "layer"))
         return self.error(e, f"{vt} has no layer axis to index")

@@ -86,7 +86,7 @@ def check_stmt(xc: ExprChecker, stmt: ast.Stmt, ctx: Ctx) -> None:
             if it is not UNKNOWN and not (isinstance(it, Scalar) and it.kind == "int"):
                 xc.error(target.index, f"an index must be a whole number (a layer), not {it}")
             if isinstance(target_t, Tensor) and "layer" in target_t.dims:
-                target_t = Tensor(tuple(d for d in target_t.dims if d != "layer"))
+                target_t = target_t.reshaped(d for d in target_t.dims if d != "layer")
             elif isinstance(target_t, Selection) and "layer" in target_t.per:
                 target_t = replace(target_t, per=tuple(d for d in target_t.per if d != "layer"))
             else:
@@ -104,6 +104,10 @@ def check_stmt(xc: ExprChecker, stmt: ast.Stmt, ctx: Ctx) -> None:
                 if set(value_t.dims) != set(target_t.dims):
                     xc.error(stmt.value, f"cannot add {value_t} into '{name}': {target_t}",
                              _reduce_hint(value_t, target_t))
+                elif value_t.ranges:
+                    axis = value_t.ranges[0][0]
+                    xc.error(stmt.value, f"cannot add {value_t} into '{name}': {target_t} holds every entry of "
+                                         f"the {axis} axis, this only a range of them")
             elif not (isinstance(value_t, Scalar) and value_t.numeric):
                 xc.error(stmt.value, f"cannot add {value_t} into '{name}': {target_t}")
             return
@@ -128,7 +132,7 @@ def check_stmt(xc: ExprChecker, stmt: ast.Stmt, ctx: Ctx) -> None:
 
 def _assignable(value: Type, target: Type) -> bool:
     if isinstance(value, Tensor) and isinstance(target, Tensor):
-        return set(value.dims) == set(target.dims)
+        return set(value.dims) == set(target.dims) and not value.ranges
     if isinstance(value, Selection) and isinstance(target, Selection):
         return value.item == target.item and set(value.per) <= set(target.per) and value.across == target.across
     if isinstance(value, Scalar) and isinstance(target, Tensor):

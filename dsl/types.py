@@ -93,12 +93,30 @@ STRING = StringT()
 
 @dataclass(frozen=True)
 class Tensor(Type):
+    """A value over named axes. `ranges` lists the axes that hold only a range of their entries,
+    each with the ranges taken, outermost first, as written (`x[first (context - w) along key]`
+    gives ("key", ("first (context - w)",))), in the order of `dims`. Operands combine by axis
+    name, and only where they hold the same entries of every axis they share."""
+
     dims: tuple[str, ...]
     dtype: str = "float"  # 'float' | 'bool'
+    ranges: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __str__(self) -> str:
         prefix = "mask" if self.dtype == "bool" else ""
-        return f"{prefix}[{', '.join(self.dims)}]"
+        ranges = dict(self.ranges)
+        shown = [d + "".join(f"[{r}]" for r in ranges.get(d, ())) for d in self.dims]
+        return f"{prefix}[{', '.join(shown)}]"
+
+    def range_of(self, axis: str) -> tuple[str, ...]:
+        """The ranges taken of `axis`, outermost first (empty: every entry)."""
+        return dict(self.ranges).get(axis, ())
+
+    def reshaped(self, dims, dtype: str | None = None, ranges: dict[str, tuple[str, ...]] | None = None) -> Tensor:
+        """A value over `dims` that keeps the ranges of the axes it keeps (or has `ranges`)."""
+        dims = tuple(dims)
+        table = dict(self.ranges) if ranges is None else ranges
+        return Tensor(dims, dtype or self.dtype, tuple((d, table[d]) for d in dims if table.get(d)))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import math
 import torch
 
 from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the generated hooks call these
+    align as _align,
     attention as _attention,
     ceil as _ceil,
     clamp_count as _count,
@@ -25,6 +26,7 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
     grow as _grow,
     group as _group,
     pool as _pool,
+    range_start as _range_start,
     ranked as _ranked,
     reduce as _reduce,
     select as _select,

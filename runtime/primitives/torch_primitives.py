@@ -36,6 +36,33 @@ def window(x, dim, side, n):
     return x.narrow(dim, 0 if side == "first" else x.shape[dim] - n, n)
 
 
+def align(x, dims, to, heads=None):
+    """`x`, a tensor over the named axes `dims`, laid out over the axes `to`: its axes permuted into
+    `to`'s order, a size-1 axis for each axis of `to` it lacks, and its `kv_head` axis repeated into
+    `head` where `to` has `head` (query head h reads KV head h // (heads // kv_heads)). Operands
+    combine by axis name this way, never by position (docs/language.md, Types, units and axes)."""
+    dims = list(dims)
+    if "kv_head" in dims and "head" in to and "kv_head" not in to:
+        axis = dims.index("kv_head")
+        x = x.repeat_interleave(heads // x.shape[axis], dim=axis)
+        dims[axis] = "head"
+    extra = [d for d in dims if d not in to]
+    if extra:
+        raise ValueError(f"cannot lay out axes {dims} over {list(to)}: {extra} would be lost")
+    x = x.permute([dims.index(d) for d in to if d in dims])
+    return x[tuple(slice(None) if d in dims else None for d in to)]
+
+
+def range_start(length, ranges):
+    """Where a range of an axis of `length` entries starts: `ranges` are the (side, count) taken,
+    outermost first (`x[first a][last b]`), each count clamped to what exists."""
+    start = 0
+    for side, n in ranges:
+        n = clamp_count(n, length)
+        start, length = (start if side == "first" else start + length - n), n
+    return start
+
+
 def attention(q, k, softmax=True):
     """Causal q k^T / sqrt(d) of q [head, query, channel] (the last positions) over k [kv_head, key, channel]."""
     heads, queries, head_dim = q.shape
@@ -52,6 +79,9 @@ def reduce(x, fn, dims):
         return x.sum(dim=dims)
     if fn == "mean":
         return x.mean(dim=dims)
+    if any(x.shape[d] == 0 for d in dims):  # over no entries (an empty range): the identity, -inf / +inf
+        shape = [size for d, size in enumerate(x.shape) if d not in {d % x.dim() for d in dims}]
+        return x.new_full(shape, NEG_INF if fn == "max" else -NEG_INF)
     return x.amax(dim=dims) if fn == "max" else x.amin(dim=dims)
 
 
@@ -75,18 +105,22 @@ def pool(x, mode, kernel, dim):
     return pooled.movedim(-1, dim)
 
 
-def grow(state, value):
-    """A state with a key axis grows with the cache: new keys start at 0."""
-    missing = value.shape[-1] - state.shape[-1]
-    return torch.nn.functional.pad(state, (0, missing)) if missing > 0 else state
+def grow(state, value, dim=-1):
+    """A state with a key axis (`dim`) grows with the cache: new keys start at 0."""
+    missing = value.shape[dim] - state.shape[dim]
+    if missing <= 0:
+        return state
+    dim = dim % state.dim()
+    return torch.nn.functional.pad(state, (0, 0) * (state.dim() - 1 - dim) + (0, missing))
 
 
-def full_scores(score, per_head, kv_heads, context):
-    """[kv_head, key] float32 over every cached key (-inf past the score's keys); a per-layer score is shared."""
+def full_scores(score, per_head, kv_heads, context, start=0):
+    """[kv_head, key] float32 over every cached key: a score over the keys [start, start + n) is
+    placed at their positions, -inf elsewhere; a per-layer score is shared."""
     score = score.float()
     if not per_head:
         score = score.reshape(1, -1).expand(kv_heads, -1)
-    return torch.nn.functional.pad(score, (0, context - score.shape[-1]), value=NEG_INF)
+    return torch.nn.functional.pad(score, (start, context - start - score.shape[-1]), value=NEG_INF)
 
 
 def ranked(scores, excluded):

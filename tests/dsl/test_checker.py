@@ -13,9 +13,11 @@ from kvc.dsl.types import BOOL, TOKENS, Selection, Tensor
 def test_expressions_carry_their_types() -> None:
     checked = check_file(method_path("snapkv"))
     body = checked.hooks[0].body
-    assert body[0].value.ty == Tensor(("head", "query", "key"))
-    assert body[1].value.ty == Tensor(("head", "key"))
-    assert body[2].value.ty == Tensor(("kv_head", "key"))
+    window, sliced = ("query", ("last window",)), ("key", ("first (context - window)",))
+    assert body[0].value.ty == Tensor(("head", "query", "key"), ranges=(window, sliced))
+    assert str(body[0].value.ty) == "[head, query[last window], key[first (context - window)]]"
+    assert body[1].value.ty == Tensor(("head", "key"), ranges=(sliced,))
+    assert body[2].value.ty == Tensor(("kv_head", "key"), ranges=(sliced,))
     keep = body[3]
     assert keep.selection.ty == Selection("key", per=("kv_head",))
     assert keep.selection.left.args[1].ty == TOKENS
