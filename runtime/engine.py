@@ -80,9 +80,6 @@ class Engine:
             )
         self.method.bind(self.spec.num_layers, self.spec.num_kv_heads)  # the model's shape, for its budget
         kv_spec = self.method.kv_spec(self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype, config.page_size)
-        if not kv_spec.dense:
-            raise ConfigError(f"method {self.method.name!r} stores K/V encoded ({kv_spec.describe()}); the "
-                              "attention kernels read dense K/V only so far", param="method")
         # one layer's page: every per-token tensor of the spec, plus its per-page ones; the rows of
         # its per-sequence tensors (a running sequence's, and an idle chain's) come off the budget first
         page_bytes = layer_page_bytes(kv_spec, self.spec.num_kv_heads, config.page_size)

@@ -130,13 +130,18 @@ class LayerCacheView:
     # Per-head variable counts (a layer compacted by a per-head plan): KV head h stores its
     # tokens in slots [starts[h], length); the slots before are padding. None: every head from 0.
     starts: list[int] | None = None
+    # where a spec with a residual window keeps the newest slots in full precision: the layer, the
+    # sequence's row, and how many of the newest slots the window holds
+    layer: int | None = None
+    row: int | None = None
+    resid_len: int = 0
 
     def keys(self) -> torch.Tensor:
         """Dense copy [Hkv, length, D] (post-RoPE keys; decoded when the spec stores them encoded)."""
-        return self.store.decoded(K, self.page_ids, self.length)
+        return self.store.decoded(K, self.page_ids, self.length, self.layer, self.row, self.resid_len)
 
     def values(self) -> torch.Tensor:
-        return self.store.decoded(V, self.page_ids, self.length)
+        return self.store.decoded(V, self.page_ids, self.length, self.layer, self.row, self.resid_len)
 
     @property
     def num_kv_heads(self) -> int:

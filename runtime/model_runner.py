@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvc.compiler.attention import variant_for_spec
 from kvc.runtime.attention.backend import PagedAttention
 from kvc.runtime.attention.metadata import AttentionMetadata
 from kvc.runtime.decode_graphs import DecodeGraphs
@@ -48,8 +49,8 @@ from kvc.runtime.kv.executor import KVExecutor
 from kvc.runtime.kv.positions import compact_map
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.methods import resolve_method
-from kvc.runtime.method_api import (DecodeRow, DecodeView, Hook, KVMethod, LayerCacheView, PrefillView, StackedPlan,
-                                    StepView)
+from kvc.runtime.method_api import (DecodeRow, DecodeView, Hook, KVMethod, LayerCacheView, PrefillView, RewritePlan,
+                                    StackedPlan, StepView)
 from kvc.runtime.models.base import CausalLM
 from kvc.runtime.sampler import sample
 from kvc.runtime.scheduler import ScheduledBatch
@@ -71,6 +72,7 @@ class StepInputs:
 class StepOutput:
     sampled: dict[int, int]  # seq_id -> sampled token (filled by `resolve`)
     compacted: dict[int, dict[int, int]] = field(default_factory=dict)  # seq_id -> layer -> kept
+    rewritten: dict[int, dict[int, int]] = field(default_factory=dict)  # seq_id -> layer -> residual slots left
     tokens: PendingTokens | None = None  # the sampled tokens, in the order of `seq_ids`
     seq_ids: list[int] = field(default_factory=list)
 
@@ -120,12 +122,17 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
-        attention.use_variant(self.method.attention.variant)  # the attention kernels its manifest names
         self.store = attention.store  # every tensor of the method's KV spec (runtime/kv/store.py)
+        # the attention kernels, chosen by the spec (dense or encoded K/V), the decode statistics the
+        # method reads, and whether its decode hook gives read plans
+        attention.use_variant(variant_for_spec(self.store.spec.dense, self.method.attention.decode_stats is not None,
+                                               Hook.DECODE_BEFORE_ATTENTION in self.method.hooks))
         self.executor = KVExecutor(self.store, pool, "triton" if attention.backend == "triton" else "auto")
         self.planes = self.store.method_tensors()  # the method's per-token state: every decode row writes it
         self.graphs: DecodeGraphs | None = None
-        if use_cuda_graphs and device.type == "cuda" and self.method.decode_graphs:
+        # a residual window's rows and counts are not among the graphs' static inputs yet: such
+        # specs decode eagerly
+        if use_cuda_graphs and device.type == "cuda" and self.method.decode_graphs and not self.store.residual_window:
             self.graphs = DecodeGraphs(self, max_num_seqs)
             self.graphs.reserve_stats()  # before a graph captures a view of the statistics buffer
 
@@ -154,25 +161,26 @@ class ModelRunner:
         feed = None if after is None else after.feed(batch.seqs)
         if self.pool is not None:
             self._own_append_pages(batch)
+        self._copy_rows(batch)
         if self.graphs is not None and decode_only and self.graphs.fits(len(batch.seqs)):
             logits = self.graphs.run(batch, None if feed is None else (after.tokens.device, feed))
             rows = list(range(len(batch.seqs)))
         elif _replayable(batch):  # every row takes its prefill from a record: no model layers
             inputs = self.prepare(batch, needs_sample)
-            self._replay(inputs.md, batch, output.compacted)
+            self._replay(inputs.md, batch, output)
             rows = inputs.sample_seqs
             logits = torch.stack([batch.seqs[i].replay.logits for i in rows]).to(self.device) if rows else None
         else:
             inputs = self.prepare(batch, needs_sample)
             if feed is not None:
                 feed_pending(inputs.input_ids, after.tokens.device, feed, [0, *np.cumsum(batch.num_new_tokens)])
-            attn = self._attn_fn(inputs.md, batch, output.compacted)
+            attn = self._attn_fn(inputs.md, batch, output)
             hidden = self.model(inputs.input_ids, inputs.positions, attn)
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
             rows = inputs.sample_seqs
             _record_logits(batch, rows, logits)
         if Hook.STEP_END in self.method.hooks and batch.num_decodes:
-            self._step_end(batch, output.compacted)
+            self._step_end(batch, output)
         if not rows:
             return output
         seqs = [batch.seqs[i] for i in rows]
@@ -191,7 +199,7 @@ class ModelRunner:
         self,
         md: AttentionMetadata,
         batch: ScheduledBatch | None = None,
-        compacted: dict[int, dict[int, int]] | None = None,
+        output: StepOutput | None = None,
         compute: bool = True,
     ):
         """The model's attention function for this step, with the method's hooks around it.
@@ -217,10 +225,11 @@ class ModelRunner:
                                   md.context_lens[layer, :d], self.store, scale,
                                   None if batch is None else _decode_rows(batch, layer),
                                   kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d])
-                if Hook.DECODE_BEFORE_ATTENTION in hooks:
-                    method.decode_before_attention(layer, view)
+            read = None
+            if view is not None and Hook.DECODE_BEFORE_ATTENTION in hooks:
+                read = method.decode_before_attention(layer, view)  # a ReadPlan, or None: every slot
             if compute:
-                out = attention.forward(layer, q, k, v, md, scale, stats=stats)
+                out = attention.forward(layer, q, k, v, md, scale, stats=stats, read=read)
             else:
                 out = None
                 attention.write(layer, k, v, md)
@@ -230,7 +239,7 @@ class ModelRunner:
                 view.attn_stats = None if stats is None else stats.out
                 method.decode_after_attention(layer, view, out[:d])
             if prefill_hooks:
-                self._prefill_hooks(layer, q, k, v, md, batch, compacted)
+                self._prefill_hooks(layer, q, k, v, md, batch, output)
             for seq, rows in chained:  # a chain keeps its latest prefill queries (a prune scores with them)
                 prev = seq.window_queries[layer]
                 both = q[rows] if prev is None else torch.cat([prev, q[rows]])
@@ -239,19 +248,20 @@ class ModelRunner:
 
         return attn
 
-    def _replay(self, md: AttentionMetadata, batch: ScheduledBatch, compacted: dict[int, dict[int, int]]) -> None:
+    def _replay(self, md: AttentionMetadata, batch: ScheduledBatch, output: StepOutput) -> None:
         """A step of replayed prefill chunks (runtime/prefill_record.py): per layer the recorded
         q/k/v of every row, stored and handed to the method's prefill hooks; no model layers."""
-        attn = self._attn_fn(md, batch, compacted, compute=False)
+        attn = self._attn_fn(md, batch, output, compute=False)
         spans = [(seq.replay, seq.num_computed_tokens, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         for layer in range(self.num_layers):
             parts = [record.rows(layer, start, n) for record, start, n in spans]
             q, k, v = (torch.cat(x).to(self.device) for x in zip(*parts))
             attn(layer, q, k, v)
 
-    def _prefill_hooks(self, layer, q, k, v, md, batch: ScheduledBatch, compacted) -> None:
+    def _prefill_hooks(self, layer, q, k, v, md, batch: ScheduledBatch, output: StepOutput) -> None:
         """prefill_chunk for every prefill chunk of the step, then prefill_end for the chunks that
-        end their sequence's prefill; their keep plans are compacted together (one call)."""
+        end their sequence's prefill; their keep plans are compacted together (one call), their
+        rewrite plans re-encoded."""
         method = self.method
         starts = np.cumsum([0, *batch.num_new_tokens]).tolist()  # host rows of each sequence's chunk
         jobs: list[tuple[object, CompactionJob]] = []
@@ -264,7 +274,7 @@ class ModelRunner:
                 seq_id=seq.seq_id, layer=layer, num_layers=self.num_layers,
                 q=q[rows], k=k[rows], v=v[rows], start=seq.num_computed_tokens,
                 prompt_len=seq.prefill_end,
-                cache=LayerCacheView(self.store, table, length, seq.kv_starts[layer]),
+                cache=self._cache_view(seq, layer, length, n),
             )
             if Hook.PREFILL_CHUNK in method.hooks:
                 method.prefill_chunk(layer, view)
@@ -275,13 +285,17 @@ class ModelRunner:
             plan = method.prefill_end(layer, view)
             if plan is None:
                 continue
+            if isinstance(plan, RewritePlan):
+                self._rewrite(seq, layer, view.cache, plan, output)
+                continue
             self._own_pages(seq, layer, -(-plan.kept // self.page_size))  # copy-on-write before compaction
             logical = seq.num_computed_tokens + n
             jobs.append((seq, CompactionJob(table, length, plan.indices, plan.lengths, seq.kv_starts[layer]),
                          logical - plan.tail, logical))
         if jobs:
             batch = batch_of_jobs(self.store.token_tensors()[0], [job for _, job, _, _ in jobs])
-            self._compact(layer, batch, [j[0] for j in jobs], [j[2] for j in jobs], [j[3] for j in jobs], compacted)
+            self._compact(layer, batch, [j[0] for j in jobs], [j[2] for j in jobs], [j[3] for j in jobs],
+                          output.compacted)
 
     def _compact(self, layer: int, batch: CompactionBatch, seqs: list, verbatim: list[int], logical: list[int],
                  compacted: dict[int, dict[int, int]]) -> None:
@@ -311,7 +325,26 @@ class ModelRunner:
             if result.starts is not None or seq.kv_starts[layer] is not None:
                 seq.set_kv_starts(layer, result.starts)
 
-    def _step_end(self, batch: ScheduledBatch, compacted: dict[int, dict[int, int]]) -> None:
+    def _cache_view(self, seq, layer: int, length: int, new: int) -> LayerCacheView:
+        """seq's layer as a hook sees it once `new` more tokens are stored (`length` slots)."""
+        resid = min(seq.resid_lens[layer] + new, self.store.residual_window)
+        return LayerCacheView(self.store, seq.page_tables[layer], length, seq.kv_starts[layer], layer, seq.row, resid)
+
+    def _rewrite(self, seq, layer: int, cache: LayerCacheView, plan: RewritePlan, output: StepOutput) -> None:
+        """A rewrite plan re-encoded now (copy-on-write first); the residual slots it leaves are
+        reported like compacted lengths (the scheduler records them)."""
+        self._own_pages(seq, layer, -(-cache.length // self.page_size))
+        left = self.executor.rewrite(layer, seq.page_tables[layer], cache.length, seq.row, cache.resid_len, plan)
+        output.rewritten.setdefault(seq.seq_id, {})[layer] = left
+
+    def _copy_rows(self, batch: ScheduledBatch) -> None:
+        """A chain continuation's row starts as its record's (rows are never shared)."""
+        for seq in batch.seqs:
+            if seq.row_source is not None:
+                self.store.copy_rows([seq.row_source], [seq.row])
+                seq.row_source = None
+
+    def _step_end(self, batch: ScheduledBatch, output: StepOutput) -> None:
         """step_end per layer of every sequence that decoded in this step (`step_end_batch`, one call
         per layer, when the method has it); each layer's keep plans are compacted at once and
         reported (the scheduler frees the pages past them). Host work per layer is Python per row
@@ -320,7 +353,7 @@ class ModelRunner:
         method, page = self.method, self.page_size
         decoded = batch.seqs[: batch.num_decodes]
         batched = method.step_end_batch
-        store, num_layers = self.store, self.num_layers
+        num_layers, cache_view = self.num_layers, self._cache_view
         packed = versions = None  # [L, B, W] page tables of `decoded`, built once the first layer compacts
         due_fn = method.step_end_due
         # host facts of every row and layer, for the method's cheap "may it evict now"
@@ -339,14 +372,17 @@ class ModelRunner:
                     candidates = np.flatnonzero(due).tolist()
             views = [StepView(seq.seq_id, layer, num_layers, seq.num_computed_tokens + 1 - seq.history_gap[layer],
                               seq.prefill_end - seq.history_gap[layer],  # a chain's prompt: stored history + suffix
-                              LayerCacheView(store, seq.page_tables[layer], seq.kv_lens[layer] + 1,
-                                             seq.kv_starts[layer]))  # the step's token is stored
+                              cache_view(seq, layer, seq.kv_lens[layer] + 1, 1))  # the step's token is stored
                      for seq in (decoded if candidates is everyone else [decoded[i] for i in candidates])]
             plans = batched(layer, views)
             if len(plans) != len(views):
                 raise RuntimeError(f"method {method.name!r}: step_end_batch gave {len(plans)} plans for "
                                    f"{len(views)} sequences")
             found = [i for i, plan in enumerate(plans) if plan is not None]  # indices into `candidates`
+            if found and any(isinstance(plans[i], RewritePlan) for i in found):
+                for i in [i for i in found if isinstance(plans[i], RewritePlan)]:
+                    self._rewrite(decoded[candidates[i]], layer, views[i].cache, plans[i], output)
+                found = [i for i in found if not isinstance(plans[i], RewritePlan)]
             if not found:
                 continue
             rows = [candidates[i] for i in found]
@@ -367,7 +403,8 @@ class ModelRunner:
             job_views = views if every else [views[i] for i in found]
             logical = [seq.num_computed_tokens + 1 for seq in seqs]
             jobs = self._plan_batch(layer, kept, job_views, packed[layer] if every else packed[layer, rows])
-            self._compact(layer, jobs, seqs, [n - plan.tail for n, plan in zip(logical, kept)], logical, compacted)
+            self._compact(layer, jobs, seqs, [n - plan.tail for n, plan in zip(logical, kept)], logical,
+                          output.compacted)
 
     def _refresh_table(self, packed: np.ndarray, row: int, seq) -> None:
         """Row `row` of the step's packed tables after copy-on-write changed seq's tables."""
@@ -460,6 +497,14 @@ class ModelRunner:
         def to_dev(values, dtype=None):
             return to_device(values, dev, dtype)
 
+        rows = resid = None
+        window = self.store.residual_window
+        if window:  # the per-sequence rows and each layer's residual slots after the step
+            scratch = self.store.scratch_row
+            rows = to_dev([scratch if s.row is None else s.row for s in batch.seqs], torch.int32)
+            counts = np.minimum(np.array([s.resid_lens for s in batch.seqs], dtype=np.int64).T +
+                                np.asarray(batch.num_new_tokens, dtype=np.int64)[None, :], window)
+            resid = to_dev(counts, torch.int32)
         md = AttentionMetadata(
             slot_mapping=to_dev(slots),
             block_tables=to_dev(tables),
@@ -469,6 +514,8 @@ class ModelRunner:
             max_query_len=max(batch.num_new_tokens),
             max_context_len=max(max(c) for c in ctx),
             kv_starts=None if starts_np is None else to_dev(starts_np),
+            rows=rows,
+            resid_lens=resid,
         )
         return StepInputs(to_dev(ids, torch.int64), to_dev(positions, torch.int64), md, sample_rows, sample_seqs)
 

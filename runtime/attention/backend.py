@@ -28,7 +28,9 @@ import torch
 from kvc.runtime.attention import torch_ops
 from kvc.runtime.attention.metadata import AttentionMetadata, DecodeStats, StatsFold
 from kvc.runtime.errors import ConfigError
-from kvc.runtime.kv.spec import K, V, KVSpec, dense_spec
+from kvc.runtime.attention.sources import QuantizedPages, Source
+from kvc.runtime.kv.plans import ReadPlan
+from kvc.runtime.kv.spec import K, V, Dense, KVSpec, dense_spec
 from kvc.runtime.kv.store import KVStore
 
 BACKENDS = ("torch", "triton")
@@ -104,6 +106,7 @@ class PagedAttention:
         self.variant = "plain"
         self.ops = load_ops(backend, store.device)
         self._stats: torch.Tensor | None = None  # decode statistics buffer, reused across layers
+        self._sources = [self._layer_sources(layer) for layer in range(num_layers)]
 
     @classmethod
     def from_caches(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str = "torch",
@@ -116,6 +119,21 @@ class PagedAttention:
         spec = dense_spec(k_cache.shape[3], k_cache.dtype)
         store = KVStore.from_tensors(spec, {K: k_cache, V: v_cache}, num_layers)
         return cls(store, backend, num_layers)
+
+    def _layer_sources(self, layer: int) -> tuple[Source, Source]:
+        """What the kernels read layer `layer`'s K and V from, as the spec encodes them: the dense
+        tensor, or a `QuantizedPages` (codes, scales, zero points, this layer's residual rows)."""
+        store = self.store
+
+        def source(enc, which: str) -> Source:
+            if isinstance(enc, Dense):
+                return store[enc.tensor]
+            zero = None if enc.zero is None else store[enc.zero]
+            residual = None if enc.residual is None else store[enc.residual][:, layer]
+            return QuantizedPages(enc, store[enc.codes], store[enc.scale], zero, store.head_dim(which),
+                                  store.model_dtype(which), residual)
+
+        return source(store.spec.keys, K), source(store.spec.values, V)
 
     @property
     def k_cache(self) -> torch.Tensor:
@@ -189,7 +207,12 @@ class PagedAttention:
         """Writes the step's keys/values into their slots of layer `layer_idx` (no attention: a
         replayed prefill, runtime/prefill_record.py, needs only the stored K/V)."""
         slots = md.slot_mapping[layer_idx]
-        self.ops.store_kv(k, v, self.k_cache, self.v_cache, slots)
+        k_src, v_src = self._sources[layer_idx]
+        if md.rows is None:
+            self.ops.store_kv(k, v, k_src, v_src, slots)
+        else:  # a residual window: each new token finds its sequence's row
+            self.ops.store_kv(k, v, k_src, v_src, slots, cu_seqlens_q=md.cu_seqlens_q,
+                              context_lens=md.context_lens[layer_idx], rows=md.rows)
         if self.store.spec.summaries:
             self.store.refresh_summaries(*last_in_page(slots, self.store.page_size, self.store.scratch_page))
 
@@ -202,16 +225,23 @@ class PagedAttention:
         md: AttentionMetadata,
         scale: float,
         stats: DecodeStats | None = None,
+        read: ReadPlan | None = None,
     ) -> torch.Tensor:
         """Attention output [T, Hq, D] for the step's queries q [T, Hq, D] (k, v: [T, Hkv, D]);
-        with `stats`, the decode rows' attention statistics also land in `stats.out`.
+        with `stats`, the decode rows' attention statistics also land in `stats.out`; with `read`
+        (a method's ReadPlan) each decode row's KV heads attend only to the slots it lists.
 
         Rows past cu_seqlens_q[-1] (if any) are left unwritten. A decode-only step
         (num_decodes == B) touches no host value: it can be captured in a CUDA graph with the
         triton backend.
         """
-        k_cache, v_cache = self.k_cache, self.v_cache
+        k_cache, v_cache = self._sources[layer_idx]
         tables, lens = md.block_tables[layer_idx], md.context_lens[layer_idx]
+        resid = None if md.resid_lens is None else md.resid_lens[layer_idx]
+        extra_d = {} if resid is None else {"rows": md.rows[:md.num_decodes], "resid_lens": resid[:md.num_decodes]}
+        extra_p = {} if resid is None else {"rows": md.rows[md.num_decodes:], "resid_lens": resid[md.num_decodes:]}
+        if read is not None:
+            extra_d["read"] = read
         starts = None if md.kv_starts is None else md.kv_starts[layer_idx]  # [B, Hkv]
         ops = self.ops
         self.write(layer_idx, k, v, md)
@@ -222,7 +252,7 @@ class PagedAttention:
                 q[:num_decodes], k_cache, v_cache,
                 tables[:num_decodes], lens[:num_decodes], scale,
                 max_context_len=md.max_context_len, out=out[:num_decodes],
-                kv_starts=None if starts is None else starts[:num_decodes], stats=stats,
+                kv_starts=None if starts is None else starts[:num_decodes], stats=stats, **extra_d,
             )
         if md.num_prefills > 0:
             # Each decode owns exactly one token, so the prefill tokens start at num_decodes.
@@ -230,6 +260,6 @@ class PagedAttention:
                 q[num_decodes:], k_cache, v_cache,
                 tables[num_decodes:], md.cu_seqlens_q[num_decodes:] - num_decodes,
                 lens[num_decodes:], scale, md.max_query_len,
-                out=out[num_decodes:], kv_starts=None if starts is None else starts[num_decodes:],
+                out=out[num_decodes:], kv_starts=None if starts is None else starts[num_decodes:], **extra_p,
             )
         return out

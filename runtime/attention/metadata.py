@@ -66,6 +66,10 @@ class AttentionMetadata:
     max_query_len: int  # longest run of new tokens of one sequence in this step
     max_context_len: int  # bound on context_lens: its longest entry, or a decode graph's context bucket
     kv_starts: torch.Tensor | None = None  # [L, B, Hkv] int32: first slot each KV head reads; None = 0
+    # the KV spec's per-sequence rows (runtime/kv/rows.py), when it has SEQ tensors: [B] int32
+    rows: torch.Tensor | None = None
+    # [L, B] int32: each row's newest slots (after the step) read from its residual window; None: none
+    resid_lens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -16,8 +16,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvc.runtime.kv import encodings
 from kvc.runtime.kv.compaction import CompactionBatch, compact_tensors
 from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.kv.plans import RewritePlan
+from kvc.runtime.kv.spec import K, V, Quantized
 from kvc.runtime.kv.store import KVStore
 
 
@@ -52,6 +55,41 @@ class KVExecutor:
             device = self.store.device
             self.store.refresh_summaries(torch.tensor(pages, dtype=torch.long, device=device),
                                          torch.tensor(lengths, dtype=torch.long, device=device))
+
+    # ---- rewrite plans --------------------------------------------------------------------------
+    def rewrite(self, layer: int, page_ids: list[int], length: int, row: int | None, resid_len: int,
+                plan: RewritePlan) -> int:
+        """Re-encodes slots [plan.start, plan.end) of one sequence's layer (`length` slots stored,
+        the newest `resid_len` of them in its residual window) from their full-precision copies;
+        returns the residual slots left (the window now holds only the slots past `plan.end`)."""
+        store = self.store
+        first = length - resid_len
+        if plan.start != first or not plan.start <= plan.end <= length or row is None:
+            raise ValueError(f"a rewrite plan re-encodes the oldest slots of the residual window: [{first}, e) with "
+                             f"e <= {length}, got [{plan.start}, {plan.end})")
+        if plan.end == plan.start:
+            return resid_len
+        slots = torch.arange(plan.start, plan.end, device=store.device)
+        pages = torch.tensor(page_ids, dtype=torch.long, device=store.device)[slots // store.page_size]
+        offsets = slots % store.page_size
+        for enc, which in ((store.spec.keys, K), (store.spec.values, V)):
+            if not isinstance(enc, Quantized) or enc.residual is None:
+                continue
+            resid = store[enc.residual][row, layer]  # [Hkv, R, D]
+            x = resid[:, slots % resid.shape[1]].transpose(0, 1)  # [n, Hkv, D]
+            codes = store[enc.codes]
+            scale = store[enc.scale]
+            zero = None if enc.zero is None else store[enc.zero]
+            new = encodings.quantize(x, enc, codes.dtype, packing=store.spec.tensor(enc.codes).packing,
+                                     scale_dtype=scale.dtype, zero_dtype=scale.dtype if zero is None else zero.dtype)
+            for dst, value in zip((codes, scale, zero), new):
+                if dst is not None:
+                    dst[pages, :, offsets] = value.to(dst.dtype)
+        if store.spec.summaries:  # the pages' decoded values changed
+            touched = sorted(set(pages.tolist()))
+            stored = [min(store.page_size, length - page_ids.index(p) * store.page_size) for p in touched]
+            self.refresh_pages(touched, stored)
+        return length - plan.end
 
     # ---- copies --------------------------------------------------------------------------------
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
