@@ -133,8 +133,9 @@ class Engine:
             num_layers=self.spec.num_layers,
             budget=self.method.budget,
             chains=self.chains,
-            compacts=(self.method.compacts and Hook.PREFILL_END in hooks,
-                      self.method.compacts and Hook.STEP_END in hooks),
+            # may a step write into pages before the newest (copy-on-write of every shared page)?
+            compacts=((self.method.compacts or self.method.rewrites) and Hook.PREFILL_END in hooks,
+                      (self.method.compacts or self.method.rewrites) and Hook.STEP_END in hooks),
             rows=self.rows,
             residual=self.attention.store.residual_window,
         )
@@ -338,7 +339,7 @@ class Engine:
             if ahead is not None:
                 ahead_out = self.runner.run(ahead, ahead.needs_sample(), out, defer=True)
                 finished += self._commit(batch, out)
-                self.scheduler.advance(ahead, ahead_out.compacted)
+                self.scheduler.advance(ahead, ahead_out.compacted, ahead_out.rewritten)
                 self._launched = (ahead, ahead_out)
                 return finished
             finished += self._commit(batch, out)  # then this call's step, scheduled the plain way
@@ -347,7 +348,7 @@ class Engine:
             return finished
         overlap = self._async and self.scheduler.may_run_ahead(batch)
         out = self.runner.run(batch, batch.needs_sample(), defer=overlap)
-        self.scheduler.advance(batch, out.compacted)
+        self.scheduler.advance(batch, out.compacted, out.rewritten)
         if overlap:
             self._launched = (batch, out)
             return finished

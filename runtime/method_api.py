@@ -224,6 +224,7 @@ class KVMethod(Protocol):
     fingerprint: str  # what makes two instances store the same KV: prefix-cache salt, chain records
     hooks: frozenset[Hook]
     compacts: bool  # may physical length drop below logical? (then no prefix caching)
+    rewrites: bool  # may prefill_end / step_end return RewritePlans (writes into pages before the newest)?
     decode_graphs: bool  # may decode steps (and the decode hooks) be CUDA-graph captured?
     budget: KVBudget
     attention: AttentionKernels  # the attention kernels it runs and the decode statistics it reads
@@ -269,6 +270,7 @@ class MethodBase:
     params: dict[str, Any] = {}
     hooks: frozenset[Hook] = frozenset()
     compacts = False
+    rewrites = False
     decode_graphs = True
     budget: KVBudget = FullBudget()
     attention = AttentionKernels()

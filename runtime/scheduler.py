@@ -447,13 +447,14 @@ class Scheduler:
         batch: ScheduledBatch,
         sampled: dict[int, int],
         compacted: dict[int, dict[int, int]] | None = None,
+        rewritten: dict[int, dict[int, int]] | None = None,
     ) -> list[Sequence]:
         """Advances the step's sequences, appends their sampled tokens; returns the finished.
 
         `compacted[seq_id][layer]` is the physical length a method's keep plan left in that layer
         during the step: the pages past it go back to the pool now. (`advance` then `commit`: an
         async engine calls them apart, the step's launch between.)"""
-        self.advance(batch, compacted)
+        self.advance(batch, compacted, rewritten)
         return self.commit(batch, sampled)
 
     def advance(self, batch: ScheduledBatch, compacted: dict[int, dict[int, int]] | None = None,
