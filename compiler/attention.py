@@ -17,7 +17,7 @@ from a KV spec (runtime/kv/spec.py) alone. Splice points and what is in scope th
 
 - `module_doc`, `module_imports`, `module_end`: the module docstring, imports, last code;
 - `store_rows` (store_kv, after loading the new rows): `k`, `v` [BLOCK_H, BLOCK_D], `mask`;
-- `k_tile`, `v_tile` (decode and prefill, after a K / V tile load: dequantisation goes here):
+- `k_tile`, `v_tile` (decode and prefill, after a K / V tile load, decoded already in `by_spec` variants):
   `k` / `v` [BLOCK_N, BLOCK_D], `tokens`, `pages`, `in_page`, `kv_mask`;
 - `decode_scores` (decode split kernel, after the QK^T tile): `qk` [BLOCK_H, BLOCK_N] float32
   scaled base-2 logits (-inf where masked), `seq`, `heads`, `head_mask`, `tokens`, `token_mask`,

@@ -234,14 +234,6 @@ def _starts_arg(kv_starts: torch.Tensor | None, context_lens: torch.Tensor, batc
     return kv_starts, kv_starts.stride(0)
 
 
-def _dense_only(k_cache, v_cache, read=None) -> None:
-    """This variant reads dense caches over whole contexts: quantized sources (runtime/attention/
-    sources.py) and read plans run a variant rendered by spec (compiler/attention.py `variant_for_spec`)."""
-    if not isinstance(k_cache, torch.Tensor) or not isinstance(v_cache, torch.Tensor) or read is not None:
-        raise ValueError(f"attention variant {VARIANT!r} reads dense K/V over whole contexts; quantized K/V and read "
-                         "plans need the variant `variant_for_spec` names")
-
-
 # ---------------------------------------------------------------------------------------------
 # store_kv (kernel family `paged_store_kv`)
 # ---------------------------------------------------------------------------------------------
@@ -277,20 +269,14 @@ def _store_kv_kernel(
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache,
-    v_cache,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    cu_seqlens_q: torch.Tensor | None = None,
-    context_lens: torch.Tensor | None = None,
-    rows: torch.Tensor | None = None,
     *,
     num_warps: int | None = None,
 ) -> None:
     """Write new keys/values k, v [T, Hkv, D] into their slots; slot -1 writes nothing.
-    Dense caches only (the cu_seqlens_q / context_lens / rows of quantized residual windows are
-    ignored).
     `num_warps` overrides the launch config (this GPU's tuned entry, else `store_kv_num_warps`)."""
-    _dense_only(k_cache, v_cache)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -466,8 +452,8 @@ def _decode_reduce_kernel(
 
 def paged_decode(
     q: torch.Tensor,
-    k_cache,
-    v_cache,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
@@ -475,9 +461,6 @@ def paged_decode(
     out: torch.Tensor | None = None,
     kv_starts: torch.Tensor | None = None,
     stats=None,
-    rows: torch.Tensor | None = None,
-    resid_lens: torch.Tensor | None = None,
-    read=None,
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
@@ -491,12 +474,9 @@ def paged_decode(
     `max_context_len` (an upper bound; default: what the block table can address) only feeds
     the split heuristic. `stats` (runtime/attention/metadata.py `DecodeStats`: reduce, fn, out)
     asks for the step's attention statistics, computed inside these kernels.
-    Dense caches over whole contexts (`rows`/`resid_lens` are ignored; quantized sources and read
-    plans raise: the engine picks a variant rendered by spec for them).
     The keyword-only knobs override the launch config (this GPU's tuned entry, else `decode_config`).
     No host sync and no value-dependent allocation: CUDA-graph capturable.
     """
-    _dense_only(k_cache, v_cache, read)
     _check_cache(q, k_cache, v_cache)
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_cache.shape
@@ -670,8 +650,8 @@ def _prefill_kernel(
 
 def paged_prefill(
     q: torch.Tensor,
-    k_cache,
-    v_cache,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
@@ -679,8 +659,6 @@ def paged_prefill(
     max_query_len: int,
     out: torch.Tensor | None = None,
     kv_starts: torch.Tensor | None = None,
-    rows: torch.Tensor | None = None,
-    resid_lens: torch.Tensor | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -692,9 +670,7 @@ def paged_prefill(
 
     Rows of `out` past cu_seqlens_q[-1] are not written. The keyword-only knobs override the
     launch config (this GPU's tuned entry, else `prefill_config`).
-    Dense caches only (`rows`/`resid_lens` are ignored).
     """
-    _dense_only(k_cache, v_cache)
     _check_cache(q, k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_cache.shape

@@ -96,11 +96,6 @@ def is_dense(source: Source) -> bool:
     return isinstance(source, torch.Tensor)
 
 
-def source_shape(source: Source) -> tuple[int, ...]:
-    """[pages, Hkv, page_size, D] of either kind of source."""
-    return tuple(source.shape)
-
-
 # ---- what the generated Triton wrappers pass (no Triton import here) ----------------------------------
 
 

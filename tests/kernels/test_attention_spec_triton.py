@@ -254,14 +254,18 @@ def test_dense_operands_through_spec_equal_plain_bit_for_bit():
     assert torch.equal(ka.nan_to_num(7.0), kb.nan_to_num(7.0)) and torch.equal(va.nan_to_num(7.0), vb.nan_to_num(7.0))
 
 
-def test_plain_refuses_quantized_sources_and_plans():
-    gen = fresh(73)
-    case = case_for("int8-token", "int8-token", gen)
-    q = torch.randn(len(LENGTHS), 4, HEAD_DIM, generator=gen).to(DEVICE)
-    with pytest.raises(ValueError, match="variant_for_spec"):
-        plain_ops.paged_decode(q, on_device(case.k_source), on_device(case.v_source), dev(case.block_tables),
-                               dev(case.context_lens), 0.3)
-    dense = torch.zeros(4, 2, 4, HEAD_DIM, device=DEVICE)
-    plan = ReadPlan(tokens=torch.zeros(len(LENGTHS), 2, 3, dtype=torch.int32, device=DEVICE))
-    with pytest.raises(ValueError, match="variant_for_spec"):
-        plain_ops.paged_decode(q, dense, dense, dev(case.block_tables), dev(case.context_lens), 0.3, read=plan)
+def test_plain_and_decode_stats_render_nothing_of_the_spec():
+    """The dense variants are the kernels and wrappers they were before specs (byte for byte: their
+    tuned launch configs stay valid); only `spec` takes sources, residual rows and read plans."""
+    import inspect
+
+    for ops in (plain_ops, triton_device_and_ops("decode_stats")[1]):
+        text = inspect.getsource(ops)
+        assert "_load_operand" not in text and "READ" not in text and "kernel_operand" not in text
+        assert "read" not in inspect.signature(ops.paged_decode).parameters
+        assert "rows" not in inspect.signature(ops.store_kv).parameters
+    torch_params = list(inspect.signature(torch_ops.paged_decode).parameters)
+    assert list(inspect.signature(spec_ops.paged_decode).parameters)[: len(torch_params)] == torch_params
+    for name in ("paged_prefill", "store_kv"):
+        want = list(inspect.signature(getattr(torch_ops, name)).parameters)
+        assert list(inspect.signature(getattr(spec_ops, name)).parameters)[: len(want)] == want
