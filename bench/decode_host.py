@@ -2,7 +2,7 @@
 
 Runs the engine's async-scheduling decode loop over synthetic decoding sequences: the scheduler
 (`schedule_ahead`, `commit`, `advance`) and the decode graphs' input building (`DecodeGraphs._load`,
-which reads the runner's `_TableCache`), on the CPU. Layouts of the stored lengths per layer:
+which reads the runner's `TableCache`), on the CPU. Layouts of the stored lengths per layer:
 
 - `snapkv`: every layer stores `--kv` tokens (a page boundary crosses all layers of a row at once,
   once every page_size steps);
@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 from kvc.runtime.decode_graphs import DecodeGraphs
 from kvc.runtime.kv.page_pool import PagePool
-from kvc.runtime.model_runner import _TableCache
+from kvc.runtime.kv.tables import TableCache
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.scheduler import Scheduler, SchedulerConfig
 from kvc.runtime.sequence import Sequence, SequenceStatus
@@ -72,7 +72,7 @@ def build(layout: str, batch: int, layers: int, kv: int, page: int, kv_heads: in
     longest = max(max(row) for row in lengths) + steps + 2
     max_pages = -(-longest // page) + 1
     runner = SimpleNamespace(device="cpu", num_layers=layers, max_pages_per_seq=max_pages, num_kv_heads=kv_heads,
-                             page_size=page, tables=_TableCache(layers, kv_heads), max_model_len=max_pages * page,
+                             page_size=page, tables=TableCache(layers, kv_heads), max_model_len=max_pages * page,
                              attention=SimpleNamespace(num_pages=pool.num_pages))
     return scheduler, DecodeGraphs(runner, batch)
 

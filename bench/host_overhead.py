@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.decode_graphs import DecodeGraphs
-from kvc.runtime.model_runner import ScheduledBatch, _TableCache
+from kvc.runtime.kv.tables import TableCache
+from kvc.runtime.model_runner import ScheduledBatch
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.scheduler import Scheduler, SchedulerConfig
 from kvc.runtime.sequence import Sequence, SequenceStatus
@@ -37,7 +38,7 @@ def build(batch: int, layers: int, kv: int, page: int, kv_heads: int):
         scheduler.running.append(seq)
     max_pages = kv // page + 64
     runner = SimpleNamespace(device="cpu", num_layers=layers, max_pages_per_seq=max_pages, num_kv_heads=kv_heads,
-                             page_size=page, tables=_TableCache(layers, kv_heads), max_model_len=max_pages * page,
+                             page_size=page, tables=TableCache(layers, kv_heads), max_model_len=max_pages * page,
                              attention=SimpleNamespace(num_pages=pool.num_pages))
     return scheduler, DecodeGraphs(runner, batch)
 

@@ -1,5 +1,5 @@
 """Host time of the runner's whole step end for decode-time eviction, per decode step, no model:
-`ModelRunner._step_end` over a synthetic decode batch (views, `step_end_batch`, compaction jobs,
+`StepHooks.step_end` over a synthetic decode batch (views, `step_end_batch`, compaction jobs,
 `compact_many` up to the kernel launch, the per-row result bookkeeping) at every layer.
 
 Each of `--batch` sequences stores `--kv` tokens plus the step's in each of `--layers` layers, at
@@ -32,6 +32,9 @@ from bench.step_end_host import PARAMS
 from kvc.runtime import model_runner
 from kvc.runtime.kv.executor import KVExecutor
 from kvc.runtime.kv.store import KVStore
+from kvc.runtime.kv.tables import TableCache
+from kvc.runtime.step_hooks import StepHooks
+from kvc.runtime.model_runner import StepOutput
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.sequence import Sequence
 
@@ -51,7 +54,7 @@ def make_method(name: str, layers: int, kv: int, kv_heads: int):
 def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_heads: int = 4,
                 head_dim: int = 8, device: str = "cpu", backend: str = "torch", ragged: bool = False,
                 seed: int = 0):
-    """(runner, batch): a `ModelRunner` holding only what `_step_end` reads, and its decode batch."""
+    """(runner, batch): a `ModelRunner` holding only what its step end reads, and its decode batch."""
     method, prompt = make_method(name, layers, kv, kv_heads)
     per_seq = -(-(kv + 2) // page)
     pages = batch * per_seq
@@ -66,7 +69,8 @@ def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_
     runner.attention = SimpleNamespace(store=store, backend=backend, k_cache=store.k_cache, v_cache=store.v_cache)
     runner.store, runner.planes = store, store.method_tensors()
     runner.executor = KVExecutor(store, None, "triton" if backend == "triton" else "auto")
-    runner.num_kv_heads, runner.tables = kv_heads, model_runner._TableCache(layers, kv_heads)
+    runner.num_kv_heads, runner.tables = kv_heads, TableCache(layers, kv_heads)
+    runner.hooks = StepHooks(method, store, runner.executor, runner.tables, None, layers)
     seqs = []
     for b in range(batch):
         extra = 1 if ragged and b % 3 == 2 else 0
@@ -96,7 +100,7 @@ def stub_launch() -> None:
 
 
 def time_step(runner, batch, repeat: int) -> tuple[float, float, int]:
-    """(seconds of one `_step_end`, of them in the generated selection, layers x rows compacted),
+    """(seconds of one step end, of them in the generated selection, layers x rows compacted),
     the best of `repeat` runs (the machine is shared: the least disturbed one). The selection
     (sorts over every stored token) is device work on a GPU: the host's own time is the rest."""
     method = runner.method
@@ -109,12 +113,13 @@ def time_step(runner, batch, repeat: int) -> tuple[float, float, int]:
         return out
 
     method._select_fn = timed
-    runner._step_end(batch, {})  # warm-up: first calls import and memoise
+    runner.hooks.step_end(batch, StepOutput({}))  # warm-up: first calls import and memoise
     best, compacted = None, {}
     for _ in range(repeat):
-        compacted, spent[:] = {}, []
+        output, spent[:] = StepOutput({}), []
         start = time.perf_counter()
-        runner._step_end(batch, compacted)
+        runner.hooks.step_end(batch, output)
+        compacted = output.compacted
         run = (time.perf_counter() - start, sum(spent))
         if best is None or run[0] < best[0]:
             best = run

@@ -1,60 +1,11 @@
-"""The lifecycle contract between the engine and a KV-cache method (ARCHITECTURE.md, "the heart").
+"""The lifecycle contract between the engine and a KV-cache method (docs/design.md, "The lifecycle
+contract": one table of everything the runtime reads from a method).
 
 The engine knows nothing about any method: it calls an object satisfying `KVMethod` at fixed
-points, with the typed views below. Every method, `full` included, is compiled code
-(kernels_generated/<method>/) adapted to this Protocol by `methods_compiled.py`; `MethodBase`
-gives the no-op defaults.
-
-Points, in the order a request meets them:
-
-- `kv_spec(...)` once, at engine start: every tensor the method stores, per token, page or
-  sequence, and how attention reads K and V (runtime/kv/spec.py); the pool is sized from its bytes
-  and the attention kernels are chosen by it.
-- `budget`       at admission: physical tokens per layer a request holds at its prefill peak and at
-  steady state (a function of context length and layer), so the scheduler admits by real memory.
-- `evict_interval`  set once by the engine at start, before admission (`EngineConfig.evict_interval`):
-  a method that evicts while decoding (keep plans from `step_end`) leaves a row alone until it
-  stores `evict_interval` tokens past its kept count, then evicts it back down to that count in
-  one plan (kvpress DecodingPress's `compression_interval`); `step_end` returns None on the steps
-  between. Its `budget` must count the N - 1 tokens a row then holds above the per-step peak.
-  1 (`MethodBase`'s default): every step. A method without decode-time eviction ignores it.
-- `prefill_chunk(layer, view)`   after a chunk's K/V are stored and its attention ran.
-- `prefill_end(layer, view)`     right after the last prompt chunk of that layer (same forward), ->
-  an optional `KeepPlan` (equal or per-head variable counts); the engine compacts the layer's
-  pages to it before any decode.
-- `decode_before_attention(layer, view)` / `decode_after_attention(layer, view, out)`: decode
-  steps; they must stay free of host syncs (decode steps are CUDA-graph captured, unless the
-  method sets `decode_graphs = False`: then `view.rows` carries host facts of each row). A
-  method that reads the step's attention declares the fold in `attention.decode_stats`; the
-  decode attention kernels then emit it and `view.attn_stats` carries it to
-  decode_after_attention (no second pass over the keys).
-- `attention`: which generated attention kernels the method runs (`AttentionKernels`: the variant
-  its manifest names, `plain` by default) and the decode statistics they must emit.
-- `step_end(layer, view)`       after a step's forward, per layer of every sequence that decoded
-  in it, -> an optional `KeepPlan`, compacted at once (decode-time eviction).
-- `step_end_due(layer, lengths, prompt_lens, context_lens)` (optional) before step_end, per layer:
-  a bool array over the decoded rows (host int arrays: stored length with the step's token, prompt
-  and context as the views carry them) saying which rows' step_end may give a plan; the engine
-  builds views and calls step_end(_batch) for those rows only (None: all). A row left out must be
-  one whose step_end would return None (an eviction interval's steps between evictions).
-- `step_end_batch(layer, views)` the same for every sequence that decoded, at once: one plan (or
-  None) per view, in order, equal to what `step_end` gives each view alone. The engine calls it
-  when the method has it (`MethodBase`'s runs `step_end` per view), so a method may batch its
-  step-end work across sequences (the host cost of decode-time eviction at large batches).
-- `turn_end(seq_id)` / `turn_resume(seq_id, state, lengths)`: chain cache (runtime/chains.py), only
-  for methods listing `Hook.TURN`. `turn_end` hands over (and forgets) the sequence's state when
-  its turn is recorded into a chain; `turn_resume` installs a chain's state under a new sequence
-  (a copy: forks share one recorded state) before its continuation prefills, with per-token state
-  cut to the layers' physical `lengths` (a rollback drops the stored tail). A continuation looks
-  to the method like a new request whose prompt is the stored (compressed) history plus the new
-  suffix: `prompt`/`context` symbols count physical tokens, RoPE positions stay logical.
-- `clone(src_seq_id, dst_seq_id)`: the engine copied a running sequence's pages into a new one
-  (`Engine.clone_sequence`: the throughput benchmark's decode window); the method copies its own
-  per-sequence state, so the clone continues exactly as the source would. Only for methods
-  listing `Hook.CLONE`.
-- `release(seq_id)`             the sequence's pages were freed (finish, abort, preemption).
-
-The engine only calls the points named in `hooks`, so a method pays for nothing it does not use.
+points, with the typed views below, and carries out the plans the hooks answer with
+(runtime/kv/plans.py, runtime/kv/executor.py). Every shipped method, `full` included, is compiled
+code adapted to this Protocol by `methods_compiled.py`; `MethodBase` gives the no-op defaults, and
+tests/runtime/contract_methods.py holds two methods written against it directly.
 """
 
 from __future__ import annotations

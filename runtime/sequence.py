@@ -9,7 +9,7 @@ Logical vs physical length: `num_computed_tokens` counts the tokens whose K/V we
 positions continue from it), while `kv_lens[layer]` counts the tokens layer `layer` actually
 stores in `page_tables[layer]` (fewer once a method compacted the layer). For `full` they agree.
 
-Readers cache arrays of the page tables (the runner's `_TableCache`, the decode graphs' mirror, the
+Readers cache arrays of the page tables (the runner's `TableCache`, the decode graphs' mirror, the
 scheduler's `Room`) by `tables_version`, which every change of `page_tables` bumps. Appending pages
 to a layer (`grow_table`, the scheduler's growth at a page boundary: with per-layer lengths, some
 layer of nearly every row at every step) also logs the layer in `grown_layers`, so a reader

@@ -1,12 +1,12 @@
 """State planes: a method's per-token state stored in pages beside K/V, addressed like them.
 
-A method whose decode hook keeps per-token state (H2O's `seen [kv_head, key]`) asks for planes in
-its `KVLayout.state_planes`; `PagedAttention` then holds one float32 tensor per name,
-`[num_pages + 1, Hkv, page_size]`. Slot s of a sequence's layer sits in page `table[s // page_size]`
-at offset `s % page_size`, exactly where its K/V sit, so the state scales with the stored tokens
-(not with max_model_len x max_num_seqs), is freed with the pages, shared and copied with them
-(copy-on-write, chain records), and moved with them by compaction (`compaction.compact_many(...,
-planes=)`). The extra last page is scratch: batched writes send the padding of a batch there, so
+A method whose decode hook keeps per-token state (H2O's `seen [kv_head, key]`) lists one float32
+per-token tensor per state in its KV spec (runtime/kv/spec.py `state_plane`); the KV store then
+holds one `[num_pages + 1, Hkv, page_size]` tensor per name. Slot s of a sequence's layer sits in
+page `table[s // page_size]` at offset `s % page_size`, exactly where its K/V sit, so the state
+scales with the stored tokens (not with max_model_len x max_num_seqs), is freed with the pages,
+shared and copied with them (copy-on-write, chain records), and moved with them by the executor's
+compaction. The extra last page is scratch: batched writes send the padding of a batch there, so
 a captured graph writes with static shapes and never touches a page it does not own.
 
 Two kinds of access:
@@ -24,13 +24,6 @@ from dataclasses import dataclass
 import torch
 
 DTYPE = torch.float32
-
-
-def allocate(names: tuple[str, ...], num_pages: int, num_kv_heads: int, page_size: int,
-             device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Zeroed planes, one per name, with one scratch page past the pool's `num_pages`."""
-    return {name: torch.zeros((num_pages + 1, num_kv_heads, page_size), dtype=DTYPE, device=device)
-            for name in names}
 
 
 def _slots(plane: torch.Tensor, page_ids: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from bench.step_end_runner_host import make_runner
+from kvc.runtime.model_runner import StepOutput
 from kvc.runtime.kv.compaction import CompactionJob, compact_batch, compact_many, stack_keeps
 from kvc.runtime.method_api import KeepPlan, StackedPlan
 
@@ -68,6 +69,13 @@ def oracle_step_end(runner, batch, plans_of) -> dict:
     return compacted
 
 
+def step_end(runner, batch) -> dict[int, dict[int, int]]:
+    """The runner's step end over `batch`: the lengths its keep plans left, per sequence and layer."""
+    output = StepOutput({})
+    runner.hooks.step_end(batch, output)
+    return output.compacted
+
+
 def views_of(runner, batch, layer: int):
     """The StepViews `_step_end` builds (through the same code: a spy on the method's batch call)."""
     seen = {}
@@ -80,7 +88,7 @@ def views_of(runner, batch, layer: int):
 
     method.step_end_batch = spy
     try:
-        runner._step_end(batch, {})
+        step_end(runner, batch)
     finally:
         method.step_end_batch = original
     return seen[layer]
@@ -93,8 +101,7 @@ def test_compiled_step_end_equals_the_per_row_oracle(method, backend):
                 seed=5)
     runner, batch = make_runner(method, **make)
     oracle, obatch = make_runner(method, **make)
-    compacted: dict[int, dict[int, int]] = {}
-    runner._step_end(batch, compacted)
+    compacted = step_end(runner, batch)
     want = oracle_step_end(oracle, obatch, lambda layer: [
         oracle.method.step_end(layer, v) for v in views_of(oracle, obatch, layer)])
     assert list(compacted.values()) == list(want.values())  # seq ids differ between the two runners
@@ -136,8 +143,7 @@ def test_mixed_plans_equal_the_per_row_oracle(backend):
     starts = [s.kv_starts[0] for s in batch.seqs]
     plans = {layer: mixed_plans(layer, lengths, starts, seed=21) for layer in range(2)}
     runner.method.step_end_batch = lambda layer, views: plans[layer]
-    compacted: dict[int, dict[int, int]] = {}
-    runner._step_end(batch, compacted)
+    compacted = step_end(runner, batch)
     want = oracle_step_end(oracle, obatch, lambda layer: plans[layer])
     assert list(compacted.values()) == list(want.values())
     assert_same(snapshot(runner, batch), snapshot(oracle, obatch))

@@ -7,7 +7,7 @@ them: copy-on-write of a page (the runner's `_own_page`), a compaction that trun
 (`_shrink`) with per-head starts, clones, preemption and re-admission, aborts, and a tiny append
 log (`grown_layers` cleared). After every step (property-style, fixed seeds):
 
-- the runner's `_TableCache` arrays, lengths and starts equal a fresh cache's;
+- the runner's `TableCache` arrays, lengths and starts equal a fresh cache's;
 - the scheduler's `Room` equals the free slots recomputed from the tables, and `_growth` the
   page count by layer;
 - the decode graphs' host mirror and static device tables (`DecodeGraphs._load`, on the CPU)
@@ -27,7 +27,8 @@ from kvc.runtime import sequence as sequence_module
 from kvc.runtime.decode_graphs import DecodeGraphs
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.room import Room
-from kvc.runtime.model_runner import ModelRunner, _TableCache
+from kvc.runtime.kv.executor import KVExecutor
+from kvc.runtime.kv.tables import TableCache
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvc.runtime.sequence import Sequence, SequenceStatus
@@ -51,8 +52,8 @@ def _decoding(pool: PagePool, scheduler: Scheduler, rng: random.Random, lengths:
     return seq
 
 
-def _check_cache(cache: _TableCache, seq: Sequence) -> None:
-    fresh = _TableCache(LAYERS, HEADS)
+def _check_cache(cache: TableCache, seq: Sequence) -> None:
+    fresh = TableCache(LAYERS, HEADS)
     want, got = fresh.array(seq), cache.array(seq)
     width = want.shape[1]
     assert got.shape[1] >= width and not got[:, width:].any()
@@ -83,15 +84,16 @@ def _check_mirror(graphs: DecodeGraphs, seqs: list[Sequence]) -> None:
 
 
 def _copy_on_write(pool: PagePool, rng: random.Random, seq: Sequence) -> None:
-    """The runner's copy-on-write of one shared page (`ModelRunner._own_page`)."""
+    """The runner's copy-on-write of one shared page (`KVExecutor.own_page`, as the step hooks call it)."""
     layer = rng.randrange(LAYERS)
     if not seq.page_tables[layer]:
         return
     index = rng.randrange(len(seq.page_tables[layer]))
     pool.acquire([seq.page_tables[layer][index]])  # another holder: the page is shared
     seq.spare_pages = pool.allocate(1)
-    runner = SimpleNamespace(pool=pool, attention=SimpleNamespace(copy_pages=lambda src, dst: None))
-    ModelRunner._own_page(runner, seq, layer, index)
+    executor = KVExecutor(SimpleNamespace(copy_pages=lambda src, dst: None), pool)
+    if executor.own_page(seq.page_tables[layer], index, seq.spare_pages):
+        seq.tables_version += 1
     pool.free(seq.spare_pages)
     seq.spare_pages = []
 
@@ -117,7 +119,7 @@ def test_incremental_tables_equal_a_fresh_rebuild(monkeypatch, seed: int, log_ca
         top = rng.randrange(8, 40)
         _decoding(pool, scheduler, rng, [max(1, top - 5 * layer + rng.randrange(3)) for layer in range(LAYERS)])
     runner = SimpleNamespace(device=torch.device("cpu"), num_layers=LAYERS, max_pages_per_seq=256,
-                             num_kv_heads=HEADS, page_size=PAGE, tables=_TableCache(LAYERS, HEADS),
+                             num_kv_heads=HEADS, page_size=PAGE, tables=TableCache(LAYERS, HEADS),
                              max_model_len=256 * PAGE, attention=SimpleNamespace(num_pages=pool.num_pages))
     graphs = DecodeGraphs(runner, SEATS)
     kinds = {"append": 0, "rebuild": 0}

@@ -1,0 +1,125 @@
+"""Page-table arrays per sequence, kept in step with its tables (the model runner's step inputs,
+the decode graphs' mirror, the step-end compaction batches read them).
+
+Each sequence's [L, W] int32 copy of its per-layer page tables and its [L, Hkv] KV-head start
+slots are cached by `Sequence.tables_version`; a change that only appended pages
+(`Sequence.grown_since`) writes just those pages, any other change rebuilds the arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class _Tables:
+    """One sequence's cached arrays (`TableCache`) and the tables snapshot they hold."""
+
+    __slots__ = ("version", "mark", "array", "lens", "longest", "starts")
+
+    def __init__(self, version: int, mark: int, array: np.ndarray, lens: list[int]) -> None:
+        self.version, self.mark = version, mark  # (tables_version, len(grown_layers)) when last synced
+        self.array = array  # [L, W] int32, W >= the longest table; zeros past each table
+        self.lens = lens  # pages of each layer's table
+        self.longest = max(1, max(lens, default=0))
+        self.starts: np.ndarray | None = None  # [L, Hkv] int32, built on first use
+
+
+class TableCache:
+    """Per-sequence [L, W] int32 copies of the page tables (W >= its longest table) and [L, Hkv]
+    KV-head start slots, kept in step with the sequence's `tables_version`: most decode steps reuse
+    them, and a step that only appended pages (`Sequence.grown_since`, the scheduler's page-boundary
+    growth) writes just those pages; any other change rebuilds them (L list-to-array conversions).
+    So with per-layer lengths (PyramidKV, Ada-KV), where some layer of nearly every row crosses a
+    page boundary at every step, a step costs a few entries per row, not L x B conversions."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int = 1) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self._entries: dict[int, _Tables] = {}
+
+    def _sync(self, seq) -> _Tables:
+        entry = self._entries.get(seq.seq_id)
+        if entry is not None and entry.version == seq.tables_version:
+            return entry
+        grown = None if entry is None else seq.grown_since(entry.version, entry.mark)
+        if grown is None:
+            entry = self._rebuild(seq)
+        else:
+            for layer in set(grown):
+                self._append(entry, layer, seq.page_tables[layer])
+            entry.version, entry.mark = seq.tables_version, len(seq.grown_layers)
+        return entry
+
+    def _rebuild(self, seq) -> _Tables:
+        tables = seq.page_tables
+        lens = [len(t) for t in tables]
+        arr = np.zeros((self.num_layers, max(1, max(lens, default=0))), dtype=np.int32)
+        for layer, table in enumerate(tables):
+            arr[layer, : len(table)] = table
+        entry = _Tables(seq.tables_version, len(seq.grown_layers), arr, lens)
+        self._entries[seq.seq_id] = entry
+        return entry
+
+    @staticmethod
+    def _append(entry: _Tables, layer: int, table: list[int]) -> None:
+        """Writes the pages appended to `layer`'s table since the entry's copy of it."""
+        old, new = entry.lens[layer], len(table)
+        width = entry.array.shape[1]
+        if new > width:  # widen with slack: the longest layer grows a page at a time
+            wider = np.zeros((entry.array.shape[0], max(new, width + max(8, width // 8))), dtype=np.int32)
+            wider[:, :width] = entry.array
+            entry.array = wider
+        entry.array[layer, old:new] = table[old:new]
+        entry.lens[layer] = new
+        entry.longest = max(entry.longest, new)
+
+    def array(self, seq) -> np.ndarray:
+        """seq's [L, W] int32 page tables (W >= its longest table, zeros past each table). The
+        array is updated in place by later appends: copy what must stay as it is now."""
+        return self._sync(seq).array
+
+    def lengths(self, seq) -> list[int]:
+        """Pages of each of seq's layer tables (read-only)."""
+        return self._sync(seq).lens
+
+    def longest(self, seq) -> int:
+        """Pages of seq's longest layer table (at least 1)."""
+        return self._sync(seq).longest
+
+    def starts_array(self, seq) -> np.ndarray:
+        """seq's [L, Hkv] int32 KV-head start slots (0 where a layer has none), cached."""
+        entry = self._sync(seq)  # appended pages keep the starts; any other change rebuilt the entry
+        if entry.starts is None:
+            arr = np.zeros((self.num_layers, self.num_kv_heads), dtype=np.int32)
+            for layer, starts in enumerate(seq.kv_starts):
+                if starts is not None:
+                    arr[layer] = starts
+            entry.starts = arr
+        return entry.starts
+
+    def pack(self, seqs, width: int) -> torch.Tensor:
+        """[L, B, width] int32 page tables of `seqs`, zero-padded."""
+        return torch.from_numpy(self.pack_numpy(seqs, width))
+
+    def pack_numpy(self, seqs, width: int) -> np.ndarray:
+        out = np.zeros((self.num_layers, len(seqs), width), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            arr = self.array(seq)
+            w = min(width, arr.shape[1])
+            out[:, i, :w] = arr[:, :w]
+        return out
+
+    def pack_starts(self, seqs) -> np.ndarray | None:
+        """[L, B, Hkv] int32 KV-head start slots of `seqs`, or None when every one is 0 (the
+        kernels then run without them)."""
+        if not any(seq.has_kv_starts for seq in seqs):
+            return None
+        out = np.zeros((self.num_layers, len(seqs), self.num_kv_heads), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            if seq.has_kv_starts:
+                out[:, i] = self.starts_array(seq)
+        return out
+
+    def drop(self, seq_id: int) -> None:
+        self._entries.pop(seq_id, None)

@@ -1,0 +1,242 @@
+"""The method's hooks around a step's forward, and what their plans change in the sequences.
+
+Pipeline position: called by the model runner (runtime/model_runner.py) inside the forward
+(`prefill`, per layer, after the layer's attention) and after it (`step_end`); before a step, it
+makes the pages a step writes the sequence's own (copy-on-write) and copies a continuation's row.
+The plans themselves are carried out by the executor (runtime/kv/executor.py); here they become
+bookkeeping: compacted lengths and residual counts for the scheduler (`StepOutput`), per-head
+start slots, verbatim tails and position maps on the sequences. docs/design.md, "Plans" and
+"Chain cache".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvc.runtime.kv.compaction import CompactionBatch, CompactionJob, batch_of_jobs, stack_keeps
+from kvc.runtime.kv.executor import KVExecutor
+from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.kv.positions import compact_map
+from kvc.runtime.kv.store import KVStore
+from kvc.runtime.kv.tables import TableCache
+from kvc.runtime.method_api import Hook, KVMethod, LayerCacheView, PrefillView, RewritePlan, StackedPlan, StepView
+from kvc.runtime.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from kvc.runtime.model_runner import StepOutput
+
+
+class StepHooks:
+    def __init__(self, method: KVMethod, store: KVStore, executor: KVExecutor, tables: TableCache,
+                 pool: PagePool | None, num_layers: int) -> None:
+        self.method, self.store, self.executor, self.tables, self.pool = method, store, executor, tables, pool
+        self.num_layers, self.num_kv_heads, self.page_size = num_layers, store.num_kv_heads, store.page_size
+        self.planes = store.method_tensors()  # the method's per-token state: every decode row writes it
+
+    # ---- copy-on-write -----------------------------------------------------------------------
+    # The scheduler sets aside one spare page per shared page a step writes (`Scheduler._copies`),
+    # so a sequence without spare pages writes into no shared page: its tables are not walked
+    # (the hot path of every decode step, and of every keep plan of decode-time eviction).
+    def own_append_pages(self, batch: ScheduledBatch) -> None:
+        """Each sequence's partial last page, which this step appends to, becomes its own (every
+        page of a decode row when the decode hook writes state planes)."""
+        page = self.page_size
+        for i, seq in enumerate(batch.seqs):
+            if not seq.spare_pages:
+                continue
+            if self.planes and i < batch.num_decodes:
+                for layer, table in enumerate(seq.page_tables):
+                    self._own_pages(seq, layer, len(table))
+                continue
+            for layer, kv in enumerate(seq.kv_lens):
+                if kv % page:
+                    self._own_page(seq, layer, kv // page)
+
+    def _own_pages(self, seq, layer: int, count: int) -> None:
+        """The first `count` pages of seq's layer table become its own (a compaction rewrites them)."""
+        if self.pool is not None and seq.spare_pages:
+            for index in range(min(count, len(seq.page_tables[layer]))):
+                self._own_page(seq, layer, index)
+
+    def _own_page(self, seq, layer: int, index: int) -> None:
+        if self.executor.own_page(seq.page_tables[layer], index, seq.spare_pages):
+            seq.tables_version += 1
+
+    def copy_rows(self, batch: ScheduledBatch) -> None:
+        """A chain continuation's row starts as its record's (rows are never shared)."""
+        for seq in batch.seqs:
+            if seq.row_source is not None:
+                self.store.copy_rows([seq.row_source], [seq.row])
+                seq.row_source = None
+
+    # ---- hooks and their plans ---------------------------------------------------------------
+    def prefill(self, layer: int, q, k, v, batch: ScheduledBatch, output: StepOutput) -> None:
+        """prefill_chunk for every prefill chunk of the step, then prefill_end for the chunks that
+        end their sequence's prefill; their keep plans are compacted together (one call), their
+        rewrite plans re-encoded."""
+        method = self.method
+        starts = np.cumsum([0, *batch.num_new_tokens]).tolist()  # host rows of each sequence's chunk
+        jobs: list[tuple[object, CompactionJob]] = []
+        for i in range(batch.num_decodes, len(batch.seqs)):
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            rows = slice(starts[i], starts[i] + n)
+            table = seq.page_tables[layer]
+            length = seq.kv_lens[layer] + n  # stored after this chunk (postprocess advances it)
+            view = PrefillView(
+                seq_id=seq.seq_id, layer=layer, num_layers=self.num_layers,
+                q=q[rows], k=k[rows], v=v[rows], start=seq.num_computed_tokens,
+                prompt_len=seq.prefill_end,
+                cache=self._cache_view(seq, layer, length, n),
+            )
+            if Hook.PREFILL_CHUNK in method.hooks:
+                method.prefill_chunk(layer, view)
+            if not view.is_last or Hook.PREFILL_END not in method.hooks:
+                continue
+            if self.planes:  # prefill_end stores the state in the layer's planes
+                self._own_pages(seq, layer, len(table))
+            plan = method.prefill_end(layer, view)
+            if plan is None:
+                continue
+            if isinstance(plan, RewritePlan):
+                self._rewrite(seq, layer, view.cache, plan, output)
+                continue
+            self._own_pages(seq, layer, -(-plan.kept // self.page_size))  # copy-on-write before compaction
+            logical = seq.num_computed_tokens + n
+            jobs.append((seq, CompactionJob(table, length, plan.indices, plan.lengths, seq.kv_starts[layer]),
+                         logical - plan.tail, logical))
+        if jobs:
+            batch = batch_of_jobs(self.store.token_tensors()[0], [job for _, job, _, _ in jobs])
+            self._compact(layer, batch, [j[0] for j in jobs], [j[2] for j in jobs], [j[3] for j in jobs],
+                          output.compacted)
+
+    def _cache_view(self, seq, layer: int, length: int, new: int) -> LayerCacheView:
+        """seq's layer as a hook sees it once `new` more tokens are stored (`length` slots)."""
+        resid = min(seq.resid_lens[layer] + new, self.store.residual_window)
+        return LayerCacheView(self.store, seq.page_tables[layer], length, seq.kv_starts[layer], layer, seq.row, resid)
+
+    def _rewrite(self, seq, layer: int, cache: LayerCacheView, plan: RewritePlan, output: StepOutput) -> None:
+        """A rewrite plan re-encoded now (copy-on-write first); the residual slots it leaves are
+        reported like compacted lengths (the scheduler records them)."""
+        self._own_pages(seq, layer, -(-cache.length // self.page_size))
+        left = self.executor.rewrite(layer, seq.page_tables[layer], cache.length, seq.row, cache.resid_len, plan)
+        output.rewritten.setdefault(seq.seq_id, {})[layer] = left
+
+    def _compact(self, layer: int, batch: CompactionBatch, seqs: list, verbatim: list[int], logical: list[int],
+                 compacted: dict[int, dict[int, int]]) -> None:
+        """Applies one layer's keep plans (one kernel launch on a GPU), reports the kept lengths,
+        records the per-head start slots of plans with per-head variable counts and moves each
+        sequence's verbatim tail (`verbatim_from`: the first logical token a keep may have dropped
+        or moved, for the chain cache's rollback); a chained sequence's position map follows the plan.
+        Job j of `batch` is `seqs[j]`'s."""
+        physical = self.executor.compact(batch)
+        uniform = batch.starts is None and bool((batch.counts == batch.widths[:, None]).all())  # no starts anywhere
+        for j, (seq, length, tail_from) in enumerate(zip(seqs, physical.tolist(), verbatim)):
+            per_seq = compacted.get(seq.seq_id)
+            if per_seq is None:
+                compacted[seq.seq_id] = {layer: length}
+            else:
+                per_seq[layer] = length
+            if tail_from > seq.verbatim_from:
+                seq.verbatim_from = tail_from
+            if uniform and seq.positions is None and seq.kv_starts[layer] is None:
+                continue  # equal counts over no starts: nothing more to record
+            result = batch.result(j, physical)
+            if seq.positions is not None:
+                keep = batch.keep_of(j)
+                counts = [length] * keep.shape[0] if result.starts is None else [length - s for s in result.starts]
+                seq.positions[layer] = compact_map(seq.positions[layer], int(batch.lengths[j]), logical[j], keep,
+                                                   counts, length)
+            if result.starts is not None or seq.kv_starts[layer] is not None:
+                seq.set_kv_starts(layer, result.starts)
+
+    def step_end(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """step_end per layer of every sequence that decoded in this step (`step_end_batch`, one call
+        per layer, when the method has it); each layer's keep plans are compacted at once and
+        reported (the scheduler frees the pages past them). Host work per layer is Python per row
+        (views, bookkeeping) plus numpy and a few torch calls: the page tables come from the
+        runner's cached arrays, and plans sharing a tensor (`StackedPlan`) move as one."""
+        method, page = self.method, self.page_size
+        decoded = batch.seqs[: batch.num_decodes]
+        batched = method.step_end_batch
+        num_layers, cache_view = self.num_layers, self._cache_view
+        packed = versions = None  # [L, B, W] page tables of `decoded`, built once the first layer compacts
+        due_fn = method.step_end_due
+        # host facts of every row and layer, for the method's cheap "may it evict now"
+        gaps = np.array([seq.history_gap for seq in decoded], dtype=np.int64)  # [B, L]
+        lengths = np.array([seq.kv_lens for seq in decoded], dtype=np.int64) + 1  # the step's token is stored
+        contexts = np.array([seq.num_computed_tokens + 1 for seq in decoded], dtype=np.int64)[:, None] - gaps
+        prompts = np.array([seq.prefill_end for seq in decoded], dtype=np.int64)[:, None] - gaps
+        everyone = list(range(len(decoded)))
+        for layer in range(num_layers):
+            candidates = everyone
+            due = due_fn(layer, lengths[:, layer], prompts[:, layer], contexts[:, layer])
+            if due is not None:
+                if not due.any():
+                    continue  # no row evicts in this layer at this step (an eviction interval's steps between)
+                if not due.all():
+                    candidates = np.flatnonzero(due).tolist()
+            views = [StepView(seq.seq_id, layer, num_layers, seq.num_computed_tokens + 1 - seq.history_gap[layer],
+                              seq.prefill_end - seq.history_gap[layer],  # a chain's prompt: stored history + suffix
+                              cache_view(seq, layer, seq.kv_lens[layer] + 1, 1))  # the step's token is stored
+                     for seq in (decoded if candidates is everyone else [decoded[i] for i in candidates])]
+            plans = batched(layer, views)
+            if len(plans) != len(views):
+                raise RuntimeError(f"method {method.name!r}: step_end_batch gave {len(plans)} plans for "
+                                   f"{len(views)} sequences")
+            found = [i for i, plan in enumerate(plans) if plan is not None]  # indices into `candidates`
+            if found and any(isinstance(plans[i], RewritePlan) for i in found):
+                for i in [i for i in found if isinstance(plans[i], RewritePlan)]:
+                    self._rewrite(decoded[candidates[i]], layer, views[i].cache, plans[i], output)
+                found = [i for i in found if not isinstance(plans[i], RewritePlan)]
+            if not found:
+                continue
+            rows = [candidates[i] for i in found]
+            every = len(rows) == len(decoded)  # the common case: every row evicts
+            if packed is None:
+                width = max(self.tables.longest(seq) for seq in decoded)
+                packed, versions = self.tables.pack_numpy(decoded, width), [s.tables_version for s in decoded]
+            if self.pool is not None:
+                for i, row in zip(found, rows):
+                    seq = decoded[row]
+                    if seq.spare_pages:  # copy-on-write before compaction; a table it changes is re-read
+                        self._own_pages(seq, layer, -(-plans[i].kept // page))
+                        if seq.tables_version != versions[row]:
+                            self._refresh_table(packed, row, seq)
+                            versions[row] = seq.tables_version
+            seqs = decoded if every else [decoded[row] for row in rows]
+            kept = plans if every else [plans[i] for i in found]
+            job_views = views if every else [views[i] for i in found]
+            logical = [seq.num_computed_tokens + 1 for seq in seqs]
+            jobs = self._plan_batch(layer, kept, job_views, packed[layer] if every else packed[layer, rows])
+            self._compact(layer, jobs, seqs, [n - plan.tail for n, plan in zip(logical, kept)], logical,
+                          output.compacted)
+
+    def _refresh_table(self, packed: np.ndarray, row: int, seq) -> None:
+        """Row `row` of the step's packed tables after copy-on-write changed seq's tables."""
+        arr = self.tables.array(seq)
+        width = min(packed.shape[2], arr.shape[1])
+        packed[:, row] = 0
+        packed[:, row, :width] = arr[:, :width]
+
+    def _plan_batch(self, layer: int, plans: list, views: list[StepView], tables: np.ndarray) -> CompactionBatch:
+        """One layer's step-end plans as a `CompactionBatch`: plans over one tensor (a `StackedPlan`'s
+        stack, or one shared plan) gathered once; counts, lengths and starts as numpy."""
+        device = self.store.device
+        sources = [(plan.stack, plan.row) if isinstance(plan, StackedPlan) else (plan.indices, None) for plan in plans]
+        caches = [view.cache for view in views]
+        lengths = np.array([cache.length for cache in caches], dtype=np.int64)
+        pages = np.array([len(cache.page_ids) for cache in caches], dtype=np.int64)
+        starts = None
+        if any(cache.starts is not None for cache in caches):
+            starts = np.array([cache.starts or [0] * self.num_kv_heads for cache in caches], dtype=np.int64)
+        keep, pos, widths = stack_keeps(sources, device)
+        if keep.shape[1] != self.num_kv_heads:
+            raise RuntimeError(f"method {self.method.name!r}: keep plans of layer {layer} have {keep.shape[1]} KV "
+                               f"heads, the model {self.num_kv_heads}")
+        counts = np.repeat(widths[:, None], keep.shape[1], axis=1)
+        for j, plan in enumerate(plans):
+            if plan.lengths is not None:  # per-head variable counts (compiled methods keep them on the CPU)
+                counts[j] = plan.lengths.detach().cpu().numpy()
+        return CompactionBatch(keep, pos, widths, counts, lengths, tables, pages, starts)
