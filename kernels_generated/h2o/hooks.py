@@ -3,8 +3,9 @@
 """h2o (eviction): the hook module the engine will call, from `methods/h2o.kvm`.
 
 This is the budget side of the lifecycle contract (docs/design.md, "The lifecycle contract"):
-`kept_tokens(...)` and `budget(...)` for admission (the engine's compiled-method adapter calls
-`kept_tokens`), and the scoring/selection entry points of the torch backend.
+`held_tokens(...)` and `budget(...)` for admission (the engine's compiled-method adapter calls
+`held_tokens`), `query_window(params)` and `KEEP_TAILS` (the queries prefill_end reads, each
+keep's `+ last N`), and the scoring/selection entry points of the torch backend.
 
 Budget formulas (sympy, also in manifest.json):
     held_tokens_per_layer = Min(context, Max(0, floor(Piecewise((budget - floor(budget/2), budget > 0), (context*recent, True)))) + Max(0, floor(Piecewise((floor(budget/2), budget > 0), (context*heavy, True)))))
@@ -68,3 +69,28 @@ def budget(context, *, layers, kv_heads, head_dim, dtype_bytes=2, params=None):
     """KV bytes one request holds after prefill end of a `context`-token prompt (admission control)."""
     return kv_bytes(context, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
                     params={**DEFAULTS, **(params or {})})
+
+
+def query_window(params):
+    """How many trailing prompt queries prefill_end reads: the largest `q[last n]` of its fused kernels
+    (0: none; None: every query)."""
+    return 0
+
+
+def prefill_end_tail(sym, params):
+    """The `+ last N` of `on prefill_end`'s keep (methods/h2o.kvm:22): the newest stored tokens it always keeps."""
+    budget = params["budget"]
+    prompt = sym["prompt"]
+    recent = params["recent"]
+    return ((budget - math.floor((1/2)*budget)) if (budget > 0) else (prompt*recent))
+
+
+def decode_after_attention_tail(sym, params):
+    """The `+ last N` of `on decode_after_attention`'s keep (methods/h2o.kvm:25): the newest stored tokens it always keeps."""
+    budget = params["budget"]
+    prompt = sym["prompt"]
+    recent = params["recent"]
+    return ((budget - math.floor((1/2)*budget)) if (budget > 0) else (prompt*recent))
+
+
+KEEP_TAILS = {"prefill_end": prefill_end_tail, "decode_after_attention": decode_after_attention_tail}  # keeping hook -> its `+ last N` (none: 0)
