@@ -4,8 +4,9 @@
 
 This is the budget side of the lifecycle contract (docs/design.md, "The lifecycle contract"):
 `held_tokens(...)` and `budget(...)` for admission (the engine's compiled-method adapter calls
-`held_tokens`), `query_window(params)` and `KEEP_TAILS` (the queries prefill_end reads, each
-keep's `+ last N`), and the scoring/selection entry points of the torch backend.
+`held_tokens`), `kv_spec(...)` (every tensor the method stores), `query_window(params)` and
+`KEEP_TAILS` (the queries prefill_end reads, each keep's `+ last N`), and the scoring/selection
+entry points of the torch backend.
 
 Budget formulas (sympy, also in manifest.json):
     held_tokens_per_layer = Min(context, Max(0, floor(window)) + Max(0, -(kv_heads - 1)*Max(0, floor(alpha*(budget - window))) + Max(0, floor(kv_heads*(budget - window))), floor(alpha*(budget - window))))
@@ -15,6 +16,10 @@ Budget formulas (sympy, also in manifest.json):
 """
 
 import math
+
+import torch
+
+from kvc.runtime.kv.spec import Dense, Extent, KVSpec, Quantized, Summary, TensorSpec, state_plane  # noqa: F401
 
 from . import torch_lowering  # relative: the engine also loads this folder by path (compiler/cache.py)
 
@@ -84,3 +89,15 @@ def prefill_end_tail(sym, params):
 
 
 KEEP_TAILS = {"prefill_end": prefill_end_tail}  # keeping hook -> its `+ last N` (none: 0)
+
+
+def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
+    """Every tensor adakv stores per token, page or sequence, from methods/adakv.kvm (manifest.json "kv_spec")."""
+    tensors = [
+        TensorSpec("k", Extent.TOKEN, dtype, (head_dim,)),
+        TensorSpec("v", Extent.TOKEN, dtype, (head_dim,)),
+    ]
+    keys = Dense("k")
+    values = Dense("v")
+    summaries = ()
+    return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, head_starts=True)
