@@ -192,6 +192,7 @@ class MethodIR:
     states: list[StateIR] = field(default_factory=list)
     stores: list[str] = field(default_factory=list)  # storage formats, carried as text for later
     hooks: list[HookIR] = field(default_factory=list)
+    checked: object = field(default=None, repr=False, compare=False)  # the CheckedMethod (compiler/kv_spec.py reads it)
 
     def hook(self, name: str) -> HookIR | None:
         return next((h for h in self.hooks if h.name == name), None)
@@ -352,6 +353,7 @@ def build(checked, source: bytes | None = None) -> MethodIR:
         params=[ParamIR(n, _param_type(p), checked.values[n], p.domain) for n, p in checked.params.items()],
         values=dict(checked.values),
         lets={n: _formula(e, checked.lets) for n, e in checked.lets.items()},
+        checked=checked,
     )
     for decl in checked.method.items:
         if isinstance(decl, ast.Store):

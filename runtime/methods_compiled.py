@@ -53,7 +53,6 @@ bounded by the decode-time keep when there is one.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -119,18 +118,20 @@ def _check_params(name: str, manifest: dict, params: dict[str, Any], source: Pat
     return {**{k: v["default"] for k, v in declared.items()}, **params}
 
 
-def _query_window(manifest: dict, params: dict[str, Any]) -> int:
-    """How many trailing prompt queries prefill_end reads (ALL_QUERIES: every one)."""
-    window = 0
-    for kernel in manifest.get("kernels", []):
-        if kernel.get("hook") != "prefill_end":
-            continue
-        expr = kernel.get("flags", {}).get("WINDOW_EXPR", "None")
-        value = eval(expr, {"__builtins__": {}, "floor": math.floor, "ceil": math.ceil}, dict(params))  # noqa: S307
-        if value is None:
-            return ALL_QUERIES
-        window = max(window, int(value))
-    return window
+def _query_window(name: str, hooks_module: Any, params: dict[str, Any]) -> int:
+    """How many trailing prompt queries prefill_end reads (ALL_QUERIES: every one): the generated
+    `query_window(params)` of hooks.py (compiler/contract_code.py)."""
+    window = _generated(name, hooks_module, "query_window")(params)
+    return ALL_QUERIES if window is None else int(window)
+
+
+def _generated(name: str, hooks_module: Any, attr: str) -> Any:
+    """A function (or table) of the method's generated hooks.py; a folder from an older compiler lacks it."""
+    value = getattr(hooks_module, attr, None)
+    if value is None:
+        raise ConfigError(f"the generated hooks.py of method {name!r} predates `{attr}`; run `kvc compile --all` (or "
+                          "recompile the method's folder)", param="method")
+    return value
 
 
 def _fused_kernels(manifest: dict) -> dict[str, str]:
@@ -213,12 +214,12 @@ class CompiledMethod(DecodeHooks, MethodBase):
             raise ConfigError(f"method {name!r} has decode-time or chunk hooks but no prefill_end selection; the "
                               "engine serves compiled methods whose compression starts at prefill end",
                               param="method")
-        self.window = _query_window(manifest, params)
+        self.window = _query_window(name, self.hooks_module, params)
         hooks = {Hook.PREFILL_END, Hook.RELEASE} if self._scores is not None else set()
         if self._chunk_hook is not None or self.window != 0:  # per-chunk state or a query window
             hooks.add(Hook.PREFILL_CHUNK)
         self.states = list(getattr(self.lowering, "STATES", []))
-        self._tails = {hook: fact.get("last") for hook, fact in facts.items() if fact.get("keeps")}
+        self._tails = _generated(name, self.hooks_module, "KEEP_TAILS")  # keeping hook -> its `+ last N`
         self._end_reads_v = "v" in facts.get("prefill_end", {}).get("inputs", ["v"])
         self._fused_names = _fused_kernels(manifest)
         self._fused: dict[str, Any] | None = None  # hook -> entry point of triton_kernels.py, on first GPU use
@@ -374,11 +375,10 @@ class CompiledMethod(DecodeHooks, MethodBase):
 
     def kept_tail(self, hook: str, sym: dict, length: int) -> int:
         """How many of the newest of `length` stored tokens `hook`'s keep always keeps (`+ last N`)."""
-        expr = self._tails.get(hook)
-        if expr is None:
+        tail = self._tails.get(hook)
+        if tail is None:
             return 0
-        value = eval(expr, vars(self.lowering), {**sym, **self.params})  # noqa: S307 -- generated, like the lowering
-        return clamp_count(value, length)
+        return clamp_count(tail(sym, self.params), length)
 
     # ---- chain cache -------------------------------------------------------------------------
     def turn_end(self, seq_id: int) -> dict[int, dict[str, torch.Tensor] | str]:

@@ -80,7 +80,7 @@ import torch
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv import state_planes
 from kvc.runtime.kv.state_planes import BatchSlots
-from kvc.runtime.kv.spec import KVSpec, state_plane
+from kvc.runtime.kv.spec import KVSpec
 from kvc.runtime.method_api import DecodeView, Hook, KeepPlan, LayerCacheView, StackedPlan, StepView
 
 DECODE_KEEP_HOOKS = ("decode_after_attention", "step_end")
@@ -155,10 +155,18 @@ class DecodeHooks:
         return hooks
 
     def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec:
-        """Dense K/V, plus one per-token float32 tensor per state plane of paged decode state."""
-        spec = super().kv_spec(num_kv_heads, head_dim, dtype, page_size)
-        planes = tuple(state_plane(name) for name in self.state_planes)
-        return dataclasses.replace(spec, tensors=spec.tensors + planes) if planes else spec
+        """The spec the compiler derived from the .kvm (the generated `kv_spec` of hooks.py, which lists
+        the state planes of a key-local decode hook), without those planes when the decode state lives
+        in per-row dicts instead (`use_state_planes` off)."""
+        generated = getattr(self.hooks_module, "kv_spec", None)
+        if generated is None:
+            raise ConfigError(f"the generated hooks.py of method {self.name!r} predates `kv_spec`; run "
+                              "`kvc compile --all` (or recompile the method's folder)", param="method")
+        spec = generated(num_kv_heads, head_dim, dtype, page_size, self.params)
+        planes = {t.name for t in spec.method_tensors}
+        if self.paged_state or not planes:
+            return spec
+        return dataclasses.replace(spec, tensors=tuple(t for t in spec.tensors if t.name not in planes))
 
     # ---- chain cache: decode state in the record's pages ------------------------------------
     def _layers_in_pages(self, seq_id: int) -> dict[int, str]:

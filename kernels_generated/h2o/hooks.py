@@ -3,8 +3,10 @@
 """h2o (eviction): the hook module the engine will call, from `methods/h2o.kvm`.
 
 This is the budget side of the lifecycle contract (docs/design.md, "The lifecycle contract"):
-`kept_tokens(...)` and `budget(...)` for admission (the engine's compiled-method adapter calls
-`kept_tokens`), and the scoring/selection entry points of the torch backend.
+`held_tokens(...)` and `budget(...)` for admission (the engine's compiled-method adapter calls
+`held_tokens`), `kv_spec(...)` (every tensor the method stores), `query_window(params)` and
+`KEEP_TAILS` (the queries prefill_end reads, each keep's `+ last N`), and the scoring/selection
+entry points of the torch backend.
 
 Budget formulas (sympy, also in manifest.json):
     held_tokens_per_layer = Min(context, Max(0, floor(Piecewise((budget - floor(budget/2), budget > 0), (context*recent, True)))) + Max(0, floor(Piecewise((floor(budget/2), budget > 0), (context*heavy, True)))))
@@ -14,6 +16,10 @@ Budget formulas (sympy, also in manifest.json):
 """
 
 import math
+
+import torch
+
+from kvc.runtime.kv.spec import Dense, Extent, KVSpec, Quantized, Summary, TensorSpec, state_plane  # noqa: F401
 
 from . import torch_lowering  # relative: the engine also loads this folder by path (compiler/cache.py)
 
@@ -68,3 +74,42 @@ def budget(context, *, layers, kv_heads, head_dim, dtype_bytes=2, params=None):
     """KV bytes one request holds after prefill end of a `context`-token prompt (admission control)."""
     return kv_bytes(context, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
                     params={**DEFAULTS, **(params or {})})
+
+
+def query_window(params):
+    """How many trailing prompt queries prefill_end reads: the largest `q[last n]` of its fused kernels
+    (0: none; None: every query)."""
+    return 0
+
+
+def prefill_end_tail(sym, params):
+    """The `+ last N` of `on prefill_end`'s keep (methods/h2o.kvm:22): the newest stored tokens it always keeps."""
+    budget = params["budget"]
+    prompt = sym["prompt"]
+    recent = params["recent"]
+    return ((budget - math.floor((1/2)*budget)) if (budget > 0) else (prompt*recent))
+
+
+def decode_after_attention_tail(sym, params):
+    """The `+ last N` of `on decode_after_attention`'s keep (methods/h2o.kvm:25): the newest stored tokens it always keeps."""
+    budget = params["budget"]
+    prompt = sym["prompt"]
+    recent = params["recent"]
+    return ((budget - math.floor((1/2)*budget)) if (budget > 0) else (prompt*recent))
+
+
+KEEP_TAILS = {"prefill_end": prefill_end_tail, "decode_after_attention": decode_after_attention_tail}  # keeping hook -> its `+ last N` (none: 0)
+
+
+def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
+    """Every tensor h2o stores per token, page or sequence, from methods/h2o.kvm (manifest.json "kv_spec")."""
+    tensors = [
+        TensorSpec("k", Extent.TOKEN, dtype, (head_dim,)),
+        TensorSpec("v", Extent.TOKEN, dtype, (head_dim,)),
+        state_plane("seen"),
+        state_plane("decode_after_attention.scores"),
+    ]
+    keys = Dense("k")
+    values = Dense("v")
+    summaries = ()
+    return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, head_starts=False)

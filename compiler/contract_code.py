@@ -1,0 +1,85 @@
+"""Contract code: the plain functions of a generated hooks.py that give the engine a method's numbers.
+
+Pipeline position: `codegen` calls it after `fusion` and `lower_torch`, and renders the source into
+templates/hooks.py.jinja beside the budget functions (`budgets.emit_python`) and `kv_spec`
+(`kv_spec.emit_python`). The engine calls these functions and evaluates no text at run time; the
+manifest keeps the same expressions as text for readers (the kernels' `WINDOW_EXPR`, the hook fact
+`last`):
+
+- `query_window(params)`: how many trailing prompt queries `prefill_end` reads, the largest `q[last n]`
+  of its fused kernels (0: none; None: every query), which the engine keeps per sequence and layer
+  while the prompt is prefilled (runtime/methods_compiled.py `_query_window`);
+- `<hook>_tail(sym, params)` for each keeping hook with a `+ last N`, collected in `KEEP_TAILS`: that
+  N from the hook's symbols and the parameters, unclamped (`CompiledMethod.kept_tail` clamps it).
+"""
+
+from __future__ import annotations
+
+import ast as pyast
+
+import sympy as sp
+
+from kvc.compiler.fusion import FusionPlan
+from kvc.compiler.ir import MethodIR, NotLowerable
+from kvc.compiler.lower_torch import SYMBOLS
+
+_HELPERS = {"_floor": sp.floor, "_ceil": sp.ceiling}  # the names `lower_torch.pyexpr` prints
+
+
+def _py(expr) -> str:
+    return sp.pycode(sp.sympify(expr), fully_qualified_modules=True)
+
+
+def _unpack(expr, params: list[str], what: str, allowed: tuple[str, ...] = SYMBOLS) -> list[str]:
+    lines = []
+    for name in sorted(str(s) for s in sp.sympify(expr).free_symbols):
+        if name in allowed:
+            lines.append(f'    {name} = sym["{name}"]')
+        elif name in params:
+            lines.append(f'    {name} = params["{name}"]')
+        else:
+            may = "parameters and the hook's symbols" if allowed else "parameters (the engine sizes it once)"
+            raise NotLowerable(f"{what} reads '{name}'; it may depend on {may} only")
+    return lines
+
+
+def _window(text: str):
+    """A kernel's WINDOW_EXPR (printed by `lower_torch.pyexpr`) back as sympy; None for every query."""
+    if text == "None":
+        return None
+    names = {n.id for n in pyast.walk(pyast.parse(text, mode="eval")) if isinstance(n, pyast.Name)}
+    local = {n: sp.Symbol(n) for n in names - set(_HELPERS)}
+    return sp.sympify(text, locals={**local, **_HELPERS})
+
+
+def query_window_source(plan: FusionPlan, params: list[str]) -> str:
+    windows = [_window(str(k.flag.get("WINDOW_EXPR", "None"))) for k in plan.kernels if k.hook == "prefill_end"]
+    doc = ('    """How many trailing prompt queries prefill_end reads: the largest `q[last n]` of its fused kernels\n'
+           '    (0: none; None: every query)."""')
+    head = ["def query_window(params):", doc]
+    if any(w is None for w in windows):
+        return "\n".join(head + ["    return None"]) + "\n"
+    unpack: list[str] = []
+    for w in windows:
+        unpack += [line for line in _unpack(w, params, "a query window `q[last n]`", allowed=())
+                   if line not in unpack]
+    if all(w.is_Integer for w in windows):
+        return "\n".join(head + [f"    return {max([0] + [int(w) for w in windows])}"]) + "\n"
+    value = ", ".join(["0"] + [f"int({_py(w)})" for w in windows])
+    return "\n".join(head + unpack + [f"    return max({value})"]) + "\n"
+
+
+def keep_tails_source(method: MethodIR, params: list[str]) -> str:
+    functions, entries = [], []
+    for hook in method.hooks:
+        keeps = hook.keeps
+        if not keeps or keeps[-1].select.last is None:
+            continue
+        last = keeps[-1].select.last
+        doc = (f'    """The `+ last N` of `on {hook.name}`\'s keep ({method.path}:{hook.line}): the newest stored '
+               'tokens it always keeps."""')
+        unpack = _unpack(last, params, f"the `+ last` of {hook.name}'s keep")
+        functions.append("\n".join([f"def {hook.name}_tail(sym, params):", doc] + unpack + [f"    return {_py(last)}"]))
+        entries.append(f'"{hook.name}": {hook.name}_tail')
+    table = "KEEP_TAILS = {" + ", ".join(entries) + "}  # keeping hook -> its `+ last N` (none: 0)"
+    return "\n\n\n".join(functions + [table]) + "\n"

@@ -1,0 +1,462 @@
+"""KV spec pass: every tensor a method stores, derived from its .kvm declarations.
+
+Pipeline position: after `hook_facts` (it reads `key_local` and `keeps`), before `codegen`, which
+writes the result as `manifest.json["kv_spec"]` for every method, lowered or not, and, for lowered
+methods, as the generated `kv_spec(num_kv_heads, head_dim, dtype, page_size, params)` of hooks.py
+(`emit_python`), which builds a `kvc.runtime.kv.spec.KVSpec` (runtime/kv/spec.py). The compiler
+itself never imports the runtime: this module describes the spec as data and prints the code.
+
+What maps to what (docs/compiler.md, "The KV spec"; the runtime's rules: docs/design.md, "KV memory"):
+- K or V without a `store`: a dense TOKEN tensor `k` / `v` [head_dim] in the model dtype;
+- `store k as quant(bits, mode = m, group = g, along channel|key) except last n`: `Quantized`
+  codes `k_codes` (TOKEN, uint8: `int4x2` / `int2x4` packing for 4 / 2 bits; symmetric 8-bit
+  codes int8), scale `k_scale` and, asymmetric, zero point `k_zero` in the model dtype: TOKEN
+  [head_dim / g] along channel (`axis="channel"`), PAGE [max(1, page_size // g), head_dim] along
+  key (`axis="token"`); `except last n`: a SEQ residual `k_resid` [n, head_dim] in the model dtype;
+- `summary x = max|min|sum|mean(k|v, within P)`, P = `split(key, size = n)`: a PAGE tensor `x`
+  [head_dim] float32 and a `Summary` (the engine's pages must hold n tokens: `page_tokens`);
+- the states of a key-local `decode_after_attention` (hook fact `key_local`): one float32 TOKEN
+  plane per state, in declaration order, then `decode_after_attention.scores` when it keeps
+  (what `DecodeHooks` keeps in paged planes, runtime/methods_compiled_decode.py);
+- a head-adaptive keep (`top(..., across kv_head)`): `head_starts`.
+Anything else that stores data per token (rotations, codebooks, low-rank projections, clusters,
+shared selections, state kept per sequence) is left out and named in `reasons` with its position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import sympy as sp
+
+from kvc.dsl import ast
+from kvc.dsl.formatter import expr as source_of
+from kvc.dsl.symbolic import NotSymbolic, to_sympy
+from kvc.dsl.types import Selection
+
+HEAD_DIM = sp.Symbol("head_dim")
+KV_HEADS = sp.Symbol("kv_heads")
+PAGE_SIZE = sp.Symbol("page_size", positive=True, integer=True)  # the engine's; a parameter may share the name
+MODEL = "model"  # dtype: the model's
+FROM_BITS = "from bits"  # packing / dtype of codes whose bit width is a parameter: 8 none, 4 int4x2, 2 int2x4
+PACKINGS = {8: "", 4: "int4x2", 2: "int2x4"}
+SCORES_PLANE = "decode_after_attention.scores"
+REDUCERS = ("max", "min", "sum", "mean")
+_UNFIT_STAGES = {
+    "fp8": "FP8 codes (floats with a scale; the spec's quantized encodings are integer codes)",
+    "rotate": "an orthogonal rotation undone on read",
+    "lloyd_max": "Lloyd-Max codebook codes (a norm and codebook indices, not codes with a scale)",
+    "qjl": "a quantized Johnson-Lindenstrauss sketch of the previous stage's error",
+    "project": "a low-rank projection (a latent per group of KV heads, read back through `up`)",
+    "residual": "a residual against a per-item reference (cluster means)",
+}
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    name: str
+    extent: str  # "token" | "page" | "seq"
+    dtype: str  # MODEL, "float32", "uint8", "int8" or FROM_BITS
+    shape: tuple = ()  # sympy over head_dim, page_size and parameters
+    packing: str = ""  # "", "int4x2", "int2x4" or FROM_BITS
+    state: bool = False  # a state plane (runtime/kv/spec.py `state_plane`)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "extent": self.extent, "dtype": self.dtype, "packing": self.packing,
+                "shape": [_text(n) for n in self.shape]}
+
+
+@dataclass(frozen=True)
+class Dense:
+    tensor: str
+
+    def to_json(self) -> dict:
+        return {"kind": "dense", "tensor": self.tensor}
+
+
+@dataclass(frozen=True)
+class Quantized:
+    codes: str
+    scale: str
+    bits: object  # sympy
+    group: object  # sympy
+    axis: str  # "channel" | "token"
+    zero: str | None = None
+    residual: str | None = None
+    residual_tokens: object = None  # sympy: the `except last n`; a residual of fewer than 1 token is left out
+
+    def to_json(self) -> dict:
+        return {"kind": "quantized", "codes": self.codes, "scale": self.scale, "zero": self.zero,
+                "bits": _text(self.bits), "group": _text(self.group), "axis": self.axis, "residual": self.residual}
+
+
+@dataclass(frozen=True)
+class Unmapped:
+    """K or V stored in a format the spec cannot describe yet (the reason says why)."""
+
+    store: str
+
+    def to_json(self) -> dict:
+        return {"kind": "unmapped", "store": self.store}
+
+
+@dataclass(frozen=True)
+class SummaryDesc:
+    tensor: str
+    source: str  # "k" | "v"
+    fn: str
+
+    def to_json(self) -> dict:
+        return {"tensor": self.tensor, "source": self.source, "fn": self.fn}
+
+
+@dataclass
+class SpecDesc:
+    keys: Dense | Quantized | Unmapped
+    values: Dense | Quantized | Unmapped
+    tensors: list[TensorDesc] = field(default_factory=list)
+    summaries: list[SummaryDesc] = field(default_factory=list)
+    head_starts: bool = False
+    page_tokens: object = None  # sympy: tokens per page the summaries need, or None
+    reasons: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"tensors": [t.to_json() for t in self.tensors], "keys": self.keys.to_json(),
+                "values": self.values.to_json(), "summaries": [s.to_json() for s in self.summaries],
+                "head_starts": self.head_starts,
+                "page_tokens": None if self.page_tokens is None else _text(self.page_tokens),
+                "reason": "; ".join(self.reasons) if self.reasons else None}
+
+
+def _text(value) -> int | str:
+    value = sp.sympify(value)
+    return int(value) if value.is_Integer else sp.sstr(value)
+
+
+# ---- derivation ----------------------------------------------------------------------------------
+
+
+class _Deriver:
+    def __init__(self, checked) -> None:
+        self.checked = checked
+        self.file = Path(checked.path).name
+        self.params = set(checked.params)
+        self.reasons: list[str] = []
+
+    def unfit(self, node: ast.Node, message: str) -> None:
+        pos = node.pos
+        self.reasons.append(f"{self.file}:{pos.line}:{pos.col}: {message}")
+
+    def scalar(self, e: ast.Expr, node: ast.Node, what: str):
+        """A size from the .kvm as sympy, or None (and a reason) where it is not one per method."""
+        try:
+            value = to_sympy(e, self.checked.lets)
+        except NotSymbolic:
+            self.unfit(node, f"{what} `{source_of(e)}` is not a formula of parameters")
+            return None
+        others = {str(s) for s in value.free_symbols} - self.params - {"head_dim", "kv_heads"}
+        if others:
+            self.unfit(node, f"{what} `{source_of(e)}` depends on {', '.join(sorted(others))}; a KV spec is one per "
+                             "method and model (parameters, head_dim, kv_heads)")
+            return None
+        return value
+
+    # -- K and V --------------------------------------------------------------------------------
+    def operand(self, which: str, decl: ast.Store | None) -> tuple[Dense | Quantized | Unmapped, list[TensorDesc]]:
+        if decl is None:
+            return Dense(which), [TensorDesc(which, "token", MODEL, (HEAD_DIM,))]
+        text = " then ".join(source_of(c) for c in decl.codecs)
+        if decl.exempt is not None:
+            text += f" except {source_of(decl.exempt)}"
+        stages = [c.func.name for c in decl.codecs if isinstance(c, ast.Call)]
+        if any(name != "quant" for name in stages):
+            unfit = [c for c in decl.codecs if isinstance(c, ast.Call) and c.func.name != "quant"]
+            what = "; ".join(f"{c.func.name}: {_UNFIT_STAGES.get(c.func.name, 'not in the spec yet')}"
+                             f"{_scale_sharing(c)}" for c in unfit)
+            self.unfit(decl, f"store {which} as {text}: not in the KV spec yet ({what})")
+            return Unmapped(text), []
+        if len(stages) != 1:
+            self.unfit(decl, f"store {which} as {text}: a pipeline of several stages is not in the KV spec yet")
+            return Unmapped(text), []
+        mapped = self.quant(which, decl, decl.codecs[0])
+        return (Unmapped(text), []) if mapped is None else mapped
+
+    def quant(self, which: str, decl: ast.Store, call: ast.Call):
+        fails = len(self.reasons)
+        bits = self.scalar(call.args[0], call, "the bit width")
+        if bits is not None and bits.is_Integer and int(bits) not in PACKINGS:
+            self.unfit(call, f"store {which}: {bits}-bit codes (the spec packs 2, 4 or 8 bits)")
+        elif bits is not None and not bits.is_Integer:
+            at = bits.subs({sp.Symbol(n): v for n, v in self.checked.values.items() if isinstance(v, (int, float))})
+            if not (at.is_Integer and int(at) in PACKINGS):
+                self.unfit(call, f"store {which}: {source_of(call.args[0])} = {at} bits (the spec packs 2, 4 or 8)")
+        mode = call.kwarg("mode")
+        symmetric = isinstance(mode, ast.Name) and mode.id == "symmetric"
+        if mode is not None and not (isinstance(mode, ast.Name) and mode.id in ("symmetric", "asymmetric")):
+            self.unfit(call, f"store {which}: a quantization mode from a parameter ({source_of(mode)}) decides "
+                             "whether a zero point is stored")
+        along = call.clause("along")
+        axes = [d.name for d in along.dims] if along is not None else []
+        group_expr = call.kwarg("group")
+        group = None if group_expr is None else self.scalar(group_expr, call, "the group size")
+        if axes == ["channel"]:
+            axis, group = "channel", HEAD_DIM if group_expr is None else group
+        elif axes == ["key"] and group_expr is not None:
+            axis = "token"
+        elif axes == ["key"]:
+            axis = None
+            self.unfit(call, f"store {which}: one scale per channel over the whole key axis (no group) is fixed once; "
+                             "the spec's token groups are page-local (give `group = g`)")
+        else:
+            axis = None
+            self.unfit(call, f"store {which}: scales shared along {', '.join(axes)} (the spec groups along channel "
+                             "or key only)")
+        residual = None
+        for part in _ranges(decl.exempt):
+            if part.kind == "first":
+                self.unfit(part, f"store {which}: the first tokens at full precision (`except first`); the spec's "
+                                 "residual window holds the newest tokens only")
+            else:
+                count = self.scalar(part.count, part, "the residual window")
+                residual = count if residual is None or count is None else residual + count
+        if len(self.reasons) > fails or bits is None or group is None:
+            return None
+        per = sp.Integer(8) / bits
+        packed = bits.is_Integer and int(bits) < 8
+        codes_dtype = ("uint8" if not symmetric or packed else "int8") if bits.is_Integer else (
+            "uint8" if not symmetric else FROM_BITS)
+        packing = PACKINGS[int(bits)] if bits.is_Integer else FROM_BITS
+        names = {part: f"{which}_{part}" for part in ("codes", "scale", "zero", "resid")}
+        if axis == "channel":
+            groups = ("token", (HEAD_DIM / group,))
+        else:
+            groups = ("page", (sp.Max(1, sp.floor(PAGE_SIZE / group)), HEAD_DIM))
+        tensors = [TensorDesc(names["codes"], "token", codes_dtype, (HEAD_DIM / per,), packing),
+                   TensorDesc(names["scale"], groups[0], MODEL, groups[1])]
+        if not symmetric:
+            tensors.append(TensorDesc(names["zero"], groups[0], MODEL, groups[1]))
+        if residual is not None:
+            tensors.append(TensorDesc(names["resid"], "seq", MODEL, (residual, HEAD_DIM)))
+        enc = Quantized(names["codes"], names["scale"], bits, group, axis, None if symmetric else names["zero"],
+                        None if residual is None else names["resid"], residual)
+        return enc, tensors
+
+    # -- page summaries ---------------------------------------------------------------------------
+    def summary(self, decl: ast.Summary, spec: SpecDesc) -> None:
+        e = decl.value
+        name = decl.name.name
+        within = e.clause("within") if isinstance(e, ast.Call) else None
+        if not (isinstance(e, ast.Call) and e.func.name in REDUCERS and within is not None and len(e.args) == 1
+                and isinstance(e.args[0], ast.Name) and e.args[0].id in ("k", "v") and len(within.dims) == 1):
+            self.unfit(decl, f"summary {name} = {source_of(e)}: the spec's summaries are max, min, sum or mean of "
+                             "k or v within pages")
+            return
+        axis = self.checked.axes.get(within.dims[0].name)
+        split = getattr(getattr(axis, "decl", None), "value", None)
+        size = split.kwarg("size") if isinstance(split, ast.Call) and split.func.name == "split" else None
+        if size is None:
+            kind = split.func.name if isinstance(split, ast.Call) else "?"
+            self.unfit(decl, f"summary {name} = {source_of(e)}: {within.dims[0].name} is a {kind} partition, not pages "
+                             "of a fixed size (the spec's summaries are per page)")
+            return
+        tokens = self.scalar(size, split, "the page size")
+        if tokens is None:
+            return
+        if spec.page_tokens is not None and sp.simplify(spec.page_tokens - tokens) != 0:
+            self.unfit(decl, f"summary {name}: pages of {tokens} tokens, other summaries use {spec.page_tokens}")
+            return
+        spec.page_tokens = tokens
+        spec.tensors.append(TensorDesc(name, "page", "float32", (HEAD_DIM,)))
+        spec.summaries.append(SummaryDesc(name, e.args[0].id, e.func.name))
+
+    # -- method state -----------------------------------------------------------------------------
+    def states(self, facts: dict | None, spec: SpecDesc) -> None:
+        after_hook = next((h for h in self.checked.hooks if h.name.name == "decode_after_attention"), None)
+        after = (facts or {}).get("decode_after_attention")
+        paged = bool(after and after.get("key_local"))
+        undecided = facts is None and after_hook is not None
+        if undecided:
+            self.unfit(after_hook, "decode_after_attention: whether its state and pending scores live in paged "
+                                   "planes (key-local) is derived for lowered methods only")
+        for d in (d for d in self.checked.method.items if isinstance(d, ast.State)):
+            if d.shared:
+                self.unfit(d, f"shared {d.name.name}: one value per sequence seen by every layer is not in the spec "
+                              "yet")
+            elif paged:
+                spec.tensors.append(TensorDesc(d.name.name, "token", "float32", state=True))
+            elif not undecided:
+                self.unfit(d, f"state {d.name.name}: kept by the method per sequence and layer, outside the spec (only "
+                              "the state of a key-local decode_after_attention is paged)")
+        if paged and after.get("keeps"):
+            spec.tensors.append(TensorDesc(SCORES_PLANE, "token", "float32", state=True))
+
+
+def _scale_sharing(stage: ast.Call) -> str:
+    """What a stage's scale sharing adds to its reason: a scale over the whole key axis has no extent."""
+    along = stage.clause("along")
+    axes = [d.name for d in along.dims] if along is not None else []
+    if "key" in axes and stage.kwarg("group") is None:
+        return f", one scale along {', '.join(axes)} fixed once (per layer: the spec has no such extent)"
+    return ""
+
+
+def _ranges(e: ast.Expr | None) -> list[ast.Range]:
+    if e is None:
+        return []
+    if isinstance(e, ast.BinOp) and e.op == "+":
+        return _ranges(e.left) + _ranges(e.right)
+    return [e] if isinstance(e, ast.Range) else []
+
+
+def _head_adaptive(checked) -> bool:
+    """Does any keep select a head-adaptive `top(..., across kv_head)` (per-head counts, right-aligned)?"""
+    for hook in checked.hooks:
+        for stmt in hook.body:
+            if isinstance(stmt, ast.Keep):
+                for node in ast.walk(stmt.selection):
+                    if (isinstance(node, ast.Call) and node.func.name == "top" and isinstance(node.ty, Selection)
+                            and node.ty.across == ("kv_head",)):
+                        return True
+    return False
+
+
+def derive(checked, facts: dict | None) -> SpecDesc:
+    """The KV spec of a checked method; `facts` are its hook facts (None: not lowered)."""
+    d = _Deriver(checked)
+    stores = {decl.target.name: decl for decl in checked.method.items if isinstance(decl, ast.Store)}
+    keys, key_tensors = d.operand("k", stores.get("k"))
+    values, value_tensors = d.operand("v", stores.get("v"))
+    spec = SpecDesc(keys, values, key_tensors + value_tensors, head_starts=_head_adaptive(checked))
+    for decl in checked.method.items:
+        if isinstance(decl, ast.Summary):
+            d.summary(decl, spec)
+    d.states(facts, spec)
+    spec.reasons = d.reasons
+    return spec
+
+
+# ---- the generated function ----------------------------------------------------------------------
+
+_ARGS = ("num_kv_heads", "head_dim", "dtype", "page_size", "params")
+_DTYPES = {MODEL: "dtype", "float32": "torch.float32", "uint8": "torch.uint8", "int8": "torch.int8"}
+_EXTENTS = {"token": "Extent.TOKEN", "page": "Extent.PAGE", "seq": "Extent.SEQ"}
+
+
+class _Printer:
+    """sympy -> Python over the function's arguments and locals of the parameters it reads."""
+
+    def __init__(self) -> None:
+        self.params: set[str] = set()
+
+    @staticmethod
+    def local(name: str) -> str:
+        return f"param_{name}" if name in _ARGS else name
+
+    def py(self, value) -> str:
+        value = sp.sympify(value)
+        subs = {}
+        for s in value.free_symbols:
+            if s == PAGE_SIZE or s == HEAD_DIM:
+                continue
+            if s == KV_HEADS:
+                subs[s] = sp.Symbol("num_kv_heads")
+                continue
+            self.params.add(str(s))
+            if self.local(str(s)) != str(s):
+                subs[s] = sp.Symbol(self.local(str(s)))
+        return sp.pycode(value.xreplace(subs), fully_qualified_modules=True)
+
+    def size(self, value) -> str:
+        value = sp.sympify(value)
+        return self.py(value) if value.is_Symbol or value.is_integer else f"_size({self.py(value)})"
+
+
+class _Emitter:
+    def __init__(self, spec: SpecDesc) -> None:
+        self.spec, self.p = spec, _Printer()
+        encs = [e for e in (spec.keys, spec.values) if isinstance(e, Quantized)]
+        self.bits = {e.codes: e.bits for e in encs}
+        self.resid = {e.residual: f"{e.residual}_tokens" for e in encs if e.residual is not None}
+
+    def tensor(self, t: TensorDesc) -> str:
+        if t.state:
+            return f'state_plane("{t.name}")'
+        if t.name in self.resid:
+            shape = f"({self.resid[t.name]}, head_dim)"
+        else:
+            sizes = [self.p.size(n) for n in t.shape]
+            shape = f"({sizes[0]},)" if len(sizes) == 1 else f"({', '.join(sizes)})"
+        bits = self.p.py(self.bits[t.name]) if FROM_BITS in (t.dtype, t.packing) else None
+        dtype = f"_codes_dtype({bits})" if t.dtype == FROM_BITS else _DTYPES[t.dtype]
+        packing = f", _packing({bits})" if t.packing == FROM_BITS else (f', "{t.packing}"' if t.packing else "")
+        return f'TensorSpec("{t.name}", {_EXTENTS[t.extent]}, {dtype}, {shape}{packing})'
+
+    def encoding(self, enc: Dense | Quantized) -> str:
+        if isinstance(enc, Dense):
+            return f'Dense("{enc.tensor}")'
+        zero = "None" if enc.zero is None else f'"{enc.zero}"'
+        residual = "None" if enc.residual is None else f'"{enc.residual}" if {self.resid[enc.residual]} >= 1 else None'
+        return (f'Quantized(\n        "{enc.codes}", "{enc.scale}", {self.p.py(enc.bits)}, {self.p.py(enc.group)}, '
+                f'zero={zero}, axis="{enc.axis}",\n        residual={residual},\n    )')
+
+    def body(self, method_name: str) -> list[str]:
+        spec, p = self.spec, self.p
+        lines: list[str] = []
+        if spec.page_tokens is not None:
+            tokens = p.py(spec.page_tokens)
+            lines += [f"    if page_size != {tokens}:",
+                      f'        raise ValueError(f"{method_name} summarises pages of {{{tokens}}} tokens; the '
+                      'engine\'s pages hold {page_size}")']
+        for enc in (spec.keys, spec.values):
+            if isinstance(enc, Quantized) and enc.residual is not None:
+                lines.append(f"    {self.resid[enc.residual]} = max(0, math.floor({p.py(enc.residual_tokens)}))")
+        lines.append("    tensors = [")
+        lines += [f"        {self.tensor(t)}," for t in spec.tensors if t.name not in self.resid]
+        lines.append("    ]")
+        for t in spec.tensors:
+            if t.name in self.resid:
+                lines += [f"    if {self.resid[t.name]} >= 1:", f"        tensors.append({self.tensor(t)})"]
+        summaries = [f'Summary("{s.tensor}", "{s.source}", "{s.fn}")' for s in spec.summaries]
+        summaries = f"({summaries[0]},)" if len(summaries) == 1 else f"({', '.join(summaries)})"
+        lines += [f"    keys = {self.encoding(spec.keys)}",
+                  f"    values = {self.encoding(spec.values)}",
+                  f"    summaries = {summaries}",
+                  f"    return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, "
+                  f"head_starts={spec.head_starts})"]
+        return lines
+
+
+def emit_python(spec: SpecDesc, method_name: str, method_path: str) -> str:
+    """Source of `kv_spec(num_kv_heads, head_dim, dtype, page_size, params) -> KVSpec` and the helpers it
+    uses (the module imports math, torch and runtime/kv/spec.py's names). Every operand must be mapped."""
+    if isinstance(spec.keys, Unmapped) or isinstance(spec.values, Unmapped):
+        raise ValueError(f"method {method_name}: K or V stored as the KV spec cannot describe: {spec.reasons}")
+    em = _Emitter(spec)
+    body = em.body(method_name)
+    unpack = [f'    {em.p.local(n)} = params["{n}"]' for n in sorted(em.p.params)]
+    doc = (f'    """Every tensor {method_name} stores per token, page or sequence, from {method_path} '
+           '(manifest.json "kv_spec")."""')
+    text = "\n".join(body)
+    helpers = ([_SIZE] if "_size(" in text else []) + ([_PACKING] if "_packing(" in text else [])
+    fn = "\n".join(["def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):", doc] + unpack + body)
+    return "\n\n\n".join(helpers + [fn]) + "\n"
+
+
+_SIZE = '''def _size(value):
+    """A tensor size computed from the .kvm: a whole number (TensorSpec checks that it is positive)."""
+    whole = round(value)
+    if abs(value - whole) > 1e-9:
+        raise ValueError(f"a KV spec size of {value} is not a whole number")
+    return int(whole)'''
+
+_PACKING = '''def _packing(bits):
+    """How codes of `bits` bits share a uint8 (runtime/kv/spec.py PACKINGS)."""
+    if bits not in (2, 4, 8):
+        raise ValueError(f"{bits}-bit codes: the KV spec packs 2, 4 or 8 bits")
+    return {8: "", 4: "int4x2", 2: "int2x4"}[bits]
+
+
+def _codes_dtype(bits):
+    """Symmetric codes: int8 when unpacked, uint8 when packed."""
+    return torch.int8 if bits == 8 else torch.uint8'''

@@ -1,0 +1,161 @@
+"""The KV spec the compiler derives from a .kvm (compiler/kv_spec.py): the manifest's `kv_spec` of
+every shipped method, the generated `kv_spec(...)` of hooks.py, and what `DecodeHooks.kv_spec`
+serves from it. The served methods' specs must equal what the engine built by hand before the
+compiler derived them: dense K/V plus one float32 plane per paged decode state."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from kvc.compiler import codegen, kv_spec
+from kvc.compiler.cache import CACHE_ENV
+from kvc.compiler.cli import OUTPUT_DIR
+from kvc.dsl import METHODS_DIR, check_file
+from kvc.runtime.kv import spec as runtime_spec
+from kvc.runtime.kv.spec import Dense, Extent, Quantized, Summary, TensorSpec, dense_spec, state_plane
+from kvc.runtime.methods import resolve_method
+from kvc.runtime.methods_compiled import CompiledMethod
+
+SHIPPED = sorted(p.stem for p in METHODS_DIR.glob("*.kvm"))
+# the served methods and the state planes the engine kept for them before the compiler derived the spec
+SERVED_PLANES = {"full": (), "streamingllm": (), "snapkv": (), "pyramidkv": (), "adakv": (),
+                 "tova": ("decode_after_attention.scores",), "h2o": ("seen", "decode_after_attention.scores")}
+SHAPES = [(2, 16, torch.float32, 4), (8, 128, torch.bfloat16, 16)]  # num_kv_heads, head_dim, dtype, page_size
+
+
+def manifest(name: str) -> dict:
+    return json.loads((OUTPUT_DIR / name / "manifest.json").read_text())
+
+
+def generated_kv_spec(method: str, params: dict | None = None):
+    """The generated `kv_spec` source of a (possibly not lowered) shipped method, run with the runtime's names."""
+    checked = check_file(METHODS_DIR / f"{method}.kvm")
+    namespace = {"math": math, "torch": torch, **{n: getattr(runtime_spec, n) for n in (
+        "Dense", "Extent", "KVSpec", "Quantized", "Summary", "TensorSpec", "state_plane")}}
+    exec(kv_spec.emit_python(kv_spec.derive(checked, None), method, f"methods/{method}.kvm"), namespace)
+    return lambda *shape: namespace["kv_spec"](*shape, {**checked.values, **(params or {})})
+
+
+@pytest.mark.parametrize("planes", [True, False])
+@pytest.mark.parametrize("name", sorted(SERVED_PLANES))
+def test_served_specs_equal_the_hand_built_ones(name, planes, monkeypatch):
+    monkeypatch.setattr(CompiledMethod, "use_state_planes", planes)
+    method = resolve_method(name, None)
+    assert method.state_planes == (SERVED_PLANES[name] if planes else ())
+    for shape in SHAPES:
+        heads, head_dim, dtype, page_size = shape
+        spec = method.kv_spec(*shape)
+        before = dense_spec(head_dim, dtype, extra=tuple(state_plane(n) for n in method.state_planes))
+        assert spec.tensors == before.tensors  # same tensors, same order
+        assert (spec.keys, spec.values, spec.summaries) == (Dense("k"), Dense("v"), ())
+        assert spec.bytes_per_token(heads) == before.bytes_per_token(heads)
+        assert spec.bytes_per_page(heads, page_size) == before.bytes_per_page(heads, page_size)
+        assert spec.head_starts is (name == "adakv")  # Ada-KV's per-head counts, stored right-aligned
+        assert spec == dataclasses.replace(before, head_starts=spec.head_starts)
+
+
+def test_every_shipped_method_has_a_kv_spec():
+    for name in SHIPPED:
+        spec = manifest(name)["kv_spec"]
+        assert set(spec) == {"tensors", "keys", "values", "summaries", "head_starts", "page_tokens", "reason"}, name
+        kinds = {spec["keys"]["kind"], spec["values"]["kind"]}
+        assert kinds <= {"dense", "quantized", "unmapped"}, name
+        if "unmapped" in kinds:  # what the spec cannot hold is said, with the .kvm position
+            assert spec["reason"] and f"{name}.kvm:" in spec["reason"], name
+        listed = {t["name"] for t in spec["tensors"]}
+        for enc in (spec["keys"], spec["values"]):
+            names = [enc.get(k) for k in ("tensor", "codes", "scale", "zero", "residual")]
+            assert {n for n in names if n} <= listed, name
+        if manifest(name)["lowered"]:
+            assert "unmapped" not in kinds and spec["reason"] is None, name
+
+
+def test_quest_summaries():
+    spec = manifest("quest")["kv_spec"]
+    assert spec["summaries"] == [{"tensor": "kmax", "source": "k", "fn": "max"},
+                                 {"tensor": "kmin", "source": "k", "fn": "min"}]
+    pages = [t for t in spec["tensors"] if t["extent"] == "page"]
+    assert pages == [{"name": n, "extent": "page", "dtype": "float32", "shape": ["head_dim"], "packing": ""}
+                     for n in ("kmax", "kmin")]
+    assert spec["page_tokens"] == "page_size" and spec["keys"] == {"kind": "dense", "tensor": "k"}
+    built = generated_kv_spec("quest")(2, 16, torch.bfloat16, 16)
+    assert built.summaries == (Summary("kmax", "k", "max"), Summary("kmin", "k", "min"))
+    assert built.tensor("kmax") == TensorSpec("kmax", Extent.PAGE, torch.float32, (16,))
+    assert built.bytes_per_page(2, 16) == 2 * 16 * (2 * 16 * 2) + 2 * 2 * 16 * 4
+    with pytest.raises(ValueError, match="pages of 16 tokens"):
+        generated_kv_spec("quest")(2, 16, torch.bfloat16, 32)
+
+
+def test_kivi_quantized_encodings():
+    spec = manifest("kivi")["kv_spec"]
+    assert spec["keys"] == {"kind": "quantized", "codes": "k_codes", "scale": "k_scale", "zero": "k_zero",
+                            "bits": "bits", "group": "group_size", "axis": "token", "residual": "k_resid"}
+    assert spec["values"] == {"kind": "quantized", "codes": "v_codes", "scale": "v_scale", "zero": "v_zero",
+                              "bits": "bits", "group": "group_size", "axis": "channel", "residual": "v_resid"}
+    tensors = {t["name"]: t for t in spec["tensors"]}
+    assert tensors["k_codes"] == {"name": "k_codes", "extent": "token", "dtype": "uint8", "shape": ["bits*head_dim/8"],
+                                  "packing": "from bits"}
+    assert tensors["k_scale"]["extent"] == "page" and tensors["k_zero"]["extent"] == "page"
+    assert tensors["k_scale"]["shape"] == ["Max(1, floor(page_size/group_size))", "head_dim"]
+    assert tensors["v_scale"] == {"name": "v_scale", "extent": "token", "dtype": "model",
+                                  "shape": ["head_dim/group_size"], "packing": ""}
+    assert tensors["k_resid"] == {"name": "k_resid", "extent": "seq", "dtype": "model",
+                                  "shape": ["residual_length", "head_dim"], "packing": ""}
+    assert spec["reason"] is None
+    for bits, packing in ((2, "int2x4"), (4, "int4x2")):
+        built = generated_kv_spec("kivi", {"bits": bits, "group_size": 32, "residual_length": 128})(
+            8, 128, torch.bfloat16, 16)
+        assert built.keys == Quantized("k_codes", "k_scale", bits, 32, zero="k_zero", residual="k_resid", axis="token")
+        assert built.values == Quantized("v_codes", "v_scale", bits, 32, zero="v_zero", residual="v_resid",
+                                         axis="channel")
+        assert built.tensor("v_codes") == TensorSpec("v_codes", Extent.TOKEN, torch.uint8, (128 * bits // 8,), packing)
+        assert built.tensor("k_scale") == TensorSpec("k_scale", Extent.PAGE, torch.bfloat16, (1, 128))
+        assert built.tensor("v_zero") == TensorSpec("v_zero", Extent.TOKEN, torch.bfloat16, (4,))
+        assert built.tensor("v_resid") == TensorSpec("v_resid", Extent.SEQ, torch.bfloat16, (128, 128))
+        # per token: K and V codes, V's scale and zero (4 groups of 32 channels, bf16); K's scales are per page
+        assert built.bytes_per_token(1) == 2 * 128 * bits // 8 + 2 * 4 * 2
+        assert built.bytes_per_page(1, 16) == 16 * built.bytes_per_token(1) + 2 * 128 * 2
+    no_window = generated_kv_spec("kivi", {"residual_length": 0})(8, 128, torch.bfloat16, 16)
+    assert not no_window.uses_rows and no_window.keys.residual is None
+
+
+@pytest.mark.parametrize("name, words", [("turboquant", ["rotate", "lloyd_max", "qjl"]), ("palu", ["project"]),
+                                         ("fp8", ["fp8", "one scale along kv_head, key, channel"]),
+                                         ("deltakv", ["residual", "project", "kmeans", "shared chosen"]),
+                                         ("retroinfer", ["kmeans"]), ("omnikv", ["shared chosen"])])
+def test_what_does_not_fit_is_named(name, words):
+    reason = manifest(name)["kv_spec"]["reason"]
+    for word in words:
+        assert word in reason, (name, word)
+
+
+QUANTIZED_EVICTION = """method {name} : eviction
+
+param budget: tokens = 64 in [1, 1048576]
+
+store v as quant(8, mode = symmetric, group = 32, along channel) except last 16
+
+on prefill_end:
+  keep first 4 + last budget
+"""
+
+
+def test_a_lowered_method_serves_its_quantized_spec(tmp_path, monkeypatch):
+    """The generated `kv_spec` of a lowered method that stores V quantized (symmetric 8-bit: int8
+    codes, no zero point), through `resolve_method` as the engine gets it."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    path = tmp_path / "qevict.kvm"
+    path.write_text(QUANTIZED_EVICTION.format(name="qevict"))
+    assert "def kv_spec(" in codegen.generate(path)["hooks.py"]
+    spec = resolve_method(str(path), None).kv_spec(2, 64, torch.float16, 16)
+    assert spec.keys == Dense("k")
+    assert spec.values == Quantized("v_codes", "v_scale", 8, 32, residual="v_resid", axis="channel")
+    assert spec.tensor("v_codes") == TensorSpec("v_codes", Extent.TOKEN, torch.int8, (64,))
+    assert spec.tensor("v_scale") == TensorSpec("v_scale", Extent.TOKEN, torch.float16, (2,))
+    assert spec.tensor("v_resid") == TensorSpec("v_resid", Extent.SEQ, torch.float16, (16, 64))
+    assert "v_zero" not in spec and not spec.dense
