@@ -3,7 +3,7 @@
 A prune names logical token ranges of the chain's history (directly, or as messages by index or
 role, through the message segments the server recorded) and how much of each to keep (a fraction
 or a token count, per layer and KV head). The kept tokens of a range are the best-scored ones
-under a compiled method's scorer (`lowering.score`: SnapKV's observation-window votes, H2O's
+under a method's token scores (`KVMethod.token_scores`: SnapKV's observation-window votes, H2O's
 attention sums, ...), fed the chain's stored window of recent queries and each head's stored keys.
 Everything outside the ranges stays. The K/V move with the compaction kernels (in place, after
 copy-on-write of pages a fork or the prefix cache shares); the pages past the new length go back

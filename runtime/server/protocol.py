@@ -265,7 +265,8 @@ class ChainPruneRequest(BaseModel):
     """kvc: POST /v1/chains/{id}/prune. Selectors add up; `older_than_rounds` limits the message
     selectors to messages followed by at least that many assistant messages. Each selected range
     keeps `keep` (a fraction) or `keep_tokens` of its stored tokens per layer and KV head, the
-    best-scored by `scorer` (a compiled method; default: the served method's, else snapkv)."""
+    best-scored by `scorer` (a method name; default: the server's --prune-scorer, else the served
+    method's own token scores)."""
 
     model_config = ConfigDict(extra="forbid")
 
