@@ -109,7 +109,9 @@ def generate_ir(method: MethodIR) -> dict[str, str]:
     if len(set(names)) != len(names):
         raise NotLowerable("a hook written twice (with different `where`s) is not lowered yet")
     end = next((h for h in hooks if h["name"] == "prefill_end"), None)
+    hook_params = _literal({code.name: sorted(n for n in code.names if n in params) for code in codes})
     context = {"method": method, "defaults": defaults, "states": _literal([s.name for s in method.states]),
+               "hook_params": hook_params,
                "hooks": hooks, "has_end_keep": bool(end and end["keep"]),
                "has_chunk": "prefill_chunk" in names}
     files = {"torch_lowering.py": _ENV.get_template(TORCH_TEMPLATE).render(

@@ -116,6 +116,9 @@ class PrefillView:
     start: int  # logical position of the chunk's first token (0: a new prefill; reset state)
     prompt_len: int  # tokens this prefill covers (prompt, or prompt + generated on recompute)
     cache: LayerCacheView  # includes the chunk
+    # a replayed prefill's cache shared by the engines replaying one record: what a hook computes from
+    # the recorded q/k/v alone may be kept there, keyed by what it depends on (None: not replayed)
+    memo: dict | None = None
 
     @property
     def is_last(self) -> bool:

@@ -33,12 +33,16 @@ class PrefillRecord:
     tokens: tuple[int, ...] = ()
     logits: torch.Tensor | None = None
     invalid: bool = False  # a chunk skipped tokens (a prefix-cache hit): this record can never complete
+    # state a method's prefill hooks compute from the recorded q/k/v alone (shared by every engine
+    # that replays the record; keys say which method, parameters, layer and chunk)
+    memo: dict = field(default_factory=dict, repr=False)
     _chunks: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = field(default_factory=list, repr=False)
     _layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
 
     # ---- recording (the runner of the engine that prefills) ---------------------------------
     def start(self, tokens: list[int], num_layers: int) -> None:
         self.tokens, self.logits, self._layers, self.invalid = tuple(tokens), None, None, False
+        self.memo = {}
         self._chunks = [[] for _ in range(num_layers)]
 
     def add(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -89,6 +89,7 @@ class StepHooks:
                 q=q[rows], k=k[rows], v=v[rows], start=seq.num_computed_tokens,
                 prompt_len=seq.prefill_end,
                 cache=self._cache_view(seq, layer, length, n),
+                memo=None if seq.replay is None else seq.replay.memo,
             )
             if Hook.PREFILL_CHUNK in method.hooks:
                 method.prefill_chunk(layer, view)

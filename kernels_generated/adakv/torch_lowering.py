@@ -38,6 +38,9 @@ METHOD = "adakv"
 FAMILY = "eviction"
 DEFAULTS = {'alpha': 0.2, 'budget': 2048, 'kernel': 5, 'window': 64}
 STATES = []
+# the parameters each hook reads: what a hook computes from its inputs and no parameter is the same
+# under every parameter (a replayed prefill's chunk state is computed once for every budget)
+HOOK_PARAMS = {'prefill_end': ['alpha', 'budget', 'kernel', 'window']}
 NEG_INF = float("-inf")
 
 

@@ -38,6 +38,9 @@ METHOD = "full"
 FAMILY = "full"
 DEFAULTS = {}
 STATES = []
+# the parameters each hook reads: what a hook computes from its inputs and no parameter is the same
+# under every parameter (a replayed prefill's chunk state is computed once for every budget)
+HOOK_PARAMS = {}
 NEG_INF = float("-inf")
 
 

@@ -38,6 +38,11 @@ METHOD = "h2o"
 FAMILY = "eviction"
 DEFAULTS = {'budget': 0, 'heavy': 0.1, 'recent': 0.1}
 STATES = ['seen']
+# the parameters each hook reads: what a hook computes from its inputs and no parameter is the same
+# under every parameter (a replayed prefill's chunk state is computed once for every budget)
+HOOK_PARAMS = {'decode_after_attention': ['budget', 'heavy', 'recent'],
+ 'prefill_chunk': [],
+ 'prefill_end': ['budget', 'heavy', 'recent']}
 NEG_INF = float("-inf")
 
 

@@ -38,6 +38,9 @@ METHOD = "snapkv"
 FAMILY = "eviction"
 DEFAULTS = {'budget': 2048, 'kernel': 5, 'pooling': 'avg', 'window': 32}
 STATES = []
+# the parameters each hook reads: what a hook computes from its inputs and no parameter is the same
+# under every parameter (a replayed prefill's chunk state is computed once for every budget)
+HOOK_PARAMS = {'prefill_end': ['budget', 'kernel', 'pooling', 'window']}
 NEG_INF = float("-inf")
 
 

@@ -38,6 +38,9 @@ METHOD = "streamingllm"
 FAMILY = "eviction"
 DEFAULTS = {'budget': 0, 'recent': 2000, 'sink': 4}
 STATES = []
+# the parameters each hook reads: what a hook computes from its inputs and no parameter is the same
+# under every parameter (a replayed prefill's chunk state is computed once for every budget)
+HOOK_PARAMS = {'prefill_end': ['budget', 'recent', 'sink'], 'step_end': ['budget', 'recent', 'sink']}
 NEG_INF = float("-inf")
 
 

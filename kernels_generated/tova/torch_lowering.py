@@ -38,6 +38,9 @@ METHOD = "tova"
 FAMILY = "eviction"
 DEFAULTS = {'budget': 512}
 STATES = []
+# the parameters each hook reads: what a hook computes from its inputs and no parameter is the same
+# under every parameter (a replayed prefill's chunk state is computed once for every budget)
+HOOK_PARAMS = {'decode_after_attention': ['budget'], 'prefill_end': ['budget']}
 NEG_INF = float("-inf")
 
 
