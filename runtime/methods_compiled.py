@@ -207,6 +207,7 @@ class CompiledMethod(DecodeHooks, MethodBase):
         self.lowering = method_cache.load_module(folder, "torch_lowering")
         self.hooks_module = method_cache.load_module(folder, "hooks")
         self._chunk_hook = getattr(self.lowering, "prefill_chunk", None)
+        self._chunk_params = tuple(getattr(self.lowering, "HOOK_PARAMS", {}).get("prefill_chunk", sorted(params)))
         self._scores = getattr(self.lowering, "prefill_end_scores", None)
         self._select = getattr(self.lowering, "prefill_end_select", None)
         facts = manifest.get("hooks", {})
@@ -291,6 +292,10 @@ class CompiledMethod(DecodeHooks, MethodBase):
             q_all = q if prev is None else torch.cat([prev, q], dim=1)
             self._q[key] = (q_all if self.window == ALL_QUERIES else q_all[:, -self.window:]).contiguous()
         if self._chunk_hook is not None:
+            shared = self._shared_chunk_key(layer, view)
+            if shared is not None and shared in view.memo:  # another engine replaying this record computed it
+                self._state[key] = {name: value.clone() for name, value in view.memo[shared].items()}
+                return
             k = _operand(view.cache.keys())
             state = self._state.get(key)
             if state is None:
@@ -299,8 +304,19 @@ class CompiledMethod(DecodeHooks, MethodBase):
             fused = self._kernel("prefill_chunk", k.device)
             if fused is not None:  # no [head, query, key] matrix in memory
                 self._state[key] = fused(q, k, self.params, state)
-                return
-            self._state[key] = self._chunk_in_blocks(view, q, k, state)
+            else:
+                self._state[key] = self._chunk_in_blocks(view, q, k, state)
+            if shared is not None:
+                view.memo[shared] = {name: value.clone() for name, value in self._state[key].items()}
+
+    def _shared_chunk_key(self, layer: int, view: PrefillView) -> tuple | None:
+        """Where a replayed prefill's chunk state is shared: it depends on the recorded q/k (the
+        record's memo), the generated code, the parameters the chunk hook reads (not a budget), the
+        layer and the chunks so far; None when not replayed."""
+        if view.memo is None:
+            return None
+        read = tuple((name, self.params[name]) for name in self._chunk_params)
+        return ("prefill_chunk", self._source_sha256, read, layer, view.start, view.q.shape[0])
 
     def _chunk_in_blocks(self, view: PrefillView, q: torch.Tensor, k: torch.Tensor, state: dict) -> dict:
         """The torch path of a chunk hook, over blocks of the chunk's queries: each block is a

@@ -121,3 +121,26 @@ def test_prefill_first_runs_no_decode_beside_a_prefill(model_dir, prompts) -> No
     engine.scheduler.schedule = spy
     default.generate(prompts, GREEDY)
     assert mixed, "without prefill_first the default scheduler mixes decodes into prefill steps"
+
+
+def test_a_chunk_state_no_budget_shapes_is_computed_once_per_record(model_dir, prompts, recorded,
+                                                                      monkeypatch) -> None:
+    """H2O's prefill column sums read no parameter: the engines of every budget replaying one record
+    compute them once (the record's memo) and still give the tokens each computes alone."""
+    from kvc.runtime.methods_compiled import CompiledMethod
+
+    records = [PrefillRecord() for _ in prompts]  # fresh records: an empty memo
+    LLM(str(model_dir), **OPTIONS).generate(prompts, GREEDY, record=records)
+    calls: list[int] = []
+    blocks = CompiledMethod._chunk_in_blocks
+    monkeypatch.setattr(CompiledMethod, "_chunk_in_blocks", lambda self, *a: calls.append(1) or blocks(self, *a))
+    for budget in (16, 24, 40):
+        params = {"budget": budget}
+        want = [o.token_ids for o in LLM(str(model_dir), method="h2o", method_params=params, **OPTIONS)
+                .generate(prompts, GREEDY)]
+        before = len(calls)
+        got = [o.token_ids for o in LLM(str(model_dir), method="h2o", method_params=params, **OPTIONS)
+               .generate(prompts, GREEDY, replay=records)]
+        assert got == want, budget
+        replayed = len(calls) - before
+        assert replayed > 0 if budget == 16 else replayed == 0, (budget, replayed)
