@@ -323,6 +323,7 @@ class Pruner:
         del record.page_tables[layer][keep_pages:]
         record.kv_lens[layer] = done.length
         record.kv_starts[layer] = done.starts
+        record.resid_lens[layer] = 0  # moved slots are read from their codes (runtime/kv/rows.py)
         return int(positions[dropped].max())
 
     def _own_pages(self, record, layer: int, count: int) -> None:

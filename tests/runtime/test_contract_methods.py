@@ -217,3 +217,32 @@ def test_int8_window_is_what_attention_reads(model_dir, hf, monkeypatch) -> None
     for window in (0, 10 ** 6):
         other = generate(hf, Session("int8keys", {"window": window}), p, 12)[1]
         assert (other[1:] - want[1][1:]).abs().max() > 10 * ATOL
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_prune_keeps_the_spec_tensors_consistent(model_dir, name: str) -> None:
+    """A prune moves slots of every per-token tensor: afterwards each page's key max/min equal the
+    max/min of the keys it stores, the residual window is empty (moved slots are read from their
+    codes), and the chain continues."""
+    from kvc.runtime.chain_prune import PruneRequest
+
+    llm = make_llm(model_dir, name, prune_scorer="snapkv")
+    first = llm.generate(prompt(40, 13), greedy(4), chain=ChainSpec(open=True))[0]
+    llm.engine.prune_chain(first.chain_id, None, PruneRequest(token_ranges=((3, 30),), keep=0.4))
+    check_books(llm.engine)
+    record = next(r for r in llm.engine.chains.records() if r.chain_id == first.chain_id)
+    store = llm.engine.attention.store
+    assert max(record.kv_lens) < 40
+    for layer, (table, length) in enumerate(zip(record.page_tables, record.kv_lens)):
+        if "kmax" in store.spec:
+            keys = store.decoded("k", table, length).float()  # [Hkv, n, D]
+            for i, page in enumerate(table):
+                part = keys[:, i * PAGE:min(length, (i + 1) * PAGE)]
+                torch.testing.assert_close(store["kmax"][page], part.amax(1))
+                torch.testing.assert_close(store["kmin"][page], part.amin(1))
+        else:
+            assert record.resid_lens[layer] == 0
+    history = prompt(40, 13) + first.token_ids
+    out = llm.generate(history + prompt(3, 14), greedy(3), chain=ChainSpec(continue_id=first.chain_id))[0]
+    assert len(out.token_ids) == 3
+    check_books(llm.engine)
