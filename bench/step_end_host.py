@@ -1,6 +1,6 @@
 """Host time of step end for decode-time eviction, per decode step, without a model or a GPU:
 `step_end` called per (sequence, layer) (the runner before `step_end_batch`) against one
-`step_end_batch` per layer (runtime/methods_compiled_decode.py), over a batch of sequences that
+`step_end_batch` per layer (runtime/compiled/step_end.py), over a batch of sequences that
 each store `--kv` tokens plus the step's in every one of `--layers` layers, all at the point
 where the method evicts (the decode window of `kvc bench throughput`: every row has the same
 lengths). The state planes hold random scores (few distinct values: ties), so rows keep different

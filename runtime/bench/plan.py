@@ -66,7 +66,7 @@ def declared_parameters(method: str) -> dict[str, dict]:
     """The parameters a method's manifest declares (name -> {type, default}); {} when the method
     cannot be located (resolving it later gives the user the clear error)."""
     from kvc.compiler import cache as method_cache
-    from kvc.runtime.methods_compiled import GENERATED
+    from kvc.runtime.compiled.folder import GENERATED
 
     try:
         compiled = method_cache.locate(method, generated=GENERATED)

@@ -236,7 +236,7 @@ class ReferenceMethod:
     """One configuration: kvc's compiled method (for its counts) bound to the model's shape."""
 
     name: str
-    method: Any  # kvc.runtime.methods_compiled.CompiledMethod
+    method: Any  # kvc.runtime.compiled.method.CompiledMethod
     num_layers: int
     num_heads: int
     num_kv_heads: int

@@ -16,7 +16,7 @@ from kvc.runtime.attention.backend import kv_bytes_per_page, layer_page_bytes
 from kvc.runtime.bench.plan import model_spec, plan_batch
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.methods import resolve_method
-from kvc.runtime.methods_compiled import available
+from kvc.runtime.compiled.folder import available
 from tests.models.tiny import make_tiny_qwen3
 
 PAGE = 4

@@ -12,9 +12,9 @@ import pytest
 
 from kvc.compiler import cache, codegen
 from kvc.compiler.cli import OUTPUT_DIR
-from kvc.runtime import methods_compiled, methods_compiled_decode
+from kvc.runtime.compiled import budget, decode, folder, method, prefill, state, step_end
 from kvc.runtime.methods import resolve_method
-from kvc.runtime.methods_compiled import ALL_QUERIES
+from kvc.runtime.compiled.folder import ALL_QUERIES
 from kvc.runtime.primitives.torch_primitives import clamp_count
 
 LOWERED = sorted(p.parent.name for p in OUTPUT_DIR.glob("*/manifest.json")
@@ -25,7 +25,7 @@ PARAMS = {"snapkv": [{"window": 8}, {"window": 1, "budget": 4}], "pyramidkv": [{
 
 
 def window_text(manifest: dict, params: dict) -> int:
-    """What runtime/methods_compiled.py computed before hooks.py gave it: the prefill_end kernels' WINDOW_EXPR."""
+    """What runtime/compiled/ computed before hooks.py gave it: the prefill_end kernels' WINDOW_EXPR."""
     window = 0
     for kernel in manifest["kernels"]:
         if kernel["hook"] == "prefill_end":
@@ -55,7 +55,7 @@ def test_query_window_and_tails_equal_the_manifest_text(name):
 
 
 def test_the_adapter_evaluates_no_text():
-    for module in (methods_compiled, methods_compiled_decode):
+    for module in (budget, decode, folder, method, prefill, state, step_end):
         assert "eval(" not in inspect.getsource(module), module.__name__
 
 

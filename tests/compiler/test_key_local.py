@@ -13,7 +13,7 @@ from kvc.compiler import cache, codegen
 from kvc.dsl import METHODS_DIR
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.methods import resolve_method
-from kvc.runtime.methods_compiled import available
+from kvc.runtime.compiled.folder import available
 
 BASE = """method {name} : eviction
 

@@ -19,7 +19,7 @@ from kvc.dsl import METHODS_DIR, check_file
 from kvc.runtime.kv import spec as runtime_spec
 from kvc.runtime.kv.spec import Dense, Extent, Quantized, Summary, TensorSpec, dense_spec, state_plane
 from kvc.runtime.methods import resolve_method
-from kvc.runtime.methods_compiled import CompiledMethod
+from kvc.runtime.compiled.method import CompiledMethod
 
 SHIPPED = sorted(p.stem for p in METHODS_DIR.glob("*.kvm"))
 # the served methods and the state planes the engine kept for them before the compiler derived the spec

@@ -116,7 +116,7 @@ def test_h2o_clone_without_its_state_diverges(model_dir, monkeypatch):
     (`use_state_planes = False`; in state planes it travels with the copied pages,
     tests/runtime/test_state_planes.py): with fresh (zero) accumulated attention the clone keeps
     other tokens than its source at the next eviction."""
-    from kvc.runtime.methods_compiled import CompiledMethod
+    from kvc.runtime.compiled.method import CompiledMethod
 
     monkeypatch.setattr(CompiledMethod, "use_state_planes", False)
     engine = make_engine(model_dir, "h2o")

@@ -204,7 +204,7 @@ def test_recompaction_matches_the_reference(model_dir, hf, backend):
 def test_compiled_plans_keep_counts_on_the_host():
     """The compiled adapter's plans: equal counts -> no lengths; per-head counts -> a CPU tensor
     (the engine reads the new layout without a device sync), indices padded on the cache's device."""
-    from kvc.runtime.methods_compiled import _keep_plan
+    from kvc.runtime.compiled.prefill import keep_plan as _keep_plan
 
     equal = _keep_plan([torch.tensor([0, 4]), torch.tensor([1, 2])], torch.device("cpu"))
     assert equal.lengths is None and equal.indices.tolist() == [[0, 4], [1, 2]]

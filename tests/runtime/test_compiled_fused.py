@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvc.runtime.methods_compiled import CompiledMethod  # noqa: E402
+from kvc.runtime.compiled.method import CompiledMethod  # noqa: E402
 from kvc.runtime.sampling_params import SamplingParams  # noqa: E402
 from tests.models.tiny import make_tiny_qwen3  # noqa: E402
 from tests.runtime.test_compiled_methods import make_llm, prompts_of  # noqa: E402

@@ -1,5 +1,5 @@
 """Compiled methods (kernels_generated/<m>/) served end to end through the generic adapter
-(`runtime/methods_compiled.py`): greedy tokens equal the hand-written oracle
+(`runtime/compiled/`): greedy tokens equal the hand-written oracle
 (`tests/references/model_forward.greedy_compressed`, prefill-end compression; for the methods that
 also evict while decoding, `greedy_compressed_decode`) with the same semantics, on tiny random
 Llama and Qwen3, float32 CPU, chunked prefill of 32, page size 7; pages held after prefill =
@@ -105,7 +105,7 @@ def test_tokens_match_the_reference(model_dir, method):
 def test_chunk_hooks_in_query_blocks_keep_the_same_tokens(model_dir, monkeypatch):
     """The torch path runs a chunk hook over blocks of the chunk's queries (16 here, the smallest
     block, so each chunk of 32 is two): H2O's accumulated scores, hence its tokens, are unchanged."""
-    from kvc.runtime.methods_compiled import CompiledMethod
+    from kvc.runtime.compiled.method import CompiledMethod
 
     monkeypatch.setattr(CompiledMethod, "QUERY_BLOCK_BYTES", 1)
     ours = CASES["h2o"][0]
@@ -163,7 +163,7 @@ def test_budget_formula():
 def test_full_is_a_compiled_method():
     """`full` comes from methods/full.kvm through the same adapter: no hooks, nothing evicted."""
     from kvc.runtime.methods import resolve_method
-    from kvc.runtime.methods_compiled import CompiledMethod
+    from kvc.runtime.compiled.method import CompiledMethod
 
     m = resolve_method("full")
     m.bind(2, 2)

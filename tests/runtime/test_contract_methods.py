@@ -71,10 +71,13 @@ class Logits:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.rows: dict[int, list[torch.Tensor]] = {}
+        self.seen: list[SamplingParams] = []  # held, so that no id is reused while the spy keys by it
         sample = model_runner.sample
 
         def spy(rows, params, *args, **kwargs):
             for row, p in zip(rows, params):
+                if id(p) not in self.rows:
+                    self.seen.append(p)
                 self.rows.setdefault(id(p), []).append(row.detach().float().clone())
             return sample(rows, params, *args, **kwargs)
 

@@ -1,4 +1,4 @@
-"""Compiled methods' decode-time hooks served end to end (`runtime/methods_compiled_decode.py`):
+"""Compiled methods' decode-time hooks served end to end (`runtime/compiled/decode.py`, `step_end.py`):
 H2O (decode_after_attention: accumulated attention, heavy hitters + recent window), TOVA
 (decode_after_attention: the newest query's head-averaged attention) and StreamingLLM (step_end:
 sink + recent window) evict after every decoding step.

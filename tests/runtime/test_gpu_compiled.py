@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvc import LLM, SamplingParams
-from kvc.runtime.methods_compiled import CompiledMethod
+from kvc.runtime.compiled.method import CompiledMethod
 from tests.models.tiny import make_tiny_qwen3
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -17,7 +17,7 @@ import pytest
 from kvc.compiler import cache
 from kvc.compiler.cli import OUTPUT_DIR
 from kvc.dsl import METHODS_DIR
-from kvc.runtime import methods_compiled
+from kvc.runtime.compiled import folder as compiled_folder
 from kvc.runtime.cli import main
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.methods import resolve_method
@@ -80,7 +80,7 @@ def generated_copy(tmp_path, monkeypatch) -> Path:
     copy = tmp_path / "generated"
     for name in ("snapkv", "tova", "kivi"):
         shutil.copytree(OUTPUT_DIR / name, copy / name)
-    monkeypatch.setattr(methods_compiled, "GENERATED", copy)
+    monkeypatch.setattr(compiled_folder, "GENERATED", copy)
     return copy
 
 

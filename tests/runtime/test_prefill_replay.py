@@ -127,7 +127,7 @@ def test_a_chunk_state_no_budget_shapes_is_computed_once_per_record(model_dir, p
                                                                       monkeypatch) -> None:
     """H2O's prefill column sums read no parameter: the engines of every budget replaying one record
     compute them once (the record's memo) and still give the tokens each computes alone."""
-    from kvc.runtime.methods_compiled import CompiledMethod
+    from kvc.runtime.compiled.method import CompiledMethod
 
     records = [PrefillRecord() for _ in prompts]  # fresh records: an empty memo
     LLM(str(model_dir), **OPTIONS).generate(prompts, GREEDY, record=records)

@@ -1,4 +1,4 @@
-"""Decode state in paged state planes (runtime/kv/state_planes.py, methods_compiled_decode.py):
+"""Decode state in paged state planes (runtime/kv/state_planes.py, runtime/compiled/decode.py):
 the graph-capturable path of H2O's and TOVA's decode_after_attention, run here eagerly on the CPU
 (the same code a CUDA graph captures: static shapes, device tensors, no host reads).
 
@@ -23,7 +23,7 @@ from kvc.runtime.kv import state_planes
 from kvc.runtime.kv.compaction import CompactionJob, compact_many
 from kvc.runtime.kv.state_planes import BatchSlots
 from kvc.runtime.llm import LLM
-from kvc.runtime.methods_compiled import CompiledMethod
+from kvc.runtime.compiled.method import CompiledMethod
 from kvc.runtime.sampling_params import SamplingParams
 from tests.models.tiny import make_tiny_llama
 from tests.runtime.chained import check_books

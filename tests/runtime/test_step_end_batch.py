@@ -1,4 +1,4 @@
-"""`step_end_batch` of compiled decode-time evictions (runtime/methods_compiled_decode.py): the
+"""`step_end_batch` of compiled decode-time evictions (runtime/compiled/step_end.py): the
 plans of a whole decode batch at once, grouped by equal symbols, equal to `step_end` per row.
 
 On a tiny random Llama (float32, CPU, page size 5), five requests whose prompt lengths repeat
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvc.runtime import methods_compiled_decode
+from kvc.runtime.compiled import step_end
 from kvc.runtime.llm import LLM
 from kvc.runtime.method_api import MethodBase
 from kvc.runtime.sampling_params import SamplingParams
@@ -96,24 +96,24 @@ def test_batched_plans_equal_the_per_row_plans(model_dir, method, monkeypatch):
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_greedy_tokens_unchanged_end_to_end(model_dir, method, monkeypatch):
     batched = run(make_llm(model_dir, method))
-    monkeypatch.setattr(methods_compiled_decode.DecodeHooks, "step_end_batch", MethodBase.step_end_batch)
+    monkeypatch.setattr(step_end.StepEnd, "step_end_batch", MethodBase.step_end_batch)
     per_row = run(make_llm(model_dir, method))
     assert batched == per_row
     assert any(l != len(prompts()[0]) for step in batched[1] for row in step for l in row)  # it evicted
 
 
 def test_stacked_rows_read_like_one_row_reads():
-    """`_read_rows` over several tables equals `state_planes.read` of each (pages out of order)."""
+    """`read_rows` over several tables equals `state_planes.read` of each (pages out of order)."""
     from kvc.runtime.kv import state_planes
 
     plane = torch.randn(9, 2, 4)
     tables = [[3, 0, 7], [5, 2, 1], [8, 6, 4]]
-    got = methods_compiled_decode._read_rows(plane, tables, 10)
+    got = step_end.read_rows(plane, tables, 10)
     assert got.shape == (3, 2, 10)
     for g, table in enumerate(tables):
         assert torch.equal(got[g], state_planes.read(plane, table, 10))
     with pytest.raises(ValueError):
-        methods_compiled_decode._read_rows(plane, [[1, 2], [3]], 10)
+        step_end.read_rows(plane, [[1, 2], [3]], 10)
 
 
 @pytest.mark.parametrize("method", sorted(CASES))

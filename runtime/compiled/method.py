@@ -1,0 +1,146 @@
+"""`CompiledMethod`: the one generic adapter that serves every compiled method through the
+lifecycle contract (runtime/method_api.py; docs/design.md, "The lifecycle contract", "Compiled
+methods" and "Decode-time eviction").
+
+It composes the package's parts: the generated code (folder.py), the budget (budget.py), the
+per-(sequence, layer) state (state.py), the decode facts and hook (decode.py), and takes the
+prefill points (prefill.py) and step-end points (step_end.py) as its own methods. Nothing here
+knows a method by name; a method with no hooks (`full`) gets an empty `hooks` set and keeps
+every token (prefix caching stays on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvc.runtime.compiled import folder as compiled_folder
+from kvc.runtime.compiled.budget import CompiledBudget
+from kvc.runtime.compiled.decode import DecodeHooks, read_decode_facts
+from kvc.runtime.compiled.folder import ALL_QUERIES, GeneratedCode
+from kvc.runtime.compiled.prefill import PrefillHooks
+from kvc.runtime.compiled.state import SequenceStates
+from kvc.runtime.compiled.step_end import StepEnd, group_mode
+from kvc.runtime.errors import ConfigError
+from kvc.runtime.kv.spec import KVSpec
+from kvc.runtime.method_api import DecodeView, Hook, MethodBase
+
+
+class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
+    """A `KVMethod` over one compiled folder and the method's checked parameters."""
+
+    compacts = True
+    fused_devices = ("cuda",)  # where the fused Triton kernels run (tests add "cpu" under TRITON_INTERPRET)
+    QUERY_BLOCK_BYTES = 8 << 20  # the torch path's attention matrix per block of a chunk's queries
+    use_state_planes = True  # keep key-local decode state in paged planes (False: per-row dicts, eager)
+
+    def __init__(self, name: str, manifest: dict, params: dict[str, Any], folder: Path | None = None) -> None:
+        self.name = name
+        self.params = params
+        self.folder = folder if folder is not None else compiled_folder.GENERATED / name
+        self.code = code = GeneratedCode(name, self.folder, manifest)
+        self.lowering, self.hooks_module, self.states = code.lowering, code.hooks, code.states
+        self._source_sha256 = manifest.get("source_sha256", "")
+        if code.end_scores is None and any(code.facts.values()):
+            raise ConfigError(f"method {name!r} has decode-time or chunk hooks but no prefill_end selection; the "
+                              "engine serves compiled methods whose compression starts at prefill end",
+                              param="method")
+        self.window = code.query_window(params)
+        self.budget = CompiledBudget(code.held_tokens, params, 1, 1)
+        self.attention = code.attention
+        self.decoding = facts = read_decode_facts(code, self.use_state_planes)
+        self.paged_state, self.state_planes, self.decode_graphs = facts.paged, facts.planes, facts.graphs
+        self.seqs = SequenceStates(name, code.states, facts.planes)
+        self.decoder = DecodeHooks(name, params, facts, self.seqs, self.budget, code)
+        self._select_fn, self._group_mode = facts.select, group_mode(facts, bool(code.states))
+        self._count_memo: dict[tuple, int] = {}
+        self.hooks = self._hooks()
+        self.compacts = bool(self.hooks)  # a method with no hooks (`full`) keeps every token: prefix caching stays on
+        if Hook.STEP_END in self.hooks:
+            self.budget.decode_bound = self.decode_bound
+        # a chain prune's scorer: the prompt's keep scores (`token_scores`), reading the newest
+        # `query_window` prefill queries (-1: every query, H2O's attention sums over the prompt)
+        self.scores_tokens = code.end_scores is not None and code.score is not None
+        chunk_only = self.window == 0 and code.chunk_hook is not None
+        self.query_window = -1 if self.window == ALL_QUERIES or chunk_only else self.window
+        self.tuned_kernels = frozenset({"compaction"} if self.compacts else ()) | (
+            frozenset({"scores"}) if code.fused_names else frozenset())
+
+    def _hooks(self) -> frozenset[Hook]:
+        """The contract points the engine calls, from what the generated code has."""
+        hooks = {Hook.PREFILL_END, Hook.RELEASE} if self.code.end_scores is not None else set()
+        if self.code.chunk_hook is not None or self.window != 0:  # per-chunk state or a query window
+            hooks.add(Hook.PREFILL_CHUNK)
+        hooks |= self.decoding.hooks
+        if self.states:  # per-sequence state that a chain must carry between turns
+            hooks.add(Hook.TURN)
+        if hooks:  # some per-sequence state may exist: a cloned sequence must get its copy
+            hooks.add(Hook.CLONE)
+        return frozenset(hooks)
+
+    @property
+    def fingerprint(self) -> str:
+        """What makes two instances compute the same cache: the method, its parameters, and the
+        generated code's source hash (prefix-cache salt; chain records will carry it too)."""
+        params = ",".join(f"{k}={self.params[k]!r}" for k in sorted(self.params))
+        return f"{self.name}({params})@{self._source_sha256}"
+
+    def bind(self, num_layers: int, num_kv_heads: int) -> None:
+        """The model's shape, for the budget formulas (called by the engine before admission)."""
+        self.budget.num_layers, self.budget.num_kv_heads = num_layers, num_kv_heads
+
+    def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec:
+        """The spec the compiler derived from the .kvm (the generated `kv_spec` of hooks.py, which lists
+        the state planes of a key-local decode hook), without those planes when the decode state lives
+        in per-row dicts instead (`use_state_planes` off)."""
+        spec = self.code.kv_spec(num_kv_heads, head_dim, dtype, page_size, self.params)
+        planes = {t.name for t in spec.method_tensors}
+        if self.paged_state or not planes:
+            return spec
+        return dataclasses.replace(spec, tensors=tuple(t for t in spec.tensors if t.name not in planes))
+
+    def token_scores(self, layer: int, num_layers: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The prompt's keep scores [Hkv, n] of keys k [Hkv, n, D] under queries q [Hq, w, D] (the
+        generated `score`: a whole prompt's prefill_end scores)."""
+        return self.code.score(q, k, layer=layer, num_layers=num_layers, params=self.params)
+
+    def kept_tail(self, hook: str, sym: dict, length: int) -> int:
+        """How many of the newest of `length` stored tokens `hook`'s keep always keeps (`+ last N`):
+        keep plans carry it, so the chain cache knows which stored tokens are still verbatim."""
+        return self.code.kept_tail(hook, sym, self.params, length)
+
+    def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None:
+        self.decoder.after_attention(layer, view)
+
+    # ---- lifecycle (state.py) ------------------------------------------------------------------
+    def turn_end(self, seq_id: int) -> dict[int, dict[str, torch.Tensor] | str]:
+        return self.seqs.turn_end(seq_id)
+
+    def turn_resume(self, seq_id: int, state: Any, lengths: Seq[int]) -> None:
+        self.seqs.turn_resume(seq_id, state, lengths)
+
+    def clone(self, src_seq_id: int, dst_seq_id: int) -> None:
+        self.seqs.clone(src_seq_id, dst_seq_id)
+
+    def release(self, seq_id: int) -> None:
+        self.seqs.release(seq_id)
+
+    # the stores under the names tests check (a released method holds nothing), and the fused kernels
+    _q = property(lambda self: self.seqs.queries)
+    _state = property(lambda self: self.seqs.prefill)
+    _decode_state = property(lambda self: self.seqs.decode)
+    _pending = property(lambda self: self.seqs.pending)
+    _in_pages = property(lambda self: self.seqs.in_pages)
+    _resume_pages = property(lambda self: self.seqs.resume_pages)
+    _fused_names = property(lambda self: self.code.fused_names)
+    _fused = property(lambda self: self.code.fused_kernels)
+
+
+def resolve_compiled(spec: str, params: dict[str, Any] | None) -> CompiledMethod:
+    """A shipped method name, compiled folder or .kvm path -> the adapter over its (possibly just compiled) code."""
+    name, manifest, checked, folder = compiled_folder.resolve(spec, params)
+    return CompiledMethod(name, manifest, checked, folder)

@@ -1,0 +1,270 @@
+"""Step end of a compiled method: the decode-time keep's plans, which rows are due, and its bound.
+
+docs/design.md, "Decode-time eviction", is the design: the generated `<hook>_select` gives
+ascending physical indices; how many it keeps is known on the host from a `meta` run
+(`decode_kept`); the eviction interval decides when a row is due (`_due`) and the budget's decode
+bound (`decode_bound`); `step_end_batch` groups rows with equal symbols and selects once per group
+(`group_mode`: from the symbols alone, or one stacked selection over the rows' score planes),
+equal to `step_end` per row.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from kvc.runtime.compiled.budget import CompiledBudget
+from kvc.runtime.compiled.decode import DecodeFacts, decode_sym
+from kvc.runtime.compiled.state import SequenceStates, gather_state
+from kvc.runtime.kv import state_planes
+from kvc.runtime.method_api import KeepPlan, LayerCacheView, StackedPlan, StepView
+
+MEMO_LIMIT = 4096  # memoised counts (decode_kept) before the memo starts over
+
+
+class StepEnd:
+    """CompiledMethod's step-end points (`step_end`, `step_end_batch`, `step_end_due`) and the
+    counts they share with its budget, as its own methods rather than a separate object: they call
+    `_step_end_group` and `_select_fn` through the method, so one replaced on the method (a test's
+    spy, bench/step_end_runner_host.py's timer) sees every call. State lives in the composed parts
+    it reads:"""
+
+    name: str
+    params: dict[str, Any]
+    decoding: DecodeFacts
+    seqs: SequenceStates
+    budget: CompiledBudget
+    evict_interval: int
+    _select_fn: Callable  # the keep's generated selection (decoding.select)
+    _group_mode: str | None  # group_mode(decoding, stateful)
+    _count_memo: dict[tuple, int]
+    kept_tail: Callable[[str, dict, int], int]
+
+    # ---- host-side counts ----------------------------------------------------------------------
+    def decode_kept(self, length: int, prompt_len: int, context_len: int, layer: int, kv_heads: int) -> int:
+        """Tokens the decode-time keep leaves of `length` stored ones (host only: a `meta` run of the
+        generated selection). `length` when the method has no decode-time keep."""
+        facts = self.decoding
+        if facts.keep_hook is None:
+            return length
+        step = context_len - prompt_len if facts.keep["where"] else None
+        key = (length, prompt_len, layer, kv_heads, step)
+        count = self._count_memo.get(key)
+        if count is None:
+            sym = decode_sym(layer, self.budget.num_layers, length, context_len, prompt_len, None, kv_heads, None)
+            kept = self._select_fn(torch.empty(kv_heads, length, device="meta"), sym, self.params)
+            counts = {int(t.shape[0]) for t in kept}
+            if len(counts) != 1:
+                raise NotImplementedError(f"method {self.name!r} keeps unequal counts per KV head while decoding")
+            if len(self._count_memo) >= MEMO_LIMIT:
+                self._count_memo.clear()
+            count = self._count_memo[key] = counts.pop()
+        return count
+
+    def step_end_due(self, layer: int, lengths: np.ndarray, prompt_lens: np.ndarray,
+                     context_lens: np.ndarray) -> np.ndarray:
+        """The contract's `step_end_due`: which rows' `step_end` may give a plan at this step (host
+        facts per row; one `decode_kept` per distinct row, rows of a batch mostly share them)."""
+        if self.decoding.keep_hook is None:
+            return np.zeros(len(lengths), dtype=bool)
+        kv_heads = self.budget.num_kv_heads
+        facts = np.stack([lengths, prompt_lens, context_lens], axis=1)
+        if len(facts) and (facts == facts[0]).all():
+            n, p, c = (int(x) for x in facts[0])
+            return np.full(len(facts), self._due(n, self.decode_kept(n, p, c, layer, kv_heads)))
+        distinct, inverse = np.unique(facts, axis=0, return_inverse=True)
+        due = np.array([self._due(int(n), self.decode_kept(int(n), int(p), int(c), layer, kv_heads))
+                        for n, p, c in distinct], dtype=bool)
+        return due[inverse.reshape(-1)]
+
+    def _due(self, length: int, count: int) -> bool:
+        """Does a row storing `length` tokens, of which the keep leaves `count`, evict at this step:
+        has it grown `evict_interval` tokens past the count (N = 1: whenever the keep drops any)."""
+        return length >= count + self.evict_interval
+
+    def decode_bound(self, prompt_len: int, physical: int, layer: int) -> int:
+        """The most a layer holds during a decode step once `physical` tokens (prefill kept +
+        generated) would be stored without decode-time eviction. The first step holds the prefill's
+        kept tokens plus its own; later ones at most the decode keep's count at `physical` plus
+        `evict_interval` (the step's token, and the N - 1 a row keeps between evictions; counts grow
+        with length, so no earlier step held more). A keep with a `where` may skip steps: no bound
+        then."""
+        if self.decoding.keep_hook is None or self.decoding.keep["where"] or physical <= 0:
+            return physical
+        prefill_kept = self.budget.kept(prompt_len, layer)
+        first = prefill_kept + min(1, physical - prefill_kept)
+        kept = self.decode_kept(physical, prompt_len, prompt_len, layer, self.budget.num_kv_heads)
+        return min(physical, max(first, kept + self.evict_interval))
+
+    # ---- one row ---------------------------------------------------------------------------------
+    def step_end(self, layer: int, view: StepView) -> KeepPlan | None:
+        key = (view.seq_id, layer)
+        length, kv_heads = view.cache.length, view.cache.num_kv_heads
+        pending = self.seqs.pending.pop(key, None)
+        if self.decoding.keep_hook is None:
+            return None
+        count = self.decode_kept(length, view.prompt_len, view.context_len, layer, kv_heads)
+        if not self._due(length, count):
+            return None
+        sym = self._step_sym(layer, view, kv_heads)
+        if self.decoding.paged:
+            return self._step_end_paged(view, count, sym)
+        return self._step_end_row(layer, view, count, sym, pending)
+
+    def _step_sym(self, layer: int, view: StepView, kv_heads: int) -> dict[str, Any]:
+        return decode_sym(layer, self.budget.num_layers, view.cache.length, view.context_len, view.prompt_len, None,
+                          kv_heads, view.cache.store.head_dim("k"))
+
+    def _step_end_paged(self, view: StepView, count: int, sym: dict) -> KeepPlan:
+        """step_end over the planes: the scores (or the state) of the stored slots; compaction moves
+        the planes with K/V, so nothing is gathered here."""
+        cache = view.cache
+        planes = self.seqs.planes(cache.store)
+        if self.decoding.keep_hook == "decode_after_attention":
+            scores = state_planes.read(planes[self.decoding.scores_plane], cache.page_ids, cache.length)
+        else:
+            state = {name: state_planes.read(planes[name], cache.page_ids, cache.length)
+                     for name in self.seqs.states}
+            scores = self.decoding.step_scores(CacheInputs(cache), state, sym, self.params)
+        return self._plan(self._select_fn(scores, sym, self.params), count, sym, cache)
+
+    def _step_end_row(self, layer: int, view: StepView, count: int, sym: dict,
+                      pending: torch.Tensor | None = None) -> KeepPlan:
+        """step_end of one row over its dict state, its count and symbols known: the keep's scores
+        (decode_after_attention's `pending` ones, or step_end's own), the plan, and the state
+        gathered to the kept tokens."""
+        key = (view.seq_id, layer)
+        decode = self.seqs.decode
+        state = decode.get(key)
+        if state is None:
+            state = self.seqs.new(view.cache.num_kv_heads, view.cache.device)
+        if self.decoding.keep_hook == "decode_after_attention":
+            if pending is None:
+                raise RuntimeError(f"method {self.name!r}: step_end without decode_after_attention's scores")
+            scores = pending
+        else:
+            scores = self.decoding.step_scores(CacheInputs(view.cache), state, sym, self.params)
+        plan = self._plan(self._select_fn(scores, sym, self.params), count, sym, view.cache)
+        if key in decode:
+            decode[key] = gather_state(state, view.cache.length, plan.indices, plan.indices.device)
+        return plan
+
+    def _plan(self, kept: list[torch.Tensor], count: int, sym: dict, cache: LayerCacheView) -> KeepPlan:
+        indices = stacked(kept, cache.device)
+        if indices.shape[1] != count:
+            raise RuntimeError(f"method {self.name!r}: selection kept {indices.shape[1]}, its count says {count}")
+        return KeepPlan(indices, tail=self.kept_tail(self.decoding.keep_hook, sym, cache.length))
+
+    # ---- a decode batch --------------------------------------------------------------------------
+    def step_end_batch(self, layer: int, views: Seq[StepView]) -> list[KeepPlan | None]:
+        """`step_end` of every view, in order, grouped by equal symbols (module docstring). A
+        group's rows share their plan's tensor: one plan object (symbols alone), or `StackedPlan`
+        rows of one stacked selection, so the engine moves one tensor per group, not per row."""
+        if self._group_mode is None or len(views) < 2:
+            return [self.step_end(layer, view) for view in views]
+        plans: list[KeepPlan | None] = [None] * len(views)
+        keys = [(view.cache.length, view.context_len, view.prompt_len, id(view.cache.store))  # the store: shapes
+                for view in views]
+        if keys.count(keys[0]) == len(keys):  # the common case (a decode batch in step): one group
+            return self._step_end_group(layer, views)
+        groups: dict[tuple, list[int]] = {}
+        for i, key in enumerate(keys):
+            rows = groups.get(key)
+            if rows is None:
+                groups[key] = [i]
+            else:
+                rows.append(i)
+        for rows in groups.values():
+            if len(rows) == 1:
+                plans[rows[0]] = self.step_end(layer, views[rows[0]])
+                continue
+            for i, plan in zip(rows, self._step_end_group(layer, [views[i] for i in rows])):
+                plans[i] = plan
+        return plans
+
+    def _step_end_group(self, layer: int, views: Seq[StepView]) -> list[KeepPlan | None]:
+        """step_end of rows with equal symbols: one selection for the group."""
+        first = views[0]
+        pending = self.seqs.pending
+        if pending:
+            for view in views:
+                pending.pop((view.seq_id, layer), None)
+        cache = first.cache
+        length, kv_heads = cache.length, cache.num_kv_heads
+        count = self.decode_kept(length, first.prompt_len, first.context_len, layer, kv_heads)
+        if not self._due(length, count):
+            return [None] * len(views)
+        sym = self._step_sym(layer, first, kv_heads)
+        if self._group_mode == "symbolic":  # the same scores, so the same plan (one object) for every row
+            plan = self._step_end_row(layer, first, count, sym)
+            decode = self.seqs.decode
+            if decode:
+                for view in views[1:]:
+                    key = (view.seq_id, layer)
+                    if key in decode:  # no state: the per-row path would store an empty dict
+                        decode[key] = {}
+            return [plan] * len(views)
+        planes = self.seqs.planes(cache.store)
+        scores = read_rows(planes[self.decoding.scores_plane], [view.cache.page_ids for view in views], length)
+        rows = len(views) * kv_heads
+        kept = self._select_fn(scores.reshape(rows, length), {**sym, "kv_heads": rows}, self.params)
+        indices = stacked(kept, cache.device)
+        if indices.shape != (rows, count):
+            raise RuntimeError(f"method {self.name!r}: the stacked selection kept {tuple(indices.shape)}, "
+                               f"its count says ({rows}, {count})")
+        tail = self.kept_tail(self.decoding.keep_hook, sym, length)
+        stack = indices.view(len(views), kv_heads, count)
+        return [StackedPlan(stack, g, tail) for g in range(len(views))]
+
+
+def group_mode(facts: DecodeFacts, stateful: bool) -> str | None:
+    """How `step_end_batch` batches a group of rows with equal symbols: "symbolic" (scores from the
+    symbols alone: one selection, one plan for all), "planes" (scores in a plane, row-wise
+    selection: one stacked selection), or None (per row)."""
+    if facts.keep_hook is None:
+        return None
+    if facts.keep_hook == "step_end" and not facts.keep["inputs"] and not stateful and not facts.paged:
+        return "symbolic"
+    if facts.keep_hook == "decode_after_attention" and facts.paged and facts.keep.get("rowwise_select"):
+        return "planes"
+    return None
+
+
+def read_rows(plane: torch.Tensor, tables: list[list[int]], n: int) -> torch.Tensor:
+    """The state of slots [0, n) of several sequences' layer: [G, Hkv, n] float32, row g equal to
+    `state_planes.read(plane, tables[g], n)`. The tables go to the device in one array."""
+    page_size = plane.shape[2]
+    pages = -(-n // page_size)
+    if any(len(table) < pages for table in tables):
+        raise ValueError(f"a table of fewer than {pages} pages of {page_size} slots cannot hold {n} tokens")
+    flat = itertools.chain.from_iterable(table if len(table) == pages else table[:pages] for table in tables)
+    ids = np.fromiter(flat, dtype=np.int64, count=len(tables) * pages).reshape(len(tables), pages)
+    ids = torch.from_numpy(ids).to(plane.device)  # [G, pages]
+    slots = torch.arange(n, device=plane.device)
+    return plane[ids[:, slots // page_size], :, slots % page_size].permute(0, 2, 1)
+
+
+def stacked(kept: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The generated selection's per-row index tensors (equal lengths) as one [rows, kept] int64
+    tensor on `device`: one stack, one move (not one per row)."""
+    return torch.stack(kept).to(device=device, dtype=torch.long)
+
+
+class CacheInputs(dict):
+    """A step_end hook's inputs: `k` / `v` are dense copies of the layer's cache ([Hkv, n, D];
+    float32 on the CPU, the reference precision), made only if the hook reads them."""
+
+    def __init__(self, cache: LayerCacheView) -> None:
+        super().__init__()
+        self._cache = cache
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        if name not in ("k", "v"):
+            raise KeyError(name)
+        value = self._cache.keys() if name == "k" else self._cache.values()
+        self[name] = value = value.float() if value.device.type == "cpu" else value
+        return value
