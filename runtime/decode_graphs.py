@@ -102,6 +102,7 @@ class DecodeGraphs:
         self.logits: torch.Tensor | None = None  # [n, vocab] float32, every graph's output (`_step_fn`)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self._stream: torch.cuda.Stream | None = None  # the warm-up and capture stream
         # host mirror of what the table and starts buffers hold, per row (`_load`)
         # (seq_id, tables_version, len(grown_layers)) of each row's last load
         self._loaded: list[tuple[int, int, int] | None] = [None] * n
@@ -153,14 +154,19 @@ class DecodeGraphs:
 
     def _capture(self, key: GraphKey) -> None:
         step = self._step_fn(key)
-        stream = torch.cuda.Stream()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile kernels and settle allocations outside the graph
                 step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # captured on the stream the warm-up ran on: libraries' per-stream state (cuBLAS's workspace)
+        # exists before the capture; a fresh capture stream made cuBLAS allocate inside it, which
+        # failed on the H200 (CUBLAS_STATUS_EXECUTION_FAILED) once other engines had run in the process
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             step()
         self.pool = graph.pool()
         self.graphs[key] = graph
