@@ -10,14 +10,14 @@ import sys
 from kvc.runtime.cli import ASYNC_SCHEDULING_CHOICES, add_evict_interval
 from kvc.runtime.errors import ConfigError, KvcError
 
-DEFAULT_METHODS = "full,streamingllm,snapkv,pyramidkv,h2o,tova,adakv"
 
 
 def add_commands(bench_sub) -> None:
     t = bench_sub.add_parser("throughput", help="decode tokens/s per method at the largest batch a fixed KV "
                              "memory holds (offline; decode window over cloned post-prefill state)")
     t.add_argument("--model", help="local Hugging Face directory or random:NAME (default: the embedded tiny model)")
-    t.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated (default: {DEFAULT_METHODS})")
+    t.add_argument("--methods", default=None,
+                   help="comma-separated (default: every shipped method the engine runs)")
     t.add_argument("--method-params", action="append", metavar="METHOD:KEY=VALUE[,KEY=VALUE]",
                    help="override a method's parameters (repeatable), e.g. snapkv:budget=2048,window=32")
     t.add_argument("--budget", type=int, default=2048,
@@ -98,7 +98,8 @@ def _throughput(a: argparse.Namespace) -> int:
     from kvc.runtime.bench.throughput import ThroughputConfig, run
 
     cfg = ThroughputConfig(
-        methods=_csv(a.methods, "methods"), inputs=_ints(a.inputs, "inputs"), kv_memory=parse_bytes(a.kv_memory),
+        methods=_csv(a.methods, "methods") if a.methods is not None else _served(),
+        inputs=_ints(a.inputs, "inputs"), kv_memory=parse_bytes(a.kv_memory),
         model=a.model, output_len=a.output, budget=a.budget, method_params=parse_method_params(a.method_params),
         steps=a.steps, warmup=a.warmup, max_batch=a.max_batch, decode_offset=a.decode_offset, device=a.device,
         dtype=a.dtype, page_size=a.page_size, max_num_batched_tokens=a.max_num_batched_tokens,
@@ -154,3 +155,9 @@ def _plot(a: argparse.Namespace) -> int:
     out = a.out or str(Path(a.result).with_suffix(".png"))
     print(render(load_result(a.result), out))
     return 0
+
+
+def _served() -> list[str]:
+    from kvc.runtime.compiled.folder import served
+
+    return served()

@@ -31,6 +31,15 @@ def available() -> list[str]:
     return sorted(shipped | {p.stem for p in METHODS_DIR.glob("*.kvm")})
 
 
+def served() -> list[str]:
+    """Shipped methods the engine runs (generated manifests marked lowered), the baseline without
+    hooks first: the tools' default set (`kvc eval`, `kvc bench throughput`)."""
+    names = [p.parent.name for p in sorted(GENERATED.glob("*/manifest.json"))
+             if (method_cache.read_manifest(p.parent) or {}).get("lowered")]
+    baseline = [n for n in names if not (method_cache.read_manifest(GENERATED / n) or {}).get("hooks")]
+    return baseline + [n for n in names if n not in baseline]
+
+
 def resolve(spec: str, params: dict[str, Any] | None) -> tuple[str, dict, dict[str, Any], Path]:
     """A shipped method name, compiled folder or .kvm path -> (name, manifest, checked parameters,
     folder) of its (possibly just compiled) code; user errors become `ConfigError`s."""

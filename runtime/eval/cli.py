@@ -8,7 +8,6 @@ import argparse
 import sys
 from pathlib import Path
 
-DEFAULT_METHODS = "full,streamingllm,snapkv,pyramidkv,tova,h2o,adakv"
 
 
 def _ints(text: str) -> list[int]:
@@ -36,8 +35,8 @@ def add_command(sub) -> None:
                        description="Runs every method at every budget on generated long-context tasks through "
                        "kvc's engine (greedy) and reports accuracy with 95%% intervals (docs/accuracy.md).")
     p.add_argument("--model", help="model directory, gguf:FILE (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--methods", type=_names, default=_names(DEFAULT_METHODS),
-                   help=f"comma-separated methods (names or .kvm paths; default {DEFAULT_METHODS})")
+    p.add_argument("--methods", type=_names, default=None,
+                   help="comma-separated methods (names or .kvm paths; default: every shipped method the engine runs)")
     p.add_argument("--budgets", type=_ints, default=[128, 256, 512, 1024],
                    help="KV budgets in tokens per KV head, for every method with a `budget` parameter "
                    "(default 128,256,512,1024)")
@@ -74,7 +73,12 @@ def _run(a: argparse.Namespace) -> int:
     from kvc.runtime.eval.runner import EvalConfig, Evaluation
     from kvc.runtime.server.launch import parse_method_params
 
-    cfg = EvalConfig(model=a.model, methods=a.methods, budgets=a.budgets, tasks=a.tasks, lengths=a.lengths,
+    methods = a.methods
+    if methods is None:
+        from kvc.runtime.compiled.folder import served
+
+        methods = served()
+    cfg = EvalConfig(model=a.model, methods=methods, budgets=a.budgets, tasks=a.tasks, lengths=a.lengths,
                      cases=a.cases, seed=a.seed, device=a.device, dtype=a.dtype, batch=a.batch,
                      method_params=parse_method_params(a.method_param), reference=a.reference,
                      share_prefill=not a.no_share_prefill, record_memory=int(a.record_memory * 2**30),
