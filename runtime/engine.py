@@ -33,6 +33,7 @@ from kvc.runtime.errors import (
     ChainCapacity,
     ConfigError,
     InvalidPromptError,
+    InvalidSamplingParams,
     KvcError,
     OutOfKVMemory,
     PromptTooLongError,
@@ -191,6 +192,11 @@ class Engine:
         vocab = self.spec.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidPromptError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidSamplingParams(f"logit_bias: token ids must be in [0, {vocab})", param="logit_bias")
+        if params.prompt_logprobs is not None and (replay is not None or (chain is not None and not chain.open)):
+            raise InvalidSamplingParams("prompt_logprobs: a chain continuation or a replayed prefill does not run "
+                                        "the model over the whole prompt", param="prompt_logprobs")
         if replay is not None:
             if chain is not None and not chain.open:
                 raise ConfigError("replay: a recorded prefill starts at the prompt's first token; a chain "
@@ -270,6 +276,8 @@ class Engine:
             self.runner.add_request(clone.seq_id, None if source_generator is None else 0)
             if source_generator is not None:  # the clone draws what the source would
                 self.runner.generators[clone.seq_id].set_state(source_generator.get_state())
+            clone.logprobs = None if seq.logprobs is None else list(seq.logprobs)
+            clone.prompt_logprobs = None if seq.prompt_logprobs is None else list(seq.prompt_logprobs)
             self.sequences[clone.seq_id] = clone
         return clones
 
@@ -355,8 +363,13 @@ class Engine:
         return finished + self._commit(batch, out)
 
     def _commit(self, batch, out) -> list[Sequence]:
-        """Appends an advanced step's tokens (waiting for them); the sequences that finished."""
-        finished = self.scheduler.commit(batch, out.resolve())
+        """Appends an advanced step's tokens and logprobs (waiting for them); the sequences that
+        finished."""
+        sampled = out.resolve()
+        for seq_id, (first, entries) in out.prompt_logprobs.items():
+            if seq_id in self.sequences:
+                self.sequences[seq_id].add_prompt_logprobs(first, entries)
+        finished = self.scheduler.commit(batch, sampled, out.logprobs)
         for seq in finished:  # step_end (decode-time eviction) ran in the runner, before the commit
             self._release(seq.seq_id)
             if self.auto_prune is not None:

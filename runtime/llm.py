@@ -4,6 +4,10 @@ Multi-turn sessions go through the chain cache: `generate(prompt, params, chain=
 returns outputs with a `chain_id`; the next turn passes the whole conversation with
 `chain=ChainSpec(continue_id=...)` (or `fork_id=...`) and only the new suffix is prefilled
 (`num_cached_tokens` says how many tokens were reused).
+
+Outputs carry what `SamplingParams` asked for: `logprobs` (one `TokenLogprobs` per generated
+token: its logprob, rank and the top N), `prompt_logprobs` (one per prompt token, None for the
+first), and `stop_reason` (the stop token id that ended the request, else None).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from kvc.runtime.chains import ChainSpec
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.engine import Engine
 from kvc.runtime.errors import ConfigError, InvalidPromptError, InvalidSamplingParams
+from kvc.runtime.logprobs import TokenLogprobs
 from kvc.runtime.prefill_record import PrefillRecord
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.sequence import Sequence
@@ -34,6 +39,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens not prefilled: prefix-cache hits or chain reuse
     metrics: dict[str, Any] = field(default_factory=dict)
     chain_id: str | None = None  # the chain this request opened, continued or forked
+    logprobs: list[TokenLogprobs] | None = None  # per generated token (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, None first (prompt_logprobs)
+    stop_reason: int | None = None  # the stop token id that ended it (None: EOS, length, abort)
 
 
 class LLM:
@@ -123,6 +131,9 @@ class LLM:
                 finish_reason=seq.finish_reason,
                 num_cached_tokens=seq.num_cached_tokens,
                 chain_id=seq.chain_id,
+                logprobs=seq.logprobs,
+                prompt_logprobs=seq.prompt_logprobs,
+                stop_reason=seq.stop_reason,
             )
             for p, seq in zip(prompts, seqs)
         ]

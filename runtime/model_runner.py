@@ -1,7 +1,9 @@
 """Runs one scheduled step through the model: builds the step's tensors (token ids, logical
 positions, per-layer slots, tables, lengths, KV-head starts, residual counts), calls the model with
 paged attention and the method's hooks around it, and samples the sequences that reached the end
-of their known tokens.
+of their known tokens. Requests that ask for prompt logprobs get the logits of every prompt
+position of their prefill chunks (only theirs); the sampler's per-request penalty state lives here
+(runtime/penalties.py), and logprobs travel back with the sampled tokens.
 
 Decode-only steps on a GPU replay CUDA graphs captured per batch-size and context bucket
 (runtime/decode_graphs.py); everything else (prefill chunks, mixed steps, CPU) runs eagerly. The
@@ -28,11 +30,15 @@ from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.method_api import (DecodeRow, DecodeView, Hook, KVMethod)
 from kvc.runtime.models.base import CausalLM
-from kvc.runtime.sampler import sample
+from kvc.runtime.logprobs import LogprobTensors, TokenLogprobs, compute, to_host
+from kvc.runtime.penalties import TokenCounts
+from kvc.runtime.sampler import RowHistory, sample
 from kvc.runtime.scheduler import ScheduledBatch
-from kvc.runtime.transfer import PendingTokens, feed_pending, to_device
+from kvc.runtime.transfer import PendingTensors, PendingTokens, feed_pending, to_device
 
 log = logging.getLogger(__name__)
+
+PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits are computed at once (a [rows, vocab] float32 block)
 
 
 @dataclass
@@ -45,28 +51,44 @@ class StepInputs:
 
 
 @dataclass
+class PromptSpan:
+    """Prompt logprobs a step computed for one sequence: of its tokens [first, first + count)."""
+
+    seq_id: int
+    first: int
+    count: int
+    num_top: int
+
+
+@dataclass
 class StepOutput:
     sampled: dict[int, int]  # seq_id -> sampled token (filled by `resolve`)
     compacted: dict[int, dict[int, int]] = field(default_factory=dict)  # seq_id -> layer -> kept
     rewritten: dict[int, dict[int, int]] = field(default_factory=dict)  # seq_id -> layer -> residual slots left
     tokens: PendingTokens | None = None  # the sampled tokens, in the order of `seq_ids`
     seq_ids: list[int] = field(default_factory=list)
+    logprob_top: dict[int, int] = field(default_factory=dict)  # seq_id -> top logprobs asked, in the sampler's order
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
+    prompt_pending: PendingTensors | None = None
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # seq_id -> its sampled token's (`resolve`)
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)  # seq_id -> (first, ...)
 
     def resolve(self) -> dict[int, int]:
-        """seq_id -> sampled token; waits for the step's sampling kernels."""
+        """seq_id -> sampled token; waits for the step's sampling kernels. Also fills `logprobs`
+        and `prompt_logprobs` for the sequences that asked."""
         if self.tokens is not None and not self.sampled:
             self.sampled = dict(zip(self.seq_ids, self.tokens.resolve()))
+            if self.logprob_top:
+                entries = to_host(self.tokens.resolve_extras(), list(self.logprob_top.values()))
+                self.logprobs = dict(zip(self.logprob_top, entries))
+        if self.prompt_pending is not None:
+            entries = to_host(self.prompt_pending.resolve(), [s.num_top for s in self.prompt_spans for _ in
+                                                              range(s.count)])
+            self.prompt_pending, at = None, 0
+            for span in self.prompt_spans:
+                self.prompt_logprobs[span.seq_id] = (span.first, entries[at : at + span.count])
+                at += span.count
         return self.sampled
-
-    def feed(self, seqs) -> tuple[list[int], list[int]] | None:
-        """For a next step over `seqs` (async scheduling): (rows of `seqs` whose input token is
-        pending, their rows in this step's tokens), or None when no row's is."""
-        if self.tokens is None:
-            return None
-        where = {seq_id: i for i, seq_id in enumerate(self.seq_ids)}
-        dst = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens >= len(seq.token_ids)]
-        return (dst, [where[seqs[i].seq_id] for i in dst]) if dst else None
-
 
 class ModelRunner:
     def __init__(
@@ -98,6 +120,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
+        self.token_counts = TokenCounts(model.spec.vocab_size, device)  # penalties' state
         self.store = attention.store  # every tensor of the method's KV spec (runtime/kv/store.py)
         # the attention kernels, chosen by the spec (dense or encoded K/V), the decode statistics the
         # method reads, and whether its decode hook gives read plans
@@ -121,6 +144,7 @@ class ModelRunner:
 
     def remove_request(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
+        self.token_counts.release(seq_id)
         self.tables.drop(seq_id)
 
     # ---- one step --------------------------------------------------------------------------
@@ -152,6 +176,7 @@ class ModelRunner:
                 feed_pending(inputs.input_ids, after.tokens.device, feed, [0, *np.cumsum(batch.num_new_tokens)])
             attn = self._attn_fn(inputs.md, batch, output)
             hidden = self.model(inputs.input_ids, inputs.positions, attn)
+            self._prompt_logprobs(batch, hidden, output)
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
             rows = inputs.sample_seqs
             _record_logits(batch, rows, logits)
@@ -160,16 +185,68 @@ class ModelRunner:
         if not rows:
             return output
         seqs = [batch.seqs[i] for i in rows]
-        tokens = sample(
-            logits,
-            [s.params for s in seqs],
-            [self.generators.get(s.seq_id) for s in seqs],
-            self.default_generator,
-        )
-        output.tokens, output.seq_ids = PendingTokens(tokens), [s.seq_id for s in seqs]
+        params = [s.params for s in seqs]
+        history, slots = self._history(seqs) if any(p.changes_logits for p in params) else (None, None)
+        out = sample(logits, params, [self.generators.get(s.seq_id) for s in seqs], self.default_generator, history)
+        if slots is not None:  # counted on the device, before the next step samples
+            pr = to_device(history.penalty_rows, self.device, torch.int64)
+            self.token_counts.add(slots, out.tokens.index_select(0, pr))
+        extras = None
+        if out.logprobs is not None:
+            output.logprob_top = {seqs[i].seq_id: seqs[i].params.logprobs for i in out.logprob_rows}
+            extras = out.logprobs.tensors()
+        output.tokens, output.seq_ids = PendingTokens(out.tokens, extras), [s.seq_id for s in seqs]
         if not defer:
             output.resolve()
         return output
+
+    def _history(self, seqs) -> tuple[RowHistory, torch.Tensor | None]:
+        """What the sampler reads about `seqs` beyond their params: tokens generated so far (a pending
+        one included), the ids min_tokens masks, and the penalised rows' counts; and those rows in
+        `token_counts` (None: no row has a penalty)."""
+        penalised = [i for i, s in enumerate(seqs) if s.params.has_penalties]
+        history = RowHistory(
+            num_generated=[s.num_generated + s.pending for s in seqs],
+            stop_ids=[(*s.params.stop_token_ids, *(() if s.params.ignore_eos else s.eos_token_ids))
+                      if s.params.min_tokens else () for s in seqs],
+            penalty_rows=penalised,
+        )
+        if not penalised:
+            return history, None
+        slots = self.token_counts.rows([seqs[i] for i in penalised])
+        history.counts = self.token_counts.counts.index_select(0, slots)
+        history.prompt = self.token_counts.prompt.index_select(0, slots)
+        return history, slots
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor, output: StepOutput) -> None:
+        """The logprobs of the prompt tokens that this step's prefill chunks predict, for the
+        sequences that ask (position p's logits give token p + 1's logprob); skips tokens a
+        sequence already has (a recompute after preemption)."""
+        spans, chunks = [], []
+        start_row = 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            have = None if seq.prompt_logprobs is None else len(seq.prompt_logprobs)
+            if i >= batch.num_decodes and have is not None and have < seq.num_prompt_tokens:
+                start = seq.num_computed_tokens
+                first, end = max(start + 1, have), min(start + n + 1, seq.num_prompt_tokens)
+                if first < end:
+                    spans.append(PromptSpan(seq.seq_id, first, end - first, seq.params.prompt_logprobs))
+                    rows = torch.arange(start_row + first - 1 - start, start_row + end - 1 - start, device=self.device)
+                    targets = to_device(seq.token_ids[first:end], self.device, torch.int64)
+                    chunks.append((rows, targets, seq.params.prompt_logprobs))
+            start_row += n
+        if not spans:
+            return
+        k = max(c[2] for c in chunks)
+        rows = torch.cat([c[0] for c in chunks])
+        targets = torch.cat([c[1] for c in chunks])
+        parts = []
+        for at in range(0, len(rows), PROMPT_LOGITS_ROWS):
+            block = slice(at, at + PROMPT_LOGITS_ROWS)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows[block]]).float(), dim=-1)
+            parts.append(compute(logprobs, targets[block], k))
+        joined = LogprobTensors(*(torch.cat(t) for t in zip(*(p.tensors() for p in parts))))
+        output.prompt_spans, output.prompt_pending = spans, PendingTensors(joined.tensors())
 
     def _attn_fn(
         self,

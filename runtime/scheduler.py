@@ -386,7 +386,9 @@ class Scheduler:
                 budget -= step[seq.seq_id]
                 continue
             layers = self.num_layers
-            hits = pool.lookup_layers(seq.token_ids, layers) if self.prefix_caching else [[]] * layers
+            # a request still owed prompt logprobs computes every prompt position: no prefix hits
+            cached = self.prefix_caching and not _wants_prompt_logits(seq)
+            hits = pool.lookup_layers(seq.token_ids, layers) if cached else [[]] * layers
             computed = len(hits[0]) * pool.page_size
             n = min(len(seq.token_ids) - computed, budget, chunk_cap)
             # the prompt stays resident until prefill_end: every layer needs pages for computed + n
@@ -398,7 +400,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._take_row(seq)
-            if self.prefix_caching:
+            if cached:
                 hits = pool.match_prefix_layers(seq.token_ids, layers)
             seq.page_tables = [table + pool.allocate(fresh) for table in hits]
             seq.tables_version += 1
@@ -486,9 +488,9 @@ class Scheduler:
             if samples:
                 seq.pending += 1
 
-    def commit(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
-        """Appends the advanced step's sampled tokens and stops the sequences they end; returns
-        the finished."""
+    def commit(self, batch: ScheduledBatch, sampled: dict[int, int], logprobs: dict | None = None) -> list[Sequence]:
+        """Appends the advanced step's sampled tokens (with their logprobs, for the sequences that
+        asked) and stops the sequences they end; returns the finished."""
         finished = []
         for seq, samples in zip(batch.seqs, batch.needs_sample()):
             if seq.status is not SequenceStatus.RUNNING or not samples:
@@ -496,7 +498,7 @@ class Scheduler:
             if seq.seq_id not in sampled:
                 raise ValueError(f"sequence {seq.seq_id} reached its last token but got no sample")
             seq.pending -= 1
-            seq.append_token(sampled[seq.seq_id])
+            seq.append_token(sampled[seq.seq_id], None if logprobs is None else logprobs.get(seq.seq_id))
             reason = seq.check_stop()
             growth = self._growth(seq, 1)  # 0: the pages it holds take the token (no need to count them)
             if reason is None and growth and growth + self._held(seq) + self._pinned(seq) > self.pool.num_pages:
@@ -582,3 +584,8 @@ class Scheduler:
         self._free(seq)
         seq.finish(reason)
         del self._live[seq.seq_id]
+
+
+def _wants_prompt_logits(seq: Sequence) -> bool:
+    """Does the sequence still need the logits of prompt positions (prompt logprobs not all held)?"""
+    return seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens

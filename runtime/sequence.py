@@ -30,6 +30,10 @@ logical position from which every layer's stored tail equals the logical tokens 
 a rollback may cut). `spare_pages` are fresh pages the scheduler set aside for one step's
 copy-on-write of shared pages (the runner takes them; the rest go back after the step).
 
+Logprobs (runtime/logprobs.py): `logprobs` holds one entry per generated token and
+`prompt_logprobs` one per prompt token (None for the first), for requests that ask; `stop_reason`
+is the stop token id that ended the request (None for EOS, length or abort), as vLLM reports it.
+
 Async scheduling (runtime/engine.py): `pending` counts sampled tokens still on the device, not yet
 in `token_ids`. The scheduler advances a step's bookkeeping when the step is launched and appends
 its tokens when they arrive (`Scheduler.advance` / `commit`), so between the two a decoding
@@ -140,6 +144,11 @@ class Sequence:
         # `record`, or taken from `replay` instead of running the model.
         self.record = None
         self.replay = None
+        # Requests that ask (SamplingParams.logprobs / prompt_logprobs): one TokenLogprobs per
+        # generated token, per prompt token (the first has none: None)
+        self.logprobs: list | None = None if getattr(params, "logprobs", None) is None else []
+        self.prompt_logprobs: list | None = None if getattr(params, "prompt_logprobs", None) is None else [None]
+        self.stop_reason: int | None = None
 
     def __repr__(self) -> str:
         return (
@@ -248,8 +257,15 @@ class Sequence:
         n = len(self.token_ids) + self.pending
         return n - self.num_prompt_tokens >= self.params.max_tokens or n >= self.max_model_len
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, logprobs=None) -> None:
         self.token_ids.append(token_id)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+
+    def add_prompt_logprobs(self, first: int, entries: list) -> None:
+        """Prompt logprobs of tokens [first, first + len(entries)), from one prefill chunk."""
+        if self.prompt_logprobs is not None and first == len(self.prompt_logprobs):
+            self.prompt_logprobs.extend(entries)
 
     def check_stop(self) -> str | None:
         """Why the sequence should stop after its last token, or None to go on."""
@@ -257,6 +273,7 @@ class Sequence:
             return None
         last = self.token_ids[-1]
         if last in self.params.stop_token_ids:
+            self.stop_reason = last
             return FINISH_STOP
         if not self.params.ignore_eos and last in self.eos_token_ids:
             return FINISH_STOP

@@ -53,26 +53,45 @@ def feed_pending(input_ids: torch.Tensor, tokens: torch.Tensor, rows: tuple[list
     input_ids.index_copy_(0, at, tokens.index_select(0, to_device(src, tokens.device, torch.int64)))
 
 
-class PendingTokens:
-    """A step's sampled token ids: on the device at once (the next step can feed them), on the host
-    once `resolve()` returns."""
+class PendingTensors:
+    """Device tensors of a step on their way to the host: copied into pinned buffers at once (an
+    event recorded right after), readable once `resolve()` returns."""
 
-    def __init__(self, tokens: torch.Tensor) -> None:
-        self.device = tokens  # [N] int64
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._event = None
-        if tokens.device.type == "cuda":
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+        if tensors and tensors[0].device.type == "cuda":
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, t in zip(self._host, tensors):
+                host.copy_(t, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._host = tokens
+            self._host = list(tensors)
+
+    def resolve(self) -> list[torch.Tensor]:
+        """The tensors on the host (waits for their step's kernels, not for later ones)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host
+
+
+class PendingTokens:
+    """A step's sampled token ids: on the device at once (the next step can feed them), on the host
+    once `resolve()` returns. `extras`: more of the step's device tensors (its logprobs) that come
+    back with them, under the same event (`resolve_extras()`)."""
+
+    def __init__(self, tokens: torch.Tensor, extras: list[torch.Tensor] | None = None) -> None:
+        self.device = tokens  # [N] int64
+        self._pending = PendingTensors([tokens, *(extras or [])])
         self._values: list[int] | None = None
 
     def resolve(self) -> list[int]:
         """The token ids (waits for their step's kernels, not for later ones)."""
         if self._values is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._values = self._host.tolist()
+            self._values = self._pending.resolve()[0].tolist()
         return self._values
+
+    def resolve_extras(self) -> list[torch.Tensor]:
+        """The extra tensors, on the host."""
+        return self._pending.resolve()[1:]

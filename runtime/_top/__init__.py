@@ -10,18 +10,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "ChainSpec", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "ChainSpec", "RequestOutput", "SamplingParams", "TokenLogprobs", "__version__"]
 
 _EXPORTS = {
     "LLM": "kvc.runtime.llm",
     "ChainSpec": "kvc.runtime.chains",
     "RequestOutput": "kvc.runtime.llm",
     "SamplingParams": "kvc.runtime.sampling_params",
+    "TokenLogprobs": "kvc.runtime.logprobs",
 }
 
 if TYPE_CHECKING:
     from kvc.runtime.chains import ChainSpec
     from kvc.runtime.llm import LLM, RequestOutput
+    from kvc.runtime.logprobs import TokenLogprobs
     from kvc.runtime.sampling_params import SamplingParams
 
 
