@@ -90,6 +90,15 @@ class StepOutput:
                 at += span.count
         return self.sampled
 
+    def feed(self, seqs) -> tuple[list[int], list[int]] | None:
+        """For a next step over `seqs` (async scheduling): (rows of `seqs` whose input token is
+        pending, their rows in this step's tokens), or None when no row's is."""
+        if self.tokens is None:
+            return None
+        where = {seq_id: i for i, seq_id in enumerate(self.seq_ids)}
+        dst = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens >= len(seq.token_ids)]
+        return (dst, [where[seqs[i].seq_id] for i in dst]) if dst else None
+
 class ModelRunner:
     def __init__(
         self,
