@@ -45,6 +45,9 @@ class Output:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     time: float = 0.0  # time.perf_counter() when the step ended
+    logprobs: list | None = None  # one TokenLogprobs per token of `token_ids`, when the request asked
+    prompt_logprobs: list | None = None  # with a sequence's first output, when the request asked
+    stop_reason: int | None = None  # the stop token id that ended the sequence
 
 
 @dataclass(eq=False)  # identity: requests live in sets
@@ -308,8 +311,11 @@ class AsyncEngine:
     def _output(self, live: _Live, reason: str | None) -> Output:
         seq = live.seq
         new = seq.token_ids[seq.num_prompt_tokens + live.sent :]
+        logprobs = None if seq.logprobs is None else seq.logprobs[live.sent : live.sent + len(new)]
+        prompt_logprobs = seq.prompt_logprobs if live.sent == 0 else None
         live.sent += len(new)
-        return Output(live.index, new, reason, seq.num_prompt_tokens, seq.num_cached_tokens, time.perf_counter())
+        return Output(live.index, new, reason, seq.num_prompt_tokens, seq.num_cached_tokens, time.perf_counter(),
+                      logprobs, prompt_logprobs, seq.stop_reason)
 
     def _step(self) -> None:
         outputs: list[tuple[Request, Output]] = []

@@ -4,8 +4,9 @@
 sequences (prompts x n), turns each step's tokens into text (`ChoiceText`: incremental
 detokenization, stop strings), ends a choice early on a stop string, watches for the client
 going away (then aborts at once, so the pages are freed), records metrics, and always releases
-the engine's sequences when the handler is done, however it ends. A chained request (one
-sequence) carries its `ChainSpec` to the engine and the engine's chain id back.
+the engine's sequences when the handler is done, however it ends. Logprobs (when asked) go with
+the tokens each delta shows; a choice's prompt logprobs arrive with its first output. A chained
+request (one sequence) carries its `ChainSpec` to the engine and the engine's chain id back.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list | None = None  # one TokenLogprobs per token of `token_ids` (requests that ask)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended the choice
 
 
 @dataclass
@@ -46,6 +49,9 @@ class Choice:
     num_cached_tokens: int = 0
     first_time: float | None = None
     last_time: float = 0.0
+    logprobs: list | None = None  # per received token (requests that ask)
+    prompt_logprobs: list | None = None
+    stop_reason: int | str | None = None
     _counted: int = field(default=0, repr=False)
 
     def feed(self, out: Output) -> Delta:
@@ -56,18 +62,28 @@ class Choice:
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
         # the engine's figure at the sequence's last admission (a preempted sequence is recomputed)
         self.num_cached_tokens = out.num_cached_tokens
+        if out.logprobs is not None:
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         silent = out.finish_reason == FINISH_STOP and ids and ids[-1] in self.silent_ids
         text = self.text.add(ids[:-1] if silent else ids)
         if silent:
             self.text.add_silent(ids[-1:])
         if self.text.stopped:
-            self.finish_reason = FINISH_STOP
+            self.finish_reason, self.stop_reason = FINISH_STOP, self.text.stops.matched
         elif out.finish_reason is not None:
             text += self.text.finish()
-            self.finish_reason = out.finish_reason
-        new_ids = self.text.token_ids[self._counted :]
-        self._counted = len(self.text.token_ids)
-        return Delta(self.index, text, new_ids, self.finish_reason)
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        start, self._counted = self._counted, len(self.text.token_ids)
+        logprobs = None if self.logprobs is None else self.logprobs[start : self._counted]
+        return Delta(self.index, text, self.text.token_ids[start:], self.finish_reason, logprobs, self.stop_reason)
+
+    @property
+    def output_logprobs(self) -> list | None:
+        """Logprobs of the tokens that count as output (up to a stop string)."""
+        return None if self.logprobs is None else self.logprobs[: len(self.text.token_ids)]
 
     @property
     def num_output_tokens(self) -> int:
@@ -102,7 +118,7 @@ class Generation:
                 self.params.append(seeded)
                 self.choices.append(Choice(
                     index=len(self.choices), prompt_index=i, params=seeded,
-                    text=ChoiceText(tokenizer, stop, include_stop_str_in_output, skip_special_tokens),
+                    text=ChoiceText(tokenizer, stop, include_stop_str_in_output, skip_special_tokens, p.min_tokens),
                     silent_ids=frozenset(silent),
                 ))
         self.request: Request | None = None

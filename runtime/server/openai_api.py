@@ -4,12 +4,14 @@ a JSON response or a server-sent event stream.
 Routing, auth and error handling live in `app.py`; this module only knows the request shapes.
 Chained requests (`chain` / `chain_id` / `chain_fork`; docs/serving.md, "Chains") are validated here and carry a
 `ChainSpec` to the engine; their response (and last stream chunk) names the chain in `chain_id`.
+Logprobs are shaped in `logprobs.py`; `echo` puts each prompt (and its logprobs) before the output.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,7 +27,8 @@ from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.server.async_engine import AsyncEngine
 from kvc.runtime.server.auth import request_owner
 from kvc.runtime.server.errors import EngineFailed, ModelNotFound, error_body
-from kvc.runtime.server.generation import Generation
+from kvc.runtime.server.generation import Choice, Generation
+from kvc.runtime.server.logprobs import CompletionLogprobs, chat_logprobs
 from kvc.runtime.server.metrics import ServerMetrics
 from kvc.runtime.server.protocol import (
     ChainCreateRequest,
@@ -37,6 +40,7 @@ from kvc.runtime.server.protocol import (
     now,
     random_id,
 )
+from kvc.runtime.server.text import TokenStrings
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -52,6 +56,11 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+
+    @functools.cached_property
+    def token_strings(self) -> TokenStrings:
+        """Each token's text and bytes, for logprobs (cached over requests)."""
+        return TokenStrings(self.tokenizer)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -129,11 +138,6 @@ def _reject(param: str, why: str) -> InvalidSamplingParams:
 
 
 def _check_common(req: GenerationRequest) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise _reject(name, "penalties are not supported by kvc; leave it 0")
-    if req.logit_bias:
-        raise _reject("logit_bias", "not supported by kvc")
     if req.stop is not None:
         stops = [req.stop] if isinstance(req.stop, str) else req.stop
         if any(s == "" for s in stops):
@@ -157,7 +161,8 @@ def _chain_spec(ctx: ServingContext, req: GenerationRequest, http: HttpRequest) 
                      owner=request_owner(http.scope))
 
 
-def _params(req: GenerationRequest, max_tokens: int) -> SamplingParams:
+def _params(req: GenerationRequest, max_tokens: int, logprobs: int | None = None,
+            prompt_logprobs: int | None = None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -166,7 +171,31 @@ def _params(req: GenerationRequest, max_tokens: int) -> SamplingParams:
         seed=req.seed,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=bool(req.ignore_eos),
+        min_tokens=req.min_tokens or 0,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=_logit_bias(req.logit_bias),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise _reject("logit_bias", f"keys are token ids; got {key!r}") from None
+        if token < 0:
+            raise _reject("logit_bias", f"token ids are non-negative; got {key!r}")
+        out[token] = value
+    return out
 
 
 def _check_length(ctx: ServingContext, prompt: list[int], max_tokens: int, param: str) -> None:
@@ -193,12 +222,13 @@ def _completion_prompts(ctx: ServingContext, prompt) -> list[list[int]]:
 
 
 async def _start(ctx: ServingContext, req: GenerationRequest, prompts: list[list[int]], max_tokens: int,
-                 http: HttpRequest, chain: ChainSpec | None) -> Generation:
+                 http: HttpRequest, chain: ChainSpec | None, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> Generation:
     n = req.n or 1
     if len(prompts) * n > ctx.aengine.max_waiting:
         raise _reject("n", f"the request asks for {len(prompts) * n} sequences; this server queues at most "
                       f"{ctx.aengine.max_waiting} at once")
-    params = _params(req, max_tokens)
+    params = _params(req, max_tokens, logprobs, prompt_logprobs)
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     gen = Generation(ctx.aengine, ctx.metrics, ctx.tokenizer, ctx.eos_token_ids, prompts,
                      [params] * len(prompts), n, stops, bool(req.include_stop_str_in_output),
@@ -212,23 +242,29 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
     ctx.check_model(req.model)
     _check_common(req)
     chain = _chain_spec(ctx, req, http)
-    if req.echo:
-        raise _reject("echo", "not supported by kvc")
     if req.suffix:
         raise _reject("suffix", "not supported by kvc")
-    if req.logprobs:
-        raise _reject("logprobs", "not supported by kvc yet")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise _reject("best_of", "only best_of == n is supported")
+    echo = bool(req.echo)
+    if req.max_tokens == 0 and not echo:
+        raise _reject("max_tokens", "must be at least 1 (0 only with echo: the prompt and its logprobs)")
+    # echo with max_tokens 0 (lm-eval's loglikelihood): generate one token and show none (vLLM's way)
+    echo_only = echo and req.max_tokens == 0
     prompts = _completion_prompts(ctx, req.prompt)
     if chain is not None and len(prompts) > 1:
         raise InvalidPromptError("a chained request takes one prompt, not a batch", param="prompt")
-    max_tokens = req.max_tokens or DEFAULT_COMPLETION_TOKENS
+    max_tokens = 1 if echo_only else req.max_tokens or DEFAULT_COMPLETION_TOKENS
     for p in prompts:
         _check_length(ctx, p, max_tokens, "prompt")
-    gen = await _start(ctx, req, prompts, max_tokens, http, chain)
+    prompt_logprobs = req.logprobs if echo else None
+    gen = await _start(ctx, req, prompts, max_tokens, http, chain, None if echo_only else req.logprobs,
+                       prompt_logprobs)
     rid, created = random_id("cmpl"), now()
     with_ids = bool(req.return_token_ids)
+    want_logprobs = req.logprobs is not None
+    prompt_texts = _prompt_texts(ctx, req.prompt, prompts) if echo else None
+    builders = [CompletionLogprobs(ctx.token_strings) for _ in gen.choices]
 
     def chunk(choices: list[dict], usage: dict | None = None, last: bool = False) -> dict:
         body = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
@@ -237,28 +273,60 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
             body["usage"] = usage
         return _with_chain(body, gen, last)
 
-    def choice(index: int, text: str, ids: list[int], reason: str | None) -> dict:
-        c = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    def choice(c: Choice, text: str, ids: list[int], logprobs: list | None, first: bool, reason: str | None) -> dict:
+        """A choice (or its stream delta); the first one of an echoing request starts with its prompt."""
+        if echo_only:
+            text, ids, logprobs = "", [], []
+        shown = list(ids)
+        if echo and first:
+            prompt = prompts[c.prompt_index]
+            text = prompt_texts[c.prompt_index] + text
+            shown = prompt + shown
+            logprobs = (c.prompt_logprobs or [None] * len(prompt)) + list(logprobs or [])
+        out = {"index": c.index, "text": text,
+               "logprobs": builders[c.index].add(shown, logprobs or []) if want_logprobs else None,
+               "finish_reason": reason, "stop_reason": c.stop_reason if reason else None}
         if with_ids:
-            c["token_ids"] = ids
-        return c
+            out["token_ids"] = ids
+        return out
+
+    def usage() -> dict:
+        u = gen.usage()
+        if echo_only:  # the token generated to get there is not shown
+            u["completion_tokens"], u["total_tokens"] = 0, u["prompt_tokens"]
+        return u
 
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     if req.stream:
         async def events() -> AsyncIterator[dict]:
+            started = set()
             async for step in gen.deltas():
                 for d in step:
-                    if d.text or d.finish_reason or (with_ids and d.token_ids):
-                        yield chunk([choice(d.index, d.text, d.token_ids, d.finish_reason)],
-                                    last=d.finish_reason is not None)
+                    first = d.index not in started
+                    started.add(d.index)
+                    if (d.text or d.finish_reason or ((with_ids or want_logprobs) and d.token_ids)
+                            or (echo and first)):
+                        yield chunk([choice(gen.choices[d.index], d.text, d.token_ids, d.logprobs, first,
+                                            d.finish_reason)], last=d.finish_reason is not None)
             if include_usage:
-                yield chunk([], gen.usage(), last=True)
+                yield chunk([], usage(), last=True)
 
         return _sse(gen, events())
 
     await _collect(gen)
-    return JSONResponse(chunk([choice(c.index, c.text.text, c.text.token_ids, c.finish_reason)
-                               for c in gen.choices], gen.usage(), last=True))
+    return JSONResponse(chunk([choice(c, c.text.text, c.text.token_ids, c.output_logprobs, True, c.finish_reason)
+                               for c in gen.choices], usage(), last=True))
+
+
+def _prompt_texts(ctx: ServingContext, prompt, prompts: list[list[int]]) -> list[str]:
+    """Each prompt as text, for echo: as sent, or decoded from token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if ctx.tokenizer is None:
+        return ["" for _ in prompts]
+    return [ctx.tokenizer.decode(p) for p in prompts]
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------
@@ -266,8 +334,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_model(req.model)
     _check_common(req)
     chain = _chain_spec(ctx, req, http)
-    if req.logprobs or req.top_logprobs:
-        raise _reject("logprobs", "not supported by kvc yet")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise _reject("top_logprobs", "needs logprobs: true")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.tools and req.tool_choice != "none":
         raise _reject("tools", "tool calling is not supported by kvc yet (tool_choice 'none' is)")
     if req.response_format and req.response_format.get("type", "text") != "text":
@@ -279,7 +348,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         chain = dataclasses.replace(chain, segments=segments)
     max_tokens = req.max_completion_tokens or req.max_tokens or max(1, ctx.max_model_len - len(prompt))
     _check_length(ctx, prompt, max_tokens, "messages")
-    gen = await _start(ctx, req, [prompt], max_tokens, http, chain)
+    gen = await _start(ctx, req, [prompt], max_tokens, http, chain, logprobs)
     rid, created = random_id("chatcmpl"), now()
     with_ids = bool(req.return_token_ids)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
@@ -291,8 +360,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             body["usage"] = usage
         return _with_chain(body, gen, last)
 
-    def delta_choice(index: int, delta: dict, reason: str | None, ids: list[int] | None) -> dict:
-        c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+    def shaped(entries: list | None) -> dict | None:
+        return None if logprobs is None else chat_logprobs(entries or [], ctx.token_strings)
+
+    def delta_choice(index: int, delta: dict, reason: str | None, ids: list[int] | None,
+                     entries: list | None = None) -> dict:
+        c = {"index": index, "delta": delta, "logprobs": shaped(entries) if entries else None, "finish_reason": reason}
+        if reason is not None:
+            c["stop_reason"] = gen.choices[index].stop_reason
         if with_ids and ids is not None:
             c["token_ids"] = ids
         return c
@@ -303,8 +378,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                 yield chunk([delta_choice(c.index, {"role": "assistant", "content": ""}, None, None)])
             async for step in gen.deltas():
                 for d in step:
-                    if d.text or (with_ids and d.token_ids):
-                        yield chunk([delta_choice(d.index, {"content": d.text}, None, d.token_ids)])
+                    if d.text or ((with_ids or logprobs is not None) and d.token_ids):
+                        yield chunk([delta_choice(d.index, {"content": d.text}, None, d.token_ids, d.logprobs)])
                     if d.finish_reason:
                         yield chunk([delta_choice(d.index, {}, d.finish_reason, [])], last=True)
             if include_usage:
@@ -316,7 +391,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     choices = []
     for c in gen.choices:
         item = {"index": c.index, "message": {"role": "assistant", "content": c.text.text},
-                "logprobs": None, "finish_reason": c.finish_reason}
+                "logprobs": shaped(c.output_logprobs), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if with_ids:
             item["token_ids"] = c.text.token_ids
         choices.append(item)

@@ -5,8 +5,8 @@ field a handler reads is declared here with its range, so that a request the sch
 crashes the server, and every response validates against the model it is declared with.
 
 Optional fields accept `null` (OpenAI clients send it for "not given"). Fields OpenAI defines but
-kvc does not implement (penalties, logprobs, tools, ...) are declared so that a request using them
-gets a clear 400 instead of being silently ignored.
+kvc does not implement (tools, suffix, ...) are declared so that a request using them gets a clear
+400 instead of being silently ignored.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvc.runtime.sampling_params import SEED_MAX, SEED_MIN
+from kvc.runtime.sampling_params import LOGIT_BIAS_MAX, MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
 MAX_N = 128  # choices per prompt
 MAX_CHAIN_ID_LEN = 128
@@ -51,12 +51,17 @@ class GenerationRequest(BaseModel):
     stop: str | list[str] | None = Field(None, description="up to any number of stop strings")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
-    # OpenAI fields kvc does not implement: only their neutral values are accepted.
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="minus this for each token already generated")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2,
+                                           description="minus this times how often each token was generated")
+    logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)]] | None = Field(
+        None, description="token id (a string) -> added to its logit")
     # vLLM's and kvc's own fields (OpenAI clients send them through `extra_body`)
     top_k: int | None = Field(None, ge=-1, description="0 or -1: no limit")
+    min_p: float | None = Field(None, ge=0, le=1, description="drop tokens below min_p x the top token's probability")
+    repetition_penalty: float | None = Field(
+        None, gt=0, description="prompt and output tokens: logit / r if positive, else x r; 1: none")
+    min_tokens: NonNegInt | None = Field(None, description="EOS, stop tokens and stop strings count only after these")
     stop_token_ids: list[NonNegInt] | None = None
     ignore_eos: bool | None = False
     include_stop_str_in_output: bool | None = False
@@ -75,9 +80,9 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(GenerationRequest):
     prompt: Prompt = Field(description="text, token ids, or a batch of either")
-    max_tokens: int | None = Field(None, ge=1, description="default 16")
-    echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=0, description="default 16; 0 only with echo (the prompt's logprobs)")
+    echo: bool | None = Field(False, description="the prompt (and with logprobs its logprobs) before the output")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="per token its logprob and the top N")
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
 
@@ -99,7 +104,7 @@ class ChatCompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the top N per token")
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -133,11 +138,22 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs: per token its text, logprob (null for a prompt's first token), top
+    logprobs (text -> logprob, the token's own among them) and where its text starts in the choice's."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(None, description="vLLM: the stop token id or stop string that ended it")
     token_ids: list[int] | None = None
 
 
@@ -157,11 +173,26 @@ class AssistantMessage(BaseModel):
     content: str | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(None, description="vLLM: the stop token id or stop string that ended it")
     token_ids: list[int] | None = None
 
 
@@ -184,8 +215,9 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     token_ids: list[int] | None = None
 
 

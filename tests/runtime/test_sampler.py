@@ -226,8 +226,9 @@ def test_invalid_params_name_the_field():
     from kvc.runtime.errors import InvalidSamplingParams
 
     for bad, field in [
-        (dict(logprobs=21), "logprobs"), (dict(logprobs=-1), "logprobs"), (dict(prompt_logprobs=1.5), "prompt_logprobs"),
-        (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+        (dict(logprobs=21), "logprobs"), (dict(logprobs=-1), "logprobs"),
+        (dict(prompt_logprobs=1.5), "prompt_logprobs"), (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty"),
         (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_tokens=-1), "min_tokens"),
         (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(min_p=1.5), "min_p"),
         (dict(logit_bias={3: 101.0}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),

@@ -37,8 +37,16 @@ def _error(r, status):
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, 2, 10**6]}, "prompt"),
     ({"prompt": "x", "stop": ["", "a"]}, "stop"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    ({"prompt": "x", "logit_bias": {"65": 101}}, "logit_bias.65"),
+    ({"prompt": "x", "logit_bias": {"sixty": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1000000": 1}}, "logit_bias"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "echo": True, "logprobs": 1, "chain_id": "nope"}, "prompt_logprobs"),
     ({"prompt": "x", "max_tokens": 600}, "max_tokens"),
     ({"prompt": "x", "n": 300}, "n"),
 ])
@@ -52,6 +60,8 @@ def test_invalid_completion_requests_are_400_with_param(server, body, param):
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**6}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
 def test_invalid_chat_requests_are_400_with_param(server, body, param):
     assert _error(_post(server, "/v1/chat/completions", body), 400)["param"] == param

@@ -83,3 +83,23 @@ def test_held_back_prefix_is_released_when_it_does_not_match(tokenizer):
 def test_include_stop_str_in_output(tokenizer):
     deltas, _ = _stream(tokenizer, list(b"say STOP now"), stop=["STOP"], include=True)
     assert "".join(deltas) == "say STOP"
+
+
+def test_no_stop_string_is_matched_before_min_tokens(tokenizer):
+    ids = list(b"ab|cd|ef")
+    early = ChoiceText(tokenizer, ["|"])
+    assert "".join(early.add([i]) for i in ids) == "ab" and early.stops.matched == "|"
+    held = ChoiceText(tokenizer, ["|"], min_tokens=4)  # the first "|" is token 3: not a stop yet
+    assert "".join(held.add([i]) for i in ids) == "ab|cd" and held.stopped
+    late = ChoiceText(tokenizer, ["d|e"], min_tokens=5)  # a match may not start in unchecked text
+    assert "".join(late.add([i]) for i in ids) + late.finish() == "ab|cd|ef" and not late.stopped
+
+
+def test_token_strings_give_each_tokens_exact_bytes(tokenizer):
+    from kvc.runtime.server.text import TokenStrings
+
+    strings = TokenStrings(tokenizer)
+    ids = list("é€ a".encode())  # byte-level: ids are the bytes, a character split over tokens
+    assert b"".join(bytes(strings(i)[1]) for i in ids).decode() == "é€ a"
+    assert strings(ord("a")) == ("a", [97])
+    assert TokenStrings(None)(7) == ("token_id:7", list(b"token_id:7"))
