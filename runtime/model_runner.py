@@ -99,6 +99,7 @@ class StepOutput:
         dst = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens >= len(seq.token_ids)]
         return (dst, [where[seqs[i].seq_id] for i in dst]) if dst else None
 
+
 class ModelRunner:
     def __init__(
         self,

@@ -93,8 +93,11 @@ def _changed_logits(logits: torch.Tensor, params: Sequence[SamplingParams], hist
         index = to_device(pr, dev, torch.int64)
         per_row = to_device([[params[i].presence_penalty, params[i].frequency_penalty, params[i].repetition_penalty]
                              for i in pr], dev, torch.float32)
-        logits.index_copy_(0, index, apply_penalties(logits.index_select(0, index), history.counts, history.prompt,
-                                                     per_row[:, 0], per_row[:, 1], per_row[:, 2]))
+        penalised = apply_penalties(logits.index_select(0, index), history.counts, history.prompt,
+                                    per_row[:, 0], per_row[:, 1], per_row[:, 2])
+        # a repetition penalty near 0 overflows a positive logit: the largest float, not inf (NaN later)
+        logits.index_copy_(0, index, penalised.nan_to_num(
+            nan=float("-inf"), posinf=torch.finfo(torch.float32).max, neginf=float("-inf")))
     return logits
 
 

@@ -3,7 +3,8 @@ logprob, bytes, top_logprobs) and the legacy completions' `tokens` / `token_logp
 `top_logprobs` / `text_offset`. Token texts and bytes come from `text.TokenStrings`.
 
 JSON has no -inf: a token the sampler masked (top-k, top-p, min_p, min_tokens) is reported at
--9999.0, as vLLM does.
+-9999.0, as vLLM does; so is a NaN that extreme parameters can give (a temperature or repetition
+penalty near 0 overflows the logits).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ LOGPROB_FLOOR = -9999.0
 
 
 def _floor(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
+    return min(logprob, 0.0) if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN fails the test too
 
 
 def chat_logprobs(entries: Sequence[TokenLogprobs], strings: TokenStrings) -> dict:

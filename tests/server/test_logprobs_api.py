@@ -154,3 +154,17 @@ def test_stop_reason_names_the_stop_token_or_string(client, llm):
     r = client.chat.completions.create(model="kvc-test", messages=[{"role": "user", "content": "x"}],
                                        max_completion_tokens=3, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length" and r.choices[0].model_extra["stop_reason"] is None
+
+
+def test_overflowing_parameters_still_give_json_logprobs(server):
+    """A repetition penalty or temperature near 0 overflows the logits; the response stays valid
+    JSON (the fuzzer found a 500 here)."""
+    import httpx
+
+    for extra in ({"repetition_penalty": 1e-195}, {"temperature": 1e-300}):
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+            **extra})
+        assert r.status_code == 200, r.text
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        assert all(-9999.0 <= item["logprob"] <= 0.0 for item in content)
