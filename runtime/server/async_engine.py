@@ -27,7 +27,7 @@ import torch
 from kvc.runtime.chains import ChainSpec
 from kvc.runtime.engine import Engine
 from kvc.runtime.sampling_params import SamplingParams
-from kvc.runtime.sequence import FINISH_ABORT, Sequence
+from kvc.runtime.sequence import FINISH_ABORT, Sequence, SequenceStatus
 from kvc.runtime.server.errors import EngineUnavailable, ServerBusy
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class Output:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     time: float = 0.0  # time.perf_counter() when the step ended
+    scheduled: float | None = None  # perf_counter() at the start of the step that first admitted it
 
 
 @dataclass(eq=False)  # identity: requests live in sets
@@ -74,6 +75,7 @@ class EngineStats:
     chains_active: int = 0  # chain cache (ChainStore.stats())
     chains_idle: int = 0
     chains_evicted_total: int = 0
+    chains_expired_total: int = 0
     chain_pages: int = 0
     chain_prunes_total: int = 0
     chain_pruned_tokens_total: int = 0
@@ -85,6 +87,7 @@ class _Live:
     index: int
     seq: Sequence
     sent: int = 0
+    scheduled: float | None = None
 
 
 class AsyncEngine:
@@ -100,6 +103,8 @@ class AsyncEngine:
         self._idle: asyncio.Event | None = None
         self._num_steps = 0
         self.failure: str | None = None  # set when the engine thread died: no request may wait on it
+        # called on the engine thread with the tokens of each step that ran (metrics: tokens per step)
+        self.on_step: Callable[[int], None] | None = None
 
     # ---- event-loop side ----------------------------------------------------------------------
     def start(self) -> None:
@@ -309,10 +314,12 @@ class AsyncEngine:
         seq = live.seq
         new = seq.token_ids[seq.num_prompt_tokens + live.sent :]
         live.sent += len(new)
-        return Output(live.index, new, reason, seq.num_prompt_tokens, seq.num_cached_tokens, time.perf_counter())
+        return Output(live.index, new, reason, seq.num_prompt_tokens, seq.num_cached_tokens, time.perf_counter(),
+                      live.scheduled)
 
     def _step(self) -> None:
         outputs: list[tuple[Request, Output]] = []
+        start, scheduled_before = time.perf_counter(), self.engine.scheduler.num_scheduled_tokens
         try:
             finished = {seq.seq_id for seq in self.engine.step()}
         except Exception:
@@ -322,7 +329,12 @@ class AsyncEngine:
             self._post(outputs)
             return
         self._num_steps += 1
+        tokens = self.engine.scheduler.num_scheduled_tokens - scheduled_before
+        if tokens and self.on_step is not None:
+            self.on_step(tokens)
         for seq_id, live in list(self._live.items()):
+            if live.scheduled is None and live.seq.status is not SequenceStatus.WAITING:
+                live.scheduled = start
             if seq_id in finished:
                 del self._live[seq_id]
                 outputs.append((live.request, self._output(live, live.seq.finish_reason)))
@@ -353,6 +365,7 @@ class AsyncEngine:
             chains_active=int(chains.get("active", 0)),
             chains_idle=int(chains.get("idle", 0)),
             chains_evicted_total=int(chains.get("evicted_total", 0)),
+            chains_expired_total=int(chains.get("expired_total", 0)),
             chain_pages=int(chains.get("pages", 0)),
             chain_prunes_total=int(chains.get("prunes_total", 0)),
             chain_pruned_tokens_total=int(chains.get("pruned_tokens_total", 0)),

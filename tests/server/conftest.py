@@ -46,18 +46,32 @@ class LiveServer:
         self._thread.join(timeout=30)
         self._sock.close()
 
-    def metric(self, name: str) -> float:
-        """One sample of /metrics by name (the first series)."""
-        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+    def metric(self, name: str, headers: dict | None = None, **labels: str) -> float:
+        """One sample of /metrics by name: the first series carrying `labels`."""
+        return metric_sample(httpx.get(f"{self.url}/metrics", headers=headers).text, name, **labels)
 
-    def wait_metric(self, name: str, value: float, timeout: float = 10.0) -> float:
+    def wait_metric(self, name: str, value: float, timeout: float = 10.0, **labels: str) -> float:
         deadline = time.monotonic() + timeout
-        while (got := self.metric(name)) != value and time.monotonic() < deadline:
+        while (got := self._metric_or_none(name, **labels)) != value and time.monotonic() < deadline:
             time.sleep(0.05)
         return got
+
+    def _metric_or_none(self, name: str, **labels: str) -> float | None:
+        try:
+            return self.metric(name, **labels)
+        except KeyError:
+            return None
+
+
+def metric_sample(text: str, name: str, **labels: str) -> float:
+    """The value of the first sample of `name` in Prometheus text whose labels include `labels`."""
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            series, value = line.rsplit(" ", 1)
+            if all(w in series for w in wanted):
+                return float(value)
+    raise KeyError(name)
 
 
 def make_engine(**options):
