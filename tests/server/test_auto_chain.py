@@ -123,3 +123,42 @@ def test_bad_chain_limits_are_refused_at_startup(flag, value):
     with pytest.raises(KvcError):
         with live_server(**{flag: value}):
             pass
+
+
+def test_the_serve_flags_reach_the_server():
+    """`kvc serve` itself, with every new flag: automatic chains and their bounds, extra fields
+    dropped, the body limit, public metrics (the schema's pages stay behind the key)."""
+    from tests.server.conftest import served_process
+
+    flags = ["--auto-chain", "--auto-chain-min-tokens", "8", "--chain-ttl", "60", "--max-chains", "1",
+             "--allow-extra-fields", "--max-request-bytes", "4096", "--api-key", "k", "--public-metrics",
+             "--max-model-len", "512", "--served-model-name", "kvc-test"]
+    with served_process(*flags) as (_, url):
+        key = {"Authorization": "Bearer k"}
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=120)
+        messages = [SYSTEM, {"role": "user", "content": "Name three colours."}]
+        r, first = _chat(client, messages)
+        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": "Two more."}]
+        r, second = _chat(client, messages)
+        assert first and second == first and r.usage.prompt_tokens_details.cached_tokens > 0
+        _chat(client, [SYSTEM, {"role": "user", "content": "Something else entirely, at length."}])
+        chains = httpx.get(f"{url}/v1/chains", headers=key).json()["data"]
+        assert len(chains) == 1 and chains[0]["id"] != first  # --max-chains 1 dropped the first
+        body = {"prompt": "x", "max_tokens": 2, "frobnicate": True}
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=key).status_code == 200
+        big = httpx.post(f"{url}/v1/completions", json={"prompt": "x" * 5000}, headers=key)
+        assert big.status_code == 413
+        assert httpx.get(f"{url}/metrics").status_code == 200
+        assert httpx.get(f"{url}/docs").status_code == 401
+
+
+@pytest.mark.parametrize("flags", [["--chain-ttl", "0"], ["--max-chains", "0"], ["--auto-chain-min-tokens", "0"],
+                                   ["--max-request-bytes", "-1"]])
+def test_bad_serve_flags_are_refused_before_the_model_loads(flags):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "kvc.runtime.cli", "serve", "--model", "random:tiny", *flags],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "kvc: error:" in run.stderr and "Traceback" not in run.stderr
