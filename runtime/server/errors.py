@@ -22,6 +22,8 @@ from kvc.runtime.errors import KvcError, OutOfKVMemory, PromptTooLongError
 
 log = logging.getLogger(__name__)
 
+REQUEST_ID_SCOPE_KEY = "kvc.request_id"  # where middleware.RequestId leaves the request's id
+
 
 class ModelNotFound(KvcError):
     status = 404
@@ -176,7 +178,8 @@ class CatchAllMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception:
-            log.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
+            log.exception("internal error in %s %s (request id %s)", scope.get("method"), scope.get("path"),
+                          scope.get(REQUEST_ID_SCOPE_KEY))
             if self.on_error is not None:
                 self.on_error(500)
             if not started:

@@ -23,11 +23,10 @@ from collections.abc import Callable
 from starlette.exceptions import HTTPException
 
 from kvc.runtime.server.auth import OWNER_SCOPE_KEY, ApiKeys
-from kvc.runtime.server.errors import error_response
+from kvc.runtime.server.errors import REQUEST_ID_SCOPE_KEY, error_response
 from kvc.runtime.server.protocol import ALLOW_EXTRA_FIELDS
 
 REQUEST_ID_HEADER = "x-request-id"
-REQUEST_ID_SCOPE_KEY = "kvc.request_id"
 _SANE_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # visible ASCII: safe to echo in a header and a log
 
 

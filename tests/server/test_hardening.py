@@ -7,6 +7,7 @@ abort."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
@@ -124,13 +125,15 @@ def test_every_response_carries_a_request_id(server):
         assert got != bad and len(got) == 32
 
 
-def test_a_handler_bug_500_still_carries_the_request_id(server, monkeypatch):
+def test_a_handler_bug_500_still_carries_the_request_id(server, monkeypatch, caplog):
     def boom(*a, **k):
         raise ZeroDivisionError("hidden")
 
     monkeypatch.setattr(server.state.ctx, "encode", boom)
+    caplog.set_level(logging.ERROR)
     r = _post(server, "/v1/completions", {"prompt": "x"}, headers={"X-Request-Id": "bug-1"})
     assert _error(r, 500) and r.headers["x-request-id"] == "bug-1"
+    assert "request id bug-1" in caplog.text  # the log line to look for
 
 
 # ---- schema: 405 Allow, strict types, unknown fields --------------------------------------------
