@@ -22,6 +22,9 @@ Semantics (docs/design.md, "Chain cache"):
   inside a keep's `+ last N`: `verbatim_from`); otherwise `ChainDiverged`.
 - Turn end: the sequence's computed tokens, pages and method state become the record's; the
   record's previous pages are released (shared ones stay with whoever else holds them).
+- Automatic chains (`ChainSpec(auto=True)`, `kvc serve --auto-chain`): a request that names no
+  chain continues the owner's idle chain whose history it extends (`find`: the rule is there),
+  else opens one. Limits (`ChainLimits`: a TTL, a count) drop idle chains (`expire`).
 """
 
 from __future__ import annotations
@@ -55,19 +58,40 @@ _GONE_LIMIT = 65536  # evicted / dropped ids remembered for their 410
 
 @dataclass(frozen=True)
 class ChainSpec:
-    """What a request asks of the chain cache; exactly one of `open`, `continue_id`, `fork_id`."""
+    """What a request asks of the chain cache; exactly one of `open`, `continue_id`, `fork_id`, `auto`."""
 
     open: bool = False  # {"chain": true}: record this request's KV as a new chain
     continue_id: str | None = None  # {"chain_id": ID}
     fork_id: str | None = None  # {"chain_fork": ID}: a new chain starting from ID's state
+    # continue the owner's idle chain this prompt extends (`ChainStore.find`, at least
+    # `auto_min_tokens` tokens in common), else open a new one
+    auto: bool = False
+    auto_min_tokens: int = 1
     owner: str | None = None  # opaque owner key (the server passes a hash of the API key)
     # the prompt's chat messages as logical token ranges (chain_prune.Segment), for prunes by
     # message index or role; None when unknown (a raw prompt)
     segments: tuple | None = None
 
     def __post_init__(self) -> None:
-        if sum((bool(self.open), self.continue_id is not None, self.fork_id is not None)) != 1:
+        if sum((bool(self.open), self.continue_id is not None, self.fork_id is not None, bool(self.auto))) != 1:
             raise KvcError("a chained request opens, continues or forks exactly one chain", param="chain")
+        if self.auto_min_tokens < 1:
+            raise KvcError("auto_min_tokens must be at least 1", param="chain")
+
+
+@dataclass(frozen=True)
+class ChainLimits:
+    """Bounds on idle chains (the server's --chain-ttl, --max-chains); None: unbounded. Active
+    chains are never dropped, so a store may hold more than `max_chains` while they run."""
+
+    ttl: float | None = None  # seconds an idle chain is kept after its last use
+    max_chains: int | None = None  # chains kept at most; the least recently used idle ones go first
+
+    def __post_init__(self) -> None:
+        if self.ttl is not None and not self.ttl > 0:
+            raise KvcError("the chain TTL must be a positive number of seconds", param="chain_ttl")
+        if self.max_chains is not None and self.max_chains < 1:
+            raise KvcError("the chain limit must be at least 1", param="max_chains")
 
 
 class ChainState(enum.Enum):
@@ -84,6 +108,7 @@ class ChainRecord:
     kv_lens: list[int]  # physical tokens per layer
     kv_starts: list[list[int] | None]  # per layer, per KV head first slot (None: all 0)
     tokens: list[int] = field(default_factory=list)  # logical history: tokens whose K/V are stored
+    turn_prompt: int = 0  # tokens[:turn_prompt] is the last turn's prompt (the client's); after it, its reply
     verbatim_from: int = 0  # logical position from which every layer's stored tail is verbatim
     compressed: bool = False  # pages no longer equal the logical tokens
     method_state: Any = None  # KVMethod.turn_end's opaque value
@@ -130,6 +155,12 @@ def _turn_segments(seq, history: int) -> list | None:
     return segments
 
 
+def _describe(record: ChainRecord) -> dict:
+    return {"tokens": len(record.tokens), "state": record.state.value, "last_used": record.last_used,
+            "pages": sum(len(table) for table in record.page_tables), "stored_tokens": sum(record.kv_lens),
+            "messages": None if record.segments is None else len(record.segments)}
+
+
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -152,7 +183,9 @@ class ChainStore:
         self._records: dict[str, ChainRecord] = {}
         self._gone: OrderedDict[str, str | None] = OrderedDict()  # id -> owner, for 410
         self._clock = itertools.count(1)
+        self.limits = ChainLimits()
         self.evicted_total = 0
+        self.expired_total = 0  # idle chains dropped by `limits`
         self.reused_tokens_total = 0
         self.prefilled_tokens_total = 0
         self.prunes_total = 0  # runtime/chain_prune.py counts its work here
@@ -174,10 +207,12 @@ class ChainStore:
 
     def info(self, chain_id: str, owner: str | None) -> dict:
         """What a client may see of its chain (ChainNotFound / ChainEvicted as `get`)."""
-        record = self.get(chain_id, owner)
-        return {"tokens": len(record.tokens), "state": record.state.value, "last_used": record.last_used,
-                "pages": sum(len(table) for table in record.page_tables), "stored_tokens": sum(record.kv_lens),
-                "messages": None if record.segments is None else len(record.segments)}
+        return _describe(self.get(chain_id, owner))
+
+    def owned(self, owner: str | None) -> list[dict]:
+        """What `info` shows of each of the owner's chains (with its id), most recently used first."""
+        mine = sorted((r for r in self._records.values() if r.owner == owner), key=lambda r: -r.last_use)
+        return [{"id": r.chain_id, **_describe(r)} for r in mine]
 
     def __contains__(self, chain_id: str) -> bool:
         return chain_id in self._records
@@ -190,9 +225,16 @@ class ChainStore:
         """The record the request runs on, now active; rolls back to the prompt's common prefix
         with the history where it may. Raises the chain errors; changes nothing when it does
         (except a rollback, which leaves a valid, shorter chain)."""
-        if spec.open:
-            return self._new(spec.owner, [[] for _ in range(self.num_layers)], [0] * self.num_layers,
-                             [None] * self.num_layers)
+        self.expire()
+        if spec.auto:
+            found = self.find(spec.owner, prompt, spec.auto_min_tokens)
+            if found is not None:
+                spec = ChainSpec(continue_id=found.chain_id, owner=spec.owner)
+        if spec.open or spec.auto:
+            record = self._new(spec.owner, [[] for _ in range(self.num_layers)], [0] * self.num_layers,
+                               [None] * self.num_layers)
+            self.expire()  # one more chain: the least recently used idle one may go
+            return record
         if spec.continue_id is not None:
             record = self.get(spec.continue_id, spec.owner)
             self._check_usable(record)
@@ -206,6 +248,7 @@ class ChainStore:
         fork = self._new(spec.owner, [list(t) for t in source.page_tables], list(source.kv_lens),
                          [None if s is None else list(s) for s in source.kv_starts])
         fork.set_tokens(list(source.tokens))
+        fork.turn_prompt = source.turn_prompt
         fork.verbatim_from, fork.compressed = source.verbatim_from, source.compressed
         if source.row is not None:  # rows are never shared: the fork gets a copy of the source's
             try:
@@ -225,7 +268,36 @@ class ChainStore:
         except ChainDiverged:
             self._remove(fork, remember=False)
             raise
+        self.expire()
         return fork
+
+    def find(self, owner: str | None, prompt: Seq[int], min_tokens: int = 1) -> ChainRecord | None:
+        """The idle chain of `owner` that `prompt` continues, for an automatic chain; None when none.
+
+        The rule: the chain's history up to the end of its last turn's prompt is a prefix of
+        `prompt`; its last reply may differ from what the client resent (re-tokenized, cut by a stop
+        string), so the chain rolls back to the common prefix, which must be allowed (the tokens
+        after it stored verbatim, as for an explicit continuation) and at least `min_tokens` long.
+        Of several, the longest common prefix wins, then the most recent use. Another owner's
+        chains, active ones, and a history the prompt does not extend (another branch of the
+        conversation) never match."""
+        prompt = list(prompt)
+        best: ChainRecord | None = None
+        best_common = 0
+        for record in self._records.values():
+            if record.owner != owner or record.state is not ChainState.IDLE or record.fingerprint != self.fingerprint:
+                continue
+            anchor = min(record.turn_prompt, len(record.tokens))
+            if len(prompt) < anchor or prompt[:anchor] != record.tokens[:anchor]:  # compared in C: cheap
+                continue
+            common = anchor + common_prefix(record.tokens[anchor:], prompt[anchor:])
+            common = min(common, len(prompt) - 1)
+            if common < min_tokens or not self._can_roll_back(record, common):
+                continue
+            if common > best_common or (common == best_common and best is not None
+                                        and record.last_use > best.last_use):
+                best, best_common = record, common
+        return best
 
     def _fresh_row(self, exclude: ChainRecord) -> int:
         """A free row, evicting idle chains for it (never `exclude`); ChainCapacity when none frees one."""
@@ -236,7 +308,8 @@ class ChainStore:
 
     def abandon(self, record: ChainRecord, spec: ChainSpec) -> None:
         """Undoes `begin` for a request that was refused afterwards (capacity, bad options)."""
-        if spec.continue_id is not None:
+        continued = spec.continue_id is not None or (spec.auto and bool(record.tokens))  # an opened one has none
+        if continued:
             record.state = ChainState.IDLE
             self._touch(record)
         else:
@@ -264,7 +337,7 @@ class ChainStore:
         common = min(common_prefix(record.tokens, prompt), len(prompt) - 1)
         if common == history:
             return
-        if common < record.verbatim_from and not self._tail_stored(record, common):
+        if not self._can_roll_back(record, common):
             why = ("the prompt ends inside the history" if common == len(prompt) - 1 else
                    f"the prompt differs from the history at token {common}")
             raise ChainDiverged(
@@ -273,6 +346,10 @@ class ChainStore:
                 f"{record.verbatim_from} or later only; resend the conversation as recorded, or start a new chain",
                 param="chain_id")
         self._truncate(record, common)
+
+    def _can_roll_back(self, record: ChainRecord, common: int) -> bool:
+        """Whether the record may roll back to its first `common` tokens (every later one verbatim)."""
+        return common >= len(record.tokens) or common >= record.verbatim_from or self._tail_stored(record, common)
 
     def _tail_stored(self, record: ChainRecord, common: int) -> bool:
         """Whether every layer still stores the history's tokens from `common` on, as its last
@@ -302,6 +379,7 @@ class ChainStore:
             record.resid_lens[layer] = max(0, record.resid_lens[layer] - drop)
             record.positions[layer] = truncate_map(record.positions[layer], kv)
         record.set_tokens(record.tokens[:length])
+        record.turn_prompt = min(record.turn_prompt, length)
         if record.segments is not None:
             record.segments = [s if s.end <= length else type(s)(s.role, s.start, length)
                                for s in record.segments if s.start < length]
@@ -360,6 +438,7 @@ class ChainStore:
             record.kv_lens = list(seq.kv_lens)
             record.kv_starts = [None if s is None else list(s) for s in seq.kv_starts]
             record.set_tokens(list(seq.token_ids[: seq.num_computed_tokens]))
+            record.turn_prompt = min(seq.num_prompt_tokens, len(record.tokens))
             record.verbatim_from = min(seq.verbatim_from, len(record.tokens))
             record.compressed = seq.compressed
             record.positions = seq.positions
@@ -375,8 +454,28 @@ class ChainStore:
                 record.resid_lens = list(seq.resid_lens)
         record.state = ChainState.IDLE
         self._touch(record)
+        self.expire()
 
     # ---- memory ------------------------------------------------------------------------------
+    def expire(self, now: float | None = None) -> int:
+        """Drops the idle chains `limits` no longer allows: unused for `ttl` seconds, then the least
+        recently used beyond `max_chains`. Their pages are freed and their ids answer 410 (like an
+        eviction). Returns how many were dropped."""
+        ttl, cap = self.limits.ttl, self.limits.max_chains
+        if ttl is None and cap is None:
+            return 0
+        now = time.time() if now is None else now
+        idle = sorted((r for r in self._records.values() if r.state is ChainState.IDLE), key=lambda r: r.last_use)
+        drop = [r for r in idle if ttl is not None and now - r.last_used >= ttl]
+        if cap is not None:
+            expired = {id(r) for r in drop}  # records compare by identity here (their fields hold tensors)
+            kept = [r for r in idle if id(r) not in expired]
+            drop += kept[: max(0, len(self._records) - len(drop) - cap)]
+        for record in drop:
+            self._remove(record, remember=True)
+        self.expired_total += len(drop)
+        return len(drop)
+
     def evict_idle(self, exclude: ChainRecord | None = None) -> bool:
         """Evicts the idle chain used longest ago (never `exclude`); False when there is none."""
         idle = [r for r in self._records.values() if r.state is ChainState.IDLE and r is not exclude]
@@ -435,6 +534,7 @@ class ChainStore:
             "active": sum(r.state is ChainState.ACTIVE for r in records),
             "idle": sum(r.state is ChainState.IDLE for r in records),
             "evicted_total": self.evicted_total,
+            "expired_total": self.expired_total,
             "pages": len(pages),
             "reused_tokens_total": self.reused_tokens_total,
             "prefilled_tokens_total": self.prefilled_tokens_total,

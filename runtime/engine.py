@@ -224,9 +224,14 @@ class Engine:
             try:
                 self._check_fits(seq, params)
                 self.scheduler.add(seq)
-            except BaseException:
+            except BaseException as e:
                 self.chains.abandon(record, chain)
-                raise
+                if not (chain.auto and isinstance(e, ChainCapacity)):
+                    raise
+                # an automatic chain never fails a request that would run without one
+                seq.chain = seq.chain_id = seq.segments = None
+                self._check_fits(seq, params)
+                self.scheduler.add(seq)
         self.runner.add_request(seq.seq_id, params.seed)
         self.sequences[seq.seq_id] = seq
         return seq
@@ -322,6 +327,10 @@ class Engine:
     def chain_info(self, chain_id: str, owner: str | None) -> dict:
         """A chain's tokens, state (active/idle), last use (unix time) and pages held."""
         return self.chains.info(chain_id, owner)
+
+    def list_chains(self, owner: str | None) -> list[dict]:
+        """`chain_info` of each of the owner's chains, with its id, most recently used first."""
+        return self.chains.owned(owner)
 
     def abort(self, seq_id: int) -> None:
         self.scheduler.abort(seq_id)

@@ -130,6 +130,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # by arrival; the last one is preempted first
         self._live: dict[int, Sequence] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
+        self.num_scheduled_tokens = 0  # tokens of every step advanced since start (metrics: tokens per step)
 
     # ---- queue -------------------------------------------------------------------------------
     @property
@@ -465,6 +466,7 @@ class Scheduler:
         the pages a keep plan freed, the prefix cache's full pages; a sampling sequence's token
         becomes `pending` (its K/V is the next step's to compute)."""
         compacted, rewritten = compacted or {}, rewritten or {}
+        self.num_scheduled_tokens += batch.num_tokens
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.needs_sample()):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted (or finished by an earlier step's tokens) while the step ran

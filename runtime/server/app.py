@@ -1,15 +1,18 @@
 """The FastAPI application: routes, auth, draining, errors, and the OpenAPI schema.
 
 `build_app(engine, ServerConfig(...))` wraps an `Engine` into an ASGI app; `launch.py` runs it
-under uvicorn. The app starts the engine thread in its lifespan and stops it on shutdown. With API
-keys, each request's owner (the sha256 of its key, `auth.py`) travels in the ASGI scope; chains
-belong to it (`/v1/chains/{id}`: describe, drop; `/v1/chains/{id}/prune`; `POST /v1/chains` opens
-one over a prompt without generating).
+under uvicorn. The app starts the engine thread in its lifespan and stops it on shutdown; what every
+request passes through first (request ids, the body limit, draining, API keys) is middleware.py.
+With API keys, each request's owner (the sha256 of its key, `auth.py`) travels in the ASGI scope;
+chains belong to it (`GET /v1/chains`: the caller's; `/v1/chains/{id}`: describe, drop;
+`/v1/chains/{id}/prune`; `POST /v1/chains` opens one over a prompt without generating).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -20,10 +23,11 @@ from fastapi.responses import JSONResponse, Response
 from pydantic.json_schema import models_json_schema
 
 import kvc
+from kvc.runtime.chains import ChainLimits
 from kvc.runtime.engine import Engine
 from kvc.runtime.server import openai_api
 from kvc.runtime.server.async_engine import AsyncEngine
-from kvc.runtime.server.auth import OWNER_SCOPE_KEY, ApiKeys, request_owner
+from kvc.runtime.server.auth import ApiKeys, request_owner
 from kvc.runtime.server.errors import (
     CatchAllMiddleware,
     ModelNotFound,
@@ -31,11 +35,13 @@ from kvc.runtime.server.errors import (
     install_error_handlers,
 )
 from kvc.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvc.runtime.server.middleware import BodyLimit, ExtraFieldsPolicy, Gate, RequestId, unguarded_paths
 from kvc.runtime.server.protocol import (
     MAX_CHAIN_ID_LEN,
     ChainCreateRequest,
     ChainDeleted,
     ChainInfo,
+    ChainList,
     ChainPruned,
     ChainPruneRequest,
     ChatCompletionChunk,
@@ -57,8 +63,7 @@ from kvc.runtime.server.protocol import (
 
 log = logging.getLogger(__name__)
 
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # what the API keys guard
-_ALWAYS_OPEN = ("/health", "/metrics", "/version")  # also answered while draining
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 ChainIdPath = Annotated[str, Path(min_length=1, max_length=MAX_CHAIN_ID_LEN,
                                   description="a chain id, from a response's chain_id")]
 
@@ -70,37 +75,16 @@ class ServerConfig:
     api_keys: tuple[str, ...] = field(default_factory=tuple)  # ... and/or several; each key is an owner
     max_waiting: int = 1024  # sequences in the waiting queue before new requests get 503
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
-
-
-class _Gate:
-    """ASGI middleware: 503 while draining, 401 without a valid API key; records the key's owner."""
-
-    def __init__(self, app, state: "ServerState") -> None:
-        self.app = app
-        self.state = state
-        self.keys = state.keys
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            path = scope.get("path", "")
-            response = None
-            if self.state.draining and not path.startswith(_ALWAYS_OPEN):
-                response = error_response(503, "the server is shutting down", code="shutting_down")
-            elif self.keys and path.startswith(_PROTECTED):
-                owner = self._owner(scope)
-                if owner is None:
-                    response = error_response(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                scope = {**scope, OWNER_SCOPE_KEY: owner}
-            if response is not None:
-                self.state.metrics.observe_error(response.status_code)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _owner(self, scope) -> str | None:
-        headers = dict(scope.get("headers") or [])
-        return self.keys.owner(headers.get(b"authorization", b"").decode("latin-1"))
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413; None: no limit
+    public_metrics: bool = False  # /metrics without an API key even when keys are set
+    allow_extra_fields: bool = False  # drop unknown request fields instead of refusing them (400)
+    # tokenization and chat templates run in this many threads, off the event loop
+    tokenizer_threads: int = field(default_factory=lambda: min(4, os.cpu_count() or 1))
+    # chats continue the owner's idle chain they extend (ChainStore.find), with at least this many
+    # tokens in common; None: only explicit chains
+    auto_chain_min_tokens: int | None = None
+    chain_ttl: float | None = None  # seconds an idle chain is kept; None: until evicted
+    max_chains: int | None = None  # chains kept at most (least recently used idle ones dropped)
 
 
 class ServerState:
@@ -111,6 +95,10 @@ class ServerState:
         self.aengine = AsyncEngine(engine, max_waiting=config.max_waiting)
         self.metrics = ServerMetrics(self.aengine, config.served_model_name)
         self.draining = False
+        # before the engine thread starts; only that thread touches the store afterwards
+        engine.chains.limits = ChainLimits(ttl=config.chain_ttl, max_chains=config.max_chains)
+        self.tokenizer_pool = ThreadPoolExecutor(max_workers=max(1, config.tokenizer_threads),
+                                                 thread_name_prefix="kvc-tokenize")
         self.ctx = openai_api.ServingContext(
             aengine=self.aengine,
             metrics=self.metrics,
@@ -119,6 +107,8 @@ class ServerState:
             max_model_len=engine.max_model_len,
             vocab_size=engine.spec.vocab_size,
             eos_token_ids=tuple(engine.spec.eos_token_ids),
+            tokenizer_pool=self.tokenizer_pool,
+            auto_chain_min_tokens=config.auto_chain_min_tokens,
         )
 
     async def drain(self) -> None:
@@ -143,6 +133,12 @@ _WHY = {
     500: "internal error (details only in the server log)",
     503: "the waiting queue is full, no memory for a chain (`chain_capacity`), or shutting down",
 }
+
+
+def _error_ref(description: str) -> dict:
+    """An OpenAPI response object: OpenAI's error JSON."""
+    return {"description": description,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
 
 
 def _errors(*statuses: int) -> dict:
@@ -180,13 +176,18 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         finally:
             state.aengine.abort_all()
             await state.aengine.stop()
+            state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvc", version=kvc.__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of the kvc engine")
     app.state.kvc = state
     install_error_handlers(app)
-    app.add_middleware(_Gate, state=state)
+    # added innermost first (middleware.py draws the order)
+    app.add_middleware(ExtraFieldsPolicy, allow=config.allow_extra_fields)
+    app.add_middleware(Gate, state=state, public_metrics=config.public_metrics)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, on_reject=state.metrics.observe_error)
     app.add_middleware(CatchAllMiddleware, on_error=state.metrics.observe_error)
+    app.add_middleware(RequestId)
     ctx = state.ctx
 
     def card() -> ModelCard:
@@ -237,9 +238,15 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         info = await state.aengine.call(lambda e: e.chain_info(chain_id, owner))
         return ChainInfo(**{**info, "id": chain_id})
 
+    @app.get("/v1/chains", response_model=ChainList, responses=_errors(401, 500, 503))
+    async def list_chains(request: Request):
+        owner = request_owner(request.scope)
+        return ChainList(data=[ChainInfo(**info) for info in await state.aengine.call(lambda e: e.list_chains(owner))])
+
     @app.post("/v1/chains", response_model=ChainInfo, responses=_CHAIN_ERRORS)
     async def create_chain(body: ChainCreateRequest, request: Request):
-        return ChainInfo(**await openai_api.create_chain(ctx, body, request))
+        info = ChainInfo(**await openai_api.create_chain(ctx, body, request))
+        return JSONResponse(info.model_dump(mode="json"), headers={openai_api.CHAIN_ID_HEADER: info.id})
 
     @app.post("/v1/chains/{chain_id}/prune", response_model=ChainPruned, responses=_CHAIN_ERRORS)
     async def prune_chain(body: ChainPruneRequest, request: Request, chain_id: ChainIdPath):
@@ -257,9 +264,9 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             return error_response(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            tokens = ctx.render_chat(body.messages, body.add_generation_prompt is not False)
+            tokens = await ctx.offload(ctx.render_chat, body.messages, body.add_generation_prompt is not False)
         else:
-            tokens = ctx.encode(body.prompt, "prompt", add_special_tokens=bool(body.add_special_tokens))
+            tokens = await ctx.offload(ctx.encode, body.prompt, "prompt", bool(body.add_special_tokens))
         return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
@@ -269,30 +276,44 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
             return error_response(400, "this model has no tokenizer", "tokens")
         if any(not 0 <= t < engine.spec.vocab_size for t in body.tokens):
             return error_response(400, f"token ids must be in [0, {engine.spec.vocab_size})", "tokens")
-        return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await ctx.offload(ctx.tokenizer.decode, body.tokens))
 
-    app.openapi = lambda: _openapi(app, state.keys)
+    app.openapi = lambda: _openapi(app, state.keys, config)
     return app
 
 
-def _openapi(app: FastAPI, keys: ApiKeys) -> dict:
-    """FastAPI's schema, with its 422 replaced by the 400 the server really sends."""
+def _openapi(app: FastAPI, keys: ApiKeys, config: ServerConfig) -> dict:
+    """FastAPI's schema, with its 422 replaced by the 400 the server really sends, and the API
+    keys, 413 and X-Request-Id it sends on every operation."""
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    open_paths = unguarded_paths(config.public_metrics)
+    request_id = {"description": "the client's X-Request-Id (1-128 visible ASCII characters), else a new one",
+                  "schema": {"type": "string"}}
     for path, ops in schema.get("paths", {}).items():
         for op in ops.values():
-            op.get("responses", {}).pop("422", None)
-            if keys and path.startswith(_PROTECTED):
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            if keys and path not in open_paths:
                 op["security"] = [{"bearer": []}]
-            if not keys:
-                op.get("responses", {}).pop("401", None)
+                responses.setdefault("401", _error_ref(_WHY[401]))
+            else:
+                responses.pop("401", None)
+            if "requestBody" in op and config.max_request_bytes is not None:
+                responses["413"] = _error_ref("the body is over the server's --max-request-bytes")
+            for response in responses.values():
+                response.setdefault("headers", {})["X-Request-Id"] = request_id
     components = schema.setdefault("components", {})
     _, chunk_schemas = models_json_schema([(m, "serialization") for m in (CompletionChunk, ChatCompletionChunk)],
                                           ref_template="#/components/schemas/{model}")
     components.setdefault("schemas", {}).update(chunk_schemas.get("$defs", {}))
     for name in ("HTTPValidationError", "ValidationError"):
         components.get("schemas", {}).pop(name, None)
+    if config.allow_extra_fields:  # unknown fields are dropped, not refused
+        for model in components.get("schemas", {}).values():
+            if model.get("additionalProperties") is False:
+                del model["additionalProperties"]
     if keys:
         components.setdefault("securitySchemes", {})["bearer"] = {"type": "http", "scheme": "bearer"}
     app.openapi_schema = schema

@@ -5,7 +5,8 @@ commands through a thread-safe queue: add a group of sequences (one HTTP request
 abort a group, call an engine method (drop a chain, describe one), stop. The engine thread runs
 commands between steps, steps while there is work and blocks on the queue when idle. After each
 step it posts every request's new tokens back to the loop in one `call_soon_threadsafe`, into the
-request's asyncio queue.
+request's asyncio queue. With chain limits (a TTL), the thread also wakes while idle to drop
+expired chains.
 
     handler ──submit()──► commands ──► engine thread: add_request / abort / step ──┐
     handler ◄── Request.queue ◄── loop.call_soon_threadsafe(deliver, outputs) ◄────┘
@@ -27,12 +28,13 @@ import torch
 from kvc.runtime.chains import ChainSpec
 from kvc.runtime.engine import Engine
 from kvc.runtime.sampling_params import SamplingParams
-from kvc.runtime.sequence import FINISH_ABORT, Sequence
+from kvc.runtime.sequence import FINISH_ABORT, Sequence, SequenceStatus
 from kvc.runtime.server.errors import EngineUnavailable, ServerBusy
 
 log = logging.getLogger(__name__)
 
 FINISH_ERROR = "error"  # the engine failed while running the request (a bug; logged)
+_SWEEP_SECONDS = 0.5  # how often expired chains are looked for (ChainStore.expire)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Output:
     logprobs: list | None = None  # one TokenLogprobs per token of `token_ids`, when the request asked
     prompt_logprobs: list | None = None  # with a sequence's first output, when the request asked
     stop_reason: int | None = None  # the stop token id that ended the sequence
+    scheduled: float | None = None  # perf_counter() at the start of the step that first admitted it
 
 
 @dataclass(eq=False)  # identity: requests live in sets
@@ -77,6 +80,7 @@ class EngineStats:
     chains_active: int = 0  # chain cache (ChainStore.stats())
     chains_idle: int = 0
     chains_evicted_total: int = 0
+    chains_expired_total: int = 0
     chain_pages: int = 0
     chain_prunes_total: int = 0
     chain_pruned_tokens_total: int = 0
@@ -88,6 +92,7 @@ class _Live:
     index: int
     seq: Sequence
     sent: int = 0
+    scheduled: float | None = None
 
 
 class AsyncEngine:
@@ -102,7 +107,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._idle: asyncio.Event | None = None
         self._num_steps = 0
+        self._last_sweep = 0.0
         self.failure: str | None = None  # set when the engine thread died: no request may wait on it
+        # called on the engine thread with the tokens of each step that ran (metrics: tokens per step)
+        self.on_step: Callable[[int], None] | None = None
 
     # ---- event-loop side ----------------------------------------------------------------------
     def start(self) -> None:
@@ -120,6 +128,10 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
 
+    def stop_soon(self) -> None:
+        """Asks the engine thread to abort what is left and end, without waiting for it."""
+        self._commands.put(("stop",))
+
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams],
                      chain: ChainSpec | None = None) -> Request:
         """Queues one sequence per (prompt, params) pair; raises the engine's KvcError if any is
@@ -127,7 +139,7 @@ class AsyncEngine:
         assert self._loop is not None, "AsyncEngine.start() was not called"
         assert chain is None or len(prompts) == 1, "a chained request has exactly one sequence"
         if self.failure is not None:
-            raise EngineUnavailable(f"the engine is not running ({self.failure}); see the server log")
+            raise self._unavailable()
         request = Request(arrival=time.perf_counter())
         done = self._loop.create_future()
         self._commands.put(("add", request, prompts, params, chain, done))
@@ -147,7 +159,7 @@ class AsyncEngine:
         exception (a KvcError for the client)."""
         assert self._loop is not None, "AsyncEngine.start() was not called"
         if self.failure is not None:
-            raise EngineUnavailable(f"the engine is not running ({self.failure}); see the server log")
+            raise self._unavailable()
         done = self._loop.create_future()
         self._commands.put(("call", fn, done))
         if self.failure is not None:
@@ -174,6 +186,11 @@ class AsyncEngine:
             return True
         except asyncio.TimeoutError:
             return False
+
+    def _unavailable(self) -> EngineUnavailable:
+        # the failure's type and text stay in the server log (they name internals)
+        why = "it was stopped" if self.failure == "stopped" else "it failed; see the server log"
+        return EngineUnavailable(f"the engine is not running ({why})")
 
     def abort_all(self) -> None:
         for request in list(self.active):
@@ -205,7 +222,7 @@ class AsyncEngine:
             while True:
                 if not self.engine.has_unfinished():
                     self._publish()
-                    if not self._handle(self._commands.get()):  # idle: block until work comes
+                    if not self._handle(self._wait_for_command()):  # idle: block until work comes
                         return
                 while True:
                     try:
@@ -216,6 +233,7 @@ class AsyncEngine:
                         return
                 if self.engine.has_unfinished():
                     self._step()
+                self._sweep()
         except BaseException as e:
             self.failure = f"{type(e).__name__}: {e}"
             log.exception("the engine thread failed; failing every request from now on")
@@ -244,7 +262,7 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            error = EngineUnavailable(f"the engine is not running ({self.failure})")
+            error = self._unavailable()
             try:
                 if command[0] == "add":
                     request, done = command[1], command[5]
@@ -253,6 +271,23 @@ class AsyncEngine:
                     self._loop.call_soon_threadsafe(_settle, command[2], None, error)
             except RuntimeError:  # the event loop is already closed
                 return
+
+    def _wait_for_command(self) -> tuple:
+        """The next command; with a chain TTL, idle chains still expire while none comes."""
+        while True:
+            ttl = self.engine.chains.limits.ttl
+            try:
+                return self._commands.get(timeout=None if ttl is None else min(ttl, _SWEEP_SECONDS))
+            except queue.Empty:
+                self._sweep()
+
+    def _sweep(self) -> None:
+        """Drops the chains the chain limits no longer allow (at most every _SWEEP_SECONDS)."""
+        now = time.monotonic()
+        if now - self._last_sweep >= _SWEEP_SECONDS:
+            self._last_sweep = now
+            if self.engine.chains.expire():
+                self._publish()
 
     def _handle(self, command: tuple) -> bool:
         kind = command[0]
@@ -315,10 +350,11 @@ class AsyncEngine:
         prompt_logprobs = seq.prompt_logprobs if live.sent == 0 else None
         live.sent += len(new)
         return Output(live.index, new, reason, seq.num_prompt_tokens, seq.num_cached_tokens, time.perf_counter(),
-                      logprobs, prompt_logprobs, seq.stop_reason)
+                      logprobs, prompt_logprobs, seq.stop_reason, live.scheduled)
 
     def _step(self) -> None:
         outputs: list[tuple[Request, Output]] = []
+        start, scheduled_before = time.perf_counter(), self.engine.scheduler.num_scheduled_tokens
         try:
             finished = {seq.seq_id for seq in self.engine.step()}
         except Exception:
@@ -328,7 +364,12 @@ class AsyncEngine:
             self._post(outputs)
             return
         self._num_steps += 1
+        tokens = self.engine.scheduler.num_scheduled_tokens - scheduled_before
+        if tokens and self.on_step is not None:
+            self.on_step(tokens)
         for seq_id, live in list(self._live.items()):
+            if live.scheduled is None and live.seq.status is not SequenceStatus.WAITING:
+                live.scheduled = start
             if seq_id in finished:
                 del self._live[seq_id]
                 outputs.append((live.request, self._output(live, live.seq.finish_reason)))
@@ -359,6 +400,7 @@ class AsyncEngine:
             chains_active=int(chains.get("active", 0)),
             chains_idle=int(chains.get("idle", 0)),
             chains_evicted_total=int(chains.get("evicted_total", 0)),
+            chains_expired_total=int(chains.get("expired_total", 0)),
             chain_pages=int(chains.get("pages", 0)),
             chain_prunes_total=int(chains.get("prunes_total", 0)),
             chain_pruned_tokens_total=int(chains.get("pruned_tokens_total", 0)),

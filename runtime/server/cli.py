@@ -30,6 +30,21 @@ def add_commands(sub, add_engine_args, engine_options):
                        help="waiting sequences before new requests get 503")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    serve.add_argument("--max-request-bytes", type=int, default=4 * 2**20, metavar="N",
+                       help="request bodies over N bytes get 413 before they are read (default 4 MiB; 0: no limit)")
+    serve.add_argument("--public-metrics", action="store_true",
+                       help="serve /metrics without an API key when keys are set (the schema and /docs stay behind)")
+    serve.add_argument("--allow-extra-fields", action="store_true",
+                       help="drop unknown request fields instead of answering 400 naming them")
+    serve.add_argument("--auto-chain", action="store_true",
+                       help="a chat that extends an idle chain of the same API key continues it, else opens one "
+                       "(no client change; docs/serving.md, 'Automatic chains')")
+    serve.add_argument("--auto-chain-min-tokens", type=int, default=32, metavar="N",
+                       help="--auto-chain: tokens a conversation must share with a chain to continue it (default 32)")
+    serve.add_argument("--chain-ttl", type=float, metavar="SECONDS",
+                       help="drop chains idle for this long (their pages are freed; default: keep until evicted)")
+    serve.add_argument("--max-chains", type=int, metavar="N",
+                       help="keep at most N chains: the least recently used idle ones are dropped (default: no bound)")
     serve.add_argument("--auto-prune", metavar="SPEC",
                        help="prune chains after each chat turn, e.g. 'role=tool,older_than=2,keep=0.2' (keys: role "
                        "(a|b), older_than (assistant rounds), keep or keep_tokens, scorer); each message once")
@@ -73,9 +88,10 @@ def add_commands(sub, add_engine_args, engine_options):
 
 
 def _serve(a: argparse.Namespace, engine_options) -> int:
-    from kvc.runtime.server.launch import engine_config, parse_method_params, serve
-
+    from kvc.runtime.chains import ChainLimits
+    from kvc.runtime.errors import ConfigError
     from kvc.runtime.server.auth import read_key_file
+    from kvc.runtime.server.launch import engine_config, parse_method_params, serve
 
     keys = list(a.api_key or ([os.environ["KVC_API_KEY"]] if os.environ.get("KVC_API_KEY") else []))
     if a.api_key_file:
@@ -85,9 +101,18 @@ def _serve(a: argparse.Namespace, engine_options) -> int:
         options["auto_prune"] = a.auto_prune
     if a.prune_scorer:
         options["prune_scorer"] = a.prune_scorer
+    if a.max_request_bytes < 0:
+        raise ConfigError("--max-request-bytes must be 0 (no limit) or more", param="max_request_bytes")
+    if a.auto_chain_min_tokens < 1:
+        raise ConfigError("--auto-chain-min-tokens must be at least 1", param="auto_chain_min_tokens")
+    ChainLimits(ttl=a.chain_ttl, max_chains=a.max_chains)  # refuses bad limits before the model loads
     cfg = engine_config(a.model, a.method, parse_method_params(a.method_param), options)
     return serve(cfg, host=a.host, port=a.port, served_model_name=a.served_model_name, api_keys=keys,
-                 max_waiting=a.max_waiting_requests, shutdown_timeout=a.shutdown_timeout)
+                 max_waiting=a.max_waiting_requests, shutdown_timeout=a.shutdown_timeout,
+                 max_request_bytes=a.max_request_bytes or None, public_metrics=a.public_metrics,
+                 allow_extra_fields=a.allow_extra_fields,
+                 auto_chain_min_tokens=a.auto_chain_min_tokens if a.auto_chain else None,
+                 chain_ttl=a.chain_ttl, max_chains=a.max_chains)
 
 
 def _bench_serve(a: argparse.Namespace) -> int:

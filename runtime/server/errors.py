@@ -2,9 +2,10 @@
 
 Every failure a client can see goes through `error_response`: the runtime's `KvcError`s (status,
 and `code` where the class has one, from the error class: e.g. the chain errors' 404/409/410/503),
-FastAPI's request validation (its 422 becomes a 400 naming the field), Starlette's HTTP errors (404
-path, 405 method) and unexpected exceptions (500, logged with the traceback, which never reaches
-the client).
+FastAPI's request validation (its 422 becomes a 400 naming the field; unknown fields are named
+together), Starlette's HTTP errors (404 path, 405 method with every allowed method in `Allow`, 413
+body too large) and unexpected exceptions (500, logged with the traceback, which never reaches the
+client). Messages name fields and values, never the server's internal types.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from kvc.runtime.errors import KvcError, OutOfKVMemory, PromptTooLongError
 
 log = logging.getLogger(__name__)
+
+REQUEST_ID_SCOPE_KEY = "kvc.request_id"  # where middleware.RequestId leaves the request's id
 
 
 class ModelNotFound(KvcError):
@@ -54,6 +58,7 @@ _TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     410: "not_found_error",
+    413: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
 }
@@ -99,11 +104,20 @@ async def _on_kvc_error(request: Request, e: KvcError) -> JSONResponse:
     return _counted(request, kvc_error_response(e))
 
 
+def _field(error: dict) -> str | None:
+    return ".".join(str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path", "header")) or None
+
+
 async def _on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
     errors = e.errors()
+    unknown = [_field(err) for err in errors if err.get("type") == "extra_forbidden"]
+    if unknown:
+        names = ", ".join(repr(name) for name in unknown)
+        message = (f"unknown field{'s' if len(unknown) > 1 else ''} {names}: not part of this API (kvc refuses "
+                   "fields it would otherwise ignore; a server started with --allow-extra-fields drops them)")
+        return _counted(request, error_response(400, message, unknown[0], "unknown_field"))
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
-    param = ".".join(loc) or None
+    param = _field(first)
     if first.get("type") == "json_invalid":
         param, message = None, "the request body is not valid JSON"
     else:
@@ -115,7 +129,21 @@ async def _on_validation_error(request: Request, e: RequestValidationError) -> J
 
 async def _on_http_error(request: Request, e: HTTPException) -> JSONResponse:
     message = e.detail if isinstance(e.detail, str) else str(e.detail)
-    return _counted(request, error_response(e.status_code, message, headers=getattr(e, "headers", None)))
+    headers = dict(getattr(e, "headers", None) or {})
+    if e.status_code == 405:  # Starlette names the methods of the first route matching the path only
+        headers["Allow"] = ", ".join(allowed_methods(request))
+    code = getattr(e, "code", None)
+    return _counted(request, error_response(e.status_code, message, code=code, headers=headers or None))
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at the request's path."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 def install_error_handlers(app) -> None:
@@ -150,7 +178,8 @@ class CatchAllMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception:
-            log.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
+            log.exception("internal error in %s %s (request id %s)", scope.get("method"), scope.get("path"),
+                          scope.get(REQUEST_ID_SCOPE_KEY))
             if self.on_error is not None:
                 self.on_error(500)
             if not started:

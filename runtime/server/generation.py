@@ -4,7 +4,8 @@
 sequences (prompts x n), turns each step's tokens into text (`ChoiceText`: incremental
 detokenization, stop strings), ends a choice early on a stop string, watches for the client
 going away (then aborts at once, so the pages are freed), records metrics, and always releases
-the engine's sequences when the handler is done, however it ends. Logprobs (when asked) go with
+the engine's sequences when the handler is done, however it ends (a choice still running then,
+e.g. a stream whose client went away, is counted as aborted). Logprobs (when asked) go with
 the tokens each delta shows; a choice's prompt logprobs arrive with its first output. A chained
 request (one sequence) carries its `ChainSpec` to the engine and the engine's chain id back.
 """
@@ -12,6 +13,7 @@ request (one sequence) carries its `ChainSpec` to the engine and the engine's ch
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
@@ -19,7 +21,7 @@ from fastapi import Request as HttpRequest
 
 from kvc.runtime.chains import ChainSpec
 from kvc.runtime.sampling_params import SEED_MAX, SamplingParams
-from kvc.runtime.sequence import FINISH_STOP
+from kvc.runtime.sequence import FINISH_ABORT, FINISH_STOP
 from kvc.runtime.server.async_engine import FINISH_ERROR, AsyncEngine, Output, Request
 from kvc.runtime.server.metrics import ServerMetrics
 from kvc.runtime.server.text import ChoiceText
@@ -52,13 +54,20 @@ class Choice:
     logprobs: list | None = None  # per received token (requests that ask)
     prompt_logprobs: list | None = None
     stop_reason: int | str | None = None
+    scheduled_time: float | None = None  # when an engine step first ran it
+    last_token_time: float = 0.0
+    token_gap: float | None = None  # the last output's time since this choice's previous tokens
     _counted: int = field(default=0, repr=False)
 
     def feed(self, out: Output) -> Delta:
         ids = out.token_ids
+        self.token_gap = out.time - self.last_token_time if ids and self.first_time is not None else None
         if ids and self.first_time is None:
             self.first_time = out.time
+        if ids:
+            self.last_token_time = out.time
         self.last_time = out.time
+        self.scheduled_time = out.scheduled if out.scheduled is not None else self.scheduled_time
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
         # the engine's figure at the sequence's last admission (a preempted sequence is recomputed)
         self.num_cached_tokens = out.num_cached_tokens
@@ -163,6 +172,8 @@ class Generation:
                 if choice.finish_reason is not None:
                     continue  # ended by a stop string; the engine's abort echo comes later
                 delta = choice.feed(out)
+                if choice.token_gap is not None:
+                    self.metrics.observe_token_gap(choice.token_gap)
                 if delta.finish_reason is not None:
                     self._on_choice_end(choice)
                 step.append(delta)
@@ -174,8 +185,9 @@ class Generation:
             self.aengine.abort(self.request, choice.index)  # the engine does not know stop strings
         self.metrics.observe_sequence(
             arrival=self.request.arrival, first=choice.first_time, last=choice.last_time,
-            prompt_tokens=choice.num_prompt_tokens, cached_tokens=choice.num_cached_tokens,
-            output_tokens=choice.num_output_tokens, finish_reason=choice.finish_reason,
+            prompt_tokens=choice.num_prompt_tokens or len(self.prompts[choice.index]),
+            cached_tokens=choice.num_cached_tokens, output_tokens=choice.num_output_tokens,
+            finish_reason=choice.finish_reason, scheduled=choice.scheduled_time,
         )
 
     @property
@@ -183,11 +195,17 @@ class Generation:
         return any(c.finish_reason == FINISH_ERROR for c in self.choices)
 
     def close(self) -> None:
-        """Always called when the handler ends: aborts what is left, stops the watcher."""
+        """Always called when the handler ends: aborts what is left, stops the watcher. A choice
+        still running (the client closed a stream) ends here as aborted, counted like any abort."""
         if self._watch is not None:
             self._watch.cancel()
         if self.request is not None:
             self.aengine.release(self.request)
+            for choice in self.choices:
+                if choice.finish_reason is None:
+                    choice.finish_reason = FINISH_ABORT
+                    choice.last_time = time.perf_counter()
+                    self._on_choice_end(choice)
 
     def usage(self) -> dict:
         prompt = cached = 0

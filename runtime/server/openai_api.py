@@ -2,23 +2,29 @@
 a JSON response or a server-sent event stream.
 
 Routing, auth and error handling live in `app.py`; this module only knows the request shapes.
-Chained requests (`chain` / `chain_id` / `chain_fork`; docs/serving.md, "Chains") are validated here and carry a
-`ChainSpec` to the engine; their response (and last stream chunk) names the chain in `chain_id`.
+Chained requests (`chain` / `chain_id` / `chain_fork`, or any chat with `--auto-chain`; docs/serving.md,
+"Chains") are validated here and carry a `ChainSpec` to the engine; their response (and last stream
+chunk) names the chain in `chain_id`, and their headers in `x-kvc-chain-id`. Tokenization and chat
+templates run in the server's tokenizer threads (`ServingContext.offload`), never on the event loop.
 Logprobs are shaped in `logprobs.py`; `echo` puts each prompt (and its logprobs) before the output.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import dataclasses
 import functools
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
 
 from kvc.runtime.chain_prune import PruneRequest, Segment
 from kvc.runtime.chains import ChainSpec
@@ -42,7 +48,10 @@ from kvc.runtime.server.protocol import (
 )
 from kvc.runtime.server.text import TokenStrings
 
+log = logging.getLogger(__name__)
+
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAIN_ID_HEADER = "x-kvc-chain-id"
 
 
 @dataclass
@@ -56,6 +65,13 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    tokenizer_pool: Executor | None = None  # None: the event loop's default executor
+    auto_chain_min_tokens: int | None = None  # --auto-chain: chats continue the chain they extend
+
+    async def offload(self, fn: Callable, *args):
+        """`fn(*args)` in a tokenizer thread: a long prompt's tokenization or chat template never
+        holds the event loop (other requests' streams go on)."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, functools.partial(fn, *args))
 
     @functools.cached_property
     def token_strings(self) -> TokenStrings:
@@ -72,10 +88,12 @@ class ServingContext:
             raise InvalidPromptError(
                 "this model has no tokenizer; send prompts as token ids to /v1/completions", param=param
             )
+        _check_unicode(text, param)
         try:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        except Exception as e:  # e.g. text the tokenizer's backend cannot take (lone surrogates)
-            raise InvalidPromptError(f"cannot tokenize {param}: {e}", param=param) from None
+        except Exception:  # the backend's message names its internal types: logged, not sent
+            log.warning("the tokenizer failed on %s", param, exc_info=True)
+            raise InvalidPromptError(f"cannot tokenize {param}: the tokenizer rejected the text", param=param) from None
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         text, _ = self._chat_text(messages, add_generation_prompt)
@@ -88,10 +106,13 @@ class ServingContext:
         text, contents = self._chat_text(messages, add_generation_prompt)
         if not getattr(self.tokenizer, "is_fast", False):
             return self.encode(text, "messages"), None
+        _check_unicode(text, "messages")
         try:
             enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        except Exception as e:
-            raise InvalidPromptError(f"cannot tokenize messages: {e}", param="messages") from None
+        except Exception:
+            log.warning("the tokenizer failed on messages", exc_info=True)
+            raise InvalidPromptError("cannot tokenize messages: the tokenizer rejected the text",
+                                     param="messages") from None
         ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
         return ids, message_segments(text, contents, [m.role for m in messages], offsets)
 
@@ -104,13 +125,28 @@ class ServingContext:
             if isinstance(m.content, list):
                 d["content"] = "\n".join(part.text for part in m.content)
             d.setdefault("content", "")
+            for key, value in d.items():
+                if isinstance(value, str):
+                    _check_unicode(value, f"messages.{len(plain)}.{key}")
             plain.append(d)
         try:
             text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
                                                       tokenize=False)
-        except Exception as e:  # jinja errors, raise_exception() in a template
+        except TemplateError as e:  # raise_exception() in a template: its words, for the client
             raise InvalidPromptError(f"the chat template rejected the messages: {e}", param="messages") from None
+        except Exception:  # anything else names the template engine's internals: logged, not sent
+            log.warning("the chat template failed", exc_info=True)
+            raise InvalidPromptError("the chat template could not render the messages", param="messages") from None
         return text, [d["content"] for d in plain]
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """400 for text that is not valid Unicode (JSON allows a lone surrogate such as \\ud800)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidPromptError(f"{param} is not valid Unicode: a lone surrogate (U+{ord(text[e.start]):04X}) at "
+                                 f"character {e.start}", param=param) from None
 
 
 def message_segments(text: str, contents: list[str], roles: list[str],
@@ -144,11 +180,15 @@ def _check_common(req: GenerationRequest) -> None:
             raise _reject("stop", "stop strings must not be empty")
 
 
-def _chain_spec(ctx: ServingContext, req: GenerationRequest, http: HttpRequest) -> ChainSpec | None:
-    """The request's chain fields as a ChainSpec (None for a plain request); 400 when they clash."""
+def _chain_spec(ctx: ServingContext, req: GenerationRequest, http: HttpRequest, chat: bool = False
+                ) -> ChainSpec | None:
+    """The request's chain fields as a ChainSpec (None for a plain request); 400 when they clash.
+    With --auto-chain, a chat that names no chain and generates one sequence is an automatic one."""
     given = [name for name, value in (("chain", req.chain), ("chain_id", req.chain_id),
                                       ("chain_fork", req.chain_fork)) if value]
     if not given:
+        if chat and ctx.auto_chain_min_tokens is not None and (req.n or 1) == 1:
+            return ChainSpec(auto=True, auto_min_tokens=ctx.auto_chain_min_tokens, owner=request_owner(http.scope))
         return None
     if len(given) > 1:
         raise _reject(given[1], f"give at most one of chain, chain_id and chain_fork (got {', '.join(given)})")
@@ -251,7 +291,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
         raise _reject("max_tokens", "must be at least 1 (0 only with echo: the prompt and its logprobs)")
     # echo with max_tokens 0 (lm-eval's loglikelihood): generate one token and show none (vLLM's way)
     echo_only = echo and req.max_tokens == 0
-    prompts = _completion_prompts(ctx, req.prompt)
+    prompts = await ctx.offload(_completion_prompts, ctx, req.prompt)
     if chain is not None and len(prompts) > 1:
         raise InvalidPromptError("a chained request takes one prompt, not a batch", param="prompt")
     max_tokens = 1 if echo_only else req.max_tokens or DEFAULT_COMPLETION_TOKENS
@@ -263,7 +303,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
     rid, created = random_id("cmpl"), now()
     with_ids = bool(req.return_token_ids)
     want_logprobs = req.logprobs is not None
-    prompt_texts = _prompt_texts(ctx, req.prompt, prompts) if echo else None
+    prompt_texts = await ctx.offload(_prompt_texts, ctx, req.prompt, prompts) if echo else None
     builders = [CompletionLogprobs(ctx.token_strings) for _ in gen.choices]
 
     def chunk(choices: list[dict], usage: dict | None = None, last: bool = False) -> dict:
@@ -315,7 +355,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
 
     await _collect(gen)
     return JSONResponse(chunk([choice(c, c.text.text, c.text.token_ids, c.output_logprobs, True, c.finish_reason)
-                               for c in gen.choices], usage(), last=True))
+                               for c in gen.choices], usage(), last=True), headers=_chain_header(gen))
 
 
 def _prompt_texts(ctx: ServingContext, prompt, prompts: list[list[int]]) -> list[str]:
@@ -333,7 +373,7 @@ def _prompt_texts(ctx: ServingContext, prompt, prompts: list[list[int]]) -> list
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, http: HttpRequest):
     ctx.check_model(req.model)
     _check_common(req)
-    chain = _chain_spec(ctx, req, http)
+    chain = _chain_spec(ctx, req, http, chat=True)
     if req.top_logprobs is not None and not req.logprobs:
         raise _reject("top_logprobs", "needs logprobs: true")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -342,9 +382,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise _reject("response_format", "only {'type': 'text'} is supported")
     if chain is None:
-        prompt = ctx.render_chat(req.messages, req.add_generation_prompt is not False)
+        prompt = await ctx.offload(ctx.render_chat, req.messages, req.add_generation_prompt is not False)
     else:  # a chain records where each message's tokens are (prunes by message index or role)
-        prompt, segments = ctx.render_chat_segments(req.messages, req.add_generation_prompt is not False)
+        prompt, segments = await ctx.offload(ctx.render_chat_segments, req.messages,
+                                             req.add_generation_prompt is not False)
         chain = dataclasses.replace(chain, segments=segments)
     max_tokens = req.max_completion_tokens or req.max_tokens or max(1, ctx.max_model_len - len(prompt))
     _check_length(ctx, prompt, max_tokens, "messages")
@@ -396,7 +437,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             item["token_ids"] = c.text.token_ids
         choices.append(item)
     return JSONResponse(_with_chain({"id": rid, "object": "chat.completion", "created": created,
-                                     "model": ctx.model_name, "choices": choices, "usage": gen.usage()}, gen, True))
+                                     "model": ctx.model_name, "choices": choices, "usage": gen.usage()}, gen, True),
+                        headers=_chain_header(gen))
 
 
 # ---- /v1/chains -------------------------------------------------------------------------------
@@ -408,9 +450,9 @@ async def create_chain(ctx: ServingContext, req: ChainCreateRequest, http: HttpR
         raise _reject("prompt", "give exactly one of prompt and messages")
     segments = None
     if req.messages is not None:
-        prompt, segments = ctx.render_chat_segments(req.messages, bool(req.add_generation_prompt))
+        prompt, segments = await ctx.offload(ctx.render_chat_segments, req.messages, bool(req.add_generation_prompt))
     else:
-        prompt = _completion_prompts(ctx, req.prompt)[0]
+        prompt = (await ctx.offload(_completion_prompts, ctx, req.prompt))[0]
     _check_length(ctx, prompt, 1, "prompt" if req.messages is None else "messages")
     chain = ChainSpec(open=True, owner=request_owner(http.scope), segments=segments)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -433,6 +475,10 @@ async def prune_chain(ctx: ServingContext, chain_id: str, req: ChainPruneRequest
 
 
 # ---- shared -----------------------------------------------------------------------------------
+def _chain_header(gen: Generation) -> dict | None:
+    return None if gen.chain_id is None else {CHAIN_ID_HEADER: gen.chain_id}
+
+
 def _with_chain(body: dict, gen: Generation, last: bool) -> dict:
     """The response, or a stream's closing chunks (finish_reason, usage), name the chain."""
     if last and gen.chain_id is not None:
@@ -464,5 +510,5 @@ def _sse(gen: Generation, events: AsyncIterator[dict]) -> StreamingResponse:
         finally:
             gen.close()
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(_chain_header(gen) or {})}
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)

@@ -6,21 +6,27 @@ crashes the server, and every response validates against the model it is declare
 
 Optional fields accept `null` (OpenAI clients send it for "not given"). Fields OpenAI defines but
 kvc does not implement (tools, suffix, ...) are declared so that a request using them gets a clear
-400 instead of being silently ignored.
+400 instead of being silently ignored. Request bodies are strict (`RequestModel`):
+no coercion (`0` is not a bool, `"2"` not an integer) and an unknown field is a 400 naming it,
+unless the server runs with `--allow-extra-fields` (then unknown fields are dropped).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
+from contextvars import ContextVar
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvc.runtime.sampling_params import LOGIT_BIAS_MAX, MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
 MAX_N = 128  # choices per prompt
 MAX_CHAIN_ID_LEN = 128
+
+log = logging.getLogger(__name__)
 
 NonNegInt = Annotated[int, Field(ge=0)]
 ChainId = Annotated[str, Field(min_length=1, max_length=MAX_CHAIN_ID_LEN)]
@@ -35,11 +41,33 @@ def now() -> int:
 
 
 # ---- requests ---------------------------------------------------------------------------------
-class StreamOptions(BaseModel):
+# Set per request by the server (middleware.ExtraFieldsPolicy): drop unknown fields instead of refusing them.
+ALLOW_EXTRA_FIELDS: ContextVar[bool] = ContextVar("kvc_allow_extra_fields", default=False)
+
+
+class RequestModel(BaseModel):
+    """A request body, strict like OpenAI's schema: values keep their JSON type and unknown fields
+    are refused (FastAPI's error names them), or dropped where `ALLOW_EXTRA_FIELDS` is set."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unknown_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or cls.model_config.get("extra") != "forbid" or not ALLOW_EXTRA_FIELDS.get():
+            return data
+        unknown = [k for k in data if k not in cls.model_fields]
+        if unknown:
+            log.debug("ignoring unknown request field(s) of %s: %s", cls.__name__, ", ".join(map(str, unknown)))
+            data = {k: v for k, v in data.items() if k in cls.model_fields}
+        return data
+
+
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(RequestModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = Field(None, description="the served model name; omitted: the one model served")
@@ -87,12 +115,12 @@ class CompletionRequest(GenerationRequest):
     suffix: str | None = None
 
 
-class TextContent(BaseModel):
+class TextContent(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     model_config = ConfigDict(extra="allow")  # tool_call_id, name, ... pass to the chat template
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -111,7 +139,7 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: bool | None = True
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     """Either `prompt` (text) or `messages` (rendered with the chat template)."""
 
     model: str | None = None
@@ -121,7 +149,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool | None = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 
@@ -293,14 +321,19 @@ class ChainInfo(BaseModel):
     messages: int | None = Field(None, description="chat messages recorded (null: a raw prompt)")
 
 
-class ChainPruneRequest(BaseModel):
+class ChainList(BaseModel):
+    """kvc: GET /v1/chains: the caller's chains, most recently used first."""
+
+    object: Literal["list"] = "list"
+    data: list[ChainInfo]
+
+
+class ChainPruneRequest(RequestModel):
     """kvc: POST /v1/chains/{id}/prune. Selectors add up; `older_than_rounds` limits the message
     selectors to messages followed by at least that many assistant messages. Each selected range
     keeps `keep` (a fraction) or `keep_tokens` of its stored tokens per layer and KV head, the
     best-scored by `scorer` (a method name; default: the server's --prune-scorer, else the served
     method's own token scores)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     token_ranges: list[Annotated[list[NonNegInt], Field(min_length=2, max_length=2)]] | None = Field(
         None, max_length=4096, description="logical token ranges [start, end) of the chain's history")
@@ -328,11 +361,9 @@ class ChainPruned(BaseModel):
     dropped: list[int]
 
 
-class ChainCreateRequest(BaseModel):
+class ChainCreateRequest(RequestModel):
     """kvc: POST /v1/chains: a chain holding a prefix (a cached prompt), computed and not extended,
     to prune or continue later."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: str | Annotated[list[NonNegInt], Field(min_length=1)] | None = None

@@ -3,7 +3,10 @@ thread of the test process, over the embedded default model on CPU."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -46,18 +49,32 @@ class LiveServer:
         self._thread.join(timeout=30)
         self._sock.close()
 
-    def metric(self, name: str) -> float:
-        """One sample of /metrics by name (the first series)."""
-        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+    def metric(self, name: str, headers: dict | None = None, **labels: str) -> float:
+        """One sample of /metrics by name: the first series carrying `labels`."""
+        return metric_sample(httpx.get(f"{self.url}/metrics", headers=headers).text, name, **labels)
 
-    def wait_metric(self, name: str, value: float, timeout: float = 10.0) -> float:
+    def wait_metric(self, name: str, value: float, timeout: float = 10.0, **labels: str) -> float:
         deadline = time.monotonic() + timeout
-        while (got := self.metric(name)) != value and time.monotonic() < deadline:
+        while (got := self._metric_or_none(name, **labels)) != value and time.monotonic() < deadline:
             time.sleep(0.05)
         return got
+
+    def _metric_or_none(self, name: str, **labels: str) -> float | None:
+        try:
+            return self.metric(name, **labels)
+        except KeyError:
+            return None
+
+
+def metric_sample(text: str, name: str, **labels: str) -> float:
+    """The value of the first sample of `name` in Prometheus text whose labels include `labels`."""
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            series, value = line.rsplit(" ", 1)
+            if all(w in series for w in wanted):
+                return float(value)
+    raise KeyError(name)
 
 
 def make_engine(**options):
@@ -100,3 +117,34 @@ def llm():
     from kvc import LLM
 
     return LLM("random:tiny", kv_cache_memory=TEST_KV_BYTES, max_model_len=512)
+
+
+@contextmanager
+def served_process(*args: str, timeout: float = 120) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`kvc serve ARGS` in a subprocess on a free port (the tiny model, unless ARGS name another),
+    once /health answers; killed afterwards if still running. Its output is the process's stdout.
+    Without TRITON_INTERPRET, as users run it (the tests' conftest sets it for kernel tests)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    model = () if "--model" in args else ("--model", "random:tiny")
+    proc = subprocess.Popen([sys.executable, "-m", "kvc.runtime.cli", "serve", *model, "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

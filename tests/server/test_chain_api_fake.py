@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvc.runtime.chains import ChainSpec
+from kvc.runtime.chains import ChainLimits, ChainSpec
 from kvc.runtime.errors import ChainBusy, ChainCapacity, ChainDiverged, ChainEvicted, ChainNotFound
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.sequence import SequenceStatus
@@ -49,6 +49,10 @@ class FakeChainStore:
         self.evicted_total = 0
         self.reused_tokens_total = 0
         self.prefilled_tokens_total = 0
+        self.limits = ChainLimits()  # set by the server; the double does not apply them
+
+    def expire(self, now: float | None = None) -> int:
+        return 0
 
     def find(self, chain_id: str, owner: str | None) -> _Chain:
         chain = self.live.get(chain_id)
@@ -158,7 +162,13 @@ class FakeChainEngine:
         self.chains.gone[chain_id] = owner
 
     def chain_info(self, chain_id: str, owner: str | None) -> dict:
-        record = self.chains.find(chain_id, owner)
+        return self._describe(self.chains.find(chain_id, owner))
+
+    def list_chains(self, owner: str | None) -> list[dict]:
+        mine = sorted((c for c in self.chains.live.values() if c.owner == owner), key=lambda c: -c.last_used)
+        return [{"id": c.id, **self._describe(c)} for c in mine]
+
+    def _describe(self, record: _Chain) -> dict:
         return {"tokens": len(record.tokens), "state": record.state, "last_used": record.last_used,
                 "pages": math.ceil(len(record.tokens) / self.chains.page_size)}
 

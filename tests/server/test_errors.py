@@ -106,7 +106,7 @@ def test_openai_client_raises_the_matching_exceptions(server):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
 
 
-def test_api_key_is_required_on_v1_only():
+def test_api_key_is_required_on_everything_but_health_and_version():
     with live_server(api_key="sekret") as s:
         ok = {"Authorization": "Bearer sekret"}
         err = _error(_post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}), 401)
@@ -115,7 +115,8 @@ def test_api_key_is_required_on_v1_only():
         _error(_post(s, "/tokenize", {"prompt": "x"}), 401)
         assert _post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}, headers=ok).status_code == 200
         assert httpx.get(f"{s.url}/health").status_code == 200
-        assert httpx.get(f"{s.url}/metrics").status_code == 200
+        _error(httpx.get(f"{s.url}/metrics"), 401)  # test_hardening.py has the rest
+        assert httpx.get(f"{s.url}/metrics", headers=ok).status_code == 200
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
@@ -200,6 +201,7 @@ def test_a_dead_engine_thread_fails_requests_fast_instead_of_hanging(caplog):
         aengine._thread.join(timeout=10)
         assert not aengine._thread.is_alive()
         for _ in range(3):  # later requests are answered at once, not queued forever
-            _error(_post(s, "/v1/completions", {"prompt": "x", "max_tokens": 4}), 503)
+            err = _error(_post(s, "/v1/completions", {"prompt": "x", "max_tokens": 4}), 503)
+            assert "RuntimeError" not in err["message"] and "engine thread bug" not in err["message"]
         assert httpx.get(f"{s.url}/health", timeout=5).status_code == 503
         assert "engine thread bug" in caplog.text

@@ -1,27 +1,22 @@
 """SIGTERM under load: `kvc serve` (a real subprocess) stops taking requests (503), lets short
 in-flight requests finish, aborts the long ones after --shutdown-timeout (their streams end
-cleanly with finish_reason "abort"), and exits 0 within a bounded time."""
+cleanly with finish_reason "abort"), and exits 0 within a bounded time. A second signal stops it
+within a second, with no traceback in its output."""
 
 from __future__ import annotations
 
 import json
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
+import pytest
+
+from tests.server.conftest import served_process
 
 SHUTDOWN_TIMEOUT = 5.0
 SHORT, LONG = 100, 4000  # tokens: well inside the drain window on a loaded CPU; far beyond it
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stream(url: str, max_tokens: int, out: dict, started: threading.Event) -> None:
@@ -43,28 +38,13 @@ def _stream(url: str, max_tokens: int, out: dict, started: threading.Event) -> N
         started.set()
 
 
-def test_sigterm_under_load_drains_and_exits_0():
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvc.runtime.cli", "serve", "--model", "random:tiny", "--port", str(port),
-         "--max-model-len", "4096",
-         "--kv-cache-memory", str(64 * 2**20), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
-         "--served-model-name", "drain"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+def _serve(shutdown_timeout: float):
+    return served_process("--max-model-len", "4096", "--kv-cache-memory", str(64 * 2**20),
+                          "--shutdown-timeout", str(shutdown_timeout), "--served-model-name", "drain")
 
+
+def test_sigterm_under_load_drains_and_exits_0():
+    with _serve(SHUTDOWN_TIMEOUT) as (proc, url):
         # short requests can finish inside the drain window; long ones cannot
         plan = [SHORT] * 4 + [LONG] * 4
         outs = [{} for _ in plan]
@@ -90,7 +70,30 @@ def test_sigterm_under_load_drains_and_exits_0():
         for n, out in zip(plan, outs):
             assert out.get("done") and "error" not in out, out
             assert out["reason"] == ("length" if n == SHORT else "abort"), (n, out)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_second_signal_stops_within_a_second_without_a_traceback(sig):
+    with _serve(shutdown_timeout=60) as (proc, url):  # the drain alone would wait a minute for the streams
+        outs = [{} for _ in range(4)]
+        started = [threading.Event() for _ in outs]
+        threads = [threading.Thread(target=_stream, args=(url, LONG, o, e)) for o, e in zip(outs, started)]
+        for t in threads:
+            t.start()
+        for e in started:
+            assert e.wait(30)
+        proc.send_signal(sig)
+        time.sleep(0.5)  # draining: the streams go on
+        assert proc.poll() is None
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=10)
+        elapsed = time.monotonic() - t0
+        output = proc.stdout.read()
+        assert elapsed < 1.0, (elapsed, output)
+        assert rc == 1, output  # stopped, not drained
+        assert not any(word in output for word in ("Traceback", "Error", "ERROR")), output
+        for t in threads:
+            t.join(timeout=10)
+        for out in outs:  # the aborted streams still ended properly
+            assert out.get("done") and out.get("reason") == "abort" and "error" not in out, out
