@@ -59,8 +59,9 @@ def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
     return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
 
 
-def make_llm(model_dir: Path, ref: dict, page_size: int = 7, backend: str = "torch", **options) -> LLM:
-    return LLM(str(model_dir), method="adakv", method_params=kvc_params(ref), device="cpu", dtype="float32",
+def make_llm(model_dir: Path, ref: dict, page_size: int = 7, backend: str = "torch", device: str = "cpu",
+             **options) -> LLM:
+    return LLM(str(model_dir), method="adakv", method_params=kvc_params(ref), device=device, dtype="float32",
                page_size=page_size, max_num_batched_tokens=96, max_prefill_chunk=32, attention_backend=backend,
                **options)
 
@@ -198,11 +199,11 @@ def test_triton_backend_matches_torch(model_dir, monkeypatch):
     pytest.importorskip("triton")
     from tests.kernels.paged_cases import triton_device_and_ops
 
-    triton_device_and_ops()  # re-imports triton under the interpreter if needed
+    device = str(triton_device_and_ops()[0])  # re-imports triton under the interpreter if needed
     ref = REFERENCES["safeguard-beyond-window"]
     prompts = prompts_of([46, 71], seed=24)
-    want = [list(o.token_ids) for o in make_llm(model_dir, ref).generate(prompts, greedy(4))]
-    llm = make_llm(model_dir, ref, backend="triton")
+    want = [list(o.token_ids) for o in make_llm(model_dir, ref, device=device).generate(prompts, greedy(4))]
+    llm = make_llm(model_dir, ref, backend="triton", device=device)
     got = [list(o.token_ids) for o in llm.generate(prompts, greedy(4))]
     assert got == want
     assert llm.engine.pool.num_free == llm.engine.pool.num_pages

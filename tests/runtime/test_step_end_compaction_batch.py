@@ -35,6 +35,11 @@ def backends() -> list[str]:
     return out
 
 
+def device_of(backend: str) -> str:
+    """The Triton backend runs on the GPU where there is one, else under the interpreter on the CPU."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
 def snapshot(runner, batch) -> dict:
     seqs = batch.seqs
     return {"k": runner.attention.k_cache.clone(), "v": runner.attention.v_cache.clone(),
@@ -98,7 +103,7 @@ def views_of(runner, batch, layer: int):
 @pytest.mark.parametrize("method", ["h2o", "tova", "streamingllm"])
 def test_compiled_step_end_equals_the_per_row_oracle(method, backend):
     make = dict(batch=7, layers=2, kv=60, page=PAGE, kv_heads=HEADS, head_dim=4, backend=backend, ragged=True,
-                seed=5)
+                seed=5, device=device_of(backend))
     runner, batch = make_runner(method, **make)
     oracle, obatch = make_runner(method, **make)
     compacted = step_end(runner, batch)
@@ -133,7 +138,7 @@ def mixed_plans(layer: int, lengths: list[int], starts: list[list[int] | None], 
 @pytest.mark.parametrize("backend", backends())
 def test_mixed_plans_equal_the_per_row_oracle(backend):
     make = dict(batch=8, layers=2, kv=40, page=PAGE, kv_heads=HEADS, head_dim=4, backend=backend, ragged=True,
-                seed=9)
+                seed=9, device=device_of(backend))
     runs = [make_runner("tova", **make) for _ in range(2)]
     for runner, batch in runs:
         for seq in batch.seqs[5:7]:  # layers compacted before with per-head counts: starts
