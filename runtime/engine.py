@@ -42,6 +42,7 @@ from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.rows import RowPool
 from kvc.runtime.method_api import Hook, KVMethod
 from kvc.runtime.methods import resolve_method
+from kvc.runtime.grammar_book import GrammarBook
 from kvc.runtime.model_runner import ModelRunner
 from kvc.runtime.models.loader import LoadedModel, resolve_model
 from kvc.runtime.prefill_record import PrefillRecord
@@ -140,6 +141,7 @@ class Engine:
             rows=self.rows,
             residual=self.attention.store.residual_window,
         )
+        self.grammars = GrammarBook(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
         self.runner = ModelRunner(
             self.model,
             self.attention,
@@ -151,6 +153,7 @@ class Engine:
             seed=config.seed,
             method=self.method,
             pool=self.pool,
+            grammars=self.grammars,
         )
         self.sequences: dict[int, Sequence] = {}
         self.pruner = Pruner(self.chains, self.runner.executor, self.spec.num_layers)
@@ -204,6 +207,10 @@ class Engine:
             if not replay.complete or list(replay.tokens) != list(prompt_token_ids):
                 raise InvalidPromptError("replay: the prefill record is incomplete or of another prompt",
                                          param="replay")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = params.structured_outputs.to_grammar()
+            self.grammars.check(grammar)
         seq = Sequence(
             prompt_token_ids,
             params=params,
@@ -233,6 +240,8 @@ class Engine:
                 self._check_fits(seq, params)
                 self.scheduler.add(seq)
         self.runner.add_request(seq.seq_id, params.seed)
+        if grammar is not None:
+            self.grammars.add(seq.seq_id, grammar)
         self.sequences[seq.seq_id] = seq
         return seq
 
@@ -281,6 +290,7 @@ class Engine:
             self.runner.add_request(clone.seq_id, None if source_generator is None else 0)
             if source_generator is not None:  # the clone draws what the source would
                 self.runner.generators[clone.seq_id].set_state(source_generator.get_state())
+            self.grammars.copy(seq.seq_id, clone.seq_id)
             clone.logprobs = None if seq.logprobs is None else list(seq.logprobs)
             clone.prompt_logprobs = None if seq.prompt_logprobs is None else list(seq.prompt_logprobs)
             self.sequences[clone.seq_id] = clone
@@ -375,6 +385,8 @@ class Engine:
         """Appends an advanced step's tokens and logprobs (waiting for them); the sequences that
         finished."""
         sampled = out.resolve()
+        if self.grammars.matchers:
+            self.grammars.advance(sampled)
         for seq_id, (first, entries) in out.prompt_logprobs.items():
             if seq_id in self.sequences:
                 self.sequences[seq_id].add_prompt_logprobs(first, entries)
@@ -394,6 +406,7 @@ class Engine:
 
     def _release(self, seq_id: int) -> None:
         self.runner.remove_request(seq_id)
+        self.grammars.remove(seq_id)
         self.sequences.pop(seq_id, None)
         if Hook.RELEASE in self.method.hooks:
             self.method.release(seq_id)

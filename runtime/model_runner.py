@@ -23,6 +23,7 @@ from kvc.compiler.attention import variant_for_spec
 from kvc.runtime.attention.backend import PagedAttention
 from kvc.runtime.attention.metadata import AttentionMetadata
 from kvc.runtime.decode_graphs import DecodeGraphs
+from kvc.runtime.grammar_book import GrammarBook
 from kvc.runtime.kv.executor import KVExecutor
 from kvc.runtime.kv.tables import TableCache
 from kvc.runtime.step_hooks import StepHooks
@@ -113,7 +114,9 @@ class ModelRunner:
         seed: int = 0,
         method: KVMethod | None = None,
         pool: PagePool | None = None,
+        grammars: GrammarBook | None = None,
     ) -> None:
+        self.grammars = grammars  # structured outputs' matchers (runtime/grammar_book.py)
         self.pool = pool  # for copy-on-write of shared pages; None: pages are never shared
         self.chain_window = 0  # prefill queries a chained sequence keeps per layer (set by the engine)
         self.method = method or resolve_method("full")
@@ -197,6 +200,8 @@ class ModelRunner:
             return output
         seqs = [batch.seqs[i] for i in rows]
         params = [s.params for s in seqs]
+        if self.grammars is not None:  # structured outputs: disallowed tokens at -inf
+            logits = self.grammars.constrain(logits, [s.seq_id for s in seqs])
         history, slots = self._history(seqs) if any(p.changes_logits for p in params) else (None, None)
         out = sample(logits, params, [self.generators.get(s.seq_id) for s in seqs], self.default_generator, history)
         if slots is not None:  # counted on the device, before the next step samples

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvc.runtime.errors import InvalidSamplingParams
+from kvc.runtime.structured_outputs import StructuredOutputs
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's top_logprobs limit; vLLM's default max_logprobs)
@@ -34,6 +35,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: [-100, 100])
     logprobs: int | None = None  # per generated token: its logprob and the top N; None: none; 0: only its own
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
+    structured_outputs: StructuredOutputs | None = None  # what the output must match (a grammar)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -101,6 +103,8 @@ class SamplingParams:
             raise bad("repetition_penalty", "must be > 0 (1 = no penalty)")
         if self.logit_bias is not None:
             self.logit_bias = self._checked_bias(bad)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise bad("structured_outputs", "must be a StructuredOutputs (kvc.runtime.structured_outputs)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is None:

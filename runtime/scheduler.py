@@ -514,8 +514,10 @@ class Scheduler:
 
     @staticmethod
     def may_run_ahead(batch: ScheduledBatch) -> bool:
-        """Can `batch` stay running while the next step is scheduled: decodes only, none chained."""
-        return batch.num_prefills == 0 and all(seq.chain is None for seq in batch.seqs)
+        """Can `batch` stay running while the next step is scheduled: decodes only, none chained,
+        none with structured outputs (whose next mask needs this step's token)."""
+        return batch.num_prefills == 0 and all(seq.chain is None and seq.params.structured_outputs is None
+                                               for seq in batch.seqs)
 
     def schedule_ahead(self, launched: ScheduledBatch) -> ScheduledBatch | None:
         """The next decode step of `launched`'s sequences while its tokens are still pending on the

@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "ChainSpec", "RequestOutput", "SamplingParams", "TokenLogprobs", "__version__"]
+__all__ = ["LLM", "ChainSpec", "RequestOutput", "SamplingParams", "StructuredOutputs", "TokenLogprobs", "__version__"]
 
 _EXPORTS = {
     "LLM": "kvc.runtime.llm",
     "ChainSpec": "kvc.runtime.chains",
     "RequestOutput": "kvc.runtime.llm",
     "SamplingParams": "kvc.runtime.sampling_params",
+    "StructuredOutputs": "kvc.runtime.structured_outputs",
     "TokenLogprobs": "kvc.runtime.logprobs",
 }
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from kvc.runtime.llm import LLM, RequestOutput
     from kvc.runtime.logprobs import TokenLogprobs
     from kvc.runtime.sampling_params import SamplingParams
+    from kvc.runtime.structured_outputs import StructuredOutputs
 
 
 def __getattr__(name: str):

@@ -47,6 +47,9 @@ from kvc.runtime.server.protocol import (
     random_id,
 )
 from kvc.runtime.server.text import TokenStrings
+from kvc.runtime.server.tools import ToolRequest, ToolStreamParser, parse_tool_calls, tool_grammar, tool_request
+from kvc.runtime.structured_outputs import StructuredOutputs
+from kvc.runtime.server.tools import render_messages as render_tool_messages
 
 log = logging.getLogger(__name__)
 
@@ -95,15 +98,16 @@ class ServingContext:
             log.warning("the tokenizer failed on %s", param, exc_info=True)
             raise InvalidPromptError(f"cannot tokenize {param}: the tokenizer rejected the text", param=param) from None
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        text, _ = self._chat_text(messages, add_generation_prompt)
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    tools: ToolRequest | None = None) -> list[int]:
+        text, _, _ = self._chat_text(messages, add_generation_prompt, tools)
         return self.encode(text, "messages")
 
-    def render_chat_segments(self, messages: list[ChatMessage], add_generation_prompt: bool
-                             ) -> tuple[list[int], tuple[Segment, ...] | None]:
+    def render_chat_segments(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                             tools: ToolRequest | None = None) -> tuple[list[int], tuple[Segment, ...] | None]:
         """The rendered prompt and each message's content as a token range (for a chain's prunes by
         message); segments None when the tokenizer gives no character offsets."""
-        text, contents = self._chat_text(messages, add_generation_prompt)
+        text, contents, roles = self._chat_text(messages, add_generation_prompt, tools)
         if not getattr(self.tokenizer, "is_fast", False):
             return self.encode(text, "messages"), None
         _check_unicode(text, "messages")
@@ -114,9 +118,24 @@ class ServingContext:
             raise InvalidPromptError("cannot tokenize messages: the tokenizer rejected the text",
                                      param="messages") from None
         ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
-        return ids, message_segments(text, contents, [m.role for m in messages], offsets)
+        segments = message_segments(text, contents, roles, offsets)
+        return ids, segments[len(segments) - len(messages):]  # a system message kvc added has none
 
-    def _chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool) -> tuple[str, list[str]]:
+    @functools.cached_property
+    def template_renders_tools(self) -> bool:
+        """Does the chat template write `tools` into the prompt itself (else kvc does, runtime/server/tools.py)?"""
+        probe = [{"type": "function", "function": {"name": "kvc_probe_function", "parameters": {"type": "object"}}}]
+        try:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=probe,
+                                                      add_generation_prompt=True, tokenize=False)
+        except Exception:
+            return False
+        return "kvc_probe_function" in text
+
+    def _chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool, tools: ToolRequest | None = None
+                   ) -> tuple[str, list[str], list[str]]:
+        """The rendered chat, and each rendered message's content and role (kvc's tools section
+        may add a system message first)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidPromptError("this model has no chat template; use /v1/completions", param="messages")
         plain = []
@@ -129,15 +148,21 @@ class ServingContext:
                 if isinstance(value, str):
                     _check_unicode(value, f"messages.{len(plain)}.{key}")
             plain.append(d)
+        extra = {}
+        native = self.template_renders_tools
+        if native and tools is not None:
+            extra["tools"] = [{"type": "function", "function": f} for f in tools.functions]
+        elif not native:  # calls, results and the tools section written in the Hermes format
+            plain = render_tool_messages(plain, tools)
         try:
             text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
+                                                      tokenize=False, **extra)
         except TemplateError as e:  # raise_exception() in a template: its words, for the client
             raise InvalidPromptError(f"the chat template rejected the messages: {e}", param="messages") from None
         except Exception:  # anything else names the template engine's internals: logged, not sent
             log.warning("the chat template failed", exc_info=True)
             raise InvalidPromptError("the chat template could not render the messages", param="messages") from None
-        return text, [d["content"] for d in plain]
+        return text, [d["content"] for d in plain], [d["role"] for d in plain]
 
 
 def _check_unicode(text: str, param: str) -> None:
@@ -202,7 +227,7 @@ def _chain_spec(ctx: ServingContext, req: GenerationRequest, http: HttpRequest, 
 
 
 def _params(req: GenerationRequest, max_tokens: int, logprobs: int | None = None,
-            prompt_logprobs: int | None = None) -> SamplingParams:
+            prompt_logprobs: int | None = None, structured: StructuredOutputs | None = None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -219,6 +244,7 @@ def _params(req: GenerationRequest, max_tokens: int, logprobs: int | None = None
         logit_bias=_logit_bias(req.logit_bias),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured,
     )
 
 
@@ -263,12 +289,12 @@ def _completion_prompts(ctx: ServingContext, prompt) -> list[list[int]]:
 
 async def _start(ctx: ServingContext, req: GenerationRequest, prompts: list[list[int]], max_tokens: int,
                  http: HttpRequest, chain: ChainSpec | None, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None) -> Generation:
+                 prompt_logprobs: int | None = None, structured: StructuredOutputs | None = None) -> Generation:
     n = req.n or 1
     if len(prompts) * n > ctx.aengine.max_waiting:
         raise _reject("n", f"the request asks for {len(prompts) * n} sequences; this server queues at most "
                       f"{ctx.aengine.max_waiting} at once")
-    params = _params(req, max_tokens, logprobs, prompt_logprobs)
+    params = _params(req, max_tokens, logprobs, prompt_logprobs, structured)
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     gen = Generation(ctx.aengine, ctx.metrics, ctx.tokenizer, ctx.eos_token_ids, prompts,
                      [params] * len(prompts), n, stops, bool(req.include_stop_str_in_output),
@@ -377,19 +403,19 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if req.top_logprobs is not None and not req.logprobs:
         raise _reject("top_logprobs", "needs logprobs: true")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    if req.tools and req.tool_choice != "none":
-        raise _reject("tools", "tool calling is not supported by kvc yet (tool_choice 'none' is)")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise _reject("response_format", "only {'type': 'text'} is supported")
+    tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+    structured = _response_format(req.response_format)
+    if tools is not None:  # the calls' syntax (and a named or required call) by constrained decoding
+        structured = StructuredOutputs(grammar=tool_grammar(tools, structured))
     if chain is None:
-        prompt = await ctx.offload(ctx.render_chat, req.messages, req.add_generation_prompt is not False)
+        prompt = await ctx.offload(ctx.render_chat, req.messages, req.add_generation_prompt is not False, tools)
     else:  # a chain records where each message's tokens are (prunes by message index or role)
         prompt, segments = await ctx.offload(ctx.render_chat_segments, req.messages,
-                                             req.add_generation_prompt is not False)
+                                             req.add_generation_prompt is not False, tools)
         chain = dataclasses.replace(chain, segments=segments)
     max_tokens = req.max_completion_tokens or req.max_tokens or max(1, ctx.max_model_len - len(prompt))
     _check_length(ctx, prompt, max_tokens, "messages")
-    gen = await _start(ctx, req, [prompt], max_tokens, http, chain, logprobs)
+    gen = await _start(ctx, req, [prompt], max_tokens, http, chain, logprobs, structured=structured)
     rid, created = random_id("chatcmpl"), now()
     with_ids = bool(req.return_token_ids)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
@@ -413,16 +439,30 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             c["token_ids"] = ids
         return c
 
+    def finish_reason(reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if called and reason == "stop" else reason
+
     if req.stream:
         async def events() -> AsyncIterator[dict]:
+            parsers = {c.index: ToolStreamParser() for c in gen.choices} if tools is not None else {}
+            calls = {c.index: 0 for c in gen.choices}
             for c in gen.choices:
                 yield chunk([delta_choice(c.index, {"role": "assistant", "content": ""}, None, None)])
             async for step in gen.deltas():
                 for d in step:
-                    if d.text or ((with_ids or logprobs is not None) and d.token_ids):
-                        yield chunk([delta_choice(d.index, {"content": d.text}, None, d.token_ids, d.logprobs)])
+                    pieces = [d.text] if not parsers else parsers[d.index].feed(d.text)
+                    if d.finish_reason and parsers:
+                        pieces += parsers[d.index].finish()
+                    text = "".join(p for p in pieces if isinstance(p, str))
+                    if text or ((with_ids or logprobs is not None) and d.token_ids):
+                        yield chunk([delta_choice(d.index, {"content": text}, None, d.token_ids, d.logprobs)])
+                    for call in (p for p in pieces if isinstance(p, dict)):
+                        yield chunk([delta_choice(d.index, {"tool_calls": [{"index": calls[d.index], **call}]},
+                                                  None, None)])
+                        calls[d.index] += 1
                     if d.finish_reason:
-                        yield chunk([delta_choice(d.index, {}, d.finish_reason, [])], last=True)
+                        yield chunk([delta_choice(d.index, {}, finish_reason(d.finish_reason, calls[d.index] > 0),
+                                                  [])], last=True)
             if include_usage:
                 yield chunk([], gen.usage(), last=True)
 
@@ -431,14 +471,35 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     await _collect(gen)
     choices = []
     for c in gen.choices:
-        item = {"index": c.index, "message": {"role": "assistant", "content": c.text.text},
-                "logprobs": shaped(c.output_logprobs), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        message = {"role": "assistant", "content": c.text.text}
+        if tools is not None:
+            message["content"], found = parse_tool_calls(c.text.text)
+            if found:
+                message["tool_calls"] = found
+        item = {"index": c.index, "message": message, "logprobs": shaped(c.output_logprobs),
+                "finish_reason": finish_reason(c.finish_reason, bool(message.get("tool_calls"))),
+                "stop_reason": c.stop_reason}
         if with_ids:
             item["token_ids"] = c.text.token_ids
         choices.append(item)
     return JSONResponse(_with_chain({"id": rid, "object": "chat.completion", "created": created,
                                      "model": ctx.model_name, "choices": choices, "usage": gen.usage()}, gen, True),
                         headers=_chain_header(gen))
+
+
+def _response_format(fmt: dict | None) -> StructuredOutputs | None:
+    """OpenAI's response_format as structured outputs (None for text)."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise _reject("response_format", "json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+        return StructuredOutputs(json=spec.get("schema") or {"type": "object"})
+    raise _reject("response_format", f"type must be 'text', 'json_object' or 'json_schema', not {kind!r}")
 
 
 # ---- /v1/chains -------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ field a handler reads is declared here with its range, so that a request the sch
 crashes the server, and every response validates against the model it is declared with.
 
 Optional fields accept `null` (OpenAI clients send it for "not given"). Fields OpenAI defines but
-kvc does not implement (tools, suffix, ...) are declared so that a request using them gets a clear
+kvc does not implement (suffix, ...) are declared so that a request using them gets a clear
 400 instead of being silently ignored. Request bodies are strict (`RequestModel`):
 no coercion (`0` is not a bool, `"2"` not an integer) and an unknown field is a 400 naming it,
 unless the server runs with `--allow-extra-fields` (then unknown fields are dropped).
@@ -133,9 +133,12 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the top N per token")
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="function tools (Hermes <tool_call> format)")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="'none', 'auto' (default with tools), "
+                                                     "'required' or a named function (constrained decoding)")
+    parallel_tool_calls: bool | None = Field(None, description="several calls in one answer (default true)")
+    response_format: dict[str, Any] | None = Field(None, description="text, json_object or json_schema "
+                                                   "(constrained decoding)")
     add_generation_prompt: bool | None = True
 
 
@@ -196,9 +199,21 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="a JSON object as text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -235,9 +250,14 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class ToolCallDelta(ToolCall):
+    index: int
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(None, description="each call whole, in one delta")
 
 
 class ChatChunkChoice(BaseModel):
