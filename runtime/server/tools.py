@@ -99,7 +99,10 @@ def system_prompt(request: ToolRequest) -> str:
 
 def render_messages(messages: list[dict], request: ToolRequest | None) -> list[dict]:
     """Messages for a template that knows no tools: the tools in the system message, earlier
-    assistant calls as `<tool_call>` text, tool results inside `<tool_response>` tags."""
+    assistant calls as `<tool_call>` text, tool results inside `<tool_response>` tags. A
+    conversation with neither tools nor calls is left as it is."""
+    if request is None and not any(m.get("tool_calls") for m in messages):
+        return list(messages)
     out = []
     for m in messages:
         m = dict(m)

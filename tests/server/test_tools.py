@@ -70,6 +70,8 @@ def test_render_messages_for_a_template_without_tools():
     no_system = render_messages(messages[1:2], request)
     assert [m["role"] for m in no_system] == ["system", "user"]
     assert render_messages(messages[1:2], None) == messages[1:2]
+    assert render_messages([messages[1], messages[3]], None) == [messages[1], messages[3]]  # no tools, no calls
+    assert render_messages(messages[1:], None)[2]["content"].startswith("<tool_response>")
 
 
 @pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "get_time"}}])
