@@ -45,8 +45,13 @@ class StructuredOutputs:
             object.__setattr__(self, "choice", tuple(self.choice))
 
     def to_grammar(self) -> str:
-        """The llguidance grammar (a JSON text); raises InvalidSamplingParams for a schema,
-        regex or grammar that llguidance rejects."""
+        """The llguidance grammar (a JSON text), compiled once per object; raises
+        InvalidSamplingParams for a schema, regex or grammar that llguidance rejects."""
+        if "_grammar" not in self.__dict__:
+            self.__dict__["_grammar"] = self._compile()
+        return self.__dict__["_grammar"]
+
+    def _compile(self) -> str:
         import llguidance
 
         if self.json is not None or self.json_object:

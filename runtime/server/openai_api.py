@@ -294,6 +294,8 @@ async def _start(ctx: ServingContext, req: GenerationRequest, prompts: list[list
     if len(prompts) * n > ctx.aengine.max_waiting:
         raise _reject("n", f"the request asks for {len(prompts) * n} sequences; this server queues at most "
                       f"{ctx.aengine.max_waiting} at once")
+    if structured is not None:  # compiled (and refused) in a tokenizer thread, not on the loop or the engine's
+        await ctx.offload(structured.to_grammar)
     params = _params(req, max_tokens, logprobs, prompt_logprobs, structured)
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     gen = Generation(ctx.aengine, ctx.metrics, ctx.tokenizer, ctx.eos_token_ids, prompts,
@@ -325,7 +327,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
         _check_length(ctx, p, max_tokens, "prompt")
     prompt_logprobs = req.logprobs if echo else None
     gen = await _start(ctx, req, prompts, max_tokens, http, chain, None if echo_only else req.logprobs,
-                       prompt_logprobs)
+                       prompt_logprobs, structured=_structured_outputs(req))
     rid, created = random_id("cmpl"), now()
     with_ids = bool(req.return_token_ids)
     want_logprobs = req.logprobs is not None
@@ -405,6 +407,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
     structured = _response_format(req.response_format)
+    if structured is not None and req.structured_outputs is not None:
+        raise _reject("structured_outputs", "give response_format or structured_outputs, not both")
+    structured = structured or _structured_outputs(req)
     if tools is not None:  # the calls' syntax (and a named or required call) by constrained decoding
         structured = StructuredOutputs(grammar=tool_grammar(tools, structured))
     if chain is None:
@@ -485,6 +490,15 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     return JSONResponse(_with_chain({"id": rid, "object": "chat.completion", "created": created,
                                      "model": ctx.model_name, "choices": choices, "usage": gen.usage()}, gen, True),
                         headers=_chain_header(gen))
+
+
+def _structured_outputs(req: GenerationRequest) -> StructuredOutputs | None:
+    """vLLM's `structured_outputs` field as kvc's (None when absent)."""
+    so = req.structured_outputs
+    if so is None:
+        return None
+    return StructuredOutputs(json=so.json_, json_object=bool(so.json_object), regex=so.regex,
+                             choice=None if so.choice is None else tuple(so.choice), grammar=so.grammar)
 
 
 def _response_format(fmt: dict | None) -> StructuredOutputs | None:

@@ -56,15 +56,26 @@ class RequestModel(BaseModel):
     def _drop_unknown_fields(cls, data: Any) -> Any:
         if not isinstance(data, dict) or cls.model_config.get("extra") != "forbid" or not ALLOW_EXTRA_FIELDS.get():
             return data
-        unknown = [k for k in data if k not in cls.model_fields]
+        known = {field.alias or name for name, field in cls.model_fields.items()}
+        unknown = [k for k in data if k not in known]
         if unknown:
             log.debug("ignoring unknown request field(s) of %s: %s", cls.__name__, ", ".join(map(str, unknown)))
-            data = {k: v for k, v in data.items() if k in cls.model_fields}
+            data = {k: v for k, v in data.items() if k in known}
         return data
 
 
 class StreamOptions(RequestModel):
     include_usage: bool | None = False
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's `structured_outputs`: what the output must match (exactly one field)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, description="a Lark grammar (llguidance's dialect)")
 
 
 class GenerationRequest(RequestModel):
@@ -97,6 +108,8 @@ class GenerationRequest(RequestModel):
     return_token_ids: bool | None = Field(
         False, description="kvc: each choice (and stream chunk) also carries its new token ids"
     )
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="vLLM's: the output matches a JSON schema, regex, choice or grammar")
     # kvc's chain cache (at most one of the three; n and best_of must be 1)
     chain: bool | None = Field(None, description="kvc: open a chain: keep this request's KV for the next turn")
     chain_id: ChainId | None = Field(None, description="kvc: continue this chain (resend the whole conversation)")
