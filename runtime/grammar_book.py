@@ -36,8 +36,10 @@ class GrammarBook:
         if self._ll is None:
             import llguidance.hf
 
+            # one EOS (older llguidance takes no list): a complete grammar allows the model's first
+            # end-of-sequence id, which ends the sequence like any other
             self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
-                                                    eos_token=self.eos_token_ids or None)
+                                                    eos_token=self.eos_token_ids[0] if self.eos_token_ids else None)
         return self._ll
 
     def check(self, grammar: str) -> None:
