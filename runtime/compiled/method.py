@@ -101,7 +101,11 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         """The spec the compiler derived from the .kvm (the generated `kv_spec` of hooks.py, which lists
         the state planes of a key-local decode hook), without those planes when the decode state lives
         in per-row dicts instead (`use_state_planes` off)."""
-        spec = self.code.kv_spec(num_kv_heads, head_dim, dtype, page_size, self.params)
+        try:
+            spec = self.code.kv_spec(num_kv_heads, head_dim, dtype, page_size, self.params)
+        except ValueError as e:  # e.g. page summaries over pages of another size than the engine's
+            raise ConfigError(f"method {self.name!r}: {e} (set the engine's page_size or the method's parameter "
+                              "to match)", param="page_size") from None
         planes = {t.name for t in spec.method_tensors}
         if self.paged_state or not planes:
             return spec

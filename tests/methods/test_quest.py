@@ -102,7 +102,9 @@ def test_budgets_round_to_pages_as_quest_does() -> None:
     code = lowering()
     scores = torch.arange(10.0).repeat(1, 1, 1)  # [1, 1, 10]: later pages score higher
     lengths = torch.tensor([37])  # 10 pages, the newest partial
-    for budget, want in ((4, [9]), (7, [9]), (8, [8, 9]), (11, [8, 9]), (15, [7, 8, 9]), (16, [6, 7, 8, 9]), (1000, list(range(10)))):
+    cases = ((4, [9]), (7, [9]), (8, [8, 9]), (11, [8, 9]), (15, [7, 8, 9]), (16, [6, 7, 8, 9]),
+             (1000, list(range(10))))
+    for budget, want in cases:
         params = {"page_size": PAGE, "budget": budget, "dense_layers": 0}
         pages = code.decode_before_attention_read(scores, lengths, sym(0, 1, 1, 16), params)
         assert sorted(p for p in pages[0, 0].tolist() if p >= 0) == want, budget
