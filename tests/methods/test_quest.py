@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -145,6 +146,28 @@ def test_attention_over_the_plan_is_dense_attention_masked_to_its_pages() -> Non
             want = logits.masked_fill(~read, float("-inf")).softmax(-1) @ values[b][h // group]
             torch.testing.assert_close(out[b, h], want, atol=1e-6, rtol=1e-5)
     assert (out - dense).abs().max() > 1e-2, "the plan reads every page: the test is blind"
+
+
+@pytest.mark.parametrize("change, reason", [
+    ("budget - page_size, per kv_head", None),
+    ("context - page_size, per kv_head", "may not depend on context"),
+    ("budget, per head", "per head is not lowered"),
+])
+def test_reads_the_compiler_refuses(tmp_path: Path, change: str, reason: str | None) -> None:
+    """A read plan's shape is fixed for the whole decode batch: counts reading per-row symbols are
+    refused with the reason (the unchanged method lowers)."""
+    from kvc.compiler.codegen import generate
+    from kvc.dsl import METHODS_DIR
+
+    text = (METHODS_DIR / "quest.kvm").read_text().replace("budget - page_size, per kv_head", change)
+    if "per head" in change:
+        text = text.replace("max(bound, over group)", "bound")
+    path = tmp_path / "quest.kvm"
+    path.write_text(text)
+    manifest = json.loads(generate(path)["manifest.json"])
+    assert manifest["lowered"] == (reason is None), manifest.get("reason")
+    if reason is not None:
+        assert reason in manifest["reason"]
 
 
 # ---- served ---------------------------------------------------------------------------------------
