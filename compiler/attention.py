@@ -81,10 +81,13 @@ VARIANTS = {
 
 
 def variant_for(hook_facts: dict) -> str:
-    """The variant a method runs, from its manifest hook facts (`compiler/hook_facts.py`): the one
-    emitting decode statistics when decode_after_attention reads `attn`, else `plain`."""
+    """The variant a method with dense K/V runs, from its manifest hook facts (`compiler/hook_facts.py`):
+    `spec` when a hook answers with read plans, the one emitting decode statistics when
+    decode_after_attention reads `attn`, else `plain` (the engine picks by its KV spec:
+    `variant_for_spec`)."""
     after = hook_facts.get("decode_after_attention") or {}
-    return "decode_stats" if after.get("attention") else "plain"
+    reads = any(facts.get("reads") for facts in hook_facts.values())
+    return variant_for_spec(True, bool(after.get("attention")), reads)
 
 
 def variant_for_spec(dense: bool, decode_stats: bool = False, read_plan: bool = False) -> str:

@@ -104,7 +104,7 @@ def generate_ir(method: MethodIR) -> dict[str, str]:
         hooks.append({"name": code.name, "fn": code.name, "line": next(h.line for h in method.hooks
                                                                           if h.name == code.name),
                       "inputs": sorted(code.inputs), "unpack": unpack, "unpack_select": unpack,
-                      "lines": code.lines, "keep": code.keep, "where": code.where})
+                      "lines": code.lines, "keep": code.keep, "read": code.read, "where": code.where})
     names = [h["name"] for h in hooks]
     if len(set(names)) != len(names):
         raise NotLowerable("a hook written twice (with different `where`s) is not lowered yet")
@@ -113,7 +113,7 @@ def generate_ir(method: MethodIR) -> dict[str, str]:
     context = {"method": method, "defaults": defaults, "states": _literal([s.name for s in method.states]),
                "hook_params": hook_params,
                "hooks": hooks, "has_end_keep": bool(end and end["keep"]),
-               "has_chunk": "prefill_chunk" in names}
+               "has_chunk": "prefill_chunk" in names, "has_read": any(h["read"] for h in hooks)}
     files = {"torch_lowering.py": _ENV.get_template(TORCH_TEMPLATE).render(
         header=_header(method.path, TORCH_TEMPLATE), **context)}
     templates = [TORCH_TEMPLATE, HOOKS_TEMPLATE]

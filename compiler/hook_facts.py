@@ -23,6 +23,9 @@ symbols and parameters (null when it has none). Those N newest stored tokens alw
 keep, in order, so the chain cache knows how far back a session's stored tail is still verbatim
 (runtime/chains.py: rolling back to a common prefix after a stop-string cut).
 
+`reads`: the hook answers with a read plan (a `read` in decode_before_attention: the lowering has
+`<hook>_scores`, `<hook>_read` and `<hook>`, over a whole decode batch; runtime/compiled/read.py).
+
 A keeping hook states `rowwise_select` too: its selection keeps each KV head's tokens from that
 head's score row and the symbols alone (granularity `none`, `kv_head` or `layer`, not
 `head_adaptive`), and none of its counts, ranges or `where` reads `kv_heads`. The engine may then
@@ -130,6 +133,7 @@ def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
     for hook, code in zip(method.hooks, codes):
         last = None if code.keep is None or code.keep["last"] == "None" else code.keep["last"]
         out[hook.name] = {"inputs": sorted(code.inputs), "keeps": code.keep is not None, "where": code.where,
+                          "reads": code.read is not None,
                           "attention": attention_reduction(hook), "last": last, "key_local": key_local(method, hook),
                           "rowwise_select": rowwise_select(code)}
     return out

@@ -23,7 +23,7 @@ from kvc.dsl.symbolic import NotSymbolic, to_sympy
 from kvc.dsl.types import Scalar as ScalarType
 from kvc.dsl.types import Selection, Tensor
 
-LOWERED_FAMILIES = ("eviction", "full")
+LOWERED_FAMILIES = ("eviction", "full", "sparse")
 
 
 class NotLowerable(Exception):
@@ -44,10 +44,11 @@ class Value:
 
 @dataclass(frozen=True)
 class Input(Value):
-    """A tensor the engine hands the hook (`q`, `k`, `v`, `attn`) or a method state."""
+    """A tensor the engine hands the hook (`q`, `k`, `v`, `attn`), a method state, or a page summary
+    (`summary kmax = max(k, within pages)`: [kv_head, pages, channel], kept current by the store)."""
 
     name: str
-    kind: str  # 'hook' | 'state'
+    kind: str  # 'hook' | 'state' | 'summary'
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,18 @@ class Keep:
     role: str | None = None
 
 
-Stmt = Union[Assign, Accumulate, Keep]
+@dataclass(frozen=True)
+class Read:
+    """`read top(score, count) + last n` over the pages of a `split(key, size = page)` partition
+    (sparse attention in decode_before_attention): counts stay in tokens, `page` is the partition's
+    size in tokens (sympy); the lowering turns them into pages (docs/design.md, "Plans")."""
+
+    select: Select
+    item: str  # the partition axis the selection is over (e.g. `pages`)
+    page: object  # sympy: tokens per item
+
+
+Stmt = Union[Assign, Accumulate, Keep, Read]
 
 
 @dataclass(frozen=True)
@@ -163,6 +175,10 @@ class HookIR:
     @property
     def keeps(self) -> list[Keep]:
         return [s for s in self.stmts if isinstance(s, Keep)]
+
+    @property
+    def reads(self) -> list[Read]:
+        return [s for s in self.stmts if isinstance(s, Read)]
 
 
 @dataclass(frozen=True)
@@ -231,8 +247,8 @@ class _Builder:
             if e.id in ("q", "k", "v", "attn"):
                 return Input(self.dims(e), e.id, "hook")
             binding = self.checked.bindings.get(e.id)
-            if binding is not None and binding.kind == "state":
-                return Input(self.dims(e), e.id, "state")
+            if binding is not None and binding.kind in ("state", "summary"):
+                return Input(self.dims(e), e.id, binding.kind)
             if isinstance(e.ty, Tensor):
                 raise NotLowerable(f"cannot lower the tensor '{e.id}' ({binding.kind if binding else '?'})", e.pos)
             return Scalar((), self.sym(e))
@@ -270,7 +286,7 @@ class _Builder:
             return Elementwise(self.dims(e), name, (self.value(e.args[0]),))
         raise NotLowerable(f"cannot lower `{name}(...)` yet", e.pos)
 
-    def selection(self, e: ast.Expr) -> Select:
+    def selection(self, e: ast.Expr, items: tuple[str, ...] = ("key",)) -> Select:
         parts: list[ast.Expr] = []
 
         def flatten(x: ast.Expr) -> None:
@@ -290,14 +306,14 @@ class _Builder:
                 else:
                     last = count if last is None else last + count  # `last a + last b` would be max; rare
             elif isinstance(p, ast.Call) and p.func.name == "top" and top is None:
-                top = self.top(p)
+                top = self.top(p, items)
             else:
                 raise NotLowerable("only `top(...)`, `first n` and `last n` selections are lowered yet", p.pos)
         return Select(top, first, last)
 
-    def top(self, e: ast.Call) -> TopK:
+    def top(self, e: ast.Call, items: tuple[str, ...] = ("key",)) -> TopK:
         ty: Selection = e.ty
-        if ty.item != "key":
+        if ty.item not in items:
             raise NotLowerable("selections over partitions (pages, spans, clusters) are not lowered yet", e.pos)
         if ty.across == ("kv_head",):
             granularity = "head_adaptive"
@@ -312,6 +328,32 @@ class _Builder:
         at_least = e.kwarg("at_least")
         return TopK(self.value(e.args[0]), self.sym(e.args[1]), granularity,
                     None if at_least is None else self.sym(at_least))
+
+    def read(self, s: ast.Read) -> Read:
+        """A read over the pages the method summarises: the engine's pages (the KV spec checks that
+        they hold `size` tokens), so a plan can name them by their index in the page table."""
+        ty = s.selection.ty
+        item = getattr(ty, "item", "key")
+        if item == "key":
+            raise NotLowerable("`read` of single tokens is not lowered yet (only pages of a `split` partition)",
+                               s.pos)
+        if item not in self._summarised():
+            raise NotLowerable(f"`read` over {item}, which no `summary ... within {item}` of a `split(key, size = n)` "
+                               "partition describes, is not lowered yet", s.pos)
+        size = self.checked.axes[item].decl.value.kwarg("size")
+        return Read(self.selection(s.selection, (item,)), item, self.sym(size))
+
+    def _summarised(self) -> set[str]:
+        """The `split` partitions the method's summaries are over (the engine's pages)."""
+        out = set()
+        for decl in self.checked.method.items:
+            within = decl.value.clause("within") if isinstance(decl, ast.Summary) and isinstance(
+                decl.value, ast.Call) else None
+            axis = self.checked.axes.get(within.dims[0].name) if within is not None and within.dims else None
+            split = getattr(getattr(axis, "decl", None), "value", None)
+            if isinstance(split, ast.Call) and split.func.name == "split" and split.kwarg("size") is not None:
+                out.add(axis.name)
+        return out
 
     def hook(self, h: ast.Hook) -> HookIR:
         self.env = {}
@@ -331,6 +373,8 @@ class _Builder:
                 stmts.append(Accumulate(s.target.name.name, self.value(s.value), tuple(state.dims)))
             elif isinstance(s, ast.Keep):
                 stmts.append(Keep(self.selection(s.selection), s.role.name if s.role else None))
+            elif isinstance(s, ast.Read):
+                stmts.append(self.read(s))
             else:
                 raise NotLowerable(f"`{type(s).__name__.lower()}` statements are not lowered yet", s.pos)
         where = None if h.where is None else self.sym(h.where)
@@ -364,7 +408,7 @@ def build(checked, source: bytes | None = None) -> MethodIR:
             init = to_sympy(decl.init, checked.lets) if decl.init is not None else 0
             method.states.append(StateIR(decl.name.name, tuple(d.name for d in decl.shape.dims), init))
     if method.family not in LOWERED_FAMILIES:
-        raise NotLowerable(f"the {method.family} family is not lowered yet (only eviction lowers to kernels so far)")
+        raise NotLowerable(f"the {method.family} family is not lowered yet (eviction and sparse reads lower so far)")
     builder = _Builder(checked)
     method.hooks = [builder.hook(h) for h in checked.hooks]
     return method

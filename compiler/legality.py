@@ -9,7 +9,8 @@ engine contract cannot run yet. It returns problems; `check` raises the first as
 
 from __future__ import annotations
 
-from kvc.compiler.ir import Accumulate, Assign, Attention, Input, Keep, MethodIR, NotLowerable, Window
+from kvc.compiler.ir import Accumulate, Assign, Attention, Input, Keep, MethodIR, NotLowerable, Read, Window
+from kvc.compiler.lower_torch import names_in
 
 # hook -> (may keep, hook inputs it has)
 HOOK_RULES: dict[str, tuple[bool, frozenset[str]]] = {
@@ -18,8 +19,14 @@ HOOK_RULES: dict[str, tuple[bool, frozenset[str]]] = {
     "decode_after_attention": (True, frozenset({"q", "k", "v", "attn"})),
     "step_end": (True, frozenset({"q", "k", "v"})),
     "turn_end": (True, frozenset({"k", "v"})),
+    # reads the step's queries and the page summaries (not yet the stored keys, nor the step's k/v)
+    "decode_before_attention": (False, frozenset({"q"})),
 }
 GRANULARITIES = ("kv_head", "layer", "head_adaptive")  # 'global' (across layer) is not lowered yet
+READ_GRANULARITIES = ("kv_head", "layer")
+# a read plan's shape is static (decode stays in CUDA graphs) and one `where` covers the whole batch:
+# its counts and condition may not read what differs between the rows of a decode batch
+ROW_SYMBOLS = {"context", "prompt", "step"}
 
 
 def _inputs(value) -> list[Input]:
@@ -63,6 +70,7 @@ def problems(method: MethodIR) -> list[str]:
             out.append(f"hook `{hook.name}` is not lowered yet")
             continue
         may_keep, inputs = rule
+        out.extend(_read_problems(hook))
         for stmt in hook.stmts:
             value = stmt.value if isinstance(stmt, (Assign, Accumulate)) else None
             if isinstance(stmt, Keep):
@@ -75,12 +83,39 @@ def problems(method: MethodIR) -> list[str]:
                     value = top.score
                     if top.granularity not in GRANULARITIES:
                         out.append(f"{top.granularity} selections are not lowered yet")
+            if isinstance(stmt, Read) and stmt.select.top is not None:
+                value = stmt.select.top.score
             if value is None:
                 continue
             for inp in _inputs(value):
                 if inp.kind == "hook" and inp.name not in inputs:
                     out.append(f"`{inp.name}` is not available in {hook.name}")
             out.extend(_windows_static(value))
+    return out
+
+
+def _read_problems(hook) -> list[str]:
+    """What a hook's `read` needs: decode_before_attention, one read, page counts and a `where` that
+    the whole batch shares, a ranked top per KV head or per layer, no `first n`."""
+    reads = hook.reads
+    if not reads:
+        return []
+    out = []
+    if hook.name != "decode_before_attention":
+        out.append(f"`read` is not allowed in {hook.name} (only in decode_before_attention)")
+    if len(reads) > 1:
+        out.append(f"{hook.name}: more than one `read` in a hook is not lowered yet")
+    select = reads[0].select
+    if select.first is not None:
+        out.append("`read ... + first n` is not lowered yet")
+    if select.top is not None and select.top.granularity not in READ_GRANULARITIES:
+        out.append(f"{select.top.granularity} reads are not lowered yet (per kv_head or one set per layer)")
+    counts = [select.last, None if select.top is None else select.top.count, hook.where]
+    for expr in counts:
+        rows = names_in(expr) & ROW_SYMBOLS if expr is not None else set()
+        if rows:
+            out.append(f"a read's counts and `where` may not depend on {', '.join(sorted(rows))} yet (a read plan's "
+                       "shape is fixed for the whole decode batch)")
     return out
 
 

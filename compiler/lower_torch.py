@@ -10,20 +10,27 @@ and windows find their axis by name, and an operand of an elementwise operation 
 size-1 axes added, `kv_head` repeated into `head`). A score over a range of the key axis is placed
 back at its keys' positions before ranking. Scalar counts are sympy, printed with `sympy.pycode`
 over local names (parameters and symbols).
+
+A hook with a `read` (decode_before_attention) is lowered over the whole decode batch at once: every
+value gets a leading `row` axis (`batched`), which the by-name helpers carry through unchanged, and
+the read becomes `<hook>_scores` (float32 `[row, kv_head, item]`) and `<hook>_read` (the plan's
+page indices, `_read_pages`), static in shape so the engine may capture it in a CUDA graph.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
 import sympy as sp
 
 from kvc.compiler.ir import (Accumulate, Assign, Attention, Elementwise, HookIR, Input, Keep, MethodIR, Norm,
-                             NotLowerable, Pool, Reduce, Scalar, Value, Window)
+                             NotLowerable, Pool, Read, Reduce, Scalar, Value, Window)
 
 _NUMBER = re.compile(r"[0-9.]+(e-?[0-9]+)?")
 SYMBOLS = ("context", "prompt", "step", "layer", "layers", "heads", "kv_heads", "head_dim")
+ROW = "row"  # the decode batch's axis of a read hook (`batched`)
 _UNARY = {"neg": "-({})", "abs": "torch.abs({})", "exp": "torch.exp({})", "log": "torch.log({})",
           "sqrt": "torch.sqrt({})"}
 _BINARY = {"add": "({} + {})", "sub": "({} - {})", "mul": "({} * {})", "div": "({} / {})",
@@ -48,6 +55,7 @@ class HookCode:
     names: set[str] = field(default_factory=set)
     inputs: set[str] = field(default_factory=set)
     keep: dict | None = None  # score variable, counts, granularity
+    read: dict | None = None  # score variable, counts in tokens, tokens per page, granularity
     where: str | None = None
 
 
@@ -102,7 +110,7 @@ class _Emitter:
         if isinstance(v, Input):
             if v.kind == "state":
                 return f'state["{v.name}"]'
-            self.code.inputs.add(v.name)
+            self.code.inputs.add(v.name)  # a hook input or a page summary, by name
             return v.name
         if isinstance(v, Scalar):
             return self.scalar(v.expr)
@@ -190,8 +198,65 @@ def _key_ranges(v: Value) -> list[Window]:
     return _key_ranges(children[0]) if children else []
 
 
+def batched(value: Value, done: dict[int, Value] | None = None) -> Value:
+    """`value` over the rows of a decode batch: a leading `row` axis on every tensor value. `done`
+    memoises by identity, so a value that two statements share (a name) stays one value."""
+    done = {} if done is None else done
+    if isinstance(value, Scalar):
+        return value
+    if id(value) not in done:
+        changes = {}
+        for f in dataclasses.fields(value):
+            item = getattr(value, f.name)
+            if isinstance(item, Value):
+                changes[f.name] = batched(item, done)
+            elif isinstance(item, tuple) and item and all(isinstance(x, Value) for x in item):
+                changes[f.name] = tuple(batched(x, done) for x in item)
+        done[id(value)] = dataclasses.replace(value, dims=(ROW, *value.dims), **changes)
+    return done[id(value)]
+
+
+def _batched_hook(hook: HookIR) -> HookIR:
+    """A read hook over the whole decode batch."""
+    done: dict[int, Value] = {}
+
+    def rows(v: Value) -> Value:
+        return batched(v, done)
+
+    stmts = []
+    for stmt in hook.stmts:
+        if isinstance(stmt, Assign):
+            stmts.append(Assign(stmt.name, rows(stmt.value)))
+        elif isinstance(stmt, Read) and stmt.select.top is not None:
+            top = dataclasses.replace(stmt.select.top, score=rows(stmt.select.top.score))
+            stmts.append(dataclasses.replace(stmt, select=dataclasses.replace(stmt.select, top=top)))
+        else:
+            stmts.append(stmt)
+    return dataclasses.replace(hook, stmts=tuple(stmts))
+
+
+def _emit_read(em: _Emitter, code: HookCode, stmt: Read) -> None:
+    """`read top(score, count, per kv_head) + last n` over pages: the score laid out as [row, kv_head,
+    item] float32, and the counts (tokens) the plan's `_read_pages` turns into pages."""
+    sel, top = stmt.select, stmt.select.top
+    read = {"count": "0", "last": "0" if sel.last is None else em.scalar(sel.last), "page": em.scalar(stmt.page),
+            "score": "None", "granularity": "none"}
+    if top is not None:
+        per_head = "kv_head" in top.score.dims
+        to = (ROW, "kv_head", stmt.item) if per_head else (ROW, stmt.item)
+        score = em.laid_out(em.value(top.score), top.score.dims, to)
+        if not per_head:
+            score = em.emit(f"{score}.unsqueeze(1).expand(-1, kv_heads, -1)")
+            code.names.add("kv_heads")
+        code.lines.append(f"scores = {score}.float()")
+        read.update(score="scores", count=em.scalar(top.count), granularity=top.granularity)
+    code.read = read
+
+
 def emit_hook(hook: HookIR) -> HookCode:
     code = HookCode(hook.name)
+    if hook.reads:
+        hook = _batched_hook(hook)
     em = _Emitter(code)
     if hook.where is not None:
         code.where = em.scalar(hook.where)
@@ -212,6 +277,8 @@ def emit_hook(hook: HookIR) -> HookCode:
             value = em.laid_out(em.value(stmt.value), stmt.value.dims, stmt.dims)
             grow = "" if stmt.dims[-1:] == ("key",) or "key" not in stmt.dims else f", {stmt.dims.index('key')}"
             code.lines.append(f"{target} = _grow({target}, {value}{grow}) + {value}")
+        if isinstance(stmt, Read):
+            _emit_read(em, code, stmt)
         if isinstance(stmt, Keep):
             code.names |= {"kv_heads", "context"}  # `_select` always needs them
             sel, top = stmt.select, stmt.select.top
@@ -228,6 +295,9 @@ def emit_hook(hook: HookIR) -> HookCode:
                 keep.update(score="scores", count=em.scalar(top.count), granularity=top.granularity,
                             at_least="None" if top.at_least is None else em.scalar(top.at_least))
             code.keep = keep
+    if code.read is not None and code.names & {"context", "prompt", "step"}:
+        raise NotLowerable(f"{hook.name}: a read may not depend on context, prompt or step yet (its plan is computed "
+                           "once for the whole decode batch)")
     return code
 
 

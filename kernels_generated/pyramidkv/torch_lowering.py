@@ -28,6 +28,7 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
     pool as _pool,
     range_start as _range_start,
     ranked as _ranked,
+    read_pages as _read_pages,
     reduce as _reduce,
     select as _select,
     symbols,

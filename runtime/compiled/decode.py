@@ -55,9 +55,11 @@ class DecodeFacts:
 def read_decode_facts(code: GeneratedCode, use_state_planes: bool) -> DecodeFacts:
     """The decode facts of `code`'s manifest; what the engine does not serve is a ConfigError."""
     name, facts = code.name, code.facts
-    if "decode_before_attention" in facts:
-        raise ConfigError(f"method {name!r} reads or estimates before decode attention; the engine does "
-                          "not serve decode_before_attention of compiled methods yet", param="method")
+    before = facts.get("decode_before_attention")
+    if before is not None and not before.get("reads"):
+        raise ConfigError(f"method {name!r} estimates before decode attention; the engine serves "
+                          "decode_before_attention of compiled methods that read (runtime/compiled/read.py)",
+                          param="method")
     keeping = [h for h in DECODE_KEEP_HOOKS if facts.get(h, {}).get("keeps")]
     if len(keeping) > 1:
         raise ConfigError(f"method {name!r} keeps in both decode_after_attention and step_end; "
@@ -75,7 +77,7 @@ def read_decode_facts(code: GeneratedCode, use_state_planes: bool) -> DecodeFact
         raise ConfigError(f"method {name!r} reads attention while decoding but its manifest names attention "
                           f"variant {code.attention.variant!r}, which emits no statistics; run `kvc compile --all`",
                           param="method")
-    hooks: set[Hook] = set()
+    hooks: set[Hook] = {Hook.DECODE_BEFORE_ATTENTION} if before is not None else set()
     paged = bool(after is not None and after.get("key_local") and use_state_planes)
     scores_plane = "decode_after_attention.scores" if paged and after["keeps"] else None
     planes = (tuple(code.states) + ((scores_plane,) if scores_plane else ())) if paged else ()

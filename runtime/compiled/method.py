@@ -23,11 +23,12 @@ from kvc.runtime.compiled.budget import CompiledBudget
 from kvc.runtime.compiled.decode import DecodeHooks, read_decode_facts
 from kvc.runtime.compiled.folder import ALL_QUERIES, GeneratedCode
 from kvc.runtime.compiled.prefill import PrefillHooks
+from kvc.runtime.compiled.read import READ_HOOK, ReadHook
 from kvc.runtime.compiled.state import SequenceStates
 from kvc.runtime.compiled.step_end import StepEnd, group_mode
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv.spec import KVSpec
-from kvc.runtime.method_api import DecodeView, Hook, MethodBase
+from kvc.runtime.method_api import DecodeView, Hook, MethodBase, ReadPlan
 
 
 class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
@@ -45,10 +46,12 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         self.code = code = GeneratedCode(name, self.folder, manifest)
         self.lowering, self.hooks_module, self.states = code.lowering, code.hooks, code.states
         self._source_sha256 = manifest.get("source_sha256", "")
-        if code.end_scores is None and any(code.facts.values()):
+        reads_only = set(code.facts) == {READ_HOOK}  # sparse attention alone: every token stays stored
+        if code.end_scores is None and any(code.facts.values()) and not reads_only:
             raise ConfigError(f"method {name!r} has decode-time or chunk hooks but no prefill_end selection; the "
                               "engine serves compiled methods whose compression starts at prefill end",
                               param="method")
+        self.reader = ReadHook.of(code)
         self.window = code.query_window(params)
         self.budget = CompiledBudget(code.held_tokens, params, 1, 1)
         self.attention = code.attention
@@ -59,7 +62,8 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         self._select_fn, self._group_mode = facts.select, group_mode(facts, bool(code.states))
         self._count_memo: dict[tuple, int] = {}
         self.hooks = self._hooks()
-        self.compacts = bool(self.hooks)  # a method with no hooks (`full`) keeps every token: prefix caching stays on
+        # a method that never keeps (`full`, or one that only reads) stores every token: prefix caching stays on
+        self.compacts = any(facts.get("keeps") for facts in code.facts.values())
         if Hook.STEP_END in self.hooks:
             self.budget.decode_bound = self.decode_bound
         # a chain prune's scorer: the prompt's keep scores (`token_scores`), reading the newest
@@ -97,7 +101,11 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         """The spec the compiler derived from the .kvm (the generated `kv_spec` of hooks.py, which lists
         the state planes of a key-local decode hook), without those planes when the decode state lives
         in per-row dicts instead (`use_state_planes` off)."""
-        spec = self.code.kv_spec(num_kv_heads, head_dim, dtype, page_size, self.params)
+        try:
+            spec = self.code.kv_spec(num_kv_heads, head_dim, dtype, page_size, self.params)
+        except ValueError as e:  # e.g. page summaries over pages of another size than the engine's
+            raise ConfigError(f"method {self.name!r}: {e} (set the engine's page_size or the method's parameter "
+                              "to match)", param="page_size") from None
         planes = {t.name for t in spec.method_tensors}
         if self.paged_state or not planes:
             return spec
@@ -112,6 +120,10 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         """How many of the newest of `length` stored tokens `hook`'s keep always keeps (`+ last N`):
         keep plans carry it, so the chain cache knows which stored tokens are still verbatim."""
         return self.code.kept_tail(hook, sym, self.params, length)
+
+    def decode_before_attention(self, layer: int, view: DecodeView) -> ReadPlan | None:
+        """The pages each decode row's KV heads read (read.py), or None: every page."""
+        return None if self.reader is None else self.reader.plan(layer, self.budget.num_layers, view, self.params)
 
     def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None:
         self.decoder.after_attention(layer, view)

@@ -162,3 +162,25 @@ def select(scores, length, kv_heads, *, first, last, count, at_least, granularit
     position = torch.arange(length, device=device).expand(kv_heads, length)
     order = torch.where(kept, position, position + length).sort(dim=-1).values
     return list(order[:, : length - candidates + n].unbind(0))
+
+
+def read_pages(scores, lengths, page, *, count, last):
+    """A read plan's pages [row, kv_head, n] int32 (indices into each row's page table, -1: none) from
+    page scores [row, kv_head, pages] and the rows' stored tokens `lengths` [row] (the step's own
+    included): the `ceil(last / page)` newest stored pages always, and the `floor(count / page)` best
+    ranked of the row's other stored pages (docs/design.md, "Plans": how a `read` lowers). Counts and
+    the score's width fix n, so the plan's shape is static (CUDA-graph capturable, no host read);
+    a row with fewer stored pages lists -1 for the rest. Ties rank as `torch.topk` leaves them."""
+    width = scores.shape[-1]
+    n_last = max(0, min(ceil(last / page), width))
+    n_top = max(0, min(floor(count / page), width - n_last))
+    stored = (lengths.long() + (page - 1)) // page  # [row]
+    column = torch.arange(width, device=scores.device)
+    newest = column[None, :] >= (stored[:, None] - n_last)  # [row, pages]
+    candidate = (column[None, :] < stored[:, None]) & ~newest
+    ranked = scores.float().masked_fill(~candidate[:, None, :], NEG_INF)
+    top = ranked.topk(n_top, dim=-1).indices  # [row, kv_head, n_top]
+    top = torch.where(candidate[:, None, :].expand_as(ranked).gather(-1, top), top, -1)
+    tail = stored[:, None] - n_last + torch.arange(n_last, device=scores.device)  # [row, n_last]
+    tail = torch.where(tail >= 0, tail, -1)[:, None, :].expand(-1, scores.shape[1], -1)
+    return torch.cat([top, tail], dim=-1).to(torch.int32)

@@ -7,7 +7,7 @@ papers' rules, written here from scratch (no kvc code):
 - page top-k: prefill attends densely; a decode query of KV head h attends only to the tokens of
   the `pages` pages (runs of `page_size` slots) with the largest bound
   sum_d max(q_d * max_page k_d, q_d * min_page k_d), maximised over h's query heads, the newest
-  page always among them;
+  page always among them (`dense_layers`, default 0: the first layers read every page);
 - int8 keys: every key is seen as int8-quantized (per token, symmetric: scale = max |k| / 127,
   code = round half up, clamped to +-127) except the newest `r` of a layer, seen exactly; r grows by
   the tokens stored (at most `window`) and drops to 0 when a prefill ends or a decode step ends with
@@ -84,7 +84,7 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
         keys = torch.cat([_int8(keys[:, : n - exact]), keys[:, n - exact:]], dim=1)
     visible = torch.ones(kv_heads, new, n, dtype=torch.bool)
     visible &= torch.arange(n)[None, None, :] <= torch.arange(n - new, n)[None, :, None]  # causal
-    if s.method == "pagetopk" and s.decoding:
+    if s.method == "pagetopk" and s.decoding and layer >= s.params.get("dense_layers", 0):
         size, count = s.params["page_size"], s.params["pages"]
         pages = -(-n // size)
         kmax = torch.stack([keys[:, i * size:(i + 1) * size].amax(1) for i in range(pages)], dim=1)  # [Hkv, P, D]

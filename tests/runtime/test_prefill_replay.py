@@ -22,6 +22,7 @@ METHODS = {
     "tova": {"budget": 24},
     "h2o": {"budget": 24},
     "streamingllm": {"budget": 24},
+    "quest": {"budget": 16, "page_size": 8, "dense_layers": 1},
 }
 OPTIONS = dict(device="cpu", dtype="float32", page_size=8, max_num_batched_tokens=48, prefill_first=True,
                enable_prefix_caching=False, kv_cache_memory=2**23, max_model_len=512)

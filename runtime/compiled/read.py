@@ -1,0 +1,53 @@
+"""A compiled method's `decode_before_attention` that reads: the generated hook over a whole decode
+batch, answered as a `ReadPlan` (docs/design.md, "Plans": how a `read` lowers).
+
+The manifest's hook fact `reads` says the hook has one; its lowering (`<hook>` in torch_lowering.py)
+takes the step's queries, each page summary it names gathered by the rows' page tables (`[B, Hkv,
+pages, D]`, page-table order, so a page's index in the plan is its column), and the rows' stored
+lengths, and gives page indices `[B, Hkv, n]` (-1: none) or None (the layer reads every page).
+Tensors of static shape only and no host reads: the same call runs in eager steps and in captured
+decode graphs. Nothing here knows a method by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from kvc.runtime.compiled.folder import GeneratedCode
+from kvc.runtime.errors import ConfigError
+from kvc.runtime.method_api import DecodeView, ReadPlan
+
+READ_HOOK = "decode_before_attention"
+ENGINE_INPUTS = {"q"}  # what the engine hands a read hook beside the summaries
+
+
+class ReadHook:
+    """The generated read of `code` (None-safe: `of` gives None for a method that does not read)."""
+
+    def __init__(self, name: str, fn: Callable, inputs: list[str], summaries: set[str]) -> None:
+        self.name, self.fn = name, fn
+        self.summaries = [n for n in inputs if n in summaries]
+        unknown = set(inputs) - ENGINE_INPUTS - set(self.summaries)
+        if unknown:
+            raise ConfigError(f"method {name!r}: decode_before_attention reading {', '.join(sorted(unknown))} is not "
+                              "served yet (it gets q and the page summaries)", param="method")
+
+    @classmethod
+    def of(cls, code: GeneratedCode) -> ReadHook | None:
+        facts = code.facts.get(READ_HOOK)
+        if facts is None or not facts.get("reads"):
+            return None
+        summaries = {s["tensor"] for s in code.manifest.get("kv_spec", {}).get("summaries", [])}
+        return cls(code.name, code.required(READ_HOOK), facts["inputs"], summaries)
+
+    def plan(self, layer: int, num_layers: int, view: DecodeView, params: dict[str, Any]) -> ReadPlan | None:
+        tables = view.block_tables.long()  # [B, W]
+        inputs: dict[str, torch.Tensor] = {"q": view.q, "lengths": view.context_lens}
+        for name in self.summaries:  # [pages + 1, Hkv, D] -> the rows' pages [B, Hkv, W, D]
+            inputs[name] = view.store[name][tables].transpose(1, 2)
+        sym = {"context": None, "prompt": None, "step": None, "layer": layer, "layers": num_layers,
+               "heads": view.q.shape[1], "kv_heads": view.k.shape[1], "head_dim": view.q.shape[2]}
+        pages = self.fn(inputs, {}, sym, params)
+        return None if pages is None else ReadPlan(pages=pages)
