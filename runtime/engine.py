@@ -38,11 +38,11 @@ from kvc.runtime.errors import (
     OutOfKVMemory,
     PromptTooLongError,
 )
+from kvc.runtime.grammar_book import GrammarBook
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.rows import RowPool
 from kvc.runtime.method_api import Hook, KVMethod
 from kvc.runtime.methods import resolve_method
-from kvc.runtime.grammar_book import GrammarBook
 from kvc.runtime.model_runner import ModelRunner
 from kvc.runtime.models.loader import LoadedModel, resolve_model
 from kvc.runtime.prefill_record import PrefillRecord
@@ -207,10 +207,9 @@ class Engine:
             if not replay.complete or list(replay.tokens) != list(prompt_token_ids):
                 raise InvalidPromptError("replay: the prefill record is incomplete or of another prompt",
                                          param="replay")
-        grammar = None
+        matcher = None  # compiled before the request is queued: a bad grammar is refused whole
         if params.structured_outputs is not None:
-            grammar = params.structured_outputs.to_grammar()
-            self.grammars.check(grammar)
+            matcher = self.grammars.matcher(params.structured_outputs.to_grammar())
         seq = Sequence(
             prompt_token_ids,
             params=params,
@@ -240,8 +239,8 @@ class Engine:
                 self._check_fits(seq, params)
                 self.scheduler.add(seq)
         self.runner.add_request(seq.seq_id, params.seed)
-        if grammar is not None:
-            self.grammars.add(seq.seq_id, grammar)
+        if matcher is not None:
+            self.grammars.add(seq.seq_id, matcher)
         self.sequences[seq.seq_id] = seq
         return seq
 

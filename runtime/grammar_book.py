@@ -12,7 +12,7 @@ this step's token. docs/design.md, "Structured outputs".
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -42,26 +42,20 @@ class GrammarBook:
                                                     eos_token=self.eos_token_ids[0] if self.eos_token_ids else None)
         return self._ll
 
-    def check(self, grammar: str) -> None:
-        """Raises InvalidSamplingParams if `grammar` cannot be matched with this tokenizer."""
+    def matcher(self, grammar: str):
+        """A fresh matcher of `grammar`; InvalidSamplingParams if this tokenizer cannot match it."""
         import llguidance
 
         if self._hf is None or not getattr(self._hf, "is_fast", False):
             raise InvalidSamplingParams("structured_outputs: this model has no (fast) tokenizer to constrain",
                                         param="structured_outputs")
-        error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer())
-        if error:
-            raise InvalidSamplingParams(f"structured_outputs: the grammar was rejected: {messages[0]}",
-                                        param="structured_outputs")
-
-    def add(self, seq_id: int, grammar: str, generated: Iterable[int] = ()) -> None:
-        """A matcher for `seq_id`, advanced over the tokens it already generated."""
-        import llguidance
-
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
-        generated = list(generated)
-        if matcher.is_error() or (generated and not matcher.consume_tokens(generated)):
-            raise InvalidSamplingParams(f"structured_outputs: {matcher.get_error()}", param="structured_outputs")
+        if matcher.is_error():
+            raise InvalidSamplingParams(f"structured_outputs: the grammar was rejected: {matcher.get_error()}",
+                                        param="structured_outputs")
+        return matcher
+
+    def add(self, seq_id: int, matcher) -> None:
         self.matchers[seq_id] = matcher
 
     def copy(self, src: int, dst: int) -> None:

@@ -51,16 +51,22 @@ class StructuredOutputs:
             self.__dict__["_grammar"] = self._compile()
         return self.__dict__["_grammar"]
 
+    def schema(self) -> Any:
+        """The JSON schema of a `json` or `json_object` output (a text schema parsed)."""
+        if self.json_object:
+            return {"type": "object"}
+        if not isinstance(self.json, str):
+            return self.json
+        try:
+            return json.loads(self.json)
+        except ValueError as e:
+            raise _bad(f"the JSON schema is not valid JSON: {e}") from None
+
     def _compile(self) -> str:
         import llguidance
 
         if self.json is not None or self.json_object:
-            schema = {"type": "object"} if self.json_object else self.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as e:
-                    raise _bad(f"the JSON schema is not valid JSON: {e}") from None
+            schema = self.schema()
             if not isinstance(schema, dict):
                 raise _bad("the JSON schema must be an object")
             try:
@@ -94,10 +100,4 @@ def answer_lark(outputs: StructuredOutputs) -> str:
     if outputs.json is None and not outputs.json_object:
         raise InvalidSamplingParams("response_format: with tools, only json_object and json_schema combine",
                                     param="response_format")
-    schema = outputs.json if not outputs.json_object else {"type": "object"}
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as e:
-            raise _bad(f"the JSON schema is not valid JSON: {e}") from None
-    return json_schema_lark(schema)
+    return json_schema_lark(outputs.schema())

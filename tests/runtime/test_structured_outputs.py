@@ -117,7 +117,7 @@ def test_random_weights_follow_the_grammar_alone():
 def test_a_model_without_tokenizer_refuses_structured_outputs():
     book = GrammarBook(None, 301, (0,))
     with pytest.raises(InvalidSamplingParams, match="no \\(fast\\) tokenizer"):
-        book.check(StructuredOutputs(regex="a").to_grammar())
+        book.matcher(StructuredOutputs(regex="a").to_grammar())
 
 
 def test_constrained_steps_are_not_scheduled_ahead():
