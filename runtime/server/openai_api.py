@@ -48,8 +48,8 @@ from kvc.runtime.server.protocol import (
 )
 from kvc.runtime.server.text import TokenStrings
 from kvc.runtime.server.tools import ToolRequest, ToolStreamParser, parse_tool_calls, tool_grammar, tool_request
-from kvc.runtime.structured_outputs import StructuredOutputs
 from kvc.runtime.server.tools import render_messages as render_tool_messages
+from kvc.runtime.structured_outputs import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
