@@ -28,7 +28,7 @@ TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 TORCH_TEMPLATE = "torch_lowering.py.jinja"
 TRITON_TEMPLATE = "triton_kernels.py.jinja"
 HOOKS_TEMPLATE = "hooks.py.jinja"
-FAMILY_TEMPLATES = {"attention_columns": "attention_columns.py.jinja"}
+FAMILY_TEMPLATES = {"attention_columns": "attention_columns.py.jinja", "page_scores": "page_scores.py.jinja"}
 
 _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)), trim_blocks=True, lstrip_blocks=True,
                           keep_trailing_newline=True, undefined=jinja2.StrictUndefined, autoescape=False)

@@ -21,6 +21,12 @@ A match is exact, axes included: the hook's own `q` (its last `w` queries) and `
 the result over [kv_head, key] (or [key]). The wrapper's own steps (pooling, the group or head
 mean, the -inf padding of the window's keys) act on those axes by position, which the match pins;
 anything else declines, and the torch lowering (axis-aligned by name) computes it.
+
+Family `page_scores` — a sparse read's page scores straight from the paged summaries (Quest's
+bound): `reduce(reduce(f(q, summaries...), over channel), over group)` over [kv_head, item], with
+`f` any elementwise expression of the step's query and the page summaries (and numbers). The
+kernel reads each row's summaries through its page table (no gather copy, no [head, page, channel]
+intermediate) and writes [row, kv_head, item] float32; `f` is rendered into the kernel as Triton.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from dataclasses import dataclass, field
 import sympy as sp
 
 from kvc.compiler.lower_torch import pyexpr
-from kvc.compiler.ir import Accumulate, Attention, Input, Keep, MethodIR, Pool, Reduce, Value, Window
+from kvc.compiler.ir import (Accumulate, Attention, Elementwise, Input, Keep, MethodIR, Pool, Read, Reduce, Scalar,
+                             Value, Window)
 
 KEYS = ("kv_head", "key", "channel")
 
@@ -117,6 +124,47 @@ def _column_sum(value: Value) -> bool:
                                                                                 ("sum", ("query",))]
 
 
+# elementwise ops of the IR -> Triton (f-strings over the operands' Triton expressions)
+_TRITON_OPS = {"add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+               "max": "tl.maximum({0}, {1})", "min": "tl.minimum({0}, {1})", "neg": "(-{0})", "abs": "tl.abs({0})",
+               "exp": "tl.exp({0})", "log": "tl.log({0})", "sqrt": "tl.sqrt({0})"}
+CHANNEL_FNS = ("sum", "mean", "max", "min")
+GROUP_FNS = ("sum", "mean", "max", "min")
+
+
+def _page_expr(v: Value, item: str, summaries: list[str]) -> str | None:
+    """`v` (over [head, item, channel] or a part of it) as a Triton expression of `qv` ([1, BLOCK_D],
+    the head's query) and `s_<summary>` ([BLOCK_P, BLOCK_D]); None where it is anything else."""
+    if isinstance(v, Input) and v.kind == "hook" and v.name == "q" and v.dims == ("head", "channel"):
+        return "qv"
+    if isinstance(v, Input) and v.kind == "summary" and v.dims == ("kv_head", item, "channel"):
+        if v.name not in summaries:
+            summaries.append(v.name)
+        return f"s_{v.name}"
+    if isinstance(v, Scalar) and sp.sympify(v.expr).is_number:
+        return repr(float(sp.sympify(v.expr)))
+    if isinstance(v, Elementwise) and v.fn in _TRITON_OPS:
+        args = [_page_expr(a, item, summaries) for a in v.args]
+        return None if any(a is None for a in args) else _TRITON_OPS[v.fn].format(*args)
+    return None
+
+
+def _page_score(read: Read) -> dict | None:
+    """Match a read's `reduce(reduce(f(q, summaries), over channel), over group)` over [kv_head, item]."""
+    v, item = read.select.top.score, read.item
+    if not (isinstance(v, Reduce) and v.axes == ("group",) and v.fn in GROUP_FNS and v.dims == ("kv_head", item)):
+        return None
+    group_fn, v = v.fn, v.src
+    if not (isinstance(v, Reduce) and v.axes == ("channel",) and v.fn in CHANNEL_FNS and v.dims == ("head", item)):
+        return None
+    channel_fn, v = v.fn, v.src
+    summaries: list[str] = []
+    expr = _page_expr(v, item, summaries)
+    if expr is None or not summaries:
+        return None
+    return {"CHANNEL_REDUCE": channel_fn, "GROUP_REDUCE": group_fn, "EXPR": expr, "SUMMARIES": tuple(summaries)}
+
+
 def plan(method: MethodIR) -> FusionPlan:
     out = FusionPlan()
     for hook in method.hooks:
@@ -138,4 +186,9 @@ def plan(method: MethodIR) -> FusionPlan:
                 out.kernels.append(KernelSpec(
                     "attention_columns", "column_sum", hook.name, tuple(sorted(flags.items())),
                     f"H2O-style: adds a prefill chunk's attention column sums into `{stmt.state}`"))
+            if isinstance(stmt, Read) and stmt.select.top is not None and hook.name == "decode_before_attention":
+                flags = _page_score(stmt)
+                if flags is not None:
+                    out.kernels.append(KernelSpec("page_scores", "page_scores", hook.name, tuple(sorted(flags.items())),
+                                                  "a sparse read's page scores from the paged summaries"))
     return out

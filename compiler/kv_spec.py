@@ -14,7 +14,8 @@ What maps to what (docs/compiler.md, "The KV spec"; the runtime's rules: docs/de
   [head_dim / g] along channel (`axis="channel"`), PAGE [max(1, page_size // g), head_dim] along
   key (`axis="token"`); `except last n`: a SEQ residual `k_resid` [n, head_dim] in the model dtype;
 - `summary x = max|min|sum|mean(k|v, within P)`, P = `split(key, size = n)`: a PAGE tensor `x`
-  [head_dim] float32 and a `Summary` (the engine's pages must hold n tokens: `page_tokens`);
+  [head_dim] (max and min in the model dtype, exact; sum and mean float32) and a `Summary` (the
+  engine's pages must hold n tokens: `page_tokens`);
 - the states of a key-local `decode_after_attention` (hook fact `key_local`): one float32 TOKEN
   plane per state, in declaration order, then `decode_after_attention.scores` when it keeps
   (what `DecodeHooks` keeps in paged planes, runtime/methods_compiled_decode.py);
@@ -267,7 +268,10 @@ class _Deriver:
             self.unfit(decl, f"summary {name}: pages of {tokens} tokens, other summaries use {spec.page_tokens}")
             return
         spec.page_tokens = tokens
-        spec.tensors.append(TensorDesc(name, "page", "float32", (HEAD_DIM,)))
+        # a max or min of stored values is one of them: exact in the model dtype, half the bytes a
+        # sparse read scans; sums and means accumulate, so they keep float32
+        dtype = MODEL if e.func.name in ("max", "min") else "float32"
+        spec.tensors.append(TensorDesc(name, "page", dtype, (HEAD_DIM,)))
         spec.summaries.append(SummaryDesc(name, e.args[0].id, e.func.name))
 
     # -- method state -----------------------------------------------------------------------------

@@ -87,8 +87,8 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
     tensors = [
         TensorSpec("k", Extent.TOKEN, dtype, (head_dim,)),
         TensorSpec("v", Extent.TOKEN, dtype, (head_dim,)),
-        TensorSpec("kmax", Extent.PAGE, torch.float32, (head_dim,)),
-        TensorSpec("kmin", Extent.PAGE, torch.float32, (head_dim,)),
+        TensorSpec("kmax", Extent.PAGE, dtype, (head_dim,)),
+        TensorSpec("kmin", Extent.PAGE, dtype, (head_dim,)),
     ]
     keys = Dense("k")
     values = Dense("v")

@@ -86,15 +86,20 @@ def decode_before_attention_read(scores, lengths, sym, params):
     return _read_pages(scores, lengths, page_size, count=budget - page_size, last=page_size)
 
 
-def decode_before_attention(inputs, state, sym, params):
-    """`on decode_before_attention`: the read plan's pages (None: every page, dense)."""
+def decode_before_attention_runs(sym, params):
+    """Whether `on decode_before_attention` reads part of the cache in this layer (False: every page, dense)."""
     budget = params["budget"]
     dense_layers = params["dense_layers"]
     heads = sym["heads"]
     kv_heads = sym["kv_heads"]
     layer = sym["layer"]
     page_size = params["page_size"]
-    if not ((layer >= dense_layers)):
+    return bool((layer >= dense_layers))
+
+
+def decode_before_attention(inputs, state, sym, params):
+    """`on decode_before_attention`: the read plan's pages (None: every page, dense)."""
+    if not decode_before_attention_runs(sym, params):
         return None
     scores = decode_before_attention_scores(inputs, state, sym, params)
     return decode_before_attention_read(scores, inputs["lengths"], sym, params)

@@ -161,7 +161,8 @@ class GeneratedCode:
 
 def _fused_kernels(manifest: dict) -> dict[str, str]:
     """hook -> the fused kernel computing all of it: a prefill_end kernel that is the keep's whole
-    score (not accumulating), or a prefill_chunk kernel that is the hook's only statement."""
+    score (not accumulating), a prefill_chunk kernel that is the hook's only statement, or a read's
+    page scores (decode_before_attention)."""
     fused = {}
     for kernel in manifest.get("kernels", []):
         hook, flags = kernel.get("hook"), kernel.get("flags", {})
@@ -169,6 +170,8 @@ def _fused_kernels(manifest: dict) -> dict[str, str]:
             fused[hook] = kernel["name"]
         elif hook == "prefill_chunk" and flags.get("ACCUMULATE", False) and flags.get("WHOLE_HOOK", False):
             fused[hook] = kernel["name"]
+        elif hook == "decode_before_attention" and kernel.get("family") == "page_scores":
+            fused[hook] = kernel["name"]  # the read's page scores (the plan's pages stay the torch lowering's)
     return fused
 
 

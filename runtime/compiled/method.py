@@ -123,7 +123,8 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
 
     def decode_before_attention(self, layer: int, view: DecodeView) -> ReadPlan | None:
         """The pages each decode row's KV heads read (read.py), or None: every page."""
-        return None if self.reader is None else self.reader.plan(layer, self.budget.num_layers, view, self.params)
+        return None if self.reader is None else self.reader.plan(layer, self.budget.num_layers, view, self.params,
+                                                                     self.fused_devices)
 
     def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None:
         self.decoder.after_attention(layer, view)

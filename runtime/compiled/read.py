@@ -5,8 +5,10 @@ The manifest's hook fact `reads` says the hook has one; its lowering (`<hook>` i
 takes the step's queries, each page summary it names gathered by the rows' page tables (`[B, Hkv,
 pages, D]`, page-table order, so a page's index in the plan is its column), and the rows' stored
 lengths, and gives page indices `[B, Hkv, n]` (-1: none) or None (the layer reads every page).
-Tensors of static shape only and no host reads: the same call runs in eager steps and in captured
-decode graphs. Nothing here knows a method by name.
+Where the compiler fused the page scores (kernel family `page_scores`, compiler/fusion.py), a GPU
+step scores the pages straight from the store through the page tables instead, and only the
+plan's top-k runs as torch ops. Tensors of static shape only and no host reads: the same call runs
+in eager steps and in captured decode graphs. Nothing here knows a method by name.
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ ENGINE_INPUTS = {"q"}  # what the engine hands a read hook beside the summaries
 class ReadHook:
     """The generated read of `code` (None-safe: `of` gives None for a method that does not read)."""
 
-    def __init__(self, name: str, fn: Callable, inputs: list[str], summaries: set[str]) -> None:
+    def __init__(self, name: str, fn: Callable, inputs: list[str], summaries: set[str],
+                 lowering: Any = None, fused: Callable[[], Callable | None] | None = None) -> None:
         self.name, self.fn = name, fn
+        self._fused = fused  # gives the fused page scores (imports triton; first used on a GPU step)
+        self.runs = getattr(lowering, f"{READ_HOOK}_runs", None)
+        self.read = getattr(lowering, f"{READ_HOOK}_read", None)
         self.summaries = [n for n in inputs if n in summaries]
         unknown = set(inputs) - ENGINE_INPUTS - set(self.summaries)
         if unknown:
@@ -40,14 +46,23 @@ class ReadHook:
         if facts is None or not facts.get("reads"):
             return None
         summaries = {s["tensor"] for s in code.manifest.get("kv_spec", {}).get("summaries", [])}
-        return cls(code.name, code.required(READ_HOOK), facts["inputs"], summaries)
+        fused = (lambda: code.fused(READ_HOOK)) if READ_HOOK in code.fused_names else None
+        return cls(code.name, code.required(READ_HOOK), facts["inputs"], summaries, code.lowering, fused)
 
-    def plan(self, layer: int, num_layers: int, view: DecodeView, params: dict[str, Any]) -> ReadPlan | None:
+    def plan(self, layer: int, num_layers: int, view: DecodeView, params: dict[str, Any],
+             fused_devices: tuple[str, ...] = ()) -> ReadPlan | None:
+        sym = {"context": None, "prompt": None, "step": None, "layer": layer, "layers": num_layers,
+               "heads": view.q.shape[1], "kv_heads": view.k.shape[1], "head_dim": view.q.shape[2]}
+        if self._fused is not None and view.q.device.type in fused_devices and self.runs is not None:
+            if not self.runs(sym, params):
+                return None
+            summaries = {name: view.store[name] for name in self.summaries}
+            scores = self._fused()(view.q, summaries, view.block_tables, view.context_lens, view.store.page_size)
+            pages = self.read(scores, view.context_lens, sym, params)
+            return None if pages is None else ReadPlan(pages=pages)
         tables = view.block_tables.long()  # [B, W]
         inputs: dict[str, torch.Tensor] = {"q": view.q, "lengths": view.context_lens}
         for name in self.summaries:  # [pages + 1, Hkv, D] -> the rows' pages [B, Hkv, W, D]
             inputs[name] = view.store[name][tables].transpose(1, 2)
-        sym = {"context": None, "prompt": None, "step": None, "layer": layer, "layers": num_layers,
-               "heads": view.q.shape[1], "kv_heads": view.k.shape[1], "head_dim": view.q.shape[2]}
         pages = self.fn(inputs, {}, sym, params)
         return None if pages is None else ReadPlan(pages=pages)

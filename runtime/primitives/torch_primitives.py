@@ -175,12 +175,13 @@ def read_pages(scores, lengths, page, *, count, last):
     n_last = max(0, min(ceil(last / page), width))
     n_top = max(0, min(floor(count / page), width - n_last))
     stored = (lengths.long() + (page - 1)) // page  # [row]
+    first_newest = stored - n_last  # [row]: the always-read pages start here
     column = torch.arange(width, device=scores.device)
-    newest = column[None, :] >= (stored[:, None] - n_last)  # [row, pages]
-    candidate = (column[None, :] < stored[:, None]) & ~newest
+    candidate = column[None, :] < first_newest[:, None]  # [row, pages]: stored, not among the newest
     ranked = scores.float().masked_fill(~candidate[:, None, :], NEG_INF)
-    top = ranked.topk(n_top, dim=-1).indices  # [row, kv_head, n_top]
-    top = torch.where(candidate[:, None, :].expand_as(ranked).gather(-1, top), top, -1)
-    tail = stored[:, None] - n_last + torch.arange(n_last, device=scores.device)  # [row, n_last]
+    # unsorted: a plan's order does not matter to attention, and sorting cost a kernel per layer
+    best, top = ranked.topk(n_top, dim=-1, sorted=False)  # [row, kv_head, n_top]
+    top = torch.where(best > NEG_INF, top, -1)
+    tail = first_newest[:, None] + torch.arange(n_last, device=scores.device)  # [row, n_last]
     tail = torch.where(tail >= 0, tail, -1)[:, None, :].expand(-1, scores.shape[1], -1)
     return torch.cat([top, tail], dim=-1).to(torch.int32)

@@ -80,13 +80,14 @@ def test_quest_summaries():
     assert spec["summaries"] == [{"tensor": "kmax", "source": "k", "fn": "max"},
                                  {"tensor": "kmin", "source": "k", "fn": "min"}]
     pages = [t for t in spec["tensors"] if t["extent"] == "page"]
-    assert pages == [{"name": n, "extent": "page", "dtype": "float32", "shape": ["head_dim"], "packing": ""}
+    # a max or min of stored keys is one of them: the model dtype holds it exactly
+    assert pages == [{"name": n, "extent": "page", "dtype": "model", "shape": ["head_dim"], "packing": ""}
                      for n in ("kmax", "kmin")]
     assert spec["page_tokens"] == "page_size" and spec["keys"] == {"kind": "dense", "tensor": "k"}
     built = generated_kv_spec("quest")(2, 16, torch.bfloat16, 16)
     assert built.summaries == (Summary("kmax", "k", "max"), Summary("kmin", "k", "min"))
-    assert built.tensor("kmax") == TensorSpec("kmax", Extent.PAGE, torch.float32, (16,))
-    assert built.bytes_per_page(2, 16) == 2 * 16 * (2 * 16 * 2) + 2 * 2 * 16 * 4
+    assert built.tensor("kmax") == TensorSpec("kmax", Extent.PAGE, torch.bfloat16, (16,))
+    assert built.bytes_per_page(2, 16) == 2 * 16 * (2 * 16 * 2) + 2 * 2 * 16 * 2
     with pytest.raises(ValueError, match="pages of 16 tokens"):
         generated_kv_spec("quest")(2, 16, torch.bfloat16, 32)
 

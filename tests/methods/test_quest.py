@@ -96,6 +96,50 @@ def test_generated_bound_and_pages_equal_the_reference() -> None:
     assert code.decode_before_attention(inputs, {}, sym(DENSE - 1, heads, kv_heads, head_dim), params) is None
 
 
+def fused_scores():
+    from kvc.compiler.cache import locate
+    from kvc.runtime.compiled import folder
+
+    compiled = locate("quest", generated=folder.GENERATED)
+    return GeneratedCode("quest", compiled.folder, compiled.manifest).fused("decode_before_attention")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_page_scores_equal_the_lowering_and_the_reference(dtype) -> None:
+    """The generated Triton page scores (TRITON_INTERPRET on the CPU) read the store's summaries
+    through scattered page tables and equal the torch lowering over the gathered summaries, and the
+    hand-written bound; columns past a row's stored pages are -inf."""
+    pytest.importorskip("triton")
+    kernel = fused_scores()
+    assert kernel is not None, "quest's read scores are fused (compiler/fusion.py, page_scores)"
+    lengths, heads, kv_heads, head_dim, width, pool = [13, 4, 30, 1, 0], 6, 2, 24, 9, 60
+    g = torch.Generator().manual_seed(3)
+    kmax = (torch.randn(pool + 1, kv_heads, head_dim, generator=g) * 3).to(dtype)
+    kmin = (kmax.float() - torch.rand(pool + 1, kv_heads, head_dim, generator=g) * 2).to(dtype)
+    tables = torch.randperm(pool, generator=g)[:len(lengths) * width].view(len(lengths), width).to(torch.int32)
+    q = torch.randn(len(lengths), heads, head_dim, generator=g).to(dtype)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs it under TRITON_INTERPRET
+    out = kernel(q.to(dev), {"kmax": kmax.to(dev), "kmin": kmin.to(dev)}, tables.to(dev), lens.to(dev), PAGE,
+                 block_p=4).cpu()
+    assert out.shape == (len(lengths), kv_heads, width) and out.dtype == torch.float32
+    gathered = {n: t[tables.long()].transpose(1, 2).float() for n, t in (("kmax", kmax), ("kmin", kmin))}
+    want = lowering().decode_before_attention_scores({"q": q.float(), **gathered, "lengths": lens}, {},
+                                                     sym(DENSE, heads, kv_heads, head_dim),
+                                                     {"page_size": PAGE, "budget": BUDGET, "dense_layers": DENSE})
+    for b, n in enumerate(lengths):
+        pages = -(-n // PAGE)
+        torch.testing.assert_close(out[b, :, :pages], want[b, :, :pages], atol=1e-4, rtol=1e-5)
+        assert torch.isneginf(out[b, :, pages:]).all()
+        for h in range(kv_heads):  # the bound by hand, page by page
+            for p in range(pages):
+                page = int(tables[b, p])
+                bound = max(float(torch.maximum(q[b, g_].float() * kmax[page, h].float(),
+                                                q[b, g_].float() * kmin[page, h].float()).sum())
+                            for g_ in range(h * heads // kv_heads, (h + 1) * heads // kv_heads))
+                assert abs(float(out[b, h, p]) - bound) <= 1e-4 * max(1.0, abs(bound))
+
+
 def test_budgets_round_to_pages_as_quest_does() -> None:
     """`budget - page_size` tokens rank floor(. / page) pages, so budget // page pages are read in all
     (Quest's page_budget) and none is ranked below two pages; `last page_size` is the newest page; a

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Issue 19 on the H200: Quest's GPU tests (fused page scores, graph decode) and decode throughput
+# against full at 32K and 128K (random-weight Qwen3-30B-A3B, bf16, 60 GiB of KV, full in the same run).
+# Usage (device machine): bash bench/gpu_issue19.sh "$OUT" "tests window32 window128"
+set -uo pipefail
+out=${1:?output folder}; parts=${2:-tests window32 window128}
+common=(--model random:qwen3-30b-a3b --dtype bfloat16 --kv-memory 60GiB --output 2048 --no-progress
+        --methods full,quest --method-params quest:budget=4096)
+mkdir -p "$out"
+for part in $parts; do
+  case $part in
+    tests) timeout "${PART_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_quest.py \
+             tests/methods/test_quest.py > "$out/tests.log" 2>&1; echo "tests: rc=$?"; tail -3 "$out/tests.log"; continue ;;
+    window32) args=(--inputs 32768 --steps "${STEPS:-32}") ;;
+    window128) args=(--inputs 131072 --steps "${STEPS:-32}") ;;
+    *) echo "unknown part $part"; continue ;;
+  esac
+  timeout "${PART_TIMEOUT:-280}" python3 -m kvc.runtime.cli bench throughput "${common[@]}" "${args[@]}" \
+    --out "$out/throughput_$part.json" > "$out/throughput_$part.md" 2> "$out/throughput_$part.log"
+  echo "$part: rc=$?"; cat "$out/throughput_$part.md"; tail -5 "$out/throughput_$part.log"
+done
