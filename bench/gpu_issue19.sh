@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 19 on the H200: Quest's GPU tests (fused page scores, graph decode) and decode throughput
 # against full at 32K and 128K (random-weight Qwen3-30B-A3B, bf16, 60 GiB of KV, full in the same run).
-# Usage (device machine): bash bench/gpu_issue19.sh "$OUT" "tests window32 window128"
+# Usage (device machine): bash bench/gpu_issue19.sh "$OUT" "tests micro window32 window128 busy128"
 set -uo pipefail
 out=${1:?output folder}; parts=${2:-tests window32 window128}
 common=(--model random:qwen3-30b-a3b --dtype bfloat16 --kv-memory 60GiB --output 2048 --no-progress
@@ -10,7 +10,12 @@ mkdir -p "$out"
 for part in $parts; do
   case $part in
     tests) timeout "${PART_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_quest.py \
-             tests/methods/test_quest.py > "$out/tests.log" 2>&1; echo "tests: rc=$?"; tail -3 "$out/tests.log"; continue ;;
+             tests/methods/test_quest.py tests/kernels/test_triton_plans.py tests/kernels/test_summary_append.py > "$out/tests.log" 2>&1; echo "tests: rc=$?"; tail -3 "$out/tests.log"; continue ;;
+    micro) timeout "${PART_TIMEOUT:-280}" python3 bench/sparse_decode_bench.py --sweep --out "$out/sparse_decode.json" \
+             > "$out/sparse_decode.log" 2>&1; echo "micro: rc=$?"; grep -v "^skip" "$out/sparse_decode.log" | tail -20; continue ;;
+    busy128) timeout "${PART_TIMEOUT:-280}" python3 -m kvc.runtime.cli bench throughput "${common[@]}" --inputs 131072 \
+             --steps "${STEPS:-32}" --busy --busy-batch 4 --out "$out/busy128.json" > "$out/busy128.md" 2> "$out/busy128.log"
+           echo "busy128: rc=$?"; head -4 "$out/busy128.md"; continue ;;
     window32) args=(--inputs 32768 --steps "${STEPS:-32}") ;;
     window128) args=(--inputs 131072 --steps "${STEPS:-32}") ;;
     *) echo "unknown part $part"; continue ;;

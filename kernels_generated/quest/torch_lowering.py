@@ -73,8 +73,9 @@ def decode_before_attention_scores(inputs, state, sym, params):
     return scores
 
 
-def decode_before_attention_read(scores, lengths, sym, params):
-    """`on decode_before_attention`: the pages each row's KV heads read, [row, kv_head, n] int32 (-1: none)."""
+def decode_before_attention_read(scores, lengths, sym, params, read_pages=_read_pages):
+    """`on decode_before_attention`: the pages each row's KV heads read, [row, kv_head, n] int32 (-1: none);
+    `read_pages` builds the plan (the engine passes the GPU's, runtime/primitives/triton_plans.py)."""
     budget = params["budget"]
     dense_layers = params["dense_layers"]
     heads = sym["heads"]
@@ -83,7 +84,7 @@ def decode_before_attention_read(scores, lengths, sym, params):
     page_size = params["page_size"]
     if not ((layer >= dense_layers)):
         return None
-    return _read_pages(scores, lengths, page_size, count=budget - page_size, last=page_size)
+    return read_pages(scores, lengths, page_size, count=budget - page_size, last=page_size)
 
 
 def decode_before_attention_runs(sym, params):

@@ -12,7 +12,8 @@ variable counts only) KV-head start slots.
 
 The tensors live in a `KVStore` (runtime/kv/store.py) built from the method's KV spec: K/V, the
 method's per-token state (`planes`) and page summaries, all addressed by the same page ids; a
-step's store refreshes the summaries of the pages it wrote.
+step's store refreshes the summaries of the pages it wrote (a decode-only step on the GPU folds
+its one token per sequence into them instead: `KVStore.append_summaries`).
 
 Decode statistics: `forward(..., stats=DecodeStats)` asks the decode kernels to also emit the
 step's attention probabilities, folded as the method reads them (metadata.py); `stats_request`
@@ -213,7 +214,11 @@ class PagedAttention:
         else:  # a residual window: each new token finds its sequence's row
             self.ops.store_kv(k, v, k_src, v_src, slots, cu_seqlens_q=md.cu_seqlens_q,
                               context_lens=md.context_lens[layer_idx], rows=md.rows)
-        if self.store.spec.summaries:
+        if not self.store.spec.summaries:
+            return
+        if self.backend == "triton" and md.num_prefills == 0 and self.store.appends_summaries:
+            self.store.append_summaries(slots)  # one token per sequence: fold it in, one launch a summary
+        else:
             self.store.refresh_summaries(*last_in_page(slots, self.store.page_size, self.store.scratch_page))
 
     def forward(

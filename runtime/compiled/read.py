@@ -6,9 +6,9 @@ takes the step's queries, each page summary it names gathered by the rows' page 
 pages, D]`, page-table order, so a page's index in the plan is its column), and the rows' stored
 lengths, and gives page indices `[B, Hkv, n]` (-1: none) or None (the layer reads every page).
 Where the compiler fused the page scores (kernel family `page_scores`, compiler/fusion.py), a GPU
-step scores the pages straight from the store through the page tables instead, and only the
-plan's top-k runs as torch ops. Tensors of static shape only and no host reads: the same call runs
-in eager steps and in captured decode graphs. Nothing here knows a method by name.
+step scores the pages straight from the store through the page tables instead, and builds the plan
+with the Triton top-k (runtime/primitives/triton_plans.py). Tensors of static shape only and no
+host reads: the same call runs in eager steps and in captured decode graphs. Nothing here knows a method by name.
 """
 
 from __future__ import annotations
@@ -23,6 +23,12 @@ from kvc.runtime.method_api import DecodeView, ReadPlan
 
 READ_HOOK = "decode_before_attention"
 ENGINE_INPUTS = {"q"}  # what the engine hands a read hook beside the summaries
+
+
+def _gpu_read_pages() -> Callable:
+    from kvc.runtime.primitives.triton_plans import read_pages  # imports triton: only on a fused device
+
+    return read_pages
 
 
 class ReadHook:
@@ -58,7 +64,7 @@ class ReadHook:
                 return None
             summaries = {name: view.store[name] for name in self.summaries}
             scores = self._fused()(view.q, summaries, view.block_tables, view.context_lens, view.store.page_size)
-            pages = self.read(scores, view.context_lens, sym, params)
+            pages = self.read(scores, view.context_lens, sym, params, read_pages=_gpu_read_pages())
             return None if pages is None else ReadPlan(pages=pages)
         tables = view.block_tables.long()  # [B, W]
         inputs: dict[str, torch.Tensor] = {"q": view.q, "lengths": view.context_lens}

@@ -186,6 +186,22 @@ class KVStore:
                 keep = (lengths > 0).view(-1, *([1] * (value.dim() - 1)))
                 out[pages] = torch.where(keep, value, out[pages])
 
+    @property
+    def appends_summaries(self) -> bool:
+        """Whether `append_summaries` can keep every summary current (each one's source stored dense)."""
+        return bool(self.spec.summaries) and all(
+            isinstance(self.spec.keys if s.source == K else self.spec.values, Dense) for s in self.spec.summaries)
+
+    def append_summaries(self, slots: torch.Tensor) -> None:
+        """Folds a decode step's newly stored slots `slots [T]` (-1: padding; one per sequence, so at
+        most one per page) into their pages' summaries: equal to `refresh_summaries` of those pages,
+        in one GPU launch per summary (runtime/kv/summary_kernels.py). Needs `appends_summaries`."""
+        from kvc.runtime.kv import summary_kernels
+
+        for s in self.spec.summaries:
+            enc = self.spec.keys if s.source == K else self.spec.values
+            summary_kernels.append(self.tensors[s.tensor], s.fn, self.tensors[enc.tensor], slots)
+
     def _page_values(self, which: str, pages: torch.Tensor) -> torch.Tensor:
         enc = self.spec.keys if which == K else self.spec.values
         if isinstance(enc, Dense):

@@ -1,0 +1,54 @@
+"""The GPU's read plan (runtime/primitives/triton_plans.py) against the torch primitive it replaces:
+the same pages for every (row, KV head) up to order, ties at the cut broken in column order, -1
+padding, the newest pages always listed. On the CPU it runs under TRITON_INTERPRET."""
+
+import pytest
+import torch
+
+from kvc.runtime.primitives import torch_primitives
+
+triton_plans = pytest.importorskip("kvc.runtime.primitives.triton_plans")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def plans(scores, lengths, page, count, last):
+    got = triton_plans.read_pages(scores.to(DEV), lengths.to(DEV), page, count=count, last=last).cpu()
+    want = torch_primitives.read_pages(scores, lengths, page, count=count, last=last)
+    assert got.shape == want.shape and got.dtype == torch.int32
+    return got, want
+
+
+@pytest.mark.parametrize("rows,kv_heads,width,page,count,last", [
+    (3, 2, 37, 16, 16 * 9, 16),   # a cut inside the stored pages
+    (2, 4, 200, 16, 16 * 20, 16),
+    (2, 1, 10, 16, 16 * 20, 16),  # a budget over the context: every stored page
+    (1, 2, 64, 4, 4 * 5, 8),      # two newest pages
+    (2, 2, 1500, 16, 16 * 255, 16),  # wider than one warp's share of registers
+])
+def test_plan_equals_the_torch_plan(rows, kv_heads, width, page, count, last) -> None:
+    g = torch.Generator().manual_seed(width)
+    scores = torch.randn(rows, kv_heads, width, generator=g)
+    scores[0, 0, 3] = float("-inf")  # a page the scores rule out is never ranked
+    lengths = torch.tensor([width * page, (width // 2) * page - 3, 7][:rows], dtype=torch.int32)
+    got, want = plans(scores, lengths, page, count, last)
+    for r in range(rows):
+        for h in range(kv_heads):
+            assert sorted(got[r, h].tolist()) == sorted(want[r, h].tolist()), (r, h)
+    assert 3 not in got[0, 0].tolist()[: got.shape[-1] - (-(-last // page))]
+
+
+def test_ties_at_the_cut_fill_in_column_order() -> None:
+    scores = torch.zeros(1, 1, 50)
+    scores[..., ::3] = 1.0  # 17 pages tie for the top, more than the 10 ranked places
+    got, want = plans(scores, torch.tensor([800], dtype=torch.int32), 16, 16 * 10, 16)
+    assert got[0, 0].tolist() == [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 49]
+    assert sorted(scores[0, 0, want[0, 0, :10]].tolist()) == [1.0] * 10  # torch chooses other ties
+
+
+def test_short_rows_pad_with_minus_one() -> None:
+    scores = torch.randn(2, 2, 30)
+    lengths = torch.tensor([40, 0], dtype=torch.int32)  # 3 pages, then an empty row
+    got, want = plans(scores, lengths, 16, 16 * 8, 16)
+    assert got[0, 0].tolist() == [0, 1] + [-1] * 6 + [2]
+    assert (got[1] == -1).all() and torch.equal(got[1], want[1])
+    assert sorted(got[0, 1].tolist()) == sorted(want[0, 1].tolist())
