@@ -76,6 +76,13 @@ def main() -> None:
         ms = graph_ms(lambda: scores_kernel(q, {"kmax": kmax, "kmin": kmin}, tables, lens, PAGE, out=scores))
         report(piece="page_scores", batch=batch, context=context, ms=ms, GBps=summary_bytes / ms / 1e6,
                of_copy=summary_bytes / ms / 1e6 / copy_bw)
+        if a.sweep:
+            for block_p in (16, 32, 64, 128):
+                for warps in (2, 4, 8):
+                    ms = graph_ms(lambda bp=block_p, w=warps: scores_kernel(
+                        q, {"kmax": kmax, "kmin": kmin}, tables, lens, PAGE, out=scores, block_p=bp, num_warps=w))
+                    report(piece="page_scores_sweep", batch=batch, context=context, block_p=block_p, num_warps=warps,
+                           ms=ms, GBps=summary_bytes / ms / 1e6)
         for name, fn in (("plan_triton", triton_plans.read_pages), ("plan_torch", torch_primitives.read_pages)):
             ms = graph_ms(lambda fn=fn: fn(scores, lens, PAGE, count=BUDGET - PAGE, last=PAGE))
             report(piece=name, batch=batch, context=context, ms=ms)

@@ -27,6 +27,10 @@ bound): `reduce(reduce(f(q, summaries...), over channel), over group)` over [kv_
 `f` any elementwise expression of the step's query and the page summaries (and numbers). The
 kernel reads each row's summaries through its page table (no gather copy, no [head, page, channel]
 intermediate) and writes [row, kv_head, item] float32; `f` is rendered into the kernel as Triton.
+Where `f` is Quest's bound `max(q * hi, q * lo)` summed over channels, with `hi` the max and `lo`
+the min summary of one source over one partition (so hi >= lo), it equals `max(q, 0) . hi +
+min(q, 0) . lo`: flag `BOUND = (hi, lo)`, two matrix products over the whole GQA group on tensor
+cores instead of elementwise work per query head.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 import sympy as sp
 
 from kvc.compiler.lower_torch import pyexpr
+from kvc.dsl import ast
 from kvc.compiler.ir import (Accumulate, Attention, Elementwise, Input, Keep, MethodIR, Pool, Read, Reduce, Scalar,
                              Value, Window)
 
@@ -149,7 +154,43 @@ def _page_expr(v: Value, item: str, summaries: list[str]) -> str | None:
     return None
 
 
-def _page_score(read: Read) -> dict | None:
+def _summary_fns(method: MethodIR) -> dict[str, tuple[str, str, str]]:
+    """name -> (reducer, source, partition) of each `summary name = fn(source, within partition)`."""
+    out = {}
+    for decl in getattr(getattr(method.checked, "method", None), "items", ()):
+        e = getattr(decl, "value", None)
+        if not (isinstance(decl, ast.Summary) and isinstance(e, ast.Call) and len(e.args) == 1
+                and isinstance(e.args[0], ast.Name)):
+            continue
+        within = e.clause("within")
+        if within is not None and len(within.dims) == 1:
+            out[decl.name.name] = (e.func.name, e.args[0].id, within.dims[0].name)
+    return out
+
+
+def _bound(v: Value, item: str, fns: dict[str, tuple[str, str, str]]) -> tuple[str, str] | None:
+    """`max(q * hi, q * lo)` (either order) with `hi` a max and `lo` a min summary of one source over
+    one partition: (hi, lo); None for anything else."""
+    if not (isinstance(v, Elementwise) and v.fn == "max" and len(v.args) == 2):
+        return None
+    names = []
+    for a in v.args:
+        if not (isinstance(a, Elementwise) and a.fn == "mul" and len(a.args) == 2):
+            return None
+        qs = [x for x in a.args if isinstance(x, Input) and x.kind == "hook" and x.name == "q"
+              and x.dims == ("head", "channel")]
+        ss = [x for x in a.args if isinstance(x, Input) and x.kind == "summary"
+              and x.dims == ("kv_head", item, "channel")]
+        if len(qs) != 1 or len(ss) != 1:
+            return None
+        names.append(ss[0].name)
+    decls = [fns.get(n) for n in names]
+    if None in decls or decls[0][1:] != decls[1][1:] or {decls[0][0], decls[1][0]} != {"max", "min"}:
+        return None
+    return (names[0], names[1]) if decls[0][0] == "max" else (names[1], names[0])
+
+
+def _page_score(read: Read, fns: dict[str, tuple[str, str, str]]) -> dict | None:
     """Match a read's `reduce(reduce(f(q, summaries), over channel), over group)` over [kv_head, item]."""
     v, item = read.select.top.score, read.item
     if not (isinstance(v, Reduce) and v.axes == ("group",) and v.fn in GROUP_FNS and v.dims == ("kv_head", item)):
@@ -162,7 +203,9 @@ def _page_score(read: Read) -> dict | None:
     expr = _page_expr(v, item, summaries)
     if expr is None or not summaries:
         return None
-    return {"CHANNEL_REDUCE": channel_fn, "GROUP_REDUCE": group_fn, "EXPR": expr, "SUMMARIES": tuple(summaries)}
+    bound = _bound(v, item, fns) if channel_fn == "sum" else None
+    return {"CHANNEL_REDUCE": channel_fn, "GROUP_REDUCE": group_fn, "EXPR": expr, "SUMMARIES": tuple(summaries),
+            "BOUND": bound or ()}
 
 
 def plan(method: MethodIR) -> FusionPlan:
@@ -187,7 +230,7 @@ def plan(method: MethodIR) -> FusionPlan:
                     "attention_columns", "column_sum", hook.name, tuple(sorted(flags.items())),
                     f"H2O-style: adds a prefill chunk's attention column sums into `{stmt.state}`"))
             if isinstance(stmt, Read) and stmt.select.top is not None and hook.name == "decode_before_attention":
-                flags = _page_score(stmt)
+                flags = _page_score(stmt, _summary_fns(method))
                 if flags is not None:
                     out.kernels.append(KernelSpec("page_scores", "page_scores", hook.name, tuple(sorted(flags.items())),
                                                   "a sparse read's page scores from the paged summaries"))

@@ -8,6 +8,7 @@ under TRITON_INTERPRET=1. Import needs `triton`.
 """
 
 import math
+import os
 
 import torch
 

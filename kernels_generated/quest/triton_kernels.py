@@ -8,6 +8,7 @@ under TRITON_INTERPRET=1. Import needs `triton`.
 """
 
 import math
+import os
 
 import torch
 import triton
@@ -29,12 +30,13 @@ def _eval(expr, names):
 
 
 # ---- kernel family `page_scores` (page_scores): a sparse read's page scores from the paged summaries
-# Flags: CHANNEL_REDUCE=sum, EXPR=tl.maximum((qv * s_kmax), (qv * s_kmin)), GROUP_REDUCE=max, SUMMARIES=('kmax', 'kmin')
+# Flags: BOUND=('kmax', 'kmin'), CHANNEL_REDUCE=sum, EXPR=tl.maximum((qv * s_kmax), (qv * s_kmin)), GROUP_REDUCE=max, SUMMARIES=('kmax', 'kmin')
 @triton.jit
 def _page_scores_kernel(
     q_ptr, kmax_ptr, kmin_ptr, tables_ptr, lengths_ptr, out_ptr,
     stride_qb, stride_qh, stride_sp, stride_sh, stride_tb, stride_ob, stride_oh,
     D, W, PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, IEEE: tl.constexpr,
 ):
     # one program: BLOCK_P page-table columns of one row and KV head, every query head of its group
     b, h, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -48,15 +50,20 @@ def _page_scores_kernel(
         page = tl.load(tables_ptr + b * stride_tb + cols, mask=live, other=0).to(tl.int64)
         at = page[:, None] * stride_sp + h * stride_sh + dims[None, :]
         m2 = live[:, None] & dmask[None, :]
-        s_kmax = tl.load(kmax_ptr + at, mask=m2, other=0.0).to(tl.float32)
-        s_kmin = tl.load(kmin_ptr + at, mask=m2, other=0.0).to(tl.float32)
-        acc = tl.full([BLOCK_P], float("-inf"), tl.float32)
-        for g in tl.static_range(GROUP):
-            qv = tl.load(q_ptr + b * stride_qb + (h * GROUP + g) * stride_qh + dims, mask=dmask,
-                         other=0.0).to(tl.float32)[None, :]
-            x = tl.maximum((qv * s_kmax), (qv * s_kmin))
-            x = tl.sum(tl.where(dmask[None, :], x, 0.0), axis=1)
-            acc = tl.maximum(acc, x)
+        # max(q * hi, q * lo) with hi >= lo is max(q, 0) * hi + min(q, 0) * lo: two products over the group
+        hi = tl.load(kmax_ptr + at, mask=m2, other=0.0)
+        lo = tl.load(kmin_ptr + at, mask=m2, other=0.0)
+        gs = tl.arange(0, BLOCK_G)
+        qg = tl.load(q_ptr + b * stride_qb + (h * GROUP + gs)[:, None] * stride_qh + dims[None, :],
+                     mask=(gs[:, None] < GROUP) & dmask[None, :], other=0.0)
+        if IEEE:  # float32 (and the interpreter, whose bf16 products misread): exact float32 products
+            qf = qg.to(tl.float32)
+            x = tl.dot(tl.maximum(qf, 0.0), tl.trans(hi.to(tl.float32)), input_precision="ieee")
+            x += tl.dot(tl.minimum(qf, 0.0), tl.trans(lo.to(tl.float32)), input_precision="ieee")
+        else:
+            x = tl.dot(tl.maximum(qg, 0.0).to(hi.dtype), tl.trans(hi))
+            x += tl.dot(tl.minimum(qg, 0.0).to(lo.dtype), tl.trans(lo))
+        acc = tl.max(tl.where(gs[:, None] < GROUP, x, float("-inf")), axis=0)
         out = tl.where(live, acc, float("-inf"))
     tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, out, mask=cols < W)
 
@@ -81,11 +88,13 @@ def page_scores(q, summaries, tables, lengths, page_size, out=None, *, block_p=B
         if s.stride() != first.stride() or s.stride(-1) != 1:
             raise ValueError("the page summaries must share one contiguous layout")
     q, tables = q.contiguous(), tables.contiguous()
+    block_p = max(block_p, 16)  # tl.dot's smallest tile
     blocks = triton.cdiv(width, block_p)
     _page_scores_kernel[(rows, kv_heads, blocks)](
         q, summaries["kmax"], summaries["kmin"], tables, lengths, out,
         q.stride(0), q.stride(1), first.stride(0), first.stride(1), tables.stride(0), out.stride(0), out.stride(1),
-        dim, width, PAGE=page_size, GROUP=heads // kv_heads, BLOCK_P=block_p, BLOCK_D=triton.next_power_of_2(dim),
-        num_warps=num_warps,
+        dim, width, PAGE=page_size, GROUP=heads // kv_heads, BLOCK_P=block_p, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)),
+        IEEE=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
     )
     return out

@@ -334,3 +334,39 @@ def test_equals_the_contract_page_top_k(model_dir, monkeypatch) -> None:
     for a, b, pa, pb in zip(q_out, c_out, q_params, c_params):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(spy.of(pa), spy.of(pb), atol=1e-5, rtol=1e-5)
+
+
+def _page_flags(source: str) -> dict:
+    from kvc.compiler import fusion, ir
+    from kvc.dsl import check_source
+
+    method = ir.build(check_source(source, "bound.kvm"), source.encode())
+    (kernel,) = [k for k in fusion.plan(method).kernels if k.family == "page_scores"]
+    return dict(kernel.flags)
+
+
+BOUND_KVM = """method bound : sparse
+param budget: tokens = 64 in [1, 4096]
+dim pages = split(key, size = 16)
+summary hi = {hi}(k, within pages)
+summary lo = {lo}(k, within pages)
+on decode_before_attention:
+  bound = sum(max(q * {a}, {b} * q), over channel)
+  read top(max(bound, over group), budget, per kv_head)
+"""
+
+
+def test_bound_rewrite_needs_a_max_and_a_min_summary_of_one_source() -> None:
+    """The page-score kernel multiplies `max(q, 0) . hi + min(q, 0) . lo` only where hi >= lo is
+    known: hi a max and lo a min of the same source over the same pages (either order in the
+    expression); a max of k against a min of v, or two maxima, keep the elementwise form."""
+    from kvc.runtime.compiled import folder
+
+    shipped_manifest = json.loads((folder.GENERATED / "quest" / "manifest.json").read_text())
+    (shipped,) = [k for k in shipped_manifest["kernels"] if k["family"] == "page_scores"]
+    assert shipped["flags"]["BOUND"] == ["kmax", "kmin"]
+    assert _page_flags(BOUND_KVM.format(hi="max", lo="min", a="hi", b="lo"))["BOUND"] == ("hi", "lo")
+    assert _page_flags(BOUND_KVM.format(hi="min", lo="max", a="hi", b="lo"))["BOUND"] == ("lo", "hi")
+    assert _page_flags(BOUND_KVM.format(hi="max", lo="max", a="hi", b="lo"))["BOUND"] == ()
+    mixed = BOUND_KVM.format(hi="max", lo="min", a="hi", b="lo").replace("lo = min(k", "lo = min(v")
+    assert _page_flags(mixed)["BOUND"] == ()
