@@ -810,6 +810,10 @@ def paged_decode(
         plan_len = plan.shape[2] * (page_size if read_mode == READ_PAGES else 1)  # positions a program walks
         plan_strides = (plan.stride(0), plan.stride(1))
         max_context_len = plan_len  # the split heuristic sizes by what one (row, KV head) reads
+        if num_splits is None:  # scattered pages: more, shorter splits keep more loads in flight
+            # 128 positions a split: best for Quest's 4096-token plans at 32K and 128K on the H200
+            # (bench/sparse_decode_bench.py --sweep: 32 splits, 0.82-0.96 of the run's copy bandwidth)
+            num_splits = max(1, min(MAX_SPLITS, -(-plan_len // 128)))
     windows, rows_arg, resid_arg = _residual_rows("paged_decode", k_cache, v_cache, rows, resid_lens, context_lens,
                                                   batch)
     k_op, v_op = kernel_operand(k_cache, windows), kernel_operand(v_cache, windows)

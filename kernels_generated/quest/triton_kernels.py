@@ -68,7 +68,7 @@ def _page_scores_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, out, mask=cols < W)
 
 
-BLOCK_P, NUM_WARPS = 32, 4  # pages per program, warps: bench/page_scores_bench.py on the H200
+BLOCK_P, NUM_WARPS = 64, 4  # pages per program, warps: bench/sparse_decode_bench.py --sweep on the H200
 
 
 def page_scores(q, summaries, tables, lengths, page_size, out=None, *, block_p=BLOCK_P, num_warps=NUM_WARPS):
