@@ -4,6 +4,9 @@ All tensors are flat over tokens ([T, ...]); there is no batch dimension. Numeri
 reference models so that logits match Hugging Face's: norms compute in float32 and cast back
 before the weight multiply; cos/sin are computed in float32 and cast to the activation dtype.
 
+On CUDA, RMSNorm and q/k norm + rotary run as single Triton launches (norm_triton.py), the same
+steps in the same dtypes; the CPU path below is the oracle.
+
 `Attention` stops at the seam: it calls the engine's `AttentionFn` with roped q/k/v and applies
 the output projection to what comes back.
 
@@ -26,6 +29,13 @@ from kvc.runtime.models.base import AttentionFn, CheckpointLayout, HasBuffers
 from kvc.runtime.models.rope import RopeSettings, inverse_frequencies
 
 
+def _fused():
+    """The CUDA kernels of these layers (imports triton: only a CUDA forward asks)."""
+    from kvc.runtime.models import norm_triton
+
+    return norm_triton
+
+
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -43,6 +53,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.weight.dtype == x.dtype:
+            return _fused().rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)  # a new tensor
@@ -150,11 +162,22 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if q.is_cuda and self._fusable(q, cos):
+            norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+            q, k = _fused().norm_rope(q, k, *norms, self.q_norm.eps if self.q_norm else 0.0, cos, sin)
+        else:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn(self.layer_idx, q, k, v.contiguous())
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _fusable(self, q: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Whether norm_triton.norm_rope computes this layer's q/k norms and rotary: a power-of-two
+        half head, one dtype for q, cos and the norm weights."""
+        half = self.head_dim // 2
+        weights_ok = self.q_norm is None or self.q_norm.weight.dtype == self.k_norm.weight.dtype == q.dtype
+        return half & (half - 1) == 0 and cos.dtype == q.dtype and weights_ok
 
     def add_to_layout(self, layout: CheckpointLayout, hf: str, kvc: str) -> None:
         q, kv = self.q_size, self.kv_size

@@ -1,0 +1,100 @@
+"""A decoder layer's small steps as single Triton launches on CUDA (layers.py calls them there; the
+CPU keeps the torch path, the parity oracle).
+
+- `rms_norm`: RMSNorm of each row, one launch instead of eight (float copy, square, mean, add,
+  rsqrt, multiply, cast, weight).
+- `norm_rope`: q and k of a step together: the per-head RMSNorm of Qwen3 (when it has one) and the
+  rotary embedding, one launch instead of about thirty.
+
+The arithmetic follows layers.py step by step, rounding to the activation dtype where it does (the
+normalised value before the weight, each rotary product, each sum), so the results are those of
+the torch path up to the order of the float32 sum of squares and the hardware rsqrt. A decode
+step of a 48-layer model ran ~1,900 of these small launches (docs/benchmarks.md, issue 19).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    normed = (x * r).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis of x [..., N] (weight [N] in x's dtype): a new tensor like x."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, eps, BLOCK=block,
+                                           num_warps=max(1, min(8, block // 256)))
+    return out.view(x.shape)
+
+
+@triton.jit
+def _rope_half(x1, x2, c, s, DT: tl.constexpr):
+    # (x1 cos - x2 sin, x2 cos + x1 sin), each product and sum rounded to DT as the torch path does
+    a = (x1 * c).to(DT).to(tl.float32) - (x2 * s).to(DT).to(tl.float32)
+    b = (x2 * c).to(DT).to(tl.float32) + (x1 * s).to(DT).to(tl.float32)
+    return a.to(DT), b.to(DT)
+
+
+@triton.jit
+def _norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, HQ, eps,
+                      D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    i = tl.arange(0, HALF)
+    if h < HQ:
+        src, w_ptr = q_ptr + t * stride_qt + h * stride_qh, qw_ptr
+        dst = qo_ptr + (t * HQ + h) * D
+    else:
+        hk = h - HQ
+        src, w_ptr = k_ptr + t * stride_kt + hk * stride_kh, kw_ptr
+        dst = ko_ptr + (t * (tl.num_programs(1) - HQ) + hk) * D
+    dt = qo_ptr.dtype.element_ty
+    x1 = tl.load(src + i).to(tl.float32)
+    x2 = tl.load(src + HALF + i).to(tl.float32)
+    if NORM:
+        r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+        x1 = ((x1 * r).to(dt).to(tl.float32) * tl.load(w_ptr + i).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = ((x2 * r).to(dt).to(tl.float32) * tl.load(w_ptr + HALF + i).to(tl.float32)).to(dt).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_ct + i).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_ct + i).to(tl.float32)
+    a, b = _rope_half(x1, x2, c, s, dt)
+    tl.store(dst + i, a)
+    tl.store(dst + HALF + i, b)
+
+
+def norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+              eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hkv, D] (views with a contiguous last axis; weights [D] or both None;
+    cos, sin [T, D / 2] in q's dtype) -> new contiguous (q, k), normalised per head and rotated."""
+    tokens, hq, d = q.shape
+    hkv = k.shape[1]
+    qo = torch.empty((tokens, hq, d), dtype=q.dtype, device=q.device)
+    ko = torch.empty((tokens, hkv, d), dtype=k.dtype, device=k.device)
+    if tokens:
+        norm = q_weight is not None
+        cos, sin = cos.contiguous(), sin.contiguous()
+        _norm_rope_kernel[(tokens, hq + hkv)](
+            q, k, q_weight if norm else q, k_weight if norm else k, cos, sin, qo, ko,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), hq, eps,
+            D=d, HALF=d // 2, NORM=norm, num_warps=1 if d <= 128 else 2,
+        )
+    return qo, ko
