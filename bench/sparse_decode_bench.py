@@ -86,6 +86,15 @@ def main() -> None:
         for name, fn in (("plan_triton", triton_plans.read_pages), ("plan_torch", torch_primitives.read_pages)):
             ms = graph_ms(lambda fn=fn: fn(scores, lens, PAGE, count=BUDGET - PAGE, last=PAGE))
             report(piece=name, batch=batch, context=context, ms=ms)
+        if a.sweep:
+            for warps in (2, 4, 8, 16, 32):
+                ms = graph_ms(lambda w=warps: triton_plans.read_pages(scores, lens, PAGE, count=BUDGET - PAGE,
+                                                                      last=PAGE, num_warps=w))
+                report(piece="plan_triton_sweep", batch=batch, context=context, num_warps=warps, ms=ms)
+            # scores as a model gives them: many pages near the cut, no early stop of the bisection
+            ranked = torch.randn_like(scores).abs().sqrt()
+            ms = graph_ms(lambda: triton_plans.read_pages(ranked, lens, PAGE, count=BUDGET - PAGE, last=PAGE))
+            report(piece="plan_triton_dense_scores", batch=batch, context=context, ms=ms)
         plan = triton_plans.read_pages(scores, lens, PAGE, count=BUDGET - PAGE, last=PAGE)
         read = ReadPlan(pages=plan)
         read_bytes = 2 * batch * KV_HEADS * plan.shape[-1] * PAGE * DIM * 2

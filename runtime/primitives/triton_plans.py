@@ -70,10 +70,11 @@ def _read_pages_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stride_sh, s
     tl.store(base + N_TOP + tail, tl.where(newest >= 0, newest, -1), mask=tail < N_LAST)
 
 
-def read_pages(scores: torch.Tensor, lengths: torch.Tensor, page: int, *, count, last) -> torch.Tensor:
+def read_pages(scores: torch.Tensor, lengths: torch.Tensor, page: int, *, count, last,
+               num_warps: int | None = None) -> torch.Tensor:
     """`torch_primitives.read_pages` on the GPU: [row, kv_head, n] int32 page-table columns (-1: none)
     from scores [row, kv_head, pages] and lengths [row]; the ranked pages come first, in column
-    order, then the `ceil(last / page)` newest."""
+    order, then the `ceil(last / page)` newest. `num_warps` overrides the launch's (benchmarks)."""
     rows, kv_heads, width = scores.shape
     n_last = max(0, min(ceil(last / page), width))
     n_top = max(0, min(floor(count / page), width - n_last))
@@ -85,6 +86,6 @@ def read_pages(scores: torch.Tensor, lengths: torch.Tensor, page: int, *, count,
     _read_pages_kernel[(rows, kv_heads)](
         scores, lengths, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         width, n_top, n_last, PAGE=page, BLOCK_W=block_w, BLOCK_L=triton.next_power_of_2(max(n_last, 1)),
-        num_warps=max(4, min(16, block_w // 512)),
+        num_warps=num_warps or max(4, min(16, block_w // 512)),
     )
     return out
