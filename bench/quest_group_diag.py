@@ -8,6 +8,7 @@ set per KV head)
 `soft` (the group's per-head softmax of the bound, summed)
 `union` (each head's own
 top pages, read together)
+`split` (each query head's own top budget/group pages, read together: the shared set's bytes)
 `oracle_group` (the true attention mass per page, max over the group).
 Usage: python bench/quest_group_diag.py passkey 4096 10 full,group,head 512   (docs/accuracy.md)"""
 import sys
@@ -49,8 +50,10 @@ def quest_attn(module, query, key, value, attention_mask, scaling=None, dropout=
     if mode.endswith("soft"):
         b = bound.masked_fill(torch.arange(pages) == pages - 1, -float("inf"))
         bound = torch.softmax(b * scaling, -1).view(B, Hkv, g, pages).sum(2).repeat_interleave(g, 1)
-    if mode.endswith("union"):
+    if mode.endswith("union") or mode == "split":
         ntop = CFG["budget"] // P - 1
+        if mode == "split":  # each query head's share of one KV head's budget
+            ntop = max(1, ntop // g)
         b2 = bound.clone()
         b2[..., pages - 1] = -float("inf")
         idx = b2.topk(min(ntop, pages - 1), -1).indices
