@@ -9,6 +9,7 @@ set per KV head)
 `union` (each head's own
 top pages, read together)
 `split` (each query head's own top budget/group pages, read together: the shared set's bytes)
+`centroid_group` (q . the page's mean key, max over the group)
 `oracle_group` (the true attention mass per page, max over the group).
 Usage: python bench/quest_group_diag.py passkey 4096 10 full,group,head 512   (docs/accuracy.md)"""
 import sys
@@ -42,6 +43,10 @@ def quest_attn(module, query, key, value, attention_mask, scaling=None, dropout=
     qv = query[:, :, 0, None, :]
     bound = torch.maximum(qv * kmax, qv * kmin).sum(-1)  # [B,H,pages]
     mode = CFG["mode"]
+    if mode.startswith("centroid"):  # an estimate, not a bound: q . (mean key of the page)
+        kmean = torch.nn.functional.pad(kk, (0, 0, 0, pad)).view(B, H, pages, P, D).sum(3)
+        counts = torch.full((pages,), float(P)); counts[-1] = n - (pages - 1) * P
+        bound = (qv * (kmean / counts[:, None])).sum(-1)
     if mode.startswith("oracle"):
         prob = torch.softmax(logits, -1)
         bound = torch.nn.functional.pad(prob, (0, pad)).view(B, H, pages, P).sum(-1)

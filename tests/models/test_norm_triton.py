@@ -49,5 +49,7 @@ def test_norm_rope(dtype, qk_norm) -> None:
     for got, want in ((got_q, want_q), (got_k, want_k)):
         assert got.is_contiguous() and got.dtype == dtype and got.shape == want.shape
         torch.testing.assert_close(got.float().cpu(), want.float().cpu(), **TOL[dtype])
-    if not qk_norm and dtype == torch.float32:  # no sum: the rotary's operations are the torch path's
+    # no sum: the rotary's operations are the torch path's, bit for bit where the compiler does not
+    # contract x1 * cos - x2 * sin into a fused multiply-add (the interpreter; a GPU build may)
+    if not qk_norm and dtype == torch.float32 and DEV == "cpu":
         assert torch.equal(got_q.cpu(), want_q.cpu()) and torch.equal(got_k.cpu(), want_k.cpu())
