@@ -2,12 +2,13 @@
 
 - The generated roles: `gate <= quantile(gate, sparsity, ...)` makes exactly round(sparsity * heads)
   heads stream, the lowest-gated ones (tests/references/duoattention.streaming_mask).
-- Sparsity 0: no head streams, the greedy tokens are `full`'s; every head streaming: StreamingLLM's
+- Sparsity 0: no head streams, the greedy tokens are `full`'s (tiny Llama and Qwen3); every head streaming: StreamingLLM's
   sink + recent per head (the served streamingllm method at the same sink and window).
 - Sparsity 0.5: the engine equals tests/references/duoattention.py (per-head caches, streaming heads
   cut to sink + recent after every prefill chunk and decode step), tokens and every sampled logit
   row: a batch with chunked prefills beside decodes, prefix caching asked for, a chain continued and
-  forked.
+  forked, a preemption (recomputed as one prefill).
+- Missing gates, or gates of another model's shape, are ConfigErrors that say what to run.
 """
 
 from __future__ import annotations
@@ -160,3 +161,41 @@ def test_missing_gates_say_how_to_calibrate(tmp_path: Path) -> None:
     save_input(bare / GATE_FILE, "gate", torch.rand(3, 2))  # a gate for another model's shape
     with pytest.raises(ConfigError, match="shape"):
         make_llm(bare)
+
+
+def test_preemption_recomputes_as_a_prefill(model_dir, hf, monkeypatch) -> None:
+    """A preempted request recomputes prompt + generated tokens as one prefill, cut once after it."""
+    spy = Logits(monkeypatch)
+    engine = make_llm(model_dir).engine
+    p = prompt(21, 9)
+    params = greedy(9)
+    seq = engine.add_request(p, params)
+    for _ in range(4):  # the prefill and three decode steps: four tokens
+        engine.step()
+    done = len(seq.token_ids) - len(p)
+    engine.scheduler._preempt(seq)
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.num_preemptions == 1
+    check_books(engine)
+    head, head_logits = duo_ref.generate(hf, session(), p, done)
+    tail, tail_logits = duo_ref.generate(hf, session(), p + head, 9 - done)
+    rows = spy.of(params)
+    check(seq.token_ids[len(p):], rows, (head + tail, torch.cat([head_logits, tail_logits])))
+
+
+@pytest.mark.parametrize("arch", ["qwen3"])
+def test_sparsity_zero_is_full_on_qwen3(tmp_path: Path, arch: str) -> None:
+    from transformers import AutoConfig
+
+    from tests.models.tiny import make_tiny_qwen3
+
+    path = make_tiny_qwen3(tmp_path, seed=5, num_hidden_layers=3, initializer_range=0.25)
+    config = AutoConfig.from_pretrained(path)
+    save_input(path / GATE_FILE, "gate", torch.rand(config.num_hidden_layers, config.num_key_value_heads))
+    prompts = [prompt(n, seed) for n, seed in ((23, 1), (41, 2))]
+    full = [o.token_ids for o in make_llm(path, "full").generate(prompts, [greedy(10) for _ in prompts])]
+    zero = make_llm(path, params={"sink": SINK, "recent": RECENT, "sparsity": 0.0}, max_prefill_chunk=8)
+    assert [o.token_ids for o in zero.generate(prompts, [greedy(10) for _ in prompts])] == full
+    half = make_llm(path, max_prefill_chunk=8)
+    assert [o.token_ids for o in half.generate(prompts, [greedy(10) for _ in prompts])] != full
