@@ -2,8 +2,8 @@
 
 - The generated roles: `gate <= quantile(gate, sparsity, ...)` makes exactly round(sparsity * heads)
   heads stream, the lowest-gated ones (tests/references/duoattention.streaming_mask).
-- Sparsity 0: no head streams, the greedy tokens are `full`'s (tiny Llama and Qwen3); every head streaming: StreamingLLM's
-  sink + recent per head (the served streamingllm method at the same sink and window).
+- Sparsity 0: no head streams, the greedy tokens are `full`'s (tiny Llama and Qwen3); every head
+  streaming: StreamingLLM's sink + recent per head (the served streamingllm method at the same sink and window).
 - Sparsity 0.5: the engine equals tests/references/duoattention.py (per-head caches, streaming heads
   cut to sink + recent after every prefill chunk and decode step), tokens and every sampled logit
   row: a batch with chunked prefills beside decodes, prefix caching asked for, a chain continued and
