@@ -199,3 +199,25 @@ def test_sparsity_zero_is_full_on_qwen3(tmp_path: Path, arch: str) -> None:
     assert [o.token_ids for o in zero.generate(prompts, [greedy(10) for _ in prompts])] == full
     half = make_llm(path, max_prefill_chunk=8)
     assert [o.token_ids for o in half.generate(prompts, [greedy(10) for _ in prompts])] != full
+
+
+def test_the_embedded_model_has_shipped_gates(tmp_path: Path) -> None:
+    """A model converted from the embedded GGUF (its kvc_conversion.json names the file) finds the
+    shipped gates, of its shape (30 layers x 3 KV heads); its own directory's file would win."""
+    import json
+
+    from kvc.runtime.default_model import GGUF_NAME
+    from kvc.runtime.models.method_inputs import SHIPPED, find_input, load_input
+
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "kvc_conversion.json").write_text(json.dumps({"source_name": GGUF_NAME}))
+    path = find_input(converted, GATE_FILE)
+    assert path is not None and path.parent.parent == SHIPPED
+    shipped = load_input(path, "gate")
+    assert shipped.shape == (30, 3) and shipped.dtype == torch.float32
+    assert ((shipped >= 0) & (shipped <= 1)).all() and (shipped < 1).any()
+    assert int(roles_of(shipped, 0.5).sum()) == 45
+    save_input(converted / GATE_FILE, "gate", torch.zeros(30, 3))
+    assert find_input(converted, GATE_FILE) == converted / GATE_FILE
+    assert find_input(tmp_path, GATE_FILE) is None  # not converted from a GGUF with shipped inputs
