@@ -202,6 +202,9 @@ class Engine:
         if params.prompt_logprobs is not None and (replay is not None or (chain is not None and not chain.open)):
             raise InvalidSamplingParams("prompt_logprobs: a chain continuation or a replayed prefill does not run "
                                         "the model over the whole prompt", param="prompt_logprobs")
+        if (record is not None or replay is not None) and self.method.chunk_keeps:
+            raise ConfigError(f"method {self.method.name!r} cuts its cache after every prefill chunk, so its forward "
+                              "is its own: it neither records nor replays prefills", param="replay")
         if replay is not None:
             if chain is not None and not chain.open:
                 raise ConfigError("replay: a recorded prefill starts at the prompt's first token; a chain "

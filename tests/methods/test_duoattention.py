@@ -221,3 +221,15 @@ def test_the_embedded_model_has_shipped_gates(tmp_path: Path) -> None:
     save_input(converted / GATE_FILE, "gate", torch.zeros(30, 3))
     assert find_input(converted, GATE_FILE) == converted / GATE_FILE
     assert find_input(tmp_path, GATE_FILE) is None  # not converted from a GGUF with shipped inputs
+
+
+def test_neither_records_nor_replays(model_dir) -> None:
+    """Its later chunks attend to what earlier chunks left: a record of its forward is no other
+    method's, and another method's record is not its forward."""
+    from kvc.runtime.prefill_record import PrefillRecord
+
+    engine = make_llm(model_dir).engine
+    assert engine.method.chunk_keeps
+    for option in ("record", "replay"):
+        with pytest.raises(ConfigError, match="neither records nor replays"):
+            engine.add_request(prompt(12, 1), greedy(2), **{option: PrefillRecord()})
