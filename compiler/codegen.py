@@ -83,6 +83,10 @@ def _manifest(method: MethodIR, lowered: bool, reason: str | None, files: dict[s
     }
     if attention_entry is not None:
         data["attention"] = attention_entry
+    if method.inputs:  # tensors the engine loads for the method (runtime/models/method_inputs.py)
+        data["inputs"] = {i.name: {"dims": list(i.dims), "file": i.file} for i in method.inputs}
+    if method.roles:
+        data["roles"] = sorted(method.roles)
     if reason is not None:
         data["reason"] = reason
     return json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
@@ -110,7 +114,12 @@ def generate_ir(method: MethodIR) -> dict[str, str]:
         raise NotLowerable("a hook written twice (with different `where`s) is not lowered yet")
     end = next((h for h in hooks if h["name"] == "prefill_end"), None)
     hook_params = _literal({code.name: sorted(n for n in code.names if n in params) for code in codes})
+    roles = lower_torch.emit_roles(method)
+    roles_ctx = None if roles is None else {"inputs": sorted(roles.inputs), "lines": roles.lines,
+                                            "unpack": lower_torch.unpack_lines(roles, params)}
     context = {"method": method, "defaults": defaults, "states": _literal([s.name for s in method.states]),
+               "roles": roles_ctx, "role_list": list(method.roles), "role_names": _literal(list(method.roles)),
+               "inputs": _literal({i.name: {"dims": list(i.dims), "file": i.file} for i in method.inputs}),
                "hook_params": hook_params,
                "hooks": hooks, "has_end_keep": bool(end and end["keep"]),
                "has_chunk": "prefill_chunk" in names, "has_read": any(h["read"] for h in hooks)}

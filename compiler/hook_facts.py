@@ -136,4 +136,6 @@ def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
                           "reads": code.read is not None,
                           "attention": attention_reduction(hook), "last": last, "key_local": key_local(method, hook),
                           "rowwise_select": rowwise_select(code)}
+        if code.keep is not None and code.keep.get("role"):  # a per-head keep: only the role's heads evict
+            out[hook.name]["role"] = code.keep["role"]
     return out

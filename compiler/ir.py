@@ -44,11 +44,12 @@ class Value:
 
 @dataclass(frozen=True)
 class Input(Value):
-    """A tensor the engine hands the hook (`q`, `k`, `v`, `attn`), a method state, or a page summary
-    (`summary kmax = max(k, within pages)`: [kv_head, pages, channel], kept current by the store)."""
+    """A tensor the engine hands the hook (`q`, `k`, `v`, `attn`), a method state, a page summary
+    (`summary kmax = max(k, within pages)`: [kv_head, pages, channel], kept current by the store), or
+    a method input loaded from a file (`input gate: [layer, kv_head] from "..."`, read by roles)."""
 
     name: str
-    kind: str  # 'hook' | 'state' | 'summary'
+    kind: str  # 'hook' | 'state' | 'summary' | 'input'
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,19 @@ class Pool(Value):
 
 @dataclass(frozen=True)
 class Elementwise(Value):
-    fn: str  # 'neg' | 'abs' | 'exp' | 'log' | 'sqrt' | 'add' | 'sub' | 'mul' | 'div' | 'max' | 'min'
+    fn: str  # 'neg' | 'abs' | 'exp' | 'log' | 'sqrt' | 'add' | 'sub' | 'mul' | 'div' | 'max' | 'min' | a comparison
     args: tuple[Value, ...]
+
+
+@dataclass(frozen=True)
+class Quantile(Value):
+    """`quantile(x, p, over axes)`: the value below which exactly round(p * n) of the n items lie
+    (the round(p * n)-th smallest; -inf for none), so `x <= quantile(x, p, ...)` holds for exactly
+    round(p * n) items when they are distinct (runtime/primitives/torch_primitives.quantile)."""
+
+    src: Value
+    p: object  # sympy
+    axes: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -110,7 +122,7 @@ class Scalar(Value):
     expr: object
 
 
-TensorValue = Union[Input, Window, Attention, Reduce, Pool, Elementwise, Norm, Scalar]
+TensorValue = Union[Input, Window, Attention, Reduce, Pool, Elementwise, Norm, Quantile, Scalar]
 
 # ---- statements ----------------------------------------------------------------------------
 
@@ -196,6 +208,16 @@ class ParamIR:
     domain: object = None
 
 
+@dataclass(frozen=True)
+class InputIR:
+    """`input NAME: [dims] from "FILE"`: a float32 tensor the engine loads from the model directory
+    (else the shipped defaults for the embedded model; runtime/models/method_inputs.py)."""
+
+    name: str
+    dims: tuple[str, ...]
+    file: str
+
+
 @dataclass
 class MethodIR:
     name: str
@@ -208,6 +230,8 @@ class MethodIR:
     states: list[StateIR] = field(default_factory=list)
     stores: list[str] = field(default_factory=list)  # storage formats, carried as text for later
     hooks: list[HookIR] = field(default_factory=list)
+    inputs: list[InputIR] = field(default_factory=list)
+    roles: dict[str, Value] = field(default_factory=dict)  # role -> a bool mask over (some of) layer, kv_head
     checked: object = field(default=None, repr=False, compare=False)  # the CheckedMethod (compiler/kv_spec.py reads it)
 
     def hook(self, name: str) -> HookIR | None:
@@ -219,6 +243,7 @@ class MethodIR:
 _REDUCERS = {"sum", "mean", "max", "min"}
 _UNARY = {"abs", "exp", "log", "sqrt"}
 _BINOPS = {"+": "add", "-": "sub", "*": "mul", "/": "div"}
+_COMPARISONS = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
 
 
 class _Builder:
@@ -247,7 +272,7 @@ class _Builder:
             if e.id in ("q", "k", "v", "attn"):
                 return Input(self.dims(e), e.id, "hook")
             binding = self.checked.bindings.get(e.id)
-            if binding is not None and binding.kind in ("state", "summary"):
+            if binding is not None and binding.kind in ("state", "summary", "input"):
                 return Input(self.dims(e), e.id, binding.kind)
             if isinstance(e.ty, Tensor):
                 raise NotLowerable(f"cannot lower the tensor '{e.id}' ({binding.kind if binding else '?'})", e.pos)
@@ -262,6 +287,8 @@ class _Builder:
             return Elementwise(self.dims(e), "neg", (self.value(e.operand),))
         if isinstance(e, ast.BinOp) and e.op in _BINOPS and isinstance(e.ty, Tensor):
             return Elementwise(self.dims(e), _BINOPS[e.op], (self.value(e.left), self.value(e.right)))
+        if isinstance(e, ast.Compare) and e.op in _COMPARISONS and isinstance(e.ty, Tensor):
+            return Elementwise(self.dims(e), _COMPARISONS[e.op], (self.value(e.left), self.value(e.right)))
         if isinstance(e, ast.Call):
             return self.call(e)
         raise NotLowerable(f"cannot lower {type(e).__name__} expressions yet", e.pos)
@@ -280,6 +307,9 @@ class _Builder:
             mode = mode_expr.id if mode_expr.id in ("avg", "max") else f"param:{mode_expr.id}"
             axis = e.clause("along").dims[0].name
             return Pool(self.dims(e), self.value(e.args[0]), mode, self.sym(e.args[2]), axis)
+        if name == "quantile":
+            return Quantile(self.dims(e), self.value(e.args[0]), self.sym(e.args[1]),
+                            tuple(d.name for d in e.clause("over").dims))
         if name == "norm":
             return Norm(self.dims(e), self.value(e.args[0]), tuple(d.name for d in e.clause("over").dims))
         if name in _UNARY:
@@ -407,9 +437,13 @@ def build(checked, source: bytes | None = None) -> MethodIR:
                 raise NotLowerable("shared state is not lowered yet", decl.pos)
             init = to_sympy(decl.init, checked.lets) if decl.init is not None else 0
             method.states.append(StateIR(decl.name.name, tuple(d.name for d in decl.shape.dims), init))
+        if isinstance(decl, ast.Input):
+            method.inputs.append(InputIR(decl.name.name, tuple(d.name for d in decl.shape.dims), decl.source.value))
     if method.family not in LOWERED_FAMILIES:
         raise NotLowerable(f"the {method.family} family is not lowered yet (eviction and sparse reads lower so far)")
     builder = _Builder(checked)
+    method.roles = {decl.name.name: builder.value(decl.value) for decl in checked.method.items
+                    if isinstance(decl, ast.Role)}
     method.hooks = [builder.hook(h) for h in checked.hooks]
     return method
 

@@ -22,6 +22,7 @@ HOOK_RULES: dict[str, tuple[bool, frozenset[str]]] = {
     # reads the step's queries and the page summaries (not yet the stored keys, nor the step's k/v)
     "decode_before_attention": (False, frozenset({"q"})),
 }
+ROLE_KEEP_HOOKS = ("prefill_chunk", "step_end")  # where a per-head `keep ... for ROLE` runs (its plans)
 GRANULARITIES = ("kv_head", "layer", "head_adaptive")  # 'global' (across layer) is not lowered yet
 READ_GRANULARITIES = ("kv_head", "layer")
 # a read plan's shape is static (decode stays in CUDA graphs) and one `where` covers the whole batch:
@@ -76,8 +77,10 @@ def problems(method: MethodIR) -> list[str]:
             if isinstance(stmt, Keep):
                 if not may_keep:
                     out.append(f"`keep` is not allowed in {hook.name}")
-                if stmt.role is not None:
-                    out.append("`keep ... for ROLE` is not lowered yet")
+                if stmt.role is not None and stmt.select.top is not None:
+                    out.append("`keep top(...) for ROLE` is not lowered yet (only `first n + last m for ROLE`)")
+                if stmt.role is not None and hook.name not in ROLE_KEEP_HOOKS:
+                    out.append(f"`keep ... for ROLE` in {hook.name} is not lowered yet")
                 top = stmt.select.top
                 if top is not None:
                     value = top.score

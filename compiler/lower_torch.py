@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import sympy as sp
 
 from kvc.compiler.ir import (Accumulate, Assign, Attention, Elementwise, HookIR, Input, Keep, MethodIR, Norm,
-                             NotLowerable, Pool, Read, Reduce, Scalar, Value, Window)
+                             NotLowerable, Pool, Quantile, Read, Reduce, Scalar, Value, Window)
 
 _NUMBER = re.compile(r"[0-9.]+(e-?[0-9]+)?")
 SYMBOLS = ("context", "prompt", "step", "layer", "layers", "heads", "kv_heads", "head_dim")
@@ -34,7 +34,9 @@ ROW = "row"  # the decode batch's axis of a read hook (`batched`)
 _UNARY = {"neg": "-({})", "abs": "torch.abs({})", "exp": "torch.exp({})", "log": "torch.log({})",
           "sqrt": "torch.sqrt({})"}
 _BINARY = {"add": "({} + {})", "sub": "({} - {})", "mul": "({} * {})", "div": "({} / {})",
-           "max": "torch.maximum({}, {})", "min": "torch.minimum({}, {})"}
+           "max": "torch.maximum({}, {})", "min": "torch.minimum({}, {})", "lt": "({} < {})", "le": "({} <= {})",
+           "gt": "({} > {})", "ge": "({} >= {})", "eq": "({} == {})", "ne": "({} != {})"}
+ROLE_DIMS = ("layer", "kv_head")  # a role's mask is laid out over these (a missing axis: size 1)
 
 
 def pyexpr(expr) -> str:
@@ -143,6 +145,11 @@ class _Emitter:
                 mode = f'"{v.mode}"'
             src = self.value(v.src)
             return self.emit(f"_pool({src}, {mode}, {self.scalar(v.kernel)}, {v.src.dims.index(v.axis)})"), v.src.dims
+        if isinstance(v, Quantile):
+            src = self.value(v.src)
+            axes = tuple(v.src.dims.index(a) for a in v.axes)
+            return self.emit(f"_quantile({src}, {self.scalar(v.p)}, {axes})"), \
+                tuple(d for d in v.src.dims if d not in v.axes)
         if isinstance(v, Norm):
             src = self.value(v.src)
             axes = tuple(v.src.dims.index(a) for a in v.axes)
@@ -294,6 +301,11 @@ def emit_hook(hook: HookIR) -> HookCode:
                 code.names |= {"kv_heads", "context"}
                 keep.update(score="scores", count=em.scalar(top.count), granularity=top.granularity,
                             at_least="None" if top.at_least is None else em.scalar(top.at_least))
+            if stmt.role is not None:
+                if top is not None:
+                    raise NotLowerable(f"{hook.name}: `keep top(...) for ROLE` is not lowered yet (only ranges: "
+                                       "`keep first n + last m for ROLE`)")
+                keep["role"] = stmt.role
             code.keep = keep
     if code.read is not None and code.names & {"context", "prompt", "step"}:
         raise NotLowerable(f"{hook.name}: a read may not depend on context, prompt or step yet (its plan is computed "
@@ -303,6 +315,20 @@ def emit_hook(hook: HookIR) -> HookCode:
 
 def emit(method: MethodIR) -> list[HookCode]:
     return [emit_hook(h) for h in method.hooks]
+
+
+def emit_roles(method: MethodIR) -> HookCode | None:
+    """The body of the generated `roles(inputs, params)`: each role's bool mask laid out over
+    (layer, kv_head) in a variable named after the role (None: the method has no roles). Roles
+    read parameters and method inputs only (the checker's rule), so the engine computes them once."""
+    if not method.roles:
+        return None
+    code = HookCode("roles")
+    em = _Emitter(code)
+    for name, value in method.roles.items():
+        var = em.laid_out(em.value(value), value.dims, ROLE_DIMS)
+        code.lines.append(f"{name} = {var}")
+    return code
 
 
 def unpack_lines(code: HookCode, params: list[str]) -> list[str]:

@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvc.runtime.eval.cli import add_command as add_eval_command  # `kvc eval`
 
     add_eval_command(sub)
+    from kvc.runtime.calibrate.cli import add_command as add_calibrate_command  # `kvc calibrate`
+
+    add_calibrate_command(sub)
     return parser
 
 

@@ -80,7 +80,8 @@ class Engine:
                 f"({self.spec.max_position_embeddings})",
                 param="max_model_len",
             )
-        self.method.bind(self.spec.num_layers, self.spec.num_kv_heads)  # the model's shape, for its budget
+        # the model's shape, for its budget; its directory, where the method's input tensors are found
+        self.method.bind(self.spec.num_layers, self.spec.num_kv_heads, model_dir=self.loaded.path)
         kv_spec = self.method.kv_spec(self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype, config.page_size)
         # one layer's page: every per-token tensor of the spec, plus its per-page ones; the rows of
         # its per-sequence tensors (a running sequence's, and an idle chain's) come off the budget first
@@ -137,7 +138,8 @@ class Engine:
             chains=self.chains,
             # may a step write into pages before the newest (copy-on-write of every shared page)?
             compacts=((self.method.compacts or self.method.rewrites) and Hook.PREFILL_END in hooks,
-                      (self.method.compacts or self.method.rewrites) and Hook.STEP_END in hooks),
+                      (self.method.compacts or self.method.rewrites) and Hook.STEP_END in hooks,
+                      self.method.chunk_keeps),
             rows=self.rows,
             residual=self.attention.store.residual_window,
         )
@@ -200,6 +202,9 @@ class Engine:
         if params.prompt_logprobs is not None and (replay is not None or (chain is not None and not chain.open)):
             raise InvalidSamplingParams("prompt_logprobs: a chain continuation or a replayed prefill does not run "
                                         "the model over the whole prompt", param="prompt_logprobs")
+        if (record is not None or replay is not None) and self.method.chunk_keeps:
+            raise ConfigError(f"method {self.method.name!r} cuts its cache after every prefill chunk, so its forward "
+                              "is its own: it neither records nor replays prefills", param="replay")
         if replay is not None:
             if chain is not None and not chain.open:
                 raise ConfigError("replay: a recorded prefill starts at the prompt's first token; a chain "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -179,6 +180,7 @@ class KVMethod(Protocol):
     hooks: frozenset[Hook]
     compacts: bool  # may physical length drop below logical? (then no prefix caching)
     rewrites: bool  # may prefill_end / step_end return RewritePlans (writes into pages before the newest)?
+    chunk_keeps: bool  # may prefill_chunk return KeepPlans (the prompt cut while prefilled; its forward then differs)
     decode_graphs: bool  # may decode steps (and the decode hooks) be CUDA-graph captured?
     budget: KVBudget
     attention: AttentionKernels  # the attention kernels it runs and the decode statistics it reads
@@ -187,11 +189,11 @@ class KVMethod(Protocol):
     query_window: int  # the newest prefill queries `token_scores` reads (0: none)
     tuned_kernels: frozenset[str]  # `kvc tune` groups beyond attention it launches ("compaction", "scores")
 
-    def bind(self, num_layers: int, num_kv_heads: int) -> None: ...
+    def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None) -> None: ...
 
     def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec: ...
 
-    def prefill_chunk(self, layer: int, view: PrefillView) -> None: ...
+    def prefill_chunk(self, layer: int, view: PrefillView) -> Plan | None: ...
 
     def prefill_end(self, layer: int, view: PrefillView) -> Plan | None: ...
 
@@ -225,6 +227,7 @@ class MethodBase:
     hooks: frozenset[Hook] = frozenset()
     compacts = False
     rewrites = False
+    chunk_keeps = False
     decode_graphs = True
     budget: KVBudget = FullBudget()
     attention = AttentionKernels()
@@ -238,13 +241,13 @@ class MethodBase:
         params = ",".join(f"{k}={self.params[k]!r}" for k in sorted(self.params))
         return f"{self.name}({params})"
 
-    def bind(self, num_layers: int, num_kv_heads: int) -> None:
+    def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None) -> None:
         return None
 
     def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec:
         return dense_spec(head_dim, dtype)
 
-    def prefill_chunk(self, layer: int, view: PrefillView) -> None:
+    def prefill_chunk(self, layer: int, view: PrefillView) -> Plan | None:
         return None
 
     def prefill_end(self, layer: int, view: PrefillView) -> Plan | None:

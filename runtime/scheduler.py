@@ -112,7 +112,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, pool: PagePool, num_layers: int = 1, budget: KVBudget | None = None,
-        chains: ChainStore | None = None, compacts: tuple[bool, bool] = (False, False),
+        chains: ChainStore | None = None, compacts: tuple[bool, ...] = (False, False),
         rows: RowPool | None = None, residual: int = 0,
     ) -> None:
         self.config = config
@@ -120,8 +120,9 @@ class Scheduler:
         # the KV spec's per-sequence rows (None: the spec has no per-sequence tensors) and the
         # slots its residual window holds (0: none)
         self.rows, self.residual = rows, residual
-        # may compaction write into a sequence's pages (at prefill end, at decode steps)?
-        self.compacts_prefill, self.compacts_decode = compacts
+        # may compaction write into a sequence's pages: at a prefill's last chunk, at decode steps, at
+        # any prefill chunk (a method whose prefill_chunk keeps)?
+        self.compacts_prefill, self.compacts_decode, self.compacts_chunks = (*compacts, False)[:3]
         self.pool = pool
         self.num_layers = num_layers
         self.budget = budget or FullBudget()
@@ -207,7 +208,8 @@ class Scheduler:
             return 0  # nothing shares its pages
         pool, size = self.pool, self.pool.page_size
         if seq.is_prefill:
-            compacts = self.compacts_prefill and seq.num_computed_tokens + n == seq.prefill_end
+            last = seq.num_computed_tokens + n == seq.prefill_end
+            compacts = self.compacts_chunks or (self.compacts_prefill and last)
         else:
             compacts = self.compacts_decode
         if compacts:

@@ -74,8 +74,8 @@ class StepHooks:
     # ---- hooks and their plans ---------------------------------------------------------------
     def prefill(self, layer: int, q, k, v, batch: ScheduledBatch, output: StepOutput) -> None:
         """prefill_chunk for every prefill chunk of the step, then prefill_end for the chunks that
-        end their sequence's prefill; their keep plans are compacted together (one call), their
-        rewrite plans re-encoded."""
+        end their sequence's prefill; their keep plans (and a chunk-keeping method's prefill_chunk
+        plans) are compacted together (one call), their rewrite plans re-encoded."""
         method = self.method
         starts = np.cumsum([0, *batch.num_new_tokens]).tolist()  # host rows of each sequence's chunk
         jobs: list[tuple[object, CompactionJob]] = []
@@ -91,13 +91,16 @@ class StepHooks:
                 cache=self._cache_view(seq, layer, length, n),
                 memo=None if seq.replay is None else seq.replay.memo,
             )
+            plan = None
             if Hook.PREFILL_CHUNK in method.hooks:
-                method.prefill_chunk(layer, view)
-            if not view.is_last or Hook.PREFILL_END not in method.hooks:
-                continue
-            if self.planes:  # prefill_end stores the state in the layer's planes
-                self._own_pages(seq, layer, len(table))
-            plan = method.prefill_end(layer, view)
+                plan = method.prefill_chunk(layer, view)  # a plan only from a method with `chunk_keeps`
+            if view.is_last and Hook.PREFILL_END in method.hooks:
+                if plan is not None:
+                    raise RuntimeError(f"method {method.name!r} gave keep plans at both prefill_chunk and "
+                                       "prefill_end of one chunk")
+                if self.planes:  # prefill_end stores the state in the layer's planes
+                    self._own_pages(seq, layer, len(table))
+                plan = method.prefill_end(layer, view)
             if plan is None:
                 continue
             if isinstance(plan, RewritePlan):

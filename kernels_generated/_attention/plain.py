@@ -5,6 +5,7 @@
 #   paged_prefill.py.jinja
 # for the methods whose manifests name it:
 #   methods/adakv.kvm
+#   methods/duoattention.kvm
 #   methods/full.kvm
 #   methods/pyramidkv.kvm
 #   methods/snapkv.kvm

@@ -24,6 +24,7 @@ from kvc.runtime.compiled.decode import DecodeHooks, read_decode_facts
 from kvc.runtime.compiled.folder import ALL_QUERIES, GeneratedCode
 from kvc.runtime.compiled.prefill import PrefillHooks
 from kvc.runtime.compiled.read import READ_HOOK, ReadHook
+from kvc.runtime.compiled.roles import RoleKeeps
 from kvc.runtime.compiled.state import SequenceStates
 from kvc.runtime.compiled.step_end import StepEnd, group_mode
 from kvc.runtime.errors import ConfigError
@@ -47,7 +48,10 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         self.lowering, self.hooks_module, self.states = code.lowering, code.hooks, code.states
         self._source_sha256 = manifest.get("source_sha256", "")
         reads_only = set(code.facts) == {READ_HOOK}  # sparse attention alone: every token stays stored
-        if code.end_scores is None and any(code.facts.values()) and not reads_only:
+        self.roles = RoleKeeps.of(name, code, params)  # per-head keeps `for ROLE` (roles.py), or None
+        # may prefill_chunk give keep plans (the prompt is cut while it is prefilled)?
+        self.chunk_keeps = self.roles is not None and "prefill_chunk" in self.roles.keeps
+        if code.end_scores is None and any(code.facts.values()) and not reads_only and not self.chunk_keeps:
             raise ConfigError(f"method {name!r} has decode-time or chunk hooks but no prefill_end selection; the "
                               "engine serves compiled methods whose compression starts at prefill end",
                               param="method")
@@ -60,11 +64,13 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         self.seqs = SequenceStates(name, code.states, facts.planes)
         self.decoder = DecodeHooks(name, params, facts, self.seqs, self.budget, code)
         self._select_fn, self._group_mode = facts.select, group_mode(facts, bool(code.states))
+        if self._role_keep(facts.keep_hook or ""):
+            self._group_mode = None  # per-head counts follow each row's starts: one plan per row
         self._count_memo: dict[tuple, int] = {}
         self.hooks = self._hooks()
         # a method that never keeps (`full`, or one that only reads) stores every token: prefix caching stays on
         self.compacts = any(facts.get("keeps") for facts in code.facts.values())
-        if Hook.STEP_END in self.hooks:
+        if Hook.STEP_END in self.hooks and not self._role_keep("step_end"):
             self.budget.decode_bound = self.decode_bound
         # a chain prune's scorer: the prompt's keep scores (`token_scores`), reading the newest
         # `query_window` prefill queries (-1: every query, H2O's attention sums over the prompt)
@@ -77,7 +83,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
     def _hooks(self) -> frozenset[Hook]:
         """The contract points the engine calls, from what the generated code has."""
         hooks = {Hook.PREFILL_END, Hook.RELEASE} if self.code.end_scores is not None else set()
-        if self.code.chunk_hook is not None or self.window != 0:  # per-chunk state or a query window
+        if self.code.chunk_hook is not None or self.window != 0 or self.chunk_keeps:  # chunk state, queries, keeps
             hooks.add(Hook.PREFILL_CHUNK)
         hooks |= self.decoding.hooks
         if self.states:  # per-sequence state that a chain must carry between turns
@@ -91,11 +97,19 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         """What makes two instances compute the same cache: the method, its parameters, and the
         generated code's source hash (prefix-cache salt; chain records will carry it too)."""
         params = ",".join(f"{k}={self.params[k]!r}" for k in sorted(self.params))
-        return f"{self.name}({params})@{self._source_sha256}"
+        inputs = f"+inputs:{self.roles.digest}" if self.roles is not None else ""  # the calibrated file's content
+        return f"{self.name}({params}){inputs}@{self._source_sha256}"
 
-    def bind(self, num_layers: int, num_kv_heads: int) -> None:
-        """The model's shape, for the budget formulas (called by the engine before admission)."""
+    def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None) -> None:
+        """The model's shape, for the budget formulas (called by the engine before admission), and
+        its directory, where the method's input tensors are found (roles.py)."""
         self.budget.num_layers, self.budget.num_kv_heads = num_layers, num_kv_heads
+        if self.roles is not None:
+            self.roles.bind(num_layers, num_kv_heads, model_dir)
+
+    def _role_keep(self, hook: str) -> bool:
+        """Is `hook`'s keep a per-head keep `for ROLE` (roles.py)?"""
+        return self.roles is not None and hook in self.roles.keeps
 
     def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec:
         """The spec the compiler derived from the .kvm (the generated `kv_spec` of hooks.py, which lists

@@ -35,8 +35,19 @@ class PrefillHooks:
     fused_devices: tuple[str, ...]  # where the fused Triton kernels run
     QUERY_BLOCK_BYTES: int  # the torch path's attention matrix per block of a chunk's queries
     kept_tail: Callable[[str, dict, int], int]
+    chunk_keeps: bool  # does prefill_chunk give keep plans (a keep `for ROLE`)?
+    roles: Any  # RoleKeeps or None
 
-    def prefill_chunk(self, layer: int, view: PrefillView) -> None:
+    def prefill_chunk(self, layer: int, view: PrefillView) -> KeepPlan | None:
+        """The chunk's state (and query window); a keep `for ROLE` in prefill_chunk gives its plan."""
+        self._chunk_state(layer, view)
+        if not self.chunk_keeps:
+            return None
+        sym = self._sym(view, view.q.shape[1], view.cache.num_kv_heads, view.k.shape[-1], view.cache.length)
+        return self.roles.plan("prefill_chunk", layer, sym, view.cache,
+                               self.kept_tail("prefill_chunk", sym, view.cache.length))
+
+    def _chunk_state(self, layer: int, view: PrefillView) -> None:
         key = (view.seq_id, layer)
         q = operand(view.q.transpose(0, 1))  # [Hq, n, D]
         queries, accumulated = self.seqs.queries, self.seqs.prefill

@@ -43,6 +43,8 @@ class StepEnd:
     _group_mode: str | None  # group_mode(decoding, stateful)
     _count_memo: dict[tuple, int]
     kept_tail: Callable[[str, dict, int], int]
+    roles: Any  # RoleKeeps or None (a keep `for ROLE`: per-head counts, roles.py)
+    _role_keep: Callable[[str], bool]
 
     # ---- host-side counts ----------------------------------------------------------------------
     def decode_kept(self, length: int, prompt_len: int, context_len: int, layer: int, kv_heads: int) -> int:
@@ -71,6 +73,8 @@ class StepEnd:
         facts per row; one `decode_kept` per distinct row, rows of a batch mostly share them)."""
         if self.decoding.keep_hook is None:
             return np.zeros(len(lengths), dtype=bool)
+        if self._role_keep(self.decoding.keep_hook):
+            return None  # per-head counts: whether a row is due depends on its heads' starts (step_end decides)
         kv_heads = self.budget.num_kv_heads
         facts = np.stack([lengths, prompt_lens, context_lens], axis=1)
         if len(facts) and (facts == facts[0]).all():
@@ -107,6 +111,11 @@ class StepEnd:
         pending = self.seqs.pending.pop(key, None)
         if self.decoding.keep_hook is None:
             return None
+        if self._role_keep(self.decoding.keep_hook):  # per-head counts (roles.py): due when a head drops N
+            sym = self._step_sym(layer, view, kv_heads)
+            hook = self.decoding.keep_hook
+            return self.roles.plan(hook, layer, sym, view.cache, self.kept_tail(hook, sym, length),
+                                   self.evict_interval)
         count = self.decode_kept(length, view.prompt_len, view.context_len, layer, kv_heads)
         if not self._due(length, count):
             return None

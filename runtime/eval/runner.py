@@ -12,6 +12,8 @@ the engine of every other setting takes those prefills as records: it stores the
 method's prefill hooks and compaction on them, and decodes from there. Engines schedule prefills
 first so that the replaying engines batch exactly as the recording one did. `--no-share-prefill`
 runs the model in every engine instead (the same answers, about as many prefills as settings).
+A method whose prefill_chunk keeps (`chunk_keeps`: DuoAttention's streaming heads are cut after
+every chunk, so a later chunk's forward is its own) neither records nor replays: it prefills itself.
 Cases go in groups whose records fit `record_memory`; a group runs as one batch, greedy. A
 multi-turn task opens a chain per case and asks each later turn through it, so a turn prefills only
 its new suffix over the method's compressed history. `--reference kvpress` runs the same
@@ -207,11 +209,16 @@ class Evaluation:
         groups = self.groups(task, length)
         for g, group in enumerate(groups):
             records = [PrefillRecord() for _ in group] if self.cfg.share_prefill else None
-            for i, setting in enumerate(settings):
+            recorded = False
+            for setting in settings:
                 start = time.perf_counter()
                 llm = self._llm(setting)
                 try:  # the first setting's engine records the prefills (any method's forward is the same)
-                    shared = {} if records is None else {"record": records} if i == 0 else {"replay": records}
+                    if records is None or llm.engine.method.chunk_keeps:  # its own forward: cut while prefilled
+                        shared = {}
+                    else:
+                        shared = {"replay": records} if recorded else {"record": records}
+                        recorded = True
                     outputs[setting].extend(_run_group(llm, group, multi_turn, on_items, **shared))
                 finally:
                     del llm

@@ -85,6 +85,22 @@ def reduce(x, fn, dims):
     return x.amax(dim=dims) if fn == "max" else x.amin(dim=dims)
 
 
+def quantile(x, p, dims):
+    """`quantile(x, p, over dims)`: per remaining index, the k-th smallest of the n entries over
+    `dims`, k = floor(p * n + 1/2) (p * n rounded half up), -inf when k is 0. So `x <= quantile(x, p,
+    ...)` holds for exactly k entries when they are distinct (ties at the threshold all hold):
+    DuoAttention's `streaming = gate <= quantile(gate, sparsity, ...)` makes round(sparsity * n)
+    heads stream, none at sparsity 0 (numpy's interpolated quantile would make one)."""
+    dims = tuple(d % x.dim() for d in dims)
+    rest = [d for d in range(x.dim()) if d not in dims]
+    flat = x.permute(rest + list(dims)).reshape(*[x.shape[d] for d in rest], -1).float()
+    n = flat.shape[-1]
+    k = max(0, min(n, math.floor(p * n + 0.5)))
+    if k == 0:
+        return flat.new_full(flat.shape[:-1], NEG_INF)
+    return flat.sort(dim=-1).values[..., k - 1]
+
+
 def group(x, fn, dim, kv_heads):
     """Fold query heads into their KV head (head h reads KV head h // (heads // kv_heads))."""
     shape = tuple(x.shape)
@@ -130,12 +146,16 @@ def ranked(scores, excluded):
     return order.gather(-1, torch.sort(out, dim=-1, stable=True).indices)
 
 
-def select(scores, length, kv_heads, *, first, last, count, at_least, granularity):
+def select(scores, length, kv_heads, *, first, last, count, at_least, granularity, heads=None, starts=None):
     """Kept key indices per KV head: the ranges, plus the top-ranked other tokens.
 
     Runs where `scores` live (CPU, GPU, or `meta` for shapes only) without reading a value back
     when every head keeps the same count: that count is a function of `length` and the counts
-    alone, so the engine learns kept lengths on the host (a `meta` run) without a device sync."""
+    alone, so the engine learns kept lengths on the host (a `meta` run) without a device sync.
+    `heads` (a keep `for ROLE`: bool per KV head, host values) limits the keep to those heads,
+    the others keeping every stored token; see `select_heads`."""
+    if heads is not None:
+        return select_heads(length, kv_heads, heads, starts, first=first, last=last, device=scores.device)
     device = scores.device
     n_first = clamp_count(first, length) if first is not None else 0
     n_last = clamp_count(last, length) if last is not None else 0
@@ -162,6 +182,28 @@ def select(scores, length, kv_heads, *, first, last, count, at_least, granularit
     position = torch.arange(length, device=device).expand(kv_heads, length)
     order = torch.where(kept, position, position + length).sort(dim=-1).values
     return list(order[:, : length - candidates + n].unbind(0))
+
+
+def select_heads(length, kv_heads, heads, starts=None, *, first, last, device=None):
+    """A range keep `first a + last b for ROLE`, per KV head: head h stores its tokens in slots
+    [starts[h], length) (0 without per-head starts); a head of the role keeps the first a and the
+    last b of its own tokens, any other head keeps all of them. Ascending slot indices per head;
+    counts follow from the host facts alone (lengths, starts, the role's mask)."""
+    kept = []
+    for h in range(kv_heads):
+        start = 0 if starts is None else int(starts[h])
+        own = length - start
+        if not bool(heads[h]):
+            kept.append(torch.arange(start, length, device=device))
+            continue
+        n_first = clamp_count(first, own) if first is not None else 0
+        n_last = clamp_count(last, own) if last is not None else 0
+        if n_first + n_last >= own:
+            kept.append(torch.arange(start, length, device=device))
+            continue
+        kept.append(torch.cat([torch.arange(start, start + n_first, device=device),
+                               torch.arange(length - n_last, length, device=device)]))
+    return kept
 
 
 def read_pages(scores, lengths, page, *, count, last):

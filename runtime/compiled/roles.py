@@ -1,0 +1,101 @@
+"""Per-head keeps of a compiled method: `keep first a + last b for ROLE` (DuoAttention's streaming heads).
+
+docs/design.md, "Per-head keeps (roles)", is the design. A method declares input tensors loaded from
+files (`input gate: [layer, kv_head] from "FILE"`; runtime/models/method_inputs.py finds them) and
+roles, bool masks over (layer, kv_head) computed from inputs and parameters by the generated
+`roles(inputs, params)` once the engine binds the model. A keep `for ROLE` in prefill_chunk or
+step_end gives a `KeepPlan` in which the role's heads keep the ranges of their own stored tokens and
+every other head keeps all of its tokens: per-head variable counts, stored right-aligned with
+per-head start slots (the Ada-KV layout), so the layer still holds as many slots as its most-keeping
+head. Nothing here knows a method by name: inputs, roles and keeps come from the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from kvc.runtime.compiled.folder import GeneratedCode
+from kvc.runtime.errors import ConfigError
+from kvc.runtime.method_api import KeepPlan, LayerCacheView
+from kvc.runtime.models.method_inputs import find_input, load_input
+
+ROLE_HOOKS = ("prefill_chunk", "step_end")
+
+
+class RoleKeeps:
+    """A method's inputs, role masks and its `keep ... for ROLE` hooks (None from `of` without any)."""
+
+    def __init__(self, name: str, code: GeneratedCode, params: dict[str, Any]) -> None:
+        self.name, self.code, self.params = name, code, params
+        self.declared: dict[str, dict] = dict(getattr(code.lowering, "INPUTS", {}))
+        self.roles_fn: Callable = code.required("roles")
+        self.keeps = {hook: facts["role"] for hook, facts in code.facts.items()
+                      if facts.get("keeps") and facts.get("role") and hook in ROLE_HOOKS}
+        self.selects = {hook: code.required(f"{hook}_select") for hook in self.keeps}
+        self.given: dict[str, torch.Tensor] = {}  # inputs set before bind (tests, the calibrator)
+        self.masks: dict[str, list[list[bool]]] | None = None  # role -> [layer][kv_head]
+        self.digest = ""
+
+    @classmethod
+    def of(cls, name: str, code: GeneratedCode, params: dict[str, Any]) -> RoleKeeps | None:
+        if not any(facts.get("role") for facts in code.facts.values()):
+            return None
+        return cls(name, code, params)
+
+    def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None) -> None:
+        """Loads every input (given ones first, else the model directory or the shipped defaults),
+        checks its shape against the model and computes the role masks."""
+        sizes = {"layer": num_layers, "kv_head": num_kv_heads}
+        inputs, digest = {}, hashlib.sha256()
+        for name, decl in sorted(self.declared.items()):
+            value = self.given.get(name)
+            if value is None:
+                path = find_input(model_dir, decl["file"])
+                if path is None:
+                    where = f"the model directory {model_dir}" if model_dir is not None else "a model directory"
+                    raise ConfigError(f"method {self.name!r} needs its input {name!r} from {decl['file']!r}, which "
+                                      f"{where} does not hold (no shipped default for this model either); write it "
+                                      f"with `kvc calibrate {self.name} --model DIR`", param="method")
+                value = load_input(path, name)
+            shape = tuple(sizes.get(d, -1) for d in decl["dims"])
+            if tuple(value.shape) != shape:
+                raise ConfigError(f"method {self.name!r}: input {name!r} has shape {tuple(value.shape)}, the model "
+                                  f"needs {shape} ({', '.join(decl['dims'])}); recalibrate it for this model",
+                                  param="method")
+            inputs[name] = value.float().cpu()
+            digest.update(name.encode() + value.float().cpu().numpy().tobytes())
+        masks = self.roles_fn(inputs, self.params)
+        self.masks = {role: mask.expand(num_layers, num_kv_heads).tolist() for role, mask in masks.items()}
+        self.digest = digest.hexdigest()[:16]
+
+    def heads(self, hook: str, layer: int) -> list[bool]:
+        """Which KV heads of `layer` the keep of `hook` applies to."""
+        if self.masks is None:
+            raise RuntimeError(f"method {self.name!r}: roles are computed when the engine binds the model")
+        return self.masks[self.keeps[hook]][layer]
+
+    def kept(self, hook: str, layer: int, sym: dict, starts: list[int] | None) -> list[torch.Tensor]:
+        """The generated selection of `hook` over the layer's stored tokens (CPU index tensors)."""
+        return self.selects[hook](torch.empty(0), sym, self.params, self.heads(hook, layer), starts)
+
+    def plan(self, hook: str, layer: int, sym: dict, cache: LayerCacheView, tail: int,
+             interval: int = 1) -> KeepPlan | None:
+        """The keep plan of `hook` for one sequence's layer, or None when no head would drop
+        `interval` tokens (no head of the role, or every one within its ranges). Per-head counts
+        stay a CPU tensor (host facts: the engine reads no device value)."""
+        starts = cache.starts or [0] * cache.num_kv_heads
+        kept = self.kept(hook, layer, sym, cache.starts)
+        counts = [int(t.numel()) for t in kept]
+        if max(cache.length - start - count for start, count in zip(starts, counts)) < interval:
+            return None
+        device = cache.device
+        if len(set(counts)) == 1:
+            return KeepPlan(torch.stack(kept).to(device=device, dtype=torch.long), tail=tail)
+        indices = torch.zeros((len(kept), max(counts)), dtype=torch.long)
+        for head, t in enumerate(kept):
+            indices[head, : counts[head]] = t
+        return KeepPlan(indices.to(device), torch.tensor(counts, dtype=torch.long), tail=tail)
