@@ -154,6 +154,9 @@ class DecodeView:
     # method's `attention.decode_stats` says; filled by the decode attention before
     # decode_after_attention (None when the method asks for none, and in decode_before_attention)
     attn_stats: torch.Tensor | None = None
+    # [B] int32: the tokens each row's prefill covered in this layer (the hook's `prompt`; the step's
+    # generated tokens are the slots from there to `context_lens`)
+    prompt_lens: torch.Tensor | None = None
 
 
 @dataclass
