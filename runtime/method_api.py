@@ -157,6 +157,9 @@ class DecodeView:
     # [B] int32: the tokens each row's prefill covered in this layer (the hook's `prompt`; the step's
     # generated tokens are the slots from there to `context_lens`)
     prompt_lens: torch.Tensor | None = None
+    # a host bound on context_lens (the step's longest row, or a decode graph's context bucket): how
+    # many slots of the tables a hook that reads the stored keys needs (None: the whole table)
+    max_context_len: int | None = None
 
 
 @dataclass

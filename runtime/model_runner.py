@@ -294,7 +294,8 @@ class ModelRunner:
                                   md.context_lens[layer, :d], self.store, scale,
                                   None if batch is None else _decode_rows(batch, layer),
                                   kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d],
-                                  prompt_lens=None if md.prompt_lens is None else md.prompt_lens[layer, :d])
+                                  prompt_lens=None if md.prompt_lens is None else md.prompt_lens[layer, :d],
+                                  max_context_len=md.max_context_len)
             read = None
             if view is not None and Hook.DECODE_BEFORE_ATTENTION in hooks:
                 read = method.decode_before_attention(layer, view)  # a ReadPlan, or None: every slot

@@ -100,13 +100,16 @@ class ReadHook:
 
 
 def _stored_keys(view: DecodeView) -> torch.Tensor:
-    """Each row's keys [B, Hkv, W, D] through its page table (W: the table's slots), the step's own key
-    (not stored yet: attention writes it) at its slot `context_lens - 1`."""
+    """Each row's keys [B, Hkv, W, D] through its page table (W: the slots of the pages that
+    `view.max_context_len` needs, else of the whole table), the step's own key (not stored yet:
+    attention writes it) at its slot `context_lens - 1`."""
     try:
         cache = view.store.k_cache  # [pages + 1, Hkv, S, D]
     except TypeError as e:
         raise ConfigError(f"a decode hook that reads the stored keys needs them dense ({e})", param="method") from None
     tables = view.block_tables.long()  # [B, P]
+    if view.max_context_len is not None:
+        tables = tables[:, :max(1, -(-view.max_context_len // cache.shape[2]))]
     batch, pages = tables.shape
     keys = cache[tables].permute(0, 2, 1, 3, 4).reshape(batch, cache.shape[1], pages * cache.shape[2], cache.shape[3])
     slot = (view.context_lens.long() - 1).clamp(min=0)  # padding rows (length 0) write a slot nobody reads
