@@ -25,7 +25,7 @@ from . import torch_lowering  # relative: the engine also loads this folder by p
 
 METHOD = "omnikv"
 FAMILY = "sparse"
-DEFAULTS = {'filters': [18], 'selected': 0.067}
+DEFAULTS = {'filters': [8, 18], 'selected': 0.067}
 HOOKS = ['decode_before_attention']
 
 score = torch_lowering.score

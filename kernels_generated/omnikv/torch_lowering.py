@@ -48,7 +48,7 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
 
 METHOD = "omnikv"
 FAMILY = "sparse"
-DEFAULTS = {'filters': [18], 'selected': 0.067}
+DEFAULTS = {'filters': [8, 18], 'selected': 0.067}
 STATES = []
 # the parameters each hook reads: what a hook computes from its inputs and no parameter is the same
 # under every parameter (a replayed prefill's chunk state is computed once for every budget)
@@ -57,14 +57,14 @@ NEG_INF = float("-inf")
 
 
 def decode_before_attention_1_runs(sym, params):
-    """Whether `on decode_before_attention` (methods/omnikv.kvm:19) runs in this layer."""
+    """Whether `on decode_before_attention` (methods/omnikv.kvm:21) runs in this layer."""
     filters = params["filters"]
     layer = sym["layer"]
     return bool((layer in filters))
 
 
 def decode_before_attention_1(inputs, shared, sym, params):
-    """`on decode_before_attention` (methods/omnikv.kvm:19) over a decode batch: chooses `chosen`."""
+    """`on decode_before_attention` (methods/omnikv.kvm:21) over a decode batch: chooses `chosen`."""
     if not decode_before_attention_1_runs(sym, params):
         return None
     k = inputs["k"]
@@ -85,14 +85,14 @@ def decode_before_attention_1(inputs, shared, sym, params):
 
 
 def decode_before_attention_2_runs(sym, params):
-    """Whether `on decode_before_attention` (methods/omnikv.kvm:22) runs in this layer."""
+    """Whether `on decode_before_attention` (methods/omnikv.kvm:24) runs in this layer."""
     filters = params["filters"]
     layer = sym["layer"]
     return bool(not (layer in filters) and (layer > min(filters)))
 
 
 def decode_before_attention_2(inputs, shared, sym, params):
-    """`on decode_before_attention` (methods/omnikv.kvm:22) over a decode batch: the token read plan."""
+    """`on decode_before_attention` (methods/omnikv.kvm:24) over a decode batch: the token read plan."""
     if not decode_before_attention_2_runs(sym, params):
         return None
     context = sym["context"]
