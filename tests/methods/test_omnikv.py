@@ -7,8 +7,9 @@ against the hand-written oracle (tests/references/omnikv.py, the paper's algorit
 - With `selected = 1.0` OmniKV's greedy tokens are `full`'s (tiny Llama and Qwen3); with a small
   fraction they are not.
 - Served with a small fraction it equals the reference, tokens and every sampled logit row: a batch
-  with chunked prefills beside decodes, a prefix-cache hit, a chain continued and forked, the
-  CUDA-graph step run uncaptured (static buffers, padding rows), and a hook that reads no host value.
+  with chunked prefills beside decodes, a prefix-cache hit, a chain continued and forked, a
+  preemption (recomputed as a longer prefill, with and without prefix caching), the CUDA-graph step
+  run uncaptured (static buffers, padding rows), and a hook that reads no host value.
 """
 
 from __future__ import annotations
@@ -290,3 +291,34 @@ def test_the_graph_step_run_uncaptured(model_dir, hf, monkeypatch) -> None:
     assert 3 in replays  # bucket 4: one padding row
     for p, out in zip(prompts, outs):
         assert out.token_ids == ref.generate(hf, session(), p, 8)[0]
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preemption_recomputes_as_a_prefill(model_dir, hf, monkeypatch, prefix_caching: bool) -> None:
+    """A preempted request recomputes its prompt and what it generated as one prefill, which is then
+    the `prompt` its choices count (the engine's rule for every method)."""
+    spy = Logits(monkeypatch)
+    llm = make_llm(model_dir, enable_prefix_caching=prefix_caching)
+    engine = llm.engine
+    p = prompt(21, 9)
+    params = greedy(9)
+    seq = engine.add_request(p, params)
+    for _ in range(4):  # the prefill and three decode steps: four tokens
+        engine.step()
+    done = len(seq.token_ids) - len(p)
+    engine.scheduler._preempt(seq)
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.num_preemptions == 1
+    check_books(engine)
+    before = session()
+    head, head_logits = ref.generate(hf, before, p, done)
+    tokens = p + head
+    if prefix_caching:  # every full page but the one holding the last token is a hit
+        hit = (len(tokens) - 1) // PAGE * PAGE
+        assert seq.num_cached_tokens == hit
+        again = before.truncate(hit)
+    else:
+        hit, again = 0, session()
+    tail, tail_logits = ref.generate(hf, again, tokens[hit:], 9 - done)
+    check(seq.generated_ids, spy.of(params), (head + tail, torch.cat([head_logits, tail_logits])))
