@@ -30,7 +30,8 @@ from kvc.runtime.errors import ConfigError
 from kvc.runtime.method_api import DecodeView, ReadPlan
 
 READ_HOOK = "decode_before_attention"
-ENGINE_INPUTS = {"q", "k"}  # what the engine hands a read hook beside the summaries
+ENGINE_INPUTS = {"q"}  # what the engine hands a read hook beside the summaries
+TOKEN_INPUTS = {"q", "k"}  # a hook of token plans also gets the rows' stored keys
 
 
 class ReadHook:
@@ -46,10 +47,11 @@ class ReadHook:
         self.runs = getattr(lowering, f"{READ_HOOK}_runs", None)
         self.read = getattr(lowering, f"{READ_HOOK}_read", None)
         self.summaries = [n for n in inputs if n in summaries]
-        unknown = set(inputs) - ENGINE_INPUTS - set(self.summaries)
+        unknown = set(inputs) - (TOKEN_INPUTS if tokens else ENGINE_INPUTS) - set(self.summaries)
         if unknown:
             raise ConfigError(f"method {name!r}: decode_before_attention reading {', '.join(sorted(unknown))} is not "
-                              "served yet (it gets q and the page summaries)", param="method")
+                              "served yet (a page read gets q and the page summaries, a token read q and the stored "
+                              "keys)", param="method")
 
     @classmethod
     def of(cls, code: GeneratedCode) -> ReadHook | None:
