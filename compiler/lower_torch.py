@@ -266,10 +266,17 @@ def _emit_token_read(em: _Emitter, code: HookCode, stmt: Read) -> None:
 
 def _emit_choose(em: _Emitter, code: HookCode, stmt: Choose) -> None:
     """`chosen = top(score, count)` (one set for every head of a row): the score [row, key] float32 and
-    the count, with its static bound: the count where every row symbol is the batch's key width."""
+    the count, with its static bound: the count where every row symbol is the batch's key width. That
+    bounds every row only if the count does not shrink as a row grows: a count falling with a row
+    symbol (`n - prompt`) is refused."""
     top = stmt.select.top
     if top is None or stmt.select.first is not None or stmt.select.last is not None or top.granularity != "layer":
         raise NotLowerable("a shared selection is lowered as one `top(score, count)` for every head yet")
+    count = sp.sympify(top.count)
+    for name in ROW_SYMBOLS:
+        if sp.diff(count, sp.Symbol(name)).is_negative:
+            raise NotLowerable(f"a shared selection's count may not fall as {name} grows (its static width is the "
+                               "count at the batch's widest row)")
     score = em.laid_out(em.value(top.score), top.score.dims, (ROW, "key"))
     code.lines.append(f"scores = {score}.float()")
     width = sp.Symbol("width")

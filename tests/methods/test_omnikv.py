@@ -322,3 +322,26 @@ def test_preemption_recomputes_as_a_prefill(model_dir, hf, monkeypatch, prefix_c
         hit, again = 0, session()
     tail, tail_logits = ref.generate(hf, again, tokens[hit:], 9 - done)
     check(seq.generated_ids, spy.of(params), (head + tail, torch.cat([head_logits, tail_logits])))
+
+
+@pytest.mark.parametrize("change, reason", [
+    ("selected * prompt)", None),
+    ("selected * prompt, per kv_head)", "one `top(score, count)` for every head"),
+])
+def test_choices_the_compiler_refuses(tmp_path: Path, change: str, reason: str | None) -> None:
+    """A shared choice is one set of tokens for every head of a row (the unchanged method lowers; one
+    per KV head is refused with the reason). A count that falls as a row grows, which the static
+    width could not bound, the checker already refuses (a negative count at long prompts)."""
+    from kvc.compiler.codegen import generate
+    from kvc.dsl import METHODS_DIR
+
+    text = (METHODS_DIR / "omnikv.kvm").read_text().replace("selected * prompt)", change)
+    if "per kv_head" in change:
+        text = text.replace("over head, query)", "over group, query)").replace(
+            "shared chosen: selection[key]", "shared chosen: selection[kv_head, key]")
+    path = tmp_path / "omnikv.kvm"
+    path.write_text(text)
+    manifest = json.loads(generate(path)["manifest.json"])
+    assert manifest["lowered"] == (reason is None), manifest.get("reason")
+    if reason is not None:
+        assert reason in manifest["reason"]
