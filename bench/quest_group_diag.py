@@ -45,7 +45,8 @@ def quest_attn(module, query, key, value, attention_mask, scaling=None, dropout=
     mode = CFG["mode"]
     if mode.startswith("centroid"):  # an estimate, not a bound: q . (mean key of the page)
         kmean = torch.nn.functional.pad(kk, (0, 0, 0, pad)).view(B, H, pages, P, D).sum(3)
-        counts = torch.full((pages,), float(P)); counts[-1] = n - (pages - 1) * P
+        counts = torch.full((pages,), float(P))
+        counts[-1] = n - (pages - 1) * P
         bound = (qv * (kmean / counts[:, None])).sum(-1)
     if mode.startswith("oracle"):
         prob = torch.softmax(logits, -1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pprint
+from collections import Counter
 from pathlib import Path
 
 import jinja2
@@ -103,17 +104,32 @@ def generate_ir(method: MethodIR) -> dict[str, str]:
     params = [p.name for p in method.params]
     defaults = _literal(method.values)
     hooks = []
-    for code in codes:
+    written = Counter(code.name for code in codes)
+    seen: Counter = Counter()
+    for hook_ir, code in zip(method.hooks, codes):
         unpack = lower_torch.unpack_lines(code, params)
-        hooks.append({"name": code.name, "fn": code.name, "line": next(h.line for h in method.hooks
-                                                                          if h.name == code.name),
+        seen[code.name] += 1
+        fn = code.name if written[code.name] == 1 else f"{code.name}_{seen[code.name]}"
+        tokens = code.rows and (code.read is None or "tokens" in code.read)  # a batched hook of token plans
+        where_names = set() if hook_ir.where is None else lower_torch.names_in(hook_ir.where)
+        unpack_where = [line for line in unpack if line.split(" = ")[0] in where_names]
+        hooks.append({"name": code.name, "fn": fn, "line": hook_ir.line, "unpack_where": unpack_where,
                       "inputs": sorted(code.inputs), "unpack": unpack, "unpack_select": unpack,
-                      "lines": code.lines, "keep": code.keep, "read": code.read, "where": code.where})
-    names = [h["name"] for h in hooks]
-    if len(set(names)) != len(names):
-        raise NotLowerable("a hook written twice (with different `where`s) is not lowered yet")
+                      "lines": code.lines, "keep": code.keep, "read": code.read, "where": code.where,
+                      "choose": code.choose, "tokens": tokens})
+    names = list(dict.fromkeys(h["name"] for h in hooks))
+    dispatch = []  # a hook written more than once (different `where`s): one entry point runs each
+    for name in (n for n in names if written[n] > 1):
+        parts = [h for h in hooks if h["name"] == name]
+        if not all(h["tokens"] for h in parts):
+            raise NotLowerable(f"{name} written twice (with different `where`s) is lowered for hooks that choose or "
+                               "read shared selections only yet")
+        dispatch.append({"name": name, "fns": [h["fn"] for h in parts]})
     end = next((h for h in hooks if h["name"] == "prefill_end"), None)
-    hook_params = _literal({code.name: sorted(n for n in code.names if n in params) for code in codes})
+    read_params: dict[str, set[str]] = {}
+    for code in codes:
+        read_params.setdefault(code.name, set()).update(n for n in code.names if n in params)
+    hook_params = _literal({name: sorted(used) for name, used in read_params.items()})
     roles = lower_torch.emit_roles(method)
     roles_ctx = None if roles is None else {"inputs": sorted(roles.inputs), "lines": roles.lines,
                                             "unpack": lower_torch.unpack_lines(roles, params)}
@@ -121,8 +137,10 @@ def generate_ir(method: MethodIR) -> dict[str, str]:
                "roles": roles_ctx, "role_list": list(method.roles), "role_names": _literal(list(method.roles)),
                "inputs": _literal({i.name: {"dims": list(i.dims), "file": i.file} for i in method.inputs}),
                "hook_params": hook_params,
-               "hooks": hooks, "has_end_keep": bool(end and end["keep"]),
-               "has_chunk": "prefill_chunk" in names, "has_read": any(h["read"] for h in hooks)}
+               "hooks": hooks, "has_end_keep": bool(end and end["keep"]), "dispatch": dispatch,
+               "has_chunk": "prefill_chunk" in names,
+               "has_read": any(h["read"] and not h["tokens"] for h in hooks),
+               "has_tokens": any(h["tokens"] for h in hooks)}
     files = {"torch_lowering.py": _ENV.get_template(TORCH_TEMPLATE).render(
         header=_header(method.path, TORCH_TEMPLATE), **context)}
     templates = [TORCH_TEMPLATE, HOOKS_TEMPLATE]

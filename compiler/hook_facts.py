@@ -25,6 +25,9 @@ keep, in order, so the chain cache knows how far back a session's stored tail is
 
 `reads`: the hook answers with a read plan (a `read` in decode_before_attention: the lowering has
 `<hook>_scores`, `<hook>_read` and `<hook>`, over a whole decode batch; runtime/compiled/read.py).
+`tokens`: the hook chooses or reads shared selections, token plans (the lowering has one `<hook>`
+over a whole decode batch, with per-row symbols and the layers' shared selections). A hook written
+with several `where`s is one entry: its inputs joined, `reads` if any part reads, `where` any part's.
 
 A keeping hook states `rowwise_select` too: its selection keeps each KV head's tokens from that
 head's score row and the symbols alone (granularity `none`, `kv_head` or `layer`, not
@@ -129,13 +132,19 @@ def rowwise_select(code: HookCode) -> bool:
 def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
     """manifest["hooks"]: per hook name, its inputs, keep, where, attention reduction, kept tail,
     whether it is key-local and whether its selection is row-wise."""
-    out = {}
+    out: dict[str, dict] = {}
     for hook, code in zip(method.hooks, codes):
         last = None if code.keep is None or code.keep["last"] == "None" else code.keep["last"]
-        out[hook.name] = {"inputs": sorted(code.inputs), "keeps": code.keep is not None, "where": code.where,
-                          "reads": code.read is not None,
-                          "attention": attention_reduction(hook), "last": last, "key_local": key_local(method, hook),
-                          "rowwise_select": rowwise_select(code)}
+        fact = {"inputs": sorted(code.inputs), "keeps": code.keep is not None, "where": code.where,
+                "reads": code.read is not None, "tokens": code.rows and (code.read is None or "tokens" in code.read),
+                "attention": attention_reduction(hook), "last": last, "key_local": key_local(method, hook),
+                "rowwise_select": rowwise_select(code)}
         if code.keep is not None and code.keep.get("role"):  # a per-head keep: only the role's heads evict
-            out[hook.name]["role"] = code.keep["role"]
+            fact["role"] = code.keep["role"]
+        before = out.get(hook.name)
+        if before is not None:  # the same hook under another `where` (codegen allows it for token hooks)
+            wheres = [w for w in (before["where"], code.where) if w is not None]
+            fact.update(inputs=sorted(set(before["inputs"]) | code.inputs), reads=before["reads"] or fact["reads"],
+                        where=None if len(wheres) < 2 else " or ".join(f"({w})" for w in wheres))
+        out[hook.name] = fact
     return out

@@ -137,11 +137,13 @@ class TopK:
 
 @dataclass(frozen=True)
 class Select:
-    """`top(...) + first a + last b`: ranges are forced, top ranks the other tokens."""
+    """`top(...) + first a + last b`: ranges are forced, top ranks the other tokens; `shared` names a
+    shared selection that another layer chose (`read chosen + last n`)."""
 
     top: TopK | None
     first: object = None  # sympy or None
     last: object = None
+    shared: str | None = None
 
 
 @dataclass(frozen=True)
@@ -167,14 +169,24 @@ class Keep:
 class Read:
     """`read top(score, count) + last n` over the pages of a `split(key, size = page)` partition
     (sparse attention in decode_before_attention): counts stay in tokens, `page` is the partition's
-    size in tokens (sympy); the lowering turns them into pages (docs/design.md, "Plans")."""
+    size in tokens (sympy); the lowering turns them into pages (docs/design.md, "Plans"). Over
+    single tokens (`item` key, `page` 1): `read chosen + last n`, a shared selection plus a range."""
 
     select: Select
-    item: str  # the partition axis the selection is over (e.g. `pages`)
+    item: str  # the partition axis the selection is over (e.g. `pages`, or `key`)
     page: object  # sympy: tokens per item
 
 
-Stmt = Union[Assign, Accumulate, Keep, Read]
+@dataclass(frozen=True)
+class Choose:
+    """`chosen = top(...)` into a shared selection (decode_before_attention): the tokens this layer
+    chooses in this decode step, read by the layers after it (OmniKV's filter layers)."""
+
+    shared: str
+    select: Select
+
+
+Stmt = Union[Assign, Accumulate, Keep, Read, Choose]
 
 
 @dataclass(frozen=True)
@@ -191,6 +203,15 @@ class HookIR:
     @property
     def reads(self) -> list[Read]:
         return [s for s in self.stmts if isinstance(s, Read)]
+
+    @property
+    def chooses(self) -> list[Choose]:
+        return [s for s in self.stmts if isinstance(s, Choose)]
+
+    @property
+    def batched(self) -> bool:
+        """Runs once over a whole decode batch (a read, or a choice that a later layer reads)."""
+        return bool(self.reads or self.chooses)
 
 
 @dataclass(frozen=True)
@@ -229,6 +250,7 @@ class MethodIR:
     lets: dict[str, str]  # name -> formula text (documentation and the manifest)
     states: list[StateIR] = field(default_factory=list)
     stores: list[str] = field(default_factory=list)  # storage formats, carried as text for later
+    shared: list[str] = field(default_factory=list)  # shared selections (chosen in a step, read by later layers)
     hooks: list[HookIR] = field(default_factory=list)
     inputs: list[InputIR] = field(default_factory=list)
     roles: dict[str, Value] = field(default_factory=dict)  # role -> a bool mask over (some of) layer, kv_head
@@ -327,7 +349,7 @@ class _Builder:
                 parts.append(x)
 
         flatten(e)
-        top, first, last = None, None, None
+        top, first, last, shared = None, None, None, None
         for p in parts:
             if isinstance(p, ast.Range):
                 count = self.sym(p.count)
@@ -337,9 +359,15 @@ class _Builder:
                     last = count if last is None else last + count  # `last a + last b` would be max; rare
             elif isinstance(p, ast.Call) and p.func.name == "top" and top is None:
                 top = self.top(p, items)
+            elif isinstance(p, ast.Name) and self._is_shared(p.id) and shared is None:
+                shared = p.id
             else:
                 raise NotLowerable("only `top(...)`, `first n` and `last n` selections are lowered yet", p.pos)
-        return Select(top, first, last)
+        return Select(top, first, last, shared)
+
+    def _is_shared(self, name: str) -> bool:
+        binding = self.checked.bindings.get(name)
+        return binding is not None and binding.kind == "shared"
 
     def top(self, e: ast.Call, items: tuple[str, ...] = ("key",)) -> TopK:
         ty: Selection = e.ty
@@ -365,8 +393,12 @@ class _Builder:
         ty = s.selection.ty
         item = getattr(ty, "item", "key")
         if item == "key":
-            raise NotLowerable("`read` of single tokens is not lowered yet (only pages of a `split` partition)",
-                               s.pos)
+            select = self.selection(s.selection)
+            if select.top is not None or select.shared is None:
+                raise NotLowerable("`read` of single tokens is lowered for a shared selection plus ranges only "
+                                   "(`read chosen + last n`; a ranked read goes over pages of a `split` partition)",
+                                   s.pos)
+            return Read(select, item, 1)
         if item not in self._summarised():
             raise NotLowerable(f"`read` over {item}, which no `summary ... within {item}` of a `split(key, size = n)` "
                                "partition describes, is not lowered yet", s.pos)
@@ -392,8 +424,13 @@ class _Builder:
             if isinstance(s, ast.Assign):
                 if s.target.index is not None:
                     raise NotLowerable("writes to shared state are not lowered yet", s.pos)
-                value = self.value(s.value)
                 name = s.target.name.name
+                if self._is_shared(name):
+                    if not isinstance(s.value.ty, Selection):
+                        raise NotLowerable("a shared value other than a selection is not lowered yet", s.pos)
+                    stmts.append(Choose(name, self.selection(s.value)))
+                    continue
+                value = self.value(s.value)
                 if self.checked.bindings.get(name) is not None and self.checked.bindings[name].kind == "state":
                     raise NotLowerable("state assignment is not lowered yet (only `+=`)", s.pos)
                 self.env[name] = value
@@ -434,7 +471,10 @@ def build(checked, source: bytes | None = None) -> MethodIR:
             method.stores.append(f"store {decl.target.name}")
         if isinstance(decl, ast.State):
             if decl.shared:
-                raise NotLowerable("shared state is not lowered yet", decl.pos)
+                if not isinstance(checked.bindings[decl.name.name].type, Selection):
+                    raise NotLowerable("shared state other than a selection is not lowered yet", decl.pos)
+                method.shared.append(decl.name.name)
+                continue
             init = to_sympy(decl.init, checked.lets) if decl.init is not None else 0
             method.states.append(StateIR(decl.name.name, tuple(d.name for d in decl.shape.dims), init))
         if isinstance(decl, ast.Input):

@@ -20,8 +20,9 @@ What maps to what (docs/compiler.md, "The KV spec"; the runtime's rules: docs/de
   plane per state, in declaration order, then `decode_after_attention.scores` when it keeps
   (what `DecodeHooks` keeps in paged planes, runtime/methods_compiled_decode.py);
 - a head-adaptive keep (`top(..., across kv_head)`): `head_starts`.
+A shared selection that a lowered decode_before_attention chooses in every step stores nothing.
 Anything else that stores data per token (rotations, codebooks, low-rank projections, clusters,
-shared selections, state kept per sequence) is left out and named in `reasons` with its position.
+other shared state, state kept per sequence) is left out and named in `reasons` with its position.
 """
 
 from __future__ import annotations
@@ -284,6 +285,9 @@ class _Deriver:
             self.unfit(after_hook, "decode_after_attention: whether its state and pending scores live in paged "
                                    "planes (key-local) is derived for lowered methods only")
         for d in (d for d in self.checked.method.items if isinstance(d, ast.State)):
+            if d.shared and facts is not None and self.checked.bindings[d.name.name].kind == "shared" and \
+                    _chosen_each_step(facts):
+                continue  # chosen afresh in every decode step and handed down its layers: nothing stored
             if d.shared:
                 self.unfit(d, f"shared {d.name.name}: one value per sequence seen by every layer is not in the spec "
                               "yet")
@@ -294,6 +298,12 @@ class _Deriver:
                               "the state of a key-local decode_after_attention is paged)")
         if paged and after.get("keeps"):
             spec.tensors.append(TensorDesc(SCORES_PLANE, "token", "float32", state=True))
+
+
+def _chosen_each_step(facts: dict) -> bool:
+    """A lowered decode_before_attention of token plans chooses the method's shared selections anew in
+    every step (runtime/compiled/read.py keeps them for the step's later layers only)."""
+    return bool(facts.get("decode_before_attention", {}).get("tokens"))
 
 
 def _scale_sharing(stage: ast.Call) -> str:

@@ -9,7 +9,7 @@ engine contract cannot run yet. It returns problems; `check` raises the first as
 
 from __future__ import annotations
 
-from kvc.compiler.ir import Accumulate, Assign, Attention, Input, Keep, MethodIR, NotLowerable, Read, Window
+from kvc.compiler.ir import Accumulate, Assign, Attention, Choose, Input, Keep, MethodIR, NotLowerable, Read, Window
 from kvc.compiler.lower_torch import names_in
 
 # hook -> (may keep, hook inputs it has)
@@ -19,8 +19,8 @@ HOOK_RULES: dict[str, tuple[bool, frozenset[str]]] = {
     "decode_after_attention": (True, frozenset({"q", "k", "v", "attn"})),
     "step_end": (True, frozenset({"q", "k", "v"})),
     "turn_end": (True, frozenset({"k", "v"})),
-    # reads the step's queries and the page summaries (not yet the stored keys, nor the step's k/v)
-    "decode_before_attention": (False, frozenset({"q"})),
+    # reads the step's queries, the page summaries and the stored keys (the step's own among them)
+    "decode_before_attention": (False, frozenset({"q", "k"})),
 }
 ROLE_KEEP_HOOKS = ("prefill_chunk", "step_end")  # where a per-head `keep ... for ROLE` runs (its plans)
 GRANULARITIES = ("kv_head", "layer", "head_adaptive")  # 'global' (across layer) is not lowered yet
@@ -86,7 +86,7 @@ def problems(method: MethodIR) -> list[str]:
                     value = top.score
                     if top.granularity not in GRANULARITIES:
                         out.append(f"{top.granularity} selections are not lowered yet")
-            if isinstance(stmt, Read) and stmt.select.top is not None:
+            if isinstance(stmt, (Read, Choose)) and stmt.select.top is not None:
                 value = stmt.select.top.score
             if value is None:
                 continue
@@ -99,11 +99,20 @@ def problems(method: MethodIR) -> list[str]:
 
 def _read_problems(hook) -> list[str]:
     """What a hook's `read` needs: decode_before_attention, one read, page counts and a `where` that
-    the whole batch shares, a ranked top per KV head or per layer, no `first n`."""
+    the whole batch shares, a ranked top per KV head or per layer, no `first n`. A token read of a
+    shared selection (and a hook that chooses one) may count by row (`last (context - prompt)`):
+    its plan's shape is the selection's, and the per-row range is a [row] tensor; its `where` may not."""
     reads = hook.reads
-    if not reads:
-        return []
     out = []
+    if hook.chooses:
+        if hook.name != "decode_before_attention":
+            out.append(f"a shared selection is chosen in decode_before_attention only, not in {hook.name}")
+        rows = names_in(hook.where) & ROW_SYMBOLS if hook.where is not None else set()
+        if rows:
+            out.append(f"a `where` of a hook that chooses may not depend on {', '.join(sorted(rows))} (the whole "
+                       "decode batch runs it)")
+    if not reads:
+        return out
     if hook.name != "decode_before_attention":
         out.append(f"`read` is not allowed in {hook.name} (only in decode_before_attention)")
     if len(reads) > 1:
@@ -114,6 +123,8 @@ def _read_problems(hook) -> list[str]:
     if select.top is not None and select.top.granularity not in READ_GRANULARITIES:
         out.append(f"{select.top.granularity} reads are not lowered yet (per kv_head or one set per layer)")
     counts = [select.last, None if select.top is None else select.top.count, hook.where]
+    if reads[0].item == "key":  # a token read: only its `where` is the batch's
+        counts = [hook.where]
     for expr in counts:
         rows = names_in(expr) & ROW_SYMBOLS if expr is not None else set()
         if rows:

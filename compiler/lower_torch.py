@@ -15,6 +15,11 @@ A hook with a `read` (decode_before_attention) is lowered over the whole decode 
 value gets a leading `row` axis (`batched`), which the by-name helpers carry through unchanged, and
 the read becomes `<hook>_scores` (float32 `[row, kv_head, item]`) and `<hook>_read` (the plan's
 page indices, `_read_pages`), static in shape so the engine may capture it in a CUDA graph.
+A hook that chooses a shared selection (`chosen = top(...)`) or reads one (`read chosen + last n`,
+a token plan) is batched the same way, with the per-row symbols `context`, `prompt` and `step` as
+[row] tensors: a range of the key axis masks the keys outside it (`_row_range`), the decode query's
+logits are `_decode_logits`, the choice is `_choose_tokens` (static in shape: its width is the count
+at the batch's widest row) and the read `_read_tokens`.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
-from kvc.compiler.ir import (Accumulate, Assign, Attention, Elementwise, HookIR, Input, Keep, MethodIR, Norm,
+from kvc.compiler.ir import (Accumulate, Assign, Attention, Choose, Elementwise, HookIR, Input, Keep, MethodIR, Norm,
                              NotLowerable, Pool, Quantile, Read, Reduce, Scalar, Value, Window)
 
 _NUMBER = re.compile(r"[0-9.]+(e-?[0-9]+)?")
 SYMBOLS = ("context", "prompt", "step", "layer", "layers", "heads", "kv_heads", "head_dim")
+ROW_SYMBOLS = ("context", "prompt", "step")  # per row of a decode batch: [row] tensors in a batched hook
 ROW = "row"  # the decode batch's axis of a read hook (`batched`)
 _UNARY = {"neg": "-({})", "abs": "torch.abs({})", "exp": "torch.exp({})", "log": "torch.log({})",
           "sqrt": "torch.sqrt({})"}
@@ -57,13 +63,16 @@ class HookCode:
     names: set[str] = field(default_factory=set)
     inputs: set[str] = field(default_factory=set)
     keep: dict | None = None  # score variable, counts, granularity
-    read: dict | None = None  # score variable, counts in tokens, tokens per page, granularity
+    read: dict | None = None  # score variable, counts in tokens, tokens per page, granularity (or a token read)
+    choose: dict | None = None  # the shared selection a batched hook chooses: its name, score, counts
     where: str | None = None
+    rows: bool = False  # batched over a decode batch's rows
 
 
 class _Emitter:
-    def __init__(self, code: HookCode) -> None:
+    def __init__(self, code: HookCode, rows: bool = False) -> None:
         self.code = code
+        self.rows = rows  # a batched hook: ranges of the key axis differ by row
         self.counter = 0
         self.memo: dict[int, str] = {}
         self.aligned: dict[tuple, str] = {}
@@ -113,6 +122,8 @@ class _Emitter:
             if v.kind == "state":
                 return f'state["{v.name}"]'
             self.code.inputs.add(v.name)  # a hook input or a page summary, by name
+            if self.rows and v.name == "q" and "query" in v.dims:  # the step's one query: [row, head, channel]
+                return self.emit(f"_align(q, {_names((ROW, 'head', 'channel'))}, {_names(v.dims)})")
             return v.name
         if isinstance(v, Scalar):
             return self.scalar(v.expr)
@@ -124,6 +135,10 @@ class _Emitter:
         operation leaves them (`_value` lays them out as `v.dims`)."""
         if isinstance(v, Window):
             src = self.value(v.src)
+            if self.rows and v.axis == "key":  # each row's own range, the rest masked
+                self.code.names.add("context")
+                return self.emit(f'_row_range({src}, {v.src.dims.index(v.axis)}, "{v.side}", '
+                                 f'{self.scalar(v.count)}, context)'), v.src.dims
             return self.emit(f'_window({src}, {v.src.dims.index(v.axis)}, "{v.side}", {self.scalar(v.count)})'), \
                 v.src.dims
         if isinstance(v, Attention):
@@ -170,8 +185,15 @@ class _Emitter:
     def _attention(self, v: Attention) -> tuple[str, tuple[str, ...]]:
         """`_attention` takes q [head, query, channel] and k [kv_head, key, channel] (query head h
         reads KV head h // (heads // kv_heads)); other operands are laid out so first."""
+        if self.rows:  # the decode step's query over each row's stored keys
+            head = "head" if "head" in v.dims else "kv_head"
+            query = ("query",) if "query" in v.q.dims else ()
+            q = self.laid_out(self.value(v.q), v.q.dims, (ROW, head, *query, "channel"))
+            k = self.laid_out(self.value(v.k), v.k.dims, (ROW, "kv_head", "key", "channel"))
+            self.code.names.add("context")
+            return self.emit(f"_decode_logits({q}, {k}, context, softmax={v.softmax})"), (ROW, head, *query, "key")
         if "query" not in v.q.dims:
-            raise NotLowerable("attention of decode queries is not lowered yet")
+            raise NotLowerable("attention of decode queries is lowered in a batched decode hook only")
         item = next(d for d in v.k.dims if d not in ("head", "kv_head", "channel"))
         head = "head" if "head" in v.dims else "kv_head"
         kv = next((d for d in ("kv_head", "head") if d in v.k.dims), "kv_head")
@@ -234,12 +256,41 @@ def _batched_hook(hook: HookIR) -> HookIR:
     for stmt in hook.stmts:
         if isinstance(stmt, Assign):
             stmts.append(Assign(stmt.name, rows(stmt.value)))
-        elif isinstance(stmt, Read) and stmt.select.top is not None:
+        elif isinstance(stmt, (Read, Choose)) and stmt.select.top is not None:
             top = dataclasses.replace(stmt.select.top, score=rows(stmt.select.top.score))
             stmts.append(dataclasses.replace(stmt, select=dataclasses.replace(stmt.select, top=top)))
         else:
             stmts.append(stmt)
     return dataclasses.replace(hook, stmts=tuple(stmts))
+
+
+def _emit_token_read(em: _Emitter, code: HookCode, stmt: Read) -> None:
+    """`read chosen + last n`: the shared selection every KV head reads, plus each row's n newest."""
+    sel = stmt.select
+    code.names.add("kv_heads")
+    code.read = {"tokens": True, "shared": sel.shared, "last": "0" if sel.last is None else em.scalar(sel.last)}
+
+
+def _emit_choose(em: _Emitter, code: HookCode, stmt: Choose) -> None:
+    """`chosen = top(score, count)` (one set for every head of a row): the score [row, key] float32 and
+    the count, with its static bound: the count where every row symbol is the batch's key width. That
+    bounds every row only if the count does not shrink as a row grows: a count falling with a row
+    symbol (`n - prompt`) is refused."""
+    top = stmt.select.top
+    if top is None or stmt.select.first is not None or stmt.select.last is not None or top.granularity != "layer":
+        raise NotLowerable("a shared selection is lowered as one `top(score, count)` for every head yet")
+    count = sp.sympify(top.count)
+    for name in ROW_SYMBOLS:
+        if sp.diff(count, sp.Symbol(name)).is_negative:
+            raise NotLowerable(f"a shared selection's count may not fall as {name} grows (its static width is the "
+                               "count at the batch's widest row)")
+    score = em.laid_out(em.value(top.score), top.score.dims, (ROW, "key"))
+    code.lines.append(f"scores = {score}.float()")
+    width = sp.Symbol("width")
+    bound = sp.sympify(top.count).subs({sp.Symbol(s): width for s in ROW_SYMBOLS})
+    code.choose = {"shared": stmt.shared, "score": "scores", "count": em.scalar(top.count),
+                   "bound": pyexpr(bound)}
+    code.names |= names_in(bound) - {"width"}
 
 
 def _emit_read(em: _Emitter, code: HookCode, stmt: Read) -> None:
@@ -261,10 +312,10 @@ def _emit_read(em: _Emitter, code: HookCode, stmt: Read) -> None:
 
 
 def emit_hook(hook: HookIR) -> HookCode:
-    code = HookCode(hook.name)
-    if hook.reads:
+    code = HookCode(hook.name, rows=hook.batched)
+    if hook.batched:
         hook = _batched_hook(hook)
-    em = _Emitter(code)
+    em = _Emitter(code, rows=hook.batched and not any(r.item != "key" for r in hook.reads))
     if hook.where is not None:
         code.where = em.scalar(hook.where)
     keeps = hook.keeps
@@ -285,7 +336,9 @@ def emit_hook(hook: HookIR) -> HookCode:
             grow = "" if stmt.dims[-1:] == ("key",) or "key" not in stmt.dims else f", {stmt.dims.index('key')}"
             code.lines.append(f"{target} = _grow({target}, {value}{grow}) + {value}")
         if isinstance(stmt, Read):
-            _emit_read(em, code, stmt)
+            (_emit_token_read if stmt.item == "key" else _emit_read)(em, code, stmt)
+        if isinstance(stmt, Choose):
+            _emit_choose(em, code, stmt)
         if isinstance(stmt, Keep):
             code.names |= {"kv_heads", "context"}  # `_select` always needs them
             sel, top = stmt.select, stmt.select.top
@@ -307,7 +360,7 @@ def emit_hook(hook: HookIR) -> HookCode:
                                        "`keep first n + last m for ROLE`)")
                 keep["role"] = stmt.role
             code.keep = keep
-    if code.read is not None and code.names & {"context", "prompt", "step"}:
+    if code.read is not None and "tokens" not in code.read and code.names & {"context", "prompt", "step"}:
         raise NotLowerable(f"{hook.name}: a read may not depend on context, prompt or step yet (its plan is computed "
                            "once for the whole decode batch)")
     return code

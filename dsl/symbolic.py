@@ -9,7 +9,9 @@ functions used here becomes a Symbol, so a parameter named `beta` or `gamma` sta
 sympy is imported only when these are called.
 
 Mapping: `//` -> floor(a/b), `%` -> Mod, min/max -> Min/Max, `a if c else b` -> Piecewise,
-comparisons -> relations, and/or/not -> And/Or/Not, round(x) -> floor(x + 1/2).
+comparisons -> relations, and/or/not -> And/Or/Not, round(x) -> floor(x + 1/2). A list parameter
+stays a Symbol: `x in xs` -> member(x, xs), `min(xs)` / `max(xs)` -> list_min(xs) / list_max(xs),
+functions sympy keeps unevaluated and Python code prints as `x in xs`, `min(xs)`, `max(xs)`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,37 @@ from kvc.dsl import ast
 
 class NotSymbolic(ValueError):
     """The expression is not a scalar formula (a tensor, a selection, a string ...)."""
+
+
+_LIST_FUNCTIONS: dict = {}
+
+
+def list_functions() -> dict:
+    """`member`, `list_min`, `list_max`: sympy functions over a list-valued symbol (made once, on first
+    use, so importing this module does not import sympy)."""
+    if not _LIST_FUNCTIONS:
+        import sympy as sp
+        from sympy.logic.boolalg import BooleanFunction
+
+        class member(BooleanFunction):  # noqa: N801 -- the name sympy prints
+            """`x in xs`, `xs` a list parameter."""
+
+            @classmethod
+            def eval(cls, x, xs):
+                return None
+
+            def _pythoncode(self, printer):
+                return f"({printer._print(self.args[0])} in {printer._print(self.args[1])})"
+
+        def reducer(name: str, python: str):
+            def code(self, printer):
+                return f"{python}({printer._print(self.args[0])})"
+
+            return type(name, (sp.Function,), {"nargs": 1, "_pythoncode": code, "is_integer": True})
+
+        _LIST_FUNCTIONS.update(member=member, list_min=reducer("list_min", "min"),
+                               list_max=reducer("list_max", "max"))
+    return _LIST_FUNCTIONS
 
 
 def to_sympy(expr: ast.Expr, lets: Mapping[str, ast.Expr] | None = None, _depth: int = 0):
@@ -50,12 +83,16 @@ def to_sympy(expr: ast.Expr, lets: Mapping[str, ast.Expr] | None = None, _depth:
         return {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b,
                 "//": lambda: sp.floor(a / b), "%": lambda: sp.Mod(a, b)}[expr.op]()
     if isinstance(expr, ast.Compare):
-        a, b = go(expr.left), go(expr.right)
+        a = go(expr.left)
         if expr.op in ("in", "not in"):
-            if not isinstance(expr.right, ast.ListExpr):
-                raise NotSymbolic("'in' needs a literal list to be symbolic")
-            cond = sp.Or(*[sp.Eq(a, go(i)) for i in expr.right.items])
+            if isinstance(expr.right, ast.ListExpr):
+                cond = sp.Or(*[sp.Eq(a, go(i)) for i in expr.right.items])
+            elif isinstance(expr.right, ast.Name) and expr.right.id not in lets:  # a list parameter
+                cond = list_functions()["member"](a, go(expr.right))
+            else:
+                raise NotSymbolic("'in' needs a literal list or a list parameter to be symbolic")
             return cond if expr.op == "in" else sp.Not(cond)
+        b = go(expr.right)
         return {"==": sp.Eq, "!=": sp.Ne, "<": sp.Lt, "<=": sp.Le, ">": sp.Gt, ">=": sp.Ge}[expr.op](a, b)
     if isinstance(expr, ast.BoolOp):
         parts = [go(v) for v in expr.values]
@@ -66,6 +103,8 @@ def to_sympy(expr: ast.Expr, lets: Mapping[str, ast.Expr] | None = None, _depth:
         name, args = expr.func.name, [go(a) for a in expr.args]
         if name in ("min", "max") and len(args) == 2:
             return (sp.Min if name == "min" else sp.Max)(*args)
+        if name in ("min", "max") and len(args) == 1 and isinstance(expr.args[0], ast.Name):  # of a list parameter
+            return list_functions()[f"list_{name}"](args[0])
         if len(args) == 1:
             fn = {"floor": sp.floor, "ceil": sp.ceiling, "abs": sp.Abs, "sqrt": sp.sqrt, "log": sp.log,
                   "exp": sp.exp, "round": lambda x: sp.floor(x + sp.Rational(1, 2))}.get(name)
@@ -82,7 +121,7 @@ def formula(expr: ast.Expr, lets: Mapping[str, ast.Expr] | None = None) -> str:
 
 
 _SYMPY_WORDS = {"Piecewise", "Min", "Max", "floor", "ceiling", "Mod", "Abs", "sqrt", "log", "exp", "And", "Or",
-                "Not", "Eq", "Ne", "True", "False", "Rational", "oo"}
+                "Not", "Eq", "Ne", "True", "False", "Rational", "oo", "member", "list_min", "list_max"}
 
 
 def read_formula(text: str):
@@ -90,4 +129,4 @@ def read_formula(text: str):
     import sympy as sp
 
     names = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text)) - _SYMPY_WORDS
-    return sp.sympify(text, locals={n: sp.Symbol(n) for n in names})
+    return sp.sympify(text, locals={**{n: sp.Symbol(n) for n in names}, **list_functions()})

@@ -97,6 +97,7 @@ class DecodeGraphs:
         self.slots = torch.full((layers, n), -1, dtype=torch.int64, device=dev)
         self.tables = torch.zeros((layers, n, runner.max_pages_per_seq), dtype=torch.int32, device=dev)
         self.ctx = torch.zeros((layers, n), dtype=torch.int32, device=dev)
+        self.prompts = torch.zeros((layers, n), dtype=torch.int32, device=dev)
         self.cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.starts = torch.zeros((layers, n, runner.num_kv_heads), dtype=torch.int32, device=dev)
         self.logits: torch.Tensor | None = None  # [n, vocab] float32, every graph's output (`_step_fn`)
@@ -135,6 +136,7 @@ class DecodeGraphs:
             block_tables=self.tables[:, :b],
             cu_seqlens_q=self.cu[: b + 1],
             context_lens=self.ctx[:, :b],
+            prompt_lens=self.prompts[:, :b],
             num_decodes=b,
             max_query_len=1,
             max_context_len=key.context,
@@ -222,6 +224,10 @@ class DecodeGraphs:
         copy_into(self.positions[:b], pos + [0] * pad)
         copy_into(self.slots[:, :b], slots)
         copy_into(self.ctx[:, :b], ctx)
+        prompts = np.zeros((layers, b), dtype=np.int32)
+        prompts[:, :n] = (np.array([s.prefill_end for s in seqs], dtype=np.int64)[None, :]
+                          - np.array([s.history_gap for s in seqs], dtype=np.int64).T)  # as the runner's `prepare`
+        copy_into(self.prompts[:, :b], prompts)
         # Page tables: rebuilt rows travel whole (the whole block when many did), appended pages
         # one entry each (stale entries past a row's table, and in padding rows, are never read:
         # kernels stop at the row's context length, 0 for padding).

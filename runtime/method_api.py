@@ -155,6 +155,12 @@ class DecodeView:
     # method's `attention.decode_stats` says; filled by the decode attention before
     # decode_after_attention (None when the method asks for none, and in decode_before_attention)
     attn_stats: torch.Tensor | None = None
+    # [B] int32: the tokens each row's prefill covered in this layer (the hook's `prompt`; the step's
+    # generated tokens are the slots from there to `context_lens`)
+    prompt_lens: torch.Tensor | None = None
+    # a host bound on context_lens (the step's longest row, or a decode graph's context bucket): how
+    # many slots of the tables a hook that reads the stored keys needs (None: the whole table)
+    max_context_len: int | None = None
 
 
 @dataclass

@@ -293,7 +293,9 @@ class ModelRunner:
                 view = DecodeView(layer, q[:d], k[:d], v[:d], md.block_tables[layer, :d],
                                   md.context_lens[layer, :d], self.store, scale,
                                   None if batch is None else _decode_rows(batch, layer),
-                                  kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d])
+                                  kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d],
+                                  prompt_lens=None if md.prompt_lens is None else md.prompt_lens[layer, :d],
+                                  max_context_len=md.max_context_len)
             read = None
             if view is not None and Hook.DECODE_BEFORE_ATTENTION in hooks:
                 read = method.decode_before_attention(layer, view)  # a ReadPlan, or None: every slot
@@ -369,6 +371,7 @@ class ModelRunner:
             counts = np.minimum(np.array([s.resid_lens for s in batch.seqs], dtype=np.int64).T +
                                 np.asarray(batch.num_new_tokens, dtype=np.int64)[None, :], window)
             resid = to_dev(counts, torch.int32)
+        prompts = [[s.prefill_end - gap for gap in s.history_gap] for s in batch.seqs]  # as `_decode_rows`
         md = AttentionMetadata(
             slot_mapping=to_dev(slots),
             block_tables=to_dev(tables),
@@ -380,6 +383,7 @@ class ModelRunner:
             kv_starts=None if starts_np is None else to_dev(starts_np),
             rows=rows,
             resid_lens=resid,
+            prompt_lens=to_dev([list(p) for p in zip(*prompts)], torch.int32),
         )
         return StepInputs(to_dev(ids, torch.int64), to_dev(positions, torch.int64), md, sample_rows, sample_seqs)
 

@@ -7,6 +7,7 @@
 #   paged_variant_spec.py.jinja
 #   paged_variant_decode_stats.py.jinja
 # for the methods whose manifests name it:
+#   methods/omnikv.kvm
 #   methods/quest.kvm
 # Do not edit: change the templates and run `kvc compile --all`.
 """Paged attention as Triton kernels: the engine's GPU attention, variant `spec`.

@@ -70,6 +70,10 @@ class AttentionMetadata:
     rows: torch.Tensor | None = None
     # [L, B] int32: each row's newest slots (after the step) read from its residual window; None: none
     resid_lens: torch.Tensor | None = None
+    # [L, B] int32: the tokens each row's prefill covered, in that layer's slots (the `prompt` of a
+    # decode hook: the prompt, or prompt + generated after a recompute; a chain's reused history
+    # counted as stored); None where the step builds no decode views
+    prompt_lens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

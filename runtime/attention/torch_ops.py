@@ -214,7 +214,10 @@ def paged_decode(
     500-2,000 tokens). A read plan gathers only the slots it lists, batched, on either device.
     """
     residual = (rows, resid_lens)
-    if read is not None:
+    if read is not None and read.last is not None:
+        o = _decode_by_token_mask(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, kv_starts,
+                                  read, residual, stats)
+    elif read is not None:
         o = _decode_by_plan(q, k_cache, v_cache, block_tables, context_lens, scale, kv_starts, read, residual,
                             stats)
     elif q.device.type == "cpu":
@@ -344,6 +347,42 @@ def _decode_by_plan(q, k_cache, v_cache, block_tables, context_lens, scale, kv_s
     if stats is not None:
         decode_stats.check_args(q, k_cache, stats.out, stats.reduce, stats.fn)
         decode_stats.stats_over_slots(q, keys, slots, stored, scale, stats.out, stats.reduce, stats.fn)
+    return o.reshape(batch, num_q_heads, head_dim)
+
+
+def _decode_by_token_mask(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, kv_starts, read,
+                          residual, stats):
+    """paged_decode of a token plan with a per-row range of newest slots (`read.last`): the rows'
+    keys as `_decode_padded` lays them out, attended with the mask of the listed tokens and the
+    range (no host value read). The range's length varies by row, so the listed slots are a mask
+    over the row's width rather than a gather of a fixed count."""
+    if stats is not None:
+        raise NotImplementedError("decode statistics of a read plan with `last` are not computed yet")
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    tokens = read.tokens
+    if tokens.shape[:2] != (batch, num_kv_heads):
+        raise ValueError(f"the read plan is for [{tokens.shape[0]}, {tokens.shape[1]}] rows x KV heads, the step has "
+                         f"[{batch}, {num_kv_heads}]")
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * page_size
+    num_pages = min(-(-max(int(max_context_len), 1) // page_size), block_tables.shape[1])
+    length = num_pages * page_size
+    page_ids = block_tables[:, :num_pages]
+    keys = with_residual(gather_source(k_cache, page_ids, length), k_cache, *residual, context_lens)  # [B, Hkv, L, D]
+    values = with_residual(gather_source(v_cache, page_ids, length), v_cache, *residual, context_lens)
+    lengths = context_lens.to(q.device).long()[:, None, None]
+    listed = (tokens >= 0) & (tokens < length)
+    mask = torch.zeros((batch, num_kv_heads, length + 1), dtype=torch.bool, device=q.device)
+    mask.scatter_(2, torch.where(listed, tokens.long(), length), True)  # unlisted entries land in the extra column
+    slots = torch.arange(length, device=q.device)[None, None, :]
+    mask = (mask[..., :length] | (slots >= lengths - read.last.to(q.device).long()[:, None, None])) & (slots < lengths)
+    if kv_starts is not None:
+        mask &= slots >= kv_starts.to(q.device).long()[:, :, None]
+    grouped_q = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(grouped_q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, :, None, :],
+                                       scale=scale)
+    o = torch.where(mask.any(-1)[:, :, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
     return o.reshape(batch, num_q_heads, head_dim)
 
 

@@ -9,6 +9,14 @@ Where the compiler fused the page scores (kernel family `page_scores`, compiler/
 step scores the pages straight from the store through the page tables instead, and builds the plan
 with the Triton top-k (runtime/primitives/triton_plans.py). Tensors of static shape only and no
 host reads: the same call runs in eager steps and in captured decode graphs. Nothing here knows a method by name.
+
+A hook of token plans (hook fact `tokens`: it chooses a shared selection, `chosen = top(...)`, or
+reads one, `read chosen + last n`) gets the step's queries, the rows' stored keys `k [B, Hkv, W, D]`
+(gathered through the page tables, the step's own key at its slot), the per-row symbols `context`,
+`prompt` and `step` as float64 [B] tensors, and `shared`: the selections chosen by earlier layers
+of the same step (a choice made at layer l is read by the layers after it; the next step's
+forward chooses again before any layer reads). It answers None or `(tokens, last)`, a token
+`ReadPlan` with each row's `last` newest tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from kvc.runtime.method_api import DecodeView, ReadPlan
 
 READ_HOOK = "decode_before_attention"
 ENGINE_INPUTS = {"q"}  # what the engine hands a read hook beside the summaries
+TOKEN_INPUTS = {"q", "k"}  # a hook of token plans also gets the rows' stored keys
 
 
 def _gpu_read_pages() -> Callable:
@@ -35,30 +44,37 @@ class ReadHook:
     """The generated read of `code` (None-safe: `of` gives None for a method that does not read)."""
 
     def __init__(self, name: str, fn: Callable, inputs: list[str], summaries: set[str],
-                 lowering: Any = None, fused: Callable[[], Callable | None] | None = None) -> None:
-        self.name, self.fn = name, fn
+                 lowering: Any = None, fused: Callable[[], Callable | None] | None = None,
+                 tokens: bool = False) -> None:
+        self.name, self.fn, self.tokens = name, fn, tokens
+        self.inputs = set(inputs)
+        self.shared: dict[str, torch.Tensor] = {}  # the selections chosen so far in this step, by name
         self._fused = fused  # gives the fused page scores (imports triton; first used on a GPU step)
         self.runs = getattr(lowering, f"{READ_HOOK}_runs", None)
         self.read = getattr(lowering, f"{READ_HOOK}_read", None)
         self.summaries = [n for n in inputs if n in summaries]
-        unknown = set(inputs) - ENGINE_INPUTS - set(self.summaries)
+        unknown = set(inputs) - (TOKEN_INPUTS if tokens else ENGINE_INPUTS) - set(self.summaries)
         if unknown:
             raise ConfigError(f"method {name!r}: decode_before_attention reading {', '.join(sorted(unknown))} is not "
-                              "served yet (it gets q and the page summaries)", param="method")
+                              "served yet (a page read gets q and the page summaries, a token read q and the stored "
+                              "keys)", param="method")
 
     @classmethod
     def of(cls, code: GeneratedCode) -> ReadHook | None:
         facts = code.facts.get(READ_HOOK)
-        if facts is None or not facts.get("reads"):
+        if facts is None or not (facts.get("reads") or facts.get("tokens")):
             return None
         summaries = {s["tensor"] for s in code.manifest.get("kv_spec", {}).get("summaries", [])}
         fused = (lambda: code.fused(READ_HOOK)) if READ_HOOK in code.fused_names else None
-        return cls(code.name, code.required(READ_HOOK), facts["inputs"], summaries, code.lowering, fused)
+        return cls(code.name, code.required(READ_HOOK), facts["inputs"], summaries, code.lowering, fused,
+                   bool(facts.get("tokens")))
 
     def plan(self, layer: int, num_layers: int, view: DecodeView, params: dict[str, Any],
              fused_devices: tuple[str, ...] = ()) -> ReadPlan | None:
         sym = {"context": None, "prompt": None, "step": None, "layer": layer, "layers": num_layers,
                "heads": view.q.shape[1], "kv_heads": view.k.shape[1], "head_dim": view.q.shape[2]}
+        if self.tokens:
+            return self._token_plan(view, sym, params)
         if self._fused is not None and view.q.device.type in fused_devices and self.runs is not None:
             if not self.runs(sym, params):
                 return None
@@ -72,3 +88,38 @@ class ReadHook:
             inputs[name] = view.store[name][tables].transpose(1, 2)
         pages = self.fn(inputs, {}, sym, params)
         return None if pages is None else ReadPlan(pages=pages)
+
+    def _token_plan(self, view: DecodeView, sym: dict[str, Any], params: dict[str, Any]) -> ReadPlan | None:
+        """A hook of token plans over the batch (module docstring)."""
+        if view.prompt_lens is None:
+            raise ConfigError(f"method {self.name!r}: its decode hook reads each row's prompt length, which this "
+                              "step's metadata lacks", param="method")
+        context = view.context_lens.to(torch.float64)
+        prompt = view.prompt_lens.to(torch.float64)
+        sym.update(context=context, prompt=prompt, step=context - prompt)
+        inputs: dict[str, torch.Tensor] = {"q": view.q, "lengths": view.context_lens}
+        if "k" in self.inputs:
+            inputs["k"] = _stored_keys(view)
+        out = self.fn(inputs, self.shared, sym, params)
+        if out is None:
+            return None
+        tokens, last = out
+        return ReadPlan(tokens=tokens, last=last)
+
+
+def _stored_keys(view: DecodeView) -> torch.Tensor:
+    """Each row's keys [B, Hkv, W, D] through its page table (W: the slots of the pages that
+    `view.max_context_len` needs, else of the whole table), the step's own key (not stored yet:
+    attention writes it) at its slot `context_lens - 1`."""
+    try:
+        cache = view.store.k_cache  # [pages + 1, Hkv, S, D]
+    except TypeError as e:
+        raise ConfigError(f"a decode hook that reads the stored keys needs them dense ({e})", param="method") from None
+    tables = view.block_tables.long()  # [B, P]
+    if view.max_context_len is not None:
+        tables = tables[:, :max(1, -(-view.max_context_len // cache.shape[2]))]
+    batch, pages = tables.shape
+    keys = cache[tables].permute(0, 2, 1, 3, 4).reshape(batch, cache.shape[1], pages * cache.shape[2], cache.shape[3])
+    slot = (view.context_lens.long() - 1).clamp(min=0)  # padding rows (length 0) write a slot nobody reads
+    keys[torch.arange(batch, device=keys.device), :, slot] = view.k.to(keys.dtype)
+    return keys

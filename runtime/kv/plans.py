@@ -76,10 +76,15 @@ class ReadPlan:
     indices into the row's page table of the layer (-1: none), or `tokens [B, Hkv, T]` int32, slots
     of the layer (-1: none). Head h of row b attends to the listed slots that are stored (below the
     row's length, at or past the head's start), in any order, each at most once. Shapes are static
-    (P, T fixed by the method's budget), device tensors only: built inside captured decode graphs."""
+    (P, T fixed by the method's budget), device tensors only: built inside captured decode graphs.
+
+    `last [B]` int32 (token plans only; None: none): every head of row b also reads the row's
+    `last[b]` newest stored slots (a per-row range whose length varies, such as the tokens generated
+    since the prompt), which `tokens` must not list again."""
 
     pages: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
+    last: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.pages is None) == (self.tokens is None):
@@ -87,6 +92,8 @@ class ReadPlan:
         plan = self.pages if self.pages is not None else self.tokens
         if plan.dim() != 3:
             raise ValueError(f"a ReadPlan is [rows, kv_heads, n], got shape {tuple(plan.shape)}")
+        if self.last is not None and (self.tokens is None or self.last.shape != plan.shape[:1]):
+            raise ValueError("a ReadPlan's `last` is [rows] and goes with a token plan")
 
 
 @dataclass(frozen=True)

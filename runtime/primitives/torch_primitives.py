@@ -12,11 +12,11 @@ NEG_INF = float("-inf")
 
 
 def floor(x):
-    return math.floor(x)
+    return torch.floor(x) if isinstance(x, torch.Tensor) else math.floor(x)
 
 
 def ceil(x):
-    return math.ceil(x)
+    return torch.ceil(x) if isinstance(x, torch.Tensor) else math.ceil(x)
 
 
 def symbols(q, k, *, layer=0, num_layers=1, prompt=None, step=0):
@@ -227,3 +227,54 @@ def read_pages(scores, lengths, page, *, count, last):
     tail = first_newest[:, None] + torch.arange(n_last, device=scores.device)  # [row, n_last]
     tail = torch.where(tail >= 0, tail, -1)[:, None, :].expand(-1, scores.shape[1], -1)
     return torch.cat([top, tail], dim=-1).to(torch.int32)
+
+
+# ---- a decode batch's hooks (`row` axis first; `context`, `prompt`, `step` are float64 [row]) ----
+
+
+def decode_logits(q, k, context, softmax=True):
+    """q k^T / sqrt(d) of each row's step query q [row, head, (query = 1,) channel] over its keys k
+    [row, kv_head, key, channel] -> [row, head, (query,) key] float32; keys at or past the row's
+    `context` are -inf (0 after the softmax)."""
+    heads, head_dim = q.shape[1], q.shape[-1]
+    keys = k.float().repeat_interleave(heads // k.shape[1], dim=1)  # [row, head, key, channel]
+    queries = q.float() if q.dim() == 4 else q.float()[:, :, None, :]
+    logits = (queries @ keys.transpose(-1, -2)).div_(math.sqrt(head_dim))  # [row, head, query, key]
+    past = torch.arange(k.shape[2], device=q.device)[None, :] >= torch.as_tensor(context, device=q.device)[:, None]
+    logits.masked_fill_(past[:, None, None, :], NEG_INF)
+    logits = logits.softmax(dim=-1) if softmax else logits
+    return logits if q.dim() == 4 else logits[:, :, 0]
+
+
+def row_range(x, dim, side, n, context):
+    """`x[first n]` / `x[last n]` along `dim` of a decode batch's [row, ...] score, row b's own n and
+    context: the keys outside the range are -inf (what `top` never ranks), so shapes stay static."""
+    device = x.device
+    n = torch.as_tensor(n, device=device).double().floor()
+    context = torch.as_tensor(context, device=device).double()
+    pos = torch.arange(x.shape[dim], device=device, dtype=torch.float64)
+    inside = pos[None, :] < n[:, None] if side == "first" else pos[None, :] >= (context - n)[:, None]
+    shape = [1] * x.dim()
+    shape[0], shape[dim] = x.shape[0], x.shape[dim]
+    return x.masked_fill(~inside.reshape(shape), NEG_INF)
+
+
+def choose_tokens(scores, count, bound):
+    """A shared selection over a decode batch: scores [row, key] (-inf: not rankable) -> the keys each
+    row chooses [row, n] int32, its `floor(count[row])` best (ties as `torch.topk` leaves them), -1
+    past them. n = floor(`bound`), the count at the widest row the batch's key axis holds, so the
+    shape is static (CUDA-graph capturable, no host read)."""
+    n = clamp_count(bound, scores.shape[-1])
+    best, top = scores.float().topk(n, dim=-1)  # sorted: the first count[row] are the row's choice
+    count = torch.as_tensor(count, device=scores.device).double().floor()
+    rank = torch.arange(n, device=scores.device)
+    keep = (rank[None, :] < count[:, None]) & (best > NEG_INF)
+    return torch.where(keep, top, -1).to(torch.int32)
+
+
+def read_tokens(chosen, last, kv_heads):
+    """A token read plan from a shared selection `chosen` [row, n] (every KV head reads it) plus each
+    row's `last[row]` newest stored tokens: (tokens [row, kv_head, n] int32, last [row] int32)."""
+    tokens = chosen[:, None, :].expand(-1, kv_heads, -1) if chosen.dim() == 2 else chosen
+    last = torch.as_tensor(last, device=chosen.device).double().floor().clamp(min=0)
+    return tokens.contiguous(), last.to(torch.int32)

@@ -128,11 +128,17 @@ def test_kivi_quantized_encodings():
 @pytest.mark.parametrize("name, words", [("turboquant", ["rotate", "lloyd_max", "qjl"]), ("palu", ["project"]),
                                          ("fp8", ["fp8", "one scale along kv_head, key, channel"]),
                                          ("deltakv", ["residual", "project", "kmeans", "shared chosen"]),
-                                         ("retroinfer", ["kmeans"]), ("omnikv", ["shared chosen"])])
+                                         ("retroinfer", ["kmeans"])])
 def test_what_does_not_fit_is_named(name, words):
     reason = manifest(name)["kv_spec"]["reason"]
     for word in words:
         assert word in reason, (name, word)
+
+
+def test_a_shared_selection_chosen_each_step_stores_nothing():
+    """OmniKV's `shared chosen` is chosen anew in every decode step (hook fact `tokens`): its spec is full's."""
+    spec = manifest("omnikv")["kv_spec"]
+    assert spec.get("reason") is None and [t["name"] for t in spec["tensors"]] == ["k", "v"]
 
 
 QUANTIZED_EVICTION = """method {name} : eviction

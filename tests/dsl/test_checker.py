@@ -46,10 +46,28 @@ def test_tables_for_the_compiler() -> None:
 
 
 def test_where_conditions_evaluate_per_layer() -> None:
-    checked = check_file(method_path("omnikv"))
+    checked = check_file(method_path("omnikv"), {"filters": [2, 8, 18]})
     reads = checked.hooks[1]
     active = [layer for layer in range(32) if evaluate(reads.where, {**checked.values, "layer": layer}, checked.lets)]
     assert 2 not in active and 8 not in active and 3 in active and 1 not in active and 31 in active
+
+
+def test_list_parameters_stay_symbols_in_formulas() -> None:
+    """`layer in filters` and `min(filters)` of an int[] parameter: sympy functions that survive a
+    formula's round trip and print as Python over the list (what the generated `where` runs)."""
+    import sympy as sp
+
+    from kvc.compiler.lower_torch import pyexpr
+    from kvc.dsl.symbolic import read_formula, to_sympy
+
+    checked = check_file(method_path("omnikv"))
+    where = to_sympy(checked.hooks[1].where, checked.lets)
+    assert read_formula(sp.sstr(where)) == where
+    code = pyexpr(where)
+    for filters in ([2, 8, 18], [0], [5, 3]):
+        for layer in range(20):
+            want = layer > min(filters) and layer not in filters
+            assert eval(code, {"layer": layer, "filters": filters}) == want, (code, filters, layer)
 
 
 def test_budget_formulas() -> None:
