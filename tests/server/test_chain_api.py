@@ -29,7 +29,7 @@ def _running(server, body):
     """A streamed request, held running (slow steps) until the block ends; then the client leaves,
     and the steps stay slow until the server has aborted it (so the tokens it adds meanwhile stay
     few, whatever the machine's load: a continuation may roll back over them)."""
-    server.fake.step_delay = 0.02
+    server.fake.step_delay = 0.05  # under a loaded CI the abort took ~10 steps of 20 ms: over the 8-token rollback
     try:
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()  # kept alive: a dropped iterator closes the response
