@@ -11,6 +11,8 @@ or values for hooks that read them densely. Moving slots (keep plans) and re-enc
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvc.runtime.kv.spec import K, V, Dense, Extent, KVSpec, Quantized
@@ -186,7 +188,7 @@ class KVStore:
                 keep = (lengths > 0).view(-1, *([1] * (value.dim() - 1)))
                 out[pages] = torch.where(keep, value, out[pages])
 
-    @property
+    @functools.cached_property
     def appends_summaries(self) -> bool:
         """Whether `append_summaries` can keep every summary current (each one's source stored dense)."""
         return bool(self.spec.summaries) and all(

@@ -9,7 +9,7 @@ CPU keeps the torch path, the parity oracle).
 The arithmetic follows layers.py step by step, rounding to the activation dtype where it does (the
 normalised value before the weight, each rotary product, each sum), so the results are those of
 the torch path up to the order of the float32 sum of squares and the hardware rsqrt. A decode
-step of a 48-layer model ran ~1,900 of these small launches (docs/benchmarks.md, issue 19).
+step of a 48-layer model ran ~1,900 of these small launches (docs/benchmarks.md, "fused RMSNorm").
 """
 
 from __future__ import annotations

@@ -24,11 +24,11 @@ import torch
 from kvc.runtime.attention import torch_ops
 from kvc.runtime.chains import ChainSpec
 from kvc.runtime.compiled.folder import GeneratedCode
-from kvc.runtime.compiled.read import ReadHook
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.engine import Engine
 from kvc.runtime.kv.plans import ReadPlan
 from kvc.runtime.llm import LLM
+from tests.methods.read_spy import Plans
 from tests.models.tiny import load_hf, make_tiny_llama, make_tiny_qwen3
 from tests.references import omnikv as ref
 from tests.runtime.chained import check_books
@@ -162,21 +162,6 @@ def make_llm(model_dir: Path, method: str = "omnikv", params: dict | None = None
                           method_params=(PARAMS if params is None else params) if method == "omnikv" else {},
                           **engine_options)
     return LLM.from_engine(Engine(config))
-
-
-class Plans:
-    """How many read plans the compiled method gave (a spy on `ReadHook.plan`)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.count = 0
-        plan = ReadHook.plan
-
-        def spy(hook, *args, **kwargs):
-            out = plan(hook, *args, **kwargs)
-            self.count += out is not None
-            return out
-
-        monkeypatch.setattr(ReadHook, "plan", spy)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

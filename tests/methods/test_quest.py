@@ -23,11 +23,11 @@ from kvc.runtime.attention import torch_ops
 from kvc.runtime.chains import ChainSpec
 from kvc.runtime.compiled.folder import GeneratedCode
 from kvc.runtime.compiled.method import CompiledMethod
-from kvc.runtime.compiled.read import ReadHook
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.engine import Engine
 from kvc.runtime.kv.plans import ReadPlan
 from kvc.runtime.llm import LLM
+from tests.methods.read_spy import Plans
 from tests.models.tiny import load_hf, make_tiny_llama, make_tiny_qwen3
 from tests.references import quest as quest_ref
 from tests.references.contract_methods import Session, generate
@@ -224,21 +224,6 @@ def make_llm(model_dir: Path, method: str = "quest", **options) -> LLM:
                           attention_backend="torch", kv_cache_memory=2**22, method=method,
                           method_params=params if method == "quest" else {}, **engine_options)
     return LLM.from_engine(Engine(config))
-
-
-class Plans:
-    """How many read plans the compiled method gave (a spy on `ReadHook.plan`)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.count = 0
-        plan = ReadHook.plan
-
-        def spy(hook, *args, **kwargs):
-            out = plan(hook, *args, **kwargs)
-            self.count += out is not None
-            return out
-
-        monkeypatch.setattr(ReadHook, "plan", spy)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
