@@ -248,15 +248,12 @@ class PagedAttention:
         if read is not None:
             extra_d["read"] = read
         starts = None if md.kv_starts is None else md.kv_starts[layer_idx]  # [B, Hkv]
-        # a token plan with a per-row range of newest slots (`read.last`) runs on the torch path for now:
-        # the generated decode kernels walk a fixed-length plan
         ops = self.ops
-        decode_ops = torch_ops if read is not None and read.last is not None else ops
         self.write(layer_idx, k, v, md)
         out = torch.empty_like(q)
         num_decodes = md.num_decodes
         if num_decodes > 0:
-            decode_ops.paged_decode(
+            ops.paged_decode(
                 q[:num_decodes], k_cache, v_cache,
                 tables[:num_decodes], lens[:num_decodes], scale,
                 max_context_len=md.max_context_len, out=out[:num_decodes],
