@@ -297,7 +297,7 @@ def test_decode_by_token_plan_with_newest_slots(k_name, window, with_starts, num
     out = poisoned(q.shape)
     spec_ops.paged_decode(q.to(DEVICE), on_device(case.k_source), on_device(case.v_source), dev(case.block_tables),
                           dev(case.context_lens), 0.3, out=out, kv_starts=dev(starts), rows=dev(case.rows),
-                          resid_lens=dev(case.resid_lens), read=device_plan, num_splits=num_splits, block_n=4,
+                          resid_lens=dev(case.resid_lens), read=device_plan, num_splits=num_splits, block_n=16,
                           stats=stats)
     torch.testing.assert_close(out.cpu(), want.float(), **TOL)
     torch.testing.assert_close(stats.out.cpu(), fold_oracle(probs, 2, width, "group", "sum").float(), **TOL)
