@@ -287,12 +287,14 @@ def test_decode_by_token_plan_with_newest_slots(k_name, window, with_starts, num
         starts = torch.stack([torch.randint(0, max(n, 1), (2,), generator=gen) for n in LENGTHS]).int()
     q = torch.randn(len(LENGTHS), 4, HEAD_DIM, generator=gen)
     want, probs = oracle_decode(case, q, 0.3, plan, starts)
+    width = max(LENGTHS) + 3
+    torch_stats = DecodeStats("group", "sum", torch.zeros(len(LENGTHS), 2, width))
     torch_out = torch_ops.paged_decode(q, nan_free(case.k_source), nan_free(case.v_source), case.block_tables,
                                        case.context_lens, 0.3, kv_starts=starts, rows=case.rows,
-                                       resid_lens=case.resid_lens, read=plan)
+                                       resid_lens=case.resid_lens, read=plan, stats=torch_stats)
     torch.testing.assert_close(torch_out, want.float(), **TOL)
+    torch.testing.assert_close(torch_stats.out, fold_oracle(probs, 2, width, "group", "sum").float(), **TOL)
     device_plan = ReadPlan(tokens=dev(plan.tokens), last=dev(plan.last))
-    width = max(LENGTHS) + 3
     stats = DecodeStats("group", "sum", poisoned((len(LENGTHS), 2, width)))
     out = poisoned(q.shape)
     spec_ops.paged_decode(q.to(DEVICE), on_device(case.k_source), on_device(case.v_source), dev(case.block_tables),
