@@ -224,6 +224,20 @@ def test_the_triton_backend_equals_the_oracle(model_dir, hf, monkeypatch) -> Non
         check(out.token_ids, spy.of(sp), ref.generate(hf, session(), p, 8))
 
 
+def test_keys_are_gathered_only_where_a_choice_is_made(model_dir, monkeypatch) -> None:
+    """The stored keys (a copy of every row's keys) are gathered by the filter layers alone: once per
+    filter layer and decode step, never by the layers that read the choice or read everything."""
+    from kvc.runtime.compiled import read
+
+    calls = []
+    gather = read._stored_keys
+    monkeypatch.setattr(read, "_stored_keys", lambda view: calls.append(1) or gather(view))
+    llm = make_llm(model_dir)
+    steps = 6
+    llm.generate([prompt(20, 1)], greedy(steps))
+    assert len(calls) == len(FILTERS) * (steps - 1)  # the first token comes from the prefill
+
+
 def test_prefix_cache_hit(model_dir, hf, monkeypatch) -> None:
     spy = Logits(monkeypatch)
     llm = make_llm(model_dir)
