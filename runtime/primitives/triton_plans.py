@@ -4,11 +4,11 @@ how ties at the cut are broken; no host read and static shapes, so it runs insid
 graphs.
 
 One program per (row, KV head) holds the row's page scores in registers and finds the k-th largest
-by a radix select over the scores' order-preserving integer keys (four passes of an 8-bit
-histogram; a bisection took about 32 compare-and-count reductions), then writes the pages above
-the cut, the ties at it in column order until k are listed, -1 up to k, and the newest pages.
-`torch.topk` over a few rows of thousands of pages ran on too few blocks and, with the masking and
-concatenation around it, cost about a dozen launches a layer; this is one.
+by bisection over the scores' order-preserving integer keys (about log2(pages) + a few passes of
+a compare-and-count, each one reduction), then writes the pages above the cut, the ties at it in
+column order until k are listed, -1 up to k, and the newest pages. `torch.topk` over a few rows of
+thousands of pages ran on too few blocks and, with the masking and concatenation around it, cost
+about a dozen launches a layer; this is one.
 """
 
 from __future__ import annotations
@@ -44,23 +44,18 @@ def _read_pages_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stride_sh, s
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
     # the cut: the N_TOP-th largest key (every valid page when there are no more than N_TOP)
     lo = tl.min(tl.where(valid, key, 2147483647), axis=0)
+    hi = tl.max(key, axis=0) + 1
     if n_valid > N_TOP:
-        # radix select over the keys as unsigned 32-bit numbers, 8 bits a pass from the top: each
-        # pass counts the pages still in the running by their next digit (one histogram), keeps
-        # the digit where the N_TOP-th largest falls and drops the pages above it from the count
-        ukey = key + 2147483648
-        bins = tl.arange(0, 512)  # digits 0-255; 256 + is where pages out of the running go
-        prefix = tl.zeros([], tl.int64)
-        remaining = tl.zeros([], tl.int64) + N_TOP
-        for shift in tl.static_range(24, -1, -8):
-            live = valid & ((ukey >> (shift + 8)) == prefix)
-            digit = tl.where(live, (ukey >> shift) & 255, 256 + (ukey & 255)).to(tl.int32)
-            count = tl.where(bins < 256, tl.histogram(digit, 512), 0).to(tl.int64)
-            at_or_above = tl.sum(count, axis=0) - tl.cumsum(count, axis=0) + count
-            chosen = tl.max(tl.where((at_or_above >= remaining) & (bins < 256), bins, -1), axis=0).to(tl.int64)
-            remaining -= tl.sum(tl.where(bins > chosen, count, 0), axis=0)
-            prefix = prefix * 256 + chosen
-        lo = prefix - 2147483648
+        # invariant: at least N_TOP keys >= lo, fewer than N_TOP keys >= hi
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            above = tl.sum((key >= mid).to(tl.int32), axis=0)
+            if above >= N_TOP:
+                lo = mid
+                if above == N_TOP:
+                    hi = mid + 1
+            else:
+                hi = mid
     take = valid & (key > lo)
     ties = valid & (key == lo)
     room = N_TOP - tl.sum(take.to(tl.int32), axis=0)
