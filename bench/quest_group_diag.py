@@ -1,17 +1,20 @@
 """How Quest's page choice behaves on the default model, outside kvc: transformers' SmolLM2-135M with
-a custom decode attention that reads only the chosen pages (prefill dense, the first 2 layers dense,
-pages of 16, the newest page always), on kvc eval's cases. Modes: `full`
-`head` (the paper's
-per-query-head bound)
-`group` (kvc's quest.kvm: the max of the bound over the GQA group, one page
-set per KV head)
-`soft` (the group's per-head softmax of the bound, summed)
-`union` (each head's own
-top pages, read together)
-`split` (each query head's own top budget/group pages, read together: the shared set's bytes)
-`centroid_group` (q . the page's mean key, max over the group)
-`oracle_group` (the true attention mass per page, max over the group).
-Usage: python bench/quest_group_diag.py passkey 4096 10 full,group,head 512   (docs/accuracy.md)"""
+a custom decode attention that reads only the chosen pages (prefill dense, the first `dense` layers
+dense, pages of `page` tokens, the newest page always), on kvc eval's cases. Modes:
+- `full`: dense decode;
+- `head`: the paper's per-query-head bound;
+- `group`: kvc's quest.kvm, the max of the bound over the GQA group, one page set per KV head;
+- `soft`: the group's per-head softmax of the bound, summed;
+- `union`: each head's own top pages, read together;
+- `split`: each query head's own top budget/group pages, read together (the shared set's bytes);
+- `centroid_group`: q . the page's mean key, max over the group;
+- `oracle_group`: the true attention mass per page, max over the group;
+- `stats`: dense decode; prints, per rule, page size and layer, the true attention mass that the
+  rule's pages hold (`--bands` adds the bound over RoPE's slow / fast channels alone).
+Knobs: `--dense=2,4` (dense layers), `--page=16,8` (page size in tokens), each a comma list run in
+turn; `-v` prints every answer. Each case's dense prefill is kept in $QUEST_DIAG_PREFILLS
+(/tmp/quest_diag_prefills) between runs.
+Usage: python bench/quest_group_diag.py passkey 4096 10 full,group,head 512 --page=16,8   (docs/accuracy.md)"""
 import hashlib
 import os
 import sys
@@ -46,7 +49,12 @@ def estimates(query, key, P):
     counts[-1] = n - (pages - 1) * P
     kmean = torch.nn.functional.pad(kk, (0, 0, 0, pad)).view(H, pages, P, D).sum(2) / counts[None, :, None]
     qv = q[:, None, :]
-    est = {"bound": torch.maximum(qv * kmax, qv * kmin).sum(-1), "centroid": (qv * kmean).sum(-1)}
+    per_channel = torch.maximum(qv * kmax, qv * kmin)  # [H, pages, D]
+    est = {"bound": per_channel.sum(-1), "centroid": (qv * kmean).sum(-1)}
+    if "--bands" in sys.argv:  # the bound over RoPE's slow channels only (rotate_half: i and i + D/2 pair;
+        slow = (torch.arange(D) % (D // 2)) >= D // 4  # frequency base^(-2i/D) falls with i)
+        est["boundslow"] = per_channel[..., slow].sum(-1)
+        est["boundfast"] = per_channel[..., ~slow].sum(-1)
     logits = torch.einsum("hd,hnd->hn", q, kk) / D ** 0.5
     prob = torch.softmax(logits, -1)
     mass = torch.nn.functional.pad(prob, (0, pad)).view(H, pages, P).sum(-1)
@@ -74,7 +82,8 @@ def record_stats(layer, query, key, scaling):
         for group in (True, False):
             sel = choose(score, ntop, g, group)
             got = (mass * sel).sum(-1)  # [H]
-            STATS.setdefault((name + ("_group" if group else "_head"), layer), []).extend(got.tolist())
+            key = f"{name}_{'group' if group else 'head'}/p{P}"
+            STATS.setdefault((key, layer), []).extend(got.tolist())
 
 
 def quest_attn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
@@ -203,11 +212,12 @@ for c in cases:  # one dense prefill per case; every setting decodes from a copy
 if STATS:  # the mass of the true attention (softmax over all keys) that each rule's pages hold
     names = sorted({k[0] for k in STATS})
     layers = sorted({k[1] for k in STATS})
-    print("layer " + " ".join(f"{n:>15}" for n in names))
+    print("mean over steps and query heads of the true attention mass on the chosen pages / its minimum")
+    print("layer " + " ".join(f"{n:>22}" for n in names))
     for layer in layers:
         print(f"{layer:5d} " + " ".join(
-            f"{sum(STATS[n, layer]) / len(STATS[n, layer]):7.3f}/{min(STATS[n, layer]):7.3f}" for n in names))
-    print("mean  " + " ".join(f"{sum(sum(STATS[n, l]) / len(STATS[n, l]) for l in layers) / len(layers):15.3f}"
+            f"{sum(STATS[n, layer]) / len(STATS[n, layer]):14.3f}/{min(STATS[n, layer]):7.3f}" for n in names))
+    print("mean  " + " ".join(f"{sum(sum(STATS[n, l]) / len(STATS[n, l]) for l in layers) / len(layers):22.3f}"
                               for n in names))
 for st in settings:
     mode, budget, dense, page = st
