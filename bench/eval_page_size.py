@@ -1,4 +1,4 @@
-"""`kvc eval` with the engine's page size set (docs/accuracy.md, "Quest at 512: page size"): the eval
+"""`kvc eval` with the engine's page size set (docs/accuracy.md, "Quest at 512: the page size"): the eval
 runner builds its engines with EngineConfig's default page size (16), and a paged method's
 `split(key, size = page_size)` must equal the engine's page, so Quest at pages of 8 needs both.
 This wrapper changes only the engines' page size; everything else is `kvc eval` as is.

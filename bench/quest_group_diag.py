@@ -154,7 +154,7 @@ for layer in model.model.layers:
 args = [a for a in sys.argv[1:] if not a.startswith("-")]
 knobs = {}
 for a in sys.argv[1:]:  # knobs: --dense=N (dense layers), --page=N (page size in tokens); a comma list runs each
-    if a.startswith("--"):
+    if a.startswith("--") and "=" in a:
         k, v = a[2:].split("=")
         knobs[k] = [int(x) for x in v.split(",")]
 PREFILLS = os.environ.get("QUEST_DIAG_PREFILLS", "/tmp/quest_diag_prefills")
