@@ -163,7 +163,8 @@ PREFILLS = os.environ.get("QUEST_DIAG_PREFILLS", "/tmp/quest_diag_prefills")
 def prefill(c):
     """The dense prefill's cache and first token of case c, kept on disk between runs (same model,
     same prompt: the prefill never depends on the page choice)."""
-    path = os.path.join(PREFILLS, f"{c.task}-{c.length}-{c.index}-{hashlib.sha256(str(c.prompt).encode()).hexdigest()[:12]}.pt")
+    digest = hashlib.sha256(str(c.prompt).encode()).hexdigest()[:12]
+    path = os.path.join(PREFILLS, f"{c.task}-{c.length}-{c.index}-{digest}.pt")
     if os.path.exists(path):
         saved = torch.load(path)
     else:

@@ -454,8 +454,20 @@ def emit_python(spec: SpecDesc, method_name: str, method_path: str) -> str:
     text = "\n".join(body)
     helpers = ([_SIZE] if "_size(" in text else []) + ([_PACKING] if "_packing(" in text else [])
     fn = "\n".join(["def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):", doc] + unpack + body)
-    return "\n\n\n".join(helpers + [fn]) + "\n"
+    return "\n\n\n".join(helpers + [fn, _page_tokens(em, method_name, method_path)]) + "\n"
 
+
+
+def _page_tokens(em: _Emitter, method_name: str, method_path: str) -> str:
+    """Source of `page_tokens(params)`: the engine page size the method's page summaries need (None:
+    any), so that an engine started without a page size takes the method's."""
+    doc = (f'    """The tokens of a page that {method_name} summarises, from {method_path}\n'
+           '    (None: no page summaries, any engine page)."""')
+    if em.spec.page_tokens is None:
+        return "\n".join(["def page_tokens(params):", doc, "    return None"])
+    tokens = em.p.py(em.spec.page_tokens)
+    unpack = [f'    {em.p.local(n)} = params["{n}"]' for n in sorted(em.p.params) if em.p.local(n) in tokens]
+    return "\n".join(["def page_tokens(params):", doc] + unpack + [f"    return int({tokens})"])
 
 _SIZE = '''def _size(value):
     """A tensor size computed from the .kvm: a whole number (TensorSpec checks that it is positive)."""

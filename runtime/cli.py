@@ -49,7 +49,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="override a parameter of the method's .kvm (repeatable)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--page-size", type=int, help="tokens per KV page (default: the page the method's page summaries "
+                   "are over, e.g. Quest's page_size, else 16)")
     p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV page pool")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                    help="fraction of free GPU memory for KV pages when --kv-cache-memory is not given")

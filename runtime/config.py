@@ -8,6 +8,8 @@ import torch
 
 from kvc.runtime.errors import ConfigError
 
+DEFAULT_PAGE_SIZE = 16  # tokens per KV page when neither the config nor the method sets one
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -36,7 +38,9 @@ class EngineConfig:
     method_inputs: str | None = None
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str | torch.dtype = "auto"  # "auto": float32 on CPU, the checkpoint's dtype on GPU
-    page_size: int = 16
+    # tokens per KV page; None: the page the method's page summaries are over (Quest's `page_size`),
+    # else DEFAULT_PAGE_SIZE
+    page_size: int | None = None
     kv_cache_memory: int | None = None  # bytes for KV pages; None: a fraction of free memory
     gpu_memory_utilization: float = 0.85  # fraction of free GPU memory for KV when no bytes given
     max_num_seqs: int = 256
@@ -76,7 +80,8 @@ class EngineConfig:
 
         if self.method_params is not None and not isinstance(self.method_params, dict):
             raise ConfigError(f"method_params must be a dict, got {self.method_params!r}", param="method_params")
-        positive_int("page_size", self.page_size)
+        if self.page_size is not None:
+            positive_int("page_size", self.page_size)
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         positive_int("evict_interval", self.evict_interval)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ import torch
 from kvc.runtime.attention.backend import PagedAttention, layer_page_bytes, pool_pages
 from kvc.runtime.chain_prune import PruneRequest, Pruner, Scorer, parse_auto_prune, resolve_scorer
 from kvc.runtime.chains import ChainSpec, ChainStore
-from kvc.runtime.config import EngineConfig
+from kvc.runtime.config import DEFAULT_PAGE_SIZE, EngineConfig
 from kvc.runtime.errors import (
     ChainCapacity,
     ConfigError,
@@ -62,8 +63,10 @@ class Engine:
                  loaded: LoadedModel | None = None) -> None:
         """`loaded`: a model already in memory (its weights are shared, never written), for tools
         that build several engines over one model (`kvc eval`); otherwise `config.model` is loaded."""
-        self.config = config
         self.method = method if method is not None else resolve_method(config.method, config.method_params)
+        if config.page_size is None:  # the method's page, else the default (EngineConfig.page_size)
+            config = replace(config, page_size=self.method.page_tokens() or DEFAULT_PAGE_SIZE)
+        self.config = config
         # the contract's `evict_interval`: before anything sizes memory by the method's budget
         self.method.evict_interval = config.evict_interval
         self.device = config.resolve_device()

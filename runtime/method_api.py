@@ -197,6 +197,8 @@ class KVMethod(Protocol):
 
     def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None) -> None: ...
 
+    def page_tokens(self) -> int | None: ...
+
     def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec: ...
 
     def prefill_chunk(self, layer: int, view: PrefillView) -> Plan | None: ...
@@ -248,6 +250,9 @@ class MethodBase:
         return f"{self.name}({params})"
 
     def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None) -> None:
+        return None
+
+    def page_tokens(self) -> int | None:
         return None
 
     def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec:

@@ -94,3 +94,10 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
     values = Dense("v")
     summaries = (Summary("kmax", "k", "max"), Summary("kmin", "k", "min"))
     return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, head_starts=False)
+
+
+def page_tokens(params):
+    """The tokens of a page that quest summarises, from methods/quest.kvm
+    (None: no page summaries, any engine page)."""
+    param_page_size = params["page_size"]
+    return int(param_page_size)

@@ -111,6 +111,10 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         """Is `hook`'s keep a per-head keep `for ROLE` (roles.py)?"""
         return self.roles is not None and hook in self.roles.keeps
 
+    def page_tokens(self) -> int | None:
+        """The engine page its page summaries are over (the generated `page_tokens`; None: any)."""
+        return self.code.page_tokens(self.params)
+
     def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec:
         """The spec the compiler derived from the .kvm (the generated `kv_spec` of hooks.py, which lists
         the state planes of a key-local decode hook), without those planes when the decode state lives

@@ -24,6 +24,7 @@ from kvc.runtime.chains import ChainSpec
 from kvc.runtime.compiled.folder import GeneratedCode
 from kvc.runtime.compiled.method import CompiledMethod
 from kvc.runtime.config import EngineConfig
+from kvc.runtime.errors import ConfigError
 from kvc.runtime.engine import Engine
 from kvc.runtime.kv.plans import ReadPlan
 from kvc.runtime.llm import LLM
@@ -355,3 +356,17 @@ def test_bound_rewrite_needs_a_max_and_a_min_summary_of_one_source() -> None:
     assert _page_flags(BOUND_KVM.format(hi="max", lo="max", a="hi", b="lo"))["BOUND"] == ()
     mixed = BOUND_KVM.format(hi="max", lo="min", a="hi", b="lo").replace("lo = min(k", "lo = min(v")
     assert _page_flags(mixed)["BOUND"] == ()
+
+
+def test_the_engine_takes_the_methods_page_when_none_is_set(model_dir) -> None:
+    """An engine started without a page size takes the page Quest summarises (`--method-param
+    page_size=4` alone is enough); a method without page summaries gets the default; a page size
+    set on the engine that differs from the method's is refused, naming both."""
+    common = dict(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
+                  kv_cache_memory=2**22)
+    for page in (4, 8):
+        engine = Engine(EngineConfig(method="quest", method_params={"page_size": page}, **common))
+        assert engine.config.page_size == page and engine.pool.page_size == page
+    assert Engine(EngineConfig(method="snapkv", **common)).config.page_size == 16
+    with pytest.raises(ConfigError, match="pages of 4 tokens; the engine's pages hold 16"):
+        Engine(EngineConfig(method="quest", method_params={"page_size": 4}, page_size=16, **common))
