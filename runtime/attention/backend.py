@@ -252,6 +252,10 @@ class PagedAttention:
         # the generated decode kernels walk a fixed-length plan
         ops = self.ops
         decode_ops = torch_ops if read is not None and read.last is not None else ops
+        # a plan with an estimate (pseudo-keys of a cluster index) runs on the torch path for now
+        estimated = read is not None and read.estimate is not None
+        if estimated:
+            decode_ops = torch_ops
         self.write(layer_idx, k, v, md)
         out = torch.empty_like(q)
         num_decodes = md.num_decodes
