@@ -71,36 +71,32 @@ def cluster_segment(k: torch.Tensor, v: torch.Tensor, size, iterations, summarie
                                              for name, (fn, src) in summaries.items()}
 
 
-def _clusters(count, size, available: torch.Tensor) -> torch.Tensor:
-    """A count in tokens as clusters of `size` tokens, per row: ceil(count / size), clamped to
-    [0, the row's clusters] (the partition's average size converts it, as `split` does for pages)."""
-    count = torch.as_tensor(count, device=available.device, dtype=torch.float64)
-    return torch.minimum(torch.ceil(count / size).clamp(min=0), available.double()).long()
-
-
-def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=None):
+def read_clusters(scores, inputs, count, first=0, estimate=None, using=None):
     """The plan of `read top(scores, count) + first n` and `estimate top(scores, m) using KEY, VSUM`
-    over a batch's cluster indices (runtime/compiled/cluster_index.py `IndexBatch.inputs`):
+    over a batch's cluster indices (runtime/compiled/cluster_index.py `ClusterIndices.batch`):
 
     - scores [row, kv_head, C] (padding clusters, size 0, are never chosen); `count` and `estimate`
-      tokens per row ([row] tensors or numbers), turned into clusters of `size` tokens (ceil);
-    - read exactly: the slots of each (row, KV head)'s `count` best clusters, the row's first `first`
-      slots, and (`last`) every slot past the index, the newest tokens;
-    - estimated: the next `estimate` clusters by score, each one pseudo-key KEY (the cluster's key
-      summary) whose softmax weight counts its size (log-weight log(size)) with value VSUM / size.
+      are tokens per row ([row] tensors or numbers);
+    - read exactly: each (row, KV head)'s best clusters, taken in score order while their tokens fit
+      in `count` (docs/language.md: the first that does not fit ends the selection), the row's
+      first `first` slots, and (`last`) every slot past the index, the newest tokens;
+    - estimated: the next clusters by score while their tokens fit in `estimate`, each one
+      pseudo-key KEY (the cluster's key summary) whose softmax weight counts its size
+      (log-weight log(size)), with value VSUM / size.
 
     Ties as a stable sort leaves them (the lower cluster first). Returns (tokens [row, kv_head, n]
     int32, -1 none; last [row] int32; estimate (keys, values, log_weights) or None)."""
     sizes, members = inputs["sizes"], inputs["members"]  # [B, Hkv, C], [B, Hkv, N]
     present = sizes > 0
     ranked = torch.where(present, scores.float(), NEG_INF)
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices  # padding last
     positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
     rank = torch.empty_like(order).scatter_(-1, order, positions)  # each cluster's place in the order
-    available = present.sum(-1)  # [B, Hkv]
-    n_read = _clusters(count, size, available.amax(-1))[:, None]  # [B, 1]
-    n_read = torch.minimum(n_read, available)
-    chosen = (rank < n_read[..., None]) & present  # [B, Hkv, C]
+    held = sizes.gather(-1, order).double().cumsum(-1)  # tokens of the best clusters up to each place
+    read_budget = _per_row(count, sizes)
+    taken = (held <= read_budget) & present.gather(-1, order)  # a prefix of the order
+    n_read = taken.sum(-1)  # [B, Hkv]
+    chosen = rank < n_read[..., None]
     listed = chosen.gather(-1, members.clamp(min=0)) & (members >= 0)
     slots = inputs["starts"].long()[:, None, None] + torch.arange(members.shape[-1], device=members.device)
     tokens = torch.where(listed, slots, -1)
@@ -112,7 +108,9 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
     last = (inputs["lengths"].long() - inputs["ends"].long()).clamp(min=0)
     if estimate is None:
         return tokens.to(torch.int32), last.to(torch.int32), None
-    n_est = torch.minimum(_clusters(estimate, size, available.amax(-1))[:, None], available - n_read)
+    read_tokens = torch.where(taken, sizes.gather(-1, order).double(), 0).sum(-1, keepdim=True)
+    guessed = ~taken & (held - read_tokens <= _per_row(estimate, sizes)) & present.gather(-1, order)
+    n_est = guessed.sum(-1)  # the places right after the read's
     width = int(n_est.max()) if n_est.numel() else 0
     if width == 0:
         return tokens.to(torch.int32), last.to(torch.int32), None
@@ -125,6 +123,13 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
     values = _gather_clusters(inputs[value_name], picked) / weight.clamp(min=1)[..., None]
     log_weights = torch.where(valid & (weight > 0), torch.log(weight.clamp(min=1)), NEG_INF)
     return tokens.to(torch.int32), last.to(torch.int32), (keys, values, log_weights)
+
+
+def _per_row(count, like: torch.Tensor) -> torch.Tensor:
+    """A count of tokens per row (a [row] tensor or a number) as [row, 1, 1] float64, floored
+    (docs/language.md, Budgets) and at least 0."""
+    count = torch.as_tensor(count, device=like.device, dtype=torch.float64).floor().clamp(min=0)
+    return count.reshape(-1, 1, 1).expand(like.shape[0], 1, 1)
 
 
 def _gather_clusters(x: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
