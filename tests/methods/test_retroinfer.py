@@ -8,7 +8,8 @@ against the hand-written oracle (tests/references/retroinfer.py, the paper's wav
 - With `retrieved = computed = 1` (every cluster read exactly) RetroInfer's greedy tokens are
   `full`'s (tiny Llama and Qwen3, batched, chunked prefill, index grown while decoding).
 - Served with small fractions it equals the reference, tokens and every sampled logit row: a batch
-  with chunked prefills, a prefix-cache hit, a chain continued and forked.
+  with chunked prefills, a prefix-cache hit, a chain continued and forked, a preemption (with and
+  without prefix caching).
 - Bad parameters and constructs the compiler cannot lower are refused with their reasons.
 """
 
@@ -270,6 +271,37 @@ def test_chain_continued_and_forked(model_dir, hf, monkeypatch) -> None:
         check_books(llm.engine)
         assert out.num_cached_tokens == len(history) - 1
         check(out.token_ids, spy.of(params), ref.generate(hf, reference.copy(), [first.token_ids[-1]] + user, 6))
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preemption_recomputes_as_a_prefill(model_dir, hf, monkeypatch, prefix_caching: bool) -> None:
+    """A preempted request recomputes its prompt and what it generated as one prefill, which is then
+    the `prompt` its index covers (the same sequence id: the index is rebuilt, not reused)."""
+    spy = Logits(monkeypatch)
+    llm = make_llm(model_dir, enable_prefix_caching=prefix_caching)
+    engine = llm.engine
+    p = prompt(25, 9)
+    params = greedy(9)
+    seq = engine.add_request(p, params)
+    for _ in range(4):  # the prefill and three decode steps: four tokens
+        engine.step()
+    done = len(seq.token_ids) - len(p)
+    engine.scheduler._preempt(seq)
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.num_preemptions == 1
+    check_books(engine)
+    before = session()
+    head, head_logits = ref.generate(hf, before, p, done)
+    tokens = p + head
+    if prefix_caching:  # every full page but the one holding the last token is a hit
+        hit = (len(tokens) - 1) // PAGE * PAGE
+        assert seq.num_cached_tokens == hit
+        again = before.truncate(hit)
+    else:
+        hit, again = 0, session()
+    tail, tail_logits = ref.generate(hf, again, tokens[hit:], 9 - done)
+    check(seq.generated_ids, spy.of(params), (head + tail, torch.cat([head_logits, tail_logits])))
 
 
 # ---- refused ---------------------------------------------------------------------------------------
