@@ -102,7 +102,9 @@ def _read_problems(method: MethodIR, hook) -> list[str]:
     """What a hook's `read` needs: decode_before_attention, one read, page counts and a `where` that
     the whole batch shares, a ranked top per KV head or per layer, no `first n`. A token read of a
     shared selection (and a hook that chooses one) may count by row (`last (context - prompt)`):
-    its plan's shape is the selection's, and the per-row range is a [row] tensor; its `where` may not."""
+    its plan's shape is the selection's, and the per-row range is a [row] tensor; its `where` may not.
+    A read over the clusters of a `kmeans` partition may count by row and take a `first n` (its
+    ranges read parameters only: lower_torch checks them)."""
     reads = hook.reads
     out = []
     if hook.chooses:
