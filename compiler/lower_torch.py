@@ -337,7 +337,7 @@ def _emit_cluster_read(em: _Emitter, code: HookCode, stmt: Read, estimates: list
         score = em.emit(f"{score}.unsqueeze(1).expand(-1, kv_heads, -1)")
         code.names.add("kv_heads")
     code.lines.append(f"scores = {score}.float()")
-    read = {"clusters": stmt.item, "score": "scores", "count": em.scalar(top.count),
+    read = {"clusters": stmt.item, "score": "scores", "count": em.scalar(top.count), "size": em.scalar(stmt.page),
             "first": "0" if sel.first is None else em.scalar(sel.first),
             "last": "0" if sel.last is None else em.scalar(sel.last), "estimate": "None", "using": "None"}
     if estimates:

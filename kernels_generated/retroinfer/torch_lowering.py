@@ -54,7 +54,7 @@ DEFAULTS = {'cluster_size': 16, 'computed': 0.25, 'local': 64, 'retrieved': 0.01
 STATES = []
 # the parameters each hook reads: what a hook computes from its inputs and no parameter is the same
 # under every parameter (a replayed prefill's chunk state is computed once for every budget)
-HOOK_PARAMS = {'decode_before_attention': ['computed', 'local', 'retrieved', 'sink']}
+HOOK_PARAMS = {'decode_before_attention': ['cluster_size', 'computed', 'local', 'retrieved', 'sink']}
 NEG_INF = float("-inf")
 CLUSTERS_SUMMARIES = {'centroid': ('mean', 'k'), 'value_sum': ('sum', 'v')}  # name -> (fn, source) within clusters
 
@@ -81,6 +81,7 @@ def decode_before_attention_runs(sym, params):
 
 def decode_before_attention_ranges(sym, params):
     """`on decode_before_attention`: the (first, last) slots its read takes exactly, which the `clusters` index leaves out."""
+    cluster_size = params["cluster_size"]
     computed = params["computed"]
     heads = sym["heads"]
     kv_heads = sym["kv_heads"]
@@ -94,6 +95,7 @@ def decode_before_attention_scores(inputs, state, sym, params):
     """`on decode_before_attention` (methods/retroinfer.kvm:20): cluster scores [row, kv_head, clusters]."""
     centroid = inputs["centroid"]
     q = inputs["q"]
+    cluster_size = params["cluster_size"]
     computed = params["computed"]
     context = sym["context"]
     heads = sym["heads"]
@@ -116,6 +118,7 @@ def decode_before_attention(inputs, state, sym, params):
     if not decode_before_attention_runs(sym, params):
         return None
     scores = decode_before_attention_scores(inputs, state, sym, params)
+    cluster_size = params["cluster_size"]
     computed = params["computed"]
     context = sym["context"]
     heads = sym["heads"]
@@ -123,7 +126,7 @@ def decode_before_attention(inputs, state, sym, params):
     local = params["local"]
     retrieved = params["retrieved"]
     sink = params["sink"]
-    return _read_clusters(scores, inputs, context*retrieved, first=sink,
+    return _read_clusters(scores, inputs, context*retrieved, cluster_size, first=sink,
                           estimate=context*(computed - retrieved), using=("centroid", "value_sum"))
 
 

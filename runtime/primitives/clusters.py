@@ -71,18 +71,18 @@ def cluster_segment(k: torch.Tensor, v: torch.Tensor, size, iterations, summarie
                                              for name, (fn, src) in summaries.items()}
 
 
-def read_clusters(scores, inputs, count, first=0, estimate=None, using=None):
+def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=None):
     """The plan of `read top(scores, count) + first n` and `estimate top(scores, m) using KEY, VSUM`
     over a batch's cluster indices (runtime/compiled/cluster_index.py `ClusterIndices.batch`):
 
     - scores [row, kv_head, C] (padding clusters, size 0, are never chosen); `count` and `estimate`
-      are tokens per row ([row] tensors or numbers);
-    - read exactly: each (row, KV head)'s best clusters, taken in score order while their tokens fit
-      in `count` (docs/language.md: the first that does not fit ends the selection), the row's
-      first `first` slots, and (`last`) every slot past the index, the newest tokens;
-    - estimated: the next clusters by score while their tokens fit in `estimate`, each one
-      pseudo-key KEY (the cluster's key summary) whose softmax weight counts its size
-      (log-weight log(size)), with value VSUM / size.
+      are tokens per row ([row] tensors or numbers), counted in clusters of the partition's average
+      `size`: ceil(tokens / size) clusters (docs/language.md; the paper's nprobe, a fraction of
+      the clusters);
+    - read exactly: each (row, KV head)'s `count` best clusters, the row's first `first` slots, and
+      (`last`) every slot past the index, the newest tokens;
+    - estimated: the next `estimate` clusters by score, each one pseudo-key KEY (the cluster's key
+      summary) whose softmax weight counts its size (log-weight log(size)), with value VSUM / size.
 
     Ties as a stable sort leaves them (the lower cluster first). Returns (tokens [row, kv_head, n]
     int32, -1 none; last [row] int32; estimate (keys, values, log_weights) or None)."""
@@ -92,10 +92,8 @@ def read_clusters(scores, inputs, count, first=0, estimate=None, using=None):
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices  # padding last
     positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
     rank = torch.empty_like(order).scatter_(-1, order, positions)  # each cluster's place in the order
-    held = sizes.gather(-1, order).double().cumsum(-1)  # tokens of the best clusters up to each place
-    read_budget = _per_row(count, sizes)
-    taken = (held <= read_budget) & present.gather(-1, order)  # a prefix of the order
-    n_read = taken.sum(-1)  # [B, Hkv]
+    available = present.sum(-1)  # [B, Hkv]
+    n_read = torch.minimum(_clusters(count, size, sizes), available)
     chosen = rank < n_read[..., None]
     listed = chosen.gather(-1, members.clamp(min=0)) & (members >= 0)
     slots = inputs["starts"].long()[:, None, None] + torch.arange(members.shape[-1], device=members.device)
@@ -108,9 +106,7 @@ def read_clusters(scores, inputs, count, first=0, estimate=None, using=None):
     last = (inputs["lengths"].long() - inputs["ends"].long()).clamp(min=0)
     if estimate is None:
         return tokens.to(torch.int32), last.to(torch.int32), None
-    read_tokens = torch.where(taken, sizes.gather(-1, order).double(), 0).sum(-1, keepdim=True)
-    guessed = ~taken & (held - read_tokens <= _per_row(estimate, sizes)) & present.gather(-1, order)
-    n_est = guessed.sum(-1)  # the places right after the read's
+    n_est = torch.minimum(_clusters(estimate, size, sizes), available - n_read)  # the places right after the read's
     width = int(n_est.max()) if n_est.numel() else 0
     if width == 0:
         return tokens.to(torch.int32), last.to(torch.int32), None
@@ -125,11 +121,11 @@ def read_clusters(scores, inputs, count, first=0, estimate=None, using=None):
     return tokens.to(torch.int32), last.to(torch.int32), (keys, values, log_weights)
 
 
-def _per_row(count, like: torch.Tensor) -> torch.Tensor:
-    """A count of tokens per row (a [row] tensor or a number) as [row, 1, 1] float64, floored
-    (docs/language.md, Budgets) and at least 0."""
-    count = torch.as_tensor(count, device=like.device, dtype=torch.float64).floor().clamp(min=0)
-    return count.reshape(-1, 1, 1).expand(like.shape[0], 1, 1)
+def _clusters(count, size, like: torch.Tensor) -> torch.Tensor:
+    """A count of tokens per row (a [row] tensor or a number) as clusters of `size` tokens,
+    ceil(count / size), at least 0: [row, 1] int64."""
+    count = torch.as_tensor(count, device=like.device, dtype=torch.float64).clamp(min=0)
+    return torch.ceil(count / size).long().reshape(-1, 1).expand(like.shape[0], 1)
 
 
 def _gather_clusters(x: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:

@@ -8,11 +8,12 @@ spaced keys) segment by segment: segments of `segment` tokens from the first ind
 one partial; later, each time `segment` tokens lie between the index and the newest `local`
 tokens, they become one more segment. A segment of n keys has ceil(n / cluster_size) clusters.
 In a decode step the step's query scores every cluster by the largest q.centroid of the KV head's
-query heads; in score order (ties: the older cluster) clusters are read exactly while their tokens
-fit in floor(retrieved * context), then estimated while their tokens fit in
-floor((computed - retrieved) * context): an estimated cluster of n tokens enters the softmax as one
-key (its centroid) weighted by n, with its mean value. The first `sink` tokens and everything past
-the index (the newest `local` prompt tokens and the generated ones) are read exactly. Prefill is dense.
+query heads; in score order (ties: the older cluster) the best ceil(retrieved * context /
+cluster_size) clusters are read exactly (the paper's nprobe: a fraction of the clusters), the next
+ceil((computed - retrieved) * context / cluster_size) estimated: an estimated cluster of n tokens
+enters the softmax as one key (its centroid) weighted by n, with its mean value. The first `sink`
+tokens and everything past the index (the newest `local` prompt tokens and the generated ones) are
+read exactly. Prefill is dense.
 
 `generate` runs a Hugging Face model with that attention (transformers' `AttentionInterface`) over
 a cache held per layer, the index rebuilt from the cache in every decode step (the engine keeps it
@@ -96,25 +97,17 @@ def plan(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, params: dict
     length = keys.shape[1]
     heads, start, end = index(keys, values, params, prompt, length)
     group = q.shape[0] // keys.shape[0]
-    read_budget = math.floor(params["retrieved"] * length)
-    estimate_budget = math.floor((params["computed"] - params["retrieved"]) * length)
+    size = params["cluster_size"]
+    n_read = math.ceil(length * params["retrieved"] / size)
+    n_estimated = math.ceil(length * (params["computed"] - params["retrieved"]) / size)
     out = []
     for h, clusters in enumerate(heads):
         scores = [max(float(q[g].float() @ c.centroid) for g in range(h * group, (h + 1) * group)) for c in clusters]
         order = sorted(range(len(clusters)), key=lambda j: (-scores[j], j))
         exact = set(range(start)) | set(range(end, length))
-        estimated: list[Cluster] = []
-        held = 0
-        place = 0
-        while place < len(order) and held + len(clusters[order[place]].slots) <= read_budget:
-            held += len(clusters[order[place]].slots)
-            exact |= set(clusters[order[place]].slots)
-            place += 1
-        guessed = 0
-        while place < len(order) and guessed + len(clusters[order[place]].slots) <= estimate_budget:
-            guessed += len(clusters[order[place]].slots)
-            estimated.append(clusters[order[place]])
-            place += 1
+        for j in order[:n_read]:
+            exact |= set(clusters[j].slots)
+        estimated = [clusters[j] for j in order[n_read:n_read + n_estimated]]
         out.append((sorted(exact), estimated))
     return out
 
