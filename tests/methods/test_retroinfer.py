@@ -316,6 +316,9 @@ def test_bad_parameters_are_refused_with_their_reason(model_dir) -> None:
         make_llm(model_dir, params={**PARAMS, "cluster_size": 0})
     assert "cluster_size = 0 is outside its range [1, 1024]" in str(e.value)
     with pytest.raises(ConfigError) as e:
+        make_llm(model_dir, params={**PARAMS, "segment": 10})  # 2.5 clusters of 4 per segment
+    assert "the segment length (10) must be a multiple of cluster_size (4)" in str(e.value)
+    with pytest.raises(ConfigError) as e:
         make_llm(model_dir, params={**PARAMS, "clusters": 4})
     assert "clusters" in str(e.value)
 
