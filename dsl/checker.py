@@ -375,7 +375,7 @@ class Checker:
                 continue
             problem = {
                 "multiple": isinstance(w, int) and w > 0 and v % w != 0 and
-                f"{what} ({_fmt(v)}) must be a multiple of {source_of(of)} ({_fmt(w)}): whole clusters per segment",
+                f"{what} ({_fmt(v)}) must be a multiple of {_named(source_of(of), w)}: whole clusters per segment",
                 "odd": v % 2 != 1 and f"{what} must be odd (the window is centred), not {_fmt(v)}",
                 "bits": not 1 <= v <= 8 and f"{what} must be 1 to 8 bits, not {_fmt(v)}",
                 "unit": not 0 <= v <= 1 and f"{what} must be between 0 and 1, not {_fmt(v)}",
@@ -417,6 +417,11 @@ class Checker:
         }[family]
         if not need[0]:
             self.xc.error(header.family, need[1], need[2])
+
+
+def _named(text: str, v: object) -> str:
+    """`text (value)`, or the value alone when the text is that number."""
+    return _fmt(v) if text == _fmt(v) else f"{text} ({_fmt(v)})"
 
 
 def _fmt(v: object) -> str:
