@@ -34,6 +34,12 @@ def add_evict_interval(p: argparse.ArgumentParser) -> None:
                    "N-1 tokens per row and layer (default 1: every step)")
 
 
+def add_method_inputs(p: argparse.ArgumentParser) -> None:
+    """`--method-inputs DIR` (EngineConfig.method_inputs), for generate, serve, eval and bench throughput."""
+    p.add_argument("--method-inputs", metavar="DIR", help="a directory with the method's input files (as `kvc "
+                   "calibrate --out` writes them), read instead of the model directory's and the shipped defaults")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local Hugging Face directory, gguf:FILE (or a .gguf path), random:tiny (the test "
                    "model) or random:NAME (default: the embedded SmolLM2-135M-Instruct)")
@@ -55,6 +61,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", choices=tuple(ASYNC_SCHEDULING_CHOICES), default="auto",
                    help="schedule the next decode step while the current one runs (auto: on a GPU)")
     add_evict_interval(p)
+    add_method_inputs(p)
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -72,6 +79,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
         cuda_graphs=not a.no_cuda_graphs,
         async_scheduling=ASYNC_SCHEDULING_CHOICES[a.async_scheduling],
         evict_interval=a.evict_interval,
+        method_inputs=a.method_inputs,
         seed=a.seed,
     )
 

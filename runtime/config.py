@@ -31,6 +31,9 @@ class EngineConfig:
     model: str | None = None  # local HF directory, "random:NAME", or None for the embedded default
     method: str = "full"
     method_params: dict | None = None  # overrides of the method's .kvm parameters (checked at resolve)
+    # a directory holding the method's input files (`input NAME ... from "FILE"`, as `kvc calibrate
+    # --out` writes them), read instead of the model's directory and the shipped defaults
+    method_inputs: str | None = None
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str | torch.dtype = "auto"  # "auto": float32 on CPU, the checkpoint's dtype on GPU
     page_size: int = 16

@@ -336,18 +336,22 @@ def _load_operand(
 
 
 @triton.jit
-def _tile_slots(positions, end, plan, context_len, head_start, PAGE_SIZE: tl.constexpr, READ: tl.constexpr):
+def _tile_slots(positions, end, plan, plan_len, recent_base, context_len, head_start, PAGE_SIZE: tl.constexpr,
+                READ: tl.constexpr):
     # The slots a decode tile reads and which of them count. READ_ALL: the positions are the slots
     # [start, end). A read plan: the positions enumerate the plan (every slot of each listed page,
     # or the listed tokens); -1 entries, and slots not stored (past the row's length, before the
-    # KV head's start), do not count and are never loaded.
+    # KV head's start), do not count and are never loaded. A token plan's positions past plan_len
+    # are the row's newest slots (`ReadPlan.last`): position p is slot recent_base + p.
     in_range = positions < end
     if READ == 1:
         listed = tl.load(plan + positions // PAGE_SIZE, mask=in_range, other=-1)
         tokens = listed * PAGE_SIZE + positions % PAGE_SIZE
         token_mask = in_range & (listed >= 0) & (tokens < context_len) & (tokens >= head_start)
     elif READ == 2:
-        tokens = tl.load(plan + positions, mask=in_range, other=-1)
+        in_plan = positions < plan_len
+        tokens = tl.load(plan + positions, mask=in_range & in_plan, other=-1)
+        tokens = tl.where(in_plan, tokens, recent_base + positions)
         token_mask = in_range & (tokens >= 0) & (tokens < context_len) & (tokens >= head_start)
     else:
         tokens = positions
@@ -579,7 +583,7 @@ def _split_len(context_len, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, block_tables_ptr, context_lens_ptr, kv_starts_ptr, rows_ptr, resid_lens_ptr, plan_ptr,
+    q_ptr, block_tables_ptr, context_lens_ptr, kv_starts_ptr, rows_ptr, resid_lens_ptr, plan_ptr, last_ptr,
     k_cache_ptr, k_scale_ptr, k_zero_ptr, k_resid_ptr,
     stride_kp, stride_kh, stride_ks, stride_k_scale_p, stride_k_scale_h, stride_k_scale_s,
     stride_k_resid_r, stride_k_resid_h, stride_k_resid_s,
@@ -598,7 +602,7 @@ def _decode_split_kernel(
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr,
     K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr,
     V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr,
-    READ: tl.constexpr,
+    READ: tl.constexpr, HAS_LAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -609,11 +613,14 @@ def _decode_split_kernel(
     # This kv head's tokens are slots [head_start, context_len); the splits share only those, so
     # the slots before a start are never loaded (tiles need no alignment: tokens are gathered).
     head_start = _head_start(kv_starts_ptr, seq, kv_head, stride_sb, HAS_STARTS)
-    # A read plan: the splits share the plan's positions instead (the same count for every row).
+    # A read plan: the splits share the plan's positions instead (the same count for every row,
+    # plus the row's `last` newest slots after them).
     plan = plan_ptr + seq.to(tl.int64) * stride_pb + kv_head * stride_ph
     if READ:
         first = 0
         span = plan_len
+        if HAS_LAST:
+            span = plan_len + tl.load(last_ptr + seq)
     else:
         first = head_start
         span = context_len - head_start
@@ -651,7 +658,8 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
 
     for tile in range(start, end, BLOCK_N):
-        tokens, token_mask = _tile_slots(tile + offs_n, end, plan, context_len, head_start, PAGE_SIZE, READ)
+        tokens, token_mask = _tile_slots(tile + offs_n, end, plan, plan_len, context_len - span, context_len,
+                                         head_start, PAGE_SIZE, READ)
         pages = tl.load(table + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
         in_page = tokens % PAGE_SIZE
         kv_mask = token_mask[:, None] & dim_mask[None, :]
@@ -713,15 +721,17 @@ def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, context_lens_ptr, kv_starts_ptr, out_ptr,
     scores_ptr, lse_ptr, scores_width, EMIT_STATS: tl.constexpr,
     num_splits, stride_sb, stride_ob, stride_oh,
-    plan_len,
+    plan_len, last_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr, HAS_STARTS: tl.constexpr,
-    READ: tl.constexpr,
+    READ: tl.constexpr, HAS_LAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    if READ:  # the splits shared the plan's positions
+    if READ:  # the splits shared the plan's positions (and the row's newest slots)
         active_len = plan_len
+        if HAS_LAST:
+            active_len = plan_len + tl.load(last_ptr + seq)
     else:
         active_len = tl.load(context_lens_ptr + seq) - _head_start(kv_starts_ptr, seq, head // GROUP, stride_sb,
                                                                    HAS_STARTS)
@@ -785,8 +795,9 @@ def paged_decode(
     asks for the step's attention statistics, computed inside these kernels.
     K and V are dense caches or quantized sources (runtime/attention/sources.py); `rows`/`resid_lens`
     [B] int32 read each row's newest resid_lens[b] slots from residual windows; `read` (a ReadPlan,
-    runtime/kv/plans.py) restricts each (row, KV head) to the slots it lists, the splits sharing the
-    plan's entries (no gather of K/V), statistics then covering the slots read (torch_ops.paged_decode).
+    runtime/kv/plans.py) restricts each (row, KV head) to the slots it lists (with `read.last`, also the
+    row's newest last[b] slots), the splits sharing the plan's entries (no gather of K/V), statistics
+    then covering the slots read (torch_ops.paged_decode).
     The keyword-only knobs override the launch config (this GPU's tuned entry, else `decode_config`).
     No host sync and no value-dependent allocation: CUDA-graph capturable.
     """
@@ -803,6 +814,11 @@ def paged_decode(
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * page_size
     plan, read_mode, plan_len, plan_strides = context_lens, READ_ALL, 0, (0, 0)  # without a plan: never read
+    last = context_lens  # without `read.last`: never read
+    if read is not None and read.last is not None:
+        last = read.last
+        if last.shape != (batch,) or last.dtype != torch.int32:
+            raise ValueError(f"the read plan's `last` must be [{batch}] int32, got {tuple(last.shape)} {last.dtype}")
     if read is not None:
         plan = read.pages if read.pages is not None else read.tokens
         if plan.shape[:2] != (batch, num_kv_heads) or plan.stride(-1) != 1:
@@ -846,7 +862,7 @@ def paged_decode(
     if stats is not None and read is not None:
         scores.fill_(float("-inf"))  # the slots a plan does not read keep probability 0
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, block_tables, context_lens, starts, rows_arg, resid_arg, plan, *k_op.args(), *v_op.args(),
+        q, block_tables, context_lens, starts, rows_arg, resid_arg, plan, last, *k_op.args(), *v_op.args(),
         out, part_out, part_lse,
         scores, lse, scores_width, stats is not None,
         scale * LOG2E, splits,
@@ -856,7 +872,7 @@ def paged_decode(
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, DIRECT_OUT=splits == 1,
         USE_DOT=cfg.use_dot, DOT_PRECISION=_dot_precision(q.dtype), HAS_STARTS=kv_starts is not None,
-        **k_op.constants("K"), **v_op.constants("V"), READ=read_mode,
+        **k_op.constants("K"), **v_op.constants("V"), READ=read_mode, HAS_LAST=last is not context_lens,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
@@ -865,10 +881,10 @@ def paged_decode(
             part_out, part_lse, context_lens, starts, out,
             scores, lse, scores_width, stats is not None,
             splits, stride_sb, out.stride(0), out.stride(1),
-            plan_len,
+            plan_len, last,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_BLOCK=split_block,
             HAS_STARTS=kv_starts is not None, num_warps=4 if head_dim >= 128 else 2,
-            READ=read_mode,
+            READ=read_mode, HAS_LAST=last is not context_lens,
         )
     if stats is not None:
         _fold_stats(scores, lse, context_lens, starts, stride_sb, kv_starts is not None, stats, group)

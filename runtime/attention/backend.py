@@ -248,14 +248,10 @@ class PagedAttention:
         if read is not None:
             extra_d["read"] = read
         starts = None if md.kv_starts is None else md.kv_starts[layer_idx]  # [B, Hkv]
-        # a token plan with a per-row range of newest slots (`read.last`) runs on the torch path for now:
-        # the generated decode kernels walk a fixed-length plan
         ops = self.ops
-        decode_ops = torch_ops if read is not None and read.last is not None else ops
         # a plan with an estimate (pseudo-keys of a cluster index) runs on the torch path for now
         estimated = read is not None and read.estimate is not None
-        if estimated:
-            decode_ops = torch_ops
+        decode_ops = torch_ops if estimated else ops
         self.write(layer_idx, k, v, md)
         out = torch.empty_like(q)
         num_decodes = md.num_decodes

@@ -357,8 +357,6 @@ def _decode_by_token_mask(q, k_cache, v_cache, block_tables, context_lens, scale
     keys as `_decode_padded` lays them out, attended with the mask of the listed tokens and the
     range (no host value read). The range's length varies by row, so the listed slots are a mask
     over the row's width rather than a gather of a fixed count."""
-    if stats is not None:
-        raise NotImplementedError("decode statistics of a read plan with `last` are not computed yet")
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     tokens = read.tokens
@@ -381,7 +379,13 @@ def _decode_by_token_mask(q, k_cache, v_cache, block_tables, context_lens, scale
     if kv_starts is not None:
         mask &= slots >= kv_starts.to(q.device).long()[:, :, None]
     grouped_q = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    if stats is not None and read.estimate is not None:
+        raise NotImplementedError("decode statistics of a read plan with an estimate are not computed yet")
     o = _attend(grouped_q, keys.to(q.dtype), values.to(q.dtype), mask, scale, read.estimate)
+    if stats is not None:
+        decode_stats.check_args(q, k_cache, stats.out, stats.reduce, stats.fn)
+        decode_stats.stats_over_slots(q, keys.to(q.dtype), slots.expand(batch, num_kv_heads, length), mask, scale,
+                                      stats.out, stats.reduce, stats.fn)
     return o.reshape(batch, num_q_heads, head_dim)
 
 

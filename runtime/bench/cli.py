@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
-from kvc.runtime.cli import ASYNC_SCHEDULING_CHOICES, add_evict_interval
+from kvc.runtime.cli import ASYNC_SCHEDULING_CHOICES, add_evict_interval, add_method_inputs
 from kvc.runtime.errors import ConfigError, KvcError
 
 
@@ -40,6 +41,7 @@ def add_commands(bench_sub) -> None:
     t.add_argument("--async-scheduling", choices=tuple(ASYNC_SCHEDULING_CHOICES), default="auto",
                    help="schedule each decode step while the one before runs (auto: on a GPU)")
     add_evict_interval(t)  # the plan sizes the batch by the peak it implies
+    add_method_inputs(t)
     t.add_argument("--temperature", type=float, default=1.0, help="decode sampling temperature (default 1: rows "
                    "stay distinct requests, so MoE layers route like real traffic; 0: greedy)")
     t.add_argument("--sources", type=int, default=4, help="real requests prefilled for the decode window; "
@@ -88,7 +90,11 @@ def parse_method_params(items: list[str] | None) -> dict[str, dict]:
         if not colon or not method.strip():
             raise ConfigError(f"--method-params takes METHOD:KEY=VALUE[,KEY=VALUE], got {item!r}",
                               param="method_params")
-        out.setdefault(method.strip(), {}).update(parse_pairs(_csv(pairs, "method-params")))
+        # commas separate pairs, except inside a bracketed list value (filters=[8,18])
+        items = [item.strip() for item in re.split(r",(?![^\[]*\])", pairs) if item.strip()]
+        if not items:
+            raise ConfigError("--method-params is empty", param="method-params")
+        out.setdefault(method.strip(), {}).update(parse_pairs(items))
     return out
 
 
@@ -106,6 +112,7 @@ def _throughput(a: argparse.Namespace) -> int:
         max_prefill_chunk=a.max_prefill_chunk, attention_backend=a.attention_backend,
         cuda_graphs=not a.no_cuda_graphs,
         async_scheduling=ASYNC_SCHEDULING_CHOICES[a.async_scheduling], evict_interval=a.evict_interval,
+        method_inputs=a.method_inputs,
         temperature=a.temperature, sources=a.sources, e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy,
         busy_batch=a.busy_batch, seed=a.seed)
     if a.plot:

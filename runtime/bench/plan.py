@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -145,12 +146,12 @@ class BatchPlan:
 
 
 def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_len: int, output_len: int,
-               max_batch: int, evict_interval: int = 1) -> BatchPlan:
+               max_batch: int, evict_interval: int = 1, inputs_dir: Path | None = None) -> BatchPlan:
     """The largest batch of `method` at `input_len` + `output_len` in `kv_memory` bytes (module
-    docstring); `method` is bound to the model's shape and given `evict_interval` here, as the
-    engine does."""
+    docstring); `method` is bound to the model's shape (its input files from `inputs_dir`) and given
+    `evict_interval` here, as the engine does."""
     method.evict_interval = evict_interval
-    method.bind(spec.num_layers, spec.num_kv_heads)
+    method.bind(spec.num_layers, spec.num_kv_heads, model_dir=inputs_dir)
     kv_spec = method.kv_spec(spec.num_kv_heads, spec.head_dim, spec.dtype, page_size)
     page_bytes = layer_page_bytes(kv_spec, spec.num_kv_heads, page_size)
     num_pages = pool_pages(kv_memory, page_bytes)

@@ -46,7 +46,8 @@ def make_engine(cfg, model: str, method, params: dict, input_len: int, seats: in
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_prefill_chunk=cfg.max_prefill_chunk,
         max_model_len=input_len + cfg.output_len + 1, enable_prefix_caching=False,
         attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
-        async_scheduling=cfg.async_scheduling, evict_interval=cfg.evict_interval, seed=cfg.seed)
+        async_scheduling=cfg.async_scheduling, evict_interval=cfg.evict_interval, method_inputs=cfg.method_inputs,
+        seed=cfg.seed)
     return Engine(config, method=method)
 
 

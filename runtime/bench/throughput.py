@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -50,6 +51,7 @@ from kvc.runtime.bench.sources import mix_layers, prefill_sources
 from kvc.runtime.bench.steps import Clock, abort_all, collect, make_engine, prompt, until, warm_up, window
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.errors import ConfigError, OutOfKVMemory
+from kvc.runtime.models.loader import model_directory
 from kvc.runtime.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ class ThroughputConfig:
     cuda_graphs: bool = True
     async_scheduling: bool | None = None  # None: the engine's default (on for a GPU)
     evict_interval: int = 1  # EngineConfig.evict_interval; the plan counts its peak
+    method_inputs: str | None = None  # EngineConfig.method_inputs (None: the model's directory)
     temperature: float = 1.0  # decode sampling (window and e2e); 0: greedy
     sources: int = 4  # real requests the decode window's clones mix their layers from (sources.py)
     e2e: bool = False
@@ -134,6 +137,7 @@ def prepare(cfg: ThroughputConfig, model: str) -> list[Case]:
 
     device = EngineConfig(device=cfg.device).resolve_device()
     spec = model_spec(model, device, cfg.dtype)
+    inputs_dir = Path(cfg.method_inputs) if cfg.method_inputs is not None else model_directory(model)
     cases = []
     for input_len in cfg.inputs:
         ref = model_for_context(model, input_len + cfg.output_len + 1, spec)
@@ -146,7 +150,7 @@ def prepare(cfg: ThroughputConfig, model: str) -> list[Case]:
                 raise ConfigError(f"{name} at {input_len} input tokens with {params}: {e.message}",
                                   param=e.param) from None
             plan = plan_batch(method, spec, cfg.kv_memory, cfg.page_size, input_len, cfg.output_len, cfg.max_batch,
-                              cfg.evict_interval)
+                              cfg.evict_interval, inputs_dir)
             cases.append(Case(name, input_len, params, dict(method.params), ref, plan))
     return cases
 
@@ -257,8 +261,6 @@ def run(cfg: ThroughputConfig, progress: bool = False, on_row: Callable[[dict], 
 
     model = cfg.model
     if model is None:
-        from kvc.runtime.models.loader import model_directory
-
         model = str(model_directory(None))
     result = header(cfg, model)
     cases = prepare(cfg, model)

@@ -88,6 +88,8 @@ class ReadHook:
         sym = {"context": None, "prompt": None, "step": None, "layer": layer, "layers": num_layers,
                "heads": view.q.shape[1], "kv_heads": view.k.shape[1], "head_dim": view.q.shape[2]}
         if self.tokens:
+            if self.runs is not None and not self.runs(sym, params):
+                return None  # no choice and no read in this layer: nothing gathered either
             return self._token_plan(view, sym, params)
         if self.indices is not None:
             return self._cluster_plan(layer, view, sym, params)
@@ -139,9 +141,7 @@ class ReadHook:
         context = view.context_lens.to(torch.float64)
         prompt = view.prompt_lens.to(torch.float64)
         sym.update(context=context, prompt=prompt, step=context - prompt)
-        inputs: dict[str, torch.Tensor] = {"q": view.q, "lengths": view.context_lens}
-        if "k" in self.inputs:
-            inputs["k"] = _stored_keys(view)
+        inputs = _TokenInputs(view)  # the stored keys are gathered only by a layer that reads them
         out = self.fn(inputs, self.shared, sym, params)
         if out is None:
             return None
@@ -154,6 +154,21 @@ def _bound(lowering: Any, name: str) -> Callable:
     if fn is None:
         raise ConfigError(f"the generated lowering lacks {name}; run `kvc compile`", param="method")
     return fn
+
+
+class _TokenInputs(dict):
+    """A token hook's inputs: `q` and `lengths`, and `k` (`_stored_keys`, a copy of every row's keys)
+    gathered on first use: a layer that only reads a choice made earlier never pays for it."""
+
+    def __init__(self, view: DecodeView) -> None:
+        super().__init__(q=view.q, lengths=view.context_lens)
+        self.view = view
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        if name != "k":
+            raise KeyError(name)
+        self["k"] = keys = _stored_keys(self.view)
+        return keys
 
 
 def _stored_keys(view: DecodeView) -> torch.Tensor:

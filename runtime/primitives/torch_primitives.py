@@ -236,10 +236,13 @@ def decode_logits(q, k, context, softmax=True):
     """q k^T / sqrt(d) of each row's step query q [row, head, (query = 1,) channel] over its keys k
     [row, kv_head, key, channel] -> [row, head, (query,) key] float32; keys at or past the row's
     `context` are -inf (0 after the softmax)."""
-    heads, head_dim = q.shape[1], q.shape[-1]
-    keys = k.float().repeat_interleave(heads // k.shape[1], dim=1)  # [row, head, key, channel]
-    queries = q.float() if q.dim() == 4 else q.float()[:, :, None, :]
-    logits = (queries @ keys.transpose(-1, -2)).div_(math.sqrt(head_dim))  # [row, head, query, key]
+    rows, heads, head_dim = q.shape[0], q.shape[1], q.shape[-1]
+    kv_heads = k.shape[1]
+    queries = q.float() if q.dim() == 4 else q.float()[:, :, None, :]  # [row, head, query, channel]
+    # a KV head's query group as one matrix against its keys: no copy of the keys per query head
+    grouped = queries.reshape(rows, kv_heads, -1, head_dim)  # [row, kv_head, group x query, channel]
+    logits = (grouped @ k.float().transpose(-1, -2)).div_(math.sqrt(head_dim))
+    logits = logits.view(rows, heads, queries.shape[2], k.shape[2])  # [row, head, query, key]
     past = torch.arange(k.shape[2], device=q.device)[None, :] >= torch.as_tensor(context, device=q.device)[:, None]
     logits.masked_fill_(past[:, None, None, :], NEG_INF)
     logits = logits.softmax(dim=-1) if softmax else logits

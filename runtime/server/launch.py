@@ -96,8 +96,9 @@ def engine_config(model: str | None, method: str, method_params: dict[str, str],
 
 
 def parse_method_params(items: list[str] | None) -> dict[str, object]:
-    """`["budget=512", "pooling=max"]` -> {"budget": 512, "pooling": "max"}: numbers and booleans
-    are converted, anything else (enum values) stays text; the method's checker judges the rest."""
+    """`["budget=512", "pooling=max", "filters=[8,18]"]` -> {"budget": 512, "pooling": "max",
+    "filters": [8, 18]}: numbers, booleans and bracketed lists of them are converted, anything else
+    (enum values) stays text; the method's checker judges the rest."""
     params: dict[str, object] = {}
     for item in items or []:
         key, eq, value = item.partition("=")
@@ -108,6 +109,9 @@ def parse_method_params(items: list[str] | None) -> dict[str, object]:
 
 
 def _literal(text: str) -> object:
+    if text.startswith("[") and text.endswith("]"):
+        inner = text[1:-1].strip()
+        return [_literal(item.strip()) for item in inner.split(",")] if inner else []
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     for kind in (int, float):

@@ -95,6 +95,9 @@ def test_option_parsing():
         parse_bytes("60 parsecs")
     assert parse_method_params(["snapkv:budget=512,pooling=max", "h2o:heavy=0.05"]) == {
         "snapkv": {"budget": 512, "pooling": "max"}, "h2o": {"heavy": 0.05}}
+    assert parse_method_params(["omnikv:filters=[8,18],selected=0.1", "omnikv:filters=[]"]) == {
+        "omnikv": {"filters": [], "selected": 0.1}}
+    assert parse_method_params(["omnikv:filters=[3]"]) == {"omnikv": {"filters": [3]}}
     with pytest.raises(ConfigError, match="METHOD:KEY=VALUE"):
         parse_method_params(["budget=512"])
     with pytest.raises(ConfigError, match="not in --methods"):

@@ -187,17 +187,24 @@ def tensors(source) -> list[torch.Tensor]:
 # ---- read plans and the oracle -------------------------------------------------------------------
 
 
-def random_plan(case: SpecCase, num_kv_heads: int, by: str, width: int, gen: torch.Generator) -> ReadPlan:
+def random_plan(case: SpecCase, num_kv_heads: int, by: str, width: int, gen: torch.Generator,
+                last: list[int] | None = None) -> ReadPlan:
     """A plan of `width` entries per (row, KV head): distinct pages of the row's table (by="pages")
-    or distinct slots (by="tokens", some past the row's length), padded with -1 at random places."""
+    or distinct slots (by="tokens", some past the row's length), padded with -1 at random places.
+    With `last` (tokens only): each row b also reads its newest last[b] slots, which the listed
+    tokens then stay below."""
     plan = torch.full((len(case.lengths), num_kv_heads, width), -1, dtype=torch.int32)
     for b, n in enumerate(case.lengths):
         limit = -(-n // case.page_size) if by == "pages" else n + 3
+        if last is not None:
+            limit = max(n - last[b], 0)
         for h in range(num_kv_heads):
             count = int(torch.randint(0, min(width, limit) + 1, (1,), generator=gen)) if limit else 0
             chosen = torch.randperm(limit, generator=gen)[:count].to(torch.int32) if limit else plan.new_zeros(0)
             where = torch.randperm(width, generator=gen)[:count]
             plan[b, h, where] = chosen
+    if last is not None:
+        return ReadPlan(tokens=plan, last=torch.tensor(last, dtype=torch.int32))
     return ReadPlan(pages=plan) if by == "pages" else ReadPlan(tokens=plan)
 
 
@@ -217,6 +224,8 @@ def read_mask(case: SpecCase, plan: ReadPlan | None, num_kv_heads: int, starts: 
             for t in plan.tokens[b, h].tolist():
                 if 0 <= t < n:
                     mask[h, t] = True
+            if plan.last is not None:
+                mask[h, max(n - int(plan.last[b]), 0):] = True
         if starts is not None:
             mask[h, : int(starts[b, h])] = False
     return mask

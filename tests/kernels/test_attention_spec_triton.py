@@ -19,8 +19,8 @@ from kvc.runtime.attention import torch_ops
 from kvc.runtime.attention.metadata import DecodeStats
 from kvc.runtime.kv.plans import ReadPlan
 from tests.kernels.paged_cases import triton_device_and_ops
-from tests.kernels.spec_cases import (INT2_SYM_G16, Enc, INT4_ASYM_G8, INT8_PER_TOKEN, emptied, make_spec_case, moved,
-                                      nan_free, random_plan, tensors)
+from tests.kernels.spec_cases import (INT2_SYM_G16, Enc, INT4_ASYM_G8, INT8_PER_TOKEN, emptied, fold_oracle,
+                                      make_spec_case, moved, nan_free, oracle_decode, random_plan, tensors)
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
@@ -269,3 +269,47 @@ def test_plain_and_decode_stats_render_nothing_of_the_spec():
     for name in ("paged_prefill", "store_kv"):
         want = list(inspect.signature(getattr(torch_ops, name)).parameters)
         assert list(inspect.signature(getattr(spec_ops, name)).parameters)[: len(want)] == want
+
+
+@pytest.mark.parametrize("k_name,window,with_starts,num_splits,last", [
+    ("dense", 0, False, 1, [3, 0, 37, 1]),    # a whole row from `last`, one empty, one all but listed
+    ("dense", 0, True, 3, [5, 0, 2, 0]),
+    ("int4-asym-g8", 8, False, 2, [13, 0, 9, 1]),  # the newest slots inside the residual window
+])
+def test_decode_by_token_plan_with_newest_slots(k_name, window, with_starts, num_splits, last):
+    """A token plan plus each row's `last` newest slots (OmniKV's plan: the chosen prompt tokens and
+    everything generated since): the splits walk the listed tokens, then the row's newest slots."""
+    gen = fresh(77 + num_splits)
+    case = case_for(k_name, k_name, gen, window=window)
+    plan = random_plan(case, 2, "tokens", 6, gen, last=last)
+    starts = None
+    if with_starts:
+        starts = torch.stack([torch.randint(0, max(n, 1), (2,), generator=gen) for n in LENGTHS]).int()
+    q = torch.randn(len(LENGTHS), 4, HEAD_DIM, generator=gen)
+    want, probs = oracle_decode(case, q, 0.3, plan, starts)
+    width = max(LENGTHS) + 3
+    torch_stats = DecodeStats("group", "sum", torch.zeros(len(LENGTHS), 2, width))
+    torch_out = torch_ops.paged_decode(q, nan_free(case.k_source), nan_free(case.v_source), case.block_tables,
+                                       case.context_lens, 0.3, kv_starts=starts, rows=case.rows,
+                                       resid_lens=case.resid_lens, read=plan, stats=torch_stats)
+    torch.testing.assert_close(torch_out, want.float(), **TOL)
+    torch.testing.assert_close(torch_stats.out, fold_oracle(probs, 2, width, "group", "sum").float(), **TOL)
+    device_plan = ReadPlan(tokens=dev(plan.tokens), last=dev(plan.last))
+    stats = DecodeStats("group", "sum", poisoned((len(LENGTHS), 2, width)))
+    out = poisoned(q.shape)
+    spec_ops.paged_decode(q.to(DEVICE), on_device(case.k_source), on_device(case.v_source), dev(case.block_tables),
+                          dev(case.context_lens), 0.3, out=out, kv_starts=dev(starts), rows=dev(case.rows),
+                          resid_lens=dev(case.resid_lens), read=device_plan, num_splits=num_splits, block_n=16,
+                          stats=stats)
+    torch.testing.assert_close(out.cpu(), want.float(), **TOL)
+    torch.testing.assert_close(stats.out.cpu(), fold_oracle(probs, 2, width, "group", "sum").float(), **TOL)
+
+
+def test_a_token_plan_with_newest_slots_needs_int32_rows():
+    gen = fresh(5)
+    case = case_for("dense", "dense", gen)
+    plan = random_plan(case, 2, "tokens", 4, gen, last=[1, 0, 2, 1])
+    with pytest.raises(ValueError, match="`last` must be"):
+        spec_ops.paged_decode(torch.randn(len(LENGTHS), 4, HEAD_DIM, device=DEVICE), on_device(case.k_source),
+                              on_device(case.v_source), dev(case.block_tables), dev(case.context_lens), 0.3,
+                              read=ReadPlan(tokens=dev(plan.tokens), last=dev(plan.last.long())))

@@ -37,6 +37,23 @@ def test_plan_equals_the_torch_plan(rows, kv_heads, width, page, count, last) ->
     assert 3 not in got[0, 0].tolist()[: got.shape[-1] - (-(-last // page))]
 
 
+@pytest.mark.parametrize("kind", ["close", "negative", "coarse"])
+def test_the_cut_through_every_digit_of_the_keys(kind) -> None:
+    """Scores that share their high bits (the cut is decided by the last byte), all negative, or
+    few distinct values with many duplicates: the same pages as torch's top-k, up to ties."""
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(2, 2, 2048, generator=g)
+    scores = {"close": 1.0 + base * 1e-6, "negative": -base.abs() - 3.0,
+              "coarse": torch.randint(-4, 5, (2, 2, 2048), generator=g).float()}[kind]
+    lengths = torch.tensor([2048 * 16, 1000 * 16], dtype=torch.int32)
+    got, want = plans(scores, lengths, 16, 16 * 255, 16)
+    for r in range(2):
+        for h in range(2):
+            ranked_got, ranked_want = got[r, h, :255], want[r, h, :255]
+            assert sorted(scores[r, h, ranked_got.long()].tolist()) == sorted(scores[r, h, ranked_want.long()].tolist())
+            assert len(set(ranked_got.tolist())) == 255
+
+
 def test_ties_at_the_cut_fill_in_column_order() -> None:
     scores = torch.zeros(1, 1, 50)
     scores[..., ::3] = 1.0  # 17 pages tie for the top, more than the 10 ranked places

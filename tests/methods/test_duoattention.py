@@ -163,6 +163,24 @@ def test_missing_gates_say_how_to_calibrate(tmp_path: Path) -> None:
         make_llm(bare)
 
 
+def test_inputs_from_a_directory_of_their_own(tmp_path: Path) -> None:
+    """`method_inputs` (`--method-inputs DIR`) is read instead of the model directory, so a model
+    without gates (a random-weight benchmark shape) runs with gates written elsewhere; the file
+    decides the roles and the fingerprint."""
+    bare = make_tiny_llama(tmp_path / "model", seed=1, num_hidden_layers=2)
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    save_input(gates / GATE_FILE, "gate", torch.tensor([[0.9, 0.1], [0.2, 0.8]]))
+    llm = make_llm(bare, method_inputs=str(gates))
+    assert llm.engine.method.roles.masks == {"streaming": [[False, True], [True, False]]}
+    save_input(gates / GATE_FILE, "gate", torch.tensor([[0.1, 0.9], [0.2, 0.8]]))
+    other = make_llm(bare, method_inputs=str(gates))
+    assert other.engine.method.roles.masks == {"streaming": [[True, False], [True, False]]}
+    assert other.engine.method.fingerprint != llm.engine.method.fingerprint
+    with pytest.raises(ConfigError, match="kvc calibrate duoattention"):
+        make_llm(bare, method_inputs=str(tmp_path / "nowhere"))
+
+
 def test_preemption_recomputes_as_a_prefill(model_dir, hf, monkeypatch) -> None:
     """A preempted request recomputes prompt + generated tokens as one prefill, cut once after it."""
     spy = Logits(monkeypatch)

@@ -156,9 +156,8 @@ def test_layer_lists_compile_to_membership(tmp_path: Path) -> None:
 
 
 def make_llm(model_dir: Path, method: str = "omnikv", params: dict | None = None, **options) -> LLM:
-    engine_options = {"max_num_batched_tokens": 4096, **options}
-    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", page_size=PAGE,
-                          attention_backend="torch", kv_cache_memory=2**22, method=method,
+    engine_options = {"max_num_batched_tokens": 4096, "device": "cpu", "attention_backend": "torch", **options}
+    config = EngineConfig(model=str(model_dir), dtype="float32", page_size=PAGE, kv_cache_memory=2**22, method=method,
                           method_params=(PARAMS if params is None else params) if method == "omnikv" else {},
                           **engine_options)
     return LLM.from_engine(Engine(config))
@@ -207,6 +206,36 @@ def test_batch_with_chunked_prefills_equals_the_oracle(model_dir, hf, monkeypatc
         check(out.token_ids, spy.of(sp), want)
         dense = ref.generate(hf, ref.Session({"filters": FILTERS, "selected": 1.0}), p, 10)[1]
         assert (dense[1:] - want[1][1:]).abs().max() > 10 * ATOL, "OmniKV changes nothing: the test is blind"
+
+
+def test_the_triton_backend_equals_the_oracle(model_dir, hf, monkeypatch) -> None:
+    """The generated decode kernel (variant `spec`; here under TRITON_INTERPRET=1) walks the token
+    plan and then each row's generated tokens (`ReadPlan.last`): the oracle's tokens and logits."""
+    pytest.importorskip("triton")
+    from tests.kernels.paged_cases import triton_device_and_ops
+
+    device, _ = triton_device_and_ops("spec")
+    spy = Logits(monkeypatch)
+    llm = make_llm(model_dir, device=device.type, attention_backend="triton", cuda_graphs=False)
+    assert llm.engine.attention.variant == "spec"
+    prompts = [prompt(n, seed) for n, seed in ((23, 1), (30, 4))]
+    params = [greedy(8) for _ in prompts]
+    for p, out, sp in zip(prompts, llm.generate(prompts, params), params):
+        check(out.token_ids, spy.of(sp), ref.generate(hf, session(), p, 8))
+
+
+def test_keys_are_gathered_only_where_a_choice_is_made(model_dir, monkeypatch) -> None:
+    """The stored keys (a copy of every row's keys) are gathered by the filter layers alone: once per
+    filter layer and decode step, never by the layers that read the choice or read everything."""
+    from kvc.runtime.compiled import read
+
+    calls = []
+    gather = read._stored_keys
+    monkeypatch.setattr(read, "_stored_keys", lambda view: calls.append(1) or gather(view))
+    llm = make_llm(model_dir)
+    steps = 6
+    llm.generate([prompt(20, 1)], greedy(steps))
+    assert len(calls) == len(FILTERS) * (steps - 1)  # the first token comes from the prefill
 
 
 def test_prefix_cache_hit(model_dir, hf, monkeypatch) -> None:
