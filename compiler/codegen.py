@@ -110,13 +110,14 @@ def generate_ir(method: MethodIR) -> dict[str, str]:
         unpack = lower_torch.unpack_lines(code, params)
         seen[code.name] += 1
         fn = code.name if written[code.name] == 1 else f"{code.name}_{seen[code.name]}"
-        tokens = code.rows and (code.read is None or "tokens" in code.read)  # a batched hook of token plans
+        clusters = code.read is not None and "clusters" in code.read  # a read over a cluster index
+        tokens = code.rows and not clusters and (code.read is None or "tokens" in code.read)  # token plans
         where_names = set() if hook_ir.where is None else lower_torch.names_in(hook_ir.where)
         unpack_where = [line for line in unpack if line.split(" = ")[0] in where_names]
         hooks.append({"name": code.name, "fn": fn, "line": hook_ir.line, "unpack_where": unpack_where,
                       "inputs": sorted(code.inputs), "unpack": unpack, "unpack_select": unpack,
                       "lines": code.lines, "keep": code.keep, "read": code.read, "where": code.where,
-                      "choose": code.choose, "tokens": tokens})
+                      "choose": code.choose, "tokens": tokens, "clusters": clusters})
     names = list(dict.fromkeys(h["name"] for h in hooks))
     dispatch = []  # a hook written more than once (different `where`s): one entry point runs each
     for name in (n for n in names if written[n] > 1):
@@ -130,6 +131,11 @@ def generate_ir(method: MethodIR) -> dict[str, str]:
     for code in codes:
         read_params.setdefault(code.name, set()).update(n for n in code.names if n in params)
     hook_params = _literal({name: sorted(used) for name, used in read_params.items()})
+    partitions = []
+    for partition in method.partitions.values():
+        counts, code = lower_torch.emit_partition(partition)
+        partitions.append({"name": partition.name, "unpack": lower_torch.unpack_lines(code, params), **counts,
+                           "summaries": _literal({n: tuple(fs) for n, fs in partition.summaries.items()})})
     roles = lower_torch.emit_roles(method)
     roles_ctx = None if roles is None else {"inputs": sorted(roles.inputs), "lines": roles.lines,
                                             "unpack": lower_torch.unpack_lines(roles, params)}
@@ -139,7 +145,8 @@ def generate_ir(method: MethodIR) -> dict[str, str]:
                "hook_params": hook_params,
                "hooks": hooks, "has_end_keep": bool(end and end["keep"]), "dispatch": dispatch,
                "has_chunk": "prefill_chunk" in names,
-               "has_read": any(h["read"] and not h["tokens"] for h in hooks),
+               "has_read": any(h["read"] and not h["tokens"] and not h["clusters"] for h in hooks),
+               "partitions": partitions, "has_clusters": any(h["clusters"] for h in hooks),
                "has_tokens": any(h["tokens"] for h in hooks)}
     files = {"torch_lowering.py": _ENV.get_template(TORCH_TEMPLATE).render(
         header=_header(method.path, TORCH_TEMPLATE), **context)}

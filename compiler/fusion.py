@@ -229,7 +229,8 @@ def plan(method: MethodIR) -> FusionPlan:
                 out.kernels.append(KernelSpec(
                     "attention_columns", "column_sum", hook.name, tuple(sorted(flags.items())),
                     f"H2O-style: adds a prefill chunk's attention column sums into `{stmt.state}`"))
-            if isinstance(stmt, Read) and stmt.select.top is not None and hook.name == "decode_before_attention":
+            if (isinstance(stmt, Read) and stmt.select.top is not None and hook.name == "decode_before_attention"
+                    and stmt.item not in method.partitions):  # clusters: no pages to score through the tables
                 flags = _page_score(stmt, _summary_fns(method))
                 if flags is not None:
                     out.kernels.append(KernelSpec("page_scores", "page_scores", hook.name, tuple(sorted(flags.items())),

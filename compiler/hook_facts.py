@@ -25,6 +25,10 @@ keep, in order, so the chain cache knows how far back a session's stored tail is
 
 `reads`: the hook answers with a read plan (a `read` in decode_before_attention: the lowering has
 `<hook>_scores`, `<hook>_read` and `<hook>`, over a whole decode batch; runtime/compiled/read.py).
+`clusters`: the read ranks the clusters of a `kmeans` partition (`{"partition", "summaries",
+"estimate"}`): the engine keeps each sequence's cluster index and hands the hook its summaries
+(runtime/compiled/cluster_index.py); the lowering has `<hook>`, `<hook>_ranges` and
+`<partition>_segment`.
 `tokens`: the hook chooses or reads shared selections, token plans (the lowering has one `<hook>`
 over a whole decode batch, with per-row symbols and the layers' shared selections). A hook written
 with several `where`s is one entry: its inputs joined, `reads` if any part reads, `where` any part's.
@@ -139,6 +143,10 @@ def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
                 "reads": code.read is not None, "tokens": code.rows and (code.read is None or "tokens" in code.read),
                 "attention": attention_reduction(hook), "last": last, "key_local": key_local(method, hook),
                 "rowwise_select": rowwise_select(code)}
+        if code.read is not None and "clusters" in code.read:  # a read over a cluster index (cluster_index.py)
+            partition = method.partitions[code.read["clusters"]]
+            fact["clusters"] = {"partition": partition.name, "summaries": sorted(partition.summaries),
+                                "estimate": code.read["estimate"] != "None"}
         if code.keep is not None and code.keep.get("role"):  # a per-head keep: only the role's heads evict
             fact["role"] = code.keep["role"]
         before = out.get(hook.name)

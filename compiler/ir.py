@@ -178,6 +178,35 @@ class Read:
 
 
 @dataclass(frozen=True)
+class Estimate:
+    """`estimate top(score, count) using KEY, VSUM` over the clusters of a `kmeans` partition (after a
+    `read top(score, ...)` of the same score): the next `count` tokens' worth of clusters by score,
+    each standing in the attention for its tokens as one pseudo-key, the key summary KEY, weighted
+    by its size, with value VSUM / size (docs/design.md, "Cluster indices")."""
+
+    select: Select
+    item: str
+    key: str  # the summary the pseudo-key is
+    value_sum: str  # the summary of the values' sum
+
+
+@dataclass(frozen=True)
+class Partition:
+    """`dim P = kmeans(k, size = n, segment = s, iterations = i)`: clusters of about n keys per KV
+    head, formed over segments of s tokens (None: one segment), with i Lloyd iterations; its
+    summaries `fn(k | v, within P)` (name -> (fn, source)) are what the cluster index keeps."""
+
+    name: str
+    size: object  # sympy
+    segment: object  # sympy or None
+    iterations: object  # sympy
+    summaries: dict[str, tuple[str, str]]
+
+
+KMEANS_ITERATIONS = 10  # Lloyd iterations of a `kmeans(...)` that names none (docs/language.md)
+
+
+@dataclass(frozen=True)
 class Choose:
     """`chosen = top(...)` into a shared selection (decode_before_attention): the tokens this layer
     chooses in this decode step, read by the layers after it (OmniKV's filter layers)."""
@@ -186,7 +215,7 @@ class Choose:
     select: Select
 
 
-Stmt = Union[Assign, Accumulate, Keep, Read, Choose]
+Stmt = Union[Assign, Accumulate, Keep, Read, Estimate, Choose]
 
 
 @dataclass(frozen=True)
@@ -203,6 +232,10 @@ class HookIR:
     @property
     def reads(self) -> list[Read]:
         return [s for s in self.stmts if isinstance(s, Read)]
+
+    @property
+    def estimates(self) -> list[Estimate]:
+        return [s for s in self.stmts if isinstance(s, Estimate)]
 
     @property
     def chooses(self) -> list[Choose]:
@@ -254,6 +287,7 @@ class MethodIR:
     hooks: list[HookIR] = field(default_factory=list)
     inputs: list[InputIR] = field(default_factory=list)
     roles: dict[str, Value] = field(default_factory=dict)  # role -> a bool mask over (some of) layer, kv_head
+    partitions: dict[str, Partition] = field(default_factory=dict)  # the `kmeans` partitions a read ranks
     checked: object = field(default=None, repr=False, compare=False)  # the CheckedMethod (compiler/kv_spec.py reads it)
 
     def hook(self, name: str) -> HookIR | None:
@@ -273,6 +307,7 @@ class _Builder:
         self.checked = checked
         self.lets = checked.lets
         self.env: dict[str, Value] = {}
+        self.partitions: dict[str, Partition] = {}
 
     def sym(self, expr: ast.Expr):
         return to_sympy(expr, self.lets)
@@ -399,11 +434,57 @@ class _Builder:
                                    "(`read chosen + last n`; a ranked read goes over pages of a `split` partition)",
                                    s.pos)
             return Read(select, item, 1)
+        if item in self.partitions:
+            return Read(self.selection(s.selection, (item,)), item, self.partitions[item].size)
         if item not in self._summarised():
             raise NotLowerable(f"`read` over {item}, which no `summary ... within {item}` of a `split(key, size = n)` "
                                "partition describes, is not lowered yet", s.pos)
         size = self.checked.axes[item].decl.value.kwarg("size")
         return Read(self.selection(s.selection, (item,)), item, self.sym(size))
+
+    def estimate(self, s: ast.Estimate) -> Estimate:
+        """An estimate over the clusters of a `kmeans` partition, using two of its summaries."""
+        item = getattr(s.selection.ty, "item", "key")
+        if item not in self.partitions:
+            raise NotLowerable("`estimate` is lowered over the clusters of a `kmeans` partition only", s.pos)
+        names = []
+        for arg in (s.keys, s.values):
+            if not (isinstance(arg, ast.Name) and arg.id in self.partitions[item].summaries):
+                raise NotLowerable(f"an estimate uses two summaries of {item} by name (`using centroid, value_sum`)",
+                                   arg.pos)
+            names.append(arg.id)
+        key, value_sum = names
+        if self.partitions[item].summaries[value_sum] != ("sum", "v"):
+            raise NotLowerable(f"an estimate's values are the clusters' value sums: `summary {value_sum} = "
+                               f"sum(v, within {item})`", s.values.pos)
+        if self.partitions[item].summaries[key][1] != "k":
+            raise NotLowerable(f"an estimate's pseudo-keys summarise the keys: `summary {key} = mean(k, within "
+                               f"{item})`", s.keys.pos)
+        select = self.selection(s.selection, (item,))
+        if select.top is None or select.first is not None or select.last is not None:
+            raise NotLowerable("an estimate is one `top(score, count)`", s.pos)
+        return Estimate(select, item, key, value_sum)
+
+    def kmeans_partitions(self) -> dict[str, Partition]:
+        """Every `dim P = kmeans(k, ...)` whose summaries are plain reductions of k or v within P."""
+        out: dict[str, Partition] = {}
+        for decl in self.checked.method.items:
+            call = getattr(decl, "value", None)
+            if isinstance(decl, ast.DimDecl) and isinstance(call, ast.Call) and call.func.name == "kmeans":
+                segment, iterations = call.kwarg("segment"), call.kwarg("iterations")
+                out[decl.name.name] = Partition(
+                    decl.name.name, self.sym(call.kwarg("size")), None if segment is None else self.sym(segment),
+                    KMEANS_ITERATIONS if iterations is None else self.sym(iterations), {})
+        for decl in self.checked.method.items:
+            e = decl.value if isinstance(decl, ast.Summary) else None
+            within = e.clause("within") if isinstance(e, ast.Call) else None
+            if within is None or len(within.dims) != 1 or within.dims[0].name not in out:
+                continue
+            if not (len(e.args) == 1 and isinstance(e.args[0], ast.Name) and e.args[0].id in ("k", "v")
+                    and e.func.name in _REDUCERS):
+                raise NotLowerable(f"a summary of {within.dims[0].name} is sum/mean/max/min of k or v", decl.pos)
+            out[within.dims[0].name].summaries[decl.name.name] = (e.func.name, e.args[0].id)
+        return out
 
     def _summarised(self) -> set[str]:
         """The `split` partitions the method's summaries are over (the engine's pages)."""
@@ -442,6 +523,8 @@ class _Builder:
                 stmts.append(Keep(self.selection(s.selection), s.role.name if s.role else None))
             elif isinstance(s, ast.Read):
                 stmts.append(self.read(s))
+            elif isinstance(s, ast.Estimate):
+                stmts.append(self.estimate(s))
             else:
                 raise NotLowerable(f"`{type(s).__name__.lower()}` statements are not lowered yet", s.pos)
         where = None if h.where is None else self.sym(h.where)
@@ -482,6 +565,7 @@ def build(checked, source: bytes | None = None) -> MethodIR:
     if method.family not in LOWERED_FAMILIES:
         raise NotLowerable(f"the {method.family} family is not lowered yet (eviction and sparse reads lower so far)")
     builder = _Builder(checked)
+    method.partitions = builder.partitions = builder.kmeans_partitions()
     method.roles = {decl.name.name: builder.value(decl.value) for decl in checked.method.items
                     if isinstance(decl, ast.Role)}
     method.hooks = [builder.hook(h) for h in checked.hooks]

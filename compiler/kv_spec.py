@@ -20,6 +20,8 @@ What maps to what (docs/compiler.md, "The KV spec"; the runtime's rules: docs/de
   plane per state, in declaration order, then `decode_after_attention.scores` when it keeps
   (what `DecodeHooks` keeps in paged planes, runtime/methods_compiled_decode.py);
 - a head-adaptive keep (`top(..., across kv_head)`): `head_starts`.
+The summaries of a `kmeans` partition that a lowered read ranks (hook fact `clusters`) are no spec
+tensors: the engine's cluster index keeps them per sequence (runtime/compiled/cluster_index.py).
 A shared selection that a lowered decode_before_attention chooses in every step stores nothing.
 Anything else that stores data per token (rotations, codebooks, low-rank projections, clusters,
 other shared state, state kept per sequence) is left out and named in `reasons` with its position.
@@ -342,12 +344,19 @@ def derive(checked, facts: dict | None) -> SpecDesc:
     keys, key_tensors = d.operand("k", stores.get("k"))
     values, value_tensors = d.operand("v", stores.get("v"))
     spec = SpecDesc(keys, values, key_tensors + value_tensors, head_starts=_head_adaptive(checked))
+    indexed = {(facts or {}).get(h, {}).get("clusters", {}).get("partition") for h in (facts or {})} - {None}
     for decl in checked.method.items:
-        if isinstance(decl, ast.Summary):
+        if isinstance(decl, ast.Summary) and _within(decl) not in indexed:
             d.summary(decl, spec)
     d.states(facts, spec)
     spec.reasons = d.reasons
     return spec
+
+
+def _within(decl: ast.Summary) -> str | None:
+    """The partition a summary is `within` (None: none)."""
+    within = decl.value.clause("within") if isinstance(decl.value, ast.Call) else None
+    return within.dims[0].name if within is not None and len(within.dims) == 1 else None
 
 
 # ---- the generated function ----------------------------------------------------------------------

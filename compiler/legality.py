@@ -9,7 +9,8 @@ engine contract cannot run yet. It returns problems; `check` raises the first as
 
 from __future__ import annotations
 
-from kvc.compiler.ir import Accumulate, Assign, Attention, Choose, Input, Keep, MethodIR, NotLowerable, Read, Window
+from kvc.compiler.ir import (Accumulate, Assign, Attention, Choose, Estimate, Input, Keep, MethodIR, NotLowerable, Read,
+                             Window)
 from kvc.compiler.lower_torch import names_in
 
 # hook -> (may keep, hook inputs it has)
@@ -71,7 +72,7 @@ def problems(method: MethodIR) -> list[str]:
             out.append(f"hook `{hook.name}` is not lowered yet")
             continue
         may_keep, inputs = rule
-        out.extend(_read_problems(hook))
+        out.extend(_read_problems(method, hook))
         for stmt in hook.stmts:
             value = stmt.value if isinstance(stmt, (Assign, Accumulate)) else None
             if isinstance(stmt, Keep):
@@ -86,7 +87,7 @@ def problems(method: MethodIR) -> list[str]:
                     value = top.score
                     if top.granularity not in GRANULARITIES:
                         out.append(f"{top.granularity} selections are not lowered yet")
-            if isinstance(stmt, (Read, Choose)) and stmt.select.top is not None:
+            if isinstance(stmt, (Read, Estimate, Choose)) and stmt.select.top is not None:
                 value = stmt.select.top.score
             if value is None:
                 continue
@@ -97,11 +98,13 @@ def problems(method: MethodIR) -> list[str]:
     return out
 
 
-def _read_problems(hook) -> list[str]:
+def _read_problems(method: MethodIR, hook) -> list[str]:
     """What a hook's `read` needs: decode_before_attention, one read, page counts and a `where` that
     the whole batch shares, a ranked top per KV head or per layer, no `first n`. A token read of a
     shared selection (and a hook that chooses one) may count by row (`last (context - prompt)`):
-    its plan's shape is the selection's, and the per-row range is a [row] tensor; its `where` may not."""
+    its plan's shape is the selection's, and the per-row range is a [row] tensor; its `where` may not.
+    A read over the clusters of a `kmeans` partition may count by row and take a `first n` (its
+    ranges read parameters only: lower_torch checks them)."""
     reads = hook.reads
     out = []
     if hook.chooses:
@@ -118,12 +121,13 @@ def _read_problems(hook) -> list[str]:
     if len(reads) > 1:
         out.append(f"{hook.name}: more than one `read` in a hook is not lowered yet")
     select = reads[0].select
-    if select.first is not None:
-        out.append("`read ... + first n` is not lowered yet")
+    clusters = reads[0].item in method.partitions  # a read over a cluster index (lower_torch checks its ranges)
+    if select.first is not None and not clusters:
+        out.append("`read ... + first n` is not lowered yet (it is over the clusters of a `kmeans` partition)")
     if select.top is not None and select.top.granularity not in READ_GRANULARITIES:
         out.append(f"{select.top.granularity} reads are not lowered yet (per kv_head or one set per layer)")
     counts = [select.last, None if select.top is None else select.top.count, hook.where]
-    if reads[0].item == "key":  # a token read: only its `where` is the batch's
+    if reads[0].item == "key" or clusters:  # a token read, a read over clusters: only its `where` is the batch's
         counts = [hook.where]
     for expr in counts:
         rows = names_in(expr) & ROW_SYMBOLS if expr is not None else set()

@@ -20,6 +20,10 @@ a token plan) is batched the same way, with the per-row symbols `context`, `prom
 [row] tensors: a range of the key axis masks the keys outside it (`_row_range`), the decode query's
 logits are `_decode_logits`, the choice is `_choose_tokens` (static in shape: its width is the count
 at the batch's widest row) and the read `_read_tokens`.
+A read over the clusters of a `kmeans` partition (with an `estimate` of the next ones) is batched
+like a page read over the rows' cluster indices (runtime/compiled/cluster_index.py): its counts may
+read the per-row symbols, its ranges (`first n`, `last m`: the slots the index leaves out) parameters
+only; the plan is `_read_clusters` (runtime/primitives/clusters.py).
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
-from kvc.compiler.ir import (Accumulate, Assign, Attention, Choose, Elementwise, HookIR, Input, Keep, MethodIR, Norm,
-                             NotLowerable, Pool, Quantile, Read, Reduce, Scalar, Value, Window)
+from kvc.compiler.ir import (Accumulate, Assign, Attention, Choose, Elementwise, Estimate, HookIR, Input, Keep,
+                             MethodIR, Norm, NotLowerable, Partition, Pool, Quantile, Read, Reduce, Scalar, Value,
+                             Window)
 
 _NUMBER = re.compile(r"[0-9.]+(e-?[0-9]+)?")
 SYMBOLS = ("context", "prompt", "step", "layer", "layers", "heads", "kv_heads", "head_dim")
@@ -256,7 +261,7 @@ def _batched_hook(hook: HookIR) -> HookIR:
     for stmt in hook.stmts:
         if isinstance(stmt, Assign):
             stmts.append(Assign(stmt.name, rows(stmt.value)))
-        elif isinstance(stmt, (Read, Choose)) and stmt.select.top is not None:
+        elif isinstance(stmt, (Read, Estimate, Choose)) and stmt.select.top is not None:
             top = dataclasses.replace(stmt.select.top, score=rows(stmt.select.top.score))
             stmts.append(dataclasses.replace(stmt, select=dataclasses.replace(stmt.select, top=top)))
         else:
@@ -311,7 +316,55 @@ def _emit_read(em: _Emitter, code: HookCode, stmt: Read) -> None:
     code.read = read
 
 
-def emit_hook(hook: HookIR) -> HookCode:
+def _emit_cluster_read(em: _Emitter, code: HookCode, stmt: Read, estimates: list[Estimate]) -> None:
+    """`read top(score, count, per kv_head) + first a + last b` over the clusters of a `kmeans`
+    partition, and the `estimate top(score, m) using KEY, VSUM` of the same score: the score laid out
+    as [row, kv_head, clusters] float32, counts in tokens (per row), ranges over parameters only."""
+    sel, top = stmt.select, stmt.select.top
+    if top is None or top.granularity not in ("kv_head", "layer"):
+        raise NotLowerable("a read over clusters is one `top(score, count)` (per kv_head or for the layer) plus "
+                           "ranges")
+    for side, count in (("first", sel.first), ("last", sel.last)):
+        if count is not None and names_in(count) & set(ROW_SYMBOLS):
+            raise NotLowerable(f"a read over clusters reads its `{side} n` from parameters only (the cluster index "
+                               "covers the slots between them)")
+    if len(estimates) > 1:
+        raise NotLowerable("one `estimate` per read over clusters")
+    per_head = "kv_head" in top.score.dims
+    score = em.laid_out(em.value(top.score), top.score.dims,
+                        (ROW, "kv_head", stmt.item) if per_head else (ROW, stmt.item))
+    if not per_head:
+        score = em.emit(f"{score}.unsqueeze(1).expand(-1, kv_heads, -1)")
+        code.names.add("kv_heads")
+    code.lines.append(f"scores = {score}.float()")
+    read = {"clusters": stmt.item, "score": "scores", "count": em.scalar(top.count), "size": em.scalar(stmt.page),
+            "first": "0" if sel.first is None else em.scalar(sel.first),
+            "last": "0" if sel.last is None else em.scalar(sel.last), "estimate": "None", "using": "None"}
+    if estimates:
+        est = estimates[0]
+        if est.item != stmt.item or est.select.top.score != top.score:
+            raise NotLowerable("an estimate ranks the clusters its hook's read ranks, by the same score (it takes the "
+                               "next ones)")
+        read.update(estimate=em.scalar(est.select.top.count), using=f'("{est.key}", "{est.value_sum}")')
+    code.read = read
+
+
+def emit_partition(partition: Partition) -> tuple[dict[str, str], HookCode]:
+    """The counts of a `kmeans` partition's clustering (`size`, `segment`, `iterations`) as Python
+    over parameters, and the code whose `names` they read."""
+    code = HookCode(partition.name)
+    em = _Emitter(code)
+    counts = {"size": em.scalar(partition.size), "iterations": em.scalar(partition.iterations),
+              "segment": "None" if partition.segment is None else em.scalar(partition.segment)}
+    if code.names & set(SYMBOLS):
+        raise NotLowerable(f"the clustering of {partition.name} reads parameters only")
+    return counts, code
+
+
+def emit_hook(hook: HookIR, partitions: dict[str, Partition] | None = None) -> HookCode:
+    partitions = partitions or {}
+    if hook.estimates and not any(r.item in partitions for r in hook.reads):
+        raise NotLowerable(f"{hook.name}: an `estimate` is lowered beside a `read` over the same clusters only")
     code = HookCode(hook.name, rows=hook.batched)
     if hook.batched:
         hook = _batched_hook(hook)
@@ -335,7 +388,9 @@ def emit_hook(hook: HookIR) -> HookCode:
             value = em.laid_out(em.value(stmt.value), stmt.value.dims, stmt.dims)
             grow = "" if stmt.dims[-1:] == ("key",) or "key" not in stmt.dims else f", {stmt.dims.index('key')}"
             code.lines.append(f"{target} = _grow({target}, {value}{grow}) + {value}")
-        if isinstance(stmt, Read):
+        if isinstance(stmt, Read) and stmt.item in partitions:
+            _emit_cluster_read(em, code, stmt, [e for e in hook.estimates if e.item == stmt.item])
+        elif isinstance(stmt, Read):
             (_emit_token_read if stmt.item == "key" else _emit_read)(em, code, stmt)
         if isinstance(stmt, Choose):
             _emit_choose(em, code, stmt)
@@ -360,14 +415,15 @@ def emit_hook(hook: HookIR) -> HookCode:
                                        "`keep first n + last m for ROLE`)")
                 keep["role"] = stmt.role
             code.keep = keep
-    if code.read is not None and "tokens" not in code.read and code.names & {"context", "prompt", "step"}:
+    if code.read is not None and not {"tokens", "clusters"} & set(code.read) and code.names & {"context", "prompt",
+                                                                                               "step"}:
         raise NotLowerable(f"{hook.name}: a read may not depend on context, prompt or step yet (its plan is computed "
                            "once for the whole decode batch)")
     return code
 
 
 def emit(method: MethodIR) -> list[HookCode]:
-    return [emit_hook(h) for h in method.hooks]
+    return [emit_hook(h, method.partitions) for h in method.hooks]
 
 
 def emit_roles(method: MethodIR) -> HookCode | None:

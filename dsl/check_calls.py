@@ -457,6 +457,8 @@ def _kmeans(xc, e, ctx):
     if "segment" in b.kw:
         xc.count(b.kw["segment"], ctx, "the segment length")
         xc.numeric_checks.append(("positive", b.kw["segment"], ctx, "the segment length"))
+        if "size" in b.kw:  # whole clusters per segment: `n` tokens of clusters are ceil(n / size) of them
+            xc.numeric_checks.append(("multiple", (b.kw["segment"], b.kw["size"]), ctx, "the segment length"))
     if "iterations" in b.kw and number(xc, b.kw["iterations"], ctx, "iterations", whole=True):
         xc.numeric_checks.append(("positive", b.kw["iterations"], ctx, "iterations"))
     if t is not None and set(t.dims) != {"kv_head", "key", "channel"}:

@@ -24,6 +24,7 @@ from kvc.dsl.check_hooks import check_hook
 from kvc.dsl.check_params import ParamChecker, ParamInfo
 from kvc.dsl.errors import DiagnosticSink, Pos
 from kvc.dsl.evaluate import EvalError, evaluate, sample_points
+from kvc.dsl.formatter import expr as source_of
 from kvc.dsl.parser import KEYWORDS, ParsedFile
 from kvc.dsl.types import UNKNOWN, ListOf, PartitionOf, Scalar, Selection, Tensor, Type
 
@@ -362,15 +363,19 @@ class Checker:
                     break
         point = sample_points(set())[0]
         for kind, expr, ctx, what in self.xc.numeric_checks:
-            if expr.ty is UNKNOWN:
+            expr, of = expr if isinstance(expr, tuple) else (expr, None)  # ("multiple", (x, of)): x a multiple of `of`
+            if expr.ty is UNKNOWN or (of is not None and of.ty is UNKNOWN):
                 continue
             try:
                 v = evaluate(expr, {**self.values, **point}, self.lets)
+                w = None if of is None else evaluate(of, {**self.values, **point}, self.lets)
             except EvalError:
                 continue
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 continue
             problem = {
+                "multiple": isinstance(w, int) and w > 0 and v % w != 0 and
+                f"{what} ({_fmt(v)}) must be a multiple of {_named(source_of(of), w)}: whole clusters per segment",
                 "odd": v % 2 != 1 and f"{what} must be odd (the window is centred), not {_fmt(v)}",
                 "bits": not 1 <= v <= 8 and f"{what} must be 1 to 8 bits, not {_fmt(v)}",
                 "unit": not 0 <= v <= 1 and f"{what} must be between 0 and 1, not {_fmt(v)}",
@@ -412,6 +417,11 @@ class Checker:
         }[family]
         if not need[0]:
             self.xc.error(header.family, need[1], need[2])
+
+
+def _named(text: str, v: object) -> str:
+    """`text (value)`, or the value alone when the text is that number."""
+    return _fmt(v) if text == _fmt(v) else f"{text} ({_fmt(v)})"
 
 
 def _fmt(v: object) -> str:

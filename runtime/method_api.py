@@ -22,7 +22,7 @@ import torch
 from kvc.runtime.attention.metadata import StatsFold
 from kvc.runtime.kv.spec import K, V, KVSpec, dense_spec
 from kvc.runtime.kv.store import KVStore
-from kvc.runtime.kv.plans import KeepPlan, Plan, ReadPlan, RewritePlan, StackedPlan  # noqa: F401 -- the contract's plans
+from kvc.runtime.kv.plans import Estimate, KeepPlan, Plan, ReadPlan, RewritePlan, StackedPlan  # noqa: F401 -- the contract's plans
 
 
 class Hook(enum.Enum):

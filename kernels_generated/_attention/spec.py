@@ -9,6 +9,7 @@
 # for the methods whose manifests name it:
 #   methods/omnikv.kvm
 #   methods/quest.kvm
+#   methods/retroinfer.kvm
 # Do not edit: change the templates and run `kvc compile --all`.
 """Paged attention as Triton kernels: the engine's GPU attention, variant `spec`.
 

@@ -249,11 +249,14 @@ class PagedAttention:
             extra_d["read"] = read
         starts = None if md.kv_starts is None else md.kv_starts[layer_idx]  # [B, Hkv]
         ops = self.ops
+        # a plan with an estimate (pseudo-keys of a cluster index) runs on the torch path for now
+        estimated = read is not None and read.estimate is not None
+        decode_ops = torch_ops if estimated else ops
         self.write(layer_idx, k, v, md)
         out = torch.empty_like(q)
         num_decodes = md.num_decodes
         if num_decodes > 0:
-            ops.paged_decode(
+            decode_ops.paged_decode(
                 q[:num_decodes], k_cache, v_cache,
                 tables[:num_decodes], lens[:num_decodes], scale,
                 max_context_len=md.max_context_len, out=out[:num_decodes],

@@ -25,7 +25,7 @@ from kvc.runtime.attention.decode_stats import decode_stats_torch
 from kvc.runtime.attention.metadata import DecodeStats
 from kvc.runtime.attention.sources import QuantizedPages, Source, is_dense
 from kvc.runtime.kv import encodings
-from kvc.runtime.kv.plans import ReadPlan
+from kvc.runtime.kv.plans import Estimate, ReadPlan
 
 
 def store_kv(
@@ -342,8 +342,9 @@ def _decode_by_plan(q, k_cache, v_cache, block_tables, context_lens, scale, kv_s
         operands.append(x.to(q.dtype))
     keys, values = operands
     grouped_q = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=stored[:, :, None, :], scale=scale)
-    o = torch.where(stored.any(-1)[:, :, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+    if stats is not None and read.estimate is not None:
+        raise NotImplementedError("decode statistics of a read plan with an estimate are not computed yet")
+    o = _attend(grouped_q, keys, values, stored, scale, read.estimate)
     if stats is not None:
         decode_stats.check_args(q, k_cache, stats.out, stats.reduce, stats.fn)
         decode_stats.stats_over_slots(q, keys, slots, stored, scale, stats.out, stats.reduce, stats.fn)
@@ -378,14 +379,33 @@ def _decode_by_token_mask(q, k_cache, v_cache, block_tables, context_lens, scale
     if kv_starts is not None:
         mask &= slots >= kv_starts.to(q.device).long()[:, :, None]
     grouped_q = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(grouped_q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, :, None, :],
-                                       scale=scale)
-    o = torch.where(mask.any(-1)[:, :, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+    if stats is not None and read.estimate is not None:
+        raise NotImplementedError("decode statistics of a read plan with an estimate are not computed yet")
+    o = _attend(grouped_q, keys.to(q.dtype), values.to(q.dtype), mask, scale, read.estimate)
     if stats is not None:
         decode_stats.check_args(q, k_cache, stats.out, stats.reduce, stats.fn)
         decode_stats.stats_over_slots(q, keys.to(q.dtype), slots.expand(batch, num_kv_heads, length), mask, scale,
                                       stats.out, stats.reduce, stats.fn)
     return o.reshape(batch, num_q_heads, head_dim)
+
+
+def _attend(grouped_q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+            estimate: Estimate | None) -> torch.Tensor:
+    """Attention of grouped queries [B, Hkv, G, D] over keys/values [B, Hkv, n, D] where `mask` [B,
+    Hkv, n] holds, plus an estimate's pseudo-keys as extra softmax entries (logit q.k * scale +
+    log-weight; docs/design.md, "Cluster indices"). A head with nothing to attend to gives zeros."""
+    if estimate is None:
+        o = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask[:, :, None, :], scale=scale)
+        return torch.where(mask.any(-1)[:, :, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+    weights = estimate.log_weights.to(grouped_q.device)
+    keys = torch.cat([keys, estimate.keys.to(keys.dtype)], dim=2)
+    values = torch.cat([values, estimate.values.to(values.dtype)], dim=2)
+    bias = torch.cat([torch.where(mask, 0.0, float("-inf")), weights.float()], dim=2)  # [B, Hkv, n + E]
+    some = bias.amax(-1) > float("-inf")
+    bias = torch.where(some[..., None], bias, 0.0)  # a head with nothing: no NaN from an all -inf row
+    o = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=bias[:, :, None, :].to(grouped_q.dtype),
+                                       scale=scale)
+    return torch.where(some[:, :, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
 
 
 def causal_offset_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:

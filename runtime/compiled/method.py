@@ -61,6 +61,8 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         self.attention = code.attention
         self.decoding = facts = read_decode_facts(code, self.use_state_planes)
         self.paged_state, self.state_planes, self.decode_graphs = facts.paged, facts.planes, facts.graphs
+        if self.reader is not None and self.reader.indices is not None:
+            self.decode_graphs = False  # a cluster index is per sequence, found by the rows' host facts
         self.seqs = SequenceStates(name, code.states, facts.planes)
         self.decoder = DecodeHooks(name, params, facts, self.seqs, self.budget, code)
         self._select_fn, self._group_mode = facts.select, group_mode(facts, bool(code.states))
@@ -86,6 +88,8 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         if self.code.chunk_hook is not None or self.window != 0 or self.chunk_keeps:  # chunk state, queries, keeps
             hooks.add(Hook.PREFILL_CHUNK)
         hooks |= self.decoding.hooks
+        if self.reader is not None and self.reader.indices is not None:  # per-sequence cluster indices
+            hooks.add(Hook.RELEASE)
         if self.states:  # per-sequence state that a chain must carry between turns
             hooks.add(Hook.TURN)
         if hooks:  # some per-sequence state may exist: a cloned sequence must get its copy
@@ -159,6 +163,8 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
 
     def release(self, seq_id: int) -> None:
         self.seqs.release(seq_id)
+        if self.reader is not None:
+            self.reader.release(seq_id)
 
     # the stores under the names tests check (a released method holds nothing), and the fused kernels
     _q = property(lambda self: self.seqs.queries)

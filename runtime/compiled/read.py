@@ -17,6 +17,12 @@ reads one, `read chosen + last n`) gets the step's queries, the rows' stored key
 of the same step (a choice made at layer l is read by the layers after it; the next step's
 forward chooses again before any layer reads). It answers None or `(tokens, last)`, a token
 `ReadPlan` with each row's `last` newest tokens.
+
+A hook that reads the clusters of a `kmeans` partition (hook fact `clusters`) gets the step's
+queries and the rows' cluster indices (cluster_index.py: built from the stored keys and values,
+grown a segment at a time, padded into batch tensors) with the per-row symbols, and answers
+`(tokens, last, estimate)`: a token `ReadPlan` whose `Estimate` holds the estimated clusters'
+pseudo-keys. Such a method decodes eagerly (the indices are per sequence, on the host's books).
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ from typing import Any, Callable
 
 import torch
 
+from kvc.runtime.compiled.cluster_index import ClusterIndices
 from kvc.runtime.compiled.folder import GeneratedCode
 from kvc.runtime.errors import ConfigError
-from kvc.runtime.method_api import DecodeView, ReadPlan
+from kvc.runtime.method_api import DecodeView, Estimate, ReadPlan
 
 READ_HOOK = "decode_before_attention"
 ENGINE_INPUTS = {"q"}  # what the engine hands a read hook beside the summaries
@@ -45,8 +52,15 @@ class ReadHook:
 
     def __init__(self, name: str, fn: Callable, inputs: list[str], summaries: set[str],
                  lowering: Any = None, fused: Callable[[], Callable | None] | None = None,
-                 tokens: bool = False) -> None:
+                 tokens: bool = False, clusters: dict | None = None) -> None:
         self.name, self.fn, self.tokens = name, fn, tokens
+        self.indices: ClusterIndices | None = None  # the sequences' cluster indices (a read over clusters)
+        if clusters is not None:
+            partition = clusters["partition"]
+            self.indices = ClusterIndices(name, _bound(lowering, f"{partition}_segment"), clusters["summaries"])
+            self.segment_length = getattr(lowering, f"{partition}_segment_length")
+            self.ranges = getattr(lowering, f"{READ_HOOK}_ranges")
+            summaries = summaries | set(clusters["summaries"])
         self.inputs = set(inputs)
         self.shared: dict[str, torch.Tensor] = {}  # the selections chosen so far in this step, by name
         self._fused = fused  # gives the fused page scores (imports triton; first used on a GPU step)
@@ -67,7 +81,7 @@ class ReadHook:
         summaries = {s["tensor"] for s in code.manifest.get("kv_spec", {}).get("summaries", [])}
         fused = (lambda: code.fused(READ_HOOK)) if READ_HOOK in code.fused_names else None
         return cls(code.name, code.required(READ_HOOK), facts["inputs"], summaries, code.lowering, fused,
-                   bool(facts.get("tokens")))
+                   bool(facts.get("tokens")), facts.get("clusters"))
 
     def plan(self, layer: int, num_layers: int, view: DecodeView, params: dict[str, Any],
              fused_devices: tuple[str, ...] = ()) -> ReadPlan | None:
@@ -77,6 +91,8 @@ class ReadHook:
             if self.runs is not None and not self.runs(sym, params):
                 return None  # no choice and no read in this layer: nothing gathered either
             return self._token_plan(view, sym, params)
+        if self.indices is not None:
+            return self._cluster_plan(layer, view, sym, params)
         if self._fused is not None and view.q.device.type in fused_devices and self.runs is not None:
             if not self.runs(sym, params):
                 return None
@@ -90,6 +106,32 @@ class ReadHook:
             inputs[name] = view.store[name][tables].transpose(1, 2)
         pages = self.fn(inputs, {}, sym, params)
         return None if pages is None else ReadPlan(pages=pages)
+
+    def _cluster_plan(self, layer: int, view: DecodeView, sym: dict[str, Any],
+                      params: dict[str, Any]) -> ReadPlan | None:
+        """A read over the rows' cluster indices (module docstring)."""
+        if view.prompt_lens is None:
+            raise ConfigError(f"method {self.name!r}: its decode hook reads each row's prompt length, which this "
+                              "step's metadata lacks", param="method")
+        if self.runs is not None and not self.runs(sym, params):  # before any index is built for the layer
+            return None
+        first, last = self.ranges(sym, params)
+        segment = self.segment_length(params)
+        context = view.context_lens.to(torch.float64)
+        prompt = view.prompt_lens.to(torch.float64)
+        sym.update(context=context, prompt=prompt, step=context - prompt)
+        inputs = self.indices.batch(layer, view, first, last, segment if segment is not None else 1 << 62, params)
+        inputs["q"] = view.q
+        out = self.fn(inputs, {}, sym, params)
+        if out is None:
+            return None
+        tokens, last_slots, estimate = out
+        return ReadPlan(tokens=tokens, last=last_slots, estimate=None if estimate is None else Estimate(*estimate))
+
+    def release(self, seq_id: int) -> None:
+        """Drop a finished sequence's cluster indices."""
+        if self.indices is not None:
+            self.indices.release(seq_id)
 
     def _token_plan(self, view: DecodeView, sym: dict[str, Any], params: dict[str, Any]) -> ReadPlan | None:
         """A hook of token plans over the batch (module docstring)."""
@@ -105,6 +147,13 @@ class ReadHook:
             return None
         tokens, last = out
         return ReadPlan(tokens=tokens, last=last)
+
+
+def _bound(lowering: Any, name: str) -> Callable:
+    fn = getattr(lowering, name, None)
+    if fn is None:
+        raise ConfigError(f"the generated lowering lacks {name}; run `kvc compile`", param="method")
+    return fn
 
 
 class _TokenInputs(dict):

@@ -3,7 +3,8 @@
 - `KeepPlan`: which stored tokens of one sequence's layer survive (eviction); the executor moves
   every per-token tensor of the KV spec to the kept slots and frees the pages past them.
 - `ReadPlan`: which pages or tokens each decode row's KV heads attend to in this step (sparse
-  attention); static in shape, so decode steps stay inside CUDA graphs.
+  attention); static in shape, so decode steps stay inside CUDA graphs. It may add an `Estimate`:
+  pseudo-keys standing for tokens not read (a cluster index's estimated clusters).
 - `RewritePlan`: re-encode a range of one sequence's layer in place from its full-precision copy
   (a quantization residual window that filled).
 
@@ -80,11 +81,15 @@ class ReadPlan:
 
     `last [B]` int32 (token plans only; None: none): every head of row b also reads the row's
     `last[b]` newest stored slots (a per-row range whose length varies, such as the tokens generated
-    since the prompt), which `tokens` must not list again."""
+    since the prompt), which `tokens` must not list again.
+
+    `estimate` (None: none): extra entries of each head's softmax that stand for tokens not read
+    (`Estimate`: a cluster's pseudo-key, weighted by its size)."""
 
     pages: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
     last: torch.Tensor | None = None
+    estimate: Estimate | None = None
 
     def __post_init__(self) -> None:
         if (self.pages is None) == (self.tokens is None):
@@ -94,6 +99,27 @@ class ReadPlan:
             raise ValueError(f"a ReadPlan is [rows, kv_heads, n], got shape {tuple(plan.shape)}")
         if self.last is not None and (self.tokens is None or self.last.shape != plan.shape[:1]):
             raise ValueError("a ReadPlan's `last` is [rows] and goes with a token plan")
+        if self.estimate is not None and self.estimate.log_weights.shape[:2] != plan.shape[:2]:
+            raise ValueError(f"a ReadPlan's estimate is for {tuple(self.estimate.log_weights.shape[:2])} rows x KV "
+                             f"heads, its plan for {tuple(plan.shape[:2])}")
+
+
+@dataclass
+class Estimate:
+    """E pseudo-keys per decode row and KV head that the attention treats as extra softmax entries:
+    entry e of head h enters every query head of its group with logit `q . keys[e] * scale +
+    log_weights[e]` and value `values[e]` (-inf: none). A cluster of n tokens estimated by its mean
+    key and mean value has log-weight log(n): the paper's estimate of those n tokens' attention."""
+
+    keys: torch.Tensor  # [B, Hkv, E, D]
+    values: torch.Tensor  # [B, Hkv, E, D]
+    log_weights: torch.Tensor  # [B, Hkv, E] float32
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.log_weights.shape)
+        if len(shape) != 3 or tuple(self.keys.shape[:3]) != shape or tuple(self.values.shape[:3]) != shape:
+            raise ValueError(f"an Estimate is keys/values [B, Hkv, E, D] and log_weights [B, Hkv, E], got "
+                             f"{tuple(self.keys.shape)}, {tuple(self.values.shape)}, {shape}")
 
 
 @dataclass(frozen=True)

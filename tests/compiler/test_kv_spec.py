@@ -127,12 +127,19 @@ def test_kivi_quantized_encodings():
 
 @pytest.mark.parametrize("name, words", [("turboquant", ["rotate", "lloyd_max", "qjl"]), ("palu", ["project"]),
                                          ("fp8", ["fp8", "one scale along kv_head, key, channel"]),
-                                         ("deltakv", ["residual", "project", "kmeans", "shared chosen"]),
-                                         ("retroinfer", ["kmeans"])])
+                                         ("deltakv", ["residual", "project", "kmeans", "shared chosen"])])
 def test_what_does_not_fit_is_named(name, words):
     reason = manifest(name)["kv_spec"]["reason"]
     for word in words:
         assert word in reason, (name, word)
+
+
+def test_the_summaries_of_a_cluster_index_are_no_spec_tensors():
+    """RetroInfer's cluster summaries live in the engine's cluster index (hook fact `clusters`), not in
+    the pages: its spec is full's, with nothing left unexplained."""
+    spec = manifest("retroinfer")["kv_spec"]
+    assert spec.get("reason") is None and [t["name"] for t in spec["tensors"]] == ["k", "v"]
+    assert not spec["summaries"]
 
 
 def test_a_shared_selection_chosen_each_step_stores_nothing():

@@ -160,6 +160,8 @@ CASES = [
     ("even pooling kernel", PRE.replace("kernel: int = 5 in [1, 63]", "kernel: int = 4") +
      "on prefill_end:\n  keep top(pool(seen, avg, kernel, along key), budget, per kv_head)\n", 7, 28,
      "the pooling kernel must be odd"),
+    ("segment of partial clusters", PRE + "dim clusters = kmeans(k, size = 24, segment = window)\n" + KEEP, 6, 47,
+     "the segment length (32) must be a multiple of 24: whole clusters per segment"),
     ("too many bits", PRE + "store k as quant(9, group = 32, along key)\n" + KEEP, 6, 18,
      "the bit width must be 1 to 8 bits, not 9"),
     ("quantile outside 0..1", PRE + "input g: [layer, kv_head] from \"g.safetensors\"\n" +

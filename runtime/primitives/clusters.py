@@ -1,0 +1,133 @@
+"""The primitives of a k-means partition of the keys (`dim clusters = kmeans(k, size = n, segment =
+s, iterations = i)`) that a generated torch lowering calls: clustering one segment of a layer's
+keys, the summaries `fn(k | v, within clusters)` of its clusters, and the read plan of a
+`read top(...)` + `estimate top(...)` over the clusters. docs/design.md, "Cluster indices", has
+the rules; runtime/compiled/cluster_index.py keeps each sequence's index.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def kmeans(x: torch.Tensor, k: int, iterations: int) -> torch.Tensor:
+    """Lloyd's k-means of each head's vectors x [H, n, D] into k clusters (Euclidean): the cluster
+    of every vector, [H, n] int64. Deterministic: the centroids start at k evenly spaced vectors
+    (n * i // k); a cluster left empty by an iteration keeps its centroid; the last assignment is
+    to the nearest final centroid (ties to the lower cluster)."""
+    heads, n, dim = x.shape
+    k = max(1, min(int(k), n))
+    x = x.float()
+    centroids = x[:, (torch.arange(k, device=x.device) * n) // k]  # [H, k, D]
+    assign = torch.zeros(heads, n, dtype=torch.long, device=x.device)
+    for step in range(int(iterations) + 1):
+        # |x - c|^2 up to |x|^2, which does not change the argmin
+        dist = (centroids * centroids).sum(-1)[:, None, :] - 2 * x @ centroids.transpose(1, 2)  # [H, n, k]
+        assign = dist.argmin(-1)
+        if step == iterations:
+            break
+        sums = torch.zeros_like(centroids).scatter_add_(1, assign[..., None].expand(-1, -1, dim), x)
+        counts = torch.zeros(heads, k, device=x.device).scatter_add_(1, assign, torch.ones_like(assign, dtype=x.dtype))
+        centroids = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], centroids)
+    return assign
+
+
+def summarise(x: torch.Tensor, assign: torch.Tensor, k: int, fn: str) -> torch.Tensor:
+    """`fn(x, within clusters)` of vectors x [H, n, D] in clusters `assign` [H, n] -> [H, k, D]
+    float32 (sum, mean, max, min; an empty cluster's is 0)."""
+    heads, _, dim = x.shape
+    index = assign[..., None].expand(-1, -1, dim)
+    out = torch.zeros(heads, k, dim, device=x.device)
+    if fn in ("sum", "mean"):
+        out.scatter_add_(1, index, x.float())
+        if fn == "mean":
+            out /= sizes_of(assign, k).clamp(min=1)[..., None]
+        return out
+    if fn in ("max", "min"):
+        out = out.scatter_reduce(1, index, x.float(), "amax" if fn == "max" else "amin", include_self=False)
+        return torch.where(sizes_of(assign, k)[..., None] > 0, out, 0.0)
+    raise ValueError(f"no cluster summary {fn!r} (sum, mean, max, min)")
+
+
+def sizes_of(assign: torch.Tensor, k: int) -> torch.Tensor:
+    """Vectors per cluster, [H, k] float32."""
+    return torch.zeros(assign.shape[0], k, device=assign.device).scatter_add_(
+        1, assign, torch.ones(assign.shape, device=assign.device))
+
+
+def cluster_segment(k: torch.Tensor, v: torch.Tensor, size, iterations, summaries: dict[str, tuple[str, str]]):
+    """One segment of a layer's keys k [Hkv, n, D] (values v) clustered into ceil(n / size) clusters:
+    (assign [Hkv, n] int64, sizes [Hkv, C] float32, {summary name: [Hkv, C, D] float32}), the
+    summaries given as name -> (fn, "k" | "v")."""
+    count = max(1, math.ceil(k.shape[1] / size))
+    assign = kmeans(k, count, iterations)
+    count = min(count, k.shape[1])
+    sources = {"k": k, "v": v}
+    return assign, sizes_of(assign, count), {name: summarise(sources[src], assign, count, fn)
+                                             for name, (fn, src) in summaries.items()}
+
+
+def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=None):
+    """The plan of `read top(scores, count) + first n` and `estimate top(scores, m) using KEY, VSUM`
+    over a batch's cluster indices (runtime/compiled/cluster_index.py `ClusterIndices.batch`):
+
+    - scores [row, kv_head, C] (padding clusters, size 0, are never chosen); `count` and `estimate`
+      are tokens per row ([row] tensors or numbers), counted in clusters of the partition's average
+      `size`: ceil(tokens / size) clusters (docs/language.md; the paper's nprobe, a fraction of
+      the clusters);
+    - read exactly: each (row, KV head)'s `count` best clusters, the row's first `first` slots, and
+      (`last`) every slot past the index, the newest tokens;
+    - estimated: the next `estimate` clusters by score, each one pseudo-key KEY (the cluster's key
+      summary) whose softmax weight counts its size (log-weight log(size)), with value VSUM / size.
+
+    Ties as a stable sort leaves them (the lower cluster first). Returns (tokens [row, kv_head, n]
+    int32, -1 none; last [row] int32; estimate (keys, values, log_weights) or None)."""
+    sizes, members = inputs["sizes"], inputs["members"]  # [B, Hkv, C], [B, Hkv, N]
+    present = sizes > 0
+    ranked = torch.where(present, scores.float(), NEG_INF)
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices  # padding last
+    positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, positions)  # each cluster's place in the order
+    available = present.sum(-1)  # [B, Hkv]
+    n_read = torch.minimum(_clusters(count, size, sizes), available)
+    chosen = rank < n_read[..., None]
+    listed = chosen.gather(-1, members.clamp(min=0)) & (members >= 0)
+    slots = inputs["starts"].long()[:, None, None] + torch.arange(members.shape[-1], device=members.device)
+    tokens = torch.where(listed, slots, -1)
+    first = max(0, int(first))
+    if first:
+        head = torch.arange(first, device=tokens.device).expand(*tokens.shape[:2], first)
+        head = torch.where(head < inputs["starts"].long()[:, None, None], head, -1)
+        tokens = torch.cat([head, tokens], dim=-1)
+    last = (inputs["lengths"].long() - inputs["ends"].long()).clamp(min=0)
+    if estimate is None:
+        return tokens.to(torch.int32), last.to(torch.int32), None
+    n_est = torch.minimum(_clusters(estimate, size, sizes), available - n_read)  # the places right after the read's
+    width = int(n_est.max()) if n_est.numel() else 0
+    if width == 0:
+        return tokens.to(torch.int32), last.to(torch.int32), None
+    at = (n_read[..., None] + torch.arange(width, device=order.device)).clamp(max=order.shape[-1] - 1)  # [B, Hkv, E]
+    picked = order.gather(-1, at)
+    valid = torch.arange(width, device=order.device) < n_est[..., None]
+    key_name, value_name = using
+    keys = _gather_clusters(inputs[key_name], picked)
+    weight = sizes.gather(-1, picked)
+    values = _gather_clusters(inputs[value_name], picked) / weight.clamp(min=1)[..., None]
+    log_weights = torch.where(valid & (weight > 0), torch.log(weight.clamp(min=1)), NEG_INF)
+    return tokens.to(torch.int32), last.to(torch.int32), (keys, values, log_weights)
+
+
+def _clusters(count, size, like: torch.Tensor) -> torch.Tensor:
+    """A count of tokens per row (a [row] tensor or a number) as clusters of `size` tokens,
+    ceil(count / size), at least 0: [row, 1] int64."""
+    count = torch.as_tensor(count, device=like.device, dtype=torch.float64).clamp(min=0)
+    return torch.ceil(count / size).long().reshape(-1, 1).expand(like.shape[0], 1)
+
+
+def _gather_clusters(x: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """x [B, Hkv, C, D] at clusters picked [B, Hkv, E] -> [B, Hkv, E, D]."""
+    return x.gather(2, picked[..., None].expand(-1, -1, -1, x.shape[-1]))
