@@ -89,3 +89,9 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
     values = Dense("v")
     summaries = ()
     return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, head_starts=False)
+
+
+def page_tokens(params):
+    """The tokens of a page that retroinfer summarises, from methods/retroinfer.kvm
+    (None: no page summaries, any engine page)."""
+    return None
