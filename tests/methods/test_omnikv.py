@@ -14,6 +14,7 @@ against the hand-written oracle (tests/references/omnikv.py, the paper's algorit
 
 from __future__ import annotations
 
+from functools import partial
 import json
 import math
 from pathlib import Path
@@ -22,12 +23,12 @@ import pytest
 import torch
 
 from kvc.runtime.attention import torch_ops
-from kvc.runtime.chains import ChainSpec
 from kvc.runtime.compiled.folder import GeneratedCode
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.engine import Engine
 from kvc.runtime.kv.plans import ReadPlan
 from kvc.runtime.llm import LLM
+from tests.methods import served
 from tests.methods.read_spy import Plans
 from tests.models.tiny import load_hf, make_tiny_llama, make_tiny_qwen3
 from tests.references import omnikv as ref
@@ -239,35 +240,12 @@ def test_keys_are_gathered_only_where_a_choice_is_made(model_dir, monkeypatch) -
 
 
 def test_prefix_cache_hit(model_dir, hf, monkeypatch) -> None:
-    spy = Logits(monkeypatch)
-    llm = make_llm(model_dir)
-    first, second = prompt(30, 4), prompt(11, 5)
-    a = llm.generate(first, greedy(6))[0]
-    params = greedy(8)
-    b = llm.generate(first[:20] + second, params)[0]
-    assert b.num_cached_tokens == 20
-    reference = session()
-    assert a.token_ids == ref.generate(hf, reference, first, 6)[0]
-    check(b.token_ids, spy.of(params), ref.generate(hf, reference.truncate(20), second, 8))
+    served.prefix_cache_hit(make_llm(model_dir), Logits(monkeypatch), partial(ref.generate, hf), session)
 
 
 def test_chain_continued_and_forked(model_dir, hf, monkeypatch) -> None:
-    """A chain's next turn counts the stored history as its prompt (the engine's `prompt`)."""
-    spy = Logits(monkeypatch)
-    llm = make_llm(model_dir)
-    opening, suffixes = prompt(26, 6), [prompt(1, 7), prompt(2, 8), prompt(3, 12)]
-    first = llm.generate(opening, greedy(5), chain=ChainSpec(open=True))[0]
-    history = opening + first.token_ids
-    reference = session()
-    assert first.token_ids == ref.generate(hf, reference, opening, 5)[0]
-    specs = [ChainSpec(fork_id=first.chain_id), ChainSpec(fork_id=first.chain_id),
-             ChainSpec(continue_id=first.chain_id)]
-    for user, spec in zip(suffixes, specs):
-        params = greedy(6)
-        out = llm.generate(history + user, params, chain=spec)[0]
-        check_books(llm.engine)
-        assert out.num_cached_tokens == len(history) - 1
-        check(out.token_ids, spy.of(params), ref.generate(hf, reference.copy(), [first.token_ids[-1]] + user, 6))
+    served.chain_continued_and_forked(make_llm(model_dir), Logits(monkeypatch), partial(ref.generate, hf),
+                                      session)
 
 
 def test_the_graph_step_run_uncaptured(model_dir, hf, monkeypatch) -> None:
@@ -311,31 +289,8 @@ def test_the_graph_step_run_uncaptured(model_dir, hf, monkeypatch) -> None:
 def test_preemption_recomputes_as_a_prefill(model_dir, hf, monkeypatch, prefix_caching: bool) -> None:
     """A preempted request recomputes its prompt and what it generated as one prefill, which is then
     the `prompt` its choices count (the engine's rule for every method)."""
-    spy = Logits(monkeypatch)
-    llm = make_llm(model_dir, enable_prefix_caching=prefix_caching)
-    engine = llm.engine
-    p = prompt(21, 9)
-    params = greedy(9)
-    seq = engine.add_request(p, params)
-    for _ in range(4):  # the prefill and three decode steps: four tokens
-        engine.step()
-    done = len(seq.token_ids) - len(p)
-    engine.scheduler._preempt(seq)
-    while engine.has_unfinished():
-        engine.step()
-    assert seq.num_preemptions == 1
-    check_books(engine)
-    before = session()
-    head, head_logits = ref.generate(hf, before, p, done)
-    tokens = p + head
-    if prefix_caching:  # every full page but the one holding the last token is a hit
-        hit = (len(tokens) - 1) // PAGE * PAGE
-        assert seq.num_cached_tokens == hit
-        again = before.truncate(hit)
-    else:
-        hit, again = 0, session()
-    tail, tail_logits = ref.generate(hf, again, tokens[hit:], 9 - done)
-    check(seq.generated_ids, spy.of(params), (head + tail, torch.cat([head_logits, tail_logits])))
+    served.preemption_recomputes(make_llm(model_dir, enable_prefix_caching=prefix_caching), Logits(monkeypatch),
+                                 partial(ref.generate, hf), session, PAGE, prefix_caching, 21)
 
 
 @pytest.mark.parametrize("change, reason", [

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 import json
 import math
 from pathlib import Path
@@ -20,7 +21,6 @@ import pytest
 import torch
 
 from kvc.runtime.attention import torch_ops
-from kvc.runtime.chains import ChainSpec
 from kvc.runtime.compiled.folder import GeneratedCode
 from kvc.runtime.compiled.method import CompiledMethod
 from kvc.runtime.config import EngineConfig
@@ -28,6 +28,7 @@ from kvc.runtime.errors import ConfigError
 from kvc.runtime.engine import Engine
 from kvc.runtime.kv.plans import ReadPlan
 from kvc.runtime.llm import LLM
+from tests.methods import served
 from tests.methods.read_spy import Plans
 from tests.models.tiny import load_hf, make_tiny_llama, make_tiny_qwen3
 from tests.references import quest as quest_ref
@@ -273,34 +274,12 @@ def test_batch_with_chunked_prefills_equals_the_oracle(model_dir, hf, monkeypatc
 
 
 def test_prefix_cache_hit(model_dir, hf, monkeypatch) -> None:
-    spy = Logits(monkeypatch)
-    llm = make_llm(model_dir)
-    first, second = prompt(30, 4), prompt(11, 5)
-    a = llm.generate(first, greedy(6))[0]
-    params = greedy(8)
-    b = llm.generate(first[:20] + second, params)[0]
-    assert b.num_cached_tokens == 20  # five full pages, summaries included
-    ref = session()
-    assert a.token_ids == generate(hf, ref, first, 6)[0]
-    check(b.token_ids, spy.of(params), generate(hf, ref.truncate(20), second, 8))
+    served.prefix_cache_hit(make_llm(model_dir), Logits(monkeypatch), partial(generate, hf), session)
 
 
 def test_chain_continued_and_forked(model_dir, hf, monkeypatch) -> None:
-    spy = Logits(monkeypatch)
-    llm = make_llm(model_dir)
-    opening, suffixes = prompt(26, 6), [prompt(1, 7), prompt(2, 8), prompt(3, 12)]
-    first = llm.generate(opening, greedy(5), chain=ChainSpec(open=True))[0]
-    history = opening + first.token_ids
-    ref = session()
-    assert first.token_ids == generate(hf, ref, opening, 5)[0]
-    specs = [ChainSpec(fork_id=first.chain_id), ChainSpec(fork_id=first.chain_id),
-             ChainSpec(continue_id=first.chain_id)]
-    for user, spec in zip(suffixes, specs):
-        params = greedy(6)
-        out = llm.generate(history + user, params, chain=spec)[0]
-        check_books(llm.engine)
-        assert out.num_cached_tokens == len(history) - 1
-        check(out.token_ids, spy.of(params), generate(hf, ref.copy(), [first.token_ids[-1]] + user, 6))
+    served.chain_continued_and_forked(make_llm(model_dir), Logits(monkeypatch), partial(generate, hf),
+                                      session)
 
 
 def test_equals_the_contract_page_top_k(model_dir, monkeypatch) -> None:

@@ -1,0 +1,72 @@
+"""Serving scenarios every sparse method's tests run against its hand-written reference: a
+prefix-cache hit, a chain continued and forked, a preemption recomputed as a prefill. Each takes
+the served `llm`, the logits `spy` (tests/runtime/test_contract_methods.py `Logits`), `generate`
+(session, prompt ids, n) -> (tokens, logits) of the reference, and `session()`, a fresh reference
+session with `truncate(n)` and `copy()`."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kvc.runtime.chains import ChainSpec
+from tests.runtime.chained import check_books
+from tests.runtime.test_contract_methods import check, greedy, prompt
+
+
+def prefix_cache_hit(llm, spy, generate: Callable, session: Callable) -> None:
+    first, second = prompt(30, 4), prompt(11, 5)
+    a = llm.generate(first, greedy(6))[0]
+    params = greedy(8)
+    b = llm.generate(first[:20] + second, params)[0]
+    assert b.num_cached_tokens == 20  # five full pages of 4, page summaries included
+    reference = session()
+    assert a.token_ids == generate(reference, first, 6)[0]
+    check(b.token_ids, spy.of(params), generate(reference.truncate(20), second, 8))
+
+
+def chain_continued_and_forked(llm, spy, generate: Callable, session: Callable) -> None:
+    """A chain's next turn counts the stored history as its prompt (the engine's `prompt`)."""
+    opening, suffixes = prompt(26, 6), [prompt(1, 7), prompt(2, 8), prompt(3, 12)]
+    first = llm.generate(opening, greedy(5), chain=ChainSpec(open=True))[0]
+    history = opening + first.token_ids
+    reference = session()
+    assert first.token_ids == generate(reference, opening, 5)[0]
+    specs = [ChainSpec(fork_id=first.chain_id), ChainSpec(fork_id=first.chain_id),
+             ChainSpec(continue_id=first.chain_id)]
+    for user, spec in zip(suffixes, specs):
+        params = greedy(6)
+        out = llm.generate(history + user, params, chain=spec)[0]
+        check_books(llm.engine)
+        assert out.num_cached_tokens == len(history) - 1
+        check(out.token_ids, spy.of(params), generate(reference.copy(), [first.token_ids[-1]] + user, 6))
+
+
+def preemption_recomputes(llm, spy, generate: Callable, session: Callable, page: int, prefix_caching: bool,
+                          prompt_len: int) -> None:
+    """A preempted request recomputes its prompt and what it generated as one prefill, which is then
+    the `prompt` the method counts (the engine's rule for every method)."""
+    engine = llm.engine
+    p = prompt(prompt_len, 9)
+    params = greedy(9)
+    seq = engine.add_request(p, params)
+    for _ in range(4):  # the prefill and three decode steps: four tokens
+        engine.step()
+    done = len(seq.token_ids) - len(p)
+    engine.scheduler._preempt(seq)
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.num_preemptions == 1
+    check_books(engine)
+    before = session()
+    head, head_logits = generate(before, p, done)
+    tokens = p + head
+    if prefix_caching:  # every full page but the one holding the last token is a hit
+        hit = (len(tokens) - 1) // page * page
+        assert seq.num_cached_tokens == hit
+        again = before.truncate(hit)
+    else:
+        hit, again = 0, session()
+    tail, tail_logits = generate(again, tokens[hit:], 9 - done)
+    check(seq.generated_ids, spy.of(params), (head + tail, torch.cat([head_logits, tail_logits])))
