@@ -474,8 +474,9 @@ def _page_tokens(em: _Emitter, method_name: str, method_path: str) -> str:
            '    (None: no page summaries, any engine page)."""')
     if em.spec.page_tokens is None:
         return "\n".join(["def page_tokens(params):", doc, "    return None"])
-    tokens = em.p.py(em.spec.page_tokens)
-    unpack = [f'    {em.p.local(n)} = params["{n}"]' for n in sorted(em.p.params) if em.p.local(n) in tokens]
+    printer = _Printer()  # its own, so that it unpacks only the parameters the page count reads
+    tokens = printer.py(em.spec.page_tokens)
+    unpack = [f'    {printer.local(n)} = params["{n}"]' for n in sorted(printer.params)]
     return "\n".join(["def page_tokens(params):", doc] + unpack + [f"    return int({tokens})"])
 
 _SIZE = '''def _size(value):
