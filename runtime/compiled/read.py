@@ -87,11 +87,12 @@ class ReadHook:
              fused_devices: tuple[str, ...] = ()) -> ReadPlan | None:
         sym = {"context": None, "prompt": None, "step": None, "layer": layer, "layers": num_layers,
                "heads": view.q.shape[1], "kv_heads": view.k.shape[1], "head_dim": view.q.shape[2]}
-        if self.tokens:
+        if self.tokens or self.indices is not None:
             if self.runs is not None and not self.runs(sym, params):
-                return None  # no choice and no read in this layer: nothing gathered either
-            return self._token_plan(view, sym, params)
-        if self.indices is not None:
+                return None  # no rule runs in this layer: no keys gathered, no index built
+            self._row_symbols(view, sym)
+            if self.tokens:
+                return self._token_plan(view, sym, params)
             return self._cluster_plan(layer, view, sym, params)
         if self._fused is not None and view.q.device.type in fused_devices and self.runs is not None:
             if not self.runs(sym, params):
@@ -110,16 +111,8 @@ class ReadHook:
     def _cluster_plan(self, layer: int, view: DecodeView, sym: dict[str, Any],
                       params: dict[str, Any]) -> ReadPlan | None:
         """A read over the rows' cluster indices (module docstring)."""
-        if view.prompt_lens is None:
-            raise ConfigError(f"method {self.name!r}: its decode hook reads each row's prompt length, which this "
-                              "step's metadata lacks", param="method")
-        if self.runs is not None and not self.runs(sym, params):  # before any index is built for the layer
-            return None
         first, last = self.ranges(sym, params)
         segment = self.segment_length(params)
-        context = view.context_lens.to(torch.float64)
-        prompt = view.prompt_lens.to(torch.float64)
-        sym.update(context=context, prompt=prompt, step=context - prompt)
         inputs = self.indices.batch(layer, view, first, last, segment if segment is not None else 1 << 62, params)
         inputs["q"] = view.q
         out = self.fn(inputs, {}, sym, params)
@@ -128,6 +121,15 @@ class ReadHook:
         tokens, last_slots, estimate = out
         return ReadPlan(tokens=tokens, last=last_slots, estimate=None if estimate is None else Estimate(*estimate))
 
+    def _row_symbols(self, view: DecodeView, sym: dict[str, Any]) -> None:
+        """The per-row symbols `context`, `prompt` and `step` (float64 [B]) of a token or cluster read."""
+        if view.prompt_lens is None:
+            raise ConfigError(f"method {self.name!r}: its decode hook reads each row's prompt length, which this "
+                              "step's metadata lacks", param="method")
+        context = view.context_lens.to(torch.float64)
+        prompt = view.prompt_lens.to(torch.float64)
+        sym.update(context=context, prompt=prompt, step=context - prompt)
+
     def release(self, seq_id: int) -> None:
         """Drop a finished sequence's cluster indices."""
         if self.indices is not None:
@@ -135,12 +137,6 @@ class ReadHook:
 
     def _token_plan(self, view: DecodeView, sym: dict[str, Any], params: dict[str, Any]) -> ReadPlan | None:
         """A hook of token plans over the batch (module docstring)."""
-        if view.prompt_lens is None:
-            raise ConfigError(f"method {self.name!r}: its decode hook reads each row's prompt length, which this "
-                              "step's metadata lacks", param="method")
-        context = view.context_lens.to(torch.float64)
-        prompt = view.prompt_lens.to(torch.float64)
-        sym.update(context=context, prompt=prompt, step=context - prompt)
         inputs = _TokenInputs(view)  # the stored keys are gathered only by a layer that reads them
         out = self.fn(inputs, self.shared, sym, params)
         if out is None:
