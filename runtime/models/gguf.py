@@ -136,7 +136,10 @@ def tokenizer(meta: dict[str, Any], extra: dict[str, Any], max_length: int, name
     """The model's tokenizer (transformers' GGUF conversion, with the GGUF's own facts restored)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.ggml import convert_gguf_tokenizer
+    try:  # transformers >= 5.2x moved it
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:
+        from transformers.integrations.ggml import convert_gguf_tokenizer
 
     vocab = meta["tokenizer"]
     fields = extra.get("tokenizer", {})
