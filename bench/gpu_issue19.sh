@@ -2,7 +2,7 @@
 # Issue 19 on the H200: Quest's GPU tests (fused page scores, graph decode) and decode throughput
 # against full at 32K and 128K (random-weight Qwen3-30B-A3B, bf16, 60 GiB of KV, full in the same run).
 # Usage (device machine): bash bench/gpu_issue19.sh "$OUT" "tests micro window32 window128 busy128"
-# METHODS (default full,quest) picks the methods of the throughput parts. DuoAttention's gates for
+# METHODS (default full,quest) picks the methods of the throughput parts; EXTRA adds options. DuoAttention's gates for
 # the random-weight model are random too (seed 0, written to $OUT/inputs): with random weights only
 # how many heads stream, and where, matters for speed.
 set -uo pipefail
@@ -15,6 +15,8 @@ save_input(pathlib.Path('$out/inputs/duo_attention_heads.safetensors'), 'gate',
            torch.rand(c.num_hidden_layers, c.num_key_value_heads, generator=torch.Generator().manual_seed(0)))"
 common=(--model random:qwen3-30b-a3b --dtype bfloat16 --kv-memory 60GiB --output 2048 --no-progress
         --methods "${METHODS:-full,quest}" --method-params quest:budget=4096 --method-inputs "$out/inputs")
+read -ra extra <<< "${EXTRA:-}"  # more throughput options, e.g. EXTRA="--evict-interval 64"
+common+=("${extra[@]}")
 for part in $parts; do
   case $part in
     tests) timeout "${PART_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_quest.py \

@@ -41,6 +41,7 @@ from kvc.runtime.errors import (
     PromptTooLongError,
 )
 from kvc.runtime.grammar_book import GrammarBook
+from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.rows import RowPool
 from kvc.runtime.method_api import Hook, KVMethod
@@ -88,12 +89,14 @@ class Engine:
         # (or the directory the config names for them)
         inputs_dir = Path(config.method_inputs) if config.method_inputs is not None else self.loaded.path
         self.method.bind(self.spec.num_layers, self.spec.num_kv_heads, model_dir=inputs_dir)
-        kv_spec = self.method.kv_spec(self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype, config.page_size)
+        # the cache's layers: the model's, or one per KV head (runtime/kv/layout.py)
+        self.layout = layout = CacheLayout(self.spec.num_layers, self.spec.num_kv_heads, self.method.kv_head_layers)
+        kv_spec = self.method.kv_spec(layout.kv_heads, self.spec.head_dim, self.spec.dtype, config.page_size)
         # one layer's page: every per-token tensor of the spec, plus its per-page ones; the rows of
         # its per-sequence tensors (a running sequence's, and an idle chain's) come off the budget first
-        page_bytes = layer_page_bytes(kv_spec, self.spec.num_kv_heads, config.page_size)
+        page_bytes = layer_page_bytes(kv_spec, layout.kv_heads, config.page_size)
         num_rows = 2 * config.max_num_seqs if kv_spec.uses_rows else 0
-        row_bytes = num_rows * kv_spec.bytes_per_row(self.spec.num_kv_heads, self.spec.num_layers)
+        row_bytes = num_rows * kv_spec.bytes_per_row(layout.kv_heads, layout.layers)
         if row_bytes >= self._kv_budget_bytes():
             raise ConfigError(f"method {self.method.name!r}: {num_rows} rows of per-sequence tensors take "
                               f"{row_bytes} bytes, the whole KV budget; raise kv_cache_memory or lower max_num_seqs",
@@ -105,9 +108,9 @@ class Engine:
         if backend == "triton":  # this GPU's `kvc tune` configs (runtime/tuning/); one log line
             load_tuned_configs(self.device)
         self.attention = PagedAttention.allocate(
-            num_layers=self.spec.num_layers,
+            num_layers=layout.layers,
             num_pages=self.num_pages,
-            num_kv_heads=self.spec.num_kv_heads,
+            num_kv_heads=layout.kv_heads,
             page_size=config.page_size,
             head_dim=self.spec.head_dim,
             dtype=self.spec.dtype,
@@ -127,7 +130,7 @@ class Engine:
         # (its chains still share pages, copy-on-write).
         prefix_caching = config.enable_prefix_caching and not self.method.compacts
         self.pool = PagePool(self.num_pages, config.page_size, prefix_caching, salt=salt)
-        self.chains = ChainStore(self.pool, self.spec.num_layers, self.method, fingerprint=salt.hex(),
+        self.chains = ChainStore(self.pool, layout.layers, self.method, fingerprint=salt.hex(),
                                  rows=self.rows, copy_row=self.attention.store.copy_rows)
         hooks = self.method.hooks
         self.scheduler = Scheduler(
@@ -139,7 +142,7 @@ class Engine:
                 prefill_first=config.prefill_first,
             ),
             self.pool,
-            num_layers=self.spec.num_layers,
+            num_layers=layout.layers,
             budget=self.method.budget,
             chains=self.chains,
             # may a step write into pages before the newest (copy-on-write of every shared page)?
@@ -164,7 +167,7 @@ class Engine:
             grammars=self.grammars,
         )
         self.sequences: dict[int, Sequence] = {}
-        self.pruner = Pruner(self.chains, self.runner.executor, self.spec.num_layers)
+        self.pruner = Pruner(self.chains, self.runner.executor, layout.layers)
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
         self._scorers: dict[str, Scorer] = {}
         self.runner.chain_window = self._chain_window()
@@ -226,10 +229,10 @@ class Engine:
             params=params,
             eos_token_ids=self.spec.eos_token_ids,
             max_model_len=self.max_model_len,
-            num_layers=self.spec.num_layers,
+            num_layers=self.layout.layers,
         )
         if record is not None:
-            record.start(prompt_token_ids, self.spec.num_layers)
+            record.start(prompt_token_ids, self.layout.layers)
         seq.record, seq.replay = record, replay
         if chain is None:
             self._check_fits(seq, params)
@@ -270,7 +273,7 @@ class Engine:
             # the record's pages stay pinned for the turn; a compacting turn may copy all of them,
             # otherwise only each layer's partial last page is copied
             compacts = self.scheduler.compacts_prefill or self.scheduler.compacts_decode
-            copies = len(seq.chain.pages()) if compacts else self.spec.num_layers
+            copies = len(seq.chain.pages()) if compacts else self.layout.layers
             pinned = self.chains.pinned_pages(exclude=seq.chain)
             if needed + copies + pinned > self.num_pages:
                 raise ChainCapacity(
@@ -286,7 +289,7 @@ class Engine:
         self.drain()
         clones = [
             Sequence(seq.token_ids[: seq.num_prompt_tokens], params=seq.params, eos_token_ids=seq.eos_token_ids,
-                     max_model_len=seq.max_model_len, num_layers=self.spec.num_layers)
+                     max_model_len=seq.max_model_len, num_layers=self.layout.layers)
             for _ in range(count)
         ]
         pairs = self.scheduler.clone(seq, clones)

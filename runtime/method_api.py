@@ -188,6 +188,9 @@ class KVMethod(Protocol):
     rewrites: bool  # may prefill_end / step_end return RewritePlans (writes into pages before the newest)?
     chunk_keeps: bool  # may prefill_chunk return KeepPlans (the prompt cut while prefilled; its forward then differs)
     decode_graphs: bool  # may decode steps (and the decode hooks) be CUDA-graph captured?
+    # is every KV head a cache layer of its own (runtime/kv/layout.py)? Then the budget, the hooks
+    # and every per-layer argument below count cache layers, each of one KV head
+    kv_head_layers: bool
     budget: KVBudget
     attention: AttentionKernels  # the attention kernels it runs and the decode statistics it reads
     evict_interval: int  # decode-time eviction every N tokens of growth (set by the engine; module docstring)
@@ -237,6 +240,7 @@ class MethodBase:
     rewrites = False
     chunk_keeps = False
     decode_graphs = True
+    kv_head_layers = False
     budget: KVBudget = FullBudget()
     attention = AttentionKernels()
     evict_interval = 1

@@ -25,6 +25,7 @@ from kvc.runtime.attention.metadata import AttentionMetadata
 from kvc.runtime.decode_graphs import DecodeGraphs
 from kvc.runtime.grammar_book import GrammarBook
 from kvc.runtime.kv.executor import KVExecutor
+from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.kv.tables import TableCache
 from kvc.runtime.step_hooks import StepHooks
 from kvc.runtime.kv.page_pool import PagePool
@@ -120,7 +121,10 @@ class ModelRunner:
         self.pool = pool  # for copy-on-write of shared pages; None: pages are never shared
         self.chain_window = 0  # prefill queries a chained sequence keeps per layer (set by the engine)
         self.method = method or resolve_method("full")
-        self.num_layers = model.spec.num_layers
+        # the cache's layers: the model's, or one per KV head (runtime/kv/layout.py); every per-layer
+        # table, length and hook below counts cache layers
+        self.layout = CacheLayout(model.spec.num_layers, model.spec.num_kv_heads, self.method.kv_head_layers)
+        self.num_layers = self.layout.layers
         self.model = model
         self.attention = attention
         self.page_size = page_size
@@ -128,7 +132,7 @@ class ModelRunner:
         self.device = device
         self.scale = model.spec.head_dim**-0.5
         self.max_pages_per_seq = -(-max_model_len // page_size)
-        self.num_kv_heads = model.spec.num_kv_heads
+        self.num_kv_heads = self.layout.kv_heads
         self.tables = TableCache(self.num_layers, self.num_kv_heads)
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device)
@@ -264,17 +268,24 @@ class ModelRunner:
         joined = LogprobTensors(*(torch.cat(t) for t in zip(*(p.tensors() for p in parts))))
         output.prompt_spans, output.prompt_pending = spans, PendingTensors(joined.tensors())
 
-    def _attn_fn(
+    def _attn_fn(self, md: AttentionMetadata, batch: ScheduledBatch | None = None,
+                 output: StepOutput | None = None):
+        """The model's attention function for this step (`attn(layer, q, k, v)` over model layers),
+        with the method's hooks around it. `batch` is None in a captured decode graph (only the
+        decode hooks can run there)."""
+        attn = self._cache_attn_fn(md, batch, output)
+        return split_heads(attn, self.layout) if self.layout.per_head else attn
+
+    def _cache_attn_fn(
         self,
         md: AttentionMetadata,
         batch: ScheduledBatch | None = None,
         output: StepOutput | None = None,
         compute: bool = True,
     ):
-        """The model's attention function for this step, with the method's hooks around it.
-        `batch` is None in a captured decode graph (only the decode hooks can run there).
-        `compute` False: store K/V and run the hooks, but no attention (a replayed prefill's output
-        is never read)."""
+        """`attn(cache_layer, q, k, v)`: one cache layer's attention with the method's hooks around
+        it. `compute` False: store K/V and run the hooks, but no attention (a replayed prefill's
+        output is never read)."""
         attention, scale, method = self.attention, self.scale, self.method
         hooks = method.hooks
         fold = method.attention.decode_stats  # the decode statistics decode_after_attention reads
@@ -322,7 +333,7 @@ class ModelRunner:
     def _replay(self, md: AttentionMetadata, batch: ScheduledBatch, output: StepOutput) -> None:
         """A step of replayed prefill chunks (runtime/prefill_record.py): per layer the recorded
         q/k/v of every row, stored and handed to the method's prefill hooks; no model layers."""
-        attn = self._attn_fn(md, batch, output, compute=False)
+        attn = self._cache_attn_fn(md, batch, output, compute=False)
         spans = [(seq.replay, seq.num_computed_tokens, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         for layer in range(self.num_layers):
             parts = [record.rows(layer, start, n) for record, start, n in spans]
@@ -386,6 +397,20 @@ class ModelRunner:
             prompt_lens=to_dev([list(p) for p in zip(*prompts)], torch.int32),
         )
         return StepInputs(to_dev(ids, torch.int64), to_dev(positions, torch.int64), md, sample_rows, sample_seqs)
+
+
+def split_heads(attn, layout: CacheLayout):
+    """A model layer's attention over per-head cache layers: KV head h of layer l (its query group
+    and its K/V) goes to cache layer `layout.cache_layers(l)[h]`; the outputs join in head order."""
+
+    def by_head(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        layers = layout.cache_layers(layer)
+        group = q.shape[1] // len(layers)
+        outs = [attn(cache_layer, q[:, h * group:(h + 1) * group].contiguous(), k[:, h:h + 1].contiguous(),
+                     v[:, h:h + 1].contiguous()) for h, cache_layer in enumerate(layers)]
+        return torch.cat(outs, dim=1)
+
+    return by_head
 
 
 def _chained_prefills(batch: ScheduledBatch) -> list[tuple[object, slice]]:

@@ -34,6 +34,7 @@ import torch
 from kvc.runtime.attention.backend import layer_page_bytes, pool_pages
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.errors import ConfigError
+from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.models.base import ModelSpec
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -152,10 +153,11 @@ def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_le
     `evict_interval` here, as the engine does."""
     method.evict_interval = evict_interval
     method.bind(spec.num_layers, spec.num_kv_heads, model_dir=inputs_dir)
-    kv_spec = method.kv_spec(spec.num_kv_heads, spec.head_dim, spec.dtype, page_size)
-    page_bytes = layer_page_bytes(kv_spec, spec.num_kv_heads, page_size)
+    layout = CacheLayout(spec.num_layers, spec.num_kv_heads, method.kv_head_layers)  # as the engine's
+    kv_spec = method.kv_spec(layout.kv_heads, spec.head_dim, spec.dtype, page_size)
+    page_bytes = layer_page_bytes(kv_spec, layout.kv_heads, page_size)
     num_pages = pool_pages(kv_memory, page_bytes)
-    budget, layers = method.budget, range(spec.num_layers)
+    budget, layers = method.budget, range(layout.layers)
     steady = [budget.steady_tokens(input_len, input_len + output_len, layer) for layer in layers]
     per_seq = sum(-(-tokens // page_size) for tokens in steady)
     peak = sum(-(-max(budget.peak_tokens(input_len, layer), tokens) // page_size)

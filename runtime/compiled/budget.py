@@ -18,9 +18,14 @@ class CompiledBudget:
         self.held_tokens, self.params = held_tokens, params
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.decode_bound: Callable[[int, int, int], int] | None = None  # (prompt_len, physical, layer) -> most held
+        # (prompt_len, layer) -> what a layer holds after prefill, where the generated `held_tokens`
+        # cannot say (a per-head keep on a per-head cache layer, set by the adapter)
+        self.prefill_kept: Callable[[int, int], int] | None = None
 
     def kept(self, prompt_len: int, layer: int) -> int:
         """Physical tokens (slots) layer `layer` holds at most after prefill end."""
+        if self.prefill_kept is not None:
+            return min(prompt_len, self.prefill_kept(prompt_len, layer))
         return min(prompt_len, int(self.held_tokens(prompt_len, layer, self.num_layers, self.num_kv_heads,
                                                     self.params)))
 

@@ -20,7 +20,7 @@ import torch
 
 from kvc.runtime.compiled import folder as compiled_folder
 from kvc.runtime.compiled.budget import CompiledBudget
-from kvc.runtime.compiled.decode import DecodeHooks, read_decode_facts
+from kvc.runtime.compiled.decode import DecodeHooks, decode_sym, read_decode_facts
 from kvc.runtime.compiled.folder import ALL_QUERIES, GeneratedCode
 from kvc.runtime.compiled.prefill import PrefillHooks
 from kvc.runtime.compiled.read import READ_HOOK, ReadHook
@@ -28,6 +28,7 @@ from kvc.runtime.compiled.roles import RoleKeeps
 from kvc.runtime.compiled.state import SequenceStates
 from kvc.runtime.compiled.step_end import StepEnd, group_mode
 from kvc.runtime.errors import ConfigError
+from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.kv.spec import KVSpec
 from kvc.runtime.method_api import DecodeView, Hook, MethodBase, ReadPlan
 
@@ -51,6 +52,10 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         self.roles = RoleKeeps.of(name, code, params)  # per-head keeps `for ROLE` (roles.py), or None
         # may prefill_chunk give keep plans (the prompt is cut while it is prefilled)?
         self.chunk_keeps = self.roles is not None and "prefill_chunk" in self.roles.keeps
+        # every keep of the method is per KV head and independent across heads: each KV head is a
+        # cache layer of its own, so a head that keeps less holds fewer pages (runtime/kv/layout.py)
+        self.kv_head_layers = self.roles is not None and all(
+            hook in self.roles.keeps for hook, facts in code.facts.items() if facts)
         if code.end_scores is None and any(code.facts.values()) and not reads_only and not self.chunk_keeps:
             raise ConfigError(f"method {name!r} has decode-time or chunk hooks but no prefill_end selection; the "
                               "engine serves compiled methods whose compression starts at prefill end",
@@ -105,11 +110,22 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         return f"{self.name}({params}){inputs}@{self._source_sha256}"
 
     def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None) -> None:
-        """The model's shape, for the budget formulas (called by the engine before admission), and
-        its directory, where the method's input tensors are found (roles.py)."""
-        self.budget.num_layers, self.budget.num_kv_heads = num_layers, num_kv_heads
+        """The model's shape, for the budget formulas (called by the engine before admission; over
+        cache layers when `kv_head_layers`), and its directory, where the method's input tensors
+        are found (roles.py)."""
+        layout = CacheLayout(num_layers, num_kv_heads, self.kv_head_layers)
+        self.budget.num_layers, self.budget.num_kv_heads = layout.layers, layout.kv_heads
         if self.roles is not None:
-            self.roles.bind(num_layers, num_kv_heads, model_dir)
+            self.roles.bind(num_layers, num_kv_heads, model_dir, per_head=self.kv_head_layers)
+        if self.kv_head_layers:  # each cache layer's budget follows its head's role
+            self.budget.prefill_kept = self._prefill_kept if self.chunk_keeps else None
+            if Hook.STEP_END in self.hooks:
+                self.budget.decode_bound = self.decode_bound
+
+    def _prefill_kept(self, prompt_len: int, layer: int) -> int:
+        """What a cache layer holds after a prefill that its chunk keeps cut (the last chunk's keep)."""
+        sym = decode_sym(layer, self.budget.num_layers, prompt_len, prompt_len, prompt_len, None, 1, None)
+        return self.roles.count("prefill_chunk", layer, sym)
 
     def _role_keep(self, hook: str) -> bool:
         """Is `hook`'s keep a per-head keep `for ROLE` (roles.py)?"""

@@ -5,9 +5,11 @@ files (`input gate: [layer, kv_head] from "FILE"`; runtime/models/method_inputs.
 roles, bool masks over (layer, kv_head) computed from inputs and parameters by the generated
 `roles(inputs, params)` once the engine binds the model. A keep `for ROLE` in prefill_chunk or
 step_end gives a `KeepPlan` in which the role's heads keep the ranges of their own stored tokens and
-every other head keeps all of its tokens: per-head variable counts, stored right-aligned with
-per-head start slots (the Ada-KV layout), so the layer still holds as many slots as its most-keeping
-head. Nothing here knows a method by name: inputs, roles and keeps come from the manifest.
+every other head keeps all of its tokens. On a model layer's shared pages these are per-head
+variable counts, stored right-aligned with per-head start slots (the Ada-KV layout); a method whose
+every keep is such a keep stores each KV head as a cache layer of its own (runtime/kv/layout.py), so
+a cache layer is one head, and a streaming head's pages are freed. Nothing here knows a method by
+name: inputs, roles and keeps come from the manifest.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class RoleKeeps:
         self.selects = {hook: code.required(f"{hook}_select") for hook in self.keeps}
         self.given: dict[str, torch.Tensor] = {}  # inputs set before bind (tests, the calibrator)
         self.masks: dict[str, list[list[bool]]] | None = None  # role -> [layer][kv_head]
+        self._layer_masks: dict[str, list[list[bool]]] | None = None  # role -> [cache layer][its KV heads]
         self.digest = ""
 
     @classmethod
@@ -46,9 +49,10 @@ class RoleKeeps:
             return None
         return cls(name, code, params)
 
-    def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None) -> None:
+    def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None, per_head: bool = False) -> None:
         """Loads every input (given ones first, else the model directory or the shipped defaults),
-        checks its shape against the model and computes the role masks."""
+        checks its shape against the model and computes the role masks; `per_head`: the hooks'
+        layers are cache layers of one KV head (model layer l's head h is l * num_kv_heads + h)."""
         sizes = {"layer": num_layers, "kv_head": num_kv_heads}
         inputs, digest = {}, hashlib.sha256()
         for name, decl in sorted(self.declared.items()):
@@ -70,17 +74,24 @@ class RoleKeeps:
             digest.update(name.encode() + value.float().cpu().numpy().tobytes())
         masks = self.roles_fn(inputs, self.params)
         self.masks = {role: mask.expand(num_layers, num_kv_heads).tolist() for role, mask in masks.items()}
+        self._layer_masks = ({role: [[head] for heads in mask for head in heads] for role, mask in self.masks.items()}
+                             if per_head else self.masks)
         self.digest = digest.hexdigest()[:16]
 
     def heads(self, hook: str, layer: int) -> list[bool]:
-        """Which KV heads of `layer` the keep of `hook` applies to."""
-        if self.masks is None:
+        """Which KV heads of (cache) layer `layer` the keep of `hook` applies to."""
+        if self._layer_masks is None:
             raise RuntimeError(f"method {self.name!r}: roles are computed when the engine binds the model")
-        return self.masks[self.keeps[hook]][layer]
+        return self._layer_masks[self.keeps[hook]][layer]
 
     def kept(self, hook: str, layer: int, sym: dict, starts: list[int] | None) -> list[torch.Tensor]:
         """The generated selection of `hook` over the layer's stored tokens (CPU index tensors)."""
         return self.selects[hook](torch.empty(0), sym, self.params, self.heads(hook, layer), starts)
+
+    def count(self, hook: str, layer: int, sym: dict) -> int:
+        """Tokens the keep of `hook` leaves in `layer`'s most-keeping head, every head starting at
+        slot 0 (a cache layer of one KV head: that head's count)."""
+        return max(int(t.numel()) for t in self.kept(hook, layer, sym, None))
 
     def plan(self, hook: str, layer: int, sym: dict, cache: LayerCacheView, tail: int,
              interval: int = 1) -> KeepPlan | None:

@@ -44,6 +44,7 @@ class StepEnd:
     _count_memo: dict[tuple, int]
     kept_tail: Callable[[str, dict, int], int]
     roles: Any  # RoleKeeps or None (a keep `for ROLE`: per-head counts, roles.py)
+    kv_head_layers: bool  # a cache layer per KV head: a role keep's count is its one head's
     _role_keep: Callable[[str], bool]
 
     # ---- host-side counts ----------------------------------------------------------------------
@@ -53,18 +54,27 @@ class StepEnd:
         facts = self.decoding
         if facts.keep_hook is None:
             return length
+        role = self._role_keep(facts.keep_hook)
+        if role and not self.kv_head_layers:
+            raise NotImplementedError(f"method {self.name!r}: per-head counts on shared pages follow each row's starts")
         step = context_len - prompt_len if facts.keep["where"] else None
         key = (length, prompt_len, layer, kv_heads, step)
         count = self._count_memo.get(key)
         if count is None:
             sym = decode_sym(layer, self.budget.num_layers, length, context_len, prompt_len, None, kv_heads, None)
+            if role:  # a cache layer of one KV head: its role decides
+                return self._memo(key, self.roles.count(facts.keep_hook, layer, sym))
             kept = self._select_fn(torch.empty(kv_heads, length, device="meta"), sym, self.params)
             counts = {int(t.shape[0]) for t in kept}
             if len(counts) != 1:
                 raise NotImplementedError(f"method {self.name!r} keeps unequal counts per KV head while decoding")
-            if len(self._count_memo) >= MEMO_LIMIT:
-                self._count_memo.clear()
-            count = self._count_memo[key] = counts.pop()
+            count = self._memo(key, counts.pop())
+        return count
+
+    def _memo(self, key: tuple, count: int) -> int:
+        if len(self._count_memo) >= MEMO_LIMIT:
+            self._count_memo.clear()
+        self._count_memo[key] = count
         return count
 
     def step_end_due(self, layer: int, lengths: np.ndarray, prompt_lens: np.ndarray,
@@ -73,7 +83,7 @@ class StepEnd:
         facts per row; one `decode_kept` per distinct row, rows of a batch mostly share them)."""
         if self.decoding.keep_hook is None:
             return np.zeros(len(lengths), dtype=bool)
-        if self._role_keep(self.decoding.keep_hook):
+        if self._role_keep(self.decoding.keep_hook) and not self.kv_head_layers:
             return None  # per-head counts: whether a row is due depends on its heads' starts (step_end decides)
         kv_heads = self.budget.num_kv_heads
         facts = np.stack([lengths, prompt_lens, context_lens], axis=1)

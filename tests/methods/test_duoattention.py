@@ -251,3 +251,73 @@ def test_neither_records_nor_replays(model_dir) -> None:
     for option in ("record", "replay"):
         with pytest.raises(ConfigError, match="neither records nor replays"):
             engine.add_request(prompt(12, 1), greedy(2), **{option: PrefillRecord()})
+
+
+def test_streaming_heads_free_their_pages(model_dir) -> None:
+    """Each KV head is a cache layer of its own (runtime/kv/layout.py): a streaming head's table
+    holds its sink + recent tokens, a retrieval head's the whole context, so the sequence holds
+    about half of full's KV bytes at sparsity 0.5, and the freed pages are back in the pool."""
+    p, out = prompt(60, 1), 20
+    held = {}
+    for method in ("full", "duoattention"):
+        engine = make_llm(model_dir, method, max_prefill_chunk=8).engine
+        seq = engine.add_request(p, greedy(out))
+        for _ in range(12):  # the prefill's 8 chunks and 4 decode steps
+            engine.step()
+        page_bytes = engine.attention.store.spec.bytes_per_page(engine.layout.kv_heads, PAGE)
+        assert engine.pool.num_free == engine.num_pages - sum(len(t) for t in seq.page_tables)
+        held[method] = sum(len(t) for t in seq.page_tables) * page_bytes
+        context = len(seq.token_ids) - 1  # the newest token is not stored yet
+        if method == "full":
+            assert engine.layout.layers == 3 and seq.kv_lens == [context] * 3
+            continue
+        layout, masks = engine.layout, engine.method.roles.masks["streaming"]
+        assert layout.per_head and layout.layers == 6 and layout.kv_heads == 1
+        for layer in range(3):
+            for head, cache_layer in enumerate(layout.cache_layers(layer)):
+                expected = SINK + RECENT if masks[layer][head] else context
+                assert seq.kv_lens[cache_layer] == expected, (layer, head)
+                assert len(seq.page_tables[cache_layer]) == -(-expected // PAGE)
+    streaming = sum(sum(m) for m in masks)
+    assert 0 < streaming < 6
+    assert held["duoattention"] <= held["full"] * ((6 - streaming) / 6 + 0.2)
+
+
+def test_admission_counts_the_streaming_heads_saving(model_dir) -> None:
+    """The budget follows each cache layer's role: a request's steady pages are its retrieval heads'
+    context plus its streaming heads' sink + recent (+ the eviction interval), which the throughput
+    benchmark's largest batch counts; in a pool that holds two and a half of full's requests, four
+    of full's preempt one another, DuoAttention's run to the end together with the tokens they
+    give one at a time."""
+    from kvc.runtime.bench.plan import plan_batch
+
+    prompt_len, out = 200, 16
+    grown = prompt_len + out
+    plans, preempted, tokens = {}, {}, {}
+    full_bytes = None
+    for method in ("full", "duoattention"):
+        engine = make_llm(model_dir, method).engine
+        plans[method] = plan_batch(engine.method, engine.spec, 2**22, PAGE, prompt_len, out, 10**6,
+                                   inputs_dir=model_dir)
+        if method == "full":
+            page_bytes = engine.attention.store.spec.bytes_per_page(engine.layout.kv_heads, PAGE)
+            full_bytes = 3 * -(-grown // PAGE) * page_bytes  # one request at its end
+        else:
+            masks = engine.method.roles.masks["streaming"]
+            steady = [engine.method.budget.steady_tokens(prompt_len, grown, cl) for cl in range(6)]
+            assert steady == [SINK + RECENT + 1 if masks[cl // 2][cl % 2] else grown for cl in range(6)]
+        params = {"sink": SINK, "recent": RECENT, "sparsity": 0.5} if method == "duoattention" else {}
+        config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", page_size=PAGE,
+                              attention_backend="torch", kv_cache_memory=int(2.5 * full_bytes), method=method,
+                              method_params=params, max_prefill_chunk=64)
+        engine = Engine(config)
+        seqs = [engine.add_request(prompt(prompt_len, seed), greedy(out)) for seed in range(4)]
+        while engine.has_unfinished():
+            engine.step()
+        preempted[method] = sum(s.num_preemptions for s in seqs)
+        tokens[method] = [s.token_ids[prompt_len:] for s in seqs]
+    assert plans["duoattention"].batch >= 1.5 * plans["full"].batch
+    assert preempted["full"] > 0 and preempted["duoattention"] == 0
+    alone = make_llm(model_dir, max_prefill_chunk=64).generate([prompt(prompt_len, seed) for seed in range(4)],
+                                                               [greedy(out) for _ in range(4)])
+    assert tokens["duoattention"] == [o.token_ids for o in alone]
