@@ -83,8 +83,11 @@ class StepEnd:
         facts per row; one `decode_kept` per distinct row, rows of a batch mostly share them)."""
         if self.decoding.keep_hook is None:
             return np.zeros(len(lengths), dtype=bool)
-        if self._role_keep(self.decoding.keep_hook) and not self.kv_head_layers:
-            return None  # per-head counts: whether a row is due depends on its heads' starts (step_end decides)
+        if self._role_keep(self.decoding.keep_hook):
+            if not self.kv_head_layers:
+                return None  # per-head counts: whether a row is due depends on its heads' starts (step_end decides)
+            if not any(self.roles.heads(self.decoding.keep_hook, layer)):
+                return np.zeros(len(lengths), dtype=bool)  # a head outside the role keeps every token
         kv_heads = self.budget.num_kv_heads
         facts = np.stack([lengths, prompt_lens, context_lens], axis=1)
         if len(facts) and (facts == facts[0]).all():
