@@ -87,7 +87,8 @@ class Engine:
         # the model's shape, for its budget; its directory, where the method's input tensors are found
         # (or the directory the config names for them)
         inputs_dir = Path(config.method_inputs) if config.method_inputs is not None else self.loaded.path
-        self.method.bind(self.spec.num_layers, self.spec.num_kv_heads, model_dir=inputs_dir)
+        self.method.bind(self.spec.num_layers, self.spec.num_kv_heads, model_dir=inputs_dir,
+                         max_context=self.max_model_len)
         kv_spec = self.method.kv_spec(self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype, config.page_size)
         # one layer's page: every per-token tensor of the spec, plus its per-page ones; the rows of
         # its per-sequence tensors (a running sequence's, and an idle chain's) come off the budget first

@@ -151,7 +151,7 @@ def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_le
     docstring); `method` is bound to the model's shape (its input files from `inputs_dir`) and given
     `evict_interval` here, as the engine does."""
     method.evict_interval = evict_interval
-    method.bind(spec.num_layers, spec.num_kv_heads, model_dir=inputs_dir)
+    method.bind(spec.num_layers, spec.num_kv_heads, model_dir=inputs_dir, max_context=input_len + output_len)
     kv_spec = method.kv_spec(spec.num_kv_heads, spec.head_dim, spec.dtype, page_size)
     page_bytes = layer_page_bytes(kv_spec, spec.num_kv_heads, page_size)
     num_pages = pool_pages(kv_memory, page_bytes)
