@@ -2,9 +2,9 @@
 
 `ModelRunner.run` hands a decode-only batch to `DecodeGraphs.run`: the batch is loaded into
 static device buffers (`_load`: token ids, positions, per-layer slots, context lengths, page
-tables and KV-head starts, incrementally from a host mirror), and the graph of its key is
-replayed, captured lazily on first use. `run_uncaptured` runs the same step eagerly over the
-same buffers (the CPU tests).
+tables and KV-head starts, incrementally from a host mirror, and the rows of the spec's
+per-sequence tensors), and the graph of its key is replayed, captured lazily on first use.
+`run_uncaptured` runs the same step eagerly over the same buffers (the CPU tests).
 
 Graph keys (`GraphKey`): the batch-size bucket (padding rows have no slot and no context), whether
 some KV head starts past slot 0 (those graphs read the static `starts` buffer), and the context
