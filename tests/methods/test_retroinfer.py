@@ -233,9 +233,9 @@ def test_attention_with_an_estimate_is_a_softmax_over_tokens_and_pseudo_keys() -
 
 def make_llm(model_dir: Path, method: str = "retroinfer", params: dict | None = None, **options) -> LLM:
     # the rows' cluster indices are sized by max_model_len, two rows per sequence
-    engine_options = {"max_num_batched_tokens": 4096, "max_model_len": 128, "max_num_seqs": 8, **options}
-    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", page_size=PAGE,
-                          attention_backend="torch", kv_cache_memory=2**22, method=method,
+    engine_options = {"max_num_batched_tokens": 4096, "max_model_len": 128, "max_num_seqs": 8, "device": "cpu",
+                      "attention_backend": "torch", **options}
+    config = EngineConfig(model=str(model_dir), dtype="float32", page_size=PAGE, kv_cache_memory=2**22, method=method,
                           method_params=(PARAMS if params is None else params) if method == "retroinfer" else {},
                           **engine_options)
     return LLM.from_engine(Engine(config))
@@ -323,6 +323,24 @@ def test_graph_steps_equal_the_oracle(model_dir, hf, monkeypatch) -> None:
     for p, out, sp in zip(prompts, outs, params):
         check(out.token_ids, spy.of(sp), ref.generate(hf, session(), p, 12))
     assert grown, "no index grew while decoding: the test is blind"
+
+
+def test_the_triton_backend_in_graph_steps_equals_the_oracle(model_dir, hf, monkeypatch) -> None:
+    """The GPU path, its kernels under TRITON_INTERPRET=1: Triton stores and prefill, the decode of a
+    plan with an estimate handed to the torch decode, in graph steps run uncaptured: the oracle's
+    tokens and logits."""
+    pytest.importorskip("triton")
+    from tests.kernels.paged_cases import triton_device_and_ops
+
+    device, _ = triton_device_and_ops("spec")
+    spy = Logits(monkeypatch)
+    llm = make_llm(model_dir, device=device.type, attention_backend="triton", cuda_graphs=False)
+    replays = served.graph_steps(llm, monkeypatch)
+    prompts = [prompt(n, seed) for n, seed in ((23, 1), (30, 4))]
+    params = [greedy(8) for _ in prompts]
+    for p, out, sp in zip(prompts, llm.generate(prompts, params), params):
+        check(out.token_ids, spy.of(sp), ref.generate(hf, session(), p, 8))
+    assert replays
 
 
 @pytest.mark.parametrize("graphs", [False, True])
