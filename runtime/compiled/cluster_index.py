@@ -45,16 +45,17 @@ class _Written:
 
 
 class ClusterIndices:
-    """The rows' indices of partition `partition`: written by `cluster(k, v, params)`, the generated
-    clustering of one segment (`<partition>_segment`), `segment` tokens at a time, each
-    ranking `summaries` of its clusters; `ranges(sym, params)` gives the read's (first, last)."""
+    """The rows' indices of partition `partition`, written by `cluster(k, v, params)`, the generated
+    clustering of one segment (`<partition>_segment`: each cluster's size and `summaries`), `segment`
+    tokens at a time; `size` and `segment` are the generated `<partition>_size` / `_segment_length`,
+    `ranges(sym, params)` the read's (first, last)."""
 
     def __init__(self, partition: str, cluster: Callable, summaries: list[str], size: Callable,
                  segment: Callable, ranges: Callable) -> None:
         self.cluster, self.summaries, self.ranges = cluster, summaries, ranges
         self._size, self._segment = size, segment
         self.sizes, self.members, self.bounds = f"{partition}_sizes", f"{partition}_members", f"{partition}_bounds"
-        self.written: dict[tuple[int, int], _Written] = {}  # (seq_id, layer) ->
+        self.written: dict[tuple[int, int], _Written] = {}  # (seq_id, layer) -> what its row holds
 
     # ---- sizes ---------------------------------------------------------------------------------
     def segment(self, params: dict) -> int:
