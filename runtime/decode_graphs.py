@@ -2,9 +2,9 @@
 
 `ModelRunner.run` hands a decode-only batch to `DecodeGraphs.run`: the batch is loaded into
 static device buffers (`_load`: token ids, positions, per-layer slots, context lengths, page
-tables and KV-head starts, incrementally from a host mirror), and the graph of its key is
-replayed, captured lazily on first use. `run_uncaptured` runs the same step eagerly over the
-same buffers (the CPU tests).
+tables and KV-head starts, incrementally from a host mirror, and the rows of the spec's
+per-sequence tensors), and the graph of its key is replayed, captured lazily on first use.
+`run_uncaptured` runs the same step eagerly over the same buffers (the CPU tests).
 
 Graph keys (`GraphKey`): the batch-size bucket (padding rows have no slot and no context), whether
 some KV head starts past slot 0 (those graphs read the static `starts` buffer), and the context
@@ -100,6 +100,9 @@ class DecodeGraphs:
         self.prompts = torch.zeros((layers, n), dtype=torch.int32, device=dev)
         self.cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.starts = torch.zeros((layers, n, runner.num_kv_heads), dtype=torch.int32, device=dev)
+        # each row's row of the spec's per-sequence tensors (padding: the scratch row); None: it has none
+        self.rows = (torch.full((n,), runner.store.scratch_row, dtype=torch.int32, device=dev)
+                     if runner.store.num_rows else None)
         self.logits: torch.Tensor | None = None  # [n, vocab] float32, every graph's output (`_step_fn`)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -141,6 +144,7 @@ class DecodeGraphs:
             max_query_len=1,
             max_context_len=key.context,
             kv_starts=self.starts[:, :b] if key.starts else None,
+            rows=None if self.rows is None else self.rows[:b],
         )
         attn = r._attn_fn(md)
         if self.logits is None:  # outside any capture
@@ -228,6 +232,9 @@ class DecodeGraphs:
         prompts[:, :n] = (np.array([s.prefill_end for s in seqs], dtype=np.int64)[None, :]
                           - np.array([s.history_gap for s in seqs], dtype=np.int64).T)  # as the runner's `prepare`
         copy_into(self.prompts[:, :b], prompts)
+        if self.rows is not None:
+            scratch = self.runner.store.scratch_row
+            copy_into(self.rows[:b], [scratch if s.row is None else s.row for s in seqs] + [scratch] * pad)
         # Page tables: rebuilt rows travel whole (the whole block when many did), appended pages
         # one entry each (stale entries past a row's table, and in padding rows, are never read:
         # kernels stop at the row's context length, 0 for padding).

@@ -88,7 +88,8 @@ class Engine:
         # the model's shape, for its budget; its directory, where the method's input tensors are found
         # (or the directory the config names for them)
         inputs_dir = Path(config.method_inputs) if config.method_inputs is not None else self.loaded.path
-        self.method.bind(self.spec.num_layers, self.spec.num_kv_heads, model_dir=inputs_dir)
+        self.method.bind(self.spec.num_layers, self.spec.num_kv_heads, model_dir=inputs_dir,
+                         max_context=self.max_model_len)
         # the cache's layers: the model's, or one per KV head (runtime/kv/layout.py)
         self.layout = layout = CacheLayout(self.spec.num_layers, self.spec.num_kv_heads, self.method.kv_head_layers)
         kv_spec = self.method.kv_spec(layout.kv_heads, self.spec.head_dim, self.spec.dtype, config.page_size)
@@ -99,7 +100,8 @@ class Engine:
         row_bytes = num_rows * kv_spec.bytes_per_row(layout.kv_heads, layout.layers)
         if row_bytes >= self._kv_budget_bytes():
             raise ConfigError(f"method {self.method.name!r}: {num_rows} rows of per-sequence tensors take "
-                              f"{row_bytes} bytes, the whole KV budget; raise kv_cache_memory or lower max_num_seqs",
+                              f"{row_bytes} bytes, the whole KV budget; raise kv_cache_memory or lower max_num_seqs "
+                              "(or max_model_len, where the method sizes them by the longest context)",
                               param="kv_cache_memory")
         self.num_pages = pool_pages(self._kv_budget_bytes() - row_bytes, page_bytes)
         backend = config.attention_backend
@@ -121,8 +123,9 @@ class Engine:
         )
         self.rows = RowPool(num_rows) if num_rows else None
         log.info(
-            "KV cache: %d pages of %d tokens (%.1f MiB), backend %s",
-            self.num_pages, config.page_size, self.num_pages * page_bytes / 2**20, backend,
+            "KV cache: %d pages of %d tokens (%.1f MiB)%s, backend %s",
+            self.num_pages, config.page_size, self.num_pages * page_bytes / 2**20,
+            f" and {num_rows} rows of per-sequence tensors ({row_bytes / 2**20:.1f} MiB)" if num_rows else "", backend,
         )
         method_id = self.method.fingerprint  # name + parameters (+ generated source)
         salt = hashlib.sha256(f"{model_ref}|{method_id}|{self.spec}".encode()).digest()[:16]

@@ -161,6 +161,8 @@ class DecodeView:
     # a host bound on context_lens (the step's longest row, or a decode graph's context bucket): how
     # many slots of the tables a hook that reads the stored keys needs (None: the whole table)
     max_context_len: int | None = None
+    # [B] int32: each row's row of the spec's SEQ tensors (runtime/kv/rows.py; None: the spec has none)
+    seq_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -198,7 +200,8 @@ class KVMethod(Protocol):
     query_window: int  # the newest prefill queries `token_scores` reads (0: none)
     tuned_kernels: frozenset[str]  # `kvc tune` groups beyond attention it launches ("compaction", "scores")
 
-    def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None) -> None: ...
+    def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None,
+             max_context: int | None = None) -> None: ...
 
     def page_tokens(self) -> int | None: ...
 
@@ -253,7 +256,8 @@ class MethodBase:
         params = ",".join(f"{k}={self.params[k]!r}" for k in sorted(self.params))
         return f"{self.name}({params})"
 
-    def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None) -> None:
+    def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None,
+             max_context: int | None = None) -> None:
         return None
 
     def page_tokens(self) -> int | None:

@@ -306,7 +306,8 @@ class ModelRunner:
                                   None if batch is None else _decode_rows(batch, layer),
                                   kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d],
                                   prompt_lens=None if md.prompt_lens is None else md.prompt_lens[layer, :d],
-                                  max_context_len=md.max_context_len)
+                                  max_context_len=md.max_context_len,
+                                  seq_rows=None if md.rows is None else md.rows[:d])
             read = None
             if view is not None and Hook.DECODE_BEFORE_ATTENTION in hooks:
                 read = method.decode_before_attention(layer, view)  # a ReadPlan, or None: every slot
@@ -375,10 +376,11 @@ class ModelRunner:
             return to_device(values, dev, dtype)
 
         rows = resid = None
-        window = self.store.residual_window
-        if window:  # the per-sequence rows and each layer's residual slots after the step
+        if self.store.num_rows:  # the per-sequence rows (the scratch row: a sequence without one)
             scratch = self.store.scratch_row
             rows = to_dev([scratch if s.row is None else s.row for s in batch.seqs], torch.int32)
+        window = self.store.residual_window
+        if window:  # each layer's residual slots after the step
             counts = np.minimum(np.array([s.resid_lens for s in batch.seqs], dtype=np.int64).T +
                                 np.asarray(batch.num_new_tokens, dtype=np.int64)[None, :], window)
             resid = to_dev(counts, torch.int32)

@@ -9,12 +9,13 @@ channel]`, `attn`), `state` the method's state tensors, `sym` the symbols (`cont
 A hook with a `keep` is split into `<hook>_scores` (float32 `[kv_head, key]`, -inf where the
 score does not reach) and `<hook>_select` (kept key indices per KV head, ascending).
 A hook that reads the clusters of a `kmeans` partition runs once over a decode batch's cluster
-indices (runtime/compiled/cluster_index.py): `inputs` holds `q [row, head, channel]`, each summary
-of the clusters `[row, kv_head, clusters, channel]`, `sizes [row, kv_head, clusters]` (0: padding),
-`members [row, kv_head, n]` (the cluster of indexed slot `starts[row] + i`, -1: padding), `starts`,
-`ends` and `lengths [row]`; `sym`'s `context`, `prompt` and `step` are float64 [row] tensors. It
-answers None (every token read) or `(tokens, last, estimate)` (runtime/primitives/clusters.py
-`read_clusters`). `<partition>_segment(k, v, params)` clusters one segment of a layer's keys, and
+indices (runtime/compiled/cluster_index.py: the rows' static buffers): `inputs` holds `q [row, head,
+channel]`, each summary of the clusters `[row, kv_head, clusters, channel]`, `sizes [row, kv_head,
+clusters]` (0: none), `members [row, kv_head, n]` (the cluster of indexed slot `starts[row] + i`,
+-1: none), `starts`, `ends` and `lengths [row]`; `sym`'s `context`, `prompt` and `step` are float64
+[row] tensors. It answers None (every token read) or `(tokens, last, estimate)`
+(runtime/primitives/clusters.py `read_clusters`). `<partition>_segment(k, v, params)` clusters one
+segment of a layer's keys (`<partition>_size` keys per cluster on average), and
 `<hook>_ranges(sym, params)` gives the `first n` and `last m` the index leaves out.
 `score(q, k)` / `select(scores, T, ...)` / `keep(q, k, ...)` run the prompt's prefill as one chunk
 followed by `prefill_end`, the shape the tests and references use.
@@ -64,6 +65,13 @@ def clusters_segment_length(params):
     cluster_size = params["cluster_size"]
     segment = params["segment"]
     return int(segment)
+
+
+def clusters_size(params):
+    """Keys per cluster of `clusters` on average: a segment of n keys gets ceil(n / size) clusters."""
+    cluster_size = params["cluster_size"]
+    segment = params["segment"]
+    return cluster_size
 
 
 def clusters_segment(k, v, params):

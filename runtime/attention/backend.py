@@ -209,7 +209,7 @@ class PagedAttention:
         replayed prefill, runtime/prefill_record.py, needs only the stored K/V)."""
         slots = md.slot_mapping[layer_idx]
         k_src, v_src = self._sources[layer_idx]
-        if md.rows is None:
+        if md.resid_lens is None:
             self.ops.store_kv(k, v, k_src, v_src, slots)
         else:  # a residual window: each new token finds its sequence's row
             self.ops.store_kv(k, v, k_src, v_src, slots, cu_seqlens_q=md.cu_seqlens_q,

@@ -12,7 +12,8 @@
   context when input + output need it (random weights have no trained context to respect).
 - `plan_batch`: the pool the engine will allocate for `--kv-memory` (the engine's own functions,
   `attention.backend.layer_page_bytes` / `pool_pages`: bytes // one layer-page of the method's
-  layout, K/V and state planes; the caller checks the engine agrees) and the
+  layout, K/V and state planes, after two rows of its per-sequence tensors a seat, as the engine
+  takes them; the caller checks the engine agrees) and the
   pages one sequence holds at steady state with its whole output generated (the method's
   `budget.steady_tokens(prompt, prompt + output, layer)` per layer, in pages); the largest batch is
   the pool over that, capped by `--max-batch`. One request's prefill peak (the whole prompt
@@ -152,16 +153,27 @@ def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_le
     docstring); `method` is bound to the model's shape (its input files from `inputs_dir`) and given
     `evict_interval` here, as the engine does."""
     method.evict_interval = evict_interval
-    method.bind(spec.num_layers, spec.num_kv_heads, model_dir=inputs_dir)
+    longest = input_len + output_len + 1  # the engine's max_model_len (bench/steps.py `make_engine`)
+    method.bind(spec.num_layers, spec.num_kv_heads, model_dir=inputs_dir, max_context=longest)
     layout = CacheLayout(spec.num_layers, spec.num_kv_heads, method.kv_head_layers)  # as the engine's
     kv_spec = method.kv_spec(layout.kv_heads, spec.head_dim, spec.dtype, page_size)
     page_bytes = layer_page_bytes(kv_spec, layout.kv_heads, page_size)
-    num_pages = pool_pages(kv_memory, page_bytes)
+    # two rows of the per-sequence tensors a sequence come off the budget first, as the engine's
+    seat_bytes = 2 * kv_spec.bytes_per_row(layout.kv_heads, layout.layers) if kv_spec.uses_rows else 0
+
+    def pages(seats: int) -> int:
+        return pool_pages(kv_memory - seats * seat_bytes, page_bytes) if kv_memory > seats * seat_bytes else 0
+
     budget, layers = method.budget, range(layout.layers)
     steady = [budget.steady_tokens(input_len, input_len + output_len, layer) for layer in layers]
     per_seq = sum(-(-tokens // page_size) for tokens in steady)
     peak = sum(-(-max(budget.peak_tokens(input_len, layer), tokens) // page_size)
                for layer, tokens in zip(layers, steady))
-    fits = num_pages // per_seq if peak <= num_pages else 0
+    fits = pages(0) // per_seq
+    while fits > 0 and fits * per_seq > pages(fits):  # rows take part of the pool
+        fits -= 1
+    batch = min(fits, max_batch)
+    num_pages = pages(max(1, batch)) if seat_bytes else pages(0)
+    fits = fits if peak <= num_pages else 0
     return BatchPlan(num_pages, page_bytes, per_seq, sum(steady) / len(steady), peak, fits, min(fits, max_batch),
                      evict_interval)

@@ -16,6 +16,7 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvc.runtime.compiled import folder as compiled_folder
@@ -30,7 +31,8 @@ from kvc.runtime.compiled.step_end import StepEnd, group_mode
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.kv.spec import KVSpec
-from kvc.runtime.method_api import DecodeView, Hook, MethodBase, ReadPlan
+from kvc.runtime.kv.plans import KeepPlan
+from kvc.runtime.method_api import DecodeView, Hook, MethodBase, PrefillView, ReadPlan, StepView
 
 
 class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
@@ -66,8 +68,13 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         self.attention = code.attention
         self.decoding = facts = read_decode_facts(code, self.use_state_planes)
         self.paged_state, self.state_planes, self.decode_graphs = facts.paged, facts.planes, facts.graphs
-        if self.reader is not None and self.reader.indices is not None:
-            self.decode_graphs = False  # a cluster index is per sequence, found by the rows' host facts
+        # a read over cluster indices: written into the rows between steps (cluster_index.py)
+        self.indices = None if self.reader is None else self.reader.indices
+        if self.indices is not None and not reads_only:
+            raise ConfigError(f"method {name!r}: a read over a k-means index is served only for methods that keep "
+                              "every token (the index is built over the stored prompt)", param="method")
+        self.max_context: int | None = None  # the longest context a sequence reaches (`bind`)
+        self._heads: int | None = None  # the model's query heads, seen at prefill_end (the index's symbols)
         self.seqs = SequenceStates(name, code.states, facts.planes)
         self.decoder = DecodeHooks(name, params, facts, self.seqs, self.budget, code)
         self._select_fn, self._group_mode = facts.select, group_mode(facts, bool(code.states))
@@ -77,7 +84,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         self.hooks = self._hooks()
         # a method that never keeps (`full`, or one that only reads) stores every token: prefix caching stays on
         self.compacts = any(facts.get("keeps") for facts in code.facts.values())
-        if Hook.STEP_END in self.hooks and not self._role_keep("step_end"):
+        if Hook.STEP_END in facts.hooks and not self._role_keep("step_end"):
             self.budget.decode_bound = self.decode_bound
         # a chain prune's scorer: the prompt's keep scores (`token_scores`), reading the newest
         # `query_window` prefill queries (-1: every query, H2O's attention sums over the prompt)
@@ -93,8 +100,8 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         if self.code.chunk_hook is not None or self.window != 0 or self.chunk_keeps:  # chunk state, queries, keeps
             hooks.add(Hook.PREFILL_CHUNK)
         hooks |= self.decoding.hooks
-        if self.reader is not None and self.reader.indices is not None:  # per-sequence cluster indices
-            hooks.add(Hook.RELEASE)
+        if self.indices is not None:  # per-sequence cluster indices: built at prefill end, grown at step end
+            hooks |= {Hook.PREFILL_END, Hook.STEP_END, Hook.RELEASE}
         if self.states:  # per-sequence state that a chain must carry between turns
             hooks.add(Hook.TURN)
         if hooks:  # some per-sequence state may exist: a cloned sequence must get its copy
@@ -109,12 +116,15 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         inputs = f"+inputs:{self.roles.digest}" if self.roles is not None else ""  # the calibrated file's content
         return f"{self.name}({params}){inputs}@{self._source_sha256}"
 
-    def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None) -> None:
+    def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None,
+             max_context: int | None = None) -> None:
         """The model's shape, for the budget formulas (called by the engine before admission; over
-        cache layers when `kv_head_layers`), and its directory, where the method's input tensors
-        are found (roles.py)."""
+        cache layers when `kv_head_layers`), its directory, where the method's input tensors are
+        found (roles.py), and the longest context a sequence reaches (what per-sequence index
+        buffers are sized by)."""
         layout = CacheLayout(num_layers, num_kv_heads, self.kv_head_layers)
         self.budget.num_layers, self.budget.num_kv_heads = layout.layers, layout.kv_heads
+        self.max_context = max_context
         if self.roles is not None:
             self.roles.bind(num_layers, num_kv_heads, model_dir, per_head=self.kv_head_layers)
         if self.kv_head_layers:  # each cache layer's budget follows its head's role
@@ -138,16 +148,22 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
     def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec:
         """The spec the compiler derived from the .kvm (the generated `kv_spec` of hooks.py, which lists
         the state planes of a key-local decode hook), without those planes when the decode state lives
-        in per-row dicts instead (`use_state_planes` off)."""
+        in per-row dicts instead (`use_state_planes` off), with a read's cluster indices."""
         try:
             spec = self.code.kv_spec(num_kv_heads, head_dim, dtype, page_size, self.params)
         except ValueError as e:  # e.g. page summaries over pages of another size than the engine's
             raise ConfigError(f"method {self.name!r}: {e} (set the engine's page_size or the method's parameter "
                               "to match)", param="page_size") from None
         planes = {t.name for t in spec.method_tensors}
-        if self.paged_state or not planes:
-            return spec
-        return dataclasses.replace(spec, tensors=tuple(t for t in spec.tensors if t.name not in planes))
+        if planes and not self.paged_state:
+            spec = dataclasses.replace(spec, tensors=tuple(t for t in spec.tensors if t.name not in planes))
+        if self.indices is not None:  # the rows' cluster indices (SEQ tensors), sized by the longest context
+            if self.max_context is None:
+                raise ConfigError(f"method {self.name!r} keeps a cluster index per sequence, sized by the longest "
+                                  "context: bind(..., max_context=) first", param="method")
+            spec = dataclasses.replace(spec, tensors=spec.tensors + self.indices.tensors(
+                head_dim, self.max_context, self.params))
+        return spec
 
     def token_scores(self, layer: int, num_layers: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The prompt's keep scores [Hkv, n] of keys k [Hkv, n, D] under queries q [Hq, w, D] (the
@@ -167,6 +183,33 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
     def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None:
         self.decoder.after_attention(layer, view)
 
+    # ---- cluster indices (cluster_index.py): written outside the decode step ----------------------
+    def prefill_end(self, layer: int, view: PrefillView) -> KeepPlan | None:
+        if self.indices is None:
+            return super().prefill_end(layer, view)
+        self._heads = view.q.shape[1]
+        # the stored prompt (a pruned chain's history counts as stored, as in the decode hook's `prompt`)
+        self.indices.build(layer, view.seq_id, view.cache.length, view.cache, self._index_sym(layer), self.params)
+        return None
+
+    def step_end_due(self, layer: int, lengths: np.ndarray, prompt_lens: np.ndarray,
+                     context_lens: np.ndarray) -> np.ndarray | None:
+        due = super().step_end_due(layer, lengths, prompt_lens, context_lens)
+        if self.indices is None or due is None:
+            return due
+        return due | self.indices.due(lengths, prompt_lens, self._index_sym(layer), self.params)
+
+    def step_end_batch(self, layer: int, views: Seq[StepView]) -> list[KeepPlan | None]:
+        if self.indices is None:
+            return super().step_end_batch(layer, views)
+        self.indices.grow(layer, views, self._index_sym(layer), self.params)
+        return [None] * len(views)
+
+    def _index_sym(self, layer: int) -> dict[str, Any]:
+        """The symbols of the read's `first`/`last` (the index's ranges), as the hook sees them."""
+        return {"context": None, "prompt": None, "step": None, "layer": layer, "layers": self.budget.num_layers,
+                "heads": self._heads, "kv_heads": self.budget.num_kv_heads, "head_dim": None}
+
     # ---- lifecycle (state.py) ------------------------------------------------------------------
     def turn_end(self, seq_id: int) -> dict[int, dict[str, torch.Tensor] | str]:
         return self.seqs.turn_end(seq_id)
@@ -176,11 +219,13 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
 
     def clone(self, src_seq_id: int, dst_seq_id: int) -> None:
         self.seqs.clone(src_seq_id, dst_seq_id)
+        if self.indices is not None:
+            self.indices.clone(src_seq_id, dst_seq_id)
 
     def release(self, seq_id: int) -> None:
         self.seqs.release(seq_id)
-        if self.reader is not None:
-            self.reader.release(seq_id)
+        if self.indices is not None:
+            self.indices.release(seq_id)
 
     # the stores under the names tests check (a released method holds nothing), and the fused kernels
     _q = property(lambda self: self.seqs.queries)

@@ -19,10 +19,9 @@ forward chooses again before any layer reads). It answers None or `(tokens, last
 `ReadPlan` with each row's `last` newest tokens.
 
 A hook that reads the clusters of a `kmeans` partition (hook fact `clusters`) gets the step's
-queries and the rows' cluster indices (cluster_index.py: built from the stored keys and values,
-grown a segment at a time, padded into batch tensors) with the per-row symbols, and answers
-`(tokens, last, estimate)`: a token `ReadPlan` whose `Estimate` holds the estimated clusters'
-pseudo-keys. Such a method decodes eagerly (the indices are per sequence, on the host's books).
+queries and the rows' cluster indices (cluster_index.py: static per-row buffers, written between
+steps) with the per-row symbols, and answers `(tokens, last, estimate)`: a token `ReadPlan` whose
+`Estimate` holds the estimated clusters' pseudo-keys. Static shapes too: graphs capture it.
 """
 
 from __future__ import annotations
@@ -57,9 +56,10 @@ class ReadHook:
         self.indices: ClusterIndices | None = None  # the sequences' cluster indices (a read over clusters)
         if clusters is not None:
             partition = clusters["partition"]
-            self.indices = ClusterIndices(name, _bound(lowering, f"{partition}_segment"), clusters["summaries"])
-            self.segment_length = getattr(lowering, f"{partition}_segment_length")
-            self.ranges = getattr(lowering, f"{READ_HOOK}_ranges")
+            self.indices = ClusterIndices(partition, _bound(lowering, f"{partition}_segment"), clusters["summaries"],
+                                          _bound(lowering, f"{partition}_size"),
+                                          _bound(lowering, f"{partition}_segment_length"),
+                                          _bound(lowering, f"{READ_HOOK}_ranges"))
             summaries = summaries | set(clusters["summaries"])
         self.inputs = set(inputs)
         self.shared: dict[str, torch.Tensor] = {}  # the selections chosen so far in this step, by name
@@ -111,9 +111,7 @@ class ReadHook:
     def _cluster_plan(self, layer: int, view: DecodeView, sym: dict[str, Any],
                       params: dict[str, Any]) -> ReadPlan | None:
         """A read over the rows' cluster indices (module docstring)."""
-        first, last = self.ranges(sym, params)
-        segment = self.segment_length(params)
-        inputs = self.indices.batch(layer, view, first, last, segment if segment is not None else 1 << 62, params)
+        inputs = self.indices.inputs(layer, view, params)
         inputs["q"] = view.q
         out = self.fn(inputs, {}, sym, params)
         if out is None:
@@ -129,11 +127,6 @@ class ReadHook:
         context = view.context_lens.to(torch.float64)
         prompt = view.prompt_lens.to(torch.float64)
         sym.update(context=context, prompt=prompt, step=context - prompt)
-
-    def release(self, seq_id: int) -> None:
-        """Drop a finished sequence's cluster indices."""
-        if self.indices is not None:
-            self.indices.release(seq_id)
 
     def _token_plan(self, view: DecodeView, sym: dict[str, Any], params: dict[str, Any]) -> ReadPlan | None:
         """A hook of token plans over the batch (module docstring)."""

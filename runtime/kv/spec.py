@@ -198,7 +198,8 @@ class KVSpec:
     def method_tensors(self) -> tuple[TensorSpec, ...]:
         """Per-token tensors that are the method's own (state planes), not K/V or summaries."""
         summaries = {s.tensor for s in self.summaries}
-        return tuple(t for t in self.tensors if t.name not in self.kv_tensors and t.name not in summaries)
+        return tuple(t for t in self.tensors if t.extent is Extent.TOKEN and t.name not in self.kv_tensors
+                     and t.name not in summaries)
 
     # ---- bytes ---------------------------------------------------------------------------------
     def bytes_per_token(self, num_kv_heads: int) -> int:

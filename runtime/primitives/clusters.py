@@ -73,7 +73,7 @@ def cluster_segment(k: torch.Tensor, v: torch.Tensor, size, iterations, summarie
 
 def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=None):
     """The plan of `read top(scores, count) + first n` and `estimate top(scores, m) using KEY, VSUM`
-    over a batch's cluster indices (runtime/compiled/cluster_index.py `ClusterIndices.batch`):
+    over a batch's cluster indices (runtime/compiled/cluster_index.py `ClusterIndices.inputs`):
 
     - scores [row, kv_head, C] (padding clusters, size 0, are never chosen); `count` and `estimate`
       are tokens per row ([row] tensors or numbers), counted in clusters of the partition's average
@@ -84,8 +84,10 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
     - estimated: the next `estimate` clusters by score, each one pseudo-key KEY (the cluster's key
       summary) whose softmax weight counts its size (log-weight log(size)), with value VSUM / size.
 
-    Ties as a stable sort leaves them (the lower cluster first). Returns (tokens [row, kv_head, n]
-    int32, -1 none; last [row] int32; estimate (keys, values, log_weights) or None)."""
+    Ties as a stable sort leaves them (the lower cluster first). Static shapes, no host read: the
+    estimate has a place per cluster, those past a row's count weigh nothing (log-weight -inf).
+    Returns (tokens [row, kv_head, n] int32, -1 none; last [row] int32; estimate (keys, values,
+    log_weights) or None)."""
     sizes, members = inputs["sizes"], inputs["members"]  # [B, Hkv, C], [B, Hkv, N]
     present = sizes > 0
     ranked = torch.where(present, scores.float(), NEG_INF)
@@ -107,7 +109,7 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
     if estimate is None:
         return tokens.to(torch.int32), last.to(torch.int32), None
     n_est = torch.minimum(_clusters(estimate, size, sizes), available - n_read)  # the places right after the read's
-    width = int(n_est.max()) if n_est.numel() else 0
+    width = order.shape[-1]  # every cluster may be estimated: a static width (no host read; graphs capture it)
     if width == 0:
         return tokens.to(torch.int32), last.to(torch.int32), None
     at = (n_read[..., None] + torch.arange(width, device=order.device)).clamp(max=order.shape[-1] - 1)  # [B, Hkv, E]

@@ -2,7 +2,8 @@
 runtime/engine.py): for every shipped method the engine can serve, at one KV memory that is not
 a whole number of pages, the plan counts exactly the pages the engine allocates, state planes
 included (H2O and TOVA keep per-token state beside K/V: a plan that counted only K/V promised
-more pages than the engine had)."""
+more pages than the engine had), and so are the rows of per-sequence tensors (RetroInfer's cluster
+indices: two rows a seat off the budget first)."""
 
 from __future__ import annotations
 
@@ -33,12 +34,14 @@ def test_plan_counts_the_pages_the_engine_allocates(model_dir):
     served, with_planes = [], []
     for name in available():
         try:
+            plan = plan_batch(resolve_method(name, None), spec, MEMORY, PAGE, 150, 24, 1000)
+            # the engine of the throughput run (runtime/bench/steps.py `make_engine`)
             llm = LLM(str(model_dir), method=name, device="cpu", dtype="float32", page_size=PAGE,
-                      attention_backend="torch", kv_cache_memory=MEMORY, max_model_len=256)
+                      attention_backend="torch", kv_cache_memory=MEMORY, max_model_len=150 + 24 + 1,
+                      max_num_seqs=plan.batch)
         except ConfigError:  # a layout the engine cannot hold yet (quantized pages ...): no plan either
             continue
         engine = llm.engine
-        plan = plan_batch(resolve_method(name, None), spec, MEMORY, PAGE, 150, 24, 1000)
         assert plan.num_pages == engine.num_pages, name
         assert plan.page_bytes == layer_page_bytes(
             engine.method.kv_spec(spec.num_kv_heads, spec.head_dim, spec.dtype, PAGE), spec.num_kv_heads, PAGE), name
@@ -47,5 +50,5 @@ def test_plan_counts_the_pages_the_engine_allocates(model_dir):
             with_planes.append(name)
             assert plan.page_bytes > kv_bytes_per_page(spec.num_kv_heads, PAGE, spec.head_dim, spec.dtype), name
         del llm, engine
-    assert {"full", "snapkv", "streamingllm", "h2o", "tova"} <= set(served)
+    assert {"full", "snapkv", "streamingllm", "h2o", "tova", "retroinfer"} <= set(served)
     assert {"h2o", "tova"} <= set(with_planes)  # the case the plan used to miss

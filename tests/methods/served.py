@@ -2,12 +2,14 @@
 prefix-cache hit, a chain continued and forked, a preemption recomputed as a prefill. Each takes
 the served `llm`, the logits `spy` (tests/runtime/test_contract_methods.py `Logits`), `generate`
 (session, prompt ids, n) -> (tokens, logits) of the reference, and `session()`, a fresh reference
-session with `truncate(n)` and `copy()`."""
+session with `truncate(n)` and `copy()`. `graph_steps` runs an engine's decode-only steps through
+the CUDA-graph runner's step, uncaptured (the CPU tests of the graph path)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
+import pytest
 import torch
 
 from kvc.runtime.chains import ChainSpec
@@ -70,3 +72,40 @@ def preemption_recomputes(llm, spy, generate: Callable, session: Callable, page:
         hit, again = 0, session()
     tail, tail_logits = generate(again, tokens[hit:], 9 - done)
     check(seq.generated_ids, spy.of(params), (head + tail, torch.cat([head_logits, tail_logits])))
+
+
+def graph_steps(llm, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Decode-only steps of `llm` from now on through the CUDA-graph runner's own step (its static
+    buffers, batch buckets with padding rows, no host rows), run without capture on the CPU, with
+    the host-reading tensor methods disarmed inside their decode hook (other steps run eagerly, as
+    they do on a GPU). Returns the list that the
+    batch size of every such step is appended to."""
+    from kvc.runtime.decode_graphs import DecodeGraphs
+
+    runner = llm.engine.runner
+    assert llm.engine.method.decode_graphs, "the method decodes eagerly"
+    graphs = runner.graphs = DecodeGraphs(runner, llm.engine.config.max_num_seqs)
+    replays: list[int] = []
+
+    def replay(batch, feed=None):
+        replays.append(len(batch.seqs))
+        return graphs.run_uncaptured(batch, feed)
+
+    monkeypatch.setattr(graphs, "run", replay)
+    method = llm.engine.method
+    original = method.decode_before_attention
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the decode hook read a device value on the host")
+
+    def graph_like(layer, view):
+        if view.rows is not None:  # an eager step (a prefill beside the decodes)
+            return original(layer, view)
+        assert view.prompt_lens is not None
+        with pytest.MonkeyPatch.context() as mp:
+            for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+                mp.setattr(torch.Tensor, name, forbidden)
+            return original(layer, view)
+
+    monkeypatch.setattr(method, "decode_before_attention", graph_like)
+    return replays

@@ -252,33 +252,9 @@ def test_the_graph_step_run_uncaptured(model_dir, hf, monkeypatch) -> None:
     """Decode-only steps through the CUDA-graph runner's own step (static buffers, the rows' prompt
     lengths among them, batch buckets with a padding row, no host rows), run without capture on
     the CPU, with the host-reading tensor methods disarmed inside the hook: the oracle's tokens."""
-    from kvc.runtime.decode_graphs import DecodeGraphs
-
     prompts = [prompt(n, seed) for n, seed in ((33, 21), (18, 22), (26, 23))]
     llm = make_llm(model_dir, max_model_len=160, max_num_seqs=6)
-    runner = llm.engine.runner
-    graphs = runner.graphs = DecodeGraphs(runner, 6)
-    replays = []
-
-    def replay(batch, feed=None):
-        replays.append(len(batch.seqs))
-        return graphs.run_uncaptured(batch, feed)
-
-    monkeypatch.setattr(graphs, "run", replay)
-    method = llm.engine.method
-    original = method.decode_before_attention
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the decode hook read a device value on the host")
-
-    def graph_like(layer, view):
-        assert view.rows is None and view.prompt_lens is not None
-        with pytest.MonkeyPatch.context() as mp:
-            for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
-                mp.setattr(torch.Tensor, name, forbidden)
-            return original(layer, view)
-
-    monkeypatch.setattr(method, "decode_before_attention", graph_like)
+    replays = served.graph_steps(llm, monkeypatch)
     outs = llm.generate(prompts, [greedy(8) for _ in prompts])
     assert 3 in replays  # bucket 4: one padding row
     for p, out in zip(prompts, outs):

@@ -19,8 +19,8 @@ from functools import partial
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,7 +30,8 @@ from kvc.runtime.engine import Engine
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv.plans import Estimate, ReadPlan
 from kvc.runtime.llm import LLM
-from kvc.runtime.method_api import DecodeRow, DecodeView
+from kvc.runtime.kv.store import KVStore
+from kvc.runtime.method_api import DecodeView, LayerCacheView, PrefillView, StepView
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.primitives.clusters import kmeans
 from tests.methods import served
@@ -57,14 +58,19 @@ def test_kmeans_equals_the_reference() -> None:
 # ---- one decode step of a batch, against the reference ----------------------------------------
 
 
-def _batch(seed: int, rows: list[tuple[int, int]], heads: int = 4, kv_heads: int = 2, dim: int = 8):
-    """A decode step over rows (prompt, length): paged K/V (pages in shuffled order), the step's
-    query, a DecodeView as the engine builds it, and each row's dense keys/values [Hkv, length, D]."""
+def _batch(seed: int, rows: list[tuple[int, int]], method, heads: int = 4, kv_heads: int = 2, dim: int = 8):
+    """A decode step over rows (prompt, length), row b the sequence b's row of the store: paged K/V
+    (pages in shuffled order) in a store of the method's spec, each row's index written as the
+    engine writes it (`_written`), the step's query, a DecodeView as a graph step builds it (no host
+    rows), and each row's dense keys/values [Hkv, length, D]."""
     g = torch.Generator().manual_seed(seed)
     pages_per_row = [-(-length // PAGE) for _, length in rows]
     total = sum(pages_per_row)
-    k_cache = torch.randn(total + 1, kv_heads, PAGE, dim, generator=g) * 2
-    v_cache = torch.randn(total + 1, kv_heads, PAGE, dim, generator=g)
+    method.bind(1, kv_heads, max_context=LONGEST)
+    store = KVStore(method.kv_spec(kv_heads, dim, torch.float32, PAGE), total, kv_heads, PAGE, 1, "cpu",
+                    num_rows=len(rows))
+    store["k"].copy_(torch.randn(total + 1, kv_heads, PAGE, dim, generator=g) * 2)
+    store["v"].copy_(torch.randn(total + 1, kv_heads, PAGE, dim, generator=g))
     order = torch.randperm(total, generator=g)
     width = max(pages_per_row)
     tables = torch.full((len(rows), width), total, dtype=torch.int32)
@@ -75,30 +81,52 @@ def _batch(seed: int, rows: list[tuple[int, int]], heads: int = 4, kv_heads: int
         length = rows[b][1]
         ids = tables[b, :n].long()
         dense.append(tuple(c[ids].permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)[:, :length]
-                           for c in (k_cache, v_cache)))
+                           for c in (store["k"], store["v"])))
     q = torch.randn(len(rows), heads, dim, generator=g)
-    return _view(q, rows, k_cache, v_cache, tables, dense), dense
+    for b, (prompt_len, length) in enumerate(rows):
+        _written(method, store, b, tables[b, :pages_per_row[b]].tolist(), prompt_len, length, heads)
+    return _view(q, rows, store, tables, dense), dense
 
 
-def _view(q, rows, k_cache, v_cache, tables, dense) -> DecodeView:
-    """The decode view of rows (prompt, length) over paged caches (`dense`: each row's keys and values)."""
+def _written(method, store: KVStore, b: int, pages: list[int], prompt_len: int, length: int, heads: int) -> int:
+    """Sequence b's index in its row b as the engine writes it before its decode step of `length`:
+    prefill_end over the prompt, then step_end after each decode step before it (where `step_end_due`
+    says so). Returns how many step_end calls grew it."""
+    def cache(n: int) -> LayerCacheView:
+        return LayerCacheView(store, pages, n, layer=0, row=b)
+
+    kv_heads, dim = store.num_kv_heads, store["k"].shape[-1]
+    view = PrefillView(seq_id=b, layer=0, num_layers=1, q=torch.zeros(prompt_len, heads, dim),
+                       k=torch.zeros(prompt_len, kv_heads, dim), v=torch.zeros(prompt_len, kv_heads, dim), start=0,
+                       prompt_len=prompt_len, cache=cache(prompt_len))
+    assert method.prefill_end(0, view) is None
+    grown = 0
+    for stored in range(prompt_len + 1, length):
+        due = method.step_end_due(0, np.array([stored]), np.array([prompt_len]), np.array([stored]))
+        if due is None or due[0]:
+            grown += 1
+            assert method.step_end_batch(0, [StepView(b, 0, 1, stored, prompt_len, cache(stored))]) == [None]
+    return grown
+
+
+def _view(q, rows, store, tables, dense) -> DecodeView:
+    """The decode view of rows (prompt, length) over the store (`dense`: each row's keys and values)."""
     lengths = torch.tensor([length for _, length in rows], dtype=torch.int32)
     dim = q.shape[-1]
     return DecodeView(layer=0, q=q, k=torch.stack([d[0][:, -1] for d in dense]),
                       v=torch.stack([d[1][:, -1] for d in dense]), block_tables=tables, context_lens=lengths,
-                      store=SimpleNamespace(k_cache=k_cache, v_cache=v_cache, page_size=PAGE), scale=dim ** -0.5,
-                      rows=[DecodeRow(seq_id=b, length=length, context_len=length, prompt_len=p)
-                            for b, (p, length) in enumerate(rows)],
+                      store=store, scale=dim ** -0.5,
                       prompt_lens=torch.tensor([p for p, _ in rows], dtype=torch.int32),
-                      max_context_len=int(lengths.max()))
+                      max_context_len=int(lengths.max()), seq_rows=torch.arange(len(rows), dtype=torch.int32))
 
 
 ROWS = [(30, 34), (11, 12), (23, 39), (5, 6)]  # (prompt, length): row 2 grows its index by a segment while decoding
+LONGEST = 64  # the rows' buffers are sized for it
 
 
 def test_plans_and_attention_equal_the_reference() -> None:
     method = resolve_method("retroinfer", PARAMS)
-    view, dense = _batch(1, ROWS)
+    view, dense = _batch(1, ROWS, method)
     read = method.decode_before_attention(0, view)
     assert isinstance(read, ReadPlan) and read.tokens is not None and read.estimate is not None
     out = torch_ops.paged_decode(view.q, view.store.k_cache, view.store.v_cache, view.block_tables, view.context_lens,
@@ -123,29 +151,48 @@ def test_plans_and_attention_equal_the_reference() -> None:
         torch.testing.assert_close(out[b], ref.attend(view.q[b], keys, values, reads, view.scale), atol=1e-5,
                                    rtol=1e-5)
     assert estimated > 0, "no cluster was estimated: the test is blind"
-    assert method.reader.indices.indices[(2, 0)].end == 23 - 3 + 2 * 8  # row 2: two segments clustered while decoding
+    assert method.indices.written[(2, 0)].end == 23 - 3 + 2 * 8  # row 2: two segments clustered while decoding
+    bounds = view.store[method.indices.bounds][2, 0]  # what the hook reads: every KV head's (start, end)
+    assert bounds.tolist() == [[2, 36]] * 2
 
 
-def test_a_second_step_reuses_and_grows_the_index() -> None:
-    """The index kept between steps (a segment added once enough tokens lie past it) gives the plan the
-    reference builds from scratch."""
+def test_the_index_grows_a_segment_at_a_time_at_step_end() -> None:
+    """step_end grows a row's index once a whole segment lies between it and the newest `last`
+    (`step_end_due` picks exactly those steps), for the next step: the plan the reference builds
+    from scratch; a released sequence's books are dropped."""
     method = resolve_method("retroinfer", PARAMS)
-    later = [(23, 31), (14, 21)]
-    view, dense = _batch(2, later)
-    rows = [(23, 30), (14, 20)]  # the same rows one step earlier
-    method.decode_before_attention(0, _view(view.q, rows, view.store.k_cache, view.store.v_cache, view.block_tables,
-                                            dense))
-    index = method.reader.indices.indices[(0, 0)]
-    assert (index.start, index.end) == (2, 20)
-    read = method.decode_before_attention(0, view)  # one token later: the index grows by one segment
-    assert method.reader.indices.indices[(0, 0)].end == 28
-    for b, (prompt_len, _) in enumerate(later):
+    view, dense = _batch(2, [(23, 31), (14, 21)], method)
+    assert (method.indices.written[(0, 0)].start, method.indices.written[(0, 0)].end) == (2, 28)
+    store = view.store
+    pages = view.block_tables[0, :8].tolist()
+    assert _written(method, store, 0, pages, 23, 31, 4) == 1  # one segment, at the step that stored 28 + 3
+    read = method.decode_before_attention(0, view)
+    for b, (prompt_len, _) in enumerate([(23, 31), (14, 21)]):
         reads = ref.plan(view.q[b], *dense[b], PARAMS, prompt_len)
         got = torch_ops.paged_decode(view.q, view.store.k_cache, view.store.v_cache, view.block_tables,
-                                     view.context_lens, view.scale, read=read)[b]
+                                     view.context_lens, view.scale, max_context_len=view.max_context_len,
+                                     read=read)[b]
         torch.testing.assert_close(got, ref.attend(view.q[b], *dense[b], reads, view.scale), atol=1e-5, rtol=1e-5)
     method.release(0)
-    assert (0, 0) not in method.reader.indices.indices and (1, 0) in method.reader.indices.indices
+    assert (0, 0) not in method.indices.written and (1, 0) in method.indices.written
+
+
+def test_the_rows_buffers_bound_every_index_and_are_counted() -> None:
+    """The rows' buffers hold the largest index of a context of LONGEST tokens (segments whole but
+    one), and one row's bytes (what admission and the pool's sizing count) include them."""
+    method = resolve_method("retroinfer", PARAMS)
+    view, _ = _batch(3, [(LONGEST - 1, LONGEST), (1, LONGEST)], method)
+    spec = view.store.spec
+    clusters = method.indices.max_clusters(LONGEST, PARAMS)
+    assert clusters == LONGEST // 4
+    for b in range(2):
+        assert method.indices.written[(b, 0)].clusters <= clusters
+    assert spec.tensor(method.indices.sizes).shape == (clusters,)
+    assert spec.tensor(method.indices.members).shape == (LONGEST,)
+    per_head = 4 * clusters + 4 * LONGEST + 4 * 2 + 2 * 4 * clusters * 8  # sizes, members, bounds, two summaries
+    assert spec.bytes_per_row(2, 3) == 3 * 2 * per_head
+    assert method.indices.max_clusters(10, {**PARAMS, "segment": 8}) == 2 + 1  # 8 + 2 tokens: 2 + 1 clusters
+    assert method.indices.max_clusters(10, {**PARAMS, "cluster_size": 3, "segment": 6}) == 2 + 2
 
 
 def test_attention_with_an_estimate_is_a_softmax_over_tokens_and_pseudo_keys() -> None:
@@ -185,9 +232,10 @@ def test_attention_with_an_estimate_is_a_softmax_over_tokens_and_pseudo_keys() -
 
 
 def make_llm(model_dir: Path, method: str = "retroinfer", params: dict | None = None, **options) -> LLM:
-    engine_options = {"max_num_batched_tokens": 4096, **options}
-    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", page_size=PAGE,
-                          attention_backend="torch", kv_cache_memory=2**22, method=method,
+    # the rows' cluster indices are sized by max_model_len, two rows per sequence
+    engine_options = {"max_num_batched_tokens": 4096, "max_model_len": 128, "max_num_seqs": 8, "device": "cpu",
+                      "attention_backend": "torch", **options}
+    config = EngineConfig(model=str(model_dir), dtype="float32", page_size=PAGE, kv_cache_memory=2**22, method=method,
                           method_params=(PARAMS if params is None else params) if method == "retroinfer" else {},
                           **engine_options)
     return LLM.from_engine(Engine(config))
@@ -205,9 +253,13 @@ def test_reading_every_cluster_is_full(tmp_path: Path, monkeypatch, arch: str) -
     assert whole.engine.method.compacts is False  # every token stays stored: prefix caching on
     assert [o.token_ids for o in whole.generate(prompts, params)] == full
     assert plans.count > 0, "no read plan was made: the test is blind"
-    assert not whole.engine.method.reader.indices.indices  # released with their requests
+    assert not whole.engine.method.indices.written  # released with their requests
     few = make_llm(model_dir, params={**PARAMS, "retrieved": 0.1, "computed": 0.1})
     assert [o.token_ids for o in few.generate(prompts, params)] != full
+    graphed = make_llm(model_dir, params=EVERYTHING, max_num_batched_tokens=24, max_prefill_chunk=8)
+    replays = served.graph_steps(graphed, monkeypatch)
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == full
+    assert replays, "no decode step ran through the graph path: the test is blind"
 
 
 @pytest.fixture(scope="module")
@@ -242,22 +294,97 @@ def test_batch_with_chunked_prefills_equals_the_oracle(model_dir, hf, monkeypatc
             assert (dense[1:] - want[1][1:]).abs().max() > 10 * ATOL, "RetroInfer changes nothing: the test is blind"
 
 
-def test_prefix_cache_hit(model_dir, hf, monkeypatch) -> None:
-    served.prefix_cache_hit(make_llm(model_dir), Logits(monkeypatch), partial(ref.generate, hf), session)
+def served_llm(model_dir: Path, monkeypatch, graphs: bool, **options) -> tuple[LLM, list[int]]:
+    """The served method, its decode-only steps through the graph path (run uncaptured) or eager;
+    the batch sizes of the graph steps."""
+    llm = make_llm(model_dir, **options)
+    return llm, served.graph_steps(llm, monkeypatch) if graphs else [0]
 
 
-def test_chain_continued_and_forked(model_dir, hf, monkeypatch) -> None:
+def test_graph_steps_equal_the_oracle(model_dir, hf, monkeypatch) -> None:
+    """Decode-only steps through the CUDA-graph runner's step (static buffers, the rows among them;
+    a batch bucket with a padding row; no host facts in the hook): the oracle's tokens and logits,
+    with an index grown while decoding."""
+    spy = Logits(monkeypatch)
+    llm = make_llm(model_dir)
+    replays = served.graph_steps(llm, monkeypatch)
+    indices, grown = llm.engine.method.indices, []
+    grow = indices.grow
+
+    def spy_grow(layer, views, sym, params):
+        grow(layer, views, sym, params)
+        grown.extend(v.seq_id for v in views if indices.written[(v.seq_id, layer)].end > v.prompt_len - 3)
+
+    monkeypatch.setattr(indices, "grow", spy_grow)
+    prompts = [prompt(n, seed) for n, seed in ((33, 21), (18, 22), (26, 23))]
+    params = [greedy(12) for _ in prompts]
+    outs = llm.generate(prompts, params)
+    assert 3 in replays  # bucket 4: one padding row
+    for p, out, sp in zip(prompts, outs, params):
+        check(out.token_ids, spy.of(sp), ref.generate(hf, session(), p, 12))
+    assert grown, "no index grew while decoding: the test is blind"
+
+
+def test_the_triton_backend_in_graph_steps_equals_the_oracle(model_dir, hf, monkeypatch) -> None:
+    """The GPU path, its kernels under TRITON_INTERPRET=1: Triton stores and prefill, the decode of a
+    plan with an estimate handed to the torch decode, in graph steps run uncaptured: the oracle's
+    tokens and logits."""
+    pytest.importorskip("triton")
+    from tests.kernels.paged_cases import triton_device_and_ops
+
+    device, _ = triton_device_and_ops("spec")
+    spy = Logits(monkeypatch)
+    llm = make_llm(model_dir, device=device.type, attention_backend="triton", cuda_graphs=False)
+    replays = served.graph_steps(llm, monkeypatch)
+    prompts = [prompt(n, seed) for n, seed in ((23, 1), (30, 4))]
+    params = [greedy(8) for _ in prompts]
+    for p, out, sp in zip(prompts, llm.generate(prompts, params), params):
+        check(out.token_ids, spy.of(sp), ref.generate(hf, session(), p, 8))
+    assert replays
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_prefix_cache_hit(model_dir, hf, monkeypatch, graphs: bool) -> None:
+    llm, replays = served_llm(model_dir, monkeypatch, graphs)
+    served.prefix_cache_hit(llm, Logits(monkeypatch), partial(ref.generate, hf), session)
+    assert replays
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_chain_continued_and_forked(model_dir, hf, monkeypatch, graphs: bool) -> None:
     """A chain's next turn counts the stored history as its prompt: its index is built anew."""
-    served.chain_continued_and_forked(make_llm(model_dir), Logits(monkeypatch), partial(ref.generate, hf),
-                                      session)
+    llm, replays = served_llm(model_dir, monkeypatch, graphs)
+    served.chain_continued_and_forked(llm, Logits(monkeypatch), partial(ref.generate, hf), session)
+    assert replays
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_preemption_recomputes_as_a_prefill(model_dir, hf, monkeypatch, prefix_caching: bool) -> None:
+def test_preemption_recomputes_as_a_prefill(model_dir, hf, monkeypatch, prefix_caching: bool, graphs: bool) -> None:
     """A preempted request recomputes its prompt and what it generated as one prefill, which is then
     the `prompt` its index covers (the same sequence id: the index is rebuilt, not reused)."""
-    served.preemption_recomputes(make_llm(model_dir, enable_prefix_caching=prefix_caching), Logits(monkeypatch),
-                                 partial(ref.generate, hf), session, PAGE, prefix_caching, 25)
+    llm, replays = served_llm(model_dir, monkeypatch, graphs, enable_prefix_caching=prefix_caching)
+    served.preemption_recomputes(llm, Logits(monkeypatch), partial(ref.generate, hf), session, PAGE, prefix_caching,
+                                 25)
+    assert replays
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_clones_decode_like_their_source(model_dir, hf, monkeypatch, graphs: bool) -> None:
+    """`Engine.clone_sequence`: a clone's row is a copy of its source's, its index included, and
+    grows as the source's does (a segment after the clone): every clone decodes the oracle's tokens."""
+    llm, replays = served_llm(model_dir, monkeypatch, graphs)
+    engine = llm.engine
+    p = prompt(30, 31)
+    source = engine.add_request(p, greedy(14))
+    while source.num_generated < 3:
+        engine.step()
+    clones = engine.clone_sequence(source, 2)
+    while engine.has_unfinished():
+        engine.step()
+    want = ref.generate(hf, session(), p, 14)[0]
+    assert [s.generated_ids for s in (source, *clones)] == [want] * 3
+    assert replays and not engine.method.indices.written
 
 
 # ---- refused ---------------------------------------------------------------------------------------
