@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
 
 
+ROW_SHARE = 0.5  # the most of the KV budget per-sequence rows may take before the engine holds fewer
+
+
 class Engine:
     def __init__(self, config: EngineConfig, method: KVMethod | None = None,
                  loaded: LoadedModel | None = None) -> None:
@@ -97,7 +100,15 @@ class Engine:
         # its per-sequence tensors (a running sequence's, and an idle chain's) come off the budget first
         page_bytes = layer_page_bytes(kv_spec, layout.kv_heads, config.page_size)
         num_rows = 2 * config.max_num_seqs if kv_spec.uses_rows else 0
-        row_bytes = num_rows * kv_spec.bytes_per_row(layout.kv_heads, layout.layers)
+        each_row = kv_spec.bytes_per_row(layout.kv_heads, layout.layers) if num_rows else 0
+        if num_rows * each_row > ROW_SHARE * self._kv_budget_bytes():
+            # rows sized by the longest context (a per-sequence index) would crowd out the pages: fewer
+            # rows, and a request waits for one (the rows bound how many sequences run and chains idle)
+            num_rows = max(2, int(ROW_SHARE * self._kv_budget_bytes()) // each_row)
+            log.warning("method %s: %.1f MiB per sequence's row of per-sequence tensors; %d rows (as many "
+                        "sequences running or chained at most, max_num_seqs %d)", self.method.name, each_row / 2**20,
+                        num_rows, config.max_num_seqs)
+        row_bytes = num_rows * each_row
         if row_bytes >= self._kv_budget_bytes():
             raise ConfigError(f"method {self.method.name!r}: {num_rows} rows of per-sequence tensors take "
                               f"{row_bytes} bytes, the whole KV budget; raise kv_cache_memory or lower max_num_seqs "

@@ -234,8 +234,8 @@ def test_attention_with_an_estimate_is_a_softmax_over_tokens_and_pseudo_keys() -
 def make_llm(model_dir: Path, method: str = "retroinfer", params: dict | None = None, **options) -> LLM:
     # the rows' cluster indices are sized by max_model_len, two rows per sequence
     engine_options = {"max_num_batched_tokens": 4096, "max_model_len": 128, "max_num_seqs": 8, "device": "cpu",
-                      "attention_backend": "torch", **options}
-    config = EngineConfig(model=str(model_dir), dtype="float32", page_size=PAGE, kv_cache_memory=2**22, method=method,
+                      "attention_backend": "torch", "kv_cache_memory": 2**22, **options}
+    config = EngineConfig(model=str(model_dir), dtype="float32", page_size=PAGE, method=method,
                           method_params=(PARAMS if params is None else params) if method == "retroinfer" else {},
                           **engine_options)
     return LLM.from_engine(Engine(config))
@@ -429,3 +429,31 @@ def test_constructs_the_compiler_refuses(tmp_path: Path, change, reason) -> None
         assert manifest["lowered"] and manifest["hooks"]["decode_before_attention"]["clusters"]["estimate"]
     else:
         assert not manifest["lowered"] and reason in manifest["reason"], manifest.get("reason")
+
+
+def test_rows_too_large_for_every_seat_bound_the_running_sequences(model_dir) -> None:
+    """Rows sized by a long max_model_len for 2 x max_num_seqs would take the whole budget: the
+    engine holds as many as half the budget buys (engine.ROW_SHARE), requests wait for a row, and
+    the tokens are those of an engine with a row for everyone."""
+    from kvc.runtime.engine import ROW_SHARE
+
+    prompts = [prompt(n, seed) for n, seed in ((23, 1), (37, 2), (9, 3), (30, 4), (17, 5))]
+    roomy = make_llm(model_dir, max_model_len=256)
+    want = [o.token_ids for o in roomy.generate(prompts, [greedy(8) for _ in prompts])]
+    budget = 3 * 2**19
+    tight = make_llm(model_dir, max_model_len=512, max_num_seqs=64, kv_cache_memory=budget)
+    rows = tight.engine.rows.num_rows
+    row = tight.engine.attention.store.spec.bytes_per_row(2, 5)
+    assert rows < 2 * 64 and rows * row <= ROW_SHARE * budget and rows >= 2
+    assert rows < len(prompts), "every request gets a row: the test is blind"
+    running = []
+    step = tight.engine.step
+
+    def counted():
+        out = step()
+        running.append(len(tight.engine.scheduler.running))
+        return out
+
+    tight.engine.step = counted
+    assert [o.token_ids for o in tight.generate(prompts, [greedy(8) for _ in prompts])] == want
+    assert max(running) <= rows
