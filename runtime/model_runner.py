@@ -408,8 +408,8 @@ def split_heads(attn, layout: CacheLayout):
     def by_head(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layers = layout.cache_layers(layer)
         group = q.shape[1] // len(layers)
-        outs = [attn(cache_layer, q[:, h * group:(h + 1) * group].contiguous(), k[:, h:h + 1].contiguous(),
-                     v[:, h:h + 1].contiguous()) for h, cache_layer in enumerate(layers)]
+        outs = [attn(cache_layer, q[:, h * group:(h + 1) * group], k[:, h:h + 1], v[:, h:h + 1])
+                for h, cache_layer in enumerate(layers)]  # views: the ops take strided rows
         return torch.cat(outs, dim=1)
 
     return by_head
