@@ -21,7 +21,7 @@ for part in $parts; do
   case $part in
     tests) timeout "${PART_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_quest.py \
              tests/methods/test_quest.py tests/kernels/test_triton_plans.py tests/kernels/test_summary_append.py \
-             tests/models/test_norm_triton.py tests/models/test_gpu_models.py tests/runtime/test_gpu_graphs.py > "$out/tests.log" 2>&1; echo "tests: rc=$?"; tail -3 "$out/tests.log"; continue ;;
+             tests/models/test_norm_triton.py tests/models/test_gpu_models.py tests/runtime/test_gpu_graphs.py tests/runtime/test_gpu_sparse_graphs.py tests/runtime/test_gpu_omnikv.py > "$out/tests.log" 2>&1; echo "tests: rc=$?"; tail -3 "$out/tests.log"; continue ;;
     micro) timeout "${PART_TIMEOUT:-280}" python3 bench/sparse_decode_bench.py --sweep --out "$out/sparse_decode.json" \
              > "$out/sparse_decode.log" 2>&1; echo "micro: rc=$?"; grep -v "^skip" "$out/sparse_decode.log" | tail -20; continue ;;
     busy128) timeout "${PART_TIMEOUT:-280}" python3 -m kvc.runtime.cli bench throughput "${common[@]}" --inputs 131072 \
