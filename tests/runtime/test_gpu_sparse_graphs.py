@@ -32,7 +32,8 @@ def test_graph_decode_matches_cpu(tmp_path, method, params):
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_dir)
-        gate = torch.rand(config.num_hidden_layers, config.num_key_value_heads, generator=torch.Generator().manual_seed(0))
+        shape = (config.num_hidden_layers, config.num_key_value_heads)
+        gate = torch.rand(*shape, generator=torch.Generator().manual_seed(0))
         save_input(model_dir / "duo_attention_heads.safetensors", "gate", gate)
     sampling = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     options = dict(COMMON, method=method, method_params=params)
