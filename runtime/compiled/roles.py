@@ -42,6 +42,7 @@ class RoleKeeps:
         self.masks: dict[str, list[list[bool]]] | None = None  # role -> [layer][kv_head]
         self._layer_masks: dict[str, list[list[bool]]] | None = None  # role -> [cache layer][its KV heads]
         self.digest = ""
+        self._static: dict[tuple[str, int], int | None] = {}  # (hook, layer) -> static_count
 
     @classmethod
     def of(cls, name: str, code: GeneratedCode, params: dict[str, Any]) -> RoleKeeps | None:
@@ -92,6 +93,19 @@ class RoleKeeps:
         """Tokens the keep of `hook` leaves in `layer`'s most-keeping head, every head starting at
         slot 0 (a cache layer of one KV head: that head's count)."""
         return max(int(t.numel()) for t in self.kept(hook, layer, sym, None))
+
+    def static_count(self, hook: str, layer: int) -> int | None:
+        """The most tokens the keep of `hook` leaves in `layer`'s most-keeping head when that does
+        not depend on the row (`first a + last b`: a + b; a row storing n keeps min(n, a + b)),
+        else None. Found once per (hook, layer): the count at two long lengths, equal."""
+        key = (hook, layer)
+        if key not in self._static:
+            layers, kv_heads = len(self._layer_masks[self.keeps[hook]]), len(self.heads(hook, layer))
+            counts = {self.count(hook, layer, {"context": n, "prompt": n, "step": 0, "layer": layer, "layers": layers,
+                                               "heads": None, "kv_heads": kv_heads, "head_dim": None})
+                      for n in (1 << 20, 1 << 21)}
+            self._static[key] = counts.pop() if len(counts) == 1 else None
+        return self._static[key]
 
     def plan(self, hook: str, layer: int, sym: dict, cache: LayerCacheView, tail: int,
              interval: int = 1) -> KeepPlan | None:

@@ -88,6 +88,9 @@ class StepEnd:
                 return None  # per-head counts: whether a row is due depends on its heads' starts (step_end decides)
             if not any(self.roles.heads(self.decoding.keep_hook, layer)):
                 return np.zeros(len(lengths), dtype=bool)  # a head outside the role keeps every token
+            cap = self.roles.static_count(self.decoding.keep_hook, layer)
+            if cap is not None:  # `first a + last b`: min(length, a + b) kept, whatever the row
+                return lengths >= cap + self.evict_interval
         kv_heads = self.budget.num_kv_heads
         facts = np.stack([lengths, prompt_lens, context_lens], axis=1)
         if len(facts) and (facts == facts[0]).all():
