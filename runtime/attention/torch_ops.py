@@ -214,7 +214,10 @@ def paged_decode(
     500-2,000 tokens). A read plan gathers only the slots it lists, batched, on either device.
     """
     residual = (rows, resid_lens)
-    if read is not None and read.last is not None:
+    if read is not None and read.last is not None and _gathers_last(read, max_context_len, block_tables, k_cache):
+        o = _decode_by_plan(q, k_cache, v_cache, block_tables, context_lens, scale, kv_starts,
+                            _last_listed(read, context_lens), residual, stats)
+    elif read is not None and read.last is not None:
         o = _decode_by_token_mask(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, kv_starts,
                                   read, residual, stats)
     elif read is not None:
@@ -349,6 +352,28 @@ def _decode_by_plan(q, k_cache, v_cache, block_tables, context_lens, scale, kv_s
         decode_stats.check_args(q, k_cache, stats.out, stats.reduce, stats.fn)
         decode_stats.stats_over_slots(q, keys, slots, stored, scale, stats.out, stats.reduce, stats.fn)
     return o.reshape(batch, num_q_heads, head_dim)
+
+
+def _gathers_last(read: ReadPlan, max_context_len: int | None, block_tables: torch.Tensor, k_cache: Source) -> bool:
+    """Is a bounded newest range worth gathering (`_last_listed`): when the bound is under half the
+    width a masked read would cover (a gather costs more per slot than a contiguous read)."""
+    if read.last_bound is None:
+        return False
+    width = max_context_len if max_context_len is not None else block_tables.shape[1] * k_cache.shape[2]
+    return 2 * (read.last_bound + read.tokens.shape[2]) < width
+
+
+def _last_listed(read: ReadPlan, context_lens: torch.Tensor) -> ReadPlan:
+    """A token plan whose `last` is bounded (`last_bound`) as a plain token plan: the newest
+    `last_bound` slots appended, each outside its row's newest `last[b]` as -1, and a listed slot
+    inside that range dropped from the list (it is read once, through the range)."""
+    tokens = read.tokens.long()
+    lengths = context_lens.to(tokens.device).long()[:, None, None]
+    first_newest = lengths - read.last.to(tokens.device).long()[:, None, None]
+    tokens = torch.where(tokens >= first_newest, -1, tokens)
+    newest = lengths - read.last_bound + torch.arange(read.last_bound, device=tokens.device)[None, None, :]
+    newest = torch.where(newest >= first_newest, newest, -1).expand(*tokens.shape[:2], read.last_bound)
+    return ReadPlan(tokens=torch.cat([tokens, newest], dim=2).to(torch.int32), estimate=read.estimate)
 
 
 def _decode_by_token_mask(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, kv_starts, read,

@@ -58,6 +58,17 @@ class ClusterIndices:
         self.written: dict[tuple[int, int], _Written] = {}  # (seq_id, layer) -> what its row holds
 
     # ---- sizes ---------------------------------------------------------------------------------
+    def last_bound(self, sym: dict, params: dict) -> int | None:
+        """The most slots past an index's end a decode step reads through the plan's `last`: the
+        read's `last m`, a segment not yet clustered and the step's own token (the index grows
+        whenever a whole segment fits, `_catch_up`); None when the partition is clustered whole
+        or `m` is not one number for the batch."""
+        segment = self.segment(params)
+        last = self.ranges(sym, params)[1]
+        if segment == NO_SEGMENT or isinstance(last, torch.Tensor) and last.numel() != 1:
+            return None
+        return int(last) + segment + 1
+
     def segment(self, params: dict) -> int:
         segment = self._segment(params)
         return NO_SEGMENT if segment is None else max(1, int(segment))

@@ -117,7 +117,12 @@ class ReadHook:
         if out is None:
             return None
         tokens, last_slots, estimate = out
-        return ReadPlan(tokens=tokens, last=last_slots, estimate=None if estimate is None else Estimate(*estimate))
+        bound = self.indices.last_bound(sym, params)
+        if bound is not None and view.rows is not None and int(last_slots.max()) > bound:  # eager steps check it
+            raise RuntimeError(f"method {self.name!r}: a row reads {int(last_slots.max())} newest slots past its "
+                               f"cluster index, more than the bound {bound}")
+        return ReadPlan(tokens=tokens, last=last_slots, estimate=None if estimate is None else Estimate(*estimate),
+                        last_bound=bound)
 
     def _row_symbols(self, view: DecodeView, sym: dict[str, Any]) -> None:
         """The per-row symbols `context`, `prompt` and `step` (float64 [B]) of a token or cluster read."""

@@ -83,6 +83,9 @@ class ReadPlan:
     `last[b]` newest stored slots (a per-row range whose length varies, such as the tokens generated
     since the prompt), which `tokens` must not list again.
 
+    `last_bound` (host int; None: none known): no row's `last` exceeds it, so the torch path gathers
+    the newest `last_bound` slots instead of masking whole rows.
+
     `estimate` (None: none): extra entries of each head's softmax that stand for tokens not read
     (`Estimate`: a cluster's pseudo-key, weighted by its size)."""
 
@@ -90,6 +93,7 @@ class ReadPlan:
     tokens: torch.Tensor | None = None
     last: torch.Tensor | None = None
     estimate: Estimate | None = None
+    last_bound: int | None = None
 
     def __post_init__(self) -> None:
         if (self.pages is None) == (self.tokens is None):

@@ -305,6 +305,37 @@ def test_decode_by_token_plan_with_newest_slots(k_name, window, with_starts, num
     torch.testing.assert_close(stats.out.cpu(), fold_oracle(probs, 2, width, "group", "sum").float(), **TOL)
 
 
+@pytest.mark.parametrize("k_name,window,with_starts,last", [
+    ("dense", 0, False, [3, 0, 37, 1]),
+    ("dense", 0, True, [5, 0, 2, 0]),
+    ("int4-asym-g8", 8, False, [13, 0, 9, 1]),
+])
+def test_a_bounded_newest_range_is_gathered_on_the_torch_path(k_name, window, with_starts, last):
+    """With `last_bound` the torch path gathers the listed tokens and the newest `last_bound` slots
+    (a plain token plan) instead of masking whole rows: the same attention and statistics, whether
+    the bound is tight or loose, and listed tokens that fall in the newest range count once."""
+    gen = fresh(91)
+    case = case_for(k_name, k_name, gen, window=window)
+    plan = random_plan(case, 2, "tokens", 6, gen, last=last)
+    starts = None
+    if with_starts:
+        starts = torch.stack([torch.randint(0, max(n, 1), (2,), generator=gen) for n in LENGTHS]).int()
+    q = torch.randn(len(LENGTHS), 4, HEAD_DIM, generator=gen)
+    tokens = plan.tokens.clone()
+    tokens[0, 0, 0] = max(case.lengths[0] - 1, 0)  # listed and inside the newest range: read once
+    want, probs = oracle_decode(case, q, 0.3, ReadPlan(tokens=tokens, last=plan.last), starts)
+    width = max(LENGTHS) + 3
+    for bound in (max(last), max(last) + 5):
+        bounded = ReadPlan(tokens=tokens, last=plan.last, last_bound=bound)
+        assert torch_ops._gathers_last(bounded, 4096, case.block_tables, case.k_source)
+        stats = DecodeStats("group", "sum", torch.zeros(len(LENGTHS), 2, width))
+        out = torch_ops.paged_decode(q, nan_free(case.k_source), nan_free(case.v_source), case.block_tables,
+                                     case.context_lens, 0.3, max_context_len=4096, kv_starts=starts, rows=case.rows,
+                                     resid_lens=case.resid_lens, read=bounded, stats=stats)
+        torch.testing.assert_close(out, want.float(), **TOL)
+        torch.testing.assert_close(stats.out, fold_oracle(probs, 2, width, "group", "sum").float(), **TOL)
+
+
 def test_a_token_plan_with_newest_slots_needs_int32_rows():
     gen = fresh(5)
     case = case_for("dense", "dense", gen)
