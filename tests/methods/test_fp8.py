@@ -129,3 +129,72 @@ def test_e5m2_serves_and_differs_from_e4m3(model_dir, hf, monkeypatch) -> None:
     check(out.token_ids, spy.of(params), want)
     other = ref.generate(hf, ref.Session(fmt="e4m3", scaling="dynamic"), p, 6)[1]
     assert (other - want[1]).abs().max() > 10 * ATOL
+
+
+def test_the_graph_step_run_uncaptured(model_dir, hf, monkeypatch) -> None:
+    """Decode-only steps through the CUDA-graph runner's own step (static buffers, a padding row
+    with slot -1), run without capture on the CPU: the oracle's tokens."""
+    prompts = [prompt(n, seed) for n, seed in ((33, 21), (18, 22), (26, 23))]
+    llm = make_llm(model_dir, "unit", max_model_len=160, max_num_seqs=6)
+    replays = served.graph_steps(llm, monkeypatch)
+    outs = llm.generate(prompts, [greedy(8) for _ in prompts])
+    assert 3 in replays  # bucket 4: one padding row
+    for p, out in zip(prompts, outs):
+        assert out.token_ids == ref.generate(hf, ref.Session(), p, 8)[0]
+
+
+def test_a_pruned_chain_moves_the_codes_and_continues(model_dir) -> None:
+    """A prune moves slots of every per-token tensor (the FP8 codes, by their bytes); the scales
+    stay; the stored keys decode to those of the kept tokens and the chain continues."""
+    from kvc.runtime.chain_prune import PruneRequest
+    from kvc.runtime.chains import ChainSpec
+
+    llm = make_llm(model_dir, "dynamic", prune_scorer="snapkv")
+    first = llm.generate(prompt(40, 13), greedy(4), chain=ChainSpec(open=True))[0]
+    store = llm.engine.attention.store
+    scales = store["k_scale"].clone()
+    record = next(r for r in llm.engine.chains.records() if r.chain_id == first.chain_id)
+    before = [store.decoded("k", table, n, layer=layer) for layer, (table, n) in
+              enumerate(zip(record.page_tables, record.kv_lens))]
+    llm.engine.prune_chain(first.chain_id, None, PruneRequest(token_ranges=((3, 30),), keep=0.4))
+    check_books(llm.engine)
+    record = next(r for r in llm.engine.chains.records() if r.chain_id == first.chain_id)
+    assert max(record.kv_lens) < 40 and torch.equal(store["k_scale"], scales)
+    for layer, (table, n) in enumerate(zip(record.page_tables, record.kv_lens)):
+        after = store.decoded("k", table, n, layer=layer)  # [Hkv, n, D]: each a key stored before
+        for h in range(after.shape[0]):
+            assert (after[h][:, None] == before[layer][h][None]).all(-1).any(-1).all()
+    history = prompt(40, 13) + first.token_ids
+    out = llm.generate(history + prompt(3, 14), greedy(3), chain=ChainSpec(continue_id=first.chain_id))[0]
+    assert len(out.token_ids) == 3
+    check_books(llm.engine)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_bf16_equals_full_over_round_tripped_kv(model_dir, monkeypatch, scaling: str) -> None:
+    """A bfloat16 model: fp8 serves the tokens of `full` whose stored K/V are replaced by the
+    reference's FP8 round trip (the same model code, so tokens must agree), in a batch."""
+    from kvc.runtime.attention.backend import PagedAttention
+
+    prompts = [prompt(n, seed) for n, seed in ((23, 1), (37, 2), (9, 3))]
+    config = dict(model=str(model_dir), device="cpu", dtype="bfloat16", page_size=PAGE, attention_backend="torch",
+                  kv_cache_memory=2**22, max_num_batched_tokens=4096)
+    fp8 = LLM.from_engine(Engine(EngineConfig(**config, method="fp8", method_params={"scale": scaling})))
+    got = [o.token_ids for o in fp8.generate(prompts, [greedy(8) for _ in prompts])]
+    session = ref.Session(scaling=scaling)
+    write = PagedAttention.write
+
+    def round_tripped(self, layer, k, v, md):
+        stored = md.slot_mapping[layer] >= 0  # the first step fixes the scales from its stored rows
+        k2 = session.stored(layer, "k", k[stored].transpose(0, 1)).transpose(0, 1).to(k.dtype)
+        v2 = session.stored(layer, "v", v[stored].transpose(0, 1)).transpose(0, 1).to(v.dtype)
+        k, v = k.clone(), v.clone()
+        k[stored], v[stored] = k2, v2
+        return write(self, layer, k, v, md)
+
+    exact = LLM.from_engine(Engine(EngineConfig(**config, method="full")))
+    assert got != [o.token_ids for o in exact.generate(prompts, [greedy(8) for _ in prompts])], "the test is blind"
+    monkeypatch.setattr(PagedAttention, "write", round_tripped)
+    full = LLM.from_engine(Engine(EngineConfig(**config, method="full")))
+    want = [o.token_ids for o in full.generate(prompts, [greedy(8) for _ in prompts])]
+    assert got == want
