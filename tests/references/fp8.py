@@ -8,8 +8,8 @@ round trip). Written from the formats' definitions, with no kvc or torch float8 
   the nearest finite pattern, ties to the even pattern (mantissa's last bit 0), after clamping to
   the largest finite value (vLLM's saturating cast); the sign bit is the input's.
 - kvc's semantics (vLLM's): code = encode(x / scale), x' = decode(code) * scale, one scale per
-  layer for K and one for V: 1.0 ("unit") or max|x| of the layer's first stored chunk divided by
-  200 (K) or 100 (V) ("dynamic"), fixed from then on.
+  layer for K and one for V (or one per KV head): 1.0 ("unit") or max|x| of the layer's (head's)
+  first stored chunk divided by 200 (K) or 100 (V) ("dynamic"), fixed from then on.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class Session:
 
     fmt: str | None = "e4m3"  # None: K/V kept exact (FP8 switched off)
     scaling: str = "unit"
-    scales: dict = field(default_factory=dict)  # (layer, "k"|"v") -> the fixed scale
+    per_head: bool = False  # one scale per KV head (`along key, channel`), else one for all
+    scales: dict = field(default_factory=dict)  # (layer, "k"|"v") -> the fixed scale of each KV head
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
 
@@ -94,15 +95,15 @@ class Session:
         return out
 
     def stored(self, layer: int, which: str, x: torch.Tensor) -> torch.Tensor:
-        """x [Hkv, c, D] as the cache holds it; the first call of a layer fixes its scale (stored in
-        the model dtype, as the cache stores it)."""
+        """x [Hkv, c, D] as the cache holds it; the first call of a layer fixes its scales, one per KV
+        head (equal unless `per_head`), stored in the model dtype as the cache stores them."""
         if self.fmt is None:
             return x.float()
         if (layer, which) not in self.scales:
-            amax = float(x.float().abs().max())
-            scale = 1.0 if self.scaling == "unit" else float(np.float32(amax / RANGES[which]))
-            self.scales[layer, which] = float(torch.tensor(scale).to(x.dtype))
-        return round_trip(x, self.scales[layer, which], self.fmt)
+            amax = x.float().abs().amax(dim=(1, 2)) if self.per_head else x.float().abs().max().expand(x.shape[0])
+            scales = [1.0 if self.scaling == "unit" else float(np.float32(float(a) / RANGES[which])) for a in amax]
+            self.scales[layer, which] = [float(torch.tensor(s).to(x.dtype)) for s in scales]
+        return torch.cat([round_trip(x[h:h + 1], s, self.fmt) for h, s in enumerate(self.scales[layer, which])])
 
 
 _active: Session | None = None
