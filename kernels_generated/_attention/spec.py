@@ -262,14 +262,14 @@ def _codes(ptr, row_mask, BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, ASYM: t
     # The codes of the rows at `ptr` [BLOCK_N, 1] as fp32 [BLOCK_N, BLOCK_D]: FP8 codes as their values
     # (exact in fp32); integer codes with packed bytes loaded once, contiguously, and their fields
     # interleaved back (low bits first); a signed code is stored as its two's-complement bits.
-    if PER_ELEMENT == 1 and ptr.dtype.element_ty.is_fp8():  # float codes: masked lanes read as 0
+    if PER_ELEMENT == 1:
         offs_d = tl.arange(0, BLOCK_D)
-        mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-        code = tl.where(mask, tl.load(ptr + offs_d[None, :], mask=mask).to(tl.float32), 0.0)
-    elif PER_ELEMENT == 1:
-        offs_d = tl.arange(0, BLOCK_D)
-        code = tl.load(ptr + offs_d[None, :], mask=row_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0)
-        code = code.to(tl.float32)
+        if ptr.dtype.element_ty.is_fp8():  # float codes (no fp8 `other`): masked lanes read as 0
+            mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+            code = tl.where(mask, tl.load(ptr + offs_d[None, :], mask=mask).to(tl.float32), 0.0)
+        else:
+            code = tl.load(ptr + offs_d[None, :], mask=row_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0)
+            code = code.to(tl.float32)
     else:
         offs_c = tl.arange(0, BLOCK_D // PER_ELEMENT)
         packed = tl.load(ptr + offs_c[None, :], mask=row_mask[:, None] & (offs_c < HEAD_DIM // PER_ELEMENT)[None, :],
