@@ -210,9 +210,9 @@ class PagedAttention:
         replayed prefill, runtime/prefill_record.py, needs only the stored K/V)."""
         slots = md.slot_mapping[layer_idx]
         k_src, v_src = self._sources[layer_idx]
-        self.store.settle_scales(layer_idx, k, v, slots)  # dynamic FP8 scales: fixed by the first stored chunk
-        if md.num_prefills > 0:
-            self.store.scales_settled(layer_idx)
+        if md.num_prefills > 0:  # dynamic FP8 scales: fixed by the first prefill step (every sequence starts
+            # with one), so decode steps, and the decode graphs captured before any request, never settle
+            self.store.settle_scales(layer_idx, k, v, slots)
         if md.resid_lens is None:
             self.ops.store_kv(k, v, k_src, v_src, slots)
         else:  # a residual window: each new token finds its sequence's row

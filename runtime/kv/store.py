@@ -114,12 +114,13 @@ class KVStore:
                              (0, at.stride(0), 0, at.stride(1)))
 
     def settle_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Sets layer `layer`'s dynamic FP8 scales from the step's new k, v [T, Hkv, D] (`slots [T]`, -1:
-        padding) where they are still unset (0), before the step is stored with them; once a step
-        that stores tokens has run, the layer's scales are fixed and this does nothing. No host
-        read (CUDA-graph safe)."""
+        """Sets layer `layer`'s dynamic FP8 scales from a step's new k, v [T, Hkv, D] (`slots [T]`, -1:
+        padding) where they are still unset (0), before the step is stored with them; the runner
+        calls it with the first step that stores tokens (a prefill), after which the layer's scales
+        are fixed and this does nothing. No host read."""
         if not self._unsettled[layer]:
             return
+        self._unsettled[layer] = False
         from kvc.runtime.kv import encodings
 
         stored = slots >= 0
@@ -129,10 +130,6 @@ class KVStore:
                 scale = self.tensors[enc.scale][layer]
                 new = encodings.dynamic_scale(x, stored, enc.shared_heads, encodings.DYNAMIC_RANGE[which])
                 scale.copy_(torch.where(scale > 0, scale, new))
-
-    def scales_settled(self, layer: int) -> None:
-        """A step that stored tokens has run on `layer` (the runner knows, a prefill): its scales are fixed."""
-        self._unsettled[layer] = False
 
     def token_tensors(self) -> list[torch.Tensor]:
         """Every TOKEN tensor (what a keep plan moves), dense K and V first."""

@@ -72,7 +72,7 @@ def test_float_codes_are_the_reference_bytes():
 
 def test_dynamic_scales_follow_the_first_stored_chunk():
     """amax / 200 (K) and / 100 (V) from the first chunk's stored rows, over every head or per head;
-    later chunks leave them alone; padding rows (slot -1) do not count."""
+    padding rows (slot -1) do not count; later chunks leave the scales alone."""
     for shared in (True, False):
         store = KVStore(spec_for("e4m3", "dynamic", shared), PAGES, HKV, PAGE, 2, "cpu")
         assert float(store["k_scale"].abs().sum()) == 0  # unset until a chunk is stored
@@ -84,11 +84,14 @@ def test_dynamic_scales_follow_the_first_stored_chunk():
         amax = k[:4].abs().amax(dim=(0, 2))
         want = (amax.amax().expand(HKV) if shared else amax) / 200
         torch.testing.assert_close(store["k_scale"][1, :, 0], want)
+        torch.testing.assert_close(store["v_scale"][1, :, 0], (v[:4].abs().amax(dim=(0, 2)).amax().expand(HKV)
+                                                               if shared else v[:4].abs().amax(dim=(0, 2))) / 100)
         assert float(store["k_scale"][0].abs().sum()) == 0  # other layers wait for their own chunk
         store.settle_scales(1, k * 5, v * 5, slots)
         torch.testing.assert_close(store["k_scale"][1, :, 0], want)
-        store.scales_settled(1)
-        assert not store._unsettled[1]
+        unit = KVStore(spec_for("e4m3", "unit", shared), PAGES, HKV, PAGE, 2, "cpu")
+        unit.settle_scales(0, k, v, slots)
+        assert bool((unit["k_scale"] == 1).all() and (unit["v_scale"] == 1).all())
 
 
 def _filled(fmt: str, shared: bool, ops, dtype=torch.float32):
