@@ -121,8 +121,6 @@ class KVStore:
         if not self._unsettled[layer]:
             return
         self._unsettled[layer] = False
-        from kvc.runtime.kv import encodings
-
         stored = slots >= 0
         for which, x in ((K, k), (V, v)):
             enc = encoding_of(self.spec, which)
