@@ -577,16 +577,18 @@ def build(checked, source: bytes | None = None) -> MethodIR:
 
 def _lowerable_stores(checked) -> None:
     """A quantization method lowers when every `store` is FP8 and it has no hooks: the engine's
-    store kernel quantizes token by token against a scale fixed per layer. Integer codes with a
-    residual window (KIVI) wait for what the kernels lack: a store that quantizes a whole group of
-    tokens when the window fills (keys per channel over `group` tokens, page scales) as a rewrite
-    plan, and the residual-window rules of prefix caching and chains."""
+    store kernel quantizes token by token against a scale fixed per layer. Integer codes (KIVI)
+    wait for what the engine lacks: rules that flush a full block of the residual window (rewrite
+    plans the adapter would derive from `except last n`) and quantization of keys per channel over
+    groups of tokens (page scales), where the store kernel and rewrite plans quantize token by
+    token."""
     for decl in (d for d in checked.method.items if isinstance(d, ast.Store)):
         stages = [c.func.name for c in decl.codecs if isinstance(c, ast.Call)]
         if stages != ["fp8"]:
-            raise NotLowerable(f"store {decl.target.name} as {' then '.join(stages)}: quantization lowers FP8 stores "
-                               "only yet (integer codes need the residual-window flush, per-channel key groups over "
-                               "tokens, that the store kernel lacks)", decl.pos)
+            raise NotLowerable(f"store {decl.target.name} as {' then '.join(stages)}: integer codes are not lowered "
+                               "yet (they need the residual-window flush rules and keys quantized per channel over "
+                               "groups of tokens, where the store kernel and rewrite plans quantize token by token); "
+                               "quantization lowers fp8 stores so far", decl.pos)
     if checked.hooks:
         raise NotLowerable("a quantization method with hooks is not lowered yet", checked.hooks[0].pos)
 

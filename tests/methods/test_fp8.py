@@ -223,3 +223,24 @@ def test_a_scale_per_kv_head_from_a_kvm_file(model_dir, hf, monkeypatch, tmp_pat
     for (layer, which), scales in session.scales.items():
         torch.testing.assert_close(store[f"{which}_scale"][layer, :, 0], torch.tensor(scales), rtol=1e-5, atol=0)
         assert scales[0] != scales[1]
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_the_triton_backend_equals_the_oracle(model_dir, hf, monkeypatch, scaling: str) -> None:
+    """The generated `spec` kernels (here under TRITON_INTERPRET=1) quantize in the store kernel and
+    dequantize in the decode and prefill tiles: the oracle's tokens and logits."""
+    pytest.importorskip("triton")
+    from tests.kernels.paged_cases import triton_device_and_ops
+
+    device, _ = triton_device_and_ops("spec")
+    spy = Logits(monkeypatch)
+    config = EngineConfig(model=str(model_dir), device=device.type, dtype="float32", page_size=PAGE,
+                          attention_backend="triton", cuda_graphs=False, kv_cache_memory=2**22, method="fp8",
+                          method_params={"scale": scaling}, max_num_batched_tokens=4096)
+    llm = LLM.from_engine(Engine(config))
+    assert llm.engine.attention.variant == "spec"
+    template = calibrated(llm, hf, scaling)
+    prompts = [prompt(n, seed) for n, seed in ((23, 1), (30, 4))]
+    params = [greedy(8) for _ in prompts]
+    for p, out, sp in zip(prompts, llm.generate(prompts, params), params):
+        check(out.token_ids, spy.of(sp).cpu(), ref.generate(hf, template.copy(), p, 8))
