@@ -250,7 +250,8 @@ class KVStore:
         if isinstance(enc, Dense):
             return self.tensors[enc.tensor][pages]
         zero = None if enc.zero is None else self.tensors[enc.zero][pages]
-        return encodings.dequantize(self.tensors[enc.codes][pages], self.tensors[enc.scale][pages], zero, enc,
+        scale = self.scale_slots(enc.scale, None)[pages]  # a per-layer scale (FP8) has no page to read here
+        return encodings.dequantize(self.tensors[enc.codes][pages], scale, zero, enc,
                                     self.head_dim(which), self.model_dtype(which))
 
 
