@@ -80,14 +80,14 @@ VARIANTS = {
 }
 
 
-def variant_for(hook_facts: dict) -> str:
-    """The variant a method with dense K/V runs, from its manifest hook facts (`compiler/hook_facts.py`):
+def variant_for(hook_facts: dict, dense: bool = True) -> str:
+    """The variant a method runs (`dense`: K and V stored as they are), from its hook facts (`compiler/hook_facts.py`):
     `spec` when a hook answers with read plans, the one emitting decode statistics when
     decode_after_attention reads `attn`, else `plain` (the engine picks by its KV spec:
     `variant_for_spec`)."""
     after = hook_facts.get("decode_after_attention") or {}
     reads = any(facts.get("reads") for facts in hook_facts.values())
-    return variant_for_spec(True, bool(after.get("attention")), reads)
+    return variant_for_spec(dense, bool(after.get("attention")), reads)
 
 
 def variant_for_spec(dense: bool, decode_stats: bool = False, read_plan: bool = False) -> str:
@@ -101,9 +101,10 @@ def variant_for_spec(dense: bool, decode_stats: bool = False, read_plan: bool = 
     return "spec"
 
 
-def manifest_entry(hook_facts: dict) -> dict:
-    """manifest["attention"]: the variant, its module, and the statistics its decode emits."""
-    name = variant_for(hook_facts)
+def manifest_entry(hook_facts: dict, dense: bool = True) -> dict:
+    """manifest["attention"]: the variant, its module, and the statistics its decode emits (`dense`:
+    the method's K and V are stored as they are)."""
+    name = variant_for(hook_facts, dense)
     after = hook_facts.get("decode_after_attention") or {}
     return {"variant": name, "module": f"{FOLDER}/{name}.py",
             "decode_stats": after.get("attention") if VARIANTS[name].emits_decode_stats else None}

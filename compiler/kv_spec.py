@@ -13,6 +13,9 @@ What maps to what (docs/compiler.md, "The KV spec"; the runtime's rules: docs/de
   codes int8), scale `k_scale` and, asymmetric, zero point `k_zero` in the model dtype: TOKEN
   [head_dim / g] along channel (`axis="channel"`), PAGE [max(1, page_size // g), head_dim] along
   key (`axis="token"`); `except last n`: a SEQ residual `k_resid` [n, head_dim] in the model dtype;
+- `store k as fp8(format, scale = unit|dynamic, along kv_head, key, channel)`: `Quantized` with
+  float codes: `k_codes` (TOKEN, float8 of the format [head_dim]) and one scale `k_scale` per
+  layer (LAYER [1], model dtype; `along key, channel`: one per layer and KV head);
 - `summary x = max|min|sum|mean(k|v, within P)`, P = `split(key, size = n)`: a PAGE tensor `x`
   [head_dim] (max and min in the model dtype, exact; sum and mean float32) and a `Summary` (the
   engine's pages must hold n tokens: `page_tokens`);
@@ -44,11 +47,12 @@ KV_HEADS = sp.Symbol("kv_heads")
 PAGE_SIZE = sp.Symbol("page_size", positive=True, integer=True)  # the engine's; a parameter may share the name
 MODEL = "model"  # dtype: the model's
 FROM_BITS = "from bits"  # packing / dtype of codes whose bit width is a parameter: 8 none, 4 int4x2, 2 int2x4
+FROM_FORMAT = "from format"  # dtype of FP8 codes: float8_e4m3fn or float8_e5m2, by the stage's format
+FP8_AXES = {("channel", "key", "kv_head"): True, ("channel", "key"): False}  # sorted axes -> one scale for all heads
 PACKINGS = {8: "", 4: "int4x2", 2: "int2x4"}
 SCORES_PLANE = "decode_after_attention.scores"
 REDUCERS = ("max", "min", "sum", "mean")
 _UNFIT_STAGES = {
-    "fp8": "FP8 codes (floats with a scale; the spec's quantized encodings are integer codes)",
     "rotate": "an orthogonal rotation undone on read",
     "lloyd_max": "Lloyd-Max codebook codes (a norm and codebook indices, not codes with a scale)",
     "qjl": "a quantized Johnson-Lindenstrauss sketch of the previous stage's error",
@@ -60,8 +64,8 @@ _UNFIT_STAGES = {
 @dataclass(frozen=True)
 class TensorDesc:
     name: str
-    extent: str  # "token" | "page" | "seq"
-    dtype: str  # MODEL, "float32", "uint8", "int8" or FROM_BITS
+    extent: str  # "token" | "page" | "seq" | "layer"
+    dtype: str  # MODEL, "float32", "uint8", "int8", FROM_BITS or FROM_FORMAT
     shape: tuple = ()  # sympy over head_dim, page_size and parameters
     packing: str = ""  # "", "int4x2", "int2x4" or FROM_BITS
     state: bool = False  # a state plane (runtime/kv/spec.py `state_plane`)
@@ -89,10 +93,27 @@ class Quantized:
     zero: str | None = None
     residual: str | None = None
     residual_tokens: object = None  # sympy: the `except last n`; a residual of fewer than 1 token is left out
+    # float codes (fp8): the format and the scaling, each a literal or a parameter's name (`Param`)
+    format: object = None
+    scaling: object = None
+    shared_heads: bool = True
 
     def to_json(self) -> dict:
-        return {"kind": "quantized", "codes": self.codes, "scale": self.scale, "zero": self.zero,
+        data = {"kind": "quantized", "codes": self.codes, "scale": self.scale, "zero": self.zero,
                 "bits": _text(self.bits), "group": _text(self.group), "axis": self.axis, "residual": self.residual}
+        if self.format is not None:
+            data.update(format=str(self.format), scaling=str(self.scaling), shared_heads=self.shared_heads)
+        return data
+
+
+@dataclass(frozen=True)
+class Param:
+    """A storage choice made by a parameter (its value is one of the enum's members)."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return f"param {self.name}"
 
 
 @dataclass(frozen=True)
@@ -174,6 +195,9 @@ class _Deriver:
         if decl.exempt is not None:
             text += f" except {source_of(decl.exempt)}"
         stages = [c.func.name for c in decl.codecs if isinstance(c, ast.Call)]
+        if stages == ["fp8"]:
+            mapped = self.fp8(which, decl, decl.codecs[0])
+            return (Unmapped(text), []) if mapped is None else mapped
         if any(name != "quant" for name in stages):
             unfit = [c for c in decl.codecs if isinstance(c, ast.Call) and c.func.name != "quant"]
             what = "; ".join(f"{c.func.name}: {_UNFIT_STAGES.get(c.func.name, 'not in the spec yet')}"
@@ -245,6 +269,29 @@ class _Deriver:
         enc = Quantized(names["codes"], names["scale"], bits, group, axis, None if symmetric else names["zero"],
                         None if residual is None else names["resid"], residual)
         return enc, tensors
+
+    def fp8(self, which: str, decl: ast.Store, call: ast.Call):
+        fails = len(self.reasons)
+        along = call.clause("along")
+        axes = tuple(sorted(d.name for d in along.dims)) if along is not None else ()
+        if axes not in FP8_AXES:
+            self.unfit(call, f"store {which}: fp8 scales shared along {', '.join(axes)} (the spec holds one per layer, "
+                             "`along kv_head, key, channel`, or per layer and KV head, `along key, channel`)")
+        if decl.exempt is not None:
+            self.unfit(decl, f"store {which}: fp8 with tokens at full precision (`except`): float codes have no "
+                             "residual window")
+        if len(self.reasons) > fails:
+            return None
+        codes, scale = f"{which}_codes", f"{which}_scale"
+        enc = Quantized(codes, scale, sp.Integer(8), HEAD_DIM, "channel", format=self.choice(call.args[0]),
+                        scaling=self.choice(call.kwarg("scale"), "unit"), shared_heads=FP8_AXES[axes])
+        return enc, [TensorDesc(codes, "token", FROM_FORMAT, (HEAD_DIM,)), TensorDesc(scale, "layer", MODEL, (1,))]
+
+    def choice(self, e: ast.Expr | None, default: str | None = None):
+        """An enum argument: its literal member, or the parameter naming it (`Param`)."""
+        if e is None:
+            return default
+        return Param(e.id) if e.id in self.params else e.id
 
     # -- page summaries ---------------------------------------------------------------------------
     def summary(self, decl: ast.Summary, spec: SpecDesc) -> None:
@@ -363,7 +410,7 @@ def _within(decl: ast.Summary) -> str | None:
 
 _ARGS = ("num_kv_heads", "head_dim", "dtype", "page_size", "params")
 _DTYPES = {MODEL: "dtype", "float32": "torch.float32", "uint8": "torch.uint8", "int8": "torch.int8"}
-_EXTENTS = {"token": "Extent.TOKEN", "page": "Extent.PAGE", "seq": "Extent.SEQ"}
+_EXTENTS = {"token": "Extent.TOKEN", "page": "Extent.PAGE", "seq": "Extent.SEQ", "layer": "Extent.LAYER"}
 
 
 class _Printer:
@@ -400,6 +447,7 @@ class _Emitter:
         self.spec, self.p = spec, _Printer()
         encs = [e for e in (spec.keys, spec.values) if isinstance(e, Quantized)]
         self.bits = {e.codes: e.bits for e in encs}
+        self.formats = {e.codes: e.format for e in encs if e.format is not None}
         self.resid = {e.residual: f"{e.residual}_tokens" for e in encs if e.residual is not None}
 
     def tensor(self, t: TensorDesc) -> str:
@@ -411,7 +459,11 @@ class _Emitter:
             sizes = [self.p.size(n) for n in t.shape]
             shape = f"({sizes[0]},)" if len(sizes) == 1 else f"({', '.join(sizes)})"
         bits = self.p.py(self.bits[t.name]) if FROM_BITS in (t.dtype, t.packing) else None
-        dtype = f"_codes_dtype({bits})" if t.dtype == FROM_BITS else _DTYPES[t.dtype]
+        if t.dtype == FROM_FORMAT:
+            fmt = _choice(self.formats[t.name])
+            dtype = f'(torch.float8_e4m3fn if {fmt} == "e4m3" else torch.float8_e5m2)'
+        else:
+            dtype = f"_codes_dtype({bits})" if t.dtype == FROM_BITS else _DTYPES[t.dtype]
         packing = f", _packing({bits})" if t.packing == FROM_BITS else (f', "{t.packing}"' if t.packing else "")
         return f'TensorSpec("{t.name}", {_EXTENTS[t.extent]}, {dtype}, {shape}{packing})'
 
@@ -419,6 +471,9 @@ class _Emitter:
         if isinstance(enc, Dense):
             return f'Dense("{enc.tensor}")'
         zero = "None" if enc.zero is None else f'"{enc.zero}"'
+        if enc.format is not None:
+            return (f'Quantized(\n        "{enc.codes}", "{enc.scale}", 8, head_dim, format={_choice(enc.format)}, '
+                    f'scaling={_choice(enc.scaling)},\n        shared_heads={enc.shared_heads},\n    )')
         residual = "None" if enc.residual is None else f'"{enc.residual}" if {self.resid[enc.residual]} >= 1 else None'
         return (f'Quantized(\n        "{enc.codes}", "{enc.scale}", {self.p.py(enc.bits)}, {self.p.py(enc.group)}, '
                 f'zero={zero}, axis="{enc.axis}",\n        residual={residual},\n    )')
@@ -448,6 +503,11 @@ class _Emitter:
                   f"    return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, "
                   f"head_starts={spec.head_starts})"]
         return lines
+
+
+def _choice(value) -> str:
+    """A storage choice as Python: a literal, or the parameter's value."""
+    return f'params["{value.name}"]' if isinstance(value, Param) else f'"{value}"'
 
 
 def emit_python(spec: SpecDesc, method_name: str, method_path: str) -> str:

@@ -159,7 +159,8 @@ BUILTINS = {
            "cluster each KV head's keys, n tokens per cluster on average, segment by segment"),
         _b("quant", "codec", "quant(bits, mode = asymmetric|symmetric, group = g, along D...)",
            "integer quantization; elements along D (in groups of g) share a scale (and zero point)"),
-        _b("fp8", "codec", "fp8(e4m3|e5m2, along D...)", "FP8 with one scale per group of elements along D"),
+        _b("fp8", "codec", "fp8(e4m3|e5m2, scale = unit|dynamic, along D...)",
+           "FP8 with one scale per group of elements along D: 1.0, or set from the first stored chunk"),
         _b("rotate", "codec", "rotate(hadamard|random, along channel)", "an orthogonal rotation before quantizing"),
         _b("lloyd_max", "codec", "lloyd_max(bits, along channel)",
            "per-coordinate Lloyd-Max codebook for rotated unit vectors (norm kept separately)"),
@@ -176,6 +177,7 @@ ENUMS = {
     "pool.mode": ("avg", "max"),
     "quant.mode": ("asymmetric", "symmetric"),
     "fp8.format": ("e4m3", "e5m2"),
+    "fp8.scale": ("unit", "dynamic"),
     "rotate.kind": ("hadamard", "random"),
 }
 

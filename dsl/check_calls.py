@@ -506,10 +506,12 @@ def _quant(xc, e, ctx):
 
 
 def _fp8(xc, e, ctx):
-    b = bind(xc, e, (1, 1), clauses=("along",))
+    b = bind(xc, e, (1, 1), kwargs=("scale",), clauses=("along",))
     if b is None:
         return UNKNOWN
     enum(xc, b.args[0], ctx, "fp8.format", "FP8 format")
+    if "scale" in b.kw:
+        enum(xc, b.kw["scale"], ctx, "fp8.scale", "FP8 scale")
     _stored_axes(xc, e, b)
     return Codec("fp8")
 

@@ -283,7 +283,7 @@ class Pruner:
             drops.append(wanted if starts is not None else [min(wanted)] * kv_heads)
         if not any(d for per_head in drops for d in per_head):
             return -1
-        keys = LayerCacheView(store, table, length, starts).keys()
+        keys = LayerCacheView(store, table, length, starts, layer).keys()  # the layer: per-layer scales
         stored = record.window_queries[layer]
         if stored is None or not scorer.query_window:  # a scorer that reads no queries
             stored = keys.new_zeros((0, self.num_heads(keys, stored), keys.shape[-1]))

@@ -114,7 +114,9 @@ class Engine:
                               f"{row_bytes} bytes, the whole KV budget; raise kv_cache_memory or lower max_num_seqs "
                               "(or max_model_len, where the method sizes them by the longest context)",
                               param="kv_cache_memory")
-        self.num_pages = pool_pages(self._kv_budget_bytes() - row_bytes, page_bytes)
+        # LAYER tensors (FP8 scales) are stored once, not per page
+        fixed_bytes = row_bytes + kv_spec.bytes_per_layers(layout.kv_heads, layout.layers)
+        self.num_pages = pool_pages(self._kv_budget_bytes() - fixed_bytes, page_bytes)
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"

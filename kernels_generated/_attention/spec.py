@@ -7,6 +7,7 @@
 #   paged_variant_spec.py.jinja
 #   paged_variant_decode_stats.py.jinja
 # for the methods whose manifests name it:
+#   methods/fp8.kvm
 #   methods/omnikv.kvm
 #   methods/quest.kvm
 #   methods/retroinfer.kvm
@@ -258,13 +259,17 @@ READ_ALL, READ_PAGES, READ_TOKENS = 0, 1, 2  # the constexpr READ: the whole con
 @triton.jit
 def _codes(ptr, row_mask, BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, ASYM: tl.constexpr,
            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    # The integer codes of the rows at `ptr` [BLOCK_N, 1] as fp32 [BLOCK_N, BLOCK_D]: packed bytes are
-    # loaded once, contiguously, and their fields interleaved back (low bits first); a signed code
-    # is stored as its two's-complement bits.
+    # The codes of the rows at `ptr` [BLOCK_N, 1] as fp32 [BLOCK_N, BLOCK_D]: FP8 codes as their values
+    # (exact in fp32); integer codes with packed bytes loaded once, contiguously, and their fields
+    # interleaved back (low bits first); a signed code is stored as its two's-complement bits.
     if PER_ELEMENT == 1:
         offs_d = tl.arange(0, BLOCK_D)
-        code = tl.load(ptr + offs_d[None, :], mask=row_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0)
-        code = code.to(tl.float32)
+        if ptr.dtype.element_ty.is_fp8():  # float codes (no fp8 `other`): masked lanes read as 0
+            mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+            code = tl.where(mask, tl.load(ptr + offs_d[None, :], mask=mask).to(tl.float32), 0.0)
+        else:
+            code = tl.load(ptr + offs_d[None, :], mask=row_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0)
+            code = code.to(tl.float32)
     else:
         offs_c = tl.arange(0, BLOCK_D // PER_ELEMENT)
         packed = tl.load(ptr + offs_c[None, :], mask=row_mask[:, None] & (offs_c < HEAD_DIM // PER_ELEMENT)[None, :],
@@ -382,11 +387,37 @@ def _store_operand(
     # One token's rows x [BLOCK_H, BLOCK_D] (every KV head, `row_ok`: heads that exist, slot >= 0)
     # into one operand: as they are (dense), or quantized per group of GROUP channels (scale from
     # the group's absmax, or min/max and a zero point; codes against the scale and zero as stored,
-    # rounded to nearest, packed low bits first), and into the residual window when there is one.
+    # rounded to nearest, packed low bits first), or as float codes against the layer's scale (FP8
+    # codes: what runtime/kv/encodings.py's quantize_float stores), and into the residual window
+    # when there is one.
     dim_ok = offs_d < HEAD_DIM
     at = page * stride_p + offs_h[:, None] * stride_h + offset * stride_s
     if BITS == 0:
         tl.store(base + at + offs_d[None, :], x.to(base.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    elif base.dtype.element_ty.is_fp8():
+        # float codes (FP8): the layer's fixed scale (its page and slot strides are 0); y = x / scale
+        # clamped to the format's largest value, rounded to the format's grid in fp32 (adding and
+        # subtracting 2^23 steps rounds to nearest even), so the cast below is exact: the bytes do
+        # not depend on the conversion's rounding (the interpreter's is not round-to-nearest-even)
+        if base.dtype.element_ty == tl.float8e5:
+            largest: tl.constexpr = 57344.0
+            min_exp: tl.constexpr = -14
+            mantissa: tl.constexpr = 2
+        else:
+            largest: tl.constexpr = 448.0
+            min_exp: tl.constexpr = -6
+            mantissa: tl.constexpr = 3
+        scale = tl.load(scale_ptr + page * stride_sp + offs_h * stride_sh + offset * stride_ss, mask=row_ok,
+                        other=1.0).to(tl.float32)
+        scale = tl.where(scale > 0, scale, 1.0)
+        y = tl.math.div_rn(x.to(tl.float32), tl.broadcast_to(scale[:, None], [BLOCK_H, BLOCK_D]))
+        y = tl.minimum(tl.maximum(y, -largest), largest)
+        bits = y.to(tl.int32, bitcast=True)
+        step = tl.maximum(((bits >> 23) & 0xFF) - 127, min_exp) - mantissa  # log2 of the grid's step at |y|
+        big = ((step + 23 + 127) << 23).to(tl.float32, bitcast=True)
+        rounded = (tl.abs(y) + big) - big
+        y = (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # y's sign
+        tl.store(base + at + offs_d[None, :], y.to(base.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     else:
         if ASYM:
             qmax = (1 << BITS) - 1

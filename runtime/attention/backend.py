@@ -131,8 +131,9 @@ class PagedAttention:
                 return store[enc.tensor]
             zero = None if enc.zero is None else store[enc.zero]
             residual = None if enc.residual is None else store[enc.residual][:, layer]
-            return QuantizedPages(enc, store[enc.codes], store[enc.scale], zero, store.head_dim(which),
-                                  store.model_dtype(which), residual)
+            scale = store.scale_slots(enc.scale, layer)  # a LAYER scale (FP8) seen at every slot
+            return QuantizedPages(enc, store[enc.codes], scale, zero, store.head_dim(which), store.model_dtype(which),
+                                  residual)
 
         return source(store.spec.keys, K), source(store.spec.values, V)
 
@@ -209,6 +210,9 @@ class PagedAttention:
         replayed prefill, runtime/prefill_record.py, needs only the stored K/V)."""
         slots = md.slot_mapping[layer_idx]
         k_src, v_src = self._sources[layer_idx]
+        if md.num_prefills > 0:  # dynamic FP8 scales: fixed by the first prefill step (every sequence starts
+            # with one), so decode steps, and the decode graphs captured before any request, never settle
+            self.store.settle_scales(layer_idx, k, v, slots)
         if md.resid_lens is None:
             self.ops.store_kv(k, v, k_src, v_src, slots)
         else:  # a residual window: each new token finds its sequence's row

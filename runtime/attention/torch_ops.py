@@ -40,7 +40,8 @@ def store_kv(
 ) -> None:
     """Write new keys/values k, v [T, Hkv, D] into their slots; slot -1 writes nothing.
 
-    A `QuantizedPages` operand gets the tokens quantized into its codes, scale and zero point;
+    A `QuantizedPages` operand gets the tokens quantized into its codes, scale and zero point
+    (float codes: into the codes only, against the layer's fixed scale);
     one with a residual window also gets them in full precision at `residual[row, h, t % R]`, t
     being the token's slot in its sequence's layer. That needs each token's sequence: give the
     step's `cu_seqlens_q [B + 1]`, `context_lens [B]` (lengths after the step) and `rows [B]` (the
@@ -68,6 +69,11 @@ def store_kv(
         if is_dense(cache):
             cache.view(-1, head_dim).index_copy_(0, flat, x.reshape(-1, head_dim).to(cache.dtype))
             continue
+        if cache.enc.format:  # float codes against the layer's fixed scale (read at the slots' pages: any)
+            scale = cache.scale[0, :, 0].float()  # [Hkv, 1]
+            codes = encodings.quantize_float(x, torch.where(scale > 0, scale, 1.0), cache.enc.format)
+            _write_slots(cache.codes, flat, slots, heads, codes)
+            continue
         codes, scale, zero = encodings.quantize(
             x, cache.enc, cache.codes.dtype, packing=encodings.packing_of(head_dim, cache.codes.shape[-1]),
             scale_dtype=cache.scale.dtype, zero_dtype=cache.scale.dtype if cache.zero is None else cache.zero.dtype)
@@ -81,6 +87,7 @@ def store_kv(
 def _write_slots(dst: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,
                  new: torch.Tensor) -> None:
     """new [n, Hkv, E] into the TOKEN tensor dst [pages, Hkv, page_size, E] at `slots`."""
+    new, dst = encodings.raw(new.to(dst.dtype)), encodings.raw(dst)
     if dst.is_contiguous():
         dst.view(-1, dst.shape[-1]).index_copy_(0, flat, new.reshape(-1, dst.shape[-1]).to(dst.dtype))
     else:

@@ -13,14 +13,23 @@ same codes), computed against the scale and zero point *as stored* (rounded to t
 what is stored decodes to within half a step of the input (up to that rounding). A group whose
 range is 0 (or whose scale underflows its dtype) gets scale 1. Packing (`TensorSpec.packing`):
 `int4x2` / `int2x4` put 2 / 4 codes in one uint8 along the last axis, low bits first; a signed code
-is stored as its two's-complement low bits. docs/design.md, "KV spec", has the storage rules.
+is stored as its two's-complement low bits.
+
+Float codes (FP8, `Quantized.format`): `code = fp8(clamp(x / scale, -max, max))` in float32, cast
+to the format with round to nearest even (torch's cast, and the Triton store's), and `x =
+float(code) * scale`; the scale is fixed per layer (`dynamic_scale` sets it once from the first
+stored chunk). docs/design.md, "KV spec", has the storage rules.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvc.runtime.kv.spec import PACKINGS, Quantized
+from kvc.runtime.kv.spec import FLOAT_CODES, PACKINGS, Quantized
+
+# vLLM's `calculate_kv_scales` constants (K_SCALE_CONSTANT, V_SCALE_CONSTANT): a dynamic scale is
+# amax / range, so the first chunk's largest |x| maps to this code (448 is e4m3's largest)
+DYNAMIC_RANGE = {"k": 200.0, "v": 100.0}
 
 
 def code_range(enc: Quantized) -> tuple[int, int]:
@@ -43,6 +52,11 @@ def check(enc: Quantized, head_dim: int, code_dtype: torch.dtype, packing: str =
     """ValueError unless codes of `enc` fit `code_dtype` with `packing` for `head_dim` channels."""
     if packing not in PACKINGS:
         raise ValueError(f"unknown packing {packing!r} (one of {sorted(PACKINGS)})")
+    if enc.format is not None:
+        if code_dtype != FLOAT_CODES[enc.format][0] or packing or enc.group != head_dim:
+            raise ValueError(f"quantized {enc.codes!r}: {enc.format} codes are unpacked {FLOAT_CODES[enc.format][0]} "
+                             f"with one scale per token's {head_dim} channels, got {code_dtype}, group {enc.group}")
+        return
     per = PACKINGS[packing]
     if head_dim % enc.group:
         raise ValueError(f"quantized {enc.codes!r}: group {enc.group} does not divide head_dim {head_dim}")
@@ -137,3 +151,28 @@ def dequantize(
     s = scale.float().repeat_interleave(enc.group, dim=-1)
     x = code * s if zero is None else (code - zero.float().repeat_interleave(enc.group, dim=-1)) * s
     return x.to(dtype)
+
+
+# ---- float codes (FP8) ------------------------------------------------------------------------------
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """`t` as bytes when it holds float codes (torch's CPU copies by index do not take FP8), else `t`."""
+    return t.view(torch.uint8) if t.dtype in (dt for dt, _ in FLOAT_CODES.values()) else t
+
+
+def quantize_float(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x [..., D] -> FP8 codes [..., D] of format `fmt`: `clamp(x / scale, -max, max)` in float32,
+    cast with round to nearest even; `scale` broadcasts against x (float32, > 0)."""
+    dtype, largest = FLOAT_CODES[fmt]
+    return (x.float() / scale.float()).clamp(-largest, largest).to(dtype)
+
+
+def dynamic_scale(x: torch.Tensor, stored: torch.Tensor, shared_heads: bool, value_range: float) -> torch.Tensor:
+    """The scale set from a first chunk x [T, Hkv, D] (`stored [T]`: the rows written; padding is
+    not): `amax |x| / value_range`, over every KV head (`shared_heads`: [1]) or per head [Hkv, 1];
+    0 where nothing was stored or every value is 0 (the scale stays unset until a chunk has some)."""
+    amax = torch.where(stored[:, None, None], x.float().abs(), torch.zeros((), device=x.device)).amax(dim=(0, 2))
+    if shared_heads:
+        amax = amax.amax().expand(amax.shape)
+    return (amax / value_range)[:, None]

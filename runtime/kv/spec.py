@@ -8,7 +8,9 @@ A method's `kv_spec(...)` (the contract, runtime/method_api.py; compiled methods
   per-token method state (H2O's `seen`);
 - `PAGE`: one value per page and KV head (`[pages + 1, Hkv, *shape]`): Quest's key min/max;
 - `SEQ`: one value per sequence, layer and KV head (`[rows + 1, layers, Hkv, *shape]`): a
-  quantization method's full-precision residual window.
+  quantization method's full-precision residual window;
+- `LAYER`: one value per layer and KV head (`[layers, Hkv, *shape]`), fixed once and shared by
+  every page: FP8's per-tensor or per-head scales.
 
 One page id addresses every TOKEN and PAGE tensor; one row id every SEQ tensor. The last page and
 the last row are scratch (batch padding writes there). `keys` / `values` say how attention reads K
@@ -28,18 +30,22 @@ import torch
 K, V = "k", "v"  # the names of dense keys and values
 REDUCERS = ("max", "min", "sum", "mean")
 PACKINGS = {"": 1, "int4x2": 2, "int2x4": 4}  # codes per stored element along the last axis
+# FP8 code formats: the torch dtype and the largest finite magnitude (codes saturate there)
+FLOAT_CODES = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
+SCALINGS = ("unit", "dynamic")  # where FP8 scales come from (docs/design.md, "KV spec")
 
 
 class Extent(enum.Enum):
     TOKEN = "token"
     PAGE = "page"
     SEQ = "seq"
+    LAYER = "layer"
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One stored tensor: `shape` is per slot (TOKEN), page (PAGE) or sequence-layer (SEQ), per KV
-    head. `packing` says how integer codes share an element (`int4x2`: two 4-bit codes per uint8,
+    """One stored tensor: `shape` is per slot (TOKEN), page (PAGE), sequence-layer (SEQ) or layer
+    (LAYER), per KV head. `packing` says how integer codes share an element (`int4x2`: two 4-bit codes per uint8,
     low bits first, along the last axis; `shape` counts stored elements)."""
 
     name: str
@@ -56,7 +62,7 @@ class TensorSpec:
 
     @property
     def bytes(self) -> int:
-        """Bytes per slot, page or sequence-layer, per KV head."""
+        """Bytes per slot, page, sequence-layer or layer, per KV head."""
         return math.prod(self.shape) * self.dtype.itemsize
 
 
@@ -81,7 +87,14 @@ class Quantized:
 
     `residual`: a SEQ tensor `[R, D]` in the model dtype holding the newest stored tokens in full
     precision, slot s at row `s % R`; attention reads the last `resid_len` slots of a layer (a
-    per-sequence, per-layer count the store keeps) from it instead of the codes."""
+    per-sequence, per-layer count the store keeps) from it instead of the codes.
+
+    `format` "e4m3" / "e5m2": float codes (FP8, `FLOAT_CODES`), `x = float(code) * scale`, stored
+    `code = fp8(clamp(x / scale, -max, max))` (round to nearest even). Their scale is a LAYER
+    tensor of shape [1] in the model dtype (group = D, axis "channel", symmetric, 8 bits, no residual), fixed once:
+    `scaling` "unit" (1.0) or "dynamic" (set from the first stored chunk of each layer:
+    encodings.dynamic_scale); `shared_heads`: one scale for every KV head of a layer (vLLM's
+    per-tensor k_scale / v_scale) rather than one per KV head."""
 
     codes: str
     scale: str
@@ -90,8 +103,18 @@ class Quantized:
     zero: str | None = None
     residual: str | None = None
     axis: str = "channel"
+    format: str | None = None
+    scaling: str = "unit"
+    shared_heads: bool = True
 
     def __post_init__(self) -> None:
+        if self.format is not None:
+            if self.format not in FLOAT_CODES or self.scaling not in SCALINGS:
+                raise ValueError(f"quantized {self.codes!r}: float codes are {sorted(FLOAT_CODES)} with scaling one of "
+                                 f"{SCALINGS}, got {self.format!r}, {self.scaling!r}")
+            if self.bits != 8 or self.zero is not None or self.residual is not None or self.axis != "channel":
+                raise ValueError(f"quantized {self.codes!r}: float codes are 8 bits, symmetric, without a residual "
+                                 "window, one scale per token's channels")
         if self.bits not in (2, 4, 8):
             raise ValueError(f"quantized {self.codes!r}: bits must be 2, 4 or 8, got {self.bits}")
         if self.group < 1:
@@ -161,11 +184,16 @@ class KVSpec:
             self._need(enc.tensor, Extent.TOKEN, "dense")
             return
         codes = self._need(enc.codes, Extent.TOKEN, "codes")
-        groups = Extent.TOKEN if enc.axis == "channel" else Extent.PAGE
-        self._need(enc.scale, groups, "scale")
+        groups = Extent.LAYER if enc.format else Extent.TOKEN if enc.axis == "channel" else Extent.PAGE
+        scale = self._need(enc.scale, groups, "scale")
         self._need(enc.zero, groups, "zero point")
         self._need(enc.residual, Extent.SEQ, "residual")
-        if codes.dtype.is_floating_point:
+        if enc.format is not None:
+            if codes.dtype != FLOAT_CODES[enc.format][0] or scale.shape != (1,) or not scale.dtype.is_floating_point:
+                raise ValueError(f"KV spec: {enc.format} codes {codes.name!r} are {FLOAT_CODES[enc.format][0]} with a "
+                                 f"scale of shape [1] (in the model dtype), got {codes.dtype} and "
+                                 f"{scale.dtype}{list(scale.shape)}")
+        elif codes.dtype.is_floating_point:
             raise ValueError(f"KV spec: codes tensor {codes.name!r} must be an integer dtype")
 
     # ---- lookups -------------------------------------------------------------------------------
@@ -214,6 +242,10 @@ class KVSpec:
     def bytes_per_row(self, num_kv_heads: int, num_layers: int) -> int:
         """SEQ tensors: bytes one sequence's row costs, every layer."""
         return num_layers * num_kv_heads * sum(t.bytes for t in self.of(Extent.SEQ))
+
+    def bytes_per_layers(self, num_kv_heads: int, num_layers: int) -> int:
+        """LAYER tensors: bytes stored once for the whole pool (every layer)."""
+        return num_layers * num_kv_heads * sum(t.bytes for t in self.of(Extent.LAYER))
 
     @property
     def uses_rows(self) -> bool:

@@ -1,7 +1,8 @@
 """The KV store: every tensor of a method's KV spec (runtime/kv/spec.py), allocated over the pool.
 
 TOKEN tensors are `[pages + 1, Hkv, page_size, *shape]`, PAGE tensors `[pages + 1, Hkv, *shape]`,
-SEQ tensors `[rows + 1, layers, Hkv, *shape]`; the last page and row are scratch. Page ids come
+SEQ tensors `[rows + 1, layers, Hkv, *shape]`, LAYER tensors `[layers, Hkv, *shape]` (FP8 scales:
+1.0, or 0 until `settle_scales` sets a dynamic one); the last page and row are scratch. Page ids come
 from the page pool (runtime/kv/page_pool.py), row ids from a row pool; the store only holds the
 tensors and does what any spec tensor needs done: copy pages or rows, write a step's new tokens
 (encoding K and V as the spec says), keep page summaries current, and decode one sequence's keys
@@ -15,6 +16,7 @@ import functools
 
 import torch
 
+from kvc.runtime.kv import encodings
 from kvc.runtime.kv.spec import K, V, Dense, Extent, KVSpec, Quantized
 
 COPY_BYTES = 256 * 2**20  # bytes of one tensor gathered at once by copy_pages
@@ -36,9 +38,16 @@ class KVStore:
                 shape = (num_pages + 1, num_kv_heads, page_size, *t.shape)
             elif t.extent is Extent.PAGE:
                 shape = (num_pages + 1, num_kv_heads, *t.shape)
+            elif t.extent is Extent.LAYER:
+                shape = (num_layers, num_kv_heads, *t.shape)
             else:
                 shape = (self.num_rows + 1, num_layers, num_kv_heads, *t.shape)
             self.tensors[t.name] = torch.zeros(shape, dtype=t.dtype, device=self.device)
+        for enc in self._float_codes():
+            if enc.scaling == "unit":
+                self.tensors[enc.scale].fill_(1.0)
+        # per layer: whether a dynamic scale may still be unset (a host flag: no device read)
+        self._unsettled = [any(e.scaling == "dynamic" for e in self._float_codes())] * num_layers
 
     @classmethod
     def from_tensors(cls, spec: KVSpec, tensors: dict[str, torch.Tensor], num_layers: int) -> KVStore:
@@ -50,6 +59,7 @@ class KVStore:
         store.num_kv_heads, store.num_layers, store.num_rows = first.shape[1], num_layers, 0
         store.device = first.device
         store.tensors = dict(tensors)
+        store._unsettled = [False] * num_layers
         return store
 
     # ---- lookups -------------------------------------------------------------------------------
@@ -88,6 +98,37 @@ class KVStore:
             raise ValueError(f"the KV spec's K and V residual windows differ ({sorted(windows)}); they must agree")
         return windows.pop() if windows else 0
 
+    def _float_codes(self) -> list[Quantized]:
+        return [e for e in (self.spec.keys, self.spec.values) if isinstance(e, Quantized) and e.format]
+
+    def scale_slots(self, name: str, layer: int | None) -> torch.Tensor:
+        """Scale tensor `name` as a TOKEN tensor `[pages + 1, Hkv, page_size, G]`: itself, or a LAYER
+        tensor's slice for `layer`, seen at every page and slot (strides 0: no copy)."""
+        t = self.tensors[name]
+        if self.spec.tensor(name).extent is not Extent.LAYER:
+            return t
+        if layer is None:
+            raise ValueError(f"scale {name!r} is stored per layer: read it with the layer")
+        at = t[layer]  # [Hkv, G]
+        return at.as_strided((self.num_pages + 1, at.shape[0], self.page_size, at.shape[1]),
+                             (0, at.stride(0), 0, at.stride(1)))
+
+    def settle_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Sets layer `layer`'s dynamic FP8 scales from a step's new k, v [T, Hkv, D] (`slots [T]`, -1:
+        padding) where they are still unset (0), before the step is stored with them; the runner
+        calls it with the first step that stores tokens (a prefill), after which the layer's scales
+        are fixed and this does nothing. No host read."""
+        if not self._unsettled[layer]:
+            return
+        self._unsettled[layer] = False
+        stored = slots >= 0
+        for which, x in ((K, k), (V, v)):
+            enc = encoding_of(self.spec, which)
+            if isinstance(enc, Quantized) and enc.format and enc.scaling == "dynamic":
+                scale = self.tensors[enc.scale][layer]
+                new = encodings.dynamic_scale(x, stored, enc.shared_heads, encodings.DYNAMIC_RANGE[which])
+                scale.copy_(torch.where(scale > 0, scale, new))
+
     def token_tensors(self) -> list[torch.Tensor]:
         """Every TOKEN tensor (what a keep plan moves), dense K and V first."""
         first = [self.tensors[e.tensor] for e in (self.spec.keys, self.spec.values) if isinstance(e, Dense)]
@@ -107,7 +148,7 @@ class KVStore:
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Page src[i] -> page dst[i] for every TOKEN and PAGE tensor (a page's whole content), at most
         COPY_BYTES of one tensor gathered at once. Copy-on-write, clones and prunes call it."""
-        self._copy([t for t in self.spec.tensors if t.extent is not Extent.SEQ], src, dst)
+        self._copy([t for t in self.spec.tensors if t.extent in (Extent.TOKEN, Extent.PAGE)], src, dst)
 
     @torch.no_grad()
     def copy_rows(self, src: list[int], dst: list[int]) -> None:
@@ -120,7 +161,7 @@ class KVStore:
         src_t = torch.tensor(src, dtype=torch.long, device=self.device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
         for t in specs:
-            tensor = self.tensors[t.name]
+            tensor = encodings.raw(self.tensors[t.name])
             step = max(1, COPY_BYTES // max(1, tensor[0].numel() * tensor.element_size()))
             for i in range(0, len(src), step):
                 tensor.index_copy_(0, dst_t[i : i + step], tensor.index_select(0, src_t[i : i + step]))
@@ -135,10 +176,8 @@ class KVStore:
         pages = self._page_index(page_ids, length)
         if isinstance(enc, Dense):
             return _flat(self.tensors[enc.tensor], pages, length)
-        from kvc.runtime.kv import encodings
-
         x = encodings.dequantize(
-            _flat(self.tensors[enc.codes], pages, length), _flat(self.tensors[enc.scale], pages, length),
+            _flat(self.tensors[enc.codes], pages, length), _flat(self.scale_slots(enc.scale, layer), pages, length),
             None if enc.zero is None else _flat(self.tensors[enc.zero], pages, length), enc,
             self.head_dim(which), self.model_dtype(which))
         if enc.residual is not None and resid_len > 0:
@@ -153,6 +192,8 @@ class KVStore:
         enc = self.spec.keys if which == K else self.spec.values
         if isinstance(enc, Dense):
             return self.spec.tensor(enc.tensor).shape[-1]
+        if enc.format:
+            return enc.group  # one scale per token's channels
         scale = self.spec.tensor(enc.scale).shape[-1]
         return scale * enc.group if enc.axis == "channel" else scale
 
@@ -208,10 +249,9 @@ class KVStore:
         enc = self.spec.keys if which == K else self.spec.values
         if isinstance(enc, Dense):
             return self.tensors[enc.tensor][pages]
-        from kvc.runtime.kv import encodings
-
         zero = None if enc.zero is None else self.tensors[enc.zero][pages]
-        return encodings.dequantize(self.tensors[enc.codes][pages], self.tensors[enc.scale][pages], zero, enc,
+        scale = self.scale_slots(enc.scale, None)[pages]  # a per-layer scale (FP8) has no page to read here
+        return encodings.dequantize(self.tensors[enc.codes][pages], scale, zero, enc,
                                     self.head_dim(which), self.model_dtype(which))
 
 

@@ -171,6 +171,8 @@ CASES = [
      "store names what it encodes: k or v"),
     ("two formats for k", PRE + "store k as quant(2, group = 32, along key)\nstore k as fp8(e4m3, along key)\n" + KEEP,
      7, 7, "k already has a storage format"),
+    ("an unknown fp8 scale", PRE + "store k as fp8(e4m3, scale = calibrated, along key, channel)\n" + KEEP, 6, 30,
+     "'calibrated' is not a FP8 scale; expected unit or dynamic"),
     ("qjl first", PRE + "store k as qjl(1, along channel)\n" + KEEP, 6, 12,
      "qjl encodes the error of a previous stage"),
     ("except a top", PRE + "store k as quant(2, group = 32, along key) except top(seen, 3)\n" + KEEP, 6, 51,

@@ -1,0 +1,59 @@
+"""Compiles the `spec` attention module's store, decode and prefill kernels for an H100/H200
+(sm90) with FP8 operands, on a machine without a GPU: Triton's front end, its passes and ptxas run
+as they would on the GPU, so a kernel that does not compile for the hardware fails here too.
+`python -m tests.kernels.sm90_compile FP8_TYPE` (fp8e4nv or fp8e5); tests/kernels/test_fp8.py runs
+it in a subprocess (the interpreter, TRITON_INTERPRET=1, replaces kernels with Python)."""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kvc.compiler import attention
+
+
+def build(fn, consts: dict, pointers: dict) -> str:
+    """PTX of `fn` for sm90: constexprs from `consts`, pointer types from `pointers` (else fp32)."""
+    signature, constexprs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if fn.params[i].is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = consts[name]
+        elif name.endswith("_ptr"):
+            signature[name] = pointers.get(name, "*fp32")
+        else:
+            signature[name] = "i64" if name.startswith("stride") else "i32"
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+def main(fp8: str) -> None:
+    import importlib.util
+
+    path = attention.locate("spec")
+    spec = importlib.util.spec_from_file_location("kvc_spec_sm90", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    pointers = {f"{x}_{p}_ptr": "*bf16" for x in "kv" for p in ("scale", "zero", "resid")}
+    pointers |= {"k_cache_ptr": f"*{fp8}", "v_cache_ptr": f"*{fp8}", "k_ptr": "*bf16", "v_ptr": "*bf16",
+                 "q_ptr": "*bf16", "out_ptr": "*bf16", "slot_ptr": "*i64"}
+    pointers |= {n: "*i32" for n in ("block_tables_ptr", "context_lens_ptr", "kv_starts_ptr", "rows_ptr",
+                                     "resid_lens_ptr", "plan_ptr", "last_ptr", "cu_seqlens_ptr")}
+    ops = {f"{x}_{c}": v for x in "KV" for c, v in (("BITS", 8), ("PER_ELEMENT", 1), ("GROUP", 128), ("ASYM", False),
+                                                     ("WINDOW", 0))}
+    shape = dict(HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16)
+    ptx = build(mod._store_kv_kernel, dict(NUM_KV_HEADS=8, BLOCK_H=8, K_BLOCK_G=1, V_BLOCK_G=1, BLOCK_B=1, **shape,
+                                           **ops), pointers)
+    assert "cvt.rn.satfinite" in ptx  # the FP8 cast of the store
+    build(mod._decode_split_kernel, dict(EMIT_STATS=False, GROUP=4, BLOCK_H=16, BLOCK_N=64, DIRECT_OUT=True,
+                                         USE_DOT=True, DOT_PRECISION="ieee", HAS_STARTS=False, READ=0,
+                                         HAS_LAST=False, **shape, **ops), pointers)
+    build(mod._prefill_kernel, dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, BLOCK_N=64, DOT_PRECISION="ieee",
+                                    HAS_STARTS=False, **shape, **ops), pointers)
+    print("compiled for sm90:", fp8)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
