@@ -158,11 +158,14 @@ def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_le
     layout = CacheLayout(spec.num_layers, spec.num_kv_heads, method.kv_head_layers)  # as the engine's
     kv_spec = method.kv_spec(layout.kv_heads, spec.head_dim, spec.dtype, page_size)
     page_bytes = layer_page_bytes(kv_spec, layout.kv_heads, page_size)
-    # two rows of the per-sequence tensors a sequence come off the budget first, as the engine's
+    # two rows of the per-sequence tensors a sequence and the LAYER tensors (stored once) come off
+    # the budget first, as the engine's
     seat_bytes = 2 * kv_spec.bytes_per_row(layout.kv_heads, layout.layers) if kv_spec.uses_rows else 0
+    fixed = kv_spec.bytes_per_layers(layout.kv_heads, layout.layers)
 
     def pages(seats: int) -> int:
-        return pool_pages(kv_memory - seats * seat_bytes, page_bytes) if kv_memory > seats * seat_bytes else 0
+        left = kv_memory - fixed - seats * seat_bytes
+        return pool_pages(left, page_bytes) if left > 0 else 0
 
     budget, layers = method.budget, range(layout.layers)
     steady = [budget.steady_tokens(input_len, input_len + output_len, layer) for layer in layers]

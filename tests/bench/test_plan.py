@@ -3,7 +3,8 @@ runtime/engine.py): for every shipped method the engine can serve, at one KV mem
 a whole number of pages, the plan counts exactly the pages the engine allocates, state planes
 included (H2O and TOVA keep per-token state beside K/V: a plan that counted only K/V promised
 more pages than the engine had), and so are the rows of per-sequence tensors (RetroInfer's cluster
-indices: two rows a seat off the budget first)."""
+indices: two rows a seat off the budget first) and the tensors stored once (FP8's scales: at a
+budget of whole pages the plan promised one page more than the engine had)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,14 @@ def test_plan_counts_the_pages_the_engine_allocates(model_dir):
             continue
         engine = llm.engine
         assert plan.num_pages == engine.num_pages, name
+        # a budget of whole pages: what the store holds once (FP8's scales) must come off in both
+        whole = plan.page_bytes * 1000
+        exact = plan_batch(resolve_method(name, None), spec, whole, PAGE, 150, 24, 1000)
+        again = LLM(str(model_dir), method=name, device="cpu", dtype="float32", page_size=PAGE,
+                    attention_backend="torch", kv_cache_memory=whole, max_model_len=150 + 24 + 1,
+                    max_num_seqs=max(1, exact.batch))
+        assert exact.num_pages == again.engine.num_pages, name
+        del again
         assert plan.page_bytes == layer_page_bytes(
             engine.method.kv_spec(spec.num_kv_heads, spec.head_dim, spec.dtype, PAGE), spec.num_kv_heads, PAGE), name
         served.append(name)
@@ -50,5 +59,5 @@ def test_plan_counts_the_pages_the_engine_allocates(model_dir):
             with_planes.append(name)
             assert plan.page_bytes > kv_bytes_per_page(spec.num_kv_heads, PAGE, spec.head_dim, spec.dtype), name
         del llm, engine
-    assert {"full", "snapkv", "streamingllm", "h2o", "tova", "retroinfer"} <= set(served)
+    assert {"full", "snapkv", "streamingllm", "h2o", "tova", "retroinfer", "fp8"} <= set(served)
     assert {"h2o", "tova"} <= set(with_planes)  # the case the plan used to miss
