@@ -13,8 +13,10 @@ from kvc.runtime.models.named_configs import named_config
 c = named_config('qwen3-30b-a3b')
 save_input(pathlib.Path('$out/inputs/duo_attention_heads.safetensors'), 'gate',
            torch.rand(c.num_hidden_layers, c.num_key_value_heads, generator=torch.Generator().manual_seed(0)))"
+methods=${METHODS:-full,quest}
 common=(--model random:qwen3-30b-a3b --dtype bfloat16 --kv-memory 60GiB --output 2048 --no-progress
-        --methods "${METHODS:-full,quest}" --method-params quest:budget=4096 --method-inputs "$out/inputs")
+        --methods "$methods" --method-inputs "$out/inputs")
+case ",$methods," in *,quest,*) common+=(--method-params quest:budget=4096) ;; esac
 read -ra extra <<< "${EXTRA:-}"  # more throughput options, e.g. EXTRA="--evict-interval 64"
 common+=("${extra[@]}")
 for part in $parts; do
