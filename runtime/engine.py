@@ -187,10 +187,9 @@ class Engine:
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
         self._scorers: dict[str, Scorer] = {}
         self.runner.chain_window = self._chain_window()
-        # Async scheduling (`step`): on by default on a GPU; never with decode-time eviction, whose
-        # step_end reads the step's results before the next one may be built.
-        wanted = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        self._async = wanted and Hook.STEP_END not in hooks
+        # Async scheduling (`step`): on by default on a GPU, decode-time eviction included (its
+        # step_end reads host facts only; its compactions queue behind the launched step).
+        self._async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         self._launched: tuple | None = None  # (batch, StepOutput) running ahead of its commit
         self._drained: list[Sequence] = []  # finished by a `drain`, reported by the next step
 
@@ -386,7 +385,7 @@ class Engine:
         next call schedules and launches the step after it over its pending tokens, and only then
         waits for its tokens and commits them. The host's work for a step so overlaps the
         device's previous one. A step that cannot be scheduled ahead (a request waits, a prefill,
-        a chain, decode-time eviction, pages short) is run the plain way, after a commit."""
+        a chain, structured outputs, pages short) is run the plain way, after a commit."""
         finished, self._drained = self._drained, []
         launched, self._launched = self._launched, None
         if launched is not None:
