@@ -24,6 +24,8 @@ def plans(scores, lengths, page, count, last):
     (2, 1, 10, 16, 16 * 20, 16),  # a budget over the context: every stored page
     (1, 2, 64, 4, 4 * 5, 8),      # two newest pages
     (2, 2, 1500, 16, 16 * 255, 16),  # wider than one warp's share of registers
+    (2, 2, 2177, 16, 16 * 255, 16),  # a 32K table + 2K: walked in blocks (4,096 lanes for 2,177 pages)
+    (1, 2, 3000, 16, 16 * 1100, 32),  # blocked, a cut spanning blocks, two newest pages
 ])
 def test_plan_equals_the_torch_plan(rows, kv_heads, width, page, count, last) -> None:
     g = torch.Generator().manual_seed(width)
@@ -60,6 +62,16 @@ def test_ties_at_the_cut_fill_in_column_order() -> None:
     got, want = plans(scores, torch.tensor([800], dtype=torch.int32), 16, 16 * 10, 16)
     assert got[0, 0].tolist() == [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 49]
     assert sorted(scores[0, 0, want[0, 0, :10]].tolist()) == [1.0] * 10  # torch chooses other ties
+
+
+def test_ties_across_blocks_fill_in_column_order() -> None:
+    """The blocked walk (rows wider than 1,024 pages with a mostly empty block) takes tied pages in
+    column order across its blocks, as the one-block kernel does."""
+    width = 1300
+    scores = torch.zeros(1, 1, width)
+    scores[..., ::100] = 1.0  # 13 pages tie for the top, one per hundred columns, over two blocks
+    got, _ = plans(scores, torch.tensor([width * 16], dtype=torch.int32), 16, 16 * 11, 16)
+    assert got[0, 0].tolist() == [0, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, width - 1]
 
 
 def test_short_rows_pad_with_minus_one() -> None:
