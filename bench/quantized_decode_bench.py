@@ -1,0 +1,112 @@
+"""Decode attention over a quantized KV cache: the generated `spec` kernel reading a method's stored
+codes (FP8 by default: the `fp8` method's spec) against the `plain` kernel over K/V in the model
+dtype, one layer at the Qwen3-30B-A3B shape (32 query heads, 4 KV heads, head dim 128, bf16, pages
+of 16), with a device-to-device copy of the same run as the bandwidth baseline. Bandwidth counts
+the bytes each kernel must read (codes, or K and V; per-layer scales are negligible), so
+`of_copy` compares the kernels and `vs_dense` is what the smaller cache buys a decode step.
+Each timed as a CUDA graph of 20 calls.
+
+    python bench/quantized_decode_bench.py --method fp8 --shapes 32x32768,8x131072 --out fp8_decode.json
+    TRITON_INTERPRET=1 python bench/quantized_decode_bench.py --smoke     # CPU, tiny: proves it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+HEADS, KV_HEADS, DIM, PAGE = 32, 4, 128, 16
+
+
+def time_ms(fn, device: torch.device, reps: int = 20) -> float:
+    """A CUDA graph of `reps` calls, replayed (GPU), or a plain loop (CPU, for --smoke)."""
+    fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(2):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / 2
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (5 * reps)
+
+
+def attention(method: str | None, batch: int, context: int, dtype: torch.dtype, device: torch.device):
+    """(PagedAttention over `batch` rows of `context` random tokens in `method`'s spec (None: dense),
+    its K and V sources, tables, lengths, bytes a decode reads)."""
+    from kvc.compiler.attention import variant_for_spec
+    from kvc.runtime.attention.backend import PagedAttention
+    from kvc.runtime.methods import resolve_method
+
+    pages_per_row = -(-context // PAGE)
+    spec = None if method is None else resolve_method(method, None).kv_spec(KV_HEADS, DIM, dtype, PAGE)
+    att = PagedAttention.allocate(1, batch * pages_per_row, KV_HEADS, PAGE, DIM, dtype, device, "triton", spec)
+    att.use_variant(variant_for_spec(att.store.spec.dense, False, False))
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, t in att.store.tensors.items():  # random content; scales of 1 (fp8: codes in range)
+        if t.dtype.is_floating_point and t.element_size() >= 2:
+            t.copy_(torch.randn(t.shape, generator=gen, device=device, dtype=torch.float32).to(t.dtype)
+                    if "scale" not in name else torch.ones_like(t))
+        else:
+            t.copy_(torch.randn(t.shape, generator=gen, device=device).to(t.dtype))
+    tables = torch.randperm(batch * pages_per_row, generator=gen, device=device).int().view(batch, pages_per_row)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    k_src, v_src = att._sources[0]
+    read = sum(att.store[t.name].element_size() * math.prod(t.shape) for t in att.store.spec.tensors
+               if t.extent.value == "token") * batch * context * KV_HEADS
+    return att, k_src, v_src, tables, lens, read
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", default="fp8")
+    p.add_argument("--shapes", default="32x32768,8x131072", help="BATCHxCONTEXT,...")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes; runs on CPU under TRITON_INTERPRET=1")
+    p.add_argument("--out")
+    a = p.parse_args()
+    device = torch.device("cpu" if a.smoke else "cuda")
+    shapes = [(2, 64)] if a.smoke else [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    dtype = torch.bfloat16
+    src = torch.empty(2**20 if a.smoke else 2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() / time_ms(lambda: dst.copy_(src), device) / 1e6  # GB/s, read + write
+    rows = [{"piece": "copy", "GBps": copy_bw}]
+    print(f"copy {copy_bw:.0f} GB/s", flush=True)
+    scale = 1 / math.sqrt(DIM)
+    for batch, context in shapes:
+        q = torch.randn(batch, HEADS, DIM, device=device, dtype=dtype)
+        times = {}
+        for name in (None, a.method):
+            att, k_src, v_src, tables, lens, read = attention(name, batch, context, dtype, device)
+            out = torch.empty_like(q)
+            ms = time_ms(lambda: att.ops.paged_decode(q, k_src, v_src, tables, lens, scale, max_context_len=context,
+                                                      out=out), device)
+            times[name] = ms
+            row = {"piece": "decode", "method": name or "dense", "batch": batch, "context": context, "ms": ms,
+                   "bytes": read, "GBps": read / ms / 1e6, "of_copy": read / ms / 1e6 / copy_bw,
+                   "vs_dense": times[None] / ms}
+            rows.append(row)
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
