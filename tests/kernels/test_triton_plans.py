@@ -81,3 +81,22 @@ def test_short_rows_pad_with_minus_one() -> None:
     assert got[0, 0].tolist() == [0, 1] + [-1] * 6 + [2]
     assert (got[1] == -1).all() and torch.equal(got[1], want[1])
     assert sorted(got[0, 1].tolist()) == sorted(want[0, 1].tolist())
+
+
+def test_both_plan_kernels_compile_for_sm90() -> None:
+    """The one-block and the blocked plan kernels compile for an H100/H200 (Triton's compiler and
+    ptxas run here, outside the interpreter; tests/kernels/sm90_compile.py)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from tests.kernels.sm90_compile import build\n"
+            "from kvc.runtime.primitives import triton_plans as tp\n"
+            "ptrs = {'scores_ptr': '*fp32', 'lengths_ptr': '*i32', 'out_ptr': '*i32'}\n"
+            "build(tp._read_pages_blocked_kernel, {'PAGE': 16, 'BLOCK': tp.BLOCK_PAGES, 'BLOCK_L': 1}, ptrs)\n"
+            "build(tp._read_pages_kernel, {'PAGE': 16, 'BLOCK_W': 2048, 'BLOCK_L': 1}, ptrs)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    if "No module named 'triton.backends.nvidia'" in done.stderr:
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    assert done.returncode == 0, done.stderr[-3000:]
