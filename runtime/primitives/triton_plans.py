@@ -35,15 +35,22 @@ def _order_key(x):
 
 
 @triton.jit
+def _block_keys(row, cols, W, first_newest):
+    # (valid, order keys) of a block of a row's page scores: a page is ranked when it lies before the
+    # always-read newest pages and its score is not -inf; other lanes get the smallest key
+    x = tl.load(row + cols, mask=cols < W, other=float("-inf"))
+    valid = (cols < first_newest) & (x > float("-inf"))
+    return valid, tl.where(valid, _order_key(x), -2147483647 - 1).to(tl.int64)
+
+
+@triton.jit
 def _read_pages_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stride_sh, stride_or, stride_oh,
                        W, N_TOP, N_LAST, PAGE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_L: tl.constexpr):
     r, h = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, BLOCK_W)
     stored = (tl.load(lengths_ptr + r) + PAGE - 1) // PAGE
     first_newest = stored - N_LAST  # the always-read pages start here
-    x = tl.load(scores_ptr + r * stride_sr + h * stride_sh + cols, mask=cols < W, other=float("-inf"))
-    valid = (cols < first_newest) & (x > float("-inf"))
-    key = tl.where(valid, _order_key(x), -2147483647 - 1).to(tl.int64)
+    valid, key = _block_keys(scores_ptr + r * stride_sr + h * stride_sh, cols, W, first_newest)
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
     # the cut: the N_TOP-th largest key (every valid page when there are no more than N_TOP)
     lo = tl.min(tl.where(valid, key, 2147483647), axis=0)
@@ -89,9 +96,7 @@ def _read_pages_blocked_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stri
     n_valid = tl.zeros([], tl.int32)
     for start in range(0, W, BLOCK):
         cols = start + offs
-        x = tl.load(row + cols, mask=cols < W, other=float("-inf"))
-        valid = (cols < first_newest) & (x > float("-inf"))
-        key = tl.where(valid, _order_key(x), -2147483647 - 1).to(tl.int64)
+        valid, key = _block_keys(row, cols, W, first_newest)
         n_valid += tl.sum(valid.to(tl.int32), axis=0)
         lo = tl.minimum(lo, tl.min(tl.where(valid, key, 2147483647), axis=0))
         hi = tl.maximum(hi, tl.max(key, axis=0) + 1)
@@ -101,9 +106,7 @@ def _read_pages_blocked_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stri
             above = tl.zeros([], tl.int32)
             for start in range(0, W, BLOCK):
                 cols = start + offs
-                x = tl.load(row + cols, mask=cols < W, other=float("-inf"))
-                valid = (cols < first_newest) & (x > float("-inf"))
-                key = tl.where(valid, _order_key(x), -2147483647 - 1).to(tl.int64)
+                valid, key = _block_keys(row, cols, W, first_newest)
                 above += tl.sum((key >= mid).to(tl.int32), axis=0)
             if above >= N_TOP:
                 lo = mid
@@ -114,9 +117,7 @@ def _read_pages_blocked_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stri
     strictly = tl.zeros([], tl.int32)
     for start in range(0, W, BLOCK):
         cols = start + offs
-        x = tl.load(row + cols, mask=cols < W, other=float("-inf"))
-        valid = (cols < first_newest) & (x > float("-inf"))
-        key = tl.where(valid, _order_key(x), -2147483647 - 1).to(tl.int64)
+        valid, key = _block_keys(row, cols, W, first_newest)
         strictly += tl.sum((valid & (key > lo)).to(tl.int32), axis=0)
     room = N_TOP - strictly
     base = out_ptr + r * stride_or + h * stride_oh
@@ -124,9 +125,7 @@ def _read_pages_blocked_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stri
     ties_before = tl.zeros([], tl.int32)
     for start in range(0, W, BLOCK):
         cols = start + offs
-        x = tl.load(row + cols, mask=cols < W, other=float("-inf"))
-        valid = (cols < first_newest) & (x > float("-inf"))
-        key = tl.where(valid, _order_key(x), -2147483647 - 1).to(tl.int64)
+        valid, key = _block_keys(row, cols, W, first_newest)
         ties = valid & (key == lo)
         take = (valid & (key > lo)) | (ties & (tl.cumsum(ties.to(tl.int32), axis=0) + ties_before <= room))
         slot = listed + tl.cumsum(take.to(tl.int32), axis=0) - 1
