@@ -91,7 +91,13 @@ class RoleKeeps:
 
     def count(self, hook: str, layer: int, sym: dict) -> int:
         """Tokens the keep of `hook` leaves in `layer`'s most-keeping head, every head starting at
-        slot 0 (a cache layer of one KV head: that head's count)."""
+        slot 0 (a cache layer of one KV head: that head's count); min(n, a + b) for a static count."""
+        cap = self.static_count(hook, layer)
+        if cap is not None:
+            return min(int(sym["context"]), cap)
+        return self._count(hook, layer, sym)
+
+    def _count(self, hook: str, layer: int, sym: dict) -> int:
         return max(int(t.numel()) for t in self.kept(hook, layer, sym, None))
 
     def static_count(self, hook: str, layer: int) -> int | None:
@@ -101,7 +107,7 @@ class RoleKeeps:
         key = (hook, layer)
         if key not in self._static:
             layers, kv_heads = len(self._layer_masks[self.keeps[hook]]), len(self.heads(hook, layer))
-            counts = {self.count(hook, layer, {"context": n, "prompt": n, "step": 0, "layer": layer, "layers": layers,
+            counts = {self._count(hook, layer, {"context": n, "prompt": n, "step": 0, "layer": layer, "layers": layers,
                                                "heads": None, "kv_heads": kv_heads, "head_dim": None})
                       for n in (1 << 20, 1 << 21)}
             self._static[key] = counts.pop() if len(counts) == 1 else None
