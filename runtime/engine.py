@@ -94,7 +94,7 @@ class Engine:
         self.method.bind(self.spec.num_layers, self.spec.num_kv_heads, model_dir=inputs_dir,
                          max_context=self.max_model_len)
         # the cache's layers: the model's, or one per KV head (runtime/kv/layout.py)
-        self.layout = layout = CacheLayout(self.spec.num_layers, self.spec.num_kv_heads, self.method.kv_head_layers)
+        self.layout = layout = CacheLayout.of(self.spec, self.method)
         kv_spec = self.method.kv_spec(layout.kv_heads, self.spec.head_dim, self.spec.dtype, config.page_size)
         # one layer's page: every per-token tensor of the spec, plus its per-page ones; the rows of
         # its per-sequence tensors (a running sequence's, and an idle chain's) come off the budget first

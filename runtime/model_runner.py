@@ -123,7 +123,7 @@ class ModelRunner:
         self.method = method or resolve_method("full")
         # the cache's layers: the model's, or one per KV head (runtime/kv/layout.py); every per-layer
         # table, length and hook below counts cache layers
-        self.layout = CacheLayout(model.spec.num_layers, model.spec.num_kv_heads, self.method.kv_head_layers)
+        self.layout = CacheLayout.of(model.spec, self.method)
         self.num_layers = self.layout.layers
         self.model = model
         self.attention = attention

@@ -155,7 +155,7 @@ def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_le
     method.evict_interval = evict_interval
     longest = input_len + output_len + 1  # the engine's max_model_len (bench/steps.py `make_engine`)
     method.bind(spec.num_layers, spec.num_kv_heads, model_dir=inputs_dir, max_context=longest)
-    layout = CacheLayout(spec.num_layers, spec.num_kv_heads, method.kv_head_layers)  # as the engine's
+    layout = CacheLayout.of(spec, method)  # as the engine's
     kv_spec = method.kv_spec(layout.kv_heads, spec.head_dim, spec.dtype, page_size)
     page_bytes = layer_page_bytes(kv_spec, layout.kv_heads, page_size)
     # two rows of the per-sequence tensors a sequence and the LAYER tensors (stored once) come off

@@ -25,6 +25,11 @@ class CacheLayout:
     model_kv_heads: int
     per_head: bool = False  # one cache layer per (model layer, KV head)
 
+    @classmethod
+    def of(cls, spec, method) -> CacheLayout:
+        """The layout the engine runs `method` with on a model of `spec` (its num_layers, num_kv_heads)."""
+        return cls(spec.num_layers, spec.num_kv_heads, method.kv_head_layers)
+
     @property
     def layers(self) -> int:
         """Cache layers: the engine's per-layer tables, lengths and budget count these."""
