@@ -576,19 +576,15 @@ def build(checked, source: bytes | None = None) -> MethodIR:
 
 
 def _lowerable_stores(checked) -> None:
-    """A quantization method lowers when every `store` is FP8 and it has no hooks: the engine's
-    store kernel quantizes token by token against a scale fixed per layer. Integer codes (KIVI)
-    wait for what the engine lacks: rules that flush a full block of the residual window (rewrite
-    plans the adapter would derive from `except last n`) and quantization of keys per channel over
-    groups of tokens (page scales), where the store kernel and rewrite plans quantize token by
-    token."""
+    """A quantization method lowers when every `store` is one stage (`fp8(...)` or `quant(...)`) and
+    it has no hooks: the engine's store quantizes (token by token, or a block at a time for groups
+    over tokens) and the attention kernels decode, from the KV spec alone."""
     for decl in (d for d in checked.method.items if isinstance(d, ast.Store)):
         stages = [c.func.name for c in decl.codecs if isinstance(c, ast.Call)]
-        if stages != ["fp8"]:
-            raise NotLowerable(f"store {decl.target.name} as {' then '.join(stages)}: integer codes are not lowered "
-                               "yet (they need the residual-window flush rules and keys quantized per channel over "
-                               "groups of tokens, where the store kernel and rewrite plans quantize token by token); "
-                               "quantization lowers fp8 stores so far", decl.pos)
+        if stages not in (["fp8"], ["quant"]):
+            raise NotLowerable(f"store {decl.target.name} as {' then '.join(stages)}: only one fp8 or quant stage is "
+                               "lowered so far (rotations, low-rank projections and learned compressors are not)",
+                               decl.pos)
     if checked.hooks:
         raise NotLowerable("a quantization method with hooks is not lowered yet", checked.hooks[0].pos)
 

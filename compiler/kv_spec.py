@@ -103,6 +103,8 @@ class Quantized:
                 "bits": _text(self.bits), "group": _text(self.group), "axis": self.axis, "residual": self.residual}
         if self.format is not None:
             data.update(format=str(self.format), scaling=str(self.scaling), shared_heads=self.shared_heads)
+        if self.axis == "token":
+            data["flush_block"] = _text(self.residual_tokens)
         return data
 
 
@@ -168,6 +170,7 @@ class _Deriver:
         self.file = Path(checked.path).name
         self.params = set(checked.params)
         self.reasons: list[str] = []
+        self.page_tokens = None  # pages of one group, where scales are per page (groups over tokens)
 
     def unfit(self, node: ast.Node, message: str) -> None:
         pos = node.pos
@@ -258,14 +261,19 @@ class _Deriver:
         names = {part: f"{which}_{part}" for part in ("codes", "scale", "zero", "resid")}
         if axis == "channel":
             groups = ("token", (HEAD_DIM / group,))
-        else:
-            groups = ("page", (sp.Max(1, sp.floor(PAGE_SIZE / group)), HEAD_DIM))
+        else:  # one row of scales a page: pages of one group (runtime/kv/spec.py, `Quantized` axis "token")
+            groups = ("page", (sp.Integer(1), HEAD_DIM))
+            if residual is None:
+                self.unfit(call, f"store {which}: groups over tokens are quantized a block at a time from a window of "
+                                 "the newest tokens: give `except last n` (n a multiple of the group)")
+                return None
+            self.page_tokens = group
         tensors = [TensorDesc(names["codes"], "token", codes_dtype, (HEAD_DIM / per,), packing),
                    TensorDesc(names["scale"], groups[0], MODEL, groups[1])]
         if not symmetric:
             tensors.append(TensorDesc(names["zero"], groups[0], MODEL, groups[1]))
-        if residual is not None:
-            tensors.append(TensorDesc(names["resid"], "seq", MODEL, (residual, HEAD_DIM)))
+        if residual is not None:  # the newest `residual` tokens and the step's one
+            tensors.append(TensorDesc(names["resid"], "seq", MODEL, (residual + 1, HEAD_DIM)))
         enc = Quantized(names["codes"], names["scale"], bits, group, axis, None if symmetric else names["zero"],
                         None if residual is None else names["resid"], residual)
         return enc, tensors
@@ -390,7 +398,8 @@ def derive(checked, facts: dict | None) -> SpecDesc:
     stores = {decl.target.name: decl for decl in checked.method.items if isinstance(decl, ast.Store)}
     keys, key_tensors = d.operand("k", stores.get("k"))
     values, value_tensors = d.operand("v", stores.get("v"))
-    spec = SpecDesc(keys, values, key_tensors + value_tensors, head_starts=_head_adaptive(checked))
+    spec = SpecDesc(keys, values, key_tensors + value_tensors, head_starts=_head_adaptive(checked),
+                    page_tokens=d.page_tokens)
     indexed = {(facts or {}).get(h, {}).get("clusters", {}).get("partition") for h in (facts or {})} - {None}
     for decl in checked.method.items:
         if isinstance(decl, ast.Summary) and _within(decl) not in indexed:
@@ -453,8 +462,8 @@ class _Emitter:
     def tensor(self, t: TensorDesc) -> str:
         if t.state:
             return f'state_plane("{t.name}")'
-        if t.name in self.resid:
-            shape = f"({self.resid[t.name]}, head_dim)"
+        if t.name in self.resid:  # the newest tokens kept and the step's one
+            shape = f"({self.resid[t.name]} + 1, head_dim)"
         else:
             sizes = [self.p.size(n) for n in t.shape]
             shape = f"({sizes[0]},)" if len(sizes) == 1 else f"({', '.join(sizes)})"
@@ -475,8 +484,9 @@ class _Emitter:
             return (f'Quantized(\n        "{enc.codes}", "{enc.scale}", 8, head_dim, format={_choice(enc.format)}, '
                     f'scaling={_choice(enc.scaling)},\n        shared_heads={enc.shared_heads},\n    )')
         residual = "None" if enc.residual is None else f'"{enc.residual}" if {self.resid[enc.residual]} >= 1 else None'
+        flush = f", flush_block={self.resid[enc.residual]}" if enc.axis == "token" else ""
         return (f'Quantized(\n        "{enc.codes}", "{enc.scale}", {self.p.py(enc.bits)}, {self.p.py(enc.group)}, '
-                f'zero={zero}, axis="{enc.axis}",\n        residual={residual},\n    )')
+                f'zero={zero}, axis="{enc.axis}",\n        residual={residual}{flush},\n    )')
 
     def body(self, method_name: str) -> list[str]:
         spec, p = self.spec, self.p
@@ -484,8 +494,8 @@ class _Emitter:
         if spec.page_tokens is not None:
             tokens = p.py(spec.page_tokens)
             lines += [f"    if page_size != {tokens}:",
-                      f'        raise ValueError(f"{method_name} summarises pages of {{{tokens}}} tokens; the '
-                      'engine\'s pages hold {page_size}")']
+                      f'        raise ValueError(f"{method_name} needs pages of {{{tokens}}} tokens (its page summaries '
+                      'or page scales); the engine\'s pages hold {page_size}")']
         for enc in (spec.keys, spec.values):
             if isinstance(enc, Quantized) and enc.residual is not None:
                 lines.append(f"    {self.resid[enc.residual]} = max(0, math.floor({p.py(enc.residual_tokens)}))")

@@ -143,8 +143,10 @@ class Engine:
         method_id = self.method.fingerprint  # name + parameters (+ generated source)
         salt = hashlib.sha256(f"{model_ref}|{method_id}|{self.spec}".encode()).digest()[:16]
         # A compacting method's pages stop matching the logical tokens: no prefix caching for it
-        # (its chains still share pages, copy-on-write).
-        prefix_caching = config.enable_prefix_caching and not self.method.compacts
+        # (its chains still share pages, copy-on-write). Nor for a spec that writes codes a block at
+        # a time: the newest, unfinished block has none yet, only its sequence's window holds it.
+        prefix_caching = (config.enable_prefix_caching and not self.method.compacts
+                          and not self.attention.store.flushes_blocks)
         self.pool = PagePool(self.num_pages, config.page_size, prefix_caching, salt=salt)
         self.chains = ChainStore(self.pool, layout.layers, self.method, fingerprint=salt.hex(),
                                  rows=self.rows, copy_row=self.attention.store.copy_rows)

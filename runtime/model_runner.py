@@ -380,10 +380,8 @@ class ModelRunner:
             scratch = self.store.scratch_row
             rows = to_dev([scratch if s.row is None else s.row for s in batch.seqs], torch.int32)
         window = self.store.residual_window
-        if window:  # each layer's residual slots after the step
-            counts = np.minimum(np.array([s.resid_lens for s in batch.seqs], dtype=np.int64).T +
-                                np.asarray(batch.num_new_tokens, dtype=np.int64)[None, :], window)
-            resid = to_dev(counts, torch.int32)
+        if window:  # each layer's residual slots before the step (the ops add the step's own)
+            resid = to_dev(np.array([s.resid_lens for s in batch.seqs], dtype=np.int64).T, torch.int32)
         prompts = [[s.prefill_end - gap for gap in s.history_gap] for s in batch.seqs]  # as `_decode_rows`
         md = AttentionMetadata(
             slot_mapping=to_dev(slots),

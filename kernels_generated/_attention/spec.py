@@ -8,6 +8,7 @@
 #   paged_variant_decode_stats.py.jinja
 # for the methods whose manifests name it:
 #   methods/fp8.kvm
+#   methods/kivi.kvm
 #   methods/omnikv.kvm
 #   methods/quest.kvm
 #   methods/retroinfer.kvm
@@ -290,16 +291,39 @@ def _codes(ptr, row_mask, BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, ASYM: t
 
 
 @triton.jit
+def _round_even(y):
+    # y in [0, 2^23) to the nearest integer, ties to even (KIVI's round_): adding 2^23 leaves one
+    # unit in the last place, so the sum rounds as IEEE float32 addition does
+    return (y + 8388608.0) - 8388608.0
+
+
+@triton.jit
+def _window_start(first, end, resid_len, WINDOW: tl.constexpr, FLUSH: tl.constexpr):
+    # The first slot an operand reads from its residual window: the step's own (from `first` on)
+    # and the newest `resid_len` the window held before it, at most WINDOW - 1 of them, under a flush
+    # block only those of the unfinished block, `first % FLUSH` (torch_ops.window_reads).
+    if WINDOW == 0:
+        return end  # past every slot: nothing from a window
+    if FLUSH > 0:
+        held = tl.minimum(resid_len, first % FLUSH)
+    else:
+        held = tl.minimum(resid_len, WINDOW - 1)
+    return first - held
+
+
+@triton.jit
 def _load_operand(
     base, scale_base, zero_base, resid_base, pages, in_page, tokens, token_mask, kv_mask, resid_start,
     stride_p, stride_s, stride_sp, stride_ss, stride_rs,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, GROUP: tl.constexpr, ASYM: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, fresh_base=None, fresh_start=0, stride_ft=0, FRESH: tl.constexpr = False,
 ):
     # A K or V tile [BLOCK_N, BLOCK_D] of one KV head's slots `tokens` (at `pages`, `in_page`): the
     # dense cache as it is (BITS 0), or the codes decoded in fp32, `(code - zero) * scale` or
-    # `code * scale`, with the slots from `resid_start` on read from the residual window instead.
+    # `code * scale`, with the slots from `resid_start` on read from the residual window instead,
+    # and (FRESH: a prefill chunk's own slots) those from `fresh_start` on from the chunk's keys or
+    # values as computed, `fresh_base + (slot - fresh_start) * stride_ft`.
     offs_d = tl.arange(0, BLOCK_D)
     if BITS == 0:
         x = tl.load(base + pages[:, None] * stride_p + in_page[:, None] * stride_s + offs_d[None, :],
@@ -307,9 +331,11 @@ def _load_operand(
     else:
         BLOCK_N: tl.constexpr = tokens.shape[0]
         row_mask = token_mask
+        if FRESH:
+            row_mask = row_mask & (tokens < fresh_start)
         if WINDOW > 0:
             in_window = tokens >= resid_start
-            row_mask = token_mask & (tokens < resid_start)
+            row_mask = row_mask & (tokens < resid_start)
         code = _codes(base + pages[:, None] * stride_p + in_page[:, None] * stride_s, row_mask, BITS, PER_ELEMENT,
                       ASYM, HEAD_DIM, BLOCK_D)
         group_rows = pages[:, None] * stride_sp + in_page[:, None] * stride_ss
@@ -321,7 +347,7 @@ def _load_operand(
             code = tl.reshape(code, [BLOCK_N, BLOCK_D // GROUP, GROUP])
             if ASYM:
                 zero = tl.load(zero_base + group_rows + offs_g[None, :], mask=group_mask, other=0.0).to(tl.float32)
-                x = (code - zero[:, :, None]) * scale[:, :, None]
+                x = code * scale[:, :, None] + zero[:, :, None]
             else:
                 x = code * scale[:, :, None]
             x = tl.reshape(x, [BLOCK_N, BLOCK_D])
@@ -330,13 +356,20 @@ def _load_operand(
             group_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
             scale = tl.load(scale_base + at, mask=group_mask, other=0.0).to(tl.float32)
             if ASYM:
-                x = (code - tl.load(zero_base + at, mask=group_mask, other=0.0).to(tl.float32)) * scale
+                x = code * scale + tl.load(zero_base + at, mask=group_mask, other=0.0).to(tl.float32)
             else:
                 x = code * scale
         if WINDOW > 0:
+            if FRESH:
+                in_window = in_window & (tokens < fresh_start)
             recent = tl.load(resid_base + (tokens % WINDOW)[:, None] * stride_rs + offs_d[None, :],
                              mask=kv_mask & in_window[:, None], other=0.0)
             x = tl.where(in_window[:, None], recent.to(tl.float32), x)
+        if FRESH:
+            now = tokens >= fresh_start
+            new = tl.load(fresh_base + (tokens - fresh_start).to(tl.int64)[:, None] * stride_ft + offs_d[None, :],
+                          mask=kv_mask & now[:, None], other=0.0)
+            x = tl.where(now[:, None], new.to(tl.float32), x)
     return x
 
 
@@ -382,19 +415,21 @@ def _store_operand(
     stride_p, stride_h, stride_s, stride_sp, stride_sh, stride_ss, stride_rr, stride_rh, stride_rs,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, GROUP: tl.constexpr, ASYM: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, FLUSH: tl.constexpr, to_window, CODES: tl.constexpr,
 ):
     # One token's rows x [BLOCK_H, BLOCK_D] (every KV head, `row_ok`: heads that exist, slot >= 0)
     # into one operand: as they are (dense), or quantized per group of GROUP channels (scale from
     # the group's absmax, or min/max and a zero point; codes against the scale and zero as stored,
     # rounded to nearest, packed low bits first), or as float codes against the layer's scale (FP8
     # codes: what runtime/kv/encodings.py's quantize_float stores), and into the residual window
-    # when there is one.
+    # when there is one (`to_window`: this token enters it now). Under a flush block (FLUSH > 0) only
+    # the window: `_flush_blocks_kernel` writes the codes a block at a time. CODES False: only the
+    # window (a prefill chunk's tokens, after their attention).
     dim_ok = offs_d < HEAD_DIM
     at = page * stride_p + offs_h[:, None] * stride_h + offset * stride_s
-    if BITS == 0:
+    if CODES and BITS == 0:
         tl.store(base + at + offs_d[None, :], x.to(base.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-    elif base.dtype.element_ty.is_fp8():
+    elif CODES and base.dtype.element_ty.is_fp8():
         # float codes (FP8): the layer's fixed scale (its page and slot strides are 0); y = x / scale
         # clamped to the format's largest value, rounded to the format's grid in fp32 (adding and
         # subtracting 2^23 steps rounds to nearest even), so the cast below is exact: the bytes do
@@ -418,7 +453,7 @@ def _store_operand(
         rounded = (tl.abs(y) + big) - big
         y = (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # y's sign
         tl.store(base + at + offs_d[None, :], y.to(base.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-    else:
+    elif CODES and FLUSH == 0:
         if ASYM:
             qmax = (1 << BITS) - 1
         else:
@@ -438,10 +473,10 @@ def _store_operand(
             scale = tl.math.div_rn(spread, tl.full(spread.shape, qmax, tl.float32))
             scale = scale.to(scale_ptr.dtype.element_ty).to(tl.float32)  # as stored
             scale = tl.where(scale > 0, scale, 1.0)
+            if ASYM:  # the zero point is the group minimum, as stored
+                zero = low.to(zero_ptr.dtype.element_ty).to(tl.float32)
+                x3 = x3 - zero[:, :, None]
             y = tl.math.div_rn(x3, tl.broadcast_to(scale[:, :, None], x3.shape))
-            if ASYM:
-                zero = tl.math.div_rn(-low, scale).to(zero_ptr.dtype.element_ty).to(tl.float32)
-                y = y + zero[:, :, None]
             y = tl.reshape(y, [BLOCK_H, BLOCK_D])
         else:  # a group that does not tile BLOCK_D: masks pick each group's channels
             offs_g = tl.arange(0, BLOCK_G)
@@ -456,14 +491,14 @@ def _store_operand(
             scale = scale.to(scale_ptr.dtype.element_ty).to(tl.float32)  # as stored
             scale = tl.where(scale > 0, scale, 1.0)
             scale_d = tl.sum(tl.where(member, scale[:, :, None], 0.0), axis=1)  # each channel's group's
-            y = tl.math.div_rn(xf, tl.where(scale_d > 0, scale_d, 1.0))
             if ASYM:
-                zero = tl.math.div_rn(-low, scale).to(zero_ptr.dtype.element_ty).to(tl.float32)
-                y = y + tl.sum(tl.where(member, zero[:, :, None], 0.0), axis=1)
+                zero = low.to(zero_ptr.dtype.element_ty).to(tl.float32)
+                xf = xf - tl.sum(tl.where(member, zero[:, :, None], 0.0), axis=1)
+            y = tl.math.div_rn(xf, tl.where(scale_d > 0, scale_d, 1.0))
         tl.store(scale_ptr + group_at, scale.to(scale_ptr.dtype.element_ty), mask=group_ok)
         if ASYM:
             tl.store(zero_ptr + group_at, zero.to(zero_ptr.dtype.element_ty), mask=group_ok)
-            code = tl.minimum(tl.maximum(tl.floor(y + 0.5), 0.0), qmax).to(tl.int32)
+            code = _round_even(tl.minimum(tl.maximum(y, 0.0), qmax)).to(tl.int32)
         else:
             code = tl.minimum(tl.maximum(tl.floor(y + 0.5), -qmax), qmax).to(tl.int32)
         if PER_ELEMENT > 1:
@@ -476,7 +511,7 @@ def _store_operand(
             tl.store(base + at + offs_d[None, :], code.to(base.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     if WINDOW > 0:
         # a step's older tokens of a long chunk would be overwritten within the step: only the newest
-        newest = (tl.zeros(offs_h.shape, tl.int64) + position) >= length - WINDOW
+        newest = ((tl.zeros(offs_h.shape, tl.int64) + position) >= length - WINDOW) & to_window
         dst = resid_ptr + row * stride_rr + offs_h[:, None] * stride_rh + (position % WINDOW) * stride_rs
         tl.store(dst + offs_d[None, :], x.to(resid_ptr.dtype.element_ty), mask=(row_ok & newest)[:, None] & dim_ok[None, :])
 
@@ -513,7 +548,7 @@ def _check_operands(q: torch.Tensor, k_cache, v_cache) -> None:
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, slot_ptr, cu_seqlens_ptr, context_lens_ptr, rows_ptr, batch,
+    k_ptr, v_ptr, slot_ptr, cu_seqlens_ptr, context_lens_ptr, rows_ptr, batch, first_token, window_to,
     k_cache_ptr, k_scale_ptr, k_zero_ptr, k_resid_ptr,
     stride_kcp, stride_kch, stride_kcs, stride_k_scale_p, stride_k_scale_h, stride_k_scale_s,
     stride_k_resid_r, stride_k_resid_h, stride_k_resid_s,
@@ -523,11 +558,11 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr,
-    K_BLOCK_G: tl.constexpr, V_BLOCK_G: tl.constexpr, BLOCK_B: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr,
+    K_BLOCK_G: tl.constexpr, V_BLOCK_G: tl.constexpr, BLOCK_B: tl.constexpr, CODES: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    token = tl.program_id(0).to(tl.int64) + first_token
     slot = tl.load(slot_ptr + token).to(tl.int64)
     page = slot // PAGE_SIZE
     offset = slot % PAGE_SIZE
@@ -543,17 +578,117 @@ def _store_kv_kernel(
     row, position, length = 0, 0, 0
     if K_WINDOW > 0 or V_WINDOW > 0:
         row, position, length = _token_slot(cu_seqlens_ptr, context_lens_ptr, rows_ptr, batch, token, BLOCK_B)
+    to_window = (tl.zeros([BLOCK_H], tl.int64) + token) < window_to  # broadcast: no scalar in a mask
     _store_operand(
         k, row_ok, page, offset, offs_h, offs_d, k_cache_ptr, k_scale_ptr, k_zero_ptr, k_resid_ptr, row, position,
         length, stride_kcp, stride_kch, stride_kcs, stride_k_scale_p, stride_k_scale_h, stride_k_scale_s,
         stride_k_resid_r, stride_k_resid_h, stride_k_resid_s,
-        HEAD_DIM, BLOCK_H, BLOCK_D, K_BLOCK_G, K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW,
+        HEAD_DIM, BLOCK_H, BLOCK_D, K_BLOCK_G, K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, to_window, CODES,
     )
     _store_operand(
         v, row_ok, page, offset, offs_h, offs_d, v_cache_ptr, v_scale_ptr, v_zero_ptr, v_resid_ptr, row, position,
         length, stride_vcp, stride_vch, stride_vcs, stride_v_scale_p, stride_v_scale_h, stride_v_scale_s,
         stride_v_resid_r, stride_v_resid_h, stride_v_resid_s,
-        HEAD_DIM, BLOCK_H, BLOCK_D, V_BLOCK_G, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW,
+        HEAD_DIM, BLOCK_H, BLOCK_D, V_BLOCK_G, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW, V_FLUSH, to_window, CODES,
+    )
+
+
+@triton.jit
+def _flush_blocks_kernel(
+    x_ptr, cu_seqlens_ptr, context_lens_ptr, rows_ptr, block_tables_ptr,
+    codes_ptr, scale_ptr, zero_ptr, resid_ptr,
+    stride_xt, stride_xh, stride_cp, stride_ch, stride_cs, stride_sp, stride_sh,
+    stride_rr, stride_rh, stride_rs, stride_bt,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, GROUP: tl.constexpr, ASYM: tl.constexpr,
+    WINDOW: tl.constexpr, FLUSH: tl.constexpr,
+):
+    # One block a step leaves behind (runtime/kv/spec.py, `flush_block`), one KV head: program
+    # (sequence, i, head) quantizes block i of those between the flushed boundaries before and after
+    # the step, group by group of GROUP tokens, one scale (and zero point) per channel; slots stored
+    # by earlier steps come from the window, the step's own from x. torch_ops._flush_blocks is the
+    # reference (the same arithmetic as `_store_operand`).
+    seq = tl.program_id(0)
+    head = tl.program_id(2)
+    end = tl.load(context_lens_ptr + seq)
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    first = end - (tl.load(cu_seqlens_ptr + seq + 1) - q_start)
+    lo = tl.where(first > 0, (first - 1) // FLUSH * FLUSH, 0)
+    hi = tl.where(end > 0, (end - 1) // FLUSH * FLUSH, 0)
+    block = lo + tl.program_id(1) * FLUSH
+    if block < hi:
+        row = tl.load(rows_ptr + seq).to(tl.int64)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        offs_g = tl.arange(0, GROUP)
+        offs_d = tl.arange(0, BLOCK_D)
+        dim_ok = offs_d < HEAD_DIM
+        if ASYM:
+            qmax = (1 << BITS) - 1
+        else:
+            qmax = (1 << (BITS - 1)) - 1
+        for g in range(0, FLUSH, GROUP):
+            slots = block + g + offs_g
+            old = slots < first
+            ok = dim_ok[None, :]
+            from_window = tl.load(resid_ptr + row * stride_rr + head * stride_rh + (slots % WINDOW)[:, None] * stride_rs
+                                  + offs_d[None, :], mask=old[:, None] & ok, other=0.0)
+            token = (q_start + slots - first).to(tl.int64)
+            from_step = tl.load(x_ptr + token[:, None] * stride_xt + head * stride_xh + offs_d[None, :],
+                                mask=(~old)[:, None] & ok, other=0.0)
+            x = tl.where(old[:, None], from_window.to(tl.float32), from_step.to(tl.float32))
+            if ASYM:
+                low = tl.min(tl.where(ok, x, float("inf")), axis=0)
+                spread = tl.max(tl.where(ok, x, float("-inf")), axis=0) - low
+            else:
+                spread = tl.max(tl.where(ok, tl.abs(x), 0.0), axis=0)
+            scale = tl.math.div_rn(spread, tl.full(spread.shape, qmax, tl.float32))
+            scale = scale.to(scale_ptr.dtype.element_ty).to(tl.float32)  # as stored
+            scale = tl.where(scale > 0, scale, 1.0)
+            if ASYM:  # the zero point is the group minimum, as stored
+                zero = low.to(zero_ptr.dtype.element_ty).to(tl.float32)
+                x = x - zero[None, :]
+            y = tl.math.div_rn(x, tl.broadcast_to(scale[None, :], x.shape))
+            if ASYM:
+                code = _round_even(tl.minimum(tl.maximum(y, 0.0), qmax)).to(tl.int32)
+            else:
+                code = tl.minimum(tl.maximum(tl.floor(y + 0.5), -qmax), qmax).to(tl.int32)
+            pages = tl.load(table + slots // PAGE_SIZE).to(tl.int64)
+            at = pages[:, None] * stride_cp + head * stride_ch + (slots % PAGE_SIZE)[:, None] * stride_cs
+            if PER_ELEMENT > 1:
+                fields = (code & ((1 << BITS) - 1)) << ((offs_d % PER_ELEMENT) * BITS)[None, :]
+                packed = tl.sum(tl.reshape(fields, [GROUP, BLOCK_D // PER_ELEMENT, PER_ELEMENT]), axis=2)
+                offs_c = tl.arange(0, BLOCK_D // PER_ELEMENT)
+                tl.store(codes_ptr + at + offs_c[None, :], packed.to(codes_ptr.dtype.element_ty),
+                         mask=(offs_c < HEAD_DIM // PER_ELEMENT)[None, :])
+            else:
+                tl.store(codes_ptr + at + offs_d[None, :], code.to(codes_ptr.dtype.element_ty), mask=ok)
+            # every slot's page holds its group's row (a page's slots all write the same values)
+            group_at = pages[:, None] * stride_sp + head * stride_sh + offs_d[None, :]
+            tl.store(scale_ptr + group_at, tl.broadcast_to(scale[None, :], x.shape).to(scale_ptr.dtype.element_ty),
+                     mask=ok)
+            if ASYM:
+                tl.store(zero_ptr + group_at, tl.broadcast_to(zero[None, :], x.shape).to(zero_ptr.dtype.element_ty),
+                         mask=ok)
+
+
+def _flush_blocks(x, source, cu_seqlens_q, context_lens, rows, block_tables) -> None:
+    """Launches `_flush_blocks_kernel` for one operand written a block at a time (before the step's
+    tokens enter its window, which may overwrite the slots a block reads)."""
+    if cu_seqlens_q is None or context_lens is None or rows is None or block_tables is None:
+        raise ValueError(f"store_kv: quantized {source.enc.codes!r} is written a block at a time; pass cu_seqlens_q, "
+                         "context_lens, rows and block_tables")
+    enc, (num_tokens, num_kv_heads, head_dim) = source.enc, x.shape
+    if enc.group & (enc.group - 1) or enc.group < 2:
+        raise ValueError(f"the Triton flush takes groups of a power of two >= 2 tokens, got {enc.group}")
+    batch = context_lens.shape[0]
+    zero = source.zero if source.zero is not None else source.scale
+    _flush_blocks_kernel[(batch, num_tokens // enc.flush_block + 1, num_kv_heads)](
+        x, cu_seqlens_q, context_lens, rows, block_tables, source.codes, source.scale, zero, source.residual,
+        x.stride(0), x.stride(1), *source.codes.stride()[:3], source.scale.stride(0), source.scale.stride(1),
+        *source.residual.stride()[:3], block_tables.stride(0),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=source.codes.shape[2],
+        BITS=enc.bits, PER_ELEMENT=source.per_element, GROUP=enc.group, ASYM=not enc.symmetric,
+        WINDOW=source.window, FLUSH=enc.flush_block,
     )
 
 
@@ -566,10 +701,14 @@ def store_kv(
     cu_seqlens_q: torch.Tensor | None = None,
     context_lens: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
+    window_tokens: int | None = None,
     *,
     num_warps: int | None = None,
 ) -> None:
     """Write new keys/values k, v [T, Hkv, D] into their slots; slot -1 writes nothing.
+    An operand written a block at a time first gets the blocks the step completes (`block_tables`);
+    `window_tokens` n: only tokens [0, n) enter the windows now (`store_window` the rest).
     A quantized source (runtime/attention/sources.py) gets the tokens quantized; one with a residual
     window also gets them in full precision, which needs `cu_seqlens_q`, `context_lens` and `rows`
     (torch_ops.store_kv says how). No host sync: CUDA-graph capturable.
@@ -583,17 +722,39 @@ def store_kv(
     if windows and (cu_seqlens_q is None or context_lens is None or rows is None):
         raise ValueError("store_kv: a quantized source keeps a residual window; pass cu_seqlens_q, context_lens and "
                          "rows so that each new token finds its sequence's row")
+    for x, source in ((k, k_cache), (v, v_cache)):
+        if not is_dense(source) and source.enc.flush_block:
+            _flush_blocks(x, source, cu_seqlens_q, context_lens, rows, block_tables)
+    _launch_store(k, v, k_cache, v_cache, slot_mapping, cu_seqlens_q, context_lens, rows, windows, 0,
+                  num_tokens if window_tokens is None else window_tokens, True, num_warps)
+
+
+def store_window(k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, rows: torch.Tensor, first: int) -> None:
+    """The step's tokens [first, T) (its prefill chunks, after their attention) into the residual
+    windows of their sequences' rows (torch_ops.store_window)."""
+    num_tokens = k.shape[0]
+    if num_tokens > first:
+        _launch_store(k, v, k_cache, v_cache, slot_mapping, cu_seqlens_q, context_lens, rows, True, first,
+                      num_tokens, False, None)
+
+
+def _launch_store(k, v, k_cache, v_cache, slot_mapping, cu_seqlens_q, context_lens, rows, windows: bool,
+                  first: int, window_to: int, codes: bool, num_warps: int | None) -> None:
+    """`_store_kv_kernel` over tokens [first, T): their codes (`codes`), and the window for those
+    below `window_to`."""
+    num_tokens, num_kv_heads, head_dim = k.shape
     batch = cu_seqlens_q.shape[0] - 1 if windows else 1
     seqs = (cu_seqlens_q, context_lens, rows) if windows else (slot_mapping, slot_mapping, slot_mapping)
     k_op, v_op = kernel_operand(k_cache, windows), kernel_operand(v_cache, windows)
-    _store_kv_kernel[(num_tokens,)](
-        k, v, slot_mapping, *seqs, batch, *k_op.args(), *v_op.args(),
+    _store_kv_kernel[(num_tokens - first,)](
+        k, v, slot_mapping, *seqs, batch, first, window_to, *k_op.args(), *v_op.args(),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=k_cache.shape[2], **k_op.constants("K"), **v_op.constants("V"),
         K_BLOCK_G=triton.next_power_of_2(head_dim // k_op.group), V_BLOCK_G=triton.next_power_of_2(head_dim // v_op.group),
-        BLOCK_B=triton.next_power_of_2(batch),
+        BLOCK_B=triton.next_power_of_2(batch), CODES=codes,
         num_warps=num_warps or store_kv_launch_warps(num_tokens, num_kv_heads, head_dim, k.dtype),
     )
 
@@ -631,8 +792,8 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUT: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr,
     READ: tl.constexpr, HAS_LAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -658,11 +819,13 @@ def _decode_split_kernel(
     split_len = _split_len(span, num_splits, BLOCK_N)
     start = first + split * split_len
     end = tl.minimum(start + split_len, first + span)
-    resid_start = context_len  # the newest slots, from resid_start on, come from residual windows
+    resid_len = 0  # each operand reads its newest slots, from *_resid_start on, from its residual window
     seq_row = 0
     if K_WINDOW > 0 or V_WINDOW > 0:
-        resid_start = context_len - tl.load(resid_lens_ptr + seq)
+        resid_len = tl.load(resid_lens_ptr + seq)
         seq_row = tl.load(rows_ptr + seq).to(tl.int64)
+    k_resid_start = _window_start(context_len - 1, context_len, resid_len, K_WINDOW, K_FLUSH)  # the step's token and older
+    v_resid_start = _window_start(context_len - 1, context_len, resid_len, V_WINDOW, V_FLUSH)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -695,7 +858,7 @@ def _decode_split_kernel(
         in_page = tokens % PAGE_SIZE
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = _load_operand(
-            k_base, k_scale_base, k_zero_base, k_resid_base, pages, in_page, tokens, token_mask, kv_mask, resid_start,
+            k_base, k_scale_base, k_zero_base, k_resid_base, pages, in_page, tokens, token_mask, kv_mask, k_resid_start,
             stride_kp, stride_ks, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, HEAD_DIM, BLOCK_D,
             K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW,
         ).to(q_ptr.dtype.element_ty)
@@ -716,7 +879,7 @@ def _decode_split_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _load_operand(
-            v_base, v_scale_base, v_zero_base, v_resid_base, pages, in_page, tokens, token_mask, kv_mask, resid_start,
+            v_base, v_scale_base, v_zero_base, v_resid_base, pages, in_page, tokens, token_mask, kv_mask, v_resid_start,
             stride_vp, stride_vs, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s, HEAD_DIM, BLOCK_D,
             V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW,
         ).to(q_ptr.dtype.element_ty)
@@ -932,12 +1095,13 @@ def _prefill_tile(
     q, acc, m_i, l_i, tile, k_base, v_base, table, rows_pos, kv_end,
     qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
     offs_n, offs_d, dim_mask,
-    k_scale_base, k_zero_base, k_resid_base, v_scale_base, v_zero_base, v_resid_base, resid_start,
+    k_scale_base, k_zero_base, k_resid_base, v_scale_base, v_zero_base, v_resid_base, k_resid_start, v_resid_start,
     stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s,
+    k_new_base, v_new_base, new_start, stride_nt,
     PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr,
 ):
     tokens = tile + offs_n
     token_mask = tokens < kv_end
@@ -945,9 +1109,9 @@ def _prefill_tile(
     in_page = tokens % PAGE_SIZE
     kv_mask = token_mask[:, None] & dim_mask[None, :]
     k = _load_operand(
-        k_base, k_scale_base, k_zero_base, k_resid_base, pages, in_page, tokens, token_mask, kv_mask, resid_start,
+        k_base, k_scale_base, k_zero_base, k_resid_base, pages, in_page, tokens, token_mask, kv_mask, k_resid_start,
         stride_kp, stride_ks, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, HEAD_DIM, BLOCK_D,
-        K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW,
+        K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, k_new_base, new_start, stride_nt, K_WINDOW > 0,
     ).to(q.dtype)
 
     qk = _mma(q, tl.trans(k), DOT_PRECISION) * qk_scale
@@ -959,9 +1123,9 @@ def _prefill_tile(
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = _load_operand(
-        v_base, v_scale_base, v_zero_base, v_resid_base, pages, in_page, tokens, token_mask, kv_mask, resid_start,
+        v_base, v_scale_base, v_zero_base, v_resid_base, pages, in_page, tokens, token_mask, kv_mask, v_resid_start,
         stride_vp, stride_vs, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s, HEAD_DIM, BLOCK_D,
-        V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW,
+        V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW, v_new_base, new_start, stride_nt, V_WINDOW > 0,
     ).to(q.dtype)
 
     acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_PRECISION)
@@ -977,14 +1141,15 @@ def _prefill_kernel(
     v_cache_ptr, v_scale_ptr, v_zero_ptr, v_resid_ptr,
     stride_vp, stride_vh, stride_vs, stride_v_scale_p, stride_v_scale_h, stride_v_scale_s,
     stride_v_resid_r, stride_v_resid_h, stride_v_resid_s,
+    k_new_ptr, v_new_ptr, stride_nt, stride_nh,
     out_ptr, qk_scale,
     stride_qt, stride_qh,
     stride_bt, stride_sb, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     q_block = tl.program_id(0)
@@ -1028,11 +1193,18 @@ def _prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    resid_start = context_len  # the newest slots, from resid_start on, come from residual windows
+    resid_len = 0  # each operand reads its newest slots, from *_resid_start on, from its residual window
     seq_row = 0
     if K_WINDOW > 0 or V_WINDOW > 0:
-        resid_start = context_len - tl.load(resid_lens_ptr + seq)
+        resid_len = tl.load(resid_lens_ptr + seq)
         seq_row = tl.load(rows_ptr + seq).to(tl.int64)
+    # the chunk's own slots (from new_start on) read from its keys and values as computed, the
+    # window's older ones before them
+    new_start = context_len - q_len
+    k_resid_start = _window_start(new_start, context_len, resid_len, K_WINDOW, K_FLUSH)
+    v_resid_start = _window_start(new_start, context_len, resid_len, V_WINDOW, V_FLUSH)
+    k_new_base = k_new_ptr + q_start.to(tl.int64) * stride_nt + kv_head * stride_nh
+    v_new_base = v_new_ptr + q_start.to(tl.int64) * stride_nt + kv_head * stride_nh
     k_scale_base, k_zero_base = k_scale_ptr + kv_head * stride_k_scale_h, k_zero_ptr + kv_head * stride_k_scale_h
     v_scale_base, v_zero_base = v_scale_ptr + kv_head * stride_v_scale_h, v_zero_ptr + kv_head * stride_v_scale_h
     k_resid_base = k_resid_ptr + seq_row * stride_k_resid_r + kv_head * stride_k_resid_h
@@ -1044,19 +1216,23 @@ def _prefill_kernel(
         acc, m_i, l_i = _prefill_tile(
             q, acc, m_i, l_i, tile, k_base, v_base, table, rows_pos, kv_end,
             qk_scale, stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d, dim_mask,
-            k_scale_base, k_zero_base, k_resid_base, v_scale_base, v_zero_base, v_resid_base, resid_start,
-            stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s,
+            k_scale_base, k_zero_base, k_resid_base, v_scale_base, v_zero_base, v_resid_base, k_resid_start,
+            v_resid_start, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, stride_v_scale_p, stride_v_scale_s,
+            stride_v_resid_s, k_new_base, v_new_base, new_start, stride_nt,
             PAGE_SIZE, False, DOT_PRECISION, HEAD_DIM, BLOCK_D,
-            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW,
+            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM,
+            V_WINDOW, V_FLUSH,
         )
     for tile in range(unmasked_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _prefill_tile(
             q, acc, m_i, l_i, tile, k_base, v_base, table, rows_pos, kv_end,
             qk_scale, stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d, dim_mask,
-            k_scale_base, k_zero_base, k_resid_base, v_scale_base, v_zero_base, v_resid_base, resid_start,
-            stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s,
+            k_scale_base, k_zero_base, k_resid_base, v_scale_base, v_zero_base, v_resid_base, k_resid_start,
+            v_resid_start, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, stride_v_scale_p, stride_v_scale_s,
+            stride_v_resid_s, k_new_base, v_new_base, new_start, stride_nt,
             PAGE_SIZE, True, DOT_PRECISION, HEAD_DIM, BLOCK_D,
-            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW,
+            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM,
+            V_WINDOW, V_FLUSH,
         )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -1077,6 +1253,8 @@ def paged_prefill(
     kv_starts: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     resid_lens: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -1089,7 +1267,9 @@ def paged_prefill(
     Rows of `out` past cu_seqlens_q[-1] are not written. The keyword-only knobs override the
     launch config (this GPU's tuned entry, else `prefill_config`).
     K and V are dense caches or quantized sources (runtime/attention/sources.py); `rows`/`resid_lens`
-    [B] int32 read each row's newest resid_lens[b] slots from residual windows.
+    [B] int32 read each row's newest resid_lens[b] slots from residual windows; `k_new`/`v_new`
+    [Tq, Hkv, D] (the chunk's keys and values as computed): operands with a residual window read
+    the chunk's own slots from them (torch_ops.paged_prefill).
     """
     _check_operands(q, k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -1115,8 +1295,19 @@ def paged_prefill(
     windows, rows_arg, resid_arg = _residual_rows("paged_prefill", k_cache, v_cache, rows, resid_lens, context_lens,
                                                   batch)
     k_op, v_op = kernel_operand(k_cache, windows), kernel_operand(v_cache, windows)
+    if (k_op.window or v_op.window) and (k_new is None or v_new is None):
+        raise ValueError("paged_prefill: sources with a residual window read the chunk's own slots from k_new and "
+                         "v_new")
+    if k_new is None:
+        k_new = v_new = q  # stand-ins, never read
+    elif k_new.shape != (num_tokens, num_kv_heads, head_dim) or v_new.shape != k_new.shape:
+        raise ValueError(f"paged_prefill: k_new and v_new must be [{num_tokens}, {num_kv_heads}, {head_dim}], got "
+                         f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")
+    elif k_new.stride() != v_new.stride() or k_new.stride(-1) != 1:
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()
     _prefill_kernel[grid](
-        q, block_tables, cu_seqlens_q, context_lens, starts, rows_arg, resid_arg, *k_op.args(), *v_op.args(), out,
+        q, block_tables, cu_seqlens_q, context_lens, starts, rows_arg, resid_arg, *k_op.args(), *v_op.args(),
+        k_new, v_new, k_new.stride(0), k_new.stride(1), out,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         block_tables.stride(0), stride_sb, out.stride(0), out.stride(1),

@@ -83,7 +83,7 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
     """Every tensor quest stores per token, page or sequence, from methods/quest.kvm (manifest.json "kv_spec")."""
     param_page_size = params["page_size"]
     if page_size != param_page_size:
-        raise ValueError(f"quest summarises pages of {param_page_size} tokens; the engine's pages hold {page_size}")
+        raise ValueError(f"quest needs pages of {param_page_size} tokens (its page summaries or page scales); the engine's pages hold {page_size}")
     tensors = [
         TensorSpec("k", Extent.TOKEN, dtype, (head_dim,)),
         TensorSpec("v", Extent.TOKEN, dtype, (head_dim,)),

@@ -129,7 +129,7 @@ class PagedAttention:
         def source(enc, which: str) -> Source:
             if isinstance(enc, Dense):
                 return store[enc.tensor]
-            zero = None if enc.zero is None else store[enc.zero]
+            zero = None if enc.zero is None else store.scale_slots(enc.zero, layer)
             residual = None if enc.residual is None else store[enc.residual][:, layer]
             scale = store.scale_slots(enc.scale, layer)  # a LAYER scale (FP8) seen at every slot
             return QuantizedPages(enc, store[enc.codes], scale, zero, store.head_dim(which), store.model_dtype(which),
@@ -205,9 +205,12 @@ class PagedAttention:
     def page_size(self) -> int:
         return self.store.page_size
 
-    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
+              window_tokens: int | None = None) -> None:
         """Writes the step's keys/values into their slots of layer `layer_idx` (no attention: a
-        replayed prefill, runtime/prefill_record.py, needs only the stored K/V)."""
+        replayed prefill, runtime/prefill_record.py, needs only the stored K/V); `window_tokens` n:
+        only tokens [0, n) enter residual windows now (`forward`: the prefill chunks' after their
+        attention)."""
         slots = md.slot_mapping[layer_idx]
         k_src, v_src = self._sources[layer_idx]
         if md.num_prefills > 0:  # dynamic FP8 scales: fixed by the first prefill step (every sequence starts
@@ -217,7 +220,8 @@ class PagedAttention:
             self.ops.store_kv(k, v, k_src, v_src, slots)
         else:  # a residual window: each new token finds its sequence's row
             self.ops.store_kv(k, v, k_src, v_src, slots, cu_seqlens_q=md.cu_seqlens_q,
-                              context_lens=md.context_lens[layer_idx], rows=md.rows)
+                              context_lens=md.context_lens[layer_idx], rows=md.rows, window_tokens=window_tokens,
+                              **({"block_tables": md.block_tables[layer_idx]} if self.store.flushes_blocks else {}))
         if not self.store.spec.summaries:
             return
         if self.backend == "triton" and md.num_prefills == 0 and self.store.appends_summaries:
@@ -249,6 +253,8 @@ class PagedAttention:
         resid = None if md.resid_lens is None else md.resid_lens[layer_idx]
         extra_d = {} if resid is None else {"rows": md.rows[:md.num_decodes], "resid_lens": resid[:md.num_decodes]}
         extra_p = {} if resid is None else {"rows": md.rows[md.num_decodes:], "resid_lens": resid[md.num_decodes:]}
+        if resid is not None:  # a chunk attends to its own tokens as computed (torch_ops.paged_prefill)
+            extra_p.update(k_new=k[md.num_decodes:], v_new=v[md.num_decodes:])
         if read is not None:
             extra_d["read"] = read
         starts = None if md.kv_starts is None else md.kv_starts[layer_idx]  # [B, Hkv]
@@ -256,7 +262,8 @@ class PagedAttention:
         # a plan with an estimate (pseudo-keys of a cluster index) runs on the torch path for now
         estimated = read is not None and read.estimate is not None
         decode_ops = torch_ops if estimated else ops
-        self.write(layer_idx, k, v, md)
+        # a prefill chunk reads the window's older slots, which its own would overwrite: they enter after
+        self.write(layer_idx, k, v, md, window_tokens=None if resid is None else md.num_decodes)
         out = torch.empty_like(q)
         num_decodes = md.num_decodes
         if num_decodes > 0:
@@ -274,4 +281,7 @@ class PagedAttention:
                 lens[num_decodes:], scale, md.max_query_len,
                 out=out[num_decodes:], kv_starts=None if starts is None else starts[num_decodes:], **extra_p,
             )
+            if resid is not None:
+                ops.store_window(k, v, k_cache, v_cache, md.slot_mapping[layer_idx], md.cu_seqlens_q, lens, md.rows,
+                                 num_decodes)
         return out

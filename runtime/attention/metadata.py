@@ -68,7 +68,8 @@ class AttentionMetadata:
     kv_starts: torch.Tensor | None = None  # [L, B, Hkv] int32: first slot each KV head reads; None = 0
     # the KV spec's per-sequence rows (runtime/kv/rows.py), when it has SEQ tensors: [B] int32
     rows: torch.Tensor | None = None
-    # [L, B] int32: each row's newest slots (after the step) read from its residual window; None: none
+    # [L, B] int32: the newest slots each row's residual window held before the step (the ops read
+    # those and the step's own from it: torch_ops.window_reads); None: no window
     resid_lens: torch.Tensor | None = None
     # [L, B] int32: the tokens each row's prefill covered, in that layer's slots (the `prompt` of a
     # decode hook: the prompt, or prompt + generated after a recompute; a chain's reused history

@@ -50,7 +50,7 @@ class QuantizedPages:
                              f"{tuple(self.codes.shape)}")
         encodings.check(self.enc, self.head_dim, self.codes.dtype,
                         encodings.packing_of(self.head_dim, self.codes.shape[-1]))
-        want = (*self.codes.shape[:3], self.head_dim // self.enc.group)
+        want = (*self.codes.shape[:3], self.head_dim // self.enc.reader.group)
         if tuple(self.scale.shape) != want or not self.scale.dtype.is_floating_point:
             raise ValueError(f"{name}: scale must be a floating [{', '.join(map(str, want))}], got "
                              f"{self.scale.dtype} {tuple(self.scale.shape)}")
@@ -116,6 +116,7 @@ class KernelOperand:
     group: int
     asymmetric: bool
     window: int
+    flush: int = 0
 
     def args(self) -> tuple:
         """The kernels' operand parameters in order: `{x}_cache_ptr, {x}_scale_ptr, {x}_zero_ptr,
@@ -124,9 +125,9 @@ class KernelOperand:
         return (self.data, self.scale, self.zero, self.residual, *self.strides)
 
     def constants(self, prefix: str) -> dict:
-        """The kernels' operand constexprs, `{X}_BITS` ... `{X}_WINDOW` (`operand_consts`)."""
+        """The kernels' operand constexprs, `{X}_BITS` ... `{X}_FLUSH` (`operand_consts`)."""
         return {f"{prefix}_BITS": self.bits, f"{prefix}_PER_ELEMENT": self.per_element, f"{prefix}_GROUP": self.group,
-                f"{prefix}_ASYM": self.asymmetric, f"{prefix}_WINDOW": self.window}
+                f"{prefix}_ASYM": self.asymmetric, f"{prefix}_WINDOW": self.window, f"{prefix}_FLUSH": self.flush}
 
 
 def kernel_operand(source: Source, use_residual: bool) -> KernelOperand:
@@ -143,5 +144,5 @@ def kernel_operand(source: Source, use_residual: bool) -> KernelOperand:
         source.codes, source.scale, source.zero if source.zero is not None else source.scale,
         resid if resid is not None else source.scale,
         (cs[0], cs[1], cs[2], ss[0], ss[1], ss[2], rs[0], rs[1], rs[2]),
-        source.enc.bits, source.per_element, source.enc.group, not source.enc.symmetric,
-        0 if resid is None else resid.shape[2])
+        source.enc.bits, source.per_element, source.enc.reader.group, not source.enc.symmetric,
+        0 if resid is None else resid.shape[2], source.enc.flush_block)

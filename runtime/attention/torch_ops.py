@@ -37,6 +37,8 @@ def store_kv(
     cu_seqlens_q: torch.Tensor | None = None,
     context_lens: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
+    window_tokens: int | None = None,
 ) -> None:
     """Write new keys/values k, v [T, Hkv, D] into their slots; slot -1 writes nothing.
 
@@ -47,7 +49,12 @@ def store_kv(
     step's `cu_seqlens_q [B + 1]`, `context_lens [B]` (lengths after the step) and `rows [B]` (the
     sequences' SEQ rows); token i of sequence b sits at slot `context_lens[b] - cu_seqlens_q[b + 1]
     + i`. Only a sequence's newest R tokens of the step are written to the window (older ones
-    would be overwritten within the step anyway).
+    would be overwritten within the step anyway). An encoding with a flush block (`Quantized.
+    flush_block`) writes no codes per token: the blocks the step leaves behind are quantized first,
+    from the window and the step's tokens, into the slots `block_tables [B, pages]` address.
+    `window_tokens` n: only tokens [0, n) enter the windows now (the decodes); a prefill chunk's
+    enter after its attention (`store_window`), which reads the window's older slots that the
+    chunk's would overwrite.
 
     Uses a boolean mask (one host sync), so this path is not CUDA-graph capturable; the Triton
     version is. Each (token, head) is one row of the cache seen as [pages * Hkv * page_size, D]
@@ -55,6 +62,9 @@ def store_kv(
     around the head slice took the slow generic path (2.5x the time at a 2K-token chunk).
     """
     _, num_kv_heads, page_size, head_dim = k_cache.shape
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        if not is_dense(cache) and cache.enc.flush_block:
+            _flush_blocks(cache, x, cu_seqlens_q, context_lens, rows, block_tables)
     keep = slot_mapping >= 0
     tokens = None  # the kept tokens' indices, when a residual window needs their sequences
     if bool(keep.all()):  # the usual step: no padding, so no masked copies of k and v
@@ -74,6 +84,9 @@ def store_kv(
             codes = encodings.quantize_float(x, torch.where(scale > 0, scale, 1.0), cache.enc.format)
             _write_slots(cache.codes, flat, slots, heads, codes)
             continue
+        if cache.enc.flush_block:
+            _store_residual(cache, x, slot_mapping.shape[0], tokens, cu_seqlens_q, context_lens, rows, window_tokens)
+            continue
         codes, scale, zero = encodings.quantize(
             x, cache.enc, cache.codes.dtype, packing=encodings.packing_of(head_dim, cache.codes.shape[-1]),
             scale_dtype=cache.scale.dtype, zero_dtype=cache.scale.dtype if cache.zero is None else cache.zero.dtype)
@@ -81,7 +94,57 @@ def store_kv(
             if dst is not None:
                 _write_slots(dst, flat, slots, heads, new)
         if cache.residual is not None:
-            _store_residual(cache, x, slot_mapping.shape[0], tokens, cu_seqlens_q, context_lens, rows)
+            _store_residual(cache, x, slot_mapping.shape[0], tokens, cu_seqlens_q, context_lens, rows, window_tokens)
+
+
+def store_window(k: torch.Tensor, v: torch.Tensor, k_cache: Source, v_cache: Source, slot_mapping: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, rows: torch.Tensor, first: int) -> None:
+    """The step's tokens [first, T) (its prefill chunks, after their attention) into the residual
+    windows of their sequences' rows (`store_kv(..., window_tokens=first)` left them out)."""
+    stored = (slot_mapping >= 0) & (torch.arange(slot_mapping.shape[0], device=slot_mapping.device) >= first)
+    tokens = stored.nonzero().flatten()
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        if not is_dense(cache) and cache.residual is not None:
+            _store_residual(cache, x[tokens], slot_mapping.shape[0], tokens, cu_seqlens_q, context_lens, rows)
+
+
+def flushed(length: int, block: int) -> int:
+    """Slots [0, flushed) of a layer of `length` slots have their codes, under a flush block."""
+    return 0 if length == 0 else block * ((length - 1) // block)
+
+
+def _flush_blocks(source: QuantizedPages, x: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+                  context_lens: torch.Tensor | None, rows: torch.Tensor | None,
+                  block_tables: torch.Tensor | None) -> None:
+    """The codes of every block that the step's tokens x [T, Hkv, D] leave behind (runtime/kv/spec.py,
+    `Quantized.flush_block`): slots from the window where an earlier step stored them, from x where
+    this one does. Runs before the window takes the step's tokens, which may overwrite its slots."""
+    if cu_seqlens_q is None or context_lens is None or rows is None or block_tables is None:
+        raise ValueError(f"store_kv: quantized {source.enc.codes!r} is written a block at a time; pass cu_seqlens_q, "
+                         "context_lens, rows and block_tables")
+    enc, window, page_size = source.enc, source.window, source.codes.shape[2]
+    starts, lengths, row_ids = cu_seqlens_q.tolist(), context_lens.tolist(), rows.tolist()
+    scale_pages = source.scale[:, :, 0]  # [P, Hkv, D]: the page's one row (the slots are a stride-0 view of it)
+    zero_pages = None if source.zero is None else source.zero[:, :, 0]
+    for b, end in enumerate(lengths):
+        new = starts[b + 1] - starts[b]
+        first = end - new
+        lo, hi = flushed(first, enc.flush_block), flushed(end, enc.flush_block)
+        if hi <= lo:
+            continue
+        slots = torch.arange(lo, hi, device=x.device)
+        old = slots < first
+        values = torch.where(old[:, None, None],
+                             source.residual[row_ids[b], :, slots % window].transpose(0, 1).to(x.dtype),
+                             x[(starts[b] + slots - first).clamp(min=starts[b])])
+        codes, scale, zero = encodings.quantize_tokens(
+            values, enc, source.codes.dtype, packing=encodings.packing_of(source.head_dim, source.codes.shape[-1]),
+            scale_dtype=source.scale.dtype, zero_dtype=source.scale.dtype if source.zero is None else source.zero.dtype)
+        pages, offsets = block_tables[b].long()[slots // page_size], slots % page_size
+        source.codes[pages, :, offsets] = codes
+        scale_pages[pages] = scale.repeat_interleave(enc.group, dim=0)  # every slot's page: its group's row
+        if zero_pages is not None:
+            zero_pages[pages] = zero.repeat_interleave(enc.group, dim=0)
 
 
 def _write_slots(dst: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,
@@ -97,9 +160,9 @@ def _write_slots(dst: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, hea
 
 def _store_residual(source: QuantizedPages, x: torch.Tensor, num_tokens: int, tokens: torch.Tensor | None,
                     cu_seqlens_q: torch.Tensor | None, context_lens: torch.Tensor | None,
-                    rows: torch.Tensor | None) -> None:
-    """The kept tokens x [n, Hkv, D] (`tokens`: their indices in the step, None: all) into the
-    residual window of their sequences' rows."""
+                    rows: torch.Tensor | None, window_tokens: int | None = None) -> None:
+    """The kept tokens x [n, Hkv, D] (`tokens`: their indices in the step, None: all; only those
+    below `window_tokens` when given) into the residual window of their sequences' rows."""
     if cu_seqlens_q is None or context_lens is None or rows is None:
         raise ValueError(f"store_kv: quantized {source.enc.codes!r} keeps a residual window; pass cu_seqlens_q, "
                          "context_lens and rows so that each new token finds its sequence's row")
@@ -112,6 +175,8 @@ def _store_residual(source: QuantizedPages, x: torch.Tensor, num_tokens: int, to
     position = lengths - ends[seq] + tokens  # the token's slot in its sequence's layer
     window = source.window
     newest = position >= lengths - window  # older tokens of a long chunk would be overwritten anyway
+    if window_tokens is not None:
+        newest &= tokens < window_tokens
     row = rows.to(device=device, dtype=torch.long)[seq][newest]
     heads = torch.arange(x.shape[1], device=device)
     source.residual[row[:, None], heads[None, :], (position[newest] % window)[:, None]] = x[newest].to(source.dtype)
@@ -146,10 +211,25 @@ def reads_residual(source: Source, resid_lens: torch.Tensor | None) -> bool:
     return resid_lens is not None and not is_dense(source) and source.residual is not None
 
 
+def window_reads(source: QuantizedPages, resid_lens: torch.Tensor, context_lens: torch.Tensor,
+                 new: torch.Tensor | int = 1) -> torch.Tensor:
+    """[B] int64: each row's newest slots read from the source's window: the step's `new` tokens and
+    those the window held before the step (`resid_lens`), at most the residual length R = W - 1,
+    and under a flush block B only those of the unfinished block (`first % B`, first = the step's
+    first slot; runtime/kv/spec.py)."""
+    held = resid_lens.long()
+    new = torch.as_tensor(new, device=held.device).long()
+    first = context_lens.to(held.device).long() - new
+    block = source.enc.flush_block
+    cap = first % block if block else torch.full_like(first, source.window - 1)
+    return torch.minimum(held, cap) + new
+
+
 def with_residual(x: torch.Tensor, source: Source, rows: torch.Tensor | None, resid_lens: torch.Tensor | None,
-                  context_lens: torch.Tensor) -> torch.Tensor:
-    """x [B, Hkv, L, D] (slot t of row b at x[b, :, t]) with each row's newest `resid_lens[b]` stored
-    slots taken from the source's residual window (x itself when nothing is read from one)."""
+                  context_lens: torch.Tensor, new: torch.Tensor | int = 1) -> torch.Tensor:
+    """x [B, Hkv, L, D] (slot t of row b at x[b, :, t]) with each row's newest slots taken from the
+    source's residual window (`window_reads`: `resid_lens[b]` held before the step, `new` stored by
+    it; x itself when nothing is read from one)."""
     if not reads_residual(source, resid_lens):
         return x
     if rows is None:
@@ -157,7 +237,8 @@ def with_residual(x: torch.Tensor, source: Source, rows: torch.Tensor | None, re
     length, window = x.shape[2], source.window
     slots = torch.arange(length, device=x.device)
     lengths = context_lens.to(x.device).long()[:, None]
-    newest = (slots[None, :] >= lengths - resid_lens.to(x.device).long()[:, None]) & (slots[None, :] < lengths)
+    newest = (slots[None, :] >= lengths - window_reads(source, resid_lens, context_lens, new).to(x.device)[:, None]) & (
+        slots[None, :] < lengths)
     recent = source.residual[rows.to(x.device).long()[:, None], :, (slots % window)[None, :]]  # [B, L, Hkv, D]
     return torch.where(newest[:, None, :, None], recent.transpose(1, 2).to(x.dtype), x)
 
@@ -208,8 +289,9 @@ def paged_decode(
     every row's length (default: everything the block table can address).
 
     `k_cache` / `v_cache`: dense caches or `QuantizedPages` (sources.py). With `resid_lens [B]`
-    int32, slot t of row b with `t >= context_lens[b] - resid_lens[b]` is read from a quantized
-    operand's residual window, `residual[rows[b], h, t % R]` (`rows [B]` int32: the SEQ rows).
+    int32 (the newest slots each row's window held before the step), the step's token and the
+    window's newest `window_reads` are read from a quantized operand's residual window,
+    `residual[rows[b], h, t % W]` (`rows [B]` int32: the SEQ rows).
     `read` (a ReadPlan): KV head h of row b attends only to the slots the plan lists for it that
     are stored (below context_lens[b], at or past kv_starts[b, h]); a row that reads none comes out
     as zeros. With `stats`, the statistics cover the slots read, every other entry 0.
@@ -309,7 +391,7 @@ def _decode_by_row(q, k_cache, v_cache, block_tables, context_lens, scale, kv_st
 
 
 def _row_operand(cache: Source, pages: torch.Tensor, length: int, b: int, context_lens: torch.Tensor,
-                 residual: tuple, dtype: torch.dtype) -> torch.Tensor:
+                 residual: tuple, dtype: torch.dtype, new: int = 1) -> torch.Tensor:
     """Row b's first `length` slots of one operand, [1, Hkv, length, D] in `dtype`, decoded and with
     its residual window read in (a dense cache: the plain gather it always was)."""
     rows, resid_lens = residual
@@ -318,7 +400,7 @@ def _row_operand(cache: Source, pages: torch.Tensor, length: int, b: int, contex
     one = slice(b, b + 1)
     x = gather_source(cache, pages, length)[None]
     return with_residual(x, cache, None if rows is None else rows[one], None if resid_lens is None else resid_lens[one],
-                         context_lens[one]).to(dtype)
+                         context_lens[one], new).to(dtype)
 
 
 def _decode_by_plan(q, k_cache, v_cache, block_tables, context_lens, scale, kv_starts, read, residual, stats):
@@ -345,7 +427,7 @@ def _decode_by_plan(q, k_cache, v_cache, block_tables, context_lens, scale, kv_s
         if reads_residual(cache, resid_lens):
             if rows is None:
                 raise ValueError("a residual window is read by the sequences' rows: pass rows with resid_lens")
-            newest = safe >= (lengths - resid_lens.to(q.device).long())[:, None, None]
+            newest = safe >= (lengths - window_reads(cache, resid_lens, lengths).to(q.device))[:, None, None]
             heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
             recent = cache.residual[rows.to(q.device).long()[:, None, None], heads, safe % cache.window]
             x = torch.where(newest[..., None], recent.to(x.dtype), x)
@@ -486,6 +568,8 @@ def paged_prefill(
     kv_starts: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     resid_lens: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for prefill chunks, q [Tq, Hq, D] in varlen layout (see cu_seqlens_q).
 
@@ -500,12 +584,19 @@ def paged_prefill(
     starts that is all 0 takes the path of no starts, so zero starts stay bit-identical to none.
 
     Quantized operands (`QuantizedPages`) are decoded per row; `rows`/`resid_lens` read the newest
-    slots from their residual windows, as in `paged_decode`.
+    slots from their residual windows, as in `paged_decode`. `k_new`/`v_new` [Tq, Hkv, D] (the
+    chunk's own keys and values, as computed): an operand with a residual window reads the chunk's
+    slots from them, so a chunk attends to itself in the model's precision (the chunk is the newest
+    tokens, which such a method keeps exact; KIVI's prefill attends in full precision) and to earlier
+    tokens as they are stored. Operands without one read the chunk as stored (vLLM's FP8 prefill).
     """
     num_q_heads = q.shape[1]
     num_kv_heads = k_cache.shape[1]
     page_size = k_cache.shape[2]
     gqa = num_q_heads != num_kv_heads
+    if (k_new is None or v_new is None) and any(reads_residual(c, resid_lens) for c in (k_cache, v_cache)):
+        raise ValueError("paged_prefill: sources with a residual window read the chunk's own slots from k_new and "
+                         "v_new")
     if out is None:
         out = torch.zeros_like(q)
     starts = cu_seqlens_q.tolist()
@@ -518,7 +609,10 @@ def paged_prefill(
             continue
         num_pages = -(-kv_len // page_size)
         keys, values = (_row_operand(cache, block_tables[b, :num_pages], kv_len, b, context_lens, (rows, resid_lens),
-                                     q.dtype) for cache in (k_cache, v_cache))  # [1, Hkv, L, D]
+                                     q.dtype, q_len) for cache in (k_cache, v_cache))  # [1, Hkv, L, D]
+        for x, cache, fresh in ((keys, k_cache, k_new), (values, v_cache, v_new)):
+            if fresh is not None and reads_residual(cache, resid_lens):
+                x[0, :, kv_len - q_len:] = fresh[start:end].transpose(0, 1).to(x.dtype)
         queries = q[start:end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
         if head_starts is not None and any(head_starts[b]):
             # [Hq, q_len, kv_len]: each query head from its kv head's start

@@ -1,17 +1,19 @@
 """Quantized K/V encodings in plain PyTorch: the reference of every kernel that reads or writes them.
 
 A `Quantized` encoding (runtime/kv/spec.py) stores each token's `D` channels as integer codes with
-one scale (and, asymmetric, one zero point) per group of `group` channels:
+one scale (and, asymmetric, one zero point) per group of `group` channels (or, groups over tokens,
+per channel and group of `group` tokens):
 
 - symmetric: signed codes in [-qmax, qmax], qmax = 2^(bits-1) - 1, `scale = absmax / qmax`,
-  `x = code * scale`;
-- asymmetric: unsigned codes in [0, 2^bits - 1], `scale = (max - min) / (2^bits - 1)`,
-  `zero = -min / scale` (a float), `x = (code - zero) * scale`.
+  `code = floor(x / scale + 0.5)` clamped, `x = code * scale`;
+- asymmetric (KIVI's arithmetic): unsigned codes in [0, 2^bits - 1], `scale = (max - min) /
+  (2^bits - 1)`, the zero point is the group's minimum, `code = round(clamp((x - min) / scale, 0,
+  2^bits - 1))` with ties to even (KIVI's `round_`), `x = code * scale + min`.
 
-Codes round to nearest (`floor(y + 0.5)`, the same formula as the Triton store, so both give the
-same codes), computed against the scale and zero point *as stored* (rounded to their dtypes), so
-what is stored decodes to within half a step of the input (up to that rounding). A group whose
-range is 0 (or whose scale underflows its dtype) gets scale 1. Packing (`TensorSpec.packing`):
+Arithmetic in float32 against the scale and zero point *as stored* (rounded to their dtypes; the
+Triton store computes the same codes), so what is stored decodes to within half a step of the input
+(up to that rounding); in a float32 model this is KIVI's arithmetic exactly. A group whose range is
+0 (or whose scale underflows its dtype) gets scale 1. Packing (`TensorSpec.packing`):
 `int4x2` / `int2x4` put 2 / 4 codes in one uint8 along the last axis, low bits first; a signed code
 is stored as its two's-complement low bits.
 
@@ -58,7 +60,7 @@ def check(enc: Quantized, head_dim: int, code_dtype: torch.dtype, packing: str =
                              f"with one scale per token's {head_dim} channels, got {code_dtype}, group {enc.group}")
         return
     per = PACKINGS[packing]
-    if head_dim % enc.group:
+    if enc.axis == "channel" and head_dim % enc.group:
         raise ValueError(f"quantized {enc.codes!r}: group {enc.group} does not divide head_dim {head_dim}")
     if code_dtype.is_floating_point or code_dtype == torch.bool:
         raise ValueError(f"quantized {enc.codes!r}: codes need an integer dtype, got {code_dtype}")
@@ -114,23 +116,53 @@ def quantize(
     zero [..., D // group] zero_dtype or None when symmetric)."""
     head_dim = x.shape[-1]
     check(enc, head_dim, code_dtype, packing)
-    lo, hi = code_range(enc)
+    if enc.axis == "token":
+        return quantize_tokens(x, enc, code_dtype, packing=packing, scale_dtype=scale_dtype, zero_dtype=zero_dtype)
     xf = x.float().unflatten(-1, (head_dim // enc.group, enc.group))  # [..., G, group]
+    codes, scale, zero = _grouped(xf, enc, scale_dtype, zero_dtype)
+    per = PACKINGS[packing]
+    codes = codes.flatten(-2)
+    codes = pack(codes, enc.bits, per) if per > 1 else codes.to(code_dtype)
+    return codes, scale.to(scale_dtype), None if zero is None else zero.to(zero_dtype)
+
+
+def quantize_tokens(
+    x: torch.Tensor,
+    enc: Quantized,
+    code_dtype: torch.dtype,
+    *,
+    packing: str = "",
+    scale_dtype: torch.dtype = torch.float32,
+    zero_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Groups over tokens (`enc.axis` "token", KIVI's keys): x [n, ..., D], n a multiple of
+    `enc.group`, -> (codes [n, ..., D // per], scale [n // group, ..., D], zero [n // group, ..., D]
+    or None): consecutive `group` tokens share one scale (and zero point) per channel."""
+    n, head_dim = x.shape[0], x.shape[-1]
+    if n % enc.group:
+        raise ValueError(f"quantized {enc.codes!r}: {n} tokens are not whole groups of {enc.group}")
+    xf = x.float().unflatten(0, (n // enc.group, enc.group)).movedim(1, -1)  # [n/g, ..., D, group]
+    codes, scale, zero = _grouped(xf, enc, scale_dtype, zero_dtype)
+    codes = codes.movedim(-1, 1).flatten(0, 1)  # [n, ..., D]
+    per = PACKINGS[packing or ""]
+    codes = pack(codes, enc.bits, per) if per > 1 else codes.to(code_dtype)
+    return codes, scale.to(scale_dtype), None if zero is None else zero.to(zero_dtype)
+
+
+def _grouped(xf: torch.Tensor, enc: Quantized, scale_dtype: torch.dtype, zero_dtype: torch.dtype):
+    """Float32 codes, scale and zero point of groups along the last axis of xf [..., group]."""
+    lo, hi = code_range(enc)
     if enc.symmetric:
         scale = _stored(xf.abs().amax(-1) / hi, scale_dtype)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         y = xf / scale[..., None]
-        zero = None
-    else:
-        low = xf.amin(-1)
-        scale = _stored((xf.amax(-1) - low) / hi, scale_dtype)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        zero = _stored(-low / scale, zero_dtype)
-        y = xf / scale[..., None] + zero[..., None]
-    codes = torch.floor(y + 0.5).clamp(lo, hi).flatten(-2)
-    per = PACKINGS[packing]
-    codes = pack(codes, enc.bits, per) if per > 1 else codes.to(code_dtype)
-    return codes, scale.to(scale_dtype), None if zero is None else zero.to(zero_dtype)
+        return torch.floor(y + 0.5).clamp(lo, hi), scale, None
+    low = xf.amin(-1)
+    scale = _stored((xf.amax(-1) - low) / hi, scale_dtype)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = _stored(low, zero_dtype)
+    y = ((xf - zero[..., None]) / scale[..., None]).clamp(lo, hi)
+    return torch.round(y), scale, zero  # round half to even (KIVI's `round_`)
 
 
 def dequantize(
@@ -142,14 +174,16 @@ def dequantize(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """(codes [..., Dc], scale [..., G], zero [..., G] | None) -> x [..., D] in `dtype`; the packing
-    follows from Dc (D / Dc codes per element). Arithmetic in float32: `(code - zero) * scale` or
-    `code * scale`, then one rounding to `dtype` (the kernels compute exactly this)."""
+    follows from Dc (D / Dc codes per element). Arithmetic in float32: `code * scale` or
+    `code * scale + zero`, then one rounding to `dtype` (the kernels compute exactly this). Groups over
+    tokens are read per slot (`Quantized.reader`): scale [..., D], one per channel."""
+    enc = enc.reader
     per = PACKINGS[packing_of(head_dim, codes.shape[-1])]
     if (zero is None) != enc.symmetric:
         raise ValueError(f"quantized {enc.codes!r}: a zero point is needed exactly when asymmetric")
     code = (unpack(codes, enc.bits, per, enc.symmetric) if per > 1 else codes).float()
     s = scale.float().repeat_interleave(enc.group, dim=-1)
-    x = code * s if zero is None else (code - zero.float().repeat_interleave(enc.group, dim=-1)) * s
+    x = code * s if zero is None else code * s + zero.float().repeat_interleave(enc.group, dim=-1)
     return x.to(dtype)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -75,19 +75,28 @@ class Dense:
 
 @dataclass(frozen=True)
 class Quantized:
-    """Integer codes with a scale (and a zero point) per group: `x = (code - zero) * scale`
-    (asymmetric: unsigned codes and a zero point) or `x = code * scale` (symmetric: signed codes,
+    """Integer codes with a scale (and a zero point) per group: `x = code * scale + zero`
+    (asymmetric: unsigned codes, the zero point the group minimum) or `x = code * scale` (symmetric: signed codes,
     `zero` None). `codes` is a TOKEN tensor. `axis` says what a group spans:
 
     - "channel" (per token): `group` channels of one token share a scale; `scale`/`zero` are TOKEN
       tensors of shape [D // group] (KIVI's values, FP8-style per-token scales);
     - "token" (per channel): `group` consecutive slots share a scale per channel; `scale`/`zero` are
-      PAGE tensors of shape [max(1, page_size // group), D], a group longer than a page stored in
-      each of its pages (KIVI's keys).
+      PAGE tensors of shape [1, D]: the page size divides `group`, and a group longer than a page
+      has its scale stored in each of its pages (KIVI's keys). Readers see them at every slot of
+      the page (`reader`: one scale per channel).
 
-    `residual`: a SEQ tensor `[R, D]` in the model dtype holding the newest stored tokens in full
-    precision, slot s at row `s % R`; attention reads the last `resid_len` slots of a layer (a
+    `residual`: a SEQ tensor `[W, D]` in the model dtype holding the newest stored tokens in full
+    precision, slot s at row `s % W`; attention reads the last `resid_len` slots of a layer (a
     per-sequence, per-layer count the store keeps) from it instead of the codes.
+
+    `flush_block` B > 0: codes are written a block at a time, not token by token. Blocks are the
+    slots [jB, (j+1)B); the store quantizes block j when the first slot past it is stored, from the
+    window (whose W >= B + 1 slots still hold it) and the step's new tokens, so a block is read in
+    full precision through the step that completes it. Attention reads at most the newest
+    `(length - 1) % B + 1` slots (the newest, unfinished block) from the window, the rest from the
+    codes. Token-axis groups need it (a group's scale needs the whole group): KIVI's keys, B its
+    residual length. B = 0: every token's codes are written when it is stored.
 
     `format` "e4m3" / "e5m2": float codes (FP8, `FLOAT_CODES`), `x = float(code) * scale`, stored
     `code = fp8(clamp(x / scale, -max, max))` (round to nearest even). Their scale is a LAYER
@@ -106,8 +115,16 @@ class Quantized:
     format: str | None = None
     scaling: str = "unit"
     shared_heads: bool = True
+    flush_block: int = 0
 
     def __post_init__(self) -> None:
+        if self.flush_block < 0 or (self.flush_block and (self.residual is None or self.flush_block % self.group
+                                                           and self.axis == "token")):
+            raise ValueError(f"quantized {self.codes!r}: a flush block needs a residual window and, with groups over "
+                             f"tokens, a multiple of the group ({self.group}); got {self.flush_block}")
+        if self.axis == "token" and not self.flush_block:
+            raise ValueError(f"quantized {self.codes!r}: groups over tokens are written a block at a time: give a "
+                             "residual window and a flush block (a multiple of the group)")
         if self.format is not None:
             if self.format not in FLOAT_CODES or self.scaling not in SCALINGS:
                 raise ValueError(f"quantized {self.codes!r}: float codes are {sorted(FLOAT_CODES)} with scaling one of "
@@ -125,6 +142,12 @@ class Quantized:
     @property
     def symmetric(self) -> bool:
         return self.zero is None
+
+    @property
+    def reader(self) -> Quantized:
+        """The encoding as a reader of one slot sees it: groups over tokens become one scale per
+        channel at every slot (`KVStore.scale_slots` shows the page's scales at each of its slots)."""
+        return self if self.axis == "channel" else replace(self, axis="channel", group=1)
 
 
 Encoding = Dense | Quantized
@@ -187,7 +210,13 @@ class KVSpec:
         groups = Extent.LAYER if enc.format else Extent.TOKEN if enc.axis == "channel" else Extent.PAGE
         scale = self._need(enc.scale, groups, "scale")
         self._need(enc.zero, groups, "zero point")
-        self._need(enc.residual, Extent.SEQ, "residual")
+        resid = self._need(enc.residual, Extent.SEQ, "residual")
+        if enc.flush_block and resid.shape[0] < enc.flush_block + 1:
+            raise ValueError(f"KV spec: residual {resid.name!r} holds {resid.shape[0]} slots; a flush block of "
+                             f"{enc.flush_block} needs {enc.flush_block + 1} (the block and the token past it)")
+        if enc.axis == "token" and self.tensor(enc.scale).shape[0] != 1:
+            raise ValueError(f"KV spec: scale {enc.scale!r} of groups over tokens is [1, D] per page, got "
+                             f"{list(self.tensor(enc.scale).shape)}")
         if enc.format is not None:
             if codes.dtype != FLOAT_CODES[enc.format][0] or scale.shape != (1,) or not scale.dtype.is_floating_point:
                 raise ValueError(f"KV spec: {enc.format} codes {codes.name!r} are {FLOAT_CODES[enc.format][0]} with a "

@@ -89,6 +89,11 @@ class KVStore:
         return self.tensors[enc.tensor]
 
     @property
+    def flushes_blocks(self) -> bool:
+        """K or V is written a block at a time (`Quantized.flush_block`): the store needs the tables."""
+        return any(isinstance(e, Quantized) and e.flush_block for e in (self.spec.keys, self.spec.values))
+
+    @property
     def residual_window(self) -> int:
         """Slots a residual window holds (the K or V encoding's SEQ residual; 0: none). K's and V's
         must agree: one count per sequence and layer says how many newest slots both read from it."""
@@ -102,10 +107,15 @@ class KVStore:
         return [e for e in (self.spec.keys, self.spec.values) if isinstance(e, Quantized) and e.format]
 
     def scale_slots(self, name: str, layer: int | None) -> torch.Tensor:
-        """Scale tensor `name` as a TOKEN tensor `[pages + 1, Hkv, page_size, G]`: itself, or a LAYER
-        tensor's slice for `layer`, seen at every page and slot (strides 0: no copy)."""
+        """Scale (or zero point) tensor `name` as a TOKEN tensor `[pages + 1, Hkv, page_size, G]`:
+        itself; a PAGE tensor's one row per page (groups over tokens) seen at every slot of its page;
+        or a LAYER tensor's slice for `layer`, seen at every page and slot (strides 0: no copy)."""
         t = self.tensors[name]
-        if self.spec.tensor(name).extent is not Extent.LAYER:
+        extent = self.spec.tensor(name).extent
+        if extent is Extent.PAGE:
+            return t.as_strided((t.shape[0], t.shape[1], self.page_size, t.shape[3]),
+                                (t.stride(0), t.stride(1), 0, t.stride(3)))
+        if extent is not Extent.LAYER:
             return t
         if layer is None:
             raise ValueError(f"scale {name!r} is stored per layer: read it with the layer")
@@ -178,12 +188,14 @@ class KVStore:
             return _flat(self.tensors[enc.tensor], pages, length)
         x = encodings.dequantize(
             _flat(self.tensors[enc.codes], pages, length), _flat(self.scale_slots(enc.scale, layer), pages, length),
-            None if enc.zero is None else _flat(self.tensors[enc.zero], pages, length), enc,
+            None if enc.zero is None else _flat(self.scale_slots(enc.zero, layer), pages, length), enc,
             self.head_dim(which), self.model_dtype(which))
+        if enc.flush_block and length:  # only the newest, unfinished block is read from the window
+            resid_len = min(resid_len, (length - 1) % enc.flush_block + 1)
         if enc.residual is not None and resid_len > 0:
             if layer is None or row is None:
                 raise ValueError("a residual window is read with the sequence's layer and row")
-            resid = self.tensors[enc.residual][row, layer]  # [Hkv, R, D]
+            resid = self.tensors[enc.residual][row, layer]  # [Hkv, W, D]
             slots = torch.arange(length - resid_len, length, device=self.device)
             x[:, length - resid_len:] = resid[:, slots % resid.shape[1]].to(x.dtype)
         return x

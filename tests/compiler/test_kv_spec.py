@@ -95,34 +95,40 @@ def test_quest_summaries():
 def test_kivi_quantized_encodings():
     spec = manifest("kivi")["kv_spec"]
     assert spec["keys"] == {"kind": "quantized", "codes": "k_codes", "scale": "k_scale", "zero": "k_zero",
-                            "bits": "bits", "group": "group_size", "axis": "token", "residual": "k_resid"}
+                            "bits": "bits", "group": "group_size", "axis": "token", "residual": "k_resid",
+                            "flush_block": "residual_length"}
     assert spec["values"] == {"kind": "quantized", "codes": "v_codes", "scale": "v_scale", "zero": "v_zero",
                               "bits": "bits", "group": "group_size", "axis": "channel", "residual": "v_resid"}
     tensors = {t["name"]: t for t in spec["tensors"]}
     assert tensors["k_codes"] == {"name": "k_codes", "extent": "token", "dtype": "uint8", "shape": ["bits*head_dim/8"],
                                   "packing": "from bits"}
     assert tensors["k_scale"]["extent"] == "page" and tensors["k_zero"]["extent"] == "page"
-    assert tensors["k_scale"]["shape"] == ["Max(1, floor(page_size/group_size))", "head_dim"]
+    assert tensors["k_scale"]["shape"] == [1, "head_dim"] and spec["page_tokens"] == "group_size"
     assert tensors["v_scale"] == {"name": "v_scale", "extent": "token", "dtype": "model",
                                   "shape": ["head_dim/group_size"], "packing": ""}
-    assert tensors["k_resid"] == {"name": "k_resid", "extent": "seq", "dtype": "model",
-                                  "shape": ["residual_length", "head_dim"], "packing": ""}
+    assert tensors["k_resid"] == {"name": "k_resid", "extent": "seq", "dtype": "model",  # the newest R and the step's
+                                  "shape": ["residual_length + 1", "head_dim"], "packing": ""}
     assert spec["reason"] is None
     for bits, packing in ((2, "int2x4"), (4, "int4x2")):
         built = generated_kv_spec("kivi", {"bits": bits, "group_size": 32, "residual_length": 128})(
-            8, 128, torch.bfloat16, 16)
-        assert built.keys == Quantized("k_codes", "k_scale", bits, 32, zero="k_zero", residual="k_resid", axis="token")
+            8, 128, torch.bfloat16, 32)
+        assert built.keys == Quantized("k_codes", "k_scale", bits, 32, zero="k_zero", residual="k_resid", axis="token",
+                                       flush_block=128)
         assert built.values == Quantized("v_codes", "v_scale", bits, 32, zero="v_zero", residual="v_resid",
                                          axis="channel")
         assert built.tensor("v_codes") == TensorSpec("v_codes", Extent.TOKEN, torch.uint8, (128 * bits // 8,), packing)
         assert built.tensor("k_scale") == TensorSpec("k_scale", Extent.PAGE, torch.bfloat16, (1, 128))
         assert built.tensor("v_zero") == TensorSpec("v_zero", Extent.TOKEN, torch.bfloat16, (4,))
-        assert built.tensor("v_resid") == TensorSpec("v_resid", Extent.SEQ, torch.bfloat16, (128, 128))
+        assert built.tensor("v_resid") == TensorSpec("v_resid", Extent.SEQ, torch.bfloat16, (129, 128))
         # per token: K and V codes, V's scale and zero (4 groups of 32 channels, bf16); K's scales are per page
         assert built.bytes_per_token(1) == 2 * 128 * bits // 8 + 2 * 4 * 2
-        assert built.bytes_per_page(1, 16) == 16 * built.bytes_per_token(1) + 2 * 128 * 2
-    no_window = generated_kv_spec("kivi", {"residual_length": 0})(8, 128, torch.bfloat16, 16)
-    assert not no_window.uses_rows and no_window.keys.residual is None
+        assert built.bytes_per_page(1, 32) == 32 * built.bytes_per_token(1) + 2 * 128 * 2
+    with pytest.raises(ValueError, match="pages of 32 tokens"):
+        generated_kv_spec("kivi", {"group_size": 32})(8, 128, torch.bfloat16, 16)
+    # keys grouped over tokens are quantized a block at a time from the window: a window of 0 cannot be
+    for residual in (0, 48):  # nor a block that is not whole groups
+        with pytest.raises(ValueError, match="residual window|multiple of the group"):
+            generated_kv_spec("kivi", {"residual_length": residual})(8, 128, torch.bfloat16, 32)
 
 
 @pytest.mark.parametrize("name, words", [("turboquant", ["rotate", "lloyd_max", "qjl"]), ("palu", ["project"]),
@@ -150,7 +156,7 @@ def test_fp8_float_codes_and_a_scale_per_layer():
         assert built.bytes_per_token(8) * 2 == 8 * 2 * 128 * 2
         assert built.bytes_per_page(8, 16) == 16 * built.bytes_per_token(8)
     kivi = manifest("kivi")
-    assert not kivi["lowered"] and "residual-window flush rules" in kivi["reason"] and "kivi.kvm:12:1" in kivi["reason"]
+    assert kivi["lowered"] and kivi["hooks"] == {} and kivi["attention"]["variant"] == "spec"
 
 
 def test_fp8_scales_along_other_axes_do_not_fit(tmp_path):
@@ -200,5 +206,5 @@ def test_a_lowered_method_serves_its_quantized_spec(tmp_path, monkeypatch):
     assert spec.values == Quantized("v_codes", "v_scale", 8, 32, residual="v_resid", axis="channel")
     assert spec.tensor("v_codes") == TensorSpec("v_codes", Extent.TOKEN, torch.int8, (64,))
     assert spec.tensor("v_scale") == TensorSpec("v_scale", Extent.TOKEN, torch.float16, (2,))
-    assert spec.tensor("v_resid") == TensorSpec("v_resid", Extent.SEQ, torch.float16, (16, 64))
+    assert spec.tensor("v_resid") == TensorSpec("v_resid", Extent.SEQ, torch.float16, (17, 64))  # 16 and the step's
     assert "v_zero" not in spec and not spec.dense

@@ -1,8 +1,10 @@
 """Compiles the `spec` attention module's store, decode and prefill kernels for an H100/H200
-(sm90) with FP8 operands, on a machine without a GPU: Triton's front end, its passes and ptxas run
-as they would on the GPU, so a kernel that does not compile for the hardware fails here too.
-`python -m tests.kernels.sm90_compile FP8_TYPE` (fp8e4nv or fp8e5); tests/kernels/test_fp8.py runs
-it in a subprocess (the interpreter, TRITON_INTERPRET=1, replaces kernels with Python)."""
+(sm90) with FP8 operands, or KIVI's 2-bit ones (keys a block at a time, with the flush kernel), on
+a machine without a GPU: Triton's front end, its passes and ptxas run as they would on the GPU, so
+a kernel that does not compile for the hardware fails here too. `python -m
+tests.kernels.sm90_compile CODES` (fp8e4nv, fp8e5 or int2); tests/kernels/test_fp8.py and
+tests/methods/test_kivi.py run it in a subprocess (the interpreter, TRITON_INTERPRET=1, replaces
+kernels with Python)."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def build(fn, consts: dict, pointers: dict) -> str:
     return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 
-def main(fp8: str) -> None:
+def main(codes: str) -> None:
     import importlib.util
 
     path = attention.locate("spec")
@@ -37,22 +39,32 @@ def main(fp8: str) -> None:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     pointers = {f"{x}_{p}_ptr": "*bf16" for x in "kv" for p in ("scale", "zero", "resid")}
-    pointers |= {"k_cache_ptr": f"*{fp8}", "v_cache_ptr": f"*{fp8}", "k_ptr": "*bf16", "v_ptr": "*bf16",
-                 "q_ptr": "*bf16", "out_ptr": "*bf16", "slot_ptr": "*i64"}
+    code_type = "u8" if codes == "int2" else codes
+    pointers |= {"k_cache_ptr": f"*{code_type}", "v_cache_ptr": f"*{code_type}", "k_ptr": "*bf16", "v_ptr": "*bf16",
+                 "q_ptr": "*bf16", "out_ptr": "*bf16", "slot_ptr": "*i64", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
+                 "x_ptr": "*bf16", "codes_ptr": "*u8", "scale_ptr": "*bf16", "zero_ptr": "*bf16", "resid_ptr": "*bf16"}
     pointers |= {n: "*i32" for n in ("block_tables_ptr", "context_lens_ptr", "kv_starts_ptr", "rows_ptr",
                                      "resid_lens_ptr", "plan_ptr", "last_ptr", "cu_seqlens_ptr")}
     ops = {f"{x}_{c}": v for x in "KV" for c, v in (("BITS", 8), ("PER_ELEMENT", 1), ("GROUP", 128), ("ASYM", False),
-                                                     ("WINDOW", 0))}
+                                                     ("WINDOW", 0), ("FLUSH", 0))}
     shape = dict(HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16)
-    ptx = build(mod._store_kv_kernel, dict(NUM_KV_HEADS=8, BLOCK_H=8, K_BLOCK_G=1, V_BLOCK_G=1, BLOCK_B=1, **shape,
-                                           **ops), pointers)
-    assert "cvt.rn.satfinite" in ptx  # the FP8 cast of the store
+    if codes == "int2":  # KIVI-2: keys per channel (one scale a channel at every slot), values per 32 channels
+        kivi = dict(BITS=2, PER_ELEMENT=4, ASYM=True, WINDOW=129)
+        ops = {f"K_{c}": v for c, v in (kivi | dict(GROUP=1, FLUSH=128)).items()}
+        ops |= {f"V_{c}": v for c, v in (kivi | dict(GROUP=32, FLUSH=0)).items()}
+        shape["PAGE_SIZE"] = 32
+        build(mod._flush_blocks_kernel, dict(HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=32, BITS=2, PER_ELEMENT=4, GROUP=32,
+                                             ASYM=True, WINDOW=129, FLUSH=128), pointers)
+    ptx = build(mod._store_kv_kernel, dict(NUM_KV_HEADS=8, BLOCK_H=8, K_BLOCK_G=128 // ops["K_GROUP"],
+                                           V_BLOCK_G=128 // ops["V_GROUP"], BLOCK_B=1, CODES=True, **shape, **ops),
+                pointers)
+    assert codes == "int2" or "cvt.rn.satfinite" in ptx  # the FP8 cast of the store
     build(mod._decode_split_kernel, dict(EMIT_STATS=False, GROUP=4, BLOCK_H=16, BLOCK_N=64, DIRECT_OUT=True,
                                          USE_DOT=True, DOT_PRECISION="ieee", HAS_STARTS=False, READ=0,
                                          HAS_LAST=False, **shape, **ops), pointers)
     build(mod._prefill_kernel, dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, BLOCK_N=64, DOT_PRECISION="ieee",
                                     HAS_STARTS=False, **shape, **ops), pointers)
-    print("compiled for sm90:", fp8)
+    print("compiled for sm90:", codes)
 
 
 if __name__ == "__main__":

@@ -55,12 +55,24 @@ class SpecCase:
     block_tables: torch.Tensor  # [B, max_pages] int32
     context_lens: torch.Tensor  # [B] int32
     rows: torch.Tensor  # [B] int32 SEQ rows (permuted)
-    resid_lens: torch.Tensor | None  # [B] int32
+    exact_lens: torch.Tensor | None  # [B] int32: the newest slots attention reads from the window
     page_size: int
 
     @property
     def lengths(self) -> list[int]:
         return self.context_lens.tolist()
+
+    @property
+    def resid_lens(self) -> torch.Tensor | None:
+        """[B] int32 for a decode: what the window held before the step (the ops add the step's token)."""
+        return self.held(1)
+
+    def held(self, new) -> torch.Tensor | None:
+        """[B] int32 for a step of `new` tokens a row (an int or [B]): what the window held before it,
+        so that the ops read exactly `exact_lens` slots from the window (at least the step's own)."""
+        if self.exact_lens is None:
+            return None
+        return (self.exact_lens - torch.as_tensor(new)).clamp(min=0).to(torch.int32)
 
 
 def _source(enc: Enc | str | None, name: str, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
@@ -107,7 +119,7 @@ def make_spec_case(
 ) -> SpecCase:
     """Sequences of `lengths` tokens on permuted pages; each operand dense (None) or quantized as
     `Enc` says, with a residual window of `window` slots whose newest `resid_lens[b]` (default:
-    min(window, length)) slots attention reads instead of the codes."""
+    min(window, length); at least 1, the step's token) slots attention reads instead of the codes."""
     pages_per_seq = [-(-n // page_size) for n in lengths]
     num_pages = sum(pages_per_seq) + spare_pages
     num_rows = len(lengths) + 2
@@ -273,8 +285,10 @@ def fold_oracle(probs: list[torch.Tensor], num_kv_heads: int, width: int, reduce
 
 
 def oracle_prefill(case: SpecCase, q: torch.Tensor, cu_seqlens: list[int], scale: float,
-                   starts: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of each row's chunk (the last q_len of its tokens) over its keys, float64."""
+                   starts: torch.Tensor | None = None, fresh: tuple | None = None) -> torch.Tensor:
+    """Causal attention of each row's chunk (the last q_len of its tokens) over its keys, float64;
+    `fresh` (k_new, v_new [T, Hkv, D]): an operand with a residual window reads its chunk slots
+    from these instead."""
     q = q.double().cpu()
     num_q_heads = q.shape[1]
     num_kv_heads = case.keys[0].shape[1]
@@ -284,8 +298,12 @@ def oracle_prefill(case: SpecCase, q: torch.Tensor, cu_seqlens: list[int], scale
         lo, hi = cu_seqlens[b], cu_seqlens[b + 1]
         if hi == lo:
             continue
-        k = case.keys[b].double().repeat_interleave(group, dim=1)
-        v = case.values[b].double().repeat_interleave(group, dim=1)
+        k, v = case.keys[b].double().clone(), case.values[b].double().clone()
+        if fresh is not None:
+            for x, source, new in ((k, case.k_source, fresh[0]), (v, case.v_source, fresh[1])):
+                if not isinstance(source, torch.Tensor) and source.residual is not None:  # windowed operands
+                    x[n - (hi - lo):] = new[lo:hi].double()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         positions = torch.arange(n - (hi - lo), n)
         visible = torch.arange(n)[None, :] <= positions[:, None]  # [q, L]
         scores = torch.einsum("qhd,lhd->hql", q[lo:hi], k) * scale

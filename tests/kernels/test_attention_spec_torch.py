@@ -53,7 +53,7 @@ def test_resid_lens_choose_between_codes_and_window():
     """resid_lens shorter than the window: the older window slots are read from the codes."""
     gen = fresh(3)
     lengths = [20, 9]
-    case = case_for("int4-asym-g8", "int4-asym-g8", gen, window=8, resid_lens=[3, 0], lengths=lengths)
+    case = case_for("int4-asym-g8", "int4-asym-g8", gen, window=8, resid_lens=[3, 1], lengths=lengths)
     q = torch.randn(2, 4, HEAD_DIM, generator=gen)
     want, _ = oracle_decode(case, q, 0.25)
     got = torch_ops.paged_decode(q, case.k_source, case.v_source, case.block_tables, case.context_lens, 0.25,
@@ -131,10 +131,21 @@ def test_prefill_chunks_over_a_quantized_prefix(k_name, v_name, window, with_sta
     q = torch.randn(cu[-1], num_kv_heads * group, HEAD_DIM, generator=gen)
     want = oracle_prefill(case, q, cu, 0.2, starts)
     cu_seqlens = torch.tensor(cu, dtype=torch.int32)
-    got = torch_ops.paged_prefill(q, case.k_source, case.v_source, case.block_tables, cu_seqlens, case.context_lens,
-                                  0.2, max(q for _, q in shapes), kv_starts=starts, rows=case.rows,
-                                  resid_lens=case.resid_lens)
-    torch.testing.assert_close(got, want.float(), **TOL)
+    args = (q, case.k_source, case.v_source, case.block_tables, cu_seqlens, case.context_lens, 0.2,
+            max(q for _, q in shapes))
+    if not window:  # no window: the chunk is read as stored
+        got = torch_ops.paged_prefill(*args, kv_starts=starts, rows=case.rows, resid_lens=case.resid_lens)
+        torch.testing.assert_close(got, want.float(), **TOL)
+        return
+    # a window: a chunk attends to its own tokens as computed (k_new, v_new), to earlier ones as stored
+    chunk = (torch.randn(cu[-1], num_kv_heads, HEAD_DIM, generator=gen),
+             torch.randn(cu[-1], num_kv_heads, HEAD_DIM, generator=gen))
+    held = case.held(torch.tensor([q_len for _, q_len in shapes]))
+    got = torch_ops.paged_prefill(*args, kv_starts=starts, rows=case.rows, resid_lens=held, k_new=chunk[0],
+                                  v_new=chunk[1])
+    torch.testing.assert_close(got, oracle_prefill(case, q, cu, 0.2, starts, chunk).float(), **TOL)
+    with pytest.raises(ValueError, match="k_new"):
+        torch_ops.paged_prefill(*args, rows=case.rows, resid_lens=held)
 
 
 @pytest.mark.parametrize("k_name,v_name", [("int4-asym-g8", "int8-token"), ("dense", "int2-sym-g16")])

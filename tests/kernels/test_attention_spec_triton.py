@@ -159,13 +159,15 @@ def test_prefill_over_a_quantized_prefix(k_name, v_name, window, with_starts, gr
         starts = torch.stack([torch.randint(0, n - max(q_len, 1) + 1, (2,), generator=gen)
                               for n, q_len in shapes]).int()
     q = torch.randn(31, 2 * group, HEAD_DIM, generator=gen)
+    k_new, v_new = (torch.randn(31, 2, HEAD_DIM, generator=gen) for _ in range(2))  # the chunks as computed
     want = torch_ops.paged_prefill(q, nan_free(case.k_source), nan_free(case.v_source), case.block_tables, cu,
                                    case.context_lens, 0.2, 21, kv_starts=starts, rows=case.rows,
-                                   resid_lens=case.resid_lens)
+                                   resid_lens=case.resid_lens, k_new=k_new, v_new=v_new)
     out = poisoned(q.shape)
     spec_ops.paged_prefill(q.to(DEVICE), on_device(case.k_source), on_device(case.v_source), dev(case.block_tables),
                            dev(cu), dev(case.context_lens), 0.2, 21, out=out, kv_starts=dev(starts),
-                           rows=dev(case.rows), resid_lens=dev(case.resid_lens), block_m=16, block_n=16)
+                           rows=dev(case.rows), resid_lens=dev(case.resid_lens), k_new=k_new.to(DEVICE),
+                           v_new=v_new.to(DEVICE), block_m=16, block_n=16)
     assert not out.isnan().any()
     torch.testing.assert_close(out.cpu(), want, **TOL)
 
@@ -213,11 +215,13 @@ def test_groups_that_do_not_tile_the_block(k_name, v_name):
     torch.testing.assert_close(got.cpu(), want, **TOL)
     cu = torch.tensor([0, 11, 14], dtype=torch.int32)
     qp = torch.randn(14, 4, head_dim, generator=gen)
+    k_new, v_new = (torch.randn(14, 2, head_dim, generator=gen) for _ in range(2))
     want = torch_ops.paged_prefill(qp, nan_free(case.k_source), nan_free(case.v_source), case.block_tables, cu,
-                                   case.context_lens, 0.2, 11, **extra)
+                                   case.context_lens, 0.2, 11, **extra, k_new=k_new, v_new=v_new)
     got = spec_ops.paged_prefill(qp.to(DEVICE), on_device(case.k_source), on_device(case.v_source),
                                  dev(case.block_tables), dev(cu), dev(case.context_lens), 0.2, 11, rows=dev(case.rows),
-                                 resid_lens=dev(case.resid_lens), block_m=16, block_n=16)
+                                 resid_lens=dev(case.resid_lens), k_new=k_new.to(DEVICE), v_new=v_new.to(DEVICE),
+                                 block_m=16, block_n=16)
     torch.testing.assert_close(got.cpu(), want, **TOL)
     k = torch.randn(3, 2, head_dim, generator=gen)
     slots = torch.tensor([case.block_tables[0, 2] * 4 + 2, -1, case.block_tables[1, 1] * 4 + 1])

@@ -186,13 +186,13 @@ def test_bf16_equals_full_over_round_tripped_kv(model_dir, monkeypatch, scaling:
     session = ref.Session(scaling=scaling)
     write = PagedAttention.write
 
-    def round_tripped(self, layer, k, v, md):
+    def round_tripped(self, layer, k, v, md, window_tokens=None):
         stored = md.slot_mapping[layer] >= 0  # the first step fixes the scales from its stored rows
         k2 = session.stored(layer, "k", k[stored].transpose(0, 1)).transpose(0, 1).to(k.dtype)
         v2 = session.stored(layer, "v", v[stored].transpose(0, 1)).transpose(0, 1).to(v.dtype)
         k, v = k.clone(), v.clone()
         k[stored], v[stored] = k2, v2
-        return write(self, layer, k, v, md)
+        return write(self, layer, k, v, md, window_tokens)
 
     exact = LLM.from_engine(Engine(EngineConfig(**config, method="full")))
     assert got != [o.token_ids for o in exact.generate(prompts, [greedy(8) for _ in prompts])], "the test is blind"

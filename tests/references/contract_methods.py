@@ -11,7 +11,8 @@ papers' rules, written here from scratch (no kvc code):
 - int8 keys: every key is seen as int8-quantized (per token, symmetric: scale = max |k| / 127,
   code = round half up, clamped to +-127) except the newest `r` of a layer, seen exactly; r grows by
   the tokens stored (at most `window`) and drops to 0 when a prefill ends or a decode step ends with
-  r == window (the window re-encoded).
+  r == window (the window re-encoded); a step sees its own tokens and the window's newest (at most
+  window - 1 of them) exactly.
 
 `Session` keeps the cache between calls, so a chain's next turn, a fork or a prefix-cache hit is
 the same session continued (or a copy of it).
@@ -79,8 +80,9 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     kv_heads, n, new = keys.shape[0], keys.shape[1], k.shape[1]
     group = q.shape[0] // kv_heads
     if s.method == "int8keys":
-        s.resid[layer] = min(s.resid[layer] + new, s.params["window"])
-        exact = s.resid[layer]
+        before = s.resid[layer]
+        s.resid[layer] = min(before + new, s.params["window"])
+        exact = min(before, s.params["window"] - 1) + new  # the step's tokens and the window's newest
         keys = torch.cat([_int8(keys[:, : n - exact]), keys[:, n - exact:]], dim=1)
     visible = torch.ones(kv_heads, new, n, dtype=torch.bool)
     visible &= torch.arange(n)[None, None, :] <= torch.arange(n - new, n)[None, :, None]  # causal

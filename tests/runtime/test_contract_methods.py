@@ -91,9 +91,9 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def check(tokens: list[int], logits: torch.Tensor, want: tuple[list[int], torch.Tensor]) -> None:
+def check(tokens: list[int], logits: torch.Tensor, want: tuple[list[int], torch.Tensor], atol: float = ATOL) -> None:
     assert tokens == want[0]
-    torch.testing.assert_close(logits, want[1], atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(logits, want[1], atol=atol, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
@@ -148,7 +148,9 @@ def test_chain_continued_and_forked(model_dir, hf, monkeypatch, name: str) -> No
         out = llm.generate(history + user, params, chain=spec)[0]
         check_books(llm.engine)
         assert out.num_cached_tokens == len(history) - 1
-        check(out.token_ids, spy.of(params), generate(hf, ref.copy(), [first.token_ids[-1]] + user, 6))
+        # int8 codes of keys that round at a half step in one model and not the other (kvc's model code
+        # is not HF's) move a logit by a few 1e-4 over 11 steps
+        check(out.token_ids, spy.of(params), generate(hf, ref.copy(), [first.token_ids[-1]] + user, 6), atol=4e-4)
     assert len(llm.engine.chains.records()) == 3
 
 

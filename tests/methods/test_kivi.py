@@ -1,0 +1,202 @@
+"""The compiled `kivi` method (methods/kivi.kvm) served on tiny random Llama and Qwen3 models, against
+the hand-written KIVI reference (tests/references/kivi.py): keys quantized per channel over groups
+of tokens, a block of `residual_length` at a time; values per token; the newest tokens exact; the
+step's own tokens exact (KIVI's full-precision prefill). The quantizer is bit-exact against the
+reference's numpy one; greedy tokens and every sampled logit row match through a batch, chunked
+prefills, a chain continued and forked, a preemption, and the Triton kernels (interpreted); the
+pool holds the tokens its bytes per token say.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvc.runtime.config import EngineConfig
+from kvc.runtime.engine import Engine
+from kvc.runtime.errors import ConfigError
+from kvc.runtime.kv import encodings
+from kvc.runtime.kv.spec import Quantized
+from kvc.runtime.llm import LLM
+from tests.methods import served
+from tests.models.tiny import load_hf, make_tiny_llama, make_tiny_qwen3
+from tests.references import kivi as ref
+from tests.runtime.chained import check_books
+from tests.runtime.test_contract_methods import ATOL, Logits, check, greedy, prompt
+
+GROUP, RESIDUAL = 4, 8  # pages of one group (the method's page size)
+PARAMS = {"bits": 2, "group_size": GROUP, "residual_length": RESIDUAL}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model_dir(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    make = make_tiny_llama if request.param == "llama" else make_tiny_qwen3
+    return make(tmp_path_factory.mktemp(f"kivi-{request.param}"), seed=7, num_hidden_layers=2, initializer_range=0.25)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path):
+    return load_hf(model_dir)
+
+
+def make_llm(model_dir: Path, bits: int = 2, **options) -> LLM:
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
+                          kv_cache_memory=2**22, method="kivi", method_params={**PARAMS, "bits": bits},
+                          **{"max_num_batched_tokens": 4096, **options})
+    return LLM.from_engine(Engine(config))
+
+
+def session(bits: int = 2) -> ref.Session:
+    return ref.Session(bits=bits, group=GROUP, residual=RESIDUAL)
+
+
+# ---- the quantizer ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_the_encodings_are_the_reference_quantizer_bit_for_bit(bits: int) -> None:
+    """Keys per channel over groups of tokens, values per token over groups of channels: kvc's codes
+    (unpacked), scales, zero points (the group minima) and decoded values equal the numpy
+    reference's, ties to even included (values on the half steps of a 0..3 grid)."""
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.randn(16, 3, 32, generator=gen)
+    x[:8, 0, :4] = torch.tensor([0.0, 0.5, 1.5, 3.0])[:, None].repeat(2, 1)  # ties at 0.5 and 1.5 steps
+    packing = {2: "int2x4", 4: "int4x2"}[bits]
+    keys = Quantized("c", "s", bits, GROUP, zero="z", residual="r", axis="token", flush_block=8)
+    codes, scale, zero = encodings.quantize(x, keys, torch.uint8, packing=packing)
+    grouped = x.numpy().reshape(4, GROUP, 3, 32).transpose(0, 2, 3, 1)  # [n/g, H, D, g]
+    want_codes, want_scale, want_mn = ref.quantize_groups(grouped, bits)
+    per = 8 // bits
+    assert np.array_equal(encodings.unpack(codes, bits, per, False).numpy(),
+                          want_codes.transpose(0, 3, 1, 2).reshape(16, 3, 32))
+    assert np.array_equal(scale.numpy(), want_scale) and np.array_equal(zero.numpy(), want_mn)
+    back = encodings.dequantize(codes, scale.repeat_interleave(GROUP, 0), zero.repeat_interleave(GROUP, 0), keys, 32,
+                                torch.float32)
+    assert np.array_equal(back.numpy(), ref.keys_round_trip(x.numpy().transpose(1, 0, 2), bits, GROUP).transpose(1, 0, 2))
+    assert {0, 2} <= set(want_codes[0, 0, 0].tolist())  # 0.5 -> 0 and 1.5 -> 2: ties went to even
+    values = Quantized("c", "s", bits, GROUP, zero="z", residual="r", axis="channel")
+    codes, scale, zero = encodings.quantize(x, values, torch.uint8, packing=packing)
+    back = encodings.dequantize(codes, scale, zero, values, 32, torch.float32)
+    assert np.array_equal(back.numpy(), ref.values_round_trip(x.numpy().transpose(1, 0, 2), bits,
+                                                              GROUP).transpose(1, 0, 2))
+
+
+# ---- served against the reference ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_batch_equals_the_reference(model_dir, hf, monkeypatch, bits: int) -> None:
+    """Prompts shorter than the window, across one block and several, each one prefill chunk, then
+    decode steps that cross block boundaries (R = 8): the reference's tokens and logits; and the
+    quantization changes them (KIVI-2 against exact K/V)."""
+    spy = Logits(monkeypatch)
+    llm = make_llm(model_dir, bits)
+    prompts = [prompt(n, seed) for n, seed in ((5, 1), (16, 2), (23, 3), (41, 4))]
+    params = [greedy(12) for _ in prompts]
+    outs = llm.generate(prompts, params)
+    check_books(llm.engine)
+    for p, out, sp in zip(prompts, outs, params):
+        want = ref.generate(hf, session(bits), p, 12)
+        check(out.token_ids, spy.of(sp), want)
+    exact = ref.generate(hf, ref.Session(bits=bits, group=GROUP, residual=10**6), prompts[3], 12)[1]
+    if bits == 2:
+        assert (exact - want[1]).abs().max() > 10 * ATOL, "KIVI changes nothing: the test is blind"
+
+
+def test_chunked_prefill_reads_earlier_chunks_as_stored(model_dir, hf, monkeypatch) -> None:
+    """A prompt prefilled in chunks of 8: each chunk reads its own tokens exactly, the earlier ones
+    as KIVI's cache holds them (the reference chunked the same way)."""
+    spy = Logits(monkeypatch)
+    llm = make_llm(model_dir, max_num_batched_tokens=8, max_prefill_chunk=8)
+    p, params = prompt(29, 9), greedy(6)
+    out = llm.generate(p, params)[0]
+    check(out.token_ids, spy.of(params), ref.generate(hf, session(), p, 6, chunk=8))
+    one = ref.generate(hf, session(), p, 6)[1]
+    assert (one - spy.of(params)).abs().max() > 10 * ATOL  # one chunk would differ: the chunking is seen
+
+
+def test_chain_continued_and_forked(model_dir, hf, monkeypatch) -> None:
+    """A chain carries its pages and its row (the windows): two forks and a continuation each
+    continue the reference session of the first turn."""
+    llm = make_llm(model_dir)
+    served.chain_continued_and_forked(llm, Logits(monkeypatch), partial(ref.generate, hf), session)
+
+
+def test_preemption_recomputes(model_dir, hf, monkeypatch) -> None:
+    llm = make_llm(model_dir)
+    assert not llm.engine.scheduler.prefix_caching  # the unfinished block has no key codes to share
+    served.preemption_recomputes(llm, Logits(monkeypatch), partial(ref.generate, hf), session, GROUP, False, 14)
+
+
+def test_the_pool_holds_the_spec_bytes(model_dir) -> None:
+    """Bytes per token from the spec: KIVI-2 with groups of 8 stores D / 4 bytes of codes for K and
+    for V, V's scales and minima per 8 channels, and K's scales and minima once a page of 8 tokens;
+    the pool's pages are what the budget (less the rows' windows) buys at that size."""
+    config = dict(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
+                  kv_cache_memory=2**21)
+    kivi = Engine(EngineConfig(**config, method="kivi", method_params={"bits": 2, "group_size": 8,
+                                                                        "residual_length": 16}))
+    full = Engine(EngineConfig(**config, method="full", page_size=8))
+    heads, dim, layers = full.layout.kv_heads, full.spec.head_dim, full.layout.layers
+    spec = kivi.attention.store.spec
+    assert kivi.config.page_size == 8  # the method's: pages of one key group
+    per_page = heads * (8 * (2 * dim // 4 + 2 * 4 * dim // 8) + 2 * 4 * dim)
+    assert spec.bytes_per_page(heads, 8) == per_page
+    assert full.attention.store.spec.bytes_per_page(heads, 8) == heads * 8 * 2 * dim * 4
+    rows = kivi.attention.store.num_rows * spec.bytes_per_row(heads, layers)  # the windows, off the budget first
+    for engine, page in ((kivi, per_page), (full, heads * 8 * 2 * dim * 4)):  # a page of one layer each
+        assert 2**21 - page < engine.num_pages * page + (rows if engine is kivi else 0) <= 2**21
+    assert kivi.num_pages * per_page >= (2**21 - rows) - per_page
+    out = LLM.from_engine(kivi).generate(prompt(70, 5), greedy(4))[0]
+    assert len(out.token_ids) == 4
+
+
+def test_bad_parameters_are_clear_errors(model_dir) -> None:
+    """Keys grouped over tokens need a window of whole groups; the spec packs 2, 4 or 8 bits."""
+    for params, words in (({"residual_length": 0}, "residual window"), ({"residual_length": 6}, "multiple"),
+                          ({"bits": 3}, "bits")):
+        with pytest.raises(ConfigError, match=words):
+            Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
+                                kv_cache_memory=2**22, method="kivi", method_params={**PARAMS, **params}))
+
+
+# ---- the Triton kernels ---------------------------------------------------------------------------
+
+
+def test_the_triton_backend_equals_the_reference(model_dir, hf, monkeypatch) -> None:
+    """The generated `spec` kernels (interpreted here): the store writes the windows, the flush kernel
+    quantizes finished key blocks, the decode and prefill tiles decode 2-bit codes (prefill reading
+    its chunk as computed): the reference's tokens and logits."""
+    pytest.importorskip("triton")
+    from tests.kernels.paged_cases import triton_device_and_ops
+
+    device, _ = triton_device_and_ops("spec")
+    spy = Logits(monkeypatch)
+    config = EngineConfig(model=str(model_dir), device=device.type, dtype="float32", attention_backend="triton",
+                          cuda_graphs=False, kv_cache_memory=2**22, method="kivi", method_params=PARAMS,
+                          max_num_batched_tokens=4096)
+    llm = LLM.from_engine(Engine(config))
+    assert llm.engine.attention.variant == "spec"
+    prompts = [prompt(n, seed) for n, seed in ((19, 1), (9, 4))]
+    params = [greedy(10) for _ in prompts]
+    for p, out, sp in zip(prompts, llm.generate(prompts, params), params):
+        check(out.token_ids, spy.of(sp).cpu(), ref.generate(hf, session(), p, 10))
+
+
+def test_the_kernels_compile_for_sm90() -> None:
+    """The 2-bit store, flush, decode and prefill kernels compile for an H100/H200 (ptxas here)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile", "int2"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    if "No module named 'triton.backends.nvidia'" in done.stderr:
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    assert done.returncode == 0, done.stderr[-3000:]
