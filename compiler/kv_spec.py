@@ -494,8 +494,8 @@ class _Emitter:
         if spec.page_tokens is not None:
             tokens = p.py(spec.page_tokens)
             lines += [f"    if page_size != {tokens}:",
-                      f'        raise ValueError(f"{method_name} needs pages of {{{tokens}}} tokens (its page summaries '
-                      'or page scales); the engine\'s pages hold {page_size}")']
+                      f'        raise ValueError(f"{method_name} needs pages of {{{tokens}}} tokens (its page '
+                      'summaries or page scales); the engine\'s pages hold {page_size}")']
         for enc in (spec.keys, spec.values):
             if isinstance(enc, Quantized) and enc.residual is not None:
                 lines.append(f"    {self.resid[enc.residual]} = max(0, math.floor({p.py(enc.residual_tokens)}))")

@@ -138,7 +138,7 @@ def quantize_tokens(
     """Groups over tokens (`enc.axis` "token", KIVI's keys): x [n, ..., D], n a multiple of
     `enc.group`, -> (codes [n, ..., D // per], scale [n // group, ..., D], zero [n // group, ..., D]
     or None): consecutive `group` tokens share one scale (and zero point) per channel."""
-    n, head_dim = x.shape[0], x.shape[-1]
+    n = x.shape[0]
     if n % enc.group:
         raise ValueError(f"quantized {enc.codes!r}: {n} tokens are not whole groups of {enc.group}")
     xf = x.float().unflatten(0, (n // enc.group, enc.group)).movedim(1, -1)  # [n/g, ..., D, group]

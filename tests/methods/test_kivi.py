@@ -77,7 +77,8 @@ def test_the_encodings_are_the_reference_quantizer_bit_for_bit(bits: int) -> Non
     assert np.array_equal(scale.numpy(), want_scale) and np.array_equal(zero.numpy(), want_mn)
     back = encodings.dequantize(codes, scale.repeat_interleave(GROUP, 0), zero.repeat_interleave(GROUP, 0), keys, 32,
                                 torch.float32)
-    assert np.array_equal(back.numpy(), ref.keys_round_trip(x.numpy().transpose(1, 0, 2), bits, GROUP).transpose(1, 0, 2))
+    want = ref.keys_round_trip(x.numpy().transpose(1, 0, 2), bits, GROUP).transpose(1, 0, 2)
+    assert np.array_equal(back.numpy(), want)
     assert {0, 2} <= set(want_codes[0, 0, 0].tolist())  # 0.5 -> 0 and 1.5 -> 2: ties went to even
     values = Quantized("c", "s", bits, GROUP, zero="z", residual="r", axis="channel")
     codes, scale, zero = encodings.quantize(x, values, torch.uint8, packing=packing)
