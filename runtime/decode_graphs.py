@@ -2,8 +2,8 @@
 
 `ModelRunner.run` hands a decode-only batch to `DecodeGraphs.run`: the batch is loaded into
 static device buffers (`_load`: token ids, positions, per-layer slots, context lengths, page
-tables and KV-head starts, incrementally from a host mirror, and the rows of the spec's
-per-sequence tensors), and the graph of its key is replayed, captured lazily on first use.
+tables and KV-head starts, incrementally from a host mirror, the rows of the spec's
+per-sequence tensors and what their residual windows hold), and the graph of its key is replayed, captured lazily on first use.
 `run_uncaptured` runs the same step eagerly over the same buffers (the CPU tests).
 
 Graph keys (`GraphKey`): the batch-size bucket (padding rows have no slot and no context), whether
@@ -103,6 +103,9 @@ class DecodeGraphs:
         # each row's row of the spec's per-sequence tensors (padding: the scratch row); None: it has none
         self.rows = (torch.full((n,), runner.store.scratch_row, dtype=torch.int32, device=dev)
                      if runner.store.num_rows else None)
+        # per layer and row, the newest slots its residual window held before the step; None: no window
+        self.resid = (torch.zeros((layers, n), dtype=torch.int32, device=dev)
+                      if runner.store.residual_window else None)
         self.logits: torch.Tensor | None = None  # [n, vocab] float32, every graph's output (`_step_fn`)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -145,6 +148,7 @@ class DecodeGraphs:
             max_context_len=key.context,
             kv_starts=self.starts[:, :b] if key.starts else None,
             rows=None if self.rows is None else self.rows[:b],
+            resid_lens=None if self.resid is None else self.resid[:, :b],
         )
         attn = r._attn_fn(md)
         if self.logits is None:  # outside any capture
@@ -235,6 +239,10 @@ class DecodeGraphs:
         if self.rows is not None:
             scratch = self.runner.store.scratch_row
             copy_into(self.rows[:b], [scratch if s.row is None else s.row for s in seqs] + [scratch] * pad)
+        if self.resid is not None:  # padding rows: 0 (their context is empty)
+            resid = np.zeros((layers, b), dtype=np.int32)
+            resid[:, :n] = np.array([s.resid_lens for s in seqs], dtype=np.int32).T
+            copy_into(self.resid[:, :b], resid)
         # Page tables: rebuilt rows travel whole (the whole block when many did), appended pages
         # one entry each (stale entries past a row's table, and in padding rows, are never read:
         # kernels stop at the row's context length, 0 for padding).

@@ -146,10 +146,8 @@ class ModelRunner:
         self.executor = KVExecutor(self.store, pool, "triton" if attention.backend == "triton" else "auto")
         self.hooks = StepHooks(self.method, self.store, self.executor, self.tables, pool, self.num_layers)
         self.graphs: DecodeGraphs | None = None
-        # a residual window's rows and counts are not among the graphs' static inputs yet: such
-        # specs decode eagerly; so does the torch backend, whose writes sync with the host
-        if (use_cuda_graphs and device.type == "cuda" and attention.backend != "torch" and self.method.decode_graphs
-                and not self.store.residual_window):
+        # the torch backend decodes eagerly: its writes sync with the host
+        if use_cuda_graphs and device.type == "cuda" and attention.backend != "torch" and self.method.decode_graphs:
             self.graphs = DecodeGraphs(self, max_num_seqs)
             self.graphs.reserve_stats()  # before a graph captures a view of the statistics buffer
 

@@ -109,8 +109,9 @@ def store_window(k: torch.Tensor, v: torch.Tensor, k_cache: Source, v_cache: Sou
 
 
 def flushed(length: int, block: int) -> int:
-    """Slots [0, flushed) of a layer of `length` slots have their codes, under a flush block."""
-    return 0 if length == 0 else block * ((length - 1) // block)
+    """Slots [0, flushed) of a layer of `length` slots have their codes, under a flush block (0 for
+    an empty layer, and for a padding row's, whose step "starts" before slot 0)."""
+    return 0 if length <= 0 else block * ((length - 1) // block)
 
 
 def _flush_blocks(source: QuantizedPages, x: torch.Tensor, cu_seqlens_q: torch.Tensor | None,

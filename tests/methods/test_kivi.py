@@ -134,6 +134,19 @@ def test_preemption_recomputes(model_dir, hf, monkeypatch) -> None:
     served.preemption_recomputes(llm, Logits(monkeypatch), partial(ref.generate, hf), session, GROUP, False, 14)
 
 
+def test_the_graph_step_run_uncaptured(model_dir, hf, monkeypatch) -> None:
+    """Decode-only steps through the CUDA-graph runner's own step (static buffers with the rows and
+    what their windows hold, a padding row), run without capture on the CPU: the reference's tokens
+    across key blocks flushed inside the step."""
+    prompts = [prompt(n, seed) for n, seed in ((13, 21), (18, 22), (6, 23))]
+    llm = make_llm(model_dir, max_model_len=80, max_num_seqs=6)
+    replays = served.graph_steps(llm, monkeypatch)
+    outs = llm.generate(prompts, [greedy(12) for _ in prompts])
+    assert 3 in replays  # bucket 4: one padding row
+    for p, out in zip(prompts, outs):
+        assert out.token_ids == ref.generate(hf, session(), p, 12)[0]
+
+
 def test_the_pool_holds_the_spec_bytes(model_dir) -> None:
     """Bytes per token from the spec: KIVI-2 with groups of 8 stores D / 4 bytes of codes for K and
     for V, V's scales and minima per 8 channels, and K's scales and minima once a page of 8 tokens;
