@@ -2,11 +2,13 @@
 codes (FP8 by default: the `fp8` method's spec) against the `plain` kernel over K/V in the model
 dtype, one layer at the Qwen3-30B-A3B shape (32 query heads, 4 KV heads, head dim 128, bf16, pages
 of 16), with a device-to-device copy of the same run as the bandwidth baseline. Bandwidth counts
-the bytes each kernel must read (codes, or K and V; per-layer scales are negligible), so
+the bytes each kernel must read (codes and their per-token and per-page scales, or K and V;
+per-layer scales are negligible; KIVI's pages are its key groups of 32 tokens), so
 `of_copy` compares the kernels and `vs_dense` is what the smaller cache buys a decode step.
 Each timed as a CUDA graph of 20 calls.
 
     python bench/quantized_decode_bench.py --method fp8 --shapes 32x32768,8x131072 --out fp8_decode.json
+    python bench/quantized_decode_bench.py --method kivi --out kivi_decode.json
     TRITON_INTERPRET=1 python bench/quantized_decode_bench.py --smoke     # CPU, tiny: proves it runs
 """
 
@@ -53,9 +55,11 @@ def attention(method: str | None, batch: int, context: int, dtype: torch.dtype, 
     from kvc.runtime.attention.backend import PagedAttention
     from kvc.runtime.methods import resolve_method
 
-    pages_per_row = -(-context // PAGE)
-    spec = None if method is None else resolve_method(method, None).kv_spec(KV_HEADS, DIM, dtype, PAGE)
-    att = PagedAttention.allocate(1, batch * pages_per_row, KV_HEADS, PAGE, DIM, dtype, device, "triton", spec)
+    resolved = None if method is None else resolve_method(method, None)
+    page = (resolved.page_tokens() if resolved is not None else None) or PAGE  # the method's page (KIVI: a group)
+    pages_per_row = -(-context // page)
+    spec = None if resolved is None else resolved.kv_spec(KV_HEADS, DIM, dtype, page)
+    att = PagedAttention.allocate(1, batch * pages_per_row, KV_HEADS, page, DIM, dtype, device, "triton", spec)
     att.use_variant(variant_for_spec(att.store.spec.dense, False, False))
     gen = torch.Generator(device=device).manual_seed(0)
     for name, t in att.store.tensors.items():  # random content; scales of 1 (fp8: codes in range)
@@ -67,8 +71,7 @@ def attention(method: str | None, batch: int, context: int, dtype: torch.dtype, 
     tables = torch.randperm(batch * pages_per_row, generator=gen, device=device).int().view(batch, pages_per_row)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     k_src, v_src = att._sources[0]
-    read = sum(att.store[t.name].element_size() * math.prod(t.shape) for t in att.store.spec.tensors
-               if t.extent.value == "token") * batch * context * KV_HEADS
+    read = att.store.spec.bytes_per_page(KV_HEADS, page) * batch * pages_per_row  # codes, scales and page scales
     return att, k_src, v_src, tables, lens, read
 
 

@@ -33,7 +33,8 @@ def add_commands(bench_sub) -> None:
                    help="tokens the single request decodes before it is cloned (default 0: right after prefill)")
     t.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     t.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    t.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    t.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV page (default: each method's own, else 16)")
     t.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill tokens per step")
     t.add_argument("--max-prefill-chunk", type=int, help="one request's prefill tokens per step")
     t.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])

@@ -49,7 +49,7 @@ from kvc.runtime.bench.plan import (
 )
 from kvc.runtime.bench.sources import mix_layers, prefill_sources
 from kvc.runtime.bench.steps import Clock, abort_all, collect, make_engine, prompt, until, warm_up, window
-from kvc.runtime.config import EngineConfig
+from kvc.runtime.config import DEFAULT_PAGE_SIZE, EngineConfig
 from kvc.runtime.errors import ConfigError, OutOfKVMemory
 from kvc.runtime.models.loader import model_directory
 from kvc.runtime.sampling_params import SamplingParams
@@ -72,7 +72,7 @@ class ThroughputConfig:
     decode_offset: int = 0
     device: str = "auto"
     dtype: str = "auto"
-    page_size: int = 16
+    page_size: int | None = None  # None: each method's own (`page_tokens`), else the engine's default
     max_num_batched_tokens: int = 8192
     max_prefill_chunk: int | None = None
     attention_backend: str = "auto"
@@ -92,6 +92,8 @@ class ThroughputConfig:
         for name in ("output_len", "budget", "steps", "max_batch", "page_size", "busy_batch", "sources",
                      "evict_interval"):
             value = getattr(self, name)
+            if name == "page_size" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}", param=name)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
@@ -149,7 +151,8 @@ def prepare(cfg: ThroughputConfig, model: str) -> list[Case]:
             except ConfigError as e:
                 raise ConfigError(f"{name} at {input_len} input tokens with {params}: {e.message}",
                                   param=e.param) from None
-            plan = plan_batch(method, spec, cfg.kv_memory, cfg.page_size, input_len, cfg.output_len, cfg.max_batch,
+            page = cfg.page_size or method.page_tokens() or DEFAULT_PAGE_SIZE  # what its engine will take
+            plan = plan_batch(method, spec, cfg.kv_memory, page, input_len, cfg.output_len, cfg.max_batch,
                               cfg.evict_interval, inputs_dir)
             cases.append(Case(name, input_len, params, dict(method.params), ref, plan))
     return cases
