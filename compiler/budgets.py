@@ -10,8 +10,10 @@ sympy, from the `keep` that runs at prefill end:
   layer's physical length (the engine stores per-head variable counts right-aligned in shared
   slots, docs/design.md). Equal to `kept` unless the selection is head-adaptive: there one head
   may take the whole layer's budget but the safeguard (`at_least`) of every other head.
-- `kv_bytes`: K and V bytes of a request after prefill end (the slots it holds: `held`), summed
-  over layers, given the model shape (`layers`, `kv_heads`, `head_dim`, `dtype_bytes`).
+- `kv_bytes`: KV bytes of a request after prefill end (the slots it holds: `held`), summed over
+  layers, given the model shape (`layers`, `kv_heads`, `head_dim`, `dtype_bytes`): `token_bytes`
+  a slot per KV head, from the KV spec (K and V in the model dtype by default; codes, scales and
+  page scales for a quantized spec: `with_token_bytes`). Per-sequence windows are not counted.
 - `peak_prefill_bytes`: the whole prompt is resident until prefill ends.
 - `steady_bytes`: after `generated` decode tokens: methods that evict while decoding stay at
   their budget (evaluated at the grown context), the others grow by one token per step.
@@ -22,7 +24,7 @@ sympy, from the `keep` that runs at prefill end:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy as sp
 
@@ -40,19 +42,27 @@ class Budgets:
     evicts_while_decoding: bool
     params: tuple[str, ...]  # parameters the formulas use, sorted
     held: object = None  # sympy: bound on the most-keeping head's tokens (the layer's slots); None: kept
+    token_bytes: object = 2 * HEAD_DIM * DTYPE_BYTES  # sympy: bytes a stored slot costs per KV head and layer
 
     def __post_init__(self) -> None:
         if self.held is None:
             object.__setattr__(self, "held", self.kept)
 
+    def with_token_bytes(self, token_bytes) -> Budgets:
+        """These budgets over a KV spec whose slot costs `token_bytes` (compiler/kv_spec.py
+        `token_bytes`); the parameters it reads join `params`."""
+        names = sorted(set(self.params) | {str(s) for s in sp.sympify(token_bytes).free_symbols}
+                       - {"head_dim", "dtype_bytes"})
+        return replace(self, token_bytes=token_bytes, params=tuple(names))
+
     @property
     def kv_bytes(self):
-        per_layer = 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES * self.held
+        per_layer = KV_HEADS * self.token_bytes * self.held
         return sp.Sum(per_layer, (LAYER, 0, LAYERS - 1))
 
     @property
     def peak_prefill_bytes(self):
-        return 2 * LAYERS * KV_HEADS * HEAD_DIM * DTYPE_BYTES * CONTEXT
+        return LAYERS * KV_HEADS * self.token_bytes * CONTEXT
 
     def formulas(self) -> dict[str, str]:
         return {"kept_tokens_per_layer": sp.sstr(self.kept), "held_tokens_per_layer": sp.sstr(self.held),
@@ -118,7 +128,7 @@ def emit_python(budgets: Budgets) -> str:
         used = {str(s) for s in expr.free_symbols}
         return "".join(f'    {p} = params["{p}"]\n' for p in budgets.params if p in used)
 
-    kept_src, held_src = _pycode(budgets.kept), _pycode(budgets.held)
+    kept_src, held_src, slot_src = _pycode(budgets.kept), _pycode(budgets.held), _pycode(budgets.token_bytes)
     grow = "0" if budgets.evicts_while_decoding else "generated"
     at = "prompt + generated" if budgets.evicts_while_decoding else "prompt"
     return (
@@ -132,17 +142,23 @@ def emit_python(budgets: Budgets) -> str:
         '    """At most this many tokens kept by the most-keeping KV head of `layer`: the slots the layer holds."""\n'
         f"{unpack(budgets.held)}"
         f"    return int({held_src})\n\n\n"
+        "def slot_bytes(*, head_dim, dtype_bytes, params):\n"
+        '    """Bytes one stored slot costs per KV head and layer (the KV spec\'s per-token and per-page tensors)."""\n'
+        f"{unpack(budgets.token_bytes)}"
+        f"    return {slot_src}\n\n\n"
         "def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
-        '    """K and V bytes of one request after prefill end (the slots it holds), summed over layers."""\n'
+        '    """KV bytes of one request after prefill end (the slots it holds), summed over layers."""\n'
         "    kept = sum(held_tokens(context, layer, layers, kv_heads, params) for layer in range(layers))\n"
-        "    return 2 * kv_heads * head_dim * dtype_bytes * kept\n\n\n"
+        "    return kv_heads * slot_bytes(head_dim=head_dim, dtype_bytes=dtype_bytes, params=params) * kept\n\n\n"
         "def peak_prefill_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
-        '    """K and V bytes while the prompt is prefilled (all of it resident until prefill end)."""\n'
-        "    return 2 * layers * kv_heads * head_dim * dtype_bytes * context\n\n\n"
+        '    """KV bytes while the prompt is prefilled (all of it resident until prefill end)."""\n'
+        "    return layers * kv_heads * slot_bytes(head_dim=head_dim, dtype_bytes=dtype_bytes, params=params) * context"
+        "\n\n\n"
         "def steady_bytes(prompt, generated, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
-        '    """K and V bytes after `generated` decode steps."""\n'
+        '    """KV bytes after `generated` decode steps."""\n'
         f"    kept = sum(held_tokens({at}, layer, layers, kv_heads, params) for layer in range(layers))\n"
-        f"    return 2 * kv_heads * head_dim * dtype_bytes * (kept + layers * {grow})\n"
+        "    slot = slot_bytes(head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)\n"
+        f"    return kv_heads * slot * (kept + layers * {grow})\n"
     )
 
 

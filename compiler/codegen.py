@@ -157,11 +157,12 @@ def generate_ir(method: MethodIR) -> dict[str, str]:
             header=_header(method.path, f"{TRITON_TEMPLATE} + {families}"),
             method=method, defaults=defaults, kernels=plan.kernels)
         templates += [TRITON_TEMPLATE] + [FAMILY_TEMPLATES[k.family] for k in plan.kernels]
-    formulas = budgets.formulas()
     facts = hook_facts.describe(method, codes)
     spec = kv_spec.derive(method.checked, facts)
     if any(isinstance(enc, kv_spec.Unmapped) for enc in (spec.keys, spec.values)):
         raise NotLowerable(f"K or V is stored as the KV spec cannot describe yet ({'; '.join(spec.reasons)})")
+    budgets = budgets.with_token_bytes(kv_spec.token_bytes(spec))  # bytes a slot costs, from the spec
+    formulas = budgets.formulas()
     files["hooks.py"] = _ENV.get_template(HOOKS_TEMPLATE).render(
         header=_header(method.path, HOOKS_TEMPLATE), method=method, defaults=defaults, hook_names=_literal(names),
         formulas=sorted(formulas.items()), budget_source=budget_pass.emit_python(budgets),

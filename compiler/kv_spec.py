@@ -409,6 +409,22 @@ def derive(checked, facts: dict | None) -> SpecDesc:
     return spec
 
 
+_ELEMENT_BYTES = {MODEL: sp.Symbol("dtype_bytes"), "float32": 4, "uint8": 1, "int8": 1, FROM_BITS: 1, FROM_FORMAT: 1}
+
+
+def token_bytes(spec: SpecDesc):
+    """Bytes one stored slot costs per KV head and layer (sympy over head_dim, dtype_bytes and the
+    parameters): the per-token tensors, and the per-page ones spread over a page's slots. Per-sequence
+    and per-layer tensors are not per slot."""
+    total = sp.Integer(0)
+    for t in spec.tensors:
+        if t.extent not in ("token", "page"):
+            continue
+        size = sp.Mul(*t.shape) * _ELEMENT_BYTES[t.dtype]
+        total += size if t.extent == "token" else size / (spec.page_tokens or PAGE_SIZE)
+    return sp.simplify(total)
+
+
 def _within(decl: ast.Summary) -> str | None:
     """The partition a summary is `within` (None: none)."""
     within = decl.value.clause("within") if isinstance(decl.value, ast.Call) else None

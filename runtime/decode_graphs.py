@@ -3,7 +3,8 @@
 `ModelRunner.run` hands a decode-only batch to `DecodeGraphs.run`: the batch is loaded into
 static device buffers (`_load`: token ids, positions, per-layer slots, context lengths, page
 tables and KV-head starts, incrementally from a host mirror, the rows of the spec's
-per-sequence tensors and what their residual windows hold), and the graph of its key is replayed, captured lazily on first use.
+per-sequence tensors and what their residual windows hold), and the graph of its key is
+replayed, captured lazily on first use.
 `run_uncaptured` runs the same step eagerly over the same buffers (the CPU tests).
 
 Graph keys (`GraphKey`): the batch-size bucket (padding rows have no slot and no context), whether

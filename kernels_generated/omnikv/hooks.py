@@ -47,21 +47,27 @@ def held_tokens(context, layer, layers, kv_heads, params):
     return int(context)
 
 
+def slot_bytes(*, head_dim, dtype_bytes, params):
+    """Bytes one stored slot costs per KV head and layer (the KV spec's per-token and per-page tensors)."""
+    return 2*dtype_bytes*head_dim
+
+
 def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):
-    """K and V bytes of one request after prefill end (the slots it holds), summed over layers."""
+    """KV bytes of one request after prefill end (the slots it holds), summed over layers."""
     kept = sum(held_tokens(context, layer, layers, kv_heads, params) for layer in range(layers))
-    return 2 * kv_heads * head_dim * dtype_bytes * kept
+    return kv_heads * slot_bytes(head_dim=head_dim, dtype_bytes=dtype_bytes, params=params) * kept
 
 
 def peak_prefill_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):
-    """K and V bytes while the prompt is prefilled (all of it resident until prefill end)."""
-    return 2 * layers * kv_heads * head_dim * dtype_bytes * context
+    """KV bytes while the prompt is prefilled (all of it resident until prefill end)."""
+    return layers * kv_heads * slot_bytes(head_dim=head_dim, dtype_bytes=dtype_bytes, params=params) * context
 
 
 def steady_bytes(prompt, generated, *, layers, kv_heads, head_dim, dtype_bytes, params):
-    """K and V bytes after `generated` decode steps."""
+    """KV bytes after `generated` decode steps."""
     kept = sum(held_tokens(prompt, layer, layers, kv_heads, params) for layer in range(layers))
-    return 2 * kv_heads * head_dim * dtype_bytes * (kept + layers * generated)
+    slot = slot_bytes(head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
+    return kv_heads * slot * (kept + layers * generated)
 
 
 def budget(context, *, layers, kv_heads, head_dim, dtype_bytes=2, params=None):

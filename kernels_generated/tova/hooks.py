@@ -11,8 +11,8 @@ entry points of the torch backend.
 Budget formulas (sympy, also in manifest.json):
     held_tokens_per_layer = Min(context, Max(0, floor(budget) - 1) + 1)
     kept_tokens_per_layer = Min(context, Max(0, floor(budget) - 1) + 1)
-    kv_bytes = Sum(2*dtype_bytes*head_dim*kv_heads*Min(context, Max(0, floor(budget) - 1) + 1), (layer, 0, layers - 1))
-    peak_prefill_bytes = 2*context*dtype_bytes*head_dim*kv_heads*layers
+    kv_bytes = Sum(kv_heads*(2*dtype_bytes*head_dim + 4)*Min(context, Max(0, floor(budget) - 1) + 1), (layer, 0, layers - 1))
+    peak_prefill_bytes = context*kv_heads*layers*(2*dtype_bytes*head_dim + 4)
 """
 
 import math
@@ -49,21 +49,27 @@ def held_tokens(context, layer, layers, kv_heads, params):
     return int(min(context, max(0, _floor(budget) - 1) + 1))
 
 
+def slot_bytes(*, head_dim, dtype_bytes, params):
+    """Bytes one stored slot costs per KV head and layer (the KV spec's per-token and per-page tensors)."""
+    return 2*dtype_bytes*head_dim + 4
+
+
 def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):
-    """K and V bytes of one request after prefill end (the slots it holds), summed over layers."""
+    """KV bytes of one request after prefill end (the slots it holds), summed over layers."""
     kept = sum(held_tokens(context, layer, layers, kv_heads, params) for layer in range(layers))
-    return 2 * kv_heads * head_dim * dtype_bytes * kept
+    return kv_heads * slot_bytes(head_dim=head_dim, dtype_bytes=dtype_bytes, params=params) * kept
 
 
 def peak_prefill_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):
-    """K and V bytes while the prompt is prefilled (all of it resident until prefill end)."""
-    return 2 * layers * kv_heads * head_dim * dtype_bytes * context
+    """KV bytes while the prompt is prefilled (all of it resident until prefill end)."""
+    return layers * kv_heads * slot_bytes(head_dim=head_dim, dtype_bytes=dtype_bytes, params=params) * context
 
 
 def steady_bytes(prompt, generated, *, layers, kv_heads, head_dim, dtype_bytes, params):
-    """K and V bytes after `generated` decode steps."""
+    """KV bytes after `generated` decode steps."""
     kept = sum(held_tokens(prompt + generated, layer, layers, kv_heads, params) for layer in range(layers))
-    return 2 * kv_heads * head_dim * dtype_bytes * (kept + layers * 0)
+    slot = slot_bytes(head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
+    return kv_heads * slot * (kept + layers * 0)
 
 
 def budget(context, *, layers, kv_heads, head_dim, dtype_bytes=2, params=None):

@@ -131,6 +131,26 @@ def test_kivi_quantized_encodings():
             generated_kv_spec("kivi", {"residual_length": residual})(8, 128, torch.bfloat16, 32)
 
 
+@pytest.mark.parametrize("name, params", [("kivi", {"bits": 2}), ("kivi", {"bits": 4, "group_size": 64}),
+                                          ("fp8", {}), ("full", {}), ("quest", {})])
+def test_the_budget_formulas_count_the_spec_bytes(name, params):
+    """The manifest's `kv_bytes` (generated `slot_bytes`) is what the runtime spec stores a slot:
+    codes, per-token scales and per-page scales spread over the page (KIVI-2: 96 bytes a KV head at
+    head_dim 128 in bf16, against full's 512)."""
+    import importlib
+
+    hooks = importlib.import_module(f"kvc.kernels_generated.{name}.hooks")
+    checked = check_file(METHODS_DIR / f"{name}.kvm")
+    values = {**checked.values, **params}
+    page = hooks.page_tokens(values) or 16
+    spec = generated_kv_spec(name, params)(4, 128, torch.bfloat16, page)
+    slot = hooks.slot_bytes(head_dim=128, dtype_bytes=2, params=values)
+    assert slot * 4 == spec.bytes_per_page(4, page) / page
+    assert hooks.kv_bytes(1000, layers=3, kv_heads=4, head_dim=128, dtype_bytes=2, params=values) == 3 * 4 * slot * 1000
+    if name == "kivi" and params["bits"] == 2:
+        assert slot == 96
+
+
 @pytest.mark.parametrize("name, words", [("turboquant", ["rotate", "lloyd_max", "qjl"]), ("palu", ["project"]),
                                          ("deltakv", ["residual", "project", "kmeans", "shared chosen"])])
 def test_what_does_not_fit_is_named(name, words):
