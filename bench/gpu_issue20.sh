@@ -17,9 +17,9 @@ for part in $parts; do
              tests/methods/test_fp8.py -k "triton or sm90 or graph" > "$out/tests.log" 2>&1; echo "tests: rc=$?"
            tail -3 "$out/tests.log"; continue ;;
     micro) for m in ${MICRO:-kivi fp8}; do
-             timeout "${PART_TIMEOUT:-120}" python3 bench/quantized_decode_bench.py --method "$m" \
+             timeout "${PART_TIMEOUT:-120}" python3 bench/quantized_decode_bench.py --method "$m" --sweep \
                --shapes 32x32768,8x131072 --out "$out/${m}_decode.json" > "$out/${m}_decode.log" 2>&1
-             echo "micro $m: rc=$?"; cat "$out/${m}_decode.log" | grep -v Warn | tail -5
+             echo "micro $m: rc=$?"; grep -v Warn "$out/${m}_decode.log" | tail -20
            done; continue ;;
     window32) args=(--inputs 32768 --steps "${STEPS:-32}") ;;
     window128) args=(--inputs 131072 --steps "${STEPS:-32}") ;;

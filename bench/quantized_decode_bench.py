@@ -22,6 +22,7 @@ import time
 import torch
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 4, 128, 16
+SWEEP = [dict(block_n=n, num_warps=w, num_stages=st) for n in (64, 128) for w in (4, 8) for st in (2, 3)]
 
 
 def time_ms(fn, device: torch.device, reps: int = 20) -> float:
@@ -80,6 +81,8 @@ def main() -> None:
     p.add_argument("--method", default="fp8")
     p.add_argument("--shapes", default="32x32768,8x131072", help="BATCHxCONTEXT,...")
     p.add_argument("--smoke", action="store_true", help="tiny sizes; runs on CPU under TRITON_INTERPRET=1")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the method's kernel over launch knobs (block_n, num_warps, num_stages)")
     p.add_argument("--out")
     a = p.parse_args()
     device = torch.device("cpu" if a.smoke else "cuda")
@@ -105,6 +108,15 @@ def main() -> None:
                    "vs_dense": times[None] / ms}
             rows.append(row)
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            if a.sweep and name is not None:
+                for knobs in SWEEP:
+                    ms = time_ms(lambda: att.ops.paged_decode(q, k_src, v_src, tables, lens, scale,
+                                                              max_context_len=context, out=out, **knobs), device)
+                    row = {"piece": "sweep", "method": name, "batch": batch, "context": context, **knobs, "ms": ms,
+                           "of_copy": read / ms / 1e6 / copy_bw, "vs_dense": times[None] / ms}
+                    rows.append(row)
+                    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                          flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
