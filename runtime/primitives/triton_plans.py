@@ -22,9 +22,9 @@ import triton.language as tl
 from kvc.runtime.primitives import torch_primitives
 
 MAX_PAGES = 65536  # one program holds a row's scores in registers; wider rows take the torch path
-# a row whose one block would have BLOCKED_WASTE x its pages in lanes is walked in blocks of
-# BLOCK_PAGES instead (`_read_pages_blocked_kernel`); both are guesses for the H200 until measured
-BLOCKED_WASTE, BLOCK_PAGES = 1.25, 1024
+# (A walk in blocks of 1,024 pages for rows whose one block is mostly padding was measured slower on
+# the H200 in the model: Quest at 128K 13.14 ms a step against 10.91 with the one block,
+# docs/benchmarks.md "Issue 20"; it was removed.)
 
 
 @triton.jit
@@ -80,66 +80,6 @@ def _read_pages_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stride_sh, s
     tl.store(base + N_TOP + tail, tl.where(newest >= 0, newest, -1), mask=tail < N_LAST)
 
 
-@triton.jit
-def _read_pages_blocked_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stride_sh, stride_or, stride_oh,
-                               W, N_TOP, N_LAST, PAGE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_L: tl.constexpr):
-    # `_read_pages_kernel` over a row too wide for one block without waste (8,321 pages would take
-    # 16,384 lanes): the row's scores are walked in blocks of BLOCK (reloaded, from L2, at every
-    # pass); the same cut, the same ties in column order, the same output.
-    r, h = tl.program_id(0), tl.program_id(1)
-    offs = tl.arange(0, BLOCK)
-    stored = (tl.load(lengths_ptr + r) + PAGE - 1) // PAGE
-    first_newest = stored - N_LAST
-    row = scores_ptr + r * stride_sr + h * stride_sh
-    lo = tl.full([], 2147483647, tl.int64)
-    hi = tl.full([], -2147483647 - 1, tl.int64)
-    n_valid = tl.zeros([], tl.int32)
-    for start in range(0, W, BLOCK):
-        cols = start + offs
-        valid, key = _block_keys(row, cols, W, first_newest)
-        n_valid += tl.sum(valid.to(tl.int32), axis=0)
-        lo = tl.minimum(lo, tl.min(tl.where(valid, key, 2147483647), axis=0))
-        hi = tl.maximum(hi, tl.max(key, axis=0) + 1)
-    if n_valid > N_TOP:
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            above = tl.zeros([], tl.int32)
-            for start in range(0, W, BLOCK):
-                cols = start + offs
-                valid, key = _block_keys(row, cols, W, first_newest)
-                above += tl.sum((key >= mid).to(tl.int32), axis=0)
-            if above >= N_TOP:
-                lo = mid
-                if above == N_TOP:
-                    hi = mid + 1
-            else:
-                hi = mid
-    strictly = tl.zeros([], tl.int32)
-    for start in range(0, W, BLOCK):
-        cols = start + offs
-        valid, key = _block_keys(row, cols, W, first_newest)
-        strictly += tl.sum((valid & (key > lo)).to(tl.int32), axis=0)
-    room = N_TOP - strictly
-    base = out_ptr + r * stride_or + h * stride_oh
-    listed = tl.zeros([], tl.int32)
-    ties_before = tl.zeros([], tl.int32)
-    for start in range(0, W, BLOCK):
-        cols = start + offs
-        valid, key = _block_keys(row, cols, W, first_newest)
-        ties = valid & (key == lo)
-        take = (valid & (key > lo)) | (ties & (tl.cumsum(ties.to(tl.int32), axis=0) + ties_before <= room))
-        slot = listed + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(base + slot, cols, mask=take)
-        listed += tl.sum(take.to(tl.int32), axis=0)
-        ties_before += tl.sum(ties.to(tl.int32), axis=0)
-    for start in range(0, N_TOP, BLOCK):
-        cols = start + offs
-        tl.store(base + cols, tl.full([BLOCK], -1, tl.int32), mask=(cols >= listed) & (cols < N_TOP))
-    tail = tl.arange(0, BLOCK_L)
-    newest = first_newest + tail
-    tl.store(base + N_TOP + tail, tl.where(newest >= 0, newest, -1), mask=tail < N_LAST)
-
-
 def read_pages(scores: torch.Tensor, lengths: torch.Tensor, page: int, *, count, last,
                num_warps: int | None = None) -> torch.Tensor:
     """`torch_primitives.read_pages` on the GPU: [row, kv_head, n] int32 page-table columns (-1: none)
@@ -153,13 +93,6 @@ def read_pages(scores: torch.Tensor, lengths: torch.Tensor, page: int, *, count,
     scores = scores.float().contiguous()
     out = torch.empty(rows, kv_heads, n_top + n_last, dtype=torch.int32, device=scores.device)
     block_w = triton.next_power_of_2(max(width, n_top, 16))
-    if block_w > BLOCKED_WASTE * width and width > BLOCK_PAGES:  # one block would be mostly padding
-        _read_pages_blocked_kernel[(rows, kv_heads)](
-            scores, lengths, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
-            width, n_top, n_last, PAGE=page, BLOCK=BLOCK_PAGES, BLOCK_L=triton.next_power_of_2(max(n_last, 1)),
-            num_warps=num_warps or 4,
-        )
-        return out
     _read_pages_kernel[(rows, kv_heads)](
         scores, lengths, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         width, n_top, n_last, PAGE=page, BLOCK_W=block_w, BLOCK_L=triton.next_power_of_2(max(n_last, 1)),

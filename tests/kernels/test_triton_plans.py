@@ -24,8 +24,8 @@ def plans(scores, lengths, page, count, last):
     (2, 1, 10, 16, 16 * 20, 16),  # a budget over the context: every stored page
     (1, 2, 64, 4, 4 * 5, 8),      # two newest pages
     (2, 2, 1500, 16, 16 * 255, 16),  # wider than one warp's share of registers
-    (2, 2, 2177, 16, 16 * 255, 16),  # a 32K table + 2K: walked in blocks (4,096 lanes for 2,177 pages)
-    (1, 2, 3000, 16, 16 * 1100, 32),  # blocked, a cut spanning blocks, two newest pages
+    (2, 2, 2177, 16, 16 * 255, 16),  # a 32K table + 2K (4,096 lanes for 2,177 pages)
+    (1, 2, 3000, 16, 16 * 1100, 32),  # a cut far into a wide row, two newest pages
 ])
 def test_plan_equals_the_torch_plan(rows, kv_heads, width, page, count, last) -> None:
     g = torch.Generator().manual_seed(width)
@@ -64,16 +64,6 @@ def test_ties_at_the_cut_fill_in_column_order() -> None:
     assert sorted(scores[0, 0, want[0, 0, :10]].tolist()) == [1.0] * 10  # torch chooses other ties
 
 
-def test_ties_across_blocks_fill_in_column_order() -> None:
-    """The blocked walk (rows wider than 1,024 pages with a mostly empty block) takes tied pages in
-    column order across its blocks, as the one-block kernel does."""
-    width = 1300
-    scores = torch.zeros(1, 1, width)
-    scores[..., ::100] = 1.0  # 13 pages tie for the top, one per hundred columns, over two blocks
-    got, _ = plans(scores, torch.tensor([width * 16], dtype=torch.int32), 16, 16 * 11, 16)
-    assert got[0, 0].tolist() == [0, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, width - 1]
-
-
 def test_short_rows_pad_with_minus_one() -> None:
     scores = torch.randn(2, 2, 30)
     lengths = torch.tensor([40, 0], dtype=torch.int32)  # 3 pages, then an empty row
@@ -83,9 +73,9 @@ def test_short_rows_pad_with_minus_one() -> None:
     assert sorted(got[0, 1].tolist()) == sorted(want[0, 1].tolist())
 
 
-def test_both_plan_kernels_compile_for_sm90() -> None:
-    """The one-block and the blocked plan kernels compile for an H100/H200 (Triton's compiler and
-    ptxas run here, outside the interpreter; tests/kernels/sm90_compile.py)."""
+def test_the_plan_kernel_compiles_for_sm90() -> None:
+    """The plan kernel compiles for an H100/H200 (Triton's compiler and ptxas run here, outside the
+    interpreter; tests/kernels/sm90_compile.py)."""
     import os
     import subprocess
     import sys
@@ -93,7 +83,6 @@ def test_both_plan_kernels_compile_for_sm90() -> None:
     code = ("from tests.kernels.sm90_compile import build\n"
             "from kvc.runtime.primitives import triton_plans as tp\n"
             "ptrs = {'scores_ptr': '*fp32', 'lengths_ptr': '*i32', 'out_ptr': '*i32'}\n"
-            "build(tp._read_pages_blocked_kernel, {'PAGE': 16, 'BLOCK': tp.BLOCK_PAGES, 'BLOCK_L': 1}, ptrs)\n"
             "build(tp._read_pages_kernel, {'PAGE': 16, 'BLOCK_W': 2048, 'BLOCK_L': 1}, ptrs)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
