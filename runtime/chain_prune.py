@@ -315,7 +315,8 @@ class Pruner:
         job = CompactionJob(record.page_tables[layer], length, keep,
                             None if len(set(counts)) == 1 else torch.tensor(counts), starts)
         batch = batch_of_jobs(store.token_tensors()[0], [job])
-        done = batch.result(0, self.executor.compact(batch))
+        window = min(record.resid_lens[layer], store.residual_window)
+        done = batch.result(0, self.executor.compact(batch, layer=layer, windows=[(record.row, window)]))
         record.positions[layer] = compact_map(record.positions[layer], length, history, keep, counts, done.length)
         self._move_state(record, layer, keep, counts, done.length, length)
         keep_pages = -(-done.length // page)
@@ -323,7 +324,7 @@ class Pruner:
         del record.page_tables[layer][keep_pages:]
         record.kv_lens[layer] = done.length
         record.kv_starts[layer] = done.starts
-        record.resid_lens[layer] = 0  # moved slots are read from their codes (runtime/kv/rows.py)
+        record.resid_lens[layer] = store.window_after(done.length)  # moved: codes (or re-stored)
         return int(positions[dropped].max())
 
     def _own_pages(self, record, layer: int, count: int) -> None:

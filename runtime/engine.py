@@ -169,6 +169,7 @@ class Engine:
                       self.method.chunk_keeps),
             rows=self.rows,
             residual=self.attention.store.residual_window,
+            window_after=self.attention.store.window_after,
         )
         self.grammars = GrammarBook(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
         self.runner = ModelRunner(

@@ -143,7 +143,8 @@ class ModelRunner:
         # method reads, and whether its decode hook gives read plans
         attention.use_variant(variant_for_spec(self.store.spec.dense, self.method.attention.decode_stats is not None,
                                                Hook.DECODE_BEFORE_ATTENTION in self.method.hooks))
-        self.executor = KVExecutor(self.store, pool, "triton" if attention.backend == "triton" else "auto")
+        self.executor = KVExecutor(self.store, pool, "triton" if attention.backend == "triton" else "auto",
+                                   restore=attention.store_fresh)
         self.hooks = StepHooks(self.method, self.store, self.executor, self.tables, pool, self.num_layers)
         self.graphs: DecodeGraphs | None = None
         # the torch backend decodes eagerly: its writes sync with the host

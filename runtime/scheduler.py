@@ -47,6 +47,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvc.runtime.errors import ConfigError, OutOfKVMemory, PromptTooLongError
@@ -113,13 +114,15 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, pool: PagePool, num_layers: int = 1, budget: KVBudget | None = None,
         chains: ChainStore | None = None, compacts: tuple[bool, ...] = (False, False),
-        rows: RowPool | None = None, residual: int = 0,
+        rows: RowPool | None = None, residual: int = 0, window_after: Callable[[int], int] | None = None,
     ) -> None:
         self.config = config
         self.chains = chains
         # the KV spec's per-sequence rows (None: the spec has no per-sequence tensors) and the
         # slots its residual window holds (0: none)
         self.rows, self.residual = rows, residual
+        # what a sequence's residual window holds after a keep plan left n slots (KVExecutor.window_after)
+        self.window_after = window_after or (lambda n: 0)
         # may compaction write into a sequence's pages: at a prefill's last chunk, at decode steps, at
         # any prefill chunk (a method whose prefill_chunk keeps)?
         self.compacts_prefill, self.compacts_decode, self.compacts_chunks = (*compacts, False)[:3]
@@ -484,7 +487,7 @@ class Scheduler:
                 seq.spare_pages = []
             for layer, kept in compacted.get(seq.seq_id, {}).items():
                 self._shrink(seq, layer, kept)
-                seq.resid_lens[layer] = 0  # moved slots are read from their codes
+                seq.resid_lens[layer] = self.window_after(kept)  # moved slots: codes (or re-stored)
             for layer, resid in rewritten.get(seq.seq_id, {}).items():
                 seq.resid_lens[layer] = resid
             if self.prefix_caching and not seq.compressed:

@@ -109,11 +109,11 @@ class StepHooks:
             self._own_pages(seq, layer, -(-plan.kept // self.page_size))  # copy-on-write before compaction
             logical = seq.num_computed_tokens + n
             jobs.append((seq, CompactionJob(table, length, plan.indices, plan.lengths, seq.kv_starts[layer]),
-                         logical - plan.tail, logical))
+                         logical - plan.tail, logical, n))
         if jobs:
-            batch = batch_of_jobs(self.store.token_tensors()[0], [job for _, job, _, _ in jobs])
+            batch = batch_of_jobs(self.store.token_tensors()[0], [j[1] for j in jobs])
             self._compact(layer, batch, [j[0] for j in jobs], [j[2] for j in jobs], [j[3] for j in jobs],
-                          output.compacted)
+                          output.compacted, [j[4] for j in jobs])
 
     def _cache_view(self, seq, layer: int, length: int, new: int) -> LayerCacheView:
         """seq's layer as a hook sees it once `new` more tokens are stored (`length` slots)."""
@@ -128,13 +128,19 @@ class StepHooks:
         output.rewritten.setdefault(seq.seq_id, {})[layer] = left
 
     def _compact(self, layer: int, batch: CompactionBatch, seqs: list, verbatim: list[int], logical: list[int],
-                 compacted: dict[int, dict[int, int]]) -> None:
+                 compacted: dict[int, dict[int, int]], new: list[int] | None = None) -> None:
         """Applies one layer's keep plans (one kernel launch on a GPU), reports the kept lengths,
         records the per-head start slots of plans with per-head variable counts and moves each
         sequence's verbatim tail (`verbatim_from`: the first logical token a keep may have dropped
         or moved, for the chain cache's rollback); a chained sequence's position map follows the plan.
-        Job j of `batch` is `seqs[j]`'s."""
-        physical = self.executor.compact(batch)
+        Job j of `batch` is `seqs[j]`'s, which stored `new[j]` tokens this step (default 1).
+        (Over a spec written a block at a time, the executor needs each job's row and window.)"""
+        windows = None
+        if self.store.flushes_blocks:
+            window = self.store.residual_window
+            windows = [(seq.row, min(seq.resid_lens[layer] + (1 if new is None else new[j]), window))
+                       for j, seq in enumerate(seqs)]
+        physical = self.executor.compact(batch, layer=layer, windows=windows)
         uniform = batch.starts is None and bool((batch.counts == batch.widths[:, None]).all())  # no starts anywhere
         for j, (seq, length, tail_from) in enumerate(zip(seqs, physical.tolist(), verbatim)):
             per_seq = compacted.get(seq.seq_id)

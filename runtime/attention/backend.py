@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from functools import partial
+
 import torch
 
 from kvc.runtime.attention import torch_ops
@@ -228,6 +230,21 @@ class PagedAttention:
             self.store.append_summaries(slots)  # one token per sequence: fold it in, one launch a summary
         else:
             self.store.refresh_summaries(*last_in_page(slots, self.store.page_size, self.store.scratch_page))
+
+    def store_fresh(self, layer: int, k: torch.Tensor, v: torch.Tensor, table: list[int], row: int | None) -> None:
+        """k, v [m, Hkv, D] as slots [0, m) of a sequence's layer over page table `table`, stored as
+        a fresh prefill of m tokens would be: encoded (codes a block at a time where the spec says),
+        the newest in the row's residual window (which then holds min(m, W) of them). What a keep
+        plan over a spec with flush blocks does after choosing the tokens (runtime/kv/executor.py)."""
+        m, device = k.shape[0], k.device
+        page = self.store.page_size
+        tables = torch.tensor(table, dtype=torch.int32, device=device)
+        at = torch.arange(m, device=device)
+        slots = tables.long()[at // page] * page + at % page
+        k_src, v_src = self._sources[layer]
+        as_int = partial(torch.tensor, dtype=torch.int32, device=device)
+        torch_ops.store_kv(k, v, k_src, v_src, slots, cu_seqlens_q=as_int([0, m]), context_lens=as_int([m]),
+                           rows=as_int([self.store.scratch_row if row is None else row]), block_tables=tables[None])
 
     def forward(
         self,

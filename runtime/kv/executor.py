@@ -3,7 +3,9 @@
 The one place that knows what moving a page or a slot means for a spec's tensors:
 
 - keep plans (`compact`): every TOKEN tensor's kept slots move together (runtime/kv/compaction.py),
-  then the PAGE summaries of every page the compaction rewrote are recomputed;
+  then the PAGE summaries of every page the compaction rewrote are recomputed; over a spec that
+  writes codes a block at a time (KIVI's keys: scales per page, newest block only in the window),
+  the kept tokens are decoded and stored again as a fresh prefill of them (`restore`);
 - copies (`copy_pages`, copy-on-write `own_page`): every TOKEN and PAGE tensor of a page at once;
 - rewrite plans (`rewrite`): a range re-encoded from its full-precision copies.
 
@@ -12,6 +14,8 @@ Read plans need no executor step: the attention kernels take them as they are. d
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -25,17 +29,55 @@ from kvc.runtime.kv.store import KVStore
 
 
 class KVExecutor:
-    def __init__(self, store: KVStore, pool: PagePool | None = None, compaction_backend: str = "auto") -> None:
+    def __init__(self, store: KVStore, pool: PagePool | None = None, compaction_backend: str = "auto",
+                 restore: Callable | None = None) -> None:
+        """`restore(layer, k, v, table, row)`: stores kept tokens as a fresh prefill of them
+        (`PagedAttention.store_fresh`), for specs written a block at a time."""
         self.store = store
         self.pool = pool
         self.backend = compaction_backend
+        self.restore = restore
 
     # ---- keep plans ----------------------------------------------------------------------------
-    def compact(self, batch: CompactionBatch, checked: bool | None = None) -> np.ndarray:
+    def compact(self, batch: CompactionBatch, checked: bool | None = None, layer: int | None = None,
+                windows: list[tuple[int | None, int]] | None = None) -> np.ndarray:
         """Applies one layer's keep plans to every per-token tensor; returns each job's new physical
-        length (the callers' order). Page summaries of the rewritten pages are recomputed."""
+        length (the callers' order). Page summaries of the rewritten pages are recomputed. A spec
+        written a block at a time needs the `layer` and each job's (row, window count)."""
+        if self.store.flushes_blocks:
+            return self._restore(batch, checked, layer, windows)
         physical = compact_tensors(self.store.token_tensors(), batch, checked=checked, backend=self.backend)
         if self.store.spec.summaries and len(physical):
+            self._refresh_rewritten(batch, physical)
+        return physical
+
+    def _restore(self, batch: CompactionBatch, checked: bool | None, layer: int | None,
+                 windows: list[tuple[int | None, int]] | None) -> np.ndarray:
+        """Keep plans over a spec that writes codes a block at a time: codes cannot move slot by slot
+        (a page's scales belong to its group; the newest block has codes only in the window), so
+        each job's kept K and V are decoded (codes and window) and stored again from slot 0 as a
+        fresh prefill of them would be (the method's state planes move as slots do). Equal counts
+        in every KV head only."""
+        if layer is None or windows is None or self.restore is None:
+            raise ValueError("a keep plan over a spec written a block at a time needs the layer, each job's row and "
+                             "window count, and the executor's `restore`")
+        if batch.starts is not None or not (batch.counts == batch.counts[:, :1]).all():
+            raise ValueError("a keep plan over a spec written a block at a time keeps the same count in every KV head")
+        store = self.store
+        planes = [store[t.name] for t in store.spec.method_tensors]
+        if planes:
+            compact_tensors(planes, batch, checked=checked, backend=self.backend)
+        for j, (row, resid) in enumerate(windows):
+            table, length = batch.tables[j, : batch.pages[j]].tolist(), int(batch.lengths[j])
+            keep = batch.keep_of(j)[:, : int(batch.counts[j, 0])].to(store.device)  # [Hkv, m]
+            if keep.shape[1] == length and bool((keep == torch.arange(length, device=keep.device)).all()):
+                continue  # keeps every slot in place: nothing to store again
+            k, v = (store.decoded(which, table, length, layer, row, resid) for which in (K, V))  # [Hkv, L, D]
+            k, v = (x.gather(1, keep[:, :, None].expand(-1, -1, x.shape[-1])).transpose(0, 1).contiguous()
+                    for x in (k, v))
+            self.restore(layer, k, v, table, row)
+        physical = batch.counts[:, 0].astype(np.int64)
+        if store.spec.summaries and len(physical):
             self._refresh_rewritten(batch, physical)
         return physical
 

@@ -93,6 +93,12 @@ class KVStore:
         """K or V is written a block at a time (`Quantized.flush_block`): the store needs the tables."""
         return any(isinstance(e, Quantized) and e.flush_block for e in (self.spec.keys, self.spec.values))
 
+    def window_after(self, length: int) -> int:
+        """The slots a sequence's residual window holds after a keep plan left `length`: none (moved
+        slots are read from their codes), or, for a spec written a block at a time (whose kept tokens
+        are stored again, runtime/kv/executor.py), the newest min(length, W)."""
+        return min(length, self.residual_window) if self.flushes_blocks else 0
+
     @property
     def residual_window(self) -> int:
         """Slots a residual window holds (the K or V encoding's SEQ residual; 0: none). K's and V's
@@ -181,7 +187,8 @@ class KVStore:
                 row: int | None = None, resid_len: int = 0) -> torch.Tensor:
         """The keys (`which` "k") or values ("v") of one sequence's layer, slots [0, length), dense:
         [Hkv, length, D] in the stored dtype (dequantized, the residual window's full-precision
-        copies for its last `resid_len` slots)."""
+        copies for the newest of the `resid_len` slots it holds that the next step reads from it:
+        torch_ops.window_reads)."""
         enc = self.spec.keys if which == K else self.spec.values
         pages = self._page_index(page_ids, length)
         if isinstance(enc, Dense):
@@ -192,6 +199,8 @@ class KVStore:
             self.head_dim(which), self.model_dtype(which))
         if enc.flush_block and length:  # only the newest, unfinished block is read from the window
             resid_len = min(resid_len, (length - 1) % enc.flush_block + 1)
+        elif enc.residual is not None:  # as the next step reads them: the newest W - 1 (R) exactly
+            resid_len = min(resid_len, self.spec.tensor(enc.residual).shape[0] - 1)
         if enc.residual is not None and resid_len > 0:
             if layer is None or row is None:
                 raise ValueError("a residual window is read with the sequence's layer and row")

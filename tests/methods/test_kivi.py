@@ -214,3 +214,84 @@ def test_the_kernels_compile_for_sm90() -> None:
     if "No module named 'triton.backends.nvidia'" in done.stderr:
         pytest.skip("Triton's NVIDIA backend is not installed")
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# ---- composed with a keep policy (bench/variants/snapkv_kivi.kvm) ------------------------------------
+
+COMPOSED = str(Path(__file__).resolve().parents[2] / "bench" / "variants" / "snapkv_kivi.kvm")
+
+
+def composed_llm(model_dir: Path, budget: int, **options) -> LLM:
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
+                          kv_cache_memory=2**22, method=COMPOSED,
+                          method_params={**PARAMS, "budget": budget, "window": 4}, max_num_batched_tokens=4096,
+                          **options)
+    return LLM.from_engine(Engine(config))
+
+
+def test_snapkv_over_kivi_stores_the_kept_tokens_as_kivi_stores_a_prompt(model_dir, monkeypatch) -> None:
+    """SnapKV's prefill_end keeps 16 of 41 tokens; the kept tokens (decoded from the codes and the
+    window, as the hook saw them) are stored again from slot 0: keys of whole blocks per channel,
+    older values per token, the newest in the window; every layer's stored cache equals the
+    reference quantizer over the kept tokens, bit for bit, and the sequence decodes on."""
+    from kvc.runtime.chains import ChainSpec
+
+    llm = composed_llm(model_dir, 16)
+    assert llm.engine.attention.store.spec == make_llm(model_dir).engine.attention.store.spec
+    store = llm.engine.attention.store
+    seen = {}
+    original = llm.engine.method.prefill_end
+
+    def spy(layer, view):
+        plan = original(layer, view)
+        k, v = view.cache.keys().clone(), view.cache.values().clone()
+        keep = plan.indices.long().cpu()
+        seen[layer] = (k.gather(1, keep[:, :, None].expand(-1, -1, k.shape[-1])),
+                       v.gather(1, keep[:, :, None].expand(-1, -1, v.shape[-1])))
+        return plan
+
+    monkeypatch.setattr(llm.engine.method, "prefill_end", spy)
+    out = llm.generate(prompt(41, 3), greedy(1), chain=ChainSpec(open=True))[0]
+    record = next(r for r in llm.engine.chains.records() if r.chain_id == out.chain_id)
+    for layer, (k, v) in seen.items():
+        assert k.shape[1] == 16 and record.kv_lens[layer] == 16  # the step's token not stored yet
+        assert record.resid_lens[layer] == 9  # the window holds the newest W = 9 of the 16
+        table = record.page_tables[layer]
+        got_k = store.decoded("k", table, 16, layer, record.row, record.resid_lens[layer])
+        got_v = store.decoded("v", table, 16, layer, record.row, record.resid_lens[layer])
+        want_k, want_v = k.clone(), v.clone()
+        want_k[:, :8] = torch.from_numpy(ref.keys_round_trip(k[:, :8].numpy(), 2, GROUP))  # block 0 of 8
+        want_v[:, :8] = torch.from_numpy(ref.values_round_trip(v[:, :8].numpy(), 2, GROUP))  # all but the newest 8
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    history = prompt(41, 3) + out.token_ids
+    more = llm.generate(history + prompt(5, 4), greedy(6), chain=ChainSpec(continue_id=out.chain_id))[0]
+    assert len(more.token_ids) == 6
+    check_books(llm.engine)
+
+
+def test_snapkv_over_kivi_keeping_everything_is_kivi(model_dir, monkeypatch) -> None:
+    """A budget over the prompt keeps every slot in place (nothing stored again): KIVI's tokens."""
+    prompts = [prompt(n, seed) for n, seed in ((23, 1), (30, 2))]
+    want = [o.token_ids for o in make_llm(model_dir).generate(prompts, [greedy(8) for _ in prompts])]
+    got = [o.token_ids for o in composed_llm(model_dir, 64).generate(prompts, [greedy(8) for _ in prompts])]
+    assert got == want
+
+
+def test_a_pruned_chain_is_stored_again_and_continues(model_dir) -> None:
+    """A chain prune keeps some of a KIVI chain's tokens: they are stored again from slot 0 (the
+    window then holds their newest), and the chain continues."""
+    from kvc.runtime.chain_prune import PruneRequest
+    from kvc.runtime.chains import ChainSpec
+
+    llm = make_llm(model_dir, prune_scorer="snapkv")
+    first = llm.generate(prompt(40, 13), greedy(4), chain=ChainSpec(open=True))[0]
+    llm.engine.prune_chain(first.chain_id, None, PruneRequest(token_ranges=((3, 30),), keep=0.4))
+    check_books(llm.engine)
+    record = next(r for r in llm.engine.chains.records() if r.chain_id == first.chain_id)
+    window = llm.engine.attention.store.residual_window
+    assert max(record.kv_lens) < 40
+    assert record.resid_lens == [min(n, window) for n in record.kv_lens]
+    history = prompt(40, 13) + first.token_ids
+    out = llm.generate(history + prompt(3, 14), greedy(3), chain=ChainSpec(continue_id=first.chain_id))[0]
+    assert len(out.token_ids) == 3
+    check_books(llm.engine)
