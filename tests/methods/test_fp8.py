@@ -59,7 +59,8 @@ def calibrated(llm: LLM, hf, scaling: str) -> ref.Session:
         store = llm.engine.attention.store
         for (layer, which), value in template.scales.items():
             # one scale, every KV head (the models' K agree to rounding: kvc's model code is not HF's)
-            torch.testing.assert_close(store[f"{which}_scale"][layer, :, 0], torch.tensor(value), rtol=1e-5, atol=0)
+            torch.testing.assert_close(store[f"{which}_scale"][layer, :, 0].cpu(), torch.tensor(value), rtol=1e-5,
+                                       atol=0)
             assert len(set(store[f"{which}_scale"][layer, :, 0].tolist())) == 1
     return ref.Session(scaling=scaling, scales=dict(template.scales))
 
