@@ -50,7 +50,9 @@ def test_quantized_sources_are_refreshed_instead() -> None:
     from kvc.runtime.kv.spec import KVSpec, Quantized
 
     f32 = torch.float32
-    spec = KVSpec((TensorSpec("kc", Extent.TOKEN, torch.uint8, (D,)), TensorSpec("ks", Extent.PAGE, f32, (D,)),
-                   TensorSpec("v", Extent.TOKEN, f32, (D,)), TensorSpec("kmax", Extent.PAGE, f32, (D,))),
-                  keys=Quantized("kc", "ks", 8, D, axis="token"), summaries=(Summary("kmax", "k", "max"),))
+    spec = KVSpec((TensorSpec("kc", Extent.TOKEN, torch.uint8, (D,)), TensorSpec("ks", Extent.PAGE, f32, (1, D)),
+                   TensorSpec("kr", Extent.SEQ, f32, (PAGE + 1, D)), TensorSpec("v", Extent.TOKEN, f32, (D,)),
+                   TensorSpec("kmax", Extent.PAGE, f32, (D,))),
+                  keys=Quantized("kc", "ks", 8, PAGE, axis="token", residual="kr", flush_block=PAGE),
+                  summaries=(Summary("kmax", "k", "max"),))
     assert not KVStore(spec, 2, HKV, PAGE, 1, "cpu").appends_summaries

@@ -347,5 +347,6 @@ def test_the_engine_takes_the_methods_page_when_none_is_set(model_dir) -> None:
         engine = Engine(EngineConfig(method="quest", method_params={"page_size": page}, **common))
         assert engine.config.page_size == page and engine.pool.page_size == page
     assert Engine(EngineConfig(method="snapkv", **common)).config.page_size == 16
-    with pytest.raises(ConfigError, match="pages of 4 tokens; the engine's pages hold 16"):
+    with pytest.raises(ConfigError, match=r"pages of 4 tokens \(its page summaries or page scales\); the "
+                                          "engine's pages hold 16"):
         Engine(EngineConfig(method="quest", method_params={"page_size": 4}, page_size=16, **common))

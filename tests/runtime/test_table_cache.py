@@ -121,7 +121,7 @@ def test_incremental_tables_equal_a_fresh_rebuild(monkeypatch, seed: int, log_ca
     runner = SimpleNamespace(device=torch.device("cpu"), num_layers=LAYERS, max_pages_per_seq=256,
                              num_kv_heads=HEADS, page_size=PAGE, tables=TableCache(LAYERS, HEADS),
                              max_model_len=256 * PAGE, attention=SimpleNamespace(num_pages=pool.num_pages),
-                             store=SimpleNamespace(num_rows=0, scratch_row=0))
+                             store=SimpleNamespace(num_rows=0, scratch_row=0, residual_window=0))
     graphs = DecodeGraphs(runner, SEATS)
     kinds = {"append": 0, "rebuild": 0}
     update_mirror = graphs._update_mirror
