@@ -24,7 +24,7 @@ from kvc.runtime.primitives import torch_primitives
 MAX_PAGES = 65536  # one program holds a row's scores in registers; wider rows take the torch path
 # (A walk in blocks of 1,024 pages for rows whose one block is mostly padding was measured slower on
 # the H200 in the model: Quest at 128K 13.14 ms a step against 10.91 with the one block,
-# docs/benchmarks.md "Issue 20"; it was removed.)
+# docs/benchmarks.md, "FP8 and KIVI on the H200"; it was removed.)
 
 
 @triton.jit
