@@ -151,9 +151,12 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         in per-row dicts instead (`use_state_planes` off), with a read's cluster indices."""
         try:
             spec = self.code.kv_spec(num_kv_heads, head_dim, dtype, page_size, self.params)
-        except ValueError as e:  # e.g. page summaries over pages of another size than the engine's
-            raise ConfigError(f"method {self.name!r}: {e} (set the engine's page_size or the method's parameter "
-                              "to match)", param="page_size") from None
+        except ValueError as e:  # page summaries over pages of another size than the engine's, or parameters
+            # the spec cannot hold (a window that is not whole key groups)
+            pages = "pages of" in str(e)
+            hint = " (set the engine's page_size or the method's parameter to match)" if pages else ""
+            raise ConfigError(f"method {self.name!r}: {e}{hint}",
+                              param="page_size" if pages else "method_params") from None
         planes = {t.name for t in spec.method_tensors}
         if planes and not self.paged_state:
             spec = dataclasses.replace(spec, tensors=tuple(t for t in spec.tensors if t.name not in planes))
