@@ -20,33 +20,22 @@ import math
 import time
 
 import torch
+from sparse_decode_bench import graph_ms  # bench/ is on the path of a script run from it
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 4, 128, 16
 SWEEP = [dict(block_n=n, num_warps=w, num_stages=st) for n in (64, 128) for w in (4, 8) for st in (2, 3)]
 
 
 def time_ms(fn, device: torch.device, reps: int = 20) -> float:
-    """A CUDA graph of `reps` calls, replayed (GPU), or a plain loop (CPU, for --smoke)."""
+    """A CUDA graph of `reps` calls, replayed (GPU: sparse_decode_bench's `graph_ms`), or a plain
+    loop (CPU, for --smoke)."""
+    if device.type == "cuda":
+        return graph_ms(fn, reps)
     fn()
-    if device.type != "cuda":
-        start = time.perf_counter()
-        for _ in range(2):
-            fn()
-        return (time.perf_counter() - start) * 1e3 / 2
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (5 * reps)
+    start = time.perf_counter()
+    for _ in range(2):
+        fn()
+    return (time.perf_counter() - start) * 1e3 / 2
 
 
 def attention(method: str | None, batch: int, context: int, dtype: torch.dtype, device: torch.device):

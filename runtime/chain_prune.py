@@ -315,8 +315,8 @@ class Pruner:
         job = CompactionJob(record.page_tables[layer], length, keep,
                             None if len(set(counts)) == 1 else torch.tensor(counts), starts)
         batch = batch_of_jobs(store.token_tensors()[0], [job])
-        window = min(record.resid_lens[layer], store.residual_window)
-        done = batch.result(0, self.executor.compact(batch, layer=layer, windows=[(record.row, window)]))
+        windows = [(record.row, record.resid_lens[layer])]  # a spec written a block at a time re-stores
+        done = batch.result(0, self.executor.compact(batch, layer=layer, windows=windows))
         record.positions[layer] = compact_map(record.positions[layer], length, history, keep, counts, done.length)
         self._move_state(record, layer, keep, counts, done.length, length)
         keep_pages = -(-done.length // page)

@@ -115,10 +115,14 @@ class StepHooks:
             self._compact(layer, batch, [j[0] for j in jobs], [j[2] for j in jobs], [j[3] for j in jobs],
                           output.compacted, [j[4] for j in jobs])
 
+    def _held(self, seq, layer: int, new: int) -> int:
+        """The slots seq's residual window holds in `layer` once the step's `new` tokens are stored."""
+        return min(seq.resid_lens[layer] + new, self.store.residual_window)
+
     def _cache_view(self, seq, layer: int, length: int, new: int) -> LayerCacheView:
         """seq's layer as a hook sees it once `new` more tokens are stored (`length` slots)."""
-        resid = min(seq.resid_lens[layer] + new, self.store.residual_window)
-        return LayerCacheView(self.store, seq.page_tables[layer], length, seq.kv_starts[layer], layer, seq.row, resid)
+        return LayerCacheView(self.store, seq.page_tables[layer], length, seq.kv_starts[layer], layer, seq.row,
+                              self._held(seq, layer, new))
 
     def _rewrite(self, seq, layer: int, cache: LayerCacheView, plan: RewritePlan, output: StepOutput) -> None:
         """A rewrite plan re-encoded now (copy-on-write first); the residual slots it leaves are
@@ -137,9 +141,7 @@ class StepHooks:
         (Over a spec written a block at a time, the executor needs each job's row and window.)"""
         windows = None
         if self.store.flushes_blocks:
-            window = self.store.residual_window
-            windows = [(seq.row, min(seq.resid_lens[layer] + (1 if new is None else new[j]), window))
-                       for j, seq in enumerate(seqs)]
+            windows = [(seq.row, self._held(seq, layer, 1 if new is None else new[j])) for j, seq in enumerate(seqs)]
         physical = self.executor.compact(batch, layer=layer, windows=windows)
         uniform = batch.starts is None and bool((batch.counts == batch.widths[:, None]).all())  # no starts anywhere
         for j, (seq, length, tail_from) in enumerate(zip(seqs, physical.tolist(), verbatim)):

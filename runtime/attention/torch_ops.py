@@ -138,7 +138,7 @@ def _flush_blocks(source: QuantizedPages, x: torch.Tensor, cu_seqlens_q: torch.T
         values = torch.where(old[:, None, None],
                              source.residual[row_ids[b], :, slots % window].transpose(0, 1).to(x.dtype),
                              x[(starts[b] + slots - first).clamp(min=starts[b])])
-        codes, scale, zero = encodings.quantize_tokens(
+        codes, scale, zero = encodings.quantize(
             values, enc, source.codes.dtype, packing=encodings.packing_of(source.head_dim, source.codes.shape[-1]),
             scale_dtype=source.scale.dtype, zero_dtype=source.scale.dtype if source.zero is None else source.zero.dtype)
         pages, offsets = block_tables[b].long()[slots // page_size], slots % page_size

@@ -113,38 +113,23 @@ def quantize(
     zero_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [..., D] -> (codes [..., D // per] code_dtype, scale [..., D // group] scale_dtype,
-    zero [..., D // group] zero_dtype or None when symmetric)."""
+    zero [..., D // group] zero_dtype or None when symmetric). Groups over tokens (`enc.axis`
+    "token", KIVI's keys): x [n, ..., D], n a multiple of `enc.group`, consecutive `group` tokens
+    sharing one scale (and zero point) per channel: scale and zero [n // group, ..., D]."""
     head_dim = x.shape[-1]
     check(enc, head_dim, code_dtype, packing)
     if enc.axis == "token":
-        return quantize_tokens(x, enc, code_dtype, packing=packing, scale_dtype=scale_dtype, zero_dtype=zero_dtype)
-    xf = x.float().unflatten(-1, (head_dim // enc.group, enc.group))  # [..., G, group]
-    codes, scale, zero = _grouped(xf, enc, scale_dtype, zero_dtype)
+        n = x.shape[0]
+        if n % enc.group:
+            raise ValueError(f"quantized {enc.codes!r}: {n} tokens are not whole groups of {enc.group}")
+        xf = x.float().unflatten(0, (n // enc.group, enc.group)).movedim(1, -1)  # [n/g, ..., D, group]
+        codes, scale, zero = _grouped(xf, enc, scale_dtype, zero_dtype)
+        codes = codes.movedim(-1, 1).flatten(0, 1)  # [n, ..., D]
+    else:
+        xf = x.float().unflatten(-1, (head_dim // enc.group, enc.group))  # [..., G, group]
+        codes, scale, zero = _grouped(xf, enc, scale_dtype, zero_dtype)
+        codes = codes.flatten(-2)
     per = PACKINGS[packing]
-    codes = codes.flatten(-2)
-    codes = pack(codes, enc.bits, per) if per > 1 else codes.to(code_dtype)
-    return codes, scale.to(scale_dtype), None if zero is None else zero.to(zero_dtype)
-
-
-def quantize_tokens(
-    x: torch.Tensor,
-    enc: Quantized,
-    code_dtype: torch.dtype,
-    *,
-    packing: str = "",
-    scale_dtype: torch.dtype = torch.float32,
-    zero_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Groups over tokens (`enc.axis` "token", KIVI's keys): x [n, ..., D], n a multiple of
-    `enc.group`, -> (codes [n, ..., D // per], scale [n // group, ..., D], zero [n // group, ..., D]
-    or None): consecutive `group` tokens share one scale (and zero point) per channel."""
-    n = x.shape[0]
-    if n % enc.group:
-        raise ValueError(f"quantized {enc.codes!r}: {n} tokens are not whole groups of {enc.group}")
-    xf = x.float().unflatten(0, (n // enc.group, enc.group)).movedim(1, -1)  # [n/g, ..., D, group]
-    codes, scale, zero = _grouped(xf, enc, scale_dtype, zero_dtype)
-    codes = codes.movedim(-1, 1).flatten(0, 1)  # [n, ..., D]
-    per = PACKINGS[packing or ""]
     codes = pack(codes, enc.bits, per) if per > 1 else codes.to(code_dtype)
     return codes, scale.to(scale_dtype), None if zero is None else zero.to(zero_dtype)
 

@@ -118,8 +118,8 @@ class Quantized:
     flush_block: int = 0
 
     def __post_init__(self) -> None:
-        if self.flush_block < 0 or (self.flush_block and (self.residual is None or self.flush_block % self.group
-                                                           and self.axis == "token")):
+        whole_groups = self.axis != "token" or self.flush_block % self.group == 0
+        if self.flush_block < 0 or (self.flush_block and (self.residual is None or not whole_groups)):
             raise ValueError(f"quantized {self.codes!r}: a flush block needs a residual window and, with groups over "
                              f"tokens, a multiple of the group ({self.group}); got {self.flush_block}")
         if self.axis == "token" and not self.flush_block:

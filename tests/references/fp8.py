@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
+from tests.references import harness
+
 FORMATS = {"e4m3": (4, 3, 7), "e5m2": (5, 2, 15)}  # exponent bits, mantissa bits, bias
 RANGES = {"k": 200.0, "v": 100.0}
 NAME = "kvc_fp8_reference"
@@ -112,23 +114,13 @@ _active: Session | None = None
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, dropout: float = 0.0, scaling: float | None = None, **kwargs: Any):
     s, layer = _active, module.layer_idx
-    q = query[0].float()
     k, v = s.stored(layer, "k", key[0]), s.stored(layer, "v", value[0])  # [Hkv, c, D]
     if len(s.keys) <= layer:
         s.keys.append(k[:, :0])
         s.values.append(v[:, :0])
     s.keys[layer] = torch.cat([s.keys[layer], k.to(key.dtype).float()], dim=1)
     s.values[layer] = torch.cat([s.values[layer], v.to(value.dtype).float()], dim=1)
-    keys, values = s.keys[layer], s.values[layer]
-    kv_heads, n, new = keys.shape[0], keys.shape[1], k.shape[1]
-    group = q.shape[0] // kv_heads
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    causal = torch.arange(n)[None, :] <= torch.arange(n - new, n)[:, None]
-    outs = []
-    for h in range(kv_heads):
-        logits = q[h * group:(h + 1) * group] @ keys[h].T * scale
-        outs.append(logits.masked_fill(~causal, float("-inf")).softmax(-1) @ values[h])
-    return torch.cat(outs).transpose(0, 1)[None].to(query.dtype), None
+    return harness.causal_attention(query, s.keys[layer], s.values[layer], scaling), None
 
 
 AttentionInterface.register(NAME, _attention)
@@ -136,18 +128,11 @@ AttentionInterface.register(NAME, _attention)
 
 def _forward(model: PreTrainedModel, session: Session, ids: list[int]) -> torch.Tensor:
     global _active
-    start = session.length
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(NAME)
     _active = session
     try:
-        with torch.no_grad():
-            out = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(start, start + len(ids))[None],
-                        use_cache=False).logits[0].float()
+        return harness.forward(model, NAME, ids, session.length)
     finally:
         _active = None
-        model.set_attn_implementation(previous)
-    return out
 
 
 def generate(model: PreTrainedModel, session: Session, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
+from tests.references import harness
+
 NAME = "kvc_kivi_reference"
 
 
@@ -107,17 +109,8 @@ _active: Session | None = None
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, dropout: float = 0.0, scaling: float | None = None, **kwargs: Any):
-    q = query[0].float()  # [Hq, c, D]
     keys, values = _active.step(module.layer_idx, key[0], value[0])
-    kv_heads, n, new = keys.shape[0], keys.shape[1], key.shape[2]
-    group = q.shape[0] // kv_heads
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    causal = torch.arange(n)[None, :] <= torch.arange(n - new, n)[:, None]
-    outs = []
-    for h in range(kv_heads):
-        logits = q[h * group:(h + 1) * group] @ keys[h].T * scale
-        outs.append(logits.masked_fill(~causal, float("-inf")).softmax(-1) @ values[h])
-    return torch.cat(outs).transpose(0, 1)[None].to(query.dtype), None
+    return harness.causal_attention(query, keys, values, scaling), None
 
 
 AttentionInterface.register(NAME, _attention)
@@ -125,18 +118,11 @@ AttentionInterface.register(NAME, _attention)
 
 def _forward(model: PreTrainedModel, session: Session, ids: list[int]) -> torch.Tensor:
     global _active
-    start = session.length
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(NAME)
     _active = session
     try:
-        with torch.no_grad():
-            out = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(start, start + len(ids))[None],
-                        use_cache=False).logits[0].float()
+        return harness.forward(model, NAME, ids, session.length)
     finally:
         _active = None
-        model.set_attn_implementation(previous)
-    return out
 
 
 def generate(model: PreTrainedModel, session: Session, prompt: list[int], steps: int,
