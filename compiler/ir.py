@@ -563,7 +563,7 @@ def build(checked, source: bytes | None = None) -> MethodIR:
         if isinstance(decl, ast.Input):
             method.inputs.append(InputIR(decl.name.name, tuple(d.name for d in decl.shape.dims), decl.source.value))
     if method.family not in LOWERED_FAMILIES:
-        raise NotLowerable(f"the {method.family} family is not lowered yet (eviction, sparse reads and fp8 "
+        raise NotLowerable(f"the {method.family} family is not lowered yet (eviction, sparse reads and "
                            "quantization lower so far)")
     if method.family == "quantization":
         _lowerable_stores(checked)
@@ -575,16 +575,21 @@ def build(checked, source: bytes | None = None) -> MethodIR:
     return method
 
 
+_QUANTIZERS = ("fp8", "quant", "lloyd_max")
+
+
 def _lowerable_stores(checked) -> None:
-    """A quantization method lowers when every `store` is one stage (`fp8(...)` or `quant(...)`) and
-    it has no hooks: the engine's store quantizes (token by token, or a block at a time for groups
-    over tokens) and the attention kernels decode, from the KV spec alone."""
+    """A quantization method lowers when every `store` is one quantizer (`fp8`, `quant` or
+    `lloyd_max`), optionally after a `rotate`, and it has no hooks: the engine rotates where q, k and
+    v enter attention, its store quantizes (token by token, or a block at a time for groups over
+    tokens) and the attention kernels decode, from the KV spec alone."""
     for decl in (d for d in checked.method.items if isinstance(d, ast.Store)):
         stages = [c.func.name for c in decl.codecs if isinstance(c, ast.Call)]
-        if stages not in (["fp8"], ["quant"]):
-            raise NotLowerable(f"store {decl.target.name} as {' then '.join(stages)}: only one fp8 or quant stage is "
-                               "lowered so far (rotations, low-rank projections and learned compressors are not)",
-                               decl.pos)
+        body = stages[1:] if stages[:1] == ["rotate"] else stages
+        if len(body) != 1 or body[0] not in _QUANTIZERS:
+            raise NotLowerable(f"store {decl.target.name} as {' then '.join(stages)}: one quantizer (fp8, quant or "
+                               "lloyd_max), after at most one rotate, is lowered so far (QJL sketches, low-rank "
+                               "projections and learned compressors are not)", decl.pos)
     if checked.hooks:
         raise NotLowerable("a quantization method with hooks is not lowered yet", checked.hooks[0].pos)
 

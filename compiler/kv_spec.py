@@ -32,6 +32,7 @@ other shared state, state kept per sequence) is left out and named in `reasons` 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,11 +51,12 @@ FROM_BITS = "from bits"  # packing / dtype of codes whose bit width is a paramet
 FROM_FORMAT = "from format"  # dtype of FP8 codes: float8_e4m3fn or float8_e5m2, by the stage's format
 FP8_AXES = {("channel", "key", "kv_head"): True, ("channel", "key"): False}  # sorted axes -> one scale for all heads
 PACKINGS = {8: "", 4: "int4x2", 2: "int2x4"}
+BOOK_PACKINGS = {4: "int4x2", 3: "int3x8", 2: "int2x4"}  # lloyd_max's codes: 8 3-bit codes in 3 bytes
 SCORES_PLANE = "decode_after_attention.scores"
 REDUCERS = ("max", "min", "sum", "mean")
 _UNFIT_STAGES = {
-    "rotate": "an orthogonal rotation undone on read",
-    "lloyd_max": "Lloyd-Max codebook codes (a norm and codebook indices, not codes with a scale)",
+    "rotate": "a rotation leads the pipeline, before one quantizer",
+    "lloyd_max": "codebook codes are the pipeline's one quantizer",
     "qjl": "a quantized Johnson-Lindenstrauss sketch of the previous stage's error",
     "project": "a low-rank projection (a latent per group of KV heads, read back through `up`)",
     "residual": "a residual against a per-item reference (cluster means)",
@@ -97,10 +99,16 @@ class Quantized:
     format: object = None
     scaling: object = None
     shared_heads: bool = True
+    codebook: str | None = None  # "sphere": lloyd_max's levels
+    rotation: object = None  # "hadamard" | "random" | a Param: `rotate(...)` before the quantizer
 
     def to_json(self) -> dict:
         data = {"kind": "quantized", "codes": self.codes, "scale": self.scale, "zero": self.zero,
                 "bits": _text(self.bits), "group": _text(self.group), "axis": self.axis, "residual": self.residual}
+        if self.codebook is not None:
+            data["codebook"] = self.codebook
+        if self.rotation is not None:
+            data["rotation"] = str(self.rotation)
         if self.format is not None:
             data.update(format=str(self.format), scaling=str(self.scaling), shared_heads=self.shared_heads)
         if self.axis == "token":
@@ -197,12 +205,20 @@ class _Deriver:
         text = " then ".join(source_of(c) for c in decl.codecs)
         if decl.exempt is not None:
             text += f" except {source_of(decl.exempt)}"
-        stages = [c.func.name for c in decl.codecs if isinstance(c, ast.Call)]
-        if stages == ["fp8"]:
-            mapped = self.fp8(which, decl, decl.codecs[0])
-            return (Unmapped(text), []) if mapped is None else mapped
+        codecs = [c for c in decl.codecs if isinstance(c, ast.Call)]
+        rotation = None
+        if len(codecs) == 2 and codecs[0].func.name == "rotate" and codecs[1].func.name in ("quant", "fp8",
+                                                                                          "lloyd_max"):
+            rotation = self.choice(codecs[0].args[0])  # the rotation's kind: the runtime's matrix of it
+            codecs = codecs[1:]
+        stages = [c.func.name for c in codecs]
+        if stages in (["fp8"], ["lloyd_max"]):
+            mapped = (self.fp8 if stages == ["fp8"] else self.lloyd_max)(which, decl, codecs[0])
+            if mapped is None:
+                return Unmapped(text), []
+            return dataclasses.replace(mapped[0], rotation=rotation), mapped[1]
         if any(name != "quant" for name in stages):
-            unfit = [c for c in decl.codecs if isinstance(c, ast.Call) and c.func.name != "quant"]
+            unfit = [c for c in codecs if c.func.name != "quant"]
             what = "; ".join(f"{c.func.name}: {_UNFIT_STAGES.get(c.func.name, 'not in the spec yet')}"
                              f"{_scale_sharing(c)}" for c in unfit)
             self.unfit(decl, f"store {which} as {text}: not in the KV spec yet ({what})")
@@ -210,8 +226,43 @@ class _Deriver:
         if len(stages) != 1:
             self.unfit(decl, f"store {which} as {text}: a pipeline of several stages is not in the KV spec yet")
             return Unmapped(text), []
-        mapped = self.quant(which, decl, decl.codecs[0])
-        return (Unmapped(text), []) if mapped is None else mapped
+        mapped = self.quant(which, decl, codecs[0])
+        return (Unmapped(text), []) if mapped is None else (dataclasses.replace(mapped[0], rotation=rotation),
+                                                            mapped[1])
+
+    def lloyd_max(self, which: str, decl: ast.Store, call: ast.Call):
+        """`lloyd_max(bits, along channel)`: codebook codes over a token's channels, one RMS scale."""
+        fails = len(self.reasons)
+        bits = self.scalar(call.args[0], call, "the bit width")
+        if bits is not None:
+            at = bits.subs({sp.Symbol(n): v for n, v in self.checked.values.items() if isinstance(v, (int, float))})
+            if not (at.is_Integer and int(at) in BOOK_PACKINGS):
+                self.unfit(call, f"store {which}: {source_of(call.args[0])} = {at} bits (codebook codes take 2, 3 "
+                                 "or 4)")
+        residual = self.residual(which, decl)
+        if len(self.reasons) > fails or bits is None:
+            return None
+        packing = BOOK_PACKINGS[int(bits)] if bits.is_Integer else FROM_BITS
+        names = {part: f"{which}_{part}" for part in ("codes", "scale", "resid")}
+        tensors = [TensorDesc(names["codes"], "token", "uint8", (HEAD_DIM * bits / 8,), packing),
+                   TensorDesc(names["scale"], "token", MODEL, (sp.Integer(1),))]
+        if residual is not None:
+            tensors.append(TensorDesc(names["resid"], "seq", MODEL, (residual + 1, HEAD_DIM)))
+        enc = Quantized(names["codes"], names["scale"], bits, HEAD_DIM, "channel", None,
+                        None if residual is None else names["resid"], residual, codebook="sphere")
+        return enc, tensors
+
+    def residual(self, which: str, decl: ast.Store):
+        """The newest tokens a store keeps exact (`except last n`, summed), or None."""
+        residual = None
+        for part in _ranges(decl.exempt):
+            if part.kind == "first":
+                self.unfit(part, f"store {which}: the first tokens at full precision (`except first`); the spec's "
+                                 "residual window holds the newest tokens only")
+            else:
+                count = self.scalar(part.count, part, "the residual window")
+                residual = count if residual is None or count is None else residual + count
+        return residual
 
     def quant(self, which: str, decl: ast.Store, call: ast.Call):
         fails = len(self.reasons)
@@ -243,14 +294,7 @@ class _Deriver:
             axis = None
             self.unfit(call, f"store {which}: scales shared along {', '.join(axes)} (the spec groups along channel "
                              "or key only)")
-        residual = None
-        for part in _ranges(decl.exempt):
-            if part.kind == "first":
-                self.unfit(part, f"store {which}: the first tokens at full precision (`except first`); the spec's "
-                                 "residual window holds the newest tokens only")
-            else:
-                count = self.scalar(part.count, part, "the residual window")
-                residual = count if residual is None or count is None else residual + count
+        residual = self.residual(which, decl)
         if len(self.reasons) > fails or bits is None or group is None:
             return None
         per = sp.Integer(8) / bits
@@ -496,13 +540,15 @@ class _Emitter:
         if isinstance(enc, Dense):
             return f'Dense("{enc.tensor}")'
         zero = "None" if enc.zero is None else f'"{enc.zero}"'
+        rotation = "" if enc.rotation is None else f", rotation={_choice(enc.rotation)}"
         if enc.format is not None:
             return (f'Quantized(\n        "{enc.codes}", "{enc.scale}", 8, head_dim, format={_choice(enc.format)}, '
-                    f'scaling={_choice(enc.scaling)},\n        shared_heads={enc.shared_heads},\n    )')
+                    f'scaling={_choice(enc.scaling)},\n        shared_heads={enc.shared_heads}{rotation},\n    )')
         residual = "None" if enc.residual is None else f'"{enc.residual}" if {self.resid[enc.residual]} >= 1 else None'
         flush = f", flush_block={self.resid[enc.residual]}" if enc.axis == "token" else ""
+        book = "" if enc.codebook is None else f', codebook="{enc.codebook}"'
         return (f'Quantized(\n        "{enc.codes}", "{enc.scale}", {self.p.py(enc.bits)}, {self.p.py(enc.group)}, '
-                f'zero={zero}, axis="{enc.axis}",\n        residual={residual}{flush},\n    )')
+                f'zero={zero}, axis="{enc.axis}",\n        residual={residual}{flush}{book}{rotation},\n    )')
 
     def body(self, method_name: str) -> list[str]:
         spec, p = self.spec, self.p
@@ -573,10 +619,10 @@ _SIZE = '''def _size(value):
     return int(whole)'''
 
 _PACKING = '''def _packing(bits):
-    """How codes of `bits` bits share a uint8 (runtime/kv/spec.py PACKINGS)."""
-    if bits not in (2, 4, 8):
-        raise ValueError(f"{bits}-bit codes: the KV spec packs 2, 4 or 8 bits")
-    return {8: "", 4: "int4x2", 2: "int2x4"}[bits]
+    """How codes of `bits` bits share uint8s (runtime/kv/spec.py PACKINGS)."""
+    if bits not in (2, 3, 4, 8):
+        raise ValueError(f"{bits}-bit codes: the KV spec packs 2, 3, 4 or 8 bits")
+    return {8: "", 4: "int4x2", 3: "int3x8", 2: "int2x4"}[bits]
 
 
 def _codes_dtype(bits):

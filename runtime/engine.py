@@ -229,9 +229,11 @@ class Engine:
         if params.prompt_logprobs is not None and (replay is not None or (chain is not None and not chain.open)):
             raise InvalidSamplingParams("prompt_logprobs: a chain continuation or a replayed prefill does not run "
                                         "the model over the whole prompt", param="prompt_logprobs")
-        if (record is not None or replay is not None) and self.method.chunk_keeps:
-            raise ConfigError(f"method {self.method.name!r} cuts its cache after every prefill chunk, so its forward "
-                              "is its own: it neither records nor replays prefills", param="replay")
+        if (record is not None or replay is not None) and not self.shares_prefills:
+            why = ("cuts its cache after every prefill chunk" if self.method.chunk_keeps else
+                   "stores K/V in a format its prefill attention reads back")
+            raise ConfigError(f"method {self.method.name!r} {why}, so its forward is its own: it neither records nor "
+                              "replays prefills", param="replay")
         if replay is not None:
             if chain is not None and not chain.open:
                 raise ConfigError("replay: a recorded prefill starts at the prompt's first token; a chain "
@@ -377,6 +379,14 @@ class Engine:
         self.scheduler.abort(seq_id)
         self._release(seq_id)
         self.sequences.pop(seq_id, None)
+
+    @property
+    def shares_prefills(self) -> bool:
+        """Whether this engine's prefill forward is every method's (runtime/prefill_record.py), so it
+        may record prefills and replay others': not when its method cuts the cache while prefilling,
+        nor when K/V are stored in a format attention reads back (quantized: earlier chunks, and
+        without a residual window the chunk itself, are read as stored)."""
+        return not self.method.chunk_keeps and self.attention.store.spec.dense
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._launched is not None or bool(self._drained)

@@ -29,6 +29,8 @@ from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.kv.tables import TableCache
 from kvc.runtime.step_hooks import StepHooks
 from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.kv.rotation import Rotation
+from kvc.runtime.kv.spec import K
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.method_api import (DecodeRow, DecodeView, Hook, KVMethod)
 from kvc.runtime.models.base import CausalLM
@@ -139,6 +141,8 @@ class ModelRunner:
         self.default_generator.manual_seed(seed)
         self.token_counts = TokenCounts(model.spec.vocab_size, device)  # penalties' state
         self.store = attention.store  # every tensor of the method's KV spec (runtime/kv/store.py)
+        # K/V stored rotated: q, k and v change basis where they enter a layer's attention
+        self.rotation = Rotation.of(self.store.spec, model.spec.head_dim, self.store.model_dtype(K), device)
         # the attention kernels, chosen by the spec (dense or encoded K/V), the decode statistics the
         # method reads, and whether its decode hook gives read plans
         attention.use_variant(variant_for_spec(self.store.spec.dense, self.method.attention.decode_stats is not None,
@@ -293,8 +297,11 @@ class ModelRunner:
             hooks & {Hook.PREFILL_CHUNK, Hook.PREFILL_END})
         chained = [] if batch is None or not self.chain_window else _chained_prefills(batch)
         recording = [] if batch is None else _recording_prefills(batch)
+        rotation = self.rotation
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if rotation is not None:  # everything below sees the stored basis (runtime/kv/rotation.py)
+                q, k, v = rotation.inputs(q, k, v)
             d = md.num_decodes
             view = stats = None
             if decode_hooks and d > 0:
@@ -326,7 +333,7 @@ class ModelRunner:
                 prev = seq.window_queries[layer]
                 both = q[rows] if prev is None else torch.cat([prev, q[rows]])
                 seq.window_queries[layer] = both[-self.chain_window:].clone()
-            return out
+            return out if rotation is None else rotation.output(out)
 
         return attn
 

@@ -1,8 +1,9 @@
 """Prefill records: one prompt's prefill, captured by one engine and taken by others without running
 the model again (docs/design.md, "Prefill records").
 
-What a KV method does at prefill never changes the forward: its prefill hooks run after each
-layer's attention and compress only what is stored, once prefill ends. So the model's per-layer
+What a KV method does at prefill does not change the forward: its prefill hooks run after each
+layer's attention and compress only what is stored, once prefill ends (the exceptions, whose engines
+neither record nor replay: `Engine.shares_prefills`). So the model's per-layer
 attention inputs for a prompt (post-RoPE q, k, v of every token) and the logits of its last token
 are the same under every method. An engine records them for a request
 (`Engine.add_request(..., record=PrefillRecord())`); another engine, with any method, takes them

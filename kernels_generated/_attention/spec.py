@@ -12,6 +12,7 @@
 #   methods/omnikv.kvm
 #   methods/quest.kvm
 #   methods/retroinfer.kvm
+#   methods/turboquant.kvm
 # Do not edit: change the templates and run `kvc compile --all`.
 """Paged attention as Triton kernels: the engine's GPU attention, variant `spec`.
 
@@ -258,11 +259,12 @@ READ_ALL, READ_PAGES, READ_TOKENS = 0, 1, 2  # the constexpr READ: the whole con
 
 
 @triton.jit
-def _codes(ptr, row_mask, BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, ASYM: tl.constexpr,
+def _codes(ptr, row_mask, BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, SIGNED: tl.constexpr,
            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     # The codes of the rows at `ptr` [BLOCK_N, 1] as fp32 [BLOCK_N, BLOCK_D]: FP8 codes as their values
     # (exact in fp32); integer codes with packed bytes loaded once, contiguously, and their fields
-    # interleaved back (low bits first); a signed code is stored as its two's-complement bits.
+    # interleaved back (low bits first; 3-bit codes: 8 in the 24-bit word of 3 bytes); a signed code
+    # is stored as its two's-complement bits.
     if PER_ELEMENT == 1:
         offs_d = tl.arange(0, BLOCK_D)
         if ptr.dtype.element_ty.is_fp8():  # float codes (no fp8 `other`): masked lanes read as 0
@@ -273,18 +275,32 @@ def _codes(ptr, row_mask, BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, ASYM: t
             code = code.to(tl.float32)
     else:
         offs_c = tl.arange(0, BLOCK_D // PER_ELEMENT)
-        packed = tl.load(ptr + offs_c[None, :], mask=row_mask[:, None] & (offs_c < HEAD_DIM // PER_ELEMENT)[None, :],
-                         other=0).to(tl.int32)
+        word_mask = row_mask[:, None] & (offs_c < HEAD_DIM // PER_ELEMENT)[None, :]
+        if PER_ELEMENT == 8:  # 3 bytes a word
+            at = ptr + 3 * offs_c[None, :]
+            packed = (tl.load(at, mask=word_mask, other=0).to(tl.int32)
+                      | (tl.load(at + 1, mask=word_mask, other=0).to(tl.int32) << 8)
+                      | (tl.load(at + 2, mask=word_mask, other=0).to(tl.int32) << 16))
+        else:
+            packed = tl.load(ptr + offs_c[None, :], mask=word_mask, other=0).to(tl.int32)
         f0 = packed & ((1 << BITS) - 1)
         f1 = (packed >> BITS) & ((1 << BITS) - 1)
         if PER_ELEMENT == 2:
             field = tl.join(f0, f1)
-        else:
+        elif PER_ELEMENT == 4:
             f2 = (packed >> (2 * BITS)) & ((1 << BITS) - 1)
             f3 = (packed >> (3 * BITS)) & ((1 << BITS) - 1)
             field = tl.join(tl.join(f0, f2), tl.join(f1, f3))
+        else:  # field j of 8 lands at 4a + 2b + c for the join nesting (a innermost)
+            f2 = (packed >> (2 * BITS)) & ((1 << BITS) - 1)
+            f3 = (packed >> (3 * BITS)) & ((1 << BITS) - 1)
+            f4 = (packed >> (4 * BITS)) & ((1 << BITS) - 1)
+            f5 = (packed >> (5 * BITS)) & ((1 << BITS) - 1)
+            f6 = (packed >> (6 * BITS)) & ((1 << BITS) - 1)
+            f7 = (packed >> (7 * BITS)) & ((1 << BITS) - 1)
+            field = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)), tl.join(tl.join(f1, f5), tl.join(f3, f7)))
         field = tl.reshape(field, [row_mask.shape[0], BLOCK_D])
-        if not ASYM:
+        if SIGNED:
             field = (field ^ (1 << (BITS - 1))) - (1 << (BITS - 1))
         code = field.to(tl.float32)
     return code
@@ -318,10 +334,11 @@ def _load_operand(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, GROUP: tl.constexpr, ASYM: tl.constexpr,
     WINDOW: tl.constexpr, fresh_base=None, fresh_start=0, stride_ft=0, FRESH: tl.constexpr = False,
+    book_base=None, BOOK: tl.constexpr = 0,
 ):
     # A K or V tile [BLOCK_N, BLOCK_D] of one KV head's slots `tokens` (at `pages`, `in_page`): the
-    # dense cache as it is (BITS 0), or the codes decoded in fp32, `(code - zero) * scale` or
-    # `code * scale`, with the slots from `resid_start` on read from the residual window instead,
+    # dense cache as it is (BITS 0), or the codes decoded in fp32, `code * scale + zero`,
+    # `code * scale` or, with a codebook of BOOK levels, `levels[code] * scale`, with the slots from `resid_start` on read from the residual window instead,
     # and (FRESH: a prefill chunk's own slots) those from `fresh_start` on from the chunk's keys or
     # values as computed, `fresh_base + (slot - fresh_start) * stride_ft`.
     offs_d = tl.arange(0, BLOCK_D)
@@ -337,7 +354,9 @@ def _load_operand(
             in_window = tokens >= resid_start
             row_mask = row_mask & (tokens < resid_start)
         code = _codes(base + pages[:, None] * stride_p + in_page[:, None] * stride_s, row_mask, BITS, PER_ELEMENT,
-                      ASYM, HEAD_DIM, BLOCK_D)
+                      not ASYM and BOOK == 0, HEAD_DIM, BLOCK_D)
+        if BOOK > 0:  # an index into the levels (a few floats, cached)
+            code = tl.load(book_base + code.to(tl.int32))
         group_rows = pages[:, None] * stride_sp + in_page[:, None] * stride_ss
         if BLOCK_D % GROUP == 0 and (GROUP & (GROUP - 1)) == 0:
             # groups tile the channels: load [BLOCK_N, G] scales once and broadcast them
@@ -411,16 +430,17 @@ def _token_slot(cu_seqlens_ptr, context_lens_ptr, rows_ptr, batch, token, BLOCK_
 
 @triton.jit
 def _store_operand(
-    x, row_ok, page, offset, offs_h, offs_d, base, scale_ptr, zero_ptr, resid_ptr, row, position, length,
+    x, row_ok, page, offset, offs_h, offs_d, base, scale_ptr, zero_ptr, book_ptr, resid_ptr, row, position, length,
     stride_p, stride_h, stride_s, stride_sp, stride_sh, stride_ss, stride_rr, stride_rh, stride_rs,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, GROUP: tl.constexpr, ASYM: tl.constexpr,
-    WINDOW: tl.constexpr, FLUSH: tl.constexpr, to_window, CODES: tl.constexpr,
+    WINDOW: tl.constexpr, FLUSH: tl.constexpr, BOOK: tl.constexpr, to_window, CODES: tl.constexpr,
 ):
     # One token's rows x [BLOCK_H, BLOCK_D] (every KV head, `row_ok`: heads that exist, slot >= 0)
     # into one operand: as they are (dense), or quantized per group of GROUP channels (scale from
     # the group's absmax, or min/max and a zero point; codes against the scale and zero as stored,
-    # rounded to nearest, packed low bits first), or as float codes against the layer's scale (FP8
+    # rounded to nearest, packed low bits first; with a codebook of BOOK levels, the scale is the group's
+    # RMS and the code the nearest level's index), or as float codes against the layer's scale (FP8
     # codes: what runtime/kv/encodings.py's quantize_float stores), and into the residual window
     # when there is one (`to_window`: this token enters it now). Under a flush block (FLUSH > 0) only
     # the window: `_flush_blocks_kernel` writes the codes a block at a time. CODES False: only the
@@ -465,7 +485,11 @@ def _store_operand(
             # groups tile the channels (BLOCK_G = BLOCK_D // GROUP): reduce and broadcast by reshaping;
             # channels past HEAD_DIM fill whole groups, which are never stored
             x3 = tl.reshape(xf, [BLOCK_H, BLOCK_G, GROUP])
-            if ASYM:
+            if BOOK > 0:  # the RMS: `spread / qmax` below is spread itself
+                qmax = 1
+                spread = tl.sqrt_rn(tl.math.div_rn(tl.sum(x3 * x3, axis=2),
+                                                   tl.full([BLOCK_H, BLOCK_G], GROUP, tl.float32)))
+            elif ASYM:
                 low = tl.min(x3, axis=2)
                 spread = tl.max(x3, axis=2) - low
             else:
@@ -482,7 +506,11 @@ def _store_operand(
             offs_g = tl.arange(0, BLOCK_G)
             member = ((offs_d[None, :] // GROUP) == offs_g[:, None]) & dim_ok[None, :]  # [BLOCK_G, BLOCK_D]
             member = member[None, :, :]
-            if ASYM:
+            if BOOK > 0:
+                qmax = 1
+                square = tl.sum(tl.where(member, (xf * xf)[:, None, :], 0.0), axis=2)
+                spread = tl.sqrt_rn(tl.math.div_rn(square, tl.full(square.shape, GROUP, tl.float32)))
+            elif ASYM:
                 low = tl.min(tl.where(member, xf[:, None, :], float("inf")), axis=2)  # [BLOCK_H, BLOCK_G]
                 spread = tl.max(tl.where(member, xf[:, None, :], float("-inf")), axis=2) - low
             else:
@@ -496,12 +524,26 @@ def _store_operand(
                 xf = xf - tl.sum(tl.where(member, zero[:, :, None], 0.0), axis=1)
             y = tl.math.div_rn(xf, tl.where(scale_d > 0, scale_d, 1.0))
         tl.store(scale_ptr + group_at, scale.to(scale_ptr.dtype.element_ty), mask=group_ok)
-        if ASYM:
+        if BOOK > 0:  # the number of midpoints between consecutive levels below y (the nearest level)
+            code = tl.zeros(y.shape, tl.int32)
+            for i in tl.static_range(BOOK - 1):
+                mid = (tl.load(book_ptr + i) + tl.load(book_ptr + i + 1)) * 0.5
+                code += (y > mid).to(tl.int32)
+        elif ASYM:
             tl.store(zero_ptr + group_at, zero.to(zero_ptr.dtype.element_ty), mask=group_ok)
             code = _round_even(tl.minimum(tl.maximum(y, 0.0), qmax)).to(tl.int32)
         else:
             code = tl.minimum(tl.maximum(tl.floor(y + 0.5), -qmax), qmax).to(tl.int32)
-        if PER_ELEMENT > 1:
+        if PER_ELEMENT == 8:  # 3-bit codes: a 24-bit word of 8, stored as 3 bytes
+            fields = (code & 7) << ((offs_d % 8) * 3)[None, :]
+            word = tl.sum(tl.reshape(fields, [BLOCK_H, BLOCK_D // 8, 8]), axis=2)
+            offs_w = tl.arange(0, BLOCK_D // 8)
+            word_at = base + at + 3 * offs_w[None, :]
+            word_ok = row_ok[:, None] & (offs_w < HEAD_DIM // 8)[None, :]
+            tl.store(word_at, (word & 255).to(base.dtype.element_ty), mask=word_ok)
+            tl.store(word_at + 1, ((word >> 8) & 255).to(base.dtype.element_ty), mask=word_ok)
+            tl.store(word_at + 2, ((word >> 16) & 255).to(base.dtype.element_ty), mask=word_ok)
+        elif PER_ELEMENT > 1:
             fields = (code & ((1 << BITS) - 1)) << ((offs_d % PER_ELEMENT) * BITS)[None, :]
             packed = tl.sum(tl.reshape(fields, [BLOCK_H, BLOCK_D // PER_ELEMENT, PER_ELEMENT]), axis=2)
             offs_c = tl.arange(0, BLOCK_D // PER_ELEMENT)
@@ -549,17 +591,17 @@ def _check_operands(q: torch.Tensor, k_cache, v_cache) -> None:
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, slot_ptr, cu_seqlens_ptr, context_lens_ptr, rows_ptr, batch, first_token, window_to,
-    k_cache_ptr, k_scale_ptr, k_zero_ptr, k_resid_ptr,
+    k_cache_ptr, k_scale_ptr, k_zero_ptr, k_book_ptr, k_resid_ptr,
     stride_kcp, stride_kch, stride_kcs, stride_k_scale_p, stride_k_scale_h, stride_k_scale_s,
     stride_k_resid_r, stride_k_resid_h, stride_k_resid_s,
-    v_cache_ptr, v_scale_ptr, v_zero_ptr, v_resid_ptr,
+    v_cache_ptr, v_scale_ptr, v_zero_ptr, v_book_ptr, v_resid_ptr,
     stride_vcp, stride_vch, stride_vcs, stride_v_scale_p, stride_v_scale_h, stride_v_scale_s,
     stride_v_resid_r, stride_v_resid_h, stride_v_resid_s,
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr,
     K_BLOCK_G: tl.constexpr, V_BLOCK_G: tl.constexpr, BLOCK_B: tl.constexpr, CODES: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64) + first_token
@@ -580,16 +622,16 @@ def _store_kv_kernel(
         row, position, length = _token_slot(cu_seqlens_ptr, context_lens_ptr, rows_ptr, batch, token, BLOCK_B)
     to_window = (tl.zeros([BLOCK_H], tl.int64) + token) < window_to  # broadcast: no scalar in a mask
     _store_operand(
-        k, row_ok, page, offset, offs_h, offs_d, k_cache_ptr, k_scale_ptr, k_zero_ptr, k_resid_ptr, row, position,
+        k, row_ok, page, offset, offs_h, offs_d, k_cache_ptr, k_scale_ptr, k_zero_ptr, k_book_ptr, k_resid_ptr, row, position,
         length, stride_kcp, stride_kch, stride_kcs, stride_k_scale_p, stride_k_scale_h, stride_k_scale_s,
         stride_k_resid_r, stride_k_resid_h, stride_k_resid_s,
-        HEAD_DIM, BLOCK_H, BLOCK_D, K_BLOCK_G, K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, to_window, CODES,
+        HEAD_DIM, BLOCK_H, BLOCK_D, K_BLOCK_G, K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, K_BOOK, to_window, CODES,
     )
     _store_operand(
-        v, row_ok, page, offset, offs_h, offs_d, v_cache_ptr, v_scale_ptr, v_zero_ptr, v_resid_ptr, row, position,
+        v, row_ok, page, offset, offs_h, offs_d, v_cache_ptr, v_scale_ptr, v_zero_ptr, v_book_ptr, v_resid_ptr, row, position,
         length, stride_vcp, stride_vch, stride_vcs, stride_v_scale_p, stride_v_scale_h, stride_v_scale_s,
         stride_v_resid_r, stride_v_resid_h, stride_v_resid_s,
-        HEAD_DIM, BLOCK_H, BLOCK_D, V_BLOCK_G, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW, V_FLUSH, to_window, CODES,
+        HEAD_DIM, BLOCK_H, BLOCK_D, V_BLOCK_G, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW, V_FLUSH, V_BOOK, to_window, CODES,
     )
 
 
@@ -776,10 +818,10 @@ def _split_len(context_len, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     q_ptr, block_tables_ptr, context_lens_ptr, kv_starts_ptr, rows_ptr, resid_lens_ptr, plan_ptr, last_ptr,
-    k_cache_ptr, k_scale_ptr, k_zero_ptr, k_resid_ptr,
+    k_cache_ptr, k_scale_ptr, k_zero_ptr, k_book_ptr, k_resid_ptr,
     stride_kp, stride_kh, stride_ks, stride_k_scale_p, stride_k_scale_h, stride_k_scale_s,
     stride_k_resid_r, stride_k_resid_h, stride_k_resid_s,
-    v_cache_ptr, v_scale_ptr, v_zero_ptr, v_resid_ptr,
+    v_cache_ptr, v_scale_ptr, v_zero_ptr, v_book_ptr, v_resid_ptr,
     stride_vp, stride_vh, stride_vs, stride_v_scale_p, stride_v_scale_h, stride_v_scale_s,
     stride_v_resid_r, stride_v_resid_h, stride_v_resid_s,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -792,8 +834,8 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUT: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr,
     READ: tl.constexpr, HAS_LAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -860,7 +902,7 @@ def _decode_split_kernel(
         k = _load_operand(
             k_base, k_scale_base, k_zero_base, k_resid_base, pages, in_page, tokens, token_mask, kv_mask, k_resid_start,
             stride_kp, stride_ks, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, HEAD_DIM, BLOCK_D,
-            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW,
+            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, book_base=k_book_ptr, BOOK=K_BOOK,
         ).to(q_ptr.dtype.element_ty)
 
         if USE_DOT:
@@ -881,7 +923,7 @@ def _decode_split_kernel(
         v = _load_operand(
             v_base, v_scale_base, v_zero_base, v_resid_base, pages, in_page, tokens, token_mask, kv_mask, v_resid_start,
             stride_vp, stride_vs, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s, HEAD_DIM, BLOCK_D,
-            V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW,
+            V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW, book_base=v_book_ptr, BOOK=V_BOOK,
         ).to(q_ptr.dtype.element_ty)
 
         if USE_DOT:
@@ -1097,11 +1139,11 @@ def _prefill_tile(
     offs_n, offs_d, dim_mask,
     k_scale_base, k_zero_base, k_resid_base, v_scale_base, v_zero_base, v_resid_base, k_resid_start, v_resid_start,
     stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s,
-    k_new_base, v_new_base, new_start, stride_nt,
+    k_new_base, v_new_base, new_start, stride_nt, k_book_ptr, v_book_ptr,
     PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr,
 ):
     tokens = tile + offs_n
     token_mask = tokens < kv_end
@@ -1112,6 +1154,7 @@ def _prefill_tile(
         k_base, k_scale_base, k_zero_base, k_resid_base, pages, in_page, tokens, token_mask, kv_mask, k_resid_start,
         stride_kp, stride_ks, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, HEAD_DIM, BLOCK_D,
         K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, k_new_base, new_start, stride_nt, K_WINDOW > 0,
+        book_base=k_book_ptr, BOOK=K_BOOK,
     ).to(q.dtype)
 
     qk = _mma(q, tl.trans(k), DOT_PRECISION) * qk_scale
@@ -1126,6 +1169,7 @@ def _prefill_tile(
         v_base, v_scale_base, v_zero_base, v_resid_base, pages, in_page, tokens, token_mask, kv_mask, v_resid_start,
         stride_vp, stride_vs, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s, HEAD_DIM, BLOCK_D,
         V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW, v_new_base, new_start, stride_nt, V_WINDOW > 0,
+        book_base=v_book_ptr, BOOK=V_BOOK,
     ).to(q.dtype)
 
     acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_PRECISION)
@@ -1135,10 +1179,10 @@ def _prefill_tile(
 @triton.jit
 def _prefill_kernel(
     q_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, kv_starts_ptr, rows_ptr, resid_lens_ptr,
-    k_cache_ptr, k_scale_ptr, k_zero_ptr, k_resid_ptr,
+    k_cache_ptr, k_scale_ptr, k_zero_ptr, k_book_ptr, k_resid_ptr,
     stride_kp, stride_kh, stride_ks, stride_k_scale_p, stride_k_scale_h, stride_k_scale_s,
     stride_k_resid_r, stride_k_resid_h, stride_k_resid_s,
-    v_cache_ptr, v_scale_ptr, v_zero_ptr, v_resid_ptr,
+    v_cache_ptr, v_scale_ptr, v_zero_ptr, v_book_ptr, v_resid_ptr,
     stride_vp, stride_vh, stride_vs, stride_v_scale_p, stride_v_scale_h, stride_v_scale_s,
     stride_v_resid_r, stride_v_resid_h, stride_v_resid_s,
     k_new_ptr, v_new_ptr, stride_nt, stride_nh,
@@ -1148,8 +1192,8 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     q_block = tl.program_id(0)
@@ -1218,10 +1262,10 @@ def _prefill_kernel(
             qk_scale, stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d, dim_mask,
             k_scale_base, k_zero_base, k_resid_base, v_scale_base, v_zero_base, v_resid_base, k_resid_start,
             v_resid_start, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, stride_v_scale_p, stride_v_scale_s,
-            stride_v_resid_s, k_new_base, v_new_base, new_start, stride_nt,
+            stride_v_resid_s, k_new_base, v_new_base, new_start, stride_nt, k_book_ptr, v_book_ptr,
             PAGE_SIZE, False, DOT_PRECISION, HEAD_DIM, BLOCK_D,
-            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM,
-            V_WINDOW, V_FLUSH,
+            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, K_BOOK, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM,
+            V_WINDOW, V_FLUSH, V_BOOK,
         )
     for tile in range(unmasked_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _prefill_tile(
@@ -1229,10 +1273,10 @@ def _prefill_kernel(
             qk_scale, stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d, dim_mask,
             k_scale_base, k_zero_base, k_resid_base, v_scale_base, v_zero_base, v_resid_base, k_resid_start,
             v_resid_start, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, stride_v_scale_p, stride_v_scale_s,
-            stride_v_resid_s, k_new_base, v_new_base, new_start, stride_nt,
+            stride_v_resid_s, k_new_base, v_new_base, new_start, stride_nt, k_book_ptr, v_book_ptr,
             PAGE_SIZE, True, DOT_PRECISION, HEAD_DIM, BLOCK_D,
-            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM,
-            V_WINDOW, V_FLUSH,
+            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, K_BOOK, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM,
+            V_WINDOW, V_FLUSH, V_BOOK,
         )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -96,10 +96,10 @@ def _size(value):
 
 
 def _packing(bits):
-    """How codes of `bits` bits share a uint8 (runtime/kv/spec.py PACKINGS)."""
-    if bits not in (2, 4, 8):
-        raise ValueError(f"{bits}-bit codes: the KV spec packs 2, 4 or 8 bits")
-    return {8: "", 4: "int4x2", 2: "int2x4"}[bits]
+    """How codes of `bits` bits share uint8s (runtime/kv/spec.py PACKINGS)."""
+    if bits not in (2, 3, 4, 8):
+        raise ValueError(f"{bits}-bit codes: the KV spec packs 2, 3, 4 or 8 bits")
+    return {8: "", 4: "int4x2", 3: "int3x8", 2: "int2x4"}[bits]
 
 
 def _codes_dtype(bits):

@@ -79,9 +79,18 @@ class QuantizedPages:
         return self.codes.device
 
     @property
+    def packing(self) -> str:
+        return encodings.packing_of(self.head_dim, self.codes.shape[-1])
+
+    @property
     def per_element(self) -> int:
-        """Codes per stored element (1, 2 or 4)."""
-        return self.head_dim // self.codes.shape[-1]
+        """Codes per packed unit (1, 2, 4, or 8 in 3 bytes: `int3x8`)."""
+        return encodings.PACKINGS[self.packing][0]
+
+    @property
+    def levels(self) -> torch.Tensor | None:
+        """The float32 levels codebook codes index (None: codes count steps)."""
+        return None if self.enc.codebook is None else encodings.levels(self.enc.reader, self.codes.device)
 
     @property
     def window(self) -> int:
@@ -102,13 +111,14 @@ def is_dense(source: Source) -> bool:
 @dataclass(frozen=True)
 class KernelOperand:
     """A source as kernel arguments: `data` (the dense cache or the codes) with its page, head and
-    slot strides; scale, zero and residual pointers (a stand-in tensor when absent: never read) and
-    their strides; the constexprs. `bits` 0 means dense; `window` 0 means no residual reads or
-    writes."""
+    slot strides; scale, zero, codebook levels and residual pointers (a stand-in tensor when absent:
+    never read) and their strides; the constexprs. `bits` 0 means dense; `window` 0 means no
+    residual reads or writes; `book` 0 means codes count steps, else the codebook's level count."""
 
     data: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
+    levels: torch.Tensor
     residual: torch.Tensor
     strides: tuple[int, ...]  # data p, h, s; scale (= zero) p, h, s; residual row, h, slot
     bits: int
@@ -117,17 +127,19 @@ class KernelOperand:
     asymmetric: bool
     window: int
     flush: int = 0
+    book: int = 0
 
     def args(self) -> tuple:
         """The kernels' operand parameters in order: `{x}_cache_ptr, {x}_scale_ptr, {x}_zero_ptr,
-        {x}_resid_ptr`, then the nine strides (compiler/templates/paged_attention.py.jinja,
+        {x}_book_ptr, {x}_resid_ptr`, then the nine strides (compiler/templates/paged_attention.py.jinja,
         `operand_params`)."""
-        return (self.data, self.scale, self.zero, self.residual, *self.strides)
+        return (self.data, self.scale, self.zero, self.levels, self.residual, *self.strides)
 
     def constants(self, prefix: str) -> dict:
-        """The kernels' operand constexprs, `{X}_BITS` ... `{X}_FLUSH` (`operand_consts`)."""
+        """The kernels' operand constexprs, `{X}_BITS` ... `{X}_BOOK` (`operand_consts`)."""
         return {f"{prefix}_BITS": self.bits, f"{prefix}_PER_ELEMENT": self.per_element, f"{prefix}_GROUP": self.group,
-                f"{prefix}_ASYM": self.asymmetric, f"{prefix}_WINDOW": self.window, f"{prefix}_FLUSH": self.flush}
+                f"{prefix}_ASYM": self.asymmetric, f"{prefix}_WINDOW": self.window, f"{prefix}_FLUSH": self.flush,
+                f"{prefix}_BOOK": self.book}
 
 
 def kernel_operand(source: Source, use_residual: bool) -> KernelOperand:
@@ -135,14 +147,15 @@ def kernel_operand(source: Source, use_residual: bool) -> KernelOperand:
     was given the rows and, to read, resid_lens), so a source with a residual passes its window."""
     if is_dense(source):
         s = source.stride()
-        return KernelOperand(source, source, source, source, (s[0], s[1], s[2], 0, 0, 0, 0, 0, 0), 0, 1, 1,
+        return KernelOperand(source, source, source, source, source, (s[0], s[1], s[2], 0, 0, 0, 0, 0, 0), 0, 1, 1,
                              False, 0)
     resid = source.residual if use_residual else None
     cs, ss = source.codes.stride(), source.scale.stride()
     rs = resid.stride() if resid is not None else (0, 0, 0, 0)
+    levels = source.levels
     return KernelOperand(
         source.codes, source.scale, source.zero if source.zero is not None else source.scale,
-        resid if resid is not None else source.scale,
+        levels if levels is not None else source.scale, resid if resid is not None else source.scale,
         (cs[0], cs[1], cs[2], ss[0], ss[1], ss[2], rs[0], rs[1], rs[2]),
         source.enc.bits, source.per_element, source.enc.reader.group, not source.enc.symmetric,
-        0 if resid is None else resid.shape[2], source.enc.flush_block)
+        0 if resid is None else resid.shape[2], source.enc.flush_block, 0 if levels is None else levels.numel())

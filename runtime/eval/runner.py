@@ -12,8 +12,9 @@ the engine of every other setting takes those prefills as records: it stores the
 method's prefill hooks and compaction on them, and decodes from there. Engines schedule prefills
 first so that the replaying engines batch exactly as the recording one did. `--no-share-prefill`
 runs the model in every engine instead (the same answers, about as many prefills as settings).
-A method whose prefill_chunk keeps (`chunk_keeps`: DuoAttention's streaming heads are cut after
-every chunk, so a later chunk's forward is its own) neither records nor replays: it prefills itself.
+A method whose forward is its own (`Engine.shares_prefills`: DuoAttention's streaming heads are cut
+after every chunk; quantized K/V are read back as stored) neither records nor replays: it prefills
+itself.
 Cases go in groups whose records fit `record_memory`; a group runs as one batch, greedy. A
 multi-turn task opens a chain per case and asks each later turn through it, so a turn prefills only
 its new suffix over the method's compressed history. `--reference kvpress` runs the same
@@ -214,7 +215,7 @@ class Evaluation:
                 start = time.perf_counter()
                 llm = self._llm(setting)
                 try:  # the first setting's engine records the prefills (any method's forward is the same)
-                    if records is None or llm.engine.method.chunk_keeps:  # its own forward: cut while prefilled
+                    if records is None or not llm.engine.shares_prefills:  # its own forward (Engine.shares_prefills)
                         shared = {}
                     else:
                         shared = {"replay": records} if recorded else {"record": records}

@@ -10,11 +10,17 @@ per channel and group of `group` tokens):
   (2^bits - 1)`, the zero point is the group's minimum, `code = round(clamp((x - min) / scale, 0,
   2^bits - 1))` with ties to even (KIVI's `round_`), `x = code * scale + min`.
 
+- codebook "sphere" (TurboQuant's scalar quantizer): unsigned codes in [0, 2^bits - 1] that index
+  `levels(enc)`, `scale = sqrt(sum(x^2) / group)` (the group's RMS), `code` = the number of
+  midpoints between consecutive levels that `x / scale` exceeds (the nearest level), `x =
+  levels[code] * scale`.
+
 Arithmetic in float32 against the scale and zero point *as stored* (rounded to their dtypes; the
 Triton store computes the same codes), so what is stored decodes to within half a step of the input
 (up to that rounding); in a float32 model this is KIVI's arithmetic exactly. A group whose range is
 0 (or whose scale underflows its dtype) gets scale 1. Packing (`TensorSpec.packing`):
-`int4x2` / `int2x4` put 2 / 4 codes in one uint8 along the last axis, low bits first; a signed code
+`int4x2` / `int2x4` put 2 / 4 codes in one uint8 along the last axis, low bits first, `int3x8` 8
+codes in 3 uint8 (code j of 8 at bits [3j, 3j + 3) of the little-endian 24-bit word); a signed code
 is stored as its two's-complement low bits.
 
 Float codes (FP8, `Quantized.format`): `code = fp8(clamp(x / scale, -max, max))` in float32, cast
@@ -25,6 +31,9 @@ stored chunk). docs/design.md, "KV spec", has the storage rules.
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 from kvc.runtime.kv.spec import FLOAT_CODES, PACKINGS, Quantized
@@ -36,7 +45,7 @@ DYNAMIC_RANGE = {"k": 200.0, "v": 100.0}
 
 def code_range(enc: Quantized) -> tuple[int, int]:
     """The smallest and largest code of `enc`."""
-    if enc.symmetric:
+    if enc.signed:
         qmax = 2 ** (enc.bits - 1) - 1
         return -qmax, qmax
     return 0, 2**enc.bits - 1
@@ -44,10 +53,22 @@ def code_range(enc: Quantized) -> tuple[int, int]:
 
 def packing_of(head_dim: int, stored: int) -> str:
     """The packing of codes stored as `stored` elements per token for `head_dim` channels."""
-    for name, per in PACKINGS.items():
-        if stored * per == head_dim:
+    for name, (codes, elements) in PACKINGS.items():
+        if stored * codes == head_dim * elements:
             return name
-    raise ValueError(f"codes of width {stored} do not hold {head_dim} channels (one, two or four codes an element)")
+    raise ValueError(f"codes of width {stored} do not hold {head_dim} channels (one, two or four codes an element, "
+                     "or eight in three)")
+
+
+def stored_width(head_dim: int, packing: str) -> int:
+    """Elements one token's `head_dim` codes take under `packing`."""
+    codes, elements = PACKINGS[packing]
+    return head_dim // codes * elements
+
+
+def packing_for(bits: int) -> str:
+    """The packing of `bits`-bit integer codes in uint8 (8: none)."""
+    return {8: "", 4: "int4x2", 3: "int3x8", 2: "int2x4"}[bits]
 
 
 def check(enc: Quantized, head_dim: int, code_dtype: torch.dtype, packing: str = "") -> None:
@@ -59,15 +80,15 @@ def check(enc: Quantized, head_dim: int, code_dtype: torch.dtype, packing: str =
             raise ValueError(f"quantized {enc.codes!r}: {enc.format} codes are unpacked {FLOAT_CODES[enc.format][0]} "
                              f"with one scale per token's {head_dim} channels, got {code_dtype}, group {enc.group}")
         return
-    per = PACKINGS[packing]
+    per, elements = PACKINGS[packing]
     if enc.axis == "channel" and head_dim % enc.group:
         raise ValueError(f"quantized {enc.codes!r}: group {enc.group} does not divide head_dim {head_dim}")
     if code_dtype.is_floating_point or code_dtype == torch.bool:
         raise ValueError(f"quantized {enc.codes!r}: codes need an integer dtype, got {code_dtype}")
     if per > 1:
-        if code_dtype != torch.uint8 or enc.bits * per != 8:
-            raise ValueError(f"quantized {enc.codes!r}: packing {packing!r} holds {8 // per}-bit codes in uint8, "
-                             f"got {enc.bits}-bit codes in {code_dtype}")
+        if code_dtype != torch.uint8 or enc.bits * per != 8 * elements:
+            raise ValueError(f"quantized {enc.codes!r}: packing {packing!r} holds {8 * elements // per}-bit codes in "
+                             f"uint8, got {enc.bits}-bit codes in {code_dtype}")
         if head_dim % per:
             raise ValueError(f"quantized {enc.codes!r}: head_dim {head_dim} is not a multiple of {per} ({packing})")
         return
@@ -77,19 +98,27 @@ def check(enc: Quantized, head_dim: int, code_dtype: torch.dtype, packing: str =
         raise ValueError(f"quantized {enc.codes!r}: codes in [{lo}, {hi}] do not fit {code_dtype}")
 
 
-def pack(codes: torch.Tensor, bits: int, per: int) -> torch.Tensor:
-    """Integer codes [..., D] -> uint8 [..., D // per], `per` codes of `bits` bits per byte, low bits first."""
+def pack(codes: torch.Tensor, bits: int, packing: str) -> torch.Tensor:
+    """Integer codes [..., D] -> uint8 [..., D * elements // per] under `packing` (`per` codes of
+    `bits` bits in `elements` bytes, low bits first)."""
+    per, elements = PACKINGS[packing]
     if per == 1:
         raise ValueError("pack needs several codes per byte")
     fields = (codes.to(torch.int32) & (2**bits - 1)).unflatten(-1, (-1, per))
     shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
-    return (fields << shifts).sum(-1).to(torch.uint8)
+    word = (fields << shifts).sum(-1)  # [..., D // per], `per * bits` = 8 * elements bits each
+    parts = torch.stack([(word >> (8 * j)) & 255 for j in range(elements)], dim=-1)
+    return parts.flatten(-2).to(torch.uint8)
 
 
-def unpack(packed: torch.Tensor, bits: int, per: int, signed: bool) -> torch.Tensor:
-    """uint8 [..., Dc] -> int32 codes [..., Dc * per] (sign-extended from `bits` bits when `signed`)."""
+def unpack(packed: torch.Tensor, bits: int, packing: str, signed: bool) -> torch.Tensor:
+    """uint8 [..., Dc] -> int32 codes [..., Dc * per // elements] under `packing` (sign-extended
+    from `bits` bits when `signed`)."""
+    per, elements = PACKINGS[packing]
+    parts = packed.to(torch.int32).unflatten(-1, (-1, elements))
+    word = sum(parts[..., j] << (8 * j) for j in range(elements))  # [..., D // per]
     shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
-    fields = (packed.to(torch.int32)[..., None] >> shifts) & (2**bits - 1)
+    fields = (word[..., None] >> shifts) & (2**bits - 1)
     if signed:
         half = 2 ** (bits - 1)
         fields = (fields ^ half) - half
@@ -129,14 +158,18 @@ def quantize(
         xf = x.float().unflatten(-1, (head_dim // enc.group, enc.group))  # [..., G, group]
         codes, scale, zero = _grouped(xf, enc, scale_dtype, zero_dtype)
         codes = codes.flatten(-2)
-    per = PACKINGS[packing]
-    codes = pack(codes, enc.bits, per) if per > 1 else codes.to(code_dtype)
+    codes = pack(codes, enc.bits, packing) if PACKINGS[packing][0] > 1 else codes.to(code_dtype)
     return codes, scale.to(scale_dtype), None if zero is None else zero.to(zero_dtype)
 
 
 def _grouped(xf: torch.Tensor, enc: Quantized, scale_dtype: torch.dtype, zero_dtype: torch.dtype):
     """Float32 codes, scale and zero point of groups along the last axis of xf [..., group]."""
     lo, hi = code_range(enc)
+    if enc.codebook is not None:
+        scale = _stored(xf.square().mean(-1).sqrt(), scale_dtype)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        y = xf / scale[..., None]
+        return nearest_level(y, levels(enc, xf.device)), scale, None
     if enc.symmetric:
         scale = _stored(xf.abs().amax(-1) / hi, scale_dtype)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -163,13 +196,85 @@ def dequantize(
     `code * scale + zero`, then one rounding to `dtype` (the kernels compute exactly this). Groups over
     tokens are read per slot (`Quantized.reader`): scale [..., D], one per channel."""
     enc = enc.reader
-    per = PACKINGS[packing_of(head_dim, codes.shape[-1])]
+    packing = packing_of(head_dim, codes.shape[-1])
     if (zero is None) != enc.symmetric:
         raise ValueError(f"quantized {enc.codes!r}: a zero point is needed exactly when asymmetric")
-    code = (unpack(codes, enc.bits, per, enc.symmetric) if per > 1 else codes).float()
+    code = unpack(codes, enc.bits, packing, enc.signed) if PACKINGS[packing][0] > 1 else codes
+    code = levels(enc, codes.device)[code.long()] if enc.codebook is not None else code.float()
     s = scale.float().repeat_interleave(enc.group, dim=-1)
     x = code * s if zero is None else code * s + zero.float().repeat_interleave(enc.group, dim=-1)
     return x.to(dtype)
+
+
+# ---- codebooks (TurboQuant) ------------------------------------------------------------------------
+
+
+def levels(enc: Quantized, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 2^bits float32 levels codebook codes of `enc` index, ascending (`sphere_levels`)."""
+    return _levels_on(enc.bits, enc.group, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _levels_on(bits: int, dim: int, device: str) -> torch.Tensor:
+    return torch.tensor(sphere_levels(bits, dim), dtype=torch.float32, device=device)
+
+
+def nearest_level(y: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
+    """Codes of y (float32) against ascending levels `book`: how many midpoints between consecutive
+    levels y exceeds (midpoints `(a + b) * 0.5` in float32, as the Triton store computes them)."""
+    mids = (book[:-1] + book[1:]) * 0.5
+    return (y[..., None] > mids).sum(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def sphere_levels(bits: int, dim: int) -> tuple[float, ...]:
+    """The Lloyd-Max quantizer with 2^bits levels of y = sqrt(dim) * u_1, one coordinate of a
+    uniformly random unit vector u in `dim` dimensions (density proportional to (1 - y^2 / dim) ^
+    ((dim - 3) / 2) on |y| < sqrt(dim); TurboQuant's codebook for a rotated vector over its norm,
+    here over its RMS). Levels are the means of their cells and cell edges the midpoints between
+    levels; Lloyd's iteration from the Gaussian's quantiles, each cell integrated by Gauss-Legendre
+    quadrature, to a change below 1e-13. As dim grows the levels approach N(0, 1)'s (Max, 1960)."""
+    if dim < 3 or not 1 <= bits <= 8:
+        raise ValueError(f"sphere levels need dim >= 3 and 1..8 bits, got dim {dim}, {bits} bits")
+    count, edge = 2**bits, float(np.sqrt(dim))
+    nodes, weights = np.polynomial.legendre.leggauss(96)
+    log_norm = (dim - 3) / 2
+
+    def moments(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # mass and first moment of each cell [lo, hi], up to a common constant
+        half = (hi - lo)[:, None] / 2
+        y = (lo + hi)[:, None] / 2 + half * nodes[None, :]
+        density = np.exp(log_norm * np.log1p(-np.minimum(y * y / dim, 1.0 - 1e-300)))
+        mass = (half * weights * density).sum(1)
+        return mass, (half * weights * density * y).sum(1)
+
+    # start: equal-mass cells of N(0, 1), clipped inside the support
+    probs = (np.arange(count) + 0.5) / count
+    level = np.clip(np.sqrt(2) * _erfinv(2 * probs - 1), -edge * 0.99, edge * 0.99)
+    for _ in range(20000):
+        mids = (level[:-1] + level[1:]) / 2
+        lo, hi = np.concatenate([[-edge], mids]), np.concatenate([mids, [edge]])
+        mass, first = moments(lo, hi)
+        new = first / mass
+        done = np.abs(new - level).max() < 1e-13
+        level = new
+        if done:
+            break
+    level = (level - level[::-1]) / 2  # exactly symmetric
+    return tuple(float(x) for x in level)
+
+
+def _erfinv(x: np.ndarray) -> np.ndarray:
+    """erf^-1 by Newton's method from a rough start (numpy has no erfinv; only starting points)."""
+    from math import erf, exp, pi, sqrt
+
+    out = []
+    for v in np.atleast_1d(x):
+        y = float(np.sign(v) * np.sqrt(-np.log((1 - v) * (1 + v) + 1e-300)))
+        for _ in range(60):
+            y -= (erf(y) - v) / (2 / sqrt(pi) * exp(-y * y))
+        out.append(y)
+    return np.array(out)
 
 
 # ---- float codes (FP8) ------------------------------------------------------------------------------

@@ -29,7 +29,11 @@ import torch
 
 K, V = "k", "v"  # the names of dense keys and values
 REDUCERS = ("max", "min", "sum", "mean")
-PACKINGS = {"": 1, "int4x2": 2, "int2x4": 4}  # codes per stored element along the last axis
+# packing -> (codes, uint8 elements they share), along the last axis, low bits first: `int3x8` puts 8
+# 3-bit codes in 3 bytes (code j of 8 at bits [3j, 3j + 3) of their little-endian 24-bit word)
+PACKINGS = {"": (1, 1), "int4x2": (2, 1), "int2x4": (4, 1), "int3x8": (8, 3)}
+CODEBOOKS = ("sphere",)  # codes that index levels (runtime/kv/encodings.py, `levels`)
+ROTATIONS = ("hadamard", "random")  # orthogonal matrices of a stored rotation (runtime/kv/rotation.py)
 # FP8 code formats: the torch dtype and the largest finite magnitude (codes saturate there)
 FLOAT_CODES = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 SCALINGS = ("unit", "dynamic")  # where FP8 scales come from (docs/design.md, "KV spec")
@@ -98,6 +102,16 @@ class Quantized:
     codes. Token-axis groups need it (a group's scale needs the whole group): KIVI's keys, B its
     residual length. B = 0: every token's codes are written when it is stored.
 
+    `codebook` "sphere": codes index 2^bits levels instead of counting steps (TurboQuant's
+    scalar quantizer): `x = levels[code] * scale`, one scale per group, the group's RMS, and the
+    levels the Lloyd-Max quantizer of one coordinate of a random unit vector in `group` dimensions,
+    scaled by sqrt(group) (encodings.levels). Unsigned codes, no zero point, groups along channels.
+
+    `rotation` "hadamard" / "random": the operand is stored rotated, `x @ R.T` with R that orthogonal
+    matrix (runtime/kv/rotation.py). Attention is the same in the rotated basis when queries are rotated
+    with the keys' R and outputs rotated back with the values' R^T; the model runner does both where
+    q, k and v enter a layer's attention, so hooks, summaries and kernels all see one basis.
+
     `format` "e4m3" / "e5m2": float codes (FP8, `FLOAT_CODES`), `x = float(code) * scale`, stored
     `code = fp8(clamp(x / scale, -max, max))` (round to nearest even). Their scale is a LAYER
     tensor of shape [1] in the model dtype (group = D, axis "channel", symmetric, 8 bits, no residual), fixed once:
@@ -116,12 +130,24 @@ class Quantized:
     scaling: str = "unit"
     shared_heads: bool = True
     flush_block: int = 0
+    codebook: str | None = None
+    rotation: str | None = None
 
     def __post_init__(self) -> None:
+        if self.rotation is not None and self.rotation not in ROTATIONS:
+            raise ValueError(f"quantized {self.codes!r}: rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        if self.codebook is not None and (self.codebook not in CODEBOOKS or self.zero is not None
+                                          or self.axis != "channel" or self.format is not None
+                                          or self.bits not in (2, 3, 4) or self.group < 3):
+            raise ValueError(f"quantized {self.codes!r}: codebook codes are {CODEBOOKS}, 2 to 4 bits, one scale per "
+                             f"group of >= 3 channels and no zero point; got {self.codebook!r}, {self.bits} bits, "
+                             f"group {self.group}, axis {self.axis}")
         whole_groups = self.axis != "token" or self.flush_block % self.group == 0
         if self.flush_block < 0 or (self.flush_block and (self.residual is None or not whole_groups)):
             raise ValueError(f"quantized {self.codes!r}: a flush block needs a residual window and, with groups over "
                              f"tokens, a multiple of the group ({self.group}); got {self.flush_block}")
+        if self.axis == "token" and self.bits == 3:
+            raise ValueError(f"quantized {self.codes!r}: groups over tokens take 2, 4 or 8-bit codes, got 3")
         if self.axis == "token" and not self.flush_block:
             raise ValueError(f"quantized {self.codes!r}: groups over tokens are written a block at a time: give a "
                              "residual window and a flush block (a multiple of the group)")
@@ -132,8 +158,8 @@ class Quantized:
             if self.bits != 8 or self.zero is not None or self.residual is not None or self.axis != "channel":
                 raise ValueError(f"quantized {self.codes!r}: float codes are 8 bits, symmetric, without a residual "
                                  "window, one scale per token's channels")
-        if self.bits not in (2, 4, 8):
-            raise ValueError(f"quantized {self.codes!r}: bits must be 2, 4 or 8, got {self.bits}")
+        if self.bits not in (2, 3, 4, 8):
+            raise ValueError(f"quantized {self.codes!r}: bits must be 2, 3, 4 or 8, got {self.bits}")
         if self.group < 1:
             raise ValueError(f"quantized {self.codes!r}: group must be >= 1, got {self.group}")
         if self.axis not in ("channel", "token"):
@@ -142,6 +168,12 @@ class Quantized:
     @property
     def symmetric(self) -> bool:
         return self.zero is None
+
+    @property
+    def signed(self) -> bool:
+        """Codes are two's-complement integers (symmetric steps); codebook indices and asymmetric
+        codes are unsigned."""
+        return self.zero is None and self.codebook is None and self.format is None
 
     @property
     def reader(self) -> Quantized:

@@ -132,7 +132,8 @@ def test_kivi_quantized_encodings():
 
 
 @pytest.mark.parametrize("name, params", [("kivi", {"bits": 2}), ("kivi", {"bits": 4, "group_size": 64}),
-                                          ("fp8", {}), ("full", {}), ("quest", {})])
+                                          ("fp8", {}), ("full", {}), ("quest", {}), ("turboquant", {}),
+                                          ("turboquant", {"key_bits": 4, "value_bits": 2})])
 def test_the_budget_formulas_count_the_spec_bytes(name, params):
     """The manifest's `kv_bytes` (generated `slot_bytes`) is what the runtime spec stores a slot:
     codes, per-token scales and per-page scales spread over the page (KIVI-2: 96 bytes a KV head at
@@ -149,9 +150,27 @@ def test_the_budget_formulas_count_the_spec_bytes(name, params):
     assert hooks.kv_bytes(1000, layers=3, kv_heads=4, head_dim=128, dtype_bytes=2, params=values) == 3 * 4 * slot * 1000
     if name == "kivi" and params["bits"] == 2:
         assert slot == 96
+    if name == "turboquant" and not params:  # 3-bit codes of K and V (48 bytes each) and a bf16 RMS each
+        assert slot == 100
 
 
-@pytest.mark.parametrize("name, words", [("turboquant", ["rotate", "lloyd_max", "qjl"]), ("palu", ["project"]),
+def test_turboquant_rotates_then_indexes_levels():
+    """`rotate(random) then lloyd_max(bits)` lowers: codebook codes (3 bits: 8 to 3 bytes), one scale
+    a token, the rotation named on each operand; a QJL stage after it does not lower (one quantizer
+    an operand) and says so."""
+    data = manifest("turboquant")
+    assert data["lowered"] and data["attention"]["variant"] == "spec" and data["kv_spec"]["reason"] is None
+    built = generated_kv_spec("turboquant", {"key_bits": 3, "value_bits": 4})(8, 128, torch.bfloat16, 16)
+    assert built.keys == Quantized("k_codes", "k_scale", 3, 128, codebook="sphere", rotation="random")
+    assert built.tensor("k_codes") == TensorSpec("k_codes", Extent.TOKEN, torch.uint8, (48,), "int3x8")
+    assert built.tensor("v_codes") == TensorSpec("v_codes", Extent.TOKEN, torch.uint8, (64,), "int4x2")
+    assert built.tensor("v_scale") == TensorSpec("v_scale", Extent.TOKEN, torch.bfloat16, (1,))
+    variant = METHODS_DIR.parent / "bench" / "variants" / "turboquant_prod.kvm"
+    spec = kv_spec.derive(check_file(variant), None)
+    assert "qjl" in "; ".join(spec.reasons)
+
+
+@pytest.mark.parametrize("name, words", [("palu", ["project"]),
                                          ("deltakv", ["residual", "project", "kmeans", "shared chosen"])])
 def test_what_does_not_fit_is_named(name, words):
     reason = manifest(name)["kv_spec"]["reason"]

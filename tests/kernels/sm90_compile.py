@@ -2,7 +2,7 @@
 (sm90) with FP8 operands, or KIVI's 2-bit ones (keys a block at a time, with the flush kernel), on
 a machine without a GPU: Triton's front end, its passes and ptxas run as they would on the GPU, so
 a kernel that does not compile for the hardware fails here too. `python -m
-tests.kernels.sm90_compile CODES` (fp8e4nv, fp8e5 or int2); tests/kernels/test_fp8.py and
+tests.kernels.sm90_compile CODES` (fp8e4nv, fp8e5, int2 or sphere3); tests/kernels/test_fp8.py and
 tests/methods/test_kivi.py run it in a subprocess (the interpreter, TRITON_INTERPRET=1, replaces
 kernels with Python)."""
 
@@ -39,26 +39,30 @@ def main(codes: str) -> None:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     pointers = {f"{x}_{p}_ptr": "*bf16" for x in "kv" for p in ("scale", "zero", "resid")}
-    code_type = "u8" if codes == "int2" else codes
+    pointers |= {f"{x}_book_ptr": "*fp32" for x in "kv"}
+    code_type = "u8" if codes in ("int2", "sphere3") else codes
     pointers |= {"k_cache_ptr": f"*{code_type}", "v_cache_ptr": f"*{code_type}", "k_ptr": "*bf16", "v_ptr": "*bf16",
                  "q_ptr": "*bf16", "out_ptr": "*bf16", "slot_ptr": "*i64", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
                  "x_ptr": "*bf16", "codes_ptr": "*u8", "scale_ptr": "*bf16", "zero_ptr": "*bf16", "resid_ptr": "*bf16"}
     pointers |= {n: "*i32" for n in ("block_tables_ptr", "context_lens_ptr", "kv_starts_ptr", "rows_ptr",
                                      "resid_lens_ptr", "plan_ptr", "last_ptr", "cu_seqlens_ptr")}
     ops = {f"{x}_{c}": v for x in "KV" for c, v in (("BITS", 8), ("PER_ELEMENT", 1), ("GROUP", 128), ("ASYM", False),
-                                                     ("WINDOW", 0), ("FLUSH", 0))}
+                                                     ("WINDOW", 0), ("FLUSH", 0), ("BOOK", 0))}
     shape = dict(HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16)
     if codes == "int2":  # KIVI-2: keys per channel (one scale a channel at every slot), values per 32 channels
         kivi = dict(BITS=2, PER_ELEMENT=4, ASYM=True, WINDOW=129)
-        ops = {f"K_{c}": v for c, v in (kivi | dict(GROUP=1, FLUSH=128)).items()}
-        ops |= {f"V_{c}": v for c, v in (kivi | dict(GROUP=32, FLUSH=0)).items()}
+        ops = {f"K_{c}": v for c, v in (kivi | dict(GROUP=1, FLUSH=128, BOOK=0)).items()}
+        ops |= {f"V_{c}": v for c, v in (kivi | dict(GROUP=32, FLUSH=0, BOOK=0)).items()}
         shape["PAGE_SIZE"] = 32
         build(mod._flush_blocks_kernel, dict(HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=32, BITS=2, PER_ELEMENT=4, GROUP=32,
                                              ASYM=True, WINDOW=129, FLUSH=128), pointers)
+    if codes == "sphere3":  # TurboQuant-3: 8 codes in 3 bytes indexing 8 levels, one RMS scale a token
+        ops = {f"{x}_{c}": v for x in "KV" for c, v in (("BITS", 3), ("PER_ELEMENT", 8), ("GROUP", 128),
+                                                         ("ASYM", False), ("WINDOW", 0), ("FLUSH", 0), ("BOOK", 8))}
     ptx = build(mod._store_kv_kernel, dict(NUM_KV_HEADS=8, BLOCK_H=8, K_BLOCK_G=128 // ops["K_GROUP"],
                                            V_BLOCK_G=128 // ops["V_GROUP"], BLOCK_B=1, CODES=True, **shape, **ops),
                 pointers)
-    assert codes == "int2" or "cvt.rn.satfinite" in ptx  # the FP8 cast of the store
+    assert codes in ("int2", "sphere3") or "cvt.rn.satfinite" in ptx  # the FP8 cast of the store
     build(mod._decode_split_kernel, dict(EMIT_STATS=False, GROUP=4, BLOCK_H=16, BLOCK_N=64, DIRECT_OUT=True,
                                          USE_DOT=True, DOT_PRECISION="ieee", HAS_STARTS=False, READ=0,
                                          HAS_LAST=False, **shape, **ops), pointers)

@@ -19,8 +19,9 @@ from kvc.runtime.attention import torch_ops
 from kvc.runtime.attention.metadata import DecodeStats
 from kvc.runtime.kv.plans import ReadPlan
 from tests.kernels.paged_cases import triton_device_and_ops
-from tests.kernels.spec_cases import (INT2_SYM_G16, Enc, INT4_ASYM_G8, INT8_PER_TOKEN, emptied, fold_oracle,
-                                      make_spec_case, moved, nan_free, oracle_decode, random_plan, tensors)
+from tests.kernels.spec_cases import (INT2_SYM_G16, SPHERE3_G16, Enc, INT4_ASYM_G8, INT8_PER_TOKEN, assert_stored_alike,
+                                      emptied, fold_oracle, make_spec_case, moved, nan_free, oracle_decode,
+                                      random_plan)
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
@@ -32,7 +33,9 @@ HEAD_DIM = 16
 TOL = dict(atol=2e-5, rtol=1e-4)
 LENGTHS = [13, 0, 37, 1]
 ENCODINGS = {"dense": None, "int8-token": INT8_PER_TOKEN, "int4-asym-g8": INT4_ASYM_G8, "int2-sym-g16": INT2_SYM_G16,
-             "int4-asym-g12": Enc(4, 12, False, "int4x2")}
+             "int4-asym-g12": Enc(4, 12, False, "int4x2"), "sphere3-g16": SPHERE3_G16,
+             "sphere4-g8": Enc(4, 8, True, "int4x2", "sphere"), "sphere3-g24": Enc(3, 24, True, "int3x8", "sphere"),
+             "sphere4-g12": Enc(4, 12, True, "int4x2", "sphere")}
 
 
 def fresh(seed: int) -> torch.Generator:
@@ -71,6 +74,8 @@ DECODE_CASES = [
     ("int4-asym-g8", "int4-asym-g8", 8, 3, 2, True),
     ("dense", "int2-sym-g16", 8, 2, 1, False),
     ("int8-token", "dense", 4, 4, 2, True),
+    ("sphere3-g16", "sphere4-g8", 0, 2, 2, True),
+    ("sphere4-g8", "sphere3-g16", 8, 4, 1, False),
 ]
 
 
@@ -148,6 +153,7 @@ def test_decode_stats_over_quantized_keys_and_plans(by, reduce, fn, num_splits):
     ("int8-token", "int4-asym-g8", 0, False, 2),
     ("int4-asym-g8", "int2-sym-g16", 8, True, 1),
     ("dense", "int4-asym-g8", 8, False, 4),
+    ("sphere3-g16", "sphere3-g16", 0, True, 2),
 ])
 def test_prefill_over_a_quantized_prefix(k_name, v_name, window, with_starts, group):
     gen = fresh(53 + window + group)
@@ -173,7 +179,7 @@ def test_prefill_over_a_quantized_prefix(k_name, v_name, window, with_starts, gr
 
 
 @pytest.mark.parametrize("k_name,v_name,window", [("int4-asym-g8", "int8-token", 4), ("int2-sym-g16", "dense", 8),
-                                                  ("dense", "int4-asym-g8", 0)])
+                                                  ("dense", "int4-asym-g8", 0), ("sphere3-g16", "sphere4-g8", 0)])
 def test_store_quantizes_like_the_torch_store(k_name, v_name, window):
     gen = fresh(61 + window)
     lengths = [13, 6, 9]
@@ -194,11 +200,12 @@ def test_store_quantizes_like_the_torch_store(k_name, v_name, window):
     got_k, got_v = on_device(emptied(case.k_source)), on_device(emptied(case.v_source))
     spec_ops.store_kv(k.to(DEVICE), v.to(DEVICE), got_k, got_v, dev(slot_mapping), dev(cu), dev(case.context_lens),
                       dev(case.rows))
-    for got, want in zip(tensors(got_k) + tensors(got_v), tensors(want_k) + tensors(want_v)):
-        assert torch.equal(got.cpu(), want), (got.dtype, got.shape)
+    assert_stored_alike(got_k, want_k)
+    assert_stored_alike(got_v, want_v)
 
 
-@pytest.mark.parametrize("k_name,v_name", [("int8-token", "int4-asym-g8"), ("int4-asym-g12", "int8-token")])
+@pytest.mark.parametrize("k_name,v_name", [("int8-token", "int4-asym-g8"), ("int4-asym-g12", "int8-token"),
+                                           ("sphere3-g24", "sphere4-g12")])
 def test_groups_that_do_not_tile_the_block(k_name, v_name):
     """head_dim 24 (block 32): per-token groups of 24 and groups of 12 take the gathered-scale path,
     groups of 8 leave a padded group; store, decode and prefill still agree with torch."""
@@ -231,8 +238,8 @@ def test_groups_that_do_not_tile_the_block(k_name, v_name):
     got_k, got_v = on_device(emptied(case.k_source)), on_device(emptied(case.v_source))
     spec_ops.store_kv(k.to(DEVICE), k.to(DEVICE), got_k, got_v, dev(slots), dev(cu_store), dev(case.context_lens),
                       dev(case.rows))
-    for a, b in zip(tensors(got_k) + tensors(got_v), tensors(want_k) + tensors(want_v)):
-        assert torch.equal(a.cpu(), b)
+    assert_stored_alike(got_k, want_k)
+    assert_stored_alike(got_v, want_v)
 
 
 def test_dense_operands_through_spec_equal_plain_bit_for_bit():

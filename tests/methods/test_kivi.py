@@ -71,8 +71,7 @@ def test_the_encodings_are_the_reference_quantizer_bit_for_bit(bits: int) -> Non
     codes, scale, zero = encodings.quantize(x, keys, torch.uint8, packing=packing)
     grouped = x.numpy().reshape(4, GROUP, 3, 32).transpose(0, 2, 3, 1)  # [n/g, H, D, g]
     want_codes, want_scale, want_mn = ref.quantize_groups(grouped, bits)
-    per = 8 // bits
-    assert np.array_equal(encodings.unpack(codes, bits, per, False).numpy(),
+    assert np.array_equal(encodings.unpack(codes, bits, packing, False).numpy(),
                           want_codes.transpose(0, 3, 1, 2).reshape(16, 3, 32))
     assert np.array_equal(scale.numpy(), want_scale) and np.array_equal(zero.numpy(), want_mn)
     back = encodings.dequantize(codes, scale.repeat_interleave(GROUP, 0), zero.repeat_interleave(GROUP, 0), keys, 32,

@@ -126,10 +126,10 @@ def test_errors_through_llm(model_dir, tmp_path):
     assert "    4 |   keep top(windw, 4, per kv_head)" in message and "|            ^^^^^" in message
     with pytest.raises(ConfigError, match="does not exist"):
         make_llm(model_dir, str(tmp_path / "missing.kvm"), None)
-    turboquant = tmp_path / "turboquant.kvm"
-    shutil.copy(METHODS_DIR / "turboquant.kvm", turboquant)
-    with pytest.raises(ConfigError, match="not lowered.*rotate"):
-        make_llm(model_dir, str(turboquant), None)
+    palu = tmp_path / "palu.kvm"
+    shutil.copy(METHODS_DIR / "palu.kvm", palu)
+    with pytest.raises(ConfigError, match="not lowered.*compression"):
+        make_llm(model_dir, str(palu), None)
 
 
 def test_errors_through_the_cli(model_dir, tmp_path, capsys):

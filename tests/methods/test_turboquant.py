@@ -1,0 +1,221 @@
+"""The compiled `turboquant` method (methods/turboquant.kvm) served on tiny random Llama and Qwen3
+models, against the hand-written TurboQuant reference (tests/references/turboquant.py): K and V
+rotated by a random orthogonal matrix, each token quantized against its RMS with the Lloyd-Max levels
+of a rotated unit vector's coordinate, 3-bit codes packed 8 to 3 bytes. The levels, the rotation and
+the quantizer's decisions equal the reference's; greedy tokens and every sampled logit row match
+through a batch, chunked prefills, a prefix-cache hit, a chain continued and forked, a preemption,
+the graph step and the Triton kernels (interpreted); the pool holds the tokens its bytes say.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvc.runtime.config import EngineConfig
+from kvc.runtime.engine import Engine
+from kvc.runtime.errors import ConfigError
+from kvc.runtime.kv import encodings, rotation
+from kvc.runtime.kv.spec import Quantized
+from kvc.runtime.llm import LLM
+from tests.methods import served
+from tests.models.tiny import load_hf, make_tiny_llama, make_tiny_qwen3
+from tests.references import turboquant as ref
+from tests.runtime.chained import check_books
+from tests.runtime.test_contract_methods import ATOL, Logits, check, greedy, prompt
+
+PAGE = 4
+# Max (1960), "Quantizing for minimum distortion": the Gaussian's Lloyd-Max levels (positive half),
+# which the sphere's approach as the dimension grows
+MAX_1960 = {2: (0.4528, 1.5104), 3: (0.2451, 0.7560, 1.3440, 2.1520)}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model_dir(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    make = make_tiny_llama if request.param == "llama" else make_tiny_qwen3
+    return make(tmp_path_factory.mktemp(f"tq-{request.param}"), seed=7, num_hidden_layers=2, initializer_range=0.25)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path):
+    return load_hf(model_dir)
+
+
+def make_llm(model_dir: Path, key_bits: int = 3, value_bits: int = 3, **options) -> LLM:
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", page_size=PAGE,
+                          attention_backend="torch", kv_cache_memory=2**22, method="turboquant",
+                          method_params={"key_bits": key_bits, "value_bits": value_bits},
+                          **{"max_num_batched_tokens": 4096, **options})
+    return LLM.from_engine(Engine(config))
+
+
+# ---- the codebook, the rotation, the quantizer ---------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_the_levels_are_the_references_lloyd_max(bits: int, dim: int) -> None:
+    """kvc's levels (Gauss-Legendre cells) equal the reference's (closed-form moments, Simpson), are
+    symmetric and ascending; at a large dimension they are the Gaussian's (Max's table)."""
+    got = np.array(encodings.sphere_levels(bits, dim))
+    np.testing.assert_allclose(got, ref.levels(bits, dim), rtol=0, atol=1e-9)
+    assert (np.diff(got) > 0).all() and np.array_equal(got, -got[::-1])
+    if bits in MAX_1960:
+        np.testing.assert_allclose(np.array(encodings.sphere_levels(bits, 4096))[2**(bits - 1):], MAX_1960[bits],
+                                   atol=2e-3)
+
+
+@pytest.mark.parametrize("kind", ["random", "hadamard"])
+def test_the_rotation_is_the_references(kind: str) -> None:
+    for dim in (16, 64):
+        r = rotation.matrix(dim, kind)
+        np.testing.assert_allclose(r.numpy(), ref.rotation(dim, kind), rtol=0, atol=1e-12)
+        torch.testing.assert_close(r @ r.T, torch.eye(dim, dtype=torch.float64), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(rotation.matrix(24, "random").numpy(), ref.rotation(24), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="power-of-two"):
+        rotation.matrix(24, "hadamard")
+
+
+@pytest.mark.parametrize("bits,packing", [(2, "int2x4"), (3, "int3x8"), (4, "int4x2")])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_the_quantizer_is_the_references(bits: int, packing: str, scale_dtype: torch.dtype) -> None:
+    """Scales agree to float32 rounding (a sum of squares, reduced in another order); given the stored
+    scale, every code is the reference's, the packed bytes are, and decoding is `levels[code] * scale`
+    exactly. Zero vectors get scale 1 and decode to the levels nearest 0."""
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.randn(40, 3, 64, generator=gen) * torch.rand(40, 3, 1, generator=gen) * 4
+    x[0] = 0.0
+    enc = Quantized("c", "s", bits, 64, codebook="sphere")
+    codes, scale, zero = encodings.quantize(x, enc, torch.uint8, packing=packing, scale_dtype=scale_dtype)
+    assert zero is None and codes.shape == (40, 3, 64 * bits // 8) and scale.shape == (40, 3, 1)
+    book = ref.levels(bits, 64).astype(np.float32)
+    _, want_scale = ref.quantize(x.numpy(), book, scale_dtype=np.float32)
+    np.testing.assert_allclose(scale.float().numpy()[..., 0], want_scale, rtol=1e-2 if scale_dtype != torch.float32
+                               else 1e-6)
+    stored = scale.float().numpy()[..., 0]
+    want_codes = ref.codes_given_scale(x.numpy(), stored, book)
+    got_codes = encodings.unpack(codes, bits, packing, False).numpy()
+    assert np.array_equal(got_codes, want_codes)
+    if bits == 3:
+        assert np.array_equal(codes.numpy(), ref.pack3(want_codes))
+    back = encodings.dequantize(codes, scale, None, enc, 64, torch.float32)
+    assert np.array_equal(back.numpy(), book[want_codes] * stored[..., None])
+    assert (scale[0] == 1).all()
+
+
+def test_the_spec_bytes_and_bad_parameters(model_dir) -> None:
+    """3-bit codes are 3/8 of a channel's byte, plus one scale a token: the pool holds what the spec
+    says; bit widths outside 2..4 are a clear error."""
+    config = dict(model=str(model_dir), device="cpu", dtype="bfloat16", page_size=PAGE, attention_backend="torch",
+                  kv_cache_memory=2**20)
+    tq = Engine(EngineConfig(**config, method="turboquant"))
+    full = Engine(EngineConfig(**config, method="full"))
+    heads, dim = full.layout.kv_heads, full.spec.head_dim
+    spec = tq.attention.store.spec
+    assert spec.bytes_per_token(heads) == heads * 2 * (3 * dim // 8 + 2)
+    assert tq.num_pages * spec.bytes_per_page(heads, PAGE) <= 2**20 < (tq.num_pages + 1) * spec.bytes_per_page(
+        heads, PAGE)
+    assert tq.num_pages >= full.num_pages * (2 * dim) // (3 * dim // 8 + 2) - 1
+    assert LLM.from_engine(tq).generate(prompt(12, 5), greedy(4))[0].token_ids
+    for params in ({"key_bits": 5}, {"value_bits": 1}):
+        with pytest.raises(ConfigError, match="bits"):
+            Engine(EngineConfig(**config, method="turboquant", method_params=params))
+
+
+# ---- served against the reference ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [(3, 3), (4, 2)])
+def test_batch_with_chunked_prefills_equals_the_reference(model_dir, hf, monkeypatch, bits) -> None:
+    """Prompts in chunks of 8 in a batch (every token read as stored, earlier chunks' and the chunk's
+    own): the reference's tokens and logits; and TurboQuant changes them."""
+    spy = Logits(monkeypatch)
+    llm = make_llm(model_dir, *bits, max_num_batched_tokens=20, max_prefill_chunk=8)
+    prompts = [prompt(n, seed) for n, seed in ((23, 1), (37, 2), (9, 3), (30, 4))]
+    params = [greedy(10) for _ in prompts]
+    outs = llm.generate(prompts, params)
+    check_books(llm.engine)
+    for p, out, sp in zip(prompts, outs, params):
+        want = ref.generate(hf, ref.Session(*bits), p, 10)
+        check(out.token_ids, spy.of(sp), want)
+    exact = ref.generate(hf, ref.Session(None, None), prompts[1], 10)[1]
+    assert (exact - want[1]).abs().max() > 100 * ATOL, "TurboQuant changes nothing: the test is blind"
+
+
+def test_prefix_cache_hit(model_dir, hf, monkeypatch) -> None:
+    llm = make_llm(model_dir)
+    assert llm.engine.scheduler.prefix_caching  # codes per token: whole pages are shareable
+    served.prefix_cache_hit(llm, Logits(monkeypatch), partial(ref.generate, hf), ref.Session)
+
+
+def test_chain_continued_and_forked(model_dir, hf, monkeypatch) -> None:
+    served.chain_continued_and_forked(make_llm(model_dir), Logits(monkeypatch), partial(ref.generate, hf),
+                                      ref.Session)
+
+
+def test_preemption_recomputes(model_dir, hf, monkeypatch) -> None:
+    llm = make_llm(model_dir)
+    served.preemption_recomputes(llm, Logits(monkeypatch), partial(ref.generate, hf), ref.Session, PAGE, True, 14)
+
+
+def test_the_graph_step_run_uncaptured(model_dir, hf, monkeypatch) -> None:
+    prompts = [prompt(n, seed) for n, seed in ((33, 21), (18, 22), (26, 23))]
+    llm = make_llm(model_dir, max_model_len=160, max_num_seqs=6)
+    replays = served.graph_steps(llm, monkeypatch)
+    outs = llm.generate(prompts, [greedy(8) for _ in prompts])
+    assert 3 in replays  # bucket 4: one padding row
+    for p, out in zip(prompts, outs):
+        assert out.token_ids == ref.generate(hf, ref.Session(), p, 8)[0]
+
+
+def test_prefill_records_are_refused(model_dir) -> None:
+    """TurboQuant's prefill reads its own chunk as stored, so its forward is not `full`'s: its engine
+    neither records nor replays prefill records (kvc eval prefills it itself), with a clear error."""
+    from kvc.runtime.prefill_record import PrefillRecord
+
+    llm = make_llm(model_dir)
+    assert not llm.engine.shares_prefills
+    with pytest.raises(ConfigError, match="neither records nor replays"):
+        llm.generate(prompt(10, 3), greedy(2), record=[PrefillRecord()])
+
+
+# ---- the Triton kernels ---------------------------------------------------------------------------
+
+
+def test_the_triton_backend_equals_the_reference(model_dir, hf, monkeypatch) -> None:
+    """The generated `spec` kernels (interpreted here): the store quantizes against the RMS and packs
+    3-bit codes, decode and prefill tiles look the codes up in the levels: the reference's tokens
+    and logits."""
+    pytest.importorskip("triton")
+    from tests.kernels.paged_cases import triton_device_and_ops
+
+    device, _ = triton_device_and_ops("spec")
+    spy = Logits(monkeypatch)
+    config = EngineConfig(model=str(model_dir), device=device.type, dtype="float32", page_size=PAGE,
+                          attention_backend="triton", cuda_graphs=False, kv_cache_memory=2**22, method="turboquant",
+                          max_num_batched_tokens=4096)
+    llm = LLM.from_engine(Engine(config))
+    assert llm.engine.attention.variant == "spec"
+    prompts = [prompt(n, seed) for n, seed in ((19, 1), (9, 4))]
+    params = [greedy(8) for _ in prompts]
+    for p, out, sp in zip(prompts, llm.generate(prompts, params), params):
+        check(out.token_ids, spy.of(sp).cpu(), ref.generate(hf, ref.Session(), p, 8))
+
+
+def test_the_kernels_compile_for_sm90() -> None:
+    """The 3-bit codebook store, decode and prefill kernels compile for an H100/H200 (ptxas here)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile", "sphere3"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    if "No module named 'triton.backends.nvidia'" in done.stderr:
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    assert done.returncode == 0, done.stderr[-3000:]
