@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Quantized KV on the H200: the GPU tests of KIVI and FP8 (the generated kernels compiled for real),
+# Quantized KV on the H200: the GPU tests of KIVI, FP8 and TurboQuant (the generated kernels compiled for real),
 # the decode kernel's bandwidth over the bytes it reads, and decode throughput against full at 32K
 # and 128K (random-weight Qwen3-30B-A3B, bf16, 60 GiB of KV, full in the same run).
 # Usage (device machine): bash bench/gpu_issue20.sh "$OUT" "tests micro window32 window128"
-# METHODS (default full,kivi,fp8) picks the methods of the throughput parts; EXTRA adds options.
+# METHODS (default full,kivi,fp8,turboquant) picks the methods of the throughput parts; EXTRA adds options.
 set -uo pipefail
 out=${1:?output folder}; parts=${2:-tests micro window32 window128}
-methods=${METHODS:-full,kivi,fp8}
+methods=${METHODS:-full,kivi,fp8,turboquant}
 common=(--model random:qwen3-30b-a3b --dtype bfloat16 --kv-memory 60GiB --output 2048 --no-progress
         --methods "$methods")
 read -ra extra <<< "${EXTRA:-}"
@@ -14,9 +14,9 @@ common+=("${extra[@]}")
 for part in $parts; do
   case $part in
     tests) timeout "${PART_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/methods/test_kivi.py \
-             tests/methods/test_fp8.py -k "triton or sm90 or graph" > "$out/tests.log" 2>&1; echo "tests: rc=$?"
+             tests/methods/test_fp8.py tests/methods/test_turboquant.py -k "triton or sm90 or graph" > "$out/tests.log" 2>&1; echo "tests: rc=$?"
            tail -3 "$out/tests.log"; continue ;;
-    micro) for m in ${MICRO:-kivi fp8}; do
+    micro) for m in ${MICRO:-kivi fp8 turboquant}; do
              timeout "${PART_TIMEOUT:-120}" python3 bench/quantized_decode_bench.py --method "$m" --sweep \
                --shapes 32x32768,8x131072 --out "$out/${m}_decode.json" > "$out/${m}_decode.log" 2>&1
              echo "micro $m: rc=$?"; grep -v Warn "$out/${m}_decode.log" | tail -20
