@@ -355,8 +355,11 @@ def _load_operand(
             row_mask = row_mask & (tokens < resid_start)
         code = _codes(base + pages[:, None] * stride_p + in_page[:, None] * stride_s, row_mask, BITS, PER_ELEMENT,
                       not ASYM and BOOK == 0, HEAD_DIM, BLOCK_D)
-        if BOOK > 0:  # an index into the levels (a few floats, cached)
-            code = tl.load(book_base + code.to(tl.int32))
+        if BOOK > 0:  # the code's level: a select per level (a gathered load would be pipelined through shared memory)
+            index = code
+            code = tl.zeros(index.shape, tl.float32)
+            for i in tl.static_range(BOOK):
+                code = tl.where(index == i, tl.load(book_base + i), code)
         group_rows = pages[:, None] * stride_sp + in_page[:, None] * stride_ss
         if BLOCK_D % GROUP == 0 and (GROUP & (GROUP - 1)) == 0:
             # groups tile the channels: load [BLOCK_N, G] scales once and broadcast them

@@ -243,5 +243,8 @@ def test_the_triton_backend_equals_the_oracle(model_dir, hf, monkeypatch, scalin
     template = calibrated(llm, hf, scaling)
     prompts = [prompt(n, seed) for n, seed in ((23, 1), (30, 4))]
     params = [greedy(8) for _ in prompts]
+    # on a GPU kvc's float32 K differs from Hugging Face's CPU K by matmul rounding, which can move a
+    # dynamic scale, and then an FP8 code, by one step: logits within 2e-3 there (2e-4 on the CPU)
+    atol = ATOL if device.type == "cpu" else 2e-3
     for p, out, sp in zip(prompts, llm.generate(prompts, params), params):
-        check(out.token_ids, spy.of(sp).cpu(), ref.generate(hf, template.copy(), p, 8))
+        check(out.token_ids, spy.of(sp).cpu(), ref.generate(hf, template.copy(), p, 8), atol=atol)
