@@ -109,6 +109,7 @@ class Quantized:
             data["codebook"] = self.codebook
         if self.rotation is not None:
             data["rotation"] = str(self.rotation)
+        data["prefill_exact"] = self.format is None  # a chunk reads itself as computed (runtime/kv/spec.py)
         if self.format is not None:
             data.update(format=str(self.format), scaling=str(self.scaling), shared_heads=self.shared_heads)
         if self.axis == "token":
@@ -547,6 +548,7 @@ class _Emitter:
         residual = "None" if enc.residual is None else f'"{enc.residual}" if {self.resid[enc.residual]} >= 1 else None'
         flush = f", flush_block={self.resid[enc.residual]}" if enc.axis == "token" else ""
         book = "" if enc.codebook is None else f', codebook="{enc.codebook}"'
+        book += ", prefill_exact=True"  # integer and codebook codes: the papers' full-precision prefill
         return (f'Quantized(\n        "{enc.codes}", "{enc.scale}", {self.p.py(enc.bits)}, {self.p.py(enc.group)}, '
                 f'zero={zero}, axis="{enc.axis}",\n        residual={residual}{flush}{book}{rotation},\n    )')
 

@@ -603,8 +603,8 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr,
     K_BLOCK_G: tl.constexpr, V_BLOCK_G: tl.constexpr, BLOCK_B: tl.constexpr, CODES: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64) + first_token
@@ -837,8 +837,8 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUT: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr,
     READ: tl.constexpr, HAS_LAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -1145,8 +1145,8 @@ def _prefill_tile(
     k_new_base, v_new_base, new_start, stride_nt, k_book_ptr, v_book_ptr,
     PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr,
 ):
     tokens = tile + offs_n
     token_mask = tokens < kv_end
@@ -1156,7 +1156,7 @@ def _prefill_tile(
     k = _load_operand(
         k_base, k_scale_base, k_zero_base, k_resid_base, pages, in_page, tokens, token_mask, kv_mask, k_resid_start,
         stride_kp, stride_ks, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, HEAD_DIM, BLOCK_D,
-        K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, k_new_base, new_start, stride_nt, K_WINDOW > 0,
+        K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, k_new_base, new_start, stride_nt, K_FRESH,
         book_base=k_book_ptr, BOOK=K_BOOK,
     ).to(q.dtype)
 
@@ -1171,7 +1171,7 @@ def _prefill_tile(
     v = _load_operand(
         v_base, v_scale_base, v_zero_base, v_resid_base, pages, in_page, tokens, token_mask, kv_mask, v_resid_start,
         stride_vp, stride_vs, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s, HEAD_DIM, BLOCK_D,
-        V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW, v_new_base, new_start, stride_nt, V_WINDOW > 0,
+        V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW, v_new_base, new_start, stride_nt, V_FRESH,
         book_base=v_book_ptr, BOOK=V_BOOK,
     ).to(q.dtype)
 
@@ -1195,8 +1195,8 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     q_block = tl.program_id(0)
@@ -1267,8 +1267,8 @@ def _prefill_kernel(
             v_resid_start, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, stride_v_scale_p, stride_v_scale_s,
             stride_v_resid_s, k_new_base, v_new_base, new_start, stride_nt, k_book_ptr, v_book_ptr,
             PAGE_SIZE, False, DOT_PRECISION, HEAD_DIM, BLOCK_D,
-            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, K_BOOK, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM,
-            V_WINDOW, V_FLUSH, V_BOOK,
+            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, K_BOOK, K_FRESH, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM,
+            V_WINDOW, V_FLUSH, V_BOOK, V_FRESH,
         )
     for tile in range(unmasked_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _prefill_tile(
@@ -1278,8 +1278,8 @@ def _prefill_kernel(
             v_resid_start, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, stride_v_scale_p, stride_v_scale_s,
             stride_v_resid_s, k_new_base, v_new_base, new_start, stride_nt, k_book_ptr, v_book_ptr,
             PAGE_SIZE, True, DOT_PRECISION, HEAD_DIM, BLOCK_D,
-            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, K_BOOK, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM,
-            V_WINDOW, V_FLUSH, V_BOOK,
+            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, K_BOOK, K_FRESH, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM,
+            V_WINDOW, V_FLUSH, V_BOOK, V_FRESH,
         )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -1346,8 +1346,9 @@ def paged_prefill(
     windows, rows_arg, resid_arg = _residual_rows("paged_prefill", k_cache, v_cache, rows, resid_lens, context_lens,
                                                   batch)
     k_op, v_op = kernel_operand(k_cache, windows), kernel_operand(v_cache, windows)
-    if (k_op.window or v_op.window) and (k_new is None or v_new is None):
-        raise ValueError("paged_prefill: sources with a residual window read the chunk's own slots from k_new and "
+    if (k_op.fresh or v_op.fresh) and (k_new is None or v_new is None):
+        raise ValueError("paged_prefill: sources that read a chunk as computed (a residual window, `prefill_exact`) "
+                         "read the chunk's own slots from k_new and "
                          "v_new")
     if k_new is None:
         k_new = v_new = q  # stand-ins, never read

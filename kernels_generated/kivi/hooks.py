@@ -130,11 +130,11 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
         tensors.append(TensorSpec("v_resid", Extent.SEQ, dtype, (v_resid_tokens + 1, head_dim)))
     keys = Quantized(
         "k_codes", "k_scale", bits, group_size, zero="k_zero", axis="token",
-        residual="k_resid" if k_resid_tokens >= 1 else None, flush_block=k_resid_tokens,
+        residual="k_resid" if k_resid_tokens >= 1 else None, flush_block=k_resid_tokens, prefill_exact=True,
     )
     values = Quantized(
         "v_codes", "v_scale", bits, group_size, zero="v_zero", axis="channel",
-        residual="v_resid" if v_resid_tokens >= 1 else None,
+        residual="v_resid" if v_resid_tokens >= 1 else None, prefill_exact=True,
     )
     summaries = ()
     return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, head_starts=False)

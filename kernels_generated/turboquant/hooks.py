@@ -119,11 +119,11 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
     ]
     keys = Quantized(
         "k_codes", "k_scale", key_bits, head_dim, zero=None, axis="channel",
-        residual=None, codebook="sphere", rotation="random",
+        residual=None, codebook="sphere", prefill_exact=True, rotation="random",
     )
     values = Quantized(
         "v_codes", "v_scale", value_bits, head_dim, zero=None, axis="channel",
-        residual=None, codebook="sphere", rotation="random",
+        residual=None, codebook="sphere", prefill_exact=True, rotation="random",
     )
     summaries = ()
     return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, head_starts=False)

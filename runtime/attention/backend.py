@@ -270,7 +270,7 @@ class PagedAttention:
         resid = None if md.resid_lens is None else md.resid_lens[layer_idx]
         extra_d = {} if resid is None else {"rows": md.rows[:md.num_decodes], "resid_lens": resid[:md.num_decodes]}
         extra_p = {} if resid is None else {"rows": md.rows[md.num_decodes:], "resid_lens": resid[md.num_decodes:]}
-        if resid is not None:  # a chunk attends to its own tokens as computed (torch_ops.paged_prefill)
+        if resid is not None or self.store.spec.exact_chunks:  # a chunk reads itself as computed (paged_prefill)
             extra_p.update(k_new=k[md.num_decodes:], v_new=v[md.num_decodes:])
         if read is not None:
             extra_d["read"] = read

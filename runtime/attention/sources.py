@@ -128,6 +128,7 @@ class KernelOperand:
     window: int
     flush: int = 0
     book: int = 0
+    fresh: bool = False  # a prefill chunk reads its own slots from its keys / values as computed
 
     def args(self) -> tuple:
         """The kernels' operand parameters in order: `{x}_cache_ptr, {x}_scale_ptr, {x}_zero_ptr,
@@ -139,7 +140,7 @@ class KernelOperand:
         """The kernels' operand constexprs, `{X}_BITS` ... `{X}_BOOK` (`operand_consts`)."""
         return {f"{prefix}_BITS": self.bits, f"{prefix}_PER_ELEMENT": self.per_element, f"{prefix}_GROUP": self.group,
                 f"{prefix}_ASYM": self.asymmetric, f"{prefix}_WINDOW": self.window, f"{prefix}_FLUSH": self.flush,
-                f"{prefix}_BOOK": self.book}
+                f"{prefix}_BOOK": self.book, f"{prefix}_FRESH": self.fresh}
 
 
 def kernel_operand(source: Source, use_residual: bool) -> KernelOperand:
@@ -158,4 +159,5 @@ def kernel_operand(source: Source, use_residual: bool) -> KernelOperand:
         levels if levels is not None else source.scale, resid if resid is not None else source.scale,
         (cs[0], cs[1], cs[2], ss[0], ss[1], ss[2], rs[0], rs[1], rs[2]),
         source.enc.bits, source.per_element, source.enc.reader.group, not source.enc.symmetric,
-        0 if resid is None else resid.shape[2], source.enc.flush_block, 0 if levels is None else levels.numel())
+        0 if resid is None else resid.shape[2], source.enc.flush_block, 0 if levels is None else levels.numel(),
+        resid is not None or source.enc.prefill_exact)

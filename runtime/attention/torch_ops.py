@@ -208,6 +208,11 @@ def gather_source(source: Source, page_ids: torch.Tensor, length: int | None = N
     return encodings.dequantize(codes, scale, zero, source.enc, source.head_dim, source.dtype)
 
 
+def _reads_chunk_exact(source: Source, resid_lens: torch.Tensor | None) -> bool:
+    """Does a prefill chunk read this operand's own slots as computed (`Quantized.exact_chunk`)?"""
+    return reads_residual(source, resid_lens) or (not is_dense(source) and source.enc.prefill_exact)
+
+
 def reads_residual(source: Source, resid_lens: torch.Tensor | None) -> bool:
     return resid_lens is not None and not is_dense(source) and source.residual is not None
 
@@ -586,18 +591,18 @@ def paged_prefill(
 
     Quantized operands (`QuantizedPages`) are decoded per row; `rows`/`resid_lens` read the newest
     slots from their residual windows, as in `paged_decode`. `k_new`/`v_new` [Tq, Hkv, D] (the
-    chunk's own keys and values, as computed): an operand with a residual window reads the chunk's
-    slots from them, so a chunk attends to itself in the model's precision (the chunk is the newest
-    tokens, which such a method keeps exact; KIVI's prefill attends in full precision) and to earlier
-    tokens as they are stored. Operands without one read the chunk as stored (vLLM's FP8 prefill).
+    chunk's own keys and values, as computed): an operand with a residual window or `prefill_exact`
+    reads the chunk's slots from them, so a chunk attends to itself in the model's precision (KIVI's
+    and TurboQuant's prefill attend in full precision) and to earlier tokens as they are stored.
+    Other operands read the chunk as stored (vLLM's FP8 prefill).
     """
     num_q_heads = q.shape[1]
     num_kv_heads = k_cache.shape[1]
     page_size = k_cache.shape[2]
     gqa = num_q_heads != num_kv_heads
-    if (k_new is None or v_new is None) and any(reads_residual(c, resid_lens) for c in (k_cache, v_cache)):
-        raise ValueError("paged_prefill: sources with a residual window read the chunk's own slots from k_new and "
-                         "v_new")
+    if (k_new is None or v_new is None) and any(_reads_chunk_exact(c, resid_lens) for c in (k_cache, v_cache)):
+        raise ValueError("paged_prefill: sources that read a chunk as computed (a residual window, `prefill_exact`) "
+                         "read the chunk's own slots from k_new and v_new")
     if out is None:
         out = torch.zeros_like(q)
     starts = cu_seqlens_q.tolist()
@@ -612,7 +617,7 @@ def paged_prefill(
         keys, values = (_row_operand(cache, block_tables[b, :num_pages], kv_len, b, context_lens, (rows, resid_lens),
                                      q.dtype, q_len) for cache in (k_cache, v_cache))  # [1, Hkv, L, D]
         for x, cache, fresh in ((keys, k_cache, k_new), (values, v_cache, v_new)):
-            if fresh is not None and reads_residual(cache, resid_lens):
+            if fresh is not None and _reads_chunk_exact(cache, resid_lens):
                 x[0, :, kv_len - q_len:] = fresh[start:end].transpose(0, 1).to(x.dtype)
         queries = q[start:end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
         if head_starts is not None and any(head_starts[b]):

@@ -112,6 +112,11 @@ class Quantized:
     with the keys' R and outputs rotated back with the values' R^T; the model runner does both where
     q, k and v enter a layer's attention, so hooks, summaries and kernels all see one basis.
 
+    `prefill_exact`: a prefill chunk attends to its own tokens as computed, to earlier ones as stored
+    (the research methods' full-precision prefill: KIVI, TurboQuant); otherwise it reads itself as
+    stored too (vLLM's FP8 prefill). A residual window implies it (the chunk is the newest tokens).
+    A decode step reads its own token as stored, or from the window when there is one.
+
     `format` "e4m3" / "e5m2": float codes (FP8, `FLOAT_CODES`), `x = float(code) * scale`, stored
     `code = fp8(clamp(x / scale, -max, max))` (round to nearest even). Their scale is a LAYER
     tensor of shape [1] in the model dtype (group = D, axis "channel", symmetric, 8 bits, no residual), fixed once:
@@ -132,6 +137,7 @@ class Quantized:
     flush_block: int = 0
     codebook: str | None = None
     rotation: str | None = None
+    prefill_exact: bool = False
 
     def __post_init__(self) -> None:
         if self.rotation is not None and self.rotation not in ROTATIONS:
@@ -168,6 +174,11 @@ class Quantized:
     @property
     def symmetric(self) -> bool:
         return self.zero is None
+
+    @property
+    def exact_chunk(self) -> bool:
+        """A prefill chunk reads its own tokens as computed (`prefill_exact`, or a residual window)."""
+        return self.prefill_exact or self.residual is not None
 
     @property
     def signed(self) -> bool:
@@ -307,6 +318,11 @@ class KVSpec:
     def bytes_per_layers(self, num_kv_heads: int, num_layers: int) -> int:
         """LAYER tensors: bytes stored once for the whole pool (every layer)."""
         return num_layers * num_kv_heads * sum(t.bytes for t in self.of(Extent.LAYER))
+
+    @property
+    def exact_chunks(self) -> bool:
+        """Does a prefill chunk read K or V of its own tokens as computed (`Quantized.exact_chunk`)?"""
+        return any(isinstance(e, Quantized) and e.exact_chunk for e in (self.keys, self.values))
 
     @property
     def uses_rows(self) -> bool:

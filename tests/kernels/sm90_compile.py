@@ -47,18 +47,20 @@ def main(codes: str) -> None:
     pointers |= {n: "*i32" for n in ("block_tables_ptr", "context_lens_ptr", "kv_starts_ptr", "rows_ptr",
                                      "resid_lens_ptr", "plan_ptr", "last_ptr", "cu_seqlens_ptr")}
     ops = {f"{x}_{c}": v for x in "KV" for c, v in (("BITS", 8), ("PER_ELEMENT", 1), ("GROUP", 128), ("ASYM", False),
-                                                     ("WINDOW", 0), ("FLUSH", 0), ("BOOK", 0))}
+                                                     ("WINDOW", 0), ("FLUSH", 0), ("BOOK", 0),
+                                                     ("FRESH", False))}
     shape = dict(HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16)
     if codes == "int2":  # KIVI-2: keys per channel (one scale a channel at every slot), values per 32 channels
         kivi = dict(BITS=2, PER_ELEMENT=4, ASYM=True, WINDOW=129)
-        ops = {f"K_{c}": v for c, v in (kivi | dict(GROUP=1, FLUSH=128, BOOK=0)).items()}
-        ops |= {f"V_{c}": v for c, v in (kivi | dict(GROUP=32, FLUSH=0, BOOK=0)).items()}
+        ops = {f"K_{c}": v for c, v in (kivi | dict(GROUP=1, FLUSH=128, BOOK=0, FRESH=True)).items()}
+        ops |= {f"V_{c}": v for c, v in (kivi | dict(GROUP=32, FLUSH=0, BOOK=0, FRESH=True)).items()}
         shape["PAGE_SIZE"] = 32
         build(mod._flush_blocks_kernel, dict(HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=32, BITS=2, PER_ELEMENT=4, GROUP=32,
                                              ASYM=True, WINDOW=129, FLUSH=128), pointers)
     if codes == "sphere3":  # TurboQuant-3: 8 codes in 3 bytes indexing 8 levels, one RMS scale a token
         ops = {f"{x}_{c}": v for x in "KV" for c, v in (("BITS", 3), ("PER_ELEMENT", 8), ("GROUP", 128),
-                                                         ("ASYM", False), ("WINDOW", 0), ("FLUSH", 0), ("BOOK", 8))}
+                                                         ("ASYM", False), ("WINDOW", 0), ("FLUSH", 0), ("BOOK", 8),
+                                                         ("FRESH", True))}
     ptx = build(mod._store_kv_kernel, dict(NUM_KV_HEADS=8, BLOCK_H=8, K_BLOCK_G=128 // ops["K_GROUP"],
                                            V_BLOCK_G=128 // ops["V_GROUP"], BLOCK_B=1, CODES=True, **shape, **ops),
                 pointers)

@@ -131,11 +131,11 @@ def test_the_spec_bytes_and_bad_parameters(model_dir) -> None:
 
 
 @pytest.mark.parametrize("bits", [(3, 3), (4, 2)])
-def test_batch_with_chunked_prefills_equals_the_reference(model_dir, hf, monkeypatch, bits) -> None:
-    """Prompts in chunks of 8 in a batch (every token read as stored, earlier chunks' and the chunk's
-    own): the reference's tokens and logits; and TurboQuant changes them."""
+def test_batch_equals_the_reference(model_dir, hf, monkeypatch, bits) -> None:
+    """A batch, each prompt one prefill chunk (attending to itself as computed), then decode steps
+    (every token read as stored): the reference's tokens and logits; and TurboQuant changes them."""
     spy = Logits(monkeypatch)
-    llm = make_llm(model_dir, *bits, max_num_batched_tokens=20, max_prefill_chunk=8)
+    llm = make_llm(model_dir, *bits)
     prompts = [prompt(n, seed) for n, seed in ((23, 1), (37, 2), (9, 3), (30, 4))]
     params = [greedy(10) for _ in prompts]
     outs = llm.generate(prompts, params)
@@ -145,6 +145,18 @@ def test_batch_with_chunked_prefills_equals_the_reference(model_dir, hf, monkeyp
         check(out.token_ids, spy.of(sp), want)
     exact = ref.generate(hf, ref.Session(None, None), prompts[1], 10)[1]
     assert (exact - want[1]).abs().max() > 100 * ATOL, "TurboQuant changes nothing: the test is blind"
+
+
+def test_chunked_prefill_reads_earlier_chunks_as_stored(model_dir, hf, monkeypatch) -> None:
+    """A prompt prefilled in chunks of 8: each chunk reads its own tokens as computed, the earlier
+    ones as stored (the reference chunked the same way); one chunk would differ."""
+    spy = Logits(monkeypatch)
+    llm = make_llm(model_dir, max_num_batched_tokens=8, max_prefill_chunk=8)
+    p, params = prompt(29, 9), greedy(6)
+    out = llm.generate(p, params)[0]
+    check(out.token_ids, spy.of(params), ref.generate(hf, ref.Session(), p, 6, chunk=8))
+    one = ref.generate(hf, ref.Session(), p, 6)[1]
+    assert (one - spy.of(params)).abs().max() > 10 * ATOL
 
 
 def test_prefix_cache_hit(model_dir, hf, monkeypatch) -> None:

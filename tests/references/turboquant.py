@@ -14,8 +14,9 @@ values are replaced by their round trip through the cache).
 - Quantizer, per token and KV head, float32: `scale` = the RMS of the rotated vector (its norm over
   sqrt(D)), stored in the model dtype (1 where it is 0); code = the number of midpoints `(l_i +
   l_{i+1}) * 0.5` that `x / scale` exceeds; x' = levels[code] * scale, rotated back with R.
-- Every token is stored quantized as it arrives, and attention, prefill's included, reads every
-  token as stored (no residual window).
+- Every token is stored quantized as it arrives (no residual window). A prefill chunk attends to its
+  own tokens as computed and to earlier ones as stored (the papers' full-precision prefill); a
+  decode step reads every token as stored, its own included.
 """
 
 from __future__ import annotations
@@ -138,32 +139,37 @@ class Session:
         out.values = [v[:, :n] for v in out.values]
         return out
 
-    def step(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k = k.float() if self.key_bits is None else round_trip(k.float(), self.key_bits)
-        v = v.float() if self.value_bits is None else round_trip(v.float(), self.value_bits)
+    def step(self, layer: int, k: torch.Tensor, v: torch.Tensor, prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values a step of new k, v [Hkv, c, D] attends over; then the cache takes them."""
+        stored_k = k.float() if self.key_bits is None else round_trip(k.float(), self.key_bits)
+        stored_v = v.float() if self.value_bits is None else round_trip(v.float(), self.value_bits)
         if len(self.keys) <= layer:
-            self.keys.append(k[:, :0])
-            self.values.append(v[:, :0])
-        self.keys[layer] = torch.cat([self.keys[layer], k], dim=1)
-        self.values[layer] = torch.cat([self.values[layer], v], dim=1)
-        return self.keys[layer], self.values[layer]
+            self.keys.append(stored_k[:, :0])
+            self.values.append(stored_v[:, :0])
+        own_k, own_v = (k.float(), v.float()) if prefill else (stored_k, stored_v)
+        keys = torch.cat([self.keys[layer], own_k], dim=1)
+        values = torch.cat([self.values[layer], own_v], dim=1)
+        self.keys[layer] = torch.cat([self.keys[layer], stored_k], dim=1)
+        self.values[layer] = torch.cat([self.values[layer], stored_v], dim=1)
+        return keys, values
 
 
-_active: Session | None = None
+_active: tuple[Session, bool] | None = None  # the session, and whether the forward is a prefill chunk
 
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, dropout: float = 0.0, scaling: float | None = None, **kwargs: Any):
-    keys, values = _active.step(module.layer_idx, key[0], value[0])
+    session, prefill = _active
+    keys, values = session.step(module.layer_idx, key[0], value[0], prefill)
     return harness.causal_attention(query, keys, values, scaling), None
 
 
 AttentionInterface.register(NAME, _attention)
 
 
-def _forward(model: PreTrainedModel, session: Session, ids: list[int]) -> torch.Tensor:
+def _forward(model: PreTrainedModel, session: Session, ids: list[int], prefill: bool) -> torch.Tensor:
     global _active
-    _active = session
+    _active = session, prefill
     try:
         return harness.forward(model, NAME, ids, session.length)
     finally:
@@ -176,10 +182,10 @@ def generate(model: PreTrainedModel, session: Session, prompt: list[int], steps:
     tokens and their logits [steps, vocab]."""
     size = chunk or len(prompt)
     for i in range(0, len(prompt), size):
-        out = _forward(model, session, prompt[i:i + size])
+        out = _forward(model, session, prompt[i:i + size], True)
     logits = [out[-1]]
     tokens = [int(logits[-1].argmax())]
     for _ in range(steps - 1):
-        logits.append(_forward(model, session, [tokens[-1]])[-1])
+        logits.append(_forward(model, session, [tokens[-1]], False)[-1])
         tokens.append(int(logits[-1].argmax()))
     return tokens, torch.stack(logits)
