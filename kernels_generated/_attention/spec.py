@@ -273,32 +273,32 @@ def _codes(ptr, row_mask, BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, SIGNED:
         else:
             code = tl.load(ptr + offs_d[None, :], mask=row_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0)
             code = code.to(tl.float32)
-    elif PER_ELEMENT == 8:
-        # 3-bit codes, each channel from the (at most two) bytes holding its bits: loads of bytes a few
-        # lanes share (L1), where interleaving 8 fields of each 3-byte word needs layout shuffles
-        offs_d = tl.arange(0, BLOCK_D)
-        bit = 3 * offs_d
-        mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-        at = ptr + (bit // 8)[None, :]
-        low = tl.load(at, mask=mask, other=0).to(tl.int32)
-        straddles = (bit % 8 > 5) & (offs_d < HEAD_DIM)  # bits in the next byte too
-        high = tl.load(at + 1, mask=row_mask[:, None] & straddles[None, :], other=0).to(tl.int32)
-        field = (((high << 8) | low) >> (bit % 8)[None, :]) & 7
-        if SIGNED:
-            field = (field ^ 4) - 4
-        code = field.to(tl.float32)
     else:
         offs_c = tl.arange(0, BLOCK_D // PER_ELEMENT)
         word_mask = row_mask[:, None] & (offs_c < HEAD_DIM // PER_ELEMENT)[None, :]
-        packed = tl.load(ptr + offs_c[None, :], mask=word_mask, other=0).to(tl.int32)
+        if PER_ELEMENT == 8:  # 3 bytes a word
+            at = ptr + 3 * offs_c[None, :]
+            packed = (tl.load(at, mask=word_mask, other=0).to(tl.int32)
+                      | (tl.load(at + 1, mask=word_mask, other=0).to(tl.int32) << 8)
+                      | (tl.load(at + 2, mask=word_mask, other=0).to(tl.int32) << 16))
+        else:
+            packed = tl.load(ptr + offs_c[None, :], mask=word_mask, other=0).to(tl.int32)
         f0 = packed & ((1 << BITS) - 1)
         f1 = (packed >> BITS) & ((1 << BITS) - 1)
         if PER_ELEMENT == 2:
             field = tl.join(f0, f1)
-        else:
+        elif PER_ELEMENT == 4:
             f2 = (packed >> (2 * BITS)) & ((1 << BITS) - 1)
             f3 = (packed >> (3 * BITS)) & ((1 << BITS) - 1)
             field = tl.join(tl.join(f0, f2), tl.join(f1, f3))
+        else:  # field j of 8 lands at 4a + 2b + c for the join nesting (a innermost)
+            f2 = (packed >> (2 * BITS)) & ((1 << BITS) - 1)
+            f3 = (packed >> (3 * BITS)) & ((1 << BITS) - 1)
+            f4 = (packed >> (4 * BITS)) & ((1 << BITS) - 1)
+            f5 = (packed >> (5 * BITS)) & ((1 << BITS) - 1)
+            f6 = (packed >> (6 * BITS)) & ((1 << BITS) - 1)
+            f7 = (packed >> (7 * BITS)) & ((1 << BITS) - 1)
+            field = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)), tl.join(tl.join(f1, f5), tl.join(f3, f7)))
         field = tl.reshape(field, [row_mask.shape[0], BLOCK_D])
         if SIGNED:
             field = (field ^ (1 << (BITS - 1))) - (1 << (BITS - 1))
@@ -328,70 +328,6 @@ def _window_start(first, end, resid_len, WINDOW: tl.constexpr, FLUSH: tl.constex
 
 
 @triton.jit
-def _stored_tile(
-    base, scale_base, zero_base, resid_base, pages, in_page, tokens, token_mask, kv_mask, resid_start,
-    stride_p, stride_s, stride_sp, stride_ss, stride_rs,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, GROUP: tl.constexpr, ASYM: tl.constexpr,
-    WINDOW: tl.constexpr, fresh_base, fresh_start, stride_ft, FRESH: tl.constexpr, book_base, BOOK: tl.constexpr,
-):
-    # `_load_operand` of a quantized operand: the codes decoded, the window's and the chunk's slots
-    offs_d = tl.arange(0, BLOCK_D)
-    BLOCK_N: tl.constexpr = tokens.shape[0]
-    row_mask = token_mask
-    if FRESH:
-        row_mask = row_mask & (tokens < fresh_start)
-    if WINDOW > 0:
-        in_window = tokens >= resid_start
-        row_mask = row_mask & (tokens < resid_start)
-    code = _codes(base + pages[:, None] * stride_p + in_page[:, None] * stride_s, row_mask, BITS, PER_ELEMENT,
-                  not ASYM and BOOK == 0, HEAD_DIM, BLOCK_D)
-    if BOOK > 0:
-        # the code's level by selects (a gathered load would be pipelined through shared memory);
-        # the levels are symmetric (level[BOOK - 1 - i] = -level[i]): half as many selects
-        half: tl.constexpr = BOOK // 2
-        upper = code >= half
-        rank = tl.where(upper, code - half, half - 1 - code)  # 0: the levels nearest 0
-        magnitude = tl.zeros(code.shape, tl.float32)
-        for i in tl.static_range(half):
-            magnitude = tl.where(rank == i, tl.load(book_base + half + i), magnitude)
-        code = tl.where(upper, magnitude, -magnitude)
-    group_rows = pages[:, None] * stride_sp + in_page[:, None] * stride_ss
-    if BLOCK_D % GROUP == 0 and (GROUP & (GROUP - 1)) == 0:
-        # groups tile the channels: load [BLOCK_N, G] scales once and broadcast them
-        offs_g = tl.arange(0, BLOCK_D // GROUP)
-        group_mask = row_mask[:, None] & (offs_g < HEAD_DIM // GROUP)[None, :]
-        scale = tl.load(scale_base + group_rows + offs_g[None, :], mask=group_mask, other=0.0).to(tl.float32)
-        code = tl.reshape(code, [BLOCK_N, BLOCK_D // GROUP, GROUP])
-        if ASYM:
-            zero = tl.load(zero_base + group_rows + offs_g[None, :], mask=group_mask, other=0.0).to(tl.float32)
-            x = code * scale[:, :, None] + zero[:, :, None]
-        else:
-            x = code * scale[:, :, None]
-        x = tl.reshape(x, [BLOCK_N, BLOCK_D])
-    else:  # a group that does not tile BLOCK_D: each channel gathers its group's scale
-        at = group_rows + (offs_d // GROUP)[None, :]
-        group_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-        scale = tl.load(scale_base + at, mask=group_mask, other=0.0).to(tl.float32)
-        if ASYM:
-            x = code * scale + tl.load(zero_base + at, mask=group_mask, other=0.0).to(tl.float32)
-        else:
-            x = code * scale
-    if WINDOW > 0:
-        if FRESH:
-            in_window = in_window & (tokens < fresh_start)
-        recent = tl.load(resid_base + (tokens % WINDOW)[:, None] * stride_rs + offs_d[None, :],
-                         mask=kv_mask & in_window[:, None], other=0.0)
-        x = tl.where(in_window[:, None], recent.to(tl.float32), x)
-    if FRESH:
-        now = tokens >= fresh_start
-        new = tl.load(fresh_base + (tokens - fresh_start).to(tl.int64)[:, None] * stride_ft + offs_d[None, :],
-                      mask=kv_mask & now[:, None], other=0.0)
-        x = tl.where(now[:, None], new.to(tl.float32), x)
-    return x
-
-
-@triton.jit
 def _load_operand(
     base, scale_base, zero_base, resid_base, pages, in_page, tokens, token_mask, kv_mask, resid_start,
     stride_p, stride_s, stride_sp, stride_ss, stride_rs,
@@ -402,28 +338,60 @@ def _load_operand(
 ):
     # A K or V tile [BLOCK_N, BLOCK_D] of one KV head's slots `tokens` (at `pages`, `in_page`): the
     # dense cache as it is (BITS 0), or the codes decoded in fp32, `code * scale + zero`,
-    # `code * scale` or, with a codebook of BOOK levels, `levels[code] * scale`, with the slots from
-    # `resid_start` on read from the residual window instead, and (FRESH: a prefill chunk's own
-    # slots) those from `fresh_start` on from the chunk's keys or values as computed, `fresh_base +
-    # (slot - fresh_start) * stride_ft`.
+    # `code * scale` or, with a codebook of BOOK levels, `levels[code] * scale`, with the slots from `resid_start` on read from the residual window instead,
+    # and (FRESH: a prefill chunk's own slots) those from `fresh_start` on from the chunk's keys or
+    # values as computed, `fresh_base + (slot - fresh_start) * stride_ft`.
     offs_d = tl.arange(0, BLOCK_D)
     if BITS == 0:
         x = tl.load(base + pages[:, None] * stride_p + in_page[:, None] * stride_s + offs_d[None, :],
                     mask=kv_mask, other=0.0)
-    elif FRESH:  # a prefill tile wholly in the chunk reads only the chunk (no codes to decode)
-        if tl.min(tokens, axis=0) >= fresh_start:
-            x = tl.load(fresh_base + (tokens - fresh_start).to(tl.int64)[:, None] * stride_ft + offs_d[None, :],
-                        mask=kv_mask, other=0.0).to(tl.float32)
-        else:
-            x = _stored_tile(base, scale_base, zero_base, resid_base, pages, in_page, tokens, token_mask, kv_mask,
-                             resid_start, stride_p, stride_s, stride_sp, stride_ss, stride_rs, HEAD_DIM, BLOCK_D,
-                             BITS, PER_ELEMENT, GROUP, ASYM, WINDOW, fresh_base, fresh_start, stride_ft, FRESH,
-                             book_base, BOOK)
     else:
-        x = _stored_tile(base, scale_base, zero_base, resid_base, pages, in_page, tokens, token_mask, kv_mask,
-                         resid_start, stride_p, stride_s, stride_sp, stride_ss, stride_rs, HEAD_DIM, BLOCK_D,
-                         BITS, PER_ELEMENT, GROUP, ASYM, WINDOW, fresh_base, fresh_start, stride_ft, FRESH,
-                         book_base, BOOK)
+        BLOCK_N: tl.constexpr = tokens.shape[0]
+        row_mask = token_mask
+        if FRESH:
+            row_mask = row_mask & (tokens < fresh_start)
+        if WINDOW > 0:
+            in_window = tokens >= resid_start
+            row_mask = row_mask & (tokens < resid_start)
+        code = _codes(base + pages[:, None] * stride_p + in_page[:, None] * stride_s, row_mask, BITS, PER_ELEMENT,
+                      not ASYM and BOOK == 0, HEAD_DIM, BLOCK_D)
+        if BOOK > 0:  # the code's level: a select per level (a gathered load would be pipelined through shared memory)
+            index = code
+            code = tl.zeros(index.shape, tl.float32)
+            for i in tl.static_range(BOOK):
+                code = tl.where(index == i, tl.load(book_base + i), code)
+        group_rows = pages[:, None] * stride_sp + in_page[:, None] * stride_ss
+        if BLOCK_D % GROUP == 0 and (GROUP & (GROUP - 1)) == 0:
+            # groups tile the channels: load [BLOCK_N, G] scales once and broadcast them
+            offs_g = tl.arange(0, BLOCK_D // GROUP)
+            group_mask = row_mask[:, None] & (offs_g < HEAD_DIM // GROUP)[None, :]
+            scale = tl.load(scale_base + group_rows + offs_g[None, :], mask=group_mask, other=0.0).to(tl.float32)
+            code = tl.reshape(code, [BLOCK_N, BLOCK_D // GROUP, GROUP])
+            if ASYM:
+                zero = tl.load(zero_base + group_rows + offs_g[None, :], mask=group_mask, other=0.0).to(tl.float32)
+                x = code * scale[:, :, None] + zero[:, :, None]
+            else:
+                x = code * scale[:, :, None]
+            x = tl.reshape(x, [BLOCK_N, BLOCK_D])
+        else:  # a group that does not tile BLOCK_D: each channel gathers its group's scale
+            at = group_rows + (offs_d // GROUP)[None, :]
+            group_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+            scale = tl.load(scale_base + at, mask=group_mask, other=0.0).to(tl.float32)
+            if ASYM:
+                x = code * scale + tl.load(zero_base + at, mask=group_mask, other=0.0).to(tl.float32)
+            else:
+                x = code * scale
+        if WINDOW > 0:
+            if FRESH:
+                in_window = in_window & (tokens < fresh_start)
+            recent = tl.load(resid_base + (tokens % WINDOW)[:, None] * stride_rs + offs_d[None, :],
+                             mask=kv_mask & in_window[:, None], other=0.0)
+            x = tl.where(in_window[:, None], recent.to(tl.float32), x)
+        if FRESH:
+            now = tokens >= fresh_start
+            new = tl.load(fresh_base + (tokens - fresh_start).to(tl.int64)[:, None] * stride_ft + offs_d[None, :],
+                          mask=kv_mask & now[:, None], other=0.0)
+            x = tl.where(now[:, None], new.to(tl.float32), x)
     return x
 
 
