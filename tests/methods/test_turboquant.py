@@ -46,10 +46,11 @@ def hf(model_dir: Path):
     return load_hf(model_dir)
 
 
-def make_llm(model_dir: Path, key_bits: int = 3, value_bits: int = 3, **options) -> LLM:
+def make_llm(model_dir: Path, key_bits: int = 3, value_bits: int = 3, method: str = "turboquant",
+             method_params: dict | None = None, **options) -> LLM:
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", page_size=PAGE,
-                          attention_backend="torch", kv_cache_memory=2**22, method="turboquant",
-                          method_params={"key_bits": key_bits, "value_bits": value_bits},
+                          attention_backend="torch", kv_cache_memory=2**22, method=method,
+                          method_params={"key_bits": key_bits, "value_bits": value_bits, **(method_params or {})},
                           **{"max_num_batched_tokens": 4096, **options})
     return LLM.from_engine(Engine(config))
 
@@ -231,3 +232,49 @@ def test_the_kernels_compile_for_sm90() -> None:
     if "No module named 'triton.backends.nvidia'" in done.stderr:
         pytest.skip("Triton's NVIDIA backend is not installed")
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# ---- composed with a keep policy (bench/variants/snapkv_turboquant.kvm) -------------------------------
+
+COMPOSED = str(Path(__file__).resolve().parents[2] / "bench" / "variants" / "snapkv_turboquant.kvm")
+
+
+def test_snapkv_over_turboquant(model_dir, monkeypatch) -> None:
+    """The composed method's spec is TurboQuant's; a budget that keeps everything gives TurboQuant's
+    tokens; a smaller one keeps the positions SnapKV's own selection picks from the hook's queries
+    and stored keys (both in the rotated basis), moves their codes and scales, and decodes on; the
+    throughput plan's batch is the memory product (TurboQuant's bytes times SnapKV's tokens)."""
+    from kvc.runtime.bench.plan import model_spec, plan_batch
+    from kvc.runtime.method_api import KeepPlan
+    from kvc.runtime.methods import resolve_method
+
+    composed = make_llm(model_dir, method=COMPOSED, method_params={"budget": 64, "window": 4})
+    assert composed.engine.attention.store.spec == make_llm(model_dir).engine.attention.store.spec
+    prompts = [prompt(n, seed) for n, seed in ((23, 1), (30, 2))]
+    want = [o.token_ids for o in make_llm(model_dir).generate(prompts, [greedy(8) for _ in prompts])]
+    assert [o.token_ids for o in composed.generate(prompts, [greedy(8) for _ in prompts])] == want
+
+    small = make_llm(model_dir, method=COMPOSED, method_params={"budget": 16, "window": 4})
+    method, snapkv = small.engine.method, resolve_method("snapkv", {"budget": 16, "window": 4})
+    seen, original = [], method.prefill_end
+
+    def spy(layer, view):
+        q, keys = view.q.transpose(0, 1).clone(), view.cache.keys().clone()
+        plan = original(layer, view)
+        seen.append((layer, plan, q, keys))
+        return plan
+
+    monkeypatch.setattr(method, "prefill_end", spy)
+    out = small.generate(prompt(40, 3), greedy(6))[0]
+    check_books(small.engine)
+    assert len(out.token_ids) == 6 and len(seen) == 2
+    for layer, plan, q, keys in seen:
+        assert isinstance(plan, KeepPlan) and plan.indices.shape[1] == 16
+        scores = snapkv.code.score(q, keys, layer=layer, num_layers=2, params=snapkv.params)
+        pick = snapkv.lowering.select(scores, keys.shape[1], layer=layer, num_layers=2, params=snapkv.params)
+        assert [sorted(t.tolist()) for t in pick] == [sorted(row.tolist()) for row in plan.indices.cpu()], layer
+
+    spec = model_spec(str(model_dir), torch.device("cpu"), "bfloat16")
+    plans = {name: plan_batch(resolve_method(name, {"budget": 64, "window": 4} if name != "turboquant" else None),
+                              spec, 2**24, PAGE, 1024, 64, 10**6) for name in ("snapkv", COMPOSED, "turboquant")}
+    assert plans[COMPOSED].batch >= 3 * plans["snapkv"].batch
