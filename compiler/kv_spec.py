@@ -13,6 +13,11 @@ What maps to what (docs/compiler.md, "The KV spec"; the runtime's rules: docs/de
   codes int8), scale `k_scale` and, asymmetric, zero point `k_zero` in the model dtype: TOKEN
   [head_dim / g] along channel (`axis="channel"`), PAGE [max(1, page_size // g), head_dim] along
   key (`axis="token"`); `except last n`: a SEQ residual `k_resid` [n, head_dim] in the model dtype;
+- `store k as lloyd_max(bits, along channel)`: `Quantized` codebook codes (`codebook="sphere"`):
+  `k_codes` (TOKEN, uint8 packed `int2x4` / `int3x8` / `int4x2`) and one scale `k_scale` per token
+  (TOKEN [1], the RMS, model dtype); a leading `rotate(random|hadamard, along channel)` before it (or
+  before `quant` / `fp8`) names the operand's `rotation`. Integer and codebook codes read a prefill
+  chunk as computed (`prefill_exact`), FP8 as stored;
 - `store k as fp8(format, scale = unit|dynamic, along kv_head, key, channel)`: `Quantized` with
   float codes: `k_codes` (TOKEN, float8 of the format [head_dim]) and one scale `k_scale` per
   layer (LAYER [1], model dtype; `along key, channel`: one per layer and KV head);
@@ -26,8 +31,8 @@ What maps to what (docs/compiler.md, "The KV spec"; the runtime's rules: docs/de
 The summaries of a `kmeans` partition that a lowered read ranks (hook fact `clusters`) are no spec
 tensors: the engine's cluster index keeps them per sequence (runtime/compiled/cluster_index.py).
 A shared selection that a lowered decode_before_attention chooses in every step stores nothing.
-Anything else that stores data per token (rotations, codebooks, low-rank projections, clusters,
-other shared state, state kept per sequence) is left out and named in `reasons` with its position.
+Anything else that stores data per token (QJL sketches, low-rank projections, clusters, other
+shared state, state kept per sequence) is left out and named in `reasons` with its position.
 """
 
 from __future__ import annotations

@@ -278,3 +278,27 @@ def test_snapkv_over_turboquant(model_dir, monkeypatch) -> None:
     plans = {name: plan_batch(resolve_method(name, {"budget": 64, "window": 4} if name != "turboquant" else None),
                               spec, 2**24, PAGE, 1024, 64, 10**6) for name in ("snapkv", COMPOSED, "turboquant")}
     assert plans[COMPOSED].batch >= 3 * plans["snapkv"].batch
+
+
+def test_a_rotation_before_fp8_codes(model_dir, hf, monkeypatch) -> None:
+    """`rotate(hadamard) then fp8(...)` (bench/variants/fp8_rotated.kvm) lowers and serves: K and V are
+    the FP8 round trip (tests/references/fp8.py) of the Hadamard-rotated vectors, rotated back, and
+    a prefill chunk reads itself as stored (FP8's rule): the reference's tokens and logits."""
+    from tests.references import fp8
+
+    variant = str(Path(__file__).resolve().parents[2] / "bench" / "variants" / "fp8_rotated.kvm")
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", page_size=PAGE,
+                          attention_backend="torch", kv_cache_memory=2**22, method=variant, max_num_batched_tokens=4096)
+    llm = LLM.from_engine(Engine(config))
+    assert llm.engine.attention.store.spec.keys.rotation == "hadamard"
+    r = torch.from_numpy(ref.rotation(llm.engine.spec.head_dim, "hadamard"))
+
+    def stored(x: torch.Tensor) -> torch.Tensor:
+        rotated = (x.double() @ r.T).float()
+        return (fp8.round_trip(rotated, 1.0, "e4m3").double() @ r).float()
+
+    spy = Logits(monkeypatch)
+    prompts = [prompt(n, seed) for n, seed in ((23, 1), (9, 3))]
+    params = [greedy(8) for _ in prompts]
+    for p, out, sp in zip(prompts, llm.generate(prompts, params), params):
+        check(out.token_ids, spy.of(sp), ref.generate(hf, ref.Session(exact_prefill=False, stored=stored), p, 8))

@@ -123,6 +123,8 @@ class Session:
 
     key_bits: int | None = 3  # None: exact (TurboQuant off)
     value_bits: int | None = 3
+    exact_prefill: bool = True  # a prefill chunk reads itself as computed (False: as stored)
+    stored: Any = None  # x [Hkv, c, D] -> as the cache gives it back (None: `round_trip` at the bits)
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
 
@@ -141,12 +143,15 @@ class Session:
 
     def step(self, layer: int, k: torch.Tensor, v: torch.Tensor, prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values a step of new k, v [Hkv, c, D] attends over; then the cache takes them."""
-        stored_k = k.float() if self.key_bits is None else round_trip(k.float(), self.key_bits)
-        stored_v = v.float() if self.value_bits is None else round_trip(v.float(), self.value_bits)
+        if self.stored is not None:
+            stored_k, stored_v = self.stored(k.float()), self.stored(v.float())
+        else:
+            stored_k = k.float() if self.key_bits is None else round_trip(k.float(), self.key_bits)
+            stored_v = v.float() if self.value_bits is None else round_trip(v.float(), self.value_bits)
         if len(self.keys) <= layer:
             self.keys.append(stored_k[:, :0])
             self.values.append(stored_v[:, :0])
-        own_k, own_v = (k.float(), v.float()) if prefill else (stored_k, stored_v)
+        own_k, own_v = (k.float(), v.float()) if prefill and self.exact_prefill else (stored_k, stored_v)
         keys = torch.cat([self.keys[layer], own_k], dim=1)
         values = torch.cat([self.values[layer], own_v], dim=1)
         self.keys[layer] = torch.cat([self.keys[layer], stored_k], dim=1)
