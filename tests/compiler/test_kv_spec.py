@@ -96,9 +96,10 @@ def test_kivi_quantized_encodings():
     spec = manifest("kivi")["kv_spec"]
     assert spec["keys"] == {"kind": "quantized", "codes": "k_codes", "scale": "k_scale", "zero": "k_zero",
                             "bits": "bits", "group": "group_size", "axis": "token", "residual": "k_resid",
-                            "flush_block": "residual_length"}
+                            "flush_block": "residual_length", "prefill_exact": True}
     assert spec["values"] == {"kind": "quantized", "codes": "v_codes", "scale": "v_scale", "zero": "v_zero",
-                              "bits": "bits", "group": "group_size", "axis": "channel", "residual": "v_resid"}
+                              "bits": "bits", "group": "group_size", "axis": "channel", "residual": "v_resid",
+                              "prefill_exact": True}
     tensors = {t["name"]: t for t in spec["tensors"]}
     assert tensors["k_codes"] == {"name": "k_codes", "extent": "token", "dtype": "uint8", "shape": ["bits*head_dim/8"],
                                   "packing": "from bits"}
@@ -113,9 +114,9 @@ def test_kivi_quantized_encodings():
         built = generated_kv_spec("kivi", {"bits": bits, "group_size": 32, "residual_length": 128})(
             8, 128, torch.bfloat16, 32)
         assert built.keys == Quantized("k_codes", "k_scale", bits, 32, zero="k_zero", residual="k_resid", axis="token",
-                                       flush_block=128)
+                                       flush_block=128, prefill_exact=True)
         assert built.values == Quantized("v_codes", "v_scale", bits, 32, zero="v_zero", residual="v_resid",
-                                         axis="channel")
+                                         axis="channel", prefill_exact=True)
         assert built.tensor("v_codes") == TensorSpec("v_codes", Extent.TOKEN, torch.uint8, (128 * bits // 8,), packing)
         assert built.tensor("k_scale") == TensorSpec("k_scale", Extent.PAGE, torch.bfloat16, (1, 128))
         assert built.tensor("v_zero") == TensorSpec("v_zero", Extent.TOKEN, torch.bfloat16, (4,))
@@ -161,7 +162,8 @@ def test_turboquant_rotates_then_indexes_levels():
     data = manifest("turboquant")
     assert data["lowered"] and data["attention"]["variant"] == "spec" and data["kv_spec"]["reason"] is None
     built = generated_kv_spec("turboquant", {"key_bits": 3, "value_bits": 4})(8, 128, torch.bfloat16, 16)
-    assert built.keys == Quantized("k_codes", "k_scale", 3, 128, codebook="sphere", rotation="random")
+    assert built.keys == Quantized("k_codes", "k_scale", 3, 128, codebook="sphere", rotation="random",
+                                   prefill_exact=True)
     assert built.tensor("k_codes") == TensorSpec("k_codes", Extent.TOKEN, torch.uint8, (48,), "int3x8")
     assert built.tensor("v_codes") == TensorSpec("v_codes", Extent.TOKEN, torch.uint8, (64,), "int4x2")
     assert built.tensor("v_scale") == TensorSpec("v_scale", Extent.TOKEN, torch.bfloat16, (1,))
@@ -242,7 +244,8 @@ def test_a_lowered_method_serves_its_quantized_spec(tmp_path, monkeypatch):
     assert "def kv_spec(" in codegen.generate(path)["hooks.py"]
     spec = resolve_method(str(path), None).kv_spec(2, 64, torch.float16, 16)
     assert spec.keys == Dense("k")
-    assert spec.values == Quantized("v_codes", "v_scale", 8, 32, residual="v_resid", axis="channel")
+    assert spec.values == Quantized("v_codes", "v_scale", 8, 32, residual="v_resid", axis="channel",
+                                    prefill_exact=True)
     assert spec.tensor("v_codes") == TensorSpec("v_codes", Extent.TOKEN, torch.int8, (64,))
     assert spec.tensor("v_scale") == TensorSpec("v_scale", Extent.TOKEN, torch.float16, (2,))
     assert spec.tensor("v_resid") == TensorSpec("v_resid", Extent.SEQ, torch.float16, (17, 64))  # 16 and the step's
