@@ -15,6 +15,7 @@ runtime/kv/encodings.py; docs/compiler.md, "The engine's attention kernels", has
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -78,16 +79,16 @@ class QuantizedPages:
     def device(self) -> torch.device:
         return self.codes.device
 
-    @property
+    @functools.cached_property  # built once per layer; every kernel launch reads these
     def packing(self) -> str:
         return encodings.packing_of(self.head_dim, self.codes.shape[-1])
 
-    @property
+    @functools.cached_property
     def per_element(self) -> int:
         """Codes per packed unit (1, 2, 4, or 8 in 3 bytes: `int3x8`)."""
         return encodings.PACKINGS[self.packing][0]
 
-    @property
+    @functools.cached_property
     def levels(self) -> torch.Tensor | None:
         """The float32 levels codebook codes index (None: codes count steps)."""
         return None if self.enc.codebook is None else encodings.levels(self.enc.reader, self.codes.device)
