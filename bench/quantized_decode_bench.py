@@ -23,7 +23,9 @@ import torch
 from sparse_decode_bench import graph_ms  # bench/ is on the path of a script run from it
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 4, 128, 16
-SWEEP = [dict(block_n=n, num_warps=w, num_stages=st) for n in (64, 128) for w in (4, 8) for st in (2, 3)]
+SWEEP = [dict(block_n=n, num_warps=w, num_stages=2, **({"num_splits": sp} if sp else {}))
+         for n, w, sp in ((32, 2, 0), (64, 8, 0), (128, 4, 0), (128, 8, 0), (32, 2, 16), (128, 4, 16), (128, 8, 16),
+                          (128, 4, 32), (128, 8, 32))]
 
 
 def time_ms(fn, device: torch.device, reps: int = 20) -> float:
@@ -71,7 +73,8 @@ def main() -> None:
     p.add_argument("--shapes", default="32x32768,8x131072", help="BATCHxCONTEXT,...")
     p.add_argument("--smoke", action="store_true", help="tiny sizes; runs on CPU under TRITON_INTERPRET=1")
     p.add_argument("--sweep", action="store_true",
-                   help="also time the method's kernel over launch knobs (block_n, num_warps, num_stages)")
+                   help="also time the method's kernel over launch knobs (block_n, num_warps, num_stages, num_splits; "
+                        "num_splits 0: the heuristic's)")
     p.add_argument("--out")
     a = p.parse_args()
     device = torch.device("cpu" if a.smoke else "cuda")
@@ -101,7 +104,8 @@ def main() -> None:
                 for knobs in SWEEP:
                     ms = time_ms(lambda: att.ops.paged_decode(q, k_src, v_src, tables, lens, scale,
                                                               max_context_len=context, out=out, **knobs), device)
-                    row = {"piece": "sweep", "method": name, "batch": batch, "context": context, **knobs, "ms": ms,
+                    row = {"piece": "sweep", "method": name, "batch": batch, "context": context,
+                           **{"num_splits": 0} | knobs, "ms": ms,
                            "of_copy": read / ms / 1e6 / copy_bw, "vs_dense": times[None] / ms}
                     rows.append(row)
                     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),

@@ -306,6 +306,194 @@ def _codes(ptr, row_mask, BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, SIGNED:
     return code
 
 
+def _unpack_asm(bits: int, signed: bool, dtype: str) -> str:
+    """PTX for `tl.inline_asm_elementwise(pack=4)` over packed bytes ($IN: one 32-bit register, 4 bytes):
+    output k (8 // bits of them, two registers each) is field k of each byte as an exact 16-bit float.
+    Each byte pair is spread into the low bytes of two halves (prmt); a field becomes the low mantissa
+    bits of 2^m (m = 7 in bf16, 10 in fp16: one AND-OR, lop3), in place while it fits the mantissa, and
+    one packed FMA takes 2^m (and the signed code's offset) off and undoes the field's place value.
+    Two codes an instruction, nothing in fp32: int4 GEMM kernels do the same."""
+    fields, mantissa = 8 // bits, 7 if dtype == "bf16" else 10
+    magic = 0x4300 if dtype == "bf16" else 0x6400  # 2^7 (bf16) or 2^10 (fp16): one unit in the last place
+    half = 1 << (bits - 1) if signed else 0
+
+    def f16(x: float) -> int:  # a small dyadic value's bits in the 16-bit float (exact by construction)
+        return torch.tensor([x], dtype=torch.bfloat16 if dtype == "bf16" else torch.float16).view(torch.int16).item()
+
+    def pair(x: int) -> str:
+        return f"0x{(x << 16) | x:08x}"
+
+    inp = 2 * fields
+    lines = ["{", ".reg .b32 lo, hi, t, s, f, o;",
+             f"prmt.b32 lo, ${inp}, 0, 0x4140;",  # [b0, 0, b1, 0]
+             f"prmt.b32 hi, ${inp}, 0, 0x4342;"]  # [b2, 0, b3, 0]
+    op = "fma.rn.bf16x2" if dtype == "bf16" else "fma.rn.f16x2"
+    for k in range(fields):
+        shift = bits * k
+        place = shift if shift + bits <= mantissa else 0  # where the field sits when it meets the magic
+        mask, flip = ((1 << bits) - 1) << place, half << place
+        factor, offset = 2.0 ** -place, -(float(1 << mantissa) * 2.0 ** -place + half)
+        lines.append(f"mov.b32 f, {pair(f16(factor) & 0xFFFF)};")
+        lines.append(f"mov.b32 o, {pair(f16(offset) & 0xFFFF)};")
+        for j, src in enumerate(("lo", "hi")):
+            if place != shift:
+                lines.append(f"shr.b32 s, {src}, {shift};")
+                src = "s"
+            lines.append(f"lop3.b32 t, {src}, {pair(mask)}, {pair(flip | magic)}, 0x6a;")  # (x & mask) ^ c
+            lines.append(f"{op} ${2 * k + j}, t, f, o;")
+    return "\n".join(lines + ["}"])
+
+
+def _levels_asm() -> str:
+    """PTX for `tl.inline_asm_elementwise(pack=2)` over two 24-bit words of eight 3-bit codes ($8, $9) and the
+    codebook's 8 levels as 16-bit floats in pairs ($10: levels 0 and 1, $12: 2, 3, $14: 4, 5, $16: 6, 7): output k
+    ($k) is the levels of field k of both words. A code's low two bits build a byte-permute selector over the
+    4 levels of its half of the book (prmt picks 2 bytes each), its high bit chooses the half (prmt replicates a
+    byte's sign bit into a mask): ten instructions for two codes instead of a compare and select per level."""
+    lines = ["{", ".reg .b32 t0, t1, x, sel, a, b, m;"]
+    for k in range(8):
+        w0, w1 = ("$8", "$9") if k == 0 else ("t0", "t1")
+        if k:
+            lines += [f"shr.b32 t0, $8, {3 * k};", f"shr.b32 t1, $9, {3 * k};"]
+        lines += [f"prmt.b32 x, {w0}, {w1}, 0x3340;",  # [word 0's low byte, word 1's, 0, 0]
+                  "and.b32 sel, x, 0x0303;",
+                  "mad.lo.u32 sel, sel, 0x22, 0x1010;",  # nibbles 2c, 2c + 1 for each code's low two bits
+                  "prmt.b32 a, $10, $12, sel;",  # levels 0-3
+                  "prmt.b32 b, $14, $16, sel;",  # levels 4-7
+                  "shl.b32 x, x, 5;",  # each code's high bit to its byte's sign bit
+                  "prmt.b32 m, x, 0, 0x9988;",
+                  f"lop3.b32 ${k}, a, b, m, 0xd8;"]  # (a & ~m) | (b & m)
+    return "\n".join(lines + ["}"])
+
+# the packings whose fields the decode kernels unpack with `_unpack_asm` (2 or 4 codes a byte)
+_ASM_U2_BF16 = tl.constexpr(_unpack_asm(2, False, "bf16"))
+_ASM_S2_BF16 = tl.constexpr(_unpack_asm(2, True, "bf16"))
+_ASM_U4_BF16 = tl.constexpr(_unpack_asm(4, False, "bf16"))
+_ASM_S4_BF16 = tl.constexpr(_unpack_asm(4, True, "bf16"))
+_ASM_U2_F16 = tl.constexpr(_unpack_asm(2, False, "f16"))
+_ASM_S2_F16 = tl.constexpr(_unpack_asm(2, True, "f16"))
+_ASM_U4_F16 = tl.constexpr(_unpack_asm(4, False, "f16"))
+_ASM_S4_F16 = tl.constexpr(_unpack_asm(4, True, "f16"))
+_ASM_LEVELS8 = tl.constexpr(_levels_asm())
+
+
+@triton.jit
+def _codes_as(ptr, row_mask, BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, SIGNED: tl.constexpr,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    # `_codes` as DTYPE, exactly (codes of at most 8 bits and FP8 values are exact in bf16 and fp16).
+    # ASM (a GPU, not the interpreter): 2 or 4 codes a byte go to a 16-bit DTYPE through `_unpack_asm`.
+    if ASM and (PER_ELEMENT == 2 or PER_ELEMENT == 4) and (DTYPE == tl.bfloat16 or DTYPE == tl.float16):
+        offs_c = tl.arange(0, BLOCK_D // PER_ELEMENT)
+        packed = tl.load(ptr + offs_c[None, :], mask=row_mask[:, None] & (offs_c < HEAD_DIM // PER_ELEMENT)[None, :],
+                         other=0)
+        if PER_ELEMENT == 4:
+            if DTYPE == tl.bfloat16:
+                f0, f1, f2, f3 = tl.inline_asm_elementwise(
+                    _ASM_S2_BF16 if SIGNED else _ASM_U2_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
+                    dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            else:
+                f0, f1, f2, f3 = tl.inline_asm_elementwise(
+                    _ASM_S2_F16 if SIGNED else _ASM_U2_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
+                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+            field = tl.join(tl.join(f0, f2), tl.join(f1, f3))
+        else:
+            if DTYPE == tl.bfloat16:
+                f0, f1 = tl.inline_asm_elementwise(_ASM_S4_BF16 if SIGNED else _ASM_U4_BF16, "=r,=r,=r,=r,r", [packed],
+                                                   dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            else:
+                f0, f1 = tl.inline_asm_elementwise(_ASM_S4_F16 if SIGNED else _ASM_U4_F16, "=r,=r,=r,=r,r", [packed],
+                                                   dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            field = tl.join(f0, f1)
+        code = tl.reshape(field, [row_mask.shape[0], BLOCK_D])
+    else:
+        if PER_ELEMENT == 1 and ptr.dtype.element_ty.is_fp8():  # one conversion (fp8 has no `other`)
+            offs_d = tl.arange(0, BLOCK_D)
+            mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+            code = tl.where(mask, tl.load(ptr + offs_d[None, :], mask=mask).to(DTYPE), 0.0)
+        else:
+            code = _codes(ptr, row_mask, BITS, PER_ELEMENT, SIGNED, HEAD_DIM, BLOCK_D).to(DTYPE)
+    return code
+
+
+@triton.jit
+def _level_pair(book_base, i: tl.constexpr, DTYPE: tl.constexpr):
+    # levels i and i + 1 as DTYPE bits in one int32 (low half: level i)
+    lo = tl.load(book_base + i).to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = tl.load(book_base + i + 1).to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo | (hi << 16)
+
+
+@triton.jit
+def _levels_as(ptr, row_mask, book_base, BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, BOOK: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    # The codebook levels of the codes at `ptr` [BLOCK_N, 1] in DTYPE (a code that does not count reads level 0).
+    # ASM, 8 levels of 3-bit codes in a 16-bit DTYPE: `_levels_asm`; else a select per level in fp32.
+    if ASM and PER_ELEMENT == 8 and BOOK == 8 and (DTYPE == tl.bfloat16 or DTYPE == tl.float16):
+        offs_c = tl.arange(0, BLOCK_D // 8)
+        at = ptr + 3 * offs_c[None, :]
+        word_mask = row_mask[:, None] & (offs_c < HEAD_DIM // 8)[None, :]
+        packed = (tl.load(at, mask=word_mask, other=0).to(tl.int32)
+                  | (tl.load(at + 1, mask=word_mask, other=0).to(tl.int32) << 8)
+                  | (tl.load(at + 2, mask=word_mask, other=0).to(tl.int32) << 16))
+        zero = tl.zeros(packed.shape, tl.int32)
+        args = [packed, zero + _level_pair(book_base, 0, DTYPE), zero + _level_pair(book_base, 2, DTYPE),
+                zero + _level_pair(book_base, 4, DTYPE), zero + _level_pair(book_base, 6, DTYPE)]
+        if DTYPE == tl.bfloat16:
+            f0, f1, f2, f3, f4, f5, f6, f7 = tl.inline_asm_elementwise(
+                _ASM_LEVELS8, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r", args, dtype=(tl.bfloat16,) * 8,
+                is_pure=True, pack=2)
+        else:
+            f0, f1, f2, f3, f4, f5, f6, f7 = tl.inline_asm_elementwise(
+                _ASM_LEVELS8, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r", args, dtype=(tl.float16,) * 8,
+                is_pure=True, pack=2)
+        field = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)), tl.join(tl.join(f1, f5), tl.join(f3, f7)))
+        x = tl.reshape(field, [row_mask.shape[0], BLOCK_D])
+    else:
+        index = _codes(ptr, row_mask, BITS, PER_ELEMENT, False, HEAD_DIM, BLOCK_D)
+        x = tl.zeros(index.shape, tl.float32)
+        for i in tl.static_range(BOOK):
+            x = tl.where(index == i, tl.load(book_base + i), x)
+        x = x.to(DTYPE)
+    return x
+
+@triton.jit
+def _fma16(x, y, z, DTYPE: tl.constexpr):
+    # x * y + z rounded once to the 16-bit DTYPE, two lanes an instruction (the interpreter has no PTX)
+    if DTYPE == tl.bfloat16:
+        r = tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [x, y, z], dtype=tl.bfloat16,
+                                      is_pure=True, pack=2)
+    else:
+        r = tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [x, y, z], dtype=tl.float16,
+                                      is_pure=True, pack=2)
+    return r
+
+
+@triton.jit
+def _dequantized(ptr, scale_ptr, zero_ptr, row_mask, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, GROUP: tl.constexpr, ASYM: tl.constexpr,
+                 DTYPE: tl.constexpr, ASM: tl.constexpr):
+    # The rows at `ptr` [BLOCK_N, 1] (scales at `scale_ptr` / `zero_ptr` [BLOCK_N, 1], groups tiling BLOCK_D)
+    # decoded to DTYPE: `code * scale + zero` rounded once. ASM with scales stored in DTYPE: a packed 16-bit
+    # fused multiply-add on codes `_codes_as` gave exactly in DTYPE; else in fp32 (`_load_operand`'s arithmetic).
+    BLOCK_N: tl.constexpr = row_mask.shape[0]
+    offs_g = tl.arange(0, BLOCK_D // GROUP)
+    group_mask = row_mask[:, None] & (offs_g < HEAD_DIM // GROUP)[None, :]
+    scale = tl.load(scale_ptr + offs_g[None, :], mask=group_mask, other=0.0)
+    if ASYM:
+        zero = tl.load(zero_ptr + offs_g[None, :], mask=group_mask, other=0.0)
+    else:
+        zero = tl.zeros(scale.shape, scale.dtype)
+    FUSED: tl.constexpr = ASM and (DTYPE == tl.bfloat16 or DTYPE == tl.float16) and scale_ptr.dtype.element_ty == DTYPE
+    code = _codes_as(ptr, row_mask, BITS, PER_ELEMENT, not ASYM, HEAD_DIM, BLOCK_D,
+                     DTYPE if FUSED else tl.float32, ASM)
+    code = tl.reshape(code, [BLOCK_N, BLOCK_D // GROUP, GROUP])
+    if FUSED:
+        x = _fma16(code, tl.broadcast_to(scale[:, :, None], code.shape), tl.broadcast_to(zero[:, :, None], code.shape),
+                   DTYPE)
+    else:
+        x = (code * scale.to(tl.float32)[:, :, None] + zero.to(tl.float32)[:, :, None]).to(DTYPE)
+    return tl.reshape(x, [BLOCK_N, BLOCK_D])
+
 @triton.jit
 def _round_even(y):
     # y in [0, 2^23) to the nearest integer, ties to even (KIVI's round_): adding 2^23 leaves one
@@ -394,6 +582,246 @@ def _load_operand(
             x = tl.where(now[:, None], new.to(tl.float32), x)
     return x
 
+
+@triton.jit
+def _product(a, b, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # a @ b in fp32: one tl.dot, or (USE_DOT False, the broadcast path) a broadcast multiply and sum
+    if USE_DOT:
+        c = _mma(a, b, DOT_PRECISION)
+    else:
+        c = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return c
+
+
+@triton.jit
+def _any(mask):
+    # whether any lane of a [BLOCK_N] mask is set (a scalar for an `if`)
+    return tl.max(mask.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def _page_dequantized(ptr, scale_base, zero_base, pages, row_mask, stride_sp, HEAD_DIM: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, GROUP: tl.constexpr,
+                      ASYM: tl.constexpr, PAGE_SIZE: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    # `_dequantized` for a tile of whole pages whose scales and zero points are one row per page (groups over
+    # slots): each page's row is loaded once and broadcast over its slots, not gathered per slot. A page with no
+    # slot that counts reads scale and zero 0 (its codes decode to 0).
+    BLOCK_N: tl.constexpr = row_mask.shape[0]
+    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
+    offs_d = tl.arange(0, BLOCK_D)
+    page_of = tl.max(tl.reshape(tl.where(row_mask, pages, 0), [PAGES, PAGE_SIZE]), axis=1)
+    page_ok = tl.max(tl.reshape(row_mask.to(tl.int32), [PAGES, PAGE_SIZE]), axis=1) > 0
+    at = page_of[:, None] * stride_sp + (offs_d // GROUP)[None, :]
+    mask = page_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    scale = tl.load(scale_base + at, mask=mask, other=0.0)
+    if ASYM:
+        zero = tl.load(zero_base + at, mask=mask, other=0.0)
+    else:
+        zero = tl.zeros(scale.shape, scale.dtype)
+    FUSED: tl.constexpr = ASM and (DTYPE == tl.bfloat16 or DTYPE == tl.float16) and scale_base.dtype.element_ty == DTYPE
+    code = _codes_as(ptr, row_mask, BITS, PER_ELEMENT, not ASYM, HEAD_DIM, BLOCK_D, DTYPE if FUSED else tl.float32,
+                     ASM)
+    code = tl.reshape(code, [PAGES, PAGE_SIZE, BLOCK_D])
+    if FUSED:
+        x = _fma16(code, tl.broadcast_to(scale[:, None, :], code.shape), tl.broadcast_to(zero[:, None, :], code.shape),
+                   DTYPE)
+    else:
+        x = (code * scale.to(tl.float32)[:, None, :] + zero.to(tl.float32)[:, None, :]).to(DTYPE)
+    return tl.reshape(x, [BLOCK_N, BLOCK_D])
+
+
+@triton.jit
+def _operand_tile(
+    base, scale_base, zero_base, resid_base, pages, in_page, tokens, token_mask, kv_mask, row_mask, in_window,
+    resid_start, stride_p, stride_s, stride_sp, stride_ss, stride_rs,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, GROUP: tl.constexpr, ASYM: tl.constexpr,
+    WINDOW: tl.constexpr, book_base, BOOK: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr,
+    PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 1,
+):
+    # The tile `_load_operand` reads, in DTYPE; integer codes in groups that tile the channels are decoded by
+    # `_dequantized` (PAGED, a tile of whole pages with a scale row per page: `_page_dequantized`), and the
+    # residual window is read only by a tile that reaches it.
+    if BITS > 0 and BOOK == 0 and PAGED:
+        x = _page_dequantized(base + pages[:, None] * stride_p + in_page[:, None] * stride_s, scale_base, zero_base,
+                              pages, row_mask, stride_sp, HEAD_DIM, BLOCK_D, BITS, PER_ELEMENT, GROUP, ASYM,
+                              PAGE_SIZE, DTYPE, ASM)
+        if WINDOW > 0:
+            if _any(in_window):
+                offs_d = tl.arange(0, BLOCK_D)
+                recent = tl.load(resid_base + (tokens % WINDOW)[:, None] * stride_rs + offs_d[None, :],
+                                 mask=kv_mask & in_window[:, None], other=0.0)
+                x = tl.where(in_window[:, None], recent.to(DTYPE), x)
+    elif BITS > 0 and BOOK == 0 and BLOCK_D % GROUP == 0 and (GROUP & (GROUP - 1)) == 0:
+        x = _dequantized(base + pages[:, None] * stride_p + in_page[:, None] * stride_s,
+                         scale_base + pages[:, None] * stride_sp + in_page[:, None] * stride_ss,
+                         zero_base + pages[:, None] * stride_sp + in_page[:, None] * stride_ss, row_mask, HEAD_DIM,
+                         BLOCK_D, BITS, PER_ELEMENT, GROUP, ASYM, DTYPE, ASM)
+        if WINDOW > 0:
+            if _any(in_window):
+                offs_d = tl.arange(0, BLOCK_D)
+                recent = tl.load(resid_base + (tokens % WINDOW)[:, None] * stride_rs + offs_d[None, :],
+                                 mask=kv_mask & in_window[:, None], other=0.0)
+                x = tl.where(in_window[:, None], recent.to(DTYPE), x)
+    else:
+        x = _load_operand(base, scale_base, zero_base, resid_base, pages, in_page, tokens, token_mask, kv_mask,
+                          resid_start, stride_p, stride_s, stride_sp, stride_ss, stride_rs, HEAD_DIM, BLOCK_D,
+                          BITS, PER_ELEMENT, GROUP, ASYM, WINDOW, book_base=book_base, BOOK=BOOK).to(DTYPE)
+    return x
+
+@triton.jit
+def _key_logits(
+    q, base, scale_base, zero_base, resid_base, pages, in_page, tokens, token_mask, kv_mask, resid_start,
+    stride_p, stride_s, stride_sp, stride_ss, stride_rs,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, GROUP: tl.constexpr, ASYM: tl.constexpr,
+    WINDOW: tl.constexpr, book_base, BOOK: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr,
+    DTYPE: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr = 1,
+):
+    # q [BLOCK_H, BLOCK_D] against one quantized K tile (`_load_operand`'s slots): the logits [BLOCK_H, BLOCK_N]
+    # of q . k with the scale and zero point taken out of the per-element work where they factor out of the dot.
+    # FOLD 1, one scale and zero per channel for every slot of the tile (a tile within one page, or a layer's):
+    # q . (code * s + z) = (q * s) . code + q . z, the codes go to the dot as they are. FOLD 2, one scale and
+    # zero per slot: s_t * (q . code_t) + z_t * sum(q). FOLD 3, one scale and zero per channel for the whole layer
+    # (no window): q came scaled (`_layer_scales`), the caller adds q . z. Else the tile is dequantized (FOLD 4: a
+    # tile of whole PAGE_SIZE pages with a scale row a page, `_page_dequantized`; FOLD 0, `_operand_tile`).
+    # Slots in the residual window take q . (the window's row); the codes of a slot that does not count are 0.
+    offs_d = tl.arange(0, BLOCK_D)
+    dim_mask = offs_d < HEAD_DIM
+    row_mask = token_mask
+    in_window = tokens < 0
+    if WINDOW > 0:
+        in_window = token_mask & (tokens >= resid_start)
+        row_mask = row_mask & (tokens < resid_start)
+    if FOLD == 1:
+        coded = offs_d < tl.where(_any(row_mask), HEAD_DIM, 0)  # an unwritten page's scales (a block in the window)
+        page = tl.max(tl.where(row_mask, pages, 0), axis=0)
+        at = page * stride_sp + offs_d // GROUP
+        scale = tl.load(scale_base + at, mask=coded, other=0.0).to(tl.float32)
+        code = _codes_as(base + pages[:, None] * stride_p + in_page[:, None] * stride_s, row_mask, BITS, PER_ELEMENT,
+                         not ASYM, HEAD_DIM, BLOCK_D, DTYPE, ASM)
+        qk = _product((q.to(tl.float32) * scale[None, :]).to(DTYPE), tl.trans(code), USE_DOT, DOT_PRECISION)
+        if ASYM:
+            zero = tl.load(zero_base + at, mask=coded, other=0.0).to(tl.float32)
+            qk += tl.sum(q.to(tl.float32) * zero[None, :], axis=1)[:, None]
+        if WINDOW > 0:
+            if _any(in_window):
+                recent = tl.load(resid_base + (tokens % WINDOW)[:, None] * stride_rs + offs_d[None, :],
+                                 mask=kv_mask & in_window[:, None], other=0.0)
+                recent_qk = _product(q, tl.trans(recent.to(DTYPE)), USE_DOT, DOT_PRECISION)
+                qk = tl.where(in_window[None, :], recent_qk, qk)
+    elif FOLD == 3:  # the caller scaled q and adds q . zero (`_layer_scales`)
+        code = _codes_as(base + pages[:, None] * stride_p + in_page[:, None] * stride_s, row_mask, BITS, PER_ELEMENT,
+                         not ASYM, HEAD_DIM, BLOCK_D, DTYPE, ASM)
+        qk = _product(q, tl.trans(code), USE_DOT, DOT_PRECISION)
+    elif FOLD == 2:
+        if BOOK > 0:  # the codes' levels
+            code = _levels_as(base + pages[:, None] * stride_p + in_page[:, None] * stride_s, row_mask, book_base,
+                              BITS, PER_ELEMENT, HEAD_DIM, BLOCK_D, BOOK, DTYPE, ASM)
+        else:
+            code = _codes_as(base + pages[:, None] * stride_p + in_page[:, None] * stride_s, row_mask, BITS,
+                             PER_ELEMENT, not ASYM, HEAD_DIM, BLOCK_D, DTYPE, ASM)
+        rows = pages * stride_sp + in_page * stride_ss
+        scale = tl.load(scale_base + rows, mask=row_mask, other=1.0).to(tl.float32)
+        if WINDOW > 0:
+            recent = tl.load(resid_base + (tokens % WINDOW)[:, None] * stride_rs + offs_d[None, :],
+                             mask=kv_mask & in_window[:, None], other=0.0)
+            code = tl.where(in_window[:, None], recent.to(code.dtype), code)
+            scale = tl.where(in_window, 1.0, scale)
+        qk = _product(q, tl.trans(code.to(DTYPE)), USE_DOT, DOT_PRECISION) * scale[None, :]
+        if ASYM:
+            zero = tl.load(zero_base + rows, mask=row_mask, other=0.0).to(tl.float32)
+            qk += tl.sum(q.to(tl.float32), axis=1)[:, None] * zero[None, :]
+    else:
+        k = _operand_tile(base, scale_base, zero_base, resid_base, pages, in_page, tokens, token_mask, kv_mask,
+                          row_mask, in_window, resid_start, stride_p, stride_s, stride_sp, stride_ss, stride_rs,
+                          HEAD_DIM, BLOCK_D, BITS, PER_ELEMENT, GROUP, ASYM, WINDOW, book_base, BOOK, DTYPE, ASM,
+                          FOLD == 4, PAGE_SIZE)
+        qk = _product(q, tl.trans(k), USE_DOT, DOT_PRECISION)
+    return qk
+
+
+@triton.jit
+def _layer_scales(scale_base, zero_base, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+                  ASYM: tl.constexpr):
+    # (scale, zero point) [BLOCK_D] in fp32 of an operand whose scales hold for the whole layer (FOLD 3): taken
+    # out of the loop over tiles, q . (code * s + z) = (q * s) . code + q . z and sum p (code * s + z) =
+    # (sum p code) * s + (sum p) * z are applied once per program
+    offs_d = tl.arange(0, BLOCK_D)
+    scale = tl.load(scale_base + offs_d // GROUP, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
+    zero = tl.zeros([BLOCK_D], tl.float32)
+    if ASYM:
+        zero = tl.load(zero_base + offs_d // GROUP, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
+    return scale, zero
+
+
+@triton.jit
+def _value_product(
+    p, base, scale_base, zero_base, resid_base, pages, in_page, tokens, token_mask, kv_mask, resid_start,
+    stride_p, stride_s, stride_sp, stride_ss, stride_rs,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, GROUP: tl.constexpr, ASYM: tl.constexpr,
+    WINDOW: tl.constexpr, book_base, BOOK: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr,
+    DTYPE: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr = 1,
+):
+    # p [BLOCK_H, BLOCK_N] (fp32) times one quantized V tile: p @ v [BLOCK_H, BLOCK_D] in fp32, the scale and
+    # zero point out of the per-element work as in `_key_logits`: FOLD 1 (per channel for the tile),
+    # (p @ code) * s + sum(p) * z; FOLD 2 (per slot), (p * s) @ code + (p @ z); FOLD 3 (per layer), p @ code, the
+    # caller scaling the sums once (`_layer_scales`); FOLD 0, p @ (the dequantized tile).
+    offs_d = tl.arange(0, BLOCK_D)
+    dim_mask = offs_d < HEAD_DIM
+    row_mask = token_mask
+    in_window = tokens < 0
+    if WINDOW > 0:
+        in_window = token_mask & (tokens >= resid_start)
+        row_mask = row_mask & (tokens < resid_start)
+    if FOLD == 1:
+        coded = offs_d < tl.where(_any(row_mask), HEAD_DIM, 0)
+        page = tl.max(tl.where(row_mask, pages, 0), axis=0)
+        at = page * stride_sp + offs_d // GROUP
+        scale = tl.load(scale_base + at, mask=coded, other=0.0).to(tl.float32)
+        code = _codes_as(base + pages[:, None] * stride_p + in_page[:, None] * stride_s, row_mask, BITS, PER_ELEMENT,
+                         not ASYM, HEAD_DIM, BLOCK_D, DTYPE, ASM)
+        p_codes = tl.where(in_window[None, :], 0.0, p)
+        pv = _product(p_codes.to(DTYPE), code, USE_DOT, DOT_PRECISION) * scale[None, :]
+        if ASYM:
+            zero = tl.load(zero_base + at, mask=coded, other=0.0).to(tl.float32)
+            pv += tl.sum(p_codes, axis=1)[:, None] * zero[None, :]
+        if WINDOW > 0:
+            if _any(in_window):
+                recent = tl.load(resid_base + (tokens % WINDOW)[:, None] * stride_rs + offs_d[None, :],
+                                 mask=kv_mask & in_window[:, None], other=0.0)
+                p_recent = tl.where(in_window[None, :], p, 0.0).to(DTYPE)
+                pv += _product(p_recent, recent.to(DTYPE), USE_DOT, DOT_PRECISION)
+    elif FOLD == 3:  # the caller applies the scale and zero point to the accumulated sums (`_layer_scales`)
+        code = _codes_as(base + pages[:, None] * stride_p + in_page[:, None] * stride_s, row_mask, BITS, PER_ELEMENT,
+                         not ASYM, HEAD_DIM, BLOCK_D, DTYPE, ASM)
+        pv = _product(p.to(DTYPE), code, USE_DOT, DOT_PRECISION)
+    elif FOLD == 2:
+        if BOOK > 0:  # the codes' levels
+            code = _levels_as(base + pages[:, None] * stride_p + in_page[:, None] * stride_s, row_mask, book_base,
+                              BITS, PER_ELEMENT, HEAD_DIM, BLOCK_D, BOOK, DTYPE, ASM)
+        else:
+            code = _codes_as(base + pages[:, None] * stride_p + in_page[:, None] * stride_s, row_mask, BITS,
+                             PER_ELEMENT, not ASYM, HEAD_DIM, BLOCK_D, DTYPE, ASM)
+        rows = pages * stride_sp + in_page * stride_ss
+        scale = tl.load(scale_base + rows, mask=row_mask, other=0.0).to(tl.float32)
+        if WINDOW > 0:
+            recent = tl.load(resid_base + (tokens % WINDOW)[:, None] * stride_rs + offs_d[None, :],
+                             mask=kv_mask & in_window[:, None], other=0.0)
+            code = tl.where(in_window[:, None], recent.to(code.dtype), code)
+            scale = tl.where(in_window, 1.0, scale)
+        pv = _product((p * scale[None, :]).to(DTYPE), code.to(DTYPE), USE_DOT, DOT_PRECISION)
+        if ASYM:
+            zero = tl.load(zero_base + rows, mask=row_mask, other=0.0).to(tl.float32)
+            pv += tl.sum(p * zero[None, :], axis=1)[:, None]
+    else:
+        v = _operand_tile(base, scale_base, zero_base, resid_base, pages, in_page, tokens, token_mask, kv_mask,
+                          row_mask, in_window, resid_start, stride_p, stride_s, stride_sp, stride_ss, stride_rs,
+                          HEAD_DIM, BLOCK_D, BITS, PER_ELEMENT, GROUP, ASYM, WINDOW, book_base, BOOK, DTYPE, ASM,
+                          FOLD == 4, PAGE_SIZE)
+        pv = _product(p.to(DTYPE), v, USE_DOT, DOT_PRECISION)
+    return pv
 
 @triton.jit
 def _tile_slots(positions, end, plan, plan_len, recent_base, context_len, head_start, PAGE_SIZE: tl.constexpr,
@@ -560,6 +988,24 @@ def _store_operand(
         dst = resid_ptr + row * stride_rr + offs_h[:, None] * stride_rh + (position % WINDOW) * stride_rs
         tl.store(dst + offs_d[None, :], x.to(resid_ptr.dtype.element_ty), mask=(row_ok & newest)[:, None] & dim_ok[None, :])
 
+
+def _fold(op, head_dim: int, tiles_in_pages: bool, pages_in_tiles: bool) -> int:
+    """How the decode kernel takes `op`'s (a KernelOperand's) scales out of its per-element work
+    (`_key_logits`, `_value_product`): 1 when a channel's scale and zero point hold for a whole tile (their slot
+    stride is 0: a page's, each tile within one page, or the layer's), 2 when they hold for a whole slot (one
+    group of head_dim channels), 3 when they hold for the whole layer (no residual window: taken out of the loop),
+    4 when they hold for a page and each tile is whole pages (loaded a page at a time), else 0: the tile is
+    dequantized (dense operands, codebooks per channel group)."""
+    scale_p, scale_s = op.strides[3], op.strides[5]
+    if op.bits == 0:
+        return 0
+    if op.book == 0 and scale_s == 0 and scale_p == 0 and op.window == 0:
+        return 3
+    if op.book == 0 and scale_s == 0 and (scale_p == 0 or tiles_in_pages):
+        return 1
+    if op.book == 0 and scale_s == 0 and pages_in_tiles:
+        return 4
+    return 2 if op.group == head_dim else 0
 
 def _residual_rows(name: str, k_cache, v_cache, rows, resid_lens, context_lens, batch: int):
     """(reads a residual window?, rows pointer, resid_lens pointer) of a decode or prefill launch."""
@@ -839,7 +1285,7 @@ def _decode_split_kernel(
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr,
     K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr,
     V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr,
-    READ: tl.constexpr, HAS_LAST: tl.constexpr,
+    READ: tl.constexpr, HAS_LAST: tl.constexpr, K_FOLD: tl.constexpr, V_FOLD: tl.constexpr, ASM: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -892,6 +1338,12 @@ def _decode_split_kernel(
     v_scale_base, v_zero_base = v_scale_ptr + kv_head * stride_v_scale_h, v_zero_ptr + kv_head * stride_v_scale_h
     k_resid_base = k_resid_ptr + seq_row * stride_k_resid_r + kv_head * stride_k_resid_h
     v_resid_base = v_resid_ptr + seq_row * stride_v_resid_r + kv_head * stride_v_resid_h
+    q_dot = q  # the query the key tiles' dot takes (FOLD 3: scaled by the layer's key scales, plus a bias)
+    k_bias = tl.zeros([BLOCK_H], tl.float32)
+    if K_FOLD == 3:
+        k_layer_scale, k_layer_zero = _layer_scales(k_scale_base, k_zero_base, HEAD_DIM, BLOCK_D, K_GROUP, K_ASYM)
+        q_dot = (q.to(tl.float32) * k_layer_scale[None, :]).to(q.dtype)
+        k_bias = tl.sum(q.to(tl.float32) * k_layer_zero[None, :], axis=1)
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: exp2(m_old - m_new) never sees inf-inf
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -902,16 +1354,15 @@ def _decode_split_kernel(
         pages = tl.load(table + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
         in_page = tokens % PAGE_SIZE
         kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = _load_operand(
-            k_base, k_scale_base, k_zero_base, k_resid_base, pages, in_page, tokens, token_mask, kv_mask, k_resid_start,
-            stride_kp, stride_ks, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, HEAD_DIM, BLOCK_D,
-            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, book_base=k_book_ptr, BOOK=K_BOOK,
-        ).to(q_ptr.dtype.element_ty)
-
-        if USE_DOT:
-            qk = _mma(q, tl.trans(k), DOT_PRECISION)
-        else:
-            qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        # (a by_spec variant's K and V tiles are never materialised: no k_tile / v_tile splices)
+        qk = _key_logits(
+            q_dot, k_base, k_scale_base, k_zero_base, k_resid_base, pages, in_page, tokens, token_mask, kv_mask,
+            k_resid_start, stride_kp, stride_ks, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, HEAD_DIM,
+            BLOCK_D, K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, k_book_ptr, K_BOOK, K_FOLD, ASM,
+            q_ptr.dtype.element_ty, USE_DOT, DOT_PRECISION, PAGE_SIZE,
+        )
+        if K_FOLD == 3:
+            qk += k_bias[:, None]
         qk = tl.where(token_mask[None, :], qk * qk_scale, float("-inf"))
         if EMIT_STATS:
             # this tile's scaled scores, once per (sequence, query head, key), for the statistics fold
@@ -923,18 +1374,17 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_operand(
-            v_base, v_scale_base, v_zero_base, v_resid_base, pages, in_page, tokens, token_mask, kv_mask, v_resid_start,
-            stride_vp, stride_vs, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s, HEAD_DIM, BLOCK_D,
-            V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW, book_base=v_book_ptr, BOOK=V_BOOK,
-        ).to(q_ptr.dtype.element_ty)
-
-        if USE_DOT:
-            pv = _mma(p.to(v.dtype), v, DOT_PRECISION)
-        else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        pv = _value_product(
+            p, v_base, v_scale_base, v_zero_base, v_resid_base, pages, in_page, tokens, token_mask, kv_mask,
+            v_resid_start, stride_vp, stride_vs, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s, HEAD_DIM,
+            BLOCK_D, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_WINDOW, v_book_ptr, V_BOOK, V_FOLD, ASM,
+            q_ptr.dtype.element_ty, USE_DOT, DOT_PRECISION, PAGE_SIZE,
+        )
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if V_FOLD == 3:  # the sums of p * code and of p, to the sums of p * value
+        v_layer_scale, v_layer_zero = _layer_scales(v_scale_base, v_zero_base, HEAD_DIM, BLOCK_D, V_GROUP, V_ASYM)
+        acc = acc * v_layer_scale[None, :] + l_i[:, None] * v_layer_zero[None, :]
 
     out_mask = head_mask[:, None] & dim_mask[None, :]
     if DIRECT_OUT:
@@ -1075,6 +1525,14 @@ def paged_decode(
                                                   batch)
     k_op, v_op = kernel_operand(k_cache, windows), kernel_operand(v_cache, windows)
     cfg = decode_launch_config(batch, num_q_heads, num_kv_heads, head_dim, max_context_len, q.dtype, q.device)
+    quantized = k_op.bits > 0 or v_op.bits > 0
+    if quantized and head_dim <= 128 and cfg == decode_config(batch, num_kv_heads, head_dim, max_context_len,
+                                                              num_sms(q.device)):
+        # no tuned entry: a quantized tile decodes its codes element by element; tiles of 128 slots amortise the
+        # per-tile work, and more splits (32, of at least 1024 slots) keep more tiles in flight than the dense
+        # heuristic's: the best of the launches measured for every quantized spec at 32 x 32K and 8 x 128K (H200,
+        # bench/quantized_decode_bench.py --sweep, docs/benchmarks.md)
+        cfg = replace(cfg, block_n=128, num_splits=max(cfg.num_splits, min(32, -(-max_context_len // 1024))))
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps,
                      num_stages=num_stages, use_dot=use_dot)
     cfg = replace(cfg, **{k: val for k, val in overrides.items() if val is not None})
@@ -1100,6 +1558,8 @@ def paged_decode(
 
     if stats is not None and read is not None:
         scores.fill_(float("-inf"))  # the slots a plan does not read keep probability 0
+    aligned = read_mode != READ_TOKENS and kv_starts is None  # each tile starts a page: splits are whole tiles
+    tiles_in_pages, pages_in_tiles = aligned and page_size % cfg.block_n == 0, aligned and cfg.block_n % page_size == 0
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, block_tables, context_lens, starts, rows_arg, resid_arg, plan, last, *k_op.args(), *v_op.args(),
         out, part_out, part_lse,
@@ -1112,7 +1572,9 @@ def paged_decode(
         PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, DIRECT_OUT=splits == 1,
         USE_DOT=cfg.use_dot, DOT_PRECISION=_dot_precision(q.dtype), HAS_STARTS=kv_starts is not None,
         **k_op.constants("K"), **v_op.constants("V"), READ=read_mode, HAS_LAST=last is not context_lens,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        K_FOLD=_fold(k_op, head_dim, tiles_in_pages, pages_in_tiles),
+        V_FOLD=_fold(v_op, head_dim, tiles_in_pages, pages_in_tiles),
+        ASM=os.environ.get("TRITON_INTERPRET") != "1", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         split_block = min(triton.next_power_of_2(splits), max(1, 8192 // block_d))

@@ -65,9 +65,16 @@ def main(codes: str) -> None:
                                            V_BLOCK_G=128 // ops["V_GROUP"], BLOCK_B=1, CODES=True, **shape, **ops),
                 pointers)
     assert codes in ("int2", "sphere3") or "cvt.rn.satfinite" in ptx  # the FP8 cast of the store
-    build(mod._decode_split_kernel, dict(EMIT_STATS=False, GROUP=4, BLOCK_H=16, BLOCK_N=64, DIRECT_OUT=True,
-                                         USE_DOT=True, DOT_PRECISION="ieee", HAS_STARTS=False, READ=0,
-                                         HAS_LAST=False, **shape, **ops), pointers)
+    # decode: every way it takes an operand's scales out (`_fold`: 0 dequantize, 1 per tile, 2 per slot, 3 per layer,
+    # 4 per page of a tile of pages) that this encoding allows, with the packed codes unpacked by inline PTX (ASM)
+    # and without; (K fold, V fold, BLOCK_N)
+    folds = {"int2": [(1, 0, 32), (4, 0, 64), (0, 0, 64)], "sphere3": [(2, 2, 32), (0, 0, 32)]}.get(
+        codes, [(3, 3, 32), (1, 1, 32), (2, 2, 32), (0, 0, 32)])
+    for (k_fold, v_fold, block_n), asm in [(f, True) for f in folds] + [(f, False) for f in folds[:2]]:
+        build(mod._decode_split_kernel, dict(EMIT_STATS=False, GROUP=4, BLOCK_H=16, BLOCK_N=block_n, DIRECT_OUT=True,
+                                             USE_DOT=True, DOT_PRECISION="native", HAS_STARTS=False, READ=0,
+                                             HAS_LAST=False, K_FOLD=k_fold, V_FOLD=v_fold, ASM=asm, **shape, **ops),
+              pointers)
     build(mod._prefill_kernel, dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, BLOCK_N=64, DOT_PRECISION="ieee",
                                     HAS_STARTS=False, **shape, **ops), pointers)
     print("compiled for sm90:", codes)
