@@ -242,6 +242,9 @@ class Pruner:
         if record.state is ChainState.ACTIVE:
             raise ChainBusy(f"a request is running on chain {record.chain_id!r}; prune it when the request is done",
                             param="chain_id")
+        if self.executor.store.spec.prerope:
+            raise InvalidPrune("the served method stores keys before RoPE, each at its slot's position: its chains "
+                               "cannot drop tokens", param="chain_id")
         ranges = resolve_ranges(record, request)
         pages_before = sum(len(t) for t in record.page_tables)
         report = PruneReport(ranges, len(record.tokens), sum(record.kv_lens), 0, pages_before, 0,

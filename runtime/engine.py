@@ -117,9 +117,15 @@ class Engine:
         # LAYER tensors (FP8 scales) are stored once, not per page
         fixed_bytes = row_bytes + kv_spec.bytes_per_layers(layout.kv_heads, layout.layers)
         self.num_pages = pool_pages(self._kv_budget_bytes() - fixed_bytes, page_bytes)
+        if kv_spec.prerope and (self.method.compacts or self.method.rewrites or kv_spec.head_starts):
+            raise ConfigError(f"method {self.method.name!r} stores keys before RoPE, each read at its slot's position; "
+                              "it cannot also move or drop stored tokens (keeps, rewrites)", param="method")
         backend = config.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
+        if backend == "auto":  # the generated Triton kernels read dense, quantized and FP8 K/V, not low-rank latents
+            backend = "triton" if self.device.type == "cuda" and not kv_spec.low_rank else "torch"
+        if backend == "triton" and kv_spec.low_rank:
+            raise ConfigError(f"method {self.method.name!r} stores K/V as low-rank latents, which the Triton kernels "
+                              "do not read yet: use attention_backend='torch' (or 'auto')", param="attention_backend")
         if backend == "triton":  # this GPU's `kvc tune` configs (runtime/tuning/); one log line
             load_tuned_configs(self.device)
         self.attention = PagedAttention.allocate(
@@ -134,6 +140,9 @@ class Engine:
             spec=kv_spec,
             num_rows=num_rows,
         )
+        # LAYER tensors that are the method's input files (low-rank projections), fixed from here on
+        for name, value in self.method.layer_inputs(kv_spec, layout.layers, layout.kv_heads).items():
+            self.attention.store[name].copy_(value)
         self.rows = RowPool(num_rows) if num_rows else None
         log.info(
             "KV cache: %d pages of %d tokens (%.1f MiB)%s, backend %s",

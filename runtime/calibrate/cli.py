@@ -1,4 +1,9 @@
-"""`kvc calibrate METHOD`: writes the method's [layer, kv_head] input (its gates) for a model.
+"""`kvc calibrate METHOD`: writes a method's input tensors for a model.
+
+Two kinds, told apart by the compiled method's manifest (no method names here): a method whose KV
+spec stores K/V as low-rank latents gets its projections from the model's weights (lowrank.py,
+seconds); otherwise a method with one [layer, kv_head] input gets it (its gates) by optimisation
+(gates.py).
 
 The method names its input file (`input gate: [layer, kv_head] from "FILE"`) and its streaming
 pattern's `sink` and `recent` parameters (tokens at the target context); the calibration context is
@@ -21,7 +26,9 @@ log = logging.getLogger(__name__)
 
 def add_command(sub) -> None:
     p = sub.add_parser("calibrate", help="learn a method's input tensors (DuoAttention's gates) on a model")
-    p.add_argument("method", help="a method with a [layer, kv_head] input, e.g. duoattention")
+    p.add_argument("method", help="a method with a [layer, kv_head] input (duoattention) or low-rank K/V (palu)")
+    p.add_argument("--method-param", action="append", metavar="KEY=VALUE", default=None,
+                   help="a method parameter the inputs depend on (a low-rank ratio), repeatable")
     p.add_argument("--model", default=None, help="model directory, gguf:FILE (default: the embedded model)")
     p.add_argument("--out", default=None, help="the safetensors file to write (default: in the model directory)")
     p.add_argument("--context", type=int, default=1024, help="tokens per synthetic passkey context")
@@ -47,7 +54,13 @@ def run(a: argparse.Namespace) -> int:
     from kvc.runtime.models.loader import model_directory
     from kvc.runtime.models.method_inputs import save_input
 
-    name, manifest, params, _ = resolve(a.method, None)
+    from kvc.runtime.server.launch import parse_method_params
+
+    name, manifest, params, _ = resolve(a.method, parse_method_params(a.method_param) or None)
+    spec = manifest.get("kv_spec") or {}
+    low_rank = [spec[w] for w in ("keys", "values") if spec.get(w, {}).get("kind") == "low_rank"]
+    if low_rank:
+        return _low_rank(a, name, manifest, params, low_rank)
     inputs = {k: v for k, v in manifest.get("inputs", {}).items() if v["dims"] == ["layer", "kv_head"]}
     if len(inputs) != 1:
         raise ConfigError(f"method {name!r} has no single [layer, kv_head] input to calibrate", param="method")
@@ -86,4 +99,45 @@ def run(a: argparse.Namespace) -> int:
           f"mean {float(gate.mean()):.3f}; {cfg.steps} steps in {result.seconds:.0f} s "
           f"(sink {sink}, recent {recent} at {cfg.context} tokens)")
     del torch
+    return 0
+
+
+def _low_rank(a: argparse.Namespace, name: str, manifest: dict, params: dict, operands: list[dict]) -> int:
+    """Projections of a low-rank K/V spec from the model's weights, written as the method's inputs."""
+    import time
+
+    import torch
+
+    from kvc.runtime.calibrate.lowrank import projections
+    from kvc.runtime.kv.spec import LowRank
+    from kvc.runtime.compiled.method import CompiledMethod
+    from kvc.runtime.compiled.folder import resolve
+    from kvc.runtime.models.loader import load_model, model_directory
+    from kvc.runtime.models.method_inputs import save_inputs
+
+    model_dir = model_directory(a.model)
+    if model_dir is None:
+        raise ConfigError("calibration needs a model directory (not a random: shape)", param="model")
+    start = time.perf_counter()
+    loaded = load_model(model_dir, "cpu", torch.float32)
+    mspec = loaded.spec
+    _, _, _, folder = resolve(a.method, params)
+    spec = CompiledMethod(name, manifest, params, folder).kv_spec(mspec.num_kv_heads, mspec.head_dim, torch.float32, 16)
+    tensors, files = {}, set()
+    for which, enc in (("k", spec.keys), ("v", spec.values)):
+        if not isinstance(enc, LowRank):
+            continue
+        rank = spec.tensor(enc.down).shape[-1]
+        basis = projections(loaded.model, enc.group, rank)[which]
+        tensors[enc.down] = tensors[enc.up] = basis
+        files |= {manifest["inputs"][enc.down]["file"], manifest["inputs"][enc.up]["file"]}
+    if len(files) != 1:
+        raise ConfigError(f"method {name!r}: its projections come from {len(files)} files; one is written at a time",
+                          param="method")
+    out = Path(a.out) if a.out else model_dir / files.pop()
+    meta = {"method": name, "model": str(model_dir), "params": json.dumps(params, sort_keys=True),
+            "seconds": f"{time.perf_counter() - start:.1f}"}
+    save_inputs(out, tensors, meta)
+    shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in sorted(tensors.items()))
+    print(f"wrote {out}: {shapes} (SVD of the K/V projection weights, {time.perf_counter() - start:.1f} s)")
     return 0
