@@ -197,6 +197,9 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}
         self.pruner = Pruner(self.chains, self.runner.executor, layout.layers)
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
+        if self.auto_prune is not None and kv_spec.prerope:
+            raise ConfigError(f"--auto-prune: method {self.method.name!r} stores keys before RoPE, each read at its "
+                              "slot's position; its chains cannot drop tokens", param="auto_prune")
         self._scorers: dict[str, Scorer] = {}
         self.runner.chain_window = self._chain_window()
         # Async scheduling (`step`): on by default on a GPU, decode-time eviction included (its
@@ -346,6 +349,7 @@ class Engine:
         """Prunes an idle chain's history (runtime/chain_prune.py); its report as a dict. Raises the
         chain errors, InvalidPrune for a request that names nothing prunable."""
         record = self.chains.get(chain_id, owner)
+        self.pruner.check_prunable()
         report = self.pruner.prune(record, request, self._scorer(request))
         return {"id": chain_id, **report.as_dict()}
 
