@@ -44,6 +44,7 @@ from kvc.runtime.grammar_book import GrammarBook
 from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.rows import RowPool
+from kvc.runtime.kv.spec import LowRank
 from kvc.runtime.method_api import Hook, KVMethod
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.model_runner import ModelRunner
@@ -120,12 +121,12 @@ class Engine:
         if kv_spec.prerope and (self.method.compacts or self.method.rewrites or kv_spec.head_starts):
             raise ConfigError(f"method {self.method.name!r} stores keys before RoPE, each read at its slot's position; "
                               "it cannot also move or drop stored tokens (keeps, rewrites)", param="method")
+        if kv_spec.low_rank and not all(isinstance(e, LowRank) for e in (kv_spec.keys, kv_spec.values)):
+            raise ConfigError(f"method {self.method.name!r}: a low-rank operand needs the other one low-rank too (the "
+                              "lowrank kernels read both)", param="method")
         backend = config.attention_backend
-        if backend == "auto":  # the generated Triton kernels read dense, quantized and FP8 K/V, not low-rank latents
-            backend = "triton" if self.device.type == "cuda" and not kv_spec.low_rank else "torch"
-        if backend == "triton" and kv_spec.low_rank:
-            raise ConfigError(f"method {self.method.name!r} stores K/V as low-rank latents, which the Triton kernels "
-                              "do not read yet: use attention_backend='torch' (or 'auto')", param="attention_backend")
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
         if backend == "triton":  # this GPU's `kvc tune` configs (runtime/tuning/); one log line
             load_tuned_configs(self.device)
         self.attention = PagedAttention.allocate(

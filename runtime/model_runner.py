@@ -153,7 +153,8 @@ class ModelRunner:
         # the attention kernels, chosen by the spec (dense or encoded K/V), the decode statistics the
         # method reads, and whether its decode hook gives read plans
         attention.use_variant(variant_for_spec(self.store.spec.dense, self.method.attention.decode_stats is not None,
-                                               Hook.DECODE_BEFORE_ATTENTION in self.method.hooks))
+                                               Hook.DECODE_BEFORE_ATTENTION in self.method.hooks,
+                                               self.store.spec.low_rank))
         self.executor = KVExecutor(self.store, pool, "triton" if attention.backend == "triton" else "auto",
                                    restore=attention.store_fresh)
         self.hooks = StepHooks(self.method, self.store, self.executor, self.tables, pool, self.num_layers)

@@ -10,7 +10,6 @@
 #   methods/fp8.kvm
 #   methods/kivi.kvm
 #   methods/omnikv.kvm
-#   methods/palu.kvm
 #   methods/quest.kvm
 #   methods/retroinfer.kvm
 #   methods/turboquant.kvm

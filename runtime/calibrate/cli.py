@@ -41,6 +41,8 @@ def add_command(sub) -> None:
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--l1", type=float, default=0.05, help="weight of the gates' L1 norm in the loss")
     p.add_argument("--seed", type=int, default=1000)
+    p.add_argument("--device", default="cpu", help="where a low-rank method's SVDs run (cpu: float32 weights; a GPU: "
+                   "bfloat16, for models larger than host memory)")
     p.add_argument("--float32", action="store_true", help="no bfloat16 autocast")
     p.set_defaults(func=run)
 
@@ -112,14 +114,17 @@ def _low_rank(a: argparse.Namespace, name: str, manifest: dict, params: dict, op
     from kvc.runtime.kv.spec import LowRank
     from kvc.runtime.compiled.method import CompiledMethod
     from kvc.runtime.compiled.folder import resolve
-    from kvc.runtime.models.loader import load_model, model_directory
+    from kvc.runtime.models.loader import load_model, model_directory, resolve_model
     from kvc.runtime.models.method_inputs import save_inputs
 
     model_dir = model_directory(a.model)
-    if model_dir is None:
-        raise ConfigError("calibration needs a model directory (not a random: shape)", param="model")
+    if model_dir is None and not a.out:  # a random: shape (benchmarks): its seeded weights, written where --out says
+        raise ConfigError("a random: model has no directory to write the projections into: give --out",
+                          param="out")
     start = time.perf_counter()
-    loaded = load_model(model_dir, "cpu", torch.float32)
+    dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
+    loaded = load_model(model_dir, a.device, dtype) if model_dir is not None else resolve_model(a.model, a.device,
+                                                                                                  dtype)
     mspec = loaded.spec
     _, _, _, folder = resolve(a.method, params)
     spec = CompiledMethod(name, manifest, params, folder).kv_spec(mspec.num_kv_heads, mspec.head_dim, torch.float32, 16)
@@ -135,7 +140,7 @@ def _low_rank(a: argparse.Namespace, name: str, manifest: dict, params: dict, op
         raise ConfigError(f"method {name!r}: its projections come from {len(files)} files; one is written at a time",
                           param="method")
     out = Path(a.out) if a.out else model_dir / files.pop()
-    meta = {"method": name, "model": str(model_dir), "params": json.dumps(params, sort_keys=True),
+    meta = {"method": name, "model": str(model_dir or a.model), "params": json.dumps(params, sort_keys=True),
             "seconds": f"{time.perf_counter() - start:.1f}"}
     save_inputs(out, tensors, meta)
     shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in sorted(tensors.items()))

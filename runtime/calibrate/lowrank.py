@@ -23,12 +23,12 @@ def group_basis(rows: torch.Tensor, num_kv_heads: int, group: int, rank: int) ->
     dim = rows.shape[0] // num_kv_heads
     out = []
     for start in range(0, num_kv_heads, group):
-        block = rows[start * dim:(start + group) * dim].double()
+        block = rows[start * dim:(start + group) * dim].double()  # on the weights' device
         u = torch.linalg.svd(block, full_matrices=False)[0]  # [g D, min(g D, n)]
         if u.shape[1] < rank:
             raise ValueError(f"rank {rank} exceeds the {u.shape[1]} directions of a group of {group} heads")
         out.append(u[:, :rank].reshape(group, dim, rank))
-    return torch.cat(out).float()
+    return torch.cat(out).float().cpu()
 
 
 def projections(model, group: int, rank: int) -> dict[str, torch.Tensor]:
