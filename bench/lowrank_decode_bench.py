@@ -97,8 +97,6 @@ def main() -> None:
                         continue
                     show({"piece": "sweep", "method": name, "batch": batch, "context": context, **knobs, "ms": ms,
                           "of_copy": held / ms / 1e6 / copy_bw, "vs_dense": times[None] / ms})
-            del att
-            torch.cuda.empty_cache() if device.type == "cuda" else None
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
