@@ -31,6 +31,7 @@ from kvc.runtime.attention.sources import LowRankPages
 from kvc.runtime.kv import lowrank
 
 SPLIT_TOKENS = 512  # decode: the fewest tokens a split reads
+SHARED_BYTES = 200 * 1024  # decode: shared memory a launch may plan for (the H100/H200 have 227 KB a block)
 
 
 def _operands(*sources) -> None:
@@ -75,7 +76,7 @@ def _decode_split_kernel(
     scale_log2, num_splits,
     QUERY_GROUP: tl.constexpr, GROUP: tl.constexpr, SHARE: tl.constexpr, RANK: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = tl.load(lens_ptr + seq)
@@ -109,17 +110,17 @@ def _decode_split_kernel(
         rows = pages.to(tl.int64) * stride_lp + (tokens % PAGE_SIZE) * stride_ls
         tile_mask = token_mask[:, None] & rank_mask[None, :]
         latent = tl.load(k_ptr + rows[:, None] + columns[None, :], mask=tile_mask, other=0.0)
-        keys = tl.dot(latent, k_up)  # [BLOCK_N, D] float32
+        keys = tl.dot(latent, k_up, input_precision=PRECISION)  # [BLOCK_N, D] float32
         if ROPE:
             angles = tokens.to(tl.float32)[:, None] * freq[None, :]
-            keys = keys * tl.cos(angles) + tl.dot(latent, k_up_half) * tl.sin(angles)
-        qk = tl.dot(q, tl.trans(keys.to(q.dtype))) * scale_log2
+            keys = keys * tl.cos(angles) + tl.dot(latent, k_up_half, input_precision=PRECISION) * tl.sin(angles)
+        qk = tl.dot(q, tl.trans(keys.to(q.dtype)), input_precision=PRECISION) * scale_log2
         qk = tl.where(token_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         values = tl.load(v_ptr + rows[:, None] + columns[None, :], mask=tile_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+        acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     out_heads = kv_head * QUERY_GROUP + heads
@@ -135,6 +136,16 @@ def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, device: t
     SPLIT_TOKENS tokens each."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return max(1, min(triton.cdiv(max_context_len, SPLIT_TOKENS), triton.cdiv(2 * sms, batch * num_kv_heads)))
+
+
+def decode_tiles(rank: int, head_dim: int, element: int) -> tuple[int, int]:
+    """(block_n, num_stages) of a decode launch: the largest whose shared memory fits SHARED_BYTES
+    (the key up projection and its rotate-half copy, [R, D] each, plus K and V latent tiles [N, R] per
+    pipeline stage)."""
+    for block_n, stages in ((64, 2), (32, 2), (64, 1), (32, 1)):
+        if element * (2 * rank * head_dim + 2 * stages * block_n * rank) <= SHARED_BYTES:
+            return block_n, stages
+    return 16, 1
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=None, out=None,
@@ -166,6 +177,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
     lsum = torch.empty_like(m)
     k_up = k_cache.up
     rope = k_cache.rope
+    block_r = max(16, triton.next_power_of_2(rank))
+    tile_n, stages = decode_tiles(block_r, head_dim, k_cache.latent.element_size())
     latent = k_cache.latent
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, latent, v_cache.latent, k_up, rope if rope is not None else k_up, block_tables, context_lens, acc, m, lsum,
@@ -173,9 +186,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
         k_up.stride(0), k_up.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         scale * 1.4426950408889634, splits,
         QUERY_GROUP=query_group, GROUP=group, SHARE=share, RANK=rank, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        ROPE=rope is not None, BLOCK_H=max(16, triton.next_power_of_2(query_group)),
-        BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_N=block_n or 64, num_warps=num_warps or 4,
-        num_stages=num_stages or 2,
+        ROPE=rope is not None, BLOCK_H=max(16, triton.next_power_of_2(query_group)), BLOCK_R=block_r,
+        BLOCK_N=block_n or tile_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps or 4, num_stages=num_stages or stages,
     )
     # merge the splits in the latent, then one GEMM through each KV head's value up projection
     top = m.amax(dim=-1, keepdim=True)

@@ -49,7 +49,7 @@ def hf(model_dir: Path):
 def calibrated(model_dir: Path, out: Path, **params) -> Path:
     """`kvc calibrate palu --model DIR --out OUT/palu.safetensors --method-param k=v ...`: the folder."""
     args = argparse.Namespace(method="palu", model=str(model_dir), out=str(out / "palu.safetensors"),
-                              method_param=[f"{k}={v}" for k, v in params.items()])
+                              method_param=[f"{k}={v}" for k, v in params.items()], device="cpu")
     assert calibrate(args) == 0
     return out
 
