@@ -12,8 +12,8 @@ and up projections, keys stored before RoPE. runtime/kv/lowrank.py is the arithm
 - `store_kv`: the new rows projected to their group's latent (keys rotated back from their
   position first) and written at their slots; device ops only, no host read (CUDA-graph safe).
 - `paged_decode`: one Triton program per (sequence, KV head, split) reads its group's latent
-  tiles once, rebuilds the head's keys in registers (`latent @ up^T`, then RoPE at the slots'
-  positions from the model's frequencies) and attends; values stay in the latent: the program
+  tiles once, rebuilds the head's keys in registers (`latent @ up^T`, as two halves, then RoPE at
+  the slots' positions from the model's frequencies) and attends; values stay in the latent: the program
   accumulates `p @ latent_v`, and after the splits are merged one GEMM applies the value up
   projection (absorbed: no value is ever rebuilt per token). No dense copy of the cache.
 - `paged_prefill`: the decompressed form. The chunk's sequences' stored tokens of this layer are
@@ -76,8 +76,12 @@ def _decode_split_kernel(
     scale_log2, num_splits,
     QUERY_GROUP: tl.constexpr, GROUP: tl.constexpr, SHARE: tl.constexpr, RANK: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
+    # Keys are rebuilt as their two halves, x1 = L up[:D/2]^T and x2 = L up[D/2:]^T: RoPE's rotate-half
+    # pairs are then (x1 cos - x2 sin, x2 cos + x1 sin), and q . k = q1 . k1 + q2 . k2, with no permute
+    # and no second product for the rotated copy.
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = tl.load(lens_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(context, num_splits), BLOCK_N) * BLOCK_N
@@ -85,21 +89,23 @@ def _decode_split_kernel(
     last = tl.minimum(context, first + per_split)
     heads = tl.arange(0, BLOCK_H)
     head_mask = heads < QUERY_GROUP
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq * stride_qb + (kv_head * QUERY_GROUP + heads)[:, None] * stride_qh + dims[None, :],
-                mask=head_mask[:, None], other=0.0)
-    # the group's latent column r is member r // SHARE's channel r % SHARE; up^T [R, D] of this head
+    half: tl.constexpr = HEAD_DIM // 2
+    dims = tl.arange(0, BLOCK_HALF)
+    dim_mask = dims < half
+    q_rows = q_ptr + seq * stride_qb + (kv_head * QUERY_GROUP + heads)[:, None] * stride_qh
+    q_mask = head_mask[:, None] & dim_mask[None, :]
+    q1 = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
+    q2 = tl.load(q_rows + half + dims[None, :], mask=q_mask, other=0.0)
+    # the group's latent column r is member r // SHARE's channel r % SHARE; up^T [R, D/2] halves of this head
     ranks = tl.arange(0, BLOCK_R)
     rank_mask = ranks < RANK
     columns = (kv_head // GROUP * GROUP + ranks // SHARE) * stride_lh + ranks % SHARE
-    up = k_up_ptr + kv_head * stride_uh + ranks[:, None]
-    k_up = tl.load(up + dims[None, :] * stride_ud, mask=rank_mask[:, None], other=0.0)
-    if ROPE:  # rotate_half(x)[d] = -x[d + D/2] (d < D/2), x[d - D/2]: the same gather of up's columns
-        half = HEAD_DIM // 2
-        sign = tl.where(dims < half, -1.0, 1.0)
-        k_up_half = tl.load(up + ((dims + half) % HEAD_DIM)[None, :] * stride_ud, mask=rank_mask[:, None], other=0.0)
-        k_up_half = (k_up_half * sign[None, :]).to(k_up.dtype)
-        freq = tl.load(freq_ptr + dims % half)
+    up = k_up_ptr + kv_head * stride_uh + ranks[:, None] + dims[None, :] * stride_ud
+    up_mask = rank_mask[:, None] & dim_mask[None, :]
+    up1 = tl.load(up, mask=up_mask, other=0.0)
+    up2 = tl.load(up + half * stride_ud, mask=up_mask, other=0.0)
+    if ROPE:
+        freq = tl.load(freq_ptr + dims, mask=dim_mask, other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
@@ -110,11 +116,14 @@ def _decode_split_kernel(
         rows = pages.to(tl.int64) * stride_lp + (tokens % PAGE_SIZE) * stride_ls
         tile_mask = token_mask[:, None] & rank_mask[None, :]
         latent = tl.load(k_ptr + rows[:, None] + columns[None, :], mask=tile_mask, other=0.0)
-        keys = tl.dot(latent, k_up, input_precision=PRECISION)  # [BLOCK_N, D] float32
+        x1 = tl.dot(latent, up1, input_precision=PRECISION)  # [BLOCK_N, D/2] float32
+        x2 = tl.dot(latent, up2, input_precision=PRECISION)
         if ROPE:
             angles = tokens.to(tl.float32)[:, None] * freq[None, :]
-            keys = keys * tl.cos(angles) + tl.dot(latent, k_up_half, input_precision=PRECISION) * tl.sin(angles)
-        qk = tl.dot(q, tl.trans(keys.to(q.dtype)), input_precision=PRECISION) * scale_log2
+            cos, sin = tl.cos(angles), tl.sin(angles)
+            x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        qk = tl.dot(q1, tl.trans(x1.to(q1.dtype)), input_precision=PRECISION)
+        qk = (qk + tl.dot(q2, tl.trans(x2.to(q2.dtype)), input_precision=PRECISION)) * scale_log2
         qk = tl.where(token_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -140,10 +149,10 @@ def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, device: t
 
 def decode_tiles(rank: int, head_dim: int, element: int) -> tuple[int, int]:
     """(block_n, num_stages) of a decode launch: the largest whose shared memory fits SHARED_BYTES
-    (the key up projection and its rotate-half copy, [R, D] each, plus K and V latent tiles [N, R] per
-    pipeline stage)."""
+    (the key up projection's two halves, [R, D] in all, plus K and V latent tiles [N, R] per pipeline
+    stage)."""
     for block_n, stages in ((64, 2), (32, 2), (64, 1), (32, 1)):
-        if element * (2 * rank * head_dim + 2 * stages * block_n * rank) <= SHARED_BYTES:
+        if element * (rank * head_dim + 2 * stages * block_n * rank) <= SHARED_BYTES:
             return block_n, stages
     return 16, 1
 
@@ -187,8 +196,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
         scale * 1.4426950408889634, splits,
         QUERY_GROUP=query_group, GROUP=group, SHARE=share, RANK=rank, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         ROPE=rope is not None, BLOCK_H=max(16, triton.next_power_of_2(query_group)), BLOCK_R=block_r,
-        BLOCK_N=block_n or tile_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps or 4, num_stages=num_stages or stages,
+        BLOCK_N=block_n or tile_n, BLOCK_HALF=max(16, head_dim // 2),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps or 8,
+        num_stages=num_stages or stages,
     )
     # merge the splits in the latent, then one GEMM through each KV head's value up projection
     top = m.amax(dim=-1, keepdim=True)

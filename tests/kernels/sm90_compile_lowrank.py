@@ -20,9 +20,9 @@ def main() -> None:
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "k_up_ptr": "*bf16", "freq_ptr": "*fp32",
                 "tables_ptr": "*i32", "lens_ptr": "*i32", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}
     for rope in (True, False):
-        build(mod._decode_split_kernel, dict(QUERY_GROUP=8, GROUP=4, SHARE=64, RANK=256, HEAD_DIM=128, PAGE_SIZE=16,
-                                             ROPE=rope, BLOCK_H=16, BLOCK_R=256, BLOCK_N=32, PRECISION="tf32"),
-              pointers)
+        consts = dict(QUERY_GROUP=8, GROUP=4, SHARE=64, RANK=256, HEAD_DIM=128, PAGE_SIZE=16, ROPE=rope, BLOCK_H=16,
+                      BLOCK_R=256, BLOCK_N=64, BLOCK_HALF=64, PRECISION="tf32")
+        build(mod._decode_split_kernel, consts, pointers)
     print("lowrank decode kernel compiled for sm90")
 
 
