@@ -22,6 +22,7 @@ from pathlib import Path
 from kvc.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
+DOCS = Path(__file__).resolve().parents[2] / "docs"  # the default calibration text (a source checkout's)
 
 
 def add_command(sub) -> None:
@@ -31,16 +32,23 @@ def add_command(sub) -> None:
                    help="a method parameter the inputs depend on (a low-rank ratio), repeatable")
     p.add_argument("--model", default=None, help="model directory, gguf:FILE (default: the embedded model)")
     p.add_argument("--out", default=None, help="the safetensors file to write (default: in the model directory)")
-    p.add_argument("--context", type=int, default=1024, help="tokens per synthetic passkey context")
+    p.add_argument("--context", type=int, default=1024, help="tokens per calibration context (gates: synthetic "
+                   "passkey contexts; low-rank: sequences of the calibration text)")
     p.add_argument("--target-context", type=int, default=4096,
                    help="the context the method's sink and recent are meant for (they are scaled to --context)")
     p.add_argument("--sink", type=int, default=None, help="streaming sinks at --context (default: scaled)")
     p.add_argument("--recent", type=int, default=None, help="streaming window at --context (default: scaled)")
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--samples", type=int, default=8, help="distinct contexts, cycled over the steps")
+    p.add_argument("--samples", type=int, default=8, help="distinct contexts (gates: cycled over the steps)")
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--l1", type=float, default=0.05, help="weight of the gates' L1 norm in the loss")
     p.add_argument("--seed", type=int, default=1000)
+    p.add_argument("--decompose", choices=["whiten", "svd"], default="whiten",
+                   help="low-rank projections: of keys and values over calibration text (whiten, Palu's default), "
+                   "or of the projection weights alone (svd)")
+    p.add_argument("--calibration", nargs="+", metavar="FILE",
+                   help="text files a whitened decomposition reads (default: kvc's docs/*.md); --samples "
+                   "sequences of --context tokens")
     p.add_argument("--device", default="cpu", help="where a low-rank method's SVDs run (cpu: float32 weights; a GPU: "
                    "bfloat16, for models larger than host memory)")
     p.add_argument("--float32", action="store_true", help="no bfloat16 autocast")
@@ -105,15 +113,16 @@ def run(a: argparse.Namespace) -> int:
 
 
 def _low_rank(a: argparse.Namespace, name: str, manifest: dict, params: dict, operands: list[dict]) -> int:
-    """Projections of a low-rank K/V spec from the model's weights, written as the method's inputs."""
+    """Projections of a low-rank K/V spec (lowrank.py: whitened by calibration text, or of the
+    weights alone), written as the method's inputs."""
     import time
 
     import torch
 
-    from kvc.runtime.calibrate.lowrank import projections
-    from kvc.runtime.kv.spec import LowRank
-    from kvc.runtime.compiled.method import CompiledMethod
+    from kvc.runtime.calibrate import lowrank
     from kvc.runtime.compiled.folder import resolve
+    from kvc.runtime.compiled.method import CompiledMethod
+    from kvc.runtime.kv.spec import LowRank
     from kvc.runtime.models.loader import load_model, model_directory, resolve_model
     from kvc.runtime.models.method_inputs import save_inputs
 
@@ -128,12 +137,21 @@ def _low_rank(a: argparse.Namespace, name: str, manifest: dict, params: dict, op
     mspec = loaded.spec
     _, _, _, folder = resolve(a.method, params)
     spec = CompiledMethod(name, manifest, params, folder).kv_spec(mspec.num_kv_heads, mspec.head_dim, torch.float32, 16)
+    if a.decompose == "whiten":
+        batches, source = _calibration_ids(a, model_dir, mspec.vocab_size, loaded.model.embed_tokens.weight.device)
+        moments = lowrank.covariances(loaded.model, batches)
+        how = f"whitened by {sum(len(b) for b in batches)} tokens of {source}"
+    else:
+        how = "SVD of the K/V projection weights"
     tensors, files = {}, set()
     for which, enc in (("k", spec.keys), ("v", spec.values)):
         if not isinstance(enc, LowRank):
             continue
         rank = spec.tensor(enc.down).shape[-1]
-        basis = projections(loaded.model, enc.group, rank)[which]
+        if a.decompose == "whiten":
+            basis = lowrank.whitened(moments[which], mspec.num_kv_heads, enc.group, rank)
+        else:
+            basis = lowrank.weight_projections(loaded.model, enc.group, rank)[which]
         tensors[enc.down] = tensors[enc.up] = basis
         files |= {manifest["inputs"][enc.down]["file"], manifest["inputs"][enc.up]["file"]}
     if len(files) != 1:
@@ -141,8 +159,36 @@ def _low_rank(a: argparse.Namespace, name: str, manifest: dict, params: dict, op
                           param="method")
     out = Path(a.out) if a.out else model_dir / files.pop()
     meta = {"method": name, "model": str(model_dir or a.model), "params": json.dumps(params, sort_keys=True),
-            "seconds": f"{time.perf_counter() - start:.1f}"}
+            "decompose": how, "seconds": f"{time.perf_counter() - start:.1f}"}
     save_inputs(out, tensors, meta)
     shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in sorted(tensors.items()))
-    print(f"wrote {out}: {shapes} (SVD of the K/V projection weights, {time.perf_counter() - start:.1f} s)")
+    print(f"wrote {out}: {shapes} ({how}, {time.perf_counter() - start:.1f} s)")
     return 0
+
+
+def _calibration_ids(a: argparse.Namespace, model_dir: Path | None, vocab: int, device) -> tuple[list, str]:
+    """`--samples` sequences of `--context` token ids: the calibration text files tokenized end to end
+    (default: kvc's docs/*.md), or seeded random ids for a model without a tokenizer (random: shapes)."""
+    import torch
+
+    from kvc.runtime.tokenizer import load_tokenizer
+
+    tokenizer = None if model_dir is None else load_tokenizer(model_dir)
+    if tokenizer is None:
+        gen = torch.Generator().manual_seed(a.seed)
+        ids = torch.randint(0, vocab, (a.samples * a.context,), generator=gen)
+        source = "random ids (the model has no tokenizer)"
+    else:
+        files = [Path(f) for f in a.calibration] if a.calibration else sorted(DOCS.glob("*.md"))
+        missing = [str(f) for f in files if not f.is_file()]
+        if not files or missing:
+            raise ConfigError(f"calibration text not found: {', '.join(missing) or DOCS}; give --calibration FILE...",
+                              param="calibration")
+        text = "\n\n".join(f.read_text() for f in files)
+        ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False))
+        source = f"{len(files)} calibration file(s)"
+        if ids.numel() < a.context:
+            raise ConfigError(f"the calibration text has {ids.numel()} tokens, fewer than --context {a.context}",
+                              param="calibration")
+    count = min(a.samples, ids.numel() // a.context)
+    return [ids[i * a.context:(i + 1) * a.context].to(device) for i in range(count)], source

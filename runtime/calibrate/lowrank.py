@@ -1,15 +1,21 @@
-"""Low-rank projections of K and V (a `LowRank` store, runtime/kv/spec.py) from the model's weights.
+"""Low-rank projections of K and V (a `LowRank` store, runtime/kv/spec.py) for a model.
 
-For a group G of KV heads, the keys the cache sees are `k_G = M_G x` (x the layer's normed hidden
-state), with `M_G` the K projection's rows of those heads, each head's rows scaled by its k-norm
-weight where the model has one (a per-head RMSNorm before RoPE), and the bias, where there is
-one, as one more column. The best rank-r subspace of everything `M_G` can produce is spanned by its
-first r left singular vectors `U_r` [g D, r] (Eckart-Young), so the projection stores
-`latent = k_G @ U_r` and reads `k_G ~ latent @ U_r^T`: down = up = U_r, split into each head's D
-rows. Values likewise, with V's rows (no norm). Palu's group-head decomposition (G-LRD) at a uniform
-rank; its Fisher-information rank allocation is not done. A k-norm divides each head by its own RMS,
-so with several heads per group the subspace is exact for each head's direction only up to that
-per-head scale (exact for groups of one head). docs/design.md, "Low-rank K/V".
+Two decompositions, Palu's (its `--decompose_method`): for each layer and group G of g KV heads,
+the projection keeps the first r directions of
+
+- `whiten` (the default): the keys the cache stores (before RoPE) and the values, over calibration
+  text: the top-r eigenvectors of `K_G^T K_G` [g D, g D] (the second moment of the group's rows,
+  accumulated in float64). Since `K_G = X W_G^T`, this is the SVD of the projection weights
+  whitened by the inputs' second moment (SVD-LLM's data-aware decomposition, which Palu uses): the
+  best rank-r projection of the keys and values the model really produces;
+- `svd`: the K (V) projection's weight rows of the group, each head's rows times its k-norm weight
+  where the model has one, the bias as one more column: their first r left singular vectors `U_r`
+  (Eckart-Young over every input direction alike). With a k-norm each head is divided by its own
+  RMS, so for groups of several heads this subspace is exact only up to those per-head scales.
+
+Both give an orthonormal basis U [g D, r], used as down and as up: latent = x_G @ U, x_G ~ latent
+@ U^T. Ranks are uniform across layers: Palu's Fisher-information rank allocation is not done.
+docs/design.md, "Calibrating low-rank projections".
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ def group_basis(rows: torch.Tensor, num_kv_heads: int, group: int, rank: int) ->
     return torch.cat(out).float().cpu()
 
 
-def projections(model, group: int, rank: int) -> dict[str, torch.Tensor]:
+def weight_projections(model, group: int, rank: int) -> dict[str, torch.Tensor]:
     """{"k": ..., "v": ...}, each [layers, Hkv, D, rank]: the orthonormal basis per group that is both
     the operand's down and up projection, from a kvc model's attention weights (runtime/models/layers.py,
     `Attention`)."""
@@ -50,3 +56,47 @@ def projections(model, group: int, rank: int) -> dict[str, torch.Tensor]:
         keys.append(group_basis(k_rows, attn.num_kv_heads, group, rank))
         values.append(group_basis(v_rows, attn.num_kv_heads, group, rank))
     return {"k": torch.stack(keys), "v": torch.stack(values)}
+
+
+def covariances(model, batches: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """{"k": [...], "v": [...]}: per layer, the float64 second moment [Hkv D, Hkv D] of the keys the
+    cache stores (rotated back to position 0) and of the values, over `batches` of token ids (each
+    one sequence from position 0), with plain causal attention in between."""
+    from kvc.runtime.kv.lowrank import rope
+
+    inv_freq = model.rotary.inv_freq
+    moments: dict[str, list] = {"k": [], "v": []}
+
+    def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(k.shape[0], device=k.device)
+        pre = rope(k.transpose(0, 1), positions, inv_freq, inverse=True).transpose(0, 1)  # [T, Hkv, D]
+        for name, x in (("k", pre), ("v", v)):
+            flat = x.reshape(x.shape[0], -1).double()
+            if len(moments[name]) <= layer:
+                moments[name].append(torch.zeros(flat.shape[1], flat.shape[1], dtype=torch.float64, device=x.device))
+            moments[name][layer] += flat.T @ flat
+        group = q.shape[1] // k.shape[1]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.repeat_interleave(group, 1).transpose(0, 1)[None],
+            v.repeat_interleave(group, 1).transpose(0, 1)[None], is_causal=True)
+        return out[0].transpose(0, 1).contiguous()
+
+    with torch.no_grad():
+        for ids in batches:
+            model(ids, torch.arange(ids.shape[0], device=ids.device), attn)
+    return moments
+
+
+def whitened(moments: list[torch.Tensor], num_kv_heads: int, group: int, rank: int) -> torch.Tensor:
+    """[layers, Hkv, D, rank] float32: per layer and group, the top-`rank` eigenvectors of the group's
+    block of the second moment, in its heads' rows."""
+    out = []
+    for moment in moments:
+        dim = moment.shape[0] // num_kv_heads
+        heads = []
+        for start in range(0, num_kv_heads, group):
+            block = moment[start * dim:(start + group) * dim, start * dim:(start + group) * dim]
+            values, vectors = torch.linalg.eigh(block)  # ascending
+            heads.append(vectors[:, values.argsort(descending=True)[:rank]].reshape(group, dim, rank))
+        out.append(torch.cat(heads))
+    return torch.stack(out).float().cpu()

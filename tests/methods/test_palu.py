@@ -46,10 +46,12 @@ def hf(model_dir: Path):
     return load_hf(model_dir)
 
 
-def calibrated(model_dir: Path, out: Path, **params) -> Path:
-    """`kvc calibrate palu --model DIR --out OUT/palu.safetensors --method-param k=v ...`: the folder."""
+def calibrated(model_dir: Path, out: Path, decompose: str = "svd", **params) -> Path:
+    """`kvc calibrate palu --model DIR --out OUT/palu.safetensors --decompose D --method-param k=v ...`:
+    the folder (`svd` by default: the reference's projections)."""
     args = argparse.Namespace(method="palu", model=str(model_dir), out=str(out / "palu.safetensors"),
-                              method_param=[f"{k}={v}" for k, v in params.items()], device="cpu")
+                              method_param=[f"{k}={v}" for k, v in params.items()], device="cpu",
+                              decompose=decompose, calibration=None, samples=3, context=24, seed=5)
     assert calibrate(args) == 0
     return out
 
@@ -91,6 +93,28 @@ def test_the_projections_span_the_reference_subspaces(model_dir, hf, inputs) -> 
                 torch.testing.assert_close(u.T @ u, torch.eye(16, dtype=torch.float64), atol=1e-5, rtol=0)
                 w = torch.from_numpy(want[layer][name][g])
                 torch.testing.assert_close(u @ u.T, w @ w.T, atol=1e-5, rtol=0)
+
+
+def test_the_whitened_projections_are_the_keys_principal_directions(model_dir, hf, tmp_path) -> None:
+    """`--decompose whiten` (the default): per layer and group, the top eigenvectors of the second
+    moment of the keys the cache stores (before RoPE) and of the values, over the calibration ids
+    (random here: the tiny model has no tokenizer); the reference computes the moments from the HF
+    model's own keys over the same ids."""
+    folder = calibrated(model_dir, tmp_path, "whiten", ratio=0.5, heads_per_group=2)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, hf.config.vocab_size, (3 * 24,), generator=gen).view(3, 24).tolist()
+    want = ref.whitened_bases(hf, ids, 2, 16)
+    for name in ("k", "v"):
+        got = load_input(folder / "palu.safetensors", f"{name}_down")
+        for layer in range(2):
+            for g in range(2):
+                u = got[layer, 2 * g:2 * g + 2].reshape(2 * HEAD_DIM, 16).double()
+                w = torch.from_numpy(want[layer][name][g])
+                torch.testing.assert_close(u @ u.T, w @ w.T, atol=1e-4, rtol=0)
+    weights = load_input(calibrated(model_dir, tmp_path / "svd", ratio=0.5, heads_per_group=2) / "palu.safetensors",
+                         "k_down")
+    assert (weights[0, :2].reshape(32, 16) @ weights[0, :2].reshape(32, 16).T
+            - got[0, :2].reshape(32, 16) @ got[0, :2].reshape(32, 16).T).abs().max() > 1e-2  # another subspace
 
 
 def test_keys_round_trip_through_rope_at_full_rank() -> None:

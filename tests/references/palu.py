@@ -3,9 +3,11 @@
 Written from the method's definition (methods/palu.kvm, runtime/kv/spec.py `LowRank`), with no kvc
 code: numpy SVD for the projections, its own RoPE, a Hugging Face model for everything else.
 
-- Projections: for each layer and group of g consecutive KV heads, the first r left singular
-  vectors U [g D, r] of the group's K projection rows (each head's rows times its k-norm weight,
-  where the model has one) and of its V rows; down = up = U.
+- Projections (`bases`, `--decompose svd`): for each layer and group of g consecutive KV heads, the
+  first r left singular vectors U [g D, r] of the group's K projection rows (each head's rows times
+  its k-norm weight, where the model has one) and of its V rows; down = up = U. `whitened_bases`
+  (`--decompose whiten`): the top r eigenvectors of the group's second moment of its keys before
+  RoPE and of its values over calibration ids.
 - Cache: a token's keys before RoPE (the model's post-RoPE keys rotated back by its position) and
   its values, each group's rows concatenated and projected: latent = x_G @ U. Read back as
   latent @ U^T, keys then rotated to their position.
@@ -44,6 +46,40 @@ def bases(model: PreTrainedModel, group: int, rank: int) -> list[dict[str, np.nd
         for name, rows in (("k", k), ("v", v)):
             blocks = rows.reshape(-1, group * dim, rows.shape[1])
             per[name] = np.stack([np.linalg.svd(b, full_matrices=False)[0][:, :rank] for b in blocks])
+        out.append(per)
+    return out
+
+
+def whitened_bases(model: PreTrainedModel, batches: list[list[int]], group: int,
+                   rank: int) -> list[dict[str, np.ndarray]]:
+    """Per layer, {"k": U [groups, g D, r], "v": ...}: the top-r eigenvectors of each group's second
+    moment of the keys before RoPE (the model's keys rotated back by their positions) and of the
+    values, over `batches` of ids (each from position 0)."""
+    moments: dict = {}
+    inv_freq = model.model.rotary_emb.inv_freq.detach().float()
+
+    def record(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        layer, n = module.layer_idx, key.shape[2]
+        pre = rope(key[0].float(), torch.arange(n), inv_freq, sign=-1.0)  # [Hkv, n, D]
+        for name, x in (("k", pre), ("v", value[0].float())):
+            flat = x.permute(1, 0, 2).reshape(n, -1).double().numpy()
+            moments[layer, name] = moments.get((layer, name), 0) + flat.T @ flat
+        return harness.causal_attention(query, key[0].float(), value[0].float(), scaling), None
+
+    AttentionInterface.register(NAME + "_moments", record)
+    for ids in batches:
+        harness.forward(model, NAME + "_moments", ids, 0)
+    out = []
+    for layer in range(len(model.model.layers)):
+        per = {}
+        for name in ("k", "v"):
+            m = moments[layer, name]
+            blocks = []
+            for start in range(0, m.shape[0], group * (m.shape[0] // model.config.num_key_value_heads)):
+                size = group * (m.shape[0] // model.config.num_key_value_heads)
+                values, vectors = np.linalg.eigh(m[start:start + size, start:start + size])
+                blocks.append(vectors[:, np.argsort(-values)[:rank]])
+            per[name] = np.stack(blocks)
         out.append(per)
     return out
 
