@@ -8,7 +8,8 @@ its method through `locate(variant)`.
 
 A variant is the module template `paged_attention.py.jinja` (which includes one template per
 kernel family: `paged_store_kv`, `paged_decode`, `paged_prefill`) plus the code a variant template
-splices in at named points. `plain` splices nothing (every method that only reads the cache, `full`
+splices in at named points, or a module template of its own (`lowrank`: low-rank latents,
+paged_lowrank.py.jinja). `plain` splices nothing (every method that only reads the cache, `full`
 included); `decode_stats` (methods whose decode hook reads `attn`: H2O, TOVA) makes the decode
 kernels emit the attention statistics; `spec` is rendered `by_spec`: K and V each dense or
 quantized (codes, scales, zero points, residual windows), read-plan decode, quantizing store, and
@@ -65,9 +66,12 @@ class Variant:
     # caches over whole contexts, and the kernels exactly as they were before specs)
     by_spec: bool = False
     reads: tuple[str, ...] = ()  # templates the splices import
+    module: str = MODULE_TEMPLATE  # a whole module of its own (`lowrank`) instead of the families
 
     @property
     def templates(self) -> list[str]:
+        if self.module != MODULE_TEMPLATE:
+            return [self.module]
         return [MODULE_TEMPLATE, *FAMILY_TEMPLATES, *([SPEC_TEMPLATE] if self.by_spec else []),
                 *([self.splices] if self.splices else []), *self.reads]
 
@@ -77,34 +81,38 @@ VARIANTS = {
     "decode_stats": Variant("decode_stats", "paged_variant_decode_stats.py.jinja", True),
     "spec": Variant("spec", "paged_variant_spec.py.jinja", True, by_spec=True,
                     reads=("paged_variant_decode_stats.py.jinja",)),
+    "lowrank": Variant("lowrank", None, False, module="paged_lowrank.py.jinja"),
 }
 
 
-def variant_for(hook_facts: dict, dense: bool = True) -> str:
+def variant_for(hook_facts: dict, dense: bool = True, low_rank: bool = False) -> str:
     """The variant a method runs (`dense`: K and V stored as they are), from its hook facts (`compiler/hook_facts.py`):
     `spec` when a hook answers with read plans, the one emitting decode statistics when
     decode_after_attention reads `attn`, else `plain` (the engine picks by its KV spec:
     `variant_for_spec`)."""
     after = hook_facts.get("decode_after_attention") or {}
     reads = any(facts.get("reads") for facts in hook_facts.values())
-    return variant_for_spec(dense, bool(after.get("attention")), reads)
+    return variant_for_spec(dense, bool(after.get("attention")), reads, low_rank)
 
 
-def variant_for_spec(dense: bool, decode_stats: bool = False, read_plan: bool = False) -> str:
+def variant_for_spec(dense: bool, decode_stats: bool = False, read_plan: bool = False, low_rank: bool = False) -> str:
     """The variant that reads a KV spec's K/V: `dense` is `KVSpec.dense` (runtime/kv/spec.py: keys
     and values both `Dense`), `decode_stats` whether decode emits statistics, `read_plan` whether
     decode may take a ReadPlan. Dense K/V over whole contexts keep the kernels they always ran
     (`plain`, `decode_stats`); anything else runs `spec`, whose launches take the encodings (bits,
-    group, zero point, packing, residual window) as constexprs: one module for every encoding."""
+    group, zero point, packing, residual window) as constexprs: one module for every encoding;
+    low-rank latents (`low_rank`: K or V a `LowRank`) run `lowrank`, a module of its own."""
+    if low_rank:
+        return "lowrank"
     if dense and not read_plan:
         return "decode_stats" if decode_stats else "plain"
     return "spec"
 
 
-def manifest_entry(hook_facts: dict, dense: bool = True) -> dict:
+def manifest_entry(hook_facts: dict, dense: bool = True, low_rank: bool = False) -> dict:
     """manifest["attention"]: the variant, its module, and the statistics its decode emits (`dense`:
     the method's K and V are stored as they are)."""
-    name = variant_for(hook_facts, dense)
+    name = variant_for(hook_facts, dense, low_rank)
     after = hook_facts.get("decode_after_attention") or {}
     return {"variant": name, "module": f"{FOLDER}/{name}.py",
             "decode_stats": after.get("attention") if VARIANTS[name].emits_decode_stats else None}
@@ -155,7 +163,7 @@ def render_body(name: str) -> str:
     from kvc.compiler.codegen import _tidy
 
     variant = _variant(name)
-    text = _env().get_template(MODULE_TEMPLATE).render(
+    text = _env().get_template(variant.module).render(
         header="", variant=name, emits_decode_stats=variant.emits_decode_stats, by_spec=variant.by_spec,
         splice=_splicer(variant))
     return _tidy(text).lstrip("\n")

@@ -23,7 +23,7 @@ from kvc.dsl.symbolic import NotSymbolic, to_sympy
 from kvc.dsl.types import Scalar as ScalarType
 from kvc.dsl.types import Selection, Tensor
 
-LOWERED_FAMILIES = ("eviction", "full", "sparse", "quantization")
+LOWERED_FAMILIES = ("eviction", "full", "sparse", "quantization", "compression")
 
 
 class NotLowerable(Exception):
@@ -565,7 +565,7 @@ def build(checked, source: bytes | None = None) -> MethodIR:
     if method.family not in LOWERED_FAMILIES:
         raise NotLowerable(f"the {method.family} family is not lowered yet (eviction, sparse reads and "
                            "quantization lower so far)")
-    if method.family == "quantization":
+    if method.family in ("quantization", "compression"):
         _lowerable_stores(checked)
     builder = _Builder(checked)
     method.partitions = builder.partitions = builder.kmeans_partitions()
@@ -579,19 +579,24 @@ _QUANTIZERS = ("fp8", "quant", "lloyd_max")
 
 
 def _lowerable_stores(checked) -> None:
-    """A quantization method lowers when every `store` is one quantizer (`fp8`, `quant` or
-    `lloyd_max`), optionally after a `rotate`, and it has no hooks: the engine rotates where q, k and
-    v enter attention, its store quantizes (token by token, or a block at a time for groups over
-    tokens) and the attention kernels decode, from the KV spec alone."""
+    """A quantization or compression method lowers when every `store` is one quantizer (`fp8`,
+    `quant` or `lloyd_max`), optionally after a `rotate`, or one low-rank `project` of the whole
+    stream, and it has no hooks: the engine rotates where q, k and v enter attention, its store
+    quantizes (token by token, or a block at a time for groups over tokens) or projects, and
+    attention decodes, from the KV spec alone."""
     for decl in (d for d in checked.method.items if isinstance(d, ast.Store)):
         stages = [c.func.name for c in decl.codecs if isinstance(c, ast.Call)]
         body = stages[1:] if stages[:1] == ["rotate"] else stages
+        if body == ["project"] and decl.exempt is None:
+            continue
         if len(body) != 1 or body[0] not in _QUANTIZERS:
             raise NotLowerable(f"store {decl.target.name} as {' then '.join(stages)}: one quantizer (fp8, quant or "
-                               "lloyd_max), after at most one rotate, is lowered so far (QJL sketches, low-rank "
-                               "projections and learned compressors are not)", decl.pos)
+                               "lloyd_max), after at most one rotate, or one project of every token is lowered so far "
+                               "(QJL sketches, residuals against references and learned compressors are not)",
+                               decl.pos)
     if checked.hooks:
-        raise NotLowerable("a quantization method with hooks is not lowered yet", checked.hooks[0].pos)
+        raise NotLowerable(f"a {checked.method.header.family.name} method with hooks is not lowered yet",
+                           checked.hooks[0].pos)
 
 
 def _formula(expr: ast.Expr, lets) -> str:

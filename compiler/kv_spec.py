@@ -123,6 +123,22 @@ class Quantized:
 
 
 @dataclass(frozen=True)
+class LowRank:
+    """`project(down[layer], up[layer], group = g, prerope = p)`: a latent per group of KV heads."""
+
+    latent: str
+    down: str  # the LAYER tensors: the method's inputs of these names
+    up: str
+    group: object  # sympy: KV heads per group as written (the runtime takes its gcd with the model's)
+    share: object  # sympy: latent channels each KV head stores (rank / group)
+    prerope: bool = False
+
+    def to_json(self) -> dict:
+        return {"kind": "low_rank", "latent": self.latent, "down": self.down, "up": self.up,
+                "group": _text(self.group), "share": _text(self.share), "prerope": self.prerope}
+
+
+@dataclass(frozen=True)
 class Param:
     """A storage choice made by a parameter (its value is one of the enum's members)."""
 
@@ -154,8 +170,8 @@ class SummaryDesc:
 
 @dataclass
 class SpecDesc:
-    keys: Dense | Quantized | Unmapped
-    values: Dense | Quantized | Unmapped
+    keys: Dense | Quantized | LowRank | Unmapped
+    values: Dense | Quantized | LowRank | Unmapped
     tensors: list[TensorDesc] = field(default_factory=list)
     summaries: list[SummaryDesc] = field(default_factory=list)
     head_starts: bool = False
@@ -185,6 +201,7 @@ class _Deriver:
         self.params = set(checked.params)
         self.reasons: list[str] = []
         self.page_tokens = None  # pages of one group, where scales are per page (groups over tokens)
+        self.inputs = {d.name.name: d for d in checked.method.items if isinstance(d, ast.Input)}
 
     def unfit(self, node: ast.Node, message: str) -> None:
         pos = node.pos
@@ -218,6 +235,9 @@ class _Deriver:
             rotation = self.choice(codecs[0].args[0])  # the rotation's kind: the runtime's matrix of it
             codecs = codecs[1:]
         stages = [c.func.name for c in codecs]
+        if stages == ["project"] and decl.exempt is None:
+            mapped = self.project(which, codecs[0])
+            return (Unmapped(text), []) if mapped is None else mapped
         if stages in (["fp8"], ["lloyd_max"]):
             mapped = (self.fp8 if stages == ["fp8"] else self.lloyd_max)(which, decl, codecs[0])
             if mapped is None:
@@ -235,6 +255,42 @@ class _Deriver:
         mapped = self.quant(which, decl, codecs[0])
         return (Unmapped(text), []) if mapped is None else (dataclasses.replace(mapped[0], rotation=rotation),
                                                             mapped[1])
+
+    def project(self, which: str, call: ast.Call):
+        """`project(down[layer], up[layer], group = g, prerope = p)`: each KV head stores its share of
+        its group's latent (TOKEN [rank / g]); down and up are LAYER tensors [head_dim, rank] named
+        after the inputs they come from (runtime/kv/spec.py, `LowRank`)."""
+        fails = len(self.reasons)
+        names = []
+        for arg in call.args[:2]:
+            base = arg.value if isinstance(arg, ast.Subscript) else arg
+            decl = self.inputs.get(getattr(base, "id", None))
+            if decl is None or [d.name for d in decl.shape.dims][:2] != ["layer", "kv_head"]:
+                self.unfit(call, f"store {which}: projection `{source_of(arg)}` is not an input declared "
+                                 "[layer, kv_head, channel, LATENT] (indexed by layer)")
+                continue
+            names.append((base.id, decl))
+        group_expr = call.kwarg("group")
+        group = sp.Integer(1) if group_expr is None else self.scalar(group_expr, call, "the head group")
+        prerope = call.kwarg("prerope")
+        if len(self.reasons) > fails or group is None or len(names) != 2:
+            return None
+        latent_dim = [d.name for d in names[0][1].shape.dims][3]
+        axis = self.checked.axes.get(latent_dim)
+        rank = self.scalar(axis.decl.value, call, "the latent rank") if axis is not None and axis.decl else None
+        if rank is None:
+            self.unfit(call, f"store {which}: the latent axis `{latent_dim}` has no size (declare `dim {latent_dim} = "
+                             "...`)")
+            return None
+        share = sp.simplify(rank / group)
+        heads = sp.Symbol(f"{which}_group")  # the group the runtime takes (`_Emitter`): gcd(group, kv_heads)
+        latent = f"{which}_latent"
+        enc = LowRank(latent, names[0][0], names[1][0], group, share,
+                      prerope=isinstance(prerope, ast.Bool) and prerope.value)
+        tensors = [TensorDesc(latent, "token", MODEL, (share,)),
+                   TensorDesc(names[0][0], "layer", MODEL, (HEAD_DIM, heads * share)),
+                   TensorDesc(names[1][0], "layer", MODEL, (HEAD_DIM, heads * share))]
+        return enc, tensors
 
     def lloyd_max(self, which: str, decl: ast.Store, call: ast.Call):
         """`lloyd_max(bits, along channel)`: codebook codes over a token's channels, one RMS scale."""
@@ -491,8 +547,9 @@ _EXTENTS = {"token": "Extent.TOKEN", "page": "Extent.PAGE", "seq": "Extent.SEQ",
 class _Printer:
     """sympy -> Python over the function's arguments and locals of the parameters it reads."""
 
-    def __init__(self) -> None:
+    def __init__(self, local_names: frozenset[str] = frozenset()) -> None:
         self.params: set[str] = set()
+        self.local_names = local_names  # symbols the function computes itself (a low-rank group)
 
     @staticmethod
     def local(name: str) -> str:
@@ -507,6 +564,8 @@ class _Printer:
             if s == KV_HEADS:
                 subs[s] = sp.Symbol("num_kv_heads")
                 continue
+            if str(s) in self.local_names:
+                continue
             self.params.add(str(s))
             if self.local(str(s)) != str(s):
                 subs[s] = sp.Symbol(self.local(str(s)))
@@ -519,7 +578,8 @@ class _Printer:
 
 class _Emitter:
     def __init__(self, spec: SpecDesc) -> None:
-        self.spec, self.p = spec, _Printer()
+        self.low_rank = {w: e for w, e in (("k", spec.keys), ("v", spec.values)) if isinstance(e, LowRank)}
+        self.spec, self.p = spec, _Printer(frozenset(f"{w}_group" for w in self.low_rank))
         encs = [e for e in (spec.keys, spec.values) if isinstance(e, Quantized)]
         self.bits = {e.codes: e.bits for e in encs}
         self.formats = {e.codes: e.format for e in encs if e.format is not None}
@@ -542,9 +602,13 @@ class _Emitter:
         packing = f", _packing({bits})" if t.packing == FROM_BITS else (f', "{t.packing}"' if t.packing else "")
         return f'TensorSpec("{t.name}", {_EXTENTS[t.extent]}, {dtype}, {shape}{packing})'
 
-    def encoding(self, enc: Dense | Quantized) -> str:
+    def encoding(self, enc: Dense | Quantized | LowRank) -> str:
         if isinstance(enc, Dense):
             return f'Dense("{enc.tensor}")'
+        if isinstance(enc, LowRank):
+            which = enc.latent.removesuffix("_latent")
+            return (f'LowRank("{enc.latent}", "{enc.down}", "{enc.up}", {which}_group, '
+                    f'prerope={enc.prerope})')
         zero = "None" if enc.zero is None else f'"{enc.zero}"'
         rotation = "" if enc.rotation is None else f", rotation={_choice(enc.rotation)}"
         if enc.format is not None:
@@ -568,6 +632,8 @@ class _Emitter:
         for enc in (spec.keys, spec.values):
             if isinstance(enc, Quantized) and enc.residual is not None:
                 lines.append(f"    {self.resid[enc.residual]} = max(0, math.floor({p.py(enc.residual_tokens)}))")
+        for which, enc in self.low_rank.items():  # a model whose KV heads the group does not divide: their gcd
+            lines.append(f"    {which}_group = math.gcd(int({p.py(enc.group)}), num_kv_heads)")
         lines.append("    tensors = [")
         lines += [f"        {self.tensor(t)}," for t in spec.tensors if t.name not in self.resid]
         lines.append("    ]")

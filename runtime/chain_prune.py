@@ -236,12 +236,20 @@ class Pruner:
         self.executor = executor  # the KV store's plan executor: every spec tensor moves with the K/V
         self.num_layers = num_layers
 
+    def check_prunable(self) -> None:
+        """Raises InvalidPrune where the served KV spec cannot drop tokens from a chain: keys stored
+        before RoPE are read at their slots' positions, which a prune would shift."""
+        if self.executor.store.spec.prerope:
+            raise InvalidPrune("the served method stores keys before RoPE, each read at its slot's position: its "
+                               "chains cannot drop tokens", param="chain_id")
+
     def prune(self, record, request: PruneRequest, scorer: Scorer) -> PruneReport:
         from kvc.runtime.chains import ChainState
 
         if record.state is ChainState.ACTIVE:
             raise ChainBusy(f"a request is running on chain {record.chain_id!r}; prune it when the request is done",
                             param="chain_id")
+        self.check_prunable()
         ranges = resolve_ranges(record, request)
         pages_before = sum(len(t) for t in record.page_tables)
         report = PruneReport(ranges, len(record.tokens), sum(record.kv_lens), 0, pages_before, 0,

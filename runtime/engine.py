@@ -44,6 +44,7 @@ from kvc.runtime.grammar_book import GrammarBook
 from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.rows import RowPool
+from kvc.runtime.kv.spec import LowRank
 from kvc.runtime.method_api import Hook, KVMethod
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.model_runner import ModelRunner
@@ -117,6 +118,12 @@ class Engine:
         # LAYER tensors (FP8 scales) are stored once, not per page
         fixed_bytes = row_bytes + kv_spec.bytes_per_layers(layout.kv_heads, layout.layers)
         self.num_pages = pool_pages(self._kv_budget_bytes() - fixed_bytes, page_bytes)
+        if kv_spec.prerope and (self.method.compacts or self.method.rewrites or kv_spec.head_starts):
+            raise ConfigError(f"method {self.method.name!r} stores keys before RoPE, each read at its slot's position; "
+                              "it cannot also move or drop stored tokens (keeps, rewrites)", param="method")
+        if kv_spec.low_rank and not all(isinstance(e, LowRank) for e in (kv_spec.keys, kv_spec.values)):
+            raise ConfigError(f"method {self.method.name!r}: a low-rank operand needs the other one low-rank too (the "
+                              "lowrank kernels read both)", param="method")
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
@@ -134,6 +141,9 @@ class Engine:
             spec=kv_spec,
             num_rows=num_rows,
         )
+        # LAYER tensors that are the method's input files (low-rank projections), fixed from here on
+        for name, value in self.method.layer_inputs(kv_spec, layout.layers, layout.kv_heads).items():
+            self.attention.store[name].copy_(value)
         self.rows = RowPool(num_rows) if num_rows else None
         log.info(
             "KV cache: %d pages of %d tokens (%.1f MiB)%s, backend %s",
@@ -188,6 +198,9 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}
         self.pruner = Pruner(self.chains, self.runner.executor, layout.layers)
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
+        if self.auto_prune is not None and kv_spec.prerope:
+            raise ConfigError(f"--auto-prune: method {self.method.name!r} stores keys before RoPE, each read at its "
+                              "slot's position; its chains cannot drop tokens", param="auto_prune")
         self._scorers: dict[str, Scorer] = {}
         self.runner.chain_window = self._chain_window()
         # Async scheduling (`step`): on by default on a GPU, decode-time eviction included (its
@@ -337,6 +350,7 @@ class Engine:
         """Prunes an idle chain's history (runtime/chain_prune.py); its report as a dict. Raises the
         chain errors, InvalidPrune for a request that names nothing prunable."""
         record = self.chains.get(chain_id, owner)
+        self.pruner.check_prunable()
         report = self.pruner.prune(record, request, self._scorer(request))
         return {"id": chain_id, **report.as_dict()}
 

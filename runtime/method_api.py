@@ -205,6 +205,8 @@ class KVMethod(Protocol):
 
     def page_tokens(self) -> int | None: ...
 
+    def layer_inputs(self, spec: KVSpec, num_layers: int, num_kv_heads: int) -> dict[str, torch.Tensor]: ...
+
     def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec: ...
 
     def prefill_chunk(self, layer: int, view: PrefillView) -> Plan | None: ...
@@ -262,6 +264,10 @@ class MethodBase:
 
     def page_tokens(self) -> int | None:
         return None
+
+    def layer_inputs(self, spec: KVSpec, num_layers: int, num_kv_heads: int) -> dict[str, torch.Tensor]:
+        """Values of the spec's LAYER tensors that come from the method's input files (none)."""
+        return {}
 
     def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec:
         return dense_spec(head_dim, dtype)

@@ -23,6 +23,7 @@ from kvc.compiler.attention import variant_for_spec
 from kvc.runtime.attention.backend import PagedAttention
 from kvc.runtime.attention.metadata import AttentionMetadata
 from kvc.runtime.decode_graphs import DecodeGraphs
+from kvc.runtime.errors import ConfigError
 from kvc.runtime.grammar_book import GrammarBook
 from kvc.runtime.kv.executor import KVExecutor
 from kvc.runtime.kv.layout import CacheLayout
@@ -141,12 +142,19 @@ class ModelRunner:
         self.default_generator.manual_seed(seed)
         self.token_counts = TokenCounts(model.spec.vocab_size, device)  # penalties' state
         self.store = attention.store  # every tensor of the method's KV spec (runtime/kv/store.py)
+        if self.store.spec.prerope:  # keys stored before RoPE: the store rotates them with the model's frequencies
+            rotary = getattr(model, "rotary", None)
+            if rotary is None:
+                raise ConfigError(f"method {self.method.name!r} stores keys before RoPE; the model "
+                                  f"{type(model).__name__} has no rotary embedding to read them with", param="method")
+            attention.use_rope(rotary.inv_freq)
         # K/V stored rotated: q, k and v change basis where they enter a layer's attention
         self.rotation = Rotation.of(self.store.spec, model.spec.head_dim, self.store.model_dtype(K), device)
         # the attention kernels, chosen by the spec (dense or encoded K/V), the decode statistics the
         # method reads, and whether its decode hook gives read plans
         attention.use_variant(variant_for_spec(self.store.spec.dense, self.method.attention.decode_stats is not None,
-                                               Hook.DECODE_BEFORE_ATTENTION in self.method.hooks))
+                                               Hook.DECODE_BEFORE_ATTENTION in self.method.hooks,
+                                               self.store.spec.low_rank))
         self.executor = KVExecutor(self.store, pool, "triton" if attention.backend == "triton" else "auto",
                                    restore=attention.store_fresh)
         self.hooks = StepHooks(self.method, self.store, self.executor, self.tables, pool, self.num_layers)

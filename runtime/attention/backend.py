@@ -31,9 +31,9 @@ import torch
 from kvc.runtime.attention import torch_ops
 from kvc.runtime.attention.metadata import AttentionMetadata, DecodeStats, StatsFold
 from kvc.runtime.errors import ConfigError
-from kvc.runtime.attention.sources import QuantizedPages, Source
+from kvc.runtime.attention.sources import LowRankPages, QuantizedPages, Source
 from kvc.runtime.kv.plans import ReadPlan
-from kvc.runtime.kv.spec import K, V, Dense, KVSpec, dense_spec
+from kvc.runtime.kv.spec import K, V, Dense, KVSpec, LowRank, dense_spec
 from kvc.runtime.kv.store import KVStore
 
 BACKENDS = ("torch", "triton")
@@ -109,7 +109,9 @@ class PagedAttention:
         self.variant = "plain"
         self.ops = load_ops(backend, store.device)
         self._stats: torch.Tensor | None = None  # decode statistics buffer, reused across layers
-        self._sources = [self._layer_sources(layer) for layer in range(num_layers)]
+        # a spec storing keys before RoPE builds its sources once the runner gives the RoPE (`use_rope`)
+        waits = store.spec.prerope and store.rope_freq is None
+        self._sources = [] if waits else [self._layer_sources(layer) for layer in range(num_layers)]
 
     @classmethod
     def from_caches(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str = "torch",
@@ -131,6 +133,9 @@ class PagedAttention:
         def source(enc, which: str) -> Source:
             if isinstance(enc, Dense):
                 return store[enc.tensor]
+            if isinstance(enc, LowRank):
+                return LowRankPages(enc, store[enc.latent], store[enc.down][layer], store[enc.up][layer],
+                                    store.head_dim(which), store.model_dtype(which), store.rope_freq)
             zero = None if enc.zero is None else store.scale_slots(enc.zero, layer)
             residual = None if enc.residual is None else store[enc.residual][:, layer]
             scale = store.scale_slots(enc.scale, layer)  # a LAYER scale (FP8) seen at every slot
@@ -138,6 +143,17 @@ class PagedAttention:
                                   residual)
 
         return source(store.spec.keys, K), source(store.spec.values, V)
+
+    def _layer(self, layer: int) -> tuple[Source, Source]:
+        if not self._sources:
+            raise RuntimeError("the KV spec stores keys before RoPE: give the model's RoPE (use_rope) first")
+        return self._sources[layer]
+
+    def use_rope(self, inv_freq: torch.Tensor) -> None:
+        """The model's RoPE frequencies [D / 2], for a spec that stores keys before RoPE (the runner
+        calls it before any step): the store's dense reads and the sources rotate keys with them."""
+        self.store.rope_freq = inv_freq.to(self.store.device, torch.float32)
+        self._sources = [self._layer_sources(layer) for layer in range(self.num_layers)]
 
     @property
     def k_cache(self) -> torch.Tensor:
@@ -214,12 +230,15 @@ class PagedAttention:
         only tokens [0, n) enter residual windows now (`forward`: the prefill chunks' after their
         attention)."""
         slots = md.slot_mapping[layer_idx]
-        k_src, v_src = self._sources[layer_idx]
+        k_src, v_src = self._layer(layer_idx)
         if md.num_prefills > 0:  # dynamic FP8 scales: fixed by the first prefill step (every sequence starts
             # with one), so decode steps, and the decode graphs captured before any request, never settle
             self.store.settle_scales(layer_idx, k, v, slots)
-        if md.resid_lens is None:
+        if md.resid_lens is None and not self.store.spec.prerope:
             self.ops.store_kv(k, v, k_src, v_src, slots)
+        elif md.resid_lens is None:  # keys stored before RoPE: each new token's slot is its position
+            self.ops.store_kv(k, v, k_src, v_src, slots, cu_seqlens_q=md.cu_seqlens_q,
+                              context_lens=md.context_lens[layer_idx])
         else:  # a residual window: each new token finds its sequence's row
             self.ops.store_kv(k, v, k_src, v_src, slots, cu_seqlens_q=md.cu_seqlens_q,
                               context_lens=md.context_lens[layer_idx], rows=md.rows, window_tokens=window_tokens,
@@ -241,7 +260,7 @@ class PagedAttention:
         tables = torch.tensor(table, dtype=torch.int32, device=device)
         at = torch.arange(m, device=device)
         slots = tables.long()[at // page] * page + at % page
-        k_src, v_src = self._sources[layer]
+        k_src, v_src = self._layer(layer)
         as_int = partial(torch.tensor, dtype=torch.int32, device=device)
         torch_ops.store_kv(k, v, k_src, v_src, slots, cu_seqlens_q=as_int([0, m]), context_lens=as_int([m]),
                            rows=as_int([self.store.scratch_row if row is None else row]), block_tables=tables[None])
@@ -265,7 +284,7 @@ class PagedAttention:
         (num_decodes == B) touches no host value: it can be captured in a CUDA graph with the
         triton backend.
         """
-        k_cache, v_cache = self._sources[layer_idx]
+        k_cache, v_cache = self._layer(layer_idx)
         tables, lens = md.block_tables[layer_idx], md.context_lens[layer_idx]
         resid = None if md.resid_lens is None else md.resid_lens[layer_idx]
         extra_d = {} if resid is None else {"rows": md.rows[:md.num_decodes], "resid_lens": resid[:md.num_decodes]}

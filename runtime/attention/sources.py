@@ -1,4 +1,4 @@
-"""Where attention reads K and V from: a dense paged tensor, or a `QuantizedPages` source.
+"""Where attention reads K and V from: a dense paged tensor, a `QuantizedPages` or a `LowRankPages` source.
 
 Every attention op (torch_ops.py and the generated kernels, kernels_generated/_attention/) takes
 its K and its V operand independently as either
@@ -6,7 +6,9 @@ its K and its V operand independently as either
 - a dense tensor `[pages, Hkv, page_size, D]` in the model dtype (the `Dense` encoding of the KV
   spec, runtime/kv/spec.py: unchanged since the engine's first kernels), or
 - a `QuantizedPages`: integer codes, scales and zero points at the same page ids and slots, plus,
-  optionally, this layer's full-precision residual window (a SEQ tensor, one row per sequence).
+  optionally, this layer's full-precision residual window (a SEQ tensor, one row per sequence);
+- a `LowRankPages`: each KV head's share of its head group's latent, and the layer's projections
+  (runtime/kv/lowrank.py); keys stored before RoPE are rotated at their slots' positions.
 
 `kernel_operand` turns either into what the generated Triton wrappers pass to their kernels, so
 the generated modules share one reading of a source. The encoding arithmetic is
@@ -20,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvc.runtime.kv import encodings
-from kvc.runtime.kv.spec import Quantized
+from kvc.runtime.kv import encodings, lowrank
+from kvc.runtime.kv.spec import LowRank, Quantized
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,58 @@ class QuantizedPages:
         return 0 if self.residual is None else self.residual.shape[2]
 
 
-Source = torch.Tensor | QuantizedPages
+@dataclass(frozen=True)
+class LowRankPages:
+    """One attention operand stored as a low-rank latent per group of KV heads (runtime/kv/spec.py,
+    `LowRank`): `latent [P, Hkv, S, rank / group]` at the pool's page ids and slots, this layer's
+    `down` and `up` [Hkv, D, rank]; `inv_freq` [D / 2] (the model's RoPE) for keys stored before
+    RoPE, else None. Slot s of a sequence's pages decodes at position s."""
+
+    enc: LowRank
+    latent: torch.Tensor
+    down: torch.Tensor
+    up: torch.Tensor
+    head_dim: int
+    dtype: torch.dtype
+    inv_freq: torch.Tensor | None = None
+    residual = None  # no residual window (the ops' `reads_residual`)
+    window = 0
+
+    def __post_init__(self) -> None:
+        name = f"low-rank {self.enc.latent!r}"
+        heads = self.latent.shape[1]
+        rank = self.enc.group * self.latent.shape[-1]
+        if heads % self.enc.group:
+            raise ValueError(f"{name}: groups of {self.enc.group} KV heads do not divide the model's {heads}")
+        for what, t in (("down", self.down), ("up", self.up)):
+            if tuple(t.shape) != (heads, self.head_dim, rank):
+                raise ValueError(f"{name}: {what} must be [{heads}, {self.head_dim}, {rank}], got {tuple(t.shape)}")
+        if self.enc.prerope and self.inv_freq is None:
+            raise ValueError(f"{name}: keys stored before RoPE are read with the model's RoPE frequencies")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """[pages, Hkv, page_size, D], as a dense cache would be."""
+        return (*self.latent.shape[:3], self.head_dim)
+
+    @property
+    def device(self) -> torch.device:
+        return self.latent.device
+
+    @property
+    def rope(self) -> torch.Tensor | None:
+        return self.inv_freq if self.enc.prerope else None
+
+    def encode(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """New rows x [n, Hkv, D] at `positions` [n] as their stored latents [n, Hkv, rank / group]."""
+        return lowrank.encode(x, self.down, self.enc.group, positions, self.rope).to(self.latent.dtype)
+
+    def decode(self, latent: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Latents [..., Hkv, L, rank / group] at `positions` [L] (or [..., L]) as rows [..., Hkv, L, D]."""
+        return lowrank.decode(latent, self.up, self.enc.group, positions, self.rope).to(self.dtype)
+
+
+Source = torch.Tensor | QuantizedPages | LowRankPages
 
 
 def is_dense(source: Source) -> bool:

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from kvc.runtime.attention import decode_stats
 from kvc.runtime.attention.decode_stats import decode_stats_torch
 from kvc.runtime.attention.metadata import DecodeStats
-from kvc.runtime.attention.sources import QuantizedPages, Source, is_dense
-from kvc.runtime.kv import encodings
+from kvc.runtime.attention.sources import LowRankPages, QuantizedPages, Source, is_dense
+from kvc.runtime.kv import encodings, lowrank
 from kvc.runtime.kv.plans import Estimate, ReadPlan
 
 
@@ -63,7 +63,7 @@ def store_kv(
     """
     _, num_kv_heads, page_size, head_dim = k_cache.shape
     for x, cache in ((k, k_cache), (v, v_cache)):
-        if not is_dense(cache) and cache.enc.flush_block:
+        if isinstance(cache, QuantizedPages) and cache.enc.flush_block:
             _flush_blocks(cache, x, cu_seqlens_q, context_lens, rows, block_tables)
     keep = slot_mapping >= 0
     tokens = None  # the kept tokens' indices, when a residual window needs their sequences
@@ -78,6 +78,11 @@ def store_kv(
     for x, cache in ((k, k_cache), (v, v_cache)):
         if is_dense(cache):
             cache.view(-1, head_dim).index_copy_(0, flat, x.reshape(-1, head_dim).to(cache.dtype))
+            continue
+        if isinstance(cache, LowRankPages):  # the latent of each head's group, keys at their slots' positions
+            positions = None if cache.rope is None else _token_slots(
+                cache, slot_mapping.shape[0], tokens, cu_seqlens_q, context_lens, x.device)
+            _write_slots(cache.latent, flat, slots, heads, cache.encode(x, positions))
             continue
         if cache.enc.format:  # float codes against the layer's fixed scale (read at the slots' pages: any)
             scale = cache.scale[0, :, 0].float()  # [Hkv, 1]
@@ -159,6 +164,20 @@ def _write_slots(dst: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, hea
         dst[(slots // page_size)[:, None], heads[None, :], (slots % page_size)[:, None]] = new.to(dst.dtype)
 
 
+def _token_slots(source: Source, num_tokens: int, tokens: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+                 context_lens: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Each kept new token's slot in its sequence's layer (`tokens`: their indices in the step, None:
+    all): what a position-dependent store (keys stored before RoPE) reads its position from."""
+    if cu_seqlens_q is None or context_lens is None:
+        raise ValueError(f"store_kv: {source.enc.latent!r} stores keys before RoPE at their slots' positions; pass "
+                         "cu_seqlens_q and context_lens")
+    if tokens is None:
+        tokens = torch.arange(num_tokens, device=device)
+    ends = cu_seqlens_q[1:].to(device=device, dtype=torch.long)
+    seq = torch.searchsorted(ends, tokens, right=True).clamp(max=max(ends.shape[0] - 1, 0))
+    return context_lens.to(device=device, dtype=torch.long)[seq] - ends[seq] + tokens
+
+
 def _store_residual(source: QuantizedPages, x: torch.Tensor, num_tokens: int, tokens: torch.Tensor | None,
                     cu_seqlens_q: torch.Tensor | None, context_lens: torch.Tensor | None,
                     rows: torch.Tensor | None, window_tokens: int | None = None) -> None:
@@ -202,6 +221,9 @@ def gather_source(source: Source, page_ids: torch.Tensor, length: int | None = N
     the source's dtype (before any residual override, `with_residual`)."""
     if is_dense(source):
         return gather_kv(source, page_ids, length)
+    if isinstance(source, LowRankPages):  # a sequence's pages from its first: slot t is position t
+        latent = gather_kv(source.latent, page_ids, length)
+        return source.decode(latent, torch.arange(latent.shape[-2], device=latent.device))
     codes = gather_kv(source.codes, page_ids, length)
     scale = gather_kv(source.scale, page_ids, length)
     zero = None if source.zero is None else gather_kv(source.zero, page_ids, length)
@@ -210,7 +232,7 @@ def gather_source(source: Source, page_ids: torch.Tensor, length: int | None = N
 
 def _reads_chunk_exact(source: Source, resid_lens: torch.Tensor | None) -> bool:
     """Does a prefill chunk read this operand's own slots as computed (`Quantized.exact_chunk`)?"""
-    return reads_residual(source, resid_lens) or (not is_dense(source) and source.enc.prefill_exact)
+    return reads_residual(source, resid_lens) or (not is_dense(source) and source.enc.exact_chunk)
 
 
 def reads_residual(source: Source, resid_lens: torch.Tensor | None) -> bool:
@@ -261,11 +283,26 @@ def plan_slots(read: ReadPlan, page_size: int) -> tuple[torch.Tensor, torch.Tens
     return tokens, tokens >= 0
 
 
-def read_slots(source: Source, page_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Slot `offsets` of page `page_ids` (both [B, Hkv, n]) of each KV head, decoded: [B, Hkv, n, D]."""
+def read_slots(source: Source, page_ids: torch.Tensor, offsets: torch.Tensor,
+               slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Slot `offsets` of page `page_ids` (both [B, Hkv, n]) of each KV head, decoded: [B, Hkv, n, D].
+    `slots` [B, Hkv, n]: those slots' indices in their sequences (a low-rank source's positions)."""
     heads = torch.arange(page_ids.shape[1], device=page_ids.device)[None, :, None]
     if is_dense(source):
         return source[page_ids, heads, offsets]
+    if isinstance(source, LowRankPages):  # each head reads its group's latent: every member's share at the slot
+        g = source.enc.group
+        members = (heads // g * g)[..., None] + torch.arange(g, device=page_ids.device)  # [1, Hkv, 1, g]
+        shares = source.latent[page_ids[..., None], members, offsets[..., None]]  # [B, Hkv, n, g, c]
+        # every head of the group sees the same latent: decode it as head j's own with its up rows
+        latent = shares.flatten(-2)  # [B, Hkv, n, rank]
+        up = source.up.float()  # [Hkv, D, rank]
+        x = torch.einsum("bhnr,hdr->bhnd", latent.float(), up)
+        if source.rope is not None:
+            if slots is None:
+                raise ValueError(f"read_slots: {source.enc.latent!r} decodes keys at their slots: pass slots")
+            x = lowrank.rope(x, slots, source.rope)
+        return x.to(source.dtype)
     zero = None if source.zero is None else source.zero[page_ids, heads, offsets]
     return encodings.dequantize(source.codes[page_ids, heads, offsets], source.scale[page_ids, heads, offsets], zero,
                                 source.enc, source.head_dim, source.dtype)
@@ -429,7 +466,7 @@ def _decode_by_plan(q, k_cache, v_cache, block_tables, context_lens, scale, kv_s
     rows, resid_lens = residual
     operands = []
     for cache in (k_cache, v_cache):
-        x = read_slots(cache, page_ids, safe % page_size)  # [B, Hkv, n, D]
+        x = read_slots(cache, page_ids, safe % page_size, safe)  # [B, Hkv, n, D]
         if reads_residual(cache, resid_lens):
             if rows is None:
                 raise ValueError("a residual window is read by the sequences' rows: pass rows with resid_lens")

@@ -1,4 +1,9 @@
-"""`kvc calibrate METHOD`: writes the method's [layer, kv_head] input (its gates) for a model.
+"""`kvc calibrate METHOD`: writes a method's input tensors for a model.
+
+Two kinds, told apart by the compiled method's manifest (no method names here): a method whose KV
+spec stores K/V as low-rank latents gets its projections from the model's weights (lowrank.py,
+seconds); otherwise a method with one [layer, kv_head] input gets it (its gates) by optimisation
+(gates.py).
 
 The method names its input file (`input gate: [layer, kv_head] from "FILE"`) and its streaming
 pattern's `sink` and `recent` parameters (tokens at the target context); the calibration context is
@@ -17,23 +22,35 @@ from pathlib import Path
 from kvc.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
+DOCS = Path(__file__).resolve().parents[2] / "docs"  # the default calibration text (a source checkout's)
 
 
 def add_command(sub) -> None:
     p = sub.add_parser("calibrate", help="learn a method's input tensors (DuoAttention's gates) on a model")
-    p.add_argument("method", help="a method with a [layer, kv_head] input, e.g. duoattention")
+    p.add_argument("method", help="a method with a [layer, kv_head] input (duoattention) or low-rank K/V (palu)")
+    p.add_argument("--method-param", action="append", metavar="KEY=VALUE", default=None,
+                   help="a method parameter the inputs depend on (a low-rank ratio), repeatable")
     p.add_argument("--model", default=None, help="model directory, gguf:FILE (default: the embedded model)")
     p.add_argument("--out", default=None, help="the safetensors file to write (default: in the model directory)")
-    p.add_argument("--context", type=int, default=1024, help="tokens per synthetic passkey context")
+    p.add_argument("--context", type=int, default=1024, help="tokens per calibration context (gates: synthetic "
+                   "passkey contexts; low-rank: sequences of the calibration text)")
     p.add_argument("--target-context", type=int, default=4096,
                    help="the context the method's sink and recent are meant for (they are scaled to --context)")
     p.add_argument("--sink", type=int, default=None, help="streaming sinks at --context (default: scaled)")
     p.add_argument("--recent", type=int, default=None, help="streaming window at --context (default: scaled)")
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--samples", type=int, default=8, help="distinct contexts, cycled over the steps")
+    p.add_argument("--samples", type=int, default=8, help="distinct contexts (gates: cycled over the steps)")
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--l1", type=float, default=0.05, help="weight of the gates' L1 norm in the loss")
     p.add_argument("--seed", type=int, default=1000)
+    p.add_argument("--decompose", choices=["whiten", "svd"], default="whiten",
+                   help="low-rank projections: of keys and values over calibration text (whiten, Palu's default), "
+                   "or of the projection weights alone (svd)")
+    p.add_argument("--calibration", nargs="+", metavar="FILE",
+                   help="text files a whitened decomposition reads (default: kvc's docs/*.md); --samples "
+                   "sequences of --context tokens")
+    p.add_argument("--device", default="cpu", help="where a low-rank method's SVDs run (cpu: float32 weights; a GPU: "
+                   "bfloat16, for models larger than host memory)")
     p.add_argument("--float32", action="store_true", help="no bfloat16 autocast")
     p.set_defaults(func=run)
 
@@ -47,7 +64,13 @@ def run(a: argparse.Namespace) -> int:
     from kvc.runtime.models.loader import model_directory
     from kvc.runtime.models.method_inputs import save_input
 
-    name, manifest, params, _ = resolve(a.method, None)
+    from kvc.runtime.server.launch import parse_method_params
+
+    name, manifest, params, _ = resolve(a.method, parse_method_params(a.method_param) or None)
+    spec = manifest.get("kv_spec") or {}
+    low_rank = [spec[w] for w in ("keys", "values") if spec.get(w, {}).get("kind") == "low_rank"]
+    if low_rank:
+        return _low_rank(a, name, manifest, params, low_rank)
     inputs = {k: v for k, v in manifest.get("inputs", {}).items() if v["dims"] == ["layer", "kv_head"]}
     if len(inputs) != 1:
         raise ConfigError(f"method {name!r} has no single [layer, kv_head] input to calibrate", param="method")
@@ -87,3 +110,85 @@ def run(a: argparse.Namespace) -> int:
           f"(sink {sink}, recent {recent} at {cfg.context} tokens)")
     del torch
     return 0
+
+
+def _low_rank(a: argparse.Namespace, name: str, manifest: dict, params: dict, operands: list[dict]) -> int:
+    """Projections of a low-rank K/V spec (lowrank.py: whitened by calibration text, or of the
+    weights alone), written as the method's inputs."""
+    import time
+
+    import torch
+
+    from kvc.runtime.calibrate import lowrank
+    from kvc.runtime.compiled.folder import resolve
+    from kvc.runtime.compiled.method import CompiledMethod
+    from kvc.runtime.kv.spec import LowRank
+    from kvc.runtime.models.loader import load_model, model_directory, resolve_model
+    from kvc.runtime.models.method_inputs import save_inputs
+
+    model_dir = model_directory(a.model)
+    if model_dir is None and not a.out:  # a random: shape (benchmarks): its seeded weights, written where --out says
+        raise ConfigError("a random: model has no directory to write the projections into: give --out",
+                          param="out")
+    start = time.perf_counter()
+    dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
+    loaded = load_model(model_dir, a.device, dtype) if model_dir is not None else resolve_model(a.model, a.device,
+                                                                                                  dtype)
+    mspec = loaded.spec
+    _, _, _, folder = resolve(a.method, params)
+    spec = CompiledMethod(name, manifest, params, folder).kv_spec(mspec.num_kv_heads, mspec.head_dim, torch.float32, 16)
+    if a.decompose == "whiten":
+        batches, source = _calibration_ids(a, model_dir, mspec.vocab_size, loaded.model.embed_tokens.weight.device)
+        moments = lowrank.covariances(loaded.model, batches)
+        how = f"whitened by {sum(len(b) for b in batches)} tokens of {source}"
+    else:
+        how = "SVD of the K/V projection weights"
+    tensors, files = {}, set()
+    for which, enc in (("k", spec.keys), ("v", spec.values)):
+        if not isinstance(enc, LowRank):
+            continue
+        rank = spec.tensor(enc.down).shape[-1]
+        if a.decompose == "whiten":
+            basis = lowrank.whitened(moments[which], mspec.num_kv_heads, enc.group, rank)
+        else:
+            basis = lowrank.weight_projections(loaded.model, enc.group, rank)[which]
+        tensors[enc.down] = tensors[enc.up] = basis
+        files |= {manifest["inputs"][enc.down]["file"], manifest["inputs"][enc.up]["file"]}
+    if len(files) != 1:
+        raise ConfigError(f"method {name!r}: its projections come from {len(files)} files; one is written at a time",
+                          param="method")
+    out = Path(a.out) if a.out else model_dir / files.pop()
+    meta = {"method": name, "model": str(model_dir or a.model), "params": json.dumps(params, sort_keys=True),
+            "decompose": how, "seconds": f"{time.perf_counter() - start:.1f}"}
+    save_inputs(out, tensors, meta)
+    shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in sorted(tensors.items()))
+    print(f"wrote {out}: {shapes} ({how}, {time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _calibration_ids(a: argparse.Namespace, model_dir: Path | None, vocab: int, device) -> tuple[list, str]:
+    """`--samples` sequences of `--context` token ids: the calibration text files tokenized end to end
+    (default: kvc's docs/*.md), or seeded random ids for a model without a tokenizer (random: shapes)."""
+    import torch
+
+    from kvc.runtime.tokenizer import load_tokenizer
+
+    tokenizer = None if model_dir is None else load_tokenizer(model_dir)
+    if tokenizer is None:
+        gen = torch.Generator().manual_seed(a.seed)
+        ids = torch.randint(0, vocab, (a.samples * a.context,), generator=gen)
+        source = "random ids (the model has no tokenizer)"
+    else:
+        files = [Path(f) for f in a.calibration] if a.calibration else sorted(DOCS.glob("*.md"))
+        missing = [str(f) for f in files if not f.is_file()]
+        if not files or missing:
+            raise ConfigError(f"calibration text not found: {', '.join(missing) or DOCS}; give --calibration FILE...",
+                              param="calibration")
+        text = "\n\n".join(f.read_text() for f in files)
+        ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False))
+        source = f"{len(files)} calibration file(s)"
+        if ids.numel() < a.context:
+            raise ConfigError(f"the calibration text has {ids.numel()} tokens, fewer than --context {a.context}",
+                              param="calibration")
+    count = min(a.samples, ids.numel() // a.context)
+    return [ids[i * a.context:(i + 1) * a.context].to(device) for i in range(count)], source

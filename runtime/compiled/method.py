@@ -23,6 +23,7 @@ from kvc.runtime.compiled import folder as compiled_folder
 from kvc.runtime.compiled.budget import CompiledBudget
 from kvc.runtime.compiled.decode import DecodeHooks, decode_sym, read_decode_facts
 from kvc.runtime.compiled.folder import ALL_QUERIES, GeneratedCode
+from kvc.runtime.compiled.inputs import digest, load_declared
 from kvc.runtime.compiled.prefill import PrefillHooks
 from kvc.runtime.compiled.read import READ_HOOK, ReadHook
 from kvc.runtime.compiled.roles import RoleKeeps
@@ -30,7 +31,7 @@ from kvc.runtime.compiled.state import SequenceStates
 from kvc.runtime.compiled.step_end import StepEnd, group_mode
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv.layout import CacheLayout
-from kvc.runtime.kv.spec import KVSpec
+from kvc.runtime.kv.spec import Extent, KVSpec
 from kvc.runtime.kv.plans import KeepPlan
 from kvc.runtime.method_api import DecodeView, Hook, MethodBase, PrefillView, ReadPlan, StepView
 
@@ -52,6 +53,10 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         self._source_sha256 = manifest.get("source_sha256", "")
         reads_only = set(code.facts) == {READ_HOOK}  # sparse attention alone: every token stays stored
         self.roles = RoleKeeps.of(name, code, params)  # per-head keeps `for ROLE` (roles.py), or None
+        self.declared_inputs: dict[str, dict] = dict(manifest.get("inputs", {}))  # name -> dims, file
+        self.given_inputs: dict[str, torch.Tensor] = {}  # LAYER inputs set before the engine binds (tests, tools)
+        self.inputs_dir: Path | None = None
+        self.layer_digest = ""
         # may prefill_chunk give keep plans (the prompt is cut while it is prefilled)?
         self.chunk_keeps = self.roles is not None and "prefill_chunk" in self.roles.keeps
         # every keep of the method is per KV head and independent across heads: each KV head is a
@@ -113,7 +118,8 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         """What makes two instances compute the same cache: the method, its parameters, and the
         generated code's source hash (prefix-cache salt; chain records will carry it too)."""
         params = ",".join(f"{k}={self.params[k]!r}" for k in sorted(self.params))
-        inputs = f"+inputs:{self.roles.digest}" if self.roles is not None else ""  # the calibrated file's content
+        digests = [d for d in (self.roles.digest if self.roles is not None else "", self.layer_digest) if d]
+        inputs = "".join(f"+inputs:{d}" for d in digests)  # the calibrated files' content
         return f"{self.name}({params}){inputs}@{self._source_sha256}"
 
     def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None,
@@ -125,6 +131,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         layout = CacheLayout(num_layers, num_kv_heads, self.kv_head_layers)
         self.budget.num_layers, self.budget.num_kv_heads = layout.layers, layout.kv_heads
         self.max_context = max_context
+        self.inputs_dir = model_dir
         if self.roles is not None:
             self.roles.bind(num_layers, num_kv_heads, model_dir, per_head=self.kv_head_layers)
         if self.kv_head_layers:  # each cache layer's budget follows its head's role
@@ -140,6 +147,17 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
     def _role_keep(self, hook: str) -> bool:
         """Is `hook`'s keep a per-head keep `for ROLE` (roles.py)?"""
         return self.roles is not None and hook in self.roles.keeps
+
+    def layer_inputs(self, spec: KVSpec, num_layers: int, num_kv_heads: int) -> dict[str, torch.Tensor]:
+        """The spec's LAYER tensors that are the method's declared inputs (a `LowRank`'s projections:
+        `input k_down: [layer, kv_head, channel, rank] from "FILE"`), [layers, Hkv, *shape] float32,
+        from `given_inputs` or the files bind's model directory leads to (inputs.py)."""
+        declared = self.declared_inputs
+        values = {t.name: load_declared(self.name, t.name, declared[t.name], self.inputs_dir,
+                                        (num_layers, num_kv_heads, *t.shape), self.given_inputs)
+                  for t in spec.of(Extent.LAYER) if t.name in declared}
+        self.layer_digest = digest(values) if values else ""
+        return values
 
     def page_tokens(self) -> int | None:
         """The engine page its page summaries are over (the generated `page_tokens`; None: any)."""

@@ -14,16 +14,14 @@ name: inputs, roles and keeps come from the manifest.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from kvc.runtime.compiled.folder import GeneratedCode
-from kvc.runtime.errors import ConfigError
+from kvc.runtime.compiled.inputs import digest, load_declared
 from kvc.runtime.method_api import KeepPlan, LayerCacheView
-from kvc.runtime.models.method_inputs import find_input, load_input
 
 ROLE_HOOKS = ("prefill_chunk", "step_end")
 
@@ -55,29 +53,14 @@ class RoleKeeps:
         checks its shape against the model and computes the role masks; `per_head`: the hooks'
         layers are cache layers of one KV head (model layer l's head h is l * num_kv_heads + h)."""
         sizes = {"layer": num_layers, "kv_head": num_kv_heads}
-        inputs, digest = {}, hashlib.sha256()
-        for name, decl in sorted(self.declared.items()):
-            value = self.given.get(name)
-            if value is None:
-                path = find_input(model_dir, decl["file"])
-                if path is None:
-                    where = f"the model directory {model_dir}" if model_dir is not None else "a model directory"
-                    raise ConfigError(f"method {self.name!r} needs its input {name!r} from {decl['file']!r}, which "
-                                      f"{where} does not hold (no shipped default for this model either); write it "
-                                      f"with `kvc calibrate {self.name} --model DIR`", param="method")
-                value = load_input(path, name)
-            shape = tuple(sizes.get(d, -1) for d in decl["dims"])
-            if tuple(value.shape) != shape:
-                raise ConfigError(f"method {self.name!r}: input {name!r} has shape {tuple(value.shape)}, the model "
-                                  f"needs {shape} ({', '.join(decl['dims'])}); recalibrate it for this model",
-                                  param="method")
-            inputs[name] = value.float().cpu()
-            digest.update(name.encode() + value.float().cpu().numpy().tobytes())
+        inputs = {name: load_declared(self.name, name, decl, model_dir, tuple(sizes.get(d, -1) for d in decl["dims"]),
+                                      self.given)
+                  for name, decl in sorted(self.declared.items()) if set(decl["dims"]) <= set(sizes)}
         masks = self.roles_fn(inputs, self.params)
         self.masks = {role: mask.expand(num_layers, num_kv_heads).tolist() for role, mask in masks.items()}
         self._layer_masks = ({role: [[head] for heads in mask for head in heads] for role, mask in self.masks.items()}
                              if per_head else self.masks)
-        self.digest = digest.hexdigest()[:16]
+        self.digest = digest(inputs)
 
     def heads(self, hook: str, layer: int) -> list[bool]:
         """Which KV heads of (cache) layer `layer` the keep of `hook` applies to."""

@@ -28,6 +28,8 @@ def _names(text: str) -> list[str]:
 
 
 def add_command(sub) -> None:
+    from kvc.runtime.cli import add_method_inputs
+
     from kvc.runtime.eval.tasks import TASKS
 
     default_tasks = ",".join(name for name, task in TASKS.items() if task.default)
@@ -58,6 +60,7 @@ def add_command(sub) -> None:
                    "larger than the answers: prefill-time eviction only, as kvpress runs)")
     p.add_argument("--method-param", action="append", metavar="KEY=VALUE",
                    help="a parameter for every method that declares it (repeatable)")
+    add_method_inputs(p)
     p.add_argument("--reference", choices=["kvpress"], help="also run the same cases through kvpress's presses")
     p.add_argument("--out", type=Path, default=Path("kvc-eval.json"),
                    help="result JSON, rewritten after every cell; an existing one of the same run is continued "
@@ -82,7 +85,7 @@ def _run(a: argparse.Namespace) -> int:
                      cases=a.cases, seed=a.seed, device=a.device, dtype=a.dtype, batch=a.batch,
                      method_params=parse_method_params(a.method_param), reference=a.reference,
                      share_prefill=not a.no_share_prefill, record_memory=int(a.record_memory * 2**30),
-                     evict_interval=a.evict_interval)
+                     evict_interval=a.evict_interval, method_inputs=a.method_inputs)
     evaluation = Evaluation(cfg)
     result = report.header(evaluation)
     evaluation.done = report.load_previous(a.out, result)

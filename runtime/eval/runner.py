@@ -84,6 +84,7 @@ class EvalConfig:
     share_prefill: bool = True  # one prefill per case, replayed into every setting's engine
     record_memory: int = 6 * 2**30  # bytes of prefill records held at once (sets the group size)
     evict_interval: int = 1  # EngineConfig.evict_interval: decode-time eviction every N tokens of growth
+    method_inputs: str | None = None  # EngineConfig.method_inputs: where the methods' input files are
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -239,7 +240,7 @@ class Evaluation:
             model=cfg.model, method=setting.method, method_params=setting.method_params or None, device=cfg.device,
             dtype=cfg.dtype, max_num_seqs=cfg.batch, max_model_len=min(spec.max_position_embeddings, longest + 16),
             kv_cache_memory=int(cfg.batch * (longest + 64) * bytes_per_token * 1.25), seed=cfg.seed,
-            evict_interval=cfg.evict_interval,
+            evict_interval=cfg.evict_interval, method_inputs=cfg.method_inputs,
             prefill_first=True, enable_prefix_caching=False,  # replays batch as the recording did
         )
         return LLM.from_engine(Engine(config, loaded=self.loaded))

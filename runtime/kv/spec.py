@@ -193,7 +193,42 @@ class Quantized:
         return self if self.axis == "channel" else replace(self, axis="channel", group=1)
 
 
-Encoding = Dense | Quantized
+@dataclass(frozen=True)
+class LowRank:
+    """A low-rank latent per group of `group` consecutive KV heads (Palu's group-head decomposition):
+    the group's K (or V) rows, concatenated, `x_G [group * D]`, are stored as `x_G @ down_G [rank]`
+    and read back as `latent @ up_G^T`, with `down_G` and `up_G` [group * D, rank] (orthonormal
+    columns for an SVD projection, where up = down).
+
+    - `latent`: a TOKEN tensor [rank // group] in the model dtype: each KV head of a group stores
+      its share of the group's latent (head j of the group: channels [j r/g, (j+1) r/g)), so pages,
+      tables, copies and chains treat it as any per-head tensor; reading one head reads its group's;
+    - `down`, `up`: LAYER tensors [D, rank]: KV head h's rows of its group's projections (h's
+      channels to the whole latent and back), filled from the method's input files when the engine
+      binds the model (docs/design.md, "Method inputs");
+    - `prerope`: keys are stored before RoPE and rotated when read, at the slot's position (a
+      sequence's slot s holds its token s: no keep plan may move them).
+
+    A prefill chunk reads its own tokens as computed, earlier ones as stored; a decode step reads
+    its own token as stored."""
+
+    latent: str
+    down: str
+    up: str
+    group: int
+    prerope: bool = False
+
+    def __post_init__(self) -> None:
+        if self.group < 1:
+            raise ValueError(f"low-rank {self.latent!r}: group must be >= 1 KV heads, got {self.group}")
+
+    @property
+    def exact_chunk(self) -> bool:
+        """A prefill chunk reads its own tokens as computed (`Quantized.exact_chunk`)."""
+        return True
+
+
+Encoding = Dense | Quantized | LowRank
 
 
 @dataclass(frozen=True)
@@ -249,6 +284,17 @@ class KVSpec:
         if isinstance(enc, Dense):
             self._need(enc.tensor, Extent.TOKEN, "dense")
             return
+        if isinstance(enc, LowRank):
+            latent = self._need(enc.latent, Extent.TOKEN, "latent")
+            down, up = self._need(enc.down, Extent.LAYER, "down projection"), self._need(enc.up, Extent.LAYER, "up "
+                                                                                              "projection")
+            rank = enc.group * latent.shape[-1]
+            if len(latent.shape) != 1 or not latent.dtype.is_floating_point or any(
+                    len(t.shape) != 2 or t.shape[1] != rank or not t.dtype.is_floating_point for t in (down, up)):
+                raise ValueError(f"KV spec: low-rank {enc.latent!r} stores [rank / group] floats per KV head, its "
+                                 f"projections [head_dim, rank] (rank {rank} = group {enc.group} x "
+                                 f"{list(latent.shape)}); got {list(down.shape)}, {list(up.shape)}")
+            return
         codes = self._need(enc.codes, Extent.TOKEN, "codes")
         groups = Extent.LAYER if enc.format else Extent.TOKEN if enc.axis == "channel" else Extent.PAGE
         scale = self._need(enc.scale, groups, "scale")
@@ -290,6 +336,8 @@ class KVSpec:
         for enc in (self.keys, self.values):
             if isinstance(enc, Dense):
                 names.add(enc.tensor)
+            elif isinstance(enc, LowRank):
+                names |= {enc.latent, enc.down, enc.up}
             else:
                 names |= {n for n in (enc.codes, enc.scale, enc.zero, enc.residual) if n}
         return frozenset(names)
@@ -322,7 +370,17 @@ class KVSpec:
     @property
     def exact_chunks(self) -> bool:
         """Does a prefill chunk read K or V of its own tokens as computed (`Quantized.exact_chunk`)?"""
-        return any(isinstance(e, Quantized) and e.exact_chunk for e in (self.keys, self.values))
+        return any(isinstance(e, (Quantized, LowRank)) and e.exact_chunk for e in (self.keys, self.values))
+
+    @property
+    def low_rank(self) -> bool:
+        """Is K or V stored as low-rank latents (`LowRank`)?"""
+        return isinstance(self.keys, LowRank) or isinstance(self.values, LowRank)
+
+    @property
+    def prerope(self) -> bool:
+        """Are keys stored before RoPE (`LowRank.prerope`): read at their slots' positions?"""
+        return isinstance(self.keys, LowRank) and self.keys.prerope
 
     @property
     def uses_rows(self) -> bool:

@@ -16,8 +16,8 @@ import functools
 
 import torch
 
-from kvc.runtime.kv import encodings
-from kvc.runtime.kv.spec import K, V, Dense, Extent, KVSpec, Quantized
+from kvc.runtime.kv import encodings, lowrank
+from kvc.runtime.kv.spec import K, V, Dense, Extent, KVSpec, LowRank, Quantized
 
 COPY_BYTES = 256 * 2**20  # bytes of one tensor gathered at once by copy_pages
 
@@ -48,6 +48,7 @@ class KVStore:
                 self.tensors[enc.scale].fill_(1.0)
         # per layer: whether a dynamic scale may still be unset (a host flag: no device read)
         self._unsettled = [any(e.scaling == "dynamic" for e in self._float_codes())] * num_layers
+        self.rope_freq: torch.Tensor | None = None  # the model's RoPE, for keys stored before it (`LowRank`)
 
     @classmethod
     def from_tensors(cls, spec: KVSpec, tensors: dict[str, torch.Tensor], num_layers: int) -> KVStore:
@@ -60,6 +61,7 @@ class KVStore:
         store.device = first.device
         store.tensors = dict(tensors)
         store._unsettled = [False] * num_layers
+        store.rope_freq = None
         return store
 
     # ---- lookups -------------------------------------------------------------------------------
@@ -193,6 +195,11 @@ class KVStore:
         pages = self._page_index(page_ids, length)
         if isinstance(enc, Dense):
             return _flat(self.tensors[enc.tensor], pages, length)
+        if isinstance(enc, LowRank):
+            if layer is None:
+                raise ValueError(f"low-rank {enc.latent!r} is read with its layer's projections: pass the layer")
+            return self._low_rank(enc, _flat(self.tensors[enc.latent], pages, length), layer,
+                                  torch.arange(length, device=self.device), which)
         x = encodings.dequantize(
             _flat(self.tensors[enc.codes], pages, length), _flat(self.scale_slots(enc.scale, layer), pages, length),
             None if enc.zero is None else _flat(self.scale_slots(enc.zero, layer), pages, length), enc,
@@ -209,10 +216,21 @@ class KVStore:
             x[:, length - resid_len:] = resid[:, slots % resid.shape[1]].to(x.dtype)
         return x
 
+    def _low_rank(self, enc: LowRank, latent: torch.Tensor, layer: int, positions: torch.Tensor,
+                  which: str) -> torch.Tensor:
+        """Latents [..., Hkv, L, rank / group] of `layer` decoded at `positions` (runtime/kv/lowrank.py)."""
+        if enc.prerope and self.rope_freq is None:
+            raise RuntimeError(f"low-rank {enc.latent!r} stores keys before RoPE: the store needs the model's RoPE")
+        x = lowrank.decode(latent, self.tensors[enc.up][layer], enc.group, positions,
+                           self.rope_freq if enc.prerope else None)
+        return x.to(self.model_dtype(which))
+
     def head_dim(self, which: str) -> int:
         enc = self.spec.keys if which == K else self.spec.values
         if isinstance(enc, Dense):
             return self.spec.tensor(enc.tensor).shape[-1]
+        if isinstance(enc, LowRank):
+            return self.spec.tensor(enc.up).shape[0]
         if enc.format:
             return enc.group  # one scale per token's channels
         scale = self.spec.tensor(enc.scale).shape[-1]
@@ -223,6 +241,8 @@ class KVStore:
         enc = self.spec.keys if which == K else self.spec.values
         if isinstance(enc, Dense):
             return self.spec.tensor(enc.tensor).dtype
+        if isinstance(enc, LowRank):
+            return self.spec.tensor(enc.latent).dtype
         return self.spec.tensor(enc.residual or enc.scale).dtype
 
     def _page_index(self, page_ids: list[int], length: int) -> torch.Tensor:
@@ -270,6 +290,8 @@ class KVStore:
         enc = self.spec.keys if which == K else self.spec.values
         if isinstance(enc, Dense):
             return self.tensors[enc.tensor][pages]
+        if isinstance(enc, LowRank):
+            raise NotImplementedError(f"page summaries of low-rank {enc.latent!r}: a page's slots have no layer here")
         zero = None if enc.zero is None else self.tensors[enc.zero][pages]
         scale = self.scale_slots(enc.scale, None)[pages]  # a per-layer scale (FP8) has no page to read here
         return encodings.dequantize(self.tensors[enc.codes][pages], scale, zero, enc,
@@ -295,7 +317,7 @@ def _reduce_slots(x: torch.Tensor, valid: torch.Tensor, fn: str) -> torch.Tensor
     return total / valid.sum(dim=1).clamp(min=1)[:, None, None]
 
 
-def encoding_of(spec: KVSpec, which: str) -> Dense | Quantized:
+def encoding_of(spec: KVSpec, which: str) -> Dense | Quantized | LowRank:
     return spec.keys if which == K else spec.values
 
 

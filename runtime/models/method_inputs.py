@@ -62,3 +62,13 @@ def save_input(path: Path, name: str, value: torch.Tensor, metadata: dict[str, s
 
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({name: value.detach().float().contiguous().cpu()}, str(path), metadata=metadata or {})
+
+
+def save_inputs(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Writes several method inputs (float32) into one file, each read back by `load_input`."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # one stored copy per tensor: inputs that share a value (an orthonormal down = up) are cloned
+    save_file({n: t.detach().float().contiguous().cpu().clone() for n, t in tensors.items()}, str(path),
+              metadata=metadata or {})

@@ -185,8 +185,8 @@ def test_config_errors(tmp_path):
 
     with pytest.raises(ConfigError, match="unknown method 'nope'.*snapkv"):
         resolve_method("nope")
-    with pytest.raises(ConfigError, match="not lowered.*compression"):
-        resolve_method("palu")
+    with pytest.raises(ConfigError, match="not lowered.*residual then project"):
+        resolve_method("deltakv")
     with pytest.raises(ConfigError, match="no parameter.*'bogus'"):
         resolve_method("snapkv", {"bogus": 1})
     with pytest.raises(ConfigError, match="window"):

@@ -126,10 +126,10 @@ def test_errors_through_llm(model_dir, tmp_path):
     assert "    4 |   keep top(windw, 4, per kv_head)" in message and "|            ^^^^^" in message
     with pytest.raises(ConfigError, match="does not exist"):
         make_llm(model_dir, str(tmp_path / "missing.kvm"), None)
-    palu = tmp_path / "palu.kvm"
-    shutil.copy(METHODS_DIR / "palu.kvm", palu)
-    with pytest.raises(ConfigError, match="not lowered.*compression"):
-        make_llm(model_dir, str(palu), None)
+    deltakv = tmp_path / "deltakv.kvm"
+    shutil.copy(METHODS_DIR / "deltakv.kvm", deltakv)
+    with pytest.raises(ConfigError, match="not lowered.*residual then project"):
+        make_llm(model_dir, str(deltakv), None)
 
 
 def test_errors_through_the_cli(model_dir, tmp_path, capsys):

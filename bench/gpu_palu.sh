@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Palu (low-rank K/V) on the H200: its GPU tests (the generated `lowrank` kernels compiled for real,
+# decode graphs), the decode kernel against dense over the bytes the cache holds, and decode
+# throughput against full at 32K and 128K (random-weight Qwen3-30B-A3B, bf16, 60 GiB of KV, full in
+# the same run). The random model's projections come from its own seeded weights (`kvc calibrate
+# palu --model random:... --device cuda`, the SVDs on the GPU) into $OUT/palu-inputs.
+# Usage (device machine): bash bench/gpu_palu.sh "$OUT" "tests micro window32 window128"
+set -uo pipefail
+out=${1:?output folder}; parts=${2:-tests micro window32 window128}
+model=random:qwen3-30b-a3b
+inputs="$out/palu-inputs"
+common=(--model "$model" --dtype bfloat16 --kv-memory 60GiB --output 2048 --no-progress --methods "${METHODS:-full,palu}"
+        --method-inputs "$inputs")
+for part in $parts; do
+  case $part in
+    tests) timeout "${PART_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/methods/test_palu.py \
+             -k "triton or decode_kernel" > "$out/tests.log" 2>&1; echo "tests: rc=$?"; tail -3 "$out/tests.log"
+           continue ;;
+    micro) timeout "${PART_TIMEOUT:-200}" python3 bench/lowrank_decode_bench.py --sweep --shapes 32x32768,8x131072 \
+             --out "$out/palu_decode.json" > "$out/palu_decode.log" 2>&1
+           echo "micro: rc=$?"; grep -v Warn "$out/palu_decode.log" | tail -40; continue ;;
+    window32) args=(--inputs 32768 --steps "${STEPS:-32}") ;;
+    window128) args=(--inputs 131072 --steps "${STEPS:-32}") ;;
+    *) echo "unknown part $part"; continue ;;
+  esac
+  if [[ ! -f "$inputs/palu.safetensors" ]]; then
+    timeout 300 python3 -m kvc.runtime.cli calibrate palu --model "$model" --device cuda \
+      --out "$inputs/palu.safetensors" > "$out/calibrate.log" 2>&1; echo "calibrate: rc=$?"; tail -1 "$out/calibrate.log"
+  fi
+  timeout "${PART_TIMEOUT:-280}" python3 -m kvc.runtime.cli bench throughput "${common[@]}" "${args[@]}" \
+    --out "$out/throughput_$part.json" > "$out/throughput_$part.md" 2> "$out/throughput_$part.log"
+  echo "$part: rc=$?"; cat "$out/throughput_$part.md"; grep -v Warn "$out/throughput_$part.log" | tail -5
+done
