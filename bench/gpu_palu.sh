@@ -16,9 +16,11 @@ for part in $parts; do
     tests) timeout "${PART_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/methods/test_palu.py \
              -k "triton or decode_kernel" > "$out/tests.log" 2>&1; echo "tests: rc=$?"; tail -3 "$out/tests.log"
            continue ;;
-    micro) timeout "${PART_TIMEOUT:-200}" python3 bench/lowrank_decode_bench.py --sweep --shapes 32x32768,8x131072 \
-             --out "$out/palu_decode.json" > "$out/palu_decode.log" 2>&1
-           echo "micro: rc=$?"; grep -v Warn "$out/palu_decode.log" | tail -40; continue ;;
+    micro) for g in ${GROUPS_MICRO:-4 1}; do  # KV heads a latent group: Palu's G-LRD (4) and M-LRD (1)
+             timeout "${PART_TIMEOUT:-200}" python3 bench/lowrank_decode_bench.py --sweep --shapes 32x32768,8x131072 \
+               --method-param "heads_per_group=$g" --out "$out/palu_decode_g$g.json" > "$out/palu_decode_g$g.log" 2>&1
+             echo "micro heads_per_group=$g: rc=$?"; grep -v Warn "$out/palu_decode_g$g.log" | tail -40
+           done; continue ;;
     window32) args=(--inputs 32768 --steps "${STEPS:-32}") ;;
     window128) args=(--inputs 131072 --steps "${STEPS:-32}") ;;
     *) echo "unknown part $part"; continue ;;
