@@ -541,7 +541,8 @@ def _project(xc, e, ctx):
     down = tensor(xc, b.args[0], ctx, "the down projection")
     up = tensor(xc, b.args[1], ctx, "the up projection")
     if "group" in b.kw and number(xc, b.kw["group"], ctx, "the head group", whole=True) is not None:
-        xc.numeric_checks.append(("divides_kv_heads", b.kw["group"], ctx, "the head group"))
+        # a model whose KV heads the group does not divide groups gcd(group, kv_heads) of them (runtime/kv/spec.py)
+        xc.numeric_checks.append(("positive", b.kw["group"], ctx, "the head group"))
     if "prerope" in b.kw:
         t = xc.check(b.kw["prerope"], ctx)
         if t is not UNKNOWN and t != BOOL:

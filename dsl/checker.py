@@ -381,8 +381,6 @@ class Checker:
                 "unit": not 0 <= v <= 1 and f"{what} must be between 0 and 1, not {_fmt(v)}",
                 "cosine": not -1 <= v <= 1 and f"{what} is a cosine similarity, between -1 and 1, not {_fmt(v)}",
                 "positive": v <= 0 and f"{what} must be positive, not {_fmt(v)}",
-                "divides_kv_heads": (v <= 0 or point["kv_heads"] % v != 0) and
-                f"{what} ({_fmt(v)}) must divide the number of KV heads (e.g. {point['kv_heads']})",
             }[kind]
             if problem:
                 self.xc.error(expr, problem)
