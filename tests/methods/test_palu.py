@@ -332,3 +332,14 @@ def test_the_decode_kernel_compiles_for_sm90() -> None:
     if "No module named 'triton.backends.nvidia'" in done.stderr:
         pytest.skip("Triton's NVIDIA backend is not installed")
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_any_positive_head_group_checks() -> None:
+    """A head group need not divide the model's KV heads (the runtime takes their gcd): 3 checks; a
+    group of 0 is a positioned error."""
+    from kvc.dsl import METHODS_DIR, KvmError, check_file, check_source
+
+    check_file(METHODS_DIR / "palu.kvm", {"heads_per_group": 3})
+    source = (METHODS_DIR / "palu.kvm").read_text().replace("group = heads_per_group)", "group = 0)")
+    with pytest.raises(KvmError, match="the head group must be positive"):
+        check_source(source, "palu.kvm")
