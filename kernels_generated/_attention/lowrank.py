@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kvc.runtime.attention import triton_ops
+from kvc.runtime.attention.torch_ops import token_slots
 from kvc.runtime.attention.sources import LowRankPages
 from kvc.runtime.kv import lowrank
 
@@ -38,15 +39,6 @@ def _operands(*sources) -> None:
     for source in sources:
         if not isinstance(source, LowRankPages):
             raise TypeError(f"the lowrank attention variant reads low-rank K and V, got {type(source).__name__}")
-
-
-def _positions(num_tokens: int, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-               device: torch.device) -> torch.Tensor:
-    """Each new token's slot in its sequence (rows past the batch: 0), from device tensors only."""
-    tokens = torch.arange(num_tokens, device=device)
-    ends = cu_seqlens_q[1:].to(device=device, dtype=torch.long)
-    seq = torch.searchsorted(ends, tokens, right=True).clamp(max=max(ends.shape[0] - 1, 0))
-    return (context_lens.to(device=device, dtype=torch.long)[seq] - ends[seq] + tokens).clamp(min=0)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, cu_seqlens_q=None, context_lens=None, rows=None,
@@ -62,7 +54,8 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, cu_seqlens_q=None, context_le
             if cu_seqlens_q is None or context_lens is None:
                 raise ValueError("store_kv: keys stored before RoPE take their positions from cu_seqlens_q and "
                                  "context_lens")
-            positions = _positions(x.shape[0], cu_seqlens_q, context_lens, x.device)
+            positions = token_slots(torch.arange(x.shape[0], device=x.device), cu_seqlens_q,
+                                    context_lens)[1].clamp(min=0)  # rows past the batch: 0
         latent = cache.encode(x, positions if cache.rope is not None else None)
         share = latent.shape[-1]
         cache.latent.view(-1, share).index_copy_(0, flat.flatten(), latent.reshape(-1, share))
@@ -238,13 +231,11 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     tables = block_tables[:, :pages].long()
     keys, values = _rebuilt(k_cache, tables), _rebuilt(v_cache, tables)
     # the chunk's own tokens as computed: token i of row b sits at slot context_lens[b] - q_len[b] + i
-    num_tokens = k_new.shape[0]
-    positions = _positions(num_tokens, cu_seqlens_q, context_lens, k_new.device)
-    ends = cu_seqlens_q[1:].to(k_new.device).long()
-    seq = torch.searchsorted(ends, torch.arange(num_tokens, device=k_new.device), right=True)
+    num_tokens = int(cu_seqlens_q[-1])  # rows past the chunks (if any) are not written
+    seq, positions = token_slots(torch.arange(num_tokens, device=k_new.device), cu_seqlens_q, context_lens)
     at = seq * pages + positions // page_size
-    keys[at, :, positions % page_size] = k_new.to(keys.dtype)
-    values[at, :, positions % page_size] = v_new.to(values.dtype)
+    keys[at, :, positions % page_size] = k_new[:num_tokens].to(keys.dtype)
+    values[at, :, positions % page_size] = v_new[:num_tokens].to(values.dtype)
     tables = torch.arange(batch * pages, device=q.device, dtype=torch.int32).view(batch, pages)
     return triton_ops.load("plain").paged_prefill(q, keys.to(q.dtype), values.to(q.dtype), tables, cu_seqlens_q,
                                                   context_lens, scale, max_query_len, out=out, **knobs)

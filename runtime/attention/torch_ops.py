@@ -164,18 +164,26 @@ def _write_slots(dst: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, hea
         dst[(slots // page_size)[:, None], heads[None, :], (slots % page_size)[:, None]] = new.to(dst.dtype)
 
 
+def token_slots(tokens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq, slot) of a step's new tokens `tokens` (their indices in the step): each one's sequence
+    (clamped to the batch) and its slot in that sequence's layer, `context_lens[b] - cu_seqlens_q[b
+    + 1] + i`. Device tensors only (CUDA-graph safe): what residual windows and keys stored before
+    RoPE are written by."""
+    ends = cu_seqlens_q[1:].to(device=tokens.device, dtype=torch.long)
+    seq = torch.searchsorted(ends, tokens, right=True).clamp(max=max(ends.shape[0] - 1, 0))
+    return seq, context_lens.to(device=tokens.device, dtype=torch.long)[seq] - ends[seq] + tokens
+
+
 def _token_slots(source: Source, num_tokens: int, tokens: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
                  context_lens: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """Each kept new token's slot in its sequence's layer (`tokens`: their indices in the step, None:
-    all): what a position-dependent store (keys stored before RoPE) reads its position from."""
+    """Each kept new token's slot (`tokens`: their indices in the step, None: all): what a
+    position-dependent store (keys stored before RoPE) reads its position from."""
     if cu_seqlens_q is None or context_lens is None:
         raise ValueError(f"store_kv: {source.enc.latent!r} stores keys before RoPE at their slots' positions; pass "
                          "cu_seqlens_q and context_lens")
-    if tokens is None:
-        tokens = torch.arange(num_tokens, device=device)
-    ends = cu_seqlens_q[1:].to(device=device, dtype=torch.long)
-    seq = torch.searchsorted(ends, tokens, right=True).clamp(max=max(ends.shape[0] - 1, 0))
-    return context_lens.to(device=device, dtype=torch.long)[seq] - ends[seq] + tokens
+    return token_slots(torch.arange(num_tokens, device=device) if tokens is None else tokens, cu_seqlens_q,
+                       context_lens)[1]
 
 
 def _store_residual(source: QuantizedPages, x: torch.Tensor, num_tokens: int, tokens: torch.Tensor | None,
@@ -189,10 +197,8 @@ def _store_residual(source: QuantizedPages, x: torch.Tensor, num_tokens: int, to
     device = x.device
     if tokens is None:
         tokens = torch.arange(num_tokens, device=device)
-    ends = cu_seqlens_q[1:].to(device=device, dtype=torch.long)
-    seq = torch.searchsorted(ends, tokens, right=True).clamp(max=max(ends.shape[0] - 1, 0))
+    seq, position = token_slots(tokens, cu_seqlens_q, context_lens)  # the token's slot in its sequence's layer
     lengths = context_lens.to(device=device, dtype=torch.long)[seq]
-    position = lengths - ends[seq] + tokens  # the token's slot in its sequence's layer
     window = source.window
     newest = position >= lengths - window  # older tokens of a long chunk would be overwritten anyway
     if window_tokens is not None:

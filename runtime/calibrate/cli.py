@@ -66,11 +66,10 @@ def run(a: argparse.Namespace) -> int:
 
     from kvc.runtime.server.launch import parse_method_params
 
-    name, manifest, params, _ = resolve(a.method, parse_method_params(a.method_param) or None)
+    name, manifest, params, folder = resolve(a.method, parse_method_params(a.method_param) or None)
     spec = manifest.get("kv_spec") or {}
-    low_rank = [spec[w] for w in ("keys", "values") if spec.get(w, {}).get("kind") == "low_rank"]
-    if low_rank:
-        return _low_rank(a, name, manifest, params, low_rank)
+    if any(spec.get(w, {}).get("kind") == "low_rank" for w in ("keys", "values")):
+        return _low_rank(a, name, manifest, params, folder)
     inputs = {k: v for k, v in manifest.get("inputs", {}).items() if v["dims"] == ["layer", "kv_head"]}
     if len(inputs) != 1:
         raise ConfigError(f"method {name!r} has no single [layer, kv_head] input to calibrate", param="method")
@@ -112,7 +111,7 @@ def run(a: argparse.Namespace) -> int:
     return 0
 
 
-def _low_rank(a: argparse.Namespace, name: str, manifest: dict, params: dict, operands: list[dict]) -> int:
+def _low_rank(a: argparse.Namespace, name: str, manifest: dict, params: dict, folder: Path) -> int:
     """Projections of a low-rank K/V spec (lowrank.py: whitened by calibration text, or of the
     weights alone), written as the method's inputs."""
     import time
@@ -120,7 +119,6 @@ def _low_rank(a: argparse.Namespace, name: str, manifest: dict, params: dict, op
     import torch
 
     from kvc.runtime.calibrate import lowrank
-    from kvc.runtime.compiled.folder import resolve
     from kvc.runtime.compiled.method import CompiledMethod
     from kvc.runtime.kv.spec import LowRank
     from kvc.runtime.models.loader import load_model, model_directory, resolve_model
@@ -135,7 +133,6 @@ def _low_rank(a: argparse.Namespace, name: str, manifest: dict, params: dict, op
     loaded = load_model(model_dir, a.device, dtype) if model_dir is not None else resolve_model(a.model, a.device,
                                                                                                   dtype)
     mspec = loaded.spec
-    _, _, _, folder = resolve(a.method, params)
     spec = CompiledMethod(name, manifest, params, folder).kv_spec(mspec.num_kv_heads, mspec.head_dim, torch.float32, 16)
     if a.decompose == "whiten":
         batches, source = _calibration_ids(a, model_dir, mspec.vocab_size, loaded.model.embed_tokens.weight.device)
