@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Quantized KV on the H200: the GPU tests of KIVI, FP8 and TurboQuant (the generated kernels compiled for real),
-# the decode kernel's bandwidth over the bytes it reads, and decode throughput against full at 32K
+# the decode kernel's bandwidth over the bytes it reads, prefill attention over stored codes (`prefill`), and
+# decode throughput against full at 32K
 # and 128K (random-weight Qwen3-30B-A3B, bf16, 60 GiB of KV, full in the same run).
 # Usage (device machine): bash bench/gpu_issue20.sh "$OUT" "tests micro window32 window128"
 # METHODS (default full,kivi,fp8,turboquant) picks the methods of the throughput parts; EXTRA adds options.
@@ -14,12 +15,20 @@ common+=("${extra[@]}")
 for part in $parts; do
   case $part in
     tests) timeout "${PART_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/methods/test_kivi.py \
-             tests/methods/test_fp8.py tests/methods/test_turboquant.py -k "triton or sm90 or graph" > "$out/tests.log" 2>&1; echo "tests: rc=$?"
-           tail -3 "$out/tests.log"; continue ;;
+             tests/methods/test_fp8.py tests/methods/test_turboquant.py -k "triton or sm90 or graph" > "$out/tests.log" 2>&1
+           echo "tests: rc=$?"; tail -3 "$out/tests.log"
+           timeout "${PART_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention_spec_triton.py \
+             tests/kernels/test_quantized_decode_fast.py > "$out/tests_kernels.log" 2>&1
+           echo "kernel tests: rc=$?"; tail -3 "$out/tests_kernels.log"; continue ;;
     micro) for m in ${MICRO:-kivi fp8 turboquant}; do
              timeout "${PART_TIMEOUT:-120}" python3 bench/quantized_decode_bench.py --method "$m" --sweep \
                --shapes 32x32768,8x131072 --out "$out/${m}_decode.json" > "$out/${m}_decode.log" 2>&1
              echo "micro $m: rc=$?"; grep -v Warn "$out/${m}_decode.log" | tail -20
+           done; continue ;;
+    prefill) for m in ${MICRO:-kivi fp8 turboquant}; do
+             timeout "${PART_TIMEOUT:-150}" python3 bench/quantized_prefill_bench.py --method "$m" --sweep \
+               --contexts 32768,131072 --out "$out/${m}_prefill.json" > "$out/${m}_prefill.log" 2>&1
+             echo "prefill $m: rc=$?"; grep -v Warn "$out/${m}_prefill.log" | tail -20
            done; continue ;;
     window32) args=(--inputs 32768 --steps "${STEPS:-32}") ;;
     window128) args=(--inputs 131072 --steps "${STEPS:-32}") ;;

@@ -989,8 +989,12 @@ def _store_operand(
         tl.store(dst + offs_d[None, :], x.to(resid_ptr.dtype.element_ty), mask=(row_ok & newest)[:, None] & dim_ok[None, :])
 
 
+# the largest prefill tile over operands with residual windows (paged_prefill: their general tile's loads)
+PREFILL_WINDOW_BLOCK_N = 64
+
+
 def _fold(op, head_dim: int, tiles_in_pages: bool, pages_in_tiles: bool) -> int:
-    """How the decode kernel takes `op`'s (a KernelOperand's) scales out of its per-element work
+    """How the decode and prefill kernels take `op`'s (a KernelOperand's) scales out of its per-element work
     (`_key_logits`, `_value_product`): 1 when a channel's scale and zero point hold for a whole tile (their slot
     stride is 0: a page's, each tile within one page, or the layer's), 2 when they hold for a whole slot (one
     group of head_dim channels), 3 when they hold for the whole layer (no residual window: taken out of the loop),
@@ -1006,6 +1010,12 @@ def _fold(op, head_dim: int, tiles_in_pages: bool, pages_in_tiles: bool) -> int:
     if op.book == 0 and scale_s == 0 and pages_in_tiles:
         return 4
     return 2 if op.group == head_dim else 0
+
+def _prefill_fold(op, head_dim: int, tiles_in_pages: bool, pages_in_tiles: bool) -> int:
+    """`_fold` for the prefill's tiles of codes, but codebook levels are dequantized (fold 0): their levels
+    unpacked by PTX feeding a 128-row dot failed Triton 3.6's dot-operand pass on the H200 (sm90, 3 stages)."""
+    return 0 if op.book else _fold(op, head_dim, tiles_in_pages, pages_in_tiles)
+
 
 def _residual_rows(name: str, k_cache, v_cache, rows, resid_lens, context_lens, batch: int):
     """(reads a residual window?, rows pointer, resid_lens pointer) of a decode or prefill launch."""
@@ -1642,6 +1652,74 @@ def _prefill_tile(
 
 
 @triton.jit
+def _prefill_codes_tile(
+    q_dot, k_bias, acc, m_i, l_i, tile, k_base, v_base, table, kv_end, qk_scale,
+    stride_kp, stride_ks, stride_vp, stride_vs, offs_n, dim_mask,
+    k_scale_base, k_zero_base, v_scale_base, v_zero_base,
+    stride_k_scale_p, stride_k_scale_s, stride_v_scale_p, stride_v_scale_s, k_book_ptr, v_book_ptr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    DTYPE: tl.constexpr, ASM: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr,
+    K_BOOK: tl.constexpr, K_FOLD: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr,
+    V_BOOK: tl.constexpr, V_FOLD: tl.constexpr,
+):
+    # A tile of slots that every row sees and both operands read as stored, not from a window or the chunk's
+    # rows: the decode tile's products (`_key_logits`, `_value_product`), scales folded out of the per-element
+    # work and codes unpacked as the decode unpacks them. FOLD 3 leaves the layer's scales to the caller: q_dot
+    # came scaled (plus k_bias), and the value sums are scaled once after the loop.
+    tokens = tile + offs_n
+    token_mask = tokens < kv_end
+    pages = tl.load(table + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
+    in_page = tokens % PAGE_SIZE
+    kv_mask = token_mask[:, None] & dim_mask[None, :]
+    qk = _key_logits(
+        q_dot, k_base, k_scale_base, k_zero_base, k_base, pages, in_page, tokens, token_mask, kv_mask, kv_end,
+        stride_kp, stride_ks, stride_k_scale_p, stride_k_scale_s, 0, HEAD_DIM, BLOCK_D, K_BITS, K_PER_ELEMENT,
+        K_GROUP, K_ASYM, 0, k_book_ptr, K_BOOK, K_FOLD, ASM, DTYPE, True, DOT_PRECISION, PAGE_SIZE,
+    )
+    if K_FOLD == 3:
+        qk += k_bias[:, None]
+    qk = tl.where(token_mask[None, :], qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pv = _value_product(
+        p, v_base, v_scale_base, v_zero_base, v_base, pages, in_page, tokens, token_mask, kv_mask, kv_end,
+        stride_vp, stride_vs, stride_v_scale_p, stride_v_scale_s, 0, HEAD_DIM, BLOCK_D, V_BITS, V_PER_ELEMENT,
+        V_GROUP, V_ASYM, 0, v_book_ptr, V_BOOK, V_FOLD, ASM, DTYPE, True, DOT_PRECISION, PAGE_SIZE,
+    )
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_fresh_tile(
+    q, acc, m_i, l_i, tile, k_new_base, v_new_base, new_start, stride_nt, rows_pos, kv_end, qk_scale, offs_n,
+    offs_d, dim_mask, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # A tile of the chunk's own slots (from new_start on), read from its keys and values as computed: the
+    # dense tile of `plain`'s prefill, from the chunk's rows instead of pages.
+    tokens = tile + offs_n
+    token_mask = tokens < kv_end
+    kv_mask = token_mask[:, None] & dim_mask[None, :]
+    at = (tokens - new_start).to(tl.int64)[:, None] * stride_nt + offs_d[None, :]
+    k = tl.load(k_new_base + at, mask=kv_mask, other=0.0).to(q.dtype)
+    qk = _mma(q, tl.trans(k), DOT_PRECISION) * qk_scale
+    if CAUSAL:
+        visible = (tokens[None, :] <= rows_pos[:, None]) & token_mask[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_new_base + at, mask=kv_mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, kv_starts_ptr, rows_ptr, resid_lens_ptr,
     k_cache_ptr, k_scale_ptr, k_zero_ptr, k_book_ptr, k_resid_ptr,
@@ -1659,6 +1737,7 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr,
     K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr,
     V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr,
+    K_FOLD: tl.constexpr, V_FOLD: tl.constexpr, ASM: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     q_block = tl.program_id(0)
@@ -1721,7 +1800,39 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for tile in range(head_start, unmasked_end, BLOCK_N):
+    # The tiles fall into ranges by where their slots are read from (docs/design.md, "Prefill over stored
+    # codes"): [head_start, codes_end) every row sees and both operands read as stored: `_prefill_codes_tile`;
+    # from fresh_begin on (when both operands read the chunk as computed) only the chunk's own rows:
+    # `_prefill_fresh_tile`; between them, and the causal tiles below fresh_begin, the general tile (codes,
+    # windows and the chunk's rows), pipelined in one stage (its loads of every source are what fill shared
+    # memory).
+    q_dot = q  # FOLD 3: scaled by the layer's key scales, plus a bias
+    k_bias = tl.zeros([BLOCK_M], tl.float32)
+    if K_FOLD == 3:
+        k_layer_scale, k_layer_zero = _layer_scales(k_scale_base, k_zero_base, HEAD_DIM, BLOCK_D, K_GROUP, K_ASYM)
+        q_dot = (q.to(tl.float32) * k_layer_scale[None, :]).to(q.dtype)
+        k_bias = tl.sum(q.to(tl.float32) * k_layer_zero[None, :], axis=1)
+    stored_end = tl.minimum(tl.minimum(k_resid_start, v_resid_start), unmasked_end)
+    if K_FRESH or V_FRESH:
+        stored_end = tl.minimum(stored_end, new_start)
+    codes_end = head_start + tl.maximum(stored_end - head_start, 0) // BLOCK_N * BLOCK_N
+    for tile in range(head_start, codes_end, BLOCK_N):
+        acc, m_i, l_i = _prefill_codes_tile(
+            q_dot, k_bias, acc, m_i, l_i, tile, k_base, v_base, table, kv_end, qk_scale,
+            stride_kp, stride_ks, stride_vp, stride_vs, offs_n, dim_mask,
+            k_scale_base, k_zero_base, v_scale_base, v_zero_base,
+            stride_k_scale_p, stride_k_scale_s, stride_v_scale_p, stride_v_scale_s, k_book_ptr, v_book_ptr,
+            PAGE_SIZE, DOT_PRECISION, HEAD_DIM, BLOCK_D, q_ptr.dtype.element_ty, ASM,
+            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_BOOK, K_FOLD, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM, V_BOOK, V_FOLD,
+        )
+    if V_FOLD == 3:  # the codes' sums of p * code and of p, to sums of p * value
+        v_layer_scale, v_layer_zero = _layer_scales(v_scale_base, v_zero_base, HEAD_DIM, BLOCK_D, V_GROUP, V_ASYM)
+        acc = acc * v_layer_scale[None, :] + l_i[:, None] * v_layer_zero[None, :]
+    fresh_begin = kv_end
+    if K_FRESH and V_FRESH:  # the first tile wholly in the chunk
+        fresh_begin = head_start + (tl.maximum(new_start - head_start, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    mixed_end = tl.maximum(tl.minimum(fresh_begin, unmasked_end), codes_end)
+    for tile in tl.range(codes_end, mixed_end, BLOCK_N, num_stages=1):
         acc, m_i, l_i = _prefill_tile(
             q, acc, m_i, l_i, tile, k_base, v_base, table, rows_pos, kv_end,
             qk_scale, stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d, dim_mask,
@@ -1732,7 +1843,14 @@ def _prefill_kernel(
             K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, K_BOOK, K_FRESH, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM,
             V_WINDOW, V_FLUSH, V_BOOK, V_FRESH,
         )
-    for tile in range(unmasked_end, kv_end, BLOCK_N):
+    if K_FRESH and V_FRESH:
+        for tile in range(mixed_end, unmasked_end, BLOCK_N):
+            acc, m_i, l_i = _prefill_fresh_tile(
+                q, acc, m_i, l_i, tile, k_new_base, v_new_base, new_start, stride_nt, rows_pos, kv_end, qk_scale,
+                offs_n, offs_d, dim_mask, False, DOT_PRECISION,
+            )
+    causal_split = tl.minimum(tl.maximum(fresh_begin, unmasked_end), kv_end)
+    for tile in tl.range(unmasked_end, causal_split, BLOCK_N, num_stages=1):
         acc, m_i, l_i = _prefill_tile(
             q, acc, m_i, l_i, tile, k_base, v_base, table, rows_pos, kv_end,
             qk_scale, stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d, dim_mask,
@@ -1743,6 +1861,12 @@ def _prefill_kernel(
             K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, K_BOOK, K_FRESH, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM,
             V_WINDOW, V_FLUSH, V_BOOK, V_FRESH,
         )
+    if K_FRESH and V_FRESH:
+        for tile in range(causal_split, kv_end, BLOCK_N):
+            acc, m_i, l_i = _prefill_fresh_tile(
+                q, acc, m_i, l_i, tile, k_new_base, v_new_base, new_start, stride_nt, rows_pos, kv_end, qk_scale,
+                offs_n, offs_d, dim_mask, True, DOT_PRECISION,
+            )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -1793,9 +1917,10 @@ def paged_prefill(
         return out
     cfg = prefill_launch_config(max_query_len, num_q_heads, num_kv_heads, head_dim, q.dtype, q.device)
     if any(not is_dense(c) and c.residual is not None for c in (k_cache, v_cache)):
-        # a tile then loads codes, per-slot scales, the window's and the chunk's rows for K and V:
-        # Hopper's 3-stage 128 x 128 config needed 271 KB of shared memory on the H200 (Triton 3.6)
-        cfg = replace(cfg, block_n=min(cfg.block_n, 32), num_stages=1)
+        # the general tile loads codes, per-slot scales, the window's and the chunk's rows for K and V:
+        # Hopper's 128 x 128 config needed 271 KB of shared memory on the H200 at 3 stages (Triton 3.6);
+        # its loops run one stage, the others the config's
+        cfg = replace(cfg, block_n=min(cfg.block_n, PREFILL_WINDOW_BLOCK_N))
     overrides = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     cfg = replace(cfg, **{k: val for k, val in overrides.items() if val is not None})
 
@@ -1819,6 +1944,9 @@ def paged_prefill(
                          f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")
     elif k_new.stride() != v_new.stride() or k_new.stride(-1) != 1:
         k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    # tiles start at a KV head's first slot: whole pages only without per-head starts (`_fold`)
+    tiles_in_pages = kv_starts is None and page_size % cfg.block_n == 0
+    pages_in_tiles = kv_starts is None and cfg.block_n % page_size == 0
     _prefill_kernel[grid](
         q, block_tables, cu_seqlens_q, context_lens, starts, rows_arg, resid_arg, *k_op.args(), *v_op.args(),
         k_new, v_new, k_new.stride(0), k_new.stride(1), out,
@@ -1829,7 +1957,9 @@ def paged_prefill(
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, DOT_PRECISION=_dot_precision(q.dtype),
         HAS_STARTS=kv_starts is not None, **k_op.constants("K"), **v_op.constants("V"),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        K_FOLD=_prefill_fold(k_op, head_dim, tiles_in_pages, pages_in_tiles),
+        V_FOLD=_prefill_fold(v_op, head_dim, tiles_in_pages, pages_in_tiles),
+        ASM=os.environ.get("TRITON_INTERPRET") != "1", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -17,8 +17,12 @@ from triton.compiler import ASTSource
 from kvc.compiler import attention
 
 
-def build(fn, consts: dict, pointers: dict) -> str:
-    """PTX of `fn` for sm90: constexprs from `consts`, pointer types from `pointers` (else fp32)."""
+SHARED_BYTES = 232448  # an H100/H200 block's most shared memory (227 KB)
+
+
+def build(fn, consts: dict, pointers: dict, **options) -> str:
+    """PTX of `fn` for sm90: constexprs from `consts`, pointer types from `pointers` (else fp32), launch
+    `options` (num_warps, num_stages); fails when the kernel needs more shared memory than a block has."""
     signature, constexprs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr:
@@ -28,7 +32,10 @@ def build(fn, consts: dict, pointers: dict) -> str:
             signature[name] = pointers.get(name, "*fp32")
         else:
             signature[name] = "i64" if name.startswith("stride") else "i32"
-    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                            options=options or None)
+    assert kernel.metadata.shared <= SHARED_BYTES, (fn.__name__, options, kernel.metadata.shared)
+    return kernel.asm["ptx"]
 
 
 def main(codes: str) -> None:
@@ -75,8 +82,18 @@ def main(codes: str) -> None:
                                              USE_DOT=True, DOT_PRECISION="native", HAS_STARTS=False, READ=0,
                                              HAS_LAST=False, K_FOLD=k_fold, V_FOLD=v_fold, ASM=asm, **shape, **ops),
               pointers)
+    # prefill: the fp32 parity config, and Hopper's (128 x 128 tiles, 3 stages; with a residual window, tiles of
+    # mod.PREFILL_WINDOW_BLOCK_N), codes-only tiles folding as the decode's do
     build(mod._prefill_kernel, dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, BLOCK_N=64, DOT_PRECISION="ieee",
-                                    HAS_STARTS=False, **shape, **ops), pointers)
+                                    HAS_STARTS=False, K_FOLD=0, V_FOLD=0, ASM=False, **shape, **ops), pointers)
+    windowed = ops["K_WINDOW"] or ops["V_WINDOW"]
+    block_n = mod.PREFILL_WINDOW_BLOCK_N if windowed else 128
+    for k_fold, v_fold, _ in folds[:2]:
+        # tiles of whole pages; codebook levels dequantized (`_prefill_fold`)
+        k_fold, v_fold = (0 if ops["K_BOOK"] else 4 if f == 1 and windowed else f for f in (k_fold, v_fold))
+        build(mod._prefill_kernel, dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=32, BLOCK_N=block_n, DOT_PRECISION="native",
+                                        HAS_STARTS=False, K_FOLD=k_fold, V_FOLD=v_fold, ASM=True, **shape, **ops),
+              pointers, num_warps=8, num_stages=3)
     print("compiled for sm90:", codes)
 
 

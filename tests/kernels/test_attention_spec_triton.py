@@ -178,6 +178,39 @@ def test_prefill_over_a_quantized_prefix(k_name, v_name, window, with_starts, gr
     torch.testing.assert_close(out.cpu(), want, **TOL)
 
 
+@pytest.mark.parametrize("k_name,v_name,window,with_starts,block_n,page_size", [
+    ("int4-asym-g8", "int2-sym-g16", 0, False, 16, 4),
+    ("sphere3-g16", "sphere4-g8", 0, False, 16, 8),
+    ("int8-token", "int4-asym-g8", 8, False, 16, 16),
+    ("int4-asym-g8", "dense", 8, True, 16, 4),
+    ("dense", "sphere3-g16", 0, True, 32, 4),
+])
+def test_prefill_tile_ranges(k_name, v_name, window, with_starts, block_n, page_size):
+    """Long prefixes: a block's tiles split into codes-only tiles (the decode tile's folds), general tiles
+    (windows, the chunk's first rows) and tiles of the chunk's rows only; every range, and chunks that
+    start off a tile boundary, agree with the torch prefill."""
+    gen = fresh(71 + window + block_n)
+    shapes = [(90, 20), (45, 45), (110, 7), (53, 1)]  # (length after the step, new tokens)
+    case = make_spec_case([n for n, _ in shapes], 2, HEAD_DIM, page_size, k_enc=ENCODINGS[k_name],
+                          v_enc=ENCODINGS[v_name], gen=gen, window=window, stale=float("nan"))
+    cu = torch.tensor([0, 20, 65, 72, 73], dtype=torch.int32)
+    starts = None
+    if with_starts:
+        starts = torch.stack([torch.randint(0, n - q_len + 1, (2,), generator=gen) for n, q_len in shapes]).int()
+    q = torch.randn(73, 4, HEAD_DIM, generator=gen)
+    k_new, v_new = (torch.randn(73, 2, HEAD_DIM, generator=gen) for _ in range(2))
+    want = torch_ops.paged_prefill(q, nan_free(case.k_source), nan_free(case.v_source), case.block_tables, cu,
+                                   case.context_lens, 0.2, 45, kv_starts=starts, rows=case.rows,
+                                   resid_lens=case.resid_lens, k_new=k_new, v_new=v_new)
+    out = poisoned(q.shape)
+    spec_ops.paged_prefill(q.to(DEVICE), on_device(case.k_source), on_device(case.v_source), dev(case.block_tables),
+                           dev(cu), dev(case.context_lens), 0.2, 45, out=out, kv_starts=dev(starts),
+                           rows=dev(case.rows), resid_lens=dev(case.resid_lens), k_new=k_new.to(DEVICE),
+                           v_new=v_new.to(DEVICE), block_m=16, block_n=block_n)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.cpu(), want, **TOL)
+
+
 @pytest.mark.parametrize("k_name,v_name,window", [("int4-asym-g8", "int8-token", 4), ("int2-sym-g16", "dense", 8),
                                                   ("dense", "int4-asym-g8", 0), ("sphere3-g16", "sphere4-g8", 0)])
 def test_store_quantizes_like_the_torch_store(k_name, v_name, window):
