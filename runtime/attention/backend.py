@@ -248,7 +248,7 @@ class PagedAttention:
         if self.backend == "triton" and md.num_prefills == 0 and self.store.appends_summaries:
             self.store.append_summaries(slots)  # one token per sequence: fold it in, one launch a summary
         else:
-            self.store.refresh_summaries(*last_in_page(slots, self.store.page_size, self.store.scratch_page))
+            self.store.refresh_summaries(*last_in_page(slots, self.store.page_size, self.store.scratch_page), layer_idx)
 
     def store_fresh(self, layer: int, k: torch.Tensor, v: torch.Tensor, table: list[int], row: int | None) -> None:
         """k, v [m, Hkv, D] as slots [0, m) of a sequence's layer over page table `table`, stored as

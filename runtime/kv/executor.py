@@ -48,7 +48,7 @@ class KVExecutor:
             return self._restore(batch, checked, layer, windows)
         physical = compact_tensors(self.store.token_tensors(), batch, checked=checked, backend=self.backend)
         if self.store.spec.summaries and len(physical):
-            self._refresh_rewritten(batch, physical)
+            self._refresh_rewritten(batch, physical, layer)
         return physical
 
     def _restore(self, batch: CompactionBatch, checked: bool | None, layer: int | None,
@@ -78,25 +78,25 @@ class KVExecutor:
             self.restore(layer, k, v, table, row)
         physical = batch.counts[:, 0].astype(np.int64)
         if store.spec.summaries and len(physical):
-            self._refresh_rewritten(batch, physical)
+            self._refresh_rewritten(batch, physical, layer)
         return physical
 
-    def _refresh_rewritten(self, batch: CompactionBatch, physical: np.ndarray) -> None:
-        """Summaries of pages [0, ceil(M / S)) of every job: what its compaction rewrote."""
+    def _refresh_rewritten(self, batch: CompactionBatch, physical: np.ndarray, layer: int | None) -> None:
+        """Summaries of pages [0, ceil(M / S)) of every job (layer `layer`'s): what its compaction rewrote."""
         page = self.store.page_size
         pages, lengths = [], []
         for j, m in enumerate(physical.tolist()):
             full = -(-m // page)
             pages.extend(batch.tables[j, :full].tolist())
             lengths.extend([page] * (m // page) + ([m % page] if m % page else []))
-        self.refresh_pages(pages, lengths)
+        self.refresh_pages(pages, lengths, layer)
 
-    def refresh_pages(self, pages: list[int], lengths: list[int]) -> None:
-        """Recomputes the summaries of `pages`, page i storing `lengths[i]` slots."""
+    def refresh_pages(self, pages: list[int], lengths: list[int], layer: int | None) -> None:
+        """Recomputes the summaries of `pages` (layer `layer`'s), page i storing `lengths[i]` slots."""
         if pages and self.store.spec.summaries:
             device = self.store.device
             self.store.refresh_summaries(torch.tensor(pages, dtype=torch.long, device=device),
-                                         torch.tensor(lengths, dtype=torch.long, device=device))
+                                         torch.tensor(lengths, dtype=torch.long, device=device), layer)
 
     # ---- rewrite plans --------------------------------------------------------------------------
     def rewrite(self, layer: int, page_ids: list[int], length: int, row: int | None, resid_len: int,
@@ -130,7 +130,7 @@ class KVExecutor:
         if store.spec.summaries:  # the pages' decoded values changed
             touched = sorted(set(pages.tolist()))
             stored = [min(store.page_size, length - page_ids.index(p) * store.page_size) for p in touched]
-            self.refresh_pages(touched, stored)
+            self.refresh_pages(touched, stored, layer)
         return length - plan.end
 
     # ---- copies --------------------------------------------------------------------------------

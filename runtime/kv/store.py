@@ -252,18 +252,19 @@ class KVStore:
         return torch.tensor(page_ids[:pages], dtype=torch.long, device=self.device)
 
     # ---- page summaries --------------------------------------------------------------------------
-    def refresh_summaries(self, pages: torch.Tensor, lengths: torch.Tensor, *, page_ids=None, length=None) -> None:
-        """Recomputes every summary of the given pages from their stored slots: `pages [n]` page ids,
-        `lengths [n]` the slots each page stores (1..page_size; 0: leave the page alone). Static
-        shapes, no host read: runs inside captured decode graphs (padding rows point at the scratch
-        page with length 0)."""
+    def refresh_summaries(self, pages: torch.Tensor, lengths: torch.Tensor, layer: int | None = None) -> None:
+        """Recomputes every summary of the given pages from their stored slots: `pages [n]` page ids
+        of layer `layer` (decoding codes whose scale is the layer's, FP8's, needs it), `lengths [n]`
+        the slots each page stores (1..page_size; 0: leave the page alone). Static shapes, no host
+        read: runs inside captured decode graphs (padding rows point at the scratch page with
+        length 0)."""
         if not self.spec.summaries or pages.numel() == 0:
             return
         pages = pages.long()
         slot = torch.arange(self.page_size, device=self.device)
         valid = (slot[None, :] < lengths.long()[:, None])  # [n, S]
         for which in {s.source for s in self.spec.summaries}:
-            x = self._page_values(which, pages).float()  # [n, Hkv, S, D]
+            x = self._page_values(which, pages, layer).float()  # [n, Hkv, S, D]
             for s in (s for s in self.spec.summaries if s.source == which):
                 out = self.tensors[s.tensor]
                 value = _reduce_slots(x, valid, s.fn).to(out.dtype)  # [n, Hkv, D]
@@ -286,14 +287,15 @@ class KVStore:
             enc = self.spec.keys if s.source == K else self.spec.values
             summary_kernels.append(self.tensors[s.tensor], s.fn, self.tensors[enc.tensor], slots)
 
-    def _page_values(self, which: str, pages: torch.Tensor) -> torch.Tensor:
+    def _page_values(self, which: str, pages: torch.Tensor, layer: int | None) -> torch.Tensor:
+        """K or V of `pages` (layer `layer`'s) decoded: [n, Hkv, S, D]."""
         enc = self.spec.keys if which == K else self.spec.values
         if isinstance(enc, Dense):
             return self.tensors[enc.tensor][pages]
         if isinstance(enc, LowRank):
             raise NotImplementedError(f"page summaries of low-rank {enc.latent!r}: a page's slots have no layer here")
-        zero = None if enc.zero is None else self.tensors[enc.zero][pages]
-        scale = self.scale_slots(enc.scale, None)[pages]  # a per-layer scale (FP8) has no page to read here
+        zero = None if enc.zero is None else self.scale_slots(enc.zero, layer)[pages]
+        scale = self.scale_slots(enc.scale, layer)[pages]
         return encodings.dequantize(self.tensors[enc.codes][pages], scale, zero, enc,
                                     self.head_dim(which), self.model_dtype(which))
 

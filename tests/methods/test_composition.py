@@ -6,6 +6,10 @@ unchanged:
 - with a smaller budget it keeps SnapKV's positions, chosen on the stored (FP8-decoded) keys, and
   holds SnapKV's tokens at fp8's bytes: the memory product, which the throughput plan's largest
   batch shows (about twice SnapKV's at the same memory).
+
+Quest reading FP8 pages (bench/variants/quest_fp8.kvm) likewise: fp8's spec plus Quest's page
+summaries, kept equal to the max / min of each page's stored keys as decoded with their layer's
+scale, Quest's hooks, and fp8's tokens when its budget reads every page.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from kvc.runtime.llm import LLM
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.method_api import KeepPlan
 from tests.models.tiny import make_tiny_qwen3
-from tests.runtime.test_contract_methods import Logits, greedy, prompt
+from tests.runtime.test_contract_methods import ATOL, Logits, greedy, prompt
 
 PAGE = 4
 COMPOSED = str(Path(__file__).resolve().parents[2] / "bench" / "variants" / "snapkv_fp8.kvm")
+QUEST_FP8 = str(Path(__file__).resolve().parents[2] / "bench" / "variants" / "quest_fp8.kvm")
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +38,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_qwen3(tmp_path_factory.mktemp("compose"), seed=7, num_hidden_layers=2, initializer_range=0.25)
 
 
-def make_llm(model_dir: Path, method: str, params: dict | None = None) -> LLM:
-    config = EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16", page_size=PAGE,
-                          attention_backend="torch", kv_cache_memory=2**22, method=method,
+def make_llm(model_dir: Path, method: str, params: dict | None = None, backend: str = "torch", device: str = "cpu",
+             dtype: str = "bfloat16") -> LLM:
+    config = EngineConfig(model=str(model_dir), device=device, dtype=dtype, page_size=PAGE, cuda_graphs=False,
+                          attention_backend=backend, kv_cache_memory=2**22, method=method,
                           method_params=params or {}, max_num_batched_tokens=4096)
     return LLM.from_engine(Engine(config))
 
@@ -96,3 +102,76 @@ def test_the_memory_product_in_the_throughput_plan(model_dir) -> None:
              for name in ("snapkv", COMPOSED, "fp8", "full")}
     assert plans[COMPOSED].batch >= 1.9 * plans["snapkv"].batch
     assert plans["snapkv"].batch >= 5 * plans["full"].batch and plans["fp8"].batch >= 1.9 * plans["full"].batch
+
+
+def quest_params(budget: int, **extra) -> dict:
+    return {"budget": budget, "page_size": PAGE, "dense_layers": 0, **extra}
+
+
+def test_quest_over_fp8_is_fp8s_spec_with_quests_summaries_and_hooks(model_dir) -> None:
+    composed = make_llm(model_dir, QUEST_FP8, quest_params(8)).engine
+    fp8, quest = make_llm(model_dir, "fp8").engine, make_llm(model_dir, "quest", quest_params(8)).engine
+    spec, fp8_spec, quest_spec = (e.attention.store.spec for e in (composed, fp8, quest))
+    assert (spec.keys, spec.values) == (fp8_spec.keys, fp8_spec.values) and spec.summaries == quest_spec.summaries
+    assert composed.method.hooks == quest.method.hooks
+    assert spec.bytes_per_token(2) * 2 == quest_spec.bytes_per_token(2)
+
+
+def test_quest_over_fp8_reading_every_page_is_fp8(model_dir) -> None:
+    """A budget covering the context reads every page (fp8's greedy tokens; the logits differ only by the
+    order a read plan sums in), and two pages read give other tokens (the plans are real)."""
+    prompts = [prompt(n, seed) for n, seed in ((23, 1), (30, 2))]
+    fp8 = [o.token_ids for o in make_llm(model_dir, "fp8").generate(prompts, [greedy(8) for _ in prompts])]
+    wide = make_llm(model_dir, QUEST_FP8, quest_params(256)).generate(prompts, [greedy(8) for _ in prompts])
+    assert [o.token_ids for o in wide] == fp8
+    narrow = make_llm(model_dir, QUEST_FP8, quest_params(8)).generate(prompts, [greedy(8) for _ in prompts])
+    assert [o.token_ids for o in narrow] != fp8
+
+
+def test_quest_summaries_over_fp8_are_the_pages_stored_keys(model_dir, monkeypatch) -> None:
+    """Every refresh leaves each page's kmax / kmin equal to the max / min over its stored slots of
+    the FP8 codes times the page's layer's key scale (set apart per layer here, as checkpoint scales
+    would be), written here from the format's definition; a budget of two pages makes the decode
+    read plans real."""
+    llm = make_llm(model_dir, QUEST_FP8, quest_params(8))
+    store = llm.engine.attention.store
+    store["k_scale"][0].fill_(0.5)
+    store["k_scale"][1].fill_(0.125)
+    checked = []
+    refresh = store.refresh_summaries
+
+    def spy(pages, lengths, layer=None):
+        refresh(pages, lengths, layer)
+        scale = store["k_scale"][layer].float()  # [Hkv, 1]
+        assert bool((scale > 0).all()), layer
+        for page, n in zip(pages.tolist(), lengths.tolist()):
+            if n == 0:
+                continue
+            keys = (store["k_codes"][page, :, :n].float() * scale[:, None, :]).to(torch.bfloat16)  # [Hkv, n, D]
+            torch.testing.assert_close(store["kmax"][page], keys.amax(dim=1), atol=0, rtol=0)
+            torch.testing.assert_close(store["kmin"][page], keys.amin(dim=1), atol=0, rtol=0)
+            checked.append(layer)
+
+    monkeypatch.setattr(store, "refresh_summaries", spy)
+    out = llm.generate([prompt(37, 4), prompt(26, 5)], [greedy(6), greedy(6)])
+    assert all(len(o.token_ids) == 6 for o in out)
+    assert set(checked) == {0, 1} and len(checked) > 20
+
+
+def test_quest_over_fp8_on_the_triton_kernels(model_dir, monkeypatch) -> None:
+    """The generated Triton kernels (read-plan decode over FP8 codes; interpreted on a machine without a
+    GPU) give the torch ops' tokens and logits, in float32."""
+    pytest.importorskip("triton")
+    from tests.kernels.paged_cases import triton_device_and_ops
+
+    device, _ = triton_device_and_ops("spec")
+    spy = Logits(monkeypatch)
+    prompts = [prompt(n, seed) for n, seed in ((29, 6), (18, 7))]
+    want_params, got_params = [greedy(5) for _ in prompts], [greedy(5) for _ in prompts]
+    want = make_llm(model_dir, QUEST_FP8, quest_params(8), dtype="float32").generate(prompts, want_params)
+    llm = make_llm(model_dir, QUEST_FP8, quest_params(8), backend="triton", device=device.type, dtype="float32")
+    assert llm.engine.attention.variant == "spec"
+    got = llm.generate(prompts, got_params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(want_params, got_params):
+        torch.testing.assert_close(spy.of(b).cpu(), spy.of(a), atol=ATOL, rtol=1e-4)
