@@ -13,7 +13,9 @@ and up projections, keys stored before RoPE. runtime/kv/lowrank.py is the arithm
   position first) and written at their slots; device ops only, no host read (CUDA-graph safe).
 - `paged_decode`: one Triton program per (sequence, KV head, split) reads its group's latent
   tiles once, rebuilds the head's keys in registers (`latent @ up^T`, as two halves, then RoPE at
-  the slots' positions from the model's frequencies) and attends; values stay in the latent: the program
+  the slots' positions from the model's frequencies) and attends; keys stored after RoPE are not
+  rebuilt: the query absorbs their up projection (`(q up) . latent`, `r` multiply-adds a token and
+  query head instead of `2 r D` for the rebuild); values stay in the latent: the program
   accumulates `p @ latent_v`, and after the splits are merged one GEMM applies the value up
   projection (absorbed: no value is ever rebuilt per token). No dense copy of the cache.
 - `paged_prefill`: the decompressed form. The chunk's sequences' stored tokens of this layer are
@@ -72,9 +74,10 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HALF: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    # Keys are rebuilt as their two halves, x1 = L up[:D/2]^T and x2 = L up[D/2:]^T: RoPE's rotate-half
-    # pairs are then (x1 cos - x2 sin, x2 cos + x1 sin), and q . k = q1 . k1 + q2 . k2, with no permute
-    # and no second product for the rotated copy.
+    # Keys stored before RoPE (ROPE) are rebuilt as their two halves, x1 = L up[:D/2]^T and x2 = L up[D/2:]^T:
+    # RoPE's rotate-half pairs are then (x1 cos - x2 sin, x2 cos + x1 sin), and q . k = q1 . k1 + q2 . k2,
+    # with no permute and no second product for the rotated copy. Keys stored after RoPE are never rebuilt:
+    # q . (L up^T) = (q up) . L, the query's projection taken once per program.
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = tl.load(lens_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(context, num_splits), BLOCK_N) * BLOCK_N
@@ -99,6 +102,10 @@ def _decode_split_kernel(
     up2 = tl.load(up + half * stride_ud, mask=up_mask, other=0.0)
     if ROPE:
         freq = tl.load(freq_ptr + dims, mask=dim_mask, other=0.0)
+        q_abs = tl.zeros([BLOCK_H, BLOCK_R], q1.dtype)  # unused
+    else:  # keys stored after RoPE: the query absorbs the key up projection, q up [BLOCK_H, R], once
+        q_abs = tl.dot(q1, tl.trans(up1), input_precision=PRECISION)
+        q_abs = (q_abs + tl.dot(q2, tl.trans(up2), input_precision=PRECISION)).to(q1.dtype)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
@@ -109,14 +116,16 @@ def _decode_split_kernel(
         rows = pages.to(tl.int64) * stride_lp + (tokens % PAGE_SIZE) * stride_ls
         tile_mask = token_mask[:, None] & rank_mask[None, :]
         latent = tl.load(k_ptr + rows[:, None] + columns[None, :], mask=tile_mask, other=0.0)
-        x1 = tl.dot(latent, up1, input_precision=PRECISION)  # [BLOCK_N, D/2] float32
-        x2 = tl.dot(latent, up2, input_precision=PRECISION)
         if ROPE:
+            x1 = tl.dot(latent, up1, input_precision=PRECISION)  # [BLOCK_N, D/2] float32
+            x2 = tl.dot(latent, up2, input_precision=PRECISION)
             angles = tokens.to(tl.float32)[:, None] * freq[None, :]
             cos, sin = tl.cos(angles), tl.sin(angles)
             x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-        qk = tl.dot(q1, tl.trans(x1.to(q1.dtype)), input_precision=PRECISION)
-        qk = (qk + tl.dot(q2, tl.trans(x2.to(q2.dtype)), input_precision=PRECISION)) * scale_log2
+            qk = tl.dot(q1, tl.trans(x1.to(q1.dtype)), input_precision=PRECISION)
+            qk = (qk + tl.dot(q2, tl.trans(x2.to(q2.dtype)), input_precision=PRECISION)) * scale_log2
+        else:
+            qk = tl.dot(q_abs, tl.trans(latent.to(q_abs.dtype)), input_precision=PRECISION) * scale_log2
         qk = tl.where(token_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)

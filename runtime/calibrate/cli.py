@@ -134,9 +134,13 @@ def _low_rank(a: argparse.Namespace, name: str, manifest: dict, params: dict, fo
                                                                                                   dtype)
     mspec = loaded.spec
     spec = CompiledMethod(name, manifest, params, folder).kv_spec(mspec.num_kv_heads, mspec.head_dim, torch.float32, 16)
+    after_rope = isinstance(spec.keys, LowRank) and not spec.keys.prerope
+    if a.decompose == "svd" and after_rope:
+        raise ConfigError(f"method {name!r} stores keys after RoPE, which the K weights' SVD does not span: use "
+                          "--decompose whiten", param="decompose")
     if a.decompose == "whiten":
         batches, source = _calibration_ids(a, model_dir, mspec.vocab_size, loaded.model.embed_tokens.weight.device)
-        moments = lowrank.covariances(loaded.model, batches)
+        moments = lowrank.covariances(loaded.model, batches, prerope=not after_rope)
         how = f"whitened by {sum(len(b) for b in batches)} tokens of {source}"
     else:
         how = "SVD of the K/V projection weights"

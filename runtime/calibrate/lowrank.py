@@ -3,15 +3,16 @@
 Two decompositions, Palu's (its `--decompose_method`): for each layer and group G of g KV heads,
 the projection keeps the first r directions of
 
-- `whiten` (the default): the keys the cache stores (before RoPE) and the values, over calibration
-  text: the top-r eigenvectors of `K_G^T K_G` [g D, g D] (the second moment of the group's rows,
-  accumulated in float64). Since `K_G = X W_G^T`, this is the SVD of the projection weights
+- `whiten` (the default): the keys the cache stores (before RoPE, or after it for a spec that stores
+  them so) and the values, over calibration text: the top-r eigenvectors of `K_G^T K_G` [g D, g D]
+  (the second moment of the group's rows, accumulated in float64). Since `K_G = X W_G^T`, this is the SVD of the projection weights
   whitened by the inputs' second moment (SVD-LLM's data-aware decomposition, which Palu uses): the
   best rank-r projection of the keys and values the model really produces;
 - `svd`: the K (V) projection's weight rows of the group, each head's rows times its k-norm weight
   where the model has one, the bias as one more column: their first r left singular vectors `U_r`
   (Eckart-Young over every input direction alike). With a k-norm each head is divided by its own
   RMS, so for groups of several heads this subspace is exact only up to those per-head scales.
+  Keys stored after RoPE are outside it (RoPE rotates them out of the weights' span): whiten only.
 
 Both give an orthonormal basis U [g D, r], used as down and as up: latent = x_G @ U, x_G ~ latent
 @ U^T. Ranks are uniform across layers: Palu's Fisher-information rank allocation is not done.
@@ -58,10 +59,11 @@ def weight_projections(model, group: int, rank: int) -> dict[str, torch.Tensor]:
     return {"k": torch.stack(keys), "v": torch.stack(values)}
 
 
-def covariances(model, batches: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+def covariances(model, batches: list[torch.Tensor], prerope: bool = True) -> dict[str, list[torch.Tensor]]:
     """{"k": [...], "v": [...]}: per layer, the float64 second moment [Hkv D, Hkv D] of the keys the
-    cache stores (rotated back to position 0) and of the values, over `batches` of token ids (each
-    one sequence from position 0), with plain causal attention in between."""
+    cache stores (`prerope`: rotated back to position 0; else as RoPE leaves them) and of the values,
+    over `batches` of token ids (each one sequence from position 0), with plain causal attention in
+    between."""
     from kvc.runtime.kv.lowrank import rope
 
     inv_freq = model.rotary.inv_freq
@@ -69,8 +71,8 @@ def covariances(model, batches: list[torch.Tensor]) -> dict[str, list[torch.Tens
 
     def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(k.shape[0], device=k.device)
-        pre = rope(k.transpose(0, 1), positions, inv_freq, inverse=True).transpose(0, 1)  # [T, Hkv, D]
-        for name, x in (("k", pre), ("v", v)):
+        stored = rope(k.transpose(0, 1), positions, inv_freq, inverse=True).transpose(0, 1) if prerope else k
+        for name, x in (("k", stored), ("v", v)):  # [T, Hkv, D]
             flat = x.reshape(x.shape[0], -1).double()
             if len(moments[name]) <= layer:
                 moments[name].append(torch.zeros(flat.shape[1], flat.shape[1], dtype=torch.float64, device=x.device))

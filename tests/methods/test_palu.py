@@ -46,10 +46,14 @@ def hf(model_dir: Path):
     return load_hf(model_dir)
 
 
-def calibrated(model_dir: Path, out: Path, decompose: str = "svd", **params) -> Path:
-    """`kvc calibrate palu --model DIR --out OUT/palu.safetensors --decompose D --method-param k=v ...`:
-    the folder (`svd` by default: the reference's projections)."""
-    args = argparse.Namespace(method="palu", model=str(model_dir), out=str(out / "palu.safetensors"),
+POSTROPE = str(Path(__file__).resolve().parents[2] / "bench" / "variants" / "palu_postrope.kvm")
+
+
+def calibrated(model_dir: Path, out: Path, decompose: str = "svd", method: str = "palu", **params) -> Path:
+    """`kvc calibrate METHOD --model DIR --out OUT/FILE --decompose D --method-param k=v ...` (FILE: the
+    method's input file): the folder (`svd` by default: the reference's projections)."""
+    file = "palu_postrope.safetensors" if method == POSTROPE else "palu.safetensors"
+    args = argparse.Namespace(method=method, model=str(model_dir), out=str(out / file),
                               method_param=[f"{k}={v}" for k, v in params.items()], device="cpu",
                               decompose=decompose, calibration=None, samples=3, context=24, seed=5)
     assert calibrate(args) == 0
@@ -65,8 +69,8 @@ def inputs(model_dir: Path, tmp_path_factory) -> Path:
 PARAMS = {"ratio": 0.5, "heads_per_group": 2}
 
 
-def make_llm(model_dir: Path, inputs: Path, params: dict = PARAMS, **options) -> LLM:
-    config = EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory=2**22, method="palu",
+def make_llm(model_dir: Path, inputs: Path, params: dict = PARAMS, method: str = "palu", **options) -> LLM:
+    config = EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory=2**22, method=method,
                           method_params=params, method_inputs=str(inputs),
                           **{"max_num_batched_tokens": 4096, "device": "cpu", **options})
     return LLM.from_engine(Engine(config))
@@ -171,6 +175,34 @@ def test_other_groupings_equal_the_reference(model_dir, hf, tmp_path, monkeypatc
     p, sp = prompt(19, 6), greedy(6)
     out = llm.generate(p, sp)[0]
     check(out.token_ids, spy.of(sp), ref.generate(hf, session(hf, group, 8 * group), p, 6))
+
+
+def test_keys_after_rope_equal_the_reference(model_dir, hf, tmp_path, monkeypatch) -> None:
+    """bench/variants/palu_postrope.kvm caches keys after RoPE, whitened by post-RoPE keys (the svd of the
+    weights does not span them: refused), and its decode never rebuilds a key (the query absorbs the up
+    projection): the reference with keys projected as the model gives them, chunked and in a batch."""
+    params = {"ratio": 0.5, "heads_per_group": 2}
+    folder = calibrated(model_dir, tmp_path, "whiten", method=POSTROPE, **params)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, hf.config.vocab_size, (3 * 24,), generator=gen).view(3, 24).tolist()
+    bases = ref.whitened_bases(hf, ids, 2, 16, prerope=False)
+    got = load_input(folder / "palu_postrope.safetensors", "k_down")
+    u = got[1, :2].reshape(2 * HEAD_DIM, 16).double()
+    w = torch.from_numpy(bases[1]["k"][0])
+    torch.testing.assert_close(u @ u.T, w @ w.T, atol=1e-4, rtol=0)
+    before = torch.from_numpy(ref.whitened_bases(hf, ids, 2, 16)[1]["k"][0])
+    assert (before @ before.T - w @ w.T).abs().max() > 1e-2  # RoPE moves the keys' principal directions
+    spy = Logits(monkeypatch)
+    llm = make_llm(model_dir, folder, params, method=POSTROPE, max_num_batched_tokens=16, max_prefill_chunk=16)
+    assert not llm.engine.attention.store.spec.prerope
+    prompts = [prompt(n, seed) for n, seed in ((23, 3), (9, 4))]
+    sps = [greedy(8) for _ in prompts]
+    inv_freq = hf.model.rotary_emb.inv_freq.detach().float()
+    for p, out, sp in zip(prompts, llm.generate(prompts, sps), sps):
+        want = ref.generate(hf, ref.Session(bases, inv_freq, prerope=False), p, 8, chunk=16)
+        check(out.token_ids, spy.of(sp), want)
+    with pytest.raises(ConfigError, match="whiten"):
+        calibrated(model_dir, tmp_path / "svd", "svd", method=POSTROPE, **params)
 
 
 def test_full_rank_is_full(model_dir, tmp_path) -> None:

@@ -13,6 +13,8 @@ code: numpy SVD for the projections, its own RoPE, a Hugging Face model for ever
   latent @ U^T, keys then rotated to their position.
 - A prefill chunk attends to its own tokens as computed and to earlier ones as the cache holds
   them; a decode step attends to everything as the cache holds it, its own token included.
+- Keys cached after RoPE (`prerope=False`, bench/variants/palu_postrope.kvm): the model's keys
+  projected as they are and read back as they are, the whitening over those keys.
 """
 
 from __future__ import annotations
@@ -50,17 +52,18 @@ def bases(model: PreTrainedModel, group: int, rank: int) -> list[dict[str, np.nd
     return out
 
 
-def whitened_bases(model: PreTrainedModel, batches: list[list[int]], group: int,
-                   rank: int) -> list[dict[str, np.ndarray]]:
+def whitened_bases(model: PreTrainedModel, batches: list[list[int]], group: int, rank: int,
+                   prerope: bool = True) -> list[dict[str, np.ndarray]]:
     """Per layer, {"k": U [groups, g D, r], "v": ...}: the top-r eigenvectors of each group's second
-    moment of the keys before RoPE (the model's keys rotated back by their positions) and of the
-    values, over `batches` of ids (each from position 0)."""
+    moment of the keys before RoPE (the model's keys rotated back by their positions; `prerope`
+    False: the keys as the model gives them) and of the values, over `batches` of ids (each from
+    position 0)."""
     moments: dict = {}
     inv_freq = model.model.rotary_emb.inv_freq.detach().float()
 
     def record(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         layer, n = module.layer_idx, key.shape[2]
-        pre = rope(key[0].float(), torch.arange(n), inv_freq, sign=-1.0)  # [Hkv, n, D]
+        pre = rope(key[0].float(), torch.arange(n), inv_freq, sign=-1.0) if prerope else key[0].float()
         for name, x in (("k", pre), ("v", value[0].float())):
             flat = x.permute(1, 0, 2).reshape(n, -1).double().numpy()
             moments[layer, name] = moments.get((layer, name), 0) + flat.T @ flat
@@ -99,6 +102,7 @@ class Session:
 
     bases: list[dict[str, np.ndarray]]
     inv_freq: torch.Tensor
+    prerope: bool = True  # keys cached before RoPE (else as the model gives them)
     decoding: bool = False
     latents: dict = field(default_factory=dict)  # (layer, "k"|"v") -> [groups, n, r]
 
@@ -141,10 +145,10 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     k, v = key[0].float(), value[0].float()  # [Hkv, c, D], keys after RoPE
     heads, c = k.shape[0], k.shape[1]
     start = s.length(layer)
-    s.store(layer, "k", rope(k, torch.arange(start, start + c), s.inv_freq, sign=-1.0))
+    s.store(layer, "k", rope(k, torch.arange(start, start + c), s.inv_freq, sign=-1.0) if s.prerope else k)
     s.store(layer, "v", v)
     n = start + c
-    keys = rope(s.read(layer, "k", heads), torch.arange(n), s.inv_freq)
+    keys = rope(s.read(layer, "k", heads), torch.arange(n), s.inv_freq) if s.prerope else s.read(layer, "k", heads)
     values = s.read(layer, "v", heads)
     if not s.decoding:  # a prefill chunk reads itself as computed
         keys[:, start:], values[:, start:] = k, v
