@@ -5,9 +5,10 @@ the projection keeps the first r directions of
 
 - `whiten` (the default): the keys the cache stores (before RoPE, or after it for a spec that stores
   them so) and the values, over calibration text: the top-r eigenvectors of `K_G^T K_G` [g D, g D]
-  (the second moment of the group's rows, accumulated in float64). Since `K_G = X W_G^T`, this is the SVD of the projection weights
-  whitened by the inputs' second moment (SVD-LLM's data-aware decomposition, which Palu uses): the
-  best rank-r projection of the keys and values the model really produces;
+  (the second moment of the group's rows, accumulated in float64). Since `K_G = X W_G^T`, this is
+  the SVD of the projection weights whitened by the inputs' second moment (SVD-LLM's data-aware
+  decomposition, which Palu uses): the best rank-r projection of the keys and values the model
+  really produces;
 - `svd`: the K (V) projection's weight rows of the group, each head's rows times its k-norm weight
   where the model has one, the bias as one more column: their first r left singular vectors `U_r`
   (Eckart-Young over every input direction alike). With a k-norm each head is divided by its own
