@@ -51,7 +51,8 @@ class ReadHook:
 
     def __init__(self, name: str, fn: Callable, inputs: list[str], summaries: set[str],
                  lowering: Any = None, fused: Callable[[], Callable | None] | None = None,
-                 tokens: bool = False, clusters: dict | None = None) -> None:
+                 tokens: bool = False, clusters: dict | None = None, why: str | None = None) -> None:
+        """`why`: what the compiler said of the method's KV spec (a summary it could not store, ...)."""
         self.name, self.fn, self.tokens = name, fn, tokens
         self.indices: ClusterIndices | None = None  # the sequences' cluster indices (a read over clusters)
         if clusters is not None:
@@ -71,17 +72,18 @@ class ReadHook:
         if unknown:
             raise ConfigError(f"method {name!r}: decode_before_attention reading {', '.join(sorted(unknown))} is not "
                               "served yet (a page read gets q and the page summaries, a token read q and the stored "
-                              "keys)", param="method")
+                              "keys)" + (f"; the compiler's KV spec: {why}" if why else ""), param="method")
 
     @classmethod
     def of(cls, code: GeneratedCode) -> ReadHook | None:
         facts = code.facts.get(READ_HOOK)
         if facts is None or not (facts.get("reads") or facts.get("tokens")):
             return None
-        summaries = {s["tensor"] for s in code.manifest.get("kv_spec", {}).get("summaries", [])}
+        kv_spec = code.manifest.get("kv_spec", {})
+        summaries = {s["tensor"] for s in kv_spec.get("summaries", [])}
         fused = (lambda: code.fused(READ_HOOK)) if READ_HOOK in code.fused_names else None
         return cls(code.name, code.required(READ_HOOK), facts["inputs"], summaries, code.lowering, fused,
-                   bool(facts.get("tokens")), facts.get("clusters"))
+                   bool(facts.get("tokens")), facts.get("clusters"), kv_spec.get("reason"))
 
     def plan(self, layer: int, num_layers: int, view: DecodeView, params: dict[str, Any],
              fused_devices: tuple[str, ...] = ()) -> ReadPlan | None:
