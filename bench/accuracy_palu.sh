@@ -8,11 +8,13 @@
 # projections are always calibrated. Results land in $1 (default bench/results/accuracy_palu): eval{R}.json,
 # table{R}.md, eval.log.
 # Usage: bash bench/accuracy_palu.sh [OUT] ; env METHOD, RATIOS, TASKS, PARAMS (more --method-param, e.g.
-# heads_per_group=3).
+# heads_per_group=3), CALIBRATION (more `kvc calibrate` options, e.g. "--context 4096 --samples 4": keys after
+# RoPE need calibration positions as long as the eval's).
 set -euo pipefail
 out=${1:-bench/results/accuracy_palu}
 mkdir -p "$out"
 read -ra extra <<< "${PARAMS:-}"
+read -ra calibration <<< "${CALIBRATION:-}"
 args=()
 for p in "${extra[@]}"; do args+=(--method-param "$p"); done
 method=${METHOD:-palu}
@@ -20,7 +22,7 @@ file=$(basename "$method" .kvm).safetensors
 for ratio in ${RATIOS:-0.5}; do
   inputs=()
   if [[ "$ratio" != "0.5" || ${#args[@]} -gt 0 || "$method" != palu ]]; then
-    kvc calibrate "$method" --method-param "ratio=$ratio" "${args[@]}" --out "$out/inputs-$ratio/$file" \
+    kvc calibrate "$method" --method-param "ratio=$ratio" "${args[@]}" "${calibration[@]}" --out "$out/inputs-$ratio/$file" \
       >> "$out/eval.log" 2>&1
     inputs=(--method-inputs "$out/inputs-$ratio")
   fi
