@@ -518,6 +518,16 @@ def paged_decode(
 
 
 @triton.jit
+def _softmax_step(qk, m_i, l_i):
+    # one tile of the online softmax (base 2): the new running max, the old sums' rescale, the tile's
+    # probabilities and the new running sum
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _prefill_tile(
     q, acc, m_i, l_i, tile, k_base, v_base, table, rows_pos, kv_end,
     qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
@@ -535,10 +545,7 @@ def _prefill_tile(
     if CAUSAL:
         visible = (tokens[None, :] <= rows_pos[:, None]) & token_mask[None, :]
         qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = _softmax_step(qk, m_i, l_i)
     v = tl.load(v_base + pages[:, None] * stride_vp + in_page[:, None] * stride_vs + offs_d[None, :],
                 mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_PRECISION)

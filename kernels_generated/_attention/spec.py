@@ -1608,6 +1608,16 @@ def paged_decode(
 
 
 @triton.jit
+def _softmax_step(qk, m_i, l_i):
+    # one tile of the online softmax (base 2): the new running max, the old sums' rescale, the tile's
+    # probabilities and the new running sum
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _prefill_tile(
     q, acc, m_i, l_i, tile, k_base, v_base, table, rows_pos, kv_end,
     qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
@@ -1636,10 +1646,7 @@ def _prefill_tile(
     if CAUSAL:
         visible = (tokens[None, :] <= rows_pos[:, None]) & token_mask[None, :]
         qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = _softmax_step(qk, m_i, l_i)
     v = _load_operand(
         v_base, v_scale_base, v_zero_base, v_resid_base, pages, in_page, tokens, token_mask, kv_mask, v_resid_start,
         stride_vp, stride_vs, stride_v_scale_p, stride_v_scale_s, stride_v_resid_s, HEAD_DIM, BLOCK_D,
@@ -1681,10 +1688,7 @@ def _prefill_codes_tile(
     if K_FOLD == 3:
         qk += k_bias[:, None]
     qk = tl.where(token_mask[None, :], qk * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = _softmax_step(qk, m_i, l_i)
     pv = _value_product(
         p, v_base, v_scale_base, v_zero_base, v_base, pages, in_page, tokens, token_mask, kv_mask, kv_end,
         stride_vp, stride_vs, stride_v_scale_p, stride_v_scale_s, 0, HEAD_DIM, BLOCK_D, V_BITS, V_PER_ELEMENT,
@@ -1710,10 +1714,7 @@ def _prefill_fresh_tile(
     if CAUSAL:
         visible = (tokens[None, :] <= rows_pos[:, None]) & token_mask[None, :]
         qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = _softmax_step(qk, m_i, l_i)
     v = tl.load(v_new_base + at, mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_PRECISION)
     return acc, m_new, l_i
