@@ -23,6 +23,7 @@ import jinja2
 from kvc.compiler import budgets as budget_pass
 from kvc.compiler import attention, contract_code, fusion, hook_facts, kv_spec, legality, lower_torch
 from kvc.compiler.ir import MethodIR, NotLowerable, build
+from kvc.dsl import ast
 
 COMPILER_VERSION = "0.1.0"
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
@@ -199,10 +200,12 @@ def generate(path: str | Path, params: dict | None = None) -> dict[str, str]:
 
 def _bare_ir(checked) -> MethodIR:
     """The header, parameters and source hash of a method that could not be lowered."""
-    from kvc.compiler.ir import ParamIR, _display_path, _formula
+    from kvc.compiler.ir import InputIR, ParamIR, _display_path, _formula
 
     path = Path(checked.path)
     return MethodIR(name=checked.name, family=checked.family, path=_display_path(path),
                     source_sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
                     params=[ParamIR(n, str(p.type), checked.values[n]) for n, p in checked.params.items()],
-                    values=dict(checked.values), lets={n: _formula(e, checked.lets) for n, e in checked.lets.items()})
+                    values=dict(checked.values), lets={n: _formula(e, checked.lets) for n, e in checked.lets.items()},
+                    inputs=[InputIR(d.name.name, tuple(x.name for x in d.shape.dims), d.source.value)
+                            for d in checked.method.items if isinstance(d, ast.Input)])  # trainable before lowering

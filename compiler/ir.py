@@ -551,7 +551,7 @@ def build(checked, source: bytes | None = None) -> MethodIR:
     )
     for decl in checked.method.items:
         if isinstance(decl, ast.Store):
-            method.stores.append(f"store {decl.target.name}")
+            method.stores.append(f"store {', '.join(t.name for t in decl.targets)}")
         if isinstance(decl, ast.State):
             if decl.shared:
                 if not isinstance(checked.bindings[decl.name.name].type, Selection):
@@ -585,6 +585,10 @@ def _lowerable_stores(checked) -> None:
     quantizes (token by token, or a block at a time for groups over tokens) or projects, and
     attention decodes, from the KV spec alone."""
     for decl in (d for d in checked.method.items if isinstance(d, ast.Store)):
+        if decl.where is not None:
+            raise NotLowerable("a store for some layers (`where layer ...`) needs per-layer storage classes, which the "
+                               "engine does not have yet (its pages hold one layout for every layer; docs/design.md, "
+                               "\"DeltaKV\")", decl.pos)
         stages = [c.func.name for c in decl.codecs if isinstance(c, ast.Call)]
         body = stages[1:] if stages[:1] == ["rotate"] else stages
         if body == ["project"] and decl.exempt is None:

@@ -139,6 +139,35 @@ class LowRank:
 
 
 @dataclass(frozen=True)
+class Delta:
+    """`store k, v as residual(nearest(every = n, count = m)) then project(down[layer], up[layer], group = g,
+    bias = b[layer], prerope = p) except first s + last r where LAYERS` (DeltaKV): one code for a token's
+    keys and values, relative to the mean of its m nearest centers (the first s tokens and every n-th
+    token of each compressed block, kept raw); the newest tokens raw in a window (r, up to 2 r); only
+    the layers LAYERS selects (`layers`: {"param": P, "member": bool} for `layer [not] in P`); the
+    other layers store K and V dense (docs/design.md, "DeltaKV")."""
+
+    latent: str
+    down: str
+    up: str
+    bias: str | None
+    group: object  # sympy: KV heads per code (written; the runtime takes its gcd with the model's)
+    share: object  # sympy: code channels each KV head stores
+    prerope: bool
+    every: object  # sympy
+    count: object  # sympy
+    sink: object  # sympy
+    recent: object  # sympy
+    layers: dict
+
+    def to_json(self) -> dict:
+        return {"kind": "delta", "latent": self.latent, "down": self.down, "up": self.up, "bias": self.bias,
+                "group": _text(self.group), "share": _text(self.share), "prerope": self.prerope,
+                "every": _text(self.every), "count": _text(self.count), "sink": _text(self.sink),
+                "recent": _text(self.recent), "layers": self.layers}
+
+
+@dataclass(frozen=True)
 class Param:
     """A storage choice made by a parameter (its value is one of the enum's members)."""
 
@@ -170,8 +199,8 @@ class SummaryDesc:
 
 @dataclass
 class SpecDesc:
-    keys: Dense | Quantized | LowRank | Unmapped
-    values: Dense | Quantized | LowRank | Unmapped
+    keys: Dense | Quantized | LowRank | Delta | Unmapped
+    values: Dense | Quantized | LowRank | Delta | Unmapped
     tensors: list[TensorDesc] = field(default_factory=list)
     summaries: list[SummaryDesc] = field(default_factory=list)
     head_starts: bool = False
@@ -226,6 +255,11 @@ class _Deriver:
         if decl is None:
             return Dense(which), [TensorDesc(which, "token", MODEL, (HEAD_DIM,))]
         text = " then ".join(source_of(c) for c in decl.codecs)
+        if decl.where is not None:
+            self.unfit(decl.where, f"store {which} as {text} where {source_of(decl.where)}: of the stores for some "
+                                   "layers, the spec holds DeltaKV's joint code only (`store k, v as "
+                                   "residual(nearest(...)) then project(...)`)")
+            return Unmapped(text), []
         if decl.exempt is not None:
             text += f" except {source_of(decl.exempt)}"
         codecs = [c for c in decl.codecs if isinstance(c, ast.Call)]
@@ -291,6 +325,61 @@ class _Deriver:
                    TensorDesc(names[0][0], "layer", MODEL, (HEAD_DIM, heads * share)),
                    TensorDesc(names[1][0], "layer", MODEL, (HEAD_DIM, heads * share))]
         return enc, tensors
+
+    def delta(self, decl: ast.Store):
+        """`store k, v as residual(nearest(...)) then project(...) except first s + last r where ...` (`Delta`):
+        tensors `kv_latent` (TOKEN [code / group]), `kv_neighbours` (TOKEN int32 [count]: the positions of a
+        token's centers), `kv_centers` (PAGE [page_size / every, 2 head_dim]: each center's keys before RoPE
+        and values), `kv_sinks` and `kv_window` (SEQ [s, 2 head_dim], [2 r, 2 head_dim]: raw tokens), and the
+        projections (LAYER [2 head_dim, code], K's rows then V's) and bias (LAYER [2 head_dim])."""
+        fails = len(self.reasons)
+        text = f"store k, v as {' then '.join(source_of(c) for c in decl.codecs)}"
+        residual, project = decl.codecs
+        near = residual.args[0] if isinstance(residual, ast.Call) and residual.args else None
+        if not (isinstance(near, ast.Call) and near.func.name == "nearest"):
+            self.unfit(decl, f"{text}: a joint code is relative to `nearest(every = n, count = m)` centers")
+            return Unmapped(text), []
+        every = self.scalar(near.kwarg("every"), near, "the center stride")
+        count = self.scalar(near.kwarg("count"), near, "the neighbours")
+        mapped = self.project("kv", project)
+        sink = recent = sp.Integer(0)
+        for part in _ranges(decl.exempt):
+            value = self.scalar(part.count, part, "the raw tokens")
+            if part.kind == "first":
+                sink = value
+            else:
+                recent = value
+        layers = self.layers(decl)
+        if len(self.reasons) > fails or mapped is None or every is None or count is None or layers is None:
+            return Unmapped(text), []
+        low, tensors = mapped
+        bias = project.kwarg("bias")
+        bias_name = (bias.value if isinstance(bias, ast.Subscript) else bias).id if bias is not None else None
+        enc = Delta(low.latent, low.down, low.up, bias_name, low.group, low.share, low.prerope, every, count, sink,
+                    recent, layers)
+        width = 2 * HEAD_DIM
+        group = sp.Symbol("kv_group")
+        tensors = [tensors[0], TensorDesc("kv_neighbours", "token", "int32", (count,)),
+                   TensorDesc("kv_centers", "page", MODEL, (PAGE_SIZE / every, width)),
+                   TensorDesc("kv_sinks", "seq", MODEL, (sink, width)),
+                   TensorDesc("kv_window", "seq", MODEL, (2 * recent, width)),
+                   TensorDesc(low.down, "layer", MODEL, (width, group * low.share)),
+                   TensorDesc(low.up, "layer", MODEL, (width, group * low.share))]
+        if bias_name is not None:
+            tensors.append(TensorDesc(bias_name, "layer", MODEL, (width,)))
+        return enc, tensors
+
+    def layers(self, decl: ast.Store) -> dict | None:
+        """The layers a store applies to: every one, or `where layer [not] in P` (P a list parameter)."""
+        where = decl.where
+        if where is None:
+            return {}
+        if (isinstance(where, ast.Compare) and where.op in ("in", "not in") and isinstance(where.left, ast.Name)
+                and where.left.id == "layer" and isinstance(where.right, ast.Name) and where.right.id in self.params):
+            return {"param": where.right.id, "member": where.op == "in"}
+        self.unfit(where, f"where {source_of(where)}: the spec's per-layer stores take `layer in P` or `layer not in "
+                          "P`, P a list parameter")
+        return None
 
     def lloyd_max(self, which: str, decl: ast.Store, call: ast.Call):
         """`lloyd_max(bits, along channel)`: codebook codes over a token's channels, one RMS scale."""
@@ -501,9 +590,13 @@ def _head_adaptive(checked) -> bool:
 def derive(checked, facts: dict | None) -> SpecDesc:
     """The KV spec of a checked method; `facts` are its hook facts (None: not lowered)."""
     d = _Deriver(checked)
-    stores = {decl.target.name: decl for decl in checked.method.items if isinstance(decl, ast.Store)}
-    keys, key_tensors = d.operand("k", stores.get("k"))
-    values, value_tensors = d.operand("v", stores.get("v"))
+    stores = {t.name: decl for decl in checked.method.items if isinstance(decl, ast.Store) for t in decl.targets}
+    if stores.get("k") is not None and stores.get("k") is stores.get("v"):  # `store k, v as ...`: one code
+        keys, key_tensors = d.delta(stores["k"])
+        values, value_tensors = keys, []
+    else:
+        keys, key_tensors = d.operand("k", stores.get("k"))
+        values, value_tensors = d.operand("v", stores.get("v"))
     spec = SpecDesc(keys, values, key_tensors + value_tensors, head_starts=_head_adaptive(checked),
                     page_tokens=d.page_tokens)
     indexed = {(facts or {}).get(h, {}).get("clusters", {}).get("partition") for h in (facts or {})} - {None}
@@ -515,7 +608,8 @@ def derive(checked, facts: dict | None) -> SpecDesc:
     return spec
 
 
-_ELEMENT_BYTES = {MODEL: sp.Symbol("dtype_bytes"), "float32": 4, "uint8": 1, "int8": 1, FROM_BITS: 1, FROM_FORMAT: 1}
+_ELEMENT_BYTES = {MODEL: sp.Symbol("dtype_bytes"), "float32": 4, "int32": 4, "uint8": 1, "int8": 1, FROM_BITS: 1,
+                  FROM_FORMAT: 1}
 
 
 def token_bytes(spec: SpecDesc):

@@ -233,6 +233,12 @@ class Store(Decl):
     target: Ident  # k | v
     codecs: list[Expr]  # applied in order ("then")
     exempt: Expr | None = None  # `except first n + last m`: tokens kept at full precision
+    also: list[Ident] = field(default_factory=list)  # `store k, v as ...`: encoded together with target
+    where: Expr | None = None  # `where layer ...`: the layers stored so (others keep K and V dense)
+
+    @property
+    def targets(self) -> list[Ident]:
+        return [self.target, *self.also]
 
 
 @dataclass

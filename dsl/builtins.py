@@ -166,10 +166,13 @@ BUILTINS = {
            "per-coordinate Lloyd-Max codebook for rotated unit vectors (norm kept separately)"),
         _b("qjl", "codec", "qjl(bits, along channel)",
            "a 1-bit quantized Johnson-Lindenstrauss sketch of the previous stage's error"),
-        _b("project", "codec", "project(down, up, group = g, prerope = true|false, along D...)",
-           "store x·down (a low-rank latent), read back latent·up; `group` KV heads share one latent"),
+        _b("project", "codec", "project(down, up, group = g, bias = b, prerope = true|false)",
+           "store x·down (a low-rank latent), read back latent·up (+ b); `group` KV heads share one latent"),
         _b("residual", "codec", "residual(ref)",
-           "subtract a per-item reference (e.g. a cluster centroid) before the next stage"),
+           "subtract a per-item reference (a cluster centroid, or nearest(...)) before the next stage"),
+        _b("nearest", "reference", "nearest(every = n, count = m)",
+           "a token's reference: the mean of its m nearest centers (squared L2 over what the store encodes), "
+           "centers being the first tokens kept raw and every n-th token of each compressed block"),
     ]
 }
 

@@ -26,7 +26,7 @@ from kvc.dsl.errors import DiagnosticSink, Pos
 from kvc.dsl.evaluate import EvalError, evaluate, sample_points
 from kvc.dsl.formatter import expr as source_of
 from kvc.dsl.parser import KEYWORDS, ParsedFile
-from kvc.dsl.types import UNKNOWN, ListOf, PartitionOf, Scalar, Selection, Tensor, Type
+from kvc.dsl.types import BOOL, UNKNOWN, ListOf, PartitionOf, Scalar, Selection, Tensor, Type
 
 STATIC = frozenset(s for s, spec in SYMBOLS.items() if spec.static)
 ALL_SYMBOLS = frozenset(SYMBOLS)
@@ -298,13 +298,14 @@ class Checker:
         self.declare(d.name, "role", t, d)
 
     def check_store(self, d: ast.Store, stores: dict[str, ast.Store]) -> None:
-        target = d.target.name
-        if target not in ("k", "v"):
-            self.xc.error(d.target, f"store names what it encodes: k or v, not '{target}'")
-        elif target in stores:
-            self.xc.error(d.target, f"{target} already has a storage format (line {stores[target].pos.line})")
-        else:
-            stores[target] = d
+        for ident in d.targets:
+            if ident.name not in ("k", "v"):
+                self.xc.error(ident, f"store names what it encodes: k or v, not '{ident.name}'")
+            elif ident.name in stores:
+                self.xc.error(ident, f"{ident.name} already has a storage format (line {stores[ident.name].pos.line})")
+            else:
+                stores[ident.name] = d
+        target = ", ".join(t.name for t in d.targets)
         ctx = Ctx(f"in store {target}", frozenset({"param", "input", "summary"}), STATIC | {"layer"},
                   calls=frozenset({"codec"}), counts=self.counts)
         names = []
@@ -319,10 +320,19 @@ class Checker:
                                      "put it after one (... then qjl(1, along channel))")
             if codec.func.name in ("residual", "rotate") and i == len(d.codecs) - 1:
                 self.xc.error(codec, f"{codec.func.name}(...) must be followed by the stage that encodes its output")
+        if d.also and names != ["residual", "project"]:
+            self.xc.error(d.also[0], "k and v are stored together only as one code: `store k, v as "
+                                     "residual(nearest(...)) then project(down[layer], up[layer], ...)`")
         if d.exempt is not None:
             t = self.xc.check(d.exempt, ctx)
             if t is not UNKNOWN and not (isinstance(t, Selection) and t.ranges):
                 self.xc.error(d.exempt, "`except` takes token ranges: first n, last n, or both joined with +")
+        if d.where is not None:
+            wctx = Ctx(f"in a `where` of store {target}", frozenset({"param", "let"}), STATIC | {"layer"},
+                       calls=frozenset({"scalar", "value"}))
+            t = self.xc.check(d.where, wctx)
+            if t is not UNKNOWN and t != BOOL:
+                self.xc.error(d.where, f"`where` needs a condition on the layer (a bool), not {t}")
 
     def check_replay(self, d: ast.Replay) -> None:
         if not d.prompt.value.strip():

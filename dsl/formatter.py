@@ -107,8 +107,9 @@ def decl(d: ast.Decl) -> str:
     if isinstance(d, ast.Role):
         return f"role {d.name.name} = {expr(d.value)}"
     if isinstance(d, ast.Store):
-        text = f"store {d.target.name} as " + " then ".join(expr(c) for c in d.codecs)
-        return text + (f" except {expr(d.exempt)}" if d.exempt is not None else "")
+        text = f"store {', '.join(t.name for t in d.targets)} as " + " then ".join(expr(c) for c in d.codecs)
+        text += f" except {expr(d.exempt)}" if d.exempt is not None else ""
+        return text + (f" where {expr(d.where)}" if d.where is not None else "")
     if isinstance(d, ast.Replay):
         return f"replay {_string(d.prompt.value)} in chunks of {expr(d.chunk)}"
     if isinstance(d, ast.Hook):

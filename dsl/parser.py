@@ -152,7 +152,9 @@ class _ToAst(Transformer):
         return ast.Role(self._id(c[0]), c[1], pos=self._pos(meta))
 
     def store_decl(self, meta, c):
-        return ast.Store(self._id(c[0]), list(c[1:-1]), c[-1], pos=self._pos(meta))
+        names = [self._id(t) for t in c if isinstance(t, Token)]
+        codecs = [x for x in c[:-2] if not isinstance(x, Token)]
+        return ast.Store(names[0], codecs, c[-2], also=names[1:], where=c[-1], pos=self._pos(meta))
 
     def replay_decl(self, meta, c):
         return ast.Replay(self._string(c[0]), c[1], pos=self._pos(meta))

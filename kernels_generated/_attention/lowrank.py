@@ -149,12 +149,14 @@ def decode_splits(batch: int, num_kv_heads: int, max_context_len: int, device: t
     return max(1, min(triton.cdiv(max_context_len, SPLIT_TOKENS), triton.cdiv(2 * sms, batch * num_kv_heads)))
 
 
-def decode_tiles(rank: int, head_dim: int, element: int) -> tuple[int, int]:
+def decode_tiles(rank: int, head_dim: int, element: int, absorbed: bool = False) -> tuple[int, int]:
     """(block_n, num_stages) of a decode launch: the first whose shared memory fits SHARED_BYTES (the
     key up projection's two halves, [R, D] in all, plus K and V latent tiles [N, R] per pipeline
-    stage). Tiles of 32 slots in 2 stages were the H200's fastest at ranks 64 and 256, with 8 warps
-    at 256 and 4 at 64 (bench/results/palu_gpu)."""
-    for block_n, stages in ((32, 2), (32, 1), (16, 2), (16, 1)):  # the H200's best at 32x32K: 32 slots, 2 stages
+    stage). Keys rebuilt (before RoPE): tiles of 32 slots in 2 stages were the H200's fastest at
+    ranks 64 and 256, with 8 warps at 256 and 4 at 64; keys absorbed (after RoPE): 64 slots in 2
+    stages, 4 warps, at both ranks and both shapes (bench/results/palu_gpu)."""
+    tiles = ((64, 2),) if absorbed else ()
+    for block_n, stages in tiles + ((32, 2), (32, 1), (16, 2), (16, 1)):
         if element * (rank * head_dim + 2 * stages * block_n * rank) <= SHARED_BYTES:
             return block_n, stages
     return 16, 1
@@ -190,7 +192,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
     k_up = k_cache.up
     rope = k_cache.rope
     block_r = max(16, triton.next_power_of_2(rank))
-    tile_n, stages = decode_tiles(block_r, head_dim, k_cache.latent.element_size())
+    tile_n, stages = decode_tiles(block_r, head_dim, k_cache.latent.element_size(), absorbed=rope is None)
     latent = k_cache.latent
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, latent, v_cache.latent, k_up, rope if rope is not None else k_up, block_tables, context_lens, acc, m, lsum,
@@ -200,7 +202,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
         QUERY_GROUP=query_group, GROUP=group, SHARE=share, RANK=rank, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         ROPE=rope is not None, BLOCK_H=max(16, triton.next_power_of_2(query_group)), BLOCK_R=block_r,
         BLOCK_N=block_n or tile_n, BLOCK_HALF=max(16, head_dim // 2),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps or (8 if rank >= 128 else 4),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps or (8 if rank >= 128 and rope is not None else 4),
         num_stages=num_stages or stages,
     )
     # merge the splits in the latent, then one GEMM through each KV head's value up projection

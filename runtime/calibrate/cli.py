@@ -1,9 +1,10 @@
 """`kvc calibrate METHOD`: writes a method's input tensors for a model.
 
-Two kinds, told apart by the compiled method's manifest (no method names here): a method whose KV
+Three kinds, told apart by the compiled method's manifest (no method names here): a method whose KV
 spec stores K/V as low-rank latents gets its projections from the model's weights (lowrank.py,
-seconds); otherwise a method with one [layer, kv_head] input gets it (its gates) by optimisation
-(gates.py).
+seconds); one that stores a code relative to nearest centers (`delta`) gets its compressor by
+training through the frozen model (deltakv.py, minutes); otherwise a method with one [layer,
+kv_head] input gets it (its gates) by optimisation (gates.py).
 
 The method names its input file (`input gate: [layer, kv_head] from "FILE"`) and its streaming
 pattern's `sink` and `recent` parameters (tokens at the target context); the calibration context is
@@ -23,6 +24,7 @@ from kvc.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
 DOCS = Path(__file__).resolve().parents[2] / "docs"  # the default calibration text (a source checkout's)
+HELD_OUT = 2  # calibration sequences a trained compressor is evaluated on, not trained on
 
 
 def add_command(sub) -> None:
@@ -38,9 +40,11 @@ def add_command(sub) -> None:
                    help="the context the method's sink and recent are meant for (they are scaled to --context)")
     p.add_argument("--sink", type=int, default=None, help="streaming sinks at --context (default: scaled)")
     p.add_argument("--recent", type=int, default=None, help="streaming window at --context (default: scaled)")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=None, help="optimiser steps (default: gates 200, a delta "
+                   "compressor 80)")
     p.add_argument("--samples", type=int, default=8, help="distinct contexts (gates: cycled over the steps)")
-    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: gates 0.02 with Adam, a delta "
+                   "compressor 2e-4 with AdamW)")
     p.add_argument("--l1", type=float, default=0.05, help="weight of the gates' L1 norm in the loss")
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--decompose", choices=["whiten", "svd"], default="whiten",
@@ -66,10 +70,17 @@ def run(a: argparse.Namespace) -> int:
 
     from kvc.runtime.server.launch import parse_method_params
 
-    name, manifest, params, folder = resolve(a.method, parse_method_params(a.method_param) or None)
+    name, manifest, params, folder = resolve(a.method, parse_method_params(a.method_param) or None, lowered=False)
     spec = manifest.get("kv_spec") or {}
     if any(spec.get(w, {}).get("kind") == "low_rank" for w in ("keys", "values")):
         return _low_rank(a, name, manifest, params, folder)
+    if spec.get("keys", {}).get("kind") == "delta":
+        return _delta(a, name, manifest, params)
+    if not manifest.get("lowered", False):
+        raise ConfigError(f"method {name!r} is not lowered by the compiler yet: {manifest.get('reason')}",
+                          param="method")
+    a.steps = 200 if a.steps is None else a.steps
+    a.lr = 0.02 if a.lr is None else a.lr
     inputs = {k: v for k, v in manifest.get("inputs", {}).items() if v["dims"] == ["layer", "kv_head"]}
     if len(inputs) != 1:
         raise ConfigError(f"method {name!r} has no single [layer, kv_head] input to calibrate", param="method")
@@ -167,9 +178,88 @@ def _low_rank(a: argparse.Namespace, name: str, manifest: dict, params: dict, fo
     return 0
 
 
-def _calibration_ids(a: argparse.Namespace, model_dir: Path | None, vocab: int, device) -> tuple[list, str]:
-    """`--samples` sequences of `--context` token ids: the calibration text files tokenized end to end
-    (default: kvc's docs/*.md), or seeded random ids for a model without a tokenizer (random: shapes)."""
+def _delta(a: argparse.Namespace, name: str, manifest: dict, params: dict) -> int:
+    """The compressor of a `delta` store (deltakv.py), trained on the calibration text through the frozen
+    model and written as the method's inputs: projections [layers, Hkv, 2 D, code] (each head's key rows,
+    then its value rows) and biases [layers, Hkv, 2 D]; zeros in the layers the store leaves dense."""
+    import math
+
+    import sympy
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig
+
+    from kvc.runtime.calibrate.deltakv import DeltaConfig, as_inputs, calibrate
+    from kvc.runtime.models.loader import model_directory
+    from kvc.runtime.models.method_inputs import save_inputs
+
+    enc = manifest["kv_spec"]["keys"]
+    model_dir = model_directory(a.model)
+    if model_dir is None:
+        raise ConfigError("a delta compressor is trained on a model directory (not a random: shape)", param="model")
+    torch.manual_seed(a.seed)
+    config = AutoConfig.from_pretrained(str(model_dir))
+    heads, layers_n = config.num_key_value_heads, config.num_hidden_layers
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    env = {"head_dim": dim, "kv_heads": heads,
+           **{k: v for k, v in params.items() if isinstance(v, (int, float))}}
+
+    def value(text) -> int:
+        return int(sympy.sympify(str(text)).subs(env))
+
+    group = math.gcd(value(enc["group"]), heads)
+    if group != heads:
+        raise ConfigError(f"method {name!r}: the trainer codes whole tokens (group = kv_heads), not groups of "
+                          f"{group} of {heads} KV heads", param="method")
+    which = enc["layers"]
+    layers = [layer for layer in range(layers_n)
+              if not which or (layer in params[which["param"]]) == which["member"]]
+    cfg = DeltaConfig(layers=layers, code=group * value(enc["share"]), sink=value(enc["sink"]),
+                      recent=value(enc["recent"]), stride=value(enc["every"]), neighbours=value(enc["count"]),
+                      steps=80 if a.steps is None else a.steps, lr=2e-4 if a.lr is None else a.lr,
+                      bf16=not a.float32)
+    if a.context < cfg.sink + 2 * cfg.recent:
+        raise ConfigError(f"--context {a.context} leaves no block to compress: the method keeps sink {cfg.sink} and "
+                          f"up to 2 x recent {cfg.recent} tokens raw; give --context >= {cfg.sink + 2 * cfg.recent}",
+                          param="context")
+    batches, source = _calibration_ids(a, model_dir, config.vocab_size, "cpu", extra=HELD_OUT)
+    if len(batches) <= HELD_OUT:
+        raise ConfigError(f"the calibration text holds {len(batches)} sequences of {a.context} tokens; training needs "
+                          f"more than the {HELD_OUT} held out", param="calibration")
+    batches, held = batches[:-HELD_OUT], batches[-HELD_OUT:]
+    bar = tqdm(total=cfg.steps, desc=f"kvc: training {name}'s compressor", unit="step")
+
+    def progress(step: int, loss: float) -> None:
+        bar.update()
+        bar.set_postfix_str(f"cross-entropy {loss:.4g}")
+
+    try:
+        result = calibrate(model_dir, batches, cfg, progress, held)
+    finally:
+        bar.close()
+    trained = as_inputs(result.tensors)
+    tensors = {enc[part]: trained[part] for part in ("down", "up")}
+    if enc["bias"] is not None:
+        tensors[enc["bias"]] = trained["bias"]
+    files = {manifest["inputs"][n]["file"] for n in tensors}
+    out = Path(a.out) if a.out else model_dir / files.pop()
+    meta = {"method": name, "model": str(model_dir), "params": json.dumps(params, sort_keys=True),
+            "source": f"{sum(len(b) for b in batches)} tokens of {source} ({HELD_OUT} more sequences held out)",
+            "steps": str(cfg.steps),
+            "lr": str(cfg.lr), "layers": json.dumps(layers), "seconds": f"{result.seconds:.0f}",
+            "cross_entropy": json.dumps(result.ce), "relative_error": json.dumps(result.errors)}
+    save_inputs(out, tensors, meta)
+    print(f"wrote {out}: code of {cfg.code} channels for {len(layers)} layers, {cfg.steps} steps in "
+          f"{result.seconds:.0f} s; held-out cross-entropy full {result.ce['full']:.4f}, PCA {result.ce['pca']:.4f}, "
+          f"trained {result.ce['final']:.4f}; relative error PCA {result.errors['pca']:.4f}, trained "
+          f"{result.errors['final']:.4f}")
+    return 0
+
+
+def _calibration_ids(a: argparse.Namespace, model_dir: Path | None, vocab: int, device,
+                     extra: int = 0) -> tuple[list, str]:
+    """`--samples` (+ `extra`) sequences of `--context` token ids: the calibration text files tokenized end
+    to end (default: kvc's docs/*.md), or seeded random ids for a model without a tokenizer (random: shapes)."""
     import torch
 
     from kvc.runtime.tokenizer import load_tokenizer
@@ -177,7 +267,7 @@ def _calibration_ids(a: argparse.Namespace, model_dir: Path | None, vocab: int, 
     tokenizer = None if model_dir is None else load_tokenizer(model_dir)
     if tokenizer is None:
         gen = torch.Generator().manual_seed(a.seed)
-        ids = torch.randint(0, vocab, (a.samples * a.context,), generator=gen)
+        ids = torch.randint(0, vocab, ((a.samples + extra) * a.context,), generator=gen)
         source = "random ids (the model has no tokenizer)"
     else:
         files = [Path(f) for f in a.calibration] if a.calibration else sorted(DOCS.glob("*.md"))
@@ -191,5 +281,5 @@ def _calibration_ids(a: argparse.Namespace, model_dir: Path | None, vocab: int, 
         if ids.numel() < a.context:
             raise ConfigError(f"the calibration text has {ids.numel()} tokens, fewer than --context {a.context}",
                               param="calibration")
-    count = min(a.samples, ids.numel() // a.context)
+    count = min(a.samples + extra, ids.numel() // a.context)
     return [ids[i * a.context:(i + 1) * a.context].to(device) for i in range(count)], source

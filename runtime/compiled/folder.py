@@ -40,15 +40,17 @@ def served() -> list[str]:
     return baseline + [n for n in names if n not in baseline]
 
 
-def resolve(spec: str, params: dict[str, Any] | None) -> tuple[str, dict, dict[str, Any], Path]:
+def resolve(spec: str, params: dict[str, Any] | None, lowered: bool = True) -> tuple[str, dict, dict[str, Any], Path]:
     """A shipped method name, compiled folder or .kvm path -> (name, manifest, checked parameters,
-    folder) of its (possibly just compiled) code; user errors become `ConfigError`s."""
+    folder) of its (possibly just compiled) code; user errors become `ConfigError`s. `lowered`: a
+    method the compiler did not lower is an error (False: its manifest is enough, as for training
+    its inputs)."""
     compiled = _locate(spec)
     if compiled is None:
         raise ConfigError(f"unknown method {spec!r}; available: {', '.join(available())} (or the path of a .kvm "
                           "file or of a compiled folder)", param="method")
     manifest = compiled.manifest
-    if not manifest.get("lowered", False):
+    if lowered and not manifest.get("lowered", False):
         reason = manifest.get("reason", "no reason given")
         raise ConfigError(f"method {spec!r} is not lowered by the compiler yet: {reason}", param="method")
     name = manifest.get("method", spec)

@@ -179,6 +179,18 @@ CASES = [
      "cannot be used in store k"),
     ("quantize along queries", PRE + "store k as quant(2, group = 32, along query)\n" + KEEP, 6, 39,
      "quant works along kv_head, key, channel, not query"),
+    ("k and v quantized together", PRE + "store k, v as quant(2, group = 32, along key)\n" + KEEP, 6, 10,
+     "k and v are stored together only as one code"),
+    ("k stored twice in one store", PRE + "store k, k as quant(2, group = 32, along key)\n" + KEEP, 6, 10,
+     "k already has a storage format"),
+    ("a store for a number of layers", PRE + "store k as quant(2, group = 32, along key) where layer + 1\n" + KEEP,
+     6, 50, "`where` needs a condition on the layer (a bool)"),
+    ("a store where a context is", PRE + "store k as quant(2, group = 32, along key) where context > 1\n" + KEEP, 6,
+     50, "'context' is not available in a `where` of store k"),
+    ("nearest alone", PRE + "store k as quant(nearest(every = 8, count = 4), group = 32, along key)\n" + KEEP, 6,
+     18, "nearest(...) cannot be used in store k"),
+    ("nearest without a count", PRE + "store k, v as residual(nearest(every = 8)) then project(d[layer], u[layer])\n"
+     + KEEP, 6, 24, "nearest needs `count`"),
     # ---- what a family needs ----------------------------------------------------------------
     ("eviction without keep", PRE, 1, 12, "an eviction method needs a `keep`"),
     ("quantization without store", "method m : quantization\nparam bits: int = 2\n", 1, 12,
