@@ -8,9 +8,10 @@ Sparse-vLLM), with the model frozen:
 - a token's vector x (its keys before RoPE and its values, all KV heads side by side) is stored as
   `code = down(x) - down(ref)`, ref the mean of the raw x of its `neighbours` nearest centers
   (squared L2 over x); centers are the sinks and every `stride`-th token of a compressed block,
-  among those at or before the token (`references`). Read back: `x^ = ref + up(code) + bias`;
-  centers themselves stay raw. One code covers keys and values (the paper's default), so the
-  channels go where the error is (values, on the models measured: docs/accuracy.md);
+  among those at or before the token (runtime/kv/delta.py, the arithmetic the store will share).
+  Read back: `x^ = ref + up(code) + bias`; centers themselves stay raw. One code covers keys and
+  values (the paper's default), so the channels go where the error is (values, on the embedded
+  model: docs/accuracy.md);
 - initialisation: the principal directions of the deltas d = x - ref over calibration text (the
   least-squares optimum of a linear code): down = up = U (the top `code` eigenvectors of cov(d)),
   bias = mu - U U^T mu (mu the mean delta, which the code cannot carry: down's bias cancels in the
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from kvc.runtime.kv.delta import block_of, center_positions, is_center, references
 from kvc.runtime.kv.lowrank import rope
 
 ATTENTION_NAME = "kvc_deltakv_calibration"
@@ -60,38 +62,6 @@ class DeltaResult:
     errors: dict[str, float] = field(default_factory=dict)  # relative reconstruction error: "pca", "final"
     ce: dict[str, float] = field(default_factory=dict)  # cross-entropy on held-out text: "full", "pca", "final"
     seconds: float = 0.0
-
-
-def block_of(length: int, sink: int, recent: int) -> tuple[int, int]:
-    """The compressed block [start, end) of a `length`-token sequence compressed once (the schedule's
-    first block: the largest multiple of `recent` that leaves `recent` raw)."""
-    n = max(0, (length - sink - recent) // recent * recent)
-    return sink, sink + n
-
-
-def center_positions(start: int, end: int, sink: int, stride: int) -> torch.Tensor:
-    """The centers up to a block [start, end): the sinks and every `stride`-th position of [sink, end)."""
-    return torch.cat([torch.arange(min(sink, end)), torch.arange(sink, end, stride)]).unique()
-
-
-def references(x: torch.Tensor, positions: torch.Tensor, centers: torch.Tensor, center_pos: torch.Tensor,
-               count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's reference: the mean of its `count` nearest centers at or before its position.
-
-    x [n, F] (keys before RoPE and values, all heads), positions [n]; centers [m, F] raw at center_pos
-    [m]. Returns (ref [n, F], neighbours [n, count] positions, -1 where a row has fewer than `count`
-    centers before it). Every row has at least one (the block's first position is a center)."""
-    dist = torch.cdist(x.float(), centers.float()).square()  # [n, m]
-    dist = dist.masked_fill(center_pos[None, :] > positions[:, None], float("inf"))
-    k = min(count, centers.shape[0])
-    d, idx = dist.topk(k, dim=1, largest=False)
-    valid = torch.isfinite(d)
-    weight = valid.float() / valid.sum(1, keepdim=True).clamp(min=1)
-    ref = torch.einsum("nk,nkf->nf", weight, centers.float()[idx])
-    out = torch.where(valid, center_pos[idx], torch.full_like(idx, -1))
-    if k < count:
-        out = torch.cat([out, out.new_full((out.shape[0], count - k), -1)], 1)
-    return ref, out
 
 
 def _operands(k_pre: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -132,7 +102,7 @@ class _Attention:
         # query [1, Hq, T, D], key / value [1, Hkv, T, D], keys after RoPE
         cfg, layer = self.cfg, module.layer_idx
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
-        start, end = block_of(k.shape[0], cfg.sink, cfg.recent)
+        start, end = block_of(k.shape[0], 0, cfg.sink, cfg.recent)
         if layer in cfg.layers and end > start and (self.compressor is not None or self.record is not None):
             k, v = self._compressed(layer, k, v, start, end)
         group = query.shape[1] // key.shape[1]
@@ -147,9 +117,9 @@ class _Attention:
         positions = torch.arange(length, device=k.device)
         k_pre = rope(k.transpose(0, 1), positions, self.inv_freq, inverse=True).transpose(0, 1)  # [T, Hkv, D]
         x = _operands(k_pre, v.float())
-        centers = center_positions(start, end, cfg.sink, cfg.stride).to(k.device)
+        centers = center_positions(end, cfg.sink, cfg.stride).to(k.device)
         block = torch.arange(start, end, device=k.device)
-        rows = block[(block - cfg.sink) % cfg.stride != 0]  # the block's tokens that are not centers
+        rows = block[~is_center(block, cfg.sink, cfg.stride)]
         with torch.no_grad():
             ref, _ = references(x[rows].detach(), rows, x[centers].detach(), centers, cfg.neighbours)
         if self.record is not None:

@@ -1,6 +1,7 @@
 """`kvc calibrate deltakv` (runtime/calibrate/deltakv.py): the compressor trained on a tiny random model.
 
-- References: the mean of each token's nearest centers at or before it, against a brute-force search.
+- References (runtime/kv/delta.py): the mean of each token's nearest centers at or before it, against a
+  brute-force search; the store's codes read back as the hand-written oracle's.
 - The PCA initialisation is the least-squares optimum of a linear code: at the full width it
   reconstructs exactly, and at half the width it beats a random orthonormal code of the same size.
 - The command trains through the frozen model and writes the inputs methods/deltakv.kvm declares
@@ -20,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from kvc.runtime.calibrate import deltakv as D
+from kvc.runtime.kv import delta
 from kvc.runtime.calibrate.cli import add_command
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.models.loader import load_model
@@ -29,12 +31,14 @@ from tests.models.tiny import make_tiny_llama
 def test_references_are_the_nearest_centers_at_or_before_each_token() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(40, 6, generator=g)
-    start, end = D.block_of(40, sink=3, recent=8)
+    start, end = delta.block_of(40, 0, sink=3, recent=8)
     assert (start, end) == (3, 27)  # 24 = 3 blocks of 8, leaving 13 >= 8 raw
-    centers = D.center_positions(start, end, sink=3, stride=4)
+    assert delta.block_of(40, 24, sink=3, recent=8) == (27, 27)  # 13 raw: fewer than 2 x 8
+    assert delta.block_of(43, 24, sink=3, recent=8) == (27, 35)
+    centers = delta.center_positions(end, sink=3, stride=4)
     assert centers.tolist() == [0, 1, 2, 3, 7, 11, 15, 19, 23]
     rows = torch.arange(start, end)
-    ref, near = D.references(x[rows], rows, x[centers], centers, count=4)
+    ref, near = delta.references(x[rows], rows, x[centers], centers, count=4)
     for i, t in enumerate(rows.tolist()):
         before = [c for c in centers.tolist() if c <= t]
         best = sorted(before, key=lambda c: float((x[t] - x[c]).square().sum()))[:4]
@@ -45,7 +49,7 @@ def test_references_are_the_nearest_centers_at_or_before_each_token() -> None:
 def test_a_token_with_fewer_centers_than_neighbours_averages_those_it_has() -> None:
     x = torch.arange(12.0)[:, None].repeat(1, 3)
     centers = torch.tensor([0, 4])
-    ref, near = D.references(x[[1, 5]], torch.tensor([1, 5]), x[centers], centers, count=3)
+    ref, near = delta.references(x[[1, 5]], torch.tensor([1, 5]), x[centers], centers, count=3)
     assert near.tolist() == [[0, -1, -1], [4, 0, -1]]
     torch.testing.assert_close(ref, torch.tensor([[0.0] * 3, [2.0] * 3]))
 
