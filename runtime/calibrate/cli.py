@@ -54,7 +54,7 @@ def add_command(sub) -> None:
                    help="text files a whitened decomposition reads (default: kvc's docs/*.md); --samples "
                    "sequences of --context tokens")
     p.add_argument("--device", default="cpu", help="where a low-rank method's SVDs run (cpu: float32 weights; a GPU: "
-                   "bfloat16, for models larger than host memory)")
+                   "bfloat16, for models larger than host memory), or a delta compressor trains")
     p.add_argument("--float32", action="store_true", help="no bfloat16 autocast")
     p.set_defaults(func=run)
 
@@ -222,7 +222,7 @@ def _delta(a: argparse.Namespace, name: str, manifest: dict, params: dict) -> in
         raise ConfigError(f"--context {a.context} leaves no block to compress: the method keeps sink {cfg.sink} and "
                           f"up to 2 x recent {cfg.recent} tokens raw; give --context >= {cfg.sink + 2 * cfg.recent}",
                           param="context")
-    batches, source = _calibration_ids(a, model_dir, config.vocab_size, "cpu", extra=HELD_OUT)
+    batches, source = _calibration_ids(a, model_dir, config.vocab_size, a.device, extra=HELD_OUT)
     if len(batches) <= HELD_OUT:
         raise ConfigError(f"the calibration text holds {len(batches)} sequences of {a.context} tokens; training needs "
                           f"more than the {HELD_OUT} held out", param="calibration")

@@ -147,13 +147,14 @@ def calibrate(model_dir: Path, batches: list[torch.Tensor], cfg: DeltaConfig,
               progress: Callable[[int, float], None] | None = None,
               held: list[torch.Tensor] | None = None) -> DeltaResult:
     """Trains the compressor of the model in `model_dir` (a Hugging Face directory; weights frozen) on
-    `batches` of token ids; the cross-entropy and reconstruction error it reports are over `held`
-    (default: the batches)."""
+    `batches` of token ids, on their device; the cross-entropy and reconstruction error it reports are
+    over `held` (default: the batches)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     held = held or batches
     start_time = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    device = batches[0].device
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
     model.requires_grad_(False)
     model.eval()
     config = model.config
@@ -165,7 +166,7 @@ def calibrate(model_dir: Path, batches: list[torch.Tensor], cfg: DeltaConfig,
     attn = _Attention(cfg, model.model.rotary_emb.inv_freq)
     AttentionInterface.register(ATTENTION_NAME, attn)
     model.set_attn_implementation(ATTENTION_NAME)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
     # 1. the deltas of every compressed layer over the calibration text, from the exact model
     deltas: dict[int, list[torch.Tensor]] = {}
     attn.record = {}
@@ -179,7 +180,7 @@ def calibrate(model_dir: Path, batches: list[torch.Tensor], cfg: DeltaConfig,
         raise ValueError(f"calibration sequences of {batches[0].shape[0]} tokens leave no block to compress (sink "
                          f"{cfg.sink} + 2 x recent {cfg.recent} needed)")
     init = {key: _pca(torch.cat(rows), cfg.code) for key, rows in deltas.items()}
-    compressor = _Compressor(init)
+    compressor = _Compressor(init).to(device)
     attn.compressor = compressor
     result = DeltaResult({})
     attn.compressor = None
