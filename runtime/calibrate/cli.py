@@ -216,7 +216,8 @@ def _delta(a: argparse.Namespace, name: str, manifest: dict, params: dict) -> in
               if not which or (layer in params[which["param"]]) == which["member"]]
     cfg = DeltaConfig(layers=layers, code=group * value(enc["share"]), sink=value(enc["sink"]),
                       recent=value(enc["recent"]), stride=value(enc["every"]), neighbours=value(enc["count"]),
-                      steps=80 if a.steps is None else a.steps, lr=2e-4 if a.lr is None else a.lr,
+                      steps=DeltaConfig.steps if a.steps is None else a.steps,
+                      lr=DeltaConfig.lr if a.lr is None else a.lr,
                       bf16=not a.float32)
     if a.context < cfg.sink + 2 * cfg.recent:
         raise ConfigError(f"--context {a.context} leaves no block to compress: the method keeps sink {cfg.sink} and "

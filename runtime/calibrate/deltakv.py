@@ -49,7 +49,7 @@ class DeltaConfig:
     recent: int = 128
     stride: int = 8
     neighbours: int = 4
-    steps: int = 100  # AdamW steps after the PCA initialisation (0: PCA only)
+    steps: int = 80  # AdamW steps after the PCA initialisation (0: PCA only)
     lr: float = 2e-4  # the paper's
     mse: float = 1.0  # weight of the relative reconstruction error
     bf16: bool = True  # autocast the model's matmuls (the compressor and the loss stay float32)
