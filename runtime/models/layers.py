@@ -88,13 +88,10 @@ class RotaryEmbedding(HasBuffers):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, head_dim]; rotates the pairs (i, i + head_dim/2) by the position's angles.
-    Returns a new contiguous tensor: (x1 cos - x2 sin, x2 cos + x1 sin), each half computed in place
-    (or, where autograd records the step, as one differentiable expression: calibration trains through it)."""
+    Returns a new contiguous tensor: (x1 cos - x2 sin, x2 cos + x1 sin), each half computed in place."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos[:, None, :], sin[:, None, :]
-    if torch.is_grad_enabled() and x.requires_grad:
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     out = torch.empty(x.shape, dtype=torch.result_type(x, cos), device=x.device)
     first, second = out[..., :half], out[..., half:]
     torch.mul(x1, cos, out=first).sub_(x2 * sin)

@@ -32,6 +32,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from tests.references import harness
+from tests.references.harness import rope
 
 NAME = "kvc_deltakv_reference"
 TENSORS = ("k_down", "v_down", "k_up", "v_up", "k_bias", "v_bias")
@@ -114,15 +115,6 @@ def split(x: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, 2 Hkv D] -> k, v [n, Hkv, D]."""
     k, v = x.chunk(2, dim=1)
     return k.reshape(x.shape[0], kv_heads, -1), v.reshape(x.shape[0], kv_heads, -1)
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
-    """x [H, n, D] float32 rotated (rotate-half pairs (i, i + D/2)) by sign x the positions' angles."""
-    angle = positions.double()[:, None] * inv_freq.double()[None, :] * sign
-    cos, sin = angle.cos().float(), angle.sin().float()
-    half = x.shape[-1] // 2
-    a, b = x[..., :half], x[..., half:]
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
 def nearest(x: torch.Tensor, block: torch.Tensor, centers: torch.Tensor, count: int) -> torch.Tensor:

@@ -1,11 +1,21 @@
-"""What the hand-written references of storage methods share (tests/references/fp8.py, kivi.py):
-causal attention of a step's queries over the keys and values the method lets them read, and one
-forward of a Hugging Face model with such an attention function registered under `name`."""
+"""What the hand-written references of storage methods share (tests/references/fp8.py, kivi.py, palu.py,
+deltakv.py): causal attention of a step's queries over the keys and values the method lets them read,
+one forward of a Hugging Face model with such an attention function registered under `name`, and the
+model's RoPE applied (or undone) by hand, for keys cached before it."""
 
 from __future__ import annotations
 
 import torch
 from transformers import PreTrainedModel
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+    """x [H, n, D] float32 rotated (rotate-half pairs (i, i + D/2)) by sign x the positions' angles."""
+    angle = positions.double()[:, None] * inv_freq.double()[None, :] * sign
+    cos, sin = angle.cos().float(), angle.sin().float()
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
 def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

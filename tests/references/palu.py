@@ -28,6 +28,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from tests.references import harness
+from tests.references.harness import rope
 
 NAME = "kvc_palu_reference"
 
@@ -85,15 +86,6 @@ def whitened_bases(model: PreTrainedModel, batches: list[list[int]], group: int,
             per[name] = np.stack(blocks)
         out.append(per)
     return out
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
-    """x [H, n, D] float32 rotated (rotate-half pairs (i, i + D/2)) by sign x the positions' angles."""
-    angle = positions.double()[:, None] * inv_freq.double()[None, :] * sign
-    cos, sin = angle.cos().float(), angle.sin().float()
-    half = x.shape[-1] // 2
-    a, b = x[..., :half], x[..., half:]
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
 @dataclass

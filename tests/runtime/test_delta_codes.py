@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvc.runtime.kv import delta
 from tests.references import deltakv as oracle
+from tests.references.test_deltakv import dense_x
 
 LAYERS, KV_HEADS, HEAD_DIM, CODE = 3, 2, 16, 12
 PARAMS = oracle.Params(sink=2, recent=4, stride=3, neighbours=2, selected=1000, full_layers=(1,))
@@ -44,7 +45,8 @@ def test_codes_neighbours_and_rows_equal_the_oracles(tmp_path) -> None:
         keys, values = state.keys[layer], state.values[layer]  # [Hkv, n, D]
         n = keys.shape[1]
         x = torch.cat([keys, values], dim=-1).transpose(0, 1).clone()  # [n, Hkv, 2 D]
-        plain = _plain_x(model, ids, layer)
+        k_plain, v_plain = oracle.split(dense_x(model, ids)[layer], KV_HEADS)  # a plain forward's
+        plain = torch.cat([k_plain, v_plain], dim=-1)  # [n, Hkv, 2 D]
         dropped = torch.isnan(x).any(-1).any(-1)
         assert n == len(ids) and dropped.any()
         torch.testing.assert_close(x[~dropped], plain[~dropped], atol=1e-5, rtol=1e-5)  # a raw prefill
@@ -68,16 +70,3 @@ def test_codes_neighbours_and_rows_equal_the_oracles(tmp_path) -> None:
         torch.testing.assert_close(rebuilt[kept], theirs[kept], atol=1e-4, rtol=1e-4)
         assert (rebuilt[kept] - x[rows][kept]).abs().max() > 1e-2  # lossy: a raw read would not pass
 
-
-def _plain_x(model, ids: list[int], layer: int) -> torch.Tensor:
-    """[n, Hkv, 2 D]: the layer's [k_proj | v_proj] per head in a plain forward (a Llama's key before RoPE)."""
-    got = {}
-    attn = model.model.layers[layer].self_attn
-    hooks = [getattr(attn, f"{w}_proj").register_forward_hook(
-        lambda mod, args, out, w=w: got.__setitem__(w, out[0].detach().float())) for w in "kv"]
-    with torch.no_grad():
-        model(torch.tensor([ids]))
-    for h in hooks:
-        h.remove()
-    k, v = (got[w].reshape(len(ids), KV_HEADS, HEAD_DIM) for w in "kv")
-    return torch.cat([k, v], dim=-1)
