@@ -206,11 +206,14 @@ class SpecDesc:
     head_starts: bool = False
     page_tokens: object = None  # sympy: tokens per page the summaries need, or None
     reasons: list[str] = field(default_factory=list)
+    # operand ("k", "v") -> the layers its store applies to, `where layer [not] in P` ({"param", "member"});
+    # an operand not named applies to every layer. Elsewhere it is stored dense (runtime StorageClasses).
+    layers: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"tensors": [t.to_json() for t in self.tensors], "keys": self.keys.to_json(),
                 "values": self.values.to_json(), "summaries": [s.to_json() for s in self.summaries],
-                "head_starts": self.head_starts,
+                "head_starts": self.head_starts, "layers": self.layers,
                 "page_tokens": None if self.page_tokens is None else _text(self.page_tokens),
                 "reason": "; ".join(self.reasons) if self.reasons else None}
 
@@ -231,6 +234,7 @@ class _Deriver:
         self.reasons: list[str] = []
         self.page_tokens = None  # pages of one group, where scales are per page (groups over tokens)
         self.inputs = {d.name.name: d for d in checked.method.items if isinstance(d, ast.Input)}
+        self.where: dict[str, dict] = {}  # operand -> the layers its store applies to ({}: every one)
 
     def unfit(self, node: ast.Node, message: str) -> None:
         pos = node.pos
@@ -255,11 +259,10 @@ class _Deriver:
         if decl is None:
             return Dense(which), [TensorDesc(which, "token", MODEL, (HEAD_DIM,))]
         text = " then ".join(source_of(c) for c in decl.codecs)
-        if decl.where is not None:
-            self.unfit(decl.where, f"store {which} as {text} where {source_of(decl.where)}: of the stores for some "
-                                   "layers, the spec holds DeltaKV's joint code only (`store k, v as "
-                                   "residual(nearest(...)) then project(...)`)")
+        layers = self.layers(decl)
+        if layers is None:
             return Unmapped(text), []
+        self.where[which] = layers
         if decl.exempt is not None:
             text += f" except {source_of(decl.exempt)}"
         codecs = [c for c in decl.codecs if isinstance(c, ast.Call)]
@@ -598,7 +601,7 @@ def derive(checked, facts: dict | None) -> SpecDesc:
         keys, key_tensors = d.operand("k", stores.get("k"))
         values, value_tensors = d.operand("v", stores.get("v"))
     spec = SpecDesc(keys, values, key_tensors + value_tensors, head_starts=_head_adaptive(checked),
-                    page_tokens=d.page_tokens)
+                    page_tokens=d.page_tokens, layers={w: m for w, m in d.where.items() if m})
     indexed = {(facts or {}).get(h, {}).get("clusters", {}).get("partition") for h in (facts or {})} - {None}
     for decl in checked.method.items:
         if isinstance(decl, ast.Summary) and _within(decl) not in indexed:
@@ -762,7 +765,20 @@ def emit_python(spec: SpecDesc, method_name: str, method_path: str) -> str:
     text = "\n".join(body)
     helpers = ([_SIZE] if "_size(" in text else []) + ([_PACKING] if "_packing(" in text else [])
     fn = "\n".join(["def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):", doc] + unpack + body)
-    return "\n\n\n".join(helpers + [fn, _page_tokens(em, method_name, method_path)]) + "\n"
+    return "\n\n\n".join(helpers + [fn, _page_tokens(em, method_name, method_path),
+                                    _dense_operands(spec, method_name, method_path)]) + "\n"
+
+
+def _dense_operands(spec: SpecDesc, method_name: str, method_path: str) -> str:
+    """Source of `dense_operands(params, layer)`: the operands ("k", "v") that layer `layer` stores
+    dense, where the .kvm's `store ... where layer [not] in P` does not apply (runtime StorageClasses)."""
+    doc = (f'    """The operands layer `layer` stores dense instead of as {method_name}\'s spec says, from\n'
+           f'    {method_path} (`store ... where`)."""')
+    lines = ["def dense_operands(params, layer):", doc, "    dense = []"]
+    for which, where in sorted(spec.layers.items()):
+        member = "not in" if where["member"] else "in"
+        lines += [f'    if layer {member} params["{where["param"]}"]:', f'        dense.append("{which}")']
+    return "\n".join(lines + ["    return tuple(dense)"])
 
 
 

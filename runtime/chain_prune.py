@@ -231,14 +231,19 @@ def resolve_scorer(request: PruneRequest, served, default: str | None = None) ->
 class Pruner:
     """Applies prunes to idle chain records of one engine (in the engine thread, between steps)."""
 
-    def __init__(self, store, executor, num_layers: int) -> None:
+    def __init__(self, store, executor, num_layers: int, num_classes: int = 1) -> None:
         self.store = store  # the chain store
         self.executor = executor  # the KV store's plan executor: every spec tensor moves with the K/V
         self.num_layers = num_layers
+        self.num_classes = num_classes  # storage classes of the KV cache (the executor moves one store's)
 
     def check_prunable(self) -> None:
         """Raises InvalidPrune where the served KV spec cannot drop tokens from a chain: keys stored
-        before RoPE are read at their slots' positions, which a prune would shift."""
+        before RoPE are read at their slots' positions, which a prune would shift; layers stored in
+        several layouts (storage classes) move through one store's executor only so far."""
+        if self.num_classes > 1:
+            raise InvalidPrune(f"the served method stores its layers in {self.num_classes} KV layouts (storage "
+                               "classes); chain prunes move one layout's tokens so far", param="chain_id")
         if self.executor.store.spec.prerope:
             raise InvalidPrune("the served method stores keys before RoPE, each read at its slot's position: its "
                                "chains cannot drop tokens", param="chain_id")

@@ -102,7 +102,7 @@ class DecodeGraphs:
         self.cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.starts = torch.zeros((layers, n, runner.num_kv_heads), dtype=torch.int32, device=dev)
         # each row's row of the spec's per-sequence tensors (padding: the scratch row); None: it has none
-        self.rows = (torch.full((n,), runner.store.scratch_row, dtype=torch.int32, device=dev)
+        self.rows = (torch.full((n,), runner.attention.scratch_row, dtype=torch.int32, device=dev)
                      if runner.store.num_rows else None)
         # per layer and row, the newest slots its residual window held before the step; None: no window
         self.resid = (torch.zeros((layers, n), dtype=torch.int32, device=dev)
@@ -238,7 +238,7 @@ class DecodeGraphs:
                           - np.array([s.history_gap for s in seqs], dtype=np.int64).T)  # as the runner's `prepare`
         copy_into(self.prompts[:, :b], prompts)
         if self.rows is not None:
-            scratch = self.runner.store.scratch_row
+            scratch = self.runner.attention.scratch_row
             copy_into(self.rows[:b], [scratch if s.row is None else s.row for s in seqs] + [scratch] * pad)
         if self.resid is not None:  # padding rows: 0 (their context is empty)
             resid = np.zeros((layers, b), dtype=np.int32)
@@ -292,7 +292,7 @@ class DecodeGraphs:
                     layer_of.append(layer)
                     row_of.append(i)
                     col_of.append(col)
-                values += table[first:end]
+                values += tables.local(layer, table[first:end])
         longest = max((tables.longest(seqs[i]) for i in rebuilt), default=0)
         if col_of:
             longest = max(longest, max(col_of) + 1)

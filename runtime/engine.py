@@ -96,12 +96,18 @@ class Engine:
                          max_context=self.max_model_len)
         # the cache's layers: the model's, or one per KV head (runtime/kv/layout.py)
         self.layout = layout = CacheLayout.of(self.spec, self.method)
-        kv_spec = self.method.kv_spec(layout.kv_heads, self.spec.head_dim, self.spec.dtype, config.page_size)
+        # each layer's KV spec: one class of layers mostly, several where the .kvm stores some layers apart
+        self.storage = classes = self.method.storage_classes(layout.layers, layout.kv_heads, self.spec.head_dim,
+                                                             self.spec.dtype, config.page_size)
+        specs = classes.specs
+        if classes.num_classes > 1 and (self.method.hooks or self.method.compacts or self.method.rewrites):
+            raise ConfigError(f"method {self.method.name!r} stores its layers in {classes.num_classes} KV layouts; "
+                              "methods with hooks (keeps, reads, rewrites) run over one layout so far", param="method")
         # one layer's page: every per-token tensor of the spec, plus its per-page ones; the rows of
         # its per-sequence tensors (a running sequence's, and an idle chain's) come off the budget first
-        page_bytes = layer_page_bytes(kv_spec, layout.kv_heads, config.page_size)
-        num_rows = 2 * config.max_num_seqs if kv_spec.uses_rows else 0
-        each_row = kv_spec.bytes_per_row(layout.kv_heads, layout.layers) if num_rows else 0
+        class_page_bytes = [layer_page_bytes(s, layout.kv_heads, config.page_size) for s in specs]
+        num_rows = 2 * config.max_num_seqs if any(s.uses_rows for s in specs) else 0
+        each_row = sum(s.bytes_per_row(layout.kv_heads, layout.layers) for s in specs) if num_rows else 0
         if num_rows * each_row > ROW_SHARE * self._kv_budget_bytes():
             # rows sized by the longest context (a per-sequence index) would crowd out the pages: fewer
             # rows, and a request waits for one (the rows bound how many sequences run and chains idle)
@@ -116,12 +122,21 @@ class Engine:
                               "(or max_model_len, where the method sizes them by the longest context)",
                               param="kv_cache_memory")
         # LAYER tensors (FP8 scales) are stored once, not per page
-        fixed_bytes = row_bytes + kv_spec.bytes_per_layers(layout.kv_heads, layout.layers)
-        self.num_pages = pool_pages(self._kv_budget_bytes() - fixed_bytes, page_bytes)
-        if kv_spec.prerope and (self.method.compacts or self.method.rewrites or kv_spec.head_starts):
+        fixed_bytes = row_bytes + sum(s.bytes_per_layers(layout.kv_heads, layout.layers) for s in specs)
+        # pages per class, so that the classes run out together when every layer stores as many tokens:
+        # class c gets budget x layers_c / sum_c' layers_c' x page_bytes_c' pages
+        layers_of = [len(classes.layers(c)) for c in range(classes.num_classes)]
+        per_layer = pool_pages(self._kv_budget_bytes() - fixed_bytes,
+                               sum(n * b for n, b in zip(layers_of, class_page_bytes)))
+        self.pages_by_class = [max(1, per_layer * n) for n in layers_of] if len(specs) > 1 else [
+            pool_pages(self._kv_budget_bytes() - fixed_bytes, class_page_bytes[0])]
+        self.num_pages = sum(self.pages_by_class)
+        page_bytes = sum(n * b for n, b in zip(self.pages_by_class, class_page_bytes)) // self.num_pages
+        prerope = any(s.prerope for s in specs)
+        if prerope and (self.method.compacts or self.method.rewrites or any(s.head_starts for s in specs)):
             raise ConfigError(f"method {self.method.name!r} stores keys before RoPE, each read at its slot's position; "
                               "it cannot also move or drop stored tokens (keeps, rewrites)", param="method")
-        if kv_spec.low_rank and not all(isinstance(e, LowRank) for e in (kv_spec.keys, kv_spec.values)):
+        if any(s.low_rank and not all(isinstance(e, LowRank) for e in (s.keys, s.values)) for s in specs):
             raise ConfigError(f"method {self.method.name!r}: a low-rank operand needs the other one low-rank too (the "
                               "lowrank kernels read both)", param="method")
         backend = config.attention_backend
@@ -138,16 +153,20 @@ class Engine:
             dtype=self.spec.dtype,
             device=self.device,
             backend=backend,
-            spec=kv_spec,
+            spec=classes,
             num_rows=num_rows,
+            num_pages_by_class=self.pages_by_class,
         )
         # LAYER tensors that are the method's input files (low-rank projections), fixed from here on
-        for name, value in self.method.layer_inputs(kv_spec, layout.layers, layout.kv_heads).items():
-            self.attention.store[name].copy_(value)
+        for store in self.attention.stores:
+            for name, value in self.method.layer_inputs(store.spec, layout.layers, layout.kv_heads).items():
+                store[name].copy_(value)
         self.rows = RowPool(num_rows) if num_rows else None
         log.info(
-            "KV cache: %d pages of %d tokens (%.1f MiB)%s, backend %s",
+            "KV cache: %d pages of %d tokens (%.1f MiB)%s%s, backend %s",
             self.num_pages, config.page_size, self.num_pages * page_bytes / 2**20,
+            f" in {len(specs)} storage classes ({', '.join(map(str, self.pages_by_class))} pages)"
+            if len(specs) > 1 else "",
             f" and {num_rows} rows of per-sequence tensors ({row_bytes / 2**20:.1f} MiB)" if num_rows else "", backend,
         )
         method_id = self.method.fingerprint  # name + parameters (+ generated source)
@@ -156,10 +175,10 @@ class Engine:
         # (its chains still share pages, copy-on-write). Nor for a spec that writes codes a block at
         # a time: the newest, unfinished block has none yet, only its sequence's window holds it.
         prefix_caching = (config.enable_prefix_caching and not self.method.compacts
-                          and not self.attention.store.flushes_blocks)
-        self.pool = PagePool(self.num_pages, config.page_size, prefix_caching, salt=salt)
+                          and not self.attention.flushes_blocks)
+        self.pool = PagePool(self.pages_by_class, config.page_size, prefix_caching, salt=salt)
         self.chains = ChainStore(self.pool, layout.layers, self.method, fingerprint=salt.hex(),
-                                 rows=self.rows, copy_row=self.attention.store.copy_rows)
+                                 rows=self.rows, copy_row=self.attention.copy_rows)
         hooks = self.method.hooks
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -178,8 +197,9 @@ class Engine:
                       (self.method.compacts or self.method.rewrites) and Hook.STEP_END in hooks,
                       self.method.chunk_keeps),
             rows=self.rows,
-            residual=self.attention.store.residual_window,
-            window_after=self.attention.store.window_after,
+            residual=self.attention.residual_window,
+            window_after=self.attention.window_after,
+            layer_class=classes.layer_class,
         )
         self.grammars = GrammarBook(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
         self.runner = ModelRunner(
@@ -196,11 +216,14 @@ class Engine:
             grammars=self.grammars,
         )
         self.sequences: dict[int, Sequence] = {}
-        self.pruner = Pruner(self.chains, self.runner.executor, layout.layers)
+        self.pruner = Pruner(self.chains, self.runner.executor, layout.layers, classes.num_classes)
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
-        if self.auto_prune is not None and kv_spec.prerope:
-            raise ConfigError(f"--auto-prune: method {self.method.name!r} stores keys before RoPE, each read at its "
-                              "slot's position; its chains cannot drop tokens", param="auto_prune")
+        if self.auto_prune is not None:
+            try:
+                self.pruner.check_prunable()
+            except KvcError as e:
+                raise ConfigError(f"--auto-prune: method {self.method.name!r}: {e.message}",
+                                  param="auto_prune") from None
         self._scorers: dict[str, Scorer] = {}
         self.runner.chain_window = self._chain_window()
         # Async scheduling (`step`): on by default on a GPU, decode-time eviction included (its
@@ -296,22 +319,27 @@ class Engine:
         cannot fit beside the pages active chains pin (idle ones would be evicted)."""
         physical = seq.physical_prompt_len  # a continuation counts its stored history, not its logical one
         grown = physical + min(params.max_tokens, self.max_model_len - len(seq.token_ids))
-        needed = self.scheduler.pages_needed(physical, grown)
-        if needed > self.num_pages:
-            raise OutOfKVMemory(
-                f"the request needs {needed} KV pages but the whole pool has {self.num_pages}; "
-                f"raise kv_cache_memory or lower max_tokens",
-            )
+        needed = self.scheduler.pages_needed_by_class(physical, grown)
+        sizes = self.pool.sizes
+        for c, (need, size) in enumerate(zip(needed, sizes)):
+            if need > size:
+                where = f" of storage class {c}" if len(sizes) > 1 else ""
+                raise OutOfKVMemory(
+                    f"the request needs {need} KV pages{where} but the whole pool has {size}; "
+                    f"raise kv_cache_memory or lower max_tokens",
+                )
         if seq.chain is not None:
             # the record's pages stay pinned for the turn; a compacting turn may copy all of them,
             # otherwise only each layer's partial last page is copied
             compacts = self.scheduler.compacts_prefill or self.scheduler.compacts_decode
-            copies = len(seq.chain.pages()) if compacts else self.layout.layers
+            copies = (self.chains.pages_by_class(seq.chain.pages()) if compacts
+                      else self.scheduler.by_class([1] * self.layout.layers))
             pinned = self.chains.pinned_pages(exclude=seq.chain)
-            if needed + copies + pinned > self.num_pages:
-                raise ChainCapacity(
-                    f"the chain's request needs {needed + copies} KV pages, {pinned} of the pool's {self.num_pages} "
-                    "are held by other active chains; retry later", param="chain_id")
+            for need, copy, pin, size in zip(needed, copies, pinned, sizes):
+                if need + copy + pin > size:
+                    raise ChainCapacity(
+                        f"the chain's request needs {need + copy} KV pages, {pin} of the pool's {size} "
+                        "are held by other active chains; retry later", param="chain_id")
 
     def clone_sequence(self, seq: Sequence, count: int) -> list[Sequence]:
         """`count` new running sequences, each a copy of the decoding `seq` (its tokens, its K/V in
@@ -328,7 +356,7 @@ class Engine:
         pairs = self.scheduler.clone(seq, clones)
         self.attention.copy_pages([src for src, _ in pairs], [dst for _, dst in pairs])
         if seq.row is not None:
-            self.attention.store.copy_rows([seq.row] * len(clones), [clone.row for clone in clones])
+            self.attention.copy_rows([seq.row] * len(clones), [clone.row for clone in clones])
         source_generator = self.runner.generators.get(seq.seq_id)
         for clone in clones:
             if Hook.CLONE in self.method.hooks:
@@ -400,7 +428,7 @@ class Engine:
         may record prefills and replay others': not when its method cuts the cache while prefilling,
         nor when K/V are stored in a format attention reads back (quantized: earlier chunks, and
         without a residual window the chunk itself, are read as stored)."""
-        return not self.method.chunk_keeps and self.attention.store.spec.dense
+        return not self.method.chunk_keeps and all(s.spec.dense for s in self.attention.stores)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._launched is not None or bool(self._drained)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvc.runtime.attention.metadata import StatsFold
-from kvc.runtime.kv.spec import K, V, KVSpec, dense_spec
+from kvc.runtime.kv.spec import K, V, KVSpec, StorageClasses, dense_spec
 from kvc.runtime.kv.store import KVStore
 from kvc.runtime.kv.plans import Estimate, KeepPlan, Plan, ReadPlan, RewritePlan, StackedPlan  # noqa: F401 -- the contract's plans
 
@@ -209,6 +209,9 @@ class KVMethod(Protocol):
 
     def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec: ...
 
+    def storage_classes(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        page_size: int) -> StorageClasses: ...
+
     def prefill_chunk(self, layer: int, view: PrefillView) -> Plan | None: ...
 
     def prefill_end(self, layer: int, view: PrefillView) -> Plan | None: ...
@@ -271,6 +274,11 @@ class MethodBase:
 
     def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec:
         return dense_spec(head_dim, dtype)
+
+    def storage_classes(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        page_size: int) -> StorageClasses:
+        """Each layer's KV spec: `kv_spec`'s in every layer (one class)."""
+        return StorageClasses.single(self.kv_spec(num_kv_heads, head_dim, dtype, page_size), num_layers)
 
     def prefill_chunk(self, layer: int, view: PrefillView) -> Plan | None:
         return None

@@ -136,28 +136,36 @@ class ModelRunner:
         self.scale = model.spec.head_dim**-0.5
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.num_kv_heads = self.layout.kv_heads
-        self.tables = TableCache(self.num_layers, self.num_kv_heads)
+        # the tables the kernels see index each layer's store: pool ids less its class's first page
+        self.tables = TableCache(self.num_layers, self.num_kv_heads,
+                                 [attention.page_starts[c] for c in attention.layer_class])
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
         self.token_counts = TokenCounts(model.spec.vocab_size, device)  # penalties' state
-        self.store = attention.store  # every tensor of the method's KV spec (runtime/kv/store.py)
-        if self.store.spec.prerope:  # keys stored before RoPE: the store rotates them with the model's frequencies
+        # every tensor of the method's KV spec (runtime/kv/store.py); the first storage class's where
+        # there are several (methods without hooks only: Engine), whose hooks read none
+        self.store = attention.stores[0]
+        if any(st.spec.prerope for st in attention.stores):  # keys stored before RoPE: rotated with the model's RoPE
             rotary = getattr(model, "rotary", None)
             if rotary is None:
                 raise ConfigError(f"method {self.method.name!r} stores keys before RoPE; the model "
                                   f"{type(model).__name__} has no rotary embedding to read them with", param="method")
             attention.use_rope(rotary.inv_freq)
         # K/V stored rotated: q, k and v change basis where they enter a layer's attention
-        self.rotation = Rotation.of(self.store.spec, model.spec.head_dim, self.store.model_dtype(K), device)
-        # the attention kernels, chosen by the spec (dense or encoded K/V), the decode statistics the
-        # method reads, and whether its decode hook gives read plans
-        attention.use_variant(variant_for_spec(self.store.spec.dense, self.method.attention.decode_stats is not None,
-                                               Hook.DECODE_BEFORE_ATTENTION in self.method.hooks,
-                                               self.store.spec.low_rank))
+        # (per storage class)
+        self.rotations = [Rotation.of(st.spec, model.spec.head_dim, st.model_dtype(K), device)
+                          for st in attention.stores]
+        # the attention kernels of each storage class, chosen by its spec (dense or encoded K/V), the
+        # decode statistics the method reads, and whether its decode hook gives read plans
+        attention.use_variants([variant_for_spec(st.spec.dense, self.method.attention.decode_stats is not None,
+                                                 Hook.DECODE_BEFORE_ATTENTION in self.method.hooks,
+                                                 st.spec.low_rank)
+                                for st in attention.stores])
         self.executor = KVExecutor(self.store, pool, "triton" if attention.backend == "triton" else "auto",
-                                   restore=attention.store_fresh)
-        self.hooks = StepHooks(self.method, self.store, self.executor, self.tables, pool, self.num_layers)
+                                   restore=attention.store_fresh, copy_pages=attention.copy_pages)
+        self.hooks = StepHooks(self.method, self.store, self.executor, self.tables, pool, self.num_layers,
+                               copy_rows=attention.copy_rows)
         self.graphs: DecodeGraphs | None = None
         # the torch backend decodes eagerly: its writes sync with the host
         if use_cuda_graphs and device.type == "cuda" and attention.backend != "torch" and self.method.decode_graphs:
@@ -305,9 +313,10 @@ class ModelRunner:
             hooks & {Hook.PREFILL_CHUNK, Hook.PREFILL_END})
         chained = [] if batch is None or not self.chain_window else _chained_prefills(batch)
         recording = [] if batch is None else _recording_prefills(batch)
-        rotation = self.rotation
+        rotations, layer_class = self.rotations, attention.layer_class
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            rotation = rotations[layer_class[layer]]
             if rotation is not None:  # everything below sees the stored basis (runtime/kv/rotation.py)
                 q, k, v = rotation.inputs(q, k, v)
             d = md.num_decodes
@@ -390,10 +399,10 @@ class ModelRunner:
             return to_device(values, dev, dtype)
 
         rows = resid = None
-        if self.store.num_rows:  # the per-sequence rows (the scratch row: a sequence without one)
-            scratch = self.store.scratch_row
+        if self.attention.num_rows:  # the per-sequence rows (the scratch row: a sequence without one)
+            scratch = self.attention.scratch_row
             rows = to_dev([scratch if s.row is None else s.row for s in batch.seqs], torch.int32)
-        window = self.store.residual_window
+        window = self.attention.residual_window
         if window:  # each layer's residual slots before the step (the ops add the step's own)
             resid = to_dev(np.array([s.resid_lens for s in batch.seqs], dtype=np.int64).T, torch.int32)
         prompts = [[s.prefill_end - gap for gap in s.history_gap] for s in batch.seqs]  # as `_decode_rows`

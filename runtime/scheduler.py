@@ -18,7 +18,9 @@ recomputed from all its tokens later, through the prefix cache where its pages s
 
 Memory is per layer: each sequence has a page table per layer over one global pool, and a layer
 needs pages for its physical length `kv_lens[layer]`, which a method's prefill_end compaction can
-shrink (the runner reports it; `postprocess` frees the pages past the kept tokens at once).
+shrink (the runner reports it; `postprocess` frees the pages past the kept tokens at once). A
+layer takes its pages from its storage class's range of the pool (`layer_class`): page counts
+are per class, and a step fits when every class has the pages it needs.
 Admission sizes a request by the method's budget (`pages_needed`), whose decode-time bound
 already counts the engine's eviction interval (a row holds up to its kept count + N tokens per
 layer); growth (`_growth`) takes pages by the real stored lengths, so a row between evictions
@@ -115,8 +117,16 @@ class Scheduler:
         self, config: SchedulerConfig, pool: PagePool, num_layers: int = 1, budget: KVBudget | None = None,
         chains: ChainStore | None = None, compacts: tuple[bool, ...] = (False, False),
         rows: RowPool | None = None, residual: int = 0, window_after: Callable[[int], int] | None = None,
+        layer_class: tuple[int, ...] | None = None,
     ) -> None:
         self.config = config
+        # each layer's storage class (the pool's page-id range it takes pages from)
+        self.layer_class = tuple(layer_class) if layer_class is not None else (0,) * num_layers
+        self.num_classes = pool.num_classes
+        if len(self.layer_class) != num_layers or max(self.layer_class, default=0) >= self.num_classes:
+            raise ValueError(f"layer classes {self.layer_class} for {num_layers} layers and {self.num_classes} "
+                             "pool classes")
+        self._zero = [0] * self.num_classes
         self.chains = chains
         # the KV spec's per-sequence rows (None: the spec has no per-sequence tensors) and the
         # slots its residual window holds (0: none)
@@ -162,11 +172,14 @@ class Scheduler:
         if seq.num_layers != self.num_layers:
             raise ValueError(f"{seq} has {seq.num_layers} page tables, the model {self.num_layers} layers")
         physical = seq.physical_prompt_len
-        needed = self.pages_needed(physical, physical + 1)
-        if needed > self.pool.num_pages:
+        needed = self.pages_needed_by_class(physical, physical + 1)
+        over = [c for c, (need, size) in enumerate(zip(needed, self.pool.sizes)) if need > size]
+        if over:
+            c = over[0]
+            where = f" of storage class {c}" if self.num_classes > 1 else ""
             raise OutOfKVMemory(
-                f"a prompt of {n} tokens plus one new token needs {needed} KV pages of "
-                f"{self.pool.page_size} tokens, but the whole pool has {self.pool.num_pages}; "
+                f"a prompt of {n} tokens plus one new token needs {needed[c]} KV pages{where} of "
+                f"{self.pool.page_size} tokens, but the whole pool has {self.pool.sizes[c]}; "
                 "give the engine more KV cache memory or shorten the prompt"
             )
         self._live[seq.seq_id] = seq
@@ -179,11 +192,33 @@ class Scheduler:
     def pages_needed(self, prompt_len: int, context_len: int) -> int:
         """Pages (all layers) a request holds at its worst: its prefill peak or its steady state at
         `context_len` tokens, by the method's budget."""
+        return sum(self.pages_needed_by_class(prompt_len, context_len))
+
+    def pages_needed_by_class(self, prompt_len: int, context_len: int) -> list[int]:
+        """`pages_needed` per storage class."""
         b, size = self.budget, self.pool.page_size
-        return sum(
+        return self.by_class(
             -(-max(b.peak_tokens(prompt_len, layer), b.steady_tokens(prompt_len, context_len, layer)) // size)
             for layer in range(self.num_layers)
         )
+
+    def by_class(self, per_layer) -> list[int]:
+        """Per-layer counts summed by storage class."""
+        if self.num_classes == 1:
+            return [sum(per_layer)]
+        out = list(self._zero)
+        for layer, n in enumerate(per_layer):
+            out[self.layer_class[layer]] += n
+        return out
+
+    def _spares(self, seq: Sequence) -> list[int]:
+        """seq's spare pages per class."""
+        if self.num_classes == 1:
+            return [len(seq.spare_pages)]
+        out = list(self._zero)
+        for page in seq.spare_pages:
+            out[self.pool.class_of(page)] += 1
+        return out
 
     def _growth(self, seq: Sequence, n: int) -> int:
         """Fresh pages seq needs so every layer can store n more tokens."""
@@ -191,6 +226,15 @@ class Scheduler:
         if n <= room.least:
             return 0  # the common decode step: no layer is at a page boundary
         return room.growth(n)
+
+    def _growth_by_class(self, seq: Sequence, n: int) -> list[int]:
+        """`_growth` per storage class."""
+        room = self._room(seq)
+        if n <= room.least:
+            return self._zero
+        if self.num_classes == 1:
+            return [room.growth(n)]
+        return room.growth_by(n, self.layer_class, self.num_classes)
 
     def _room(self, seq: Sequence) -> Room:
         """seq's free slots per layer in the pages it holds. Walks the layers once per change of
@@ -204,11 +248,11 @@ class Scheduler:
         seq.room = room
         return room
 
-    def _copies(self, seq: Sequence, n: int) -> int:
-        """Spare pages seq's next step of n tokens may need for copy-on-write: its partial last
-        pages when they are shared, or every shared page when the step may compact."""
+    def _copies(self, seq: Sequence, n: int) -> list[int]:
+        """Spare pages (per storage class) seq's next step of n tokens may need for copy-on-write:
+        its partial last pages when they are shared, or every shared page when the step may compact."""
         if seq.chain is None and not self.prefix_caching:
-            return 0  # nothing shares its pages
+            return self._zero  # nothing shares its pages
         pool, size = self.pool, self.pool.page_size
         if seq.is_prefill:
             last = seq.num_computed_tokens + n == seq.prefill_end
@@ -216,27 +260,36 @@ class Scheduler:
         else:
             compacts = self.compacts_decode
         if compacts:
-            return sum(pool.is_shared(p) for table in seq.page_tables for p in table)
-        return sum(kv % size != 0 and kv // size < len(t) and pool.is_shared(t[kv // size])
-                   for kv, t in zip(seq.kv_lens, seq.page_tables))
+            return self.by_class(sum(pool.is_shared(p) for p in table) for table in seq.page_tables)
+        return self.by_class(kv % size != 0 and kv // size < len(t) and pool.is_shared(t[kv // size])
+                              for kv, t in zip(seq.kv_lens, seq.page_tables))
 
-    def _need(self, seq: Sequence, n: int) -> int:
-        return self._growth(seq, n) + self._copies(seq, n) - len(seq.spare_pages)
+    def _need(self, seq: Sequence, n: int) -> list[int]:
+        """Pages of each storage class seq's next step of n tokens needs beyond its spare ones."""
+        growth, copies = self._growth_by_class(seq, n), self._copies(seq, n)
+        if self.num_classes == 1:
+            return [growth[0] + copies[0] - len(seq.spare_pages)]
+        return [g + c - s for g, c, s in zip(growth, copies, self._spares(seq))]
 
     def _take(self, seq: Sequence, n: int) -> None:
         """Allocates what `_need` counted: table growth and spare pages for copy-on-write."""
-        copies = self._copies(seq, n) - len(seq.spare_pages)
+        copies = [c - s for c, s in zip(self._copies(seq, n), self._spares(seq))]
         room = self._room(seq)
         if n > room.least:
             short = room.short(n)
-            fresh = self.pool.allocate(sum(count for _, count in short))
-            at = 0
-            for layer, count in short:  # in layer order: the pages each layer always got
-                seq.grow_table(layer, fresh[at : at + count])
-                at += count
+            if self.num_classes == 1:
+                fresh = self.pool.allocate(sum(count for _, count in short))
+                at = 0
+                for layer, count in short:  # in layer order: the pages each layer always got
+                    seq.grow_table(layer, fresh[at : at + count])
+                    at += count
+            else:
+                for layer, count in short:
+                    seq.grow_table(layer, self.pool.allocate(count, self.layer_class[layer]))
             room.grew(short, seq.tables_version)
-        if copies > 0:
-            seq.spare_pages += self.pool.allocate(copies)
+        for cls, count in enumerate(copies):
+            if count > 0:
+                seq.spare_pages += self.pool.allocate(count, cls)
 
     def _victim(self) -> Sequence:
         """The running sequence to preempt: the newest without a chain, else the newest."""
@@ -289,10 +342,10 @@ class Scheduler:
         if len(clones) > seats:
             raise ConfigError(f"cloning {len(clones)} sequences needs {len(clones)} free seats, {seats} are left; "
                               "raise max_num_seqs", param="max_num_seqs")
-        per_clone = self._held(seq)
-        if per_clone * len(clones) > self.pool.num_free:
-            raise OutOfKVMemory(f"cloning {len(clones)} sequences of {per_clone} KV pages each needs "
-                                f"{per_clone * len(clones)} pages, {self.pool.num_free} are free; "
+        per_clone = self.by_class(len(t) for t in seq.page_tables)
+        if not self.pool.fits([n * len(clones) for n in per_clone]):
+            raise OutOfKVMemory(f"cloning {len(clones)} sequences of {sum(per_clone)} KV pages each needs "
+                                f"{sum(per_clone) * len(clones)} pages, {self.pool.num_free} are free; "
                                 "give the engine more KV cache memory or clone fewer")
         if self.rows is not None and self.rows.num_free < len(clones):
             raise OutOfKVMemory(f"cloning {len(clones)} sequences needs as many per-sequence rows, "
@@ -302,7 +355,8 @@ class Scheduler:
                 raise ValueError(f"{clone} cannot receive a clone: it is not a fresh sequence")
         pairs: list[tuple[int, int]] = []
         for clone in clones:
-            clone.page_tables = [self.pool.allocate(len(table)) for table in seq.page_tables]
+            clone.page_tables = [self.pool.allocate(len(table), self.layer_class[layer])
+                                 for layer, table in enumerate(seq.page_tables)]
             for src, dst in zip(seq.page_tables, clone.page_tables):
                 pairs += zip(src, dst)
             clone.tables_version += 1
@@ -335,7 +389,7 @@ class Scheduler:
         def reserve(seq: Sequence, n: int) -> bool:
             """Pages for seq's next n tokens, preempting the newest running sequences for them."""
             nonlocal budget, preempted
-            while self._need(seq, n) > self.pool.num_free:
+            while not self.pool.fits(self._need(seq, n)):
                 if self._evict_idle_chain():
                     continue
                 victim = self._victim()
@@ -399,8 +453,8 @@ class Scheduler:
             n = min(len(seq.token_ids) - computed, budget, chunk_cap)
             # the prompt stays resident until prefill_end: every layer needs pages for computed + n
             fresh = pool.pages_for(computed + n) - len(hits[0])
-            revived = sum(pool.ref_count(p) == 0 for table in hits for p in table)  # cached hits
-            if fresh * layers + revived > pool.num_free or not self._row_free():
+            revived = [sum(pool.ref_count(p) == 0 for p in table) for table in hits]  # cached hits, per layer
+            if not pool.fits(self.by_class(fresh + r for r in revived)) or not self._row_free():
                 if self._evict_idle_chain():
                     continue  # evicted chains' pages may also be prefix hits now: look again
                 break
@@ -408,7 +462,8 @@ class Scheduler:
             self._take_row(seq)
             if cached:
                 hits = pool.match_prefix_layers(seq.token_ids, layers)
-            seq.page_tables = [table + pool.allocate(fresh) for table in hits]
+            seq.page_tables = [table + pool.allocate(fresh, self.layer_class[layer])
+                               for layer, table in enumerate(hits)]
             seq.tables_version += 1
             seq.kv_lens = [computed] * layers
             seq.compressed = False
@@ -425,7 +480,7 @@ class Scheduler:
         self.chains.attach(seq)
         seq.prefill_end = len(seq.token_ids)
         n = min(seq.num_uncomputed_tokens, budget, chunk_cap)
-        while self._need(seq, n) > self.pool.num_free or not self._row_free():
+        while not self.pool.fits(self._need(seq, n)) or not self._row_free():
             if not self._evict_idle_chain(exclude=seq.chain):
                 self._free(seq)  # the record keeps its own references
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
@@ -508,7 +563,7 @@ class Scheduler:
             seq.append_token(sampled[seq.seq_id], None if logprobs is None else logprobs.get(seq.seq_id))
             reason = seq.check_stop()
             growth = self._growth(seq, 1)  # 0: the pages it holds take the token (no need to count them)
-            if reason is None and growth and growth + self._held(seq) + self._pinned(seq) > self.pool.num_pages:
+            if reason is None and growth and self._outgrows(seq):
                 # The pool could not hold this token's K/V even with the sequence alone in it.
                 reason = FINISH_LENGTH
             if reason is not None:
@@ -538,7 +593,7 @@ class Scheduler:
                 return None
             if not seq.stops_by_length:
                 seqs.append(seq)
-        if not seqs or sum(self._need(seq, 1) for seq in seqs) > self.pool.num_free:
+        if not seqs or not self.pool.fits([sum(n) for n in zip(*(self._need(seq, 1) for seq in seqs))]):
             return None
         for seq in seqs:
             self._take(seq, 1)
@@ -556,13 +611,13 @@ class Scheduler:
             for layer, table in enumerate(seq.page_tables):
                 self.pool.register(table[i], self.pool.layer_key(seq.page_hashes[i], layer))
 
-    @staticmethod
-    def _held(seq: Sequence) -> int:
-        return sum(len(t) for t in seq.page_tables)
-
-    def _pinned(self, seq: Sequence) -> int:
-        """Pages seq's chain record holds that seq does not (they stay for the whole turn)."""
-        return 0 if seq.chain is None or self.chains is None else self.chains.extra_pages(seq)
+    def _outgrows(self, seq: Sequence) -> bool:
+        """Could some storage class not hold seq's next token even with seq alone in the pool (its
+        pages, the growth, and those its chain record pins)?"""
+        growth = self._growth_by_class(seq, 1)
+        held = self.by_class(len(t) for t in seq.page_tables)
+        pinned = self._zero if seq.chain is None or self.chains is None else self.chains.extra_pages(seq)
+        return any(g and g + h + p > size for g, h, p, size in zip(growth, held, pinned, self.pool.sizes))
 
     def _shrink(self, seq: Sequence, layer: int, kept: int) -> None:
         """Layer `layer` of seq now stores `kept` tokens: free the pages past them."""

@@ -11,6 +11,7 @@ start slots, verbatim tails and position maps on the sequences. docs/design.md, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,8 +31,10 @@ if TYPE_CHECKING:
 
 class StepHooks:
     def __init__(self, method: KVMethod, store: KVStore, executor: KVExecutor, tables: TableCache,
-                 pool: PagePool | None, num_layers: int) -> None:
+                 pool: PagePool | None, num_layers: int, copy_rows: Callable | None = None) -> None:
         self.method, self.store, self.executor, self.tables, self.pool = method, store, executor, tables, pool
+        # rows by id in every store that has them (`PagedAttention.copy_rows`; default: the store's)
+        self._copy_rows = copy_rows or store.copy_rows
         self.num_layers, self.num_kv_heads, self.page_size = num_layers, store.num_kv_heads, store.page_size
         self.planes = store.method_tensors()  # the method's per-token state: every decode row writes it
 
@@ -68,7 +71,7 @@ class StepHooks:
         """A chain continuation's row starts as its record's (rows are never shared)."""
         for seq in batch.seqs:
             if seq.row_source is not None:
-                self.store.copy_rows([seq.row_source], [seq.row])
+                self._copy_rows([seq.row_source], [seq.row])
                 seq.row_source = None
 
     # ---- hooks and their plans ---------------------------------------------------------------

@@ -113,3 +113,10 @@ def page_tokens(params):
     """The tokens of a page that adakv summarises, from methods/adakv.kvm
     (None: no page summaries, any engine page)."""
     return None
+
+
+def dense_operands(params, layer):
+    """The operands layer `layer` stores dense instead of as adakv's spec says, from
+    methods/adakv.kvm (`store ... where`)."""
+    dense = []
+    return tuple(dense)

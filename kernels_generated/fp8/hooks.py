@@ -109,3 +109,10 @@ def page_tokens(params):
     """The tokens of a page that fp8 summarises, from methods/fp8.kvm
     (None: no page summaries, any engine page)."""
     return None
+
+
+def dense_operands(params, layer):
+    """The operands layer `layer` stores dense instead of as fp8's spec says, from
+    methods/fp8.kvm (`store ... where`)."""
+    dense = []
+    return tuple(dense)

@@ -125,3 +125,10 @@ def page_tokens(params):
     """The tokens of a page that h2o summarises, from methods/h2o.kvm
     (None: no page summaries, any engine page)."""
     return None
+
+
+def dense_operands(params, layer):
+    """The operands layer `layer` stores dense instead of as h2o's spec says, from
+    methods/h2o.kvm (`store ... where`)."""
+    dense = []
+    return tuple(dense)

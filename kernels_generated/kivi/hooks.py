@@ -25,7 +25,7 @@ from . import torch_lowering  # relative: the engine also loads this folder by p
 
 METHOD = "kivi"
 FAMILY = "quantization"
-DEFAULTS = {'bits': 2, 'group_size': 32, 'residual_length': 128}
+DEFAULTS = {'bits': 2, 'dense_layers': [], 'group_size': 32, 'residual_length': 128}
 HOOKS = []
 
 score = torch_lowering.score
@@ -145,3 +145,14 @@ def page_tokens(params):
     (None: no page summaries, any engine page)."""
     group_size = params["group_size"]
     return int(group_size)
+
+
+def dense_operands(params, layer):
+    """The operands layer `layer` stores dense instead of as kivi's spec says, from
+    methods/kivi.kvm (`store ... where`)."""
+    dense = []
+    if layer in params["dense_layers"]:
+        dense.append("k")
+    if layer in params["dense_layers"]:
+        dense.append("v")
+    return tuple(dense)

@@ -41,7 +41,7 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
 
 METHOD = "kivi"
 FAMILY = "quantization"
-DEFAULTS = {'bits': 2, 'group_size': 32, 'residual_length': 128}
+DEFAULTS = {'bits': 2, 'dense_layers': [], 'group_size': 32, 'residual_length': 128}
 STATES = []
 # the parameters each hook reads: what a hook computes from its inputs and no parameter is the same
 # under every parameter (a replayed prefill's chunk state is computed once for every budget)

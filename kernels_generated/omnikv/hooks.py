@@ -101,3 +101,10 @@ def page_tokens(params):
     """The tokens of a page that omnikv summarises, from methods/omnikv.kvm
     (None: no page summaries, any engine page)."""
     return None
+
+
+def dense_operands(params, layer):
+    """The operands layer `layer` stores dense instead of as omnikv's spec says, from
+    methods/omnikv.kvm (`store ... where`)."""
+    dense = []
+    return tuple(dense)

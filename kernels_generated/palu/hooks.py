@@ -118,3 +118,10 @@ def page_tokens(params):
     """The tokens of a page that palu summarises, from methods/palu.kvm
     (None: no page summaries, any engine page)."""
     return None
+
+
+def dense_operands(params, layer):
+    """The operands layer `layer` stores dense instead of as palu's spec says, from
+    methods/palu.kvm (`store ... where`)."""
+    dense = []
+    return tuple(dense)

@@ -114,3 +114,10 @@ def page_tokens(params):
     """The tokens of a page that pyramidkv summarises, from methods/pyramidkv.kvm
     (None: no page summaries, any engine page)."""
     return None
+
+
+def dense_operands(params, layer):
+    """The operands layer `layer` stores dense instead of as pyramidkv's spec says, from
+    methods/pyramidkv.kvm (`store ... where`)."""
+    dense = []
+    return tuple(dense)

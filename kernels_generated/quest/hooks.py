@@ -108,3 +108,10 @@ def page_tokens(params):
     (None: no page summaries, any engine page)."""
     param_page_size = params["page_size"]
     return int(param_page_size)
+
+
+def dense_operands(params, layer):
+    """The operands layer `layer` stores dense instead of as quest's spec says, from
+    methods/quest.kvm (`store ... where`)."""
+    dense = []
+    return tuple(dense)

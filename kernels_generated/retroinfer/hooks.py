@@ -101,3 +101,10 @@ def page_tokens(params):
     """The tokens of a page that retroinfer summarises, from methods/retroinfer.kvm
     (None: no page summaries, any engine page)."""
     return None
+
+
+def dense_operands(params, layer):
+    """The operands layer `layer` stores dense instead of as retroinfer's spec says, from
+    methods/retroinfer.kvm (`store ... where`)."""
+    dense = []
+    return tuple(dense)

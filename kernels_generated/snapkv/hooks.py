@@ -112,3 +112,10 @@ def page_tokens(params):
     """The tokens of a page that snapkv summarises, from methods/snapkv.kvm
     (None: no page summaries, any engine page)."""
     return None
+
+
+def dense_operands(params, layer):
+    """The operands layer `layer` stores dense instead of as snapkv's spec says, from
+    methods/snapkv.kvm (`store ... where`)."""
+    dense = []
+    return tuple(dense)

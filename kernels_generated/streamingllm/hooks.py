@@ -123,3 +123,10 @@ def page_tokens(params):
     """The tokens of a page that streamingllm summarises, from methods/streamingllm.kvm
     (None: no page summaries, any engine page)."""
     return None
+
+
+def dense_operands(params, layer):
+    """The operands layer `layer` stores dense instead of as streamingllm's spec says, from
+    methods/streamingllm.kvm (`store ... where`)."""
+    dense = []
+    return tuple(dense)

@@ -109,3 +109,10 @@ def page_tokens(params):
     """The tokens of a page that tova summarises, from methods/tova.kvm
     (None: no page summaries, any engine page)."""
     return None
+
+
+def dense_operands(params, layer):
+    """The operands layer `layer` stores dense instead of as tova's spec says, from
+    methods/tova.kvm (`store ... where`)."""
+    dense = []
+    return tuple(dense)

@@ -13,7 +13,11 @@ variable counts only) KV-head start slots.
 The tensors live in a `KVStore` (runtime/kv/store.py) built from the method's KV spec: K/V, the
 method's per-token state (`planes`) and page summaries, all addressed by the same page ids; a
 step's store refreshes the summaries of the pages it wrote (a decode-only step on the GPU folds
-its one token per sequence into them instead: `KVStore.append_summaries`).
+its one token per sequence into them instead: `KVStore.append_summaries`). A method whose layers
+store K/V differently (storage classes, runtime/kv/spec.py `StorageClasses`) has one store per
+class; a layer reads and writes its class's (`store_of`), whose pages are the pool's ids of that
+class from its first (`page_starts`: the page tables the kernels see hold the store's indices,
+runtime/kv/tables.py).
 
 Decode statistics: `forward(..., stats=DecodeStats)` asks the decode kernels to also emit the
 step's attention probabilities, folded as the method reads them (metadata.py); `stats_request`
@@ -33,7 +37,7 @@ from kvc.runtime.attention.metadata import AttentionMetadata, DecodeStats, Stats
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.attention.sources import LowRankPages, QuantizedPages, Source
 from kvc.runtime.kv.plans import ReadPlan
-from kvc.runtime.kv.spec import K, V, Dense, KVSpec, LowRank, dense_spec
+from kvc.runtime.kv.spec import K, V, Dense, KVSpec, LowRank, StorageClasses, dense_spec
 from kvc.runtime.kv.store import KVStore
 
 BACKENDS = ("torch", "triton")
@@ -102,16 +106,64 @@ class PagedAttention:
     """The attention layer over a `KVStore` (runtime/kv/store.py: every tensor of the method's KV
     spec, paged; a page belongs to one layer of one sequence at a time) and a backend."""
 
-    def __init__(self, store: KVStore, backend: str = "torch", num_layers: int = 1) -> None:
+    def __init__(self, store: KVStore | list[KVStore], backend: str = "torch", num_layers: int = 1,
+                 layer_class: tuple[int, ...] | None = None) -> None:
         self.num_layers = num_layers
-        self.store = store
+        self.stores = list(store) if isinstance(store, list) else [store]
+        self.layer_class = tuple(layer_class) if layer_class is not None else (0,) * num_layers
+        # each class's first page id in the pool (its store's page 0)
+        self.page_starts = [sum(s.num_pages for s in self.stores[:c]) for c in range(len(self.stores))]
         self.backend = backend
         self.variant = "plain"
-        self.ops = load_ops(backend, store.device)
+        self.ops = load_ops(backend, self.stores[0].device)
+        self.class_ops = [self.ops] * len(self.stores)  # each storage class's kernels (`use_variants`)
+        self.variants = ["plain"] * len(self.stores)
         self._stats: torch.Tensor | None = None  # decode statistics buffer, reused across layers
         # a spec storing keys before RoPE builds its sources once the runner gives the RoPE (`use_rope`)
-        waits = store.spec.prerope and store.rope_freq is None
+        waits = any(s.spec.prerope and s.rope_freq is None for s in self.stores)
         self._sources = [] if waits else [self._layer_sources(layer) for layer in range(num_layers)]
+
+    @property
+    def store(self) -> KVStore:
+        """The store (a method with one storage class; otherwise `store_of(layer)`)."""
+        if len(self.stores) > 1:
+            raise TypeError(f"the KV cache has {len(self.stores)} storage classes: ask store_of(layer)")
+        return self.stores[0]
+
+    def store_of(self, layer: int) -> KVStore:
+        """Layer `layer`'s store (its storage class's)."""
+        return self.stores[self.layer_class[layer]]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.stores)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the per-sequence tensors (every class with any has as many; 0: none)."""
+        return max(s.num_rows for s in self.stores)
+
+    @property
+    def scratch_row(self) -> int:
+        return self.num_rows
+
+    @property
+    def residual_window(self) -> int:
+        """Slots a residual window holds (the largest of the classes'; 0: none)."""
+        return max(s.residual_window for s in self.stores)
+
+    def window_after(self, length: int) -> int:
+        return max(s.window_after(length) for s in self.stores)
+
+    @property
+    def flushes_blocks(self) -> bool:
+        return any(s.flushes_blocks for s in self.stores)
+
+    def copy_rows(self, src: list[int], dst: list[int]) -> None:
+        """Row src[i] -> row dst[i] in every store with per-sequence tensors."""
+        for store in self.stores:
+            if store.num_rows:
+                store.copy_rows(src, dst)
 
     @classmethod
     def from_caches(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str = "torch",
@@ -128,7 +180,7 @@ class PagedAttention:
     def _layer_sources(self, layer: int) -> tuple[Source, Source]:
         """What the kernels read layer `layer`'s K and V from, as the spec encodes them: the dense
         tensor, or a `QuantizedPages` (codes, scales, zero points, this layer's residual rows)."""
-        store = self.store
+        store = self.store_of(layer)
 
         def source(enc, which: str) -> Source:
             if isinstance(enc, Dense):
@@ -152,7 +204,8 @@ class PagedAttention:
     def use_rope(self, inv_freq: torch.Tensor) -> None:
         """The model's RoPE frequencies [D / 2], for a spec that stores keys before RoPE (the runner
         calls it before any step): the store's dense reads and the sources rotate keys with them."""
-        self.store.rope_freq = inv_freq.to(self.store.device, torch.float32)
+        for store in self.stores:
+            store.rope_freq = inv_freq.to(store.device, torch.float32)
         self._sources = [self._layer_sources(layer) for layer in range(self.num_layers)]
 
     @property
@@ -170,8 +223,26 @@ class PagedAttention:
         return self.store.method_tensors()
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        """Page src[i] -> page dst[i]: every tensor of the spec (a page's whole content)."""
-        self.store.copy_pages(src, dst)
+        """Page src[i] -> page dst[i] (pool ids; both of one class): every tensor of the spec (a page's
+        whole content)."""
+        if len(self.stores) == 1:
+            self.stores[0].copy_pages(src, dst)
+            return
+        by_class: dict[int, tuple[list[int], list[int]]] = {}
+        for a, b in zip(src, dst):
+            cls = self.class_of_page(a)
+            first = self.page_starts[cls]
+            pair = by_class.setdefault(cls, ([], []))
+            pair[0].append(a - first)
+            pair[1].append(b - first)
+        for cls, (a, b) in by_class.items():
+            self.stores[cls].copy_pages(a, b)
+
+    def class_of_page(self, page: int) -> int:
+        cls = 0
+        while cls + 1 < len(self.page_starts) and page >= self.page_starts[cls + 1]:
+            cls += 1
+        return cls
 
     @property
     def scratch_page(self) -> int:
@@ -180,19 +251,29 @@ class PagedAttention:
 
     def use_variant(self, variant: str) -> None:
         """Run the generated attention kernels of `variant` (what the method's manifest names)."""
-        if variant != self.variant:
-            self.ops = load_ops(self.backend, self.store.device, variant)
-            self.variant = variant
+        self.use_variants([variant] * len(self.stores))
+
+    def use_variants(self, variants: list[str]) -> None:
+        """Each storage class's variant (`use_variant`)."""
+        loaded = {}
+        for cls, variant in enumerate(variants):
+            if variant != self.variants[cls]:
+                if variant not in loaded:
+                    loaded[variant] = load_ops(self.backend, self.stores[0].device, variant)
+                self.class_ops[cls] = loaded[variant]
+                self.variants[cls] = variant
+        self.ops, self.variant = self.class_ops[0], self.variants[0]
 
     def stats_request(self, fold: StatsFold, num_decodes: int, num_heads: int, width: int) -> DecodeStats:
         """A decode-statistics request over a contiguous [num_decodes, R, width] float32 view of one
         buffer kept across layers and steps (grown, never shrunk; the kernels write every entry).
         CUDA graphs capture views of it: the runner asks for the largest request before capturing,
         so it is never reallocated under a captured graph."""
-        shape = (num_decodes, fold.rows(num_heads, self.store.num_kv_heads), width)
+        store = self.stores[0]
+        shape = (num_decodes, fold.rows(num_heads, store.num_kv_heads), width)
         numel = shape[0] * shape[1] * shape[2]
         if self._stats is None or self._stats.numel() < numel:
-            self._stats = torch.empty(numel, dtype=torch.float32, device=self.store.device)
+            self._stats = torch.empty(numel, dtype=torch.float32, device=store.device)
         return DecodeStats(fold.reduce, fold.fn, self._stats[:numel].view(shape))
 
     @classmethod
@@ -206,22 +287,28 @@ class PagedAttention:
         dtype: torch.dtype,
         device: torch.device | str,
         backend: str = "torch",
-        spec: KVSpec | None = None,
+        spec: KVSpec | StorageClasses | None = None,
         num_rows: int = 0,
+        num_pages_by_class: list[int] | None = None,
     ) -> PagedAttention:
-        """A store of `spec` (None: dense K/V of `head_dim` in `dtype`) over `num_pages` pages."""
+        """A store of `spec` (None: dense K/V of `head_dim` in `dtype`) over `num_pages` pages; with
+        storage classes, one store per class over `num_pages_by_class[c]` pages."""
         spec = spec if spec is not None else dense_spec(head_dim, dtype)
         load_ops(backend, torch.device(device))  # a bad backend fails before the pool is allocated
-        store = KVStore(spec, num_pages, num_kv_heads, page_size, num_layers, device, num_rows)
-        return cls(store, backend, num_layers)
+        if isinstance(spec, KVSpec):
+            spec = StorageClasses.single(spec, num_layers)
+        sizes = num_pages_by_class or [num_pages]
+        stores = [KVStore(s, n, num_kv_heads, page_size, num_layers, device, num_rows)
+                  for s, n in zip(spec.specs, sizes)]
+        return cls(stores, backend, num_layers, spec.layer_class)
 
     @property
     def num_pages(self) -> int:
-        return self.store.num_pages
+        return sum(s.num_pages for s in self.stores)
 
     @property
     def page_size(self) -> int:
-        return self.store.page_size
+        return self.stores[0].page_size
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
               window_tokens: int | None = None) -> None:
@@ -231,24 +318,27 @@ class PagedAttention:
         attention)."""
         slots = md.slot_mapping[layer_idx]
         k_src, v_src = self._layer(layer_idx)
+        store = self.store_of(layer_idx)
+        ops = self.class_ops[self.layer_class[layer_idx]]
         if md.num_prefills > 0:  # dynamic FP8 scales: fixed by the first prefill step (every sequence starts
             # with one), so decode steps, and the decode graphs captured before any request, never settle
-            self.store.settle_scales(layer_idx, k, v, slots)
-        if md.resid_lens is None and not self.store.spec.prerope:
-            self.ops.store_kv(k, v, k_src, v_src, slots)
-        elif md.resid_lens is None:  # keys stored before RoPE: each new token's slot is its position
-            self.ops.store_kv(k, v, k_src, v_src, slots, cu_seqlens_q=md.cu_seqlens_q,
+            store.settle_scales(layer_idx, k, v, slots)
+        windowed = md.resid_lens is not None and store.residual_window > 0
+        if not windowed and not store.spec.prerope:
+            ops.store_kv(k, v, k_src, v_src, slots)
+        elif not windowed:  # keys stored before RoPE: each new token's slot is its position
+            ops.store_kv(k, v, k_src, v_src, slots, cu_seqlens_q=md.cu_seqlens_q,
                               context_lens=md.context_lens[layer_idx])
         else:  # a residual window: each new token finds its sequence's row
-            self.ops.store_kv(k, v, k_src, v_src, slots, cu_seqlens_q=md.cu_seqlens_q,
+            ops.store_kv(k, v, k_src, v_src, slots, cu_seqlens_q=md.cu_seqlens_q,
                               context_lens=md.context_lens[layer_idx], rows=md.rows, window_tokens=window_tokens,
-                              **({"block_tables": md.block_tables[layer_idx]} if self.store.flushes_blocks else {}))
-        if not self.store.spec.summaries:
+                              **({"block_tables": md.block_tables[layer_idx]} if store.flushes_blocks else {}))
+        if not store.spec.summaries:
             return
-        if self.backend == "triton" and md.num_prefills == 0 and self.store.appends_summaries:
-            self.store.append_summaries(slots)  # one token per sequence: fold it in, one launch a summary
+        if self.backend == "triton" and md.num_prefills == 0 and store.appends_summaries:
+            store.append_summaries(slots)  # one token per sequence: fold it in, one launch a summary
         else:
-            self.store.refresh_summaries(*last_in_page(slots, self.store.page_size, self.store.scratch_page), layer_idx)
+            store.refresh_summaries(*last_in_page(slots, store.page_size, store.scratch_page), layer_idx)
 
     def store_fresh(self, layer: int, k: torch.Tensor, v: torch.Tensor, table: list[int], row: int | None) -> None:
         """k, v [m, Hkv, D] as slots [0, m) of a sequence's layer over page table `table`, stored as
@@ -256,14 +346,16 @@ class PagedAttention:
         the newest in the row's residual window (which then holds min(m, W) of them). What a keep
         plan over a spec with flush blocks does after choosing the tokens (runtime/kv/executor.py)."""
         m, device = k.shape[0], k.device
-        page = self.store.page_size
-        tables = torch.tensor(table, dtype=torch.int32, device=device)
+        store = self.store_of(layer)
+        page = store.page_size
+        first = self.page_starts[self.layer_class[layer]]
+        tables = torch.tensor([p - first for p in table], dtype=torch.int32, device=device)
         at = torch.arange(m, device=device)
         slots = tables.long()[at // page] * page + at % page
         k_src, v_src = self._layer(layer)
         as_int = partial(torch.tensor, dtype=torch.int32, device=device)
         torch_ops.store_kv(k, v, k_src, v_src, slots, cu_seqlens_q=as_int([0, m]), context_lens=as_int([m]),
-                           rows=as_int([self.store.scratch_row if row is None else row]), block_tables=tables[None])
+                           rows=as_int([store.scratch_row if row is None else row]), block_tables=tables[None])
 
     def forward(
         self,
@@ -285,16 +377,17 @@ class PagedAttention:
         triton backend.
         """
         k_cache, v_cache = self._layer(layer_idx)
+        store = self.store_of(layer_idx)
         tables, lens = md.block_tables[layer_idx], md.context_lens[layer_idx]
-        resid = None if md.resid_lens is None else md.resid_lens[layer_idx]
+        resid = None if md.resid_lens is None or not store.residual_window else md.resid_lens[layer_idx]
         extra_d = {} if resid is None else {"rows": md.rows[:md.num_decodes], "resid_lens": resid[:md.num_decodes]}
         extra_p = {} if resid is None else {"rows": md.rows[md.num_decodes:], "resid_lens": resid[md.num_decodes:]}
-        if resid is not None or self.store.spec.exact_chunks:  # a chunk reads itself as computed (paged_prefill)
+        if resid is not None or store.spec.exact_chunks:  # a chunk reads itself as computed (paged_prefill)
             extra_p.update(k_new=k[md.num_decodes:], v_new=v[md.num_decodes:])
         if read is not None:
             extra_d["read"] = read
         starts = None if md.kv_starts is None else md.kv_starts[layer_idx]  # [B, Hkv]
-        ops = self.ops
+        ops = self.class_ops[self.layer_class[layer_idx]]
         # a plan with an estimate (pseudo-keys of a cluster index) runs on the torch path for now
         estimated = read is not None and read.estimate is not None
         decode_ops = torch_ops if estimated else ops

@@ -156,12 +156,15 @@ def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_le
     longest = input_len + output_len + 1  # the engine's max_model_len (bench/steps.py `make_engine`)
     method.bind(spec.num_layers, spec.num_kv_heads, model_dir=inputs_dir, max_context=longest)
     layout = CacheLayout.of(spec, method)  # as the engine's
-    kv_spec = method.kv_spec(layout.kv_heads, spec.head_dim, spec.dtype, page_size)
-    page_bytes = layer_page_bytes(kv_spec, layout.kv_heads, page_size)
+    classes = method.storage_classes(layout.layers, layout.kv_heads, spec.head_dim, spec.dtype, page_size)
+    # a layer-page: with several storage classes, their mean over the layers (the engine sizes the
+    # classes to run out together, at equal tokens per layer)
+    page_bytes = -(-sum(layer_page_bytes(classes.spec_of(layer), layout.kv_heads, page_size)
+                        for layer in range(layout.layers)) // layout.layers)
     # two rows of the per-sequence tensors a sequence and the LAYER tensors (stored once) come off
     # the budget first, as the engine's
-    seat_bytes = 2 * kv_spec.bytes_per_row(layout.kv_heads, layout.layers) if kv_spec.uses_rows else 0
-    fixed = kv_spec.bytes_per_layers(layout.kv_heads, layout.layers)
+    seat_bytes = 2 * sum(s.bytes_per_row(layout.kv_heads, layout.layers) for s in classes.specs)
+    fixed = sum(s.bytes_per_layers(layout.kv_heads, layout.layers) for s in classes.specs)
 
     def pages(seats: int) -> int:
         left = kv_memory - fixed - seats * seat_bytes

@@ -117,6 +117,7 @@ class GeneratedCode:
         self.keep_tails: dict[str, Callable] = self._contract("KEEP_TAILS")  # keeping hook -> its `+ last N`
         self.kv_spec: Callable = self._contract("kv_spec")
         self.page_tokens: Callable = self._contract("page_tokens")
+        self.dense_operands: Callable = self._contract("dense_operands")
         self.attention = _attention_kernels(name, manifest)
         self.fused_names = _fused_kernels(manifest)  # hook -> its fused Triton kernel
         self.fused_kernels: dict[str, Callable] | None = None  # loaded on first GPU use

@@ -31,7 +31,7 @@ from kvc.runtime.compiled.state import SequenceStates
 from kvc.runtime.compiled.step_end import StepEnd, group_mode
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv.layout import CacheLayout
-from kvc.runtime.kv.spec import Extent, KVSpec
+from kvc.runtime.kv.spec import Extent, KVSpec, StorageClasses
 from kvc.runtime.kv.plans import KeepPlan
 from kvc.runtime.method_api import DecodeView, Hook, MethodBase, PrefillView, ReadPlan, StepView
 
@@ -185,6 +185,17 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
             spec = dataclasses.replace(spec, tensors=spec.tensors + self.indices.tensors(
                 head_dim, self.max_context, self.params))
         return spec
+
+    def storage_classes(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        page_size: int) -> StorageClasses:
+        """`kv_spec` in the layers its stores apply to, K or V dense in the others (the generated
+        `dense_operands`: `store ... where layer [not] in P`)."""
+        spec = self.kv_spec(num_kv_heads, head_dim, dtype, page_size)
+        dense = [self.code.dense_operands(self.params, layer) for layer in range(num_layers)]
+        if any(dense) and self.kv_head_layers:
+            raise ConfigError(f"method {self.name!r}: a store for some layers with cache layers per KV head is not "
+                              "supported", param="method")
+        return StorageClasses.of_layers([spec.with_dense(d, head_dim, dtype) for d in dense])
 
     def token_scores(self, layer: int, num_layers: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The prompt's keep scores [Hkv, n] of keys k [Hkv, n, D] under queries q [Hq, w, D] (the

@@ -30,10 +30,13 @@ from kvc.runtime.kv.store import KVStore
 
 class KVExecutor:
     def __init__(self, store: KVStore, pool: PagePool | None = None, compaction_backend: str = "auto",
-                 restore: Callable | None = None) -> None:
+                 restore: Callable | None = None, copy_pages: Callable | None = None) -> None:
         """`restore(layer, k, v, table, row)`: stores kept tokens as a fresh prefill of them
-        (`PagedAttention.store_fresh`), for specs written a block at a time."""
+        (`PagedAttention.store_fresh`), for specs written a block at a time; `copy_pages(src, dst)`:
+        whole pages by pool id (`PagedAttention.copy_pages`, which finds each page's storage class;
+        default: the store's)."""
         self.store = store
+        self._copy_pages = copy_pages or store.copy_pages
         self.pool = pool
         self.backend = compaction_backend
         self.restore = restore
@@ -136,7 +139,16 @@ class KVExecutor:
     # ---- copies --------------------------------------------------------------------------------
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Page src[i] -> page dst[i], every tensor of the spec."""
-        self.store.copy_pages(src, dst)
+        self._copy_pages(src, dst)
+
+    def _take_spare(self, spare: list[int], old: int) -> int:
+        """A spare page of `old`'s storage class, taken from `spare`."""
+        cls = self.pool.class_of(old)
+        for i in range(len(spare) - 1, -1, -1):
+            if self.pool.class_of(spare[i]) == cls:
+                return spare.pop(i)
+        raise RuntimeError(f"a write into shared page {old} without a spare page of its class (the scheduler "
+                           "reserves them)")
 
     def own_page(self, table: list[int], index: int, spare: list[int]) -> bool:
         """Copy-on-write: `table[index]` becomes a page of its own, copied into a page taken from
@@ -148,8 +160,8 @@ class KVExecutor:
             return False
         if not spare:
             raise RuntimeError(f"a write into shared page {old} without a spare page (the scheduler reserves them)")
-        new = spare.pop()
-        self.store.copy_pages([old], [new])
+        new = self._take_spare(spare, old)
+        self._copy_pages([old], [new])
         table[index] = new
         pool.free([old])
         return True

@@ -13,6 +13,12 @@ Prefix caching hashes FULL pages in a chain, h_i = H(h_{i-1}, tokens of page i, 
 hash names its whole prefix. The salt fingerprints whatever else changes the K/V (model, method).
 Each layer has its own pages (one global pool, per-layer page tables): layer l's page of a prefix
 is registered under `layer_key(h, l)` (layer 0 under h itself), and a hit gives every layer's page.
+
+Storage classes (runtime/kv/spec.py `StorageClasses`: layers whose KV specs differ): class c owns
+the page ids `[first(c), first(c) + sizes[c])`, with its own free list and LRU queue, and its layers
+take pages from there (`allocate(n, cls)`, `free_in(cls)`); everything else (references, the prefix
+cache, chains) is by page id as with one class. A class's store indexes its pages from 0
+(`PagePool.local`).
 """
 
 from __future__ import annotations
@@ -34,20 +40,24 @@ class PoolExhausted(RuntimeError):
 class PagePool:
     def __init__(
         self,
-        num_pages: int,
+        num_pages: int | Seq[int],
         page_size: int,
         enable_prefix_caching: bool = True,
         salt: bytes = b"",
     ) -> None:
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
-        self.num_pages = num_pages
+        sizes = [num_pages] if isinstance(num_pages, int) else list(num_pages)
+        if not sizes or min(sizes) < 1 or page_size < 1:
+            raise ValueError(f"need num_pages >= 1 (each class) and page_size >= 1, got {num_pages}, {page_size}")
+        self.sizes = sizes  # pages of each storage class
+        self.starts = [sum(sizes[:c]) for c in range(len(sizes))]  # each class's first page id
+        self.num_pages = num_pages = sum(sizes)
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self._salt = hashlib.blake2b(salt, digest_size=_DIGEST).digest()  # fixed width
         self._refs = [0] * num_pages
-        self._free: deque[int] = deque(range(num_pages))
-        self._cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
+        self._class = [c for c, n in enumerate(sizes) for _ in range(n)]  # page -> its class
+        self._frees: list[deque[int]] = [deque(range(a, a + n)) for a, n in zip(self.starts, sizes)]
+        self._cacheds: list[OrderedDict[int, None]] = [OrderedDict() for _ in sizes]  # LRU: oldest first
         self._page_hash: list[bytes | None] = [None] * num_pages
         self._hash_page: dict[bytes, int] = {}
         self._queries = 0
@@ -55,9 +65,32 @@ class PagePool:
 
     # ---- counts ------------------------------------------------------------------------------
     @property
+    def num_classes(self) -> int:
+        return len(self.sizes)
+
+    @property
     def num_free(self) -> int:
-        """Pages `allocate` can hand out: plain free ones plus evictable cached ones."""
-        return len(self._free) + len(self._cached)
+        """Pages `allocate` can hand out (every class): plain free ones plus evictable cached ones."""
+        return sum(len(f) for f in self._frees) + sum(len(c) for c in self._cacheds)
+
+    def free_in(self, cls: int) -> int:
+        """Free pages of class `cls`."""
+        return len(self._frees[cls]) + len(self._cacheds[cls])
+
+    @property
+    def free_by_class(self) -> list[int]:
+        return [self.free_in(c) for c in range(len(self.sizes))]
+
+    def fits(self, need: Seq[int]) -> bool:
+        """Are `need[c]` pages of every class c free?"""
+        return all(n <= self.free_in(c) for c, n in enumerate(need))
+
+    def class_of(self, page: int) -> int:
+        return self._class[page]
+
+    def local(self, page: int) -> int:
+        """Page `page`'s index in its class's store."""
+        return page - self.starts[self._class[page]]
 
     @property
     def num_used(self) -> int:
@@ -66,7 +99,7 @@ class PagePool:
     @property
     def num_cached(self) -> int:
         """Free pages that still hold a reachable prefix."""
-        return len(self._cached)
+        return sum(len(c) for c in self._cacheds)
 
     def ref_count(self, page: int) -> int:
         return self._refs[page]
@@ -79,20 +112,21 @@ class PagePool:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= self.num_free
+    def can_allocate(self, n: int, cls: int = 0) -> bool:
+        return n <= self.free_in(cls)
 
     # ---- allocation --------------------------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
-        """Takes n fresh pages (refcount 1), evicting the oldest cached pages if needed."""
-        if n > self.num_free:
-            raise PoolExhausted(f"asked for {n} pages, {self.num_free} free")
+    def allocate(self, n: int, cls: int = 0) -> list[int]:
+        """Takes n fresh pages of class `cls` (refcount 1), evicting its oldest cached pages if needed."""
+        free, cached = self._frees[cls], self._cacheds[cls]
+        if n > len(free) + len(cached):
+            raise PoolExhausted(f"asked for {n} pages, {len(free) + len(cached)} free")
         pages = []
         for _ in range(n):
-            if self._free:
-                page = self._free.popleft()
+            if free:
+                page = free.popleft()
             else:
-                page, _ = self._cached.popitem(last=False)
+                page, _ = cached.popitem(last=False)
                 del self._hash_page[self._page_hash[page]]
                 self._page_hash[page] = None
             self._refs[page] = 1
@@ -111,9 +145,9 @@ class PagePool:
             self._refs[page] -= 1
             if self._refs[page] == 0:
                 if self._page_hash[page] is not None:
-                    self._cached[page] = None
+                    self._cacheds[self._class[page]][page] = None
                 else:
-                    self._free.append(page)
+                    self._frees[self._class[page]].append(page)
 
     # ---- prefix cache ------------------------------------------------------------------------
     def page_hash(self, prev: bytes | None, page_tokens: Seq[int]) -> bytes:
@@ -196,9 +230,10 @@ class PagePool:
         """Takes one more reference on pages that are in use or cached (a prefix hit)."""
         for page in pages:
             if self._refs[page] == 0:
-                if page not in self._cached:
+                cached = self._cacheds[self._class[page]]
+                if page not in cached:
                     raise ValueError(f"page {page} is neither in use nor cached")
-                del self._cached[page]
+                del cached[page]
             self._refs[page] += 1
 
     def register(self, page: int, page_hash: bytes) -> bool:
@@ -237,14 +272,18 @@ class PagePool:
         def fail(msg: str) -> None:
             raise AssertionError(f"PagePool: {msg}")
 
-        free = set(self._free)
-        if len(free) != len(self._free):
+        free = {p for f in self._frees for p in f}
+        cached = {p for c in self._cacheds for p in c}
+        if len(free) != sum(len(f) for f in self._frees):
             fail("a page is twice on the free list")
-        if free & self._cached.keys():
+        if free & cached:
             fail("a page is both free and cached")
+        for c, (f, q) in enumerate(zip(self._frees, self._cacheds)):
+            if any(self._class[p] != c for p in (*f, *q)):
+                fail(f"class {c}'s free list or LRU queue holds another class's page")
         for page in range(self.num_pages):
             ref = self._refs[page]
-            places = (ref > 0) + (page in free) + (page in self._cached)
+            places = (ref > 0) + (page in free) + (page in cached)
             if ref < 0:
                 fail(f"page {page} has refcount {ref}")
             if places != 1:
@@ -252,7 +291,7 @@ class PagePool:
             h = self._page_hash[page]
             if page in free and h is not None:
                 fail(f"free page {page} still has a hash")
-            if page in self._cached and h is None:
+            if page in cached and h is None:
                 fail(f"cached page {page} has no hash")
             if h is not None and self._hash_page.get(h) != page:
                 fail(f"page {page}'s hash maps to page {self._hash_page.get(h)}")

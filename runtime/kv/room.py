@@ -65,6 +65,14 @@ class Room:
             return sum(-((slots - need) // size) for slots, _ in self._order)
         return sum(pages for _, pages in self.short(n))
 
+    def growth_by(self, n: int, layer_class: tuple[int, ...], num_classes: int) -> list[int]:
+        """`growth(n)` summed per storage class (`layer_class[l]`: layer l's)."""
+        need, size = self._used + n, self.page_size
+        out = [0] * num_classes
+        for layer, slots in enumerate(self._base):
+            out[layer_class[layer]] -= (slots - need) // size
+        return out
+
     def grew(self, short: list[tuple[int, int]], version: int) -> None:
         """The layers of `short(n)` appended their pages; the tables are now at `version`."""
         order, base, size = self._order, self._base, self.page_size

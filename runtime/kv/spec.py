@@ -332,15 +332,7 @@ class KVSpec:
     @property
     def kv_tensors(self) -> frozenset[str]:
         """The tensors attention reads K and V from."""
-        names = set()
-        for enc in (self.keys, self.values):
-            if isinstance(enc, Dense):
-                names.add(enc.tensor)
-            elif isinstance(enc, LowRank):
-                names |= {enc.latent, enc.down, enc.up}
-            else:
-                names |= {n for n in (enc.codes, enc.scale, enc.zero, enc.residual) if n}
-        return frozenset(names)
+        return frozenset(_encoding_tensors(self.keys) | _encoding_tensors(self.values))
 
     @property
     def method_tensors(self) -> tuple[TensorSpec, ...]:
@@ -386,10 +378,77 @@ class KVSpec:
     def uses_rows(self) -> bool:
         return bool(self.of(Extent.SEQ))
 
+    def with_dense(self, which: tuple[str, ...], head_dim: int, dtype: torch.dtype) -> KVSpec:
+        """The spec with the operands in `which` ("k", "v") stored dense in `dtype` instead: their
+        encodings' own tensors dropped, a plain `[head_dim]` TOKEN tensor each in their place (a layer
+        where the .kvm's `store ... where LAYERS` does not apply; `StorageClasses`)."""
+        if not which:
+            return self
+        keys, values, dropped, added = self.keys, self.values, set(), []
+        for name in which:
+            enc = self.keys if name == K else self.values
+            if isinstance(enc, Dense):
+                continue
+            dropped |= _encoding_tensors(enc)
+            added.append(TensorSpec(name, Extent.TOKEN, dtype, (head_dim,)))
+            keys, values = (Dense(K), values) if name == K else (keys, Dense(V))
+        tensors = tuple(added) + tuple(t for t in self.tensors if t.name not in dropped)
+        return replace(self, tensors=tensors, keys=keys, values=values)
+
     def describe(self) -> str:
         """One line per tensor (logs, `kvc` messages)."""
         return "; ".join(f"{t.name}: {t.extent.value} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
                          f"{' ' + t.packing if t.packing else ''}" for t in self.tensors)
+
+
+def _encoding_tensors(enc: Encoding) -> set[str]:
+    """The tensors one operand's encoding reads."""
+    if isinstance(enc, Dense):
+        return {enc.tensor}
+    if isinstance(enc, LowRank):
+        return {enc.latent, enc.down, enc.up}
+    return {n for n in (enc.codes, enc.scale, enc.zero, enc.residual) if n}
+
+
+@dataclass(frozen=True)
+class StorageClasses:
+    """The KV specs of a method's layers: `specs[layer_class[l]]` is layer l's. Layers of one class
+    share a page pool and a store (runtime/kv/page_pool.py `PagePools`, runtime/attention/backend.py);
+    most methods have one class, a `store ... where LAYERS` in its .kvm two (docs/design.md, "Storage
+    classes")."""
+
+    specs: tuple[KVSpec, ...]
+    layer_class: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.specs or any(not 0 <= c < len(self.specs) for c in self.layer_class):
+            raise ValueError(f"storage classes: {len(self.specs)} specs, layer classes {self.layer_class}")
+        if set(self.layer_class) != set(range(len(self.specs))):
+            raise ValueError(f"storage classes: a spec no layer uses (layer classes {self.layer_class})")
+
+    @classmethod
+    def of_layers(cls, specs: list[KVSpec]) -> StorageClasses:
+        """The classes of per-layer specs: equal specs share a class, numbered by first layer."""
+        distinct: list[KVSpec] = []
+        for spec in specs:
+            if spec not in distinct:
+                distinct.append(spec)
+        return cls(tuple(distinct), tuple(distinct.index(spec) for spec in specs))
+
+    @classmethod
+    def single(cls, spec: KVSpec, num_layers: int) -> StorageClasses:
+        return cls((spec,), (0,) * num_layers)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.specs)
+
+    def layers(self, cls: int) -> list[int]:
+        """The layers of class `cls`, ascending."""
+        return [layer for layer, c in enumerate(self.layer_class) if c == cls]
+
+    def spec_of(self, layer: int) -> KVSpec:
+        return self.specs[self.layer_class[layer]]
 
 
 def dense_spec(head_dim: int, dtype: torch.dtype, extra: tuple[TensorSpec, ...] = (),

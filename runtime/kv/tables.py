@@ -1,5 +1,7 @@
 """Page-table arrays per sequence, kept in step with its tables (the model runner's step inputs,
-the decode graphs' mirror, the step-end compaction batches read them).
+the decode graphs' mirror, the step-end compaction batches read them). The arrays hold each layer's
+store indices: pool ids less the first page id of the layer's storage class (`offsets`,
+runtime/kv/page_pool.py; 0 with one class).
 
 Each sequence's [L, W] int32 copy of its per-layer page tables and its [L, Hkv] KV-head start
 slots are cached by `Sequence.tables_version`; a change that only appended pages
@@ -33,9 +35,12 @@ class TableCache:
     So with per-layer lengths (PyramidKV, Ada-KV), where some layer of nearly every row crosses a
     page boundary at every step, a step costs a few entries per row, not L x B conversions."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int = 1) -> None:
+    def __init__(self, num_layers: int, num_kv_heads: int = 1, offsets: list[int] | None = None) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
+        # per layer, what its pool ids lose in the arrays: its storage class's first page id (its
+        # store's page 0; runtime/kv/page_pool.py); None: every layer's are 0
+        self.offsets = None if offsets is None or not any(offsets) else list(offsets)
         self._entries: dict[int, _Tables] = {}
 
     def _sync(self, seq) -> _Tables:
@@ -57,12 +62,13 @@ class TableCache:
         arr = np.zeros((self.num_layers, max(1, max(lens, default=0))), dtype=np.int32)
         for layer, table in enumerate(tables):
             arr[layer, : len(table)] = table
+            if self.offsets is not None and table:
+                arr[layer, : len(table)] -= self.offsets[layer]
         entry = _Tables(seq.tables_version, len(seq.grown_layers), arr, lens)
         self._entries[seq.seq_id] = entry
         return entry
 
-    @staticmethod
-    def _append(entry: _Tables, layer: int, table: list[int]) -> None:
+    def _append(self, entry: _Tables, layer: int, table: list[int]) -> None:
         """Writes the pages appended to `layer`'s table since the entry's copy of it."""
         old, new = entry.lens[layer], len(table)
         width = entry.array.shape[1]
@@ -71,8 +77,17 @@ class TableCache:
             wider[:, :width] = entry.array
             entry.array = wider
         entry.array[layer, old:new] = table[old:new]
+        if self.offsets is not None:
+            entry.array[layer, old:new] -= self.offsets[layer]
         entry.lens[layer] = new
         entry.longest = max(entry.longest, new)
+
+    def local(self, layer: int, pages: list[int]) -> list[int]:
+        """Pool ids of layer `layer` as its store's indices (what the arrays hold)."""
+        if self.offsets is None:
+            return pages
+        first = self.offsets[layer]
+        return [p - first for p in pages]
 
     def array(self, seq) -> np.ndarray:
         """seq's [L, W] int32 page tables (W >= its longest table, zeros past each table). The

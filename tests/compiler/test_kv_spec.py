@@ -62,7 +62,8 @@ def test_served_specs_equal_the_hand_built_ones(name, planes, monkeypatch):
 def test_every_shipped_method_has_a_kv_spec():
     for name in SHIPPED:
         spec = manifest(name)["kv_spec"]
-        assert set(spec) == {"tensors", "keys", "values", "summaries", "head_starts", "page_tokens", "reason"}, name
+        assert set(spec) == {"tensors", "keys", "values", "summaries", "head_starts", "page_tokens", "layers",
+                             "reason"}, name
         kinds = {spec["keys"]["kind"], spec["values"]["kind"]}
         assert kinds <= {"dense", "quantized", "low_rank", "delta", "unmapped"}, name
         if "unmapped" in kinds:  # what the spec cannot hold is said, with the .kvm position
@@ -180,7 +181,7 @@ def test_deltakv_one_code_for_keys_and_values_in_some_layers():
     per layer the projections over a head's 2 x head_dim channels. The engine has no per-layer storage yet,
     so the method is a manifest, and the manifest says why, with its inputs (which `kvc calibrate` trains)."""
     data = manifest("deltakv")
-    assert not data["lowered"] and "per-layer storage classes" in data["reason"]
+    assert not data["lowered"] and "no store or reader of its `delta` spec" in data["reason"]
     assert "deltakv.kvm:27:1" in data["reason"]
     assert set(data["inputs"]) == {"down", "up", "bias"} and data["inputs"]["down"]["file"] == "deltakv.safetensors"
     spec = data["kv_spec"]
@@ -201,13 +202,25 @@ def test_deltakv_one_code_for_keys_and_values_in_some_layers():
     }
 
 
-def test_stores_for_some_layers_that_the_spec_cannot_hold_say_why(tmp_path):
+def test_stores_for_some_layers_name_their_layers_or_say_why(tmp_path):
+    """`where layer in P` maps (the manifest's `layers`, and the generated `dense_operands` names the
+    operands a layer stores dense); other conditions are unmapped with their position."""
     path = tmp_path / "m.kvm"
     path.write_text("method m : quantization\nparam firsts: int[] = [0, 1]\n"
                     "store k as quant(2, group = 32, along channel) where layer in firsts\n")
     spec = kv_spec.derive(check_file(path), None).to_json()
+    assert spec["keys"]["kind"] == "quantized" and spec["reason"] is None
+    assert spec["layers"] == {"k": {"param": "firsts", "member": True}}
+    path.write_text("method m : quantization\nparam firsts: int[] = [0, 1]\n"
+                    "store k as quant(2, group = 32, along channel) where layer > 1\n")
+    spec = kv_spec.derive(check_file(path), None).to_json()
     assert spec["keys"]["kind"] == "unmapped" and "m.kvm:3:54" in spec["reason"]
-    assert "the spec holds DeltaKV's joint code only" in spec["reason"]
+    assert "take `layer in P` or `layer not in P`" in spec["reason"]
+    namespace: dict = {}
+    exec(kv_spec.emit_python(kv_spec.derive(check_file(METHODS_DIR / "kivi.kvm"), None), "kivi", "kivi.kvm"),
+         {"math": math, "torch": torch}, namespace)
+    assert namespace["dense_operands"]({"dense_layers": [0, 3]}, 3) == ("k", "v")
+    assert namespace["dense_operands"]({"dense_layers": [0, 3]}, 1) == ()
     text = (METHODS_DIR / "deltakv.kvm").read_text().replace("where layer not in full_layers", "where layer > 2")
     path = tmp_path / "deltakv.kvm"
     path.write_text(text)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvc.runtime.chain_prune import InvalidPrune
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.engine import Engine
 from kvc.runtime.errors import ConfigError
@@ -44,9 +45,9 @@ def hf(model_dir: Path):
     return load_hf(model_dir)
 
 
-def make_llm(model_dir: Path, bits: int = 2, **options) -> LLM:
+def make_llm(model_dir: Path, bits: int = 2, method_params: dict | None = None, **options) -> LLM:
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
-                          kv_cache_memory=2**22, method="kivi", method_params={**PARAMS, "bits": bits},
+                          kv_cache_memory=2**22, method="kivi", method_params=method_params or {**PARAMS, "bits": bits},
                           **{"max_num_batched_tokens": 4096, **options})
     return LLM.from_engine(Engine(config))
 
@@ -133,17 +134,20 @@ def test_preemption_recomputes(model_dir, hf, monkeypatch) -> None:
     served.preemption_recomputes(llm, Logits(monkeypatch), partial(ref.generate, hf), session, GROUP, False, 14)
 
 
-def test_the_graph_step_run_uncaptured(model_dir, hf, monkeypatch) -> None:
+@pytest.mark.parametrize("dense_layers", [[], [1]])
+def test_the_graph_step_run_uncaptured(model_dir, hf, monkeypatch, dense_layers: list[int]) -> None:
     """Decode-only steps through the CUDA-graph runner's own step (static buffers with the rows and
     what their windows hold, a padding row), run without capture on the CPU: the reference's tokens
-    across key blocks flushed inside the step."""
+    across key blocks flushed inside the step; with a dense layer, two storage classes in one step."""
     prompts = [prompt(n, seed) for n, seed in ((13, 21), (18, 22), (6, 23))]
-    llm = make_llm(model_dir, max_model_len=80, max_num_seqs=6)
+    llm = make_llm(model_dir, max_model_len=80, max_num_seqs=6,
+                   method_params={**PARAMS, "dense_layers": dense_layers})
     replays = served.graph_steps(llm, monkeypatch)
     outs = llm.generate(prompts, [greedy(12) for _ in prompts])
     assert 3 in replays  # bucket 4: one padding row
     for p, out in zip(prompts, outs):
-        assert out.token_ids == ref.generate(hf, session(), p, 12)[0]
+        want = ref.Session(bits=2, group=GROUP, residual=RESIDUAL, dense_layers=frozenset(dense_layers))
+        assert out.token_ids == ref.generate(hf, want, p, 12)[0]
 
 
 def test_the_pool_holds_the_spec_bytes(model_dir) -> None:
@@ -169,6 +173,43 @@ def test_the_pool_holds_the_spec_bytes(model_dir) -> None:
     assert len(out.token_ids) == 4
 
 
+def test_dense_layers_are_a_storage_class_of_their_own(model_dir, hf, monkeypatch) -> None:
+    """`dense_layers = [0]`: layer 0 stores K and V in the model dtype (its own storage class: a store of
+    dense pages, page ids of its own), layer 1 KIVI-2 codes; a batch, a chained continuation and a
+    fork give the reference's tokens and logits with layer 0 exact, which differ from KIVI's in every
+    layer; the pool splits the budget so that both classes hold as many tokens."""
+    spy = Logits(monkeypatch)
+    llm = make_llm(model_dir, method_params={**PARAMS, "dense_layers": [0]})
+    engine = llm.engine
+    assert engine.storage.layer_class == (0, 1) and len(engine.attention.stores) == 2
+    dense, codes = (store.spec for store in engine.attention.stores)
+    assert dense.dense and not codes.dense
+    heads = engine.layout.kv_heads
+    assert engine.pages_by_class[0] == engine.pages_by_class[1]  # one layer each: as many pages
+    page_bytes = [s.bytes_per_page(heads, GROUP) for s in (dense, codes)]
+    assert page_bytes[0] > page_bytes[1]
+    rows = engine.attention.num_rows * codes.bytes_per_row(heads, 2)
+    used = sum(n * b for n, b in zip(engine.pages_by_class, page_bytes)) + rows
+    assert 2**22 - sum(page_bytes) < used <= 2**22
+    with pytest.raises(TypeError, match="storage classes"):
+        engine.attention.store  # noqa: B018 -- one store per class: asking for "the" store is a bug
+    with pytest.raises(InvalidPrune, match="2 KV layouts"):
+        engine.pruner.check_prunable()
+
+    def mixed() -> ref.Session:
+        return ref.Session(bits=2, group=GROUP, residual=RESIDUAL, dense_layers=frozenset({0}))
+
+    prompts = [prompt(n, seed) for n, seed in ((16, 2), (41, 4))]
+    params = [greedy(12) for _ in prompts]
+    outs = llm.generate(prompts, params)
+    check_books(engine)
+    for p, out, sp in zip(prompts, outs, params):
+        check(out.token_ids, spy.of(sp), ref.generate(hf, mixed(), p, 12))
+    assert (ref.generate(hf, session(), prompts[1], 12)[1] - spy.of(params[1])).abs().max() > 10 * ATOL
+    served.chain_continued_and_forked(llm, spy, partial(ref.generate, hf), mixed)
+    served.preemption_recomputes(llm, spy, partial(ref.generate, hf), mixed, GROUP, False, 14)
+
+
 def test_bad_parameters_are_clear_errors(model_dir) -> None:
     """Keys grouped over tokens need a window of whole groups; the spec packs 2, 4 or 8 bits."""
     for params, words in (({"residual_length": 0}, "residual window"), ({"residual_length": 6}, "multiple"),
@@ -181,24 +222,27 @@ def test_bad_parameters_are_clear_errors(model_dir) -> None:
 # ---- the Triton kernels ---------------------------------------------------------------------------
 
 
-def test_the_triton_backend_equals_the_reference(model_dir, hf, monkeypatch) -> None:
+@pytest.mark.parametrize("dense_layers", [[], [0]])
+def test_the_triton_backend_equals_the_reference(model_dir, hf, monkeypatch, dense_layers: list[int]) -> None:
     """The generated `spec` kernels (interpreted here): the store writes the windows, the flush kernel
     quantizes finished key blocks, the decode and prefill tiles decode 2-bit codes (prefill reading
-    its chunk as computed): the reference's tokens and logits."""
+    its chunk as computed): the reference's tokens and logits; with a dense layer, that layer's class
+    runs the `plain` kernels over its own store."""
     pytest.importorskip("triton")
     from tests.kernels.paged_cases import triton_device_and_ops
 
     device, _ = triton_device_and_ops("spec")
     spy = Logits(monkeypatch)
     config = EngineConfig(model=str(model_dir), device=device.type, dtype="float32", attention_backend="triton",
-                          cuda_graphs=False, kv_cache_memory=2**22, method="kivi", method_params=PARAMS,
-                          max_num_batched_tokens=4096)
+                          cuda_graphs=False, kv_cache_memory=2**22, method="kivi",
+                          method_params={**PARAMS, "dense_layers": dense_layers}, max_num_batched_tokens=4096)
     llm = LLM.from_engine(Engine(config))
-    assert llm.engine.attention.variant == "spec"
+    assert llm.engine.attention.variants == ["plain"] * len(dense_layers) + ["spec"]
     prompts = [prompt(n, seed) for n, seed in ((19, 1), (9, 4))]
     params = [greedy(10) for _ in prompts]
+    want = ref.Session(bits=2, group=GROUP, residual=RESIDUAL, dense_layers=frozenset(dense_layers))
     for p, out, sp in zip(prompts, llm.generate(prompts, params), params):
-        check(out.token_ids, spy.of(sp).cpu(), ref.generate(hf, session(), p, 10))
+        check(out.token_ids, spy.of(sp).cpu(), ref.generate(hf, want.copy(), p, 10))
 
 
 def test_the_kernels_compile_for_sm90() -> None:

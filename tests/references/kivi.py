@@ -17,7 +17,8 @@ Then the new keys join the full part, and while it holds `residual` tokens or mo
 `residual` are quantized (whole groups: `residual` is a multiple of `group`); the new values join
 theirs, and all but the newest `residual` are quantized. From an empty cache this is the
 reference's prefill (the first `L - L % R` keys and `L - R` values quantized); one token at a time,
-its decode. A continued session (a chain's next turn) follows the same rules.
+its decode. A continued session (a chain's next turn) follows the same rules. Layers in
+`dense_layers` quantize nothing (every key and value exact).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class Session:
     keys_full: list[torch.Tensor] = field(default_factory=list)
     values_q: list[torch.Tensor] = field(default_factory=list)
     values_full: list[torch.Tensor] = field(default_factory=list)
+    dense_layers: frozenset[int] = frozenset()  # layers that keep every key and value exact
 
     @property
     def length(self) -> int:
@@ -90,6 +92,10 @@ class Session:
         keys = torch.cat([self.keys_q[layer], self.keys_full[layer], k.float()], dim=1)
         values = torch.cat([self.values_q[layer], self.values_full[layer], v.float()], dim=1)
         full_k = torch.cat([self.keys_full[layer], k.float()], dim=1)
+        if layer in self.dense_layers:
+            self.keys_full[layer] = full_k
+            self.values_full[layer] = torch.cat([self.values_full[layer], v.float()], dim=1)
+            return keys, values
         flush = full_k.shape[1] // self.residual * self.residual
         if flush:
             done = keys_round_trip(full_k[:, :flush].numpy(), self.bits, self.group)
