@@ -64,7 +64,12 @@ class Setting:
 
     @property
     def method_params(self) -> dict[str, Any]:
-        return dict(self.params)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.params}
+
+
+def _hashable(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """Setting.params: list values (a layer list) as tuples, so that a setting can key a dict."""
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
 
 
 @dataclass
@@ -114,9 +119,9 @@ def settings_for(cfg: EvalConfig) -> list[Setting]:
             for budget in cfg.budgets:
                 params = {**cfg.method_params, BUDGET_PARAM: budget}
                 resolve_method(method, params)  # the method's own range check, now
-                out.append(Setting(method, budget, tuple(sorted(params.items()))))
+                out.append(Setting(method, budget, _hashable(params)))
         else:
-            out.append(Setting(method, None, tuple(sorted(cfg.method_params.items()))))
+            out.append(Setting(method, None, _hashable(cfg.method_params)))
     return out
 
 

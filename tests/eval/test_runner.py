@@ -24,6 +24,9 @@ def test_settings_cover_every_budget_of_budgeted_methods() -> None:
     assert settings_for(cfg)[1].method_params == {"budget": 64}
     with_window = EvalConfig(methods=["snapkv"], budgets=[64], method_params={"window": 8}, **TINY)
     assert settings_for(with_window)[0].method_params == {"budget": 64, "window": 8}
+    layers = EvalConfig(methods=["kivi"], method_params={"dense_layers": [0, 1]}, **TINY)
+    (kivi,) = settings_for(layers)  # a list parameter: the setting still keys the run's dicts
+    assert {kivi: 1}[kivi] == 1 and kivi.method_params["dense_layers"] == [0, 1]
 
 
 def test_bad_configurations_fail_before_any_work() -> None:
