@@ -70,7 +70,7 @@ def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_
     runner.store, runner.planes = store, store.method_tensors()
     runner.executor = KVExecutor(store, None, "triton" if backend == "triton" else "auto")
     runner.num_kv_heads, runner.tables = kv_heads, TableCache(layers, kv_heads)
-    runner.hooks = StepHooks(method, store, runner.executor, runner.tables, None, layers)
+    runner.hooks = StepHooks(method, [store], [runner.executor], runner.tables, None, layers)
     seqs = []
     for b in range(batch):
         extra = 1 if ragged and b % 3 == 2 else 0

@@ -581,16 +581,14 @@ _QUANTIZERS = ("fp8", "quant", "lloyd_max")
 def _lowerable_stores(checked) -> None:
     """A quantization or compression method lowers when every `store` is one quantizer (`fp8`,
     `quant` or `lloyd_max`), optionally after a `rotate`, or one low-rank `project` of the whole
-    stream, for every layer or for some (`where layer [not] in P`: the others store it dense), and it
-    has no hooks: the engine rotates where q, k and v enter attention, its store
+    stream, or DeltaKV's joint code of k and v, for every layer or for some (`where layer [not] in P`:
+    the others store it dense), and it has no hooks: the engine rotates where q, k and v enter attention, its store
     quantizes (token by token, or a block at a time for groups over tokens) or projects, and
     attention decodes, from the KV spec alone."""
     for decl in (d for d in checked.method.items if isinstance(d, ast.Store)):
-        if decl.where is not None and decl.also:
-            raise NotLowerable("a joint code of k and v (`store k, v as residual(...) then project(...)`) is not "
-                               "lowered yet: the engine has no store or reader of its `delta` spec (docs/design.md, "
-                               "\"DeltaKV\")", decl.pos)
         stages = [c.func.name for c in decl.codecs if isinstance(c, ast.Call)]
+        if decl.also and stages == ["residual", "project"]:
+            continue  # DeltaKV's joint code (its kv_spec says whether it maps)
         body = stages[1:] if stages[:1] == ["rotate"] else stages
         if body == ["project"] and decl.exempt is None:
             continue

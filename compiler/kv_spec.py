@@ -600,8 +600,11 @@ def derive(checked, facts: dict | None) -> SpecDesc:
     else:
         keys, key_tensors = d.operand("k", stores.get("k"))
         values, value_tensors = d.operand("v", stores.get("v"))
+    where = {w: m for w, m in d.where.items() if m}
+    if isinstance(keys, Delta) and keys.layers:  # one code: both operands' layers
+        where = {"k": keys.layers, "v": keys.layers}
     spec = SpecDesc(keys, values, key_tensors + value_tensors, head_starts=_head_adaptive(checked),
-                    page_tokens=d.page_tokens, layers={w: m for w, m in d.where.items() if m})
+                    page_tokens=d.page_tokens, layers=where)
     indexed = {(facts or {}).get(h, {}).get("clusters", {}).get("partition") for h in (facts or {})} - {None}
     for decl in checked.method.items:
         if isinstance(decl, ast.Summary) and _within(decl) not in indexed:
@@ -637,7 +640,8 @@ def _within(decl: ast.Summary) -> str | None:
 # ---- the generated function ----------------------------------------------------------------------
 
 _ARGS = ("num_kv_heads", "head_dim", "dtype", "page_size", "params")
-_DTYPES = {MODEL: "dtype", "float32": "torch.float32", "uint8": "torch.uint8", "int8": "torch.int8"}
+_DTYPES = {MODEL: "dtype", "float32": "torch.float32", "uint8": "torch.uint8", "int8": "torch.int8",
+           "int32": "torch.int32"}
 _EXTENTS = {"token": "Extent.TOKEN", "page": "Extent.PAGE", "seq": "Extent.SEQ", "layer": "Extent.LAYER"}
 
 
@@ -676,6 +680,8 @@ class _Printer:
 class _Emitter:
     def __init__(self, spec: SpecDesc) -> None:
         self.low_rank = {w: e for w, e in (("k", spec.keys), ("v", spec.values)) if isinstance(e, LowRank)}
+        if isinstance(spec.keys, Delta):  # one code per token: its group of KV heads is `kv_group`
+            self.low_rank = {"kv": spec.keys}
         self.spec, self.p = spec, _Printer(frozenset(f"{w}_group" for w in self.low_rank))
         encs = [e for e in (spec.keys, spec.values) if isinstance(e, Quantized)]
         self.bits = {e.codes: e.bits for e in encs}
@@ -699,9 +705,16 @@ class _Emitter:
         packing = f", _packing({bits})" if t.packing == FROM_BITS else (f', "{t.packing}"' if t.packing else "")
         return f'TensorSpec("{t.name}", {_EXTENTS[t.extent]}, {dtype}, {shape}{packing})'
 
-    def encoding(self, enc: Dense | Quantized | LowRank) -> str:
+    def encoding(self, enc: Dense | Quantized | LowRank | Delta) -> str:
         if isinstance(enc, Dense):
             return f'Dense("{enc.tensor}")'
+        if isinstance(enc, Delta):
+            p = self.p
+            bias = "None" if enc.bias is None else f'"{enc.bias}"'
+            sink = p.size(enc.sink)
+            return (f'Delta("{enc.latent}", "kv_neighbours", "kv_centers", "kv_sinks" if {sink} >= 1 else None, '
+                    f'"kv_window", "{enc.down}", "{enc.up}", {bias},\n        every={p.size(enc.every)}, '
+                    f'count={p.size(enc.count)}, sink={sink}, recent={p.size(enc.recent)})')
         if isinstance(enc, LowRank):
             which = enc.latent.removesuffix("_latent")
             return (f'LowRank("{enc.latent}", "{enc.down}", "{enc.up}", {which}_group, '
@@ -731,9 +744,13 @@ class _Emitter:
                 lines.append(f"    {self.resid[enc.residual]} = max(0, math.floor({p.py(enc.residual_tokens)}))")
         for which, enc in self.low_rank.items():  # a model whose KV heads the group does not divide: their gcd
             lines.append(f"    {which}_group = math.gcd(int({p.py(enc.group)}), num_kv_heads)")
+        sinks = {"kv_sinks"} if isinstance(spec.keys, Delta) else set()  # none without sink tokens
         lines.append("    tensors = [")
-        lines += [f"        {self.tensor(t)}," for t in spec.tensors if t.name not in self.resid]
+        lines += [f"        {self.tensor(t)}," for t in spec.tensors if t.name not in set(self.resid) | sinks]
         lines.append("    ]")
+        for t in spec.tensors:
+            if t.name in sinks:
+                lines += [f"    if {p.size(spec.keys.sink)} >= 1:", f"        tensors.append({self.tensor(t)})"]
         for t in spec.tensors:
             if t.name in self.resid:
                 lines += [f"    if {self.resid[t.name]} >= 1:", f"        tensors.append({self.tensor(t)})"]

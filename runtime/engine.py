@@ -100,9 +100,6 @@ class Engine:
         self.storage = classes = self.method.storage_classes(layout.layers, layout.kv_heads, self.spec.head_dim,
                                                              self.spec.dtype, config.page_size)
         specs = classes.specs
-        if classes.num_classes > 1 and (self.method.hooks or self.method.compacts or self.method.rewrites):
-            raise ConfigError(f"method {self.method.name!r} stores its layers in {classes.num_classes} KV layouts; "
-                              "methods with hooks (keeps, reads, rewrites) run over one layout so far", param="method")
         # one layer's page: every per-token tensor of the spec, plus its per-page ones; the rows of
         # its per-sequence tensors (a running sequence's, and an idle chain's) come off the budget first
         class_page_bytes = [layer_page_bytes(s, layout.kv_heads, config.page_size) for s in specs]
@@ -142,6 +139,9 @@ class Engine:
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
+        if backend == "triton" and any(s.delta is not None for s in specs):
+            raise ConfigError(f"method {self.method.name!r} stores a DeltaKV code, which the torch attention backend "
+                              "reads so far (attention_backend='torch')", param="attention_backend")
         if backend == "triton":  # this GPU's `kvc tune` configs (runtime/tuning/); one log line
             load_tuned_configs(self.device)
         self.attention = PagedAttention.allocate(
@@ -174,8 +174,10 @@ class Engine:
         # A compacting method's pages stop matching the logical tokens: no prefix caching for it
         # (its chains still share pages, copy-on-write). Nor for a spec that writes codes a block at
         # a time: the newest, unfinished block has none yet, only its sequence's window holds it.
+        # Nor for a delta code: a page's codes are relative to centers and sinks its row holds.
+        delta = any(s.delta is not None for s in specs)
         prefix_caching = (config.enable_prefix_caching and not self.method.compacts
-                          and not self.attention.flushes_blocks)
+                          and not self.attention.flushes_blocks and not delta)
         self.pool = PagePool(self.pages_by_class, config.page_size, prefix_caching, salt=salt)
         self.chains = ChainStore(self.pool, layout.layers, self.method, fingerprint=salt.hex(),
                                  rows=self.rows, copy_row=self.attention.copy_rows)

@@ -162,10 +162,13 @@ class ModelRunner:
                                                  Hook.DECODE_BEFORE_ATTENTION in self.method.hooks,
                                                  st.spec.low_rank)
                                 for st in attention.stores])
-        self.executor = KVExecutor(self.store, pool, "triton" if attention.backend == "triton" else "auto",
-                                   restore=attention.store_fresh, copy_pages=attention.copy_pages)
-        self.hooks = StepHooks(self.method, self.store, self.executor, self.tables, pool, self.num_layers,
-                               copy_rows=attention.copy_rows)
+        # a plan executor per storage class (each moves its store's tensors; pages by their store index)
+        self.executors = [KVExecutor(st, pool, "triton" if attention.backend == "triton" else "auto",
+                                     restore=attention.store_fresh, copy_pages=attention.copy_pages)
+                          for st in attention.stores]
+        self.executor = self.executors[0]
+        self.hooks = StepHooks(self.method, attention.stores, self.executors, self.tables, pool, self.num_layers,
+                               copy_rows=attention.copy_rows, layer_class=attention.layer_class)
         self.graphs: DecodeGraphs | None = None
         # the torch backend decodes eagerly: its writes sync with the host
         if use_cuda_graphs and device.type == "cuda" and attention.backend != "torch" and self.method.decode_graphs:
@@ -325,7 +328,7 @@ class ModelRunner:
                 if fold is not None and Hook.DECODE_AFTER_ATTENTION in hooks:  # emitted by the decode kernels
                     stats = attention.stats_request(fold, d, q.shape[1], md.max_context_len)
                 view = DecodeView(layer, q[:d], k[:d], v[:d], md.block_tables[layer, :d],
-                                  md.context_lens[layer, :d], self.store, scale,
+                                  md.context_lens[layer, :d], attention.store_of(layer), scale,
                                   None if batch is None else _decode_rows(batch, layer),
                                   kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d],
                                   prompt_lens=None if md.prompt_lens is None else md.prompt_lens[layer, :d],

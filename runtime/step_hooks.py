@@ -30,13 +30,26 @@ if TYPE_CHECKING:
 
 
 class StepHooks:
-    def __init__(self, method: KVMethod, store: KVStore, executor: KVExecutor, tables: TableCache,
-                 pool: PagePool | None, num_layers: int, copy_rows: Callable | None = None) -> None:
-        self.method, self.store, self.executor, self.tables, self.pool = method, store, executor, tables, pool
+    def __init__(self, method: KVMethod, stores: list[KVStore], executors: list[KVExecutor], tables: TableCache,
+                 pool: PagePool | None, num_layers: int, copy_rows: Callable | None = None,
+                 layer_class: tuple[int, ...] | None = None) -> None:
+        """One store and executor per storage class (`layer_class[l]`: layer l's); the tables a hook
+        sees hold its class store's page indices (`TableCache.local`)."""
+        self.method, self.tables, self.pool = method, tables, pool
+        self.stores, self.executors = stores, executors
+        self.layer_class = tuple(layer_class) if layer_class is not None else (0,) * num_layers
+        store = stores[0]
         # rows by id in every store that has them (`PagedAttention.copy_rows`; default: the store's)
         self._copy_rows = copy_rows or store.copy_rows
         self.num_layers, self.num_kv_heads, self.page_size = num_layers, store.num_kv_heads, store.page_size
-        self.planes = store.method_tensors()  # the method's per-token state: every decode row writes it
+        # the method's per-token state (every decode row writes it), in any class's store
+        self.planes = any(s.method_tensors() for s in stores)
+
+    def store_of(self, layer: int) -> KVStore:
+        return self.stores[self.layer_class[layer]]
+
+    def executor_of(self, layer: int) -> KVExecutor:
+        return self.executors[self.layer_class[layer]]
 
     # ---- copy-on-write -----------------------------------------------------------------------
     # The scheduler sets aside one spare page per shared page a step writes (`Scheduler._copies`),
@@ -64,7 +77,7 @@ class StepHooks:
                 self._own_page(seq, layer, index)
 
     def _own_page(self, seq, layer: int, index: int) -> None:
-        if self.executor.own_page(seq.page_tables[layer], index, seq.spare_pages):
+        if self.executor_of(layer).own_page(seq.page_tables[layer], index, seq.spare_pages):
             seq.tables_version += 1
 
     def copy_rows(self, batch: ScheduledBatch) -> None:
@@ -111,27 +124,30 @@ class StepHooks:
                 continue
             self._own_pages(seq, layer, -(-plan.kept // self.page_size))  # copy-on-write before compaction
             logical = seq.num_computed_tokens + n
-            jobs.append((seq, CompactionJob(table, length, plan.indices, plan.lengths, seq.kv_starts[layer]),
+            jobs.append((seq, CompactionJob(self.tables.local(layer, table), length, plan.indices, plan.lengths,
+                                            seq.kv_starts[layer]),
                          logical - plan.tail, logical, n))
         if jobs:
-            batch = batch_of_jobs(self.store.token_tensors()[0], [j[1] for j in jobs])
+            batch = batch_of_jobs(self.store_of(layer).token_tensors()[0], [j[1] for j in jobs])
             self._compact(layer, batch, [j[0] for j in jobs], [j[2] for j in jobs], [j[3] for j in jobs],
                           output.compacted, [j[4] for j in jobs])
 
     def _held(self, seq, layer: int, new: int) -> int:
         """The slots seq's residual window holds in `layer` once the step's `new` tokens are stored."""
-        return min(seq.resid_lens[layer] + new, self.store.residual_window)
+        return min(seq.resid_lens[layer] + new, self.store_of(layer).residual_window)
 
     def _cache_view(self, seq, layer: int, length: int, new: int) -> LayerCacheView:
         """seq's layer as a hook sees it once `new` more tokens are stored (`length` slots)."""
-        return LayerCacheView(self.store, seq.page_tables[layer], length, seq.kv_starts[layer], layer, seq.row,
+        return LayerCacheView(self.store_of(layer), self.tables.local(layer, seq.page_tables[layer]), length,
+                              seq.kv_starts[layer], layer, seq.row,
                               self._held(seq, layer, new))
 
     def _rewrite(self, seq, layer: int, cache: LayerCacheView, plan: RewritePlan, output: StepOutput) -> None:
         """A rewrite plan re-encoded now (copy-on-write first); the residual slots it leaves are
         reported like compacted lengths (the scheduler records them)."""
         self._own_pages(seq, layer, -(-cache.length // self.page_size))
-        left = self.executor.rewrite(layer, seq.page_tables[layer], cache.length, seq.row, cache.resid_len, plan)
+        left = self.executor_of(layer).rewrite(layer, self.tables.local(layer, seq.page_tables[layer]), cache.length,
+                                               seq.row, cache.resid_len, plan)
         output.rewritten.setdefault(seq.seq_id, {})[layer] = left
 
     def _compact(self, layer: int, batch: CompactionBatch, seqs: list, verbatim: list[int], logical: list[int],
@@ -143,9 +159,9 @@ class StepHooks:
         Job j of `batch` is `seqs[j]`'s, which stored `new[j]` tokens this step (default 1).
         (Over a spec written a block at a time, the executor needs each job's row and window.)"""
         windows = None
-        if self.store.flushes_blocks:
+        if self.store_of(layer).flushes_blocks:
             windows = [(seq.row, self._held(seq, layer, 1 if new is None else new[j])) for j, seq in enumerate(seqs)]
-        physical = self.executor.compact(batch, layer=layer, windows=windows)
+        physical = self.executor_of(layer).compact(batch, layer=layer, windows=windows)
         uniform = batch.starts is None and bool((batch.counts == batch.widths[:, None]).all())  # no starts anywhere
         for j, (seq, length, tail_from) in enumerate(zip(seqs, physical.tolist(), verbatim)):
             per_seq = compacted.get(seq.seq_id)
@@ -238,7 +254,7 @@ class StepHooks:
     def _plan_batch(self, layer: int, plans: list, views: list[StepView], tables: np.ndarray) -> CompactionBatch:
         """One layer's step-end plans as a `CompactionBatch`: plans over one tensor (a `StackedPlan`'s
         stack, or one shared plan) gathered once; counts, lengths and starts as numpy."""
-        device = self.store.device
+        device = self.stores[0].device
         sources = [(plan.stack, plan.row) if isinstance(plan, StackedPlan) else (plan.indices, None) for plan in plans]
         caches = [view.cache for view in views]
         lengths = np.array([cache.length for cache in caches], dtype=np.int64)

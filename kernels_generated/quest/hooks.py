@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from kvc.runtime.kv.spec import Dense, Extent, KVSpec, LowRank, Quantized, Summary, TensorSpec, state_plane  # noqa: F401
+from kvc.runtime.kv.spec import Delta, Dense, Extent, KVSpec, LowRank, Quantized, Summary, TensorSpec, state_plane  # noqa: F401
 
 from . import torch_lowering  # relative: the engine also loads this folder by path (compiler/cache.py)
 

@@ -32,10 +32,11 @@ from functools import partial
 
 import torch
 
-from kvc.runtime.attention import torch_ops
+from kvc.runtime.attention import delta_ops, torch_ops
 from kvc.runtime.attention.metadata import AttentionMetadata, DecodeStats, StatsFold
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.attention.sources import LowRankPages, QuantizedPages, Source
+from kvc.runtime.kv.delta_pages import DeltaPages
 from kvc.runtime.kv.plans import ReadPlan
 from kvc.runtime.kv.spec import K, V, Dense, KVSpec, LowRank, StorageClasses, dense_spec
 from kvc.runtime.kv.store import KVStore
@@ -181,6 +182,13 @@ class PagedAttention:
         """What the kernels read layer `layer`'s K and V from, as the spec encodes them: the dense
         tensor, or a `QuantizedPages` (codes, scales, zero points, this layer's residual rows)."""
         store = self.store_of(layer)
+        enc = store.spec.delta
+        if enc is not None:  # one code for K and V: one source read through delta_ops
+            pages = DeltaPages(enc, store[enc.latent], store[enc.neighbours], store[enc.centers],
+                               None if enc.sinks is None else store[enc.sinks][:, layer], store[enc.window][:, layer],
+                               store[enc.down][layer], store[enc.up][layer],
+                               None if enc.bias is None else store[enc.bias][layer], store.rope_freq)
+            return pages, pages
 
         def source(enc, which: str) -> Source:
             if isinstance(enc, Dense):
@@ -319,6 +327,9 @@ class PagedAttention:
         slots = md.slot_mapping[layer_idx]
         k_src, v_src = self._layer(layer_idx)
         store = self.store_of(layer_idx)
+        if isinstance(k_src, DeltaPages):
+            delta_ops.store(k_src, k, v, md, layer_idx)
+            return
         ops = self.class_ops[self.layer_class[layer_idx]]
         if md.num_prefills > 0:  # dynamic FP8 scales: fixed by the first prefill step (every sequence starts
             # with one), so decode steps, and the decode graphs captured before any request, never settle
@@ -341,15 +352,15 @@ class PagedAttention:
             store.refresh_summaries(*last_in_page(slots, store.page_size, store.scratch_page), layer_idx)
 
     def store_fresh(self, layer: int, k: torch.Tensor, v: torch.Tensor, table: list[int], row: int | None) -> None:
-        """k, v [m, Hkv, D] as slots [0, m) of a sequence's layer over page table `table`, stored as
+        """k, v [m, Hkv, D] as slots [0, m) of a sequence's layer over page table `table` (indices of the
+        layer's store, `TableCache.local`), stored as
         a fresh prefill of m tokens would be: encoded (codes a block at a time where the spec says),
         the newest in the row's residual window (which then holds min(m, W) of them). What a keep
         plan over a spec with flush blocks does after choosing the tokens (runtime/kv/executor.py)."""
         m, device = k.shape[0], k.device
         store = self.store_of(layer)
         page = store.page_size
-        first = self.page_starts[self.layer_class[layer]]
-        tables = torch.tensor([p - first for p in table], dtype=torch.int32, device=device)
+        tables = torch.tensor(table, dtype=torch.int32, device=device)
         at = torch.arange(m, device=device)
         slots = tables.long()[at // page] * page + at % page
         k_src, v_src = self._layer(layer)
@@ -377,6 +388,11 @@ class PagedAttention:
         triton backend.
         """
         k_cache, v_cache = self._layer(layer_idx)
+        if isinstance(k_cache, DeltaPages):  # stored tokens decoded per sequence, then the step's stored
+            if read is not None or stats is not None:
+                raise NotImplementedError("a delta-coded layer reads every stored token (no read plans or decode "
+                                          "statistics yet)")
+            return delta_ops.forward(k_cache, q, k, v, md, layer_idx, scale)
         store = self.store_of(layer_idx)
         tables, lens = md.block_tables[layer_idx], md.context_lens[layer_idx]
         resid = None if md.resid_lens is None or not store.residual_window else md.resid_lens[layer_idx]

@@ -228,7 +228,55 @@ class LowRank:
         return True
 
 
-Encoding = Dense | Quantized | LowRank
+@dataclass(frozen=True)
+class Delta:
+    """DeltaKV's one code for a token's keys (before RoPE) and values (docs/design.md, "DeltaKV"; the
+    arithmetic in runtime/kv/delta.py): a spec's `keys` and `values` are both this encoding. Per KV
+    head a token's vector is `[k_pre | v]` (2 D); the first `sink` tokens and every `every`-th token
+    of a compressed block (the centers) stay raw; any other compressed token stores its share of
+    `code = (x - ref) @ down`, ref the mean of its `count` nearest centers, read back as `ref + code
+    @ up^T + bias`, its key rotated to its slot's position. The tensors:
+
+    - `latent` TOKEN [C / Hkv] (model dtype): each KV head's share of the token's code;
+    - `neighbours` TOKEN int32 [count]: the positions of the token's centers (-1: fewer);
+    - `centers` PAGE [page_size / every, 2 D]: the raw vectors of the page's center slots;
+    - `sinks` SEQ [sink, 2 D] (None when `sink` is 0) and `window` SEQ [2 recent, 2 D]: the first
+      tokens and the raw tail, slot s at `s % (2 recent)`;
+    - `down`, `up` LAYER [2 D, C] (KV head h's rows of the projections), `bias` LAYER [2 D] (or None).
+
+    Tokens are compressed a block at a time (`delta.block_of`): the raw tail holds `recent` to 2
+    `recent` - 1 tokens once 2 `recent` are past the sinks, so how many are compressed is a function
+    of the stored length alone (`compressed`)."""
+
+    latent: str
+    neighbours: str
+    centers: str
+    sinks: str | None
+    window: str
+    down: str
+    up: str
+    bias: str | None
+    every: int
+    count: int
+    sink: int
+    recent: int
+
+    def __post_init__(self) -> None:
+        if self.every < 1 or self.count < 1 or self.sink < 0 or self.recent < 1:
+            raise ValueError(f"delta {self.latent!r}: every, count and recent must be >= 1 and sink >= 0, got "
+                             f"{self.every}, {self.count}, {self.recent}, {self.sink}")
+
+    @property
+    def exact_chunk(self) -> bool:
+        """A prefill chunk reads its own tokens as computed (`Quantized.exact_chunk`)."""
+        return True
+
+    def compressed(self, length: int) -> int:
+        """Tokens past the sinks stored as codes (or centers) once `length` are stored."""
+        return max(0, (length - self.sink - self.recent) // self.recent) * self.recent
+
+
+Encoding = Dense | Quantized | LowRank | Delta
 
 
 @dataclass(frozen=True)
@@ -283,6 +331,17 @@ class KVSpec:
     def _check_encoding(self, enc: Encoding) -> None:
         if isinstance(enc, Dense):
             self._need(enc.tensor, Extent.TOKEN, "dense")
+            return
+        if isinstance(enc, Delta):
+            for name, extent in ((enc.latent, Extent.TOKEN), (enc.neighbours, Extent.TOKEN), (enc.centers, Extent.PAGE),
+                                 (enc.sinks, Extent.SEQ), (enc.window, Extent.SEQ), (enc.down, Extent.LAYER),
+                                 (enc.up, Extent.LAYER), (enc.bias, Extent.LAYER)):
+                self._need(name, extent, "delta")
+            if self.keys is not self.values and self.keys != self.values:
+                raise ValueError("KV spec: a delta code covers keys and values: both operands are the one encoding")
+            if self.tensor(enc.window).shape[0] != 2 * enc.recent or self.tensor(enc.neighbours).shape != (enc.count,):
+                raise ValueError(f"KV spec: delta window [2 recent, 2 D] and neighbours [count], got "
+                                 f"{list(self.tensor(enc.window).shape)}, {list(self.tensor(enc.neighbours).shape)}")
             return
         if isinstance(enc, LowRank):
             latent = self._need(enc.latent, Extent.TOKEN, "latent")
@@ -362,7 +421,12 @@ class KVSpec:
     @property
     def exact_chunks(self) -> bool:
         """Does a prefill chunk read K or V of its own tokens as computed (`Quantized.exact_chunk`)?"""
-        return any(isinstance(e, (Quantized, LowRank)) and e.exact_chunk for e in (self.keys, self.values))
+        return any(isinstance(e, (Quantized, LowRank, Delta)) and e.exact_chunk for e in (self.keys, self.values))
+
+    @property
+    def delta(self) -> Delta | None:
+        """The delta code K and V share, if the spec stores one."""
+        return self.keys if isinstance(self.keys, Delta) else None
 
     @property
     def low_rank(self) -> bool:
@@ -371,8 +435,8 @@ class KVSpec:
 
     @property
     def prerope(self) -> bool:
-        """Are keys stored before RoPE (`LowRank.prerope`): read at their slots' positions?"""
-        return isinstance(self.keys, LowRank) and self.keys.prerope
+        """Are keys stored before RoPE (`LowRank.prerope`, `Delta`): read at their slots' positions?"""
+        return (isinstance(self.keys, LowRank) and self.keys.prerope) or isinstance(self.keys, Delta)
 
     @property
     def uses_rows(self) -> bool:
@@ -384,6 +448,8 @@ class KVSpec:
         where the .kvm's `store ... where LAYERS` does not apply; `StorageClasses`)."""
         if not which:
             return self
+        if isinstance(self.keys, Delta) and set(which) != {K, V}:
+            raise ValueError(f"a delta code covers keys and values: a layer stores both dense or neither, got {which}")
         keys, values, dropped, added = self.keys, self.values, set(), []
         for name in which:
             enc = self.keys if name == K else self.values
@@ -407,6 +473,9 @@ def _encoding_tensors(enc: Encoding) -> set[str]:
         return {enc.tensor}
     if isinstance(enc, LowRank):
         return {enc.latent, enc.down, enc.up}
+    if isinstance(enc, Delta):
+        return {n for n in (enc.latent, enc.neighbours, enc.centers, enc.sinks, enc.window, enc.down, enc.up,
+                            enc.bias) if n}
     return {n for n in (enc.codes, enc.scale, enc.zero, enc.residual) if n}
 
 

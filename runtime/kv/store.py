@@ -17,7 +17,7 @@ import functools
 import torch
 
 from kvc.runtime.kv import encodings, lowrank
-from kvc.runtime.kv.spec import K, V, Dense, Extent, KVSpec, LowRank, Quantized
+from kvc.runtime.kv.spec import K, V, Delta, Dense, Extent, KVSpec, LowRank, Quantized
 
 COPY_BYTES = 256 * 2**20  # bytes of one tensor gathered at once by copy_pages
 
@@ -231,6 +231,8 @@ class KVStore:
             return self.spec.tensor(enc.tensor).shape[-1]
         if isinstance(enc, LowRank):
             return self.spec.tensor(enc.up).shape[0]
+        if isinstance(enc, Delta):  # a head's [k_pre | v]
+            return self.spec.tensor(enc.window).shape[-1] // 2
         if enc.format:
             return enc.group  # one scale per token's channels
         scale = self.spec.tensor(enc.scale).shape[-1]
@@ -241,7 +243,7 @@ class KVStore:
         enc = self.spec.keys if which == K else self.spec.values
         if isinstance(enc, Dense):
             return self.spec.tensor(enc.tensor).dtype
-        if isinstance(enc, LowRank):
+        if isinstance(enc, (LowRank, Delta)):
             return self.spec.tensor(enc.latent).dtype
         return self.spec.tensor(enc.residual or enc.scale).dtype
 

@@ -264,24 +264,28 @@ def test_the_kernels_compile_for_sm90() -> None:
 COMPOSED = str(Path(__file__).resolve().parents[2] / "bench" / "variants" / "snapkv_kivi.kvm")
 
 
-def composed_llm(model_dir: Path, budget: int, **options) -> LLM:
+def composed_llm(model_dir: Path, budget: int, dense_layers: list[int] = (), **options) -> LLM:
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
                           kv_cache_memory=2**22, method=COMPOSED,
-                          method_params={**PARAMS, "budget": budget, "window": 4}, max_num_batched_tokens=4096,
-                          **options)
+                          method_params={**PARAMS, "budget": budget, "window": 4, "dense_layers": list(dense_layers)},
+                          max_num_batched_tokens=4096, **options)
     return LLM.from_engine(Engine(config))
 
 
-def test_snapkv_over_kivi_stores_the_kept_tokens_as_kivi_stores_a_prompt(model_dir, monkeypatch) -> None:
+@pytest.mark.parametrize("dense_layers", [[], [0]])
+def test_snapkv_over_kivi_stores_the_kept_tokens_as_kivi_stores_a_prompt(model_dir, monkeypatch,
+                                                                         dense_layers: list[int]) -> None:
     """SnapKV's prefill_end keeps 16 of 41 tokens; the kept tokens (decoded from the codes and the
     window, as the hook saw them) are stored again from slot 0: keys of whole blocks per channel,
     older values per token, the newest in the window; every layer's stored cache equals the
-    reference quantizer over the kept tokens, bit for bit, and the sequence decodes on."""
+    reference quantizer over the kept tokens, bit for bit, and the sequence decodes on. With a dense
+    layer (its own storage class: the hook reads and the keep moves its store), that layer holds
+    the kept tokens exactly."""
     from kvc.runtime.chains import ChainSpec
 
-    llm = composed_llm(model_dir, 16)
-    assert llm.engine.attention.store.spec == make_llm(model_dir).engine.attention.store.spec
-    store = llm.engine.attention.store
+    llm = composed_llm(model_dir, 16, dense_layers)
+    stores = llm.engine.attention.stores
+    assert stores[-1].spec == make_llm(model_dir).engine.attention.store.spec
     seen = {}
     original = llm.engine.method.prefill_end
 
@@ -296,15 +300,18 @@ def test_snapkv_over_kivi_stores_the_kept_tokens_as_kivi_stores_a_prompt(model_d
     monkeypatch.setattr(llm.engine.method, "prefill_end", spy)
     out = llm.generate(prompt(41, 3), greedy(1), chain=ChainSpec(open=True))[0]
     record = next(r for r in llm.engine.chains.records() if r.chain_id == out.chain_id)
+    assert sorted(seen) == [0, 1]
     for layer, (k, v) in seen.items():
         assert k.shape[1] == 16 and record.kv_lens[layer] == 16  # the step's token not stored yet
-        assert record.resid_lens[layer] == 9  # the window holds the newest W = 9 of the 16
-        table = record.page_tables[layer]
+        store = llm.engine.attention.store_of(layer)
+        table = llm.engine.runner.tables.local(layer, record.page_tables[layer])
         got_k = store.decoded("k", table, 16, layer, record.row, record.resid_lens[layer])
         got_v = store.decoded("v", table, 16, layer, record.row, record.resid_lens[layer])
         want_k, want_v = k.clone(), v.clone()
-        want_k[:, :8] = torch.from_numpy(ref.keys_round_trip(k[:, :8].numpy(), 2, GROUP))  # block 0 of 8
-        want_v[:, :8] = torch.from_numpy(ref.values_round_trip(v[:, :8].numpy(), 2, GROUP))  # all but the newest 8
+        if layer not in dense_layers:
+            assert record.resid_lens[layer] == 9  # the window holds the newest W = 9 of the 16
+            want_k[:, :8] = torch.from_numpy(ref.keys_round_trip(k[:, :8].numpy(), 2, GROUP))  # block 0 of 8
+            want_v[:, :8] = torch.from_numpy(ref.values_round_trip(v[:, :8].numpy(), 2, GROUP))  # all but newest 8
         assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     history = prompt(41, 3) + out.token_ids
     more = llm.generate(history + prompt(5, 4), greedy(6), chain=ChainSpec(continue_id=out.chain_id))[0]
@@ -312,11 +319,15 @@ def test_snapkv_over_kivi_stores_the_kept_tokens_as_kivi_stores_a_prompt(model_d
     check_books(llm.engine)
 
 
-def test_snapkv_over_kivi_keeping_everything_is_kivi(model_dir, monkeypatch) -> None:
-    """A budget over the prompt keeps every slot in place (nothing stored again): KIVI's tokens."""
+@pytest.mark.parametrize("dense_layers", [[], [1]])
+def test_snapkv_over_kivi_keeping_everything_is_kivi(model_dir, monkeypatch, dense_layers: list[int]) -> None:
+    """A budget over the prompt keeps every slot in place (nothing stored again): KIVI's tokens (with
+    the same dense layers)."""
     prompts = [prompt(n, seed) for n, seed in ((23, 1), (30, 2))]
-    want = [o.token_ids for o in make_llm(model_dir).generate(prompts, [greedy(8) for _ in prompts])]
-    got = [o.token_ids for o in composed_llm(model_dir, 64).generate(prompts, [greedy(8) for _ in prompts])]
+    kivi = make_llm(model_dir, method_params={**PARAMS, "dense_layers": dense_layers})
+    want = [o.token_ids for o in kivi.generate(prompts, [greedy(8) for _ in prompts])]
+    composed = composed_llm(model_dir, 64, dense_layers)
+    got = [o.token_ids for o in composed.generate(prompts, [greedy(8) for _ in prompts])]
     assert got == want
 
 

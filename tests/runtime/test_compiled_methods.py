@@ -185,7 +185,7 @@ def test_config_errors(tmp_path):
 
     with pytest.raises(ConfigError, match="unknown method 'nope'.*snapkv"):
         resolve_method("nope")
-    with pytest.raises(ConfigError, match="not lowered.*no store or reader of its `delta` spec.*deltakv.kvm:27:1"):
+    with pytest.raises(ConfigError, match="not lowered.*compression method with hooks.*deltakv.kvm:31:1"):
         resolve_method("deltakv")
     with pytest.raises(ConfigError, match="no parameter.*'bogus'"):
         resolve_method("snapkv", {"bogus": 1})

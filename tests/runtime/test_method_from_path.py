@@ -128,7 +128,7 @@ def test_errors_through_llm(model_dir, tmp_path):
         make_llm(model_dir, str(tmp_path / "missing.kvm"), None)
     deltakv = tmp_path / "deltakv.kvm"
     shutil.copy(METHODS_DIR / "deltakv.kvm", deltakv)
-    with pytest.raises(ConfigError, match="not lowered.*no store or reader of its `delta` spec.*deltakv.kvm:27:1"):
+    with pytest.raises(ConfigError, match="not lowered.*compression method with hooks.*deltakv.kvm:31:1"):
         make_llm(model_dir, str(deltakv), None)
 
 

@@ -1,0 +1,144 @@
+"""A layer's DeltaKV cache in the store (runtime/kv/spec.py `Delta`): writing a step's tokens,
+compressing a block, and reading positions back (the torch path; docs/design.md, "DeltaKV").
+
+One sequence's layer holds, after `length` stored tokens (`Delta.compressed(length)` = c of them
+past the sinks compressed): positions [0, sink) raw in its row's `sinks`; [sink, sink + c) as
+codes (`latent`, `neighbours`), the centers among them raw in their pages' `centers` rows; [sink +
+c, length) raw in its row's `window` (slot s at `s % (2 recent)`). Keys are stored before RoPE, so
+slot s is position s (no keep plan moves them).
+
+A step's tokens are read as computed by the step itself, and enter the store after its attention
+(`DeltaPages.store`): raw into the sinks or the window, then the block that is now due is
+compressed (`runtime/kv/delta.py`: centers, references over every center of the sequence at or
+before a token, codes). `read` decodes any stored positions: raw where they are raw, else `ref +
+code @ up^T + bias`, keys rotated to their positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvc.runtime.kv import delta, lowrank
+from kvc.runtime.kv.spec import Delta
+
+
+@dataclass
+class DeltaPages:
+    """One layer's view of a delta store's tensors: `latent [P, Hkv, S, c]`, `neighbours [P, Hkv, S,
+    count]` int32, `centers [P, Hkv, S / every, 2 D]`, `sinks [R, Hkv, sink, 2 D]` (None: no sinks),
+    `window [R, Hkv, 2 recent, 2 D]`, `down`, `up` [Hkv, 2 D, C], `bias` [Hkv, 2 D] (or None), and the
+    model's RoPE frequencies."""
+
+    enc: Delta
+    latent: torch.Tensor
+    neighbours: torch.Tensor
+    centers: torch.Tensor
+    sinks: torch.Tensor | None
+    window: torch.Tensor
+    down: torch.Tensor
+    up: torch.Tensor
+    bias: torch.Tensor | None
+    inv_freq: torch.Tensor
+
+    @property
+    def page_size(self) -> int:
+        return self.latent.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.window.shape[-1] // 2
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.window.dtype
+
+    # ---- raw vectors by position ---------------------------------------------------------------
+    def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.page_size
+        return table.long()[positions // size], positions % size
+
+    def raw(self, table: torch.Tensor, row: int, positions: torch.Tensor, length: int) -> torch.Tensor:
+        """[n, Hkv, 2 D] the raw vectors of `positions`, each a sink, a center or in the raw tail of a
+        sequence that stores `length` tokens (anything else: zeros)."""
+        enc, heads = self.enc, self.window.shape[1]
+        out = self.window.new_zeros(positions.shape[0], heads, 2 * self.head_dim)
+        tail = enc.sink + enc.compressed(length)
+        is_sink = positions < enc.sink
+        in_tail = positions >= tail
+        center = ~is_sink & ~in_tail & delta.is_center(positions, enc.sink, enc.every)
+        if is_sink.any():
+            out[is_sink] = self.sinks[row, :, positions[is_sink]].transpose(0, 1)
+        if in_tail.any():
+            out[in_tail] = self.window[row, :, positions[in_tail] % (2 * enc.recent)].transpose(0, 1)
+        if center.any():
+            pages, offsets = self._slots(table, positions[center])
+            out[center] = self.centers[pages, :, offsets // enc.every]
+        return out
+
+    # ---- writes --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def store(self, table: torch.Tensor, row: int, before: int, x: torch.Tensor, inv_freq: torch.Tensor) -> None:
+        """A step's new tokens (positions [before, before + n)) into a sequence's layer: x [n, Hkv, 2 D]
+        with keys after RoPE (the model's); then the block now due is compressed."""
+        enc = self.enc
+        n = x.shape[0]
+        positions = torch.arange(before, before + n, device=x.device)
+        half = self.head_dim
+        k_pre = lowrank.rope(x[..., :half].transpose(0, 1), positions, inv_freq, inverse=True).transpose(0, 1)
+        x = torch.cat([k_pre, x[..., half:].float()], dim=-1).to(self.dtype)  # [n, Hkv, 2 D] as stored
+        after = before + n
+        sink = positions < enc.sink
+        if sink.any():  # first: a block's references may be sinks
+            self.sinks[row, :, positions[sink]] = x[sink].transpose(0, 1)
+        old, new = enc.sink + enc.compressed(before), enc.sink + enc.compressed(after)
+        if new > old:  # the block [old, new): its raw rows from the window and the step
+            block = torch.arange(old, new, device=x.device)
+            stored = block < before
+            rows = torch.empty(block.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)
+            if stored.any():
+                rows[stored] = self.window[row, :, block[stored] % (2 * enc.recent)].transpose(0, 1)
+            rows[~stored] = x[block[~stored] - before]
+            self._compress(table, row, block, rows)
+        tail = positions >= max(new, after - 2 * enc.recent)  # the raw tail after the step (no slot twice)
+        if tail.any():
+            self.window[row, :, positions[tail] % (2 * enc.recent)] = x[tail].transpose(0, 1)
+
+    def _compress(self, table: torch.Tensor, row: int, block: torch.Tensor, rows: torch.Tensor) -> None:
+        """Block positions `block` (ascending, past the sinks) with raw vectors `rows` [m, Hkv, 2 D]:
+        centers into their pages' rows, every token's neighbours and code."""
+        enc = self.enc
+        pages, offsets = self._slots(table, block)
+        center = delta.is_center(block, enc.sink, enc.every)
+        self.centers[pages[center], :, offsets[center] // enc.every] = rows[center]
+        center_pos = delta.center_positions(int(block[-1]) + 1, enc.sink, enc.every).to(block.device)
+        centers = self.raw(table, row, center_pos, int(block[-1]) + 1)  # the sinks, stored and new centers
+        inside = center_pos >= int(block[0])
+        centers[inside] = rows[center_pos[inside] - int(block[0])]
+        ref, near = delta.references(rows.flatten(1), block, centers.flatten(1), center_pos, enc.count)
+        code = delta.encode(rows, ref.view(rows.shape), self.down)
+        self.latent[pages, :, offsets] = code.to(self.latent.dtype)
+        self.neighbours[pages, :, offsets] = near.to(torch.int32)[:, None, :].expand(-1, rows.shape[1], -1)
+
+    # ---- reads ---------------------------------------------------------------------------------
+    def read(self, table: torch.Tensor, row: int, positions: torch.Tensor, length: int,
+             inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (after RoPE, at their positions) and values [Hkv, n, D] (float32) of stored `positions`
+        [n] of a sequence that stores `length` tokens."""
+        enc = self.enc
+        x = self.raw(table, row, positions, length).float()
+        tail = enc.sink + enc.compressed(length)
+        coded = (positions >= enc.sink) & (positions < tail) & ~delta.is_center(positions, enc.sink, enc.every)
+        if coded.any():
+            pages, offsets = self._slots(table, positions[coded])
+            near = self.neighbours[pages, 0, offsets].long()  # [m, count], -1: none
+            valid = near >= 0
+            flat = near.clamp(min=0).flatten()
+            members = self.raw(table, row, flat, length).float().view(*near.shape, *x.shape[1:])
+            weight = valid.float() / valid.sum(1, keepdim=True).clamp(min=1)
+            ref = torch.einsum("mk,mkhf->mhf", weight, members)
+            x[coded] = delta.decode(self.latent[pages, :, offsets], ref, self.up, self.bias)
+        half = self.head_dim
+        keys = lowrank.rope(x[..., :half].transpose(0, 1), positions, inv_freq)
+        return keys, x[..., half:].transpose(0, 1)

@@ -1,0 +1,155 @@
+"""DeltaKV's store served (bench/variants/deltakv_reads_all.kvm: methods/deltakv.kvm's joint code of
+keys and values in the layers that are not full layers, every layer reading every stored token) on
+a tiny random Llama, against the hand-written oracle (tests/references/deltakv.py) with a choice
+larger than any context (so that it reads every token too): the same greedy tokens and logits
+through prefills in one chunk and in several, and decode steps across compressed blocks; lossless
+codes give the model's own tokens; the compressed layers' storage class holds codes, not K/V."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvc.runtime.config import EngineConfig
+from kvc.runtime.engine import Engine
+from kvc.runtime.llm import LLM
+from tests.methods import served
+from tests.models.tiny import load_hf, make_tiny_llama
+from tests.references import deltakv
+from tests.runtime.test_contract_methods import Logits, check, greedy, prompt
+
+METHOD = str(Path(__file__).resolve().parents[2] / "bench" / "variants" / "deltakv_reads_all.kvm")
+LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 16
+FULL = [1]  # layers 0, 2 and 3 store codes
+PARAMS = {"sink": 2, "recent": 4, "stride": 2, "neighbours": 2, "full_layers": FULL}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("deltakv"), seed=3, num_hidden_layers=LAYERS,
+                           initializer_range=0.25)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path):
+    return load_hf(model_dir)
+
+
+def compressor_file(root: Path, ratio: float, seed: int = 0) -> Path:
+    """A deltakv.safetensors in kvc's layout (down, up [layers, Hkv, 2 D, C], bias [layers, Hkv, 2 D]):
+    random, or the identity at ratio 1 (C = 2 Hkv D: the code is x - ref itself)."""
+    width = 2 * HEAD_DIM
+    code = KV_HEADS * round(width * ratio)
+    if ratio == 1:
+        pick = torch.eye(KV_HEADS * width).reshape(KV_HEADS, width, code)
+        down, up = (pick.expand(LAYERS, -1, -1, -1).clone() for _ in range(2))
+        bias = torch.zeros(LAYERS, KV_HEADS, width)
+    else:
+        g = torch.Generator().manual_seed(seed)
+        down = torch.randn(LAYERS, KV_HEADS, width, code, generator=g) * 0.2
+        up = torch.randn(LAYERS, KV_HEADS, width, code, generator=g) * 0.2
+        bias = torch.randn(LAYERS, KV_HEADS, width, generator=g) * 0.1
+    root.mkdir(parents=True, exist_ok=True)
+    save_file({"down": down, "up": up, "bias": bias}, str(root / "deltakv.safetensors"))
+    return root
+
+
+def make_llm(model_dir: Path, inputs: Path, ratio: float, **options) -> LLM:
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
+                          kv_cache_memory=2**22, method=METHOD, method_params={**PARAMS, "ratio": ratio},
+                          method_inputs=str(inputs), **{"max_num_batched_tokens": 4096, **options})
+    return LLM.from_engine(Engine(config))
+
+
+ORACLE = deltakv.Params(sink=2, recent=4, stride=2, neighbours=2, selected=10**6, full_layers=tuple(FULL))
+
+
+def oracle(hf, inputs: Path, ids: list[int], steps: int, chunk: int | None = None,
+           state: deltakv.Session | None = None):
+    """The oracle's tokens and logits, reading every token (its choice larger than any context);
+    `state` continues a session."""
+    compressor = deltakv.Compressor.load(inputs / "deltakv.safetensors")
+    state = state if state is not None else deltakv.session(hf, ORACLE, compressor)
+    logits = []
+    original = deltakv._forward
+
+    def spy(model, s, ids):
+        out = original(model, s, ids)
+        logits.append(out[-1])
+        return out
+
+    deltakv._forward = spy
+    try:
+        tokens = deltakv.generate(hf, ids, ORACLE, compressor, steps, chunk=chunk, state=state)
+    finally:
+        deltakv._forward = original
+    return tokens, torch.stack(logits[-steps:]), state
+
+
+def test_the_spec_has_a_class_of_codes(model_dir, tmp_path) -> None:
+    llm = make_llm(model_dir, compressor_file(tmp_path / "c", 0.25), 0.25)
+    engine = llm.engine
+    assert engine.storage.layer_class == (0, 1, 0, 0)
+    codes, dense = (store.spec for store in engine.attention.stores)
+    assert codes.delta is not None and dense.dense
+    heads = engine.layout.kv_heads
+    # per token and head: an 8-channel share of the code and 2 neighbour positions, against 2 x 16 floats
+    assert codes.bytes_per_token(heads) == heads * (8 * 4 + 2 * 4) < dense.bytes_per_token(heads) == heads * 32 * 4
+    assert not engine.scheduler.prefix_caching  # a page's codes lean on its row's sinks
+
+
+def test_lossless_codes_decode_like_the_model(model_dir, hf, tmp_path) -> None:
+    llm = make_llm(model_dir, compressor_file(tmp_path / "c", 1.0), 1.0)
+    ids = prompt(37, 1)
+    out = llm.generate(ids, greedy(12))[0]
+    tokens, _, state = oracle(hf, tmp_path / "c", ids, 12)
+    assert out.token_ids == tokens
+    assert all(state.compressed[layer] >= 24 for layer in (0, 2, 3))  # the oracle really compressed
+
+
+@pytest.mark.parametrize("chunk", [None, 9])
+def test_codes_equal_the_oracle(model_dir, hf, monkeypatch, tmp_path, chunk: int | None) -> None:
+    """A lossy random compressor: every step's logits equal the oracle's (one prefill chunk, or chunks
+    of 9 that end inside compressed blocks), and they differ from the lossless model's."""
+    spy = Logits(monkeypatch)
+    inputs = compressor_file(tmp_path / "c", 0.25)
+    options = {} if chunk is None else {"max_num_batched_tokens": chunk, "max_prefill_chunk": chunk}
+    llm = make_llm(model_dir, inputs, 0.25, **options)
+    ids, params = prompt(41, 2), greedy(14)
+    out = llm.generate(ids, params)[0]
+    tokens, logits, _ = oracle(hf, inputs, ids, 14, chunk=chunk)
+    check(out.token_ids, spy.of(params), (tokens, logits))
+    lossless = oracle(hf, compressor_file(tmp_path / "i", 1.0), ids, 14, chunk=chunk)[1]
+    assert (lossless - logits).abs().max() > 1e-2  # the codes are really read
+
+
+class Continued:
+    """An oracle session for tests/methods/served.py: `generate(session, ids, n)` continues it."""
+
+    def __init__(self, hf, inputs: Path) -> None:
+        self.hf, self.inputs = hf, inputs
+        self.state = deltakv.session(hf, ORACLE, deltakv.Compressor.load(inputs / "deltakv.safetensors"))
+
+    def copy(self) -> Continued:
+        other = copy.copy(self)
+        other.state = copy.deepcopy(self.state)
+        return other
+
+    @staticmethod
+    def generate(session: Continued, ids: list[int], steps: int):
+        tokens, logits, _ = oracle(session.hf, session.inputs, ids, steps, state=session.state)
+        return tokens, logits
+
+
+def test_a_chain_and_a_preemption_carry_the_rows(model_dir, hf, monkeypatch, tmp_path) -> None:
+    """The sinks and the raw tail live in the sequence's row: a chain continued and forked copies it
+    (each turn continues the oracle's session), and a preempted request recomputes everything."""
+    inputs = compressor_file(tmp_path / "c", 0.25)
+    llm = make_llm(model_dir, inputs, 0.25)
+    spy = Logits(monkeypatch)
+    served.chain_continued_and_forked(llm, spy, Continued.generate, lambda: Continued(hf, inputs))
+    served.preemption_recomputes(llm, spy, Continued.generate, lambda: Continued(hf, inputs), 16, False, 30)
