@@ -597,7 +597,7 @@ def _lowerable_stores(checked) -> None:
                                "lloyd_max), after at most one rotate, or one project of every token is lowered so far "
                                "(QJL sketches, residuals against references and learned compressors are not)",
                                decl.pos)
-    if checked.hooks:
+    if checked.hooks and not any(d.also for d in checked.method.items if isinstance(d, ast.Store)):
         raise NotLowerable(f"a {checked.method.header.family.name} method with hooks is not lowered yet",
                            checked.hooks[0].pos)
 

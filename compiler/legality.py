@@ -100,7 +100,7 @@ def problems(method: MethodIR) -> list[str]:
 
 def _read_problems(method: MethodIR, hook) -> list[str]:
     """What a hook's `read` needs: decode_before_attention, one read, page counts and a `where` that
-    the whole batch shares, a ranked top per KV head or per layer, no `first n`. A token read of a
+    the whole batch shares, a ranked top per KV head or per layer, no `first n` over pages. A token read of a
     shared selection (and a hook that chooses one) may count by row (`last (context - prompt)`):
     its plan's shape is the selection's, and the per-row range is a [row] tensor; its `where` may not.
     A read over the clusters of a `kmeans` partition may count by row and take a `first n` (its
@@ -122,8 +122,9 @@ def _read_problems(method: MethodIR, hook) -> list[str]:
         out.append(f"{hook.name}: more than one `read` in a hook is not lowered yet")
     select = reads[0].select
     clusters = reads[0].item in method.partitions  # a read over a cluster index (lower_torch checks its ranges)
-    if select.first is not None and not clusters:
-        out.append("`read ... + first n` is not lowered yet (it is over the clusters of a `kmeans` partition)")
+    if select.first is not None and not clusters and reads[0].item != "key":
+        out.append("`read ... + first n` is not lowered yet over pages (it is over tokens and over the clusters of "
+                   "a `kmeans` partition)")
     if select.top is not None and select.top.granularity not in READ_GRANULARITIES:
         out.append(f"{select.top.granularity} reads are not lowered yet (per kv_head or one set per layer)")
     counts = [select.last, None if select.top is None else select.top.count, hook.where]

@@ -270,10 +270,12 @@ def _batched_hook(hook: HookIR) -> HookIR:
 
 
 def _emit_token_read(em: _Emitter, code: HookCode, stmt: Read) -> None:
-    """`read chosen + last n`: the shared selection every KV head reads, plus each row's n newest."""
+    """`read chosen + first m + last n`: the shared selection every KV head reads, plus the m first and
+    each row's n newest stored tokens."""
     sel = stmt.select
     code.names.add("kv_heads")
-    code.read = {"tokens": True, "shared": sel.shared, "last": "0" if sel.last is None else em.scalar(sel.last)}
+    code.read = {"tokens": True, "shared": sel.shared, "last": "0" if sel.last is None else em.scalar(sel.last),
+                 "first": "0" if sel.first is None else em.scalar(sel.first)}
 
 
 def _emit_choose(em: _Emitter, code: HookCode, stmt: Choose) -> None:

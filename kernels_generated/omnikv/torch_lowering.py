@@ -100,7 +100,8 @@ def decode_before_attention_2(inputs, shared, sym, params):
     kv_heads = sym["kv_heads"]
     layer = sym["layer"]
     prompt = sym["prompt"]
-    return _read_tokens(shared["chosen"], context - prompt, kv_heads)
+    return _read_tokens(shared["chosen"], context - prompt, kv_heads, 0,
+                        sym["context"])
 
 
 def decode_before_attention_runs(sym, params):

@@ -389,10 +389,10 @@ class PagedAttention:
         """
         k_cache, v_cache = self._layer(layer_idx)
         if isinstance(k_cache, DeltaPages):  # stored tokens decoded per sequence, then the step's stored
-            if read is not None or stats is not None:
-                raise NotImplementedError("a delta-coded layer reads every stored token (no read plans or decode "
-                                          "statistics yet)")
-            return delta_ops.forward(k_cache, q, k, v, md, layer_idx, scale)
+            if stats is not None or (read is not None and read.tokens is None):
+                raise NotImplementedError("a delta-coded layer takes token read plans, not page plans or decode "
+                                          "statistics")
+            return delta_ops.forward(k_cache, q, k, v, md, layer_idx, scale, read)
         store = self.store_of(layer_idx)
         tables, lens = md.block_tables[layer_idx], md.context_lens[layer_idx]
         resid = None if md.resid_lens is None or not store.residual_window else md.resid_lens[layer_idx]

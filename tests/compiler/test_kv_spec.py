@@ -178,12 +178,10 @@ def test_deltakv_one_code_for_keys_and_values_in_some_layers():
     """DeltaKV's `store k, v as residual(nearest(...)) then project(...) except first sink + last recent where
     layer not in full_layers` maps to one `delta` encoding of both operands: per token its code share and its
     neighbours' positions, per page its centers' raw keys and values, per sequence the raw sinks and window,
-    per layer the projections over a head's 2 x head_dim channels. Its reads (hooks) are not lowered yet,
-    so the method is a manifest, and the manifest says why, with its inputs (which `kvc calibrate` trains);
-    the store alone lowers (bench/variants/deltakv_reads_all.kvm, tests/methods/test_deltakv.py)."""
+    per layer the projections over a head's 2 x head_dim channels; the manifest lists its inputs (which
+    `kvc calibrate` trains). It lowers, hooks and all (tests/methods/test_deltakv.py serves it)."""
     data = manifest("deltakv")
-    assert not data["lowered"] and "compression method with hooks is not lowered yet" in data["reason"]
-    assert "deltakv.kvm:31:1" in data["reason"]
+    assert data["lowered"] and data["kv_spec"]["reason"] is None
     assert data["kv_spec"]["layers"] == {w: {"param": "full_layers", "member": False} for w in "kv"}
     assert set(data["inputs"]) == {"down", "up", "bias"} and data["inputs"]["down"]["file"] == "deltakv.safetensors"
     spec = data["kv_spec"]

@@ -8,6 +8,7 @@ codes give the model's own tokens; the compressed layers' storage class holds co
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -69,11 +70,11 @@ ORACLE = deltakv.Params(sink=2, recent=4, stride=2, neighbours=2, selected=10**6
 
 
 def oracle(hf, inputs: Path, ids: list[int], steps: int, chunk: int | None = None,
-           state: deltakv.Session | None = None):
-    """The oracle's tokens and logits, reading every token (its choice larger than any context);
-    `state` continues a session."""
+           state: deltakv.Session | None = None, params: deltakv.Params = ORACLE):
+    """The oracle's tokens and logits (by default reading every token: its choice larger than any
+    context); `state` continues a session."""
     compressor = deltakv.Compressor.load(inputs / "deltakv.safetensors")
-    state = state if state is not None else deltakv.session(hf, ORACLE, compressor)
+    state = state if state is not None else deltakv.session(hf, params, compressor)
     logits = []
     original = deltakv._forward
 
@@ -84,7 +85,7 @@ def oracle(hf, inputs: Path, ids: list[int], steps: int, chunk: int | None = Non
 
     deltakv._forward = spy
     try:
-        tokens = deltakv.generate(hf, ids, ORACLE, compressor, steps, chunk=chunk, state=state)
+        tokens = deltakv.generate(hf, ids, params, compressor, steps, chunk=chunk, state=state)
     finally:
         deltakv._forward = original
     return tokens, torch.stack(logits[-steps:]), state
@@ -153,3 +154,28 @@ def test_a_chain_and_a_preemption_carry_the_rows(model_dir, hf, monkeypatch, tmp
     spy = Logits(monkeypatch)
     served.chain_continued_and_forked(llm, spy, Continued.generate, lambda: Continued(hf, inputs))
     served.preemption_recomputes(llm, spy, Continued.generate, lambda: Continued(hf, inputs), 16, False, 30)
+
+
+@pytest.mark.parametrize("chunk", [None, 9])
+def test_deltakv_reads_the_full_layers_choice(model_dir, hf, monkeypatch, tmp_path, chunk: int | None) -> None:
+    """methods/deltakv.kvm itself: layer 1 (full) chooses the 6 tokens of the largest logit and layers
+    2 and 3 read the sinks, that choice and the raw tail from their codes (layer 0, before the first
+    full layer, reads everything): the oracle's tokens and logits, which differ from reading every
+    token."""
+    spy = Logits(monkeypatch)
+    inputs = compressor_file(tmp_path / "c", 0.25)
+    options = {} if chunk is None else {"max_num_batched_tokens": chunk, "max_prefill_chunk": chunk}
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
+                          kv_cache_memory=2**22, method="deltakv",
+                          method_params={**PARAMS, "ratio": 0.25, "selected": 6}, method_inputs=str(inputs),
+                          **{"max_num_batched_tokens": 4096, **options})
+    llm = LLM.from_engine(Engine(config))
+    ids, params = prompt(41, 2), greedy(14)
+    out = llm.generate(ids, params)[0]
+    chosen = dataclasses.replace(ORACLE, selected=6)
+    compressor = deltakv.Compressor.load(inputs / "deltakv.safetensors")
+    state = deltakv.session(hf, chosen, compressor)
+    tokens, logits, _ = oracle(hf, inputs, ids, 14, chunk=chunk, state=state, params=chosen)
+    assert all(len(reads[2]) < 41 for reads in state.reads)  # the oracle really read a subset
+    check(out.token_ids, spy.of(params), (tokens, logits))
+    assert (oracle(hf, inputs, ids, 14, chunk=chunk)[1] - logits).abs().max() > 1e-3

@@ -185,8 +185,8 @@ def test_config_errors(tmp_path):
 
     with pytest.raises(ConfigError, match="unknown method 'nope'.*snapkv"):
         resolve_method("nope")
-    with pytest.raises(ConfigError, match="not lowered.*compression method with hooks.*deltakv.kvm:31:1"):
-        resolve_method("deltakv")
+    with pytest.raises(ConfigError, match=r"not lowered.*softmax.*rkv.kvm:18:26"):
+        resolve_method("rkv")
     with pytest.raises(ConfigError, match="no parameter.*'bogus'"):
         resolve_method("snapkv", {"bogus": 1})
     with pytest.raises(ConfigError, match="window"):
