@@ -103,10 +103,10 @@ class DecodeGraphs:
         self.starts = torch.zeros((layers, n, runner.num_kv_heads), dtype=torch.int32, device=dev)
         # each row's row of the spec's per-sequence tensors (padding: the scratch row); None: it has none
         self.rows = (torch.full((n,), runner.attention.scratch_row, dtype=torch.int32, device=dev)
-                     if runner.store.num_rows else None)
+                     if runner.attention.num_rows else None)
         # per layer and row, the newest slots its residual window held before the step; None: no window
         self.resid = (torch.zeros((layers, n), dtype=torch.int32, device=dev)
-                      if runner.store.residual_window else None)
+                      if runner.attention.residual_window else None)
         self.logits: torch.Tensor | None = None  # [n, vocab] float32, every graph's output (`_step_fn`)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.pool = None

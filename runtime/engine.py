@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvc.runtime.attention.backend import PagedAttention, layer_page_bytes, pool_pages
+from kvc.runtime.attention.backend import PagedAttention, class_pages, layer_page_bytes
 from kvc.runtime.chain_prune import PruneRequest, Pruner, Scorer, parse_auto_prune, resolve_scorer
 from kvc.runtime.chains import ChainSpec, ChainStore
 from kvc.runtime.config import DEFAULT_PAGE_SIZE, EngineConfig
@@ -120,13 +120,9 @@ class Engine:
                               param="kv_cache_memory")
         # LAYER tensors (FP8 scales) are stored once, not per page
         fixed_bytes = row_bytes + sum(s.bytes_per_layers(layout.kv_heads, layout.layers) for s in specs)
-        # pages per class, so that the classes run out together when every layer stores as many tokens:
-        # class c gets budget x layers_c / sum_c' layers_c' x page_bytes_c' pages
-        layers_of = [len(classes.layers(c)) for c in range(classes.num_classes)]
-        per_layer = pool_pages(self._kv_budget_bytes() - fixed_bytes,
-                               sum(n * b for n, b in zip(layers_of, class_page_bytes)))
-        self.pages_by_class = [max(1, per_layer * n) for n in layers_of] if len(specs) > 1 else [
-            pool_pages(self._kv_budget_bytes() - fixed_bytes, class_page_bytes[0])]
+        # pages per class, so that the classes run out together when every layer stores as many tokens
+        self.pages_by_class = class_pages(self._kv_budget_bytes() - fixed_bytes, classes, layout.kv_heads,
+                                          config.page_size)
         self.num_pages = sum(self.pages_by_class)
         page_bytes = sum(n * b for n, b in zip(self.pages_by_class, class_page_bytes)) // self.num_pages
         prerope = any(s.prerope for s in specs)

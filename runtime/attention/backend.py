@@ -75,6 +75,18 @@ def pool_pages(kv_memory: int, page_bytes: int) -> int:
     return max(1, kv_memory // page_bytes)
 
 
+def class_pages(kv_memory: int, classes: StorageClasses, num_kv_heads: int, page_size: int) -> list[int]:
+    """Pages of each storage class `kv_memory` bytes buy, sized so that the classes run out together
+    when every layer stores as many tokens: class c gets `kv_memory x layers_c / sum_c' layers_c' x
+    page_bytes_c'` (one class: `pool_pages`). The engine and the throughput plan both size with it."""
+    page_bytes = [layer_page_bytes(s, num_kv_heads, page_size) for s in classes.specs]
+    if len(page_bytes) == 1:
+        return [pool_pages(kv_memory, page_bytes[0])]
+    layers = [len(classes.layers(c)) for c in range(classes.num_classes)]
+    per_layer = pool_pages(kv_memory, sum(n * b for n, b in zip(layers, page_bytes)))
+    return [per_layer * n for n in layers]
+
+
 def load_ops(backend: str, device: torch.device, variant: str = "plain") -> ModuleType:
     """The module implementing store_kv / paged_decode / paged_prefill for `backend`: the torch ops,
     or the generated Triton kernels of attention variant `variant` (the method's manifest names it)."""

@@ -11,7 +11,7 @@
   batch is known before the weights are loaded; `model_for_context` lengthens a random model's
   context when input + output need it (random weights have no trained context to respect).
 - `plan_batch`: the pool the engine will allocate for `--kv-memory` (the engine's own functions,
-  `attention.backend.layer_page_bytes` / `pool_pages`: bytes // one layer-page of the method's
+  `attention.backend.layer_page_bytes` / `class_pages`: bytes // one layer-page of the method's
   layout, K/V and state planes, after two rows of its per-sequence tensors a seat, as the engine
   takes them; the caller checks the engine agrees) and the
   pages one sequence holds at steady state with its whole output generated (the method's
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from kvc.runtime.attention.backend import layer_page_bytes, pool_pages
+from kvc.runtime.attention.backend import class_pages, layer_page_bytes
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv.layout import CacheLayout
@@ -168,7 +168,7 @@ def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_le
 
     def pages(seats: int) -> int:
         left = kv_memory - fixed - seats * seat_bytes
-        return pool_pages(left, page_bytes) if left > 0 else 0
+        return sum(class_pages(left, classes, layout.kv_heads, page_size)) if left > 0 else 0
 
     budget, layers = method.budget, range(layout.layers)
     steady = [budget.steady_tokens(input_len, input_len + output_len, layer) for layer in layers]

@@ -11,7 +11,7 @@ j stores channels [j C / Hkv, (j + 1) C / Hkv) of it, so the code is the heads' 
 `ref` is the mean raw vector of the token's nearest centers (`references`); centers are the sinks and
 every `stride`-th token of a compressed block (`center_positions`), compressed a block at a time
 (`block_of`). tests/references/deltakv.py is the oracle; runtime/calibrate/deltakv.py trains down, up
-and bias with these functions. The engine does not serve a delta spec yet (per-layer storage classes).
+and bias with these functions, and runtime/kv/delta_pages.py stores and reads a served layer with them.
 """
 
 from __future__ import annotations

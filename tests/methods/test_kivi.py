@@ -134,7 +134,7 @@ def test_preemption_recomputes(model_dir, hf, monkeypatch) -> None:
     served.preemption_recomputes(llm, Logits(monkeypatch), partial(ref.generate, hf), session, GROUP, False, 14)
 
 
-@pytest.mark.parametrize("dense_layers", [[], [1]])
+@pytest.mark.parametrize("dense_layers", [[], [0], [1]])
 def test_the_graph_step_run_uncaptured(model_dir, hf, monkeypatch, dense_layers: list[int]) -> None:
     """Decode-only steps through the CUDA-graph runner's own step (static buffers with the rows and
     what their windows hold, a padding row), run without capture on the CPU: the reference's tokens
@@ -195,6 +195,11 @@ def test_dense_layers_are_a_storage_class_of_their_own(model_dir, hf, monkeypatc
         engine.attention.store  # noqa: B018 -- one store per class: asking for "the" store is a bug
     with pytest.raises(InvalidPrune, match="2 KV layouts"):
         engine.pruner.check_prunable()
+    from kvc.runtime.bench.plan import plan_batch  # the throughput plan sizes the classes as the engine does
+
+    plan = plan_batch(engine.method, engine.spec, 2**22, GROUP, 48, 16, 10**6)
+    sized = make_llm(model_dir, method_params={**PARAMS, "dense_layers": [0]}, max_num_seqs=plan.batch).engine
+    assert sized.num_pages == plan.num_pages and plan.batch > 0
 
     def mixed() -> ref.Session:
         return ref.Session(bits=2, group=GROUP, residual=RESIDUAL, dense_layers=frozenset({0}))

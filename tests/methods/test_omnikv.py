@@ -222,7 +222,7 @@ def test_the_triton_backend_equals_the_oracle(model_dir, hf, monkeypatch) -> Non
     prompts = [prompt(n, seed) for n, seed in ((23, 1), (30, 4))]
     params = [greedy(8) for _ in prompts]
     for p, out, sp in zip(prompts, llm.generate(prompts, params), params):
-        check(out.token_ids, spy.of(sp), ref.generate(hf, session(), p, 8))
+        check(out.token_ids, spy.of(sp).cpu(), ref.generate(hf, session(), p, 8))
 
 
 def test_keys_are_gathered_only_where_a_choice_is_made(model_dir, monkeypatch) -> None:
