@@ -39,8 +39,8 @@ def build(batch: int, layers: int, kv: int, page: int, kv_heads: int):
     max_pages = kv // page + 64
     runner = SimpleNamespace(device="cpu", num_layers=layers, max_pages_per_seq=max_pages, num_kv_heads=kv_heads,
                              page_size=page, tables=TableCache(layers, kv_heads), max_model_len=max_pages * page,
-                             attention=SimpleNamespace(num_pages=pool.num_pages),
-                             store=SimpleNamespace(num_rows=0, scratch_row=0))
+                             attention=SimpleNamespace(num_pages=pool.num_pages, num_rows=0, scratch_row=0,
+                                                       residual_window=0))
     return scheduler, DecodeGraphs(runner, batch)
 
 

@@ -57,8 +57,9 @@ def test_batch_buckets_are_the_decode_graph_buckets():
     from kvc.runtime.decode_graphs import DecodeGraphs
 
     runner = types.SimpleNamespace(device=torch.device("cpu"), num_layers=1, max_pages_per_seq=1, num_kv_heads=1,
-                                   max_model_len=16, page_size=16, attention=types.SimpleNamespace(num_pages=1),
-                                   store=types.SimpleNamespace(num_rows=0, scratch_row=0, residual_window=0))
+                                   max_model_len=16, page_size=16,
+                                   attention=types.SimpleNamespace(num_pages=1, num_rows=0, scratch_row=0,
+                                                                   residual_window=0))
     graphs = DecodeGraphs(runner, 10_000)
     assert tuple(graphs.buckets[:-1]) == buckets.BATCH_BUCKETS
 
