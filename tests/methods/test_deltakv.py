@@ -1,9 +1,10 @@
-"""DeltaKV's store served (bench/variants/deltakv_reads_all.kvm: methods/deltakv.kvm's joint code of
-keys and values in the layers that are not full layers, every layer reading every stored token) on
-a tiny random Llama, against the hand-written oracle (tests/references/deltakv.py) with a choice
-larger than any context (so that it reads every token too): the same greedy tokens and logits
-through prefills in one chunk and in several, and decode steps across compressed blocks; lossless
-codes give the model's own tokens; the compressed layers' storage class holds codes, not K/V."""
+"""DeltaKV served on tiny random Llama and Qwen3 models (Qwen3's keys are normed before RoPE), against
+the hand-written oracle (tests/references/deltakv.py): methods/deltakv.kvm, whose full layer chooses
+the tokens the later compressed layers read, and bench/variants/deltakv_reads_all.kvm, its store with
+every layer reading every token (the oracle with a choice larger than any context). The same greedy
+tokens and logits through prefills in one chunk and in several and decode steps across compressed
+blocks, a chain continued and forked, a preemption; lossless codes give the model's own tokens; the
+compressed layers' storage class holds codes, not K/V."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from kvc.runtime.config import EngineConfig
 from kvc.runtime.engine import Engine
 from kvc.runtime.llm import LLM
 from tests.methods import served
-from tests.models.tiny import load_hf, make_tiny_llama
+from tests.models.tiny import load_hf, make_tiny_llama, make_tiny_qwen3
 from tests.references import deltakv
 from tests.runtime.test_contract_methods import Logits, check, greedy, prompt
 
@@ -29,10 +30,11 @@ FULL = [1]  # layers 0, 2 and 3 store codes
 PARAMS = {"sink": 2, "recent": 4, "stride": 2, "neighbours": 2, "full_layers": FULL}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("deltakv"), seed=3, num_hidden_layers=LAYERS,
-                           initializer_range=0.25)
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model_dir(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    make = make_tiny_llama if request.param == "llama" else make_tiny_qwen3  # Qwen3: keys normed before RoPE
+    return make(tmp_path_factory.mktemp(f"deltakv-{request.param}"), seed=3, num_hidden_layers=LAYERS,
+                initializer_range=0.25)
 
 
 @pytest.fixture(scope="module")
