@@ -674,7 +674,7 @@ class _Printer:
 
     def size(self, value) -> str:
         value = sp.sympify(value)
-        return self.py(value) if value.is_Symbol or value.is_integer else f"_size({self.py(value)})"
+        return self.py(value) if value.is_Symbol or value.is_integer else f'_size({self.py(value)}, "{sp.sstr(value)}")'
 
 
 class _Emitter:
@@ -811,11 +811,11 @@ def _page_tokens(em: _Emitter, method_name: str, method_path: str) -> str:
     unpack = [f'    {printer.local(n)} = params["{n}"]' for n in sorted(printer.params)]
     return "\n".join(["def page_tokens(params):", doc] + unpack + [f"    return int({tokens})"])
 
-_SIZE = '''def _size(value):
-    """A tensor size computed from the .kvm: a whole number (TensorSpec checks that it is positive)."""
+_SIZE = '''def _size(value, formula):
+    """A tensor size computed from the .kvm (`formula`): a whole number (TensorSpec checks that it is positive)."""
     whole = round(value)
     if abs(value - whole) > 1e-9:
-        raise ValueError(f"a KV spec size of {value} is not a whole number")
+        raise ValueError(f"a KV spec size, {formula} = {value:g}, is not a whole number")
     return int(whole)'''
 
 _PACKING = '''def _packing(bits):

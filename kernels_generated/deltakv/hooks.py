@@ -94,11 +94,11 @@ def query_window(params):
 KEEP_TAILS = {}  # keeping hook -> its `+ last N` (none: 0)
 
 
-def _size(value):
-    """A tensor size computed from the .kvm: a whole number (TensorSpec checks that it is positive)."""
+def _size(value, formula):
+    """A tensor size computed from the .kvm (`formula`): a whole number (TensorSpec checks that it is positive)."""
     whole = round(value)
     if abs(value - whole) > 1e-9:
-        raise ValueError(f"a KV spec size of {value} is not a whole number")
+        raise ValueError(f"a KV spec size, {formula} = {value:g}, is not a whole number")
     return int(whole)
 
 
@@ -111,16 +111,16 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
     stride = params["stride"]
     kv_group = math.gcd(int(num_kv_heads), num_kv_heads)
     tensors = [
-        TensorSpec("kv_latent", Extent.TOKEN, dtype, (_size(math.floor(2*head_dim*ratio + 1/2)),)),
+        TensorSpec("kv_latent", Extent.TOKEN, dtype, (_size(math.floor(2*head_dim*ratio + 1/2), "floor(2*head_dim*ratio + 1/2)"),)),
         TensorSpec("kv_neighbours", Extent.TOKEN, torch.int32, (neighbours,)),
-        TensorSpec("kv_centers", Extent.PAGE, dtype, (_size(page_size/stride), _size(2*head_dim))),
-        TensorSpec("kv_window", Extent.SEQ, dtype, (_size(2*recent), _size(2*head_dim))),
-        TensorSpec("down", Extent.LAYER, dtype, (_size(2*head_dim), _size(kv_group*math.floor(2*head_dim*ratio + 1/2)))),
-        TensorSpec("up", Extent.LAYER, dtype, (_size(2*head_dim), _size(kv_group*math.floor(2*head_dim*ratio + 1/2)))),
-        TensorSpec("bias", Extent.LAYER, dtype, (_size(2*head_dim),)),
+        TensorSpec("kv_centers", Extent.PAGE, dtype, (_size(page_size/stride, "page_size/stride"), _size(2*head_dim, "2*head_dim"))),
+        TensorSpec("kv_window", Extent.SEQ, dtype, (_size(2*recent, "2*recent"), _size(2*head_dim, "2*head_dim"))),
+        TensorSpec("down", Extent.LAYER, dtype, (_size(2*head_dim, "2*head_dim"), _size(kv_group*math.floor(2*head_dim*ratio + 1/2), "kv_group*floor(2*head_dim*ratio + 1/2)"))),
+        TensorSpec("up", Extent.LAYER, dtype, (_size(2*head_dim, "2*head_dim"), _size(kv_group*math.floor(2*head_dim*ratio + 1/2), "kv_group*floor(2*head_dim*ratio + 1/2)"))),
+        TensorSpec("bias", Extent.LAYER, dtype, (_size(2*head_dim, "2*head_dim"),)),
     ]
     if sink >= 1:
-        tensors.append(TensorSpec("kv_sinks", Extent.SEQ, dtype, (sink, _size(2*head_dim))))
+        tensors.append(TensorSpec("kv_sinks", Extent.SEQ, dtype, (sink, _size(2*head_dim, "2*head_dim"))))
     keys = Delta("kv_latent", "kv_neighbours", "kv_centers", "kv_sinks" if sink >= 1 else None, "kv_window", "down", "up", "bias",
         every=stride, count=neighbours, sink=sink, recent=recent)
     values = Delta("kv_latent", "kv_neighbours", "kv_centers", "kv_sinks" if sink >= 1 else None, "kv_window", "down", "up", "bias",

@@ -87,11 +87,11 @@ def query_window(params):
 KEEP_TAILS = {}  # keeping hook -> its `+ last N` (none: 0)
 
 
-def _size(value):
-    """A tensor size computed from the .kvm: a whole number (TensorSpec checks that it is positive)."""
+def _size(value, formula):
+    """A tensor size computed from the .kvm (`formula`): a whole number (TensorSpec checks that it is positive)."""
     whole = round(value)
     if abs(value - whole) > 1e-9:
-        raise ValueError(f"a KV spec size of {value} is not a whole number")
+        raise ValueError(f"a KV spec size, {formula} = {value:g}, is not a whole number")
     return int(whole)
 
 
@@ -117,12 +117,12 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
     k_resid_tokens = max(0, math.floor(residual_length))
     v_resid_tokens = max(0, math.floor(residual_length))
     tensors = [
-        TensorSpec("k_codes", Extent.TOKEN, torch.uint8, (_size((1/8)*bits*head_dim),), _packing(bits)),
+        TensorSpec("k_codes", Extent.TOKEN, torch.uint8, (_size((1/8)*bits*head_dim, "bits*head_dim/8"),), _packing(bits)),
         TensorSpec("k_scale", Extent.PAGE, dtype, (1, head_dim)),
         TensorSpec("k_zero", Extent.PAGE, dtype, (1, head_dim)),
-        TensorSpec("v_codes", Extent.TOKEN, torch.uint8, (_size((1/8)*bits*head_dim),), _packing(bits)),
-        TensorSpec("v_scale", Extent.TOKEN, dtype, (_size(head_dim/group_size),)),
-        TensorSpec("v_zero", Extent.TOKEN, dtype, (_size(head_dim/group_size),)),
+        TensorSpec("v_codes", Extent.TOKEN, torch.uint8, (_size((1/8)*bits*head_dim, "bits*head_dim/8"),), _packing(bits)),
+        TensorSpec("v_scale", Extent.TOKEN, dtype, (_size(head_dim/group_size, "head_dim/group_size"),)),
+        TensorSpec("v_zero", Extent.TOKEN, dtype, (_size(head_dim/group_size, "head_dim/group_size"),)),
     ]
     if k_resid_tokens >= 1:
         tensors.append(TensorSpec("k_resid", Extent.SEQ, dtype, (k_resid_tokens + 1, head_dim)))

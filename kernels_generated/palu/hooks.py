@@ -86,11 +86,11 @@ def query_window(params):
 KEEP_TAILS = {}  # keeping hook -> its `+ last N` (none: 0)
 
 
-def _size(value):
-    """A tensor size computed from the .kvm: a whole number (TensorSpec checks that it is positive)."""
+def _size(value, formula):
+    """A tensor size computed from the .kvm (`formula`): a whole number (TensorSpec checks that it is positive)."""
     whole = round(value)
     if abs(value - whole) > 1e-9:
-        raise ValueError(f"a KV spec size of {value} is not a whole number")
+        raise ValueError(f"a KV spec size, {formula} = {value:g}, is not a whole number")
     return int(whole)
 
 
@@ -101,12 +101,12 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
     k_group = math.gcd(int(heads_per_group), num_kv_heads)
     v_group = math.gcd(int(heads_per_group), num_kv_heads)
     tensors = [
-        TensorSpec("k_latent", Extent.TOKEN, dtype, (_size(math.floor(-head_dim*ratio + head_dim + 1/2)),)),
-        TensorSpec("k_down", Extent.LAYER, dtype, (head_dim, _size(k_group*math.floor(-head_dim*ratio + head_dim + 1/2)))),
-        TensorSpec("k_up", Extent.LAYER, dtype, (head_dim, _size(k_group*math.floor(-head_dim*ratio + head_dim + 1/2)))),
-        TensorSpec("v_latent", Extent.TOKEN, dtype, (_size(math.floor(-head_dim*ratio + head_dim + 1/2)),)),
-        TensorSpec("v_down", Extent.LAYER, dtype, (head_dim, _size(v_group*math.floor(-head_dim*ratio + head_dim + 1/2)))),
-        TensorSpec("v_up", Extent.LAYER, dtype, (head_dim, _size(v_group*math.floor(-head_dim*ratio + head_dim + 1/2)))),
+        TensorSpec("k_latent", Extent.TOKEN, dtype, (_size(math.floor(-head_dim*ratio + head_dim + 1/2), "floor(-head_dim*ratio + head_dim + 1/2)"),)),
+        TensorSpec("k_down", Extent.LAYER, dtype, (head_dim, _size(k_group*math.floor(-head_dim*ratio + head_dim + 1/2), "k_group*floor(-head_dim*ratio + head_dim + 1/2)"))),
+        TensorSpec("k_up", Extent.LAYER, dtype, (head_dim, _size(k_group*math.floor(-head_dim*ratio + head_dim + 1/2), "k_group*floor(-head_dim*ratio + head_dim + 1/2)"))),
+        TensorSpec("v_latent", Extent.TOKEN, dtype, (_size(math.floor(-head_dim*ratio + head_dim + 1/2), "floor(-head_dim*ratio + head_dim + 1/2)"),)),
+        TensorSpec("v_down", Extent.LAYER, dtype, (head_dim, _size(v_group*math.floor(-head_dim*ratio + head_dim + 1/2), "v_group*floor(-head_dim*ratio + head_dim + 1/2)"))),
+        TensorSpec("v_up", Extent.LAYER, dtype, (head_dim, _size(v_group*math.floor(-head_dim*ratio + head_dim + 1/2), "v_group*floor(-head_dim*ratio + head_dim + 1/2)"))),
     ]
     keys = LowRank("k_latent", "k_down", "k_up", k_group, prerope=True)
     values = LowRank("v_latent", "v_down", "v_up", v_group, prerope=False)

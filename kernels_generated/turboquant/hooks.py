@@ -87,11 +87,11 @@ def query_window(params):
 KEEP_TAILS = {}  # keeping hook -> its `+ last N` (none: 0)
 
 
-def _size(value):
-    """A tensor size computed from the .kvm: a whole number (TensorSpec checks that it is positive)."""
+def _size(value, formula):
+    """A tensor size computed from the .kvm (`formula`): a whole number (TensorSpec checks that it is positive)."""
     whole = round(value)
     if abs(value - whole) > 1e-9:
-        raise ValueError(f"a KV spec size of {value} is not a whole number")
+        raise ValueError(f"a KV spec size, {formula} = {value:g}, is not a whole number")
     return int(whole)
 
 
@@ -112,9 +112,9 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
     key_bits = params["key_bits"]
     value_bits = params["value_bits"]
     tensors = [
-        TensorSpec("k_codes", Extent.TOKEN, torch.uint8, (_size((1/8)*head_dim*key_bits),), _packing(key_bits)),
+        TensorSpec("k_codes", Extent.TOKEN, torch.uint8, (_size((1/8)*head_dim*key_bits, "head_dim*key_bits/8"),), _packing(key_bits)),
         TensorSpec("k_scale", Extent.TOKEN, dtype, (1,)),
-        TensorSpec("v_codes", Extent.TOKEN, torch.uint8, (_size((1/8)*head_dim*value_bits),), _packing(value_bits)),
+        TensorSpec("v_codes", Extent.TOKEN, torch.uint8, (_size((1/8)*head_dim*value_bits, "head_dim*value_bits/8"),), _packing(value_bits)),
         TensorSpec("v_scale", Extent.TOKEN, dtype, (1,)),
     ]
     keys = Quantized(

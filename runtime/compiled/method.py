@@ -171,7 +171,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
             spec = self.code.kv_spec(num_kv_heads, head_dim, dtype, page_size, self.params)
         except ValueError as e:  # page summaries over pages of another size than the engine's, or parameters
             # the spec cannot hold (a window that is not whole key groups)
-            pages = "pages of" in str(e)
+            pages = "pages of" in str(e) or "page_size" in str(e)
             hint = " (set the engine's page_size or the method's parameter to match)" if pages else ""
             raise ConfigError(f"method {self.name!r}: {e}{hint}",
                               param="page_size" if pages else "method_params") from None

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.engine import Engine
+from kvc.runtime.errors import ConfigError
 from kvc.runtime.llm import LLM
 from tests.methods import served
 from tests.models.tiny import load_hf, make_tiny_llama, make_tiny_qwen3
@@ -61,9 +62,11 @@ def compressor_file(root: Path, ratio: float, seed: int = 0) -> Path:
     return root
 
 
-def make_llm(model_dir: Path, inputs: Path, ratio: float, **options) -> LLM:
+def make_llm(model_dir: Path, inputs: Path, ratio: float, method_params_extra: dict | None = None,
+             **options) -> LLM:
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
-                          kv_cache_memory=2**22, method=METHOD, method_params={**PARAMS, "ratio": ratio},
+                          kv_cache_memory=2**22, method=METHOD,
+                          method_params={**PARAMS, "ratio": ratio, **(method_params_extra or {})},
                           method_inputs=str(inputs), **{"max_num_batched_tokens": 4096, **options})
     return LLM.from_engine(Engine(config))
 
@@ -103,6 +106,8 @@ def test_the_spec_has_a_class_of_codes(model_dir, tmp_path) -> None:
     # per token and head: an 8-channel share of the code and 2 neighbour positions, against 2 x 16 floats
     assert codes.bytes_per_token(heads) == heads * (8 * 4 + 2 * 4) < dense.bytes_per_token(heads) == heads * 32 * 4
     assert not engine.scheduler.prefix_caching  # a page's codes lean on its row's sinks
+    with pytest.raises(ConfigError, match=r"page_size/stride = 3.2, is not a whole number.*page_size"):
+        make_llm(model_dir, tmp_path / "c", 0.25, page_size=16, method_params_extra={"stride": 5})
 
 
 def test_lossless_codes_decode_like_the_model(model_dir, hf, tmp_path) -> None:
