@@ -67,7 +67,7 @@ def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_
     runner = model_runner.ModelRunner.__new__(model_runner.ModelRunner)
     runner.method, runner.pool, runner.num_layers, runner.page_size = method, None, layers, page
     runner.attention = SimpleNamespace(store=store, backend=backend, k_cache=store.k_cache, v_cache=store.v_cache)
-    runner.store, runner.planes = store, store.method_tensors()
+    runner.planes = store.method_tensors()
     runner.executor = KVExecutor(store, None, "triton" if backend == "triton" else "auto")
     runner.num_kv_heads, runner.tables = kv_heads, TableCache(layers, kv_heads)
     runner.hooks = StepHooks(method, [store], [runner.executor], runner.tables, None, layers)

@@ -582,9 +582,9 @@ def _lowerable_stores(checked) -> None:
     """A quantization or compression method lowers when every `store` is one quantizer (`fp8`,
     `quant` or `lloyd_max`), optionally after a `rotate`, or one low-rank `project` of the whole
     stream, or DeltaKV's joint code of k and v, for every layer or for some (`where layer [not] in P`:
-    the others store it dense), and it has no hooks: the engine rotates where q, k and v enter attention, its store
+    the others store it dense): the engine rotates where q, k and v enter attention, its store
     quantizes (token by token, or a block at a time for groups over tokens) or projects, and
-    attention decodes, from the KV spec alone."""
+    attention decodes, from the KV spec alone. Its hooks lower as any family's do."""
     for decl in (d for d in checked.method.items if isinstance(d, ast.Store)):
         stages = [c.func.name for c in decl.codecs if isinstance(c, ast.Call)]
         if decl.also and stages == ["residual", "project"]:
@@ -597,9 +597,6 @@ def _lowerable_stores(checked) -> None:
                                "lloyd_max), after at most one rotate, or one project of every token is lowered so far "
                                "(QJL sketches, residuals against references and learned compressors are not)",
                                decl.pos)
-    if checked.hooks and not any(d.also for d in checked.method.items if isinstance(d, ast.Store)):
-        raise NotLowerable(f"a {checked.method.header.family.name} method with hooks is not lowered yet",
-                           checked.hooks[0].pos)
 
 
 def _formula(expr: ast.Expr, lets) -> str:

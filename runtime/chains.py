@@ -512,24 +512,14 @@ class ChainStore:
         for r in self._records.values():
             if r.state is ChainState.ACTIVE and r is not exclude:
                 pages |= r.pages()
-        return self.pages_by_class(pages)
+        return self.pool.count_by_class(pages)
 
     def extra_pages(self, seq) -> list[int]:
         """Pages seq's chain pins beyond those the sequence itself holds, per storage class."""
         if seq.chain is None:
             return [0] * self.pool.num_classes
         own = {p for table in seq.page_tables for p in table}
-        return self.pages_by_class(seq.chain.pages() - own)
-
-    def pages_by_class(self, pages: set[int]) -> list[int]:
-        """How many of `pages` each storage class holds."""
-        out = [0] * self.pool.num_classes
-        if self.pool.num_classes == 1:
-            out[0] = len(pages)
-            return out
-        for page in pages:
-            out[self.pool.class_of(page)] += 1
-        return out
+        return self.pool.count_by_class(seq.chain.pages() - own)
 
     def references(self) -> Counter:
         """page -> references the records hold (for invariant checks)."""

@@ -135,7 +135,8 @@ class Engine:
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
-        if backend == "triton" and any(s.delta is not None for s in specs):
+        delta = any(s.delta is not None for s in specs)
+        if backend == "triton" and delta:
             raise ConfigError(f"method {self.method.name!r} stores a DeltaKV code, which the torch attention backend "
                               "reads so far (attention_backend='torch')", param="attention_backend")
         if backend == "triton":  # this GPU's `kvc tune` configs (runtime/tuning/); one log line
@@ -171,7 +172,6 @@ class Engine:
         # (its chains still share pages, copy-on-write). Nor for a spec that writes codes a block at
         # a time: the newest, unfinished block has none yet, only its sequence's window holds it.
         # Nor for a delta code: a page's codes are relative to centers and sinks its row holds.
-        delta = any(s.delta is not None for s in specs)
         prefix_caching = (config.enable_prefix_caching and not self.method.compacts
                           and not self.attention.flushes_blocks and not delta)
         self.pool = PagePool(self.pages_by_class, config.page_size, prefix_caching, salt=salt)
@@ -319,18 +319,18 @@ class Engine:
         grown = physical + min(params.max_tokens, self.max_model_len - len(seq.token_ids))
         needed = self.scheduler.pages_needed_by_class(physical, grown)
         sizes = self.pool.sizes
-        for c, (need, size) in enumerate(zip(needed, sizes)):
-            if need > size:
-                where = f" of storage class {c}" if len(sizes) > 1 else ""
-                raise OutOfKVMemory(
-                    f"the request needs {need} KV pages{where} but the whole pool has {size}; "
-                    f"raise kv_cache_memory or lower max_tokens",
-                )
+        c = self.pool.oversized(needed)
+        if c is not None:
+            where = f" of storage class {c}" if len(sizes) > 1 else ""
+            raise OutOfKVMemory(
+                f"the request needs {needed[c]} KV pages{where} but the whole pool has {sizes[c]}; "
+                f"raise kv_cache_memory or lower max_tokens",
+            )
         if seq.chain is not None:
             # the record's pages stay pinned for the turn; a compacting turn may copy all of them,
             # otherwise only each layer's partial last page is copied
             compacts = self.scheduler.compacts_prefill or self.scheduler.compacts_decode
-            copies = (self.chains.pages_by_class(seq.chain.pages()) if compacts
+            copies = (self.pool.count_by_class(seq.chain.pages()) if compacts
                       else self.scheduler.by_class([1] * self.layout.layers))
             pinned = self.chains.pinned_pages(exclude=seq.chain)
             for need, copy, pin, size in zip(needed, copies, pinned, sizes):

@@ -143,9 +143,6 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
         self.token_counts = TokenCounts(model.spec.vocab_size, device)  # penalties' state
-        # every tensor of the method's KV spec (runtime/kv/store.py); the first storage class's where
-        # there are several (methods without hooks only: Engine), whose hooks read none
-        self.store = attention.stores[0]
         if any(st.spec.prerope for st in attention.stores):  # keys stored before RoPE: rotated with the model's RoPE
             rotary = getattr(model, "rotary", None)
             if rotary is None:

@@ -173,9 +173,8 @@ class Scheduler:
             raise ValueError(f"{seq} has {seq.num_layers} page tables, the model {self.num_layers} layers")
         physical = seq.physical_prompt_len
         needed = self.pages_needed_by_class(physical, physical + 1)
-        over = [c for c, (need, size) in enumerate(zip(needed, self.pool.sizes)) if need > size]
-        if over:
-            c = over[0]
+        c = self.pool.oversized(needed)
+        if c is not None:
             where = f" of storage class {c}" if self.num_classes > 1 else ""
             raise OutOfKVMemory(
                 f"a prompt of {n} tokens plus one new token needs {needed[c]} KV pages{where} of "
@@ -213,12 +212,7 @@ class Scheduler:
 
     def _spares(self, seq: Sequence) -> list[int]:
         """seq's spare pages per class."""
-        if self.num_classes == 1:
-            return [len(seq.spare_pages)]
-        out = list(self._zero)
-        for page in seq.spare_pages:
-            out[self.pool.class_of(page)] += 1
-        return out
+        return self.pool.count_by_class(seq.spare_pages)
 
     def _growth(self, seq: Sequence, n: int) -> int:
         """Fresh pages seq needs so every layer can store n more tokens."""

@@ -26,6 +26,7 @@ gives a request over one float32 buffer reused across layers (grown as needed).
 
 from __future__ import annotations
 
+import bisect
 import os
 from types import ModuleType
 from functools import partial
@@ -148,10 +149,6 @@ class PagedAttention:
         return self.stores[self.layer_class[layer]]
 
     @property
-    def num_classes(self) -> int:
-        return len(self.stores)
-
-    @property
     def num_rows(self) -> int:
         """Rows of the per-sequence tensors (every class with any has as many; 0: none)."""
         return max(s.num_rows for s in self.stores)
@@ -259,10 +256,8 @@ class PagedAttention:
             self.stores[cls].copy_pages(a, b)
 
     def class_of_page(self, page: int) -> int:
-        cls = 0
-        while cls + 1 < len(self.page_starts) and page >= self.page_starts[cls + 1]:
-            cls += 1
-        return cls
+        """The storage class a pool page id belongs to (`page_starts` ascend)."""
+        return bisect.bisect_right(self.page_starts, page) - 1
 
     @property
     def scratch_page(self) -> int:

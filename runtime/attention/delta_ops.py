@@ -19,22 +19,23 @@ from kvc.runtime.kv.delta_pages import DeltaPages
 from kvc.runtime.kv.plans import ReadPlan
 
 
-def _sequences(md: AttentionMetadata, layer: int):
-    """(index, first row of its tokens, its new tokens, stored before the step) per sequence."""
+def _sequences(md: AttentionMetadata, layer: int) -> list[tuple[int, int, int, int, int]]:
+    """(index, its row, first row of its tokens, its new tokens, stored before the step) per sequence
+    with new tokens."""
     cu = md.cu_seqlens_q.tolist()
     lens = md.context_lens[layer].tolist()
-    for b in range(len(cu) - 1):
-        n = cu[b + 1] - cu[b]
-        if n > 0:
-            yield b, cu[b], n, lens[b] - n
+    rows = md.rows.tolist()
+    return [(b, rows[b], cu[b], cu[b + 1] - cu[b], lens[b] - (cu[b + 1] - cu[b]))
+            for b in range(len(cu) - 1) if cu[b + 1] > cu[b]]
 
 
-def store(source: DeltaPages, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, layer: int) -> None:
+def store(source: DeltaPages, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, layer: int,
+          sequences: list[tuple[int, int, int, int, int]] | None = None) -> None:
     """The step's k, v [T, Hkv, D] (keys after RoPE) into each sequence's layer."""
-    tables, rows = md.block_tables[layer], md.rows
+    tables = md.block_tables[layer]
     x = torch.cat([k, v], dim=-1)
-    for b, at, n, before in _sequences(md, layer):
-        source.store(tables[b], int(rows[b]), before, x[at:at + n], source.inv_freq)
+    for b, row, at, n, before in sequences if sequences is not None else _sequences(md, layer):
+        source.store(tables[b], row, before, x[at:at + n])
 
 
 def forward(source: DeltaPages, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
@@ -43,16 +44,16 @@ def forward(source: DeltaPages, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     tokens (a decode row's as `read` lists them) and its own new ones (k, v [T, Hkv, D]); then the
     new tokens are stored."""
     out = torch.zeros_like(q)
-    tables, rows = md.block_tables[layer], md.rows
-    for b, at, n, before in _sequences(md, layer):
+    tables, sequences = md.block_tables[layer], _sequences(md, layer)
+    for b, row, at, n, before in sequences:
         positions, listed = torch.arange(before, device=q.device), None
         if read is not None and b < md.num_decodes:
             positions, listed = _listed(source, read, b, before)
-        old_k, old_v = source.read(tables[b], int(rows[b]), positions, before, source.inv_freq)
+        old_k, old_v = source.read(tables[b], row, positions, before)
         keys = torch.cat([old_k, k[at:at + n].transpose(0, 1).float()], dim=1)  # [Hkv, m + n, D]
         values = torch.cat([old_v, v[at:at + n].transpose(0, 1).float()], dim=1)
         out[at:at + n] = causal(q[at:at + n], keys, values, positions.shape[0], scale, listed).to(q.dtype)
-    store(source, k, v, md, layer)
+    store(source, k, v, md, layer, sequences)
     return out
 
 

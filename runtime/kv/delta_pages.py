@@ -79,14 +79,14 @@ class DeltaPages:
 
     # ---- writes --------------------------------------------------------------------------------
     @torch.no_grad()
-    def store(self, table: torch.Tensor, row: int, before: int, x: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    def store(self, table: torch.Tensor, row: int, before: int, x: torch.Tensor) -> None:
         """A step's new tokens (positions [before, before + n)) into a sequence's layer: x [n, Hkv, 2 D]
         with keys after RoPE (the model's); then the block now due is compressed."""
         enc = self.enc
         n = x.shape[0]
         positions = torch.arange(before, before + n, device=x.device)
         half = self.head_dim
-        k_pre = lowrank.rope(x[..., :half].transpose(0, 1), positions, inv_freq, inverse=True).transpose(0, 1)
+        k_pre = lowrank.rope(x[..., :half].transpose(0, 1), positions, self.inv_freq, inverse=True).transpose(0, 1)
         x = torch.cat([k_pre, x[..., half:].float()], dim=-1).to(self.dtype)  # [n, Hkv, 2 D] as stored
         after = before + n
         sink = positions < enc.sink
@@ -122,8 +122,8 @@ class DeltaPages:
         self.neighbours[pages, :, offsets] = near.to(torch.int32)[:, None, :].expand(-1, rows.shape[1], -1)
 
     # ---- reads ---------------------------------------------------------------------------------
-    def read(self, table: torch.Tensor, row: int, positions: torch.Tensor, length: int,
-             inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, table: torch.Tensor, row: int, positions: torch.Tensor,
+             length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (after RoPE, at their positions) and values [Hkv, n, D] (float32) of stored `positions`
         [n] of a sequence that stores `length` tokens."""
         enc = self.enc
@@ -140,5 +140,5 @@ class DeltaPages:
             ref = torch.einsum("mk,mkhf->mhf", weight, members)
             x[coded] = delta.decode(self.latent[pages, :, offsets], ref, self.up, self.bias)
         half = self.head_dim
-        keys = lowrank.rope(x[..., :half].transpose(0, 1), positions, inv_freq)
+        keys = lowrank.rope(x[..., :half].transpose(0, 1), positions, self.inv_freq)
         return keys, x[..., half:].transpose(0, 1)

@@ -18,7 +18,7 @@ Storage classes (runtime/kv/spec.py `StorageClasses`: layers whose KV specs diff
 the page ids `[first(c), first(c) + sizes[c])`, with its own free list and LRU queue, and its layers
 take pages from there (`allocate(n, cls)`, `free_in(cls)`); everything else (references, the prefix
 cache, chains) is by page id as with one class. A class's store indexes its pages from 0
-(`PagePool.local`).
+(runtime/kv/tables.py `TableCache.local`).
 """
 
 from __future__ import annotations
@@ -77,20 +77,25 @@ class PagePool:
         """Free pages of class `cls`."""
         return len(self._frees[cls]) + len(self._cacheds[cls])
 
-    @property
-    def free_by_class(self) -> list[int]:
-        return [self.free_in(c) for c in range(len(self.sizes))]
-
     def fits(self, need: Seq[int]) -> bool:
         """Are `need[c]` pages of every class c free?"""
         return all(n <= self.free_in(c) for c, n in enumerate(need))
 
+    def oversized(self, need: Seq[int]) -> int | None:
+        """The first class whose whole range is smaller than `need[c]` (None: every class holds it)."""
+        return next((c for c, (n, size) in enumerate(zip(need, self.sizes)) if n > size), None)
+
     def class_of(self, page: int) -> int:
         return self._class[page]
 
-    def local(self, page: int) -> int:
-        """Page `page`'s index in its class's store."""
-        return page - self.starts[self._class[page]]
+    def count_by_class(self, pages: Iterable[int]) -> list[int]:
+        """How many of `pages` each class holds."""
+        if len(self.sizes) == 1:
+            return [sum(1 for _ in pages)]
+        out = [0] * len(self.sizes)
+        for page in pages:
+            out[self._class[page]] += 1
+        return out
 
     @property
     def num_used(self) -> int:

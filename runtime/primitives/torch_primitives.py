@@ -277,24 +277,21 @@ def choose_tokens(scores, count, bound):
     return torch.where(keep, top, -1).to(torch.int32)
 
 
-def read_tokens(chosen, last, kv_heads, first=0, context=None):
+def read_tokens(chosen, last, kv_heads, first, context):
     """A token read plan from a shared selection `chosen` [row, n] (every KV head reads it) plus each
     row's `last[row]` newest stored tokens and the `first` tokens (a parameter: a static width):
-    (tokens [row, kv_head, n + first] int32, last [row] int32). With the rows' `context` [row], a
-    chosen token that the first or the last cover is listed once (-1 in the choice)."""
+    (tokens [row, kv_head, n + first] int32, last [row] int32). A chosen token that the first or the
+    last cover (by the rows' `context` [row]) is listed once (-1 in the choice)."""
     device = chosen.device
     last = torch.as_tensor(last, device=device).double().floor().clamp(min=0)
     if last.dim() == 0:  # one count for every row (a parameter)
         last = last.expand(chosen.shape[0])
     first = int(first)
-    if context is not None:
-        newest = torch.as_tensor(context, device=device).double()[:, None] - last[:, None]  # [row, 1]
-        covered = (chosen >= newest) | ((chosen >= 0) & (chosen < first))
-        chosen = torch.where(covered, torch.full_like(chosen, -1), chosen)
-        if first:
-            head = torch.arange(first, device=device, dtype=chosen.dtype)[None, :].expand(chosen.shape[0], -1)
-            chosen = torch.cat([chosen, torch.where(head >= newest, torch.full_like(head, -1), head)], dim=-1)
-    elif first:
-        raise ValueError("a read of the first tokens needs the rows' context (to list each token once)")
+    newest = torch.as_tensor(context, device=device).double()[:, None] - last[:, None]  # [row, 1]
+    covered = (chosen >= newest) | ((chosen >= 0) & (chosen < first))
+    chosen = torch.where(covered, torch.full_like(chosen, -1), chosen)
+    if first:
+        head = torch.arange(first, device=device, dtype=chosen.dtype)[None, :].expand(chosen.shape[0], -1)
+        chosen = torch.cat([chosen, torch.where(head >= newest, torch.full_like(head, -1), head)], dim=-1)
     tokens = chosen[:, None, :].expand(-1, kv_heads, -1) if chosen.dim() == 2 else chosen
     return tokens.contiguous(), last.to(torch.int32)
