@@ -271,6 +271,10 @@ class _Deriver:
                                                                                           "lloyd_max"):
             rotation = self.choice(codecs[0].args[0])  # the rotation's kind: the runtime's matrix of it
             codecs = codecs[1:]
+            if decl.exempt is not None:
+                self.unfit(decl, f"store {which} as {text}: a rotated operand keeps no residual window (its "
+                                 "full-precision rows would be in the model's basis, its codes in the rotated one)")
+                return Unmapped(text), []
         stages = [c.func.name for c in codecs]
         if stages == ["project"] and decl.exempt is None:
             mapped = self.project(which, codecs[0])

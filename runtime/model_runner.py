@@ -30,8 +30,6 @@ from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.kv.tables import TableCache
 from kvc.runtime.step_hooks import StepHooks
 from kvc.runtime.kv.page_pool import PagePool
-from kvc.runtime.kv.rotation import Rotation
-from kvc.runtime.kv.spec import K
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.method_api import (DecodeRow, DecodeView, Hook, KVMethod)
 from kvc.runtime.models.base import CausalLM
@@ -149,10 +147,6 @@ class ModelRunner:
                 raise ConfigError(f"method {self.method.name!r} stores keys before RoPE; the model "
                                   f"{type(model).__name__} has no rotary embedding to read them with", param="method")
             attention.use_rope(rotary.inv_freq)
-        # K/V stored rotated: q, k and v change basis where they enter a layer's attention
-        # (per storage class)
-        self.rotations = [Rotation.of(st.spec, model.spec.head_dim, st.model_dtype(K), device)
-                          for st in attention.stores]
         # the attention kernels of each storage class, chosen by its spec (dense or encoded K/V), the
         # decode statistics the method reads, and whether its decode hook gives read plans
         attention.use_variants([variant_for_spec(st.spec.dense, self.method.attention.decode_stats is not None,
@@ -313,12 +307,8 @@ class ModelRunner:
             hooks & {Hook.PREFILL_CHUNK, Hook.PREFILL_END})
         chained = [] if batch is None or not self.chain_window else _chained_prefills(batch)
         recording = [] if batch is None else _recording_prefills(batch)
-        rotations, layer_class = self.rotations, attention.layer_class
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            rotation = rotations[layer_class[layer]]
-            if rotation is not None:  # everything below sees the stored basis (runtime/kv/rotation.py)
-                q, k, v = rotation.inputs(q, k, v)
             d = md.num_decodes
             view = stats = None
             if decode_hooks and d > 0:
@@ -350,7 +340,7 @@ class ModelRunner:
                 prev = seq.window_queries[layer]
                 both = q[rows] if prev is None else torch.cat([prev, q[rows]])
                 seq.window_queries[layer] = both[-self.chain_window:].clone()
-            return out if rotation is None else rotation.output(out)
+            return out
 
         return attn
 

@@ -743,6 +743,25 @@ def _key_logits(
 
 
 @triton.jit
+def _rotated(x, rot_ptr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TO_STORED: tl.constexpr,
+             USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Rows x [M, BLOCK_D] in the other basis of a rotated operand (runtime/kv/rotation.py), float32: TO_STORED
+    # `x @ R.T` (new rows before the store quantizes them, or a query before it meets the stored keys), else
+    # `x @ R` (an output of sums over stored values, back in the model's basis). R [HEAD_DIM, HEAD_DIM] is
+    # row-major in the model dtype; x is rounded to it for the product (a tl.dot: M >= 16 on a GPU; USE_DOT
+    # False: the broadcast path, as the kernel's own products).
+    offs_i = tl.arange(0, BLOCK_D)
+    offs_j = tl.arange(0, BLOCK_D)
+    mask = (offs_i < HEAD_DIM)[:, None] & (offs_j < HEAD_DIM)[None, :]
+    if TO_STORED:
+        at = offs_j[None, :] * HEAD_DIM + offs_i[:, None]  # (R.T)[i, j] = R[j, i]
+    else:
+        at = offs_i[:, None] * HEAD_DIM + offs_j[None, :]
+    r = tl.load(rot_ptr + at, mask=mask, other=0.0)
+    return _product(x.to(r.dtype), r, USE_DOT, DOT_PRECISION)
+
+
+@triton.jit
 def _layer_scales(scale_base, zero_base, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
                   ASYM: tl.constexpr):
     # (scale, zero point) [BLOCK_D] in fp32 of an operand whose scales hold for the whole layer (FOLD 3): taken
@@ -1051,18 +1070,19 @@ def _check_operands(q: torch.Tensor, k_cache, v_cache) -> None:
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, slot_ptr, cu_seqlens_ptr, context_lens_ptr, rows_ptr, batch, first_token, window_to,
-    k_cache_ptr, k_scale_ptr, k_zero_ptr, k_book_ptr, k_resid_ptr,
+    k_cache_ptr, k_scale_ptr, k_zero_ptr, k_book_ptr, k_resid_ptr, k_rot_ptr,
     stride_kcp, stride_kch, stride_kcs, stride_k_scale_p, stride_k_scale_h, stride_k_scale_s,
     stride_k_resid_r, stride_k_resid_h, stride_k_resid_s,
-    v_cache_ptr, v_scale_ptr, v_zero_ptr, v_book_ptr, v_resid_ptr,
+    v_cache_ptr, v_scale_ptr, v_zero_ptr, v_book_ptr, v_resid_ptr, v_rot_ptr,
     stride_vcp, stride_vch, stride_vcs, stride_v_scale_p, stride_v_scale_h, stride_v_scale_s,
     stride_v_resid_r, stride_v_resid_h, stride_v_resid_s,
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr, K_ROT: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr, V_ROT: tl.constexpr,
     K_BLOCK_G: tl.constexpr, V_BLOCK_G: tl.constexpr, BLOCK_B: tl.constexpr, CODES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64) + first_token
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -1077,6 +1097,10 @@ def _store_kv_kernel(
     k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     row_ok = (offs_h < NUM_KV_HEADS) & (tl.zeros([BLOCK_H], tl.int64) + slot >= 0)
+    if K_ROT:  # a rotated operand quantizes `x @ R.T` (runtime/kv/rotation.py)
+        k = _rotated(k, k_rot_ptr, HEAD_DIM, BLOCK_D, True, True, DOT_PRECISION)
+    if V_ROT:
+        v = _rotated(v, v_rot_ptr, HEAD_DIM, BLOCK_D, True, True, DOT_PRECISION)
     row, position, length = 0, 0, 0
     if K_WINDOW > 0 or V_WINDOW > 0:
         row, position, length = _token_slot(cu_seqlens_ptr, context_lens_ptr, rows_ptr, batch, token, BLOCK_B)
@@ -1253,10 +1277,12 @@ def _launch_store(k, v, k_cache, v_cache, slot_mapping, cu_seqlens_q, context_le
         k, v, slot_mapping, *seqs, batch, first, window_to, *k_op.args(), *v_op.args(),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        # a rotation is a tl.dot over the heads' rows: at least 16 of them on a GPU
+        BLOCK_H=max(16 if k_op.rotated or v_op.rotated else 1, triton.next_power_of_2(num_kv_heads)),
+        BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=k_cache.shape[2], **k_op.constants("K"), **v_op.constants("V"),
         K_BLOCK_G=triton.next_power_of_2(head_dim // k_op.group), V_BLOCK_G=triton.next_power_of_2(head_dim // v_op.group),
-        BLOCK_B=triton.next_power_of_2(batch), CODES=codes,
+        BLOCK_B=triton.next_power_of_2(batch), CODES=codes, DOT_PRECISION=_dot_precision(k.dtype),
         num_warps=num_warps or store_kv_launch_warps(num_tokens, num_kv_heads, head_dim, k.dtype),
     )
 
@@ -1278,10 +1304,10 @@ def _split_len(context_len, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     q_ptr, block_tables_ptr, context_lens_ptr, kv_starts_ptr, rows_ptr, resid_lens_ptr, plan_ptr, last_ptr,
-    k_cache_ptr, k_scale_ptr, k_zero_ptr, k_book_ptr, k_resid_ptr,
+    k_cache_ptr, k_scale_ptr, k_zero_ptr, k_book_ptr, k_resid_ptr, k_rot_ptr,
     stride_kp, stride_kh, stride_ks, stride_k_scale_p, stride_k_scale_h, stride_k_scale_s,
     stride_k_resid_r, stride_k_resid_h, stride_k_resid_s,
-    v_cache_ptr, v_scale_ptr, v_zero_ptr, v_book_ptr, v_resid_ptr,
+    v_cache_ptr, v_scale_ptr, v_zero_ptr, v_book_ptr, v_resid_ptr, v_rot_ptr,
     stride_vp, stride_vh, stride_vs, stride_v_scale_p, stride_v_scale_h, stride_v_scale_s,
     stride_v_resid_r, stride_v_resid_h, stride_v_resid_s,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -1294,8 +1320,8 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUT: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr, K_ROT: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr, V_ROT: tl.constexpr,
     READ: tl.constexpr, HAS_LAST: tl.constexpr, K_FOLD: tl.constexpr, V_FOLD: tl.constexpr, ASM: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -1401,6 +1427,8 @@ def _decode_split_kernel(
     if DIRECT_OUT:
         # The only split: normalise and write the answer (zeros for an empty context).
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if V_ROT:  # back in the model's basis (splits' partials: in the reduce, once a row)
+            o = _rotated(o, v_rot_ptr, HEAD_DIM, BLOCK_D, False, USE_DOT, DOT_PRECISION)
         dst = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=out_mask)
     elif start < end:
@@ -1421,10 +1449,10 @@ def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, context_lens_ptr, kv_starts_ptr, out_ptr,
     scores_ptr, lse_ptr, scores_width, EMIT_STATS: tl.constexpr,
     num_splits, stride_sb, stride_ob, stride_oh,
-    plan_len, last_ptr,
+    plan_len, last_ptr, v_rot_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr, HAS_STARTS: tl.constexpr,
-    READ: tl.constexpr, HAS_LAST: tl.constexpr,
+    READ: tl.constexpr, HAS_LAST: tl.constexpr, V_ROT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -1460,6 +1488,10 @@ def _decode_reduce_kernel(
         m = m_new
     # The largest split has weight exactly 1, so total >= 1 unless nothing was active (then 0/1).
     o = acc / tl.maximum(total, 1.0)
+    if V_ROT:  # the row back in the model's basis, o @ R (runtime/kv/rotation.py): one row, no dot
+        r = tl.load(v_rot_ptr + offs_d[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=dim_mask[:, None] & dim_mask[None, :], other=0.0)
+        o = tl.sum(o.to(r.dtype).to(tl.float32)[:, None] * r.to(tl.float32), axis=0)
     dst = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=dim_mask)
     if EMIT_STATS:
@@ -1569,6 +1601,12 @@ def paged_decode(
 
     if stats is not None and read is not None:
         scores.fill_(float("-inf"))  # the slots a plan does not read keep probability 0
+    if k_op.rotated:
+        # the query in the keys' stored basis, q . (k R^T) = (q R^T) . (k R^T) (runtime/kv/rotation.py): one
+        # [B Hq, D] x [D, D] product here; rotated inside every split program it cost the H200's kernel 8%
+        # (R's tile loaded and multiplied 32 times a row; docs/benchmarks.md). The output rotates back in the
+        # kernel: the only split's, or the reduce's once a row.
+        q = torch.matmul(q, k_op.rotation.T)
     aligned = read_mode != READ_TOKENS and kv_starts is None  # each tile starts a page: splits are whole tiles
     tiles_in_pages, pages_in_tiles = aligned and page_size % cfg.block_n == 0, aligned and cfg.block_n % page_size == 0
     _decode_split_kernel[(batch, num_kv_heads, splits)](
@@ -1593,10 +1631,10 @@ def paged_decode(
             part_out, part_lse, context_lens, starts, out,
             scores, lse, scores_width, stats is not None,
             splits, stride_sb, out.stride(0), out.stride(1),
-            plan_len, last,
+            plan_len, last, v_op.rotation_arg,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_BLOCK=split_block,
             HAS_STARTS=kv_starts is not None, num_warps=4 if head_dim >= 128 else 2,
-            READ=read_mode, HAS_LAST=last is not context_lens,
+            READ=read_mode, HAS_LAST=last is not context_lens, V_ROT=v_op.rotated,
         )
     if stats is not None:
         _fold_stats(scores, lse, context_lens, starts, stride_sb, kv_starts is not None, stats, group)
@@ -1628,8 +1666,8 @@ def _prefill_tile(
     k_new_base, v_new_base, new_start, stride_nt, k_book_ptr, v_book_ptr,
     PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr, K_ROT: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr, V_ROT: tl.constexpr,
 ):
     tokens = tile + offs_n
     token_mask = tokens < kv_end
@@ -1724,10 +1762,10 @@ def _prefill_fresh_tile(
 @triton.jit
 def _prefill_kernel(
     q_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, kv_starts_ptr, rows_ptr, resid_lens_ptr,
-    k_cache_ptr, k_scale_ptr, k_zero_ptr, k_book_ptr, k_resid_ptr,
+    k_cache_ptr, k_scale_ptr, k_zero_ptr, k_book_ptr, k_resid_ptr, k_rot_ptr,
     stride_kp, stride_kh, stride_ks, stride_k_scale_p, stride_k_scale_h, stride_k_scale_s,
     stride_k_resid_r, stride_k_resid_h, stride_k_resid_s,
-    v_cache_ptr, v_scale_ptr, v_zero_ptr, v_book_ptr, v_resid_ptr,
+    v_cache_ptr, v_scale_ptr, v_zero_ptr, v_book_ptr, v_resid_ptr, v_rot_ptr,
     stride_vp, stride_vh, stride_vs, stride_v_scale_p, stride_v_scale_h, stride_v_scale_s,
     stride_v_resid_r, stride_v_resid_h, stride_v_resid_s,
     k_new_ptr, v_new_ptr, stride_nt, stride_nh,
@@ -1737,8 +1775,8 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr,
-    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr,
-    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr,
+    K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr, K_ROT: tl.constexpr,
+    V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr, V_ROT: tl.constexpr,
     K_FOLD: tl.constexpr, V_FOLD: tl.constexpr, ASM: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -1783,6 +1821,8 @@ def _prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
+    if K_ROT:  # the query in the keys' stored basis (the chunk's own keys came rotated: the wrapper)
+        q = _rotated(q, k_rot_ptr, HEAD_DIM, BLOCK_D, True, True, DOT_PRECISION).to(q_ptr.dtype.element_ty)
     resid_len = 0  # each operand reads its newest slots, from *_resid_start on, from its residual window
     seq_row = 0
     if K_WINDOW > 0 or V_WINDOW > 0:
@@ -1842,8 +1882,8 @@ def _prefill_kernel(
             v_resid_start, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, stride_v_scale_p, stride_v_scale_s,
             stride_v_resid_s, k_new_base, v_new_base, new_start, stride_nt, k_book_ptr, v_book_ptr,
             PAGE_SIZE, False, DOT_PRECISION, HEAD_DIM, BLOCK_D,
-            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, K_BOOK, K_FRESH, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM,
-            V_WINDOW, V_FLUSH, V_BOOK, V_FRESH,
+            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, K_BOOK, K_FRESH, K_ROT, V_BITS, V_PER_ELEMENT, V_GROUP,
+            V_ASYM, V_WINDOW, V_FLUSH, V_BOOK, V_FRESH, V_ROT,
         )
     if K_FRESH and V_FRESH:
         for tile in range(mixed_end, unmasked_end, BLOCK_N):
@@ -1860,8 +1900,8 @@ def _prefill_kernel(
             v_resid_start, stride_k_scale_p, stride_k_scale_s, stride_k_resid_s, stride_v_scale_p, stride_v_scale_s,
             stride_v_resid_s, k_new_base, v_new_base, new_start, stride_nt, k_book_ptr, v_book_ptr,
             PAGE_SIZE, True, DOT_PRECISION, HEAD_DIM, BLOCK_D,
-            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, K_BOOK, K_FRESH, V_BITS, V_PER_ELEMENT, V_GROUP, V_ASYM,
-            V_WINDOW, V_FLUSH, V_BOOK, V_FRESH,
+            K_BITS, K_PER_ELEMENT, K_GROUP, K_ASYM, K_WINDOW, K_FLUSH, K_BOOK, K_FRESH, K_ROT, V_BITS, V_PER_ELEMENT, V_GROUP,
+            V_ASYM, V_WINDOW, V_FLUSH, V_BOOK, V_FRESH, V_ROT,
         )
     if K_FRESH and V_FRESH:
         for tile in range(causal_split, kv_end, BLOCK_N):
@@ -1871,6 +1911,8 @@ def _prefill_kernel(
             )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if V_ROT:  # back in the model's basis
+        o = _rotated(o, v_rot_ptr, HEAD_DIM, BLOCK_D, False, True, DOT_PRECISION)
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -1944,8 +1986,16 @@ def paged_prefill(
     elif k_new.shape != (num_tokens, num_kv_heads, head_dim) or v_new.shape != k_new.shape:
         raise ValueError(f"paged_prefill: k_new and v_new must be [{num_tokens}, {num_kv_heads}, {head_dim}], got "
                          f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")
-    elif k_new.stride() != v_new.stride() or k_new.stride(-1) != 1:
-        k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    else:
+        # a rotated operand's chunk rows meet the rotated query (runtime/kv/rotation.py): one [D, D] product
+        # of the chunk's K or V rows (Hkv of them a token, not the Hq of q and the output, which the kernel
+        # rotates in its tiles)
+        if k_op.rotated and k_op.fresh:
+            k_new = torch.matmul(k_new, k_op.rotation.T)
+        if v_op.rotated and v_op.fresh:
+            v_new = torch.matmul(v_new, v_op.rotation.T)
+        if k_new.stride() != v_new.stride() or k_new.stride(-1) != 1:
+            k_new, v_new = k_new.contiguous(), v_new.contiguous()
     # tiles start at a KV head's first slot: whole pages only without per-head starts (`_fold`)
     tiles_in_pages = kv_starts is None and page_size % cfg.block_n == 0
     pages_in_tiles = kv_starts is None and cfg.block_n % page_size == 0

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvc.runtime.kv import encodings, lowrank
+from kvc.runtime.kv import encodings, lowrank, rotation
 from kvc.runtime.kv.spec import LowRank, Quantized
 
 
@@ -89,6 +89,12 @@ class QuantizedPages:
     def per_element(self) -> int:
         """Codes per packed unit (1, 2, 4, or 8 in 3 bytes: `int3x8`)."""
         return encodings.PACKINGS[self.packing][0]
+
+    @functools.cached_property
+    def rotation(self) -> torch.Tensor | None:
+        """R [D, D] in the model dtype for a rotated encoding (runtime/kv/rotation.py), else None."""
+        kind = self.enc.rotation
+        return None if kind is None else rotation.on(self.head_dim, kind, self.codes.device, self.dtype)
 
     @functools.cached_property
     def levels(self) -> torch.Tensor | None:
@@ -165,9 +171,11 @@ def is_dense(source: Source) -> bool:
 @dataclass(frozen=True)
 class KernelOperand:
     """A source as kernel arguments: `data` (the dense cache or the codes) with its page, head and
-    slot strides; scale, zero, codebook levels and residual pointers (a stand-in tensor when absent:
-    never read) and their strides; the constexprs. `bits` 0 means dense; `window` 0 means no
-    residual reads or writes; `book` 0 means codes count steps, else the codebook's level count."""
+    slot strides; scale, zero, codebook levels, residual and rotation pointers (a stand-in tensor when
+    absent: never read) and their strides; the constexprs. `bits` 0 means dense; `window` 0 means no
+    residual reads or writes; `book` 0 means codes count steps, else the codebook's level count;
+    `rotated`: stored as `x @ R.T`, R [D, D] at `rotation` (the store rotates new rows, the attention
+    kernels the query or their output)."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -183,18 +191,28 @@ class KernelOperand:
     flush: int = 0
     book: int = 0
     fresh: bool = False  # a prefill chunk reads its own slots from its keys / values as computed
+    rotation: torch.Tensor | None = None
+
+    @property
+    def rotated(self) -> bool:
+        return self.rotation is not None
+
+    @property
+    def rotation_arg(self) -> torch.Tensor:
+        """`{x}_rot_ptr`: R, or a stand-in never read."""
+        return self.rotation if self.rotation is not None else self.scale
 
     def args(self) -> tuple:
         """The kernels' operand parameters in order: `{x}_cache_ptr, {x}_scale_ptr, {x}_zero_ptr,
-        {x}_book_ptr, {x}_resid_ptr`, then the nine strides (compiler/templates/paged_attention.py.jinja,
-        `operand_params`)."""
-        return (self.data, self.scale, self.zero, self.levels, self.residual, *self.strides)
+        {x}_book_ptr, {x}_resid_ptr, {x}_rot_ptr`, then the nine strides
+        (compiler/templates/paged_attention.py.jinja, `operand_params`)."""
+        return (self.data, self.scale, self.zero, self.levels, self.residual, self.rotation_arg, *self.strides)
 
     def constants(self, prefix: str) -> dict:
-        """The kernels' operand constexprs, `{X}_BITS` ... `{X}_BOOK` (`operand_consts`)."""
+        """The kernels' operand constexprs, `{X}_BITS` ... `{X}_ROT` (`operand_consts`)."""
         return {f"{prefix}_BITS": self.bits, f"{prefix}_PER_ELEMENT": self.per_element, f"{prefix}_GROUP": self.group,
                 f"{prefix}_ASYM": self.asymmetric, f"{prefix}_WINDOW": self.window, f"{prefix}_FLUSH": self.flush,
-                f"{prefix}_BOOK": self.book, f"{prefix}_FRESH": self.fresh}
+                f"{prefix}_BOOK": self.book, f"{prefix}_FRESH": self.fresh, f"{prefix}_ROT": self.rotated}
 
 
 def kernel_operand(source: Source, use_residual: bool) -> KernelOperand:
@@ -214,4 +232,4 @@ def kernel_operand(source: Source, use_residual: bool) -> KernelOperand:
         (cs[0], cs[1], cs[2], ss[0], ss[1], ss[2], rs[0], rs[1], rs[2]),
         source.enc.bits, source.per_element, source.enc.reader.group, not source.enc.symmetric,
         0 if resid is None else resid.shape[2], source.enc.flush_block, 0 if levels is None else levels.numel(),
-        resid is not None or source.enc.prefill_exact)
+        resid is not None or source.enc.prefill_exact, source.rotation)

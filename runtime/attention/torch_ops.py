@@ -24,7 +24,7 @@ from kvc.runtime.attention import decode_stats
 from kvc.runtime.attention.decode_stats import decode_stats_torch
 from kvc.runtime.attention.metadata import DecodeStats
 from kvc.runtime.attention.sources import LowRankPages, QuantizedPages, Source, is_dense
-from kvc.runtime.kv import encodings, lowrank
+from kvc.runtime.kv import encodings, lowrank, rotation
 from kvc.runtime.kv.plans import Estimate, ReadPlan
 
 
@@ -86,7 +86,8 @@ def store_kv(
             continue
         if cache.enc.format:  # float codes against the layer's fixed scale (read at the slots' pages: any)
             scale = cache.scale[0, :, 0].float()  # [Hkv, 1]
-            codes = encodings.quantize_float(x, torch.where(scale > 0, scale, 1.0), cache.enc.format)
+            stored = rotation.to_stored(x, cache.enc.rotation)
+            codes = encodings.quantize_float(stored, torch.where(scale > 0, scale, 1.0), cache.enc.format)
             _write_slots(cache.codes, flat, slots, heads, codes)
             continue
         if cache.enc.flush_block:

@@ -36,6 +36,7 @@ import functools
 import numpy as np
 import torch
 
+from kvc.runtime.kv import rotation
 from kvc.runtime.kv.spec import FLOAT_CODES, PACKINGS, Quantized
 
 # vLLM's `calculate_kv_scales` constants (K_SCALE_CONSTANT, V_SCALE_CONSTANT): a dynamic scale is
@@ -144,9 +145,11 @@ def quantize(
     """x [..., D] -> (codes [..., D // per] code_dtype, scale [..., D // group] scale_dtype,
     zero [..., D // group] zero_dtype or None when symmetric). Groups over tokens (`enc.axis`
     "token", KIVI's keys): x [n, ..., D], n a multiple of `enc.group`, consecutive `group` tokens
-    sharing one scale (and zero point) per channel: scale and zero [n // group, ..., D]."""
+    sharing one scale (and zero point) per channel: scale and zero [n // group, ..., D]. A rotated
+    encoding quantizes `x @ R.T` (runtime/kv/rotation.py)."""
     head_dim = x.shape[-1]
     check(enc, head_dim, code_dtype, packing)
+    x = rotation.to_stored(x, enc.rotation)
     if enc.axis == "token":
         n = x.shape[0]
         if n % enc.group:
@@ -194,7 +197,8 @@ def dequantize(
     """(codes [..., Dc], scale [..., G], zero [..., G] | None) -> x [..., D] in `dtype`; the packing
     follows from Dc (D / Dc codes per element). Arithmetic in float32: `code * scale` or
     `code * scale + zero`, then one rounding to `dtype` (the kernels compute exactly this). Groups over
-    tokens are read per slot (`Quantized.reader`): scale [..., D], one per channel."""
+    tokens are read per slot (`Quantized.reader`): scale [..., D], one per channel. A rotated encoding's
+    rows are rotated back, `x @ R` in float32 before the rounding (runtime/kv/rotation.py)."""
     enc = enc.reader
     packing = packing_of(head_dim, codes.shape[-1])
     if (zero is None) != enc.symmetric:
@@ -203,7 +207,7 @@ def dequantize(
     code = levels(enc, codes.device)[code.long()] if enc.codebook is not None else code.float()
     s = scale.float().repeat_interleave(enc.group, dim=-1)
     x = code * s if zero is None else code * s + zero.float().repeat_interleave(enc.group, dim=-1)
-    return x.to(dtype)
+    return rotation.to_model(x, enc.rotation).to(dtype)
 
 
 # ---- codebooks (TurboQuant) ------------------------------------------------------------------------

@@ -1,16 +1,18 @@
 """Rotated K/V (runtime/kv/spec.py, `Quantized.rotation`): the orthogonal matrix of a seed, and the
-change of basis where q, k and v enter a layer's attention.
+change of basis of a rotated operand's store.
 
-For an orthogonal R, `q·k = (q R^T)·(k R^T)` and `sum_j p_j v_j = (sum_j p_j v_j R^T) R`, so a
-layer whose keys are stored rotated by R_k and values by R_v attends exactly as before when its
-queries are rotated by R_k and its output rotated back by R_v. Rotating all three where they enter
-the attention function (`Rotation.inputs`, then `Rotation.output`) keeps one basis for everything
-inside it: the store, page summaries, method hooks (their scores are inner products or norms,
-which the rotation keeps) and the kernels. The matrices, from a torch.Generator seeded with
-`SEED`: "random" (TurboQuant's random rotation) is Q of the QR decomposition of a standard normal
-[D, D], with the signs of R's diagonal folded in (Haar-distributed); "hadamard" is the randomized
-Hadamard transform `H_D diag(s) / sqrt(D)` (Sylvester's H_D, D a power of two; signs s = 2 *
-randint(0, 2, (D,)) - 1).
+A rotated operand is stored as the codes of `x @ R.T` and every reader gets `x^ @ R` back (x^ the
+decoded codes): the rotation belongs to the encoding, so everything outside the store (the model,
+method hooks, prefill records, chains) sees the model's basis. The Triton kernels never rotate a
+row of the cache: the store kernel rotates the new rows before it quantizes them, and since `q·k =
+(q R^T)·(k R^T)` and `sum_j p_j v_j = (sum_j p_j v_j R^T) R`, attention rotates the query by the
+keys' R and its output back by the values' (docs/design.md, "Codebook codes and rotations", says
+where). The torch ops (the oracle) decode and rotate back (`to_model`).
+
+The matrices, from a torch.Generator seeded with `SEED`: "random" (TurboQuant's random rotation)
+is Q of the QR decomposition of a standard normal [D, D], with the signs of R's diagonal folded in
+(Haar-distributed); "hadamard" is the randomized Hadamard transform `H_D diag(s) / sqrt(D)`
+(Sylvester's H_D, D a power of two; signs s = 2 * randint(0, 2, (D,)) - 1).
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from kvc.runtime.kv.spec import KVSpec, Quantized
 
 
 SEED = 0
@@ -43,31 +43,25 @@ def matrix(dim: int, kind: str) -> torch.Tensor:
     return q * torch.sign(torch.diagonal(r))[None, :]
 
 
-class Rotation:
-    """The change of basis of a spec whose K or V is stored rotated: `inputs` rotates a layer's q, k
-    and v (row vectors, `x @ R.T`), `output` rotates its attention output back (`out @ R_v`)."""
+@functools.lru_cache(maxsize=None)
+def _on(dim: int, kind: str, device: str, dtype: torch.dtype) -> torch.Tensor:
+    return matrix(dim, kind).to(device=device, dtype=dtype).contiguous()
 
-    def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
-        self.keys, self.values = keys, values  # R^T of each operand, in the model dtype (None: not rotated)
-        self.values_back = None if values is None else values.T.contiguous()
 
-    @classmethod
-    def of(cls, spec: KVSpec, head_dim: int, dtype: torch.dtype, device: torch.device | str) -> Rotation | None:
-        """The spec's rotation (None when neither K nor V is rotated)."""
-        def transposed(enc) -> torch.Tensor | None:
-            if not isinstance(enc, Quantized) or enc.rotation is None:
-                return None
-            return matrix(head_dim, enc.rotation).T.to(device=device, dtype=dtype).contiguous()
+def on(dim: int, kind: str, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """R of `kind` on `device` in `dtype` (one tensor per place and dtype: what the kernels read)."""
+    return _on(dim, kind, str(torch.device(device)), dtype)
 
-        keys, values = transposed(spec.keys), transposed(spec.values)
-        return None if keys is None and values is None else cls(keys, values)
 
-    def inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.keys is not None:
-            q, k = q @ self.keys, k @ self.keys
-        if self.values is not None:
-            v = v @ self.values
-        return q, k, v
+def to_stored(x: torch.Tensor, kind: str | None) -> torch.Tensor:
+    """Rows x [..., D] in the stored basis, `x @ R.T` in float32 (x itself when `kind` is None)."""
+    if kind is None:
+        return x
+    return x.float() @ on(x.shape[-1], kind, x.device, torch.float32).T
 
-    def output(self, out: torch.Tensor | None) -> torch.Tensor | None:
-        return out if out is None or self.values is None else out @ self.values_back
+
+def to_model(x: torch.Tensor, kind: str | None) -> torch.Tensor:
+    """Decoded rows x [..., D] (the stored basis) back in the model's, `x @ R` in float32."""
+    if kind is None:
+        return x
+    return x.float() @ on(x.shape[-1], kind, x.device, torch.float32)

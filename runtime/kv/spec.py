@@ -108,9 +108,10 @@ class Quantized:
     scaled by sqrt(group) (encodings.levels). Unsigned codes, no zero point, groups along channels.
 
     `rotation` "hadamard" / "random": the operand is stored rotated, `x @ R.T` with R that orthogonal
-    matrix (runtime/kv/rotation.py). Attention is the same in the rotated basis when queries are rotated
-    with the keys' R and outputs rotated back with the values' R^T; the model runner does both where
-    q, k and v enter a layer's attention, so hooks, summaries and kernels all see one basis.
+    matrix (runtime/kv/rotation.py), and read back as `x^ @ R`: outside the store everything is in the
+    model's basis. The attention kernels rotate the query by the keys' R and their output back by the
+    values' instead of rotating cached rows. No residual window: its full-precision rows would mix the
+    two bases in one tile.
 
     `prefill_exact`: a prefill chunk attends to its own tokens as computed, to earlier ones as stored
     (the research methods' full-precision prefill: KIVI, TurboQuant); otherwise it reads itself as
@@ -142,6 +143,9 @@ class Quantized:
     def __post_init__(self) -> None:
         if self.rotation is not None and self.rotation not in ROTATIONS:
             raise ValueError(f"quantized {self.codes!r}: rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        if self.rotation is not None and self.residual is not None:
+            raise ValueError(f"quantized {self.codes!r}: a rotated operand has no residual window (its rows would be "
+                             "in the model's basis, the codes in the rotated one)")
         if self.codebook is not None and (self.codebook not in CODEBOOKS or self.zero is not None
                                           or self.axis != "channel" or self.format is not None
                                           or self.bits not in (2, 3, 4) or self.group < 3):

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from kvc.runtime.kv import encodings, lowrank
+from kvc.runtime.kv import encodings, lowrank, rotation
 from kvc.runtime.kv.spec import K, V, Delta, Dense, Extent, KVSpec, LowRank, Quantized
 
 COPY_BYTES = 256 * 2**20  # bytes of one tensor gathered at once by copy_pages
@@ -144,7 +144,8 @@ class KVStore:
             enc = encoding_of(self.spec, which)
             if isinstance(enc, Quantized) and enc.format and enc.scaling == "dynamic":
                 scale = self.tensors[enc.scale][layer]
-                new = encodings.dynamic_scale(x, stored, enc.shared_heads, encodings.DYNAMIC_RANGE[which])
+                new = encodings.dynamic_scale(rotation.to_stored(x, enc.rotation), stored, enc.shared_heads,
+                                              encodings.DYNAMIC_RANGE[which])
                 scale.copy_(torch.where(scale > 0, scale, new))
 
     def token_tensors(self) -> list[torch.Tensor]:

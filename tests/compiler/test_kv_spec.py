@@ -174,6 +174,18 @@ def test_turboquant_rotates_then_indexes_levels():
     assert "qjl" in "; ".join(spec.reasons)
 
 
+def test_a_rotated_operand_keeps_no_residual_window(tmp_path):
+    """`rotate(...) then quant(...) except last n` does not lower, and says why at the store's line: the
+    window's rows would be in the model's basis, the codes in the rotated one."""
+    path = tmp_path / "m.kvm"
+    path.write_text("method m : quantization\n\n"
+                    "store k as rotate(hadamard, along channel) then quant(4, mode = asymmetric, group = 32, "
+                    "along channel) except last 64\n")
+    spec = kv_spec.derive(check_file(path), None).to_json()
+    assert spec["keys"]["kind"] == "unmapped" and "m.kvm:3:1" in spec["reason"]
+    assert "no residual window" in spec["reason"]
+
+
 def test_deltakv_one_code_for_keys_and_values_in_some_layers():
     """DeltaKV's `store k, v as residual(nearest(...)) then project(...) except first sink + last recent where
     layer not in full_layers` maps to one `delta` encoding of both operands: per token its code share and its

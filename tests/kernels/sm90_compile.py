@@ -1,7 +1,7 @@
 """Compiles the `spec` attention module's store, decode and prefill kernels for an H100/H200
-(sm90) with FP8 operands, or KIVI's 2-bit ones (keys a block at a time, with the flush kernel), on
-a machine without a GPU: Triton's front end, its passes and ptxas run as they would on the GPU, so
-a kernel that does not compile for the hardware fails here too. `python -m
+(sm90) with FP8 operands, or KIVI's 2-bit ones (keys a block at a time, with the flush kernel), or
+TurboQuant's (rotated) on a machine without a GPU: Triton's front end, its passes and ptxas run as
+they would on the GPU, so a kernel that does not compile for the hardware fails here too. `python -m
 tests.kernels.sm90_compile CODES` (fp8e4nv, fp8e5, int2 or sphere3); tests/kernels/test_fp8.py and
 tests/methods/test_kivi.py run it in a subprocess (the interpreter, TRITON_INTERPRET=1, replaces
 kernels with Python)."""
@@ -45,7 +45,7 @@ def main(codes: str) -> None:
     spec = importlib.util.spec_from_file_location("kvc_spec_sm90", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    pointers = {f"{x}_{p}_ptr": "*bf16" for x in "kv" for p in ("scale", "zero", "resid")}
+    pointers = {f"{x}_{p}_ptr": "*bf16" for x in "kv" for p in ("scale", "zero", "resid", "rot")}
     pointers |= {f"{x}_book_ptr": "*fp32" for x in "kv"}
     code_type = "u8" if codes in ("int2", "sphere3") else codes
     pointers |= {"k_cache_ptr": f"*{code_type}", "v_cache_ptr": f"*{code_type}", "k_ptr": "*bf16", "v_ptr": "*bf16",
@@ -55,21 +55,22 @@ def main(codes: str) -> None:
                                      "resid_lens_ptr", "plan_ptr", "last_ptr", "cu_seqlens_ptr")}
     ops = {f"{x}_{c}": v for x in "KV" for c, v in (("BITS", 8), ("PER_ELEMENT", 1), ("GROUP", 128), ("ASYM", False),
                                                      ("WINDOW", 0), ("FLUSH", 0), ("BOOK", 0),
-                                                     ("FRESH", False))}
+                                                     ("FRESH", False), ("ROT", False))}
     shape = dict(HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16)
     if codes == "int2":  # KIVI-2: keys per channel (one scale a channel at every slot), values per 32 channels
         kivi = dict(BITS=2, PER_ELEMENT=4, ASYM=True, WINDOW=129)
-        ops = {f"K_{c}": v for c, v in (kivi | dict(GROUP=1, FLUSH=128, BOOK=0, FRESH=True)).items()}
-        ops |= {f"V_{c}": v for c, v in (kivi | dict(GROUP=32, FLUSH=0, BOOK=0, FRESH=True)).items()}
+        ops = {f"K_{c}": v for c, v in (kivi | dict(GROUP=1, FLUSH=128, BOOK=0, FRESH=True, ROT=False)).items()}
+        ops |= {f"V_{c}": v for c, v in (kivi | dict(GROUP=32, FLUSH=0, BOOK=0, FRESH=True, ROT=False)).items()}
         shape["PAGE_SIZE"] = 32
         build(mod._flush_blocks_kernel, dict(HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=32, BITS=2, PER_ELEMENT=4, GROUP=32,
                                              ASYM=True, WINDOW=129, FLUSH=128), pointers)
-    if codes == "sphere3":  # TurboQuant-3: 8 codes in 3 bytes indexing 8 levels, one RMS scale a token
+    if codes == "sphere3":  # TurboQuant-3: 8 codes in 3 bytes indexing 8 levels, one RMS scale a token, rotated
         ops = {f"{x}_{c}": v for x in "KV" for c, v in (("BITS", 3), ("PER_ELEMENT", 8), ("GROUP", 128),
                                                          ("ASYM", False), ("WINDOW", 0), ("FLUSH", 0), ("BOOK", 8),
-                                                         ("FRESH", True))}
-    ptx = build(mod._store_kv_kernel, dict(NUM_KV_HEADS=8, BLOCK_H=8, K_BLOCK_G=128 // ops["K_GROUP"],
-                                           V_BLOCK_G=128 // ops["V_GROUP"], BLOCK_B=1, CODES=True, **shape, **ops),
+                                                         ("FRESH", True), ("ROT", True))}
+    ptx = build(mod._store_kv_kernel, dict(NUM_KV_HEADS=8, BLOCK_H=16 if ops["K_ROT"] else 8,
+                                           K_BLOCK_G=128 // ops["K_GROUP"], V_BLOCK_G=128 // ops["V_GROUP"], BLOCK_B=1,
+                                           CODES=True, DOT_PRECISION="native", **shape, **ops),
                 pointers)
     assert codes in ("int2", "sphere3") or "cvt.rn.satfinite" in ptx  # the FP8 cast of the store
     # decode: every way it takes an operand's scales out (`_fold`: 0 dequantize, 1 per tile, 2 per slot, 3 per layer,

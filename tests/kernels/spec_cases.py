@@ -22,18 +22,21 @@ from kvc.runtime.kv.spec import Quantized
 @dataclass(frozen=True)
 class Enc:
     """How a test stores one operand: bits, group, symmetric, packing ("" or int4x2/int2x4/int3x8),
-    codebook (None: codes count steps)."""
+    codebook (None: codes count steps), rotation (None, "random" or "hadamard": stored as `x @ R.T`),
+    exact (a prefill chunk reads its own rows as computed, `Quantized.prefill_exact`)."""
 
     bits: int
     group: int
     symmetric: bool
     packing: str = ""
     codebook: str | None = None
+    rotation: str | None = None
+    exact: bool = False
 
     def quantized(self, name: str, window: int) -> Quantized:
         return Quantized(f"{name}_codes", f"{name}_scale", self.bits, self.group,
                          zero=None if self.symmetric else f"{name}_zero", residual=f"{name}_resid" if window else None,
-                         codebook=self.codebook)
+                         codebook=self.codebook, rotation=self.rotation, prefill_exact=self.exact)
 
     @property
     def code_dtype(self) -> torch.dtype:
@@ -46,6 +49,8 @@ INT8_PER_TOKEN = "int8-sym-token"  # group = D, filled in by make_spec_case
 INT4_ASYM_G8 = Enc(4, 8, False, "int4x2")
 INT2_SYM_G16 = Enc(2, 16, True, "int2x4")
 SPHERE3_G16 = Enc(3, 16, True, "int3x8", "sphere")  # TurboQuant's levels, 3-bit codes
+SPHERE3_ROTATED = Enc(3, 16, True, "int3x8", "sphere", "random", exact=True)  # TurboQuant as turboquant.kvm stores it
+INT4_HADAMARD = Enc(4, 8, False, "int4x2", rotation="hadamard")
 
 
 @dataclass
@@ -201,15 +206,17 @@ def tensors(source) -> list[torch.Tensor]:
 
 
 def assert_stored_alike(got, want) -> None:
-    """A Triton store equals the torch store: bit for bit, except codebook sources, whose scale is a
-    sum of squares that the two reduce in different orders: there the scales agree to float32
-    rounding (1e-6) and the codes as well, but for an element sitting on a midpoint between two
-    levels (at most one in 200, and one level apart)."""
-    if isinstance(want, torch.Tensor) or want.enc.codebook is None:
+    """A Triton store equals the torch store: bit for bit, except codebook and rotated sources, whose
+    scale is a sum of squares, or whose rows a product with R, that the two reduce in different orders:
+    there the scales and zero points agree to float32 rounding (1e-6) and the codes as well, but for an
+    element sitting on a rounding boundary (at most one in 200, and one step apart)."""
+    if isinstance(want, torch.Tensor) or (want.enc.codebook is None and want.enc.rotation is None):
         for a, b in zip(tensors(got), tensors(want)):
             assert torch.equal(a.cpu(), b), (a.dtype, a.shape)
         return
     torch.testing.assert_close(got.scale.cpu(), want.scale, rtol=1e-6, atol=0)
+    if want.zero is not None:
+        torch.testing.assert_close(got.zero.cpu(), want.zero, rtol=1e-6, atol=1e-6)
     packing, bits = want.packing, want.enc.bits
     a = encodings.unpack(got.codes.cpu(), bits, packing, False) if packing else got.codes.cpu().long()
     b = encodings.unpack(want.codes, bits, packing, False) if packing else want.codes.long()

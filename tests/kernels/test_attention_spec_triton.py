@@ -19,7 +19,8 @@ from kvc.runtime.attention import torch_ops
 from kvc.runtime.attention.metadata import DecodeStats
 from kvc.runtime.kv.plans import ReadPlan
 from tests.kernels.paged_cases import triton_device_and_ops
-from tests.kernels.spec_cases import (INT2_SYM_G16, SPHERE3_G16, Enc, INT4_ASYM_G8, INT8_PER_TOKEN, assert_stored_alike,
+from tests.kernels.spec_cases import (INT2_SYM_G16, INT4_HADAMARD, SPHERE3_G16, SPHERE3_ROTATED, Enc, INT4_ASYM_G8,
+                                      INT8_PER_TOKEN, assert_stored_alike,
                                       emptied, fold_oracle, make_spec_case, moved, nan_free, oracle_decode,
                                       random_plan)
 
@@ -35,7 +36,8 @@ LENGTHS = [13, 0, 37, 1]
 ENCODINGS = {"dense": None, "int8-token": INT8_PER_TOKEN, "int4-asym-g8": INT4_ASYM_G8, "int2-sym-g16": INT2_SYM_G16,
              "int4-asym-g12": Enc(4, 12, False, "int4x2"), "sphere3-g16": SPHERE3_G16,
              "sphere4-g8": Enc(4, 8, True, "int4x2", "sphere"), "sphere3-g24": Enc(3, 24, True, "int3x8", "sphere"),
-             "sphere4-g12": Enc(4, 12, True, "int4x2", "sphere")}
+             "sphere4-g12": Enc(4, 12, True, "int4x2", "sphere"), "sphere3-rotated": SPHERE3_ROTATED,
+             "int4-hadamard": INT4_HADAMARD}
 
 
 def fresh(seed: int) -> torch.Generator:
@@ -76,6 +78,8 @@ DECODE_CASES = [
     ("int8-token", "dense", 4, 4, 2, True),
     ("sphere3-g16", "sphere4-g8", 0, 2, 2, True),
     ("sphere4-g8", "sphere3-g16", 8, 4, 1, False),
+    ("sphere3-rotated", "int4-hadamard", 0, 2, 2, True),  # the query rotated in, each split's partial back
+    ("int4-hadamard", "sphere3-rotated", 0, 4, 1, False),
 ]
 
 
@@ -154,6 +158,8 @@ def test_decode_stats_over_quantized_keys_and_plans(by, reduce, fn, num_splits):
     ("int4-asym-g8", "int2-sym-g16", 8, True, 1),
     ("dense", "int4-asym-g8", 8, False, 4),
     ("sphere3-g16", "sphere3-g16", 0, True, 2),
+    ("sphere3-rotated", "sphere3-rotated", 0, True, 2),  # the chunk's own rows as computed, rotated
+    ("int4-hadamard", "sphere3-rotated", 0, False, 4),
 ])
 def test_prefill_over_a_quantized_prefix(k_name, v_name, window, with_starts, group):
     gen = fresh(53 + window + group)
@@ -184,6 +190,7 @@ def test_prefill_over_a_quantized_prefix(k_name, v_name, window, with_starts, gr
     ("int8-token", "int4-asym-g8", 8, False, 16, 16),
     ("int4-asym-g8", "dense", 8, True, 16, 4),
     ("dense", "sphere3-g16", 0, True, 32, 4),
+    ("sphere3-rotated", "int4-hadamard", 0, False, 16, 8),
 ])
 def test_prefill_tile_ranges(k_name, v_name, window, with_starts, block_n, page_size):
     """Long prefixes: a block's tiles split into codes-only tiles (the decode tile's folds), general tiles
@@ -212,7 +219,8 @@ def test_prefill_tile_ranges(k_name, v_name, window, with_starts, block_n, page_
 
 
 @pytest.mark.parametrize("k_name,v_name,window", [("int4-asym-g8", "int8-token", 4), ("int2-sym-g16", "dense", 8),
-                                                  ("dense", "int4-asym-g8", 0), ("sphere3-g16", "sphere4-g8", 0)])
+                                                  ("dense", "int4-asym-g8", 0), ("sphere3-g16", "sphere4-g8", 0),
+                                                  ("sphere3-rotated", "int4-hadamard", 0)])
 def test_store_quantizes_like_the_torch_store(k_name, v_name, window):
     gen = fresh(61 + window)
     lengths = [13, 6, 9]

@@ -262,7 +262,8 @@ def test_the_triton_backend_equals_the_reference(model_dir, hf, inputs, monkeypa
     llm = make_llm(model_dir, inputs, device=device.type, attention_backend="triton", cuda_graphs=False,
                    max_num_batched_tokens=16, max_prefill_chunk=16)
     assert llm.engine.attention.variant == "lowrank"
-    prompts = [prompt(n, seed) for n, seed in ((21, 1), (9, 4))]
+    # (21, 1) ties two tokens on Qwen3 at chunks of 16 (logits 1e-6 apart): float32 rounding picks either
+    prompts = [prompt(n, seed) for n, seed in ((21, 2), (9, 4))]
     params = [greedy(8) for _ in prompts]
     for p, out, sp in zip(prompts, llm.generate(prompts, params), params):
         check(out.token_ids, spy.of(sp).cpu(), ref.generate(hf, session(hf), p, 8, chunk=16))

@@ -242,8 +242,9 @@ COMPOSED = str(Path(__file__).resolve().parents[2] / "bench" / "variants" / "sna
 def test_snapkv_over_turboquant(model_dir, monkeypatch) -> None:
     """The composed method's spec is TurboQuant's; a budget that keeps everything gives TurboQuant's
     tokens; a smaller one keeps the positions SnapKV's own selection picks from the hook's queries
-    and stored keys (both in the rotated basis), moves their codes and scales, and decodes on; the
-    throughput plan's batch is the memory product (TurboQuant's bytes times SnapKV's tokens)."""
+    and stored keys (both in the model's basis: the rotation is the store's), moves their codes and
+    scales, and decodes on; the throughput plan's batch is the memory product (TurboQuant's bytes
+    times SnapKV's tokens)."""
     from kvc.runtime.bench.plan import model_spec, plan_batch
     from kvc.runtime.method_api import KeepPlan
     from kvc.runtime.methods import resolve_method
@@ -280,15 +281,25 @@ def test_snapkv_over_turboquant(model_dir, monkeypatch) -> None:
     assert plans[COMPOSED].batch >= 3 * plans["snapkv"].batch
 
 
-def test_a_rotation_before_fp8_codes(model_dir, hf, monkeypatch) -> None:
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_rotation_before_fp8_codes(model_dir, hf, monkeypatch, backend) -> None:
     """`rotate(hadamard) then fp8(...)` (bench/variants/fp8_rotated.kvm) lowers and serves: K and V are
     the FP8 round trip (tests/references/fp8.py) of the Hadamard-rotated vectors, rotated back, and
-    a prefill chunk reads itself as stored (FP8's rule): the reference's tokens and logits."""
+    a prefill chunk reads itself as stored (FP8's rule): the reference's tokens and logits. On the
+    Triton kernels (interpreted here) the store rotates the rows, decode and prefill the query and
+    their output."""
     from tests.references import fp8
 
+    device = "cpu"
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from tests.kernels.paged_cases import triton_device_and_ops
+
+        device = triton_device_and_ops("spec")[0].type
     variant = str(Path(__file__).resolve().parents[2] / "bench" / "variants" / "fp8_rotated.kvm")
-    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", page_size=PAGE,
-                          attention_backend="torch", kv_cache_memory=2**22, method=variant, max_num_batched_tokens=4096)
+    config = EngineConfig(model=str(model_dir), device=device, dtype="float32", page_size=PAGE,
+                          attention_backend=backend, cuda_graphs=False, kv_cache_memory=2**22, method=variant,
+                          max_num_batched_tokens=4096)
     llm = LLM.from_engine(Engine(config))
     assert llm.engine.attention.store.spec.keys.rotation == "hadamard"
     r = torch.from_numpy(ref.rotation(llm.engine.spec.head_dim, "hadamard"))
@@ -301,4 +312,4 @@ def test_a_rotation_before_fp8_codes(model_dir, hf, monkeypatch) -> None:
     prompts = [prompt(n, seed) for n, seed in ((23, 1), (9, 3))]
     params = [greedy(8) for _ in prompts]
     for p, out, sp in zip(prompts, llm.generate(prompts, params), params):
-        check(out.token_ids, spy.of(sp), ref.generate(hf, ref.Session(exact_prefill=False, stored=stored), p, 8))
+        check(out.token_ids, spy.of(sp).cpu(), ref.generate(hf, ref.Session(exact_prefill=False, stored=stored), p, 8))
