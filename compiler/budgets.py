@@ -12,8 +12,9 @@ sympy, from the `keep` that runs at prefill end:
   may take the whole layer's budget but the safeguard (`at_least`) of every other head.
 - `kv_bytes`: KV bytes of a request after prefill end (the slots it holds: `held`), summed over
   layers, given the model shape (`layers`, `kv_heads`, `head_dim`, `dtype_bytes`): `token_bytes`
-  a slot per KV head, from the KV spec (K and V in the model dtype by default; codes, scales and
-  page scales for a quantized spec: `with_token_bytes`). Per-sequence windows are not counted.
+  a slot per KV head in `layer`, from the KV spec (K and V in the model dtype by default; codes,
+  scales and page scales for a quantized spec, dense in the layers a `where` leaves out:
+  `with_token_bytes`). Per-sequence windows are not counted.
 - `peak_prefill_bytes`: the whole prompt is resident until prefill ends.
 - `steady_bytes`: after `generated` decode tokens: methods that evict while decoding stay at
   their budget (evaluated at the grown context), the others grow by one token per step.
@@ -27,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import sympy as sp
+from sympy.printing.pycode import PythonCodePrinter
 
 from kvc.compiler.ir import Keep, MethodIR, Select
 
@@ -52,7 +54,7 @@ class Budgets:
         """These budgets over a KV spec whose slot costs `token_bytes` (compiler/kv_spec.py
         `token_bytes`); the parameters it reads join `params`."""
         names = sorted(set(self.params) | {str(s) for s in sp.sympify(token_bytes).free_symbols}
-                       - {"head_dim", "dtype_bytes"})
+                       - {"head_dim", "dtype_bytes", "layer"})
         return replace(self, token_bytes=token_bytes, params=tuple(names))
 
     @property
@@ -62,6 +64,8 @@ class Budgets:
 
     @property
     def peak_prefill_bytes(self):
+        if LAYER in sp.sympify(self.token_bytes).free_symbols:  # layers stored in several formats
+            return sp.Sum(KV_HEADS * self.token_bytes * CONTEXT, (LAYER, 0, LAYERS - 1))
         return LAYERS * KV_HEADS * self.token_bytes * CONTEXT
 
     def formulas(self) -> dict[str, str]:
@@ -117,8 +121,18 @@ def derive(method: MethodIR) -> Budgets:
     return Budgets(kept, evicts, tuple(names), held)
 
 
+class _Printer(PythonCodePrinter):
+    """Python code of a budget formula; `in_layers(layer, P)` (compiler/kv_spec.py) calls the generated
+    module's function of that name."""
+
+    def _print_Function(self, expr) -> str:  # sympy prints an undefined function's call here
+        if expr.func.__name__ == "in_layers":
+            return f"in_layers({', '.join(self._print(a) for a in expr.args)})"
+        return super()._print_Function(expr)
+
+
 def _pycode(expr) -> str:
-    return sp.pycode(expr, fully_qualified_modules=True).replace("math.floor", "_floor")
+    return _Printer({"fully_qualified_modules": True}).doprint(expr).replace("math.floor", "_floor")
 
 
 def emit_python(budgets: Budgets) -> str:
@@ -134,6 +148,9 @@ def emit_python(budgets: Budgets) -> str:
     return (
         "def _floor(x):\n"
         "    return math.floor(x)\n\n\n"
+        "def in_layers(layer, layers):\n"
+        '    """1 where `layer` is in the list parameter `layers` (a store\'s `where layer in P`), else 0."""\n'
+        "    return int(layer in layers)\n\n\n"
         "def kept_tokens(context, layer, layers, kv_heads, params):\n"
         '    """Tokens kept per KV head of `layer` after prefill end of a `context`-token prompt."""\n'
         f"{unpack(budgets.kept)}"
@@ -142,23 +159,25 @@ def emit_python(budgets: Budgets) -> str:
         '    """At most this many tokens kept by the most-keeping KV head of `layer`: the slots the layer holds."""\n'
         f"{unpack(budgets.held)}"
         f"    return int({held_src})\n\n\n"
-        "def slot_bytes(*, head_dim, dtype_bytes, params):\n"
-        '    """Bytes one stored slot costs per KV head and layer (the KV spec\'s per-token and per-page tensors)."""\n'
+        "def slot_bytes(layer, *, head_dim, dtype_bytes, params):\n"
+        '    """Bytes a stored slot costs per KV head in `layer` (the KV spec\'s per-token and per-page tensors)."""\n'
         f"{unpack(budgets.token_bytes)}"
         f"    return {slot_src}\n\n\n"
         "def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
         '    """KV bytes of one request after prefill end (the slots it holds), summed over layers."""\n'
-        "    kept = sum(held_tokens(context, layer, layers, kv_heads, params) for layer in range(layers))\n"
-        "    return kv_heads * slot_bytes(head_dim=head_dim, dtype_bytes=dtype_bytes, params=params) * kept\n\n\n"
+        "    return kv_heads * sum(held_tokens(context, layer, layers, kv_heads, params)\n"
+        "                          * slot_bytes(layer, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)\n"
+        "                          for layer in range(layers))\n\n\n"
         "def peak_prefill_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
         '    """KV bytes while the prompt is prefilled (all of it resident until prefill end)."""\n'
-        "    return layers * kv_heads * slot_bytes(head_dim=head_dim, dtype_bytes=dtype_bytes, params=params) * context"
-        "\n\n\n"
+        "    slots = sum(slot_bytes(layer, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)\n"
+        "                for layer in range(layers))\n"
+        "    return kv_heads * context * slots\n\n\n"
         "def steady_bytes(prompt, generated, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
         '    """KV bytes after `generated` decode steps."""\n'
-        f"    kept = sum(held_tokens({at}, layer, layers, kv_heads, params) for layer in range(layers))\n"
-        "    slot = slot_bytes(head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)\n"
-        f"    return kv_heads * slot * (kept + layers * {grow})\n"
+        f"    return kv_heads * sum((held_tokens({at}, layer, layers, kv_heads, params) + {grow})\n"
+        "                          * slot_bytes(layer, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)\n"
+        "                          for layer in range(layers))\n"
     )
 
 

@@ -138,6 +138,9 @@ class LowRank:
                 "group": _text(self.group), "share": _text(self.share), "prerope": self.prerope}
 
 
+DELTA_NEIGHBOURS, DELTA_CENTERS, DELTA_SINKS, DELTA_WINDOW = "kv_neighbours", "kv_centers", "kv_sinks", "kv_window"
+
+
 @dataclass(frozen=True)
 class Delta:
     """`store k, v as residual(nearest(every = n, count = m)) then project(down[layer], up[layer], group = g,
@@ -159,6 +162,12 @@ class Delta:
     sink: object  # sympy
     recent: object  # sympy
     layers: dict
+
+    @property
+    def tensor_names(self) -> set[str]:
+        """Every tensor the code stores (its fixed per-token, per-page and per-sequence ones too)."""
+        return {self.latent, DELTA_NEIGHBOURS, DELTA_CENTERS, DELTA_SINKS, DELTA_WINDOW, self.down, self.up,
+                self.bias} - {None}
 
     def to_json(self) -> dict:
         return {"kind": "delta", "latent": self.latent, "down": self.down, "up": self.up, "bias": self.bias,
@@ -366,10 +375,10 @@ class _Deriver:
                     recent, layers)
         width = 2 * HEAD_DIM
         group = sp.Symbol("kv_group")
-        tensors = [tensors[0], TensorDesc("kv_neighbours", "token", "int32", (count,)),
-                   TensorDesc("kv_centers", "page", MODEL, (PAGE_SIZE / every, width)),
-                   TensorDesc("kv_sinks", "seq", MODEL, (sink, width)),
-                   TensorDesc("kv_window", "seq", MODEL, (2 * recent, width)),
+        tensors = [tensors[0], TensorDesc(DELTA_NEIGHBOURS, "token", "int32", (count,)),
+                   TensorDesc(DELTA_CENTERS, "page", MODEL, (PAGE_SIZE / every, width)),
+                   TensorDesc(DELTA_SINKS, "seq", MODEL, (sink, width)),
+                   TensorDesc(DELTA_WINDOW, "seq", MODEL, (2 * recent, width)),
                    TensorDesc(low.down, "layer", MODEL, (width, group * low.share)),
                    TensorDesc(low.up, "layer", MODEL, (width, group * low.share))]
         if bias_name is not None:
@@ -622,16 +631,44 @@ _ELEMENT_BYTES = {MODEL: sp.Symbol("dtype_bytes"), "float32": 4, "int32": 4, "ui
                   FROM_FORMAT: 1}
 
 
+# in_layers(layer, P): 1 where `layer` is in the list parameter P, else 0 (a store's `where layer [not] in P`)
+IN_LAYERS = sp.Function("in_layers")
+
+
+def _owned(enc) -> set[str]:
+    """The names of the tensors an operand's encoding stores (`tensor_names`, else its string fields)."""
+    if hasattr(enc, "tensor_names"):
+        return enc.tensor_names
+    if not dataclasses.is_dataclass(enc):
+        return set()
+    return {v for v in (getattr(enc, f.name) for f in dataclasses.fields(enc)) if isinstance(v, str)}
+
+
 def token_bytes(spec: SpecDesc):
-    """Bytes one stored slot costs per KV head and layer (sympy over head_dim, dtype_bytes and the
-    parameters): the per-token tensors, and the per-page ones spread over a page's slots. Per-sequence
-    and per-layer tensors are not per slot."""
+    """Bytes one stored slot costs per KV head in layer `layer` (sympy over layer, head_dim, dtype_bytes
+    and the parameters): the per-token tensors, and the per-page ones spread over a page's slots.
+    Per-sequence and per-layer tensors are not per slot. An operand whose store applies to some layers
+    (`where layer [not] in P`) costs its encoding's bytes there (`in_layers`) and the model dtype's
+    head_dim elsewhere (the runtime's storage classes)."""
+    layer = sp.Symbol("layer")
+
+    def applies(which: str | None):
+        where = spec.layers.get(which) if which else None
+        if not where:
+            return sp.Integer(1)
+        member = IN_LAYERS(layer, sp.Symbol(where["param"]))
+        return member if where["member"] else 1 - member
+
+    owned = {which: _owned(enc) for which, enc in (("k", spec.keys), ("v", spec.values))}
     total = sp.Integer(0)
     for t in spec.tensors:
         if t.extent not in ("token", "page"):
             continue
         size = sp.Mul(*t.shape) * _ELEMENT_BYTES[t.dtype]
-        total += size if t.extent == "token" else size / (spec.page_tokens or PAGE_SIZE)
+        size = size if t.extent == "token" else size / (spec.page_tokens or PAGE_SIZE)
+        total += applies(next((w for w in ("k", "v") if t.name in owned[w]), None)) * size
+    for which in spec.layers:  # stored dense where its store does not apply
+        total += (1 - applies(which)) * HEAD_DIM * _ELEMENT_BYTES[MODEL]
     return sp.simplify(total)
 
 
@@ -716,8 +753,9 @@ class _Emitter:
             p = self.p
             bias = "None" if enc.bias is None else f'"{enc.bias}"'
             sink = p.size(enc.sink)
-            return (f'Delta("{enc.latent}", "kv_neighbours", "kv_centers", "kv_sinks" if {sink} >= 1 else None, '
-                    f'"kv_window", "{enc.down}", "{enc.up}", {bias},\n        every={p.size(enc.every)}, '
+            return (f'Delta("{enc.latent}", "{DELTA_NEIGHBOURS}", "{DELTA_CENTERS}", "{DELTA_SINKS}" if {sink} >= 1 '
+                    f'else None, "{DELTA_WINDOW}", "{enc.down}", "{enc.up}", {bias},\n        '
+                    f'every={p.size(enc.every)}, '
                     f'count={p.size(enc.count)}, sink={sink}, recent={p.size(enc.recent)})')
         if isinstance(enc, LowRank):
             which = enc.latent.removesuffix("_latent")
@@ -748,7 +786,7 @@ class _Emitter:
                 lines.append(f"    {self.resid[enc.residual]} = max(0, math.floor({p.py(enc.residual_tokens)}))")
         for which, enc in self.low_rank.items():  # a model whose KV heads the group does not divide: their gcd
             lines.append(f"    {which}_group = math.gcd(int({p.py(enc.group)}), num_kv_heads)")
-        sinks = {"kv_sinks"} if isinstance(spec.keys, Delta) else set()  # none without sink tokens
+        sinks = {DELTA_SINKS} if isinstance(spec.keys, Delta) else set()  # none without sink tokens
         lines.append("    tensors = [")
         lines += [f"        {self.tensor(t)}," for t in spec.tensors if t.name not in set(self.resid) | sinks]
         lines.append("    ]")

@@ -37,6 +37,11 @@ def _floor(x):
     return math.floor(x)
 
 
+def in_layers(layer, layers):
+    """1 where `layer` is in the list parameter `layers` (a store's `where layer in P`), else 0."""
+    return int(layer in layers)
+
+
 def kept_tokens(context, layer, layers, kv_heads, params):
     """Tokens kept per KV head of `layer` after prefill end of a `context`-token prompt."""
     return int(context)
@@ -47,27 +52,30 @@ def held_tokens(context, layer, layers, kv_heads, params):
     return int(context)
 
 
-def slot_bytes(*, head_dim, dtype_bytes, params):
-    """Bytes one stored slot costs per KV head and layer (the KV spec's per-token and per-page tensors)."""
+def slot_bytes(layer, *, head_dim, dtype_bytes, params):
+    """Bytes a stored slot costs per KV head in `layer` (the KV spec's per-token and per-page tensors)."""
     return 2*head_dim
 
 
 def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):
     """KV bytes of one request after prefill end (the slots it holds), summed over layers."""
-    kept = sum(held_tokens(context, layer, layers, kv_heads, params) for layer in range(layers))
-    return kv_heads * slot_bytes(head_dim=head_dim, dtype_bytes=dtype_bytes, params=params) * kept
+    return kv_heads * sum(held_tokens(context, layer, layers, kv_heads, params)
+                          * slot_bytes(layer, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
+                          for layer in range(layers))
 
 
 def peak_prefill_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):
     """KV bytes while the prompt is prefilled (all of it resident until prefill end)."""
-    return layers * kv_heads * slot_bytes(head_dim=head_dim, dtype_bytes=dtype_bytes, params=params) * context
+    slots = sum(slot_bytes(layer, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
+                for layer in range(layers))
+    return kv_heads * context * slots
 
 
 def steady_bytes(prompt, generated, *, layers, kv_heads, head_dim, dtype_bytes, params):
     """KV bytes after `generated` decode steps."""
-    kept = sum(held_tokens(prompt, layer, layers, kv_heads, params) for layer in range(layers))
-    slot = slot_bytes(head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
-    return kv_heads * slot * (kept + layers * generated)
+    return kv_heads * sum((held_tokens(prompt, layer, layers, kv_heads, params) + generated)
+                          * slot_bytes(layer, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
+                          for layer in range(layers))
 
 
 def budget(context, *, layers, kv_heads, head_dim, dtype_bytes=2, params=None):

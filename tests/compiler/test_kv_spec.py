@@ -135,12 +135,14 @@ def test_kivi_quantized_encodings():
 
 
 @pytest.mark.parametrize("name, params", [("kivi", {"bits": 2}), ("kivi", {"bits": 4, "group_size": 64}),
+                                          ("kivi", {"bits": 2, "dense_layers": [0, 2]}),
                                           ("fp8", {}), ("full", {}), ("quest", {}), ("turboquant", {}),
                                           ("turboquant", {"key_bits": 4, "value_bits": 2})])
 def test_the_budget_formulas_count_the_spec_bytes(name, params):
-    """The manifest's `kv_bytes` (generated `slot_bytes`) is what the runtime spec stores a slot:
-    codes, per-token scales and per-page scales spread over the page (KIVI-2: 96 bytes a KV head at
-    head_dim 128 in bf16, against full's 512)."""
+    """The manifest's `kv_bytes` (generated `slot_bytes`) is what the runtime spec stores a slot in each
+    layer: codes, per-token scales and per-page scales spread over the page (KIVI-2: 96 bytes a KV head
+    at head_dim 128 in bf16, against full's 512), and K and V in bf16 in the layers a `where` leaves
+    dense (the layer's storage class)."""
     import importlib
 
     hooks = importlib.import_module(f"kvc.kernels_generated.{name}.hooks")
@@ -148,13 +150,17 @@ def test_the_budget_formulas_count_the_spec_bytes(name, params):
     values = {**checked.values, **params}
     page = hooks.page_tokens(values) or 16
     spec = generated_kv_spec(name, params)(4, 128, torch.bfloat16, page)
-    slot = hooks.slot_bytes(head_dim=128, dtype_bytes=2, params=values)
-    assert slot * 4 == spec.bytes_per_page(4, page) / page
-    assert hooks.kv_bytes(1000, layers=3, kv_heads=4, head_dim=128, dtype_bytes=2, params=values) == 3 * 4 * slot * 1000
+    slots = [hooks.slot_bytes(layer, head_dim=128, dtype_bytes=2, params=values) for layer in range(3)]
+    for layer, slot in enumerate(slots):
+        dense = hooks.dense_operands(values, layer) if hasattr(hooks, "dense_operands") else []
+        assert slot * 4 == spec.with_dense(tuple(dense), 128, torch.bfloat16).bytes_per_page(4, page) / page
+    shape = dict(layers=3, kv_heads=4, head_dim=128, dtype_bytes=2, params=values)
+    assert hooks.kv_bytes(1000, **shape) == 4 * sum(slots) * 1000
+    assert hooks.peak_prefill_bytes(700, **shape) == 4 * sum(slots) * 700
     if name == "kivi" and params["bits"] == 2:
-        assert slot == 96
+        assert slots == ([512, 96, 512] if params.get("dense_layers") else [96] * 3)
     if name == "turboquant" and not params:  # 3-bit codes of K and V (48 bytes each) and a bf16 RMS each
-        assert slot == 100
+        assert slots == [100] * 3
 
 
 def test_turboquant_rotates_then_indexes_levels():
@@ -194,6 +200,14 @@ def test_deltakv_one_code_for_keys_and_values_in_some_layers():
     `kvc calibrate` trains). It lowers, hooks and all (tests/methods/test_deltakv.py serves it)."""
     data = manifest("deltakv")
     assert data["lowered"] and data["kv_spec"]["reason"] is None
+    # a compressed layer's slot: its code share (64 bf16 channels of 2 x 128 at ratio 0.25), 4 int32 neighbours,
+    # and a page's centers (every 8th slot's raw 2 x 128 bf16) spread over the page; a full layer's: K and V
+    import importlib
+
+    hooks = importlib.import_module("kvc.kernels_generated.deltakv.hooks")
+    values = check_file(METHODS_DIR / "deltakv.kvm").values
+    slots = [hooks.slot_bytes(layer, head_dim=128, dtype_bytes=2, params=values) for layer in range(4)]
+    assert slots == [512, 512, 512, 64 * 2 + 4 * 4 + 2 * 128 * 2 / 8]  # full_layers [0, 1, 2, 8, 18]
     assert data["kv_spec"]["layers"] == {w: {"param": "full_layers", "member": False} for w in "kv"}
     assert set(data["inputs"]) == {"down", "up", "bias"} and data["inputs"]["down"]["file"] == "deltakv.safetensors"
     spec = data["kv_spec"]
