@@ -6,15 +6,15 @@ each variant the shipped methods name once, into `kernels_generated/_attention/<
 (never one copy per method); the engine (runtime/attention/triton_ops.py) loads the module for
 its method through `locate(variant)`.
 
-A variant is the module template `paged_attention.py.jinja` (which includes one template per
-kernel family: `paged_store_kv`, `paged_decode`, `paged_prefill`) plus the code a variant template
-splices in at named points, or a module template of its own (`lowrank`: low-rank latents,
-paged_lowrank.py.jinja). `plain` splices nothing (every method that only reads the cache, `full`
-included); `decode_stats` (methods whose decode hook reads `attn`: H2O, TOVA) makes the decode
-kernels emit the attention statistics; `spec` is rendered `by_spec`: K and V each dense or
-quantized (codes, scales, zero points, residual windows), read-plan decode, quantizing store, and
-the statistics, every encoding parameter a constexpr of the launch. `variant_for_spec` picks one
-from a KV spec (runtime/kv/spec.py) alone. Splice points and what is in scope there:
+A variant is the module template `paged_attention.py.jinja` (which includes one template per kernel
+family: `paged_store_kv`, `paged_decode`, `paged_prefill`) plus the code a variant template splices
+in at named points, or a module template of its own (`lowrank`: low-rank latents,
+paged_lowrank.py.jinja; `delta`: DeltaKV codes, paged_delta.py.jinja). `plain` splices nothing
+(every method that only reads the cache, `full` included); `decode_stats` (methods whose decode hook
+reads `attn`: H2O, TOVA) makes the decode kernels emit the attention statistics; `spec` is rendered
+`by_spec`: K and V each dense or quantized (codes, scales, zero points, residual windows), read-plan
+decode, quantizing store, and the statistics, every encoding parameter a constexpr of the launch.
+`variant_for_spec` picks one from a KV spec (runtime/kv/spec.py) alone. Splice points and what is in scope there:
 
 - `module_doc`, `module_imports`, `module_end`: the module docstring, imports, last code;
 - `store_rows` (store_kv, after loading the new rows): `k`, `v` [BLOCK_H, BLOCK_D], `mask`;
@@ -82,26 +82,31 @@ VARIANTS = {
     "spec": Variant("spec", "paged_variant_spec.py.jinja", True, by_spec=True,
                     reads=("paged_variant_decode_stats.py.jinja",)),
     "lowrank": Variant("lowrank", None, False, module="paged_lowrank.py.jinja"),
+    "delta": Variant("delta", None, False, module="paged_delta.py.jinja"),
 }
 
 
-def variant_for(hook_facts: dict, dense: bool = True, low_rank: bool = False) -> str:
+def variant_for(hook_facts: dict, dense: bool = True, low_rank: bool = False, delta: bool = False) -> str:
     """The variant a method runs (`dense`: K and V stored as they are), from its hook facts (`compiler/hook_facts.py`):
     `spec` when a hook answers with read plans, the one emitting decode statistics when
     decode_after_attention reads `attn`, else `plain` (the engine picks by its KV spec:
     `variant_for_spec`)."""
     after = hook_facts.get("decode_after_attention") or {}
     reads = any(facts.get("reads") for facts in hook_facts.values())
-    return variant_for_spec(dense, bool(after.get("attention")), reads, low_rank)
+    return variant_for_spec(dense, bool(after.get("attention")), reads, low_rank, delta)
 
 
-def variant_for_spec(dense: bool, decode_stats: bool = False, read_plan: bool = False, low_rank: bool = False) -> str:
+def variant_for_spec(dense: bool, decode_stats: bool = False, read_plan: bool = False, low_rank: bool = False,
+                     delta: bool = False) -> str:
     """The variant that reads a KV spec's K/V: `dense` is `KVSpec.dense` (runtime/kv/spec.py: keys
     and values both `Dense`), `decode_stats` whether decode emits statistics, `read_plan` whether
     decode may take a ReadPlan. Dense K/V over whole contexts keep the kernels they always ran
     (`plain`, `decode_stats`); anything else runs `spec`, whose launches take the encodings (bits,
     group, zero point, packing, residual window) as constexprs: one module for every encoding;
-    low-rank latents (`low_rank`: K or V a `LowRank`) run `lowrank`, a module of its own."""
+    low-rank latents (`low_rank`: K or V a `LowRank`) run `lowrank`, a module of its own, and DeltaKV
+    codes (`delta`: the spec's `Delta`) `delta`."""
+    if delta:
+        return "delta"
     if low_rank:
         return "lowrank"
     if dense and not read_plan:
@@ -109,10 +114,10 @@ def variant_for_spec(dense: bool, decode_stats: bool = False, read_plan: bool = 
     return "spec"
 
 
-def manifest_entry(hook_facts: dict, dense: bool = True, low_rank: bool = False) -> dict:
+def manifest_entry(hook_facts: dict, dense: bool = True, low_rank: bool = False, delta: bool = False) -> dict:
     """manifest["attention"]: the variant, its module, and the statistics its decode emits (`dense`:
     the method's K and V are stored as they are)."""
-    name = variant_for(hook_facts, dense, low_rank)
+    name = variant_for(hook_facts, dense, low_rank, delta)
     after = hook_facts.get("decode_after_attention") or {}
     return {"variant": name, "module": f"{FOLDER}/{name}.py",
             "decode_stats": after.get("attention") if VARIANTS[name].emits_decode_stats else None}

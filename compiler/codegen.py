@@ -175,7 +175,8 @@ def generate_ir(method: MethodIR) -> dict[str, str]:
                             'see manifest.json."""\n')
     dense = all(isinstance(enc, kv_spec.Dense) for enc in (spec.keys, spec.values))
     low_rank = any(isinstance(enc, kv_spec.LowRank) for enc in (spec.keys, spec.values))
-    attention_entry = attention.manifest_entry(facts, dense, low_rank)  # the engine's attention kernels it runs
+    delta = isinstance(spec.keys, kv_spec.Delta)
+    attention_entry = attention.manifest_entry(facts, dense, low_rank, delta)  # the engine's attention kernels
     templates += attention.VARIANTS[attention_entry["variant"]].templates
     files["manifest.json"] = _manifest(method, True, None, files, sorted(set(templates)), formulas, plan, spec,
                                        facts, attention_entry)

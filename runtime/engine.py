@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvc.runtime.attention.backend import PagedAttention, class_pages, layer_page_bytes
+from kvc.runtime.attention.backend import PagedAttention, class_pages, layer_page_bytes, seq_rows
 from kvc.runtime.chain_prune import PruneRequest, Pruner, Scorer, parse_auto_prune, resolve_scorer
 from kvc.runtime.chains import ChainSpec, ChainStore
 from kvc.runtime.config import DEFAULT_PAGE_SIZE, EngineConfig
@@ -60,7 +60,6 @@ log = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
 
 
-ROW_SHARE = 0.5  # the most of the KV budget per-sequence rows may take before the engine holds fewer
 
 
 class Engine:
@@ -103,12 +102,12 @@ class Engine:
         # one layer's page: every per-token tensor of the spec, plus its per-page ones; the rows of
         # its per-sequence tensors (a running sequence's, and an idle chain's) come off the budget first
         class_page_bytes = [layer_page_bytes(s, layout.kv_heads, config.page_size) for s in specs]
-        num_rows = 2 * config.max_num_seqs if any(s.uses_rows for s in specs) else 0
-        each_row = sum(s.bytes_per_row(layout.kv_heads, layout.layers) for s in specs) if num_rows else 0
-        if num_rows * each_row > ROW_SHARE * self._kv_budget_bytes():
+        each_row = sum(s.bytes_per_row(layout.kv_heads, layout.layers) for s in specs) \
+            if any(s.uses_rows for s in specs) else 0
+        num_rows = seq_rows(config.max_num_seqs, each_row, self._kv_budget_bytes())
+        if num_rows < 2 * config.max_num_seqs and each_row:
             # rows sized by the longest context (a per-sequence index) would crowd out the pages: fewer
             # rows, and a request waits for one (the rows bound how many sequences run and chains idle)
-            num_rows = max(2, int(ROW_SHARE * self._kv_budget_bytes()) // each_row)
             log.warning("method %s: %.1f MiB per sequence's row of per-sequence tensors; %d rows (as many "
                         "sequences running or chained at most, max_num_seqs %d)", self.method.name, each_row / 2**20,
                         num_rows, config.max_num_seqs)
@@ -136,9 +135,6 @@ class Engine:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         delta = any(s.delta is not None for s in specs)
-        if backend == "triton" and delta:
-            raise ConfigError(f"method {self.method.name!r} stores a DeltaKV code, which the torch attention backend "
-                              "reads so far (attention_backend='torch')", param="attention_backend")
         if backend == "triton":  # this GPU's `kvc tune` configs (runtime/tuning/); one log line
             load_tuned_configs(self.device)
         self.attention = PagedAttention.allocate(

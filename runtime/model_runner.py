@@ -151,7 +151,7 @@ class ModelRunner:
         # decode statistics the method reads, and whether its decode hook gives read plans
         attention.use_variants([variant_for_spec(st.spec.dense, self.method.attention.decode_stats is not None,
                                                  Hook.DECODE_BEFORE_ATTENTION in self.method.hooks,
-                                                 st.spec.low_rank)
+                                                 st.spec.low_rank, st.spec.delta is not None)
                                 for st in attention.stores])
         # a plan executor per storage class (each moves its store's tensors; pages by their store index)
         self.executors = [KVExecutor(st, pool, "triton" if attention.backend == "triton" else "auto",
@@ -162,7 +162,9 @@ class ModelRunner:
                                copy_rows=attention.copy_rows, layer_class=attention.layer_class)
         self.graphs: DecodeGraphs | None = None
         # the torch backend decodes eagerly: its writes sync with the host
-        if use_cuda_graphs and device.type == "cuda" and attention.backend != "torch" and self.method.decode_graphs:
+        # a delta-coded layer's step reads the host (which sequences compress a block): not captured
+        captured = self.method.decode_graphs and not any(st.spec.delta is not None for st in attention.stores)
+        if use_cuda_graphs and device.type == "cuda" and attention.backend != "torch" and captured:
             self.graphs = DecodeGraphs(self, max_num_seqs)
             self.graphs.reserve_stats()  # before a graph captures a view of the statistics buffer
 

@@ -7,7 +7,6 @@
 #   paged_variant_spec.py.jinja
 #   paged_variant_decode_stats.py.jinja
 # for the methods whose manifests name it:
-#   methods/deltakv.kvm
 #   methods/fp8.kvm
 #   methods/kivi.kvm
 #   methods/omnikv.kvm

@@ -88,6 +88,22 @@ def class_pages(kv_memory: int, classes: StorageClasses, num_kv_heads: int, page
     return [per_layer * n for n in layers]
 
 
+ROW_SHARE = 0.5  # the most of the KV budget per-sequence rows may take before the engine holds fewer
+
+
+def seq_rows(max_num_seqs: int, row_bytes: int, kv_memory: int) -> int:
+    """Rows of per-sequence tensors an engine holds (0 when its specs have none, `row_bytes` 0): two a
+    sequence (a running one's and an idle chain's), or, where those would take more than ROW_SHARE of
+    the KV budget (rows sized by the longest context), as many as that share buys, at least two (then
+    the rows bound how many sequences run). The engine and the throughput plan both count with it."""
+    if not row_bytes:
+        return 0
+    rows = 2 * max_num_seqs
+    if rows * row_bytes > ROW_SHARE * kv_memory:
+        rows = max(2, int(ROW_SHARE * kv_memory) // row_bytes)
+    return rows
+
+
 def load_ops(backend: str, device: torch.device, variant: str = "plain") -> ModuleType:
     """The module implementing store_kv / paged_decode / paged_prefill for `backend`: the torch ops,
     or the generated Triton kernels of attention variant `variant` (the method's manifest names it)."""
@@ -399,7 +415,9 @@ class PagedAttention:
             if stats is not None or (read is not None and read.tokens is None):
                 raise NotImplementedError("a delta-coded layer takes token read plans, not page plans or decode "
                                           "statistics")
-            return delta_ops.forward(k_cache, q, k, v, md, layer_idx, scale, read)
+            kernel = self.class_ops[self.layer_class[layer_idx]] if self.backend == "triton" else None
+            return delta_ops.forward(k_cache, q, k, v, md, layer_idx, scale, read,
+                                     decode=None if kernel is None else kernel.delta_decode)
         store = self.store_of(layer_idx)
         tables, lens = md.block_tables[layer_idx], md.context_lens[layer_idx]
         resid = None if md.resid_lens is None or not store.residual_window else md.resid_lens[layer_idx]

@@ -5,9 +5,9 @@ reference + code), its own new tokens as computed, causal attention; then the ne
 store (`DeltaPages.store`, which compresses the block that is due). A decode row with a token
 `ReadPlan` reads the positions its KV heads list (each head its own), its `last` newest, and
 always the raw tail the store keeps (`Delta.compressed`: the uncompressed buffer, as the
-reference's cache reads it). A Python loop over the step's
-sequences, as a reference path: the Triton tile that reads codes is not written yet (docs/design.md,
-"DeltaKV").
+reference's cache reads it). A Python loop over the step's sequences, the reference path; on the
+Triton backend the decode rows attend in the `delta` variant's kernel instead
+(compiler/templates/paged_delta.py.jinja), and decode rows are stored together.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import torch
 from kvc.runtime.attention.metadata import AttentionMetadata
 from kvc.runtime.kv.delta_pages import DeltaPages
 from kvc.runtime.kv.plans import ReadPlan
+
+
+QUERY_BLOCK = 256  # a prefill chunk's queries attend this many at a time (their logits: Hq x 256 x L floats)
 
 
 def _sequences(md: AttentionMetadata, layer: int) -> list[tuple[int, int, int, int, int]]:
@@ -31,21 +34,36 @@ def _sequences(md: AttentionMetadata, layer: int) -> list[tuple[int, int, int, i
 
 def store(source: DeltaPages, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, layer: int,
           sequences: list[tuple[int, int, int, int, int]] | None = None) -> None:
-    """The step's k, v [T, Hkv, D] (keys after RoPE) into each sequence's layer."""
+    """The step's k, v [T, Hkv, D] (keys after RoPE) into each sequence's layer: the sequences with one new
+    token (decode rows) together (`DeltaPages.store_tokens`), the others one by one."""
     tables = md.block_tables[layer]
     x = torch.cat([k, v], dim=-1)
-    for b, row, at, n, before in sequences if sequences is not None else _sequences(md, layer):
-        source.store(tables[b], row, before, x[at:at + n])
+    sequences = sequences if sequences is not None else _sequences(md, layer)
+    singles = [s for s in sequences if s[3] == 1]
+    if singles:
+        index = torch.tensor([b for b, *_ in singles], device=x.device)
+        source.store_tokens(tables[index], [row for _, row, *_ in singles], [before for *_, before in singles],
+                            x[torch.tensor([at for _, _, at, *_ in singles], device=x.device)])
+    for b, row, at, n, before in sequences:
+        if n > 1:
+            source.store(tables[b], row, before, x[at:at + n])
 
 
 def forward(source: DeltaPages, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
-            layer: int, scale: float, read: ReadPlan | None = None) -> torch.Tensor:
+            layer: int, scale: float, read: ReadPlan | None = None, decode=None) -> torch.Tensor:
     """Attention output [T, Hq, D] of the step's queries q [T, Hq, D] over each sequence's stored
     tokens (a decode row's as `read` lists them) and its own new ones (k, v [T, Hkv, D]); then the
-    new tokens are stored."""
+    new tokens are stored. `decode` (the `delta` variant's `delta_decode`, on the Triton backend)
+    computes the decode rows' outputs instead of this module's loop."""
     out = torch.zeros_like(q)
     tables, sequences = md.block_tables[layer], _sequences(md, layer)
+    d = md.num_decodes if decode is not None else 0
+    if d:
+        decode(source, q[:d], k[:d], v[:d], tables[:d], md.context_lens[layer, :d], md.rows[:d], scale, read,
+               out=out[:d])
     for b, row, at, n, before in sequences:
+        if b < d:
+            continue
         positions, listed = torch.arange(before, device=q.device), None
         if read is not None and b < md.num_decodes:
             positions, listed = _listed(source, read, b, before)
@@ -79,14 +97,19 @@ def causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, stored: in
     causal among them: [n, Hq, D] float32."""
     n, heads = q.shape[0], q.shape[1]
     group = heads // keys.shape[0]
+    length = keys.shape[1]
     k = keys.repeat_interleave(group, 0)  # [Hq, L, D]
     w = values.repeat_interleave(group, 0)
-    logits = torch.einsum("nhd,hld->hnl", q.float(), k) * scale
-    length = keys.shape[1]
-    mask = torch.arange(length, device=q.device)[None, :] > (stored + torch.arange(n, device=q.device))[:, None]
-    mask = mask[None].expand(heads, -1, -1)
+    hidden = None
     if listed is not None:
-        hidden = torch.cat([~listed, listed.new_zeros(listed.shape[0], n)], dim=1)  # [Hkv, L]
-        mask = mask | hidden.repeat_interleave(group, 0)[:, None, :]
-    logits = logits.masked_fill(mask, float("-inf"))
-    return torch.einsum("hnl,hld->nhd", logits.softmax(-1), w)
+        hidden = torch.cat([~listed, listed.new_zeros(listed.shape[0], n)], dim=1).repeat_interleave(group, 0)
+    out = q.new_empty(n, heads, q.shape[-1], dtype=torch.float32)
+    for first in range(0, n, QUERY_BLOCK):  # the logits of a block of queries at a time: [Hq, block, L]
+        rows = slice(first, min(n, first + QUERY_BLOCK))
+        at = torch.arange(rows.start, rows.stop, device=q.device)
+        mask = (torch.arange(length, device=q.device)[None, :] > (stored + at)[:, None])[None]
+        if hidden is not None:
+            mask = mask | hidden[:, None, :]
+        logits = torch.einsum("nhd,hld->hnl", q[rows].float(), k) * scale
+        out[rows] = torch.einsum("hnl,hld->nhd", logits.masked_fill(mask, float("-inf")).softmax(-1), w)
+    return out

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from kvc.runtime.attention.backend import class_pages, layer_page_bytes
+from kvc.runtime.attention.backend import class_pages, layer_page_bytes, seq_rows
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv.layout import CacheLayout
@@ -161,13 +161,14 @@ def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_le
     # classes to run out together, at equal tokens per layer)
     page_bytes = -(-sum(layer_page_bytes(classes.spec_of(layer), layout.kv_heads, page_size)
                         for layer in range(layout.layers)) // layout.layers)
-    # two rows of the per-sequence tensors a sequence and the LAYER tensors (stored once) come off
-    # the budget first, as the engine's
-    seat_bytes = 2 * sum(s.bytes_per_row(layout.kv_heads, layout.layers) for s in classes.specs)
+    # the rows of the per-sequence tensors (`seq_rows`: two a seat, fewer where they would crowd out
+    # the pages) and the LAYER tensors (stored once) come off the budget first, as the engine's
+    row_bytes = sum(s.bytes_per_row(layout.kv_heads, layout.layers) for s in classes.specs) \
+        if any(s.uses_rows for s in classes.specs) else 0
     fixed = sum(s.bytes_per_layers(layout.kv_heads, layout.layers) for s in classes.specs)
 
     def pages(seats: int) -> int:
-        left = kv_memory - fixed - seats * seat_bytes
+        left = kv_memory - fixed - seq_rows(seats, row_bytes, kv_memory) * row_bytes
         return sum(class_pages(left, classes, layout.kv_heads, page_size)) if left > 0 else 0
 
     budget, layers = method.budget, range(layout.layers)
@@ -178,8 +179,10 @@ def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_le
     fits = pages(0) // per_seq
     while fits > 0 and fits * per_seq > pages(fits):  # rows take part of the pool
         fits -= 1
+    if row_bytes:  # a sequence runs in a row: capped rows bound the batch
+        fits = min(fits, seq_rows(max(1, fits), row_bytes, kv_memory))
     batch = min(fits, max_batch)
-    num_pages = pages(max(1, batch)) if seat_bytes else pages(0)
+    num_pages = pages(max(1, batch)) if row_bytes else pages(0)
     fits = fits if peak <= num_pages else 0
     return BatchPlan(num_pages, page_bytes, per_seq, sum(steady) / len(steady), peak, fits, min(fits, max_batch),
                      evict_interval)

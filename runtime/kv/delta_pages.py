@@ -105,6 +105,31 @@ class DeltaPages:
         if tail.any():
             self.window[row, :, positions[tail] % (2 * enc.recent)] = x[tail].transpose(0, 1)
 
+    @torch.no_grad()
+    def store_tokens(self, tables: torch.Tensor, rows: list[int], befores: list[int], x: torch.Tensor) -> None:
+        """One new token each for several sequences (decode rows), as `store` would write them one by one:
+        x [n, Hkv, 2 D] (keys after RoPE) at positions `befores`, of the sequences in `rows` over page
+        tables `tables` [n, pages]. Blocks now due are compressed first (from the window: a single new
+        token is never in its own block); then each token enters its sinks or its window slot."""
+        enc, half = self.enc, self.head_dim
+        device = x.device
+        for i, (row, before) in enumerate(zip(rows, befores)):
+            old, new = enc.sink + enc.compressed(before), enc.sink + enc.compressed(before + 1)
+            if new > old:
+                block = torch.arange(old, new, device=device)
+                self._compress(tables[i], row, block, self.window[row, :, block % (2 * enc.recent)].transpose(0, 1))
+        positions = torch.tensor(befores, device=device)
+        k_pre = lowrank.rope(x[..., :half].transpose(0, 1), positions, self.inv_freq, inverse=True).transpose(0, 1)
+        x = torch.cat([k_pre, x[..., half:].float()], dim=-1).to(self.dtype)
+        sink = [before < enc.sink for before in befores]
+        for into, where in ((True, self.sinks), (False, self.window)):
+            pick = [i for i, s in enumerate(sink) if s == into]
+            if not pick:
+                continue
+            at = torch.tensor(pick, device=device)
+            slots = positions[at] if into else positions[at] % (2 * enc.recent)
+            where[torch.tensor([rows[i] for i in pick], device=device), :, slots] = x[at]
+
     def _compress(self, table: torch.Tensor, row: int, block: torch.Tensor, rows: torch.Tensor) -> None:
         """Block positions `block` (ascending, past the sinks) with raw vectors `rows` [m, Hkv, 2 D]:
         centers into their pages' rows, every token's neighbours and code."""

@@ -39,9 +39,10 @@ def test_compile_all_twice_is_byte_identical(tmp_path: Path):
     second = {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
     assert first == second
     # every variant, also one no manifest names (`spec`: the engine picks it by KV spec)
-    assert sorted(n for n in first if n.startswith("_attention/")) == [
-        "_attention/decode_stats.py", "_attention/lowrank.py", "_attention/plain.py", "_attention/spec.py"]
-    for name in ("_attention/plain.py", "_attention/decode_stats.py", "_attention/spec.py", "_attention/lowrank.py"):
+    variants = ["_attention/decode_stats.py", "_attention/delta.py", "_attention/lowrank.py", "_attention/plain.py",
+                "_attention/spec.py"]
+    assert sorted(n for n in first if n.startswith("_attention/")) == variants
+    for name in variants:
         assert first[name] == (OUTPUT_DIR / name).read_bytes()  # the committed modules are these
 
 

@@ -1,8 +1,9 @@
 """Compiles the `spec` attention module's store, decode and prefill kernels for an H100/H200
 (sm90) with FP8 operands, or KIVI's 2-bit ones (keys a block at a time, with the flush kernel), or
-TurboQuant's (rotated) on a machine without a GPU: Triton's front end, its passes and ptxas run as
-they would on the GPU, so a kernel that does not compile for the hardware fails here too. `python -m
-tests.kernels.sm90_compile CODES` (fp8e4nv, fp8e5, int2 or sphere3); tests/kernels/test_fp8.py and
+TurboQuant's (rotated), or the `delta` module's decode, on a machine without a GPU: Triton's front
+end, its passes and ptxas run as they would on the GPU, so a kernel that does not compile for the
+hardware fails here too. `python -m tests.kernels.sm90_compile CODES` (fp8e4nv, fp8e5, int2, sphere3
+or delta); tests/kernels/test_fp8.py and
 tests/methods/test_kivi.py run it in a subprocess (the interpreter, TRITON_INTERPRET=1, replaces
 kernels with Python)."""
 
@@ -38,9 +39,29 @@ def build(fn, consts: dict, pointers: dict, **options) -> str:
     return kernel.asm["ptx"]
 
 
+def delta() -> None:
+    """The `delta` variant's decode kernel at DeltaKV's defaults on the Qwen3-30B-A3B shape (head_dim 128,
+    4 KV heads of 8 query heads, a code of 4 x 64 channels), bf16, over token plans and over every position."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvc_delta_sm90", attention.locate("delta"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    pointers = {n: "*bf16" for n in ("q_ptr", "latent_ptr", "centers_ptr", "sinks_ptr", "window_ptr", "up_ptr",
+                                     "bias_ptr")}
+    pointers |= {n: "*i32" for n in ("tables_ptr", "lens_ptr", "rows_ptr", "plan_ptr", "last_ptr", "near_ptr")}
+    shape = dict(GROUP=8, BLOCK_H=16, HEAD_DIM=128, BLOCK_HALF=64, CODE=256, SHARE=64, BLOCK_C=256, PAGE_SIZE=16,
+                 SINK=8, RECENT=128, EVERY=8, COUNT=4, HAS_BIAS=True, BLOCK_N=32, PRECISION="tf32")
+    for read in (True, False):
+        build(mod._delta_decode_kernel, dict(READ=read, HAS_LAST=read, **shape), pointers, num_warps=4)
+    print("compiled for sm90: delta")
+
+
 def main(codes: str) -> None:
     import importlib.util
 
+    if codes == "delta":
+        return delta()
     path = attention.locate("spec")
     spec = importlib.util.spec_from_file_location("kvc_spec_sm90", path)
     mod = importlib.util.module_from_spec(spec)

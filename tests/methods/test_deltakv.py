@@ -163,16 +163,25 @@ def test_a_chain_and_a_preemption_carry_the_rows(model_dir, hf, monkeypatch, tmp
     served.preemption_recomputes(llm, spy, Continued.generate, lambda: Continued(hf, inputs), 16, False, 30)
 
 
-@pytest.mark.parametrize("chunk", [None, 9])
-def test_deltakv_reads_the_full_layers_choice(model_dir, hf, monkeypatch, tmp_path, chunk: int | None) -> None:
+@pytest.mark.parametrize("chunk,backend", [(None, "torch"), (9, "torch"), (9, "triton")])
+def test_deltakv_reads_the_full_layers_choice(model_dir, hf, monkeypatch, tmp_path, chunk: int | None,
+                                              backend: str) -> None:
     """methods/deltakv.kvm itself: layer 1 (full) chooses the 6 tokens of the largest logit and layers
     2 and 3 read the sinks, that choice and the raw tail from their codes (layer 0, before the first
     full layer, reads everything): the oracle's tokens and logits, which differ from reading every
-    token."""
+    token. On the Triton backend (interpreted here) the decode rows of the coded layers attend in the
+    `delta` variant's kernel, the full layer in `spec`'s."""
     spy = Logits(monkeypatch)
     inputs = compressor_file(tmp_path / "c", 0.25)
     options = {} if chunk is None else {"max_num_batched_tokens": chunk, "max_prefill_chunk": chunk}
-    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
+    device = "cpu"
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from tests.kernels.paged_cases import triton_device_and_ops
+
+        device = triton_device_and_ops("delta")[0].type
+        options["cuda_graphs"] = False
+    config = EngineConfig(model=str(model_dir), device=device, dtype="float32", attention_backend=backend,
                           kv_cache_memory=2**22, method="deltakv",
                           method_params={**PARAMS, "ratio": 0.25, "selected": 6}, method_inputs=str(inputs),
                           **{"max_num_batched_tokens": 4096, **options})
@@ -184,5 +193,7 @@ def test_deltakv_reads_the_full_layers_choice(model_dir, hf, monkeypatch, tmp_pa
     state = deltakv.session(hf, chosen, compressor)
     tokens, logits, _ = oracle(hf, inputs, ids, 14, chunk=chunk, state=state, params=chosen)
     assert all(len(reads[2]) < 41 for reads in state.reads)  # the oracle really read a subset
-    check(out.token_ids, spy.of(params), (tokens, logits))
+    if backend == "triton":
+        assert sorted(llm.engine.attention.variants) == ["delta", "spec"]
+    check(out.token_ids, spy.of(params).cpu(), (tokens, logits))
     assert (oracle(hf, inputs, ids, 14, chunk=chunk)[1] - logits).abs().max() > 1e-3

@@ -433,9 +433,9 @@ def test_constructs_the_compiler_refuses(tmp_path: Path, change, reason) -> None
 
 def test_rows_too_large_for_every_seat_bound_the_running_sequences(model_dir) -> None:
     """Rows sized by a long max_model_len for 2 x max_num_seqs would take the whole budget: the
-    engine holds as many as half the budget buys (engine.ROW_SHARE), requests wait for a row, and
+    engine holds as many as half the budget buys (backend.ROW_SHARE), requests wait for a row, and
     the tokens are those of an engine with a row for everyone."""
-    from kvc.runtime.engine import ROW_SHARE
+    from kvc.runtime.attention.backend import ROW_SHARE
 
     prompts = [prompt(n, seed) for n, seed in ((23, 1), (37, 2), (9, 3), (30, 4), (17, 5))]
     roomy = make_llm(model_dir, max_model_len=256)
