@@ -390,10 +390,11 @@ class ModelRunner:
         def to_dev(values, dtype=None):
             return to_device(values, dev, dtype)
 
-        rows = resid = None
+        rows = resid = host_rows = None
         if self.attention.num_rows:  # the per-sequence rows (the scratch row: a sequence without one)
             scratch = self.attention.scratch_row
-            rows = to_dev([scratch if s.row is None else s.row for s in batch.seqs], torch.int32)
+            host_rows = [scratch if s.row is None else s.row for s in batch.seqs]
+            rows = to_dev(host_rows, torch.int32)
         window = self.attention.residual_window
         if window:  # each layer's residual slots before the step (the ops add the step's own)
             resid = to_dev(np.array([s.resid_lens for s in batch.seqs], dtype=np.int64).T, torch.int32)
@@ -410,6 +411,7 @@ class ModelRunner:
             rows=rows,
             resid_lens=resid,
             prompt_lens=to_dev([list(p) for p in zip(*prompts)], torch.int32),
+            host_cu_seqlens=cu, host_context_lens=ctx, host_rows=host_rows,
         )
         return StepInputs(to_dev(ids, torch.int64), to_dev(positions, torch.int64), md, sample_rows, sample_seqs)
 

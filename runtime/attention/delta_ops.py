@@ -24,10 +24,10 @@ QUERY_BLOCK = 256  # a prefill chunk's queries attend this many at a time (their
 
 def _sequences(md: AttentionMetadata, layer: int) -> list[tuple[int, int, int, int, int]]:
     """(index, its row, first row of its tokens, its new tokens, stored before the step) per sequence
-    with new tokens."""
-    cu = md.cu_seqlens_q.tolist()
-    lens = md.context_lens[layer].tolist()
-    rows = md.rows.tolist()
+    with new tokens (from the step's host copies where it has them: no device read)."""
+    cu = md.host_cu_seqlens if md.host_cu_seqlens is not None else md.cu_seqlens_q.tolist()
+    lens = md.host_context_lens[layer] if md.host_context_lens is not None else md.context_lens[layer].tolist()
+    rows = md.host_rows if md.host_rows is not None else md.rows.tolist()
     return [(b, rows[b], cu[b], cu[b + 1] - cu[b], lens[b] - (cu[b + 1] - cu[b]))
             for b in range(len(cu) - 1) if cu[b + 1] > cu[b]]
 

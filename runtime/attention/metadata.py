@@ -75,6 +75,11 @@ class AttentionMetadata:
     # decode hook: the prompt, or prompt + generated after a recompute; a chain's reused history
     # counted as stored); None where the step builds no decode views
     prompt_lens: torch.Tensor | None = None
+    # host copies of cu_seqlens_q, context_lens [L][B] and rows, where the step was built on the host (the
+    # runner's eager steps; None in a graph replay): ops that need host values read these, not the device
+    host_cu_seqlens: list[int] | None = None
+    host_context_lens: list[list[int]] | None = None
+    host_rows: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
