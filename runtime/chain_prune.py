@@ -231,20 +231,20 @@ def resolve_scorer(request: PruneRequest, served, default: str | None = None) ->
 class Pruner:
     """Applies prunes to idle chain records of one engine (in the engine thread, between steps)."""
 
-    def __init__(self, store, executor, num_layers: int, num_classes: int = 1) -> None:
+    def __init__(self, store, executors, num_layers: int, layer_class: tuple[int, ...] | None = None,
+                 page_starts: list[int] | None = None) -> None:
         self.store = store  # the chain store
-        self.executor = executor  # the KV store's plan executor: every spec tensor moves with the K/V
+        # each storage class's plan executor (every spec tensor of its store moves with the K/V), the class of
+        # each layer, and the pool id of each class's first page (a class's store indexes its pages from 0)
+        self.executors = list(executors)
         self.num_layers = num_layers
-        self.num_classes = num_classes  # storage classes of the KV cache (the executor moves one store's)
+        self.layer_class = tuple(layer_class) if layer_class is not None else (0,) * num_layers
+        self.page_starts = list(page_starts) if page_starts is not None else [0] * len(self.executors)
 
     def check_prunable(self) -> None:
         """Raises InvalidPrune where the served KV spec cannot drop tokens from a chain: keys stored
-        before RoPE are read at their slots' positions, which a prune would shift; layers stored in
-        several layouts (storage classes) move through one store's executor only so far."""
-        if self.num_classes > 1:
-            raise InvalidPrune(f"the served method stores its layers in {self.num_classes} KV layouts (storage "
-                               "classes); chain prunes move one layout's tokens so far", param="chain_id")
-        if self.executor.store.spec.prerope:
+        before RoPE are read at their slots' positions, which a prune would shift."""
+        if any(e.store.spec.prerope for e in self.executors):
             raise InvalidPrune("the served method stores keys before RoPE, each read at its slot's position: its "
                                "chains cannot drop tokens", param="chain_id")
 
@@ -279,10 +279,14 @@ class Pruner:
 
     def _prune_layer(self, record, layer: int, ranges, request: PruneRequest, scorer: Scorer,
                      report: PruneReport) -> int:
-        """Prunes one layer; returns the largest logical position it dropped (-1: none)."""
-        store = self.executor.store
+        """Prunes one layer (through its storage class's store and executor, over its store's page
+        indices); returns the largest logical position it dropped (-1: none)."""
+        cls = self.layer_class[layer]
+        executor = self.executors[cls]
+        store, first = executor.store, self.page_starts[cls]
         device, kv_heads, page = store.device, store.num_kv_heads, store.page_size
         table, length = record.page_tables[layer], record.kv_lens[layer]
+        local = [p - first for p in table]
         starts = record.kv_starts[layer]
         history = len(record.tokens)
         positions = full_map(record.positions[layer], length, history, kv_heads, device)
@@ -296,7 +300,9 @@ class Pruner:
             drops.append(wanted if starts is not None else [min(wanted)] * kv_heads)
         if not any(d for per_head in drops for d in per_head):
             return -1
-        keys = LayerCacheView(store, table, length, starts, layer).keys()  # the layer: per-layer scales
+        # the layer (per-layer scales) and the row's window (the newest slots of a spec with one)
+        keys = LayerCacheView(store, local, length, starts, layer, row=record.row,
+                              resid_len=record.resid_lens[layer]).keys()
         stored = record.window_queries[layer]
         if stored is None or not scorer.query_window:  # a scorer that reads no queries
             stored = keys.new_zeros((0, self.num_heads(keys, stored), keys.shape[-1]))
@@ -325,11 +331,11 @@ class Pruner:
         for h in range(kv_heads):
             keep[h, : counts[h]] = slots[kept_mask[h]]
         self._own_pages(record, layer, -(-physical // page))
-        job = CompactionJob(record.page_tables[layer], length, keep,
+        job = CompactionJob([p - first for p in record.page_tables[layer]], length, keep,
                             None if len(set(counts)) == 1 else torch.tensor(counts), starts)
         batch = batch_of_jobs(store.token_tensors()[0], [job])
         windows = [(record.row, record.resid_lens[layer])]  # a spec written a block at a time re-stores
-        done = batch.result(0, self.executor.compact(batch, layer=layer, windows=windows))
+        done = batch.result(0, executor.compact(batch, layer=layer, windows=windows))
         record.positions[layer] = compact_map(record.positions[layer], length, history, keep, counts, done.length)
         self._move_state(record, layer, keep, counts, done.length, length)
         keep_pages = -(-done.length // page)
@@ -341,20 +347,21 @@ class Pruner:
         return int(positions[dropped].max())
 
     def _own_pages(self, record, layer: int, count: int) -> None:
-        """Copy-on-write: the first `count` pages of the record's layer become its own."""
-        pool, table = self.store.pool, record.page_tables[layer]
+        """Copy-on-write: the first `count` pages of the record's layer become its own (pages of the
+        layer's storage class; pool ids, which the executor's page copy maps to its store)."""
+        pool, table, cls = self.store.pool, record.page_tables[layer], self.layer_class[layer]
         for index in range(min(count, len(table))):
             if pool.is_shared(table[index]):
-                self.executor.own_page(table, index, [self._allocate(record)])
+                self.executors[cls].own_page(table, index, [self._allocate(record, cls)])
 
-    def _allocate(self, record) -> int:
+    def _allocate(self, record, cls: int) -> int:
         pool = self.store.pool
-        while pool.num_free < 1:
+        while pool.free_in(cls) < 1:
             if not self.store.evict_idle(exclude=record):  # never the chain being pruned
                 raise ChainCapacity("no free KV page to copy a shared page of the chain before pruning it; "
                                     "retry later", param="chain_id")
         try:
-            return pool.allocate(1)[0]
+            return pool.allocate(1, cls)[0]
         except PoolExhausted:
             raise ChainCapacity("no free KV page to prune the chain; retry later", param="chain_id") from None
 

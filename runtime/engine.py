@@ -210,7 +210,8 @@ class Engine:
             grammars=self.grammars,
         )
         self.sequences: dict[int, Sequence] = {}
-        self.pruner = Pruner(self.chains, self.runner.executor, layout.layers, classes.num_classes)
+        self.pruner = Pruner(self.chains, self.runner.executors, layout.layers, self.attention.layer_class,
+                             self.attention.page_starts)
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
         if self.auto_prune is not None:
             try:

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvc.runtime.chain_prune import InvalidPrune
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.engine import Engine
 from kvc.runtime.errors import ConfigError
@@ -193,8 +192,7 @@ def test_dense_layers_are_a_storage_class_of_their_own(model_dir, hf, monkeypatc
     assert 2**22 - sum(page_bytes) < used <= 2**22
     with pytest.raises(TypeError, match="storage classes"):
         engine.attention.store  # noqa: B018 -- one store per class: asking for "the" store is a bug
-    with pytest.raises(InvalidPrune, match="2 KV layouts"):
-        engine.pruner.check_prunable()
+    engine.pruner.check_prunable()  # chain prunes move each class's tokens (test_a_chain_prune_over_both_classes)
     from kvc.runtime.bench.plan import plan_batch  # the throughput plan sizes the classes as the engine does
 
     plan = plan_batch(engine.method, engine.spec, 2**22, GROUP, 48, 16, 10**6)
@@ -213,6 +211,51 @@ def test_dense_layers_are_a_storage_class_of_their_own(model_dir, hf, monkeypatc
     assert (ref.generate(hf, session(), prompts[1], 12)[1] - spy.of(params[1])).abs().max() > 10 * ATOL
     served.chain_continued_and_forked(llm, spy, partial(ref.generate, hf), mixed)
     served.preemption_recomputes(llm, spy, partial(ref.generate, hf), mixed, GROUP, False, 14)
+
+
+def test_a_chain_prune_over_both_classes(model_dir) -> None:
+    """`dense_layers = [0]`: a chain prune drops the same logical tokens in the dense layer's class and in
+    the codes' class, each through its own store and executor over its store's page indices: the dense
+    layer keeps its stored keys exactly (slots move), the coded layer's kept keys are decoded and stored
+    again (a fresh prefill of them: within a requantization step of what they were); the pool's books
+    balance, and the chain continues on the pruned pages."""
+    from kvc.runtime.chain_prune import PruneRequest
+    from kvc.runtime.chains import ChainSpec
+    from kvc.runtime.kv.positions import full_map
+    from kvc.runtime.method_api import LayerCacheView
+
+    llm = make_llm(model_dir, method_params={**PARAMS, "dense_layers": [0]}, prune_scorer="snapkv")
+    engine = llm.engine
+    ids = prompt(40, 6)
+    first = llm.generate(ids, greedy(5), chain=ChainSpec(open=True))[0]
+    record = next(r for r in engine.chains.records() if r.chain_id == first.chain_id)
+
+    def keys(layer: int) -> torch.Tensor:
+        cls = engine.attention.layer_class[layer]
+        local = [p - engine.attention.page_starts[cls] for p in record.page_tables[layer]]
+        view = LayerCacheView(engine.attention.stores[cls], local, record.kv_lens[layer], record.kv_starts[layer],
+                              layer, row=record.row, resid_len=record.resid_lens[layer])
+        return view.keys().clone()
+
+    assert engine.attention.page_starts[1] > 0  # the codes' class has pool ids of its own
+    before = [keys(layer) for layer in range(2)]
+    report = engine.prune_chain(first.chain_id, None, PruneRequest(token_ranges=((4, 30),), keep=0.5,
+                                                                   scorer="snapkv", scorer_params={"window": 4}))
+    check_books(engine)
+    assert report["stored_tokens"] == report["stored_tokens_before"] - 2 * 13
+    for layer in range(2):
+        held = full_map(record.positions[layer], record.kv_lens[layer], len(record.tokens), 2, torch.device("cpu"))
+        after = keys(layer)
+        want = torch.stack([before[layer][h, held[h]] for h in range(2)])
+        if layer == 0:
+            assert torch.equal(after, want)
+        else:
+            step = (before[layer].amax() - before[layer].amin()) / 3
+            assert (after - want).abs().max() <= step
+    convo = ids + first.token_ids + prompt(6, 7)
+    second = llm.generate(convo, greedy(4), chain=ChainSpec(continue_id=first.chain_id))[0]
+    assert second.num_cached_tokens == len(ids) + 4 and len(second.token_ids) == 4
+    check_books(engine)
 
 
 def test_bad_parameters_are_clear_errors(model_dir) -> None:
