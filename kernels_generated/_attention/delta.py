@@ -18,14 +18,19 @@ runtime/kv/delta_pages.py is the reference of the arithmetic.
   value's up projection is absorbed: a program accumulates `p @ code`, and after the splits and the
   step's own token are merged one product applies `up_v` (no value is rebuilt per token). No dense copy
   of the cache.
-- `store_kv`, `paged_decode`, `paged_prefill`: a delta layer is written and prefilled through
-  delta_ops; these entry points say so.
+- `delta_prefill`: one sequence's prefill chunk in the decompressed form: its stored tokens decoded
+  (`DeltaPages.read`, keys at their positions) and its own as computed, into a transient dense paged
+  tensor that `plain`'s causal prefill kernel reads (as the `lowrank` variant prefills).
+- `store_kv`, `paged_decode`, `paged_prefill`: a delta layer is written through delta_ops, which calls
+  the two above; these entry points say so.
 """
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kvc.runtime.attention import triton_ops
 from kvc.runtime.kv.delta_pages import DeltaPages
 from kvc.runtime.kv.plans import ReadPlan
 
@@ -42,7 +47,7 @@ def paged_decode(*args, **kwargs):
 
 
 def paged_prefill(*args, **kwargs):
-    raise NotImplementedError("a delta-coded layer prefills through runtime/attention/delta_ops.py")
+    raise NotImplementedError("a delta-coded layer prefills through `delta_prefill`")
 
 
 @triton.jit
@@ -272,3 +277,25 @@ def delta_decode(source: DeltaPages, q: torch.Tensor, k_new: torch.Tensor, v_new
     values = values + torch.einsum("bhc,hdc->bhd", codes, up_v[kv])
     out.copy_(values / total[..., None])
     return out
+
+
+def delta_prefill(source: DeltaPages, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, table: torch.Tensor,
+                  row: int, stored: int, scale: float) -> torch.Tensor:
+    """One sequence's prefill chunk q [n, Hq, D] (its tokens at positions stored..stored + n - 1) over its
+    `stored` tokens as the layer holds them and its own keys (after RoPE) and values k_new, v_new [n, Hkv,
+    D] as computed, causal: [n, Hq, D] (module docstring)."""
+    n, page = q.shape[0], source.page_size
+    keys, values = source.read(table, row, torch.arange(stored, device=q.device), stored)  # [Hkv, stored, D]
+    length = stored + n
+    pages = triton.cdiv(length, page)
+
+    def paged(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:  # [Hkv, L, D] -> [pages, Hkv, S, D]
+        x = torch.cat([old.to(q.dtype), new.transpose(0, 1).to(q.dtype)], dim=1)
+        x = F.pad(x, (0, 0, 0, pages * page - length))
+        return x.view(x.shape[0], pages, page, x.shape[-1]).transpose(0, 1).contiguous()
+
+    tables = torch.arange(pages, device=q.device, dtype=torch.int32)[None]
+    cu = torch.tensor([0, n], device=q.device, dtype=torch.int32)
+    lens = torch.tensor([length], device=q.device, dtype=torch.int32)
+    return triton_ops.load("plain").paged_prefill(q, paged(keys, k_new), paged(values, v_new), tables, cu, lens,
+                                                  scale, n)

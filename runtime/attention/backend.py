@@ -415,9 +415,8 @@ class PagedAttention:
             if stats is not None or (read is not None and read.tokens is None):
                 raise NotImplementedError("a delta-coded layer takes token read plans, not page plans or decode "
                                           "statistics")
-            kernel = self.class_ops[self.layer_class[layer_idx]] if self.backend == "triton" else None
-            return delta_ops.forward(k_cache, q, k, v, md, layer_idx, scale, read,
-                                     decode=None if kernel is None else kernel.delta_decode)
+            kernels = self.class_ops[self.layer_class[layer_idx]] if self.backend == "triton" else None
+            return delta_ops.forward(k_cache, q, k, v, md, layer_idx, scale, read, kernels=kernels)
         store = self.store_of(layer_idx)
         tables, lens = md.block_tables[layer_idx], md.context_lens[layer_idx]
         resid = None if md.resid_lens is None or not store.residual_window else md.resid_lens[layer_idx]

@@ -6,8 +6,9 @@ store (`DeltaPages.store`, which compresses the block that is due). A decode row
 `ReadPlan` reads the positions its KV heads list (each head its own), its `last` newest, and
 always the raw tail the store keeps (`Delta.compressed`: the uncompressed buffer, as the
 reference's cache reads it). A Python loop over the step's sequences, the reference path; on the
-Triton backend the decode rows attend in the `delta` variant's kernel instead
-(compiler/templates/paged_delta.py.jinja), and decode rows are stored together.
+Triton backend the `delta` variant's kernels attend instead (compiler/templates/paged_delta.py.jinja:
+the decode rows in one launch, each prefill chunk through `plain`'s prefill over its decoded tokens).
+Decode rows are stored together.
 """
 
 from __future__ import annotations
@@ -50,19 +51,24 @@ def store(source: DeltaPages, k: torch.Tensor, v: torch.Tensor, md: AttentionMet
 
 
 def forward(source: DeltaPages, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
-            layer: int, scale: float, read: ReadPlan | None = None, decode=None) -> torch.Tensor:
+            layer: int, scale: float, read: ReadPlan | None = None, kernels=None) -> torch.Tensor:
     """Attention output [T, Hq, D] of the step's queries q [T, Hq, D] over each sequence's stored
     tokens (a decode row's as `read` lists them) and its own new ones (k, v [T, Hkv, D]); then the
-    new tokens are stored. `decode` (the `delta` variant's `delta_decode`, on the Triton backend)
-    computes the decode rows' outputs instead of this module's loop."""
+    new tokens are stored. `kernels` (the `delta` variant's module, on the Triton backend): its
+    `delta_decode` computes the decode rows' outputs and its `delta_prefill` each prefill chunk's
+    instead of this module's loop."""
     out = torch.zeros_like(q)
     tables, sequences = md.block_tables[layer], _sequences(md, layer)
-    d = md.num_decodes if decode is not None else 0
+    d = md.num_decodes if kernels is not None else 0
     if d:
-        decode(source, q[:d], k[:d], v[:d], tables[:d], md.context_lens[layer, :d], md.rows[:d], scale, read,
-               out=out[:d])
+        kernels.delta_decode(source, q[:d], k[:d], v[:d], tables[:d], md.context_lens[layer, :d], md.rows[:d], scale,
+                             read, out=out[:d])
     for b, row, at, n, before in sequences:
         if b < d:
+            continue
+        if kernels is not None and b >= md.num_decodes:
+            rows = slice(at, at + n)
+            out[rows] = kernels.delta_prefill(source, q[rows], k[rows], v[rows], tables[b], row, before, scale)
             continue
         positions, listed = torch.arange(before, device=q.device), None
         if read is not None and b < md.num_decodes:

@@ -1,4 +1,4 @@
-"""The `delta` variant's decode kernel (compiler/templates/paged_delta.py.jinja) against the torch path
+"""The `delta` variant's decode kernel and prefill (compiler/templates/paged_delta.py.jinja) against the torch path
 (runtime/attention/delta_ops.py: `DeltaPages.read` then causal attention), over DeltaKV stores filled by
 the torch store: sinks, centers, coded tokens and raw tails; every stored position or a token read plan
 with newest tokens; with and without sinks and bias; one split or several. Interpreted on the CPU."""
@@ -93,6 +93,22 @@ def test_delta_decode_equals_the_torch_path(sink, bias, plan, splits):
     got = delta_kernels.delta_decode(on(source), q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE), tables.to(DEVICE),
                                      lens.to(DEVICE), rows.to(DEVICE), 0.3, dev_read, num_splits=splits, block_n=16)
     torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sink", [4, 0])
+def test_delta_prefill_equals_the_torch_path(sink):
+    """A prefill chunk of 7 tokens over each row's stored ones (decoded) and itself as computed, causal."""
+    source, tables, rows = filled(sink, True, seed=3 + sink)
+    g = torch.Generator().manual_seed(9)
+    for b, stored in enumerate(LENGTHS):
+        q = torch.randn(7, KV_HEADS * GROUP, HEAD_DIM, generator=g)
+        k_new, v_new = (torch.randn(7, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+        keys, values = source.read(tables[b], int(rows[b]), torch.arange(stored), stored)
+        want = delta_ops.causal(q, torch.cat([keys, k_new.transpose(0, 1)], 1),
+                                torch.cat([values, v_new.transpose(0, 1)], 1), stored, 0.3)
+        got = delta_kernels.delta_prefill(on(source), q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE),
+                                          tables[b].to(DEVICE), int(rows[b]), stored, 0.3)
+        torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
 
 
 def test_the_other_entry_points_say_where_a_delta_layer_goes():
