@@ -4,7 +4,8 @@
 # decode throughput against full at 32K
 # and 128K (random-weight Qwen3-30B-A3B, bf16, 60 GiB of KV, full in the same run).
 # Usage (device machine): bash bench/gpu_issue20.sh "$OUT" "tests micro window32 window128"
-# METHODS (default full,kivi,fp8,turboquant) picks the methods of the throughput parts; EXTRA adds options.
+# METHODS (default full,kivi,fp8,turboquant) picks the methods of the throughput parts (deltakv: untrained inputs of
+# the model's shape, bench/delta_inputs.py, unless EXTRA gives --method-inputs); EXTRA adds options.
 set -uo pipefail
 out=${1:?output folder}; parts=${2:-tests micro window32 window128}
 methods=${METHODS:-full,kivi,fp8,turboquant}
@@ -12,6 +13,11 @@ common=(--model random:qwen3-30b-a3b --dtype bfloat16 --kv-memory 60GiB --output
         --methods "$methods")
 read -ra extra <<< "${EXTRA:-}"
 common+=("${extra[@]}")
+# deltakv on the random model: untrained compressor inputs of its shape (speed does not depend on them)
+if [[ ,$methods, == *,deltakv,* && " ${EXTRA:-} " != *" --method-inputs "* ]]; then
+  python3 bench/delta_inputs.py --model random:qwen3-30b-a3b --out /tmp/deltakv-inputs/deltakv.safetensors > /dev/null
+  common+=(--method-inputs /tmp/deltakv-inputs)
+fi
 for part in $parts; do
   case $part in
     tests) timeout "${PART_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/methods/test_kivi.py \
