@@ -54,7 +54,7 @@ class Budgets:
         """These budgets over a KV spec whose slot costs `token_bytes` (compiler/kv_spec.py
         `token_bytes`); the parameters it reads join `params`."""
         names = sorted(set(self.params) | {str(s) for s in sp.sympify(token_bytes).free_symbols}
-                       - {"head_dim", "dtype_bytes", "layer"})
+                       - {"head_dim", "dtype_bytes", "layer", "kv_heads"})
         return replace(self, token_bytes=token_bytes, params=tuple(names))
 
     @property
@@ -159,25 +159,24 @@ def emit_python(budgets: Budgets) -> str:
         '    """At most this many tokens kept by the most-keeping KV head of `layer`: the slots the layer holds."""\n'
         f"{unpack(budgets.held)}"
         f"    return int({held_src})\n\n\n"
-        "def slot_bytes(layer, *, head_dim, dtype_bytes, params):\n"
+        "def slot_bytes(layer, *, kv_heads, head_dim, dtype_bytes, params):\n"
         '    """Bytes a stored slot costs per KV head in `layer` (the KV spec\'s per-token and per-page tensors)."""\n'
         f"{unpack(budgets.token_bytes)}"
         f"    return {slot_src}\n\n\n"
         "def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
         '    """KV bytes of one request after prefill end (the slots it holds), summed over layers."""\n'
-        "    return kv_heads * sum(held_tokens(context, layer, layers, kv_heads, params)\n"
-        "                          * slot_bytes(layer, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)\n"
+        "    shape = dict(kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)\n"
+        "    return kv_heads * sum(held_tokens(context, layer, layers, kv_heads, params) * slot_bytes(layer, **shape)\n"
         "                          for layer in range(layers))\n\n\n"
         "def peak_prefill_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
         '    """KV bytes while the prompt is prefilled (all of it resident until prefill end)."""\n'
-        "    slots = sum(slot_bytes(layer, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)\n"
-        "                for layer in range(layers))\n"
-        "    return kv_heads * context * slots\n\n\n"
+        "    shape = dict(kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)\n"
+        "    return kv_heads * context * sum(slot_bytes(layer, **shape) for layer in range(layers))\n\n\n"
         "def steady_bytes(prompt, generated, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
         '    """KV bytes after `generated` decode steps."""\n'
+        "    shape = dict(kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)\n"
         f"    return kv_heads * sum((held_tokens({at}, layer, layers, kv_heads, params) + {grow})\n"
-        "                          * slot_bytes(layer, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)\n"
-        "                          for layer in range(layers))\n"
+        "                          * slot_bytes(layer, **shape) for layer in range(layers))\n"
     )
 
 

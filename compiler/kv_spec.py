@@ -344,10 +344,11 @@ class _Deriver:
 
     def delta(self, decl: ast.Store):
         """`store k, v as residual(nearest(...)) then project(...) except first s + last r where ...` (`Delta`):
-        tensors `kv_latent` (TOKEN [code / group]), `kv_neighbours` (TOKEN int32 [count]: the positions of a
-        token's centers), `kv_centers` (PAGE [page_size / every, 2 head_dim]: each center's keys before RoPE
-        and values), `kv_sinks` and `kv_window` (SEQ [s, 2 head_dim], [2 r, 2 head_dim]: raw tokens), and the
-        projections (LAYER [2 head_dim, code], K's rows then V's) and bias (LAYER [2 head_dim])."""
+        tensors `kv_latent` (TOKEN [code / group]), `kv_neighbours` (TOKEN int32 [ceil(count / kv_heads)]: the
+        positions of a token's centers, shared out over its KV heads), `kv_centers` (PAGE [page_size / every, 2
+        head_dim]: each center's keys before RoPE and values), `kv_sinks` and `kv_window` (SEQ [s, 2 head_dim], [2 r,
+        2 head_dim]: raw tokens), and the projections (LAYER [2 head_dim, code], K's rows then V's) and bias (LAYER [2
+        head_dim])."""
         fails = len(self.reasons)
         text = f"store k, v as {' then '.join(source_of(c) for c in decl.codecs)}"
         residual, project = decl.codecs
@@ -375,7 +376,7 @@ class _Deriver:
                     recent, layers)
         width = 2 * HEAD_DIM
         group = sp.Symbol("kv_group")
-        tensors = [tensors[0], TensorDesc(DELTA_NEIGHBOURS, "token", "int32", (count,)),
+        tensors = [tensors[0], TensorDesc(DELTA_NEIGHBOURS, "token", "int32", (sp.ceiling(count / KV_HEADS),)),
                    TensorDesc(DELTA_CENTERS, "page", MODEL, (PAGE_SIZE / every, width)),
                    TensorDesc(DELTA_SINKS, "seq", MODEL, (sink, width)),
                    TensorDesc(DELTA_WINDOW, "seq", MODEL, (2 * recent, width)),

@@ -13,7 +13,7 @@ runtime/kv/delta_pages.py is the reference of the arithmetic.
   token ReadPlan's listed tokens, then the row's raw tail and `last` newest, as delta_ops lists them; or
   every stored position) and rebuilds each in registers: a sink, a tail token or a center is its raw row;
   any other is `ref + code @ up^T + bias`, `ref` the mean of its neighbours' raw rows (sinks or centers,
-  gathered through the page table), the code the token's whole latent (every KV head's share). Keys are
+  gathered through the page table; their positions and the code are the token's, every KV head's share). Keys are
   rotated to their positions (RoPE from the model's frequencies, rotate-half pairs as two halves). The
   value's up projection is absorbed: a program accumulates `p @ code`, and after the splits and the
   step's own token are merged one product applies `up_v` (no value is rebuilt per token). No dense copy
@@ -69,7 +69,7 @@ def _delta_decode_kernel(
     scale_log2, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr,
     CODE: tl.constexpr, SHARE: tl.constexpr, BLOCK_C: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SINK: tl.constexpr, RECENT: tl.constexpr, EVERY: tl.constexpr, COUNT: tl.constexpr,
+    SINK: tl.constexpr, RECENT: tl.constexpr, EVERY: tl.constexpr, COUNT: tl.constexpr, NEAR_SHARE: tl.constexpr,
     HAS_BIAS: tl.constexpr, READ: tl.constexpr, HAS_LAST: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -163,9 +163,9 @@ def _delta_decode_kernel(
         r2 = tl.zeros([BLOCK_N, BLOCK_HALF], tl.float32)
         rv = tl.zeros([BLOCK_N, 2 * BLOCK_HALF], tl.float32)
         count = tl.zeros([BLOCK_N], tl.float32)
-        near = near_ptr + page * stride_np + kv_head * stride_nh + offset * stride_ns
-        for j in tl.static_range(COUNT):
-            other = tl.load(near + j, mask=coded, other=-1)
+        near = near_ptr + page * stride_np + offset * stride_ns
+        for j in tl.static_range(COUNT):  # neighbour j: KV head j // NEAR_SHARE's share, entry j % NEAR_SHARE
+            other = tl.load(near + (j // NEAR_SHARE) * stride_nh + j % NEAR_SHARE, mask=coded, other=-1)
             has = coded & (other >= 0)
             other = tl.where(has, other, 0)
             from_sink = has & (other < SINK)
@@ -260,7 +260,8 @@ def delta_decode(source: DeltaPages, q: torch.Tensor, k_new: torch.Tensor, v_new
         scale * LOG2E, splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_HALF=max(16, head_dim // 2),
         CODE=code, SHARE=share, BLOCK_C=max(16, triton.next_power_of_2(code)), PAGE_SIZE=source.page_size,
-        SINK=enc.sink, RECENT=enc.recent, EVERY=enc.every, COUNT=enc.count, HAS_BIAS=source.bias is not None,
+        SINK=enc.sink, RECENT=enc.recent, EVERY=enc.every, COUNT=enc.count, NEAR_SHARE=near.shape[-1],
+        HAS_BIAS=source.bias is not None,
         READ=read is not None, HAS_LAST=read is not None and read.last is not None, BLOCK_N=block_n or 32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps or 4,
     )

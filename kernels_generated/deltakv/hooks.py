@@ -11,8 +11,8 @@ entry points of the torch backend.
 Budget formulas (sympy, also in manifest.json):
     held_tokens_per_layer = context
     kept_tokens_per_layer = context
-    kv_bytes = Sum(context*kv_heads*(-2*dtype_bytes*head_dim*(in_layers(layer, full_layers) - 1) + stride*(2*dtype_bytes*head_dim*in_layers(layer, full_layers) - dtype_bytes*(in_layers(layer, full_layers) - 1)*floor(2*head_dim*ratio + 1/2) - 4*neighbours*(in_layers(layer, full_layers) - 1)))/stride, (layer, 0, layers - 1))
-    peak_prefill_bytes = Sum(context*kv_heads*(-2*dtype_bytes*head_dim*(in_layers(layer, full_layers) - 1) + stride*(2*dtype_bytes*head_dim*in_layers(layer, full_layers) - dtype_bytes*(in_layers(layer, full_layers) - 1)*floor(2*head_dim*ratio + 1/2) - 4*neighbours*(in_layers(layer, full_layers) - 1)))/stride, (layer, 0, layers - 1))
+    kv_bytes = Sum(context*kv_heads*(-2*dtype_bytes*head_dim*(in_layers(layer, full_layers) - 1) + stride*(2*dtype_bytes*head_dim*in_layers(layer, full_layers) - dtype_bytes*(in_layers(layer, full_layers) - 1)*floor(2*head_dim*ratio + 1/2) - 4*(in_layers(layer, full_layers) - 1)*ceiling(neighbours/kv_heads)))/stride, (layer, 0, layers - 1))
+    peak_prefill_bytes = Sum(context*kv_heads*(-2*dtype_bytes*head_dim*(in_layers(layer, full_layers) - 1) + stride*(2*dtype_bytes*head_dim*in_layers(layer, full_layers) - dtype_bytes*(in_layers(layer, full_layers) - 1)*floor(2*head_dim*ratio + 1/2) - 4*(in_layers(layer, full_layers) - 1)*ceiling(neighbours/kv_heads)))/stride, (layer, 0, layers - 1))
 """
 
 import math
@@ -58,34 +58,33 @@ def held_tokens(context, layer, layers, kv_heads, params):
     return int(context)
 
 
-def slot_bytes(layer, *, head_dim, dtype_bytes, params):
+def slot_bytes(layer, *, kv_heads, head_dim, dtype_bytes, params):
     """Bytes a stored slot costs per KV head in `layer` (the KV spec's per-token and per-page tensors)."""
     full_layers = params["full_layers"]
     neighbours = params["neighbours"]
     ratio = params["ratio"]
     stride = params["stride"]
-    return (-2*dtype_bytes*head_dim*(in_layers(layer, full_layers) - 1) + stride*(2*dtype_bytes*head_dim*in_layers(layer, full_layers) - dtype_bytes*(in_layers(layer, full_layers) - 1)*_floor(2*head_dim*ratio + 1/2) - 4*neighbours*(in_layers(layer, full_layers) - 1)))/stride
+    return (-2*dtype_bytes*head_dim*(in_layers(layer, full_layers) - 1) + stride*(2*dtype_bytes*head_dim*in_layers(layer, full_layers) - dtype_bytes*(in_layers(layer, full_layers) - 1)*_floor(2*head_dim*ratio + 1/2) - 4*(in_layers(layer, full_layers) - 1)*math.ceil(neighbours/kv_heads)))/stride
 
 
 def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):
     """KV bytes of one request after prefill end (the slots it holds), summed over layers."""
-    return kv_heads * sum(held_tokens(context, layer, layers, kv_heads, params)
-                          * slot_bytes(layer, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
+    shape = dict(kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
+    return kv_heads * sum(held_tokens(context, layer, layers, kv_heads, params) * slot_bytes(layer, **shape)
                           for layer in range(layers))
 
 
 def peak_prefill_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):
     """KV bytes while the prompt is prefilled (all of it resident until prefill end)."""
-    slots = sum(slot_bytes(layer, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
-                for layer in range(layers))
-    return kv_heads * context * slots
+    shape = dict(kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
+    return kv_heads * context * sum(slot_bytes(layer, **shape) for layer in range(layers))
 
 
 def steady_bytes(prompt, generated, *, layers, kv_heads, head_dim, dtype_bytes, params):
     """KV bytes after `generated` decode steps."""
+    shape = dict(kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
     return kv_heads * sum((held_tokens(prompt, layer, layers, kv_heads, params) + generated)
-                          * slot_bytes(layer, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
-                          for layer in range(layers))
+                          * slot_bytes(layer, **shape) for layer in range(layers))
 
 
 def budget(context, *, layers, kv_heads, head_dim, dtype_bytes=2, params=None):
@@ -121,7 +120,7 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
     kv_group = math.gcd(int(num_kv_heads), num_kv_heads)
     tensors = [
         TensorSpec("kv_latent", Extent.TOKEN, dtype, (_size(math.floor(2*head_dim*ratio + 1/2), "floor(2*head_dim*ratio + 1/2)"),)),
-        TensorSpec("kv_neighbours", Extent.TOKEN, torch.int32, (neighbours,)),
+        TensorSpec("kv_neighbours", Extent.TOKEN, torch.int32, (_size(math.ceil(neighbours/num_kv_heads), "ceiling(neighbours/kv_heads)"),)),
         TensorSpec("kv_centers", Extent.PAGE, dtype, (_size(page_size/stride, "page_size/stride"), _size(2*head_dim, "2*head_dim"))),
         TensorSpec("kv_window", Extent.SEQ, dtype, (_size(2*recent, "2*recent"), _size(2*head_dim, "2*head_dim"))),
         TensorSpec("down", Extent.LAYER, dtype, (_size(2*head_dim, "2*head_dim"), _size(kv_group*math.floor(2*head_dim*ratio + 1/2), "kv_group*floor(2*head_dim*ratio + 1/2)"))),

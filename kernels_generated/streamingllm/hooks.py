@@ -58,30 +58,29 @@ def held_tokens(context, layer, layers, kv_heads, params):
     return int(min(context, max(0, _floor(sink)) + max(0, _floor(((budget - sink) if (budget > 0) else (recent))))))
 
 
-def slot_bytes(layer, *, head_dim, dtype_bytes, params):
+def slot_bytes(layer, *, kv_heads, head_dim, dtype_bytes, params):
     """Bytes a stored slot costs per KV head in `layer` (the KV spec's per-token and per-page tensors)."""
     return 2*dtype_bytes*head_dim
 
 
 def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):
     """KV bytes of one request after prefill end (the slots it holds), summed over layers."""
-    return kv_heads * sum(held_tokens(context, layer, layers, kv_heads, params)
-                          * slot_bytes(layer, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
+    shape = dict(kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
+    return kv_heads * sum(held_tokens(context, layer, layers, kv_heads, params) * slot_bytes(layer, **shape)
                           for layer in range(layers))
 
 
 def peak_prefill_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):
     """KV bytes while the prompt is prefilled (all of it resident until prefill end)."""
-    slots = sum(slot_bytes(layer, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
-                for layer in range(layers))
-    return kv_heads * context * slots
+    shape = dict(kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
+    return kv_heads * context * sum(slot_bytes(layer, **shape) for layer in range(layers))
 
 
 def steady_bytes(prompt, generated, *, layers, kv_heads, head_dim, dtype_bytes, params):
     """KV bytes after `generated` decode steps."""
+    shape = dict(kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
     return kv_heads * sum((held_tokens(prompt + generated, layer, layers, kv_heads, params) + 0)
-                          * slot_bytes(layer, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
-                          for layer in range(layers))
+                          * slot_bytes(layer, **shape) for layer in range(layers))
 
 
 def budget(context, *, layers, kv_heads, head_dim, dtype_bytes=2, params=None):

@@ -26,10 +26,10 @@ from kvc.runtime.kv.spec import Delta
 
 @dataclass
 class DeltaPages:
-    """One layer's view of a delta store's tensors: `latent [P, Hkv, S, c]`, `neighbours [P, Hkv, S,
-    count]` int32, `centers [P, Hkv, S / every, 2 D]`, `sinks [R, Hkv, sink, 2 D]` (None: no sinks),
-    `window [R, Hkv, 2 recent, 2 D]`, `down`, `up` [Hkv, 2 D, C], `bias` [Hkv, 2 D] (or None), and the
-    model's RoPE frequencies."""
+    """One layer's view of a delta store's tensors: `latent [P, Hkv, S, c]`, `neighbours [P, Hkv, S, ceil(count /
+    Hkv)]` int32 (each head its share), `centers [P, Hkv, S / every, 2 D]`, `sinks [R, Hkv, sink, 2 D]` (None: no
+    sinks), `window [R, Hkv, 2 recent, 2 D]`, `down`, `up` [Hkv, 2 D, C], `bias` [Hkv, 2 D] (or None), and the model's
+    RoPE frequencies."""
 
     enc: Delta
     latent: torch.Tensor
@@ -42,9 +42,19 @@ class DeltaPages:
     bias: torch.Tensor | None
     inv_freq: torch.Tensor
 
+    def __post_init__(self) -> None:
+        heads = self.latent.shape[1]
+        if self.neighbours.shape[-1] != self.enc.share(heads):
+            raise ValueError(f"delta neighbours: {heads} KV heads hold ceil({self.enc.count} / {heads}) = "
+                             f"{self.enc.share(heads)} each, got {self.neighbours.shape[-1]}")
+
     @property
     def page_size(self) -> int:
         return self.latent.shape[2]
+
+    def _neighbours(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """[m, count] int64: the neighbours of the tokens at (pages, offsets), every head's share side by side."""
+        return self.neighbours[pages, :, offsets].reshape(pages.shape[0], -1)[:, :self.enc.count].long()
 
     @property
     def head_dim(self) -> int:
@@ -144,7 +154,10 @@ class DeltaPages:
         ref, near = delta.references(rows.flatten(1), block, centers.flatten(1), center_pos, enc.count)
         code = delta.encode(rows, ref.view(rows.shape), self.down)
         self.latent[pages, :, offsets] = code.to(self.latent.dtype)
-        self.neighbours[pages, :, offsets] = near.to(torch.int32)[:, None, :].expand(-1, rows.shape[1], -1)
+        heads, share = self.neighbours.shape[1], self.neighbours.shape[-1]
+        shares = torch.full((near.shape[0], heads * share), -1, dtype=torch.int32, device=near.device)
+        shares[:, :near.shape[1]] = near.to(torch.int32)
+        self.neighbours[pages, :, offsets] = shares.view(-1, heads, share)
 
     # ---- reads ---------------------------------------------------------------------------------
     def read(self, table: torch.Tensor, row: int, positions: torch.Tensor,
@@ -157,7 +170,7 @@ class DeltaPages:
         coded = (positions >= enc.sink) & (positions < tail) & ~delta.is_center(positions, enc.sink, enc.every)
         if coded.any():
             pages, offsets = self._slots(table, positions[coded])
-            near = self.neighbours[pages, 0, offsets].long()  # [m, count], -1: none
+            near = self._neighbours(pages, offsets)  # [m, count], -1: none
             valid = near >= 0
             flat = near.clamp(min=0).flatten()
             members = self.raw(table, row, flat, length).float().view(*near.shape, *x.shape[1:])

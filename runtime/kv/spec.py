@@ -242,7 +242,8 @@ class Delta:
     @ up^T + bias`, its key rotated to its slot's position. The tensors:
 
     - `latent` TOKEN [C / Hkv] (model dtype): each KV head's share of the token's code;
-    - `neighbours` TOKEN int32 [count]: the positions of the token's centers (-1: fewer);
+    - `neighbours` TOKEN int32 [ceil(count / Hkv)]: the positions of the token's centers (-1: fewer),
+      shared out as the code is: KV head h holds neighbours [h k, (h + 1) k) (`share`);
     - `centers` PAGE [page_size / every, 2 D]: the raw vectors of the page's center slots;
     - `sinks` SEQ [sink, 2 D] (None when `sink` is 0) and `window` SEQ [2 recent, 2 D]: the first
       tokens and the raw tail, slot s at `s % (2 recent)`;
@@ -274,6 +275,10 @@ class Delta:
     def exact_chunk(self) -> bool:
         """A prefill chunk reads its own tokens as computed (`Quantized.exact_chunk`)."""
         return True
+
+    def share(self, num_kv_heads: int) -> int:
+        """Neighbours each KV head stores of a token (all heads' shares side by side: its `count`, -1 past)."""
+        return -(-self.count // num_kv_heads)
 
     def compressed(self, length: int) -> int:
         """Tokens past the sinks stored as codes (or centers) once `length` are stored."""
@@ -343,8 +348,10 @@ class KVSpec:
                 self._need(name, extent, "delta")
             if self.keys is not self.values and self.keys != self.values:
                 raise ValueError("KV spec: a delta code covers keys and values: both operands are the one encoding")
-            if self.tensor(enc.window).shape[0] != 2 * enc.recent or self.tensor(enc.neighbours).shape != (enc.count,):
-                raise ValueError(f"KV spec: delta window [2 recent, 2 D] and neighbours [count], got "
+            shares = self.tensor(enc.neighbours).shape
+            window = self.tensor(enc.window).shape[0]
+            if window != 2 * enc.recent or len(shares) != 1 or not 1 <= shares[0] <= enc.count:
+                raise ValueError(f"KV spec: delta window [2 recent, 2 D] and neighbours [ceil(count / Hkv)], got "
                                  f"{list(self.tensor(enc.window).shape)}, {list(self.tensor(enc.neighbours).shape)}")
             return
         if isinstance(enc, LowRank):

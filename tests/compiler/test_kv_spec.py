@@ -150,7 +150,7 @@ def test_the_budget_formulas_count_the_spec_bytes(name, params):
     values = {**checked.values, **params}
     page = hooks.page_tokens(values) or 16
     spec = generated_kv_spec(name, params)(4, 128, torch.bfloat16, page)
-    slots = [hooks.slot_bytes(layer, head_dim=128, dtype_bytes=2, params=values) for layer in range(3)]
+    slots = [hooks.slot_bytes(layer, kv_heads=4, head_dim=128, dtype_bytes=2, params=values) for layer in range(3)]
     for layer, slot in enumerate(slots):
         dense = hooks.dense_operands(values, layer) if hasattr(hooks, "dense_operands") else []
         assert slot * 4 == spec.with_dense(tuple(dense), 128, torch.bfloat16).bytes_per_page(4, page) / page
@@ -200,14 +200,15 @@ def test_deltakv_one_code_for_keys_and_values_in_some_layers():
     `kvc calibrate` trains). It lowers, hooks and all (tests/methods/test_deltakv.py serves it)."""
     data = manifest("deltakv")
     assert data["lowered"] and data["kv_spec"]["reason"] is None
-    # a compressed layer's slot: its code share (64 bf16 channels of 2 x 128 at ratio 0.25), 4 int32 neighbours,
-    # and a page's centers (every 8th slot's raw 2 x 128 bf16) spread over the page; a full layer's: K and V
+    # a compressed layer's slot: its code share (64 bf16 channels of 2 x 128 at ratio 0.25), its share of the
+    # neighbours, and a page's centers (every 8th slot's raw 2 x 128 bf16) spread over the page; a full layer's: K and V
     import importlib
 
     hooks = importlib.import_module("kvc.kernels_generated.deltakv.hooks")
     values = check_file(METHODS_DIR / "deltakv.kvm").values
-    slots = [hooks.slot_bytes(layer, head_dim=128, dtype_bytes=2, params=values) for layer in range(4)]
-    assert slots == [512, 512, 512, 64 * 2 + 4 * 4 + 2 * 128 * 2 / 8]  # full_layers [0, 1, 2, 8, 18]
+    slots = [hooks.slot_bytes(layer, kv_heads=4, head_dim=128, dtype_bytes=2, params=values) for layer in range(4)]
+    # full_layers [0, 1, 2, 8, 18]; a compressed layer's 4 neighbours shared out over the 4 KV heads: one int32 each
+    assert slots == [512, 512, 512, 64 * 2 + 4 + 2 * 128 * 2 / 8]
     assert data["kv_spec"]["layers"] == {w: {"param": "full_layers", "member": False} for w in "kv"}
     assert set(data["inputs"]) == {"down", "up", "bias"} and data["inputs"]["down"]["file"] == "deltakv.safetensors"
     spec = data["kv_spec"]
@@ -218,7 +219,7 @@ def test_deltakv_one_code_for_keys_and_values_in_some_layers():
     tensors = {t["name"]: (t["extent"], t["dtype"], t["shape"]) for t in spec["tensors"]}
     assert tensors == {
         "kv_latent": ("token", "model", ["floor(2*head_dim*ratio + 1/2)"]),
-        "kv_neighbours": ("token", "int32", ["neighbours"]),
+        "kv_neighbours": ("token", "int32", ["ceiling(neighbours/kv_heads)"]),  # shared out over the KV heads
         "kv_centers": ("page", "model", ["page_size/stride", "2*head_dim"]),
         "kv_sinks": ("seq", "model", ["sink", "2*head_dim"]),
         "kv_window": ("seq", "model", ["2*recent", "2*head_dim"]),

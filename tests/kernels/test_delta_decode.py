@@ -36,8 +36,8 @@ def filled(sink: int, bias: bool, seed: int) -> tuple[DeltaPages, torch.Tensor, 
     rows = len(LENGTHS) + 2
     width = 2 * HEAD_DIM
     source = DeltaPages(
-        enc, torch.zeros(pages, KV_HEADS, PAGE, code // KV_HEADS), torch.full((pages, KV_HEADS, PAGE, 3), -1,
-                                                                              dtype=torch.int32),
+        enc, torch.zeros(pages, KV_HEADS, PAGE, code // KV_HEADS), torch.full((pages, KV_HEADS, PAGE, 2), -1,
+                                                                              dtype=torch.int32),  # 3 over 2 heads
         torch.zeros(pages, KV_HEADS, PAGE // 4, width), torch.zeros(rows, KV_HEADS, sink, width) if sink else None,
         torch.zeros(rows, KV_HEADS, 16, width), torch.randn(KV_HEADS, width, code, generator=g) * 0.2,
         torch.randn(KV_HEADS, width, code, generator=g) * 0.2,

@@ -103,8 +103,8 @@ def test_the_spec_has_a_class_of_codes(model_dir, tmp_path) -> None:
     codes, dense = (store.spec for store in engine.attention.stores)
     assert codes.delta is not None and dense.dense
     heads = engine.layout.kv_heads
-    # per token and head: an 8-channel share of the code and 2 neighbour positions, against 2 x 16 floats
-    assert codes.bytes_per_token(heads) == heads * (8 * 4 + 2 * 4) < dense.bytes_per_token(heads) == heads * 32 * 4
+    # per token and head: an 8-channel share of the code and one of the 2 neighbour positions, against 2 x 16 floats
+    assert codes.bytes_per_token(heads) == heads * (8 * 4 + 1 * 4) < dense.bytes_per_token(heads) == heads * 32 * 4
     assert not engine.scheduler.prefix_caching  # a page's codes lean on its row's sinks
     with pytest.raises(ConfigError, match=r"page_size/stride = 3.2, is not a whole number.*page_size"):
         make_llm(model_dir, tmp_path / "c", 0.25, page_size=16, method_params_extra={"stride": 5})
