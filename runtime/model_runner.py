@@ -162,9 +162,9 @@ class ModelRunner:
                                copy_rows=attention.copy_rows, layer_class=attention.layer_class)
         self.graphs: DecodeGraphs | None = None
         # the torch backend decodes eagerly: its writes sync with the host
-        # a delta-coded layer's step reads the host (which sequences compress a block): not captured
-        captured = self.method.decode_graphs and not any(st.spec.delta is not None for st in attention.stores)
-        if use_cuda_graphs and device.type == "cuda" and attention.backend != "torch" and captured:
+        # delta-coded layers: their decode rows' due blocks are compressed before each step (`_compress_due`)
+        self.delta_layers = [layer for layer in range(self.num_layers) if attention.delta_source(layer) is not None]
+        if use_cuda_graphs and device.type == "cuda" and attention.backend != "torch" and self.method.decode_graphs:
             self.graphs = DecodeGraphs(self, max_num_seqs)
             self.graphs.reserve_stats()  # before a graph captures a view of the statistics buffer
 
@@ -195,6 +195,7 @@ class ModelRunner:
         if self.pool is not None:
             self.hooks.own_append_pages(batch)
         self.hooks.copy_rows(batch)
+        self._compress_due(batch)
         if self.graphs is not None and decode_only and self.graphs.fits(len(batch.seqs)):
             logits = self.graphs.run(batch, None if feed is None else (after.tokens.device, feed))
             rows = list(range(len(batch.seqs)))
@@ -234,6 +235,19 @@ class ModelRunner:
         if not defer:
             output.resolve()
         return output
+
+    def _compress_due(self, batch: ScheduledBatch) -> None:
+        """Delta-coded layers (runtime/kv/delta_pages.py): the blocks the decode rows' new tokens bring
+        due, compressed before the step, eagerly, so that the step itself stores only the tokens, on the
+        device (a CUDA graph replays it)."""
+        if not self.delta_layers:
+            return
+        for seq in batch.seqs[:batch.num_decodes]:
+            for layer in self.delta_layers:
+                source = self.attention.delta_source(layer)
+                if source.due(seq.kv_lens[layer]):
+                    table = torch.tensor(self.tables.local(layer, seq.page_tables[layer]), device=self.device)
+                    source.compress_due(table, seq.row, seq.kv_lens[layer])
 
     def _history(self, seqs) -> tuple[RowHistory, torch.Tensor | None]:
         """What the sampler reads about `seqs` beyond their params: tokens generated so far (a pending

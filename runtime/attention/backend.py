@@ -229,6 +229,11 @@ class PagedAttention:
 
         return source(store.spec.keys, K), source(store.spec.values, V)
 
+    def delta_source(self, layer: int) -> DeltaPages | None:
+        """Layer `layer`'s DeltaKV store (runtime/kv/delta_pages.py), or None where it stores no delta code."""
+        source = self._layer(layer)[0]
+        return source if isinstance(source, DeltaPages) else None
+
     def _layer(self, layer: int) -> tuple[Source, Source]:
         if not self._sources:
             raise RuntimeError("the KV spec stores keys before RoPE: give the model's RoPE (use_rope) first")

@@ -33,21 +33,19 @@ def _sequences(md: AttentionMetadata, layer: int) -> list[tuple[int, int, int, i
             for b in range(len(cu) - 1) if cu[b + 1] > cu[b]]
 
 
-def store(source: DeltaPages, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, layer: int,
-          sequences: list[tuple[int, int, int, int, int]] | None = None) -> None:
-    """The step's k, v [T, Hkv, D] (keys after RoPE) into each sequence's layer: the sequences with one new
-    token (decode rows) together (`DeltaPages.store_tokens`), the others one by one."""
-    tables = md.block_tables[layer]
+def store(source: DeltaPages, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, layer: int) -> None:
+    """The step's k, v [T, Hkv, D] (keys after RoPE) into each sequence's layer: the decode rows' tokens on
+    the device (`DeltaPages.store_decodes`; the runner compressed the blocks they bring due before the
+    step, `ModelRunner`), the other sequences' one by one (`DeltaPages.store`, compressing as it goes)."""
+    d, batch = md.num_decodes, md.cu_seqlens_q.shape[0] - 1
     x = torch.cat([k, v], dim=-1)
-    sequences = sequences if sequences is not None else _sequences(md, layer)
-    singles = [s for s in sequences if s[3] == 1]
-    if singles:
-        index = torch.tensor([b for b, *_ in singles], device=x.device)
-        source.store_tokens(tables[index], [row for _, row, *_ in singles], [before for *_, before in singles],
-                            x[torch.tensor([at for _, _, at, *_ in singles], device=x.device)])
-    for b, row, at, n, before in sequences:
-        if n > 1:
-            source.store(tables[b], row, before, x[at:at + n])
+    if d:
+        source.store_decodes(md.rows[:d], md.context_lens[layer, :d] - 1, x[:d])
+    if d < batch:
+        tables = md.block_tables[layer]
+        for b, row, at, n, before in _sequences(md, layer):
+            if b >= d:
+                source.store(tables[b], row, before, x[at:at + n])
 
 
 def forward(source: DeltaPages, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
@@ -56,28 +54,29 @@ def forward(source: DeltaPages, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     tokens (a decode row's as `read` lists them) and its own new ones (k, v [T, Hkv, D]); then the
     new tokens are stored. `kernels` (the `delta` variant's module, on the Triton backend): its
     `delta_decode` computes the decode rows' outputs and its `delta_prefill` each prefill chunk's
-    instead of this module's loop."""
+    instead of this module's loop; a decode-only step then reads nothing on the host (CUDA graphs)."""
     out = torch.zeros_like(q)
-    tables, sequences = md.block_tables[layer], _sequences(md, layer)
-    d = md.num_decodes if kernels is not None else 0
-    if d:
+    d, batch = md.num_decodes, md.cu_seqlens_q.shape[0] - 1
+    tables = md.block_tables[layer]
+    if kernels is not None and d:
         kernels.delta_decode(source, q[:d], k[:d], v[:d], tables[:d], md.context_lens[layer, :d], md.rows[:d], scale,
                              read, out=out[:d])
-    for b, row, at, n, before in sequences:
-        if b < d:
-            continue
-        if kernels is not None and b >= md.num_decodes:
+    if kernels is None or d < batch:
+        for b, row, at, n, before in _sequences(md, layer):
+            if kernels is not None and b < d:
+                continue
             rows = slice(at, at + n)
-            out[rows] = kernels.delta_prefill(source, q[rows], k[rows], v[rows], tables[b], row, before, scale)
-            continue
-        positions, listed = torch.arange(before, device=q.device), None
-        if read is not None and b < md.num_decodes:
-            positions, listed = _listed(source, read, b, before)
-        old_k, old_v = source.read(tables[b], row, positions, before)
-        keys = torch.cat([old_k, k[at:at + n].transpose(0, 1).float()], dim=1)  # [Hkv, m + n, D]
-        values = torch.cat([old_v, v[at:at + n].transpose(0, 1).float()], dim=1)
-        out[at:at + n] = causal(q[at:at + n], keys, values, positions.shape[0], scale, listed).to(q.dtype)
-    store(source, k, v, md, layer, sequences)
+            if kernels is not None:
+                out[rows] = kernels.delta_prefill(source, q[rows], k[rows], v[rows], tables[b], row, before, scale)
+                continue
+            positions, listed = torch.arange(before, device=q.device), None
+            if read is not None and b < md.num_decodes:
+                positions, listed = _listed(source, read, b, before)
+            old_k, old_v = source.read(tables[b], row, positions, before)
+            keys = torch.cat([old_k, k[rows].transpose(0, 1).float()], dim=1)  # [Hkv, m + n, D]
+            values = torch.cat([old_v, v[rows].transpose(0, 1).float()], dim=1)
+            out[rows] = causal(q[rows], keys, values, positions.shape[0], scale, listed).to(q.dtype)
+    store(source, k, v, md, layer)
     return out
 
 

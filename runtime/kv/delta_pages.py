@@ -115,30 +115,36 @@ class DeltaPages:
         if tail.any():
             self.window[row, :, positions[tail] % (2 * enc.recent)] = x[tail].transpose(0, 1)
 
+    def due(self, before: int) -> bool:
+        """Does a sequence that stores `before` tokens compress a block when its next token is stored?"""
+        return self.enc.compressed(before + 1) > self.enc.compressed(before)
+
     @torch.no_grad()
-    def store_tokens(self, tables: torch.Tensor, rows: list[int], befores: list[int], x: torch.Tensor) -> None:
-        """One new token each for several sequences (decode rows), as `store` would write them one by one:
-        x [n, Hkv, 2 D] (keys after RoPE) at positions `befores`, of the sequences in `rows` over page
-        tables `tables` [n, pages]. Blocks now due are compressed first (from the window: a single new
-        token is never in its own block); then each token enters its sinks or its window slot."""
+    def compress_due(self, table: torch.Tensor, row: int, before: int) -> None:
+        """The block a decode row's token brings due (`due`), from the ring: what `store` compresses
+        before it writes that token, run before the step (the step reads the block from the ring
+        either way: it is past the compressed tokens until the step's token is stored)."""
+        enc = self.enc
+        old, new = enc.sink + enc.compressed(before), enc.sink + enc.compressed(before + 1)
+        block = torch.arange(old, new, device=self.window.device)
+        self._compress(table, row, block, self.window[row, :, block % (2 * enc.recent)].transpose(0, 1))
+
+    @torch.no_grad()
+    def store_decodes(self, rows: torch.Tensor, befores: torch.Tensor, x: torch.Tensor) -> None:
+        """Decode rows' tokens x [n, Hkv, 2 D] (keys after RoPE) at positions `befores` [n] of the
+        sequences in `rows` [n], on the device alone (CUDA-graph safe): each into its sinks or its ring
+        slot; the blocks they bring due are compressed before the step (`compress_due`). A padding row
+        (its row the scratch row, position -1) writes only the scratch row."""
         enc, half = self.enc, self.head_dim
-        device = x.device
-        for i, (row, before) in enumerate(zip(rows, befores)):
-            old, new = enc.sink + enc.compressed(before), enc.sink + enc.compressed(before + 1)
-            if new > old:
-                block = torch.arange(old, new, device=device)
-                self._compress(tables[i], row, block, self.window[row, :, block % (2 * enc.recent)].transpose(0, 1))
-        positions = torch.tensor(befores, device=device)
-        k_pre = lowrank.rope(x[..., :half].transpose(0, 1), positions, self.inv_freq, inverse=True).transpose(0, 1)
+        befores, rows = befores.long(), rows.long()
+        k_pre = lowrank.rope(x[..., :half].transpose(0, 1), befores, self.inv_freq, inverse=True).transpose(0, 1)
         x = torch.cat([k_pre, x[..., half:].float()], dim=-1).to(self.dtype)
-        sink = [before < enc.sink for before in befores]
-        for into, where in ((True, self.sinks), (False, self.window)):
-            pick = [i for i, s in enumerate(sink) if s == into]
-            if not pick:
-                continue
-            at = torch.tensor(pick, device=device)
-            slots = positions[at] if into else positions[at] % (2 * enc.recent)
-            where[torch.tensor([rows[i] for i in pick], device=device), :, slots] = x[at]
+        in_sink = (befores < enc.sink)[:, None, None]
+        if self.sinks is not None:
+            at = befores.clamp(0, enc.sink - 1)
+            self.sinks[rows, :, at] = torch.where(in_sink, x, self.sinks[rows, :, at])
+        at = befores % (2 * enc.recent)
+        self.window[rows, :, at] = torch.where(in_sink, self.window[rows, :, at], x)
 
     def _compress(self, table: torch.Tensor, row: int, block: torch.Tensor, rows: torch.Tensor) -> None:
         """Block positions `block` (ascending, past the sinks) with raw vectors `rows` [m, Hkv, 2 D]:

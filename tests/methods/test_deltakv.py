@@ -197,3 +197,38 @@ def test_deltakv_reads_the_full_layers_choice(model_dir, hf, monkeypatch, tmp_pa
         assert sorted(llm.engine.attention.variants) == ["delta", "spec"]
     check(out.token_ids, spy.of(params).cpu(), (tokens, logits))
     assert (oracle(hf, inputs, ids, 14, chunk=chunk)[1] - logits).abs().max() > 1e-3
+
+
+def test_the_graph_step_run_uncaptured(model_dir, hf, monkeypatch, tmp_path) -> None:
+    """methods/deltakv.kvm's decode-only steps through the CUDA-graph runner's own step (static buffers,
+    a padding row, no host copies), run without capture with the Triton kernels interpreted: the delta
+    layers read nothing on the host (the runner compressed their due blocks before the step, the step
+    stores its tokens on the device) and give the oracle's tokens and logits."""
+    pytest.importorskip("triton")
+    from kvc.runtime.attention import delta_ops
+    from tests.kernels.paged_cases import triton_device_and_ops
+
+    device = triton_device_and_ops("delta")[0].type
+    inputs = compressor_file(tmp_path / "c", 0.25)
+    config = EngineConfig(model=str(model_dir), device=device, dtype="float32", attention_backend="triton",
+                          cuda_graphs=False, kv_cache_memory=2**22, method="deltakv", max_num_seqs=4,
+                          method_params={**PARAMS, "ratio": 0.25, "selected": 6}, method_inputs=str(inputs),
+                          max_num_batched_tokens=4096)
+    llm = LLM.from_engine(Engine(config))
+    spy = Logits(monkeypatch)
+    replays = served.graph_steps(llm, monkeypatch)
+    listed = delta_ops._sequences
+
+    def host_free(md, layer):
+        assert md.host_cu_seqlens is not None, "a graph step listed its sequences on the host"
+        return listed(md, layer)
+
+    monkeypatch.setattr(delta_ops, "_sequences", host_free)
+    prompts, params = [prompt(41, 2), prompt(23, 5), prompt(30, 7)], [greedy(14) for _ in range(3)]
+    outs = llm.generate(prompts, params)
+    assert 3 in replays  # bucket 4: one padding row
+    chosen = dataclasses.replace(ORACLE, selected=6)
+    compressor = deltakv.Compressor.load(inputs / "deltakv.safetensors")
+    for p, out, sp in zip(prompts, outs, params):
+        tokens, logits, _ = oracle(hf, inputs, p, 14, state=deltakv.session(hf, chosen, compressor), params=chosen)
+        check(out.token_ids, spy.of(sp).cpu(), (tokens, logits))
