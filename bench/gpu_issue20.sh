@@ -4,6 +4,7 @@
 # decode throughput against full at 32K
 # and 128K (random-weight Qwen3-30B-A3B, bf16, 60 GiB of KV, full in the same run).
 # Usage (device machine): bash bench/gpu_issue20.sh "$OUT" "tests micro window32 window128"
+# (`deltamicro`: DeltaKV's decode kernel against plain over as many dense tokens, bench/delta_decode_bench.py)
 # METHODS (default full,kivi,fp8,turboquant) picks the methods of the throughput parts (deltakv: untrained inputs of
 # the model's shape, bench/delta_inputs.py, unless EXTRA gives --method-inputs); EXTRA adds options.
 set -uo pipefail
@@ -31,6 +32,9 @@ for part in $parts; do
                --shapes 32x32768,8x131072 --out "$out/${m}_decode.json" > "$out/${m}_decode.log" 2>&1
              echo "micro $m: rc=$?"; grep -v Warn "$out/${m}_decode.log" | tail -20
            done; continue ;;
+    deltamicro) timeout "${PART_TIMEOUT:-150}" python3 bench/delta_decode_bench.py --out "$out/delta_decode.json" \
+                  > "$out/delta_decode.log" 2>&1
+                echo "deltamicro: rc=$?"; grep -v Warn "$out/delta_decode.log" | tail -8; continue ;;
     prefill) for m in ${MICRO:-kivi fp8 turboquant}; do
              timeout "${PART_TIMEOUT:-150}" python3 bench/quantized_prefill_bench.py --method "$m" --sweep \
                --contexts 32768,131072 --out "$out/${m}_prefill.json" > "$out/${m}_prefill.log" 2>&1
