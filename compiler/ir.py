@@ -582,8 +582,8 @@ def _lowerable_stores(checked) -> None:
     """A quantization or compression method lowers when every `store` is one quantizer (`fp8`,
     `quant` or `lloyd_max`), optionally after a `rotate`, or one low-rank `project` of the whole
     stream, or DeltaKV's joint code of k and v, for every layer or for some (`where layer [not] in P`:
-    the others store it dense): the engine rotates where q, k and v enter attention, its store
-    quantizes (token by token, or a block at a time for groups over tokens) or projects, and
+    the others store it dense): its store rotates (the kernels rotate queries and outputs, not the
+    cache), quantizes (token by token, or a block at a time for groups over tokens) or projects, and
     attention decodes, from the KV spec alone. Its hooks lower as any family's do."""
     for decl in (d for d in checked.method.items if isinstance(d, ast.Store)):
         stages = [c.func.name for c in decl.codecs if isinstance(c, ast.Call)]

@@ -86,6 +86,10 @@ class TensorDesc:
 class Dense:
     tensor: str
 
+    @property
+    def tensor_names(self) -> set[str]:
+        return {self.tensor}
+
     def to_json(self) -> dict:
         return {"kind": "dense", "tensor": self.tensor}
 
@@ -106,6 +110,10 @@ class Quantized:
     shared_heads: bool = True
     codebook: str | None = None  # "sphere": lloyd_max's levels
     rotation: object = None  # "hadamard" | "random" | a Param: `rotate(...)` before the quantizer
+
+    @property
+    def tensor_names(self) -> set[str]:
+        return {n for n in (self.codes, self.scale, self.zero, self.residual) if n}
 
     def to_json(self) -> dict:
         data = {"kind": "quantized", "codes": self.codes, "scale": self.scale, "zero": self.zero,
@@ -132,6 +140,10 @@ class LowRank:
     group: object  # sympy: KV heads per group as written (the runtime takes its gcd with the model's)
     share: object  # sympy: latent channels each KV head stores (rank / group)
     prerope: bool = False
+
+    @property
+    def tensor_names(self) -> set[str]:
+        return {self.latent, self.down, self.up}
 
     def to_json(self) -> dict:
         return {"kind": "low_rank", "latent": self.latent, "down": self.down, "up": self.up,
@@ -637,12 +649,8 @@ IN_LAYERS = sp.Function("in_layers")
 
 
 def _owned(enc) -> set[str]:
-    """The names of the tensors an operand's encoding stores (`tensor_names`, else its string fields)."""
-    if hasattr(enc, "tensor_names"):
-        return enc.tensor_names
-    if not dataclasses.is_dataclass(enc):
-        return set()
-    return {v for v in (getattr(enc, f.name) for f in dataclasses.fields(enc)) if isinstance(v, str)}
+    """The names of the tensors an operand's encoding stores (none for an `Unmapped` one)."""
+    return getattr(enc, "tensor_names", set())
 
 
 def token_bytes(spec: SpecDesc):

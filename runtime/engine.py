@@ -134,7 +134,6 @@ class Engine:
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
-        delta = any(s.delta is not None for s in specs)
         if backend == "triton":  # this GPU's `kvc tune` configs (runtime/tuning/); one log line
             load_tuned_configs(self.device)
         self.attention = PagedAttention.allocate(
@@ -168,6 +167,7 @@ class Engine:
         # (its chains still share pages, copy-on-write). Nor for a spec that writes codes a block at
         # a time: the newest, unfinished block has none yet, only its sequence's window holds it.
         # Nor for a delta code: a page's codes are relative to centers and sinks its row holds.
+        delta = any(s.delta is not None for s in specs)
         prefix_caching = (config.enable_prefix_caching and not self.method.compacts
                           and not self.attention.flushes_blocks and not delta)
         self.pool = PagePool(self.pages_by_class, config.page_size, prefix_caching, salt=salt)

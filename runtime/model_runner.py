@@ -160,10 +160,11 @@ class ModelRunner:
         self.executor = self.executors[0]
         self.hooks = StepHooks(self.method, attention.stores, self.executors, self.tables, pool, self.num_layers,
                                copy_rows=attention.copy_rows, layer_class=attention.layer_class)
+        # delta-coded layers' stores: their decode rows' due blocks are compressed before each step (`_compress_due`)
+        self.delta_sources = {layer: source for layer in range(self.num_layers)
+                              if (source := attention.delta_source(layer)) is not None}
         self.graphs: DecodeGraphs | None = None
         # the torch backend decodes eagerly: its writes sync with the host
-        # delta-coded layers: their decode rows' due blocks are compressed before each step (`_compress_due`)
-        self.delta_layers = [layer for layer in range(self.num_layers) if attention.delta_source(layer) is not None]
         if use_cuda_graphs and device.type == "cuda" and attention.backend != "torch" and self.method.decode_graphs:
             self.graphs = DecodeGraphs(self, max_num_seqs)
             self.graphs.reserve_stats()  # before a graph captures a view of the statistics buffer
@@ -240,11 +241,8 @@ class ModelRunner:
         """Delta-coded layers (runtime/kv/delta_pages.py): the blocks the decode rows' new tokens bring
         due, compressed before the step, eagerly, so that the step itself stores only the tokens, on the
         device (a CUDA graph replays it)."""
-        if not self.delta_layers:
-            return
-        for seq in batch.seqs[:batch.num_decodes]:
-            for layer in self.delta_layers:
-                source = self.attention.delta_source(layer)
+        for seq in batch.seqs[:batch.num_decodes] if self.delta_sources else ():
+            for layer, source in self.delta_sources.items():
                 if source.due(seq.kv_lens[layer]):
                     table = torch.tensor(self.tables.local(layer, seq.page_tables[layer]), device=self.device)
                     source.compress_due(table, seq.row, seq.kv_lens[layer])

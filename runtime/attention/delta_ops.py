@@ -33,17 +33,19 @@ def _sequences(md: AttentionMetadata, layer: int) -> list[tuple[int, int, int, i
             for b in range(len(cu) - 1) if cu[b + 1] > cu[b]]
 
 
-def store(source: DeltaPages, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, layer: int) -> None:
+def store(source: DeltaPages, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, layer: int,
+          sequences: list[tuple[int, int, int, int, int]] | None = None) -> None:
     """The step's k, v [T, Hkv, D] (keys after RoPE) into each sequence's layer: the decode rows' tokens on
     the device (`DeltaPages.store_decodes`; the runner compressed the blocks they bring due before the
-    step, `ModelRunner`), the other sequences' one by one (`DeltaPages.store`, compressing as it goes)."""
+    step, `ModelRunner`), the other sequences' one by one (`DeltaPages.store`, compressing as it goes;
+    `sequences`: `_sequences` of the step, where the caller listed them)."""
     d, batch = md.num_decodes, md.cu_seqlens_q.shape[0] - 1
     x = torch.cat([k, v], dim=-1)
     if d:
         source.store_decodes(md.rows[:d], md.context_lens[layer, :d] - 1, x[:d])
     if d < batch:
         tables = md.block_tables[layer]
-        for b, row, at, n, before in _sequences(md, layer):
+        for b, row, at, n, before in sequences if sequences is not None else _sequences(md, layer):
             if b >= d:
                 source.store(tables[b], row, before, x[at:at + n])
 
@@ -57,12 +59,13 @@ def forward(source: DeltaPages, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     instead of this module's loop; a decode-only step then reads nothing on the host (CUDA graphs)."""
     out = torch.zeros_like(q)
     d, batch = md.num_decodes, md.cu_seqlens_q.shape[0] - 1
-    tables = md.block_tables[layer]
+    tables, sequences = md.block_tables[layer], None
     if kernels is not None and d:
         kernels.delta_decode(source, q[:d], k[:d], v[:d], tables[:d], md.context_lens[layer, :d], md.rows[:d], scale,
                              read, out=out[:d])
     if kernels is None or d < batch:
-        for b, row, at, n, before in _sequences(md, layer):
+        sequences = _sequences(md, layer)
+        for b, row, at, n, before in sequences:
             if kernels is not None and b < d:
                 continue
             rows = slice(at, at + n)
@@ -76,7 +79,7 @@ def forward(source: DeltaPages, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             keys = torch.cat([old_k, k[rows].transpose(0, 1).float()], dim=1)  # [Hkv, m + n, D]
             values = torch.cat([old_v, v[rows].transpose(0, 1).float()], dim=1)
             out[rows] = causal(q[rows], keys, values, positions.shape[0], scale, listed).to(q.dtype)
-    store(source, k, v, md, layer)
+    store(source, k, v, md, layer, sequences)
     return out
 
 

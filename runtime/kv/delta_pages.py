@@ -88,6 +88,13 @@ class DeltaPages:
         return out
 
     # ---- writes --------------------------------------------------------------------------------
+    def _as_stored(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows x [n, Hkv, 2 D] (keys after RoPE, at `positions` [n]) as stored: keys rotated back to position
+        0, in the store's dtype."""
+        half = self.head_dim
+        k_pre = lowrank.rope(x[..., :half].transpose(0, 1), positions, self.inv_freq, inverse=True).transpose(0, 1)
+        return torch.cat([k_pre, x[..., half:].float()], dim=-1).to(self.dtype)
+
     @torch.no_grad()
     def store(self, table: torch.Tensor, row: int, before: int, x: torch.Tensor) -> None:
         """A step's new tokens (positions [before, before + n)) into a sequence's layer: x [n, Hkv, 2 D]
@@ -95,9 +102,7 @@ class DeltaPages:
         enc = self.enc
         n = x.shape[0]
         positions = torch.arange(before, before + n, device=x.device)
-        half = self.head_dim
-        k_pre = lowrank.rope(x[..., :half].transpose(0, 1), positions, self.inv_freq, inverse=True).transpose(0, 1)
-        x = torch.cat([k_pre, x[..., half:].float()], dim=-1).to(self.dtype)  # [n, Hkv, 2 D] as stored
+        x = self._as_stored(x, positions)  # [n, Hkv, 2 D]
         after = before + n
         sink = positions < enc.sink
         if sink.any():  # first: a block's references may be sinks
@@ -135,10 +140,9 @@ class DeltaPages:
         sequences in `rows` [n], on the device alone (CUDA-graph safe): each into its sinks or its ring
         slot; the blocks they bring due are compressed before the step (`compress_due`). A padding row
         (its row the scratch row, position -1) writes only the scratch row."""
-        enc, half = self.enc, self.head_dim
+        enc = self.enc
         befores, rows = befores.long(), rows.long()
-        k_pre = lowrank.rope(x[..., :half].transpose(0, 1), befores, self.inv_freq, inverse=True).transpose(0, 1)
-        x = torch.cat([k_pre, x[..., half:].float()], dim=-1).to(self.dtype)
+        x = self._as_stored(x, befores)
         in_sink = (befores < enc.sink)[:, None, None]
         if self.sinks is not None:
             at = befores.clamp(0, enc.sink - 1)
