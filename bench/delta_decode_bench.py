@@ -62,7 +62,13 @@ def delta_store(batch: int, context: int, dtype: torch.dtype, device: torch.devi
     return source, tables, rows
 
 
-def run_shape(batch: int, context: int, selected: int, dtype: torch.dtype, device: torch.device, kernels, plain):
+SWEEP = [dict(block_n=n, num_warps=w, num_stages=st, num_splits=sp) for n, w, st, sp in
+         ((32, 4, 1, None), (32, 8, 1, None), (64, 8, 1, None), (16, 4, 1, None), (16, 8, 1, None), (32, 4, 2, None),
+          (32, 4, 1, 8), (32, 8, 1, 8), (32, 8, 1, 16))]
+
+
+def run_shape(batch: int, context: int, selected: int, dtype: torch.dtype, device: torch.device, kernels, plain,
+              reads: str = "both", sweep: bool = False):
     from kvc.runtime.kv.plans import ReadPlan
 
     source, tables, rows = delta_store(batch, context, dtype, device)
@@ -71,8 +77,8 @@ def run_shape(batch: int, context: int, selected: int, dtype: torch.dtype, devic
     k_new, v_new = (torch.randn(batch, KV_HEADS, DIM, generator=gen, device=device).to(dtype) for _ in range(2))
     lens = torch.full((batch,), context + 1, device=device, dtype=torch.int32)
     results = []
-    plans = {"all": None}
-    if selected < context:
+    plans = {} if reads == "plan" else {"all": None}
+    if selected < context and reads != "all":
         tokens = torch.stack([torch.randperm(context - 2 * RECENT, generator=gen, device=device)[:selected]
                               for _ in range(batch * KV_HEADS)]).view(batch, KV_HEADS, selected).to(torch.int32)
         plans[f"plan{selected}"] = ReadPlan(tokens=tokens, last=torch.full((batch,), RECENT, device=device,
@@ -92,6 +98,12 @@ def run_shape(batch: int, context: int, selected: int, dtype: torch.dtype, devic
                             dense_ms=round(base, 4), vs_dense=round(base / ms, 4),
                             tokens_per_s=round(batch * KV_HEADS * read_tokens / (ms * 1e-3))))
         print(" ".join(f"{k}={v}" for k, v in results[-1].items()), flush=True)
+        for knobs in SWEEP if sweep else ():
+            ms = time_ms(lambda read=read: kernels.delta_decode(source, q, k_new, v_new, tables, lens, rows, 0.088,
+                                                                read, out=out, **knobs), device)
+            results.append(dict(batch=batch, context=context, reads=name, **knobs, ms=round(ms, 4),
+                                vs_dense=round(base / ms, 4)))
+            print(" ".join(f"{k}={v}" for k, v in results[-1].items()), flush=True)
     return results
 
 
@@ -101,6 +113,8 @@ def main() -> None:
     p.add_argument("--selected", type=int, default=2048, help="the plan's tokens a KV head (DeltaKV's `selected`)")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU under TRITON_INTERPRET=1)")
+    p.add_argument("--reads", choices=("all", "plan", "both"), default="both", help="every token, the plan, or both")
+    p.add_argument("--sweep", action="store_true", help="also time the kernel over launch knobs (SWEEP)")
     a = p.parse_args()
     from kvc.runtime.attention import triton_ops
 
@@ -112,7 +126,7 @@ def main() -> None:
     results = []
     for shape in shapes:
         batch, context = (int(x) for x in shape.split("x"))
-        results += run_shape(batch, context, selected, dtype, device, kernels, plain)
+        results += run_shape(batch, context, selected, dtype, device, kernels, plain, a.reads, a.sweep)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

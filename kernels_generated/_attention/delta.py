@@ -57,6 +57,22 @@ def _rows(at, mask, cols, cols_mask):
 
 
 @triton.jit
+def _neighbour(near, j: tl.constexpr, coded, table, sinks, centers_ptr, kv_head, stride_nh, stride_ss, stride_cp,
+               stride_ch, stride_cs, SINK: tl.constexpr, PAGE_SIZE: tl.constexpr, EVERY: tl.constexpr,
+               NEAR_SHARE: tl.constexpr):
+    # (row pointers [N], present [N]) of each coded token's neighbour j, a sink or a center: KV head
+    # j // NEAR_SHARE's share of the positions, entry j % NEAR_SHARE
+    other = tl.load(near + (j // NEAR_SHARE) * stride_nh + j % NEAR_SHARE, mask=coded, other=-1)
+    has = coded & (other >= 0)
+    other = tl.where(has, other, 0)
+    from_center = has & (other >= SINK)
+    other_page = tl.load(table + other // PAGE_SIZE, mask=from_center, other=0).to(tl.int64)
+    at_sink = sinks + other.to(tl.int64) * stride_ss
+    at_center = centers_ptr + other_page * stride_cp + kv_head * stride_ch + ((other % PAGE_SIZE) // EVERY) * stride_cs
+    return tl.where(from_center, at_center, at_sink), has
+
+
+@triton.jit
 def _delta_decode_kernel(
     q_ptr, tables_ptr, lens_ptr, rows_ptr, plan_ptr, last_ptr,
     latent_ptr, near_ptr, centers_ptr, sinks_ptr, window_ptr, up_ptr, bias_ptr, freq_ptr,
@@ -149,41 +165,28 @@ def _delta_decode_kernel(
         s_at = sinks + pos.to(tl.int64) * stride_ss
         w_at = window + (pos % (2 * RECENT)).to(tl.int64) * stride_ws
         c_at = centers_ptr + page * stride_cp + kv_head * stride_ch + (offset // EVERY) * stride_cs
-        k1 = _rows(s_at, is_sink, dims, dim_mask) + _rows(w_at, is_tail, dims, dim_mask) + \
-            _rows(c_at, is_center, dims, dim_mask)
-        k2 = _rows(s_at + half, is_sink, dims, dim_mask) + _rows(w_at + half, is_tail, dims, dim_mask) + \
-            _rows(c_at + half, is_center, dims, dim_mask)
-        v = _rows(s_at + HEAD_DIM, is_sink, vdims, vdim_mask) + _rows(w_at + HEAD_DIM, is_tail, vdims, vdim_mask) + \
-            _rows(c_at + HEAD_DIM, is_center, vdims, vdim_mask)
-        # a coded token: the mean of its neighbours' raw rows, plus its whole code (every head's share) through up
+        raw_at = tl.where(is_sink, s_at, tl.where(is_tail, w_at, c_at))  # one load a part, from where the row is
+        raw = is_sink | is_tail | is_center
+        # a coded token: the mean of its neighbours' raw rows, plus its whole code (every head's share) through up;
+        # keys first, values after the logits (fewer tiles live at once)
         code = tl.load(latent_ptr + page[:, None] * stride_lp + (cols // SHARE)[None, :] * stride_lh
                        + offset[:, None] * stride_ls + (cols % SHARE)[None, :],
                        mask=coded[:, None] & col_mask[None, :], other=0.0)
+        near = near_ptr + page * stride_np + offset * stride_ns
         r1 = tl.zeros([BLOCK_N, BLOCK_HALF], tl.float32)
         r2 = tl.zeros([BLOCK_N, BLOCK_HALF], tl.float32)
-        rv = tl.zeros([BLOCK_N, 2 * BLOCK_HALF], tl.float32)
         count = tl.zeros([BLOCK_N], tl.float32)
-        near = near_ptr + page * stride_np + offset * stride_ns
-        for j in tl.static_range(COUNT):  # neighbour j: KV head j // NEAR_SHARE's share, entry j % NEAR_SHARE
-            other = tl.load(near + (j // NEAR_SHARE) * stride_nh + j % NEAR_SHARE, mask=coded, other=-1)
-            has = coded & (other >= 0)
-            other = tl.where(has, other, 0)
-            from_sink = has & (other < SINK)
-            from_center = has & (other >= SINK)
-            other_page = tl.load(table + other // PAGE_SIZE, mask=from_center, other=0).to(tl.int64)
-            os_at = sinks + other.to(tl.int64) * stride_ss
-            oc_at = centers_ptr + other_page * stride_cp + kv_head * stride_ch + ((other % PAGE_SIZE) // EVERY) * stride_cs
-            r1 += _rows(os_at, from_sink, dims, dim_mask) + _rows(oc_at, from_center, dims, dim_mask)
-            r2 += _rows(os_at + half, from_sink, dims, dim_mask) + _rows(oc_at + half, from_center, dims, dim_mask)
-            rv += _rows(os_at + HEAD_DIM, from_sink, vdims, vdim_mask) + \
-                _rows(oc_at + HEAD_DIM, from_center, vdims, vdim_mask)
+        for j in tl.static_range(COUNT):
+            o_at, has = _neighbour(near, j, coded, table, sinks, centers_ptr, kv_head, stride_nh, stride_ss, stride_cp,
+                                   stride_ch, stride_cs, SINK, PAGE_SIZE, EVERY, NEAR_SHARE)
+            r1 += _rows(o_at, has, dims, dim_mask)
+            r2 += _rows(o_at + half, has, dims, dim_mask)
             count += has.to(tl.float32)
         mean = 1.0 / tl.maximum(count, 1.0)
-        x1 = tl.dot(code, up1, input_precision=PRECISION)  # [BLOCK_N, D / 2] float32
-        x2 = tl.dot(code, up2, input_precision=PRECISION)
-        k1 = tl.where(coded[:, None], r1 * mean[:, None] + x1 + b1[None, :], k1)
-        k2 = tl.where(coded[:, None], r2 * mean[:, None] + x2 + b2[None, :], k2)
-        v = tl.where(coded[:, None], rv * mean[:, None] + bv[None, :], v)  # + code @ up_v^T, after the merge
+        k1 = tl.where(coded[:, None], r1 * mean[:, None] + tl.dot(code, up1, input_precision=PRECISION) + b1[None, :],
+                      _rows(raw_at, raw, dims, dim_mask))
+        k2 = tl.where(coded[:, None], r2 * mean[:, None] + tl.dot(code, up2, input_precision=PRECISION) + b2[None, :],
+                      _rows(raw_at + half, raw, dims, dim_mask))
         # RoPE at each position, then the logits
         angles = pos.to(tl.float32)[:, None] * freq[None, :]
         cos, sin = tl.cos(angles), tl.sin(angles)
@@ -194,6 +197,13 @@ def _delta_decode_kernel(
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
+        rv = tl.zeros([BLOCK_N, 2 * BLOCK_HALF], tl.float32)
+        for j in tl.static_range(COUNT):
+            o_at, has = _neighbour(near, j, coded, table, sinks, centers_ptr, kv_head, stride_nh, stride_ss, stride_cp,
+                                   stride_ch, stride_cs, SINK, PAGE_SIZE, EVERY, NEAR_SHARE)
+            rv += _rows(o_at + HEAD_DIM, has, vdims, vdim_mask)
+        # + code @ up_v^T, after the merge
+        v = tl.where(coded[:, None], rv * mean[:, None] + bv[None, :], _rows(raw_at + HEAD_DIM, raw, vdims, vdim_mask))
         acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), v.to(q1.dtype), input_precision=PRECISION)
         acc_code = acc_code * alpha[:, None] + tl.dot(p.to(q1.dtype), code.to(q1.dtype), input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -219,7 +229,8 @@ def decode_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
 def delta_decode(source: DeltaPages, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, rows: torch.Tensor, scale: float,
                  read: ReadPlan | None = None, out: torch.Tensor | None = None, *, block_n: int | None = None,
-                 num_warps: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                 num_warps: int | None = None, num_splits: int | None = None,
+                 num_stages: int | None = None) -> torch.Tensor:
     """Decode rows' attention [B, Hq, D] over one delta-coded layer (module docstring): q [B, Hq, D] and the
     rows' own keys (after RoPE) and values k_new, v_new [B, Hkv, D]; `context_lens` counts the own token;
     `rows` [B] their SEQ rows; `read` a token plan (tokens [B, Hkv, T], optional `last` [B]) or every
@@ -263,7 +274,8 @@ def delta_decode(source: DeltaPages, q: torch.Tensor, k_new: torch.Tensor, v_new
         SINK=enc.sink, RECENT=enc.recent, EVERY=enc.every, COUNT=enc.count, NEAR_SHARE=near.shape[-1],
         HAS_BIAS=source.bias is not None,
         READ=read is not None, HAS_LAST=read is not None and read.last is not None, BLOCK_N=block_n or 32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps or 4,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps or 8,
+        num_stages=num_stages or 1,
     )
     # the row's own token is one more split: weight exp2(its logit), its value as computed
     kv = torch.arange(num_q_heads, device=q.device) // group

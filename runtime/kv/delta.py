@@ -40,13 +40,19 @@ def is_center(positions: torch.Tensor, sink: int, stride: int) -> torch.Tensor:
 
 
 def references(x: torch.Tensor, positions: torch.Tensor, centers: torch.Tensor, center_pos: torch.Tensor,
-               count: int) -> tuple[torch.Tensor, torch.Tensor]:
+               count: int, cells: int = 1 << 25) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's reference: the mean of its `count` nearest centers at or before its position
     (squared L2 over the whole vector; ties: the earlier center).
 
     x [n, F] and positions [n]; centers [m, F], raw, at center_pos [m] (ascending). Returns (ref [n, F]
     float32, neighbours [n, count]: their positions, -1 where a row has fewer centers before it). Every
-    row needs one (a block's first position is a center)."""
+    row needs one (a block's first position is a center). Rows go in blocks of at most `cells` distances
+    (a 32K-token block against 128K tokens' centers would need gigabytes at once)."""
+    rows = max(1, cells // max(1, centers.shape[0]))
+    if x.shape[0] > rows:
+        parts = [references(x[i:i + rows], positions[i:i + rows], centers, center_pos, count, cells)
+                 for i in range(0, x.shape[0], rows)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     dist = torch.cdist(x.double(), centers.double(), compute_mode="donot_use_mm_for_euclid_dist").square()
     dist = dist.masked_fill(center_pos[None, :] > positions[:, None], float("inf"))
     k = min(count, centers.shape[0])

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from kvc.runtime.primitives.torch_primitives import per_row
+
 NEG_INF = float("-inf")
 
 
@@ -126,8 +128,8 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
 def _clusters(count, size, like: torch.Tensor) -> torch.Tensor:
     """A count of tokens per row (a [row] tensor or a number) as clusters of `size` tokens,
     ceil(count / size), at least 0: [row, 1] int64."""
-    count = torch.as_tensor(count, device=like.device, dtype=torch.float64).clamp(min=0)
-    return torch.ceil(count / size).long().reshape(-1, 1).expand(like.shape[0], 1)
+    count = per_row(count, like.shape[0], like.device).clamp(min=0)
+    return torch.ceil(count / size).long().reshape(-1, 1)
 
 
 def _gather_clusters(x: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:

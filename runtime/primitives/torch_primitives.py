@@ -31,6 +31,15 @@ def clamp_count(n, available):
     return max(0, min(int(floor(n)), int(available)))
 
 
+def per_row(value, rows: int, device) -> torch.Tensor:
+    """A value for each of `rows` rows, [rows] float64 on `device`: a tensor (one value, or one a row)
+    as it is, a Python number filled on the device (no host-to-device copy: a CUDA graph captures it)."""
+    if isinstance(value, torch.Tensor):
+        value = value.to(device=device, dtype=torch.float64)
+        return value.expand(rows) if value.dim() == 0 else value
+    return torch.full((rows,), float(value), device=device, dtype=torch.float64)
+
+
 def window(x, dim, side, n):
     n = clamp_count(n, x.shape[dim])
     return x.narrow(dim, 0 if side == "first" else x.shape[dim] - n, n)
@@ -243,7 +252,7 @@ def decode_logits(q, k, context, softmax=True):
     grouped = queries.reshape(rows, kv_heads, -1, head_dim)  # [row, kv_head, group x query, channel]
     logits = (grouped @ k.float().transpose(-1, -2)).div_(math.sqrt(head_dim))
     logits = logits.view(rows, heads, queries.shape[2], k.shape[2])  # [row, head, query, key]
-    past = torch.arange(k.shape[2], device=q.device)[None, :] >= torch.as_tensor(context, device=q.device)[:, None]
+    past = torch.arange(k.shape[2], device=q.device)[None, :] >= per_row(context, rows, q.device)[:, None]
     logits.masked_fill_(past[:, None, None, :], NEG_INF)
     logits = logits.softmax(dim=-1) if softmax else logits
     return logits if q.dim() == 4 else logits[:, :, 0]
@@ -253,8 +262,8 @@ def row_range(x, dim, side, n, context):
     """`x[first n]` / `x[last n]` along `dim` of a decode batch's [row, ...] score, row b's own n and
     context: the keys outside the range are -inf (what `top` never ranks), so shapes stay static."""
     device = x.device
-    n = torch.as_tensor(n, device=device).double().floor()
-    context = torch.as_tensor(context, device=device).double()
+    n = per_row(n, x.shape[0], device).floor()
+    context = per_row(context, x.shape[0], device)
     pos = torch.arange(x.shape[dim], device=device, dtype=torch.float64)
     inside = pos[None, :] < n[:, None] if side == "first" else pos[None, :] >= (context - n)[:, None]
     shape = [1] * x.dim()
@@ -269,9 +278,7 @@ def choose_tokens(scores, count, bound):
     shape is static (CUDA-graph capturable, no host read)."""
     n = clamp_count(bound, scores.shape[-1])
     best, top = scores.float().topk(n, dim=-1)  # sorted: the first count[row] are the row's choice
-    count = torch.as_tensor(count, device=scores.device).double().floor()
-    if count.dim() == 0:  # one count for every row (a parameter)
-        count = count.expand(scores.shape[0])
+    count = per_row(count, scores.shape[0], scores.device).floor()  # one count for every row (a parameter), or a row's
     rank = torch.arange(n, device=scores.device)
     keep = (rank[None, :] < count[:, None]) & (best > NEG_INF)
     return torch.where(keep, top, -1).to(torch.int32)
@@ -283,11 +290,9 @@ def read_tokens(chosen, last, kv_heads, first, context):
     (tokens [row, kv_head, n + first] int32, last [row] int32). A chosen token that the first or the
     last cover (by the rows' `context` [row]) is listed once (-1 in the choice)."""
     device = chosen.device
-    last = torch.as_tensor(last, device=device).double().floor().clamp(min=0)
-    if last.dim() == 0:  # one count for every row (a parameter)
-        last = last.expand(chosen.shape[0])
+    last = per_row(last, chosen.shape[0], device).floor().clamp(min=0)  # a parameter, or a count a row
     first = int(first)
-    newest = torch.as_tensor(context, device=device).double()[:, None] - last[:, None]  # [row, 1]
+    newest = per_row(context, chosen.shape[0], device)[:, None] - last[:, None]  # [row, 1]
     covered = (chosen >= newest) | ((chosen >= 0) & (chosen < first))
     chosen = torch.where(covered, torch.full_like(chosen, -1), chosen)
     if first:

@@ -46,6 +46,19 @@ def test_references_are_the_nearest_centers_at_or_before_each_token() -> None:
         torch.testing.assert_close(ref[i], x[best].mean(0))
 
 
+def test_references_in_blocks_of_rows_equal_one_block() -> None:
+    """A long block goes through the distances a few rows at a time (bounded memory), with the same answer."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(300, 5, generator=g)
+    x[200] = x[120]  # equal distances: the earlier center wins in every block
+    centers = delta.center_positions(280, sink=4, stride=8)
+    rows = torch.arange(8, 280)
+    whole = delta.references(x[rows], rows, x[centers], centers, count=4)
+    blocked = delta.references(x[rows], rows, x[centers], centers, count=4, cells=3 * len(centers))
+    assert torch.equal(whole[1], blocked[1])
+    torch.testing.assert_close(whole[0], blocked[0], rtol=0, atol=0)
+
+
 def test_a_token_with_fewer_centers_than_neighbours_averages_those_it_has() -> None:
     x = torch.arange(12.0)[:, None].repeat(1, 3)
     centers = torch.tensor([0, 4])

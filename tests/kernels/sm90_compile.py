@@ -53,7 +53,7 @@ def delta() -> None:
     shape = dict(GROUP=8, BLOCK_H=16, HEAD_DIM=128, BLOCK_HALF=64, CODE=256, SHARE=64, BLOCK_C=256, PAGE_SIZE=16,
                  SINK=8, RECENT=128, EVERY=8, COUNT=4, NEAR_SHARE=1, HAS_BIAS=True, BLOCK_N=32, PRECISION="tf32")
     for read in (True, False):
-        build(mod._delta_decode_kernel, dict(READ=read, HAS_LAST=read, **shape), pointers, num_warps=4)
+        build(mod._delta_decode_kernel, dict(READ=read, HAS_LAST=read, **shape), pointers, num_warps=8, num_stages=1)
     print("compiled for sm90: delta")
 
 

@@ -78,7 +78,7 @@ def graph_steps(llm, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Decode-only steps of `llm` from now on through the CUDA-graph runner's own step (its static
     buffers, batch buckets with padding rows, no host rows), run without capture on the CPU, with
     the host-reading tensor methods disarmed inside their decode hook (other steps run eagerly, as
-    they do on a GPU). Returns the list that the
+    they do on a GPU), and so are copies of host values to the device. Returns the list that the
     batch size of every such step is appended to."""
     from kvc.runtime.decode_graphs import DecodeGraphs
 
@@ -98,6 +98,15 @@ def graph_steps(llm, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     def forbidden(*args, **kwargs):
         raise AssertionError("the decode hook read a device value on the host")
 
+    as_tensor, new_tensor = torch.as_tensor, torch.tensor
+
+    def from_host(make):
+        def checked(data, *args, **kwargs):  # a host value copied to the device: a capture refuses it
+            if not isinstance(data, torch.Tensor):
+                raise AssertionError(f"the decode hook copied a host value to the device: {make.__name__}({data!r})")
+            return make(data, *args, **kwargs)
+        return checked
+
     def graph_like(layer, view):
         if view.rows is not None:  # an eager step (a prefill beside the decodes)
             return original(layer, view)
@@ -105,6 +114,8 @@ def graph_steps(llm, monkeypatch: pytest.MonkeyPatch) -> list[int]:
         with pytest.MonkeyPatch.context() as mp:
             for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
                 mp.setattr(torch.Tensor, name, forbidden)
+            mp.setattr(torch, "as_tensor", from_host(as_tensor))
+            mp.setattr(torch, "tensor", from_host(new_tensor))
             return original(layer, view)
 
     monkeypatch.setattr(method, "decode_before_attention", graph_like)
