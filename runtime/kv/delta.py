@@ -40,32 +40,71 @@ def is_center(positions: torch.Tensor, sink: int, stride: int) -> torch.Tensor:
 
 
 def references(x: torch.Tensor, positions: torch.Tensor, centers: torch.Tensor, center_pos: torch.Tensor,
-               count: int, cells: int = 1 << 25) -> tuple[torch.Tensor, torch.Tensor]:
+               count: int, cells: int = 1 << 25, pool: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's reference: the mean of its `count` nearest centers at or before its position
     (squared L2 over the whole vector; ties: the earlier center).
 
     x [n, F] and positions [n]; centers [m, F], raw, at center_pos [m] (ascending). Returns (ref [n, F]
     float32, neighbours [n, count]: their positions, -1 where a row has fewer centers before it). Every
     row needs one (a block's first position is a center). Rows go in blocks of at most `cells` distances
-    (a 32K-token block against 128K tokens' centers would need gigabytes at once)."""
+    (a 32K-token block against 128K tokens' centers would need gigabytes at once). Against more than
+    `pool` (default 8 `count`) centers, `_nearest` finds them through one matrix product; the answer is
+    the exact one either way."""
     rows = max(1, cells // max(1, centers.shape[0]))
     if x.shape[0] > rows:
-        parts = [references(x[i:i + rows], positions[i:i + rows], centers, center_pos, count, cells)
+        parts = [references(x[i:i + rows], positions[i:i + rows], centers, center_pos, count, cells, pool)
                  for i in range(0, x.shape[0], rows)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    dist = torch.cdist(x.double(), centers.double(), compute_mode="donot_use_mm_for_euclid_dist").square()
-    dist = dist.masked_fill(center_pos[None, :] > positions[:, None], float("inf"))
     k = min(count, centers.shape[0])
-    # stable ascending sort: equal distances keep the earlier center first
-    order = torch.sort(dist, dim=1, stable=True)
-    d, idx = order.values[:, :k], order.indices[:, :k]
-    valid = torch.isfinite(d)
+    idx, valid = _nearest(x, positions, centers, center_pos, k, pool or 8 * count)
     weight = valid.float() / valid.sum(1, keepdim=True).clamp(min=1)
     ref = torch.einsum("nk,nkf->nf", weight, centers.float()[idx])
     out = torch.where(valid, center_pos[idx], torch.full_like(idx, -1))
     if k < count:
         out = torch.cat([out, out.new_full((out.shape[0], count - k), -1)], 1)
     return ref, out
+
+
+def _exact_nearest(x: torch.Tensor, positions: torch.Tensor, centers: torch.Tensor, center_pos: torch.Tensor,
+                   k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices [n, k] of each row's k nearest earlier centers, found [n, k]): every distance in float64
+    without cancellation, a stable sort (equal distances keep the earlier center first)."""
+    dist = torch.cdist(x.double(), centers.double(), compute_mode="donot_use_mm_for_euclid_dist").square()
+    dist = dist.masked_fill(center_pos[None, :] > positions[:, None], float("inf"))
+    order = torch.sort(dist, dim=1, stable=True)
+    return order.indices[:, :k], torch.isfinite(order.values[:, :k])
+
+
+def _nearest(x: torch.Tensor, positions: torch.Tensor, centers: torch.Tensor, center_pos: torch.Tensor, k: int,
+             pool: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_exact_nearest`'s answer through candidates: float32 distances by one product (|x|^2 + |c|^2 - 2 x.c)
+    pick each row's `pool` nearest, their exact float64 distances rank them as `_exact_nearest` does, and a
+    row whose k-th exact distance is not below every other center's by more than the product's rounding bound
+    is redone exactly (so the answer never differs; on real vectors no row is)."""
+    if centers.shape[0] <= pool:
+        return _exact_nearest(x, positions, centers, center_pos, k)
+    xf, cf = x.float(), centers.float()
+    x2, c2 = xf.square().sum(1), cf.square().sum(1)
+    future = center_pos[None, :] > positions[:, None]
+    approx = (x2[:, None] + c2[None, :] - 2 * (xf @ cf.T)).masked_fill(future, float("inf"))
+    cut, cand = approx.topk(pool + 1, dim=1, largest=False)  # the last: the nearest center left out
+    cand = cand[:, :pool].sort(dim=1).values  # ascending index: the stable sort keeps the earlier of equals
+    xd, cd = x.double(), centers.double()
+    exact = torch.stack([(xd - cd[cand[:, j]]).square().sum(-1) for j in range(pool)], 1)  # a candidate at a time
+    exact = exact.masked_fill(center_pos[cand] > positions[:, None], float("inf"))
+    order = torch.sort(exact, dim=1, stable=True)
+    idx, dist = cand.gather(1, order.indices[:, :k]), order.values[:, :k]
+    # |approx - exact| <= gamma (|x|^2 + |c|^2 + 2 |x||c|) <= 2 gamma (|x|^2 + |c|^2), gamma ~ (F + 3) u, u the
+    # product's unit roundoff (TF32 or bf16 passes where torch's float32 matmul precision allows them)
+    u = {"highest": 2.0**-24, "high": 2.0**-11}.get(torch.get_float32_matmul_precision(), 2.0**-8)
+    slack = 4 * (x.shape[1] + 3) * u * (x2 + c2.max()).double()
+    left_out = cut[:, pool].double()
+    sure = torch.isinf(left_out) | (dist[:, -1] < left_out - slack)
+    found = torch.isfinite(dist)
+    if not bool(sure.all()):
+        again = (~sure).nonzero().flatten()
+        idx[again], found[again] = _exact_nearest(x[again], positions[again], centers, center_pos, k)
+    return idx, found
 
 
 def encode(x: torch.Tensor, ref: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,25 @@ def test_references_in_blocks_of_rows_equal_one_block() -> None:
     torch.testing.assert_close(whole[0], blocked[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("data", ["random", "clustered", "duplicates"])
+def test_candidates_from_one_product_give_the_exact_neighbours(data: str) -> None:
+    """Against many centers the nearest come from a float32 product's candidates: the same neighbours and
+    references as the float64 search of every distance, on spread, tightly clustered (near ties: rows redone
+    exactly) and duplicated vectors (exact ties: the earlier center)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(600, 64, generator=g) * 4
+    if data == "clustered":
+        x = 50 + torch.randn(600, 64, generator=g) * 1e-3
+    if data == "duplicates":
+        x[300:] = x[torch.randint(0, 300, (300,), generator=g)]
+    centers = delta.center_positions(600, sink=4, stride=2)
+    rows = torch.arange(4, 600)
+    exact = delta.references(x[rows], rows, x[centers], centers, count=4, pool=10**9)
+    fast = delta.references(x[rows], rows, x[centers], centers, count=4, pool=16)
+    assert torch.equal(exact[1], fast[1])
+    torch.testing.assert_close(exact[0], fast[0], rtol=0, atol=0)
+
+
 def test_a_token_with_fewer_centers_than_neighbours_averages_those_it_has() -> None:
     x = torch.arange(12.0)[:, None].repeat(1, 3)
     centers = torch.tensor([0, 4])
