@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -164,13 +165,14 @@ class Engine:
         method_id = self.method.fingerprint  # name + parameters (+ generated source)
         salt = hashlib.sha256(f"{model_ref}|{method_id}|{self.spec}".encode()).digest()[:16]
         # A compacting method's pages stop matching the logical tokens: no prefix caching for it
-        # (its chains still share pages, copy-on-write). Nor for a spec that writes codes a block at
-        # a time: the newest, unfinished block has none yet, only its sequence's window holds it.
-        # Nor for a delta code: a page's codes are relative to centers and sinks its row holds.
+        # (its chains still share pages, copy-on-write). Nor for a delta code: a page's codes are
+        # relative to centers and sinks its row holds. A spec that writes codes a block at a time
+        # shares whole blocks whose codes are written (docs/design.md, "Prefix caching over blocks").
         delta = any(s.delta is not None for s in specs)
-        prefix_caching = (config.enable_prefix_caching and not self.method.compacts
-                          and not self.attention.flushes_blocks and not delta)
-        self.pool = PagePool(self.pages_by_class, config.page_size, prefix_caching, salt=salt)
+        prefix_caching = config.enable_prefix_caching and not self.method.compacts and not delta
+        flush_block = self.attention.flush_block
+        self.pool = PagePool(self.pages_by_class, config.page_size, prefix_caching, salt=salt,
+                             prefix_block=math.lcm(flush_block, config.page_size) if flush_block else 0)
         self.chains = ChainStore(self.pool, layout.layers, self.method, fingerprint=salt.hex(),
                                  rows=self.rows, copy_row=self.attention.copy_rows)
         hooks = self.method.hooks
@@ -194,6 +196,7 @@ class Engine:
             residual=self.attention.residual_window,
             window_after=self.attention.window_after,
             layer_class=classes.layer_class,
+            flush_block=flush_block,
         )
         self.grammars = GrammarBook(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
         self.runner = ModelRunner(

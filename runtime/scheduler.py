@@ -56,6 +56,7 @@ from kvc.runtime.errors import ConfigError, OutOfKVMemory, PromptTooLongError
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.room import Room
 from kvc.runtime.kv.rows import RowPool
+from kvc.runtime.kv.spec import flushed
 from kvc.runtime.method_api import FullBudget, KVBudget
 from kvc.runtime.sequence import FINISH_ABORT, FINISH_LENGTH, Sequence, SequenceStatus
 
@@ -117,7 +118,7 @@ class Scheduler:
         self, config: SchedulerConfig, pool: PagePool, num_layers: int = 1, budget: KVBudget | None = None,
         chains: ChainStore | None = None, compacts: tuple[bool, ...] = (False, False),
         rows: RowPool | None = None, residual: int = 0, window_after: Callable[[int], int] | None = None,
-        layer_class: tuple[int, ...] | None = None,
+        layer_class: tuple[int, ...] | None = None, flush_block: int = 0,
     ) -> None:
         self.config = config
         # each layer's storage class (the pool's page-id range it takes pages from)
@@ -133,6 +134,9 @@ class Scheduler:
         self.rows, self.residual = rows, residual
         # what a sequence's residual window holds after a keep plan left n slots (KVExecutor.window_after)
         self.window_after = window_after or (lambda n: 0)
+        # codes written a block of this many tokens at a time (0: token by token): a page is named in the
+        # prefix cache once its block's codes are (torch_ops.flushed)
+        self.flush_block = flush_block
         # may compaction write into a sequence's pages: at a prefill's last chunk, at decode steps, at
         # any prefill chunk (a method whose prefill_chunk keeps)?
         self.compacts_prefill, self.compacts_decode, self.compacts_chunks = (*compacts, False)[:3]
@@ -594,9 +598,12 @@ class Scheduler:
         return ScheduledBatch(seqs=seqs, num_new_tokens=[1] * len(seqs), num_decodes=len(seqs))
 
     def _register_full_pages(self, seq: Sequence, computed_before: int) -> None:
-        """Names in the prefix cache each page that this step filled."""
+        """Names in the prefix cache each page that this step filled (under a flush block: whose block's
+        codes this step wrote)."""
         size = self.pool.page_size
         first, end = computed_before // size, seq.num_computed_tokens // size
+        if self.flush_block:  # the pages of blocks with codes (the newest block's are in the window only)
+            first, end = (flushed(n, self.flush_block) // size for n in (computed_before, seq.num_computed_tokens))
         while len(seq.page_hashes) < end:
             i = len(seq.page_hashes)
             prev = seq.page_hashes[i - 1] if i else None

@@ -1120,13 +1120,13 @@ def _store_kv_kernel(
 
 @triton.jit
 def _flush_blocks_kernel(
-    x_ptr, cu_seqlens_ptr, context_lens_ptr, rows_ptr, block_tables_ptr,
+    x_ptr, cu_seqlens_ptr, context_lens_ptr, rows_ptr, block_tables_ptr, resid_lens_ptr,
     codes_ptr, scale_ptr, zero_ptr, resid_ptr,
     stride_xt, stride_xh, stride_cp, stride_ch, stride_cs, stride_sp, stride_sh,
     stride_rr, stride_rh, stride_rs, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BITS: tl.constexpr, PER_ELEMENT: tl.constexpr, GROUP: tl.constexpr, ASYM: tl.constexpr,
-    WINDOW: tl.constexpr, FLUSH: tl.constexpr,
+    WINDOW: tl.constexpr, FLUSH: tl.constexpr, HAS_HELD: tl.constexpr,
 ):
     # One block a step leaves behind (runtime/kv/spec.py, `flush_block`), one KV head: program
     # (sequence, i, head) quantizes block i of those between the flushed boundaries before and after
@@ -1139,6 +1139,9 @@ def _flush_blocks_kernel(
     q_start = tl.load(cu_seqlens_ptr + seq)
     first = end - (tl.load(cu_seqlens_ptr + seq + 1) - q_start)
     lo = tl.where(first > 0, (first - 1) // FLUSH * FLUSH, 0)
+    if HAS_HELD:  # not the blocks the window does not hold (spec.flush_from: a prefix-cache hit's have codes)
+        start = first - tl.load(resid_lens_ptr + seq)
+        lo = tl.maximum(lo, tl.where(start > 0, (start + FLUSH - 1) // FLUSH * FLUSH, 0))
     hi = tl.where(end > 0, (end - 1) // FLUSH * FLUSH, 0)
     block = lo + tl.program_id(1) * FLUSH
     if block < hi:
@@ -1196,7 +1199,7 @@ def _flush_blocks_kernel(
                          mask=ok)
 
 
-def _flush_blocks(x, source, cu_seqlens_q, context_lens, rows, block_tables) -> None:
+def _flush_blocks(x, source, cu_seqlens_q, context_lens, rows, block_tables, resid_lens=None) -> None:
     """Launches `_flush_blocks_kernel` for one operand written a block at a time (before the step's
     tokens enter its window, which may overwrite the slots a block reads)."""
     if cu_seqlens_q is None or context_lens is None or rows is None or block_tables is None:
@@ -1208,12 +1211,13 @@ def _flush_blocks(x, source, cu_seqlens_q, context_lens, rows, block_tables) -> 
     batch = context_lens.shape[0]
     zero = source.zero if source.zero is not None else source.scale
     _flush_blocks_kernel[(batch, num_tokens // enc.flush_block + 1, num_kv_heads)](
-        x, cu_seqlens_q, context_lens, rows, block_tables, source.codes, source.scale, zero, source.residual,
+        x, cu_seqlens_q, context_lens, rows, block_tables, context_lens if resid_lens is None else resid_lens,
+        source.codes, source.scale, zero, source.residual,
         x.stride(0), x.stride(1), *source.codes.stride()[:3], source.scale.stride(0), source.scale.stride(1),
         *source.residual.stride()[:3], block_tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=source.codes.shape[2],
         BITS=enc.bits, PER_ELEMENT=source.per_element, GROUP=enc.group, ASYM=not enc.symmetric,
-        WINDOW=source.window, FLUSH=enc.flush_block,
+        WINDOW=source.window, FLUSH=enc.flush_block, HAS_HELD=resid_lens is not None,
     )
 
 
@@ -1228,11 +1232,13 @@ def store_kv(
     rows: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
     window_tokens: int | None = None,
+    resid_lens: torch.Tensor | None = None,
     *,
     num_warps: int | None = None,
 ) -> None:
     """Write new keys/values k, v [T, Hkv, D] into their slots; slot -1 writes nothing.
-    An operand written a block at a time first gets the blocks the step completes (`block_tables`);
+    An operand written a block at a time first gets the blocks the step completes (`block_tables`; with
+    the windows' counts before the step, `resid_lens`, not those the window does not hold);
     `window_tokens` n: only tokens [0, n) enter the windows now (`store_window` the rest).
     A quantized source (runtime/attention/sources.py) gets the tokens quantized; one with a residual
     window also gets them in full precision, which needs `cu_seqlens_q`, `context_lens` and `rows`
@@ -1249,7 +1255,7 @@ def store_kv(
                          "rows so that each new token finds its sequence's row")
     for x, source in ((k, k_cache), (v, v_cache)):
         if not is_dense(source) and source.enc.flush_block:
-            _flush_blocks(x, source, cu_seqlens_q, context_lens, rows, block_tables)
+            _flush_blocks(x, source, cu_seqlens_q, context_lens, rows, block_tables, resid_lens)
     _launch_store(k, v, k_cache, v_cache, slot_mapping, cu_seqlens_q, context_lens, rows, windows, 0,
                   num_tokens if window_tokens is None else window_tokens, True, num_warps)
 

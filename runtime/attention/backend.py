@@ -27,6 +27,7 @@ gives a request over one float32 buffer reused across layers (grown as needed).
 from __future__ import annotations
 
 import bisect
+import math
 import os
 from types import ModuleType
 from functools import partial
@@ -184,6 +185,12 @@ class PagedAttention:
     @property
     def flushes_blocks(self) -> bool:
         return any(s.flushes_blocks for s in self.stores)
+
+    @property
+    def flush_block(self) -> int:
+        """Tokens a block of codes spans where a spec writes them a block at a time (0: none; every
+        class's block divides it)."""
+        return math.lcm(*(s.flush_block for s in self.stores if s.flush_block)) if self.flushes_blocks else 0
 
     def copy_rows(self, src: list[int], dst: list[int]) -> None:
         """Row src[i] -> row dst[i] in every store with per-sequence tensors."""
@@ -371,7 +378,8 @@ class PagedAttention:
         else:  # a residual window: each new token finds its sequence's row
             ops.store_kv(k, v, k_src, v_src, slots, cu_seqlens_q=md.cu_seqlens_q,
                               context_lens=md.context_lens[layer_idx], rows=md.rows, window_tokens=window_tokens,
-                              **({"block_tables": md.block_tables[layer_idx]} if store.flushes_blocks else {}))
+                              **({"block_tables": md.block_tables[layer_idx], "resid_lens": md.resid_lens[layer_idx]}
+                                 if store.flushes_blocks else {}))
         if not store.spec.summaries:
             return
         if self.backend == "triton" and md.num_prefills == 0 and store.appends_summaries:

@@ -26,6 +26,7 @@ from kvc.runtime.attention.metadata import DecodeStats
 from kvc.runtime.attention.sources import LowRankPages, QuantizedPages, Source, is_dense
 from kvc.runtime.kv import encodings, lowrank, rotation
 from kvc.runtime.kv.plans import Estimate, ReadPlan
+from kvc.runtime.kv.spec import flush_from, flushed
 
 
 def store_kv(
@@ -39,6 +40,7 @@ def store_kv(
     rows: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
     window_tokens: int | None = None,
+    resid_lens: torch.Tensor | None = None,
 ) -> None:
     """Write new keys/values k, v [T, Hkv, D] into their slots; slot -1 writes nothing.
 
@@ -51,7 +53,9 @@ def store_kv(
     + i`. Only a sequence's newest R tokens of the step are written to the window (older ones
     would be overwritten within the step anyway). An encoding with a flush block (`Quantized.
     flush_block`) writes no codes per token: the blocks the step leaves behind are quantized first,
-    from the window and the step's tokens, into the slots `block_tables [B, pages]` address.
+    from the window and the step's tokens, into the slots `block_tables [B, pages]` address; given the
+    windows' counts before the step, `resid_lens [B]`, a block the window does not hold is left as it is
+    (`spec.flush_from`: its codes came with a prefix-cache hit).
     `window_tokens` n: only tokens [0, n) enter the windows now (the decodes); a prefill chunk's
     enter after its attention (`store_window`), which reads the window's older slots that the
     chunk's would overwrite.
@@ -64,7 +68,7 @@ def store_kv(
     _, num_kv_heads, page_size, head_dim = k_cache.shape
     for x, cache in ((k, k_cache), (v, v_cache)):
         if isinstance(cache, QuantizedPages) and cache.enc.flush_block:
-            _flush_blocks(cache, x, cu_seqlens_q, context_lens, rows, block_tables)
+            _flush_blocks(cache, x, cu_seqlens_q, context_lens, rows, block_tables, resid_lens)
     keep = slot_mapping >= 0
     tokens = None  # the kept tokens' indices, when a residual window needs their sequences
     if bool(keep.all()):  # the usual step: no padding, so no masked copies of k and v
@@ -114,15 +118,9 @@ def store_window(k: torch.Tensor, v: torch.Tensor, k_cache: Source, v_cache: Sou
             _store_residual(cache, x[tokens], slot_mapping.shape[0], tokens, cu_seqlens_q, context_lens, rows)
 
 
-def flushed(length: int, block: int) -> int:
-    """Slots [0, flushed) of a layer of `length` slots have their codes, under a flush block (0 for
-    an empty layer, and for a padding row's, whose step "starts" before slot 0)."""
-    return 0 if length <= 0 else block * ((length - 1) // block)
-
-
 def _flush_blocks(source: QuantizedPages, x: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
                   context_lens: torch.Tensor | None, rows: torch.Tensor | None,
-                  block_tables: torch.Tensor | None) -> None:
+                  block_tables: torch.Tensor | None, resid_lens: torch.Tensor | None = None) -> None:
     """The codes of every block that the step's tokens x [T, Hkv, D] leave behind (runtime/kv/spec.py,
     `Quantized.flush_block`): slots from the window where an earlier step stored them, from x where
     this one does. Runs before the window takes the step's tokens, which may overwrite its slots."""
@@ -131,12 +129,14 @@ def _flush_blocks(source: QuantizedPages, x: torch.Tensor, cu_seqlens_q: torch.T
                          "context_lens, rows and block_tables")
     enc, window, page_size = source.enc, source.window, source.codes.shape[2]
     starts, lengths, row_ids = cu_seqlens_q.tolist(), context_lens.tolist(), rows.tolist()
+    held = None if resid_lens is None else resid_lens.tolist()
     scale_pages = source.scale[:, :, 0]  # [P, Hkv, D]: the page's one row (the slots are a stride-0 view of it)
     zero_pages = None if source.zero is None else source.zero[:, :, 0]
     for b, end in enumerate(lengths):
         new = starts[b + 1] - starts[b]
         first = end - new
-        lo, hi = flushed(first, enc.flush_block), flushed(end, enc.flush_block)
+        lo = flushed(first, enc.flush_block) if held is None else flush_from(first, held[b], enc.flush_block)
+        hi = flushed(end, enc.flush_block)
         if hi <= lo:
             continue
         slots = torch.arange(lo, hi, device=x.device)

@@ -44,6 +44,7 @@ class PagePool:
         page_size: int,
         enable_prefix_caching: bool = True,
         salt: bytes = b"",
+        prefix_block: int = 0,
     ) -> None:
         sizes = [num_pages] if isinstance(num_pages, int) else list(num_pages)
         if not sizes or min(sizes) < 1 or page_size < 1:
@@ -53,6 +54,11 @@ class PagePool:
         self.num_pages = num_pages = sum(sizes)
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        # prefixes are shared in whole blocks of this many pages (a spec that writes codes a block at a
+        # time: a sequence starting mid-block would need the block's older tokens in its window)
+        if prefix_block % page_size:
+            raise ValueError(f"prefix_block {prefix_block} is not a multiple of the page size {page_size}")
+        self.prefix_pages = max(1, prefix_block // page_size)
         self._salt = hashlib.blake2b(salt, digest_size=_DIGEST).digest()  # fixed width
         self._refs = [0] * num_pages
         self._class = [c for c, n in enumerate(sizes) for _ in range(n)]  # page -> its class
@@ -176,7 +182,7 @@ class PagePool:
         return hashes
 
     def lookup(self, token_ids: Seq[int]) -> list[int]:
-        """Cached pages of the longest leading run of full pages; changes nothing.
+        """Cached pages of the longest leading run of full pages (whole prefix blocks); changes nothing.
 
         At most (len - 1) // page_size pages: the last token is always left to compute, so the
         step that finishes the prompt has a logit to sample from.
@@ -189,7 +195,7 @@ class PagePool:
             if page is None:
                 break
             pages.append(page)
-        return pages
+        return pages[:len(pages) // self.prefix_pages * self.prefix_pages]
 
     @staticmethod
     def layer_key(page_hash: bytes, layer: int) -> bytes:
@@ -210,7 +216,8 @@ class PagePool:
                 break
             for table, page in zip(tables, pages):
                 table.append(page)
-        return tables
+        whole = len(tables[0]) // self.prefix_pages * self.prefix_pages  # whole blocks only
+        return [table[:whole] for table in tables]
 
     def match_prefix_layers(self, token_ids: Seq[int], num_layers: int) -> list[list[int]]:
         """Like `lookup_layers`, but takes a reference on each hit page and counts the query."""

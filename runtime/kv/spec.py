@@ -478,6 +478,21 @@ class KVSpec:
                          f"{' ' + t.packing if t.packing else ''}" for t in self.tensors)
 
 
+def flushed(length: int, block: int) -> int:
+    """Slots [0, flushed) of a layer of `length` slots have their codes, under a flush block (0 for
+    an empty layer, and for a padding row's, whose step "starts" before slot 0)."""
+    return 0 if length <= 0 else block * ((length - 1) // block)
+
+
+def flush_from(first: int, held: int, block: int) -> int:
+    """The first slot of the blocks that a step storing slots from `first` on quantizes, its sequence's
+    window holding the `held` slots before `first`: `flushed(first)`, or the first block boundary the
+    window reaches back to where it holds less. (A sequence that starts at a prefix-cache hit, a whole
+    number of blocks, holds nothing: the blocks before it have their codes in the shared pages.)"""
+    start = first - held
+    return max(flushed(first, block), 0 if start <= 0 else -(-start // block) * block)
+
+
 def _encoding_tensors(enc: Encoding) -> set[str]:
     """The tensors one operand's encoding reads."""
     if isinstance(enc, Dense):

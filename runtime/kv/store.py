@@ -13,6 +13,7 @@ or values for hooks that read them densely. Moving slots (keep plans) and re-enc
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -94,6 +95,12 @@ class KVStore:
     def flushes_blocks(self) -> bool:
         """K or V is written a block at a time (`Quantized.flush_block`): the store needs the tables."""
         return any(isinstance(e, Quantized) and e.flush_block for e in (self.spec.keys, self.spec.values))
+
+    @property
+    def flush_block(self) -> int:
+        """Tokens of a block of codes written at once (`Quantized.flush_block`; 0: token by token)."""
+        return math.lcm(*(e.flush_block for e in (self.spec.keys, self.spec.values)
+                          if isinstance(e, Quantized) and e.flush_block)) if self.flushes_blocks else 0
 
     def window_after(self, length: int) -> int:
         """The slots a sequence's residual window holds after a keep plan left `length`: none (moved

@@ -84,7 +84,7 @@ def main(codes: str) -> None:
         ops |= {f"V_{c}": v for c, v in (kivi | dict(GROUP=32, FLUSH=0, BOOK=0, FRESH=True, ROT=False)).items()}
         shape["PAGE_SIZE"] = 32
         build(mod._flush_blocks_kernel, dict(HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=32, BITS=2, PER_ELEMENT=4, GROUP=32,
-                                             ASYM=True, WINDOW=129, FLUSH=128), pointers)
+                                             ASYM=True, WINDOW=129, FLUSH=128, HAS_HELD=True), pointers)
     if codes == "sphere3":  # TurboQuant-3: 8 codes in 3 bytes indexing 8 levels, one RMS scale a token, rotated
         ops = {f"{x}_{c}": v for x in "KV" for c, v in (("BITS", 3), ("PER_ELEMENT", 8), ("GROUP", 128),
                                                          ("ASYM", False), ("WINDOW", 0), ("FLUSH", 0), ("BOOK", 8),

@@ -45,9 +45,9 @@ def hf(model_dir: Path):
 
 
 def make_llm(model_dir: Path, bits: int = 2, method_params: dict | None = None, **options) -> LLM:
-    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
-                          kv_cache_memory=2**22, method="kivi", method_params=method_params or {**PARAMS, "bits": bits},
-                          **{"max_num_batched_tokens": 4096, **options})
+    config = EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory=2**22, method="kivi",
+                          method_params=method_params or {**PARAMS, "bits": bits},
+                          **{"device": "cpu", "attention_backend": "torch", "max_num_batched_tokens": 4096, **options})
     return LLM.from_engine(Engine(config))
 
 
@@ -128,9 +128,47 @@ def test_chain_continued_and_forked(model_dir, hf, monkeypatch) -> None:
 
 
 def test_preemption_recomputes(model_dir, hf, monkeypatch) -> None:
+    """The recompute hits the prefix cache in whole key blocks (RESIDUAL tokens) whose codes are written."""
     llm = make_llm(model_dir)
-    assert not llm.engine.scheduler.prefix_caching  # the unfinished block has no key codes to share
-    served.preemption_recomputes(llm, Logits(monkeypatch), partial(ref.generate, hf), session, GROUP, False, 14)
+    assert llm.engine.scheduler.prefix_caching and llm.engine.pool.prefix_pages == RESIDUAL // GROUP
+    served.preemption_recomputes(llm, Logits(monkeypatch), partial(ref.generate, hf), session, RESIDUAL, True, 14)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_prefix_cache_hit_shares_whole_written_blocks(model_dir, hf, monkeypatch, backend: str) -> None:
+    """A second prompt sharing 27 tokens with a first one (30 tokens, one more generated) hits the 24 of
+    whole key blocks with codes (pages of 4, blocks of 8; the unfinished block [24, 32) is only in the first
+    request's window), reads them from their codes (the reference truncated as stored: the hit's window
+    starts empty) and writes nothing into the shared pages."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from tests.kernels.paged_cases import triton_device_and_ops
+
+        device = triton_device_and_ops("spec")[0].type
+        options = dict(attention_backend="triton", device=device, cuda_graphs=False)
+    else:
+        options = {}
+    spy = Logits(monkeypatch)
+    llm = make_llm(model_dir, **options)
+    first = prompt(30, 3)
+    llm.generate(first, greedy(2))
+    pool, store = llm.engine.pool, llm.engine.attention.stores[0]
+    assert sum(pool.is_registered(p) for p in range(pool.num_pages)) == 2 * (24 // GROUP)  # 2 layers, [0, 24)
+    shared = [p for table in pool.lookup_layers(first, 2) for p in table]
+    paged = {name: t for name, t in store.tensors.items() if t.shape[0] == pool.num_pages + 1}
+    written = {name: t[shared].clone() for name, t in paged.items()}
+    second, params = first[:27] + prompt(9, 4), greedy(6)
+    seq = llm.engine.add_request(second, params)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert seq.num_cached_tokens == 24
+    check_books(llm.engine)
+    for name, t in paged.items():  # the shared pages hold what the first request wrote
+        assert torch.equal(t[shared], written[name]), name
+    s = session()
+    ref.generate(hf, s, first, 2)
+    want = ref.generate(hf, s.truncate(24), second[24:], 6)
+    check(seq.generated_ids, spy.of(params), want)
 
 
 @pytest.mark.parametrize("dense_layers", [[], [0], [1]])
@@ -210,7 +248,7 @@ def test_dense_layers_are_a_storage_class_of_their_own(model_dir, hf, monkeypatc
         check(out.token_ids, spy.of(sp), ref.generate(hf, mixed(), p, 12))
     assert (ref.generate(hf, session(), prompts[1], 12)[1] - spy.of(params[1])).abs().max() > 10 * ATOL
     served.chain_continued_and_forked(llm, spy, partial(ref.generate, hf), mixed)
-    served.preemption_recomputes(llm, spy, partial(ref.generate, hf), mixed, GROUP, False, 14)
+    served.preemption_recomputes(llm, spy, partial(ref.generate, hf), mixed, RESIDUAL, True, 14)  # whole blocks hit
 
 
 def test_a_chain_prune_over_both_classes(model_dir) -> None:

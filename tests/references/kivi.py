@@ -84,6 +84,26 @@ class Session:
     def copy(self) -> Session:
         return copy.deepcopy(self)
 
+    def truncate(self, n: int) -> Session:
+        """The first n tokens as a prefix-cache hit reads them: its pages as stored, every key and value
+        from its codes (the hit's window starts empty). n must end a flushed key block."""
+        out = self.copy()
+        for layer in range(len(out.keys_q)):
+            if layer in out.dense_layers:
+                out.keys_full[layer] = out.keys_full[layer][:, :n]
+                out.values_full[layer] = out.values_full[layer][:, :n]
+                continue
+            if out.keys_q[layer].shape[1] < n:
+                raise ValueError(f"keys past {out.keys_q[layer].shape[1]} have no codes yet: no hit of {n}")
+            full_v = out.values_full[layer]
+            coded_v = full_v
+            if full_v.shape[1]:
+                coded_v = torch.from_numpy(values_round_trip(full_v.numpy(), self.bits, self.group))
+            out.keys_q[layer] = out.keys_q[layer][:, :n]
+            out.values_q[layer] = torch.cat([out.values_q[layer], coded_v], dim=1)[:, :n]
+            out.keys_full[layer], out.values_full[layer] = out.keys_full[layer][:, :0], full_v[:, :0]
+        return out
+
     def step(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values a step of new k, v [Hkv, c, D] attends over; then the cache takes them."""
         if len(self.keys_q) <= layer:

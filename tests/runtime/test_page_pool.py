@@ -170,6 +170,17 @@ def test_match_stops_at_first_miss_and_never_covers_the_whole_prompt():
     assert refs == [1, 1, 1]  # lookup changes nothing
 
 
+def test_a_prefix_block_hits_whole_blocks_only():
+    """`prefix_block` 4 tokens over pages of 2: a hit is a whole number of 2-page blocks, on every layer."""
+    pool = PagePool(8, 2, prefix_block=4)
+    pages = fill(pool, [1, 2, 3, 4, 5, 6])
+    assert pool.lookup([1, 2, 3, 4, 5, 6, 7]) == pages[:2]  # three pages match: one whole block
+    assert pool.lookup([1, 2, 3, 9]) == []  # one page of a block
+    assert pool.lookup_layers([1, 2, 3, 4, 5, 6, 7], 1) == [pages[:2]]
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        PagePool(8, 2, prefix_block=3)
+
+
 def test_stats_count_tokens_of_queries_and_hits():
     pool = PagePool(8, 4)
     pages = fill(pool, list(range(8)))
