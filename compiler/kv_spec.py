@@ -546,6 +546,13 @@ class _Deriver:
         tokens = self.scalar(size, split, "the page size")
         if tokens is None:
             return
+        source = spec.keys if e.args[0].id == "k" else spec.values
+        if isinstance(source, Quantized) and source.axis == "token" and source.residual_tokens is not None:
+            # a block's codes are written when the block is full: until then its pages' summaries would be
+            # read from codes not yet there, and the flush rewrites pages whose summaries no store refreshes
+            self.unfit(decl, f"summary {name}: {e.args[0].id} is written a block at a time (groups along key with "
+                             "`except last`); summaries of such pages are not kept current yet")
+            return
         if spec.page_tokens is not None and sp.simplify(spec.page_tokens - tokens) != 0:
             self.unfit(decl, f"summary {name}: pages of {tokens} tokens, other summaries use {spec.page_tokens}")
             return
