@@ -178,17 +178,19 @@ def test_quest_over_fp8_on_the_triton_kernels(model_dir, monkeypatch) -> None:
         torch.testing.assert_close(spy.of(b).cpu(), spy.of(a), atol=ATOL, rtol=1e-4)
 
 
-def test_a_summary_the_format_cannot_page_is_refused_with_the_compilers_reason(model_dir, tmp_path) -> None:
-    """Quest's page summaries over KIVI's keys (pages of one 32-token key group, `page_size` a parameter):
-    the compiler drops the summaries, and the engine's refusal says why, at the .kvm line."""
+@pytest.mark.parametrize("group", ["32", "page_size"])
+def test_a_summary_the_format_cannot_page_is_refused_with_the_compilers_reason(model_dir, tmp_path, group: str) -> None:
+    """Quest's page summaries over KIVI's keys (groups along key, written a block at a time; with pages of
+    a 32-token key group or of `page_size`): the compiler drops the summaries, and the engine's refusal says
+    why, at the .kvm line."""
     source = Path(QUEST_FP8).read_text().replace("method quest_fp8", "method quest_kivi")
     source = source.replace("param format: {e4m3, e5m2} = e4m3\n", "").replace("param scale: {unit, dynamic} = unit\n",
                                                                              "")
     source = source.replace("store k as fp8(format, scale = scale, along kv_head, key, channel)",
-                            "store k as quant(2, group = 32, along key) except last 128")
+                            f"store k as quant(2, group = {group}, along key) except last 128")
     source = source.replace("store v as fp8(format, scale = scale, along kv_head, key, channel)",
                             "store v as quant(2, group = 32, along channel) except last 128")
     path = tmp_path / "quest_kivi.kvm"
     path.write_text(source)
-    with pytest.raises(ConfigError, match=r"quest_kivi\.kvm:\d+:1: summary kmax: pages of page_size tokens"):
+    with pytest.raises(ConfigError, match=r"quest_kivi\.kvm:\d+:1: summary kmax: k is written a block at a time"):
         make_llm(model_dir, str(path), quest_params(64))
