@@ -7,6 +7,8 @@
   window in tokens next to `sink` tokens is the budget minus the sinks, and fractions of the prompt
   named `heavy` / `recent` split the budget between them at the given input length. Anything else keeps
   its .kvm default; the user's `--method-params` override all of it. The JSON records the result.
+  Quantization and compression methods keep their defaults (`UNBUDGETED`: their token parameters
+  size a format, such as DeltaKV's raw tail, not a budget).
 - `model_spec`: the model's shape (layers, KV heads, head dim, dtype) from its config alone, so the
   batch is known before the weights are loaded; `model_for_context` lengthens a random model's
   context when input + output need it (random weights have no trained context to respect).
@@ -65,9 +67,9 @@ def _fraction(tokens: int, input_len: int) -> float:
     return f
 
 
-def declared_parameters(method: str) -> dict[str, dict]:
-    """The parameters a method's manifest declares (name -> {type, default}); {} when the method
-    cannot be located (resolving it later gives the user the clear error)."""
+def _manifest(method: str) -> dict:
+    """A method's manifest; {} when the method cannot be located (resolving it later gives the user the
+    clear error)."""
     from kvc.compiler import cache as method_cache
     from kvc.runtime.compiled.folder import GENERATED
 
@@ -75,12 +77,31 @@ def declared_parameters(method: str) -> dict[str, dict]:
         compiled = method_cache.locate(method, generated=GENERATED)
     except Exception:  # noqa: BLE001 -- resolve_method reports it properly
         return {}
-    return {} if compiled is None else dict(compiled.manifest.get("parameters", {}))
+    return {} if compiled is None else compiled.manifest
 
 
-def equal_budget_params(declared: dict[str, dict], input_len: int, budget: int) -> dict[str, object]:
-    """Parameter values that keep about `budget` tokens per KV head and layer (module docstring)."""
+def declared_parameters(method: str) -> dict[str, dict]:
+    """The parameters a method's manifest declares (name -> {type, default}); {} when unknown."""
+    return dict(_manifest(method).get("parameters", {}))
+
+
+def declared_family(method: str) -> str | None:
+    """The family a method's `.kvm` declares (`method NAME : FAMILY`); None when unknown."""
+    return _manifest(method).get("family")
+
+
+# families whose token parameters size a stored format (a residual window, a raw tail, a block), not a budget of
+# kept or read tokens: they run at their .kvm defaults
+UNBUDGETED = ("quantization", "compression")
+
+
+def equal_budget_params(declared: dict[str, dict], input_len: int, budget: int,
+                        family: str | None = None) -> dict[str, object]:
+    """Parameter values that keep about `budget` tokens per KV head and layer (module docstring); none for a
+    family in UNBUDGETED (DeltaKV's `recent` is its raw tail, not StreamingLLM's window)."""
     params: dict[str, object] = {}
+    if family in UNBUDGETED:
+        return params
 
     def kind(name: str) -> str | None:
         return declared.get(name, {}).get("type")

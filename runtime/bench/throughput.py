@@ -41,6 +41,7 @@ import torch
 from kvc.runtime.bench.e2e import after_window, e2e_row, steps_after_prefill
 from kvc.runtime.bench.plan import (
     BatchPlan,
+    declared_family,
     declared_parameters,
     equal_budget_params,
     model_for_context,
@@ -144,7 +145,7 @@ def prepare(cfg: ThroughputConfig, model: str) -> list[Case]:
     for input_len in cfg.inputs:
         ref = model_for_context(model, input_len + cfg.output_len + 1, spec)
         for name in cfg.methods:
-            params = {**equal_budget_params(declared_parameters(name), input_len, cfg.budget),
+            params = {**equal_budget_params(declared_parameters(name), input_len, cfg.budget, declared_family(name)),
                       **cfg.method_params.get(name, {})}
             try:
                 method = resolve_method(name, params or None)

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from kvc.runtime.bench.cli import parse_method_params
-from kvc.runtime.bench.plan import declared_parameters, equal_budget_params, model_for_context, parse_bytes, plan_batch
+from kvc.runtime.bench.plan import (declared_family, declared_parameters, equal_budget_params, model_for_context,
+                                    parse_bytes, plan_batch)
 from kvc.runtime.bench.throughput import ThroughputConfig, prepare
 from kvc.runtime.cli import main
 from kvc.runtime.errors import ConfigError, KvcError, ModelLoadError
@@ -56,6 +57,11 @@ def test_equal_budget_params_follow_the_declarations():
         h2o = equal_budget_params(fractions, n, 2048)
         assert math.floor(h2o["heavy"] * n) == 1024 and math.floor(h2o["recent"] * n) == 1024
     assert equal_budget_params(fractions, 100, 2048) == {"heavy": 1.0, "recent": 1.0}
+    # a compression or quantization method's token parameters size its format: DeltaKV's `recent` (its raw
+    # tail) and KIVI's residual keep their defaults
+    for name in ("deltakv", "kivi", "turboquant"):
+        assert equal_budget_params(declared_parameters(name), 32768, 2048, declared_family(name)) == {}, name
+    assert declared_family("deltakv") == "compression" and declared_family("snapkv") == "eviction"
 
 
 def test_largest_batch_follows_the_budgets(model_dir):
