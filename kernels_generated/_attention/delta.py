@@ -234,7 +234,8 @@ def delta_decode(source: DeltaPages, q: torch.Tensor, k_new: torch.Tensor, v_new
     """Decode rows' attention [B, Hq, D] over one delta-coded layer (module docstring): q [B, Hq, D] and the
     rows' own keys (after RoPE) and values k_new, v_new [B, Hkv, D]; `context_lens` counts the own token;
     `rows` [B] their SEQ rows; `read` a token plan (tokens [B, Hkv, T], optional `last` [B]) or every
-    stored position. Device work only (no host read)."""
+    stored position. Device work only (no host read). Launch: 8 warps and one stage unless given (three
+    stages of every gathered row took 211 KB of shared memory, one block an SM: docs/benchmarks.md)."""
     if read is not None and read.tokens is None:
         raise NotImplementedError("a delta-coded layer takes token read plans, not page plans")
     batch, num_q_heads, head_dim = q.shape
