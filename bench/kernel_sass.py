@@ -6,6 +6,7 @@ with `bench/gpu_kernel_profile.sh`, which keeps the GPU's SASS); the counts are 
     python bench/kernel_sass.py --method kivi                      # the spec kernel at KIVI-2's bench shape
     python bench/kernel_sass.py --method kivi --window 0 --block-n 64 --warps 8
     python bench/kernel_sass.py --sass path/to/kernel.sass         # the loop mix of a SASS listing
+    KVC_SPEC_PATH=/tmp/spec.py python bench/kernel_sass.py          # an edited copy of the generated module
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def compile_spec_decode(method: str, block_n: int, warps: int, stages: int, wind
 
     from kvc.compiler import attention
 
-    spec = importlib.util.spec_from_file_location("kvc_spec_sass", attention.locate("spec"))
+    path = os.environ.get("KVC_SPEC_PATH") or attention.locate("spec")
+    spec = importlib.util.spec_from_file_location("kvc_spec_sass", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     if method != "kivi":
