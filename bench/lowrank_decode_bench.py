@@ -17,8 +17,7 @@ import json
 import math
 
 import torch
-from quantized_decode_bench import DIM, HEADS, KV_HEADS, PAGE, time_ms  # bench/ is on the script's path
-from sparse_decode_bench import copy_gbps
+from quantized_decode_bench import DIM, HEADS, KV_HEADS, PAGE, copy_baseline, time_ms  # bench/ is on the path
 
 SWEEP = [dict(block_n=n, num_warps=w, num_stages=st) for n in (32, 64) for w in (4, 8) for st in (1, 2)]
 
@@ -64,14 +63,7 @@ def main() -> None:
     device = torch.device("cpu" if a.smoke else "cuda")
     shapes = [(2, 64)] if a.smoke else [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     dtype = torch.bfloat16
-    if a.smoke:  # CPU: a plain copy
-        src = torch.empty(2**20, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        copies = {"best": 2 * src.numel() / time_ms(lambda: dst.copy_(src), device) / 1e6}
-    else:
-        copies = copy_gbps()  # the fastest of a graph memcpy, an eager one and a kernel copy
-    copy_bw = copies["best"]  # GB/s, read + write
-    rows = [{"piece": "copy", "GBps": copy_bw} | {f"{k}_GBps": v for k, v in copies.items() if k != "best"}]
+    copy_bw, rows = copy_baseline(device)
     print(f"copy {copy_bw:.0f} GB/s", flush=True)
     scale = 1 / math.sqrt(DIM)
 

@@ -40,6 +40,19 @@ def time_ms(fn, device: torch.device, reps: int = 20) -> float:
     return (time.perf_counter() - start) * 1e3 / 2
 
 
+def copy_baseline(device: torch.device) -> tuple[float, list[dict]]:
+    """(copy bandwidth in GB/s, read + write; its result row): on a GPU the fastest of a graph memcpy, an
+    eager one and a kernel copy (`copy_gbps`), on the CPU (--smoke) a plain copy."""
+    if device.type == "cuda":
+        copies = copy_gbps()
+    else:
+        src = torch.empty(2**20, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        copies = {"best": 2 * src.numel() / time_ms(lambda: dst.copy_(src), device) / 1e6}
+    return copies["best"], [{"piece": "copy", "GBps": copies["best"]}
+                            | {f"{k}_GBps": v for k, v in copies.items() if k != "best"}]
+
+
 def attention(method: str | None, batch: int, context: int, dtype: torch.dtype, device: torch.device):
     """(PagedAttention over `batch` rows of `context` random tokens in `method`'s spec (None: dense),
     its K and V sources, tables, lengths, bytes a decode reads)."""
@@ -80,14 +93,7 @@ def main() -> None:
     device = torch.device("cpu" if a.smoke else "cuda")
     shapes = [(2, 64)] if a.smoke else [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     dtype = torch.bfloat16
-    if a.smoke:  # CPU: a plain copy
-        src = torch.empty(2**20, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        copies = {"best": 2 * src.numel() / time_ms(lambda: dst.copy_(src), device) / 1e6}
-    else:
-        copies = copy_gbps()  # the fastest of a graph memcpy, an eager one and a kernel copy
-    copy_bw = copies["best"]  # GB/s, read + write
-    rows = [{"piece": "copy", "GBps": copy_bw} | {f"{k}_GBps": v for k, v in copies.items() if k != "best"}]
+    copy_bw, rows = copy_baseline(device)
     print(f"copy {copy_bw:.0f} GB/s", flush=True)
     scale = 1 / math.sqrt(DIM)
     for batch, context in shapes:

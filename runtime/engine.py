@@ -61,8 +61,6 @@ log = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
 
 
-
-
 class Engine:
     def __init__(self, config: EngineConfig, method: KVMethod | None = None,
                  loaded: LoadedModel | None = None) -> None:

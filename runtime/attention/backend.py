@@ -184,13 +184,14 @@ class PagedAttention:
 
     @property
     def flushes_blocks(self) -> bool:
-        return any(s.flushes_blocks for s in self.stores)
+        return self.flush_block > 0
 
     @property
     def flush_block(self) -> int:
         """Tokens a block of codes spans where a spec writes them a block at a time (0: none; every
         class's block divides it)."""
-        return math.lcm(*(s.flush_block for s in self.stores if s.flush_block)) if self.flushes_blocks else 0
+        blocks = [s.flush_block for s in self.stores if s.flush_block]
+        return math.lcm(*blocks) if blocks else 0
 
     def copy_rows(self, src: list[int], dst: list[int]) -> None:
         """Row src[i] -> row dst[i] in every store with per-sequence tensors."""

@@ -94,13 +94,14 @@ class KVStore:
     @property
     def flushes_blocks(self) -> bool:
         """K or V is written a block at a time (`Quantized.flush_block`): the store needs the tables."""
-        return any(isinstance(e, Quantized) and e.flush_block for e in (self.spec.keys, self.spec.values))
+        return self.flush_block > 0
 
     @property
     def flush_block(self) -> int:
         """Tokens of a block of codes written at once (`Quantized.flush_block`; 0: token by token)."""
-        return math.lcm(*(e.flush_block for e in (self.spec.keys, self.spec.values)
-                          if isinstance(e, Quantized) and e.flush_block)) if self.flushes_blocks else 0
+        blocks = [e.flush_block for e in (self.spec.keys, self.spec.values)
+                  if isinstance(e, Quantized) and e.flush_block]
+        return math.lcm(*blocks) if blocks else 0
 
     def window_after(self, length: int) -> int:
         """The slots a sequence's residual window holds after a keep plan left `length`: none (moved

@@ -20,6 +20,7 @@ from kvc.runtime.attention.sources import QuantizedPages
 from kvc.runtime.kv import encodings
 from kvc.runtime.kv.spec import FLOAT_CODES, Extent, KVSpec, Quantized, TensorSpec
 from kvc.runtime.kv.store import KVStore
+from tests.kernels.sm90 import compiles_for_sm90
 from tests.references import fp8 as ref
 
 if not torch.cuda.is_available():
@@ -192,13 +193,4 @@ def test_triton_attention_is_dense_attention_over_the_dequantized_cache(fmt: str
 def test_the_kernels_compile_for_sm90(fp8: str):
     """The FP8 paths of the store, decode and prefill kernels compile for an H100/H200 (no GPU
     needed: Triton's compiler and ptxas run here), outside the interpreter."""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile", fp8], env=env, capture_output=True,
-                          text=True, timeout=600)
-    if "No module named 'triton.backends.nvidia'" in done.stderr:
-        pytest.skip("Triton's NVIDIA backend is not installed")
-    assert done.returncode == 0, done.stderr[-3000:]
+    compiles_for_sm90("tests.kernels.sm90_compile", fp8)

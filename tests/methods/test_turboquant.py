@@ -9,7 +9,6 @@ the graph step and the Triton kernels (interpreted); the pool holds the tokens i
 
 from __future__ import annotations
 
-import os
 from functools import partial
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv import encodings, rotation
 from kvc.runtime.kv.spec import Quantized
 from kvc.runtime.llm import LLM
+from tests.kernels.sm90 import compiles_for_sm90
 from tests.methods import served
 from tests.models.tiny import load_hf, make_tiny_llama, make_tiny_qwen3
 from tests.references import turboquant as ref
@@ -222,16 +222,7 @@ def test_the_triton_backend_equals_the_reference(model_dir, hf, monkeypatch) -> 
 
 def test_the_kernels_compile_for_sm90() -> None:
     """The 3-bit codebook store, decode and prefill kernels compile for an H100/H200 (ptxas here)."""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile", "sphere3"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    if "No module named 'triton.backends.nvidia'" in done.stderr:
-        pytest.skip("Triton's NVIDIA backend is not installed")
-    assert done.returncode == 0, done.stderr[-3000:]
+    compiles_for_sm90("tests.kernels.sm90_compile", "sphere3")
 
 
 # ---- composed with a keep policy (bench/variants/snapkv_turboquant.kvm) -------------------------------
