@@ -5,6 +5,7 @@ with `bench/gpu_kernel_profile.sh`, which keeps the GPU's SASS); the counts are 
 
     python bench/kernel_sass.py --method kivi                      # the spec kernel at KIVI-2's bench shape
     python bench/kernel_sass.py --method kivi --window 0 --block-n 64 --warps 8
+    python bench/kernel_sass.py --method kivi-mma                  # the register-mma decode (Gluon) instead
     python bench/kernel_sass.py --sass path/to/kernel.sass         # the loop mix of a SASS listing
     KVC_SPEC_PATH=/tmp/spec.py python bench/kernel_sass.py          # an edited copy of the generated module
 """
@@ -83,6 +84,37 @@ def compile_spec_decode(method: str, block_n: int, warps: int, stages: int, wind
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
+def compile_mma_decode(maxnreg: int | None = None):
+    """The `spec` module's register-mma decode (`_mma_decode_kernel`, Gluon) at KIVI-2's bench shape: 8 query heads a
+    KV head, windows of 129 slots (keys flushed in blocks of 128); pointers and strides 16-byte aligned."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kvc.compiler import attention
+
+    spec = importlib.util.spec_from_file_location("kvc_spec_sass", os.environ.get("KVC_SPEC_PATH")
+                                                  or attention.locate("spec"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fn = mod._mma_decode_kernel
+    pointers = {"kc_ptr": "*u8", "vc_ptr": "*u8", "table_ptr": "*i32", "context_lens_ptr": "*i32",
+                "resid_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    consts = dict(GROUP=8, K_WINDOW=129, K_FLUSH=128, V_WINDOW=129, V_FLUSH=0)
+    signature, constexprs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if fn.params[i].is_constexpr:
+            signature[name], constexprs[(i,)] = "constexpr", consts[name]
+        elif name.endswith("_ptr"):
+            signature[name] = pointers.get(name, "*bf16")
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if not fn.params[i].is_constexpr and (name.endswith("_ptr") or name.startswith(("stride", "words")))}
+    source = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", default="kivi")
@@ -92,6 +124,7 @@ def main() -> None:
     p.add_argument("--window", type=int, default=129, help="the residual window's slots (0: none)")
     p.add_argument("--group", type=int, default=8, help="query heads a KV head")
     p.add_argument("--sass", help="a SASS listing to read instead of compiling")
+    p.add_argument("--maxnreg", type=int, help="kivi-mma: ptxas's register cap")
     a = p.parse_args()
     if a.sass:
         with open(a.sass) as f:
@@ -100,7 +133,10 @@ def main() -> None:
         return
     import triton
 
-    kernel = compile_spec_decode(a.method, a.block_n, a.warps, a.stages, a.window, a.group)
+    if a.method == "kivi-mma":
+        kernel = compile_mma_decode(a.maxnreg)
+    else:
+        kernel = compile_spec_decode(a.method, a.block_n, a.warps, a.stages, a.window, a.group)
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "k.cubin"), "wb") as f:

@@ -13,7 +13,8 @@ paged_lowrank.py.jinja; `delta`: DeltaKV codes, paged_delta.py.jinja). `plain` s
 (every method that only reads the cache, `full` included); `decode_stats` (methods whose decode hook
 reads `attn`: H2O, TOVA) makes the decode kernels emit the attention statistics; `spec` is rendered
 `by_spec`: K and V each dense or quantized (codes, scales, zero points, residual windows), read-plan
-decode, quantizing store, and the statistics, every encoding parameter a constexpr of the launch.
+decode, quantizing store, and the statistics, every encoding parameter a constexpr of the launch, plus
+the register-mma decode (paged_spec_mma.py.jinja, Gluon) for the encodings it fits.
 `variant_for_spec` picks one from a KV spec (runtime/kv/spec.py) alone. Splice points and what is in scope there:
 
 - `module_doc`, `module_imports`, `module_end`: the module docstring, imports, last code;
@@ -50,7 +51,7 @@ import jinja2
 
 MODULE_TEMPLATE = "paged_attention.py.jinja"
 FAMILY_TEMPLATES = ("paged_store_kv.py.jinja", "paged_decode.py.jinja", "paged_prefill.py.jinja")
-SPEC_TEMPLATE = "paged_spec.py.jinja"  # the helpers of variants rendered by_spec
+SPEC_TEMPLATES = ("paged_spec.py.jinja", "paged_spec_mma.py.jinja")  # the helpers of variants rendered by_spec
 FOLDER = "_attention"  # kernels_generated/_attention/<variant>.py
 SPLICE_POINTS = ("module_doc", "module_imports", "module_end", "store_rows", "k_tile", "v_tile", "decode_scores",
                  "prefill_scores", "decode_params", "decode_args", "decode_split_end", "decode_reduce_end",
@@ -72,7 +73,7 @@ class Variant:
     def templates(self) -> list[str]:
         if self.module != MODULE_TEMPLATE:
             return [self.module]
-        return [MODULE_TEMPLATE, *FAMILY_TEMPLATES, *([SPEC_TEMPLATE] if self.by_spec else []),
+        return [MODULE_TEMPLATE, *FAMILY_TEMPLATES, *(SPEC_TEMPLATES if self.by_spec else ()),
                 *([self.splices] if self.splices else []), *self.reads]
 
 

@@ -4,6 +4,7 @@
 #   paged_decode.py.jinja
 #   paged_prefill.py.jinja
 #   paged_spec.py.jinja
+#   paged_spec_mma.py.jinja
 #   paged_variant_spec.py.jinja
 #   paged_variant_decode_stats.py.jinja
 # for the methods whose manifests name it:
@@ -1062,6 +1063,428 @@ def _check_operands(q: torch.Tensor, k_cache, v_cache) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Decode over 2-bit codes on the tensor cores from registers (variants rendered `by_spec`; Gluon)
+#
+# For the encodings KIVI-2 stores (docs/design.md, "The register-mma decode"): keys 2-bit asymmetric
+# per channel with one scale row a page of 32 slots, values 2-bit asymmetric per slot in groups of 32
+# channels, head_dim 128, bf16, at most 8 query heads a KV head. The tile loop of `paged_decode` spends
+# most of its instructions moving decoded codes between thread layouts; here the codes become the
+# mma operands where they are loaded:
+#
+# - each byte pair becomes two exact bf16 `128 + code * place` with one `lop3` a field (the
+#   magic-number conversion), in the registers of the mma.sync operand layout (keys: the B operand of
+#   q . k, channels in a permuted order the query follows; values: the A operand of v^T . p^T, the slot
+#   pair of a register from two slots' words by one `prmt`);
+# - the scales go to the other operand: q * scale / place a page (keys), p * scale a slot and channel
+#   group (values); the 128 offsets and the zero points come out of small extra mma's;
+# - each of the 4 warps is its own flash-decoding stream over pages w, w + 4, ... of its split (the
+#   program's 4 partials go to the reduce like splits), the tile's codes and scales copied to shared
+#   memory STAGES - 1 tiles ahead (cp.async).
+#
+# It reads the pages before the residual windows (`_mma_coded_pages`); `paged_decode` gives the rest of
+# each row (windows, the page that is partly in one) to the split kernel (`TAIL`) and merges both in
+# one reduce. Gluon compiles for NVIDIA GPUs only (no interpreter): `_MMA` is None where it is missing.
+# ---------------------------------------------------------------------------------------------
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2 as _mma_v2
+
+    _MMA = gl
+except ImportError:  # a Triton without Gluon: paged_decode's split kernel reads every slot
+    _MMA = None
+
+MMA_STAGES = 3
+MMA_PAGE = 32  # slots a page: a key group
+MMA_TAIL_SPLITS = 4  # splits of the split kernel over each row's rest (`paged_decode`'s TAIL launch)
+
+
+def _mma_unpack_keys_asm() -> str:
+    """PTX for one 32-bit word of a slot's key codes ($16: bytes b0..b3, 4 codes a byte, low bits first):
+    output 2 (4 p + f) + h is field f of byte 2 p + h as the bf16 `128 + code * place(f)`, place 1, 4, 16,
+    16 (field 3 is shifted down by 2: bf16 has 7 mantissa bits)."""
+    lines = ["{", ".reg .b32 lo, hi, s, t;", "prmt.b32 lo, $16, 0, 0x4140;", "prmt.b32 hi, $16, 0, 0x4342;"]
+    for p, src in enumerate(("lo", "hi")):
+        for f in range(4):
+            x, place = (src, 2 * f) if f < 3 else ("s", 4)
+            if f == 3:
+                lines.append(f"shr.b32 s, {src}, 2;")
+            lines.append(f"lop3.b32 t, {x}, 0x{(3 << place) * 0x10001:08x}, 0x43004300, 0xea;")  # (x & m) | 128
+            j = 2 * (4 * p + f)
+            lines.append("mov.b32 {$%d, $%d}, t;" % (j, j + 1))
+    return "\n".join(lines + ["}"])
+
+
+def _mma_unpack_values_asm() -> str:
+    """PTX for two slots' value words ($8, $9) and a byte selector ($10: byte k of each into the two
+    halves): output 2 f + h is field f of slot h's byte as the bf16 `128 + code * place(f)`."""
+    lines = ["{", ".reg .b32 d, s, t;", "prmt.b32 d, $8, $9, $10;"]
+    for f in range(4):
+        x, place = ("d", 2 * f) if f < 3 else ("s", 4)
+        if f == 3:
+            lines.append("shr.b32 s, d, 2;")
+        lines.append(f"lop3.b32 t, {x}, 0x{(3 << place) * 0x10001:08x}, 0x43004300, 0xea;")
+        lines.append("mov.b32 {$%d, $%d}, t;" % (2 * f, 2 * f + 1))
+    return "\n".join(lines + ["}"])
+
+
+def mma_key_channel(k: int) -> int:
+    """The key channel at position k of the keys' mma operand (K = h + 2 w1 + 4 w2 + 8 p + 16 f0 + 32 f1
+    + 64 w0 for channel 16 w + 8 p + 4 h + f, w = w0 + 2 w1 + 4 w2): the query is read in this order."""
+    w = (k >> 6) + 2 * ((k >> 1) & 1) + 4 * ((k >> 2) & 1)
+    return 16 * w + 8 * ((k >> 3) & 1) + 4 * (k & 1) + ((k >> 4) & 3)
+
+
+if _MMA is not None:
+    _mma_copy = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared  # renamed after Triton 3.6
+    _mma_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the CTA's threads (renamed after 3.6)
+    _MMA_K_ASM = gl.constexpr(_mma_unpack_keys_asm())
+    _MMA_V_ASM = gl.constexpr(_mma_unpack_values_asm())
+    _MMA_STAGES = gl.constexpr(MMA_STAGES)
+    _MMA_L = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
+    _MMA_A = gl.constexpr(gl.DotOperandLayout(0, _MMA_L.value, 2))
+    _MMA_B = gl.constexpr(gl.DotOperandLayout(1, _MMA_L.value, 2))
+    # key words [4 pages, 32 slots, 8 words]: thread (g, t) reads words 2t, 2t + 1 of slots g, g + 8, g + 16, g + 24
+    _MMA_KW = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 8, 0], [0, 16, 0]],
+        lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 32, 8]))
+    # value words [4 pages, 2 hb, 4 gl, 32 slots, 4 groups]: lane g = gl + 4 hb reads word 2 j + hb (gl: broadcast)
+    _MMA_VW = gl.constexpr(gl.BlockedLayout([1, 1, 1, 2, 4], [1, 2, 4, 4, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0]))
+    # a page's 128 key scales: thread t holds channels 32 t .. 32 t + 31 (every g the same)
+    _MMA_KS = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], lane_bases=[[0, 32], [0, 64], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[1, 0], [2, 0]], block_bases=[], shape=[4, 128]))
+    # value scales [4, 32 slots, 4 groups]: thread t holds the groups of slots 2t, 2t + 1 (+ 8, 16, 24)
+    _MMA_VS = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 8, 0], [0, 16, 0]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 32, 4]))
+    _MMA_CW = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 16, 2], [4, 1, 1], [2, 1, 0]))  # copies: [4, 32, 8] int32
+    _MMA_CKS = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))  # [4, 128] bf16
+    _MMA_CVS = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 32, 1], [4, 1, 1], [2, 1, 0]))  # [4, 32, 4] bf16
+    _MMA_ZL = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 16, 2], [4, 1, 1], [2, 1, 0]))  # [4, 32, 16] bf16
+    _MMA_SH2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    _MMA_SH3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+
+    @gluon.jit
+    def _mma_j1(o, p: gl.constexpr, f0: gl.constexpr, h: gl.constexpr):
+        return gl.join(o[2 * (4 * p + f0) + h], o[2 * (4 * p + f0 + 2) + h])
+
+    @gluon.jit
+    def _mma_j0(o, p: gl.constexpr, h: gl.constexpr):
+        return gl.join(_mma_j1(o, p, 0, h), _mma_j1(o, p, 1, h))
+
+    @gluon.jit
+    def _mma_jp(o, h: gl.constexpr):
+        return gl.join(_mma_j0(o, 0, h), _mma_j0(o, 1, h))
+
+    @gluon.jit
+    def _mma_key_operand(words):
+        # [4, 32 slots, 8 words] int32 -> the B operand [4, 128 (K, mma_key_channel order), 32 slots]; no data moves
+        o = gl.inline_asm_elementwise(_MMA_K_ASM, "=h," * 16 + "r", [words], dtype=(gl.bfloat16,) * 16, is_pure=True,
+                                      pack=1)
+        u = gl.join(_mma_jp(o, 0), _mma_jp(o, 1))  # [b, slot, w, f1, f0, p, h]
+        u = gl.reshape(u, [4, 32, 2, 2, 2, 2, 2, 2, 2])  # [b, slot, w2, w1, w0, f1, f0, p, h]
+        u = gl.permute(u, [0, 4, 5, 6, 7, 2, 3, 8, 1])  # [b, w0, f1, f0, p, w2, w1, h, slot]
+        return gl.convert_layout(gl.reshape(u, [4, 128, 32]), _MMA_B, assert_trivial=True)
+
+    @gluon.jit
+    def _mma_key_order(x):
+        # [4, 128] in channel order -> in the keys' operand order (mma_key_channel)
+        x = gl.reshape(x, [4, 2, 2, 2, 2, 2, 2, 2])  # [b, w2, w1, w0, p, h, f1, f0]
+        x = gl.permute(x, [0, 3, 6, 7, 4, 1, 2, 5])  # [b, w0, f1, f0, p, w2, w1, h]
+        return gl.reshape(x, [4, 128])
+
+    @gluon.jit
+    def _mma_inv_place(f):
+        return gl.where(f == 0, 1.0, gl.where(f == 1, 0.25, 0.0625))
+
+    @gluon.jit
+    def _mma_pairs(x):
+        # [4, 2, 4, 32] -> (slots 2i, slots 2i + 1), each [4, 2, 4, 16]
+        return gl.split(gl.reshape(x, [4, 2, 4, 16, 2]))
+
+    @gluon.jit
+    def _mma_value_operand(words, sel):
+        # one group's value words [4, 2 hb, 4 gl, 32 slots] -> the A operand [4, 32 (M = g + 8 f), 32 slots]
+        even, odd = _mma_pairs(words)
+        o = gl.inline_asm_elementwise(_MMA_V_ASM, "=h," * 8 + "r,r,r", [even, odd, sel], dtype=(gl.bfloat16,) * 8,
+                                      is_pure=True, pack=1)
+        x0 = gl.join(gl.join(o[0], o[1]), gl.join(o[4], o[5]))  # f0 = 0: [.., h, f1]
+        x1 = gl.join(gl.join(o[2], o[3]), gl.join(o[6], o[7]))  # f0 = 1
+        u = gl.permute(gl.join(x0, x1), [0, 5, 6, 1, 2, 3, 4])  # [b, f1, f0, hb, gl, pair, h]
+        return gl.convert_layout(gl.reshape(u, [4, 32, 32]), _MMA_A, assert_trivial=True)
+
+    @gluon.jit
+    def _mma_window_start(first, end, resid_len, WINDOW: gl.constexpr, FLUSH: gl.constexpr):
+        # `_window_start` (the split kernel's): the first slot an operand reads from its residual window
+        if WINDOW == 0:
+            start = end
+        elif FLUSH > 0:
+            start = first - gl.minimum(resid_len, first % FLUSH)
+        else:
+            start = first - gl.minimum(resid_len, WINDOW - 1)
+        return start
+
+    @gluon.jit
+    def _mma_coded_pages(context_len, resid_len, K_WINDOW: gl.constexpr, K_FLUSH: gl.constexpr,
+                         V_WINDOW: gl.constexpr, V_FLUSH: gl.constexpr):
+        # the row's leading pages whose keys and values are all codes (before both residual windows)
+        k_start = _mma_window_start(context_len - 1, context_len, resid_len, K_WINDOW, K_FLUSH)
+        v_start = _mma_window_start(context_len - 1, context_len, resid_len, V_WINDOW, V_FLUSH)
+        return gl.maximum(gl.minimum(k_start, v_start), 0) // 32
+
+    @gluon.jit
+    def _mma_tile_pages(tile, t1, n_pages, table, LAYOUT: gl.constexpr):
+        # (copy it?, page id) of the tile's 4 pages, one a warp, in LAYOUT (nothing past t1 or the coded pages)
+        lp = tile * 4 + gl.arange(0, 4, layout=LAYOUT)
+        ok = (lp < n_pages) & (tile < t1)
+        return ok, gl.load(table + lp, mask=ok, other=0).to(gl.int64)
+
+    @gluon.jit
+    def _mma_issue(tile, t1, n_pages, table, kc_words, vc_words, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kbuf, vbuf, ksbuf,
+                   kzbuf, svbuf, zvbuf, stage, words_p, words_h, kv_head, stride_ksp, stride_ksh, stride_vsp,
+                   stride_vsh):
+        # cp.async of tile `tile`'s 4 pages (one a warp) into `stage`: codes, key scales, value scales
+        ok, phys = _mma_tile_pages(tile, t1, n_pages, table, gl.SliceLayout(1, gl.SliceLayout(2, _MMA_CW)))
+        slot = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA_CW)))
+        w = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _MMA_CW)))
+        at = phys[:, None, None] * words_p + kv_head * words_h + slot[None, :, None] * 8 + w[None, None, :]
+        m3 = ok[:, None, None] & (slot[None, :, None] < 32) & (w[None, None, :] < 8)
+        _mma_copy(kbuf.index(stage), kc_words + at, mask=m3)
+        _mma_copy(vbuf.index(stage), vc_words + at, mask=m3)
+
+        ok, phys = _mma_tile_pages(tile, t1, n_pages, table, gl.SliceLayout(1, _MMA_CKS))
+        ch = gl.arange(0, 128, layout=gl.SliceLayout(0, _MMA_CKS))
+        at = phys[:, None] * stride_ksp + kv_head * stride_ksh + ch[None, :]
+        m2 = ok[:, None] & (ch[None, :] < 128)
+        _mma_copy(ksbuf.index(stage), ks_ptr + at, mask=m2)
+        _mma_copy(kzbuf.index(stage), kz_ptr + at, mask=m2)
+
+        ok, phys = _mma_tile_pages(tile, t1, n_pages, table, gl.SliceLayout(1, gl.SliceLayout(2, _MMA_CVS)))
+        slot = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA_CVS)))
+        j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _MMA_CVS)))
+        at = phys[:, None, None] * stride_vsp + kv_head * stride_vsh + slot[None, :, None] * 4 + j[None, None, :]
+        m3 = ok[:, None, None] & (slot[None, :, None] < 32) & (j[None, None, :] < 4)
+        _mma_copy(svbuf.index(stage), vs_ptr + at, mask=m3)
+        _mma_copy(zvbuf.index(stage).slice(0, 4, dim=2), vz_ptr + at, mask=m3)
+        _cp.commit_group()
+
+    @gluon.jit
+    def _mma_value_step(acc, cor, pt, sv, c128, words, sel, a8, SP: gl.constexpr):
+        # one channel group: acc += v^T . (p^T * scale), cor += 128 * sum(p^T * scale) (the codes' offset)
+        pv = gl.convert_layout(pt * gl.convert_layout(sv, SP)[:, :, None], _MMA_B)
+        acc = _mma_v2(_mma_value_operand(words, sel), pv, acc * a8)
+        cor = _mma_v2(c128, pv, cor * a8)
+        return acc, cor
+
+    @gluon.jit
+    def _mma_out(out_ptr, acc, cor, zt, inv_l, o_at, j: gl.constexpr, gr, inv_pl, store_mask):
+        # group j's output: (acc - cor) / place + (sum p z) over l
+        zj = gl.sum(gl.where(gr[None, :, None] == j, zt, 0.0), axis=1)[:, None, :]
+        o = ((acc - gl.max(cor, axis=1)[:, None, :]) * inv_pl + zj) * inv_l
+        gl.store(out_ptr + o_at + 32 * j, o, mask=store_mask)
+
+    @gluon.jit
+    def _mma_decode_kernel(
+        q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, context_lens_ptr, resid_lens_ptr,
+        part_out_ptr, part_lse_ptr, qk_scale, num_splits, part_stride,
+        stride_qb, stride_qh, words_p, words_h, stride_ksp, stride_ksh, stride_vsp, stride_vsh, stride_bt,
+        GROUP: gl.constexpr, K_WINDOW: gl.constexpr, K_FLUSH: gl.constexpr, V_WINDOW: gl.constexpr,
+        V_FLUSH: gl.constexpr,
+    ):
+        seq = gl.program_id(0)
+        kv_head = gl.program_id(1)
+        split = gl.program_id(2)
+        num_q_heads = gl.num_programs(1) * GROUP
+        resid_len = 0
+        if K_WINDOW > 0 or V_WINDOW > 0:
+            resid_len = gl.load(resid_lens_ptr + seq)
+        n_pages = _mma_coded_pages(gl.load(context_lens_ptr + seq), resid_len, K_WINDOW, K_FLUSH, V_WINDOW, V_FLUSH)
+        tiles = (n_pages + 3) // 4
+        per = (tiles + num_splits - 1) // num_splits
+        t0 = split * per
+        t1 = gl.minimum(t0 + per, tiles)
+        table = table_ptr + seq.to(gl.int64) * stride_bt
+        kc_words = kc_ptr.to(gl.pointer_type(gl.int32))
+        vc_words = vc_ptr.to(gl.pointer_type(gl.int32))
+
+        kbuf = gl.allocate_shared_memory(gl.int32, [_MMA_STAGES, 4, 32, 8], _MMA_SH3)
+        vbuf = gl.allocate_shared_memory(gl.int32, [_MMA_STAGES, 4, 32, 8], _MMA_SH3)
+        ksbuf = gl.allocate_shared_memory(gl.bfloat16, [_MMA_STAGES, 4, 128], _MMA_SH2)
+        kzbuf = gl.allocate_shared_memory(gl.bfloat16, [_MMA_STAGES, 4, 128], _MMA_SH2)
+        svbuf = gl.allocate_shared_memory(gl.bfloat16, [_MMA_STAGES, 4, 32, 4], _MMA_SH3)
+        zvbuf = gl.allocate_shared_memory(gl.bfloat16, [_MMA_STAGES, 4, 32, 16], _MMA_SH3)  # groups padded to 16
+        for k in gl.static_range(_MMA_STAGES):
+            zvbuf.index(k).store(gl.zeros([4, 32, 16], gl.bfloat16, _MMA_ZL))
+        for k in gl.static_range(_MMA_STAGES - 1):
+            _mma_issue(t0 + k, t1, n_pages, table, kc_words, vc_words, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kbuf, vbuf,
+                       ksbuf, kzbuf, svbuf, zvbuf, k, words_p, words_h, kv_head, stride_ksp, stride_ksh, stride_vsp,
+                       stride_vsh)
+
+        # the query in the keys' operand order, scaled by qk_scale / place (rows: the group's heads of 16)
+        kk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, _MMA_A)))
+        hq = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA_A)))
+        bq = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _MMA_A)))
+        w_k = (kk >> 6) + 2 * ((kk >> 1) & 1) + 4 * ((kk >> 2) & 1)
+        kch = 16 * w_k + 8 * ((kk >> 3) & 1) + 4 * (kk & 1) + ((kk >> 4) & 3)  # mma_key_channel
+        q_at = (seq.to(gl.int64) * stride_qb + (kv_head * GROUP + hq[None, :, None]) * stride_qh
+                + kch[None, None, :] + 0 * bq[:, None, None])
+        q_mask = (hq[None, :, None] < GROUP) & (kch[None, None, :] < 128) & (bq[:, None, None] < 4)
+        q = gl.load(q_ptr + q_at, mask=q_mask, other=0.0)  # [4, 16, 128] bf16, the A operand
+        q16 = q.to(gl.float32) * (qk_scale * _mma_inv_place((kk >> 4) & 3))[None, None, :]
+        q8_scaled, _q_pad = gl.split(gl.permute(gl.reshape(q16, [4, 2, 8, 128]), [0, 2, 3, 1]))
+        S8: gl.constexpr = gl.SliceLayout(1, q8_scaled.type.layout)
+        neg128 = gl.full([4, 128, 8], -128.0, gl.bfloat16, _MMA_B)
+        c128 = gl.full([4, 16, 32], 128.0, gl.bfloat16, _MMA_A)
+
+        # value byte selectors: lane g = gl + 4 hb takes byte gl of its word
+        j5 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, _MMA_VW)))))
+        sel5 = (j5 | ((4 + j5) << 8))[None, None, :, None, None] + gl.zeros([4, 2, 4, 32, 4], gl.int32, _MMA_VW)
+        sel_j, _s1 = gl.split(gl.reshape(sel5, [4, 2, 4, 32, 2, 2]))
+        sel_j, _s2 = gl.split(sel_j)
+        sel, _s3 = _mma_pairs(sel_j)
+
+        s_rows, _s_pad = gl.split(gl.permute(gl.reshape(gl.zeros([4, 16, 32], gl.float32, _MMA_L), [4, 2, 8, 32]),
+                                             [0, 2, 3, 1]))
+        SROW: gl.constexpr = gl.SliceLayout(2, s_rows.type.layout)
+        m_i = gl.full([4, 8], -1.0e30, gl.float32, SROW)
+        l_i = gl.zeros([4, 8], gl.float32, SROW)
+        acc0 = gl.zeros([4, 32, 8], gl.float32, _MMA_L)
+        acc1 = gl.zeros([4, 32, 8], gl.float32, _MMA_L)
+        acc2 = gl.zeros([4, 32, 8], gl.float32, _MMA_L)
+        acc3 = gl.zeros([4, 32, 8], gl.float32, _MMA_L)
+        cor0 = gl.zeros([4, 16, 8], gl.float32, _MMA_L)
+        cor1 = gl.zeros([4, 16, 8], gl.float32, _MMA_L)
+        cor2 = gl.zeros([4, 16, 8], gl.float32, _MMA_L)
+        cor3 = gl.zeros([4, 16, 8], gl.float32, _MMA_L)
+        zt = gl.zeros([4, 16, 8], gl.float32, _MMA_L)  # [page, group, head]: sum p * zero point
+        b_s = gl.arange(0, 4, layout=gl.SliceLayout(1, SROW))
+        for tile in range(t0, t1):
+            _cp.wait_group(_MMA_STAGES - 2)
+            _mma_barrier()  # the tile's copies landed; the stage refilled below was read a tile ago
+            i = tile - t0
+            _mma_issue(tile + _MMA_STAGES - 1, t1, n_pages, table, kc_words, vc_words, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
+                       kbuf, vbuf, ksbuf, kzbuf, svbuf, zvbuf, (i + _MMA_STAGES - 1) % _MMA_STAGES, words_p, words_h,
+                       kv_head, stride_ksp, stride_ksh, stride_vsp, stride_vsh)
+            stage = i % _MMA_STAGES
+            kc = _mma_key_operand(kbuf.index(stage).load(_MMA_KW))
+            ks = gl.convert_layout(_mma_key_order(ksbuf.index(stage).load(_MMA_KS).to(gl.float32)), S8)
+            kz = gl.convert_layout(_mma_key_order(kzbuf.index(stage).load(_MMA_KS)), gl.SliceLayout(2, _MMA_B))
+            qp = (q8_scaled * ks[:, None, :]).to(gl.bfloat16)
+            qp = gl.join(qp, gl.zeros_like(qp))
+            qp = gl.convert_layout(gl.reshape(gl.permute(qp, [0, 3, 1, 2]), [4, 16, 128]), _MMA_A)
+            # logits: (q * s / place) . (128 + code * place) + qk_scale q . z - 128 sum(q * s / place)
+            bias = _mma_v2(q, gl.broadcast(gl.expand_dims(kz, 2), neg128)[0], gl.zeros([4, 16, 8], gl.float32, _MMA_L))
+            bias = _mma_v2(qp, neg128, bias * qk_scale)
+            s16 = _mma_v2(qp, kc, gl.zeros([4, 16, 32], gl.float32, _MMA_L)) + gl.max(bias, axis=2)[:, :, None]
+            s, _s_hi = gl.split(gl.permute(gl.reshape(s16, [4, 2, 8, 32]), [0, 2, 3, 1]))  # heads 0..7
+            s = gl.where((tile * 4 + b_s < n_pages)[:, None, None], s, float("-inf"))
+
+            m_new = gl.maximum(m_i, gl.max(s, axis=2))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[:, :, None])
+            l_i = l_i * alpha + gl.sum(p, axis=2)
+            m_i = m_new
+            pt = gl.permute(p, [0, 2, 1]).to(gl.bfloat16)  # [4, 32 slots, 8 heads]
+            a8 = gl.convert_layout(alpha, gl.SliceLayout(1, _MMA_L))[:, None, :]
+
+            zt_a = zvbuf.index(stage).permute([0, 2, 1]).load(_MMA_A)  # [4, 16 groups (4 used), 32 slots]
+            zt = _mma_v2(zt_a, gl.convert_layout(pt, _MMA_B), zt * a8)
+            sv01, sv23 = gl.split(gl.reshape(svbuf.index(stage).load(_MMA_VS), [4, 32, 2, 2]))
+            sv0, sv2 = gl.split(sv01)
+            sv1, sv3 = gl.split(sv23)
+            words = vbuf.index(stage).reshape([4, 32, 4, 2]).permute([0, 3, 1, 2]).load(gl.SliceLayout(2, _MMA_VW))
+            words = gl.broadcast(gl.expand_dims(words, 2), sel5)[0]  # [4, 2 hb, 4 gl, 32 slots, 4 groups]
+            w01, w23 = gl.split(gl.reshape(words, [4, 2, 4, 32, 2, 2]))
+            w0, w2 = gl.split(w01)
+            w1, w3 = gl.split(w23)
+            SP: gl.constexpr = gl.SliceLayout(2, pt.type.layout)
+            acc0, cor0 = _mma_value_step(acc0, cor0, pt, sv0, c128, w0, sel, a8, SP)
+            acc1, cor1 = _mma_value_step(acc1, cor1, pt, sv1, c128, w1, sel, a8, SP)
+            acc2, cor2 = _mma_value_step(acc2, cor2, pt, sv2, c128, w2, sel, a8, SP)
+            acc3, cor3 = _mma_value_step(acc3, cor3, pt, sv3, c128, w3, sel, a8, SP)
+        _cp.wait_group(0)
+
+        # each warp's partial (out, lse) at split 4 split + warp of the row's part_stride
+        l8 = gl.convert_layout(l_i, gl.SliceLayout(1, _MMA_L))
+        inv_l = gl.where(l8 > 0, 1.0 / l8, 0.0)[:, None, :]
+        mo = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA_L)))
+        ho = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _MMA_L)))
+        bo = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _MMA_L)))
+        gr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA_L)))
+        inv_pl = _mma_inv_place(mo >> 3)[None, :, None]
+        row = ((seq.to(gl.int64) * num_q_heads + kv_head * GROUP + ho[None, None, :]) * part_stride + split * 4
+               + bo[:, None, None])
+        o_at = row * 128 + (4 * (mo & 7) + (mo >> 3))[None, :, None]  # channel 32 j + 4 g + f of M = g + 8 f
+        store_mask = (ho[None, None, :] < GROUP) & (mo[None, :, None] < 32) & (bo[:, None, None] < 4)
+        _mma_out(part_out_ptr, acc0, cor0, zt, inv_l, o_at, 0, gr, inv_pl, store_mask)
+        _mma_out(part_out_ptr, acc1, cor1, zt, inv_l, o_at, 1, gr, inv_pl, store_mask)
+        _mma_out(part_out_ptr, acc2, cor2, zt, inv_l, o_at, 2, gr, inv_pl, store_mask)
+        _mma_out(part_out_ptr, acc3, cor3, zt, inv_l, o_at, 3, gr, inv_pl, store_mask)
+        hr = gl.arange(0, 8, layout=gl.SliceLayout(0, SROW))
+        lrow = ((seq.to(gl.int64) * num_q_heads + kv_head * GROUP + hr[None, :]) * part_stride + split * 4
+                + b_s[:, None])
+        gl.store(part_lse_ptr + lrow, m_i + gl.log2(l_i), mask=(hr[None, :] < GROUP) & (b_s[:, None] < 4))
+
+
+def mma_decode_fits(q: torch.Tensor, k_op, v_op, page_size: int, group: int) -> bool:
+    """Whether `_mma_decode_kernel` reads this decode's coded pages: a GPU with mma.sync (sm80+) and Gluon, bf16,
+    head_dim 128, at most 8 query heads a KV head, and K/V stored as KIVI-2 stores them (see above)."""
+    if _MMA is None or not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if torch.cuda.get_device_capability(q.device) < (8, 0) or q.dtype != torch.bfloat16 or q.shape[-1] != 128:
+        return False
+    if page_size != MMA_PAGE or group > 8 or q.stride(-1) != 1:
+        return False
+    for op, per_slot in ((k_op, False), (v_op, True)):
+        if (op.bits != 2 or op.per_element != 4 or not op.asymmetric or op.book or op.rotated
+                or op.scale.dtype != torch.bfloat16 or op.data.stride(2) != 32 or op.data.stride(3) != 1
+                or op.data.stride(0) % 4 or op.data.stride(1) % 4 or op.scale.stride(-1) != 1):
+            return False
+        if per_slot and (op.group != 32 or op.scale.shape[2] != page_size or op.scale.stride(2) != 4):
+            return False
+        if not per_slot and (op.scale.shape[3] != 128 or op.scale.shape[2] > 1 and op.scale.stride(2) != 0):
+            return False
+    if not (k_op.data.stride() == v_op.data.stride() and k_op.scale.stride() == k_op.zero.stride()
+            and v_op.scale.stride() == v_op.zero.stride()):
+        return False
+    # 16-byte copies: the launch must specialise every address the copies use as 16-byte aligned
+    strides = (q.stride(0), q.stride(1), k_op.data.stride(0) // 4, k_op.data.stride(1) // 4, *k_op.scale.stride()[:2],
+               *v_op.scale.stride()[:2])
+    tensors = (q, k_op.data, k_op.scale, k_op.zero, v_op.data, v_op.scale, v_op.zero)
+    return all(s % 16 == 0 for s in strides) and all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def mma_decode_splits(batch: int, num_kv_heads: int, max_context_len: int, sms: int) -> int:
+    """Programs of (row, KV head) for `_mma_decode_kernel`: as many as fill one wave (two 4-warp programs fit an
+    SM; a few programs past a wave cost a second one: 9 splits of 8 x 128K took 0.34 ms, 8 took 0.23 on the H200),
+    a split at least one tile of 4 pages."""
+    tiles = -(-max(max_context_len, 1) // (4 * MMA_PAGE))
+    return max(1, min(2 * sms // max(batch * num_kv_heads, 1), tiles, MAX_SPLITS // 4))
+
+
+def mma_decode_launch(q, k_op, v_op, block_tables, context_lens, resid_arg, windows: bool, scale: float, splits: int,
+                      part_out, part_lse, part_stride: int, group: int, maxnreg: int | None = None) -> None:
+    """`_mma_decode_kernel` over each row's coded pages into splits [0, 4 splits) of `part_out`/`part_lse`
+    (`maxnreg`: ptxas's register cap, for tuning occupancy; none by default: 168 spilled and was slower)."""
+    batch, num_kv_heads = q.shape[0], k_op.data.shape[1]
+    ks, vs = k_op.scale.stride(), v_op.scale.stride()
+    _mma_decode_kernel[(batch, num_kv_heads, splits)](
+        q, k_op.data, k_op.scale, k_op.zero, v_op.data, v_op.scale, v_op.zero, block_tables, context_lens, resid_arg,
+        part_out, part_lse, scale * LOG2E, splits, part_stride,
+        q.stride(0), q.stride(1), k_op.data.stride(0) // 4, k_op.data.stride(1) // 4, ks[0], ks[1], vs[0], vs[1],
+        block_tables.stride(0),
+        GROUP=group, K_WINDOW=k_op.window if windows else 0, K_FLUSH=k_op.flush,
+        V_WINDOW=v_op.window if windows else 0, V_FLUSH=v_op.flush, num_warps=4,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # store_kv (kernel family `paged_store_kv`)
 # ---------------------------------------------------------------------------------------------
 
@@ -1319,7 +1742,7 @@ def _decode_split_kernel(
     scores_ptr, lse_ptr, scores_width, EMIT_STATS: tl.constexpr,
     qk_scale, num_splits,
     stride_qb, stride_qh,
-    stride_pb, stride_ph, plan_len,
+    stride_pb, stride_ph, plan_len, part_base, part_stride,
     stride_bt, stride_sb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -1328,6 +1751,7 @@ def _decode_split_kernel(
     K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr, K_ROT: tl.constexpr,
     V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr, V_ROT: tl.constexpr,
     READ: tl.constexpr, HAS_LAST: tl.constexpr, K_FOLD: tl.constexpr, V_FOLD: tl.constexpr, ASM: tl.constexpr,
+    TAIL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -1338,6 +1762,16 @@ def _decode_split_kernel(
     # This kv head's tokens are slots [head_start, context_len); the splits share only those, so
     # the slots before a start are never loaded (tiles need no alignment: tokens are gathered).
     head_start = _head_start(kv_starts_ptr, seq, kv_head, stride_sb, HAS_STARTS)
+    resid_len = 0  # each operand reads its newest slots, from *_resid_start on, from its residual window
+    seq_row = 0
+    if K_WINDOW > 0 or V_WINDOW > 0:
+        resid_len = tl.load(resid_lens_ptr + seq)
+        seq_row = tl.load(rows_ptr + seq).to(tl.int64)
+    k_resid_start = _window_start(context_len - 1, context_len, resid_len, K_WINDOW, K_FLUSH)  # the step's token and older
+    v_resid_start = _window_start(context_len - 1, context_len, resid_len, V_WINDOW, V_FLUSH)
+    if TAIL:  # the pages before both windows are `_mma_decode_kernel`'s: the rest of the row
+        head_start = tl.maximum(head_start, tl.maximum(tl.minimum(k_resid_start, v_resid_start), 0)
+                                // PAGE_SIZE * PAGE_SIZE)
     # A read plan: the splits share the plan's positions instead (the same count for every row,
     # plus the row's `last` newest slots after them).
     plan = plan_ptr + seq.to(tl.int64) * stride_pb + kv_head * stride_ph
@@ -1352,13 +1786,6 @@ def _decode_split_kernel(
     split_len = _split_len(span, num_splits, BLOCK_N)
     start = first + split * split_len
     end = tl.minimum(start + split_len, first + span)
-    resid_len = 0  # each operand reads its newest slots, from *_resid_start on, from its residual window
-    seq_row = 0
-    if K_WINDOW > 0 or V_WINDOW > 0:
-        resid_len = tl.load(resid_lens_ptr + seq)
-        seq_row = tl.load(rows_ptr + seq).to(tl.int64)
-    k_resid_start = _window_start(context_len - 1, context_len, resid_len, K_WINDOW, K_FLUSH)  # the step's token and older
-    v_resid_start = _window_start(context_len - 1, context_len, resid_len, V_WINDOW, V_FLUSH)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -1436,9 +1863,9 @@ def _decode_split_kernel(
             o = _rotated(o, v_rot_ptr, HEAD_DIM, BLOCK_D, False, USE_DOT, DOT_PRECISION)
         dst = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=out_mask)
-    elif start < end:
-        # Partial result of a non-empty split; the reduce kernel reads exactly these.
-        row = (seq.to(tl.int64) * num_q_heads + heads) * num_splits + split
+    elif start < end or TAIL:
+        # Partial result of a non-empty split (TAIL: every split); the reduce kernel reads exactly these.
+        row = (seq.to(tl.int64) * num_q_heads + heads) * part_stride + part_base + split
         # a read plan's split may count no slot at all (l_i 0): output 0, log-sum-exp -inf
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None],
                  mask=out_mask)
@@ -1457,19 +1884,24 @@ def _decode_reduce_kernel(
     plan_len, last_ptr, v_rot_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr, HAS_STARTS: tl.constexpr,
-    READ: tl.constexpr, HAS_LAST: tl.constexpr, V_ROT: tl.constexpr,
+    READ: tl.constexpr, HAS_LAST: tl.constexpr, V_ROT: tl.constexpr, ALL_ACTIVE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    if READ:  # the splits shared the plan's positions (and the row's newest slots)
+    if ALL_ACTIVE:  # every split wrote its partial (the register-mma path and its tail)
+        active_len = num_splits
+    elif READ:  # the splits shared the plan's positions (and the row's newest slots)
         active_len = plan_len
         if HAS_LAST:
             active_len = plan_len + tl.load(last_ptr + seq)
     else:
         active_len = tl.load(context_lens_ptr + seq) - _head_start(kv_starts_ptr, seq, head // GROUP, stride_sb,
                                                                    HAS_STARTS)
-    split_len = _split_len(active_len, num_splits, BLOCK_N)
-    num_active = (active_len + split_len - 1) // split_len
+    if ALL_ACTIVE:
+        num_active = num_splits
+    else:
+        split_len = _split_len(active_len, num_splits, BLOCK_N)
+        num_active = (active_len + split_len - 1) // split_len
 
     offs_d = tl.arange(0, BLOCK_D)
     dim_mask = offs_d < HEAD_DIM
@@ -1523,6 +1955,7 @@ def paged_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     use_dot: bool | None = None,
+    mma: bool | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q [B, Hq, D], over its first context_lens[b] cached tokens
     (from kv_starts[b, h] on for KV head h when `kv_starts [B, Hkv]` int32 is given).
@@ -1536,6 +1969,8 @@ def paged_decode(
     row's newest last[b] slots), the splits sharing the plan's entries (no gather of K/V), statistics
     then covering the slots read (torch_ops.paged_decode).
     The keyword-only knobs override the launch config (this GPU's tuned entry, else `decode_config`).
+    `mma`: read the coded pages with `_mma_decode_kernel` (None: where `mma_decode_fits` and no tile knob is
+    given; True: or raise), the split kernel reading the rest of each row (`TAIL`), one reduce over both.
     No host sync and no value-dependent allocation: CUDA-graph capturable.
     """
     _check_operands(q, k_cache, v_cache)
@@ -1581,16 +2016,34 @@ def paged_decode(
         # heuristic's: the best of the launches measured for every quantized spec at 32 x 32K and 8 x 128K (H200,
         # bench/quantized_decode_bench.py --sweep, docs/benchmarks.md)
         cfg = replace(cfg, block_n=128, num_splits=max(cfg.num_splits, min(32, -(-max_context_len // 1024))))
+    tail = False  # the register-mma path reads the coded pages; this launch, each row's rest
+    if mma is not False:
+        fits = (read is None and kv_starts is None and stats is None and not k_op.rotated
+                and mma_decode_fits(q, k_op, v_op, page_size, group))
+        if mma and not fits:
+            raise ValueError("paged_decode(mma=True): this decode does not fit the register-mma kernel "
+                             "(mma_decode_fits: KIVI-2 storage, bf16, head_dim 128, <= 8 heads a KV head, no plan)")
+        tail = fits and (mma or (block_n, num_warps, num_stages, use_dot) == (None, None, None, None))
+    if tail:
+        mma_splits = num_splits or mma_decode_splits(batch, num_kv_heads, max_context_len, num_sms(q.device))
+        # the tail: the windows and the page partly in one (up to ~2 windows of slots), in a few short splits
+        num_splits, part_base, part_stride = MMA_TAIL_SPLITS, 4 * mma_splits, 4 * mma_splits + MMA_TAIL_SPLITS
+        block_n = 64
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps,
                      num_stages=num_stages, use_dot=use_dot)
     cfg = replace(cfg, **{k: val for k, val in overrides.items() if val is not None})
 
     splits = cfg.num_splits
-    if splits > 1:
-        part_out = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
+    if not tail:
+        part_base, part_stride = 0, splits
+    if splits > 1 or tail:
+        part_out = torch.empty((batch, num_q_heads, part_stride, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_q_heads, part_stride), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    if tail:
+        mma_decode_launch(q, k_op, v_op, block_tables, context_lens, resid_arg, windows, scale, mma_splits, part_out,
+                          part_lse, part_stride, group)
     block_d = triton.next_power_of_2(head_dim)
     block_h = max(16, triton.next_power_of_2(group)) if cfg.use_dot else triton.next_power_of_2(group)
     starts, stride_sb = _starts_arg(kv_starts, context_lens, batch, num_kv_heads)
@@ -1620,16 +2073,19 @@ def paged_decode(
         scores, lse, scores_width, stats is not None,
         scale * LOG2E, splits,
         q.stride(0), q.stride(1),
-        *plan_strides, plan_len,
+        *plan_strides, plan_len, part_base, part_stride,
         block_tables.stride(0), stride_sb, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, DIRECT_OUT=splits == 1,
+        PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, DIRECT_OUT=splits == 1 and not tail,
         USE_DOT=cfg.use_dot, DOT_PRECISION=_dot_precision(q.dtype), HAS_STARTS=kv_starts is not None,
         **k_op.constants("K"), **v_op.constants("V"), READ=read_mode, HAS_LAST=last is not context_lens,
         K_FOLD=_fold(k_op, head_dim, tiles_in_pages, pages_in_tiles),
         V_FOLD=_fold(v_op, head_dim, tiles_in_pages, pages_in_tiles),
-        ASM=os.environ.get("TRITON_INTERPRET") != "1", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ASM=os.environ.get("TRITON_INTERPRET") != "1", TAIL=tail, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
+    if tail:
+        splits = part_stride  # the reduce's: the mma partials, then the tail's
     if splits > 1:
         split_block = min(triton.next_power_of_2(splits), max(1, 8192 // block_d))
         _decode_reduce_kernel[(batch, num_q_heads)](
@@ -1639,7 +2095,7 @@ def paged_decode(
             plan_len, last, v_op.rotation_arg,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_BLOCK=split_block,
             HAS_STARTS=kv_starts is not None, num_warps=4 if head_dim >= 128 else 2,
-            READ=read_mode, HAS_LAST=last is not context_lens, V_ROT=v_op.rotated,
+            READ=read_mode, HAS_LAST=last is not context_lens, V_ROT=v_op.rotated, ALL_ACTIVE=tail,
         )
     if stats is not None:
         _fold_stats(scores, lse, context_lens, starts, stride_sb, kv_starts is not None, stats, group)

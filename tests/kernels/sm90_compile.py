@@ -21,9 +21,11 @@ from kvc.compiler import attention
 SHARED_BYTES = 232448  # an H100/H200 block's most shared memory (227 KB)
 
 
-def build(fn, consts: dict, pointers: dict, **options) -> str:
+def build(fn, consts: dict, pointers: dict, aligned: tuple[str, ...] = (), **options) -> str:
     """PTX of `fn` for sm90: constexprs from `consts`, pointer types from `pointers` (else fp32), launch
-    `options` (num_warps, num_stages); fails when the kernel needs more shared memory than a block has."""
+    `options` (num_warps, num_stages); fails when the kernel needs more shared memory than a block has.
+    Pointers and the integer arguments whose names start with one of `aligned` are divisible by 16, as
+    Triton specialises a launch's."""
     signature, constexprs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr:
@@ -33,10 +35,19 @@ def build(fn, consts: dict, pointers: dict, **options) -> str:
             signature[name] = pointers.get(name, "*fp32")
         else:
             signature[name] = "i64" if name.startswith("stride") else "i32"
-    kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                            options=options or None)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if aligned and
+             not fn.params[i].is_constexpr and (name.endswith("_ptr") or name.startswith(aligned))}
+    source = ASTSource if not getattr(fn, "is_gluon", lambda: False)() else _gluon_source()
+    kernel = triton.compile(source(fn, signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=options or None)
     assert kernel.metadata.shared <= SHARED_BYTES, (fn.__name__, options, kernel.metadata.shared)
     return kernel.asm["ptx"]
+
+
+def _gluon_source():
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    return GluonASTSource
 
 
 def delta() -> None:
@@ -102,8 +113,20 @@ def main(codes: str) -> None:
     for (k_fold, v_fold, block_n), asm in [(f, True) for f in folds] + [(f, False) for f in folds[:2]]:
         build(mod._decode_split_kernel, dict(EMIT_STATS=False, GROUP=4, BLOCK_H=16, BLOCK_N=block_n, DIRECT_OUT=True,
                                              USE_DOT=True, DOT_PRECISION="native", HAS_STARTS=False, READ=0,
-                                             HAS_LAST=False, K_FOLD=k_fold, V_FOLD=v_fold, ASM=asm, **shape, **ops),
+                                             HAS_LAST=False, K_FOLD=k_fold, V_FOLD=v_fold, ASM=asm, TAIL=False,
+                                             **shape, **ops),
               pointers)
+    if codes == "int2" and mod._MMA is not None:
+        # the register-mma decode (Gluon) over the coded pages, and the split kernel over each row's rest (TAIL)
+        build(mod._decode_split_kernel, dict(EMIT_STATS=False, GROUP=8, BLOCK_H=16, BLOCK_N=128, DIRECT_OUT=False,
+                                             USE_DOT=True, DOT_PRECISION="native", HAS_STARTS=False, READ=0,
+                                             HAS_LAST=False, K_FOLD=4, V_FOLD=0, ASM=True, TAIL=True, **shape, **ops),
+              pointers)
+        mma = {"q_ptr": "*bf16", "kc_ptr": "*u8", "vc_ptr": "*u8", "table_ptr": "*i32", "context_lens_ptr": "*i32",
+               "resid_lens_ptr": "*i32"} | {f"{x}_ptr": "*bf16" for x in ("ks", "kz", "vs", "vz")}
+        ptx = build(mod._mma_decode_kernel, dict(GROUP=8, K_WINDOW=129, K_FLUSH=128, V_WINDOW=129, V_FLUSH=0), mma,
+                    ("stride", "words"), num_warps=4)
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx and "cp.async" in ptx
     # prefill: the fp32 parity config, and Hopper's (128 x 128 tiles, 3 stages; with a residual window, tiles of
     # mod.PREFILL_WINDOW_BLOCK_N), codes-only tiles folding as the decode's do
     build(mod._prefill_kernel, dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, BLOCK_N=64, DOT_PRECISION="ieee",

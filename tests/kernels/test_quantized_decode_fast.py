@@ -33,7 +33,8 @@ def _run_ptx(asm: str, inputs: dict[int, int], outputs: int, dtype: torch.dtype)
     """Executes the PTX subset the decode kernels' inline assembly uses (prmt, shr, shl, and, mad, lop3, mov, fma on
     16-bit pairs) on 32-bit input registers `{n: value}` ($n); returns registers $0 .. $outputs - 1."""
     regs = {f"${n}": v for n, v in inputs.items()}
-    luts = {0x6A: lambda a, b, c: (a & b) ^ c, 0xD8: lambda a, b, c: (a & ~c) | (b & c)}
+    luts = {0x6A: lambda a, b, c: (a & b) ^ c, 0xD8: lambda a, b, c: (a & ~c) | (b & c),
+            0xEA: lambda a, b, c: (a & b) | c}
 
     def val(x: str) -> int:
         return int(x, 16) if x.startswith("0x") else int(x) if x.isdigit() else regs[x]
@@ -45,6 +46,9 @@ def _run_ptx(asm: str, inputs: dict[int, int], outputs: int, dtype: torch.dtype)
     for line in asm.replace("{", "").replace("}", "").split(";"):
         parts = line.replace(",", " ").split()
         if not parts or parts[0] == ".reg":
+            continue
+        if parts[0] == "mov.b32" and len(parts) == 4:  # mov.b32 {$a, $b}, t: t's halves to two 16-bit registers
+            regs[parts[1]], regs[parts[2]] = val(parts[3]) & 0xFFFF, val(parts[3]) >> 16
             continue
         op, dst, args = parts[0], parts[1], [val(a) for a in parts[2:]]
         if op == "prmt.b32":
@@ -108,6 +112,40 @@ def test_the_levels_ptx_looks_up_every_code(dtype: torch.dtype) -> None:
                 assert _half(out[k] >> (16 * w), dtype) == book[codes[w, k]], (k, w)
 
 
+def _place(field: int) -> int:  # where the register-mma unpacking leaves field f of a byte (bf16: 7 mantissa bits)
+    return (1, 4, 16, 16)[field]
+
+
+def test_the_register_mma_unpacking_gives_the_offset_codes_of_every_byte() -> None:
+    """`_mma_unpack_keys_asm`: output 2 (4 p + f) + h is 128 + code * place of field f of byte 2 p + h;
+    `_mma_unpack_values_asm`: output 2 f + h is that of the byte its selector picks from slot h's word."""
+    mod = _spec_module()
+    bf16 = torch.bfloat16
+    for first in range(0, 256, 4):
+        data = [first, (first + 77) % 256, (first + 150) % 256, (first + 3) % 256]
+        word = int.from_bytes(bytes(data), "little")
+        out = _run_ptx(mod._mma_unpack_keys_asm(), {16: word}, 16, bf16)
+        for p in range(2):
+            for f in range(4):
+                for h in range(2):
+                    code = (data[2 * p + h] >> (2 * f)) & 3
+                    assert _half(out[2 * (4 * p + f) + h], bf16).item() == 128 + code * _place(f), (data, p, f, h)
+        other = int.from_bytes(bytes(data[::-1]), "little")
+        for k in range(4):
+            out = _run_ptx(mod._mma_unpack_values_asm(), {8: word, 9: other, 10: k | (4 + k) << 8}, 8, bf16)
+            for f in range(4):
+                for h, byte in enumerate((data[k], data[::-1][k])):
+                    want = 128 + ((byte >> (2 * f)) & 3) * _place(f)
+                    assert _half(out[2 * f + h], bf16).item() == want, (data, k, f, h)
+
+
+def test_the_register_mma_key_order_permutes_the_channels() -> None:
+    mod = _spec_module()
+    assert sorted(mod.mma_key_channel(k) for k in range(128)) == list(range(128))
+    # a register's pair (K, K + 1) is one slot's bytes 2p and 2p + 1: channels 4 apart, same field
+    assert all(mod.mma_key_channel(k + 1) == mod.mma_key_channel(k) + 4 for k in range(0, 128, 2))
+
+
 # ---- on a GPU: the kernel in bf16 against the torch ops ---------------------------------------------------
 
 HEADS, KV_HEADS, DIM = 16, 2, 128
@@ -154,3 +192,35 @@ def test_the_fast_decode_equals_the_torch_ops_in_bf16(method: str, block_n: int 
     got = att.ops.paged_decode(q, k_src, v_src, tables, lens, scale, rows=rows, resid_lens=resid, block_n=block_n)
     want = torch_ops.paged_decode(q, k_src, v_src, tables, lens, scale, rows=rows, resid_lens=resid)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (Gluon: mma.sync from registers)")
+@pytest.mark.parametrize("heads", [HEADS, KV_HEADS * 3])  # 8 query heads a KV head, and 3
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_the_register_mma_decode_equals_the_torch_ops(heads: int, num_splits: int | None) -> None:
+    """KIVI-2's coded pages through `_mma_decode_kernel`, each row's rest (residual windows, a page partly in
+    one) through the split kernel, one reduce: rows of no, one and many coded pages, windows empty and full."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    batch, context = 5, 1000
+    att, k_src, v_src, tables = _method_sources("kivi", batch, context, gen)
+    lens = torch.tensor([context, 517, 64, 20, 161], dtype=torch.int32, device="cuda")
+    rows = torch.arange(batch, dtype=torch.int32, device="cuda")
+    resid = torch.tensor([100, 5, 0, 19, 128], dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, DIM, generator=gen, device="cuda").to(torch.bfloat16)
+    scale = DIM ** -0.5
+    got = att.ops.paged_decode(q, k_src, v_src, tables, lens, scale, rows=rows, resid_lens=resid, mma=True,
+                               num_splits=num_splits)
+    want = torch_ops.paged_decode(q, k_src, v_src, tables, lens, scale, rows=rows, resid_lens=resid)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    split = att.ops.paged_decode(q, k_src, v_src, tables, lens, scale, rows=rows, resid_lens=resid, mma=False)
+    assert (got.float() - want.float()).abs().max() <= 2 * (split.float() - want.float()).abs().max() + 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_register_mma_decode_is_refused_where_it_does_not_fit() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    att, k_src, v_src, tables = _method_sources("fp8", 2, 256, gen)
+    lens = torch.tensor([256, 100], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, HEADS, DIM, generator=gen, device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="register-mma"):
+        att.ops.paged_decode(q, k_src, v_src, tables, lens, DIM ** -0.5, mma=True)
