@@ -78,7 +78,8 @@ class Logits:
             for row, p in zip(rows, params):
                 if id(p) not in self.rows:
                     self.seen.append(p)
-                self.rows.setdefault(id(p), []).append(row.detach().float().to("cpu", copy=True))  # a copy, on the reference's device
+                # a copy (graph steps reuse their buffers), on the reference's device
+                self.rows.setdefault(id(p), []).append(row.detach().float().to("cpu", copy=True))
             return sample(rows, params, *args, **kwargs)
 
         monkeypatch.setattr(model_runner, "sample", spy)
