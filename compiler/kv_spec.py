@@ -547,11 +547,12 @@ class _Deriver:
         if tokens is None:
             return
         source = spec.keys if e.args[0].id == "k" else spec.values
-        if isinstance(source, Quantized) and source.axis == "token" and source.residual_tokens is not None:
-            # a block's codes are written when the block is full: until then its pages' summaries would be
-            # read from codes not yet there, and the flush rewrites pages whose summaries no store refreshes
+        if (isinstance(source, Quantized) and source.axis == "token" and source.residual_tokens is not None
+                and e.func.name == "mean"):
+            # a block's codes are written when the block is full: the store folds each row into its page's
+            # summary as computed (runtime/kv/store.py `fold_summaries`); a mean would need the page's count
             self.unfit(decl, f"summary {name}: {e.args[0].id} is written a block at a time (groups along key with "
-                             "`except last`); summaries of such pages are not kept current yet")
+                             "`except last`): its summaries are folded in as rows are stored, max, min or sum")
             return
         if spec.page_tokens is not None and sp.simplify(spec.page_tokens - tokens) != 0:
             self.unfit(decl, f"summary {name}: pages of {tokens} tokens, other summaries use {spec.page_tokens}")

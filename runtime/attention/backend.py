@@ -383,7 +383,9 @@ class PagedAttention:
                                  if store.flushes_blocks else {}))
         if not store.spec.summaries:
             return
-        if self.backend == "triton" and md.num_prefills == 0 and store.appends_summaries:
+        if store.folds_summaries:  # of the rows as computed: the codes of a block come when it is full
+            store.fold_summaries(k, v, slots)
+        elif self.backend == "triton" and md.num_prefills == 0 and store.appends_summaries:
             store.append_summaries(slots)  # one token per sequence: fold it in, one launch a summary
         else:
             store.refresh_summaries(*last_in_page(slots, store.page_size, store.scratch_page), layer_idx)
@@ -404,6 +406,8 @@ class PagedAttention:
         as_int = partial(torch.tensor, dtype=torch.int32, device=device)
         torch_ops.store_kv(k, v, k_src, v_src, slots, cu_seqlens_q=as_int([0, m]), context_lens=as_int([m]),
                            rows=as_int([store.scratch_row if row is None else row]), block_tables=tables[None])
+        if store.folds_summaries:
+            store.fold_summaries(k, v, slots)
 
     def forward(
         self,

@@ -80,7 +80,7 @@ class KVExecutor:
                     for x in (k, v))
             self.restore(layer, k, v, table, row)
         physical = batch.counts[:, 0].astype(np.int64)
-        if store.spec.summaries and len(physical):
+        if store.spec.summaries and len(physical) and not store.folds_summaries:  # folded: by `restore`'s store
             self._refresh_rewritten(batch, physical, layer)
         return physical
 

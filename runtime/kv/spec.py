@@ -292,7 +292,10 @@ Encoding = Dense | Quantized | LowRank | Delta
 class Summary:
     """A PAGE tensor the store keeps equal to `fn` over the page's stored slots of the decoded
     keys (`source` "k") or values ("v"), per KV head and channel: recomputed for every page a step
-    writes (appends, the partial last page included) and every page a compaction rewrites."""
+    writes (appends, the partial last page included) and every page a compaction rewrites. Of a
+    source written a block at a time (`Quantized.flush_block`), whose codes come a block after its
+    slots, it is `fn` over the slots' rows as computed instead, folded in as they are stored
+    (`KVStore.fold_summaries`; max, min or sum)."""
 
     tensor: str
     source: str

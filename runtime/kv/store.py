@@ -283,6 +283,45 @@ class KVStore:
                 out[pages] = torch.where(keep, value, out[pages])
 
     @functools.cached_property
+    def folds_summaries(self) -> bool:
+        """Whether the summaries are of rows as computed, folded in as they are stored (`fold_summaries`): a
+        summarised source is written a block at a time, so its pages' codes come later than their slots."""
+        return any(getattr(self.spec.keys if s.source == K else self.spec.values, "flush_block", 0)
+                   for s in self.spec.summaries)
+
+    def fold_summaries(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Folds rows k, v [T, Hkv, D] stored at `slots [T]` (-1: padding) into their pages' summaries: `fn` over
+        the page's rows so far, a row at a page's first slot starting the page over. The rows of one page are
+        consecutive (a sequence's tokens are), so each run of one page reduces once. Static shapes, no host
+        read: runs inside captured decode graphs."""
+        n = slots.numel()
+        if not self.spec.summaries or n == 0:
+            return
+        size, slots = self.page_size, slots.long()
+        stored = slots >= 0
+        page = torch.where(stored, slots // size, self.scratch_page)
+        starts = torch.ones(n, dtype=torch.bool, device=slots.device)
+        starts[1:] = page[1:] != page[:-1]
+        run = torch.cumsum(starts.long(), 0) - 1  # [T]: the run of one page each row is in
+        run_page = torch.full_like(page, self.scratch_page).scatter(0, run, page)  # runs past the last: scratch
+        fresh = torch.zeros(n, dtype=torch.long, device=slots.device).scatter_reduce(
+            0, run, (stored & (slots % size == 0)).long(), "amax") > 0
+        for s in self.spec.summaries:
+            x = (k if s.source == K else v).float()
+            out = self.tensors[s.tensor]
+            at = run[:, None, None].expand_as(x)
+            reduce = {"max": "amax", "min": "amin", "sum": "sum"}[s.fn]
+            folded = torch.zeros_like(x).scatter_reduce(0, at, x, reduce, include_self=False)  # [runs, Hkv, D]
+            old = out[run_page].float()
+            if s.fn == "max":
+                both = torch.maximum(old, folded)
+            elif s.fn == "min":
+                both = torch.minimum(old, folded)
+            else:
+                both = old + folded
+            out[run_page] = torch.where(fresh[:, None, None], folded, both).to(out.dtype)
+
+    @functools.cached_property
     def appends_summaries(self) -> bool:
         """Whether `append_summaries` can keep every summary current (each one's source stored dense)."""
         return bool(self.spec.summaries) and all(

@@ -9,7 +9,9 @@ unchanged:
 
 Quest reading FP8 pages (bench/variants/quest_fp8.kvm) likewise: fp8's spec plus Quest's page
 summaries, kept equal to the max / min of each page's stored keys as decoded with their layer's
-scale, Quest's hooks, and fp8's tokens when its budget reads every page.
+scale, Quest's hooks, and fp8's tokens when its budget reads every page. Quest reading KIVI storage
+(bench/variants/quest_kivi.kvm): kivi's spec, its summaries of the keys as computed (a key group's codes
+come when its block is full), kivi's tokens when its budget reads every page.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tests.runtime.test_contract_methods import ATOL, Logits, greedy, prompt
 PAGE = 4
 COMPOSED = str(Path(__file__).resolve().parents[2] / "bench" / "variants" / "snapkv_fp8.kvm")
 QUEST_FP8 = str(Path(__file__).resolve().parents[2] / "bench" / "variants" / "quest_fp8.kvm")
+QUEST_KIVI = str(Path(__file__).resolve().parents[2] / "bench" / "variants" / "quest_kivi.kvm")
 
 
 @pytest.fixture(scope="module")
@@ -178,19 +181,101 @@ def test_quest_over_fp8_on_the_triton_kernels(model_dir, monkeypatch) -> None:
         torch.testing.assert_close(spy.of(b).cpu(), spy.of(a), atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize("group", ["32", "page_size"])
-def test_a_summary_the_format_cannot_page_is_refused_with_the_compilers_reason(model_dir, tmp_path, group: str) -> None:
-    """Quest's page summaries over KIVI's keys (groups along key, written a block at a time; with pages of
-    a 32-token key group or of `page_size`): the compiler drops the summaries, and the engine's refusal says
-    why, at the .kvm line."""
-    source = Path(QUEST_FP8).read_text().replace("method quest_fp8", "method quest_kivi")
-    source = source.replace("param format: {e4m3, e5m2} = e4m3\n", "").replace("param scale: {unit, dynamic} = unit\n",
-                                                                             "")
-    source = source.replace("store k as fp8(format, scale = scale, along kv_head, key, channel)",
-                            f"store k as quant(2, group = {group}, along key) except last 128")
-    source = source.replace("store v as fp8(format, scale = scale, along kv_head, key, channel)",
-                            "store v as quant(2, group = 32, along channel) except last 128")
+def kivi_params(budget: int) -> dict:
+    return {"budget": budget, "group_size": PAGE, "residual_length": 8, "dense_layers": 0}
+
+
+def test_quest_over_kivi_is_kivis_spec_with_quests_summaries_and_hooks(model_dir) -> None:
+    composed = make_llm(model_dir, QUEST_KIVI, kivi_params(8)).engine
+    kivi = make_llm(model_dir, "kivi", {"group_size": PAGE, "residual_length": 8}).engine
+    quest = make_llm(model_dir, "quest", quest_params(8)).engine
+    spec, kivi_spec, quest_spec = (e.attention.store.spec for e in (composed, kivi, quest))
+    assert (spec.keys, spec.values) == (kivi_spec.keys, kivi_spec.values) and spec.summaries == quest_spec.summaries
+    assert composed.method.hooks == quest.method.hooks and composed.attention.store.folds_summaries
+    assert not quest.attention.store.folds_summaries
+
+
+def test_quest_summaries_over_kivi_are_the_pages_keys_as_computed(model_dir, monkeypatch) -> None:
+    """KIVI writes a key group's codes when its block is full, so the summaries are of the keys as computed:
+    after every store, each page's kmax / kmin equal the max / min of the rows stored at its slots so far (a
+    row at a page's first slot starting it over), kept here from the rows the store was given."""
+    llm = make_llm(model_dir, QUEST_KIVI, kivi_params(8))
+    store = llm.engine.attention.store
+    rows: dict[int, list[torch.Tensor]] = {}
+    checked = []
+    fold = store.fold_summaries
+
+    def spy(k, v, slots):
+        fold(k, v, slots)
+        for i, slot in enumerate(slots.tolist()):
+            if slot < 0:
+                continue
+            page = slot // PAGE
+            rows[page] = ([] if slot % PAGE == 0 else rows.get(page, [])) + [k[i]]
+        for page in {s // PAGE for s in slots.tolist() if s >= 0}:
+            keys = torch.stack(rows[page])  # [n, Hkv, D]
+            torch.testing.assert_close(store["kmax"][page], keys.amax(dim=0), atol=0, rtol=0)
+            torch.testing.assert_close(store["kmin"][page], keys.amin(dim=0), atol=0, rtol=0)
+            checked.append(page)
+
+    monkeypatch.setattr(store, "fold_summaries", spy)
+    out = llm.generate([prompt(37, 4), prompt(26, 5)], [greedy(12), greedy(12)])
+    assert all(len(o.token_ids) == 12 for o in out)
+    assert len(checked) > 40
+
+
+def test_quest_over_kivi_reading_every_page_is_kivi(model_dir) -> None:
+    """A budget covering the context reads every page: KIVI's greedy tokens; two pages read give others."""
+    prompts = [prompt(n, seed) for n, seed in ((23, 1), (30, 2))]
+    kivi = make_llm(model_dir, "kivi", {"group_size": PAGE, "residual_length": 8})
+    want = [o.token_ids for o in kivi.generate(prompts, [greedy(8) for _ in prompts])]
+    wide = make_llm(model_dir, QUEST_KIVI, kivi_params(256)).generate(prompts, [greedy(8) for _ in prompts])
+    assert [o.token_ids for o in wide] == want
+    narrow = make_llm(model_dir, QUEST_KIVI, kivi_params(8)).generate(prompts, [greedy(8) for _ in prompts])
+    assert [o.token_ids for o in narrow] != want
+
+
+def test_quest_over_kivi_in_graph_steps(model_dir, monkeypatch) -> None:
+    """Decode steps through the CUDA-graph runner's own step (static buffers, a padding row; run uncaptured
+    on the CPU): the summaries fold in there too, and the tokens are the eager engine's."""
+    from tests.methods import served
+
+    prompts = [prompt(n, seed) for n, seed in ((21, 8), (34, 9), (13, 10))]
+    want = make_llm(model_dir, QUEST_KIVI, kivi_params(8)).generate(prompts, [greedy(10) for _ in prompts])
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="bfloat16", page_size=PAGE, cuda_graphs=False,
+                          attention_backend="torch", kv_cache_memory=2**22, method=QUEST_KIVI,
+                          method_params=kivi_params(8), max_num_batched_tokens=4096, max_num_seqs=6)
+    llm = LLM.from_engine(Engine(config))
+    replays = served.graph_steps(llm, monkeypatch)
+    got = llm.generate(prompts, [greedy(10) for _ in prompts])
+    assert 3 in replays  # bucket 4: one padding row
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_quest_over_kivi_on_the_triton_kernels(model_dir, monkeypatch) -> None:
+    """The generated Triton kernels (the quantizing store with its flushes, read-plan decode over KIVI's codes
+    and windows; interpreted on a machine without a GPU) give the torch ops' tokens and logits, in float32."""
+    pytest.importorskip("triton")
+    from tests.kernels.paged_cases import triton_device_and_ops
+
+    device, _ = triton_device_and_ops("spec")
+    spy = Logits(monkeypatch)
+    prompts = [prompt(n, seed) for n, seed in ((29, 6), (18, 7))]
+    want_params, got_params = [greedy(10) for _ in prompts], [greedy(10) for _ in prompts]
+    want = make_llm(model_dir, QUEST_KIVI, kivi_params(8), dtype="float32").generate(prompts, want_params)
+    llm = make_llm(model_dir, QUEST_KIVI, kivi_params(8), backend="triton", device=device.type, dtype="float32")
+    got = llm.generate(prompts, got_params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(want_params, got_params):
+        torch.testing.assert_close(spy.of(b).cpu(), spy.of(a), atol=ATOL, rtol=1e-4)
+
+
+def test_a_mean_the_format_cannot_fold_is_refused_with_the_compilers_reason(model_dir, tmp_path) -> None:
+    """A mean of keys written a block at a time would need each page's count: the compiler drops it, and the
+    engine's refusal says why, at the .kvm line."""
+    source = Path(QUEST_KIVI).read_text().replace("summary kmin = min(k, within pages)",
+                                                  "summary kmin = mean(k, within pages)")
     path = tmp_path / "quest_kivi.kvm"
     path.write_text(source)
-    with pytest.raises(ConfigError, match=r"quest_kivi\.kvm:\d+:1: summary kmax: k is written a block at a time"):
-        make_llm(model_dir, str(path), quest_params(64))
+    with pytest.raises(ConfigError, match=r"quest_kivi\.kvm:\d+:1: summary kmin: k is written a block at a time"):
+        make_llm(model_dir, str(path), kivi_params(64))
