@@ -426,3 +426,37 @@ def test_a_pruned_chain_is_stored_again_and_continues(model_dir) -> None:
     out = llm.generate(history + prompt(3, 14), greedy(3), chain=ChainSpec(continue_id=first.chain_id))[0]
     assert len(out.token_ids) == 3
     check_books(llm.engine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the register-mma decode is Gluon)")
+def test_the_register_mma_decode_serves_the_split_kernels_tokens(tmp_path, monkeypatch) -> None:
+    """KIVI-2 served in bf16 at the shape the register-mma decode takes (head_dim 128, 8 query heads a KV head,
+    pages of a 32-token key group): the engine's decode steps run it (each row's coded pages; windows and flushes
+    in between), and give the split kernel's tokens, with logits as close as bf16 decodes agree."""
+    model = make_tiny_qwen3(tmp_path / "mma", seed=3, num_hidden_layers=2, head_dim=128, num_attention_heads=16,
+                            num_key_value_heads=2, initializer_range=0.25)
+    prompts = [prompt(n, seed) for n, seed in ((300, 31), (170, 32), (45, 33))]
+
+    def serve(mma: bool):
+        spy = Logits(monkeypatch)
+        config = EngineConfig(model=str(model), dtype="bfloat16", kv_cache_memory=2**26, method="kivi",
+                              method_params={"bits": 2, "group_size": 32, "residual_length": 64}, device="cuda",
+                              attention_backend="triton", page_size=32, cuda_graphs=False, max_num_batched_tokens=4096)
+        llm = LLM.from_engine(Engine(config))
+        ops = llm.engine.attention.ops  # the generated `spec` module
+        calls = []
+        launch = ops.mma_decode_launch
+        monkeypatch.setattr(ops, "mma_decode_launch", lambda *a, **k: (calls.append(1), launch(*a, **k))[1])
+        if not mma:
+            monkeypatch.setattr(ops, "mma_decode_fits", lambda *a, **k: False)
+        params = [greedy(40) for _ in prompts]
+        outs = llm.generate(prompts, params)
+        monkeypatch.undo()
+        return [o.token_ids for o in outs], [spy.of(p) for p in params], len(calls)
+
+    got, got_logits, launches = serve(True)
+    want, want_logits, none = serve(False)
+    assert launches > 0 and none == 0
+    assert got == want
+    for a, b in zip(got_logits, want_logits):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
