@@ -192,16 +192,20 @@ def test_a_rotated_operand_keeps_no_residual_window(tmp_path):
     assert "no residual window" in spec["reason"]
 
 
-def test_summaries_of_keys_written_a_block_at_a_time_do_not_fit(tmp_path):
-    """Quest's page summaries over KIVI keys (groups along key, `except last`) do not lower, and say why at
-    each summary's line: a block's codes are written when it is full, and nothing refreshes its pages'
-    summaries then (the same summaries over FP8 or per-token codes do lower: bench/variants/quest_fp8.kvm)."""
+def test_summaries_of_keys_written_a_block_at_a_time_fold_max_min_and_sum_only(tmp_path):
+    """Page summaries over KIVI keys (groups along key, `except last`) lower as max, min or sum (the store folds
+    each row in as it is stored: a block's codes come when it is full); a mean, which would need each page's
+    count, does not, and says why at its line."""
     path = tmp_path / "m.kvm"
-    path.write_text("method m : quantization\n\nparam page_size: tokens = 32 in [1, 1024]\n"
-                    "store k as quant(2, mode = asymmetric, group = page_size, along key) except last 128\n"
-                    "dim pages = split(key, size = page_size)\nsummary kmax = max(k, within pages)\n")
+    head = ("method m : quantization\n\nparam page_size: tokens = 32 in [1, 1024]\n"
+            "store k as quant(2, mode = asymmetric, group = page_size, along key) except last 128\n"
+            "dim pages = split(key, size = page_size)\n")
+    path.write_text(head + "summary kmax = max(k, within pages)\nsummary ksum = sum(k, within pages)\n")
     spec = kv_spec.derive(check_file(path), None).to_json()
-    assert "m.kvm:6:1: summary kmax: k is written a block at a time" in spec["reason"]
+    assert spec["reason"] is None and [s["tensor"] for s in spec["summaries"]] == ["kmax", "ksum"]
+    path.write_text(head + "summary kmean = mean(k, within pages)\n")
+    spec = kv_spec.derive(check_file(path), None).to_json()
+    assert "m.kvm:6:1: summary kmean: k is written a block at a time" in spec["reason"]
 
 
 def test_deltakv_one_code_for_keys_and_values_in_some_layers():
