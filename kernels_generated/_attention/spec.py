@@ -1065,7 +1065,7 @@ def _check_operands(q: torch.Tensor, k_cache, v_cache) -> None:
 # ---------------------------------------------------------------------------------------------
 # Decode over 2-bit codes on the tensor cores from registers (variants rendered `by_spec`; Gluon)
 #
-# For the encodings KIVI-2 stores (docs/design.md, "The register-mma decode"): keys 2-bit asymmetric
+# For the encodings KIVI-2 stores (docs/compiler.md, "The register-mma decode"): keys 2-bit asymmetric
 # per channel with one scale row a page of 32 slots, values 2-bit asymmetric per slot in groups of 32
 # channels, head_dim 128, bf16, at most 8 query heads a KV head. The tile loop of `paged_decode` spends
 # most of its instructions moving decoded codes between thread layouts; here the codes become the
