@@ -1432,13 +1432,18 @@ if _MMA is not None:
 
 
 def mma_decode_fits(q: torch.Tensor, k_op, v_op, page_size: int, group: int) -> bool:
-    """Whether `_mma_decode_kernel` reads this decode's coded pages: a GPU with mma.sync (sm80+) and Gluon, bf16,
-    head_dim 128, at most 8 query heads a KV head, and K/V stored as KIVI-2 stores them (see above)."""
+    """Whether `_mma_decode_kernel` reads this decode's coded pages: a GPU with mma.sync (sm80+) and Gluon, and
+    `mma_decode_stores_fit`."""
     if _MMA is None or not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    if torch.cuda.get_device_capability(q.device) < (8, 0) or q.dtype != torch.bfloat16 or q.shape[-1] != 128:
-        return False
-    if page_size != MMA_PAGE or group > 8 or q.stride(-1) != 1:
+    return torch.cuda.get_device_capability(q.device) >= (8, 0) and mma_decode_stores_fit(q, k_op, v_op, page_size,
+                                                                                         group)
+
+
+def mma_decode_stores_fit(q: torch.Tensor, k_op, v_op, page_size: int, group: int) -> bool:
+    """The operands' half of `mma_decode_fits` (any device): bf16, head_dim 128, at most 8 query heads a KV head,
+    K/V stored as KIVI-2 stores them (see above), every address the copies use 16-byte aligned."""
+    if q.dtype != torch.bfloat16 or q.shape[-1] != 128 or page_size != MMA_PAGE or group > 8 or q.stride(-1) != 1:
         return False
     for op, per_slot in ((k_op, False), (v_op, True)):
         if (op.bits != 2 or op.per_element != 4 or not op.asymmetric or op.book or op.rotated

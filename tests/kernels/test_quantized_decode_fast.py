@@ -224,3 +224,33 @@ def test_the_register_mma_decode_is_refused_where_it_does_not_fit() -> None:
     q = torch.randn(2, HEADS, DIM, generator=gen, device="cuda").to(torch.bfloat16)
     with pytest.raises(ValueError, match="register-mma"):
         att.ops.paged_decode(q, k_src, v_src, tables, lens, DIM ** -0.5, mma=True)
+
+
+@pytest.mark.parametrize("method,params,heads,page,fits", [
+    ("kivi", {}, 16, None, True),                       # KIVI-2 at its page (a key group of 32), 8 heads a KV head
+    ("kivi", {}, 6, None, True),                        # 3 heads a KV head
+    ("kivi", {}, 32, None, False),                      # 16 heads a KV head: more than the mma's 8 rows
+    ("kivi", {"bits": 4}, 16, None, False),             # 4-bit codes
+    ("kivi", {"group_size": 16}, 16, None, False),      # pages of 16 slots
+    ("fp8", {}, 16, 32, False),
+    ("turboquant", {}, 16, 32, False),
+])
+def test_the_register_mma_decode_takes_kivi_2s_storage_only(method: str, params: dict, heads: int,
+                                                            page: int | None, fits: bool) -> None:
+    """`mma_decode_stores_fit` (the operands' half of `mma_decode_fits`, on any device) over each method's real
+    sources in bf16 at head_dim 128 (the engine's store, allocated here on the CPU)."""
+    from kvc.runtime.attention.backend import PagedAttention
+    from kvc.runtime.attention.sources import kernel_operand
+    from kvc.runtime.kv.store import KVStore
+    from kvc.runtime.methods import resolve_method
+
+    resolved = resolve_method(method, params)
+    page = page or resolved.page_tokens()
+    spec = resolved.kv_spec(KV_HEADS, DIM, torch.bfloat16, page)
+    store = KVStore(spec, 9, KV_HEADS, page, 1, "cpu", num_rows=2)
+    k_src, v_src = PagedAttention(store, "torch", 1)._layer(0)
+    q = torch.zeros(2, heads, DIM, dtype=torch.bfloat16)
+    mod = _spec_module()
+    assert mod.mma_decode_stores_fit(q, kernel_operand(k_src, True), kernel_operand(v_src, True), page,
+                                     heads // KV_HEADS) is fits
+    assert not mod.mma_decode_fits(q, kernel_operand(k_src, True), kernel_operand(v_src, True), page, 8)  # CPU
