@@ -23,7 +23,7 @@ for part in $parts; do
   case $part in
     tests) timeout "${PART_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/methods/test_kivi.py \
              tests/methods/test_fp8.py tests/methods/test_turboquant.py tests/methods/test_deltakv.py \
-             tests/kernels/test_delta_decode.py -k "triton or sm90 or graph or prefix" > "$out/tests.log" 2>&1
+             tests/kernels/test_delta_decode.py -k "triton or sm90 or graph or prefix or register" > "$out/tests.log" 2>&1
            echo "tests: rc=$?"; tail -3 "$out/tests.log"
            timeout "${PART_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention_spec_triton.py \
              tests/kernels/test_quantized_decode_fast.py > "$out/tests_kernels.log" 2>&1
