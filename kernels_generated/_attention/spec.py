@@ -1092,9 +1092,9 @@ try:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2 as _mma_v2
 
-    _MMA = gl
-except ImportError:  # a Triton without Gluon: paged_decode's split kernel reads every slot
-    _MMA = None
+    _MMA, MMA_UNAVAILABLE = gl, None
+except ImportError as error:  # a Triton without Gluon: paged_decode's split kernel reads every slot
+    _MMA, MMA_UNAVAILABLE = None, repr(error)
 
 MMA_STAGES = 3
 MMA_PAGE = 32  # slots a page: a key group
@@ -1138,36 +1138,44 @@ def mma_key_channel(k: int) -> int:
 
 
 if _MMA is not None:
-    _mma_copy = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared  # renamed after Triton 3.6
-    _mma_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the CTA's threads (renamed after 3.6)
-    _MMA_K_ASM = gl.constexpr(_mma_unpack_keys_asm())
-    _MMA_V_ASM = gl.constexpr(_mma_unpack_values_asm())
-    _MMA_STAGES = gl.constexpr(MMA_STAGES)
-    _MMA_L = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
-    _MMA_A = gl.constexpr(gl.DotOperandLayout(0, _MMA_L.value, 2))
-    _MMA_B = gl.constexpr(gl.DotOperandLayout(1, _MMA_L.value, 2))
-    # key words [4 pages, 32 slots, 8 words]: thread (g, t) reads words 2t, 2t + 1 of slots g, g + 8, g + 16, g + 24
-    _MMA_KW = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 8, 0], [0, 16, 0]],
-        lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 32, 8]))
-    # value words [4 pages, 2 hb, 4 gl, 32 slots, 4 groups]: lane g = gl + 4 hb reads word 2 j + hb (gl: broadcast)
-    _MMA_VW = gl.constexpr(gl.BlockedLayout([1, 1, 1, 2, 4], [1, 2, 4, 4, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0]))
-    # a page's 128 key scales: thread t holds channels 32 t .. 32 t + 31 (every g the same)
-    _MMA_KS = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], lane_bases=[[0, 32], [0, 64], [0, 0], [0, 0], [0, 0]],
-        warp_bases=[[1, 0], [2, 0]], block_bases=[], shape=[4, 128]))
-    # value scales [4, 32 slots, 4 groups]: thread t holds the groups of slots 2t, 2t + 1 (+ 8, 16, 24)
-    _MMA_VS = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 8, 0], [0, 16, 0]],
-        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
-        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 32, 4]))
-    _MMA_CW = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 16, 2], [4, 1, 1], [2, 1, 0]))  # copies: [4, 32, 8] int32
-    _MMA_CKS = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))  # [4, 128] bf16
-    _MMA_CVS = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 32, 1], [4, 1, 1], [2, 1, 0]))  # [4, 32, 4] bf16
-    _MMA_ZL = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 16, 2], [4, 1, 1], [2, 1, 0]))  # [4, 32, 16] bf16
-    _MMA_SH2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    _MMA_SH3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    try:  # a Gluon whose API differs (a layout's signature, a call renamed): the split kernel reads every slot
+        _mma_copy = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared  # renamed after Triton 3.6
+        _mma_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the CTA's threads (renamed after 3.6)
+        _MMA_K_ASM = gl.constexpr(_mma_unpack_keys_asm())
+        _MMA_V_ASM = gl.constexpr(_mma_unpack_values_asm())
+        _MMA_STAGES = gl.constexpr(MMA_STAGES)
+        _MMA_L = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1],
+                                                        instr_shape=[1, 16, 8]))
+        _MMA_A = gl.constexpr(gl.DotOperandLayout(0, _MMA_L.value, 2))
+        _MMA_B = gl.constexpr(gl.DotOperandLayout(1, _MMA_L.value, 2))
+        # key words [4 pages, 32 slots, 8 words]: thread (g, t) reads words 2t, 2t + 1 of slots g, g + 8, ..
+        _MMA_KW = gl.constexpr(gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 8, 0], [0, 16, 0]],
+            lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 32, 8]))
+        # value words [4 pages, 2 hb, 4 gl, 32 slots, 4 groups]: lane g = gl + 4 hb reads word 2 j + hb
+        # (gl: broadcast)
+        _MMA_VW = gl.constexpr(gl.BlockedLayout([1, 1, 1, 2, 4], [1, 2, 4, 4, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0]))
+        # a page's 128 key scales: thread t holds channels 32 t .. 32 t + 31 (every g the same)
+        _MMA_KS = gl.constexpr(gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], lane_bases=[[0, 32], [0, 64], [0, 0], [0, 0], [0, 0]],
+            warp_bases=[[1, 0], [2, 0]], block_bases=[], shape=[4, 128]))
+        # value scales [4, 32 slots, 4 groups]: thread t holds the groups of slots 2t, 2t + 1 (+ 8, 16, 24)
+        _MMA_VS = gl.constexpr(gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 8, 0], [0, 16, 0]],
+            lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
+            warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 32, 4]))
+        # the copies' layouts: [4, 32, 8] int32, [4, 128] and [4, 32, 4] bf16; the zeroing of [4, 32, 16] bf16
+        _MMA_CW = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 16, 2], [4, 1, 1], [2, 1, 0]))
+        _MMA_CKS = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
+        _MMA_CVS = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 32, 1], [4, 1, 1], [2, 1, 0]))
+        _MMA_ZL = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 16, 2], [4, 1, 1], [2, 1, 0]))
+        _MMA_SH2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        _MMA_SH3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    except (AttributeError, TypeError) as error:
+        _MMA, MMA_UNAVAILABLE = None, repr(error)
+
+if _MMA is not None:
 
     @gluon.jit
     def _mma_j1(o, p: gl.constexpr, f0: gl.constexpr, h: gl.constexpr):
