@@ -45,18 +45,45 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
     return len(body), ops
 
 
-def compile_spec_decode(method: str, block_n: int, warps: int, stages: int, window: int, group: int):
-    """The `spec` decode split kernel at the method's Qwen3-30B-A3B bench shape (head_dim 128, GQA 8, bf16)."""
+def _spec_module():
+    """The generated `spec` module (`KVC_SPEC_PATH`: an edited copy instead)."""
+    from kvc.compiler import attention
+
+    spec = importlib.util.spec_from_file_location("kvc_spec_sass", os.environ.get("KVC_SPEC_PATH")
+                                                  or attention.locate("spec"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _compile(fn, consts: dict, pointers: dict, default_pointer: str, **options):
+    """`fn` compiled for sm90: constexprs from `consts`, pointer types from `pointers` (else `default_pointer`),
+    `qk_scale` fp32, other scalars i32; pointers, strides and word strides divisible by 16, as Triton specialises
+    the real launch's (else no vector loads or 16-byte copies)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvc.compiler import attention
+    signature, constexprs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if fn.params[i].is_constexpr:
+            signature[name], constexprs[(i,)] = "constexpr", consts[name]
+        elif name.endswith("_ptr"):
+            signature[name] = pointers.get(name, default_pointer)
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if not fn.params[i].is_constexpr and (name.endswith("_ptr") or name.startswith(("stride", "words")))}
+    if fn.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    else:
+        source = ASTSource
+    return triton.compile(source(fn, signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
 
-    path = os.environ.get("KVC_SPEC_PATH") or attention.locate("spec")
-    spec = importlib.util.spec_from_file_location("kvc_spec_sass", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+
+def compile_spec_decode(method: str, block_n: int, warps: int, stages: int, window: int, group: int):
+    """The `spec` decode split kernel at the method's Qwen3-30B-A3B bench shape (head_dim 128, GQA 8, bf16)."""
     if method != "kivi":
         raise SystemExit(f"--method {method}: only kivi's config is spelled out here")
     kivi = dict(BITS=2, PER_ELEMENT=4, ASYM=True, WINDOW=window, BOOK=0, FRESH=False, ROT=False)
@@ -64,55 +91,21 @@ def compile_spec_decode(method: str, block_n: int, warps: int, stages: int, wind
     ops |= {f"V_{k}": v for k, v in (kivi | dict(GROUP=32, FLUSH=0)).items()}
     consts = dict(EMIT_STATS=False, GROUP=group, BLOCK_H=16, BLOCK_N=block_n, DIRECT_OUT=False, USE_DOT=True,
                   DOT_PRECISION="native", HAS_STARTS=False, READ=0, HAS_LAST=False, K_FOLD=4, V_FOLD=0, ASM=True,
-                  HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=32, **ops)
+                  TAIL=False, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=32, **ops)
     pointers = {f"{x}_{p}_ptr": "*bf16" for x in "kv" for p in ("scale", "zero", "resid", "rot")}
     pointers |= {f"{x}_book_ptr": "*fp32" for x in "kv"} | {"q_ptr": "*bf16", "out_ptr": "*bf16",
                                                             "k_cache_ptr": "*u8", "v_cache_ptr": "*u8"}
-    fn = mod._decode_split_kernel
-    signature, constexprs = {}, {}
-    # pointers and strides divisible by 16, as Triton specialises the real launch's (else no vector loads)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if not fn.params[i].is_constexpr and (name.startswith("stride") or name.endswith("_ptr"))}
-    for i, name in enumerate(fn.arg_names):
-        if fn.params[i].is_constexpr:
-            signature[name], constexprs[(i,)] = "constexpr", consts[name]
-        elif name.endswith("_ptr"):
-            signature[name] = pointers.get(name, "*i32")
-        else:
-            signature[name] = "i64" if name.startswith("stride") else "i32"
-    source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return _compile(_spec_module()._decode_split_kernel, consts, pointers, "*i32", num_warps=warps,
+                    num_stages=stages)
 
 
 def compile_mma_decode(maxnreg: int | None = None):
     """The `spec` module's register-mma decode (`_mma_decode_kernel`, Gluon) at KIVI-2's bench shape: 8 query heads a
-    KV head, windows of 129 slots (keys flushed in blocks of 128); pointers and strides 16-byte aligned."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from kvc.compiler import attention
-
-    spec = importlib.util.spec_from_file_location("kvc_spec_sass", os.environ.get("KVC_SPEC_PATH")
-                                                  or attention.locate("spec"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    fn = mod._mma_decode_kernel
+    KV head, windows of 129 slots (keys flushed in blocks of 128)."""
     pointers = {"kc_ptr": "*u8", "vc_ptr": "*u8", "table_ptr": "*i32", "context_lens_ptr": "*i32",
                 "resid_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
     consts = dict(GROUP=8, K_WINDOW=129, K_FLUSH=128, V_WINDOW=129, V_FLUSH=0)
-    signature, constexprs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if fn.params[i].is_constexpr:
-            signature[name], constexprs[(i,)] = "constexpr", consts[name]
-        elif name.endswith("_ptr"):
-            signature[name] = pointers.get(name, "*bf16")
-        else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if not fn.params[i].is_constexpr and (name.endswith("_ptr") or name.startswith(("stride", "words")))}
-    source = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
+    return _compile(_spec_module()._mma_decode_kernel, consts, pointers, "*bf16", num_warps=4, maxnreg=maxnreg)
 
 
 def main() -> None:

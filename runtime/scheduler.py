@@ -135,7 +135,7 @@ class Scheduler:
         # what a sequence's residual window holds after a keep plan left n slots (KVExecutor.window_after)
         self.window_after = window_after or (lambda n: 0)
         # codes written a block of this many tokens at a time (0: token by token): a page is named in the
-        # prefix cache once its block's codes are (torch_ops.flushed)
+        # prefix cache once its block's codes are (spec.flushed)
         self.flush_block = flush_block
         # may compaction write into a sequence's pages: at a prefill's last chunk, at decode steps, at
         # any prefill chunk (a method whose prefill_chunk keeps)?

@@ -1901,20 +1901,17 @@ def _decode_reduce_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    if ALL_ACTIVE:  # every split wrote its partial (the register-mma path and its tail)
-        active_len = num_splits
-    elif READ:  # the splits shared the plan's positions (and the row's newest slots)
+    if READ:  # the splits shared the plan's positions (and the row's newest slots)
         active_len = plan_len
         if HAS_LAST:
             active_len = plan_len + tl.load(last_ptr + seq)
     else:
         active_len = tl.load(context_lens_ptr + seq) - _head_start(kv_starts_ptr, seq, head // GROUP, stride_sb,
                                                                    HAS_STARTS)
-    if ALL_ACTIVE:
+    split_len = _split_len(active_len, num_splits, BLOCK_N)
+    num_active = (active_len + split_len - 1) // split_len
+    if ALL_ACTIVE:  # every split wrote its partial (the register-mma path and its tail)
         num_active = num_splits
-    else:
-        split_len = _split_len(active_len, num_splits, BLOCK_N)
-        num_active = (active_len + split_len - 1) // split_len
 
     offs_d = tl.arange(0, BLOCK_D)
     dim_mask = offs_d < HEAD_DIM

@@ -309,16 +309,10 @@ class KVStore:
         for s in self.spec.summaries:
             x = (k if s.source == K else v).float()
             out = self.tensors[s.tensor]
-            at = run[:, None, None].expand_as(x)
-            reduce = {"max": "amax", "min": "amin", "sum": "sum"}[s.fn]
-            folded = torch.zeros_like(x).scatter_reduce(0, at, x, reduce, include_self=False)  # [runs, Hkv, D]
-            old = out[run_page].float()
-            if s.fn == "max":
-                both = torch.maximum(old, folded)
-            elif s.fn == "min":
-                both = torch.minimum(old, folded)
-            else:
-                both = old + folded
+            reduce, combine = _FOLDS[s.fn]
+            folded = torch.zeros_like(x).scatter_reduce(0, run[:, None, None].expand_as(x), x, reduce,
+                                                        include_self=False)  # [runs, Hkv, D]
+            both = combine(out[run_page].float(), folded)
             out[run_page] = torch.where(fresh[:, None, None], folded, both).to(out.dtype)
 
     @functools.cached_property
@@ -348,6 +342,10 @@ class KVStore:
         scale = self.scale_slots(enc.scale, layer)[pages]
         return encodings.dequantize(self.tensors[enc.codes][pages], scale, zero, enc,
                                     self.head_dim(which), self.model_dtype(which))
+
+
+# a summary's fn as `fold_summaries` takes it: the scatter_reduce over a run of rows, and its merge with the page's
+_FOLDS = {"max": ("amax", torch.maximum), "min": ("amin", torch.minimum), "sum": ("sum", torch.add)}
 
 
 def _flat(tensor: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:

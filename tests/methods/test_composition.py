@@ -162,23 +162,29 @@ def test_quest_summaries_over_fp8_are_the_pages_stored_keys(model_dir, monkeypat
     assert set(checked) == {0, 1} and len(checked) > 20
 
 
-def test_quest_over_fp8_on_the_triton_kernels(model_dir, monkeypatch) -> None:
-    """The generated Triton kernels (read-plan decode over FP8 codes; interpreted on a machine without a
-    GPU) give the torch ops' tokens and logits, in float32."""
+def triton_equals_torch(model_dir, monkeypatch, method: str, params: dict, steps: int) -> LLM:
+    """Serves two prompts with `method` on the generated Triton kernels (interpreted on a machine without a GPU)
+    and checks the torch ops' tokens and logits, in float32; returns the Triton engine's LLM."""
     pytest.importorskip("triton")
     from tests.kernels.paged_cases import triton_device_and_ops
 
     device, _ = triton_device_and_ops("spec")
     spy = Logits(monkeypatch)
     prompts = [prompt(n, seed) for n, seed in ((29, 6), (18, 7))]
-    want_params, got_params = [greedy(5) for _ in prompts], [greedy(5) for _ in prompts]
-    want = make_llm(model_dir, QUEST_FP8, quest_params(8), dtype="float32").generate(prompts, want_params)
-    llm = make_llm(model_dir, QUEST_FP8, quest_params(8), backend="triton", device=device.type, dtype="float32")
-    assert llm.engine.attention.variant == "spec"
+    want_params, got_params = [greedy(steps) for _ in prompts], [greedy(steps) for _ in prompts]
+    want = make_llm(model_dir, method, params, dtype="float32").generate(prompts, want_params)
+    llm = make_llm(model_dir, method, params, backend="triton", device=device.type, dtype="float32")
     got = llm.generate(prompts, got_params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for a, b in zip(want_params, got_params):
         torch.testing.assert_close(spy.of(b).cpu(), spy.of(a), atol=ATOL, rtol=1e-4)
+    return llm
+
+
+def test_quest_over_fp8_on_the_triton_kernels(model_dir, monkeypatch) -> None:
+    """The generated Triton kernels (read-plan decode over FP8 codes) give the torch ops' tokens and logits."""
+    llm = triton_equals_torch(model_dir, monkeypatch, QUEST_FP8, quest_params(8), 5)
+    assert llm.engine.attention.variant == "spec"
 
 
 def kivi_params(budget: int) -> dict:
@@ -254,20 +260,8 @@ def test_quest_over_kivi_in_graph_steps(model_dir, monkeypatch) -> None:
 
 def test_quest_over_kivi_on_the_triton_kernels(model_dir, monkeypatch) -> None:
     """The generated Triton kernels (the quantizing store with its flushes, read-plan decode over KIVI's codes
-    and windows; interpreted on a machine without a GPU) give the torch ops' tokens and logits, in float32."""
-    pytest.importorskip("triton")
-    from tests.kernels.paged_cases import triton_device_and_ops
-
-    device, _ = triton_device_and_ops("spec")
-    spy = Logits(monkeypatch)
-    prompts = [prompt(n, seed) for n, seed in ((29, 6), (18, 7))]
-    want_params, got_params = [greedy(10) for _ in prompts], [greedy(10) for _ in prompts]
-    want = make_llm(model_dir, QUEST_KIVI, kivi_params(8), dtype="float32").generate(prompts, want_params)
-    llm = make_llm(model_dir, QUEST_KIVI, kivi_params(8), backend="triton", device=device.type, dtype="float32")
-    got = llm.generate(prompts, got_params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for a, b in zip(want_params, got_params):
-        torch.testing.assert_close(spy.of(b).cpu(), spy.of(a), atol=ATOL, rtol=1e-4)
+    and windows) give the torch ops' tokens and logits."""
+    triton_equals_torch(model_dir, monkeypatch, QUEST_KIVI, kivi_params(8), 10)
 
 
 def test_a_mean_the_format_cannot_fold_is_refused_with_the_compilers_reason(model_dir, tmp_path) -> None:
