@@ -4,6 +4,7 @@
 # decode kernel over a plan of 2048 tokens, bench/delta_decode_bench.py), and the kernel's Triton IR (TTGIR:
 # layouts and conversions), PTX and SASS.
 # Usage: bash bench/gpu_kernel_profile.sh "$OUT" "kivi dense fp8" [SHAPE, default 32x32768]
+# (KNOBS: paged_decode's launch knobs, e.g. KNOBS=mma=1,num_splits=3 KERNEL=mma_decode_kernel for the register-mma one)
 set -uo pipefail
 out=${1:?output folder}; methods=${2:-kivi dense}; shape=${3:-32x32768}
 cd bench
@@ -12,7 +13,7 @@ for m in $methods; do
   if [[ $m == delta ]]; then
     kernel=delta_decode_kernel; cmd=(python3 delta_decode_bench.py --shapes "$shape" --reads plan)
   else
-    kernel=split_kernel; cmd=(python3 decode_profile.py --method "$m" --shape "$shape" ${KNOBS:+--knobs "$KNOBS"})
+    kernel=${KERNEL:-split_kernel}; cmd=(python3 decode_profile.py --method "$m" --shape "$shape" ${KNOBS:+--knobs "$KNOBS"})
   fi
   TRITON_CACHE_DIR=$cache timeout "${PART_TIMEOUT:-150}" ncu --clock-control none --kernel-name regex:$kernel \
     --launch-skip 1 --launch-count 1 --set full --import-source yes -o "$out/$m/profile" -f \

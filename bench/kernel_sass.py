@@ -67,7 +67,7 @@ def _compile(fn, consts: dict, pointers: dict, default_pointer: str, **options):
     signature, constexprs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr:
-            signature[name], constexprs[(i,)] = "constexpr", consts[name]
+            signature[name], constexprs[(i,)] = "constexpr", consts.get(name, fn.params[i].default)
         elif name.endswith("_ptr"):
             signature[name] = pointers.get(name, default_pointer)
         else:
@@ -105,7 +105,7 @@ def compile_mma_decode(maxnreg: int | None = None):
     pointers = {"kc_ptr": "*u8", "vc_ptr": "*u8", "table_ptr": "*i32", "context_lens_ptr": "*i32",
                 "resid_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
     consts = dict(GROUP=8, K_WINDOW=129, K_FLUSH=128, V_WINDOW=129, V_FLUSH=0)
-    return _compile(_spec_module()._mma_decode_kernel, consts, pointers, "*bf16", num_warps=4, maxnreg=maxnreg)
+    return _compile(_spec_module()._mma_decode_kernel, consts, pointers, "*bf16", num_warps=1, maxnreg=maxnreg)
 
 
 def main() -> None:

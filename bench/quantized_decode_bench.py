@@ -15,6 +15,8 @@ Each timed as a CUDA graph of 20 calls.
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import json
 import math
 import time
@@ -88,6 +90,9 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true",
                    help="also time the method's kernel over launch knobs (block_n, num_warps, num_stages, num_splits; "
                         "num_splits 0: the heuristic's)")
+    p.add_argument("--mma-splits", default="",
+                   help="also time the register-mma decode (mma=True) at these splits, e.g. 2,3,4 (KIVI-2 only)")
+    p.add_argument("--mma-maxnreg", type=int, default=0, help="the register-mma decode's register cap (ptxas)")
     p.add_argument("--out")
     a = p.parse_args()
     device = torch.device("cpu" if a.smoke else "cuda")
@@ -101,6 +106,9 @@ def main() -> None:
         times = {}
         for name in (None, a.method):
             att, k_src, v_src, tables, lens, read = attention(name, batch, context, dtype, device)
+            if a.mma_maxnreg and name is not None:  # the spec module's launch, capped
+                mod = inspect.getmodule(att.ops.paged_decode)
+                mod.mma_decode_launch = functools.partial(mod.mma_decode_launch, maxnreg=a.mma_maxnreg)
             out = torch.empty_like(q)
             ms = time_ms(lambda: att.ops.paged_decode(q, k_src, v_src, tables, lens, scale, max_context_len=context,
                                                       out=out), device)
@@ -110,8 +118,9 @@ def main() -> None:
                    "vs_dense": times[None] / ms}
             rows.append(row)
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-            if a.sweep and name is not None:
-                for knobs in SWEEP:
+            mma = [dict(mma=True, num_splits=int(x)) for x in a.mma_splits.split(",") if x]
+            if name is not None and (a.sweep or mma):
+                for knobs in (SWEEP if a.sweep else []) + mma:
                     ms = time_ms(lambda: att.ops.paged_decode(q, k_src, v_src, tables, lens, scale,
                                                               max_context_len=context, out=out, **knobs), device)
                     row = {"piece": "sweep", "method": name, "batch": batch, "context": context,

@@ -1067,19 +1067,18 @@ def _check_operands(q: torch.Tensor, k_cache, v_cache) -> None:
 #
 # For the encodings KIVI-2 stores (docs/compiler.md, "The register-mma decode"): keys 2-bit asymmetric
 # per channel with one scale row a page of 32 slots, values 2-bit asymmetric per slot in groups of 32
-# channels, head_dim 128, bf16, at most 8 query heads a KV head. The tile loop of `paged_decode` spends
-# most of its instructions moving decoded codes between thread layouts; here the codes become the
-# mma operands where they are loaded:
+# channels, head_dim 128, bf16, at most 8 query heads a KV head. The codes become mma.sync operands in
+# the registers they are loaded to, and each program is one warp, one flash-decoding stream over pages:
 #
-# - each byte pair becomes two exact bf16 `128 + code * place` with one `lop3` a field (the
-#   magic-number conversion), in the registers of the mma.sync operand layout (keys: the B operand of
-#   q . k, channels in a permuted order the query follows; values: the A operand of v^T . p^T, the slot
-#   pair of a register from two slots' words by one `prmt`);
-# - the scales go to the other operand: q * scale / place a page (keys), p * scale a slot and channel
-#   group (values); the 128 offsets and the zero points come out of small extra mma's;
-# - each of the 4 warps is its own flash-decoding stream over pages w, w + 4, ... of its split (the
-#   program's 4 partials go to the reduce like splits), the tile's codes and scales copied to shared
-#   memory STAGES - 1 tiles ahead (cp.async).
+# - logits^T [32 slots, 8 heads] = keys (A operand) . (q * scale / place) (B operand): each key word
+#   becomes 8 bf16 pairs `128 + code * place` with one `lop3` a pair (channels c and c + 8 of the word:
+#   the K axis runs in the permuted order `mma_key_channel`, which the query and the scales are read in);
+#   qk_scale q . z and the -128 offsets come from two small mma's, the accumulator's start;
+# - p^T becomes the B operand of v^T . p^T without leaving the registers (`movmatrix` a block of 8 x 8);
+#   a value byte pair (two slots) becomes 4 bf16 pairs (`prmt` + one `lop3` each); the value scales go to
+#   p^T a group (32 channels), and small mma's give the offsets, sum p z and sum p;
+# - STAGES - 1 pages are in flight (cp.async); programs are independent streams (the only barrier is the
+#   warp's own), 12 of them an SM (`MMA_CTAS_PER_SM`).
 #
 # It reads the pages before the residual windows (`_mma_coded_pages`); `paged_decode` gives the rest of
 # each row (windows, the page that is partly in one) to the split kernel (`TAIL`) and merges both in
@@ -1096,45 +1095,60 @@ try:
 except ImportError as error:  # a Triton without Gluon: paged_decode's split kernel reads every slot
     _MMA, MMA_UNAVAILABLE = None, repr(error)
 
-MMA_STAGES = 3
+MMA_STAGES = 3  # pages a program holds in shared memory: 2 in flight and this one
 MMA_PAGE = 32  # slots a page: a key group
+MMA_STREAMS = 4  # programs (one-warp streams) a split: each writes its own partial
+MMA_CTAS_PER_SM = 12  # one-warp programs resident on an SM (157 registers; docs/benchmarks.md)
 MMA_TAIL_SPLITS = 4  # splits of the split kernel over each row's rest (`paged_decode`'s TAIL launch)
+MMA_KEY_PLACE = (1, 4, 16, 1, 4, 16, 1, 4)  # the key unpacking's place of output i (bf16: 7 mantissa bits)
+MMA_VALUE_PLACE = (1, 4, 16, 16)  # the value unpacking's place of field f (field 3 shifted down by 2 only)
 
 
 def _mma_unpack_keys_asm() -> str:
-    """PTX for one 32-bit word of a slot's key codes ($16: bytes b0..b3, 4 codes a byte, low bits first):
-    output 2 (4 p + f) + h is field f of byte 2 p + h as the bf16 `128 + code * place(f)`, place 1, 4, 16,
-    16 (field 3 is shifted down by 2: bf16 has 7 mantissa bits)."""
-    lines = ["{", ".reg .b32 lo, hi, s, t;", "prmt.b32 lo, $16, 0, 0x4140;", "prmt.b32 hi, $16, 0, 0x4342;"]
-    for p, src in enumerate(("lo", "hi")):
-        for f in range(4):
-            x, place = (src, 2 * f) if f < 3 else ("s", 4)
-            if f == 3:
-                lines.append(f"shr.b32 s, {src}, 2;")
-            lines.append(f"lop3.b32 t, {x}, 0x{(3 << place) * 0x10001:08x}, 0x43004300, 0xea;")  # (x & m) | 128
-            j = 2 * (4 * p + f)
-            lines.append("mov.b32 {$%d, $%d}, t;" % (j, j + 1))
+    """PTX for two words ($16, $17) of a slot's key codes (4 codes a byte, low bits first: channel 4 j + f of a
+    word at bit 8 j + 2 f): output 8 u + i is the bf16 pair `128 + code * place(i)` of word u's channels i (low
+    half) and 8 + i (high half), `MMA_KEY_PLACE`."""
+    lines = ["{", ".reg .b32 s;"]
+    for u in range(2):
+        word = f"${16 + u}"
+        for i in range(8):
+            if i in (3, 6):
+                lines.append(f"shr.b32 s, {word}, {2 * i};")
+            src, bit = (word, 2 * i) if i < 3 else ("s", 2 * (i % 3))
+            lines.append(f"lop3.b32 ${8 * u + i}, {src}, 0x{(3 << bit) * 0x10001:08x}, 0x43004300, 0xea;")
     return "\n".join(lines + ["}"])
 
 
 def _mma_unpack_values_asm() -> str:
-    """PTX for two slots' value words ($8, $9) and a byte selector ($10: byte k of each into the two
-    halves): output 2 f + h is field f of slot h's byte as the bf16 `128 + code * place(f)`."""
-    lines = ["{", ".reg .b32 d, s, t;", "prmt.b32 d, $8, $9, $10;"]
+    """PTX for two slots' value words ($4, $5) and a byte selector ($6: byte k of each into the two halves):
+    output f is the bf16 pair `128 + code * place(f)` of field f of the selected byte, slot 0 in the low half
+    and slot 1 in the high, `MMA_VALUE_PLACE`."""
+    lines = ["{", ".reg .b32 d, s;", "prmt.b32 d, $4, $5, $6;"]
     for f in range(4):
-        x, place = ("d", 2 * f) if f < 3 else ("s", 4)
+        src, bit = ("d", 2 * f) if f < 3 else ("s", 4)
         if f == 3:
             lines.append("shr.b32 s, d, 2;")
-        lines.append(f"lop3.b32 t, {x}, 0x{(3 << place) * 0x10001:08x}, 0x43004300, 0xea;")
-        lines.append("mov.b32 {$%d, $%d}, t;" % (2 * f, 2 * f + 1))
+        lines.append(f"lop3.b32 ${f}, {src}, 0x{(3 << bit) * 0x10001:08x}, 0x43004300, 0xea;")
     return "\n".join(lines + ["}"])
 
 
 def mma_key_channel(k: int) -> int:
-    """The key channel at position k of the keys' mma operand (K = h + 2 w1 + 4 w2 + 8 p + 16 f0 + 32 f1
-    + 64 w0 for channel 16 w + 8 p + 4 h + f, w = w0 + 2 w1 + 4 w2): the query is read in this order."""
-    w = (k >> 6) + 2 * ((k >> 1) & 1) + 4 * ((k >> 2) & 1)
-    return 16 * w + 8 * ((k >> 3) & 1) + 4 * (k & 1) + ((k >> 4) & 3)
+    """The key channel at position k of the keys' mma operand (the query and the key scales are read in this
+    order): k = 16 kt + 8 hk + w holds channel i (+ 8 for odd w) of word w of the slot's 32 channels a lane,
+    i = 2 (kt % 4) + hk."""
+    kt, w = k >> 4, k & 7
+    return 32 * (w >> 1) + 16 * (kt >> 2) + 8 * (w & 1) + 2 * (kt & 3) + ((k >> 3) & 1)
+
+
+def mma_key_place(k: int) -> int:
+    """The place (`MMA_KEY_PLACE`) that the key at position k of the operand is decoded at."""
+    return MMA_KEY_PLACE[2 * ((k >> 4) & 3) + ((k >> 3) & 1)]
+
+
+def mma_value_channel(m: int) -> int:
+    """The channel (within its group of 32) of row m of a value group's mma operand: field m >> 3 of byte m & 3
+    of the group's word (m >> 2) & 1."""
+    return 16 * ((m & 7) >> 2) + 4 * (m & 3) + (m >> 3)
 
 
 if _MMA is not None:
@@ -1143,88 +1157,129 @@ if _MMA is not None:
         _mma_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the CTA's threads (renamed after 3.6)
         _MMA_K_ASM = gl.constexpr(_mma_unpack_keys_asm())
         _MMA_V_ASM = gl.constexpr(_mma_unpack_values_asm())
+        # two words of channels c .. c + 3 ($4, $5) and c + 8 .. c + 11 ($6, $7) -> pairs (c + x, c + 8 + x) a word
+        _MMA_PAIR_ASM = gl.constexpr("prmt.b32 $0, $4, $6, 0x5410;\nprmt.b32 $1, $4, $6, 0x7632;\n"
+                                     "prmt.b32 $2, $5, $7, 0x5410;\nprmt.b32 $3, $5, $7, 0x7632;")
+        _MMA_WORDS_ASM = gl.constexpr("mov.b32 $0, $2;\nmov.b32 $1, $3;")  # two words as two bf16 pairs
+        _MMA_TRANS_ASM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
         _MMA_STAGES = gl.constexpr(MMA_STAGES)
-        _MMA_L = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1],
-                                                        instr_shape=[1, 16, 8]))
+        _MMA_L = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
         _MMA_A = gl.constexpr(gl.DotOperandLayout(0, _MMA_L.value, 2))
         _MMA_B = gl.constexpr(gl.DotOperandLayout(1, _MMA_L.value, 2))
-        # key words [4 pages, 32 slots, 8 words]: thread (g, t) reads words 2t, 2t + 1 of slots g, g + 8, ..
+        # key words [32 slots, 8 words]: lane (g, t) holds words 2t, 2t + 1 of slots g, g + 8, g + 16, g + 24
         _MMA_KW = gl.constexpr(gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 8, 0], [0, 16, 0]],
-            lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-            warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 32, 8]))
-        # value words [4 pages, 2 hb, 4 gl, 32 slots, 4 groups]: lane g = gl + 4 hb reads word 2 j + hb
-        # (gl: broadcast)
-        _MMA_VW = gl.constexpr(gl.BlockedLayout([1, 1, 1, 2, 4], [1, 2, 4, 4, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0]))
-        # a page's 128 key scales: thread t holds channels 32 t .. 32 t + 31 (every g the same)
+            reg_bases=[[0, 1], [8, 0], [16, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[], block_bases=[], shape=[32, 8]))
+        # a page's 128 key scales (or zero points) as 64 words: lane (g, t) holds channels 32 t .. 32 t + 31
         _MMA_KS = gl.constexpr(gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], lane_bases=[[0, 32], [0, 64], [0, 0], [0, 0], [0, 0]],
-            warp_bases=[[1, 0], [2, 0]], block_bases=[], shape=[4, 128]))
-        # value scales [4, 32 slots, 4 groups]: thread t holds the groups of slots 2t, 2t + 1 (+ 8, 16, 24)
-        _MMA_VS = gl.constexpr(gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 8, 0], [0, 16, 0]],
-            lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
-            warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 32, 4]))
-        # the copies' layouts: [4, 32, 8] int32, [4, 128] and [4, 32, 4] bf16; the zeroing of [4, 32, 16] bf16
-        _MMA_CW = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 16, 2], [4, 1, 1], [2, 1, 0]))
-        _MMA_CKS = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
-        _MMA_CVS = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 32, 1], [4, 1, 1], [2, 1, 0]))
-        _MMA_ZL = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 16, 2], [4, 1, 1], [2, 1, 0]))
+            reg_bases=[[1], [2], [4], [8]], lane_bases=[[16], [32], [0], [0], [0]],
+            warp_bases=[], block_bases=[], shape=[64]))
+        # value words [16 slot pairs, 2 hb, 4 gl, 4 groups, 2 parities]: lane (g = 4 hb + gl, t) holds word 2 G + hb
+        # of slots 2 p, 2 p + 1 for p = t, t + 4, t + 8, t + 12 (the same words for every gl: gl picks the byte)
+        _MMA_VW = gl.constexpr(gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [4, 0, 0, 0, 0], [8, 0, 0, 0, 0]],
+            lane_bases=[[1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [0, 1, 0, 0, 0]],
+            warp_bases=[], block_bases=[], shape=[16, 2, 4, 4, 2]))
+        # value scales [32 slots, 4 groups] at the B operand's slots: lane (g, t) holds slots 2t + e + 8 hk + 16 kt
+        _MMA_SV = gl.constexpr(gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0], [16, 0]], lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
+            warp_bases=[], block_bases=[], shape=[32, 4]))
+        # the copies: key words [32, 8] 16 bytes a lane; value words [16, 2, 4, 2] a word a lane (32 lanes: 4
+        # slots' 128 bytes); key scales or zero points [64 words] and value ones [32, 4] 8 bytes a lane
+        _MMA_CK = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0]))
+        _MMA_CV = gl.constexpr(gl.DistributedLinearLayout(
+            reg_bases=[[2, 0, 0, 0], [4, 0, 0, 0], [8, 0, 0, 0]],
+            lane_bases=[[0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 0, 1], [1, 0, 0, 0]],
+            warp_bases=[], block_bases=[], shape=[16, 2, 4, 2]))
+        _MMA_CS = gl.constexpr(gl.BlockedLayout([2], [32], [1], [0]))
+        _MMA_CZ = gl.constexpr(gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0]))
+        _MMA_ZI = gl.constexpr(gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0]))
+        # the zero points' mma operand's live half [8 rows, 32 slots] (rows g of the A operand; rows g + 8 are zeros)
+        _MMA_ZA = gl.constexpr(gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 8], [0, 16]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[], block_bases=[], shape=[8, 32]))
+        _MMA_SH1 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
         _MMA_SH2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        _MMA_SH3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        _MMA_SH4 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
     except (AttributeError, TypeError) as error:
         _MMA, MMA_UNAVAILABLE = None, repr(error)
 
 if _MMA is not None:
 
     @gluon.jit
-    def _mma_j1(o, p: gl.constexpr, f0: gl.constexpr, h: gl.constexpr):
-        return gl.join(o[2 * (4 * p + f0) + h], o[2 * (4 * p + f0 + 2) + h])
+    def _mma_j2(a, b):
+        return gl.join(a, b)
 
     @gluon.jit
-    def _mma_j0(o, p: gl.constexpr, h: gl.constexpr):
-        return gl.join(_mma_j1(o, p, 0, h), _mma_j1(o, p, 1, h))
+    def _mma_key_half(o0, o1, o2, o3, o4, o5, o6, o7):
+        # outputs i = 0..7 of one word u of the key unpacking -> an A operand [32 slots, 64] (K = 64 u + ..)
+        x = _mma_j2(_mma_j2(_mma_j2(o0, o1), _mma_j2(o2, o3)), _mma_j2(_mma_j2(o4, o5), _mma_j2(o6, o7)))
+        x = gl.permute(x, [0, 4, 3, 2, 1])  # [s, i2, i1, i0, w]: K = 16 (i >> 1) + 8 (i & 1) + w
+        return gl.convert_layout(gl.reshape(x, [32, 64]), _MMA_A, assert_trivial=True)
 
     @gluon.jit
-    def _mma_jp(o, h: gl.constexpr):
-        return gl.join(_mma_j0(o, 0, h), _mma_j0(o, 1, h))
+    def _mma_key_operands(words):
+        # [32 slots, 8 words] int32 (_MMA_KW) -> the A operand [32 slots, 128 (mma_key_channel order)] as its two
+        # halves of K (two independent mma chains); no data moves. Output r = 8 u + i holds, at word w = 2 t + e,
+        # channel 32 t + 16 u + 8 e + i, at K = 16 (r >> 1) + 8 (r & 1) + w
+        o = gl.inline_asm_elementwise(_MMA_K_ASM, "=r," * 16 + "r,r", [words], dtype=(gl.bfloat16,) * 16,
+                                      is_pure=True, pack=2)
+        return (_mma_key_half(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]),
+                _mma_key_half(o[8], o[9], o[10], o[11], o[12], o[13], o[14], o[15]))
 
     @gluon.jit
-    def _mma_key_operand(words):
-        # [4, 32 slots, 8 words] int32 -> the B operand [4, 128 (K, mma_key_channel order), 32 slots]; no data moves
-        o = gl.inline_asm_elementwise(_MMA_K_ASM, "=h," * 16 + "r", [words], dtype=(gl.bfloat16,) * 16, is_pure=True,
-                                      pack=1)
-        u = gl.join(_mma_jp(o, 0), _mma_jp(o, 1))  # [b, slot, w, f1, f0, p, h]
-        u = gl.reshape(u, [4, 32, 2, 2, 2, 2, 2, 2, 2])  # [b, slot, w2, w1, w0, f1, f0, p, h]
-        u = gl.permute(u, [0, 4, 5, 6, 7, 2, 3, 8, 1])  # [b, w0, f1, f0, p, w2, w1, h, slot]
-        return gl.convert_layout(gl.reshape(u, [4, 128, 32]), _MMA_B, assert_trivial=True)
+    def _mma_halves(x):
+        # [128, 8] -> its rows [0, 64) and [64, 128)
+        lo, hi = gl.split(gl.permute(gl.reshape(x, [2, 64, 8]), [1, 2, 0]))
+        return gl.convert_layout(lo, _MMA_B, assert_trivial=True), gl.convert_layout(hi, _MMA_B, assert_trivial=True)
 
     @gluon.jit
-    def _mma_key_order(x):
-        # [4, 128] in channel order -> in the keys' operand order (mma_key_channel)
-        x = gl.reshape(x, [4, 2, 2, 2, 2, 2, 2, 2])  # [b, w2, w1, w0, p, h, f1, f0]
-        x = gl.permute(x, [0, 3, 6, 7, 4, 1, 2, 5])  # [b, w0, f1, f0, p, w2, w1, h]
-        return gl.reshape(x, [4, 128])
+    def _mma_scales_in_key_order(ks):
+        # 64 words of a page's key scales (_MMA_KS) -> [128] bf16 in mma_key_channel order, as the B operand's rows:
+        # pairs of channels c, c + 8 from words of c, c + 1 (one prmt a pair)
+        lo, hi = gl.split(gl.permute(gl.reshape(ks, [4, 2, 2, 4]), [0, 1, 3, 2]))  # words of 32 t + 16 u + 2 j (+ 8)
+        o = gl.inline_asm_elementwise(_MMA_PAIR_ASM, "=r,=r,=r,=r,r,r,r,r", [lo, hi], dtype=(gl.bfloat16,) * 4,
+                                      is_pure=True, pack=2)
+        # o[x][t, u, 2 jj + e] = channel 32 t + 16 u + 8 e + 4 jj + x
+        y = gl.reshape(_mma_j2(_mma_j2(o[0], o[1]), _mma_j2(o[2], o[3])), [4, 2, 2, 2, 2, 2])  # [t, u, jj, e, x0, x1]
+        y = gl.reshape(gl.permute(y, [1, 2, 5, 4, 0, 3]), [128])  # K = 64 u + 32 jj + 16 x1 + 8 x0 + 2 t + e
+        return gl.convert_layout(y, gl.SliceLayout(1, _MMA_B), assert_trivial=True)
 
     @gluon.jit
-    def _mma_inv_place(f):
-        return gl.where(f == 0, 1.0, gl.where(f == 1, 0.25, 0.0625))
+    def _mma_zeros_in_bias_order(kz):
+        # 64 words of a page's key zero points (_MMA_KS) -> [128] bf16 in the bias mma's K order (channel 32 t + 4 kt
+        # + 2 hk + e at K = 16 kt + 8 hk + 2 t + e: pairs as loaded), as the A operand's columns
+        o = gl.inline_asm_elementwise(_MMA_WORDS_ASM, "=r,=r,r,r", [kz], dtype=(gl.bfloat16, gl.bfloat16),
+                                      is_pure=True, pack=2)
+        # o[y][t, 2 jj + e] = channel 32 t + 4 jj + 2 y + e
+        x = gl.reshape(_mma_j2(o[0], o[1]), [4, 8, 2, 2])  # [t, jj, e, y]
+        x = gl.reshape(gl.permute(x, [1, 3, 0, 2]), [128])  # K = 16 jj + 8 y + 2 t + e
+        return gl.convert_layout(x, gl.SliceLayout(0, _MMA_A), assert_trivial=True)
 
     @gluon.jit
-    def _mma_pairs(x):
-        # [4, 2, 4, 32] -> (slots 2i, slots 2i + 1), each [4, 2, 4, 16]
-        return gl.split(gl.reshape(x, [4, 2, 4, 16, 2]))
+    def _mma_transpose_p(p):
+        # [32 slots, 8 heads] bf16 in the accumulator layout -> the same values as the B operand: movmatrix moves
+        # each 8 x 8 block's element (i, j) to the lane that held (j, i)
+        y = gl.inline_asm_elementwise(_MMA_TRANS_ASM, "=r,r", [p], dtype=gl.bfloat16, is_pure=True, pack=2)
+        y = gl.reshape(gl.permute(gl.reshape(y, [4, 8, 8]), [0, 2, 1]), [32, 8])
+        return gl.convert_layout(y, _MMA_B, assert_trivial=True)
 
     @gluon.jit
-    def _mma_value_operand(words, sel):
-        # one group's value words [4, 2 hb, 4 gl, 32 slots] -> the A operand [4, 32 (M = g + 8 f), 32 slots]
-        even, odd = _mma_pairs(words)
-        o = gl.inline_asm_elementwise(_MMA_V_ASM, "=h," * 8 + "r,r,r", [even, odd, sel], dtype=(gl.bfloat16,) * 8,
-                                      is_pure=True, pack=1)
-        x0 = gl.join(gl.join(o[0], o[1]), gl.join(o[4], o[5]))  # f0 = 0: [.., h, f1]
-        x1 = gl.join(gl.join(o[2], o[3]), gl.join(o[6], o[7]))  # f0 = 1
-        u = gl.permute(gl.join(x0, x1), [0, 5, 6, 1, 2, 3, 4])  # [b, f1, f0, hb, gl, pair, h]
-        return gl.convert_layout(gl.reshape(u, [4, 32, 32]), _MMA_A, assert_trivial=True)
+    def _mma_value_operands(words, sel):
+        # value words [16, 2, 4 gl, 4 G, 2] -> the A operands [32 (M), 32 slots] of the 4 groups: row m of group
+        # G is its channel mma_value_channel(m), at place MMA_VALUE_PLACE[m >> 3]
+        o = gl.inline_asm_elementwise(_MMA_V_ASM, "=r,=r,=r,=r,r,r,r,r", [words, sel], dtype=(gl.bfloat16,) * 4,
+                                      is_pure=True, pack=2)
+        x = _mma_j2(_mma_j2(o[0], o[1]), _mma_j2(o[2], o[3]))  # [p, hb, gl, G, parity, f0, f1]
+        x = gl.reshape(x, [16, 2, 4, 2, 2, 2, 2, 2])  # [p, hb, gl, G1, G0, parity, f0, f1]
+        x = gl.permute(x, [7, 6, 1, 2, 0, 5, 3, 4])  # [f1, f0, hb, gl, p, parity, G1, G0]
+        even, odd = gl.split(x)
+        g0, g2 = gl.split(even)
+        g1, g3 = gl.split(odd)
+        return (gl.convert_layout(gl.reshape(g0, [32, 32]), _MMA_A, assert_trivial=True),
+                gl.convert_layout(gl.reshape(g1, [32, 32]), _MMA_A, assert_trivial=True),
+                gl.convert_layout(gl.reshape(g2, [32, 32]), _MMA_A, assert_trivial=True),
+                gl.convert_layout(gl.reshape(g3, [32, 32]), _MMA_A, assert_trivial=True))
 
     @gluon.jit
     def _mma_window_start(first, end, resid_len, WINDOW: gl.constexpr, FLUSH: gl.constexpr):
@@ -1246,197 +1301,197 @@ if _MMA is not None:
         return gl.maximum(gl.minimum(k_start, v_start), 0) // 32
 
     @gluon.jit
-    def _mma_tile_pages(tile, t1, n_pages, table, LAYOUT: gl.constexpr):
-        # (copy it?, page id) of the tile's 4 pages, one a warp, in LAYOUT (nothing past t1 or the coded pages)
-        lp = tile * 4 + gl.arange(0, 4, layout=LAYOUT)
-        ok = (lp < n_pages) & (tile < t1)
-        return ok, gl.load(table + lp, mask=ok, other=0).to(gl.int64)
+    def _mma_issue(page, p1, table, kc_words, vc_words, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kbuf, vbuf, ksbuf, kzbuf,
+                   vsbuf, zbuf, stage, words_p, words_h, kv_head, stride_ksp, stride_ksh, stride_vsp, stride_vsh):
+        # cp.async of page `page` (nothing at or past p1) into `stage`: codes, key scales and zero points, value
+        # scales and zero points
+        ok = page < p1
+        phys = gl.load(table + page, mask=ok, other=0).to(gl.int64)
+        base = phys * words_p + kv_head * words_h
+        slot = gl.arange(0, 32, layout=gl.SliceLayout(1, _MMA_CK))
+        w = gl.arange(0, 8, layout=gl.SliceLayout(0, _MMA_CK))
+        _mma_copy(kbuf.index(stage), kc_words + base + slot[:, None] * 8 + w[None, :], mask=ok)
 
-    @gluon.jit
-    def _mma_issue(tile, t1, n_pages, table, kc_words, vc_words, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kbuf, vbuf, ksbuf,
-                   kzbuf, svbuf, zvbuf, stage, words_p, words_h, kv_head, stride_ksp, stride_ksh, stride_vsp,
-                   stride_vsh):
-        # cp.async of tile `tile`'s 4 pages (one a warp) into `stage`: codes, key scales, value scales
-        ok, phys = _mma_tile_pages(tile, t1, n_pages, table, gl.SliceLayout(1, gl.SliceLayout(2, _MMA_CW)))
-        slot = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA_CW)))
-        w = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _MMA_CW)))
-        at = phys[:, None, None] * words_p + kv_head * words_h + slot[None, :, None] * 8 + w[None, None, :]
-        m3 = ok[:, None, None] & (slot[None, :, None] < 32) & (w[None, None, :] < 8)
-        _mma_copy(kbuf.index(stage), kc_words + at, mask=m3)
-        _mma_copy(vbuf.index(stage), vc_words + at, mask=m3)
+        vp = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, _MMA_CV))))
+        hb = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, _MMA_CV))))
+        vg = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, _MMA_CV))))
+        par = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, _MMA_CV))))
+        v_at = ((2 * vp[:, None, None, None] + par[None, None, None, :]) * 8 + 2 * vg[None, None, :, None]
+                + hb[None, :, None, None])  # word 2 G + hb of slot 2 p + parity
+        _mma_copy(vbuf.index(stage), vc_words + base + v_at, mask=ok)
 
-        ok, phys = _mma_tile_pages(tile, t1, n_pages, table, gl.SliceLayout(1, _MMA_CKS))
-        ch = gl.arange(0, 128, layout=gl.SliceLayout(0, _MMA_CKS))
-        at = phys[:, None] * stride_ksp + kv_head * stride_ksh + ch[None, :]
-        m2 = ok[:, None] & (ch[None, :] < 128)
-        _mma_copy(ksbuf.index(stage), ks_ptr + at, mask=m2)
-        _mma_copy(kzbuf.index(stage), kz_ptr + at, mask=m2)
+        s_at = (phys * stride_ksp + kv_head * stride_ksh) // 2 + gl.arange(0, 64, layout=_MMA_CS)  # words
+        _mma_copy(ksbuf.index(stage), ks_ptr.to(gl.pointer_type(gl.int32)) + s_at, mask=ok)
+        _mma_copy(kzbuf.index(stage), kz_ptr.to(gl.pointer_type(gl.int32)) + s_at, mask=ok)
 
-        ok, phys = _mma_tile_pages(tile, t1, n_pages, table, gl.SliceLayout(1, gl.SliceLayout(2, _MMA_CVS)))
-        slot = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA_CVS)))
-        j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _MMA_CVS)))
-        at = phys[:, None, None] * stride_vsp + kv_head * stride_vsh + slot[None, :, None] * 4 + j[None, None, :]
-        m3 = ok[:, None, None] & (slot[None, :, None] < 32) & (j[None, None, :] < 4)
-        _mma_copy(svbuf.index(stage), vs_ptr + at, mask=m3)
-        _mma_copy(zvbuf.index(stage).slice(0, 4, dim=2), vz_ptr + at, mask=m3)
+        zs = gl.arange(0, 32, layout=gl.SliceLayout(1, _MMA_CZ))
+        zg = gl.arange(0, 4, layout=gl.SliceLayout(0, _MMA_CZ))
+        z_at = phys * stride_vsp + kv_head * stride_vsh + zs[:, None] * 4 + zg[None, :]
+        _mma_copy(vsbuf.index(stage), vs_ptr + z_at, mask=ok)
+        _mma_copy(zbuf.index(stage).slice(0, 4, dim=1), vz_ptr + z_at, mask=ok)
         _cp.commit_group()
 
     @gluon.jit
-    def _mma_value_step(acc, cor, pt, sv, c128, words, sel, a8, SP: gl.constexpr):
+    def _mma_value_step(acc, cor, pt, sv, c128, a):
         # one channel group: acc += v^T . (p^T * scale), cor += 128 * sum(p^T * scale) (the codes' offset)
-        pv = gl.convert_layout(pt * gl.convert_layout(sv, SP)[:, :, None], _MMA_B)
-        acc = _mma_v2(_mma_value_operand(words, sel), pv, acc * a8)
-        cor = _mma_v2(c128, pv, cor * a8)
-        return acc, cor
+        pv = pt * gl.convert_layout(sv, gl.SliceLayout(1, _MMA_B), assert_trivial=True)[:, None]
+        return _mma_v2(a, pv, acc), _mma_v2(c128, pv, cor)
 
     @gluon.jit
-    def _mma_out(out_ptr, acc, cor, zt, inv_l, o_at, j: gl.constexpr, gr, inv_pl, store_mask):
-        # group j's output: (acc - cor) / place + (sum p z) over l
-        zj = gl.sum(gl.where(gr[None, :, None] == j, zt, 0.0), axis=1)[:, None, :]
-        o = ((acc - gl.max(cor, axis=1)[:, None, :]) * inv_pl + zj) * inv_l
-        gl.store(out_ptr + o_at + 32 * j, o, mask=store_mask)
+    def _mma_value_inputs(vbuf, vsbuf, stage, sel):
+        # a page's value operands (independent of its logits: decoded before the softmax, in the same basic block)
+        sv02, sv13 = gl.split(gl.reshape(vsbuf.index(stage).load(_MMA_SV), [32, 2, 2]))
+        sv0, sv2 = gl.split(sv02)
+        sv1, sv3 = gl.split(sv13)
+        words = vbuf.index(stage).load(gl.SliceLayout(2, _MMA_VW))
+        a0, a1, a2, a3 = _mma_value_operands(gl.broadcast(gl.expand_dims(words, 2), sel)[0], sel)
+        return a0, a1, a2, a3, sv0, sv1, sv2, sv3
+
+    @gluon.jit
+    def _mma_zero_point_rows(zs):
+        # [32 slots, 8] (zero points of the 4 groups, 1) -> the A operand [16, 32 slots]: rows 0-3 zero points, 4 ones
+        live = zs.permute([1, 0]).load(_MMA_ZA)
+        x = gl.reshape(gl.permute(_mma_j2(live, gl.zeros_like(live)), [2, 0, 1]), [16, 32])
+        return gl.convert_layout(x, _MMA_A, assert_trivial=True)
+
+    @gluon.jit
+    def _mma_out(out_ptr, acc, cor, z, inv_l, o_at, G: gl.constexpr, store_mask):
+        # group G's output: (acc - cor) / place + (sum p z) / l
+        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, _MMA_L))
+        zg = gl.sum(gl.where(rows[:, None] == G, z, 0.0), axis=0)
+        m = gl.arange(0, 32, layout=gl.SliceLayout(1, _MMA_L))
+        inv_pl = gl.where(m < 8, 1.0, gl.where(m < 16, 0.25, 0.0625))  # 1 / MMA_VALUE_PLACE[m >> 3]
+        o = ((acc - gl.max(cor, axis=0)[None, :]) * inv_pl[:, None] + zg[None, :]) * inv_l[None, :]
+        gl.store(out_ptr + o_at + 32 * G, o, mask=store_mask)
 
     @gluon.jit
     def _mma_decode_kernel(
         q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, context_lens_ptr, resid_lens_ptr,
-        part_out_ptr, part_lse_ptr, qk_scale, num_splits, part_stride,
+        part_out_ptr, part_lse_ptr, qk_scale, part_stride,
         stride_qb, stride_qh, words_p, words_h, stride_ksp, stride_ksh, stride_vsp, stride_vsh, stride_bt,
         GROUP: gl.constexpr, K_WINDOW: gl.constexpr, K_FLUSH: gl.constexpr, V_WINDOW: gl.constexpr,
         V_FLUSH: gl.constexpr,
     ):
         seq = gl.program_id(0)
         kv_head = gl.program_id(1)
-        split = gl.program_id(2)
+        stream = gl.program_id(2)  # of 4 num_splits: pages [p0, p1) of the row's coded pages, partial `stream`
         num_q_heads = gl.num_programs(1) * GROUP
         resid_len = 0
         if K_WINDOW > 0 or V_WINDOW > 0:
             resid_len = gl.load(resid_lens_ptr + seq)
         n_pages = _mma_coded_pages(gl.load(context_lens_ptr + seq), resid_len, K_WINDOW, K_FLUSH, V_WINDOW, V_FLUSH)
-        tiles = (n_pages + 3) // 4
-        per = (tiles + num_splits - 1) // num_splits
-        t0 = split * per
-        t1 = gl.minimum(t0 + per, tiles)
+        per = (n_pages + gl.num_programs(2) - 1) // gl.num_programs(2)
+        p0 = gl.minimum(stream * per, n_pages)
+        p1 = gl.minimum(p0 + per, n_pages)
         table = table_ptr + seq.to(gl.int64) * stride_bt
         kc_words = kc_ptr.to(gl.pointer_type(gl.int32))
         vc_words = vc_ptr.to(gl.pointer_type(gl.int32))
 
-        kbuf = gl.allocate_shared_memory(gl.int32, [_MMA_STAGES, 4, 32, 8], _MMA_SH3)
-        vbuf = gl.allocate_shared_memory(gl.int32, [_MMA_STAGES, 4, 32, 8], _MMA_SH3)
-        ksbuf = gl.allocate_shared_memory(gl.bfloat16, [_MMA_STAGES, 4, 128], _MMA_SH2)
-        kzbuf = gl.allocate_shared_memory(gl.bfloat16, [_MMA_STAGES, 4, 128], _MMA_SH2)
-        svbuf = gl.allocate_shared_memory(gl.bfloat16, [_MMA_STAGES, 4, 32, 4], _MMA_SH3)
-        zvbuf = gl.allocate_shared_memory(gl.bfloat16, [_MMA_STAGES, 4, 32, 16], _MMA_SH3)  # groups padded to 16
+        kbuf = gl.allocate_shared_memory(gl.int32, [_MMA_STAGES, 32, 8], _MMA_SH2)
+        vbuf = gl.allocate_shared_memory(gl.int32, [_MMA_STAGES, 16, 2, 4, 2], _MMA_SH4)
+        ksbuf = gl.allocate_shared_memory(gl.int32, [_MMA_STAGES, 64], _MMA_SH1)
+        kzbuf = gl.allocate_shared_memory(gl.int32, [_MMA_STAGES, 64], _MMA_SH1)
+        vsbuf = gl.allocate_shared_memory(gl.bfloat16, [_MMA_STAGES, 32, 4], _MMA_SH2)
+        zbuf = gl.allocate_shared_memory(gl.bfloat16, [_MMA_STAGES, 32, 8], _MMA_SH2)  # value zero points, then 1
+        col = gl.arange(0, 8, layout=gl.SliceLayout(0, _MMA_ZI))
+        ones = (gl.where(col == 4, 1.0, 0.0)[None, :] + gl.zeros([32, 8], gl.float32, _MMA_ZI)).to(gl.bfloat16)
         for k in gl.static_range(_MMA_STAGES):
-            zvbuf.index(k).store(gl.zeros([4, 32, 16], gl.bfloat16, _MMA_ZL))
+            zbuf.index(k).store(ones)
+        _mma_barrier()
         for k in gl.static_range(_MMA_STAGES - 1):
-            _mma_issue(t0 + k, t1, n_pages, table, kc_words, vc_words, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kbuf, vbuf,
-                       ksbuf, kzbuf, svbuf, zvbuf, k, words_p, words_h, kv_head, stride_ksp, stride_ksh, stride_vsp,
+            _mma_issue(p0 + k, p1, table, kc_words, vc_words, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kbuf, vbuf, ksbuf,
+                       kzbuf, vsbuf, zbuf, k, words_p, words_h, kv_head, stride_ksp, stride_ksh, stride_vsp,
                        stride_vsh)
 
-        # the query in the keys' operand order, scaled by qk_scale / place (rows: the group's heads of 16)
-        kk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, _MMA_A)))
-        hq = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA_A)))
-        bq = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _MMA_A)))
-        w_k = (kk >> 6) + 2 * ((kk >> 1) & 1) + 4 * ((kk >> 2) & 1)
-        kch = 16 * w_k + 8 * ((kk >> 3) & 1) + 4 * (kk & 1) + ((kk >> 4) & 3)  # mma_key_channel
-        q_at = (seq.to(gl.int64) * stride_qb + (kv_head * GROUP + hq[None, :, None]) * stride_qh
-                + kch[None, None, :] + 0 * bq[:, None, None])
-        q_mask = (hq[None, :, None] < GROUP) & (kch[None, None, :] < 128) & (bq[:, None, None] < 4)
-        q = gl.load(q_ptr + q_at, mask=q_mask, other=0.0)  # [4, 16, 128] bf16, the A operand
-        q16 = q.to(gl.float32) * (qk_scale * _mma_inv_place((kk >> 4) & 3))[None, None, :]
-        q8_scaled, _q_pad = gl.split(gl.permute(gl.reshape(q16, [4, 2, 8, 128]), [0, 2, 3, 1]))
-        S8: gl.constexpr = gl.SliceLayout(1, q8_scaled.type.layout)
-        neg128 = gl.full([4, 128, 8], -128.0, gl.bfloat16, _MMA_B)
-        c128 = gl.full([4, 16, 32], 128.0, gl.bfloat16, _MMA_A)
+        # the query: the key mma's B operand in mma_key_channel order, times qk_scale / place; the bias mma's, raw
+        kk = gl.arange(0, 128, layout=gl.SliceLayout(1, _MMA_B))
+        hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _MMA_B))
+        kt = kk >> 4
+        kch = 32 * ((kk & 7) >> 1) + 16 * (kt >> 2) + 8 * (kk & 1) + 2 * (kt & 3) + ((kk >> 3) & 1)
+        kpl = (2 * (kt & 3) + ((kk >> 3) & 1)) % 3  # MMA_KEY_PLACE: 1, 4, 16 by i % 3
+        inv_place = gl.where(kpl == 0, 1.0, gl.where(kpl == 1, 0.25, 0.0625))
+        q_row = q_ptr + seq.to(gl.int64) * stride_qb + (kv_head * GROUP + hq[None, :]) * stride_qh
+        q_mask = (hq[None, :] < GROUP) & (kk[:, None] < 128)
+        q_k = gl.load(q_row + kch[:, None], mask=q_mask, other=0.0)
+        q_k = (q_k.to(gl.float32) * (qk_scale * inv_place)[:, None]).to(gl.bfloat16)
+        zch = 32 * ((kk >> 1) & 3) + 4 * kt + 2 * ((kk >> 3) & 1) + (kk & 1)  # _mma_zeros_in_bias_order's
+        q_z = gl.load(q_row + zch[:, None], mask=q_mask, other=0.0)
+        neg128 = gl.full([16, 128], -128.0, gl.bfloat16, _MMA_A)
+        c128 = gl.full([16, 32], 128.0, gl.bfloat16, _MMA_A)
+        zero16 = gl.zeros([16, 8], gl.float32, _MMA_L)
+        zero32 = gl.zeros([32, 8], gl.float32, _MMA_L)
 
-        # value byte selectors: lane g = gl + 4 hb takes byte gl of its word
-        j5 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, _MMA_VW)))))
-        sel5 = (j5 | ((4 + j5) << 8))[None, None, :, None, None] + gl.zeros([4, 2, 4, 32, 4], gl.int32, _MMA_VW)
-        sel_j, _s1 = gl.split(gl.reshape(sel5, [4, 2, 4, 32, 2, 2]))
-        sel_j, _s2 = gl.split(sel_j)
-        sel, _s3 = _mma_pairs(sel_j)
+        # value byte selectors: lane g = 4 hb + gl decodes byte gl of its word, both slots
+        sg = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4,
+                                                                                                          _MMA_VW)))))
+        sel = (sg | ((4 + sg) << 8))[None, None, :, None, None] + gl.zeros([16, 2, 4, 4, 2], gl.int32, _MMA_VW)
 
-        s_rows, _s_pad = gl.split(gl.permute(gl.reshape(gl.zeros([4, 16, 32], gl.float32, _MMA_L), [4, 2, 8, 32]),
-                                             [0, 2, 3, 1]))
-        SROW: gl.constexpr = gl.SliceLayout(2, s_rows.type.layout)
-        m_i = gl.full([4, 8], -1.0e30, gl.float32, SROW)
-        l_i = gl.zeros([4, 8], gl.float32, SROW)
-        acc0 = gl.zeros([4, 32, 8], gl.float32, _MMA_L)
-        acc1 = gl.zeros([4, 32, 8], gl.float32, _MMA_L)
-        acc2 = gl.zeros([4, 32, 8], gl.float32, _MMA_L)
-        acc3 = gl.zeros([4, 32, 8], gl.float32, _MMA_L)
-        cor0 = gl.zeros([4, 16, 8], gl.float32, _MMA_L)
-        cor1 = gl.zeros([4, 16, 8], gl.float32, _MMA_L)
-        cor2 = gl.zeros([4, 16, 8], gl.float32, _MMA_L)
-        cor3 = gl.zeros([4, 16, 8], gl.float32, _MMA_L)
-        zt = gl.zeros([4, 16, 8], gl.float32, _MMA_L)  # [page, group, head]: sum p * zero point
-        b_s = gl.arange(0, 4, layout=gl.SliceLayout(1, SROW))
-        for tile in range(t0, t1):
+        m_i = gl.full([8], -1.0e30, gl.float32, gl.SliceLayout(0, _MMA_L))
+        acc0 = gl.zeros([32, 8], gl.float32, _MMA_L)
+        acc1 = gl.zeros([32, 8], gl.float32, _MMA_L)
+        acc2 = gl.zeros([32, 8], gl.float32, _MMA_L)
+        acc3 = gl.zeros([32, 8], gl.float32, _MMA_L)
+        cor0 = gl.zeros([16, 8], gl.float32, _MMA_L)
+        cor1 = gl.zeros([16, 8], gl.float32, _MMA_L)
+        cor2 = gl.zeros([16, 8], gl.float32, _MMA_L)
+        cor3 = gl.zeros([16, 8], gl.float32, _MMA_L)
+        z = gl.zeros([16, 8], gl.float32, _MMA_L)  # rows: sum p * zero point of group G (0-3), sum p (4)
+        for i in range(p0, p1):
             _cp.wait_group(_MMA_STAGES - 2)
-            _mma_barrier()  # the tile's copies landed; the stage refilled below was read a tile ago
-            i = tile - t0
-            _mma_issue(tile + _MMA_STAGES - 1, t1, n_pages, table, kc_words, vc_words, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
-                       kbuf, vbuf, ksbuf, kzbuf, svbuf, zvbuf, (i + _MMA_STAGES - 1) % _MMA_STAGES, words_p, words_h,
-                       kv_head, stride_ksp, stride_ksh, stride_vsp, stride_vsh)
-            stage = i % _MMA_STAGES
-            kc = _mma_key_operand(kbuf.index(stage).load(_MMA_KW))
-            ks = gl.convert_layout(_mma_key_order(ksbuf.index(stage).load(_MMA_KS).to(gl.float32)), S8)
-            kz = gl.convert_layout(_mma_key_order(kzbuf.index(stage).load(_MMA_KS)), gl.SliceLayout(2, _MMA_B))
-            qp = (q8_scaled * ks[:, None, :]).to(gl.bfloat16)
-            qp = gl.join(qp, gl.zeros_like(qp))
-            qp = gl.convert_layout(gl.reshape(gl.permute(qp, [0, 3, 1, 2]), [4, 16, 128]), _MMA_A)
-            # logits: (q * s / place) . (128 + code * place) + qk_scale q . z - 128 sum(q * s / place)
-            bias = _mma_v2(q, gl.broadcast(gl.expand_dims(kz, 2), neg128)[0], gl.zeros([4, 16, 8], gl.float32, _MMA_L))
-            bias = _mma_v2(qp, neg128, bias * qk_scale)
-            s16 = _mma_v2(qp, kc, gl.zeros([4, 16, 32], gl.float32, _MMA_L)) + gl.max(bias, axis=2)[:, :, None]
-            s, _s_hi = gl.split(gl.permute(gl.reshape(s16, [4, 2, 8, 32]), [0, 2, 3, 1]))  # heads 0..7
-            s = gl.where((tile * 4 + b_s < n_pages)[:, None, None], s, float("-inf"))
+            _mma_barrier()  # page i's copies landed; the stage refilled below was read a page ago
+            _mma_issue(i + _MMA_STAGES - 1, p1, table, kc_words, vc_words, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kbuf, vbuf,
+                       ksbuf, kzbuf, vsbuf, zbuf, (i - p0 + _MMA_STAGES - 1) % _MMA_STAGES, words_p, words_h, kv_head,
+                       stride_ksp, stride_ksh, stride_vsp, stride_vsh)
+            stage = (i - p0) % _MMA_STAGES
 
-            m_new = gl.maximum(m_i, gl.max(s, axis=2))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - m_new[:, :, None])
-            l_i = l_i * alpha + gl.sum(p, axis=2)
+            # logits^T [32 slots, 8 heads] = keys . (q * s / place) + qk_scale q . z - 128 sum(q * s / place), in
+            # independent chains of mma's: the two bias terms, the two halves of K
+            qp = q_k * _mma_scales_in_key_order(ksbuf.index(stage).load(_MMA_KS))[:, None]
+            kz = _mma_zeros_in_bias_order(kzbuf.index(stage).load(_MMA_KS))
+            bias = _mma_v2(gl.broadcast(kz[None, :], neg128)[0], q_z, zero16) * qk_scale + _mma_v2(neg128, qp, zero16)
+            bias = gl.convert_layout(gl.reshape(gl.permute(_mma_j2(bias, bias), [2, 0, 1]), [32, 8]), _MMA_L,
+                                     assert_trivial=True)  # both row blocks of 16
+            k_lo, k_hi = _mma_key_operands(kbuf.index(stage).load(_MMA_KW))
+            qp_lo, qp_hi = _mma_halves(qp)
+            s = _mma_v2(k_lo, qp_lo, bias) + _mma_v2(k_hi, qp_hi, zero32)
+
+            # the page's value operands (independent of its logits: decoded while the softmax's shuffles wait), then
+            # the online softmax: no branch (a lazily raised max measured no faster, docs/benchmarks.md)
+            a0, a1, a2, a3, sv0, sv1, sv2, sv3 = _mma_value_inputs(vbuf, vsbuf, stage, sel)
+            m_new = gl.maximum(m_i, gl.max(s, axis=0))
+            alpha = gl.exp2(m_i - m_new)[None, :]
             m_i = m_new
-            pt = gl.permute(p, [0, 2, 1]).to(gl.bfloat16)  # [4, 32 slots, 8 heads]
-            a8 = gl.convert_layout(alpha, gl.SliceLayout(1, _MMA_L))[:, None, :]
-
-            zt_a = zvbuf.index(stage).permute([0, 2, 1]).load(_MMA_A)  # [4, 16 groups (4 used), 32 slots]
-            zt = _mma_v2(zt_a, gl.convert_layout(pt, _MMA_B), zt * a8)
-            sv01, sv23 = gl.split(gl.reshape(svbuf.index(stage).load(_MMA_VS), [4, 32, 2, 2]))
-            sv0, sv2 = gl.split(sv01)
-            sv1, sv3 = gl.split(sv23)
-            words = vbuf.index(stage).reshape([4, 32, 4, 2]).permute([0, 3, 1, 2]).load(gl.SliceLayout(2, _MMA_VW))
-            words = gl.broadcast(gl.expand_dims(words, 2), sel5)[0]  # [4, 2 hb, 4 gl, 32 slots, 4 groups]
-            w01, w23 = gl.split(gl.reshape(words, [4, 2, 4, 32, 2, 2]))
-            w0, w2 = gl.split(w01)
-            w1, w3 = gl.split(w23)
-            SP: gl.constexpr = gl.SliceLayout(2, pt.type.layout)
-            acc0, cor0 = _mma_value_step(acc0, cor0, pt, sv0, c128, w0, sel, a8, SP)
-            acc1, cor1 = _mma_value_step(acc1, cor1, pt, sv1, c128, w1, sel, a8, SP)
-            acc2, cor2 = _mma_value_step(acc2, cor2, pt, sv2, c128, w2, sel, a8, SP)
-            acc3, cor3 = _mma_value_step(acc3, cor3, pt, sv3, c128, w3, sel, a8, SP)
+            acc0 = acc0 * alpha
+            acc1 = acc1 * alpha
+            acc2 = acc2 * alpha
+            acc3 = acc3 * alpha
+            cor0 = cor0 * alpha
+            cor1 = cor1 * alpha
+            cor2 = cor2 * alpha
+            cor3 = cor3 * alpha
+            z = z * alpha
+            pt = _mma_transpose_p(gl.exp2(s - m_i[None, :]).to(gl.bfloat16))
+            z = _mma_v2(_mma_zero_point_rows(zbuf.index(stage)), pt, z)
+            acc0, cor0 = _mma_value_step(acc0, cor0, pt, sv0, c128, a0)
+            acc1, cor1 = _mma_value_step(acc1, cor1, pt, sv1, c128, a1)
+            acc2, cor2 = _mma_value_step(acc2, cor2, pt, sv2, c128, a2)
+            acc3, cor3 = _mma_value_step(acc3, cor3, pt, sv3, c128, a3)
         _cp.wait_group(0)
 
-        # each warp's partial (out, lse) at split 4 split + warp of the row's part_stride
-        l8 = gl.convert_layout(l_i, gl.SliceLayout(1, _MMA_L))
-        inv_l = gl.where(l8 > 0, 1.0 / l8, 0.0)[:, None, :]
-        mo = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA_L)))
-        ho = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _MMA_L)))
-        bo = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _MMA_L)))
-        gr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA_L)))
-        inv_pl = _mma_inv_place(mo >> 3)[None, :, None]
-        row = ((seq.to(gl.int64) * num_q_heads + kv_head * GROUP + ho[None, None, :]) * part_stride + split * 4
-               + bo[:, None, None])
-        o_at = row * 128 + (4 * (mo & 7) + (mo >> 3))[None, :, None]  # channel 32 j + 4 g + f of M = g + 8 f
-        store_mask = (ho[None, None, :] < GROUP) & (mo[None, :, None] < 32) & (bo[:, None, None] < 4)
-        _mma_out(part_out_ptr, acc0, cor0, zt, inv_l, o_at, 0, gr, inv_pl, store_mask)
-        _mma_out(part_out_ptr, acc1, cor1, zt, inv_l, o_at, 1, gr, inv_pl, store_mask)
-        _mma_out(part_out_ptr, acc2, cor2, zt, inv_l, o_at, 2, gr, inv_pl, store_mask)
-        _mma_out(part_out_ptr, acc3, cor3, zt, inv_l, o_at, 3, gr, inv_pl, store_mask)
-        hr = gl.arange(0, 8, layout=gl.SliceLayout(0, SROW))
-        lrow = ((seq.to(gl.int64) * num_q_heads + kv_head * GROUP + hr[None, :]) * part_stride + split * 4
-                + b_s[:, None])
-        gl.store(part_lse_ptr + lrow, m_i + gl.log2(l_i), mask=(hr[None, :] < GROUP) & (b_s[:, None] < 4))
+        # this stream's partial (out, lse) at `stream` of the row's part_stride
+        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, _MMA_L))
+        l_i = gl.sum(gl.where(rows[:, None] == 4, z, 0.0), axis=0)
+        inv_l = gl.where(l_i > 0, 1.0 / l_i, 0.0)
+        mo = gl.arange(0, 32, layout=gl.SliceLayout(1, _MMA_L))
+        ho = gl.arange(0, 8, layout=gl.SliceLayout(0, _MMA_L))
+        row = (seq.to(gl.int64) * num_q_heads + kv_head * GROUP + ho) * part_stride + stream
+        o_at = row[None, :] * 128 + (16 * ((mo & 7) >> 2) + 4 * (mo & 3) + (mo >> 3))[:, None]  # mma_value_channel
+        store_mask = (ho[None, :] < GROUP) & (mo[:, None] < 32)
+        _mma_out(part_out_ptr, acc0, cor0, z, inv_l, o_at, 0, store_mask)
+        _mma_out(part_out_ptr, acc1, cor1, z, inv_l, o_at, 1, store_mask)
+        _mma_out(part_out_ptr, acc2, cor2, z, inv_l, o_at, 2, store_mask)
+        _mma_out(part_out_ptr, acc3, cor3, z, inv_l, o_at, 3, store_mask)
+        gl.store(part_lse_ptr + row, m_i + gl.log2(l_i), mask=ho < GROUP)
 
 
 def mma_decode_fits(q: torch.Tensor, k_op, v_op, page_size: int, group: int) -> bool:
@@ -1473,26 +1528,27 @@ def mma_decode_stores_fit(q: torch.Tensor, k_op, v_op, page_size: int, group: in
 
 
 def mma_decode_splits(batch: int, num_kv_heads: int, max_context_len: int, sms: int) -> int:
-    """Programs of (row, KV head) for `_mma_decode_kernel`: as many as fill one wave (two 4-warp programs fit an
-    SM; a few programs past a wave cost a second one: 9 splits of 8 x 128K took 0.34 ms, 8 took 0.23 on the H200),
-    a split at least one tile of 4 pages."""
-    tiles = -(-max(max_context_len, 1) // (4 * MMA_PAGE))
-    return max(1, min(2 * sms // max(batch * num_kv_heads, 1), tiles, MAX_SPLITS // 4))
+    """Splits of (row, KV head) for `_mma_decode_kernel`, `MMA_STREAMS` one-warp programs each: as many as fill one
+    wave of `MMA_CTAS_PER_SM` programs an SM (programs past a wave cost a second one), a stream at least a page."""
+    tiles = -(-max(max_context_len, 1) // (MMA_STREAMS * MMA_PAGE))
+    waves = MMA_CTAS_PER_SM * sms // max(MMA_STREAMS * batch * num_kv_heads, 1)
+    return max(1, min(waves, tiles, MAX_SPLITS // MMA_STREAMS))
 
 
 def mma_decode_launch(q, k_op, v_op, block_tables, context_lens, resid_arg, windows: bool, scale: float, splits: int,
                       part_out, part_lse, part_stride: int, group: int, maxnreg: int | None = None) -> None:
-    """`_mma_decode_kernel` over each row's coded pages into splits [0, 4 splits) of `part_out`/`part_lse`
-    (`maxnreg`: ptxas's register cap, for tuning occupancy; none by default: 168 spilled and was slower)."""
+    """`_mma_decode_kernel` over each row's coded pages into partials [0, MMA_STREAMS splits) of
+    `part_out`/`part_lse` (`maxnreg`: ptxas's register cap, for tuning occupancy: 152 fit 13 programs an SM without
+    spilling but measured no faster, docs/benchmarks.md)."""
     batch, num_kv_heads = q.shape[0], k_op.data.shape[1]
     ks, vs = k_op.scale.stride(), v_op.scale.stride()
-    _mma_decode_kernel[(batch, num_kv_heads, splits)](
+    _mma_decode_kernel[(batch, num_kv_heads, MMA_STREAMS * splits)](
         q, k_op.data, k_op.scale, k_op.zero, v_op.data, v_op.scale, v_op.zero, block_tables, context_lens, resid_arg,
-        part_out, part_lse, scale * LOG2E, splits, part_stride,
+        part_out, part_lse, scale * LOG2E, part_stride,
         q.stride(0), q.stride(1), k_op.data.stride(0) // 4, k_op.data.stride(1) // 4, ks[0], ks[1], vs[0], vs[1],
         block_tables.stride(0),
         GROUP=group, K_WINDOW=k_op.window if windows else 0, K_FLUSH=k_op.flush,
-        V_WINDOW=v_op.window if windows else 0, V_FLUSH=v_op.flush, num_warps=4,
+        V_WINDOW=v_op.window if windows else 0, V_FLUSH=v_op.flush, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 
@@ -2037,7 +2093,8 @@ def paged_decode(
     if tail:
         mma_splits = num_splits or mma_decode_splits(batch, num_kv_heads, max_context_len, num_sms(q.device))
         # the tail: the windows and the page partly in one (up to ~2 windows of slots), in a few short splits
-        num_splits, part_base, part_stride = MMA_TAIL_SPLITS, 4 * mma_splits, 4 * mma_splits + MMA_TAIL_SPLITS
+        streams = MMA_STREAMS * mma_splits
+        num_splits, part_base, part_stride = MMA_TAIL_SPLITS, streams, streams + MMA_TAIL_SPLITS
         block_n = 64
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps,
                      num_stages=num_stages, use_dot=use_dot)

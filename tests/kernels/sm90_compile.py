@@ -125,8 +125,9 @@ def main(codes: str) -> None:
         mma = {"q_ptr": "*bf16", "kc_ptr": "*u8", "vc_ptr": "*u8", "table_ptr": "*i32", "context_lens_ptr": "*i32",
                "resid_lens_ptr": "*i32"} | {f"{x}_ptr": "*bf16" for x in ("ks", "kz", "vs", "vz")}
         ptx = build(mod._mma_decode_kernel, dict(GROUP=8, K_WINDOW=129, K_FLUSH=128, V_WINDOW=129, V_FLUSH=0), mma,
-                    ("stride", "words"), num_warps=4)
+                    ("stride", "words"), num_warps=1)
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx and "cp.async" in ptx
+        assert "movmatrix.sync.aligned.m8n8.trans.b16" in ptx
     # prefill: the fp32 parity config, and Hopper's (128 x 128 tiles, 3 stages; with a residual window, tiles of
     # mod.PREFILL_WINDOW_BLOCK_N), codes-only tiles folding as the decode's do
     build(mod._prefill_kernel, dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, BLOCK_N=64, DOT_PRECISION="ieee",

@@ -112,41 +112,52 @@ def test_the_levels_ptx_looks_up_every_code(dtype: torch.dtype) -> None:
                 assert _half(out[k] >> (16 * w), dtype) == book[codes[w, k]], (k, w)
 
 
-def _place(field: int) -> int:  # where the register-mma unpacking leaves field f of a byte (bf16: 7 mantissa bits)
-    return (1, 4, 16, 16)[field]
-
-
 def test_the_register_mma_unpacking_gives_the_offset_codes_of_every_byte() -> None:
-    """`_mma_unpack_keys_asm`: output 2 (4 p + f) + h is 128 + code * place of field f of byte 2 p + h;
-    `_mma_unpack_values_asm`: output 2 f + h is that of the byte its selector picks from slot h's word."""
+    """`_mma_unpack_keys_asm`: output 8 u + i holds, of word u (channel 4 j + f at bit 8 j + 2 f), channels i (low
+    half) and 8 + i (high half) as 128 + code * MMA_KEY_PLACE[i]; `_mma_unpack_values_asm`: output f holds field f
+    of the byte its selector picks from each slot's word (slot 0 low, slot 1 high) as 128 + code *
+    MMA_VALUE_PLACE[f]. Every byte value in every position."""
     mod = _spec_module()
     bf16 = torch.bfloat16
     for first in range(0, 256, 4):
-        data = [first, (first + 77) % 256, (first + 150) % 256, (first + 3) % 256]
-        word = int.from_bytes(bytes(data), "little")
-        out = _run_ptx(mod._mma_unpack_keys_asm(), {16: word}, 16, bf16)
-        for p in range(2):
-            for f in range(4):
+        words = []
+        for shift in (0, 77):
+            data = [(first + shift + 37 * b) % 256 for b in range(4)]
+            words.append((data, int.from_bytes(bytes(data), "little")))
+        out = _run_ptx(mod._mma_unpack_keys_asm(), {16: words[0][1], 17: words[1][1]}, 16, bf16)
+        for u, (data, _) in enumerate(words):
+            for i in range(8):
                 for h in range(2):
-                    code = (data[2 * p + h] >> (2 * f)) & 3
-                    assert _half(out[2 * (4 * p + f) + h], bf16).item() == 128 + code * _place(f), (data, p, f, h)
-        other = int.from_bytes(bytes(data[::-1]), "little")
+                    channel = i + 8 * h
+                    code = (data[channel // 4] >> (2 * (channel % 4))) & 3
+                    got = _half(out[8 * u + i] >> (16 * h), bf16).item()
+                    assert got == 128 + code * mod.MMA_KEY_PLACE[i], (data, u, i, h)
+        (even, w_even), (odd, w_odd) = words
         for k in range(4):
-            out = _run_ptx(mod._mma_unpack_values_asm(), {8: word, 9: other, 10: k | (4 + k) << 8}, 8, bf16)
+            out = _run_ptx(mod._mma_unpack_values_asm(), {4: w_even, 5: w_odd, 6: k | (4 + k) << 8}, 4, bf16)
             for f in range(4):
-                for h, byte in enumerate((data[k], data[::-1][k])):
-                    want = 128 + ((byte >> (2 * f)) & 3) * _place(f)
-                    assert _half(out[2 * f + h], bf16).item() == want, (data, k, f, h)
+                for h, byte in enumerate((even[k], odd[k])):
+                    want = 128 + ((byte >> (2 * f)) & 3) * mod.MMA_VALUE_PLACE[f]
+                    assert _half(out[f] >> (16 * h), bf16).item() == want, (even, odd, k, f, h)
 
 
-def test_the_register_mma_key_order_permutes_the_channels() -> None:
+def test_the_register_mma_orders_permute_the_channels() -> None:
+    """The key operand's K order and the value operand's rows are permutations; each lane t's K positions (2 t + e +
+    8 hk + 16 kt) hold the channels of its words 2 t, 2 t + 1; a register's pair (K, K + 1) holds channels c, c + 8
+    of one word at one place; a value group's rows g, g + 8, g + 16, g + 24 are the 4 fields of one byte."""
     mod = _spec_module()
     assert sorted(mod.mma_key_channel(k) for k in range(128)) == list(range(128))
-    # a register's pair (K, K + 1) is one slot's bytes 2p and 2p + 1: channels 4 apart, same field
-    assert all(mod.mma_key_channel(k + 1) == mod.mma_key_channel(k) + 4 for k in range(0, 128, 2))
+    for k in range(0, 128, 2):
+        t = (k >> 1) & 3
+        assert mod.mma_key_channel(k) // 32 == t
+        assert mod.mma_key_channel(k + 1) == mod.mma_key_channel(k) + 8
+        assert mod.mma_key_place(k) == mod.mma_key_place(k + 1)
+    assert sorted(mod.mma_value_channel(m) for m in range(32)) == list(range(32))
+    for g in range(8):
+        byte = {mod.mma_value_channel(g + 8 * f) // 4 for f in range(4)}
+        assert byte == {4 * (g >> 2) + (g & 3)}, g
+        assert [mod.mma_value_channel(g + 8 * f) % 4 for f in range(4)] == [0, 1, 2, 3]
 
-
-# ---- on a GPU: the kernel in bf16 against the torch ops ---------------------------------------------------
 
 HEADS, KV_HEADS, DIM = 16, 2, 128
 

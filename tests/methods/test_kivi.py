@@ -432,23 +432,25 @@ def test_a_pruned_chain_is_stored_again_and_continues(model_dir) -> None:
 def test_the_register_mma_decode_serves_the_split_kernels_tokens(tmp_path, monkeypatch) -> None:
     """KIVI-2 served in bf16 at the shape the register-mma decode takes (head_dim 128, 8 query heads a KV head,
     pages of a 32-token key group): the engine's decode steps run it (each row's coded pages; windows and flushes
-    in between), and give the split kernel's tokens, with logits as close as bf16 decodes agree."""
+    in between), and its logits are as close to the split kernel's as those of the torch backend (which dequantizes
+    first, in bf16) are, so its tokens are the split kernel's up to a near tie."""
     model = make_tiny_qwen3(tmp_path / "mma", seed=3, num_hidden_layers=2, head_dim=128, num_attention_heads=16,
                             num_key_value_heads=2, initializer_range=0.25)
     prompts = [prompt(n, seed) for n, seed in ((300, 31), (170, 32), (45, 33))]
 
-    def serve(mma: bool):
+    def serve(mma: bool, backend: str = "triton"):
         spy = Logits(monkeypatch)
         config = EngineConfig(model=str(model), dtype="bfloat16", kv_cache_memory=2**26, method="kivi",
                               method_params={"bits": 2, "group_size": 32, "residual_length": 64}, device="cuda",
-                              attention_backend="triton", page_size=32, cuda_graphs=False, max_num_batched_tokens=4096)
+                              attention_backend=backend, page_size=32, cuda_graphs=False, max_num_batched_tokens=4096)
         llm = LLM.from_engine(Engine(config))
-        ops = llm.engine.attention.ops  # the generated `spec` module
         calls = []
-        launch = ops.mma_decode_launch
-        monkeypatch.setattr(ops, "mma_decode_launch", lambda *a, **k: (calls.append(1), launch(*a, **k))[1])
-        if not mma:
-            monkeypatch.setattr(ops, "mma_decode_fits", lambda *a, **k: False)
+        if backend == "triton":
+            ops = llm.engine.attention.ops  # the generated `spec` module
+            launch = ops.mma_decode_launch
+            monkeypatch.setattr(ops, "mma_decode_launch", lambda *a, **k: (calls.append(1), launch(*a, **k))[1])
+            if not mma:
+                monkeypatch.setattr(ops, "mma_decode_fits", lambda *a, **k: False)
         params = [greedy(40) for _ in prompts]
         outs = llm.generate(prompts, params)
         monkeypatch.undo()
@@ -456,7 +458,16 @@ def test_the_register_mma_decode_serves_the_split_kernels_tokens(tmp_path, monke
 
     got, got_logits, launches = serve(True)
     want, want_logits, none = serve(False)
+    base, base_logits, _ = serve(False, "torch")
     assert launches > 0 and none == 0
-    assert got == want
-    for a, b in zip(got_logits, want_logits):
-        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+    for run in zip(got, want, base, got_logits, want_logits, base_logits):
+        tokens, split, dequantized, logits, split_logits, dequantized_logits = run
+        # the steps whose histories agree in all three runs
+        part = next((i for i, ts in enumerate(zip(tokens, split, dequantized)) if len(set(ts)) > 1), len(split))
+        steps = min(part + 1, len(split))
+        ours = (logits[:steps] - split_logits[:steps]).abs().max().item()
+        theirs = (dequantized_logits[:steps] - split_logits[:steps]).abs().max().item()
+        assert ours <= 2 * theirs + 1e-2, (ours, theirs)
+        if part < len(split) and tokens[part] != split[part]:  # a near tie, within the kernels' difference
+            gap = (split_logits[part, split[part]] - split_logits[part, tokens[part]]).item()
+            assert 0 <= gap <= 2 * ours, (part, gap, ours)
