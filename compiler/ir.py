@@ -116,13 +116,32 @@ class Norm(Value):
 
 
 @dataclass(frozen=True)
+class Softmax(Value):
+    """softmax over axes (float32)."""
+
+    src: Value
+    axes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Redundancy(Value):
+    """R-KV's redundancy of each item along `axis` (runtime/primitives/torch_primitives.redundancy): the mean
+    cosine similarity of the others to it, each item's newest near-copy (cos > threshold) not counted,
+    softmaxed along the axis; `channel` is dropped."""
+
+    src: Value
+    threshold: object  # sympy
+    axis: str
+
+
+@dataclass(frozen=True)
 class Scalar(Value):
     """A scalar operand inside a tensor expression (sympy)."""
 
     expr: object
 
 
-TensorValue = Union[Input, Window, Attention, Reduce, Pool, Elementwise, Norm, Quantile, Scalar]
+TensorValue = Union[Input, Window, Attention, Reduce, Pool, Elementwise, Norm, Quantile, Softmax, Redundancy, Scalar]
 
 # ---- statements ----------------------------------------------------------------------------
 
@@ -369,6 +388,10 @@ class _Builder:
                             tuple(d.name for d in e.clause("over").dims))
         if name == "norm":
             return Norm(self.dims(e), self.value(e.args[0]), tuple(d.name for d in e.clause("over").dims))
+        if name == "softmax":
+            return Softmax(self.dims(e), self.value(e.args[0]), tuple(d.name for d in e.clause("over").dims))
+        if name == "redundancy":
+            return Redundancy(self.dims(e), self.value(e.args[0]), self.sym(e.args[1]), e.clause("along").dims[0].name)
         if name in _UNARY:
             return Elementwise(self.dims(e), name, (self.value(e.args[0]),))
         raise NotLowerable(f"cannot lower `{name}(...)` yet", e.pos)

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import sympy as sp
 
 from kvc.compiler.ir import (Accumulate, Assign, Attention, Choose, Elementwise, Estimate, HookIR, Input, Keep,
-                             MethodIR, Norm, NotLowerable, Partition, Pool, Quantile, Read, Reduce, Scalar, Value,
-                             Window)
+                             MethodIR, Norm, NotLowerable, Partition, Pool, Quantile, Read, Reduce, Redundancy, Scalar,
+                             Softmax, Value, Window)
 
 _NUMBER = re.compile(r"[0-9.]+(e-?[0-9]+)?")
 SYMBOLS = ("context", "prompt", "step", "layer", "layers", "heads", "kv_heads", "head_dim")
@@ -176,6 +176,13 @@ class _Emitter:
             dim = axes[0] if len(axes) == 1 else axes
             return self.emit(f"torch.linalg.vector_norm({src}.float(), dim={dim})"), \
                 tuple(d for d in v.src.dims if d not in v.axes)
+        if isinstance(v, Softmax):
+            src = self.value(v.src)
+            return self.emit(f"_softmax({src}, {tuple(v.src.dims.index(a) for a in v.axes)})"), v.src.dims
+        if isinstance(v, Redundancy):
+            src = self.value(v.src)
+            return self.emit(f"_redundancy({src}, {self.scalar(v.threshold)}, {v.src.dims.index(v.axis)}, "
+                             f"{v.src.dims.index('channel')})"), tuple(d for d in v.src.dims if d != "channel")
         if isinstance(v, Elementwise):
             if len(v.args) == 1:
                 return self.emit(_UNARY[v.fn].format(self.operand(v.args[0], v.dims))), v.dims

@@ -8,6 +8,7 @@
 #   methods/duoattention.kvm
 #   methods/full.kvm
 #   methods/pyramidkv.kvm
+#   methods/rkv.kvm
 #   methods/snapkv.kvm
 #   methods/streamingllm.kvm
 # Do not edit: change the templates and run `kvc compile --all`.

@@ -130,6 +130,36 @@ def pool(x, mode, kernel, dim):
     return pooled.movedim(-1, dim)
 
 
+def softmax(x, dims):
+    """Softmax over `dims` (float32); -inf entries get 0."""
+    dims = tuple(d % x.dim() for d in dims)
+    if len(dims) == 1:
+        return torch.softmax(x.float(), dim=dims[0])
+    rest = [d for d in range(x.dim()) if d not in dims]
+    moved = x.float().permute(rest + list(dims))
+    flat = torch.softmax(moved.reshape(*moved.shape[:len(rest)], -1), dim=-1).reshape(moved.shape)
+    return flat.permute(torch.argsort(torch.tensor(rest + list(dims))).tolist())
+
+
+def redundancy(x, threshold, dim, channel):
+    """R-KV's redundancy (Cai et al. 2025, arXiv 2505.24133) of each item along `dim` of `x` (vectors along
+    `channel`, which the result drops): the items' cosine similarities S (a vector's norm + 1e-8 under it), the
+    diagonal 0; in each row i the newest j with S[i, j] > threshold is not counted (S[i, j] = 0; with none, j = 0:
+    the reference's argmax over an all-zero index row); each column's mean over the rows, softmaxed along `dim`."""
+    dim, channel = dim % x.dim(), channel % x.dim()
+    v = x.float().movedim((dim, channel), (-2, -1))
+    unit = v / (v.norm(dim=-1, keepdim=True) + 1e-8)
+    sim = unit @ unit.transpose(-1, -2)
+    n = sim.shape[-1]
+    sim = sim.masked_fill(torch.eye(n, dtype=torch.bool, device=sim.device), 0.0)
+    positions = torch.arange(n, device=sim.device)
+    newest = torch.where(sim > threshold, positions, torch.zeros_like(positions)).amax(dim=-1, keepdim=True)
+    sim = sim.scatter(-1, newest, 0.0)
+    out = sim.mean(dim=-2).softmax(dim=-1)  # [..., item]
+    keep = [d for d in range(x.dim()) if d != channel]  # the result's axes in x's order
+    return out.movedim(-1, keep.index(dim))
+
+
 def grow(state, value, dim=-1):
     """A state with a key axis (`dim`) grows with the cache: new keys start at 0."""
     missing = value.shape[dim] - state.shape[dim]

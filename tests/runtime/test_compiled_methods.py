@@ -185,7 +185,9 @@ def test_config_errors(tmp_path):
 
     with pytest.raises(ConfigError, match="unknown method 'nope'.*snapkv"):
         resolve_method("nope")
-    with pytest.raises(ConfigError, match=r"not lowered.*softmax.*rkv.kvm:18:26"):
+    with pytest.raises(ConfigError, match=r"not lowered.*mean.*skipkv.kvm:21:16"):
+        resolve_method("skipkv")
+    with pytest.raises(ConfigError, match="rkv.*no prefill_end selection"):  # lowered, decode-time only: not served
         resolve_method("rkv")
     with pytest.raises(ConfigError, match="no parameter.*'bogus'"):
         resolve_method("snapkv", {"bogus": 1})
