@@ -1185,7 +1185,8 @@ if _MMA is not None:
             reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0], [16, 0]], lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
             warp_bases=[], block_bases=[], shape=[32, 4]))
         # the copies: key words [32, 8] 16 bytes a lane; value words [16, 2, 4, 2] a word a lane (32 lanes: 4
-        # slots' 128 bytes); key scales or zero points [64 words] and value ones [32, 4] 8 bytes a lane
+        # slots' 128 bytes); key scales or zero points [64 words] and value scales or zero points [32, 4]: 8 bytes
+        # a lane
         _MMA_CK = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0]))
         _MMA_CV = gl.constexpr(gl.DistributedLinearLayout(
             reg_bases=[[2, 0, 0, 0], [4, 0, 0, 0], [8, 0, 0, 0]],
