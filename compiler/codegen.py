@@ -168,6 +168,7 @@ def generate_ir(method: MethodIR) -> dict[str, str]:
         header=_header(method.path, HOOKS_TEMPLATE), method=method, defaults=defaults, hook_names=_literal(names),
         formulas=sorted(formulas.items()), budget_source=budget_pass.emit_python(budgets),
         query_window_source=contract_code.query_window_source(plan, params),
+        decode_query_window_source=contract_code.decode_query_window_source(method, params),
         keep_tails_source=contract_code.keep_tails_source(method, params),
         kv_spec_source=kv_spec.emit_python(spec, method.name, method.path))
     files = {name: _tidy(text) for name, text in files.items()}

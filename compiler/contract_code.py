@@ -9,6 +9,8 @@ manifest keeps the same expressions as text for readers (the kernels' `WINDOW_EX
 - `query_window(params)`: how many trailing prompt queries `prefill_end` reads, the largest `q[last n]`
   of its fused kernels (0: none; None: every query), which the engine keeps per sequence and layer
   while the prompt is prefilled (runtime/methods_compiled.py `_query_window`);
+- `decode_query_window(params)`: how many of the newest queries `step_end` reads, the largest `q[last n]` of
+  its body (0: none), which the engine keeps per sequence and layer while decoding (runtime/kv/query_window.py);
 - `<hook>_tail(sym, params)` for each keeping hook with a `+ last N`, collected in `KEEP_TAILS`: that
   N from the hook's symbols and the parameters, unclamped (`CompiledMethod.kept_tail` clamps it).
 """
@@ -20,7 +22,9 @@ import ast as pyast
 import sympy as sp
 
 from kvc.compiler.fusion import FusionPlan
-from kvc.compiler.ir import MethodIR, NotLowerable
+import dataclasses
+
+from kvc.compiler.ir import Input, MethodIR, NotLowerable, Window
 from kvc.compiler.lower_torch import SYMBOLS
 
 _HELPERS = {"_floor": sp.floor, "_ceil": sp.ceiling}  # the names `lower_torch.pyexpr` prints
@@ -66,6 +70,45 @@ def query_window_source(plan: FusionPlan, params: list[str]) -> str:
     if all(w.is_Integer for w in windows):
         return "\n".join(head + [f"    return {max([0] + [int(w) for w in windows])}"]) + "\n"
     value = ", ".join(["0"] + [f"int({_py(w)})" for w in windows])
+    return "\n".join(head + unpack + [f"    return max({value})"]) + "\n"
+
+
+def _queries(node, windows: list, bare: list, windowed: bool = False) -> None:
+    """Under `node` (IR values and statements, walked by their fields): the count n of every `q[last n]` into
+    `windows`, every read of `q` that no such window takes into `bare`."""
+    if isinstance(node, Input) and node.name == "q" and not windowed:
+        bare.append(node)
+    if isinstance(node, Window) and isinstance(node.src, Input) and node.src.name == "q" and node.axis == "query":
+        if node.side != "last":
+            raise NotLowerable("a decode hook reads the newest queries only (`q[last n]`)")
+        windows.append(node.count)
+        windowed = True
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for f in dataclasses.fields(node):
+            _queries(getattr(node, f.name), windows, bare, windowed)
+    elif isinstance(node, (tuple, list)):
+        for item in node:
+            _queries(item, windows, bare, windowed)
+
+
+def decode_query_window_source(method: MethodIR, params: list[str]) -> str:
+    hook = method.hook("step_end")
+    windows: list = []
+    bare: list = []
+    if hook is not None:
+        _queries(hook.stmts, windows, bare)
+    if bare:
+        raise NotLowerable("step_end reads the queries as `q[last n]` only (the newest decode queries)")
+    counts = list(dict.fromkeys(windows))  # a value two statements share is walked twice
+    doc = ('    """How many of the newest queries step_end reads: the largest `q[last n]` of its body (0: none),\n'
+           '    kept per sequence and layer while decoding."""')
+    head = ["def decode_query_window(params):", doc]
+    unpack: list[str] = []
+    for n in counts:
+        unpack += [line for line in _unpack(n, params, "step_end's `q[last n]`", allowed=()) if line not in unpack]
+    if all(sp.sympify(n).is_Integer for n in counts):
+        return "\n".join(head + [f"    return {max([0] + [int(n) for n in counts])}"]) + "\n"
+    value = ", ".join(["0"] + [f"int({_py(n)})" for n in counts])
     return "\n".join(head + unpack + [f"    return max({value})"]) + "\n"
 
 

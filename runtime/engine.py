@@ -91,7 +91,7 @@ class Engine:
         # (or the directory the config names for them)
         inputs_dir = Path(config.method_inputs) if config.method_inputs is not None else self.loaded.path
         self.method.bind(self.spec.num_layers, self.spec.num_kv_heads, model_dir=inputs_dir,
-                         max_context=self.max_model_len)
+                         max_context=self.max_model_len, num_heads=self.spec.num_heads)
         # the cache's layers: the model's, or one per KV head (runtime/kv/layout.py)
         self.layout = layout = CacheLayout.of(self.spec, self.method)
         # each layer's KV spec: one class of layers mostly, several where the .kvm stores some layers apart

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvc.runtime.attention.metadata import StatsFold
+from kvc.runtime.kv import query_window
 from kvc.runtime.kv.spec import K, V, KVSpec, StorageClasses, dense_spec
 from kvc.runtime.kv.store import KVStore
 from kvc.runtime.kv.plans import Estimate, KeepPlan, Plan, ReadPlan, RewritePlan, StackedPlan  # noqa: F401 -- the contract's plans
@@ -94,6 +95,11 @@ class LayerCacheView:
 
     def values(self) -> torch.Tensor:
         return self.store.decoded(V, self.page_ids, self.length, self.layer, self.row, self.resid_len)
+
+    def queries(self) -> torch.Tensor:
+        """The sequence's newest queries in this layer, oldest first [Hq, n, D] (a spec with a decode query
+        window: runtime/kv/query_window.py)."""
+        return query_window.read(self.store.tensors, self.layer, self.row)
 
     @property
     def num_kv_heads(self) -> int:
@@ -201,7 +207,7 @@ class KVMethod(Protocol):
     tuned_kernels: frozenset[str]  # `kvc tune` groups beyond attention it launches ("compaction", "scores")
 
     def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None,
-             max_context: int | None = None) -> None: ...
+             max_context: int | None = None, num_heads: int | None = None) -> None: ...
 
     def page_tokens(self) -> int | None: ...
 
@@ -262,7 +268,7 @@ class MethodBase:
         return f"{self.name}({params})"
 
     def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None,
-             max_context: int | None = None) -> None:
+             max_context: int | None = None, num_heads: int | None = None) -> None:
         return None
 
     def page_tokens(self) -> int | None:

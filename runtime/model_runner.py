@@ -321,6 +321,7 @@ class ModelRunner:
             hooks & {Hook.PREFILL_CHUNK, Hook.PREFILL_END})
         chained = [] if batch is None or not self.chain_window else _chained_prefills(batch)
         recording = [] if batch is None else _recording_prefills(batch)
+        records_queries = attention.keeps_queries  # a spec with decode query windows (runtime/kv/query_window.py)
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             d = md.num_decodes
@@ -343,6 +344,8 @@ class ModelRunner:
             else:
                 out = None
                 attention.write(layer, k, v, md)
+            if records_queries:  # the newest queries a step_end reads (runtime/kv/query_window.py)
+                attention.record_queries(layer, q, md)
             for seq, rows in recording:
                 seq.record.add(layer, q[rows], k[rows], v[rows])
             if view is not None and Hook.DECODE_AFTER_ATTENTION in hooks:

@@ -4,8 +4,9 @@
 
 This is the budget side of the lifecycle contract (docs/design.md, "The lifecycle contract"):
 `held_tokens(...)` and `budget(...)` for admission (the engine's compiled-method adapter calls
-`held_tokens`), `kv_spec(...)` (every tensor the method stores), `query_window(params)` and
-`KEEP_TAILS` (the queries prefill_end reads, each keep's `+ last N`), and the scoring/selection
+`held_tokens`), `kv_spec(...)` (every tensor the method stores), `query_window(params)`,
+`decode_query_window(params)` and `KEEP_TAILS` (the queries prefill_end and step_end read, each keep's
+`+ last N`), and the scoring/selection
 entry points of the torch backend.
 
 Budget formulas (sympy, also in manifest.json):
@@ -89,6 +90,12 @@ def budget(context, *, layers, kv_heads, head_dim, dtype_bytes=2, params=None):
 def query_window(params):
     """How many trailing prompt queries prefill_end reads: the largest `q[last n]` of its fused kernels
     (0: none; None: every query)."""
+    return 0
+
+
+def decode_query_window(params):
+    """How many of the newest queries step_end reads: the largest `q[last n]` of its body (0: none),
+    kept per sequence and layer while decoding."""
     return 0
 
 

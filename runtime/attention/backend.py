@@ -38,6 +38,7 @@ from kvc.runtime.attention import delta_ops, torch_ops
 from kvc.runtime.attention.metadata import AttentionMetadata, DecodeStats, StatsFold
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.attention.sources import LowRankPages, QuantizedPages, Source
+from kvc.runtime.kv import query_window
 from kvc.runtime.kv.delta_pages import DeltaPages
 from kvc.runtime.kv.plans import ReadPlan
 from kvc.runtime.kv.spec import K, V, Dense, KVSpec, LowRank, StorageClasses, dense_spec
@@ -389,6 +390,18 @@ class PagedAttention:
             store.append_summaries(slots)  # one token per sequence: fold it in, one launch a summary
         else:
             store.refresh_summaries(*last_in_page(slots, store.page_size, store.scratch_page), layer_idx)
+
+    @property
+    def keeps_queries(self) -> bool:
+        """Does some class's spec keep decode query windows (runtime/kv/query_window.py)?"""
+        return any(query_window.QUERIES in store.tensors for store in self.stores)
+
+    def record_queries(self, layer: int, q: torch.Tensor, md: AttentionMetadata) -> None:
+        """The step's queries q [T, Hq, D] into their rows' decode query windows in `layer`, where its class's spec
+        keeps them (runtime/kv/query_window.py)."""
+        store = self.store_of(layer)
+        if query_window.QUERIES in store.tensors:
+            query_window.record(store.tensors, layer, q, md.rows, md.num_decodes, md.host_cu_seqlens, md.host_rows)
 
     def store_fresh(self, layer: int, k: torch.Tensor, v: torch.Tensor, table: list[int], row: int | None) -> None:
         """k, v [m, Hkv, D] as slots [0, m) of a sequence's layer over page table `table` (indices of the

@@ -175,7 +175,8 @@ def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_le
     `evict_interval` here, as the engine does."""
     method.evict_interval = evict_interval
     longest = input_len + output_len + 1  # the engine's max_model_len (bench/steps.py `make_engine`)
-    method.bind(spec.num_layers, spec.num_kv_heads, model_dir=inputs_dir, max_context=longest)
+    method.bind(spec.num_layers, spec.num_kv_heads, model_dir=inputs_dir, max_context=longest,
+                num_heads=spec.num_heads)
     layout = CacheLayout.of(spec, method)  # as the engine's
     classes = method.storage_classes(layout.layers, layout.kv_heads, spec.head_dim, spec.dtype, page_size)
     # a layer-page: with several storage classes, their mean over the layers (the engine sizes the

@@ -67,12 +67,13 @@ def read_decode_facts(code: GeneratedCode, use_state_planes: bool) -> DecodeFact
     after = facts.get("decode_after_attention")
     unsupported = set(after["inputs"]) - {"attn"} if after else set()
     if facts.get("step_end") is not None:
-        unsupported |= set(facts["step_end"]["inputs"]) & {"q", "attn"}
+        unsupported |= set(facts["step_end"]["inputs"]) & {"attn"}  # q: the rows' query windows
     if after is not None and after["keeps"] and "attn" not in after["inputs"]:
         unsupported.add("no attn (a keep that needs no attention belongs in step_end)")
     if unsupported:
         raise ConfigError(f"method {name!r}: decode hooks reading {', '.join(sorted(unsupported))} are not "
-                          "served yet (decode_after_attention gets attn; step_end gets k and v)", param="method")
+                          "served yet (decode_after_attention gets attn; step_end gets k, v and its `q[last n]`)",
+                          param="method")
     if after is not None and after.get("attention") and code.attention.decode_stats is None:
         raise ConfigError(f"method {name!r} reads attention while decoding but its manifest names attention "
                           f"variant {code.attention.variant!r}, which emits no statistics; run `kvc compile --all`",

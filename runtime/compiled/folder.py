@@ -113,6 +113,7 @@ class GeneratedCode:
         self.end_reads_v = "v" in self.facts.get("prefill_end", {}).get("inputs", ["v"])  # does prefill_end read v?
         # the contract code of hooks.py (compiler/contract_code.py), which every method has
         self.query_window_of: Callable[[dict], int | None] = self._contract("query_window")
+        self.decode_query_window: Callable[[dict], int] = self._contract("decode_query_window")  # step_end's q
         self.held_tokens: Callable = self._contract("held_tokens")
         self.keep_tails: dict[str, Callable] = self._contract("KEEP_TAILS")  # keeping hook -> its `+ last N`
         self.kv_spec: Callable = self._contract("kv_spec")

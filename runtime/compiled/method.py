@@ -21,7 +21,7 @@ import torch
 
 from kvc.runtime.compiled import folder as compiled_folder
 from kvc.runtime.compiled.budget import CompiledBudget
-from kvc.runtime.compiled.decode import DecodeHooks, decode_sym, read_decode_facts
+from kvc.runtime.compiled.decode import DECODE_KEEP_HOOKS, DecodeHooks, decode_sym, read_decode_facts
 from kvc.runtime.compiled.folder import ALL_QUERIES, GeneratedCode
 from kvc.runtime.compiled.inputs import digest, load_declared
 from kvc.runtime.compiled.prefill import PrefillHooks
@@ -30,6 +30,7 @@ from kvc.runtime.compiled.roles import RoleKeeps
 from kvc.runtime.compiled.state import SequenceStates
 from kvc.runtime.compiled.step_end import StepEnd, group_mode
 from kvc.runtime.errors import ConfigError
+from kvc.runtime.kv import query_window
 from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.kv.spec import Extent, KVSpec, StorageClasses
 from kvc.runtime.kv.plans import KeepPlan
@@ -63,10 +64,12 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         # cache layer of its own, so a head that keeps less holds fewer pages (runtime/kv/layout.py)
         self.kv_head_layers = self.roles is not None and all(
             hook in self.roles.keeps for hook, facts in code.facts.items() if facts)
-        if code.end_scores is None and any(code.facts.values()) and not reads_only and not self.chunk_keeps:
-            raise ConfigError(f"method {name!r} has decode-time or chunk hooks but no prefill_end selection; the "
-                              "engine serves compiled methods whose compression starts at prefill end",
-                              param="method")
+        decode_keeps = any(code.facts.get(hook, {}).get("keeps") for hook in DECODE_KEEP_HOOKS)
+        if (code.end_scores is None and any(code.facts.values()) and not reads_only and not self.chunk_keeps
+                and not decode_keeps):
+            raise ConfigError(f"method {name!r} has chunk or decode hooks that keep nothing, and no prefill_end "
+                              "selection: the engine serves compiled methods that compress at prefill end or "
+                              "while decoding", param="method")
         self.reader = ReadHook.of(code)
         self.window = code.query_window(params)
         self.budget = CompiledBudget(code.held_tokens, params, 1, 1)
@@ -79,6 +82,8 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
             raise ConfigError(f"method {name!r}: a read over a k-means index is served only for methods that keep "
                               "every token (the index is built over the stored prompt)", param="method")
         self.max_context: int | None = None  # the longest context a sequence reaches (`bind`)
+        self.num_heads: int | None = None  # the model's query heads (`bind`): a decode query window's size
+        self.decode_window = code.decode_query_window(params)  # the newest queries step_end reads (0: none)
         self._heads: int | None = None  # the model's query heads, seen at prefill_end (the index's symbols)
         self.seqs = SequenceStates(name, code.states, facts.planes)
         self.decoder = DecodeHooks(name, params, facts, self.seqs, self.budget, code)
@@ -123,7 +128,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         return f"{self.name}({params}){inputs}@{self._source_sha256}"
 
     def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None,
-             max_context: int | None = None) -> None:
+             max_context: int | None = None, num_heads: int | None = None) -> None:
         """The model's shape, for the budget formulas (called by the engine before admission; over
         cache layers when `kv_head_layers`), its directory, where the method's input tensors are
         found (roles.py), and the longest context a sequence reaches (what per-sequence index
@@ -131,6 +136,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         layout = CacheLayout(num_layers, num_kv_heads, self.kv_head_layers)
         self.budget.num_layers, self.budget.num_kv_heads = layout.layers, layout.kv_heads
         self.max_context = max_context
+        self.num_heads = num_heads
         self.inputs_dir = model_dir
         if self.roles is not None:
             self.roles.bind(num_layers, num_kv_heads, model_dir, per_head=self.kv_head_layers)
@@ -184,6 +190,12 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
                                   "context: bind(..., max_context=) first", param="method")
             spec = dataclasses.replace(spec, tensors=spec.tensors + self.indices.tensors(
                 head_dim, self.max_context, self.params))
+        if self.decode_window:  # the newest queries of every row and layer, for step_end (query_window.py)
+            if self.num_heads is None or self.num_heads % num_kv_heads:
+                raise ConfigError(f"method {self.name!r} keeps each sequence's newest queries: bind(..., num_heads=) "
+                                  "with a multiple of the KV heads first", param="method")
+            spec = dataclasses.replace(spec, tensors=spec.tensors + query_window.tensors(
+                self.decode_window, self.num_heads // num_kv_heads, head_dim, dtype))
         return spec
 
     def storage_classes(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

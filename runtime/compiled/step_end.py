@@ -280,16 +280,17 @@ def stacked(kept: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 
 class CacheInputs(dict):
-    """A step_end hook's inputs: `k` / `v` are dense copies of the layer's cache ([Hkv, n, D];
-    float32 on the CPU, the reference precision), made only if the hook reads them."""
+    """A step_end hook's inputs: `k` / `v` are dense copies of the layer's cache ([Hkv, n, D]), `q` the row's
+    newest queries ([Hq, window, D], oldest first: runtime/kv/query_window.py); float32 on the CPU, the reference
+    precision; each made only if the hook reads it."""
 
     def __init__(self, cache: LayerCacheView) -> None:
         super().__init__()
         self._cache = cache
 
     def __missing__(self, name: str) -> torch.Tensor:
-        if name not in ("k", "v"):
+        if name not in ("k", "v", "q"):
             raise KeyError(name)
-        value = self._cache.keys() if name == "k" else self._cache.values()
+        value = {"k": self._cache.keys, "v": self._cache.values, "q": self._cache.queries}[name]()
         self[name] = value = value.float() if value.device.type == "cpu" else value
         return value

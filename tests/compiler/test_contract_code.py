@@ -17,9 +17,8 @@ from kvc.runtime.methods import resolve_method
 from kvc.runtime.compiled.folder import ALL_QUERIES
 from kvc.runtime.primitives.torch_primitives import clamp_count
 
-NOT_SERVED = {"rkv"}  # lowered, but decode-time only: the engine refuses it (tests/runtime/test_compiled_methods.py)
 LOWERED = sorted(p.parent.name for p in OUTPUT_DIR.glob("*/manifest.json")
-                 if json.loads(p.read_text())["lowered"] and p.parent.name not in NOT_SERVED)
+                 if json.loads(p.read_text())["lowered"])
 PARAMS = {"snapkv": [{"window": 8}, {"window": 1, "budget": 4}], "pyramidkv": [{"window": 3}],
           "adakv": [{"window": 16}], "h2o": [{"budget": 0, "heavy": 0.2, "recent": 0.3}, {"budget": 9}],
           "streamingllm": [{"budget": 0, "recent": 7}, {"budget": 12, "sink": 2}], "tova": [{"budget": 5}]}
@@ -76,3 +75,35 @@ on prefill_end:
 """)
     manifest = json.loads(codegen.generate(path)["manifest.json"])
     assert not manifest["lowered"] and "layers" in manifest["reason"]
+
+
+@pytest.mark.parametrize("queries,lowered,reason", [
+    ("q[last window]", True, None),
+    ("q[last (window * layers)]", False, "layers"),  # the engine sizes the window once: parameters only
+    ("q", False, "`q[last n]` only"),  # every query a step has seen: none is kept
+])
+def test_step_end_reads_the_newest_queries(tmp_path, monkeypatch, queries, lowered, reason):
+    """A step_end's `q[last n]` becomes `decode_query_window(params)` (the engine keeps each row's n newest
+    queries); another read of the queries is not lowered, said why."""
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    path = tmp_path / "newest.kvm"
+    path.write_text(f"""method newest : eviction
+
+param budget: tokens = 64 in [1, 1048576]
+param window: tokens = 3 in [1, 64]
+
+on step_end:
+  obs = max(logits({queries}, k), over group)[first (context - window) along key]
+  keep top(mean(obs, over query), budget - window, per kv_head) + last window
+""")
+    files = codegen.generate(path)
+    manifest = json.loads(files["manifest.json"])
+    assert manifest["lowered"] is lowered, manifest["reason"]
+    if lowered:
+        source = files["hooks.py"]
+        body = source[source.index("def decode_query_window(params):"):].split("\n\n\n")[0]
+        namespace: dict = {}
+        exec(body, namespace)
+        assert namespace["decode_query_window"]({"window": 5}) == 5
+    else:
+        assert reason in manifest["reason"]

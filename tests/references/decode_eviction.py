@@ -92,3 +92,30 @@ class TOVA:
         scores = _probs(q, cache.keys).mean(dim=0)  # [n], every head of the layer
         kept = top_indices(scores, self.budget)
         _gather(cache, kept.expand(len(cache.keys), -1))
+
+
+class RKV:
+    """R-KV (Cai et al. 2025; tests/references/rkv.py for the scores and the keep) as `methods/rkv.kvm` spells
+    its schedule: the prefill keeps every token; after decoding step s (1 at the first) with s % every == 0, a
+    layer holding more than `budget` tokens keeps R-KV's choice, scored with its newest `window` queries (the
+    prompt's last ones first, then each step's)."""
+
+    def __init__(self, *, budget: int, window: int, kernel: int, mix: float, threshold: float, every: int,
+                 prompt_queries: list[torch.Tensor]) -> None:
+        self.params = {"budget": budget, "window": window, "kernel": kernel, "mix": mix, "threshold": threshold}
+        self.every = every
+        self.queries = [q[:, -window:] for q in prompt_queries]  # per layer [Hq, <= window, D]
+        self.steps = [0] * len(prompt_queries)
+
+    def step(self, layer: int, q: torch.Tensor, cache) -> None:
+        from tests.references import rkv
+
+        window = self.params["window"]
+        self.queries[layer] = torch.cat([self.queries[layer], q[:, None]], dim=1)[:, -window:]
+        self.steps[layer] += 1
+        n = cache.keys[0].shape[0]
+        if self.steps[layer] % self.every or n <= self.params["budget"]:
+            return
+        keys = torch.stack(list(cache.keys))
+        _gather(cache, rkv.keep(self.queries[layer], keys, **self.params))
+

@@ -220,6 +220,8 @@ def _decode_evictor(method: str, layers: list[LayerPrompt], rankings: list[Ranki
         return decode_eviction.StreamingLLM(n_sink=params["sink"], recent=params["recent"], interval=interval)
     if method == "tova":
         return decode_eviction.TOVA(budget=params["budget"], interval=interval)
+    if method == "rkv":
+        return decode_eviction.RKV(prompt_queries=[t.q for t in layers], **params)
     if method == "h2o":
         seen = [accumulated_attention(t.q, t.k).gather(1, ranking.kept()) for t, ranking in zip(layers, rankings)]
         return decode_eviction.H2O(heavy=int(params["heavy"] * prompt_len), recent=int(params["recent"] * prompt_len),
@@ -236,6 +238,8 @@ def _prefill_params(method: str, prompt_len: int, params: dict[str, Any]) -> tup
     if method == "h2o":
         recent = int(params["recent"] * prompt_len)
         return "h2o", {"budget": int(params["heavy"] * prompt_len) + recent, "recent": recent}
+    if method == "rkv":  # no prefill-end keep: every prompt token stays
+        return "streamingllm", {"budget": prompt_len, "n_sink": 0}
     raise ValueError(f"no decode-time reference for {method!r}")
 
 
@@ -245,9 +249,10 @@ def greedy_compressed_decode(
     """Like `greedy_compressed`, with the method's decode-time eviction after every step (after
     `interval` tokens of growth past the budget, with `interval` > 1).
 
-    `method` is one of streamingllm (sink, recent), h2o (heavy, recent: fractions of the prompt)
-    and tova (budget), with kvc's parameter names. Returns the greedy tokens [steps], their logits
-    [steps, vocab], and per decoding step the cache length of every layer after eviction."""
+    `method` is one of streamingllm (sink, recent), h2o (heavy, recent: fractions of the prompt),
+    tova (budget) and rkv (budget, window, kernel, mix, threshold, every), with kvc's parameter names.
+    Returns the greedy tokens [steps], their logits [steps, vocab], and per decoding step the cache
+    length of every layer after eviction."""
     prompt_len = prompt_ids.numel()
     layers, prompt_logits = prefill(model, prompt_ids)
     ref_method, ref_params = _prefill_params(method, prompt_len, params)

@@ -102,6 +102,52 @@ def test_tokens_match_the_reference(model_dir, method):
         assert tokens == want, f"{method}, prompt of {len(prompt)} tokens"
 
 
+RKV = {"budget": 24, "window": 4, "kernel": 5, "mix": 0.07, "threshold": 0.5, "every": 2}
+
+
+@pytest.mark.parametrize("mix", [0.07, 1.0])  # R-KV's default, and its attention importance alone
+def test_rkv_evicts_while_decoding_as_the_reference(model_dir, monkeypatch, mix):
+    """R-KV keeps every prompt token and evicts at decode steps 2 and 4 (`every` 2), scored with each row's newest
+    4 queries (2 of the prompt's at step 2: the query window the prefill seeded): the reference's tokens, and the
+    rows really shrink to the budget."""
+    from kvc.runtime.compiled.method import CompiledMethod
+
+    kept = []
+    step_end = CompiledMethod.step_end
+
+    def spy(self, layer, view):
+        plan = step_end(self, layer, view)
+        if plan is not None:
+            kept.append((view.cache.length, plan.indices.shape[1]))
+        return plan
+
+    monkeypatch.setattr(CompiledMethod, "step_end", spy)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = prompts_of(LENGTHS, seed=13)
+    params = RKV | {"mix": mix}
+    got = generate(make_llm(model_dir, "rkv", params), prompts)
+    for prompt, tokens in zip(prompts, got):
+        want = greedy_compressed_decode(hf, torch.tensor(prompt), STEPS, "rkv", **params)[0].tolist()
+        assert tokens == want, f"prompt of {len(prompt)} tokens"
+    assert kept and all(count == RKV["budget"] < length for length, count in kept)
+
+
+def test_rkv_in_graph_steps(model_dir, monkeypatch):
+    """R-KV's decode steps through the CUDA-graph runner's own step, uncaptured on the CPU (static buffers,
+    padding rows, no host rows: each decode row's query goes to its window on the device): the reference's
+    tokens."""
+    from tests.methods import served
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = prompts_of(LENGTHS[1:], seed=14)
+    llm = make_llm(model_dir, "rkv", RKV)
+    replays = served.graph_steps(llm, monkeypatch)
+    got = generate(llm, prompts)
+    assert replays and 3 in replays  # bucket 4: one padding row
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == greedy_compressed_decode(hf, torch.tensor(prompt), STEPS, "rkv", **RKV)[0].tolist()
+
+
 def test_chunk_hooks_in_query_blocks_keep_the_same_tokens(model_dir, monkeypatch):
     """The torch path runs a chunk hook over blocks of the chunk's queries (16 here, the smallest
     block, so each chunk of 32 is two): H2O's accumulated scores, hence its tokens, are unchanged."""
@@ -187,8 +233,6 @@ def test_config_errors(tmp_path):
         resolve_method("nope")
     with pytest.raises(ConfigError, match=r"not lowered.*mean.*skipkv.kvm:21:16"):
         resolve_method("skipkv")
-    with pytest.raises(ConfigError, match="rkv.*no prefill_end selection"):  # lowered, decode-time only: not served
-        resolve_method("rkv")
     with pytest.raises(ConfigError, match="no parameter.*'bogus'"):
         resolve_method("snapkv", {"bogus": 1})
     with pytest.raises(ConfigError, match="window"):

@@ -36,6 +36,7 @@ CASES = {
     "tova": {"budget": 26},
     "h2o": {"heavy": 0.3, "recent": 0.1},
 }
+RKV = {"budget": 24, "window": 4, "kernel": 5, "mix": 0.07, "threshold": 0.5, "every": 4}
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -54,8 +55,8 @@ def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
     return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
 
 
-def make_engine(model_dir: Path, method: str) -> Engine:
-    llm = LLM(str(model_dir), method=method, method_params=CASES[method], device="cpu", dtype="float32",
+def make_engine(model_dir: Path, method: str, params: dict | None = None) -> Engine:
+    llm = LLM(str(model_dir), method=method, method_params=params or CASES[method], device="cpu", dtype="float32",
               page_size=PAGE, max_num_batched_tokens=64, max_prefill_chunk=32, attention_backend="torch")
     return llm.engine
 
@@ -66,12 +67,14 @@ def method_is_idle(engine: Engine) -> bool:
             and not m._resume_pages)
 
 
-@pytest.mark.parametrize("method", sorted(CASES))
-def test_tokens_and_lengths_follow_the_oracle(model_dir, hf, method):
-    engine = make_engine(model_dir, method)
+def _follow_the_oracle(model_dir, hf, method: str, params: dict) -> tuple[Engine, list[list[list[int]]]]:
+    """Two prompts served together: the greedy tokens and every layer's physical length after every decoding
+    step equal the oracle's, the pages held are exactly those the lengths need, and nothing is left behind.
+    Returns the engine and the oracle's lengths per prompt."""
+    engine = make_engine(model_dir, method, params)
     prompts = prompts_of(LENGTHS, seed=21)
-    params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
-    seqs = [engine.add_request(p, params) for p in prompts]
+    sampling = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(p, sampling) for p in prompts]
     lengths = {s.seq_id: {} for s in seqs}  # decode step -> kv_lens after it
     while engine.has_unfinished():
         engine.step()
@@ -86,17 +89,37 @@ def test_tokens_and_lengths_follow_the_oracle(model_dir, hf, method):
     assert engine.pool.num_free == engine.pool.num_pages
     assert method_is_idle(engine)
 
+    oracle = []
     for seq, prompt in zip(seqs, prompts):
-        want, _, want_lengths = greedy_compressed_decode(hf, torch.tensor(prompt), STEPS, method, **CASES[method])
+        want, _, want_lengths = greedy_compressed_decode(hf, torch.tensor(prompt), STEPS, method, **params)
         assert seq.generated_ids == want.tolist(), f"{method}, prompt of {len(prompt)} tokens"
         got = lengths[seq.seq_id]
         # every decoding step but the last (it finishes the sequence, whose pages go back at once)
         assert sorted(got) == list(range(1, STEPS - 1))
         assert [got[step] for step in range(1, STEPS - 1)] == want_lengths[:-1]
-        # eviction was active from the first step: the cache stays at the method's budget while the
-        # context grows (without decode-time eviction these lengths would grow by one per step)
+        oracle.append(want_lengths)
+    return engine, oracle
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_tokens_and_lengths_follow_the_oracle(model_dir, hf, method):
+    engine, oracle = _follow_the_oracle(model_dir, hf, method, CASES[method])
+    # eviction was active from the first step: the cache stays at the method's budget while the
+    # context grows (without decode-time eviction these lengths would grow by one per step)
+    for prompt, want_lengths in zip(prompts_of(LENGTHS, seed=21), oracle):
         budget = engine.method.decode_kept(10**4, len(prompt), 10**4, 0, engine.spec.num_kv_heads)
         assert all(n == budget for step_lengths in want_lengths for n in step_lengths)
+
+
+def test_rkv_tokens_and_lengths_follow_the_oracle(model_dir, hf):
+    """R-KV: every prompt token stays; every `every` decoding steps a layer over the budget keeps R-KV's choice,
+    scored with the row's newest queries (docs/design.md, "Decode query windows")."""
+    _, oracle = _follow_the_oracle(model_dir, hf, "rkv", RKV)
+    for prompt, want_lengths in zip(prompts_of(LENGTHS, seed=21), oracle):
+        for step, step_lengths in enumerate(want_lengths, start=1):  # the prompt grows until step 4, then cycles
+            full = len(prompt) + step
+            want = full if step < RKV["every"] else RKV["budget"] + step % RKV["every"]
+            assert step_lengths == [want] * len(step_lengths), (len(prompt), step)
 
 
 @pytest.mark.parametrize("method", ["h2o", "streamingllm"])
@@ -174,7 +197,8 @@ def test_preemption_recomputes_and_releases(model_dir, hf):
     """A pool too small for two prompts' prefill peaks: the newer request is preempted, recomputed
     (its prefill then covers prompt + generated) and evicts again; the older one, never preempted,
     still follows the oracle; nothing is left behind."""
-    llm = LLM(str(model_dir), method="h2o", method_params=CASES["h2o"], device="cpu", dtype="float32",
+    method, method_params = "h2o", CASES["h2o"]
+    llm = LLM(str(model_dir), method=method, method_params=method_params, device="cpu", dtype="float32",
               page_size=PAGE, kv_cache_memory=2 * 2 * PAGE * 16 * 4 * 30, max_num_batched_tokens=64,
               max_prefill_chunk=32, attention_backend="torch")
     engine = llm.engine
@@ -184,7 +208,7 @@ def test_preemption_recomputes_and_releases(model_dir, hf):
     while engine.has_unfinished():
         engine.step()
     assert engine.scheduler.num_preemptions > 0 and seqs[1].num_preemptions > 0
-    want = greedy_compressed_decode(hf, torch.tensor(prompts[0]), STEPS, "h2o", **CASES["h2o"])[0]
+    want = greedy_compressed_decode(hf, torch.tensor(prompts[0]), STEPS, method, **method_params)[0]
     assert seqs[0].generated_ids == want.tolist()
     assert all(s.num_generated == STEPS for s in seqs)
     assert engine.pool.num_free == engine.pool.num_pages
