@@ -11,6 +11,8 @@ manifest keeps the same expressions as text for readers (the kernels' `WINDOW_EX
   while the prompt is prefilled (runtime/methods_compiled.py `_query_window`);
 - `decode_query_window(params)`: how many of the newest queries `step_end` reads, the largest `q[last n]` of
   its body (0: none), which the engine keeps per sequence and layer while decoding (runtime/kv/query_window.py);
+- `KEEP_PERIODS`: for each keeping hook whose `where` is `step % n == 0` (n of the parameters), n: the engine's
+  decode bound of such a keep (runtime/compiled/step_end.py `decode_bound`);
 - `<hook>_tail(sym, params)` for each keeping hook with a `+ last N`, collected in `KEEP_TAILS`: that
   N from the hook's symbols and the parameters, unclamped (`CompiledMethod.kept_tail` clamps it).
 """
@@ -110,6 +112,29 @@ def decode_query_window_source(method: MethodIR, params: list[str]) -> str:
         return "\n".join(head + [f"    return {max([0] + [int(n) for n in counts])}"]) + "\n"
     value = ", ".join(["0"] + [f"int({_py(n)})" for n in counts])
     return "\n".join(head + unpack + [f"    return max({value})"]) + "\n"
+
+
+def keep_periods_source(method: MethodIR, params: list[str]) -> str:
+    functions, entries = [], []
+    step = sp.Symbol("step")
+    for hook in method.hooks:
+        where = hook.where
+        if not hook.keeps or where is None or not isinstance(where, sp.Eq) or where.rhs != 0:
+            continue
+        mod = where.lhs
+        if not isinstance(mod, sp.Mod) or mod.args[0] != step or step in mod.args[1].free_symbols:
+            continue
+        try:
+            unpack = _unpack(mod.args[1], params, f"the period of {hook.name}'s keep", allowed=())
+        except NotLowerable:  # a period of model symbols: no decode bound (the engine counts every token)
+            continue
+        doc = (f'    """The steps between `on {hook.name}`\'s keeps ({method.path}:{hook.line}: '
+               '`where step % n == 0`)."""')
+        functions.append("\n".join([f"def {hook.name}_period(params):", doc] + unpack
+                                    + [f"    return {_py(mod.args[1])}"]))
+        entries.append(f'"{hook.name}": {hook.name}_period')
+    table = "KEEP_PERIODS = {" + ", ".join(entries) + "}  # keeping hook with `where step % n == 0` -> n"
+    return "\n\n\n".join(functions + [table]) + "\n"
 
 
 def keep_tails_source(method: MethodIR, params: list[str]) -> str:

@@ -5,8 +5,8 @@
 This is the budget side of the lifecycle contract (docs/design.md, "The lifecycle contract"):
 `held_tokens(...)` and `budget(...)` for admission (the engine's compiled-method adapter calls
 `held_tokens`), `kv_spec(...)` (every tensor the method stores), `query_window(params)`,
-`decode_query_window(params)` and `KEEP_TAILS` (the queries prefill_end and step_end read, each keep's
-`+ last N`), and the scoring/selection
+`decode_query_window(params)`, `KEEP_TAILS` and `KEEP_PERIODS` (the queries prefill_end and step_end read, each
+keep's `+ last N`, each periodic keep's period), and the scoring/selection
 entry points of the torch backend.
 
 Budget formulas (sympy, also in manifest.json):
@@ -108,6 +108,9 @@ def prefill_end_tail(sym, params):
 
 
 KEEP_TAILS = {"prefill_end": prefill_end_tail}  # keeping hook -> its `+ last N` (none: 0)
+
+
+KEEP_PERIODS = {}  # keeping hook with `where step % n == 0` -> n
 
 
 def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):

@@ -116,6 +116,7 @@ class GeneratedCode:
         self.decode_query_window: Callable[[dict], int] = self._contract("decode_query_window")  # step_end's q
         self.held_tokens: Callable = self._contract("held_tokens")
         self.keep_tails: dict[str, Callable] = self._contract("KEEP_TAILS")  # keeping hook -> its `+ last N`
+        self.keep_periods: dict[str, Callable] = self._contract("KEEP_PERIODS")  # `where step % n == 0` -> n
         self.kv_spec: Callable = self._contract("kv_spec")
         self.page_tokens: Callable = self._contract("page_tokens")
         self.dense_operands: Callable = self._contract("dense_operands")

@@ -214,6 +214,11 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         generated `score`: a whole prompt's prefill_end scores)."""
         return self.code.score(q, k, layer=layer, num_layers=num_layers, params=self.params)
 
+    def keep_period(self, hook: str) -> int | None:
+        """n of a keep that runs `where step % n == 0` (the compiler's KEEP_PERIODS), else None."""
+        period = self.code.keep_periods.get(hook)
+        return None if period is None else max(1, int(period(self.params)))
+
     def kept_tail(self, hook: str, sym: dict, length: int) -> int:
         """How many of the newest of `length` stored tokens `hook`'s keep always keeps (`+ last N`):
         keep plans carry it, so the chain cache knows which stored tokens are still verbatim."""

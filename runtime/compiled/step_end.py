@@ -43,6 +43,7 @@ class StepEnd:
     _group_mode: str | None  # group_mode(decoding, stateful)
     _count_memo: dict[tuple, int]
     kept_tail: Callable[[str, dict, int], int]
+    keep_period: Callable[[str], int | None]
     roles: Any  # RoleKeeps or None (a keep `for ROLE`: per-head counts, roles.py)
     kv_head_layers: bool  # a cache layer per KV head: a role keep's count is its one head's
     _role_keep: Callable[[str], bool]
@@ -111,14 +112,23 @@ class StepEnd:
         generated) would be stored without decode-time eviction. The first step holds the prefill's
         kept tokens plus its own; later ones at most the decode keep's count at `physical` plus
         `evict_interval` (the step's token, and the N - 1 a row keeps between evictions; counts grow
-        with length, so no earlier step held more). A keep with a `where` may skip steps: no bound
-        then."""
-        if self.decoding.keep_hook is None or self.decoding.keep["where"] or physical <= 0:
+        with length, so no earlier step held more). A keep `where step % n == 0` (`keep_period`) runs
+        every n steps: the prefill's kept tokens plus the first n steps', then its count plus the
+        steps to the next run at or past N. Any other `where` may skip steps: no bound then."""
+        hook = self.decoding.keep_hook
+        if hook is None or physical <= 0:
             return physical
+        gap, first_gap, context = self.evict_interval, 1, prompt_len
+        if self.decoding.keep["where"]:
+            period = self.keep_period(hook)
+            if period is None:
+                return physical
+            gap = first_gap = period * -(-self.evict_interval // period)
+            context = prompt_len + period  # a step at which the keep runs
         prefill_kept = self.budget.kept(prompt_len, layer)
-        first = prefill_kept + min(1, physical - prefill_kept)
-        kept = self.decode_kept(physical, prompt_len, prompt_len, layer, self.budget.num_kv_heads)
-        return min(physical, max(first, kept + self.evict_interval))
+        first = prefill_kept + min(first_gap, physical - prefill_kept)
+        kept = self.decode_kept(physical, prompt_len, context, layer, self.budget.num_kv_heads)
+        return min(physical, max(first, kept + gap))
 
     # ---- one row ---------------------------------------------------------------------------------
     def step_end(self, layer: int, view: StepView) -> KeepPlan | None:

@@ -107,3 +107,13 @@ on step_end:
         assert namespace["decode_query_window"]({"window": 5}) == 5
     else:
         assert reason in manifest["reason"]
+
+
+def test_a_periodic_keep_has_its_period():
+    """`where step % n == 0` gives the engine n (KEEP_PERIODS: a decode bound for admission); no other where does."""
+    from kvc.kernels_generated.rkv import hooks as rkv
+    from kvc.kernels_generated.snapkv import hooks as snapkv
+
+    assert rkv.KEEP_PERIODS["step_end"]({"every": 7}) == 7
+    assert snapkv.KEEP_PERIODS == {}
+    assert "KEEP_PERIODS = {}" in (OUTPUT_DIR / "streamingllm" / "hooks.py").read_text()

@@ -114,8 +114,10 @@ def test_tokens_and_lengths_follow_the_oracle(model_dir, hf, method):
 def test_rkv_tokens_and_lengths_follow_the_oracle(model_dir, hf):
     """R-KV: every prompt token stays; every `every` decoding steps a layer over the budget keeps R-KV's choice,
     scored with the row's newest queries (docs/design.md, "Decode query windows")."""
-    _, oracle = _follow_the_oracle(model_dir, hf, "rkv", RKV)
+    engine, oracle = _follow_the_oracle(model_dir, hf, "rkv", RKV)
     for prompt, want_lengths in zip(prompts_of(LENGTHS, seed=21), oracle):
+        # admission's bound: the prompt and the first `every` steps' tokens, held until the first keep runs
+        assert engine.method.decode_bound(len(prompt), len(prompt) + STEPS, 0) == len(prompt) + RKV["every"]
         for step, step_lengths in enumerate(want_lengths, start=1):  # the prompt grows until step 4, then cycles
             full = len(prompt) + step
             want = full if step < RKV["every"] else RKV["budget"] + step % RKV["every"]
@@ -264,7 +266,8 @@ def test_a_step_end_keep_with_where_reading_keys(model_dir, tmp_path, monkeypatc
               attention_backend="torch")
     engine = llm.engine
     assert Hook.STEP_END in engine.method.hooks and engine.method.decode_graphs
-    assert engine.method.budget.steady_tokens(30, 60, 0) == 20 + 30  # a `where` keep: no decode bound
+    # a keep `where step % 3 == 0`: 20 kept at prefill end, at most 3 more before each keep runs
+    assert engine.method.budget.steady_tokens(30, 60, 0) == 20 + 3
     seq = engine.add_request(prompts_of([30], seed=3)[0], SamplingParams(max_tokens=12, temperature=0,
                                                                          ignore_eos=True))
     seen, before = {}, None
