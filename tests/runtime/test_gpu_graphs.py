@@ -1,6 +1,7 @@
 """On a CUDA GPU: decode steps of H2O and TOVA replay CUDA graphs with decode_after_attention
-captured inside them (state in paged planes), and give the same greedy tokens and physical
-lengths as eager steps and as the per-row dict path (`use_state_planes = False`, eager only).
+captured inside them (state in paged planes), and R-KV's with its rows' query windows written inside them
+(runtime/kv/query_window.py), and give the same greedy tokens and physical lengths as eager steps and as
+the per-row dict path (`use_state_planes = False`, eager only).
 Batches of several lengths cross graph buckets (1, 2, 4) as requests finish; one request is
 chained for two turns. Skipped on CPU (tests/runtime/test_state_planes.py runs the same decode
 code eagerly there)."""
@@ -17,7 +18,8 @@ from tests.models.tiny import make_tiny_qwen3
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-CASES = {"h2o": {"heavy": 0.25, "recent": 0.1}, "tova": {"budget": 40}}
+CASES = {"h2o": {"heavy": 0.25, "recent": 0.1}, "tova": {"budget": 40},
+         "rkv": {"budget": 40, "window": 8, "kernel": 5, "every": 4}}  # its query windows written in the graphs
 LENGTHS = (60, 150, 299, 97)
 
 
