@@ -20,12 +20,11 @@ manifest keeps the same expressions as text for readers (the kernels' `WINDOW_EX
 from __future__ import annotations
 
 import ast as pyast
+import dataclasses
 
 import sympy as sp
 
 from kvc.compiler.fusion import FusionPlan
-import dataclasses
-
 from kvc.compiler.ir import Input, MethodIR, NotLowerable, Window
 from kvc.compiler.lower_torch import SYMBOLS
 

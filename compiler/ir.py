@@ -117,10 +117,10 @@ class Norm(Value):
 
 @dataclass(frozen=True)
 class Softmax(Value):
-    """softmax over axes (float32)."""
+    """softmax along one axis (float32)."""
 
     src: Value
-    axes: tuple[str, ...]
+    axis: str
 
 
 @dataclass(frozen=True)
@@ -389,7 +389,7 @@ class _Builder:
         if name == "norm":
             return Norm(self.dims(e), self.value(e.args[0]), tuple(d.name for d in e.clause("over").dims))
         if name == "softmax":
-            return Softmax(self.dims(e), self.value(e.args[0]), tuple(d.name for d in e.clause("over").dims))
+            return Softmax(self.dims(e), self.value(e.args[0]), e.clause("over").dims[0].name)
         if name == "redundancy":
             return Redundancy(self.dims(e), self.value(e.args[0]), self.sym(e.args[1]), e.clause("along").dims[0].name)
         if name in _UNARY:

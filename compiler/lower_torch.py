@@ -178,7 +178,7 @@ class _Emitter:
                 tuple(d for d in v.src.dims if d not in v.axes)
         if isinstance(v, Softmax):
             src = self.value(v.src)
-            return self.emit(f"_softmax({src}, {tuple(v.src.dims.index(a) for a in v.axes)})"), v.src.dims
+            return self.emit(f"_softmax({src}, {v.src.dims.index(v.axis)})"), v.src.dims
         if isinstance(v, Redundancy):
             src = self.value(v.src)
             return self.emit(f"_redundancy({src}, {self.scalar(v.threshold)}, {v.src.dims.index(v.axis)}, "

@@ -68,7 +68,7 @@ def step_end_scores(inputs, state, sym, params):
     t2 = _attention(t1, k, softmax=False)
     t3 = _group(t2, "max", 0, kv_heads)
     t4 = _window(t3, 2, "first", context - window)
-    t5 = _softmax(t4, (2,))
+    t5 = _softmax(t4, 2)
     t6 = _reduce(t5, "mean", (1,))
     t7 = _pool(t6, "max", kernel, 1)
     t8 = _redundancy(k, threshold, 1, 2)

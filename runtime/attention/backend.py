@@ -30,7 +30,7 @@ import bisect
 import math
 import os
 from types import ModuleType
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 
@@ -391,7 +391,7 @@ class PagedAttention:
         else:
             store.refresh_summaries(*last_in_page(slots, store.page_size, store.scratch_page), layer_idx)
 
-    @property
+    @cached_property
     def keeps_queries(self) -> bool:
         """Does some class's spec keep decode query windows (runtime/kv/query_window.py)?"""
         return any(query_window.QUERIES in store.tensors for store in self.stores)

@@ -82,9 +82,10 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
             raise ConfigError(f"method {name!r}: a read over a k-means index is served only for methods that keep "
                               "every token (the index is built over the stored prompt)", param="method")
         self.max_context: int | None = None  # the longest context a sequence reaches (`bind`)
-        self.num_heads: int | None = None  # the model's query heads (`bind`): a decode query window's size
+        # the model's query heads (`bind`, else the first prefill_end's queries): a decode query window's size,
+        # the `heads` of a cluster index's symbols
+        self.num_heads: int | None = None
         self.decode_window = code.decode_query_window(params)  # the newest queries step_end reads (0: none)
-        self._heads: int | None = None  # the model's query heads, seen at prefill_end (the index's symbols)
         self.seqs = SequenceStates(name, code.states, facts.planes)
         self.decoder = DecodeHooks(name, params, facts, self.seqs, self.budget, code)
         self._select_fn, self._group_mode = facts.select, group_mode(facts, bool(code.states))
@@ -236,7 +237,8 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
     def prefill_end(self, layer: int, view: PrefillView) -> KeepPlan | None:
         if self.indices is None:
             return super().prefill_end(layer, view)
-        self._heads = view.q.shape[1]
+        if self.num_heads is None:
+            self.num_heads = view.q.shape[1]
         # the stored prompt (a pruned chain's history counts as stored, as in the decode hook's `prompt`)
         self.indices.build(layer, view.seq_id, view.cache.length, view.cache, self._index_sym(layer), self.params)
         return None
@@ -257,7 +259,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
     def _index_sym(self, layer: int) -> dict[str, Any]:
         """The symbols of the read's `first`/`last` (the index's ranges), as the hook sees them."""
         return {"context": None, "prompt": None, "step": None, "layer": layer, "layers": self.budget.num_layers,
-                "heads": self._heads, "kv_heads": self.budget.num_kv_heads, "head_dim": None}
+                "heads": self.num_heads, "kv_heads": self.budget.num_kv_heads, "head_dim": None}
 
     # ---- lifecycle (state.py) ------------------------------------------------------------------
     def turn_end(self, seq_id: int) -> dict[int, dict[str, torch.Tensor] | str]:

@@ -130,15 +130,9 @@ def pool(x, mode, kernel, dim):
     return pooled.movedim(-1, dim)
 
 
-def softmax(x, dims):
-    """Softmax over `dims` (float32); -inf entries get 0."""
-    dims = tuple(d % x.dim() for d in dims)
-    if len(dims) == 1:
-        return torch.softmax(x.float(), dim=dims[0])
-    rest = [d for d in range(x.dim()) if d not in dims]
-    moved = x.float().permute(rest + list(dims))
-    flat = torch.softmax(moved.reshape(*moved.shape[:len(rest)], -1), dim=-1).reshape(moved.shape)
-    return flat.permute(torch.argsort(torch.tensor(rest + list(dims))).tolist())
+def softmax(x, dim):
+    """Softmax along `dim` (float32); -inf entries get 0."""
+    return torch.softmax(x.float(), dim=dim)
 
 
 def redundancy(x, threshold, dim, channel):
