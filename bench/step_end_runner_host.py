@@ -22,6 +22,7 @@ compaction on the Triton path with its launch stubbed out (here, in the bench on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from types import SimpleNamespace
@@ -30,6 +31,7 @@ import torch
 
 from bench.step_end_host import PARAMS
 from kvc.runtime import model_runner
+from kvc.runtime.kv import executor
 from kvc.runtime.kv.executor import KVExecutor
 from kvc.runtime.kv.store import KVStore
 from kvc.runtime.kv.tables import TableCache
@@ -53,13 +55,20 @@ def make_method(name: str, layers: int, kv: int, kv_heads: int):
 
 def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_heads: int = 4,
                 head_dim: int = 8, device: str = "cpu", backend: str = "torch", ragged: bool = False,
-                seed: int = 0):
-    """(runner, batch): a `ModelRunner` holding only what its step end reads, and its decode batch."""
+                seed: int = 0, in_place: bool = True, own_layers: bool = False):
+    """(runner, batch): a `ModelRunner` holding only what its step end reads, and its decode batch.
+    `in_place` False: the method's spec without slot positions (its keeps compact in order).
+    `own_layers`: each layer its own pages (else the layers share one pool's pages, as timing allows:
+    then slot positions and contents are not each layer's own)."""
     method, prompt = make_method(name, layers, kv, kv_heads)
     per_seq = -(-(kv + 2) // page)
-    pages = batch * per_seq
+    pages = batch * per_seq * (layers if own_layers else 1)
     g = torch.Generator().manual_seed(seed)
-    store = KVStore(method.kv_spec(kv_heads, head_dim, torch.float32, page), pages, kv_heads, page, layers, device)
+    spec = method.kv_spec(kv_heads, head_dim, torch.float32, page)
+    if not in_place and spec.positions is not None:
+        spec = dataclasses.replace(spec, tensors=tuple(t for t in spec.tensors if t.name != spec.positions),
+                                   positions=None)
+    store = KVStore(spec, pages, kv_heads, page, layers, device)
     if device != "meta":  # K/V random; the state planes random scores with ties
         for tensor in store.tensors.values():
             tensor.copy_(torch.randint(0, 4, tensor.shape, generator=g).float() if tensor.dim() == 3 else
@@ -79,13 +88,24 @@ def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_
         seq.num_computed_tokens = prompt + extra
         seq.kv_lens = [kv + extra] * layers
         seqs.append(seq)
-    _distinct_tables(seqs, pages, per_seq, layers, g)
+    _distinct_tables(seqs, pages, per_seq, layers, g, own_layers)
+    if spec.positions is not None and device != "meta":  # slots in time order: slot s holds position s
+        plane = store[spec.positions]
+        slots = torch.arange(per_seq * page)
+        for layer in range(layers):
+            tables = torch.tensor([seq.page_tables[layer] for seq in seqs])  # [B, per_seq]
+            plane[tables[:, slots // page], :, slots % page] = slots.to(plane.dtype)[None, :, None]
     return runner, SimpleNamespace(seqs=seqs, num_decodes=batch)
 
 
-def _distinct_tables(seqs, pages: int, per_seq: int, layers: int, g: torch.Generator) -> None:
-    """Within each layer the rows own disjoint pages (one shuffle per layer)."""
-    shuffles = [torch.randperm(pages, generator=g).tolist() for _ in range(min(layers, 4))]
+def _distinct_tables(seqs, pages: int, per_seq: int, layers: int, g: torch.Generator, own_layers: bool) -> None:
+    """Within each layer the rows own disjoint pages (one shuffle per layer); `own_layers`: the
+    layers too (a shuffle of all pages, split in layers)."""
+    if own_layers:
+        pool = torch.randperm(pages, generator=g).tolist()
+        shuffles = [pool[i * (pages // layers): (i + 1) * (pages // layers)] for i in range(layers)]
+    else:
+        shuffles = [torch.randperm(pages, generator=g).tolist() for _ in range(min(layers, 4))]
     for layer in range(layers):
         order = shuffles[layer % len(shuffles)]
         for b, seq in enumerate(seqs):
@@ -142,9 +162,8 @@ def main() -> None:
     if args.mode != "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # lets compact_many take the Triton path off CUDA
         stub_launch()
-        seam = "compact_batch" if hasattr(model_runner, "compact_batch") else "compact_many"  # after / before
-        compact = getattr(model_runner, seam)
-        setattr(model_runner, seam, lambda *a, **kw: compact(*a, **{**kw, "checked": False}))
+        compact = executor.compact_tensors  # the executor's seam: value checks off, as on a GPU
+        executor.compact_tensors = lambda *a, **kw: compact(*a, **{**kw, "checked": False})
     device = "meta" if args.mode == "meta" else "cpu"
     backend = "torch" if args.mode == "cpu" else "triton"
     print(f"runner step end per decode step, batch {args.batch} x {args.layers} layers, {args.kv} kept, "

@@ -27,7 +27,10 @@ What maps to what (docs/compiler.md, "The KV spec"; the runtime's rules: docs/de
 - the states of a key-local `decode_after_attention` (hook fact `key_local`): one float32 TOKEN
   plane per state, in declaration order, then `decode_after_attention.scores` when it keeps
   (what `DecodeHooks` keeps in paged planes, runtime/methods_compiled_decode.py);
-- a head-adaptive keep (`top(..., across kv_head)`): `head_starts`.
+- a head-adaptive keep (`top(..., across kv_head)`): `head_starts`;
+- a decode-time keep that may evict in place (equal counts per KV head, an order-free decode state,
+  codes that move slot by slot): `slot.position`, one int32 TOKEN tensor, each slot's logical
+  position (`positions`; the engine's layout: docs/design.md, "Eviction in place").
 The summaries of a `kmeans` partition that a lowered read ranks (hook fact `clusters`) are no spec
 tensors: the engine's cluster index keeps them per sequence (runtime/compiled/cluster_index.py).
 A shared selection that a lowered decode_before_attention chooses in every step stores nothing.
@@ -58,6 +61,7 @@ FP8_AXES = {("channel", "key", "kv_head"): True, ("channel", "key"): False}  # s
 PACKINGS = {8: "", 4: "int4x2", 2: "int2x4"}
 BOOK_PACKINGS = {4: "int4x2", 3: "int3x8", 2: "int2x4"}  # lloyd_max's codes: 8 3-bit codes in 3 bytes
 SCORES_PLANE = "decode_after_attention.scores"
+POSITIONS = "slot.position"  # each slot's logical position, where a decode-time keep evicts in place
 REDUCERS = ("max", "min", "sum", "mean")
 _UNFIT_STAGES = {
     "rotate": "a rotation leads the pipeline, before one quantizer",
@@ -225,6 +229,7 @@ class SpecDesc:
     tensors: list[TensorDesc] = field(default_factory=list)
     summaries: list[SummaryDesc] = field(default_factory=list)
     head_starts: bool = False
+    positions: str | None = None  # the TOKEN tensor of each slot's logical position (eviction in place)
     page_tokens: object = None  # sympy: tokens per page the summaries need, or None
     reasons: list[str] = field(default_factory=list)
     # operand ("k", "v") -> the layers its store applies to, `where layer [not] in P` ({"param", "member"});
@@ -234,7 +239,7 @@ class SpecDesc:
     def to_json(self) -> dict:
         return {"tensors": [t.to_json() for t in self.tensors], "keys": self.keys.to_json(),
                 "values": self.values.to_json(), "summaries": [s.to_json() for s in self.summaries],
-                "head_starts": self.head_starts, "layers": self.layers,
+                "head_starts": self.head_starts, "positions": self.positions, "layers": self.layers,
                 "page_tokens": None if self.page_tokens is None else _text(self.page_tokens),
                 "reason": "; ".join(self.reasons) if self.reasons else None}
 
@@ -588,6 +593,26 @@ class _Deriver:
         if paged and after.get("keeps"):
             spec.tensors.append(TensorDesc(SCORES_PLANE, "token", "float32", state=True))
 
+    def positions(self, facts: dict | None, spec: SpecDesc) -> None:
+        """A decode-time keep evicts in place (each kept token past the new length fills an evicted
+        slot below it, so an eviction moves O(evicted) tokens): the spec then stores each slot's
+        logical position, which gives the hooks the layer in time order. Only where every slot moves
+        alone: equal counts per KV head (no head-adaptive or per-role keep), a decode state that does
+        not depend on slot order (a key-local decode_after_attention's planes), and codes with no
+        per-page scales or residual window."""
+        keeps = [(h, (facts or {}).get(h) or {}) for h in ("step_end", "decode_after_attention")]
+        keeps = [(h, f) for h, f in keeps if f.get("keeps")]
+        if not keeps or spec.head_starts or any(f.get("role") for _, f in keeps):
+            return
+        if any(h == "decode_after_attention" and not f.get("key_local") for h, f in keeps):
+            return
+        for enc in (spec.keys, spec.values):
+            if not isinstance(enc, (Dense, Quantized, LowRank)) or (
+                    isinstance(enc, Quantized) and (enc.residual is not None or enc.axis == "token")):
+                return
+        spec.tensors.append(TensorDesc(POSITIONS, "token", "int32"))
+        spec.positions = POSITIONS
+
 
 def _chosen_each_step(facts: dict) -> bool:
     """A lowered decode_before_attention of token plans chooses the method's shared selections anew in
@@ -644,6 +669,7 @@ def derive(checked, facts: dict | None) -> SpecDesc:
         if isinstance(decl, ast.Summary) and _within(decl) not in indexed:
             d.summary(decl, spec)
     d.states(facts, spec)
+    d.positions(facts, spec)
     spec.reasons = d.reasons
     return spec
 
@@ -819,7 +845,8 @@ class _Emitter:
                   f"    values = {self.encoding(spec.values)}",
                   f"    summaries = {summaries}",
                   f"    return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, "
-                  f"head_starts={spec.head_starts})"]
+                  f"head_starts={spec.head_starts}"
+                  + (f', positions="{spec.positions}")' if spec.positions else ")")]
         return lines
 
 

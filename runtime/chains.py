@@ -177,6 +177,9 @@ class ChainStore:
         self.pool = pool
         self.rows = rows  # the per-sequence rows; a record holds the row of its last turn
         self.copy_row = copy_row  # (src, dst): a row's content copied on the device (a fork's)
+        # (seq): its layers back in time order before its pages become the record's, where a keep evicted in
+        # place (StepHooks.settle; runtime/kv/slot_order.py); None: nothing to do
+        self.settle = None
         self.num_layers = num_layers
         self.method = method
         self.fingerprint = fingerprint
@@ -426,6 +429,8 @@ class ChainStore:
         if record is None or self._records.get(record.chain_id) is not record:
             return
         if seq.status is SequenceStatus.RUNNING:
+            if self.settle is not None:
+                self.settle(seq)
             old = record.page_tables
             tables = seq.page_tables
             for layer, table in enumerate(tables):  # pages taken for a step that never ran

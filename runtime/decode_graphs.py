@@ -150,6 +150,7 @@ class DecodeGraphs:
             kv_starts=self.starts[:, :b] if key.starts else None,
             rows=None if self.rows is None else self.rows[:b],
             resid_lens=None if self.resid is None else self.resid[:, :b],
+            positions=self.positions[:b],
         )
         attn = r._attn_fn(md)
         if self.logits is None:  # outside any capture

@@ -211,6 +211,7 @@ class Engine:
             grammars=self.grammars,
         )
         self.sequences: dict[int, Sequence] = {}
+        self.chains.settle = self.runner.hooks.settle
         self.pruner = Pruner(self.chains, self.runner.executors, layout.layers, self.attention.layer_class,
                              self.attention.page_starts)
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None

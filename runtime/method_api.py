@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvc.runtime.attention.metadata import StatsFold
-from kvc.runtime.kv import query_window
+from kvc.runtime.kv import query_window, slot_order, state_planes
 from kvc.runtime.kv.spec import K, V, KVSpec, StorageClasses, dense_spec
 from kvc.runtime.kv.store import KVStore
 from kvc.runtime.kv.plans import Estimate, KeepPlan, Plan, ReadPlan, RewritePlan, StackedPlan  # noqa: F401 -- the contract's plans
@@ -75,7 +75,10 @@ class FullBudget:
 
 @dataclass
 class LayerCacheView:
-    """One sequence's stored KV in one layer: `page_ids` of the store hold `length` slots."""
+    """One sequence's stored KV in one layer: `page_ids` of the store hold `length` slots. Where the
+    spec stores positions (a keep that evicts in place: runtime/kv/slot_order.py) the slots may be out
+    of time order; `keys`, `values` and `read_plane` then give them in time order, and a plan's
+    indices are in that order too (the engine maps them to slots)."""
 
     store: KVStore  # every tensor of the method's KV spec (runtime/kv/store.py)
     page_ids: list[int]
@@ -88,13 +91,34 @@ class LayerCacheView:
     layer: int | None = None
     row: int | None = None
     resid_len: int = 0
+    _order: torch.Tensor | None = None
+
+    @property
+    def order(self) -> torch.Tensor | None:
+        """[Hkv, length] int64: the physical slots in time order (None: the spec keeps slots in order)."""
+        name = self.store.spec.positions
+        if name is None:
+            return None
+        if self._order is None:
+            tables = np.asarray([self.page_ids], dtype=np.int64).reshape(1, -1)
+            self._order = slot_order.orders(self.store[name], tables, np.asarray([self.length]))[0]
+        return self._order
+
+    def in_order(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-slot x [Hkv, length, ...] in time order (as it is where slots are in order)."""
+        order = self.order
+        return x if order is None else slot_order.in_order(x, order.to(x.device))
+
+    def read_plane(self, plane: torch.Tensor) -> torch.Tensor:
+        """A per-token plane's values of the stored slots, [Hkv, length], in time order."""
+        return self.in_order(state_planes.read(plane, self.page_ids, self.length))
 
     def keys(self) -> torch.Tensor:
-        """Dense copy [Hkv, length, D] (post-RoPE keys; decoded when the spec stores them encoded)."""
-        return self.store.decoded(K, self.page_ids, self.length, self.layer, self.row, self.resid_len)
+        """Dense copy [Hkv, length, D] in time order (post-RoPE keys; decoded when the spec stores them encoded)."""
+        return self.in_order(self.store.decoded(K, self.page_ids, self.length, self.layer, self.row, self.resid_len))
 
     def values(self) -> torch.Tensor:
-        return self.store.decoded(V, self.page_ids, self.length, self.layer, self.row, self.resid_len)
+        return self.in_order(self.store.decoded(V, self.page_ids, self.length, self.layer, self.row, self.resid_len))
 
     def queries(self) -> torch.Tensor:
         """The sequence's newest queries in this layer, oldest first [Hq, n, D] (a spec with a decode query

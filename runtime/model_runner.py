@@ -427,8 +427,9 @@ class ModelRunner:
             resid_lens=resid,
             prompt_lens=to_dev([list(p) for p in zip(*prompts)], torch.int32),
             host_cu_seqlens=cu, host_context_lens=ctx, host_rows=host_rows,
+            positions=to_dev(positions, torch.int64),
         )
-        return StepInputs(to_dev(ids, torch.int64), to_dev(positions, torch.int64), md, sample_rows, sample_seqs)
+        return StepInputs(to_dev(ids, torch.int64), md.positions, md, sample_rows, sample_seqs)
 
 
 def split_heads(attn, layout: CacheLayout):

@@ -538,9 +538,11 @@ class Scheduler:
             if seq.spare_pages:  # copy-on-write pages the step did not need
                 self.pool.free(seq.spare_pages)
                 seq.spare_pages = []
-            for layer, kept in compacted.get(seq.seq_id, {}).items():
-                self._shrink(seq, layer, kept)
-                seq.resid_lens[layer] = self.window_after(kept)  # moved slots: codes (or re-stored)
+            shrunk = compacted.get(seq.seq_id)
+            if shrunk:
+                self._shrink(seq, shrunk)
+                for layer, kept in shrunk.items():
+                    seq.resid_lens[layer] = self.window_after(kept)  # moved slots: codes (or re-stored)
             for layer, resid in rewritten.get(seq.seq_id, {}).items():
                 seq.resid_lens[layer] = resid
             if self.prefix_caching and not seq.compressed:
@@ -620,15 +622,28 @@ class Scheduler:
         pinned = self._zero if seq.chain is None or self.chains is None else self.chains.extra_pages(seq)
         return any(g and g + h + p > size for g, h, p, size in zip(growth, held, pinned, self.pool.sizes))
 
-    def _shrink(self, seq: Sequence, layer: int, kept: int) -> None:
-        """Layer `layer` of seq now stores `kept` tokens: free the pages past them."""
-        table = seq.page_tables[layer]
-        keep_pages = self.pool.pages_for(kept)
-        self.pool.free(table[keep_pages:])
-        del table[keep_pages:]
-        seq.tables_version += 1
-        seq.kv_lens[layer] = kept
+    def _shrink(self, seq: Sequence, kept: dict[int, int]) -> None:
+        """seq's layers now store `kept[layer]` tokens: free the pages past them. The tables change
+        (a new `tables_version`) only where pages were freed; otherwise its room takes the freed slots
+        (a decode-time keep in steady state: one token in, one out, every layer alike)."""
+        freed, drops = False, set()
+        for layer, n in kept.items():
+            table = seq.page_tables[layer]
+            keep_pages = self.pool.pages_for(n)
+            if keep_pages < len(table):
+                self.pool.free(table[keep_pages:])
+                del table[keep_pages:]
+                freed = True
+            drops.add(seq.kv_lens[layer] - n)
+            seq.kv_lens[layer] = n
         seq.compressed = True
+        if freed:
+            seq.tables_version += 1
+        elif seq.room is not None and seq.room.version == seq.tables_version:
+            if len(kept) == len(seq.kv_lens) and len(drops) == 1:
+                seq.room.use(-drops.pop())
+            else:
+                seq.room = None  # rebuilt from the tables when next asked
 
     def _free(self, seq: Sequence) -> None:
         if seq.spare_pages:

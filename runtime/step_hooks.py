@@ -45,6 +45,19 @@ class StepHooks:
         # the method's per-token state (every decode row writes it), in any class's store
         self.planes = any(s.method_tensors() for s in stores)
 
+    def settle(self, seq) -> None:
+        """seq's layers back in time order where a keep evicted in place (runtime/kv/slot_order.py): a
+        chain's turn ends, and its record's readers (the next turn's prefill hooks, pruning, rollback)
+        read slots in order. One call per storage class."""
+        if not any(store.spec.positions for store in self.stores):
+            return
+        arr = self.tables.array(seq)
+        lengths = np.asarray(seq.kv_lens, dtype=np.int64)
+        for cls, executor in enumerate(self.executors):
+            layers = [layer for layer in range(self.num_layers) if self.layer_class[layer] == cls]
+            if layers and executor.store.spec.positions is not None:
+                executor.settle(arr[layers], lengths[layers])
+
     def store_of(self, layer: int) -> KVStore:
         return self.stores[self.layer_class[layer]]
 
@@ -151,17 +164,19 @@ class StepHooks:
         output.rewritten.setdefault(seq.seq_id, {})[layer] = left
 
     def _compact(self, layer: int, batch: CompactionBatch, seqs: list, verbatim: list[int], logical: list[int],
-                 compacted: dict[int, dict[int, int]], new: list[int] | None = None) -> None:
+                 compacted: dict[int, dict[int, int]], new: list[int] | None = None, in_place: bool = False) -> None:
         """Applies one layer's keep plans (one kernel launch on a GPU), reports the kept lengths,
         records the per-head start slots of plans with per-head variable counts and moves each
         sequence's verbatim tail (`verbatim_from`: the first logical token a keep may have dropped
         or moved, for the chain cache's rollback); a chained sequence's position map follows the plan.
         Job j of `batch` is `seqs[j]`'s, which stored `new[j]` tokens this step (default 1).
-        (Over a spec written a block at a time, the executor needs each job's row and window.)"""
+        (Over a spec written a block at a time, the executor needs each job's row and window.)
+        `in_place`: the plans are carried out in place (runtime/kv/slot_order.py); a position map
+        follows them as if in order, the layout the chain's record gets (`settle`)."""
         windows = None
         if self.store_of(layer).flushes_blocks:
             windows = [(seq.row, self._held(seq, layer, 1 if new is None else new[j])) for j, seq in enumerate(seqs)]
-        physical = self.executor_of(layer).compact(batch, layer=layer, windows=windows)
+        physical = self.executor_of(layer).compact(batch, layer=layer, windows=windows, in_place=in_place)
         uniform = batch.starts is None and bool((batch.counts == batch.widths[:, None]).all())  # no starts anywhere
         for j, (seq, length, tail_from) in enumerate(zip(seqs, physical.tolist(), verbatim)):
             per_seq = compacted.get(seq.seq_id)
@@ -242,7 +257,7 @@ class StepHooks:
             logical = [seq.num_computed_tokens + 1 for seq in seqs]
             jobs = self._plan_batch(layer, kept, job_views, packed[layer] if every else packed[layer, rows])
             self._compact(layer, jobs, seqs, [n - plan.tail for n, plan in zip(logical, kept)], logical,
-                          output.compacted)
+                          output.compacted, in_place=self.store_of(layer).spec.positions is not None)
 
     def _refresh_table(self, packed: np.ndarray, row: int, seq) -> None:
         """Row `row` of the step's packed tables after copy-on-write changed seq's tables."""

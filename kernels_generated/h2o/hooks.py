@@ -12,8 +12,8 @@ entry points of the torch backend.
 Budget formulas (sympy, also in manifest.json):
     held_tokens_per_layer = Min(context, Max(0, floor(Piecewise((budget - floor(budget/2), budget > 0), (context*recent, True)))) + Max(0, floor(Piecewise((floor(budget/2), budget > 0), (context*heavy, True)))))
     kept_tokens_per_layer = Min(context, Max(0, floor(Piecewise((budget - floor(budget/2), budget > 0), (context*recent, True)))) + Max(0, floor(Piecewise((floor(budget/2), budget > 0), (context*heavy, True)))))
-    kv_bytes = Sum(kv_heads*(2*dtype_bytes*head_dim + 8)*Min(context, Max(0, floor(Piecewise((budget - floor(budget/2), budget > 0), (context*recent, True)))) + Max(0, floor(Piecewise((floor(budget/2), budget > 0), (context*heavy, True))))), (layer, 0, layers - 1))
-    peak_prefill_bytes = context*kv_heads*layers*(2*dtype_bytes*head_dim + 8)
+    kv_bytes = Sum(kv_heads*(2*dtype_bytes*head_dim + 12)*Min(context, Max(0, floor(Piecewise((budget - floor(budget/2), budget > 0), (context*recent, True)))) + Max(0, floor(Piecewise((floor(budget/2), budget > 0), (context*heavy, True))))), (layer, 0, layers - 1))
+    peak_prefill_bytes = context*kv_heads*layers*(2*dtype_bytes*head_dim + 12)
 """
 
 import math
@@ -61,7 +61,7 @@ def held_tokens(context, layer, layers, kv_heads, params):
 
 def slot_bytes(layer, *, kv_heads, head_dim, dtype_bytes, params):
     """Bytes a stored slot costs per KV head in `layer` (the KV spec's per-token and per-page tensors)."""
-    return 2*dtype_bytes*head_dim + 8
+    return 2*dtype_bytes*head_dim + 12
 
 
 def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):
@@ -131,11 +131,12 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
         TensorSpec("v", Extent.TOKEN, dtype, (head_dim,)),
         state_plane("seen"),
         state_plane("decode_after_attention.scores"),
+        TensorSpec("slot.position", Extent.TOKEN, torch.int32, ()),
     ]
     keys = Dense("k")
     values = Dense("v")
     summaries = ()
-    return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, head_starts=False)
+    return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, head_starts=False, positions="slot.position")
 
 
 def page_tokens(params):

@@ -12,8 +12,8 @@ entry points of the torch backend.
 Budget formulas (sympy, also in manifest.json):
     held_tokens_per_layer = context
     kept_tokens_per_layer = context
-    kv_bytes = Sum(2*context*dtype_bytes*head_dim*kv_heads, (layer, 0, layers - 1))
-    peak_prefill_bytes = 2*context*dtype_bytes*head_dim*kv_heads*layers
+    kv_bytes = Sum(context*kv_heads*(2*dtype_bytes*head_dim + 4), (layer, 0, layers - 1))
+    peak_prefill_bytes = context*kv_heads*layers*(2*dtype_bytes*head_dim + 4)
 """
 
 import math
@@ -55,7 +55,7 @@ def held_tokens(context, layer, layers, kv_heads, params):
 
 def slot_bytes(layer, *, kv_heads, head_dim, dtype_bytes, params):
     """Bytes a stored slot costs per KV head in `layer` (the KV spec's per-token and per-page tensors)."""
-    return 2*dtype_bytes*head_dim
+    return 2*dtype_bytes*head_dim + 4
 
 
 def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):
@@ -120,11 +120,12 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
     tensors = [
         TensorSpec("k", Extent.TOKEN, dtype, (head_dim,)),
         TensorSpec("v", Extent.TOKEN, dtype, (head_dim,)),
+        TensorSpec("slot.position", Extent.TOKEN, torch.int32, ()),
     ]
     keys = Dense("k")
     values = Dense("v")
     summaries = ()
-    return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, head_starts=False)
+    return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, head_starts=False, positions="slot.position")
 
 
 def page_tokens(params):

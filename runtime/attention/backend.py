@@ -38,7 +38,7 @@ from kvc.runtime.attention import delta_ops, torch_ops
 from kvc.runtime.attention.metadata import AttentionMetadata, DecodeStats, StatsFold
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.attention.sources import LowRankPages, QuantizedPages, Source
-from kvc.runtime.kv import query_window
+from kvc.runtime.kv import query_window, slot_order
 from kvc.runtime.kv.delta_pages import DeltaPages
 from kvc.runtime.kv.plans import ReadPlan
 from kvc.runtime.kv.spec import K, V, Dense, KVSpec, LowRank, StorageClasses, dense_spec
@@ -382,6 +382,8 @@ class PagedAttention:
                               context_lens=md.context_lens[layer_idx], rows=md.rows, window_tokens=window_tokens,
                               **({"block_tables": md.block_tables[layer_idx], "resid_lens": md.resid_lens[layer_idx]}
                                  if store.flushes_blocks else {}))
+        if store.spec.positions is not None and md.positions is not None:
+            slot_order.record(store[store.spec.positions], slots, md.positions)
         if not store.spec.summaries:
             return
         if store.folds_summaries:  # of the rows as computed: the codes of a block come when it is full

@@ -78,6 +78,9 @@ class AttentionMetadata:
     # host copies of cu_seqlens_q, context_lens [L][B] and rows, where the step was built on the host (the
     # runner's eager steps; None in a graph replay): ops that need host values read these, not the device
     host_cu_seqlens: list[int] | None = None
+    # [T] int64: each new token's logical position (its RoPE position), which a spec with positions
+    # stores per slot (runtime/kv/slot_order.py); None: the step stores none
+    positions: torch.Tensor | None = None
     host_context_lens: list[list[int]] | None = None
     host_rows: list[int] | None = None
 

@@ -172,8 +172,9 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
 
     def kv_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> KVSpec:
         """The spec the compiler derived from the .kvm (the generated `kv_spec` of hooks.py, which lists
-        the state planes of a key-local decode hook), without those planes when the decode state lives
-        in per-row dicts instead (`use_state_planes` off), with a read's cluster indices."""
+        the state planes of a key-local decode hook), without those planes (and the positions of a keep
+        in place) when the decode state lives in per-row dicts instead (`use_state_planes` off), with a
+        read's cluster indices."""
         try:
             spec = self.code.kv_spec(num_kv_heads, head_dim, dtype, page_size, self.params)
         except ValueError as e:  # page summaries over pages of another size than the engine's, or parameters
@@ -183,6 +184,9 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
             raise ConfigError(f"method {self.name!r}: {e}{hint}",
                               param="page_size" if pages else "method_params") from None
         planes = {t.name for t in spec.method_tensors}
+        if spec.positions is not None and not self.paged_state and self.decoding.after is not None:
+            planes.add(spec.positions)  # per-row dicts follow slot order: the keep compacts in order
+            spec = dataclasses.replace(spec, positions=None)
         if planes and not self.paged_state:
             spec = dataclasses.replace(spec, tensors=tuple(t for t in spec.tensors if t.name not in planes))
         if self.indices is not None:  # the rows' cluster indices (SEQ tensors), sized by the longest context

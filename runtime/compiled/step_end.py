@@ -20,8 +20,9 @@ import torch
 from kvc.runtime.compiled.budget import CompiledBudget
 from kvc.runtime.compiled.decode import DecodeFacts, decode_sym
 from kvc.runtime.compiled.state import SequenceStates, gather_state
-from kvc.runtime.kv import state_planes
+from kvc.runtime.kv import slot_order
 from kvc.runtime.method_api import KeepPlan, LayerCacheView, StackedPlan, StepView
+from kvc.runtime.transfer import to_device
 
 MEMO_LIMIT = 4096  # memoised counts (decode_kept) before the memo starts over
 
@@ -160,10 +161,9 @@ class StepEnd:
         cache = view.cache
         planes = self.seqs.planes(cache.store)
         if self.decoding.keep_hook == "decode_after_attention":
-            scores = state_planes.read(planes[self.decoding.scores_plane], cache.page_ids, cache.length)
+            scores = cache.read_plane(planes[self.decoding.scores_plane])
         else:
-            state = {name: state_planes.read(planes[name], cache.page_ids, cache.length)
-                     for name in self.seqs.states}
+            state = {name: cache.read_plane(planes[name]) for name in self.seqs.states}
             scores = self.decoding.step_scores(CacheInputs(cache), state, sym, self.params)
         return self._plan(self._select_fn(scores, sym, self.params), count, sym, cache)
 
@@ -244,7 +244,11 @@ class StepEnd:
                         decode[key] = {}
             return [plan] * len(views)
         planes = self.seqs.planes(cache.store)
-        scores = read_rows(planes[self.decoding.scores_plane], [view.cache.page_ids for view in views], length)
+        tables = [view.cache.page_ids for view in views]
+        scores = read_rows(planes[self.decoding.scores_plane], tables, length)
+        if cache.store.spec.positions is not None:  # slots out of time order (runtime/kv/slot_order.py)
+            positions = read_rows(cache.store[cache.store.spec.positions], tables, length)
+            scores = slot_order.in_order(scores, slot_order.order(positions))
         rows = len(views) * kv_heads
         kept = self._select_fn(scores.reshape(rows, length), {**sym, "kv_heads": rows}, self.params)
         indices = stacked(kept, cache.device)
@@ -278,7 +282,7 @@ def read_rows(plane: torch.Tensor, tables: list[list[int]], n: int) -> torch.Ten
         raise ValueError(f"a table of fewer than {pages} pages of {page_size} slots cannot hold {n} tokens")
     flat = itertools.chain.from_iterable(table if len(table) == pages else table[:pages] for table in tables)
     ids = np.fromiter(flat, dtype=np.int64, count=len(tables) * pages).reshape(len(tables), pages)
-    ids = torch.from_numpy(ids).to(plane.device)  # [G, pages]
+    ids = to_device(ids, plane.device)  # [G, pages], without a stream wait
     slots = torch.arange(n, device=plane.device)
     return plane[ids[:, slots // page_size], :, slots % page_size].permute(0, 2, 1)
 

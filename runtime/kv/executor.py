@@ -3,6 +3,8 @@
 The one place that knows what moving a page or a slot means for a spec's tensors:
 
 - keep plans (`compact`): every TOKEN tensor's kept slots move together (runtime/kv/compaction.py),
+  or, in place over a spec with positions (a decode-time keep: runtime/kv/slot_order.py), only the
+  kept slots past the new length move, into the dropped ones below it;
   then the PAGE summaries of every page the compaction rewrote are recomputed; over a spec that
   writes codes a block at a time (KIVI's keys: scales per page, newest block only in the window),
   the kept tokens are decoded and stored again as a fresh prefill of them (`restore`);
@@ -20,8 +22,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvc.runtime.kv import encodings
-from kvc.runtime.kv.compaction import CompactionBatch, compact_tensors
+from kvc.runtime.kv import encodings, slot_order
+from kvc.runtime.kv.compaction import CompactionBatch, compact_tensors, device_ints
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.plans import RewritePlan
 from kvc.runtime.kv.spec import K, V, Quantized
@@ -43,16 +45,44 @@ class KVExecutor:
 
     # ---- keep plans ----------------------------------------------------------------------------
     def compact(self, batch: CompactionBatch, checked: bool | None = None, layer: int | None = None,
-                windows: list[tuple[int | None, int]] | None = None) -> np.ndarray:
+                windows: list[tuple[int | None, int]] | None = None, in_place: bool = False) -> np.ndarray:
         """Applies one layer's keep plans to every per-token tensor; returns each job's new physical
         length (the callers' order). Page summaries of the rewritten pages are recomputed. A spec
-        written a block at a time needs the `layer` and each job's (row, window count)."""
+        written a block at a time needs the `layer` and each job's (row, window count). `in_place`
+        (a spec with positions): the plans' indices are in time order, and the kept slots past the
+        new length fill the dropped ones (runtime/kv/slot_order.py)."""
+        if in_place:
+            return self._fill(batch, layer)
         if self.store.flushes_blocks:
             return self._restore(batch, checked, layer, windows)
         physical = compact_tensors(self.store.token_tensors(), batch, checked=checked, backend=self.backend)
         if self.store.spec.summaries and len(physical):
             self._refresh_rewritten(batch, physical, layer)
         return physical
+
+    def _fill(self, batch: CompactionBatch, layer: int | None) -> np.ndarray:
+        """Keep plans in place (`compact(..., in_place=True)`): equal counts per KV head, no start slots."""
+        store = self.store
+        if store.spec.positions is None:
+            raise ValueError("a keep in place needs a spec that stores positions (KVSpec.positions)")
+        if batch.starts is not None or not (batch.counts == batch.counts[:, :1]).all():
+            raise ValueError("a keep in place keeps the same count in every KV head")
+        if not len(batch.lengths):
+            return np.zeros(0, dtype=np.int64)
+        counts = batch.counts[:, 0].astype(np.int64)
+        keep = batch.keep[device_ints(batch.pos, batch.keep.device)]  # [N, Hkv, K] in time order
+        order = slot_order.orders(store[store.spec.positions], batch.tables, batch.lengths)
+        slot_order.fill(store.token_tensors(), slot_order.to_slots(keep, order), counts, batch.lengths, batch.tables)
+        if store.spec.summaries and len(counts):
+            self._refresh_rewritten(batch, counts, layer)
+        return counts
+
+    def settle(self, tables: np.ndarray, lengths: np.ndarray) -> None:
+        """Layers `tables [N, W]` (store indices) storing `lengths [N]` slots put back in time order (a
+        spec with positions; runtime/kv/slot_order.py `settle`)."""
+        store = self.store
+        if store.spec.positions is not None and len(tables):
+            slot_order.settle(store.token_tensors(), store[store.spec.positions], tables, lengths)
 
     def _restore(self, batch: CompactionBatch, checked: bool | None, layer: int | None,
                  windows: list[tuple[int | None, int]] | None) -> np.ndarray:

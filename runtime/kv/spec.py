@@ -315,6 +315,9 @@ class KVSpec:
     # the method's keeps may give KV heads different counts (stored right-aligned, per-head start
     # slots the kernels read: docs/design.md, "KV memory")
     head_starts: bool = False
+    # the TOKEN tensor of each slot's logical position (int32): the method's decode-time keep evicts in
+    # place, so slot order is not time order (runtime/kv/slot_order.py); None: slots are in time order
+    positions: str | None = None
     _by_name: dict = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -328,6 +331,10 @@ class KVSpec:
             self._check_encoding(enc)
         for s in self.summaries:
             self._need(s.tensor, Extent.PAGE, "summary")
+        positions = self._need(self.positions, Extent.TOKEN, "positions")
+        if positions is not None and (positions.dtype != torch.int32 or positions.shape != ()):
+            raise ValueError(f"KV spec: positions {positions.name!r} are one int32 per slot, got "
+                             f"{positions.dtype}{list(positions.shape)}")
 
     def _need(self, name: str | None, extent: Extent, what: str) -> TensorSpec | None:
         if name is None:
@@ -409,10 +416,10 @@ class KVSpec:
 
     @property
     def method_tensors(self) -> tuple[TensorSpec, ...]:
-        """Per-token tensors that are the method's own (state planes), not K/V or summaries."""
+        """Per-token tensors that are the method's own (state planes), not K/V, summaries or positions."""
         summaries = {s.tensor for s in self.summaries}
         return tuple(t for t in self.tensors if t.extent is Extent.TOKEN and t.name not in self.kv_tensors
-                     and t.name not in summaries)
+                     and t.name not in summaries and t.name != self.positions)
 
     # ---- bytes ---------------------------------------------------------------------------------
     def bytes_per_token(self, num_kv_heads: int) -> int:

@@ -50,20 +50,30 @@ def test_served_specs_equal_the_hand_built_ones(name, planes, monkeypatch):
     for shape in SHAPES:
         heads, head_dim, dtype, page_size = shape
         spec = method.kv_spec(*shape)
-        before = dense_spec(head_dim, dtype, extra=tuple(state_plane(n) for n in method.state_planes))
+        # a decode-time keep evicts in place and stores each slot's position, unless per-row dicts hold
+        # the decode state (they follow slot order)
+        in_place = name == "streamingllm" or (planes and name in ("h2o", "tova"))
+        positions = (TensorSpec("slot.position", Extent.TOKEN, torch.int32),) if in_place else ()
+        before = dense_spec(head_dim, dtype, extra=tuple(state_plane(n) for n in method.state_planes) + positions)
         assert spec.tensors == before.tensors  # same tensors, same order
         assert (spec.keys, spec.values, spec.summaries) == (Dense("k"), Dense("v"), ())
         assert spec.bytes_per_token(heads) == before.bytes_per_token(heads)
+        assert spec.bytes_per_token(heads) == heads * (2 * head_dim * dtype.itemsize + 4 * len(method.state_planes)
+                                                       + 4 * in_place)
         assert spec.bytes_per_page(heads, page_size) == before.bytes_per_page(heads, page_size)
         assert spec.head_starts is (name == "adakv")  # Ada-KV's per-head counts, stored right-aligned
-        assert spec == dataclasses.replace(before, head_starts=spec.head_starts)
+        assert spec.positions == ("slot.position" if in_place else None)
+        assert spec == dataclasses.replace(before, head_starts=spec.head_starts, positions=spec.positions)
 
 
 def test_every_shipped_method_has_a_kv_spec():
     for name in SHIPPED:
         spec = manifest(name)["kv_spec"]
-        assert set(spec) == {"tensors", "keys", "values", "summaries", "head_starts", "page_tokens", "layers",
-                             "reason"}, name
+        assert set(spec) == {"tensors", "keys", "values", "summaries", "head_starts", "positions", "page_tokens",
+                             "layers", "reason"}, name
+        if spec["positions"] is not None:  # a keep in place: each slot's position, one int32
+            assert {"name": spec["positions"], "extent": "token", "dtype": "int32", "shape": [],
+                    "packing": ""} in spec["tensors"], name
         kinds = {spec["keys"]["kind"], spec["values"]["kind"]}
         assert kinds <= {"dense", "quantized", "low_rank", "delta", "unmapped"}, name
         if "unmapped" in kinds:  # what the spec cannot hold is said, with the .kvm position

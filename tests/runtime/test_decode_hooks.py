@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from kvc.runtime.attention.metadata import StatsFold
 from kvc.runtime.engine import Engine
 from kvc.runtime.llm import LLM
-from kvc.runtime.method_api import AttentionKernels, Hook
+from kvc.runtime.method_api import AttentionKernels, Hook, LayerCacheView
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.sampling_params import SamplingParams
 from tests.models.tiny import make_tiny_llama, make_tiny_qwen3
@@ -154,7 +154,9 @@ def test_hooks_and_graphs_come_from_the_manifest():
     assert tova.state_planes == ("decode_after_attention.scores",)
     spec = h2o.kv_spec(2, 16, torch.float32, 4)
     assert tuple(t.name for t in spec.method_tensors) == h2o.state_planes
-    assert spec.bytes_per_token(2) == 2 * (2 * 16 * 4) + 2 * 2 * 4  # K/V, and two float32 planes per head
+    # K/V, two float32 planes and each slot's int32 position (the keep evicts in place) per head
+    assert spec.bytes_per_token(2) == 2 * (2 * 16 * 4) + 2 * 2 * 4 + 2 * 4
+    assert spec.positions == "slot.position" == stream.kv_spec(2, 16, torch.float32, 4).positions
     assert stream.kv_spec(2, 16, torch.float32, 4).method_tensors == ()
     # the attention variant and the statistics its decode kernels emit, from the manifest
     assert h2o.attention == AttentionKernels("decode_stats", StatsFold("group", "mean"))
@@ -180,7 +182,8 @@ def test_long_generation_fits_a_small_pool(model_dir):
     """Admission by the decode bound: a request whose context outgrows the pool many times over is
     admitted and finishes, its pages bounded by the budget."""
     llm = LLM(str(model_dir), method="streamingllm", method_params={"sink": 4, "recent": 12}, device="cpu",
-              dtype="float32", page_size=PAGE, kv_cache_memory=2 * 2 * PAGE * 16 * 4 * 12,
+              dtype="float32", page_size=PAGE,
+              kv_cache_memory=2 * PAGE * (2 * 16 * 4 + 4) * 12,  # 2 KV heads: K, V and each slot's position
               attention_backend="torch")
     engine = llm.engine
     assert engine.num_pages == 12  # 6 pages per layer: 30 tokens, against a context of 220
@@ -277,8 +280,8 @@ def test_a_step_end_keep_with_where_reading_keys(model_dir, tmp_path, monkeypatc
             continue
         step = seq.num_computed_tokens - 30
         seen[step] = list(seq.kv_lens)
-        pages = torch.stack([engine.attention.k_cache[p] for p in seq.page_tables[0]])  # [P, Hkv, S, D]
-        keys = pages.movedim(1, 0).flatten(1, 2)[:, : seq.kv_lens[0]]  # layer 0, [Hkv, n, D]
+        # layer 0 in time order ([Hkv, n, D]): the keep evicts in place, so slots are not
+        keys = LayerCacheView(engine.attention.store_of(0), seq.page_tables[0], seq.kv_lens[0]).keys()
         if step > 0 and step % 3 == 0:  # evicted: 16 smallest-norm keys of the older ones + the window
             older = before[:, :19]  # the 23 stored before eviction: 22 from the last step + the new one
             want = older.norm(dim=-1).sort(dim=1, stable=True).indices[:, :16].sort(dim=1).values

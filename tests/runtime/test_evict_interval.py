@@ -24,6 +24,7 @@ from kvc.runtime.config import EngineConfig
 from kvc.runtime.engine import Engine
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.llm import LLM
+from kvc.runtime.method_api import LayerCacheView
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.sampling_params import SamplingParams
 from tests.models.tiny import make_tiny_llama
@@ -136,9 +137,9 @@ def test_step_end_runs_only_for_rows_due(model_dir, method):
 
 
 def _layer0_keys(engine: Engine, seq) -> torch.Tensor:
-    """Layer 0's stored keys of `seq`, one row per slot: [n, Hkv * D]."""
-    pages = torch.stack([engine.attention.k_cache[p] for p in seq.page_tables[0]])  # [P, Hkv, S, D]
-    keys = pages.movedim(1, 0).flatten(1, 2)[:, : seq.kv_lens[0]]  # [Hkv, n, D]
+    """Layer 0's stored keys of `seq` in time order (a keep in place moves slots), one row per token:
+    [n, Hkv * D]."""
+    keys = LayerCacheView(engine.attention.store_of(0), seq.page_tables[0], seq.kv_lens[0]).keys()  # [Hkv, n, D]
     return keys.transpose(0, 1).flatten(1)
 
 
@@ -225,14 +226,14 @@ def test_bad_intervals_are_config_errors(value):
 
 
 # ---- the throughput plan counts the interval, and a run at the planned batch fits ----------------
-MEMORY_PAGES = 80  # layer-pages of 4 tokens: 2 KV heads x dim 16 x float32, K and V
+MEMORY_PAGES = 80  # layer-pages of 4 tokens: 2 KV heads x (dim 16 x float32, K and V, + an int32 position)
 PLAN_PAGE = 4
 STREAM = {"sink": 4, "recent": 12}  # keeps 16
 
 
 def _plan(model_dir: Path, interval: int, input_len: int = 24, output_len: int = 40):
     spec = model_spec(str(model_dir), torch.device("cpu"), "float32")
-    memory = MEMORY_PAGES * 2 * 2 * 16 * 4 * PLAN_PAGE
+    memory = MEMORY_PAGES * 2 * (2 * 16 * 4 + 4) * PLAN_PAGE
     return memory, plan_batch(resolve_method("streamingllm", STREAM), spec, memory, PLAN_PAGE, input_len,
                               output_len, 1000, interval)
 

@@ -23,6 +23,7 @@ from kvc.runtime.kv import state_planes
 from kvc.runtime.kv.compaction import CompactionJob, compact_many
 from kvc.runtime.kv.state_planes import BatchSlots
 from kvc.runtime.llm import LLM
+from kvc.runtime.method_api import LayerCacheView
 from kvc.runtime.compiled.method import CompiledMethod
 from kvc.runtime.sampling_params import SamplingParams
 from tests.models.tiny import make_tiny_llama
@@ -124,7 +125,9 @@ def test_plane_state_equals_the_dict_state_after_every_step(model_dir, monkeypat
             assert got_seq.kv_lens == want_seq.kv_lens
             for layer, length in enumerate(got_seq.kv_lens):
                 want = dicts.engine.method._decode_state[want_seq.seq_id, layer]["seen"]
-                got = state_planes.read(plane, got_seq.page_tables[layer], length)
+                # in time order: the planes path's keeps evict in place (runtime/kv/slot_order.py)
+                view = LayerCacheView(planes.engine.attention.store_of(layer), got_seq.page_tables[layer], length)
+                got = view.read_plane(plane)
                 torch.testing.assert_close(got, want[:, :length])
                 compared += 1
     assert not planes.engine.has_unfinished() and compared > 3 * 2 * 10
@@ -187,7 +190,8 @@ def test_planes_follow_preemption(model_dir, monkeypatch):
     llm = make_llm(model_dir, "h2o", True, monkeypatch, kv_cache_memory=1)
     spec = llm.engine.spec
     kv_page = 2 * spec.num_kv_heads * PAGE * spec.head_dim * 4
-    plane_page = 4 * spec.num_kv_heads * PAGE * len(llm.engine.method.state_planes)
+    # the state planes, and each slot's position (H2O's keeps evict in place over planes)
+    plane_page = 4 * spec.num_kv_heads * PAGE * (len(llm.engine.method.state_planes) + 1)
     pages = 30  # layer-pages: each 60-token prompt peaks at 2 x 12
     planes = make_llm(model_dir, "h2o", True, monkeypatch, kv_cache_memory=pages * (kv_page + plane_page))
     dicts = make_llm(model_dir, "h2o", False, monkeypatch, kv_cache_memory=pages * kv_page)

@@ -22,7 +22,7 @@ import torch
 from bench.step_end_runner_host import make_runner
 from kvc.runtime.model_runner import StepOutput
 from kvc.runtime.kv.compaction import CompactionJob, compact_batch, compact_many, stack_keeps
-from kvc.runtime.method_api import KeepPlan, StackedPlan
+from kvc.runtime.method_api import KeepPlan, LayerCacheView, StackedPlan
 
 HEADS = 4
 PAGE = 4
@@ -40,17 +40,33 @@ def device_of(backend: str) -> str:
     return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 
 
-def snapshot(runner, batch) -> dict:
+def snapshot(runner, batch, compacted: dict | None = None) -> dict:
+    """The pools, or with `compacted` (the lengths the step left; a spec whose keeps evict in place)
+    every row's layers in time order: the runner's keeps move slots in place, the oracle's in order."""
     seqs = batch.seqs
-    return {"k": runner.attention.k_cache.clone(), "v": runner.attention.v_cache.clone(),
-            "planes": {n: p.clone() for n, p in runner.planes.items()},
-            "starts": [list(s.kv_starts) for s in seqs], "verbatim": [s.verbatim_from for s in seqs]}
+    store = runner.attention.store
+    if compacted is None:
+        pools = {"k": runner.attention.k_cache.clone(), "v": runner.attention.v_cache.clone(),
+                 **{n: p.clone() for n, p in runner.planes.items()}}
+    else:
+        pools = {}
+        for seq in seqs:
+            for layer in range(runner.num_layers):
+                n = compacted.get(seq.seq_id, {}).get(layer, seq.kv_lens[layer] + 1)
+                view = LayerCacheView(store, seq.page_tables[layer], n)
+                ids = torch.as_tensor(seq.page_tables[layer], device=store.device).repeat_interleave(PAGE)[:n]
+                at = torch.arange(n, device=store.device) % PAGE
+                for name in ("k", "v", *runner.planes):
+                    pools.setdefault(name, []).append(view.in_order(store[name][ids, :, at].transpose(0, 1)))
+    return {"pools": pools, "starts": [list(s.kv_starts) for s in seqs], "verbatim": [s.verbatim_from for s in seqs]}
 
 
 def assert_same(a: dict, b: dict) -> None:
-    assert torch.equal(a["k"], b["k"]) and torch.equal(a["v"], b["v"]), "K/V pools differ"
-    for name in a["planes"]:
-        assert torch.equal(a["planes"][name], b["planes"][name]), f"plane {name} differs"
+    for name, pool in a["pools"].items():
+        other = b["pools"][name]
+        same = torch.equal(pool, other) if isinstance(pool, torch.Tensor) else all(
+            torch.equal(x, y) for x, y in zip(pool, other, strict=True))
+        assert same, f"{name} differs"
     assert a["starts"] == b["starts"] and a["verbatim"] == b["verbatim"]
 
 
@@ -58,6 +74,8 @@ def oracle_step_end(runner, batch, plans_of) -> dict:
     """Per row: the plan, then `compact_many` of that one job; returns the reported lengths."""
     compacted: dict[int, dict[int, int]] = {}
     backend = "triton" if runner.attention.backend == "triton" else "auto"
+    spec = runner.attention.store.spec
+    planes = list(runner.planes.values()) + ([runner.attention.store[spec.positions]] if spec.positions else [])
     for layer in range(runner.num_layers):
         plans = plans_of(layer)
         for seq, plan in zip(batch.seqs, plans):
@@ -66,7 +84,7 @@ def oracle_step_end(runner, batch, plans_of) -> dict:
             job = CompactionJob(seq.page_tables[layer], seq.kv_lens[layer] + 1, plan.indices.clone(), plan.lengths,
                                 seq.kv_starts[layer])
             done = compact_many(runner.attention.k_cache, runner.attention.v_cache, [job], backend=backend,
-                                planes=list(runner.planes.values()))[0]
+                                planes=planes)[0]
             compacted.setdefault(seq.seq_id, {})[layer] = done.length
             seq.verbatim_from = max(seq.verbatim_from, seq.num_computed_tokens + 1 - plan.tail)
             if done.starts is not None or seq.kv_starts[layer] is not None:
@@ -103,7 +121,7 @@ def views_of(runner, batch, layer: int):
 @pytest.mark.parametrize("method", ["h2o", "tova", "streamingllm"])
 def test_compiled_step_end_equals_the_per_row_oracle(method, backend):
     make = dict(batch=7, layers=2, kv=60, page=PAGE, kv_heads=HEADS, head_dim=4, backend=backend, ragged=True,
-                seed=5, device=device_of(backend))
+                seed=5, device=device_of(backend), own_layers=True)
     runner, batch = make_runner(method, **make)
     oracle, obatch = make_runner(method, **make)
     compacted = step_end(runner, batch)
@@ -111,7 +129,8 @@ def test_compiled_step_end_equals_the_per_row_oracle(method, backend):
         oracle.method.step_end(layer, v) for v in views_of(oracle, obatch, layer)])
     assert list(compacted.values()) == list(want.values())  # seq ids differ between the two runners
     assert len(compacted) == 7 and all(len(v) == 2 for v in compacted.values())
-    assert_same(snapshot(runner, batch), snapshot(oracle, obatch))
+    assert runner.attention.store.spec.positions is not None  # the runner's keeps move slots in place
+    assert_same(snapshot(runner, batch, compacted), snapshot(oracle, obatch, want))
 
 
 def ascending(length: int, count: int, start: int, g: torch.Generator) -> torch.Tensor:
@@ -139,7 +158,7 @@ def mixed_plans(layer: int, lengths: list[int], starts: list[list[int] | None], 
 def test_mixed_plans_equal_the_per_row_oracle(backend):
     make = dict(batch=8, layers=2, kv=40, page=PAGE, kv_heads=HEADS, head_dim=4, backend=backend, ragged=True,
                 seed=9, device=device_of(backend))
-    runs = [make_runner("tova", **make) for _ in range(2)]
+    runs = [make_runner("tova", **make, in_place=False) for _ in range(2)]  # per-head counts: in order
     for runner, batch in runs:
         for seq in batch.seqs[5:7]:  # layers compacted before with per-head counts: starts
             seq.kv_starts = [[3, 0, 5, 1] for _ in range(runner.num_layers)]

@@ -99,10 +99,16 @@ def _copy_on_write(pool: PagePool, rng: random.Random, seq: Sequence) -> None:
 
 
 def _compact(scheduler: Scheduler, rng: random.Random, seq: Sequence) -> None:
-    """A keep plan: a layer truncated to fewer tokens, maybe with per-head starts."""
+    """A keep plan: a layer truncated to fewer tokens, maybe with per-head starts; or every layer
+    by the same few tokens (a decode-time keep's step, often freeing no page: the room follows)."""
+    if rng.random() < 0.5:
+        drop = rng.randrange(1, 3)
+        if min(seq.kv_lens) > drop:
+            scheduler._shrink(seq, {layer: kv - drop for layer, kv in enumerate(seq.kv_lens)})
+        return
     layer = rng.randrange(LAYERS)
     kept = rng.randrange(1, seq.kv_lens[layer] + 1)
-    scheduler._shrink(seq, layer, kept)
+    scheduler._shrink(seq, {layer: kept})
     starts = [rng.randrange(kept) for _ in range(HEADS)] if rng.random() < 0.5 else None
     seq.set_kv_starts(layer, starts)
 
