@@ -17,7 +17,8 @@ sympy, from the `keep` that runs at prefill end:
   `with_token_bytes`). Per-sequence windows are not counted.
 - `peak_prefill_bytes`: the whole prompt is resident until prefill ends.
 - `steady_bytes`: after `generated` decode tokens: methods that evict while decoding stay at
-  their budget (evaluated at the grown context), the others grow by one token per step.
+  their budget (evaluated at the grown context), the others grow by one token per step; a decode
+  keep that a parameter switches (`where every > 0 and step % every == 0`) decides which, by it.
 
 `emit_python` prints these as plain Python functions (the generated hook module's `budget`);
 `lambdify` gives the same functions in-process.
@@ -45,6 +46,9 @@ class Budgets:
     params: tuple[str, ...]  # parameters the formulas use, sorted
     held: object = None  # sympy: bound on the most-keeping head's tokens (the layer's slots); None: kept
     token_bytes: object = 2 * HEAD_DIM * DTYPE_BYTES  # sympy: bytes a stored slot costs per KV head and layer
+    # sympy condition on parameters under which the decode-time keeps run (each keep's `where` guard, `every >
+    # 0`); None: they always run (or there are none)
+    decode_switch: object = None
 
     def __post_init__(self) -> None:
         if self.held is None:
@@ -116,9 +120,12 @@ def derive(method: MethodIR) -> Budgets:
     kept = CONTEXT if not keeps else kept_by(keeps[-1].select)
     held = CONTEXT if not keeps else held_by(keeps[-1].select)
     kept, held = kept.subs(PROMPT, CONTEXT), held.subs(PROMPT, CONTEXT)
-    evicts = any(h.keeps for h in method.hooks if h.name in DECODE_HOOKS)
-    names = sorted(str(s) for s in kept.free_symbols | held.free_symbols if str(s) not in SHAPE_SYMBOLS)
-    return Budgets(kept, evicts, tuple(names), held)
+    decode_keeps = [h for h in method.hooks if h.name in DECODE_HOOKS and h.keeps]
+    guards = [h.period[1] if h.period is not None else [] for h in decode_keeps]
+    switch = sp.Or(*[sp.And(*g) for g in guards]) if decode_keeps and all(guards) else None
+    symbols = kept.free_symbols | held.free_symbols | (switch.free_symbols if switch is not None else set())
+    names = sorted(str(s) for s in symbols if str(s) not in SHAPE_SYMBOLS)
+    return Budgets(kept, bool(decode_keeps), tuple(names), held, decode_switch=switch)
 
 
 class _Printer(PythonCodePrinter):
@@ -145,6 +152,11 @@ def emit_python(budgets: Budgets) -> str:
     kept_src, held_src, slot_src = _pycode(budgets.kept), _pycode(budgets.held), _pycode(budgets.token_bytes)
     grow = "0" if budgets.evicts_while_decoding else "generated"
     at = "prompt + generated" if budgets.evicts_while_decoding else "prompt"
+    switch = ""
+    if budgets.decode_switch is not None:  # a decode keep a parameter switches: grow where it is off
+        switch = (f"{unpack(budgets.decode_switch)}    decoding = {_pycode(budgets.decode_switch)}\n"
+                  "    at, grow = (prompt + generated, 0) if decoding else (prompt, generated)\n")
+        at, grow = "at", "grow"
     return (
         "def _floor(x):\n"
         "    return math.floor(x)\n\n\n"
@@ -175,6 +187,7 @@ def emit_python(budgets: Budgets) -> str:
         "def steady_bytes(prompt, generated, *, layers, kv_heads, head_dim, dtype_bytes, params):\n"
         '    """KV bytes after `generated` decode steps."""\n'
         "    shape = dict(kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)\n"
+        f"{switch}"
         f"    return kv_heads * sum((held_tokens({at}, layer, layers, kv_heads, params) + {grow})\n"
         "                          * slot_bytes(layer, **shape) for layer in range(layers))\n"
     )

@@ -12,7 +12,10 @@ manifest keeps the same expressions as text for readers (the kernels' `WINDOW_EX
 - `decode_query_window(params)`: how many of the newest queries `step_end` reads, the largest `q[last n]` of
   its body (0: none), which the engine keeps per sequence and layer while decoding (runtime/kv/query_window.py);
 - `KEEP_PERIODS`: for each keeping hook whose `where` is `step % n == 0` (n of the parameters), n: the engine's
-  decode bound of such a keep (runtime/compiled/step_end.py `decode_bound`);
+  decode bound of such a keep (runtime/compiled/step_end.py `decode_bound`). A `where` may add conditions on
+  parameters alone (`every > 0 and step % every == 0`): where they fail the period is 0, the keep never runs
+  (the engine serves the method as if it had none: a decode-time budget that is a method parameter), and
+  `decode_query_window` is 0 too;
 - `<hook>_tail(sym, params)` for each keeping hook with a `+ last N`, collected in `KEEP_TAILS`: that
   N from the hook's symbols and the parameters, unclamped (`CompiledMethod.kept_tail` clamps it).
 """
@@ -92,12 +95,29 @@ def _queries(node, windows: list, bare: list, windowed: bool = False) -> None:
             _queries(item, windows, bare, windowed)
 
 
+def _guard_lines(guards: list, params: list[str], what: str) -> list[str]:
+    """`if not (...): return 0` for a keep's parameter conditions (none: no lines); NotLowerable if they read
+    anything but parameters."""
+    if not guards:
+        return []
+    for g in guards:
+        _unpack(g, params, what, allowed=())
+    conds = [_py(g) for g in guards]  # sympy prints a relation in parentheses
+    test = conds[0] if len(conds) == 1 else f"({' and '.join(conds)})"
+    return [f"    if not {test}:", "        return 0"]
+
+
 def decode_query_window_source(method: MethodIR, params: list[str]) -> str:
     hook = method.hook("step_end")
     windows: list = []
     bare: list = []
     if hook is not None:
         _queries(hook.stmts, windows, bare)
+    found = hook.period if hook is not None else None
+    try:
+        guard = _guard_lines(found[1], params, "step_end's switch") if found and windows else []
+    except NotLowerable:
+        guard = []
     if bare:
         raise NotLowerable("step_end reads the queries as `q[last n]` only (the newest decode queries)")
     counts = list(dict.fromkeys(windows))  # a value two statements share is walked twice
@@ -105,32 +125,33 @@ def decode_query_window_source(method: MethodIR, params: list[str]) -> str:
            '    kept per sequence and layer while decoding."""')
     head = ["def decode_query_window(params):", doc]
     unpack: list[str] = []
-    for n in counts:
-        unpack += [line for line in _unpack(n, params, "step_end's `q[last n]`", allowed=()) if line not in unpack]
+    for n in counts + ([found[1]] if guard else []):
+        for g in (n if isinstance(n, list) else [n]):
+            unpack += [line for line in _unpack(g, params, "step_end's `q[last n]`", allowed=()) if line not in unpack]
     if all(sp.sympify(n).is_Integer for n in counts):
-        return "\n".join(head + [f"    return {max([0] + [int(n) for n in counts])}"]) + "\n"
+        return "\n".join(head + unpack + guard + [f"    return {max([0] + [int(n) for n in counts])}"]) + "\n"
     value = ", ".join(["0"] + [f"int({_py(n)})" for n in counts])
-    return "\n".join(head + unpack + [f"    return max({value})"]) + "\n"
+    return "\n".join(head + unpack + guard + [f"    return max({value})"]) + "\n"
 
 
 def keep_periods_source(method: MethodIR, params: list[str]) -> str:
     functions, entries = [], []
-    step = sp.Symbol("step")
     for hook in method.hooks:
-        where = hook.where
-        if not hook.keeps or where is None or not isinstance(where, sp.Eq) or where.rhs != 0:
+        found = hook.period if hook.keeps else None
+        if found is None:
             continue
-        mod = where.lhs
-        if not isinstance(mod, sp.Mod) or mod.args[0] != step or step in mod.args[1].free_symbols:
-            continue
+        period, guards = found
         try:
-            unpack = _unpack(mod.args[1], params, f"the period of {hook.name}'s keep", allowed=())
+            what = f"the period of {hook.name}'s keep"
+            unpack = _unpack(period, params, what, allowed=())
+            unpack += [line for g in guards for line in _unpack(g, params, what, allowed=()) if line not in unpack]
+            guard = _guard_lines(guards, params, what)
         except NotLowerable:  # a period of model symbols: no decode bound (the engine counts every token)
             continue
         doc = (f'    """The steps between `on {hook.name}`\'s keeps ({method.path}:{hook.line}: '
-               '`where step % n == 0`)."""')
-        functions.append("\n".join([f"def {hook.name}_period(params):", doc] + unpack
-                                    + [f"    return {_py(mod.args[1])}"]))
+               '`where step % n == 0`; 0: it never runs)."""')
+        functions.append("\n".join([f"def {hook.name}_period(params):", doc] + unpack + guard
+                                    + [f"    return {_py(period)}"]))
         entries.append(f'"{hook.name}": {hook.name}_period')
     table = "KEEP_PERIODS = {" + ", ".join(entries) + "}  # keeping hook with `where step % n == 0` -> n"
     return "\n\n\n".join(functions + [table]) + "\n"

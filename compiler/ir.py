@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 
+import sympy as sp
+
 from kvc.dsl import ast
 from kvc.dsl.symbolic import NotSymbolic, to_sympy
 from kvc.dsl.types import Scalar as ScalarType
@@ -247,6 +249,21 @@ class HookIR:
     @property
     def keeps(self) -> list[Keep]:
         return [s for s in self.stmts if isinstance(s, Keep)]
+
+    @property
+    def period(self) -> tuple[object, list] | None:
+        """(n, guards) of a `where` that is `step % n == 0`, alone or with conditions that do not read
+        `step` (`guards`: a parameter switching the hook on, `every > 0`); None for any other `where`."""
+        if self.where is None:
+            return None
+        step = sp.Symbol("step")
+        parts = list(self.where.args) if isinstance(self.where, sp.And) else [self.where]
+        periods = [p for p in parts if isinstance(p, sp.Eq) and p.rhs == 0 and isinstance(p.lhs, sp.Mod)
+                   and p.lhs.args[0] == step and step not in p.lhs.args[1].free_symbols]
+        guards = [p for p in parts if p not in periods]
+        if len(periods) != 1 or any(step in g.free_symbols for g in guards):
+            return None
+        return periods[0].lhs.args[1], guards
 
     @property
     def reads(self) -> list[Read]:

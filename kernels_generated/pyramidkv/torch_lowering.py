@@ -43,16 +43,17 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
 
 METHOD = "pyramidkv"
 FAMILY = "eviction"
-DEFAULTS = {'beta': 20, 'budget': 2048, 'kernel': 5, 'pooling': 'avg', 'window': 32}
+DEFAULTS = {'beta': 20, 'budget': 2048, 'every': 0, 'kernel': 5, 'pooling': 'avg', 'window': 32}
 STATES = []
 # the parameters each hook reads: what a hook computes from its inputs and no parameter is the same
 # under every parameter (a replayed prefill's chunk state is computed once for every budget)
-HOOK_PARAMS = {'prefill_end': ['beta', 'budget', 'kernel', 'pooling', 'window']}
+HOOK_PARAMS = {'prefill_end': ['beta', 'budget', 'kernel', 'pooling', 'window'],
+ 'step_end': ['beta', 'budget', 'every', 'kernel', 'pooling', 'window']}
 NEG_INF = float("-inf")
 
 
 def prefill_end_scores(inputs, state, sym, params):
-    """`on prefill_end` (methods/pyramidkv.kvm:21): ranking scores [kv_head, key]."""
+    """`on prefill_end` (methods/pyramidkv.kvm:26): ranking scores [kv_head, key]."""
     k = inputs["k"]
     q = inputs["q"]
     beta = params["beta"]
@@ -63,6 +64,7 @@ def prefill_end_scores(inputs, state, sym, params):
     layer = sym["layer"]
     layers = sym["layers"]
     pooling = params["pooling"]
+    prompt = sym["prompt"]
     window = params["window"]
     t1 = _window(q, 1, "last", window)
     t2 = _attention(t1, k, softmax=True)
@@ -84,6 +86,7 @@ def prefill_end_select(scores, sym, params):
     layer = sym["layer"]
     layers = sym["layers"]
     pooling = params["pooling"]
+    prompt = sym["prompt"]
     window = params["window"]
     return _select(
         scores,
@@ -91,7 +94,61 @@ def prefill_end_select(scores, sym, params):
         kv_heads,
         first=None,
         last=window,
-        count=((budget - window) if (context < 2*budget - 2*window) else (-layer*_floor((-2*budget + 2*window + 2*min(context - window, 2*budget - 2*window - _floor((budget - window)/beta)))/max(1, layers - 1)) + min(context - window, 2*budget - 2*window - _floor((budget - window)/beta)))),
+        count=((budget - window) if (prompt < 2*budget - 2*window) else (-layer*_floor((-2*budget + 2*window + 2*min(prompt - window, 2*budget - 2*window - _floor((budget - window)/beta)))/max(1, layers - 1)) + min(prompt - window, 2*budget - 2*window - _floor((budget - window)/beta)))),
+        at_least=None,
+        granularity="kv_head",
+    )
+
+
+def step_end_scores(inputs, state, sym, params):
+    """`on step_end` (methods/pyramidkv.kvm:31): ranking scores [kv_head, key]."""
+    k = inputs["k"]
+    q = inputs["q"]
+    beta = params["beta"]
+    budget = params["budget"]
+    context = sym["context"]
+    every = params["every"]
+    kernel = params["kernel"]
+    kv_heads = sym["kv_heads"]
+    layer = sym["layer"]
+    layers = sym["layers"]
+    pooling = params["pooling"]
+    prompt = sym["prompt"]
+    step = sym["step"]
+    window = params["window"]
+    t1 = _window(q, 1, "last", window)
+    t2 = _attention(t1, k, softmax=True)
+    t3 = _window(t2, 2, "first", context - window)
+    t4 = _reduce(t3, "sum", (1,))
+    t5 = _pool(t4, pooling, kernel, 1)
+    t6 = _group(t5, "mean", 0, kv_heads)
+    scores = _full_scores(t6, True, kv_heads, context)
+    return scores
+
+
+def step_end_select(scores, sym, params):
+    """`on step_end`: kept key indices per KV head (a list of ascending index tensors)."""
+    beta = params["beta"]
+    budget = params["budget"]
+    context = sym["context"]
+    every = params["every"]
+    kernel = params["kernel"]
+    kv_heads = sym["kv_heads"]
+    layer = sym["layer"]
+    layers = sym["layers"]
+    pooling = params["pooling"]
+    prompt = sym["prompt"]
+    step = sym["step"]
+    window = params["window"]
+    if not ((step % every == 0) and (every > 0)):
+        return [torch.arange(context, device=scores.device) for _ in range(kv_heads)]
+    return _select(
+        scores,
+        context,
+        kv_heads,
+        first=None,
+        last=window,
+        count=((budget - window) if (prompt < 2*budget - 2*window) else (-layer*_floor((-2*budget + 2*window + 2*min(prompt - window, 2*budget - 2*window - _floor((budget - window)/beta)))/max(1, layers - 1)) + min(prompt - window, 2*budget - 2*window - _floor((budget - window)/beta)))),
         at_least=None,
         granularity="kv_head",
     )

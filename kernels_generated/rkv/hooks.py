@@ -107,7 +107,7 @@ KEEP_TAILS = {"step_end": step_end_tail}  # keeping hook -> its `+ last N` (none
 
 
 def step_end_period(params):
-    """The steps between `on step_end`'s keeps (methods/rkv.kvm:16: `where step % n == 0`)."""
+    """The steps between `on step_end`'s keeps (methods/rkv.kvm:16: `where step % n == 0`; 0: it never runs)."""
     every = params["every"]
     return every
 

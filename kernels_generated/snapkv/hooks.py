@@ -12,8 +12,8 @@ entry points of the torch backend.
 Budget formulas (sympy, also in manifest.json):
     held_tokens_per_layer = Min(context, Max(0, floor(window)) + Max(0, floor(budget - window)))
     kept_tokens_per_layer = Min(context, Max(0, floor(window)) + Max(0, floor(budget - window)))
-    kv_bytes = Sum(2*dtype_bytes*head_dim*kv_heads*Min(context, Max(0, floor(window)) + Max(0, floor(budget - window))), (layer, 0, layers - 1))
-    peak_prefill_bytes = 2*context*dtype_bytes*head_dim*kv_heads*layers
+    kv_bytes = Sum(kv_heads*(2*dtype_bytes*head_dim + 4)*Min(context, Max(0, floor(window)) + Max(0, floor(budget - window))), (layer, 0, layers - 1))
+    peak_prefill_bytes = context*kv_heads*layers*(2*dtype_bytes*head_dim + 4)
 """
 
 import math
@@ -26,8 +26,8 @@ from . import torch_lowering  # relative: the engine also loads this folder by p
 
 METHOD = "snapkv"
 FAMILY = "eviction"
-DEFAULTS = {'budget': 2048, 'kernel': 5, 'pooling': 'avg', 'window': 32}
-HOOKS = ['prefill_end']
+DEFAULTS = {'budget': 2048, 'every': 0, 'kernel': 5, 'pooling': 'avg', 'window': 32}
+HOOKS = ['prefill_end', 'step_end']
 
 score = torch_lowering.score
 select = torch_lowering.select
@@ -59,7 +59,7 @@ def held_tokens(context, layer, layers, kv_heads, params):
 
 def slot_bytes(layer, *, kv_heads, head_dim, dtype_bytes, params):
     """Bytes a stored slot costs per KV head in `layer` (the KV spec's per-token and per-page tensors)."""
-    return 2*dtype_bytes*head_dim
+    return 2*dtype_bytes*head_dim + 4
 
 
 def kv_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, params):
@@ -78,7 +78,10 @@ def peak_prefill_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, para
 def steady_bytes(prompt, generated, *, layers, kv_heads, head_dim, dtype_bytes, params):
     """KV bytes after `generated` decode steps."""
     shape = dict(kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
-    return kv_heads * sum((held_tokens(prompt, layer, layers, kv_heads, params) + generated)
+    every = params["every"]
+    decoding = (every > 0)
+    at, grow = (prompt + generated, 0) if decoding else (prompt, generated)
+    return kv_heads * sum((held_tokens(at, layer, layers, kv_heads, params) + grow)
                           * slot_bytes(layer, **shape) for layer in range(layers))
 
 
@@ -98,19 +101,37 @@ def query_window(params):
 def decode_query_window(params):
     """How many of the newest queries step_end reads: the largest `q[last n]` of its body (0: none),
     kept per sequence and layer while decoding."""
-    return 0
+    window = params["window"]
+    every = params["every"]
+    if not (every > 0):
+        return 0
+    return max(0, int(window))
 
 
 def prefill_end_tail(sym, params):
-    """The `+ last N` of `on prefill_end`'s keep (methods/snapkv.kvm:14): the newest stored tokens it always keeps."""
+    """The `+ last N` of `on prefill_end`'s keep (methods/snapkv.kvm:18): the newest stored tokens it always keeps."""
     window = params["window"]
     return window
 
 
-KEEP_TAILS = {"prefill_end": prefill_end_tail}  # keeping hook -> its `+ last N` (none: 0)
+def step_end_tail(sym, params):
+    """The `+ last N` of `on step_end`'s keep (methods/snapkv.kvm:24): the newest stored tokens it always keeps."""
+    window = params["window"]
+    return window
 
 
-KEEP_PERIODS = {}  # keeping hook with `where step % n == 0` -> n
+KEEP_TAILS = {"prefill_end": prefill_end_tail, "step_end": step_end_tail}  # keeping hook -> its `+ last N` (none: 0)
+
+
+def step_end_period(params):
+    """The steps between `on step_end`'s keeps (methods/snapkv.kvm:24: `where step % n == 0`; 0: it never runs)."""
+    every = params["every"]
+    if not (every > 0):
+        return 0
+    return every
+
+
+KEEP_PERIODS = {"step_end": step_end_period}  # keeping hook with `where step % n == 0` -> n
 
 
 def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
@@ -118,11 +139,12 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
     tensors = [
         TensorSpec("k", Extent.TOKEN, dtype, (head_dim,)),
         TensorSpec("v", Extent.TOKEN, dtype, (head_dim,)),
+        TensorSpec("slot.position", Extent.TOKEN, torch.int32, ()),
     ]
     keys = Dense("k")
     values = Dense("v")
     summaries = ()
-    return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, head_starts=False)
+    return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, head_starts=False, positions="slot.position")
 
 
 def page_tokens(params):

@@ -43,16 +43,17 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
 
 METHOD = "snapkv"
 FAMILY = "eviction"
-DEFAULTS = {'budget': 2048, 'kernel': 5, 'pooling': 'avg', 'window': 32}
+DEFAULTS = {'budget': 2048, 'every': 0, 'kernel': 5, 'pooling': 'avg', 'window': 32}
 STATES = []
 # the parameters each hook reads: what a hook computes from its inputs and no parameter is the same
 # under every parameter (a replayed prefill's chunk state is computed once for every budget)
-HOOK_PARAMS = {'prefill_end': ['budget', 'kernel', 'pooling', 'window']}
+HOOK_PARAMS = {'prefill_end': ['budget', 'kernel', 'pooling', 'window'],
+ 'step_end': ['budget', 'every', 'kernel', 'pooling', 'window']}
 NEG_INF = float("-inf")
 
 
 def prefill_end_scores(inputs, state, sym, params):
-    """`on prefill_end` (methods/snapkv.kvm:14): ranking scores [kv_head, key]."""
+    """`on prefill_end` (methods/snapkv.kvm:18): ranking scores [kv_head, key]."""
     k = inputs["k"]
     q = inputs["q"]
     budget = params["budget"]
@@ -79,6 +80,52 @@ def prefill_end_select(scores, sym, params):
     kv_heads = sym["kv_heads"]
     pooling = params["pooling"]
     window = params["window"]
+    return _select(
+        scores,
+        context,
+        kv_heads,
+        first=None,
+        last=window,
+        count=budget - window,
+        at_least=None,
+        granularity="kv_head",
+    )
+
+
+def step_end_scores(inputs, state, sym, params):
+    """`on step_end` (methods/snapkv.kvm:24): ranking scores [kv_head, key]."""
+    k = inputs["k"]
+    q = inputs["q"]
+    budget = params["budget"]
+    context = sym["context"]
+    every = params["every"]
+    kernel = params["kernel"]
+    kv_heads = sym["kv_heads"]
+    pooling = params["pooling"]
+    step = sym["step"]
+    window = params["window"]
+    t1 = _window(q, 1, "last", window)
+    t2 = _attention(t1, k, softmax=True)
+    t3 = _window(t2, 2, "first", context - window)
+    t4 = _reduce(t3, "sum", (1,))
+    t5 = _pool(t4, pooling, kernel, 1)
+    t6 = _group(t5, "mean", 0, kv_heads)
+    scores = _full_scores(t6, True, kv_heads, context)
+    return scores
+
+
+def step_end_select(scores, sym, params):
+    """`on step_end`: kept key indices per KV head (a list of ascending index tensors)."""
+    budget = params["budget"]
+    context = sym["context"]
+    every = params["every"]
+    kernel = params["kernel"]
+    kv_heads = sym["kv_heads"]
+    pooling = params["pooling"]
+    step = sym["step"]
+    window = params["window"]
+    if not ((step % every == 0) and (every > 0)):
+        return [torch.arange(context, device=scores.device) for _ in range(kv_heads)]
     return _select(
         scores,
         context,

@@ -15,7 +15,7 @@ import torch
 from kvc.runtime.primitives.torch_primitives import pool as _pool  # noqa: F401 -- the wrappers that pool call it
 from kvc.runtime.primitives.triton_primitives import column_votes as _column_votes
 
-DEFAULTS = {'budget': 2048, 'kernel': 5, 'pooling': 'avg', 'window': 32}
+DEFAULTS = {'budget': 2048, 'every': 0, 'kernel': 5, 'pooling': 'avg', 'window': 32}
 
 
 def _floor(x):

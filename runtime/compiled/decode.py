@@ -9,6 +9,7 @@ lowering; nothing here knows a method by name. Step end (the keep's plans) is st
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -101,6 +102,18 @@ def read_decode_facts(code: GeneratedCode, use_state_planes: bool) -> DecodeFact
         hooks.add(Hook.STEP_END)
     return DecodeFacts(frozenset(hooks), keep_hook, facts[keep_hook] if keep_hook else None, select, step_scores,
                        after, after_fn, paged, scores_plane, planes)
+
+
+def without_idle_keep(facts: DecodeFacts, code: GeneratedCode, params: dict[str, Any]) -> DecodeFacts:
+    """`facts` as if the method had no decode-time keep where that keep's period is 0 for these
+    parameters: a keep `where every > 0 and step % every == 0` with every = 0, a decode budget that a
+    parameter switches off (the compiler's KEEP_PERIODS), so the method decodes exactly as one without."""
+    period = code.keep_periods.get(facts.keep_hook) if facts.keep_hook else None
+    if period is None or int(period(params)) > 0:
+        return facts
+    hooks = facts.hooks if facts.paged else facts.hooks - {Hook.STEP_END}
+    return dataclasses.replace(facts, hooks=frozenset(hooks), keep_hook=None, keep=None, select=None,
+                               step_scores=None)
 
 
 class DecodeHooks:

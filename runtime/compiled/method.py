@@ -21,7 +21,7 @@ import torch
 
 from kvc.runtime.compiled import folder as compiled_folder
 from kvc.runtime.compiled.budget import CompiledBudget
-from kvc.runtime.compiled.decode import DECODE_KEEP_HOOKS, DecodeHooks, decode_sym, read_decode_facts
+from kvc.runtime.compiled.decode import DECODE_KEEP_HOOKS, DecodeHooks, decode_sym, read_decode_facts, without_idle_keep
 from kvc.runtime.compiled.folder import ALL_QUERIES, GeneratedCode
 from kvc.runtime.compiled.inputs import digest, load_declared
 from kvc.runtime.compiled.prefill import PrefillHooks
@@ -74,7 +74,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         self.window = code.query_window(params)
         self.budget = CompiledBudget(code.held_tokens, params, 1, 1)
         self.attention = code.attention
-        self.decoding = facts = read_decode_facts(code, self.use_state_planes)
+        self.decoding = facts = without_idle_keep(read_decode_facts(code, self.use_state_planes), code, params)
         self.paged_state, self.state_planes, self.decode_graphs = facts.paged, facts.planes, facts.graphs
         # a read over cluster indices: written into the rows between steps (cluster_index.py)
         self.indices = None if self.reader is None else self.reader.indices
@@ -85,7 +85,8 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         # the model's query heads (`bind`, else the first prefill_end's queries): a decode query window's size,
         # the `heads` of a cluster index's symbols
         self.num_heads: int | None = None
-        self.decode_window = code.decode_query_window(params)  # the newest queries step_end reads (0: none)
+        # the newest queries step_end reads (0: none)
+        self.decode_window = code.decode_query_window(params) if facts.keep_hook == "step_end" else 0
         self.seqs = SequenceStates(name, code.states, facts.planes)
         self.decoder = DecodeHooks(name, params, facts, self.seqs, self.budget, code)
         self._select_fn, self._group_mode = facts.select, group_mode(facts, bool(code.states))
@@ -184,6 +185,9 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
             raise ConfigError(f"method {self.name!r}: {e}{hint}",
                               param="page_size" if pages else "method_params") from None
         planes = {t.name for t in spec.method_tensors}
+        if spec.positions is not None and self.decoding.keep_hook is None:  # a decode keep switched off
+            spec = dataclasses.replace(spec, tensors=tuple(t for t in spec.tensors if t.name != spec.positions),
+                                       positions=None)
         if spec.positions is not None and not self.paged_state and self.decoding.after is not None:
             planes.add(spec.positions)  # per-row dicts follow slot order: the keep compacts in order
             spec = dataclasses.replace(spec, positions=None)

@@ -115,5 +115,9 @@ def test_a_periodic_keep_has_its_period():
     from kvc.kernels_generated.snapkv import hooks as snapkv
 
     assert rkv.KEEP_PERIODS["step_end"]({"every": 7}) == 7
-    assert snapkv.KEEP_PERIODS == {}
+    # `where every > 0 and step % every == 0`: a parameter switches the keep; 0 when it is off
+    assert snapkv.KEEP_PERIODS["step_end"]({"every": 5}) == 5
+    assert snapkv.KEEP_PERIODS["step_end"]({"every": 0}) == 0
+    assert snapkv.decode_query_window({"every": 0, "window": 32}) == 0
+    assert snapkv.decode_query_window({"every": 3, "window": 32}) == 32
     assert "KEEP_PERIODS = {}" in (OUTPUT_DIR / "streamingllm" / "hooks.py").read_text()

@@ -120,4 +120,6 @@ def test_kv_bytes_and_peak():
     shape = {"layers": 4, "kv_heads": 2, "head_dim": 8, "dtype_bytes": 2, "params": method.values}
     assert ns["kv_bytes"](4096, **shape) == 2 * 4 * 2 * 8 * 2 * 512
     assert ns["peak_prefill_bytes"](4096, **shape) == 2 * 4 * 2 * 8 * 2 * 4096
-    assert ns["steady_bytes"](4096, 10, **shape) == 2 * 2 * 8 * 2 * (4 * 512 + 4 * 10)
+    assert ns["steady_bytes"](4096, 10, **shape) == 2 * 2 * 8 * 2 * (4 * 512 + 4 * 10)  # `every` 0: the prompt only
+    decoding = {**shape, "params": {**method.values, "every": 4}}  # a decode budget: the budget while decoding
+    assert ns["steady_bytes"](4096, 10, **decoding) == 2 * 2 * 8 * 2 * 4 * 512

@@ -119,3 +119,31 @@ class RKV:
         keys = torch.stack(list(cache.keys))
         _gather(cache, rkv.keep(self.queries[layer], keys, **self.params))
 
+
+
+class SnapKV:
+    """SnapKV (Li et al. 2024) with a decode budget, as `methods/snapkv.kvm` and `pyramidkv.kvm` spell `every`:
+    after decoding step s (1 at the first) with s % every == 0, a layer holding more than its budget (the
+    prefill's: SnapKV's `budget`, PyramidKV's per layer) keeps SnapKV's choice again over its stored keys, the
+    newest `window` kept, scored by its newest `window` queries (the prompt's last ones first, then each
+    step's), each attending causally over the stored keys up to its own."""
+
+    def __init__(self, *, budgets: list[int], window: int, kernel: int, pool: str, every: int,
+                 prompt_queries: list[torch.Tensor]) -> None:
+        self.budgets, self.window, self.kernel, self.pool, self.every = budgets, window, kernel, pool, every
+        self.queries = [q[:, -window:] for q in prompt_queries]  # per layer [Hq, <= window, D]
+        self.steps = [0] * len(prompt_queries)
+
+    def step(self, layer: int, q: torch.Tensor, cache) -> None:
+        from tests.references.eviction import rank_snapkv
+
+        self.queries[layer] = torch.cat([self.queries[layer], q[:, None]], dim=1)[:, -self.window:]
+        self.steps[layer] += 1
+        n, budget = cache.keys[0].shape[0], self.budgets[layer]
+        if self.steps[layer] % self.every or n <= budget:
+            return
+        keys = torch.stack(list(cache.keys))  # [Hkv, n, D]
+        queries = keys.new_zeros(q.shape[0], n, keys.shape[-1])  # the window's queries at their positions
+        queries[:, n - self.window:] = self.queries[layer].to(keys.dtype)
+        ranking = rank_snapkv(queries, keys, budget=budget, window=self.window, kernel=self.kernel, pool=self.pool)
+        _gather(cache, ranking.kept())

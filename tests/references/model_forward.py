@@ -222,6 +222,15 @@ def _decode_evictor(method: str, layers: list[LayerPrompt], rankings: list[Ranki
         return decode_eviction.TOVA(budget=params["budget"], interval=interval)
     if method == "rkv":
         return decode_eviction.RKV(prompt_queries=[t.q for t in layers], **params)
+    if method in ("snapkv", "pyramidkv"):  # a decode budget (`every`): back to each layer's prefill budget
+        from tests.references.eviction import kvcache_factory_budgets
+
+        window = params["window"]
+        budgets = [params["budget"]] * len(layers) if method == "snapkv" else kvcache_factory_budgets(
+            prompt_len, num_layers=len(layers), budget=params["budget"], window=window, beta=params.get("beta", 20))
+        return decode_eviction.SnapKV(budgets=budgets, window=window, kernel=params["kernel"],
+                                      pool=params.get("pooling", "avg"), every=params["every"],
+                                      prompt_queries=[t.q for t in layers])
     if method == "h2o":
         seen = [accumulated_attention(t.q, t.k).gather(1, ranking.kept()) for t, ranking in zip(layers, rankings)]
         return decode_eviction.H2O(heavy=int(params["heavy"] * prompt_len), recent=int(params["recent"] * prompt_len),
@@ -240,6 +249,10 @@ def _prefill_params(method: str, prompt_len: int, params: dict[str, Any]) -> tup
         return "h2o", {"budget": int(params["heavy"] * prompt_len) + recent, "recent": recent}
     if method == "rkv":  # no prefill-end keep: every prompt token stays
         return "streamingllm", {"budget": prompt_len, "n_sink": 0}
+    if method in ("snapkv", "pyramidkv"):
+        shared = {"budget": params["budget"], "window": params["window"], "kernel": params["kernel"],
+                  "pool": params.get("pooling", "avg")}
+        return ("snapkv", shared) if method == "snapkv" else ("pyramidkv_factory", {**shared, "beta": params["beta"]})
     raise ValueError(f"no decode-time reference for {method!r}")
 
 
@@ -250,7 +263,8 @@ def greedy_compressed_decode(
     `interval` tokens of growth past the budget, with `interval` > 1).
 
     `method` is one of streamingllm (sink, recent), h2o (heavy, recent: fractions of the prompt),
-    tova (budget) and rkv (budget, window, kernel, mix, threshold, every), with kvc's parameter names.
+    tova (budget), rkv (budget, window, kernel, mix, threshold, every), and snapkv / pyramidkv with a decode
+    budget (budget, window, kernel, pooling, every; pyramidkv's beta), with kvc's parameter names.
     Returns the greedy tokens [steps], their logits [steps, vocab], and per decoding step the cache
     length of every layer after eviction."""
     prompt_len = prompt_ids.numel()

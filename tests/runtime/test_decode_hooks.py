@@ -124,6 +124,42 @@ def test_rkv_tokens_and_lengths_follow_the_oracle(model_dir, hf):
             assert step_lengths == [want] * len(step_lengths), (len(prompt), step)
 
 
+DECODE_BUDGETS = {"snapkv": {"budget": 24, "window": 4, "kernel": 5, "pooling": "avg", "every": 4},
+                  "pyramidkv": {"budget": 24, "window": 4, "kernel": 3, "pooling": "max", "beta": 2, "every": 3}}
+
+
+@pytest.mark.parametrize("method", sorted(DECODE_BUDGETS))
+def test_a_decode_budget_follows_the_oracle(model_dir, hf, method):
+    """SnapKV and PyramidKV with `every` > 0: every `every` decoding steps each layer ranks its stored tokens
+    again, generated ones included, and drops back to its prefill budget (a method parameter, not an engine
+    mode: methods/snapkv.kvm)."""
+    params = DECODE_BUDGETS[method]
+    engine, oracle = _follow_the_oracle(model_dir, hf, method, params)
+    every = params["every"]
+    assert engine.method.decode_window == params["window"]
+    assert engine.attention.store_of(0).spec.positions == "slot.position"  # its keeps evict in place
+    for prompt, want_lengths in zip(prompts_of(LENGTHS, seed=21), oracle):
+        kept = [engine.method.budget.kept(len(prompt), layer) for layer in range(engine.spec.num_layers)]
+        # admission's bound: the prefill's kept tokens and `every` more, then back
+        assert [engine.method.decode_bound(len(prompt), len(prompt) + STEPS, layer)
+                for layer in range(engine.spec.num_layers)] == [n + every for n in kept]
+        for step, step_lengths in enumerate(want_lengths, start=1):
+            assert step_lengths == [n + step % every for n in kept], (len(prompt), step)
+
+
+def test_a_decode_budget_is_off_by_default(model_dir):
+    """`every` = 0 (the default): SnapKV decodes as the paper's prefill-only method, with no step_end,
+    no query windows and no slot positions."""
+    from kvc.runtime.method_api import Hook as H
+
+    engine = make_engine(model_dir, "snapkv", {"budget": 24, "window": 4})
+    assert H.STEP_END not in engine.method.hooks and engine.method.decode_window == 0
+    assert engine.attention.store_of(0).spec.positions is None
+    assert engine.method.decoding.keep_hook is None
+    on = make_engine(model_dir, "snapkv", {"budget": 24, "window": 4, "every": 2})
+    assert H.STEP_END in on.method.hooks and on.method.decoding.keep_hook == "step_end"
+
+
 @pytest.mark.parametrize("method", ["h2o", "streamingllm"])
 def test_abort_mid_decode_returns_everything(model_dir, method):
     engine = make_engine(model_dir, method)

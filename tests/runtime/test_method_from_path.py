@@ -56,7 +56,7 @@ def test_a_user_kvm_serves_like_the_shipped_method(model_dir, tmp_path, cache_ro
     shipped_before = sorted(p.as_posix() for p in OUTPUT_DIR.rglob("*") if "__pycache__" not in p.parts)
     mine = make_llm(model_dir, str(path), None)
     method = mine.engine.method
-    assert method.name == "mine" and method.params == {**SNAP, "pooling": "avg"}
+    assert method.name == "mine" and method.params == {**SNAP, "pooling": "avg", "every": 0}
     assert Path(method.lowering.__file__).parent.parent == cache_root
     assert all(method.budget.kept(101, layer) == 32 for layer in range(2))  # the user's defaults apply
     prompts = prompts_of(LENGTHS, seed=21)
