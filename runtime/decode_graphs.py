@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from kvc.runtime.attention.metadata import AttentionMetadata
+from kvc.runtime.kv.tables import split_resized
 from kvc.runtime.method_api import Hook
 from kvc.runtime.scheduler import ScheduledBatch
 from kvc.runtime.transfer import Feed, copy_into, feed_pending, to_device
@@ -112,7 +113,7 @@ class DecodeGraphs:
         self.pool = None
         self._stream: torch.cuda.Stream | None = None  # the warm-up and capture stream
         # host mirror of what the table and starts buffers hold, per row (`_load`)
-        # (seq_id, tables_version, len(grown_layers)) of each row's last load
+        # (seq_id, tables_version, len(resized_layers)) of each row's last load
         self._loaded: list[tuple[int, int, int] | None] = [None] * n
         self._host_tables = np.zeros((layers, n, 1), dtype=np.int32)
         self._row_lens = [[0] * layers for _ in range(n)]  # per row, per layer: pages of its table loaded
@@ -265,11 +266,12 @@ class DecodeGraphs:
         return key
 
     def _update_mirror(self, seqs) -> tuple[list[int], tuple[np.ndarray, np.ndarray] | None]:
-        """Brings the mirror rows up to the batch's sequences: a row whose sequence only appended
-        pages since its last load (`Sequence.grown_since`) gets just those entries, read from its
-        tables; any other row whose sequence or tables changed is rewritten from the runner's
-        arrays (every row when the mirror must widen). Returns (rewritten rows, (flat indices into
-        the device tables, page ids) of the appended entries, or None when there are none)."""
+        """Brings the mirror rows up to the batch's sequences: a row whose sequence only resized its
+        tables' ends since its last load (`Sequence.resized_since`) gets just the appended entries
+        (a truncated layer: its whole row), read from its tables; any other row whose sequence or
+        tables changed is rewritten from the runner's arrays (every row when the mirror must widen).
+        Returns (rewritten rows, (flat indices into the device tables, page ids) of the appended
+        entries, or None when there are none)."""
         tables = self.runner.tables
         rebuilt: list[int] = []
         layer_of, row_of, col_of, values = [], [], [], []  # one entry per appended page
@@ -279,15 +281,17 @@ class DecodeGraphs:
             if loaded is not None and loaded[0] == seq.seq_id:
                 if loaded[1] == seq.tables_version:
                     continue
-                grown = seq.grown_since(loaded[1], loaded[2])
-            self._loaded[i] = (seq.seq_id, seq.tables_version, len(seq.grown_layers))
+                log = seq.resized_since(loaded[1], loaded[2])
+                grown = None if log is None else split_resized(log)
+            self._loaded[i] = (seq.seq_id, seq.tables_version, len(seq.resized_layers))
             if grown is None:
                 rebuilt.append(i)
                 continue
             lens, page_tables = self._row_lens[i], seq.page_tables
-            for layer in set(grown):
+            appended, truncated = grown
+            for layer in (*appended, *truncated):
                 table = page_tables[layer]
-                first = lens[layer]
+                first = 0 if layer in truncated else lens[layer]  # truncated: the whole row again
                 end = lens[layer] = len(table)
                 for col in range(first, end):
                     layer_of.append(layer)
@@ -302,7 +306,7 @@ class DecodeGraphs:
             self._host_tables = np.zeros((self.runner.num_layers, len(self._loaded), width), dtype=np.int32)
             self._loaded = [None] * len(self._loaded)
             for i, seq in enumerate(seqs):
-                self._loaded[i] = (seq.seq_id, seq.tables_version, len(seq.grown_layers))
+                self._loaded[i] = (seq.seq_id, seq.tables_version, len(seq.resized_layers))
             rebuilt, col_of = list(range(len(seqs))), []
         for i in rebuilt:
             seq = seqs[i]

@@ -623,23 +623,19 @@ class Scheduler:
         return any(g and g + h + p > size for g, h, p, size in zip(growth, held, pinned, self.pool.sizes))
 
     def _shrink(self, seq: Sequence, kept: dict[int, int]) -> None:
-        """seq's layers now store `kept[layer]` tokens: free the pages past them. The tables change
-        (a new `tables_version`) only where pages were freed; otherwise its room takes the freed slots
-        (a decode-time keep in steady state: one token in, one out, every layer alike)."""
-        freed, drops = False, set()
+        """seq's layers now store `kept[layer]` tokens: free the pages past them (a truncation its
+        table readers apply incrementally). Where no page is freed the tables keep their version and
+        the room takes the freed slots (a decode-time keep in steady state: one token in, one out,
+        every layer alike)."""
+        version, drops = seq.tables_version, set()
         for layer, n in kept.items():
-            table = seq.page_tables[layer]
-            keep_pages = self.pool.pages_for(n)
-            if keep_pages < len(table):
-                self.pool.free(table[keep_pages:])
-                del table[keep_pages:]
-                freed = True
+            dropped = seq.truncate_table(layer, self.pool.pages_for(n))  # logged: readers apply it incrementally
+            if dropped:
+                self.pool.free(dropped)
             drops.add(seq.kv_lens[layer] - n)
             seq.kv_lens[layer] = n
         seq.compressed = True
-        if freed:
-            seq.tables_version += 1
-        elif seq.room is not None and seq.room.version == seq.tables_version:
+        if seq.tables_version == version and seq.room is not None and seq.room.version == version:
             if len(kept) == len(seq.kv_lens) and len(drops) == 1:
                 seq.room.use(-drops.pop())
             else:

@@ -12,9 +12,10 @@ stores in `page_tables[layer]` (fewer once a method compacted the layer). For `f
 Readers cache arrays of the page tables (the runner's `TableCache`, the decode graphs' mirror, the
 scheduler's `Room`) by `tables_version`, which every change of `page_tables` bumps. Appending pages
 to a layer (`grow_table`, the scheduler's growth at a page boundary: with per-layer lengths, some
-layer of nearly every row at every step) also logs the layer in `grown_layers`, so a reader
-applies just those appends (`grown_since`); any other change (copy-on-write, compaction, clone,
-chains, preemption) is a bare version bump, and readers rebuild.
+layer of nearly every row at every step) or dropping its last ones (`truncate_table`, the pages a
+keep plan freed: decode-time eviction's, every few steps) also logs the layer in `resized_layers`,
+so a reader applies just those changes at the tables' ends (`resized_since`); any other change
+(copy-on-write, clone, chains, preemption) is a bare version bump, and readers rebuild.
 
 Per-head variable counts (a keep plan with `lengths`): `kv_starts[layer]` lists, per KV head, the
 first slot that head uses (its kept tokens are right-aligned below `kv_lens[layer]`); None means
@@ -49,12 +50,13 @@ from collections.abc import Sequence as Seq
 from typing import Protocol
 
 from kvc.runtime.errors import KvcError
+from kvc.runtime.kv.tables import TRUNCATED
 
 FINISH_STOP = "stop"  # a stop token or an end-of-sequence token was sampled
 FINISH_LENGTH = "length"  # max_tokens reached, or the context (model or KV pool) is full
 FINISH_ABORT = "abort"  # the user or the engine cancelled the request
 
-_GROWN_LOG_CAP = 4096  # appends a sequence logs (`grown_layers`) before its readers rebuild once
+_RESIZED_LOG_CAP = 4096  # resizes a sequence logs (`resized_layers`) before its readers rebuild once
 
 
 class SequenceStatus(enum.Enum):
@@ -109,9 +111,10 @@ class Sequence:
         self.num_preemptions = 0
         self.page_tables: list[list[int]] = [[] for _ in range(num_layers)]
         self.tables_version = 0  # bumped on every change of page_tables (the runner caches arrays)
-        # One layer per version bump that only appended pages to that layer (`grow_table`), in
-        # order: readers of the tables update their copies incrementally (`grown_since`).
-        self.grown_layers: list[int] = []
+        # One layer per version bump that only appended pages to that layer or dropped its last ones
+        # (`grow_table`, `truncate_table`), in order: readers of the tables update their copies
+        # incrementally (`resized_since`).
+        self.resized_layers: list[int] = []
         self.room = None  # the scheduler's cache of free slots per layer (runtime/kv/room.py)
         self.kv_lens: list[int] = [0] * num_layers  # physical tokens stored per layer
         self.kv_starts: list[list[int] | None] = [None] * num_layers  # per layer, per KV head; None: 0
@@ -174,7 +177,7 @@ class Sequence:
         tables = self.page_tables
         self.page_tables = [[] for _ in tables]
         self.tables_version += 1
-        self.grown_layers = []
+        self.resized_layers = []
         self.kv_lens = [0] * len(tables)
         self.kv_starts = [None] * len(tables)
         self.compressed = False
@@ -188,24 +191,38 @@ class Sequence:
     def grow_table(self, layer: int, pages: list[int]) -> None:
         """Appends fresh pages to layer `layer`'s table: the change readers may apply incrementally.
 
-        Every other change of `page_tables` bumps `tables_version` alone, which `grown_since`
-        reports as "rebuild"."""
+        Every other change of `page_tables` but `truncate_table` bumps `tables_version` alone, which
+        `resized_since` reports as "rebuild"."""
         self.page_tables[layer] += pages
+        self._resized(layer)
+
+    def truncate_table(self, layer: int, pages: int) -> list[int]:
+        """Keeps the first `pages` pages of layer `layer`'s table; returns the dropped ones (the caller
+        frees them). Readers apply it incrementally, as an append."""
+        table = self.page_tables[layer]
+        dropped = table[pages:]
+        if dropped:
+            del table[pages:]
+            self._resized(TRUNCATED - layer)
+        return dropped
+
+    def _resized(self, entry: int) -> None:
         self.tables_version += 1
-        self.grown_layers.append(layer)
-        if len(self.grown_layers) >= _GROWN_LOG_CAP:  # bound the log: readers rebuild once
-            self.grown_layers = []
+        self.resized_layers.append(entry)
+        if len(self.resized_layers) >= _RESIZED_LOG_CAP:  # bound the log: readers rebuild once
+            self.resized_layers = []
             self.tables_version += 1
 
-    def grown_since(self, version: int, mark: int) -> list[int] | None:
-        """The layers whose tables only grew by appended pages since a reader's snapshot at
-        (`tables_version`, len(`grown_layers`)) = (version, mark), with repeats; None when
-        anything else changed since (the reader rebuilds its copy).
+    def resized_since(self, version: int, mark: int) -> list[int] | None:
+        """The layers whose tables only changed at their ends (pages appended or dropped) since a
+        reader's snapshot at (`tables_version`, len(`resized_layers`)) = (version, mark): the log's
+        entries, with repeats (`split_resized` sorts them); None when anything else changed since (the
+        reader rebuilds its copy).
 
-        Sound whatever bumps the version: each `grow_table` adds one bump and one log entry, any
-        other change a bump alone (and a cleared log only shrinks), so the two counts advance
-        equally exactly when every change since was an append."""
-        log = self.grown_layers
+        Sound whatever bumps the version: each `grow_table` / `truncate_table` adds one bump and one
+        log entry, any other change a bump alone (and a cleared log only shrinks), so the two counts
+        advance equally exactly when every change since was a resize."""
+        log = self.resized_layers
         if self.tables_version - version != len(log) - mark:
             return None
         return log[mark:]

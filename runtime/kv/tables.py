@@ -4,14 +4,25 @@ store indices: pool ids less the first page id of the layer's storage class (`of
 runtime/kv/page_pool.py; 0 with one class).
 
 Each sequence's [L, W] int32 copy of its per-layer page tables and its [L, Hkv] KV-head start
-slots are cached by `Sequence.tables_version`; a change that only appended pages
-(`Sequence.grown_since`) writes just those pages, any other change rebuilds the arrays.
+slots are cached by `Sequence.tables_version`; a change at the tables' ends (`Sequence.resized_since`:
+pages appended, or the last ones dropped by a keep) writes just those layers (an append just its
+pages), any other change rebuilds the arrays.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+TRUNCATED = -1  # `Sequence.resized_layers` logs a truncation of layer l as TRUNCATED - l (an append as l)
+
+
+def split_resized(log: list[int]) -> tuple[set[int], set[int]]:
+    """(layers that only grew, layers truncated) of a `resized_since` log: a reader appends the new
+    entries of the first and rewrites the whole row of the second (a truncation then an append
+    leaves no trace of the length in between)."""
+    truncated = {TRUNCATED - e for e in log if e < 0}
+    return {e for e in log if e >= 0} - truncated, truncated
 
 
 class _Tables:
@@ -20,7 +31,7 @@ class _Tables:
     __slots__ = ("version", "mark", "array", "lens", "longest", "starts")
 
     def __init__(self, version: int, mark: int, array: np.ndarray, lens: list[int]) -> None:
-        self.version, self.mark = version, mark  # (tables_version, len(grown_layers)) when last synced
+        self.version, self.mark = version, mark  # (tables_version, len(resized_layers)) when last synced
         self.array = array  # [L, W] int32, W >= the longest table; zeros past each table
         self.lens = lens  # pages of each layer's table
         self.longest = max(1, max(lens, default=0))
@@ -30,8 +41,9 @@ class _Tables:
 class TableCache:
     """Per-sequence [L, W] int32 copies of the page tables (W >= its longest table) and [L, Hkv]
     KV-head start slots, kept in step with the sequence's `tables_version`: most decode steps reuse
-    them, and a step that only appended pages (`Sequence.grown_since`, the scheduler's page-boundary
-    growth) writes just those pages; any other change rebuilds them (L list-to-array conversions).
+    them, and a step that only appended pages (`Sequence.resized_since`, the scheduler's page-boundary
+    growth) writes just those pages, one that dropped a layer's last pages (a keep) that layer; any
+    other change rebuilds them (L list-to-array conversions).
     So with per-layer lengths (PyramidKV, Ada-KV), where some layer of nearly every row crosses a
     page boundary at every step, a step costs a few entries per row, not L x B conversions."""
 
@@ -47,13 +59,16 @@ class TableCache:
         entry = self._entries.get(seq.seq_id)
         if entry is not None and entry.version == seq.tables_version:
             return entry
-        grown = None if entry is None else seq.grown_since(entry.version, entry.mark)
-        if grown is None:
+        log = None if entry is None else seq.resized_since(entry.version, entry.mark)
+        if log is None:
             entry = self._rebuild(seq)
         else:
-            for layer in set(grown):
-                self._append(entry, layer, seq.page_tables[layer])
-            entry.version, entry.mark = seq.tables_version, len(seq.grown_layers)
+            grown, truncated = split_resized(log)
+            for layer in grown:
+                self._resize(entry, layer, seq.page_tables[layer])
+            for layer in truncated:
+                self._resize(entry, layer, seq.page_tables[layer], whole=True)
+            entry.version, entry.mark = seq.tables_version, len(seq.resized_layers)
         return entry
 
     def _rebuild(self, seq) -> _Tables:
@@ -64,13 +79,14 @@ class TableCache:
             arr[layer, : len(table)] = table
             if self.offsets is not None and table:
                 arr[layer, : len(table)] -= self.offsets[layer]
-        entry = _Tables(seq.tables_version, len(seq.grown_layers), arr, lens)
+        entry = _Tables(seq.tables_version, len(seq.resized_layers), arr, lens)
         self._entries[seq.seq_id] = entry
         return entry
 
-    def _append(self, entry: _Tables, layer: int, table: list[int]) -> None:
-        """Writes the pages appended to `layer`'s table since the entry's copy of it."""
-        old, new = entry.lens[layer], len(table)
+    def _resize(self, entry: _Tables, layer: int, table: list[int], whole: bool = False) -> None:
+        """Brings the entry's copy of `layer`'s table to `table`: the pages appended since (`whole`: every
+        page, after a truncation), zeros past its end."""
+        old, new = (0 if whole else entry.lens[layer]), len(table)
         width = entry.array.shape[1]
         if new > width:  # widen with slack: the longest layer grows a page at a time
             wider = np.zeros((entry.array.shape[0], max(new, width + max(8, width // 8))), dtype=np.int32)
@@ -79,8 +95,9 @@ class TableCache:
         entry.array[layer, old:new] = table[old:new]
         if self.offsets is not None:
             entry.array[layer, old:new] -= self.offsets[layer]
+        entry.array[layer, new:] = 0
         entry.lens[layer] = new
-        entry.longest = max(entry.longest, new)
+        entry.longest = max(entry.longest, new) if not whole else max(1, max(entry.lens))
 
     def local(self, layer: int, pages: list[int]) -> list[int]:
         """Pool ids of layer `layer` as its store's indices (what the arrays hold)."""

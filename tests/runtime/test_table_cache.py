@@ -5,7 +5,7 @@ A real `Scheduler` decodes synthetic sequences whose layers store different leng
 so some layer crosses a page boundary at nearly every step), and between steps random changes hit
 them: copy-on-write of a page (the runner's `_own_page`), a compaction that truncates a layer
 (`_shrink`) with per-head starts, clones, preemption and re-admission, aborts, and a tiny append
-log (`grown_layers` cleared). After every step (property-style, fixed seeds):
+log (`resized_layers` cleared). After every step (property-style, fixed seeds):
 
 - the runner's `TableCache` arrays, lengths and starts equal a fresh cache's;
 - the scheduler's `Room` equals the free slots recomputed from the tables, and `_growth` the
@@ -116,7 +116,7 @@ def _compact(scheduler: Scheduler, rng: random.Random, seq: Sequence) -> None:
 @pytest.mark.parametrize("seed,log_cap", [(0, None), (1, None), (2, 5)])
 def test_incremental_tables_equal_a_fresh_rebuild(monkeypatch, seed: int, log_cap: int | None) -> None:
     if log_cap is not None:  # the append log fills up often: readers must rebuild, never go stale
-        monkeypatch.setattr(sequence_module, "_GROWN_LOG_CAP", log_cap)
+        monkeypatch.setattr(sequence_module, "_RESIZED_LOG_CAP", log_cap)
     rng = random.Random(seed)
     pool = PagePool(4000, PAGE, False)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=SEATS, max_num_batched_tokens=256,
@@ -176,23 +176,23 @@ def test_incremental_tables_equal_a_fresh_rebuild(monkeypatch, seed: int, log_ca
     pool.check_invariants()
 
 
-def test_grown_since_reports_only_pure_appends() -> None:
+def test_resized_since_reports_only_pure_appends() -> None:
     params = SamplingParams(max_tokens=8, temperature=0)
     seq = Sequence([1, 2, 3], params, max_model_len=64, num_layers=3)
-    mark = (seq.tables_version, len(seq.grown_layers))
+    mark = (seq.tables_version, len(seq.resized_layers))
     seq.grow_table(2, [7])
     seq.grow_table(0, [8, 9])
     seq.grow_table(2, [10])
-    assert seq.grown_since(*mark) == [2, 0, 2]
+    assert seq.resized_since(*mark) == [2, 0, 2]
     assert seq.page_tables == [[8, 9], [], [7, 10]]
-    mark = (seq.tables_version, len(seq.grown_layers))
+    mark = (seq.tables_version, len(seq.resized_layers))
     seq.grow_table(1, [11])
     seq.set_kv_starts(1, [1, 0])  # any other change: the reader rebuilds
     seq.grow_table(1, [12])
-    assert seq.grown_since(*mark) is None
-    mark = (seq.tables_version, len(seq.grown_layers))
+    assert seq.resized_since(*mark) is None
+    mark = (seq.tables_version, len(seq.resized_layers))
     seq.reset_cache()
-    assert seq.grown_since(*mark) is None
+    assert seq.resized_since(*mark) is None
 
 
 def test_room_matches_a_walk_over_the_layers() -> None:
