@@ -272,3 +272,36 @@ def test_a_chains_turn_ends_with_its_layers_in_time_order(model_dir, method, mon
     assert stored and all(row == sorted(row) for row in stored)
     _in_order_spec(monkeypatch)
     assert tokens == _chained(model_dir, method)[0]
+
+
+# ---- the same keeps in place through async scheduling and the decode graphs' step ---------------
+RUNS = {**SERVED, "snapkv": {"budget": 16, "window": 4, "kernel": 3, "every": 3}}
+
+
+def _tokens(model_dir: Path, method: str, monkeypatch=None, graphs: bool = False, **options) -> list[list[int]]:
+    llm = LLM(str(model_dir), method=method, method_params=RUNS[method], device="cpu", dtype="float32",
+              page_size=PAGE, max_num_batched_tokens=64, max_prefill_chunk=32, attention_backend="torch",
+              max_model_len=160, max_num_seqs=4, **options)
+    engine = llm.engine
+    if graphs:  # decode-only steps through the CUDA-graph runner's own step, uncaptured on the CPU
+        from kvc.runtime.decode_graphs import DecodeGraphs
+
+        runner = engine.runner
+        runner.graphs = DecodeGraphs(runner, 4)
+        monkeypatch.setattr(runner.graphs, "run", lambda batch, feed=None: runner.graphs.run_uncaptured(batch, feed))
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (29, 44, 35)]
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=22, temperature=0, ignore_eos=True)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.num_free == engine.pool.num_pages
+    return [s.generated_ids for s in seqs]
+
+
+@pytest.mark.parametrize("method", sorted(RUNS))
+def test_keeps_in_place_run_ahead_and_in_the_graph_step(model_dir, method, monkeypatch):
+    """Async scheduling (steps launched ahead, the keep's moves queued behind them) and the decode graphs'
+    step (positions recorded from its static buffers) give the eager engine's tokens."""
+    want = _tokens(model_dir, method, async_scheduling=False)
+    assert _tokens(model_dir, method, async_scheduling=True) == want
+    assert _tokens(model_dir, method, monkeypatch, graphs=True, async_scheduling=False) == want
