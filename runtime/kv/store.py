@@ -96,7 +96,7 @@ class KVStore:
         """K or V is written a block at a time (`Quantized.flush_block`): the store needs the tables."""
         return self.flush_block > 0
 
-    @property
+    @functools.cached_property
     def flush_block(self) -> int:
         """Tokens of a block of codes written at once (`Quantized.flush_block`; 0: token by token)."""
         blocks = [e.flush_block for e in (self.spec.keys, self.spec.values)
@@ -109,7 +109,7 @@ class KVStore:
         are stored again, runtime/kv/executor.py), the newest min(length, W)."""
         return min(length, self.residual_window) if self.flushes_blocks else 0
 
-    @property
+    @functools.cached_property
     def residual_window(self) -> int:
         """Slots a residual window holds (the K or V encoding's SEQ residual; 0: none). K's and V's
         must agree: one count per sequence and layer says how many newest slots both read from it."""
