@@ -598,12 +598,15 @@ class _Deriver:
         slot below it, so an eviction moves O(evicted) tokens): the spec then stores each slot's
         logical position, which gives the hooks the layer in time order. Only where every slot moves
         alone: equal counts per KV head (no head-adaptive or per-role keep), a decode state that does
-        not depend on slot order (a key-local decode_after_attention's planes), and codes with no
-        per-page scales or residual window."""
+        not depend on slot order (a key-local decode_after_attention's planes), codes with no
+        per-page scales or residual window, and no read plan (its newest slots and pages are the
+        appended ones)."""
         keeps = [(h, (facts or {}).get(h) or {}) for h in ("step_end", "decode_after_attention")]
         keeps = [(h, f) for h, f in keeps if f.get("keeps")]
         if not keeps or spec.head_starts or any(f.get("role") for _, f in keeps):
             return
+        if any(f and f.get("reads") for f in (facts or {}).values()):
+            return  # a read plan's newest slots and pages are where tokens were appended: slots stay in order
         if any(h == "decode_after_attention" and not f.get("key_local") for h, f in keeps):
             return
         for enc in (spec.keys, spec.values):

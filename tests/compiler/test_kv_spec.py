@@ -351,3 +351,37 @@ def test_a_lowered_method_serves_its_quantized_spec(tmp_path, monkeypatch):
     assert spec.tensor("v_scale") == TensorSpec("v_scale", Extent.TOKEN, torch.float16, (2,))
     assert spec.tensor("v_resid") == TensorSpec("v_resid", Extent.SEQ, torch.float16, (17, 64))  # 16 and the step's
     assert "v_zero" not in spec and not spec.dense
+
+
+IN_PLACE = """method {name} : eviction
+
+param budget: tokens = 64 in [1, 1048576]
+{store}
+on step_end:
+  keep first 4 + last budget
+{read}"""
+PAGE_READ = """
+dim pages = split(key, size = 16)
+summary kmax = max(k, within pages)
+
+on decode_before_attention:
+  read top(max(sum(q * kmax, over channel), over group), budget, per kv_head)
+"""
+
+
+@pytest.mark.parametrize("store,read,positions", [
+    ("", "", True),  # a decode-time keep over dense K/V: it evicts in place
+    ("store v as fp8(e4m3, scale = unit, along kv_head, key, channel)", "", True),  # codes move slot by slot
+    ("store k as quant(2, group = 16, along key) except last 16", "", False),  # per-page scales, residual window
+    ("", PAGE_READ, False),  # a read's newest page is where tokens were appended
+])
+def test_which_decode_keeps_evict_in_place(tmp_path, store, read, positions):
+    """The spec stores each slot's position (`positions`: its keeps evict in place) only where every slot
+    moves alone and nothing reads slots by where they were appended."""
+    path = tmp_path / "mine.kvm"
+    path.write_text(IN_PLACE.format(name="mine", store=store, read=read))
+    manifest = json.loads(codegen.generate(path)["manifest.json"])
+    spec = manifest["kv_spec"]
+    assert manifest["lowered"], manifest.get("reason")
+    assert spec["positions"] == ("slot.position" if positions else None)
+    assert any(t["name"] == "slot.position" for t in spec["tensors"]) is positions
