@@ -207,6 +207,45 @@ class StepView:
     cache: LayerCacheView  # `length` = physical tokens, the step's token included
 
 
+class StepViews(Seq[StepView]):
+    """One layer's step-end rows as `step_end_batch` gets them: a sequence of `StepView`s, each made
+    only when read (a decode batch of hundreds of rows x every layer would otherwise build as many
+    objects at every step), and the rows' host facts as arrays for a method that batches from them:
+    `seq_ids`, `lengths` (physical, the step's token included), `contexts`, `prompts` ([n] int64),
+    `tables` ([n, W] int32 store indices, zero past each row's `pages`) and the layer's `store`."""
+
+    def __init__(self, layer: int, store: KVStore, seq_ids: list[int], lengths: np.ndarray, contexts: np.ndarray,
+                 prompts: np.ndarray, tables: np.ndarray, pages: np.ndarray, make: Any) -> None:
+        self.layer, self.store, self.seq_ids = layer, store, seq_ids
+        self.lengths, self.contexts, self.prompts, self.tables, self.pages = lengths, contexts, prompts, tables, pages
+        self._make = make  # row i -> its StepView
+        self._views: dict[int, StepView] = {}
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        view = self._views.get(i)
+        if view is None:
+            view = self._views[i] = self._make(i)
+        return view
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def subset(self, rows: Seq[int]) -> StepViews:
+        """The rows `rows` (indices into these), as StepViews of their own."""
+        rows = list(rows)
+        index = np.asarray(rows, dtype=np.int64)
+        return StepViews(self.layer, self.store, [self.seq_ids[r] for r in rows], self.lengths[index],
+                         self.contexts[index], self.prompts[index], self.tables[index], self.pages[index],
+                         lambda i: self[rows[i]])
+
+
 @runtime_checkable
 class KVMethod(Protocol):
     """Everything the engine reads from a method (docs/design.md, "The lifecycle contract", has the

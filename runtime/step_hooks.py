@@ -22,7 +22,8 @@ from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.positions import compact_map
 from kvc.runtime.kv.store import KVStore
 from kvc.runtime.kv.tables import TableCache
-from kvc.runtime.method_api import Hook, KVMethod, LayerCacheView, PrefillView, RewritePlan, StackedPlan, StepView
+from kvc.runtime.method_api import (Hook, KVMethod, LayerCacheView, PrefillView, RewritePlan, StackedPlan, StepView,
+                                    StepViews)
 from kvc.runtime.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
@@ -200,14 +201,15 @@ class StepHooks:
     def step_end(self, batch: ScheduledBatch, output: StepOutput) -> None:
         """step_end per layer of every sequence that decoded in this step (`step_end_batch`, one call
         per layer, when the method has it); each layer's keep plans are compacted at once and
-        reported (the scheduler frees the pages past them). Host work per layer is Python per row
-        (views, bookkeeping) plus numpy and a few torch calls: the page tables come from the
-        runner's cached arrays, and plans sharing a tensor (`StackedPlan`) move as one."""
+        reported (the scheduler frees the pages past them). Host work per layer is numpy and a few
+        torch calls, plus Python per row for the bookkeeping: the page tables come from the runner's
+        cached arrays, the rows' views (`StepViews`) are made only where a method reads them, and
+        plans sharing a tensor (`StackedPlan`) move as one."""
         method, page = self.method, self.page_size
         decoded = batch.seqs[: batch.num_decodes]
         batched = method.step_end_batch
         num_layers, cache_view = self.num_layers, self._cache_view
-        packed = versions = None  # [L, B, W] page tables of `decoded`, built once the first layer compacts
+        packed = versions = None  # [L, B, W] page tables of `decoded`, built at the first layer with candidates
         due_fn = method.step_end_due
         # host facts of every row and layer, for the method's cheap "may it evict now"
         gaps = np.array([seq.history_gap for seq in decoded], dtype=np.int64)  # [B, L]
@@ -223,10 +225,23 @@ class StepHooks:
                     continue  # no row evicts in this layer at this step (an eviction interval's steps between)
                 if not due.all():
                     candidates = np.flatnonzero(due).tolist()
-            views = [StepView(seq.seq_id, layer, num_layers, seq.num_computed_tokens + 1 - seq.history_gap[layer],
-                              seq.prefill_end - seq.history_gap[layer],  # a chain's prompt: stored history + suffix
-                              cache_view(seq, layer, seq.kv_lens[layer] + 1, 1))  # the step's token is stored
-                     for seq in (decoded if candidates is everyone else [decoded[i] for i in candidates])]
+            if packed is None:
+                width = max(self.tables.longest(seq) for seq in decoded)
+                packed, versions = self.tables.pack_numpy(decoded, width), [s.tables_version for s in decoded]
+                page_counts = np.array([self.tables.lengths(seq) for seq in decoded], dtype=np.int64)  # [B, L]
+            rows_of = everyone if candidates is everyone else candidates
+            chosen = decoded if candidates is everyone else [decoded[i] for i in candidates]
+
+            def make(i: int, layer=layer, chosen=chosen) -> StepView:
+                seq = chosen[i]
+                return StepView(seq.seq_id, layer, num_layers, seq.num_computed_tokens + 1 - seq.history_gap[layer],
+                                seq.prefill_end - seq.history_gap[layer],  # a chain's prompt: stored history + suffix
+                                cache_view(seq, layer, seq.kv_lens[layer] + 1, 1))  # the step's token is stored
+
+            index = slice(None) if candidates is everyone else np.asarray(candidates)
+            views = StepViews(layer, self.store_of(layer), [seq.seq_id for seq in chosen], lengths[index, layer],
+                              contexts[index, layer], prompts[index, layer], packed[layer][index],
+                              page_counts[index, layer], make)
             plans = batched(layer, views)
             if len(plans) != len(views):
                 raise RuntimeError(f"method {method.name!r}: step_end_batch gave {len(plans)} plans for "
@@ -238,11 +253,8 @@ class StepHooks:
                 found = [i for i in found if not isinstance(plans[i], RewritePlan)]
             if not found:
                 continue
-            rows = [candidates[i] for i in found]
+            rows = [rows_of[i] for i in found]
             every = len(rows) == len(decoded)  # the common case: every row evicts
-            if packed is None:
-                width = max(self.tables.longest(seq) for seq in decoded)
-                packed, versions = self.tables.pack_numpy(decoded, width), [s.tables_version for s in decoded]
             if self.pool is not None:
                 for i, row in zip(found, rows):
                     seq = decoded[row]
@@ -253,9 +265,10 @@ class StepHooks:
                             versions[row] = seq.tables_version
             seqs = decoded if every else [decoded[row] for row in rows]
             kept = plans if every else [plans[i] for i in found]
-            job_views = views if every else [views[i] for i in found]
             logical = [seq.num_computed_tokens + 1 for seq in seqs]
-            jobs = self._plan_batch(layer, kept, job_views, packed[layer] if every else packed[layer, rows])
+            job_rows = slice(None) if every else np.asarray(rows)
+            jobs = self._plan_batch(layer, kept, seqs, lengths[job_rows, layer], page_counts[job_rows, layer],
+                                    packed[layer] if every else packed[layer, rows])
             self._compact(layer, jobs, seqs, [n - plan.tail for n, plan in zip(logical, kept)], logical,
                           output.compacted, in_place=self.store_of(layer).spec.positions is not None)
 
@@ -266,17 +279,17 @@ class StepHooks:
         packed[:, row] = 0
         packed[:, row, :width] = arr[:, :width]
 
-    def _plan_batch(self, layer: int, plans: list, views: list[StepView], tables: np.ndarray) -> CompactionBatch:
+    def _plan_batch(self, layer: int, plans: list, seqs: list, lengths: np.ndarray, pages: np.ndarray,
+                    tables: np.ndarray) -> CompactionBatch:
         """One layer's step-end plans as a `CompactionBatch`: plans over one tensor (a `StackedPlan`'s
-        stack, or one shared plan) gathered once; counts, lengths and starts as numpy."""
+        stack, or one shared plan) gathered once; counts, lengths (the step's token stored), pages and
+        starts as numpy."""
         device = self.stores[0].device
         sources = [(plan.stack, plan.row) if isinstance(plan, StackedPlan) else (plan.indices, None) for plan in plans]
-        caches = [view.cache for view in views]
-        lengths = np.array([cache.length for cache in caches], dtype=np.int64)
-        pages = np.array([len(cache.page_ids) for cache in caches], dtype=np.int64)
+        lengths, pages = np.ascontiguousarray(lengths), np.ascontiguousarray(pages)
         starts = None
-        if any(cache.starts is not None for cache in caches):
-            starts = np.array([cache.starts or [0] * self.num_kv_heads for cache in caches], dtype=np.int64)
+        if any(seq.kv_starts[layer] is not None for seq in seqs):
+            starts = np.array([seq.kv_starts[layer] or [0] * self.num_kv_heads for seq in seqs], dtype=np.int64)
         keep, pos, widths = stack_keeps(sources, device)
         if keep.shape[1] != self.num_kv_heads:
             raise RuntimeError(f"method {self.method.name!r}: keep plans of layer {layer} have {keep.shape[1]} KV "

@@ -21,7 +21,7 @@ from kvc.runtime.compiled.budget import CompiledBudget
 from kvc.runtime.compiled.decode import DecodeFacts, decode_sym
 from kvc.runtime.compiled.state import SequenceStates, gather_state
 from kvc.runtime.kv import slot_order
-from kvc.runtime.method_api import KeepPlan, LayerCacheView, StackedPlan, StepView
+from kvc.runtime.method_api import KeepPlan, LayerCacheView, StackedPlan, StepView, StepViews
 from kvc.runtime.transfer import to_device
 
 MEMO_LIMIT = 4096  # memoised counts (decode_kept) before the memo starts over
@@ -202,32 +202,39 @@ class StepEnd:
         if self._group_mode is None or len(views) < 2:
             return [self.step_end(layer, view) for view in views]
         plans: list[KeepPlan | None] = [None] * len(views)
-        keys = [(view.cache.length, view.context_len, view.prompt_len, id(view.cache.store))  # the store: shapes
-                for view in views]
-        if keys.count(keys[0]) == len(keys):  # the common case (a decode batch in step): one group
-            return self._step_end_group(layer, views)
-        groups: dict[tuple, list[int]] = {}
-        for i, key in enumerate(keys):
-            rows = groups.get(key)
-            if rows is None:
-                groups[key] = [i]
-            else:
-                rows.append(i)
+        if isinstance(views, StepViews):  # the rows' facts as arrays: no view made to group them
+            facts = np.stack([views.lengths, views.contexts, views.prompts], axis=1)  # one layer: one store
+            if (facts == facts[0]).all():  # the common case (a decode batch in step): one group
+                return self._step_end_group(layer, views)
+            _, inverse = np.unique(facts, axis=0, return_inverse=True)
+            groups: dict = {}
+            for i, key in enumerate(inverse.reshape(-1).tolist()):
+                groups.setdefault(key, []).append(i)
+        else:
+            keys = [(view.cache.length, view.context_len, view.prompt_len, id(view.cache.store))  # the store: shapes
+                    for view in views]
+            if keys.count(keys[0]) == len(keys):
+                return self._step_end_group(layer, views)
+            groups = {}
+            for i, key in enumerate(keys):
+                groups.setdefault(key, []).append(i)
         for rows in groups.values():
             if len(rows) == 1:
                 plans[rows[0]] = self.step_end(layer, views[rows[0]])
                 continue
-            for i, plan in zip(rows, self._step_end_group(layer, [views[i] for i in rows])):
+            group = views.subset(rows) if isinstance(views, StepViews) else [views[i] for i in rows]
+            for i, plan in zip(rows, self._step_end_group(layer, group)):
                 plans[i] = plan
         return plans
 
     def _step_end_group(self, layer: int, views: Seq[StepView]) -> list[KeepPlan | None]:
         """step_end of rows with equal symbols: one selection for the group."""
         first = views[0]
+        seq_ids = views.seq_ids if isinstance(views, StepViews) else [view.seq_id for view in views]
         pending = self.seqs.pending
         if pending:
-            for view in views:
-                pending.pop((view.seq_id, layer), None)
+            for seq_id in seq_ids:
+                pending.pop((seq_id, layer), None)
         cache = first.cache
         length, kv_heads = cache.length, cache.num_kv_heads
         count = self.decode_kept(length, first.prompt_len, first.context_len, layer, kv_heads)
@@ -238,13 +245,13 @@ class StepEnd:
             plan = self._step_end_row(layer, first, count, sym)
             decode = self.seqs.decode
             if decode:
-                for view in views[1:]:
-                    key = (view.seq_id, layer)
+                for seq_id in seq_ids[1:]:
+                    key = (seq_id, layer)
                     if key in decode:  # no state: the per-row path would store an empty dict
                         decode[key] = {}
             return [plan] * len(views)
         planes = self.seqs.planes(cache.store)
-        tables = [view.cache.page_ids for view in views]
+        tables = views.tables if isinstance(views, StepViews) else [view.cache.page_ids for view in views]
         scores = read_rows(planes[self.decoding.scores_plane], tables, length)
         if cache.store.spec.positions is not None:  # slots out of time order (runtime/kv/slot_order.py)
             positions = read_rows(cache.store[cache.store.spec.positions], tables, length)
@@ -273,15 +280,21 @@ def group_mode(facts: DecodeFacts, stateful: bool) -> str | None:
     return None
 
 
-def read_rows(plane: torch.Tensor, tables: list[list[int]], n: int) -> torch.Tensor:
+def read_rows(plane: torch.Tensor, tables: list[list[int]] | np.ndarray, n: int) -> torch.Tensor:
     """The state of slots [0, n) of several sequences' layer: [G, Hkv, n] float32, row g equal to
-    `state_planes.read(plane, tables[g], n)`. The tables go to the device in one array."""
+    `state_planes.read(plane, tables[g], n)`. The tables (lists, or a [G, W] array of store indices
+    whose rows hold at least the pages n needs) go to the device in one array."""
     page_size = plane.shape[2]
     pages = -(-n // page_size)
-    if any(len(table) < pages for table in tables):
-        raise ValueError(f"a table of fewer than {pages} pages of {page_size} slots cannot hold {n} tokens")
-    flat = itertools.chain.from_iterable(table if len(table) == pages else table[:pages] for table in tables)
-    ids = np.fromiter(flat, dtype=np.int64, count=len(tables) * pages).reshape(len(tables), pages)
+    if isinstance(tables, np.ndarray):
+        if tables.shape[1] < pages:
+            raise ValueError(f"tables of {tables.shape[1]} pages of {page_size} slots cannot hold {n} tokens")
+        ids = np.ascontiguousarray(tables[:, :pages], dtype=np.int64)
+    else:
+        if any(len(table) < pages for table in tables):
+            raise ValueError(f"a table of fewer than {pages} pages of {page_size} slots cannot hold {n} tokens")
+        flat = itertools.chain.from_iterable(table if len(table) == pages else table[:pages] for table in tables)
+        ids = np.fromiter(flat, dtype=np.int64, count=len(tables) * pages).reshape(len(tables), pages)
     ids = to_device(ids, plane.device)  # [G, pages], without a stream wait
     slots = torch.arange(n, device=plane.device)
     return plane[ids[:, slots // page_size], :, slots % page_size].permute(0, 2, 1)
