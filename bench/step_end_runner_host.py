@@ -55,11 +55,13 @@ def make_method(name: str, layers: int, kv: int, kv_heads: int):
 
 def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_heads: int = 4,
                 head_dim: int = 8, device: str = "cpu", backend: str = "torch", ragged: bool = False,
-                seed: int = 0, in_place: bool = True, own_layers: bool = False):
+                seed: int = 0, in_place: bool = True, own_layers: bool = False, shuffled: bool = False):
     """(runner, batch): a `ModelRunner` holding only what its step end reads, and its decode batch.
     `in_place` False: the method's spec without slot positions (its keeps compact in order).
     `own_layers`: each layer its own pages (else the layers share one pool's pages, as timing allows:
-    then slot positions and contents are not each layer's own)."""
+    then slot positions and contents are not each layer's own). `shuffled`: each row's stored slots hold their
+    positions in a random order per KV head (layers a keep in place already moved), the step's own slot the
+    newest."""
     method, prompt = make_method(name, layers, kv, kv_heads)
     per_seq = -(-(kv + 2) // page)
     pages = batch * per_seq * (layers if own_layers else 1)
@@ -94,7 +96,13 @@ def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_
         slots = torch.arange(per_seq * page)
         for layer in range(layers):
             tables = torch.tensor([seq.page_tables[layer] for seq in seqs])  # [B, per_seq]
-            plane[tables[:, slots // page], :, slots % page] = slots.to(plane.dtype)[None, :, None]
+            values = slots.to(plane.dtype)[None, :, None].expand(len(seqs), -1, kv_heads).clone()
+            if shuffled:
+                for b, seq in enumerate(seqs):
+                    stored = seq.kv_lens[layer]  # the step's token (slot `stored`) stays the newest
+                    for h in range(kv_heads):
+                        values[b, :stored, h] = torch.randperm(stored, generator=g).to(plane.dtype)
+            plane[tables[:, slots // page], :, slots % page] = values.to(plane.device)
     return runner, SimpleNamespace(seqs=seqs, num_decodes=batch)
 
 

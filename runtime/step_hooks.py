@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from kvc.runtime.kv.compaction import CompactionBatch, CompactionJob, batch_of_jobs, stack_keeps
 from kvc.runtime.kv.executor import KVExecutor
@@ -298,4 +299,17 @@ class StepHooks:
         for j, plan in enumerate(plans):
             if plan.lengths is not None:  # per-head variable counts (compiled methods keep them on the CPU)
                 counts[j] = plan.lengths.detach().cpu().numpy()
-        return CompactionBatch(keep, pos, widths, counts, lengths, tables, pages, starts)
+        return CompactionBatch(keep, pos, widths, counts, lengths, tables, pages, starts, _shared_order(plans))
+
+
+def _shared_order(plans: list) -> torch.Tensor | None:
+    """[N, Hkv, n]: the plans' slots in time order, where they are rows of one stacked selection that sorted
+    them (`StackedPlan.order`), job j's its plan's row; else None (the executor sorts)."""
+    order = getattr(plans[0], "order", None) if plans else None
+    if order is None or not all(isinstance(p, StackedPlan) and p.order is order for p in plans):
+        return None
+    rows = [p.row for p in plans]
+    if rows == list(range(order.shape[0])):
+        return order
+    return order[torch.as_tensor(rows, device=order.device)]
+

@@ -253,9 +253,10 @@ class StepEnd:
         planes = self.seqs.planes(cache.store)
         tables = views.tables if isinstance(views, StepViews) else [view.cache.page_ids for view in views]
         scores = read_rows(planes[self.decoding.scores_plane], tables, length)
+        order = None
         if cache.store.spec.positions is not None:  # slots out of time order (runtime/kv/slot_order.py)
-            positions = read_rows(cache.store[cache.store.spec.positions], tables, length)
-            scores = slot_order.in_order(scores, slot_order.order(positions))
+            order = slot_order.order(read_rows(cache.store[cache.store.spec.positions], tables, length))
+            scores = slot_order.in_order(scores, order)
         rows = len(views) * kv_heads
         kept = self._select_fn(scores.reshape(rows, length), {**sym, "kv_heads": rows}, self.params)
         indices = stacked(kept, cache.device)
@@ -264,7 +265,7 @@ class StepEnd:
                                f"its count says ({rows}, {count})")
         tail = self.kept_tail(self.decoding.keep_hook, sym, length)
         stack = indices.view(len(views), kv_heads, count)
-        return [StackedPlan(stack, g, tail) for g in range(len(views))]
+        return [StackedPlan(stack, g, tail, order) for g in range(len(views))]
 
 
 def group_mode(facts: DecodeFacts, stateful: bool) -> str | None:

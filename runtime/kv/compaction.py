@@ -102,6 +102,9 @@ class CompactionBatch:
     tables: np.ndarray  # [N, W] page tables, zero-padded
     pages: np.ndarray  # [N]: pages in each table
     starts: np.ndarray | None = None  # [N, Hkv]: the layers' current start slots; None: all 0
+    # [N, Hkv, >= max length]: each job's slots in time order where its plan's selection already sorted
+    # them (a keep in place: runtime/kv/slot_order.py); None: the executor finds them
+    order: torch.Tensor | None = None
 
     @property
     def physical(self) -> np.ndarray:

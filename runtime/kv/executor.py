@@ -71,7 +71,9 @@ class KVExecutor:
             return np.zeros(0, dtype=np.int64)
         counts = batch.counts[:, 0].astype(np.int64)
         keep = batch.keep[device_ints(batch.pos, batch.keep.device)]  # [N, Hkv, K] in time order
-        order = slot_order.orders(store[store.spec.positions], batch.tables, batch.lengths)
+        order = batch.order
+        if order is None:
+            order = slot_order.orders(store[store.spec.positions], batch.tables, batch.lengths)
         slot_order.fill(store.token_tensors(), slot_order.to_slots(keep, order), counts, batch.lengths, batch.tables)
         if store.spec.summaries and len(counts):
             self._refresh_rewritten(batch, counts, layer)

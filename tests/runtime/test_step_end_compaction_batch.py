@@ -81,7 +81,11 @@ def oracle_step_end(runner, batch, plans_of) -> dict:
         for seq, plan in zip(batch.seqs, plans):
             if plan is None:
                 continue
-            job = CompactionJob(seq.page_tables[layer], seq.kv_lens[layer] + 1, plan.indices.clone(), plan.lengths,
+            indices = plan.indices.clone()
+            if spec.positions:  # time-order indices -> their slots, ascending (the layer may be out of order)
+                view = LayerCacheView(runner.attention.store, seq.page_tables[layer], seq.kv_lens[layer] + 1)
+                indices = view.order.gather(1, indices).sort(dim=1).values
+            job = CompactionJob(seq.page_tables[layer], seq.kv_lens[layer] + 1, indices, plan.lengths,
                                 seq.kv_starts[layer])
             done = compact_many(runner.attention.k_cache, runner.attention.v_cache, [job], backend=backend,
                                 planes=planes)[0]
@@ -117,11 +121,13 @@ def views_of(runner, batch, layer: int):
     return seen[layer]
 
 
-@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("ragged,shuffled", [(True, False), (False, False), (False, True)])  # one group reuses
+@pytest.mark.parametrize("backend", backends())                                              # its order
 @pytest.mark.parametrize("method", ["h2o", "tova", "streamingllm"])
-def test_compiled_step_end_equals_the_per_row_oracle(method, backend):
-    make = dict(batch=7, layers=2, kv=60, page=PAGE, kv_heads=HEADS, head_dim=4, backend=backend, ragged=True,
-                seed=5, device=device_of(backend), own_layers=True)
+def test_compiled_step_end_equals_the_per_row_oracle(method, backend, ragged, shuffled):
+    """`shuffled`: the rows' layers already out of time order, each its own way (runtime/kv/slot_order.py)."""
+    make = dict(batch=7, layers=2, kv=60, page=PAGE, kv_heads=HEADS, head_dim=4, backend=backend, ragged=ragged,
+                seed=5, device=device_of(backend), own_layers=True, shuffled=shuffled)
     runner, batch = make_runner(method, **make)
     oracle, obatch = make_runner(method, **make)
     compacted = step_end(runner, batch)
