@@ -3,14 +3,17 @@
 docs/design.md, "Decode-time eviction", is the design: the generated `<hook>_select` gives
 ascending physical indices; how many it keeps is known on the host from a `meta` run
 (`decode_kept`); the eviction interval decides when a row is due (`_due`) and the budget's decode
-bound (`decode_bound`); `step_end_batch` groups rows with equal symbols and selects once per group
-(`group_mode`: from the symbols alone, or one stacked selection over the rows' score planes),
-equal to `step_end` per row.
+bound (`decode_bound`); `step_end_batch` groups rows of one length that agree on the symbols the
+selection reads (`_group_symbols`: StreamingLLM's and TOVA's read none but the length, H2O's the
+prompt) and selects once per group (`group_mode`: from the symbols alone, or one stacked selection
+over the rows' score planes), equal to `step_end` per row.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import re
 from collections.abc import Sequence as Seq
 from typing import Any, Callable
 
@@ -41,6 +44,7 @@ class StepEnd:
     budget: CompiledBudget
     evict_interval: int
     _select_fn: Callable  # the keep's generated selection (decoding.select)
+    code: Any  # the generated code (folder.GeneratedCode): its KEEP_TAILS
     _group_mode: str | None  # group_mode(decoding, stateful)
     _count_memo: dict[tuple, int]
     kept_tail: Callable[[str, dict, int], int]
@@ -203,7 +207,9 @@ class StepEnd:
             return [self.step_end(layer, view) for view in views]
         plans: list[KeepPlan | None] = [None] * len(views)
         if isinstance(views, StepViews):  # the rows' facts as arrays: no view made to group them
-            facts = np.stack([views.lengths, views.contexts, views.prompts], axis=1)  # one layer: one store
+            read = self._group_symbols()  # rows that agree on what the selection reads share it (one layer: one store)
+            facts = np.stack([views.lengths] + ([views.prompts] if "prompt" in read else [])
+                             + ([views.contexts - views.prompts] if "step" in read else []), axis=1)
             if (facts == facts[0]).all():  # the common case (a decode batch in step): one group
                 return self._step_end_group(layer, views)
             _, inverse = np.unique(facts, axis=0, return_inverse=True)
@@ -226,6 +232,18 @@ class StepEnd:
             for i, plan in zip(rows, self._step_end_group(layer, group)):
                 plans[i] = plan
         return plans
+
+    def _group_symbols(self) -> frozenset[str]:
+        """The decode symbols besides the length (`context`) that the keep's generated selection and tail
+        read (`sym["prompt"]`, `sym["step"]`): rows of one length that agree on them get the same plan (a
+        StreamingLLM or TOVA batch is one group whatever its prompts; H2O's fractions of the prompt are not)."""
+        found = self.__dict__.get("_group_symbols_found")
+        if found is None:
+            hook = self.decoding.keep_hook
+            sources = [fn for fn in (self.decoding.select, self.code.keep_tails.get(hook)) if fn is not None]
+            names = {name for fn in sources for name in re.findall(r'sym\["(\w+)"\]', inspect.getsource(fn))}
+            found = self.__dict__["_group_symbols_found"] = frozenset(names & {"prompt", "step"})
+        return found
 
     def _step_end_group(self, layer: int, views: Seq[StepView]) -> list[KeepPlan | None]:
         """step_end of rows with equal symbols: one selection for the group."""

@@ -74,15 +74,16 @@ def run(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[list[list[int]]
 def spy_plans(llm: LLM, monkeypatch) -> list[tuple[int, int, torch.Tensor]]:
     """Every step_end keep plan of the engine's method, in call order: (layer, context, indices)."""
     method = llm.engine.method
-    original, plans = method.step_end, []
+    original, plans = method.step_end_batch, []
 
-    def spy(layer, view):
-        plan = original(layer, view)
-        if plan is not None:
-            plans.append((layer, view.context_len, plan.indices.clone()))
-        return plan
+    def spy(layer, views):
+        out = original(layer, views)
+        for view, plan in zip(views, out):
+            if plan is not None:
+                plans.append((layer, view.context_len, plan.indices.clone()))
+        return out
 
-    monkeypatch.setattr(method, "step_end", spy)
+    monkeypatch.setattr(method, "step_end_batch", spy)
     return plans
 
 
