@@ -308,7 +308,7 @@ def _shared_order(plans: list) -> torch.Tensor | None:
     order = getattr(plans[0], "order", None) if plans else None
     if order is None or not all(isinstance(p, StackedPlan) and p.order is order for p in plans):
         return None
-    rows = [p.row for p in plans]
+    rows = [p.order_row for p in plans]
     if rows == list(range(order.shape[0])):
         return order
     return order[torch.as_tensor(rows, device=order.device)]

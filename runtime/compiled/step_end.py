@@ -3,10 +3,10 @@
 docs/design.md, "Decode-time eviction", is the design: the generated `<hook>_select` gives
 ascending physical indices; how many it keeps is known on the host from a `meta` run
 (`decode_kept`); the eviction interval decides when a row is due (`_due`) and the budget's decode
-bound (`decode_bound`); `step_end_batch` groups rows of one length that agree on the symbols the
-selection reads (`_group_symbols`: StreamingLLM's and TOVA's read none but the length, H2O's the
-prompt) and selects once per group (`group_mode`: from the symbols alone, or one stacked selection
-over the rows' score planes), equal to `step_end` per row.
+bound (`decode_bound`); `step_end_batch` groups rows of one length, and selects once per set of them
+that agrees on the symbols the selection reads (`_group_symbols`: StreamingLLM's and TOVA's read
+none but the length, H2O's the prompt; `group_mode`: from the symbols alone, or stacked selections
+over the rows' score planes, read once per length), equal to `step_end` per row.
 """
 
 from __future__ import annotations
@@ -207,9 +207,9 @@ class StepEnd:
             return [self.step_end(layer, view) for view in views]
         plans: list[KeepPlan | None] = [None] * len(views)
         if isinstance(views, StepViews):  # the rows' facts as arrays: no view made to group them
-            read = self._group_symbols()  # rows that agree on what the selection reads share it (one layer: one store)
-            facts = np.stack([views.lengths] + ([views.prompts] if "prompt" in read else [])
-                             + ([views.contexts - views.prompts] if "step" in read else []), axis=1)
+            # rows that agree on what the selection reads share it (one layer: one store); rows over score
+            # planes group by length alone: one read of their planes, a selection per `_sym_groups`
+            facts = views.lengths[:, None] if self._group_mode == "planes" else self._read_facts(views)
             if (facts == facts[0]).all():  # the common case (a decode batch in step): one group
                 return self._step_end_group(layer, views)
             _, inverse = np.unique(facts, axis=0, return_inverse=True)
@@ -245,8 +245,28 @@ class StepEnd:
             found = self.__dict__["_group_symbols_found"] = frozenset(names & {"prompt", "step"})
         return found
 
+    def _read_facts(self, views: StepViews) -> np.ndarray:
+        """[n, k]: each row's length and the symbols its selection reads (`_group_symbols`)."""
+        read = self._group_symbols()
+        return np.stack([views.lengths] + ([views.prompts] if "prompt" in read else [])
+                        + ([views.contexts - views.prompts] if "step" in read else []), axis=1)
+
+    def _sym_groups(self, views: Seq[StepView]) -> list[list[int]]:
+        """Rows of one length as groups that agree on what the selection reads (all of them: one group)."""
+        if not isinstance(views, StepViews) or not self._group_symbols():
+            return [list(range(len(views)))]
+        facts = self._read_facts(views)
+        if (facts == facts[0]).all():
+            return [list(range(len(views)))]
+        _, inverse = np.unique(facts, axis=0, return_inverse=True)
+        groups: dict = {}
+        for i, key in enumerate(inverse.reshape(-1).tolist()):
+            groups.setdefault(key, []).append(i)
+        return list(groups.values())
+
     def _step_end_group(self, layer: int, views: Seq[StepView]) -> list[KeepPlan | None]:
-        """step_end of rows with equal symbols: one selection for the group."""
+        """step_end of rows of one length: one selection per group of them that agrees on what it reads
+        (`_sym_groups`), over score planes read (and sorted by position) once for all of them."""
         first = views[0]
         seq_ids = views.seq_ids if isinstance(views, StepViews) else [view.seq_id for view in views]
         pending = self.seqs.pending
@@ -255,11 +275,11 @@ class StepEnd:
                 pending.pop((seq_id, layer), None)
         cache = first.cache
         length, kv_heads = cache.length, cache.num_kv_heads
-        count = self.decode_kept(length, first.prompt_len, first.context_len, layer, kv_heads)
-        if not self._due(length, count):
-            return [None] * len(views)
-        sym = self._step_sym(layer, first, kv_heads)
         if self._group_mode == "symbolic":  # the same scores, so the same plan (one object) for every row
+            count = self.decode_kept(length, first.prompt_len, first.context_len, layer, kv_heads)
+            if not self._due(length, count):
+                return [None] * len(views)
+            sym = self._step_sym(layer, first, kv_heads)
             plan = self._step_end_row(layer, first, count, sym)
             decode = self.seqs.decode
             if decode:
@@ -275,15 +295,25 @@ class StepEnd:
         if cache.store.spec.positions is not None:  # slots out of time order (runtime/kv/slot_order.py)
             order = slot_order.order(read_rows(cache.store[cache.store.spec.positions], tables, length))
             scores = slot_order.in_order(scores, order)
-        rows = len(views) * kv_heads
-        kept = self._select_fn(scores.reshape(rows, length), {**sym, "kv_heads": rows}, self.params)
-        indices = stacked(kept, cache.device)
-        if indices.shape != (rows, count):
-            raise RuntimeError(f"method {self.name!r}: the stacked selection kept {tuple(indices.shape)}, "
-                               f"its count says ({rows}, {count})")
-        tail = self.kept_tail(self.decoding.keep_hook, sym, length)
-        stack = indices.view(len(views), kv_heads, count)
-        return [StackedPlan(stack, g, tail, order) for g in range(len(views))]
+        out: list[KeepPlan | None] = [None] * len(views)
+        for members in self._sym_groups(views):
+            lead = views[members[0]]
+            count = self.decode_kept(length, lead.prompt_len, lead.context_len, layer, kv_heads)
+            if not self._due(length, count):
+                continue
+            sym = self._step_sym(layer, lead, kv_heads)
+            part = scores if len(members) == len(views) else scores[torch.as_tensor(members, device=scores.device)]
+            rows = len(members) * kv_heads
+            kept = self._select_fn(part.reshape(rows, length), {**sym, "kv_heads": rows}, self.params)
+            indices = stacked(kept, cache.device)
+            if indices.shape != (rows, count):
+                raise RuntimeError(f"method {self.name!r}: the stacked selection kept {tuple(indices.shape)}, "
+                                   f"its count says ({rows}, {count})")
+            tail = self.kept_tail(self.decoding.keep_hook, sym, length)
+            stack = indices.view(len(members), kv_heads, count)
+            for g, i in enumerate(members):
+                out[i] = StackedPlan(stack, g, tail, order, order_row=i)
+        return out
 
 
 def group_mode(facts: DecodeFacts, stateful: bool) -> str | None:

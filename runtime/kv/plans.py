@@ -59,11 +59,13 @@ class StackedPlan(KeepPlan):
     read. The engine hands every row of a stack to the compaction at once (one tensor moved and
     gathered per layer, not one per sequence)."""
 
-    def __init__(self, stack: torch.Tensor, row: int, tail: int = 0, order: torch.Tensor | None = None) -> None:
+    def __init__(self, stack: torch.Tensor, row: int, tail: int = 0, order: torch.Tensor | None = None,
+                 order_row: int | None = None) -> None:
         self.stack, self.row, self.lengths, self.tail = stack, row, None, tail
-        # [G, Hkv, n]: the group's slots in time order, where its selection sorted them (a spec with positions,
-        # runtime/kv/slot_order.py): the executor maps the plan through it rather than sorting again
-        self.order = order
+        # [R, Hkv, n]: the slots of the rows it was selected among in time order, where the selection sorted
+        # them (a spec with positions, runtime/kv/slot_order.py), this plan's at `order_row` (default: `row`):
+        # the executor maps the plan through it rather than sorting again
+        self.order, self.order_row = order, row if order_row is None else order_row
 
     @property
     def indices(self) -> torch.Tensor:  # type: ignore[override]

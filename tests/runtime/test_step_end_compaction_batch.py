@@ -219,27 +219,26 @@ def _empty_like(k: torch.Tensor):
     return batch_of_jobs(k, [])
 
 
-@pytest.mark.parametrize("method,groups", [("streamingllm", 1), ("tova", 1), ("h2o", 6)])
-def test_rows_of_other_prompts_share_a_selection_that_does_not_read_them(method, groups, monkeypatch):
+@pytest.mark.parametrize("method,selections", [("streamingllm", 1), ("tova", 1), ("h2o", 6)])
+def test_rows_of_other_prompts_share_a_selection_that_does_not_read_them(method, selections, monkeypatch):
     """Rows of one length whose prompts differ: StreamingLLM's and TOVA's selections read only the length,
-    so the rows are one group (one selection); H2O's fractions of the prompt make a group per prompt. Either
-    way the per-row oracle's result."""
+    so the rows share one selection; H2O's fractions of the prompt need one per prompt, over score planes
+    read (and sorted by position) once for all the rows. Either way the per-row oracle's result."""
     make = dict(batch=6, layers=1, kv=60, page=PAGE, kv_heads=HEADS, head_dim=4, seed=7, own_layers=True)
     runner, batch = make_runner(method, **make)
     oracle, obatch = make_runner(method, **make)
     for b in range(6):  # prompts of 480 + 3b or 60 + 3b tokens, every layer storing the same 60
         batch.seqs[b].prefill_end -= 3 * b
         obatch.seqs[b].prefill_end -= 3 * b
-    calls = []
-    group = runner.method._step_end_group
-    monkeypatch.setattr(runner.method, "_step_end_group", lambda layer, views: calls.append(len(views)) or
-                        group(layer, views))
-    monkeypatch.setattr(runner.method, "step_end", lambda layer, view: calls.append(1) or
-                        type(runner.method).step_end(runner.method, layer, view))
+    calls, method_obj = [], runner.method
+    select = method_obj._select_fn
+    monkeypatch.setattr(method_obj, "_select_fn", lambda scores, sym, params: (
+        calls.append(1) if scores.device.type != "meta" else None) or select(scores, sym, params))
+    monkeypatch.setattr(method_obj, "step_end", lambda layer, view: pytest.fail("a row selected alone"))
     compacted = step_end(runner, batch)
     want = oracle_step_end(oracle, obatch, lambda layer: [
         oracle.method.step_end(layer, v) for v in views_of(oracle, obatch, layer)])
-    assert len(calls) == groups and sum(calls) == 6
+    assert len(calls) == selections
     assert len(compacted) == 6  # every row evicted
     assert list(compacted.values()) == list(want.values())
     assert_same(snapshot(runner, batch, compacted), snapshot(oracle, obatch, want))
