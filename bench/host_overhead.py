@@ -7,6 +7,10 @@ The GPU busy fraction of a decode step is GPU time / (GPU time + what the host a
 the part of the step the H200 waits for.
 
     python bench/host_overhead.py --batch 160 --layers 48 --kv 2048
+    python bench/host_overhead.py --batch 317 --layers 48 --kv 2004 --evict   # per-step eviction's steady state
+
+`--evict`: every step, every layer of every row is reported compacted back to `--kv` tokens (a decode-time
+keep's steady state, StreamingLLM's at every step: one token in, one out), as the runner's step end reports it.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--evict", action="store_true", help="every layer of every row compacted back to --kv each step")
     a = p.parse_args()
     scheduler, graphs = build(a.batch, a.layers, a.kv, a.page_size, a.kv_heads)
     times = {"schedule": 0.0, "graph inputs": 0.0, "postprocess": 0.0}
@@ -61,13 +66,15 @@ def main() -> None:
         t1 = time.perf_counter()
         graphs._load(batch)
         t2 = time.perf_counter()
-        scheduler.postprocess(batch, {s.seq_id: 7 for s in batch.seqs})
+        compacted = {s.seq_id: dict.fromkeys(range(a.layers), a.kv) for s in batch.seqs} if a.evict else None
+        scheduler.postprocess(batch, {s.seq_id: 7 for s in batch.seqs}, compacted)
         t3 = time.perf_counter()
         if step >= 4:  # warm caches first
             for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
                 times[name] += dt
     total = sum(times.values())
-    print(f"batch {a.batch}, {a.layers} layers, {a.kv} tokens stored per layer, {a.steps} steps:")
+    print(f"batch {a.batch}, {a.layers} layers, {a.kv} tokens stored per layer, {a.steps} steps"
+          f"{', every layer evicting back to it' if a.evict else ''}:")
     for name, t in times.items():
         print(f"  {name:13s} {1e3 * t / a.steps:7.2f} ms/step")
     print(f"  {'total':13s} {1e3 * total / a.steps:7.2f} ms/step")

@@ -267,8 +267,8 @@ class DecodeGraphs:
 
     def _update_mirror(self, seqs) -> tuple[list[int], tuple[np.ndarray, np.ndarray] | None]:
         """Brings the mirror rows up to the batch's sequences: a row whose sequence only resized its
-        tables' ends since its last load (`Sequence.resized_since`) gets just the appended entries
-        (a truncated layer: its whole row), read from its tables; any other row whose sequence or
+        tables' ends since its last load (`Sequence.resized_since`) gets just the entries past its
+        copy's end or its lowest truncation, read from its tables; any other row whose sequence or
         tables changed is rewritten from the runner's arrays (every row when the mirror must widen).
         Returns (rewritten rows, (flat indices into the device tables, page ids) of the appended
         entries, or None when there are none)."""
@@ -288,10 +288,9 @@ class DecodeGraphs:
                 rebuilt.append(i)
                 continue
             lens, page_tables = self._row_lens[i], seq.page_tables
-            appended, truncated = grown
-            for layer in (*appended, *truncated):
+            for layer, low in grown.items():
                 table = page_tables[layer]
-                first = 0 if layer in truncated else lens[layer]  # truncated: the whole row again
+                first = lens[layer] if low is None else min(lens[layer], low)  # re-grown after a truncation
                 end = lens[layer] = len(table)
                 for col in range(first, end):
                     layer_of.append(layer)

@@ -525,7 +525,7 @@ class Scheduler:
         becomes `pending` (its K/V is the next step's to compute)."""
         compacted, rewritten = compacted or {}, rewritten or {}
         self.num_scheduled_tokens += batch.num_tokens
-        for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.needs_sample()):
+        for i, (seq, n, samples) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.needs_sample())):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted (or finished by an earlier step's tokens) while the step ran
             before = seq.num_computed_tokens
@@ -540,7 +540,7 @@ class Scheduler:
                 seq.spare_pages = []
             shrunk = compacted.get(seq.seq_id)
             if shrunk:
-                self._shrink(seq, shrunk)
+                self._shrink(seq, shrunk, decoding=i < batch.num_decodes)
                 for layer, kept in shrunk.items():
                     seq.resid_lens[layer] = self.window_after(kept)  # moved slots: codes (or re-stored)
             for layer, resid in rewritten.get(seq.seq_id, {}).items():
@@ -622,14 +622,20 @@ class Scheduler:
         pinned = self._zero if seq.chain is None or self.chains is None else self.chains.extra_pages(seq)
         return any(g and g + h + p > size for g, h, p, size in zip(growth, held, pinned, self.pool.sizes))
 
-    def _shrink(self, seq: Sequence, kept: dict[int, int]) -> None:
-        """seq's layers now store `kept[layer]` tokens: free the pages past them (a truncation its
-        table readers apply incrementally). Where no page is freed the tables keep their version and
-        the room takes the freed slots (a decode-time keep in steady state: one token in, one out,
-        every layer alike)."""
-        version, drops = seq.tables_version, set()
+    def _shrink(self, seq: Sequence, kept: dict[int, int], decoding: bool = False) -> None:
+        """seq's layers now store `kept[layer]` tokens: free the pages past them. A decoding row
+        (`decoding`: its keep ran at step end) whose count is a whole number of pages keeps its last
+        page when that page is the next token's: the step's token started it (so the row owns it) and
+        the next step would take one again (else a decode-time keep of, say, 2048 tokens would free and
+        take a page at every step). The truncation is logged, and its table readers apply it
+        incrementally. Where no page is freed the tables keep their version and the room takes the
+        freed slots (a decode-time keep in steady state: one token in, one out, every layer alike)."""
+        version, drops, size = seq.tables_version, set(), self.pool.page_size
         for layer, n in kept.items():
-            dropped = seq.truncate_table(layer, self.pool.pages_for(n))  # logged: readers apply it incrementally
+            pages = self.pool.pages_for(n)
+            if decoding and n % size == 0 and len(seq.page_tables[layer]) == pages + 1:
+                pages += 1  # the next token's page, which the step's token started
+            dropped = seq.truncate_table(layer, pages)
             if dropped:
                 self.pool.free(dropped)
             drops.add(seq.kv_lens[layer] - n)

@@ -50,7 +50,6 @@ from collections.abc import Sequence as Seq
 from typing import Protocol
 
 from kvc.runtime.errors import KvcError
-from kvc.runtime.kv.tables import TRUNCATED
 
 FINISH_STOP = "stop"  # a stop token or an end-of-sequence token was sampled
 FINISH_LENGTH = "length"  # max_tokens reached, or the context (model or KV pool) is full
@@ -114,7 +113,7 @@ class Sequence:
         # One layer per version bump that only appended pages to that layer or dropped its last ones
         # (`grow_table`, `truncate_table`), in order: readers of the tables update their copies
         # incrementally (`resized_since`).
-        self.resized_layers: list[int] = []
+        self.resized_layers: list = []  # layer (pages appended) or (layer, pages) (truncated to that many)
         self.room = None  # the scheduler's cache of free slots per layer (runtime/kv/room.py)
         self.kv_lens: list[int] = [0] * num_layers  # physical tokens stored per layer
         self.kv_starts: list[list[int] | None] = [None] * num_layers  # per layer, per KV head; None: 0
@@ -203,10 +202,10 @@ class Sequence:
         dropped = table[pages:]
         if dropped:
             del table[pages:]
-            self._resized(TRUNCATED - layer)
+            self._resized((layer, pages))
         return dropped
 
-    def _resized(self, entry: int) -> None:
+    def _resized(self, entry: int | tuple[int, int]) -> None:
         self.tables_version += 1
         self.resized_layers.append(entry)
         if len(self.resized_layers) >= _RESIZED_LOG_CAP:  # bound the log: readers rebuild once

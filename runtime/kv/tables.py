@@ -14,15 +14,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-TRUNCATED = -1  # `Sequence.resized_layers` logs a truncation of layer l as TRUNCATED - l (an append as l)
-
-
-def split_resized(log: list[int]) -> tuple[set[int], set[int]]:
-    """(layers that only grew, layers truncated) of a `resized_since` log: a reader appends the new
-    entries of the first and rewrites the whole row of the second (a truncation then an append
-    leaves no trace of the length in between)."""
-    truncated = {TRUNCATED - e for e in log if e < 0}
-    return {e for e in log if e >= 0} - truncated, truncated
+def split_resized(log: list) -> dict[int, int | None]:
+    """The layers of a `resized_since` log (`Sequence.resized_layers`: an append of layer l is logged as
+    l, a truncation to p pages as (l, p)), each with the fewest pages a truncation left it since (None:
+    it only grew): a reader rewrites a layer's entries from there (or from its copy's end) to the
+    table's end, which covers a truncation followed by appends."""
+    out: dict[int, int | None] = {}
+    for e in log:
+        if isinstance(e, tuple):
+            layer, pages = e
+            low = out.get(layer)
+            out[layer] = pages if low is None else min(low, pages)
+        else:
+            out.setdefault(e, None)
+    return out
 
 
 class _Tables:
@@ -63,11 +68,8 @@ class TableCache:
         if log is None:
             entry = self._rebuild(seq)
         else:
-            grown, truncated = split_resized(log)
-            for layer in grown:
-                self._resize(entry, layer, seq.page_tables[layer])
-            for layer in truncated:
-                self._resize(entry, layer, seq.page_tables[layer], whole=True)
+            for layer, low in split_resized(log).items():
+                self._resize(entry, layer, seq.page_tables[layer], low)
             entry.version, entry.mark = seq.tables_version, len(seq.resized_layers)
         return entry
 
@@ -83,10 +85,11 @@ class TableCache:
         self._entries[seq.seq_id] = entry
         return entry
 
-    def _resize(self, entry: _Tables, layer: int, table: list[int], whole: bool = False) -> None:
-        """Brings the entry's copy of `layer`'s table to `table`: the pages appended since (`whole`: every
-        page, after a truncation), zeros past its end."""
-        old, new = (0 if whole else entry.lens[layer]), len(table)
+    def _resize(self, entry: _Tables, layer: int, table: list[int], low: int | None = None) -> None:
+        """Brings the entry's copy of `layer`'s table to `table`: its pages from the copy's end, or from
+        `low` (the fewest pages a truncation left since the copy), zeros past the table's end."""
+        shrank = low is not None
+        old, new = (min(entry.lens[layer], low) if shrank else entry.lens[layer]), len(table)
         width = entry.array.shape[1]
         if new > width:  # widen with slack: the longest layer grows a page at a time
             wider = np.zeros((entry.array.shape[0], max(new, width + max(8, width // 8))), dtype=np.int32)
@@ -97,7 +100,7 @@ class TableCache:
             entry.array[layer, old:new] -= self.offsets[layer]
         entry.array[layer, new:] = 0
         entry.lens[layer] = new
-        entry.longest = max(entry.longest, new) if not whole else max(1, max(entry.lens))
+        entry.longest = max(entry.longest, new) if not shrank else max(1, max(entry.lens))
 
     def local(self, layer: int, pages: list[int]) -> list[int]:
         """Pool ids of layer `layer` as its store's indices (what the arrays hold)."""

@@ -305,3 +305,22 @@ def test_keeps_in_place_run_ahead_and_in_the_graph_step(model_dir, method, monke
     want = _tokens(model_dir, method, async_scheduling=False)
     assert _tokens(model_dir, method, async_scheduling=True) == want
     assert _tokens(model_dir, method, monkeypatch, graphs=True, async_scheduling=False) == want
+
+
+@pytest.mark.parametrize("recent", [13, 12])  # sink + recent: 3 + 13 = 16, four whole pages; 15, not whole
+def test_a_keep_in_steady_state_leaves_the_tables_alone(model_dir, recent):
+    """One token in, one out at every step: once the window is full a row's page tables stop changing (no
+    page freed and taken again, even when the window is a whole number of pages), so the runner's table
+    arrays and the decode graphs' mirror are not touched."""
+    llm = LLM(str(model_dir), method="streamingllm", method_params={"sink": 3, "recent": recent}, device="cpu",
+              dtype="float32", page_size=PAGE, attention_backend="torch")
+    engine = llm.engine
+    seq = engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    versions, pages = [], []
+    while not seq.is_finished:
+        engine.step()
+        if seq.num_generated > 2 and not seq.is_finished:
+            versions.append(seq.tables_version)
+            pages.append([len(t) for t in seq.page_tables])
+    assert len(set(versions)) == 1 and len(versions) > 8
+    assert all(p == [-(-(3 + recent + 1) // PAGE)] * len(p) for p in pages)

@@ -215,3 +215,23 @@ def test_room_matches_a_walk_over_the_layers() -> None:
             for layer, pages in short:
                 free[layer] += pages * PAGE
     assert Room(3, [0, PAGE + 1], PAGE).growth(1) == 0  # one page short in layer 0, one spare in layer 1
+
+
+def test_a_truncation_then_an_append_between_reads():
+    """A layer cut to 2 pages and grown by one before the cache reads it again: the new third page replaces
+    the old one, and nothing past it remains."""
+    seq = Sequence([1] * 8, SamplingParams(max_tokens=4), max_model_len=256, num_layers=2)
+    seq.grow_table(0, [10, 11, 12, 13])
+    seq.grow_table(1, [20, 21])
+    cache = TableCache(2, HEADS)
+    assert cache.array(seq)[0].tolist() == [10, 11, 12, 13]
+    assert seq.truncate_table(0, 2) == [12, 13]
+    seq.grow_table(0, [14])
+    assert seq.resized_since(*_snapshot(cache, seq)) is not None  # applied incrementally, not rebuilt
+    assert cache.array(seq)[0].tolist() == [10, 11, 14, 0] and cache.lengths(seq) == [3, 2]
+    assert cache.longest(seq) == 3
+
+
+def _snapshot(cache: TableCache, seq: Sequence) -> tuple[int, int]:
+    entry = cache._entries[seq.seq_id]
+    return entry.version, entry.mark
