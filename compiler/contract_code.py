@@ -114,10 +114,11 @@ def decode_query_window_source(method: MethodIR, params: list[str]) -> str:
     if hook is not None:
         _queries(hook.stmts, windows, bare)
     found = hook.period if hook is not None else None
+    guards = found[1] if found and windows else []
     try:
-        guard = _guard_lines(found[1], params, "step_end's switch") if found and windows else []
-    except NotLowerable:
-        guard = []
+        guard = _guard_lines(guards, params, "step_end's switch")
+    except NotLowerable:  # a switch reading model symbols: the windows are always kept
+        guards, guard = [], []
     if bare:
         raise NotLowerable("step_end reads the queries as `q[last n]` only (the newest decode queries)")
     counts = list(dict.fromkeys(windows))  # a value two statements share is walked twice
@@ -125,9 +126,8 @@ def decode_query_window_source(method: MethodIR, params: list[str]) -> str:
            '    kept per sequence and layer while decoding."""')
     head = ["def decode_query_window(params):", doc]
     unpack: list[str] = []
-    for n in counts + ([found[1]] if guard else []):
-        for g in (n if isinstance(n, list) else [n]):
-            unpack += [line for line in _unpack(g, params, "step_end's `q[last n]`", allowed=()) if line not in unpack]
+    for expr in counts + guards:
+        unpack += [line for line in _unpack(expr, params, "step_end's `q[last n]`", allowed=()) if line not in unpack]
     if all(sp.sympify(n).is_Integer for n in counts):
         return "\n".join(head + unpack + guard + [f"    return {max([0] + [int(n) for n in counts])}"]) + "\n"
     value = ", ".join(["0"] + [f"int({_py(n)})" for n in counts])
@@ -143,9 +143,10 @@ def keep_periods_source(method: MethodIR, params: list[str]) -> str:
         period, guards = found
         try:
             what = f"the period of {hook.name}'s keep"
-            unpack = _unpack(period, params, what, allowed=())
-            unpack += [line for g in guards for line in _unpack(g, params, what, allowed=()) if line not in unpack]
             guard = _guard_lines(guards, params, what)
+            unpack: list[str] = []
+            for expr in [period, *guards]:
+                unpack += [line for line in _unpack(expr, params, what, allowed=()) if line not in unpack]
         except NotLowerable:  # a period of model symbols: no decode bound (the engine counts every token)
             continue
         doc = (f'    """The steps between `on {hook.name}`\'s keeps ({method.path}:{hook.line}: '

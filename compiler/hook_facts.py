@@ -37,7 +37,9 @@ A keeping hook states `rowwise_select` too: its selection keeps each KV head's t
 head's score row and the symbols alone (granularity `none`, `kv_head` or `layer`, not
 `head_adaptive`), and none of its counts, ranges or `where` reads `kv_heads`. The engine may then
 stack the score rows of several sequences whose symbols are equal into one selection, `kv_heads`
-set to the stacked row count (step end over a decode batch: runtime/methods_compiled_decode.py).
+set to the stacked row count (step end over a decode batch: runtime/compiled/step_end.py). Its
+`keep_symbols` are the engine symbols (`context`, `prompt`, `step`, `layer`) that its counts, ranges
+and `where` read: "equal" means equal in those (StreamingLLM's and TOVA's: `context` alone).
 
 The engine's decode attention (attention variant `decode_stats`, `compiler/attention.py`; torch:
 `runtime/attention/decode_stats.py`) emits exactly that reduction of the softmax probabilities,
@@ -50,6 +52,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+
+import sympy as sp
 
 from kvc.compiler.ir import Accumulate, Elementwise, HookIR, Input, Keep, MethodIR, Reduce, Scalar, Value
 from kvc.compiler.lower_torch import HookCode, names_in
@@ -133,6 +137,21 @@ def rowwise_select(code: HookCode) -> bool:
     return not any(re.search(r"\bkv_heads\b", expr) for expr in exprs)
 
 
+ENGINE_SYMBOLS = ("context", "prompt", "step", "layer")
+
+
+def keep_symbols(hook: HookIR) -> list[str]:
+    """The engine symbols that a hook's keep counts (`first`, `last`, `top`'s count and `at_least`) and
+    its `where` read: rows of one layer that agree on them get the same selection from the same scores
+    (the engine batches step-end selections by them, runtime/compiled/step_end.py)."""
+    exprs = [hook.where]
+    for keep in hook.keeps:
+        sel = keep.select
+        exprs += [sel.first, sel.last] + ([sel.top.count, sel.top.at_least] if sel.top is not None else [])
+    names = {str(s) for e in exprs if e is not None for s in sp.sympify(e).free_symbols}
+    return [name for name in ENGINE_SYMBOLS if name in names]
+
+
 def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
     """manifest["hooks"]: per hook name, its inputs, keep, where, attention reduction, kept tail,
     whether it is key-local and whether its selection is row-wise."""
@@ -147,6 +166,8 @@ def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
             partition = method.partitions[code.read["clusters"]]
             fact["clusters"] = {"partition": partition.name, "summaries": sorted(partition.summaries),
                                 "estimate": code.read["estimate"] != "None"}
+        if code.keep is not None:
+            fact["keep_symbols"] = keep_symbols(hook)
         if code.keep is not None and code.keep.get("role"):  # a per-head keep: only the role's heads evict
             fact["role"] = code.keep["role"]
         before = out.get(hook.name)

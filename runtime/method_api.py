@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -91,7 +91,7 @@ class LayerCacheView:
     layer: int | None = None
     row: int | None = None
     resid_len: int = 0
-    _order: torch.Tensor | None = None
+    _order: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # `order`, once read
 
     @property
     def order(self) -> torch.Tensor | None:

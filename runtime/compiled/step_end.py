@@ -11,9 +11,7 @@ over the rows' score planes, read once per length), equal to `step_end` per row.
 
 from __future__ import annotations
 
-import inspect
 import itertools
-import re
 from collections.abc import Sequence as Seq
 from typing import Any, Callable
 
@@ -25,7 +23,6 @@ from kvc.runtime.compiled.decode import DecodeFacts, decode_sym
 from kvc.runtime.compiled.state import SequenceStates, gather_state
 from kvc.runtime.kv import slot_order
 from kvc.runtime.method_api import KeepPlan, LayerCacheView, StackedPlan, StepView, StepViews
-from kvc.runtime.transfer import to_device
 
 MEMO_LIMIT = 4096  # memoised counts (decode_kept) before the memo starts over
 
@@ -44,7 +41,6 @@ class StepEnd:
     budget: CompiledBudget
     evict_interval: int
     _select_fn: Callable  # the keep's generated selection (decoding.select)
-    code: Any  # the generated code (folder.GeneratedCode): its KEEP_TAILS
     _group_mode: str | None  # group_mode(decoding, stateful)
     _count_memo: dict[tuple, int]
     kept_tail: Callable[[str, dict, int], int]
@@ -209,22 +205,19 @@ class StepEnd:
         if isinstance(views, StepViews):  # the rows' facts as arrays: no view made to group them
             # rows that agree on what the selection reads share it (one layer: one store); rows over score
             # planes group by length alone: one read of their planes, a selection per `_sym_groups`
-            facts = views.lengths[:, None] if self._group_mode == "planes" else self._read_facts(views)
-            if (facts == facts[0]).all():  # the common case (a decode batch in step): one group
+            groups = row_groups(views.lengths[:, None] if self._group_mode == "planes" else self._read_facts(views))
+            if len(groups) == 1:  # the common case (a decode batch in step): one group
                 return self._step_end_group(layer, views)
-            _, inverse = np.unique(facts, axis=0, return_inverse=True)
-            groups: dict = {}
-            for i, key in enumerate(inverse.reshape(-1).tolist()):
-                groups.setdefault(key, []).append(i)
         else:
             keys = [(view.cache.length, view.context_len, view.prompt_len, id(view.cache.store))  # the store: shapes
                     for view in views]
             if keys.count(keys[0]) == len(keys):
                 return self._step_end_group(layer, views)
-            groups = {}
+            by_key: dict = {}
             for i, key in enumerate(keys):
-                groups.setdefault(key, []).append(i)
-        for rows in groups.values():
+                by_key.setdefault(key, []).append(i)
+            groups = list(by_key.values())
+        for rows in groups:
             if len(rows) == 1:
                 plans[rows[0]] = self.step_end(layer, views[rows[0]])
                 continue
@@ -234,16 +227,11 @@ class StepEnd:
         return plans
 
     def _group_symbols(self) -> frozenset[str]:
-        """The decode symbols besides the length (`context`) that the keep's generated selection and tail
-        read (`sym["prompt"]`, `sym["step"]`): rows of one length that agree on them get the same plan (a
-        StreamingLLM or TOVA batch is one group whatever its prompts; H2O's fractions of the prompt are not)."""
-        found = self.__dict__.get("_group_symbols_found")
-        if found is None:
-            hook = self.decoding.keep_hook
-            sources = [fn for fn in (self.decoding.select, self.code.keep_tails.get(hook)) if fn is not None]
-            names = {name for fn in sources for name in re.findall(r'sym\["(\w+)"\]', inspect.getsource(fn))}
-            found = self.__dict__["_group_symbols_found"] = frozenset(names & {"prompt", "step"})
-        return found
+        """The decode symbols besides the length (`context`) that the keep's counts, ranges and `where`
+        read (the compiler's hook fact `keep_symbols`; all of them where a manifest has none): rows of one
+        length that agree on them get the same plan (a StreamingLLM or TOVA batch is one group whatever its
+        prompts; H2O's fractions of the prompt are not)."""
+        return frozenset(self.decoding.keep.get("keep_symbols", ("prompt", "step"))) & {"prompt", "step"}
 
     def _read_facts(self, views: StepViews) -> np.ndarray:
         """[n, k]: each row's length and the symbols its selection reads (`_group_symbols`)."""
@@ -255,14 +243,7 @@ class StepEnd:
         """Rows of one length as groups that agree on what the selection reads (all of them: one group)."""
         if not isinstance(views, StepViews) or not self._group_symbols():
             return [list(range(len(views)))]
-        facts = self._read_facts(views)
-        if (facts == facts[0]).all():
-            return [list(range(len(views)))]
-        _, inverse = np.unique(facts, axis=0, return_inverse=True)
-        groups: dict = {}
-        for i, key in enumerate(inverse.reshape(-1).tolist()):
-            groups.setdefault(key, []).append(i)
-        return list(groups.values())
+        return row_groups(self._read_facts(views))
 
     def _step_end_group(self, layer: int, views: Seq[StepView]) -> list[KeepPlan | None]:
         """step_end of rows of one length: one selection per group of them that agrees on what it reads
@@ -316,6 +297,18 @@ class StepEnd:
         return out
 
 
+def row_groups(facts: np.ndarray) -> list[list[int]]:
+    """The rows of `facts [n, k]` with equal facts, as lists of row indices in order of first appearance
+    (one list where every row agrees)."""
+    if (facts == facts[0]).all():
+        return [list(range(len(facts)))]
+    _, first, inverse = np.unique(facts, axis=0, return_index=True, return_inverse=True)
+    groups: list[list[int]] = [[] for _ in first]
+    for i, key in enumerate(inverse.reshape(-1).tolist()):
+        groups[key].append(i)
+    return [groups[key] for key in np.argsort(first, kind="stable")]
+
+
 def group_mode(facts: DecodeFacts, stateful: bool) -> str | None:
     """How `step_end_batch` batches a group of rows with equal symbols: "symbolic" (scores from the
     symbols alone: one selection, one plan for all), "planes" (scores in a plane, row-wise
@@ -344,9 +337,7 @@ def read_rows(plane: torch.Tensor, tables: list[list[int]] | np.ndarray, n: int)
             raise ValueError(f"a table of fewer than {pages} pages of {page_size} slots cannot hold {n} tokens")
         flat = itertools.chain.from_iterable(table if len(table) == pages else table[:pages] for table in tables)
         ids = np.fromiter(flat, dtype=np.int64, count=len(tables) * pages).reshape(len(tables), pages)
-    ids = to_device(ids, plane.device)  # [G, pages], without a stream wait
-    slots = torch.arange(n, device=plane.device)
-    return plane[ids[:, slots // page_size], :, slots % page_size].permute(0, 2, 1)
+    return slot_order.read_rows(plane, ids, np.full(len(ids), n))
 
 
 def stacked(kept: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -35,19 +35,23 @@ def record(plane: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) ->
     plane[pages, :, slots.clamp(min=0) % page_size] = positions.to(plane.dtype)[:, None]
 
 
-def read_rows(plane: torch.Tensor, tables: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
-    """Positions of slots [0, lengths[n]) of N layers `tables [N, W]` (store indices): [N, Hkv, max
-    length], PAD past each one's length."""
+def read_rows(plane: torch.Tensor, tables: np.ndarray, lengths: np.ndarray, pad=PAD) -> torch.Tensor:
+    """A per-token plane's values (positions, or a method's state) at slots [0, lengths[n]) of N layers
+    `tables [N, W]` (store indices): [N, Hkv, max length], `pad` past each one's length. The tables go
+    to the device in one pinned copy."""
     page_size, device = plane.shape[2], plane.device
+    lengths = np.asarray(lengths, dtype=np.int64)
     width = int(lengths.max(initial=0))
     if width == 0:
-        return torch.full((len(tables), plane.shape[1], 0), PAD, dtype=torch.int32, device=device)
+        return torch.full((len(tables), plane.shape[1], 0), pad, dtype=plane.dtype, device=device)
     pages = -(-width // page_size)
     ids = device_ints(np.ascontiguousarray(tables[:, :pages], dtype=np.int64), device)
     slots = torch.arange(width, device=device)
     out = plane[ids[:, slots // page_size], :, slots % page_size].permute(0, 2, 1)  # [N, Hkv, width]
-    inside = slots[None, :] < device_ints(np.asarray(lengths, dtype=np.int64), device)[:, None]
-    return torch.where(inside[:, None, :], out, torch.full_like(out, PAD))
+    if (lengths == width).all():
+        return out
+    inside = slots[None, :] < device_ints(lengths, device)[:, None]
+    return torch.where(inside[:, None, :], out, torch.full_like(out, pad))
 
 
 def order(positions: torch.Tensor) -> torch.Tensor:
@@ -97,15 +101,7 @@ def fill(tensors: list[torch.Tensor], keep: torch.Tensor, counts: np.ndarray, le
     below = (slots[None, :] < count[:, None])[:, None, :]  # [N, 1, L]
     hole, mover = below & ~kept, ~below & kept
     dst, src = (_ranked(mask, slots, dropped) for mask in (hole, mover))  # [N, Hkv, E], -1: none
-    moved = dst >= 0
-    table = device_ints(np.ascontiguousarray(tables, dtype=np.int64), device)
-    heads_ix = torch.arange(heads, device=device)[None, :, None].expand_as(dst)
-    for tensor in tensors:
-        raw = encodings.raw(tensor)
-        page_size, scratch = raw.shape[2], raw.shape[0] - 1
-        sp, so = _address(table, src, moved, page_size, scratch)
-        dp, do = _address(table, dst, moved, page_size, scratch)
-        raw[dp, heads_ix, do] = raw[sp, heads_ix, so]
+    _move(tensors, device_ints(np.ascontiguousarray(tables, dtype=np.int64), device), src, dst, dst >= 0)
 
 
 def _ranked(mask: torch.Tensor, slots: torch.Tensor, width: int) -> torch.Tensor:
@@ -114,6 +110,19 @@ def _ranked(mask: torch.Tensor, slots: torch.Tensor, width: int) -> torch.Tensor
     out = torch.full((*mask.shape[:2], width + 1), -1, dtype=torch.long, device=mask.device)
     out.scatter_(2, rank.clamp(max=width), slots.expand_as(rank).where(mask, -1))
     return out[..., :width]
+
+
+def _move(tensors: list[torch.Tensor], table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+          moved: torch.Tensor) -> None:
+    """Slot src[n, h, i] of job n's layer (table row n) into its slot dst[n, h, i], KV head h, in every
+    TOKEN tensor, where `moved`; the sources are read before any is written."""
+    heads = torch.arange(src.shape[1], device=src.device)[None, :, None].expand_as(src)
+    for tensor in tensors:
+        raw = encodings.raw(tensor)
+        page_size, scratch = raw.shape[2], raw.shape[0] - 1
+        sp, so = _address(table, src, moved, page_size, scratch)
+        dp, do = _address(table, dst, moved, page_size, scratch)
+        raw[dp, heads, do] = raw[sp, heads, so]
 
 
 def _address(table: torch.Tensor, slots: torch.Tensor, moved: torch.Tensor, page_size: int,
@@ -140,11 +149,4 @@ def settle(tensors: list[torch.Tensor], plane: torch.Tensor, tables: np.ndarray,
     if bool((slot_order == positions).all()):
         return  # already in order
     table = device_ints(np.ascontiguousarray(tables, dtype=np.int64), plane.device)
-    moved = inside[:, None, :].expand_as(slot_order)
-    heads_ix = torch.arange(slot_order.shape[1], device=plane.device)[None, :, None].expand_as(slot_order)
-    for tensor in tensors:
-        raw = encodings.raw(tensor)
-        page_size, scratch = raw.shape[2], raw.shape[0] - 1
-        sp, so = _address(table, slot_order, moved, page_size, scratch)
-        dp, do = _address(table, positions.expand_as(slot_order), moved, page_size, scratch)
-        raw[dp, heads_ix, do] = raw[sp, heads_ix, so]
+    _move(tensors, table, slot_order, positions.expand_as(slot_order), inside[:, None, :].expand_as(slot_order))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+
 def split_resized(log: list) -> dict[int, int | None]:
     """The layers of a `resized_since` log (`Sequence.resized_layers`: an append of layer l is logged as
     l, a truncation to p pages as (l, p)), each with the fewest pages a truncation left it since (None:
