@@ -33,7 +33,9 @@ keep, in order, so the chain cache knows how far back a session's stored tail is
 over a whole decode batch, with per-row symbols and the layers' shared selections). A hook written
 with several `where`s is one entry: its inputs joined, `reads` if any part reads, `where` any part's.
 
-A keeping hook states `rowwise_select` too: its selection keeps each KV head's tokens from that
+A keeping hook states `head_counts`: whether its KV heads keep different counts (`top(..., across
+kv_head)`; the engine stores the layer with per-head starts and hands the hook's symbols `starts`).
+It states `rowwise_select` too: its selection keeps each KV head's tokens from that
 head's score row and the symbols alone (granularity `none`, `kv_head` or `layer`, not
 `head_adaptive`), and none of its counts, ranges or `where` reads `kv_heads`. The engine may then
 stack the score rows of several sequences whose symbols are equal into one selection, `kv_heads`
@@ -168,6 +170,8 @@ def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
                                 "estimate": code.read["estimate"] != "None"}
         if code.keep is not None:
             fact["keep_symbols"] = keep_symbols(hook)
+            # kept counts differ per KV head (a `top(..., across kv_head)`): the layer is stored with per-head starts
+            fact["head_counts"] = code.keep["granularity"] == "head_adaptive"
         if code.keep is not None and code.keep.get("role"):  # a per-head keep: only the role's heads evict
             fact["role"] = code.keep["role"]
         before = out.get(hook.name)

@@ -211,7 +211,9 @@ class _Emitter:
         kv = next((d for d in ("kv_head", "head") if d in v.k.dims), "kv_head")
         q = self.laid_out(self.value(v.q), v.q.dims, (head, "query", "channel"))
         k = self.laid_out(self.value(v.k), v.k.dims, (kv, item, "channel"))
-        return self.emit(f"_attention({q}, {k}, softmax={v.softmax})"), (head, "query", item)
+        # a layer compacted with per-head counts: each KV head's own keys (primitives' `attention`)
+        starts = ', starts=sym.get("starts")' if item == "key" else ""
+        return self.emit(f"_attention({q}, {k}, softmax={v.softmax}{starts})"), (head, "query", item)
 
     def key_start(self, v: Value) -> str | None:
         """Where the keys of a score over a range of the key axis start (Python over the symbols), or

@@ -26,8 +26,8 @@ from . import torch_lowering  # relative: the engine also loads this folder by p
 
 METHOD = "adakv"
 FAMILY = "eviction"
-DEFAULTS = {'alpha': 0.2, 'budget': 2048, 'kernel': 5, 'window': 64}
-HOOKS = ['prefill_end']
+DEFAULTS = {'alpha': 0.2, 'budget': 2048, 'every': 0, 'kernel': 5, 'window': 64}
+HOOKS = ['prefill_end', 'step_end']
 
 score = torch_lowering.score
 select = torch_lowering.select
@@ -79,7 +79,10 @@ def peak_prefill_bytes(context, *, layers, kv_heads, head_dim, dtype_bytes, para
 def steady_bytes(prompt, generated, *, layers, kv_heads, head_dim, dtype_bytes, params):
     """KV bytes after `generated` decode steps."""
     shape = dict(kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, params=params)
-    return kv_heads * sum((held_tokens(prompt, layer, layers, kv_heads, params) + generated)
+    every = params["every"]
+    decoding = (every > 0)
+    at, grow = (prompt + generated, 0) if decoding else (prompt, generated)
+    return kv_heads * sum((held_tokens(at, layer, layers, kv_heads, params) + grow)
                           * slot_bytes(layer, **shape) for layer in range(layers))
 
 
@@ -99,19 +102,37 @@ def query_window(params):
 def decode_query_window(params):
     """How many of the newest queries step_end reads: the largest `q[last n]` of its body (0: none),
     kept per sequence and layer while decoding."""
-    return 0
+    window = params["window"]
+    every = params["every"]
+    if not (every > 0):
+        return 0
+    return max(0, int(window))
 
 
 def prefill_end_tail(sym, params):
-    """The `+ last N` of `on prefill_end`'s keep (methods/adakv.kvm:16): the newest stored tokens it always keeps."""
+    """The `+ last N` of `on prefill_end`'s keep (methods/adakv.kvm:20): the newest stored tokens it always keeps."""
     window = params["window"]
     return window
 
 
-KEEP_TAILS = {"prefill_end": prefill_end_tail}  # keeping hook -> its `+ last N` (none: 0)
+def step_end_tail(sym, params):
+    """The `+ last N` of `on step_end`'s keep (methods/adakv.kvm:25): the newest stored tokens it always keeps."""
+    window = params["window"]
+    return window
 
 
-KEEP_PERIODS = {}  # keeping hook with `where step % n == 0` -> n
+KEEP_TAILS = {"prefill_end": prefill_end_tail, "step_end": step_end_tail}  # keeping hook -> its `+ last N` (none: 0)
+
+
+def step_end_period(params):
+    """The steps between `on step_end`'s keeps (methods/adakv.kvm:25: `where step % n == 0`; 0: it never runs)."""
+    every = params["every"]
+    if not (every > 0):
+        return 0
+    return every
+
+
+KEEP_PERIODS = {"step_end": step_end_period}  # keeping hook with `where step % n == 0` -> n
 
 
 def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):

@@ -18,6 +18,7 @@ import torch
 
 from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the generated hooks call these
     align as _align,
+    all_tokens as _all_tokens,
     attention as _attention,
     ceil as _ceil,
     choose_tokens as _choose_tokens,
@@ -43,16 +44,17 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
 
 METHOD = "adakv"
 FAMILY = "eviction"
-DEFAULTS = {'alpha': 0.2, 'budget': 2048, 'kernel': 5, 'window': 64}
+DEFAULTS = {'alpha': 0.2, 'budget': 2048, 'every': 0, 'kernel': 5, 'window': 64}
 STATES = []
 # the parameters each hook reads: what a hook computes from its inputs and no parameter is the same
 # under every parameter (a replayed prefill's chunk state is computed once for every budget)
-HOOK_PARAMS = {'prefill_end': ['alpha', 'budget', 'kernel', 'window']}
+HOOK_PARAMS = {'prefill_end': ['alpha', 'budget', 'kernel', 'window'],
+ 'step_end': ['alpha', 'budget', 'every', 'kernel', 'window']}
 NEG_INF = float("-inf")
 
 
 def prefill_end_scores(inputs, state, sym, params):
-    """`on prefill_end` (methods/adakv.kvm:16): ranking scores [kv_head, key]."""
+    """`on prefill_end` (methods/adakv.kvm:20): ranking scores [kv_head, key]."""
     k = inputs["k"]
     q = inputs["q"]
     alpha = params["alpha"]
@@ -62,7 +64,7 @@ def prefill_end_scores(inputs, state, sym, params):
     kv_heads = sym["kv_heads"]
     window = params["window"]
     t1 = _window(q, 1, "last", window)
-    t2 = _attention(t1, k, softmax=True)
+    t2 = _attention(t1, k, softmax=True, starts=sym.get("starts"))
     t3 = _window(t2, 2, "first", context - window)
     t4 = _reduce(t3, "mean", (1,))
     t5 = _pool(t4, "avg", kernel, 1)
@@ -88,6 +90,54 @@ def prefill_end_select(scores, sym, params):
         count=kv_heads*(budget - window),
         at_least=alpha*(budget - window),
         granularity="head_adaptive",
+        starts=sym.get("starts"),
+    )
+
+
+def step_end_scores(inputs, state, sym, params):
+    """`on step_end` (methods/adakv.kvm:25): ranking scores [kv_head, key]."""
+    k = inputs["k"]
+    q = inputs["q"]
+    alpha = params["alpha"]
+    budget = params["budget"]
+    context = sym["context"]
+    every = params["every"]
+    kernel = params["kernel"]
+    kv_heads = sym["kv_heads"]
+    step = sym["step"]
+    window = params["window"]
+    t1 = _window(q, 1, "last", window)
+    t2 = _attention(t1, k, softmax=True, starts=sym.get("starts"))
+    t3 = _window(t2, 2, "first", context - window)
+    t4 = _reduce(t3, "mean", (1,))
+    t5 = _pool(t4, "avg", kernel, 1)
+    t6 = _group(t5, "mean", 0, kv_heads)
+    scores = _full_scores(t6, True, kv_heads, context)
+    return scores
+
+
+def step_end_select(scores, sym, params):
+    """`on step_end`: kept key indices per KV head (a list of ascending index tensors)."""
+    alpha = params["alpha"]
+    budget = params["budget"]
+    context = sym["context"]
+    every = params["every"]
+    kernel = params["kernel"]
+    kv_heads = sym["kv_heads"]
+    step = sym["step"]
+    window = params["window"]
+    if not ((step % every == 0) and (every > 0)):
+        return _all_tokens(context, kv_heads, sym.get("starts"), scores.device)
+    return _select(
+        scores,
+        context,
+        kv_heads,
+        first=None,
+        last=window,
+        count=kv_heads*(budget - window),
+        at_least=alpha*(budget - window),
+        granularity="head_adaptive",
+        starts=sym.get("starts"),
     )
 
 

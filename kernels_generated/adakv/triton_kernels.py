@@ -15,7 +15,7 @@ import torch
 from kvc.runtime.primitives.torch_primitives import pool as _pool  # noqa: F401 -- the wrappers that pool call it
 from kvc.runtime.primitives.triton_primitives import column_votes as _column_votes
 
-DEFAULTS = {'alpha': 0.2, 'budget': 2048, 'kernel': 5, 'window': 64}
+DEFAULTS = {'alpha': 0.2, 'budget': 2048, 'every': 0, 'kernel': 5, 'window': 64}
 
 
 def _floor(x):

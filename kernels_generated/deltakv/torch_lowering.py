@@ -25,6 +25,7 @@ import torch
 
 from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the generated hooks call these
     align as _align,
+    all_tokens as _all_tokens,
     attention as _attention,
     ceil as _ceil,
     choose_tokens as _choose_tokens,

@@ -18,6 +18,7 @@ import torch
 
 from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the generated hooks call these
     align as _align,
+    all_tokens as _all_tokens,
     attention as _attention,
     ceil as _ceil,
     choose_tokens as _choose_tokens,
@@ -92,6 +93,7 @@ def prefill_end_select(scores, sym, params):
         count=((_floor((1/2)*budget)) if (budget > 0) else (heavy*prompt)),
         at_least=None,
         granularity="kv_head",
+        starts=sym.get("starts"),
     )
 
 
@@ -127,6 +129,7 @@ def decode_after_attention_select(scores, sym, params):
         count=((_floor((1/2)*budget)) if (budget > 0) else (heavy*prompt)),
         at_least=None,
         granularity="kv_head",
+        starts=sym.get("starts"),
     )
 
 

@@ -18,6 +18,7 @@ import torch
 
 from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the generated hooks call these
     align as _align,
+    all_tokens as _all_tokens,
     attention as _attention,
     ceil as _ceil,
     choose_tokens as _choose_tokens,
@@ -67,7 +68,7 @@ def prefill_end_scores(inputs, state, sym, params):
     prompt = sym["prompt"]
     window = params["window"]
     t1 = _window(q, 1, "last", window)
-    t2 = _attention(t1, k, softmax=True)
+    t2 = _attention(t1, k, softmax=True, starts=sym.get("starts"))
     t3 = _window(t2, 2, "first", context - window)
     t4 = _reduce(t3, "sum", (1,))
     t5 = _pool(t4, pooling, kernel, 1)
@@ -97,6 +98,7 @@ def prefill_end_select(scores, sym, params):
         count=((budget - window) if (prompt < 2*budget - 2*window) else (-layer*_floor((-2*budget + 2*window + 2*min(prompt - window, 2*budget - 2*window - _floor((budget - window)/beta)))/max(1, layers - 1)) + min(prompt - window, 2*budget - 2*window - _floor((budget - window)/beta)))),
         at_least=None,
         granularity="kv_head",
+        starts=sym.get("starts"),
     )
 
 
@@ -117,7 +119,7 @@ def step_end_scores(inputs, state, sym, params):
     step = sym["step"]
     window = params["window"]
     t1 = _window(q, 1, "last", window)
-    t2 = _attention(t1, k, softmax=True)
+    t2 = _attention(t1, k, softmax=True, starts=sym.get("starts"))
     t3 = _window(t2, 2, "first", context - window)
     t4 = _reduce(t3, "sum", (1,))
     t5 = _pool(t4, pooling, kernel, 1)
@@ -141,7 +143,7 @@ def step_end_select(scores, sym, params):
     step = sym["step"]
     window = params["window"]
     if not ((step % every == 0) and (every > 0)):
-        return [torch.arange(context, device=scores.device) for _ in range(kv_heads)]
+        return _all_tokens(context, kv_heads, sym.get("starts"), scores.device)
     return _select(
         scores,
         context,
@@ -151,6 +153,7 @@ def step_end_select(scores, sym, params):
         count=((budget - window) if (prompt < 2*budget - 2*window) else (-layer*_floor((-2*budget + 2*window + 2*min(prompt - window, 2*budget - 2*window - _floor((budget - window)/beta)))/max(1, layers - 1)) + min(prompt - window, 2*budget - 2*window - _floor((budget - window)/beta)))),
         at_least=None,
         granularity="kv_head",
+        starts=sym.get("starts"),
     )
 
 

@@ -18,6 +18,7 @@ import torch
 
 from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the generated hooks call these
     align as _align,
+    all_tokens as _all_tokens,
     attention as _attention,
     ceil as _ceil,
     choose_tokens as _choose_tokens,
@@ -65,7 +66,7 @@ def step_end_scores(inputs, state, sym, params):
     threshold = params["threshold"]
     window = params["window"]
     t1 = _window(q, 1, "last", window)
-    t2 = _attention(t1, k, softmax=False)
+    t2 = _attention(t1, k, softmax=False, starts=sym.get("starts"))
     t3 = _group(t2, "max", 0, kv_heads)
     t4 = _window(t3, 2, "first", context - window)
     t5 = _softmax(t4, 2)
@@ -92,7 +93,7 @@ def step_end_select(scores, sym, params):
     threshold = params["threshold"]
     window = params["window"]
     if not ((step % every == 0)):
-        return [torch.arange(context, device=scores.device) for _ in range(kv_heads)]
+        return _all_tokens(context, kv_heads, sym.get("starts"), scores.device)
     return _select(
         scores,
         context,
@@ -102,6 +103,7 @@ def step_end_select(scores, sym, params):
         count=budget - window,
         at_least=None,
         granularity="kv_head",
+        starts=sym.get("starts"),
     )
 
 

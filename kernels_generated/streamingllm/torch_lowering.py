@@ -18,6 +18,7 @@ import torch
 
 from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the generated hooks call these
     align as _align,
+    all_tokens as _all_tokens,
     attention as _attention,
     ceil as _ceil,
     choose_tokens as _choose_tokens,
@@ -77,6 +78,7 @@ def prefill_end_select(scores, sym, params):
         count=None,
         at_least=None,
         granularity="none",
+        starts=sym.get("starts"),
     )
 
 
@@ -106,6 +108,7 @@ def step_end_select(scores, sym, params):
         count=None,
         at_least=None,
         granularity="none",
+        starts=sym.get("starts"),
     )
 
 

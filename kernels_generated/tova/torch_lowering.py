@@ -18,6 +18,7 @@ import torch
 
 from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the generated hooks call these
     align as _align,
+    all_tokens as _all_tokens,
     attention as _attention,
     ceil as _ceil,
     choose_tokens as _choose_tokens,
@@ -59,7 +60,7 @@ def prefill_end_scores(inputs, state, sym, params):
     context = sym["context"]
     kv_heads = sym["kv_heads"]
     t1 = _window(q, 1, "last", 1)
-    t2 = _attention(t1, k, softmax=True)
+    t2 = _attention(t1, k, softmax=True, starts=sym.get("starts"))
     t3 = _reduce(t2, "mean", (0, 1))
     scores = _full_scores(t3, False, kv_heads, context)
     return scores
@@ -79,6 +80,7 @@ def prefill_end_select(scores, sym, params):
         count=budget - 1,
         at_least=None,
         granularity="layer",
+        starts=sym.get("starts"),
     )
 
 
@@ -107,6 +109,7 @@ def decode_after_attention_select(scores, sym, params):
         count=budget,
         at_least=None,
         granularity="layer",
+        starts=sym.get("starts"),
     )
 
 

@@ -10,7 +10,6 @@ lowering; nothing here knows a method by name. Step end (the keep's plans) is st
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -41,6 +40,12 @@ class DecodeFacts:
     paged: bool  # decode state in paged state planes (else per-row dicts)
     scores_plane: str | None  # the plane of decode_after_attention's pending scores
     planes: tuple[str, ...]  # every state plane, in the KV spec's order
+
+    @property
+    def head_counts(self) -> bool:
+        """Does the decode-time keep leave different counts per KV head (the layer's heads then store
+        different tokens, from per-head start slots)?"""
+        return bool(self.keep and self.keep.get("head_counts"))
 
     @property
     def graphs(self) -> bool:
@@ -91,9 +96,10 @@ def read_decode_facts(code: GeneratedCode, use_state_planes: bool) -> DecodeFact
     if keeping:
         keep_hook = keeping[0]
         select = code.required(f"{keep_hook}_select")
-        if "head_adaptive" in inspect.getsource(select):
-            raise NotImplementedError(f"method {name!r} keeps per-head variable counts while decoding; "
-                                      "the engine needs per-head lengths in its metadata first")
+        if facts[keep_hook].get("head_counts") and (code.states or keep_hook != "step_end"):
+            raise ConfigError(f"method {name!r} keeps per-head counts while decoding from state or attention "
+                              "statistics; the engine serves a per-head-count keep in a stateless step_end",
+                              param="method")
         step_scores = code.optional("step_end_scores")
         hooks.add(Hook.STEP_END)
     if paged:
@@ -200,11 +206,12 @@ class DecodeHooks:
 
 
 def decode_sym(layer: int, layers: int, length: int, context_len: int, prompt_len: int, heads: int | None,
-               kv_heads: int, head_dim: int | None) -> dict[str, Any]:
+               kv_heads: int, head_dim: int | None, starts: list[int] | None = None) -> dict[str, Any]:
     """A decode hook's symbols: `context` the physical length ranked (the step's token included),
-    `prompt` the tokens the prefill covered, `step` the decode steps so far (1 at the first)."""
+    `prompt` the tokens the prefill covered, `step` the decode steps so far (1 at the first);
+    `starts` each KV head's first stored slot where a keep left per-head counts (None: 0)."""
     return {"context": length, "prompt": prompt_len, "step": context_len - prompt_len, "layer": layer,
-            "layers": layers, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+            "layers": layers, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "starts": starts}
 
 
 def _unflatten(value: torch.Tensor, batch: int, width: int) -> torch.Tensor:

@@ -85,6 +85,8 @@ class StepEnd:
         facts per row; one `decode_kept` per distinct row, rows of a batch mostly share them)."""
         if self.decoding.keep_hook is None:
             return np.zeros(len(lengths), dtype=bool)
+        if self.decoding.head_counts:
+            return None  # per-head counts: whether a head drops tokens depends on the scores (step_end decides)
         if self._role_keep(self.decoding.keep_hook):
             if not self.kv_head_layers:
                 return None  # per-head counts: whether a row is due depends on its heads' starts (step_end decides)
@@ -143,6 +145,8 @@ class StepEnd:
             hook = self.decoding.keep_hook
             return self.roles.plan(hook, layer, sym, view.cache, self.kept_tail(hook, sym, length),
                                    self.evict_interval)
+        if self.decoding.head_counts:
+            return self._step_end_heads(layer, view)
         count = self.decode_kept(length, view.prompt_len, view.context_len, layer, kv_heads)
         if not self._due(length, count):
             return None
@@ -153,7 +157,25 @@ class StepEnd:
 
     def _step_sym(self, layer: int, view: StepView, kv_heads: int) -> dict[str, Any]:
         return decode_sym(layer, self.budget.num_layers, view.cache.length, view.context_len, view.prompt_len, None,
-                          kv_heads, view.cache.store.head_dim("k"))
+                          kv_heads, view.cache.store.head_dim("k"), view.cache.starts)
+
+    def _step_end_heads(self, layer: int, view: StepView) -> KeepPlan | None:
+        """A keep with per-head counts (`top(..., across kv_head)`, Ada-KV's): head h's own tokens are slots
+        [starts[h], length), which the scores and the selection see alone (`sym["starts"]`); due where a
+        head would drop `evict_interval` or more of them. Counts stay on the CPU (host facts)."""
+        cache = view.cache
+        sym = self._step_sym(layer, view, cache.num_kv_heads)
+        scores = self.decoding.step_scores(CacheInputs(cache), {}, sym, self.params)
+        kept = self._select_fn(scores, sym, self.params)
+        starts = cache.starts or [0] * cache.num_kv_heads
+        counts = [int(t.numel()) for t in kept]
+        if max(cache.length - start - count for start, count in zip(starts, counts)) < self.evict_interval:
+            return None
+        indices = torch.zeros((len(kept), max(counts)), dtype=torch.long)
+        for head, t in enumerate(kept):
+            indices[head, : counts[head]] = t.cpu()
+        tail = self.kept_tail(self.decoding.keep_hook, sym, cache.length)
+        return KeepPlan(indices.to(cache.device), torch.tensor(counts, dtype=torch.long), tail=tail)
 
     def _step_end_paged(self, view: StepView, count: int, sym: dict) -> KeepPlan:
         """step_end over the planes: the scores (or the state) of the stored slots; compaction moves

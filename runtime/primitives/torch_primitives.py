@@ -72,15 +72,24 @@ def range_start(length, ranges):
     return start
 
 
-def attention(q, k, softmax=True):
-    """Causal q k^T / sqrt(d) of q [head, query, channel] (the last positions) over k [kv_head, key, channel]."""
+def attention(q, k, softmax=True, starts=None):
+    """Causal q k^T / sqrt(d) of q [head, query, channel] (the last positions) over k [kv_head, key, channel].
+    `starts` (host ints per KV head, a layer compacted with per-head counts): KV head h's keys are slots
+    [starts[h], key); the slots below are no keys of it (-inf, 0 after the softmax)."""
     heads, queries, head_dim = q.shape
     length = k.shape[1]
     keys = k.float().repeat_interleave(heads // k.shape[0], dim=0)
     logits = (q.float() @ keys.transpose(1, 2)).div_(math.sqrt(head_dim))  # in place: one [h, q, k] buffer
     query_pos = torch.arange(length - queries, length, device=q.device)[:, None]
     logits.masked_fill_(torch.arange(length, device=q.device)[None, :] > query_pos, NEG_INF)
+    if starts is not None and any(starts):
+        below = torch.arange(length, device=q.device)[None, :] < _starts(starts, q.device)[:, None]  # [kv_head, key]
+        logits.masked_fill_(below.repeat_interleave(heads // k.shape[0], dim=0)[:, None, :], NEG_INF)
     return logits.softmax(dim=-1) if softmax else logits
+
+
+def _starts(starts, device) -> torch.Tensor:
+    return torch.as_tensor(list(starts), dtype=torch.long, device=device)
 
 
 def reduce(x, fn, dims):
@@ -186,9 +195,16 @@ def select(scores, length, kv_heads, *, first, last, count, at_least, granularit
     when every head keeps the same count: that count is a function of `length` and the counts
     alone, so the engine learns kept lengths on the host (a `meta` run) without a device sync.
     `heads` (a keep `for ROLE`: bool per KV head, host values) limits the keep to those heads,
-    the others keeping every stored token; see `select_heads`."""
+    the others keeping every stored token; see `select_heads`. `starts` (host ints per KV head):
+    head h stores its tokens in slots [starts[h], length) (a layer compacted with per-head
+    counts), see `select_adaptive`."""
     if heads is not None:
         return select_heads(length, kv_heads, heads, starts, first=first, last=last, device=scores.device)
+    if granularity == "head_adaptive" and (scores.device.type == "meta" or (starts is not None and any(starts))):
+        return select_adaptive(scores, length, kv_heads, first=first, last=last, count=count, at_least=at_least,
+                               starts=starts)
+    if starts is not None and any(starts):
+        raise NotImplementedError(f"a {granularity} keep over a layer stored with per-head starts")
     device = scores.device
     n_first = clamp_count(first, length) if first is not None else 0
     n_last = clamp_count(last, length) if last is not None else 0
@@ -215,6 +231,45 @@ def select(scores, length, kv_heads, *, first, last, count, at_least, granularit
     position = torch.arange(length, device=device).expand(kv_heads, length)
     order = torch.where(kept, position, position + length).sort(dim=-1).values
     return list(order[:, : length - candidates + n].unbind(0))
+
+
+def select_adaptive(scores, length, kv_heads, *, first, last, count, at_least, starts=None):
+    """A head-adaptive keep over heads that store different tokens: head h's own tokens are slots
+    [starts[h], length) (0 without starts), its ranges (`first`, `last`) count from its own start,
+    each head keeps at least `at_least` of its own other tokens (all where it has fewer), and the rest
+    of `count` goes to the best-ranked remaining tokens of any head (ties: the lower head, then the
+    older token). On `meta` (shapes only) every head reports the most one head can keep: the bound
+    the engine reserves slots for (the counts themselves depend on the scores)."""
+    device = scores.device
+    own = [length - (0 if starts is None else int(starts[h])) for h in range(kv_heads)]
+    n_first = [clamp_count(first, n) if first is not None else 0 for n in own]
+    n_last = [clamp_count(last, n - f) if last is not None else 0 for n, f in zip(own, n_first)]
+    candidates = [n - f - t for n, f, t in zip(own, n_first, n_last)]
+    floor_each = [clamp_count(at_least, c) if at_least is not None else 0 for c in candidates]
+    total = clamp_count(count, sum(candidates))
+    if device.type == "meta":
+        rest = max(0, total - sum(floor_each))
+        most = max(f + t + fl + min(c - fl, rest) for f, t, c, fl in zip(n_first, n_last, candidates, floor_each))
+        return [torch.empty(most, dtype=torch.long, device=device) for _ in range(kv_heads)]
+    slot = torch.arange(length, device=device)
+    start = torch.as_tensor([length - n for n in own], device=device)[:, None]
+    forced = ((slot[None, :] >= start) & (slot[None, :] < start + torch.as_tensor(n_first, device=device)[:, None])) \
+        | (slot[None, :] >= length - torch.as_tensor(n_last, device=device)[:, None])
+    excluded = forced | (slot[None, :] < start)  # [kv_head, key]: not a candidate
+    order = ranked(scores.float(), excluded)
+    chosen = torch.zeros(kv_heads, length, dtype=torch.bool, device=device)
+    for h, n in enumerate(floor_each):
+        chosen[h, order[h, :n]] = True
+    rest = max(0, total - sum(floor_each))
+    flat = ranked(scores.float().reshape(-1), (excluded | chosen).reshape(-1))[:rest]
+    chosen.view(-1)[flat] = True
+    kept = forced | chosen
+    return [kept[h].nonzero().flatten() for h in range(kv_heads)]
+
+
+def all_tokens(length, kv_heads, starts=None, device=None):
+    """Every stored token of each KV head (a keep whose `where` does not hold): slots [starts[h], length)."""
+    return [torch.arange(0 if starts is None else int(starts[h]), length, device=device) for h in range(kv_heads)]
 
 
 def select_heads(length, kv_heads, heads, starts=None, *, first, last, device=None):

@@ -16,6 +16,9 @@ every cached key, the step's own included) and drops tokens in place. Counts are
   to most, averaged over every query head of the layer (one set for all heads); the newest token
   itself may go.
 
+- Ada-KV (Feng et al. 2024) with a decode budget (`AdaKV`): every `every` steps the layer allocates its
+  budget again across KV heads over the tokens each head still holds (they differ per head).
+
 `interval` (kvpress DecodingPress's compression_interval; 1: the papers' every-step rule): a head
 evicts only once it holds `interval` tokens past its budget, then back down to the budget by the
 same rule at that length (H2O keeps accumulating meanwhile).
@@ -147,3 +150,46 @@ class SnapKV:
         queries[:, n - self.window:] = self.queries[layer].to(keys.dtype)
         ranking = rank_snapkv(queries, keys, budget=budget, window=self.window, kernel=self.kernel, pool=self.pool)
         _gather(cache, ranking.kept())
+
+
+class AdaKV:
+    """Ada-KV (Feng et al. 2024) with a decode budget, as `methods/adakv.kvm` spells `every`: after decoding
+    step s (1 at the first) with s % every == 0, a layer whose heads hold more than `budget` tokens each on
+    average allocates again. Each KV head scores the tokens it holds (they differ per head) with SnapKV's rule:
+    its query group's newest `window` queries (the prompt's last ones first, then each step's), each attending
+    causally over that head's keys up to its own, averaged over the window, pooled along keys, averaged over the
+    group. Every head keeps its newest `window` tokens and its `safeguard` best (window tokens count first);
+    the rest of `num_kv_heads * budget` goes to the best-scored tokens of any head (ties: the lower head, then
+    the older token), as `eviction.rank_adakv` over heads of different lengths."""
+
+    def __init__(self, *, budget: int, window: int, kernel: int, pool: str, safeguard: int, every: int,
+                 prompt_queries: list[torch.Tensor]) -> None:
+        self.budget, self.window, self.kernel, self.pool = budget, window, kernel, pool
+        self.safeguard, self.every = safeguard, every
+        self.queries = [q[:, -window:] for q in prompt_queries]  # per layer [Hq, <= window, D]
+        self.steps = [0] * len(prompt_queries)
+
+    def step(self, layer: int, q: torch.Tensor, cache) -> None:
+        from tests.references.eviction import ALWAYS
+        from tests.references.scores import snapkv_scores, top_indices
+
+        self.queries[layer] = torch.cat([self.queries[layer], q[:, None]], dim=1)[:, -self.window:]
+        self.steps[layer] += 1
+        lengths = cache.lengths()
+        num_kv_heads = len(lengths)
+        if self.steps[layer] % self.every or sum(lengths) <= num_kv_heads * self.budget:
+            return
+        group = q.shape[0] // num_kv_heads
+        rows = []
+        for h, n in enumerate(lengths):
+            keys = cache.keys[h][None]  # [1, n, D]
+            queries = keys.new_zeros(group, n, keys.shape[-1])  # the window's queries at their positions
+            queries[:, n - self.window:] = self.queries[layer][h * group:(h + 1) * group].to(keys.dtype)
+            scores = snapkv_scores(queries, keys, window=self.window, kernel=self.kernel, pool=self.pool)[0]
+            scores = torch.cat([scores, torch.full((self.window,), ALWAYS)])  # the window always stays
+            safe = top_indices(scores, min(self.safeguard, n))
+            rows.append(scores.scatter(0, safe, ALWAYS))
+        flat = top_indices(torch.cat(rows), num_kv_heads * self.budget)
+        bounds = torch.tensor([0, *lengths]).cumsum(0)
+        kept = [flat[(flat >= bounds[h]) & (flat < bounds[h + 1])] - bounds[h] for h in range(num_kv_heads)]
+        _gather(cache, kept)

@@ -18,6 +18,7 @@ attention, with the rules of `decode_eviction.py` (H2O, TOVA, StreamingLLM). Bat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Any, Callable
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from tests.references.eviction import Ranking, gather_kv, rank
+from tests.references.eviction import Ranking, adakv_safeguard, gather_kv, rank
 
 ATTN_IMPLEMENTATION = "kvc_reference"
 
@@ -231,6 +232,11 @@ def _decode_evictor(method: str, layers: list[LayerPrompt], rankings: list[Ranki
         return decode_eviction.SnapKV(budgets=budgets, window=window, kernel=params["kernel"],
                                       pool=params.get("pooling", "avg"), every=params["every"],
                                       prompt_queries=[t.q for t in layers])
+    if method == "adakv":  # a decode budget (`every`): the layer's heads share `budget` tokens each again
+        ref = _adakv_reference(params)
+        return decode_eviction.AdaKV(budget=params["budget"], window=params["window"], kernel=params["kernel"],
+                                     pool="avg", safeguard=adakv_safeguard(ref["budget"], ref["alpha"]),
+                                     every=params["every"], prompt_queries=[t.q for t in layers])
     if method == "h2o":
         seen = [accumulated_attention(t.q, t.k).gather(1, ranking.kept()) for t, ranking in zip(layers, rankings)]
         return decode_eviction.H2O(heavy=int(params["heavy"] * prompt_len), recent=int(params["recent"] * prompt_len),
@@ -253,7 +259,18 @@ def _prefill_params(method: str, prompt_len: int, params: dict[str, Any]) -> tup
         shared = {"budget": params["budget"], "window": params["window"], "kernel": params["kernel"],
                   "pool": params.get("pooling", "avg")}
         return ("snapkv", shared) if method == "snapkv" else ("pyramidkv_factory", {**shared, "beta": params["beta"]})
+    if method == "adakv":
+        return "adakv", _adakv_reference(params)
     raise ValueError(f"no decode-time reference for {method!r}")
+
+
+def _adakv_reference(params: dict[str, Any]) -> dict[str, Any]:
+    """`rank_adakv`'s parameters for kvc's adakv ones: kvc's `alpha` counts the safeguard outside the window
+    (floor(alpha * (budget - window)) tokens), the reference's (kvpress's) counts window tokens first."""
+    budget, window = params["budget"], params["window"]
+    safeguard = window + math.floor(params.get("alpha", 0.2) * (budget - window))
+    return {"budget": budget, "window": window, "kernel": params["kernel"], "pool": "avg",
+            "alpha": (safeguard + 0.5) / budget}
 
 
 def greedy_compressed_decode(
@@ -279,7 +296,7 @@ def greedy_compressed_decode(
         session = _Session(caches=caches, after_decode=evictor.step)
         with _reference_attention(model, session):
             logits = _logits(model, torch.tensor([tokens[-1]]), prompt_len + step - 1)[-1]
-        lengths.append([cache.lengths()[0] for cache in caches])
+        lengths.append([max(cache.lengths()) for cache in caches])  # a layer's slots: its longest head
         step_logits.append(logits)
         tokens.append(int(logits.argmax()))
     return torch.tensor(tokens), torch.stack(step_logits), lengths

@@ -107,3 +107,55 @@ def test_compiled_budget_reserves_the_most_keeping_head():
     assert m.budget.steady_tokens(101, 111, 1) == 36 + 10
     assert m.budget.steady_tokens(20, 25, 0) == 25
     assert m.budget.peak_tokens(101, 0) == 101
+
+
+def _ragged_reference(scores, starts, length, *, last, count, at_least):
+    """Per-head-count keep over heads holding slots [start_h, length), from the definition: each head's
+    newest `last` forced, its `at_least` best others, then the best others of any head (flattened
+    head-major, ties to the lower head and older slot) up to `count`."""
+    heads = scores.shape[0]
+    own = [[slot for slot in range(starts[h], length - min(last, length - starts[h]))] for h in range(heads)]
+    kept = [set(range(max(starts[h], length - last), length)) for h in range(heads)]
+    for h in range(heads):
+        best = sorted(own[h], key=lambda slot: (-float(scores[h, slot]), slot))[: min(at_least, len(own[h]))]
+        kept[h] |= set(best)
+    rest = [(h, slot) for h in range(heads) for slot in own[h] if slot not in kept[h]]
+    room = min(count, sum(map(len, own))) - sum(min(at_least, len(o)) for o in own)
+    for h, slot in sorted(rest, key=lambda hs: (-float(scores[hs]), hs[0], hs[1]))[: max(0, room)]:
+        kept[h].add(slot)
+    return [sorted(k) for k in kept]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_head_adaptive_selection_over_per_head_starts(seed):
+    """`select` over a layer stored with per-head starts (a decode-time Ada-KV keep) ranks each head's own
+    slots only, equal to the definition; its `meta` run bounds every head's count."""
+    from kvc.runtime.primitives.torch_primitives import select
+
+    g = torch.Generator().manual_seed(seed)
+    heads, length, last = 3, 30, 4
+    starts = torch.randint(0, 12, (heads,), generator=g).tolist()
+    starts[int(torch.randint(0, heads, (1,), generator=g))] = 0
+    scores = torch.rand(heads, length, generator=g).round(decimals=1)  # ties
+    scores[:, length - last:] = float("-inf")
+    count, at_least = 3 * 9, 2.5
+    got = select(scores, length, heads, first=None, last=last, count=count, at_least=at_least,
+                 granularity="head_adaptive", starts=starts)
+    want = _ragged_reference(scores, starts, length, last=last, count=count, at_least=2)
+    assert [t.tolist() for t in got] == want
+    bound = select(torch.empty(heads, length, device="meta"), length, heads, first=None, last=last, count=count,
+                   at_least=at_least, granularity="head_adaptive")[0].shape[0]
+    assert max(len(k) for k in want) <= bound
+
+
+def test_attention_over_per_head_starts():
+    """The primitives' `attention` with starts: each KV head's query group attends over that head's own
+    slots only, as over its keys alone."""
+    from kvc.runtime.primitives.torch_primitives import attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(4, 3, 8, generator=g), torch.randn(2, 10, 8, generator=g)
+    probs = attention(q, k, starts=[0, 6])
+    assert probs[2:, :, :6].eq(0).all()
+    assert torch.allclose(probs[:2], attention(q[:2], k[:1]))
+    assert torch.allclose(probs[2:, :, 6:], attention(q[2:], k[1:, 6:]))

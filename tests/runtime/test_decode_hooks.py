@@ -82,8 +82,9 @@ def _follow_the_oracle(model_dir, hf, method: str, params: dict) -> tuple[Engine
             if s.is_finished or s.is_prefill or s.num_computed_tokens <= s.num_prompt_tokens:
                 continue
             lengths[s.seq_id][s.num_computed_tokens - s.num_prompt_tokens] = list(s.kv_lens)
-            # the pages held are exactly those the physical lengths need: freed at once
-            assert [len(t) for t in s.page_tables] == [-(-n // PAGE) for n in s.kv_lens]
+            # the pages held are those the physical lengths need, freed at once; a keep that leaves whole
+            # pages keeps the page the next token goes to (Scheduler._shrink: no table change per step)
+            assert all(-(-n // PAGE) <= len(t) <= n // PAGE + 1 for t, n in zip(s.page_tables, s.kv_lens))
         running = [s for s in seqs if not s.is_finished]
         assert engine.pool.num_used == sum(len(t) for s in running for t in s.page_tables)
     assert engine.pool.num_free == engine.pool.num_pages
@@ -145,6 +146,29 @@ def test_a_decode_budget_follows_the_oracle(model_dir, hf, method):
                 for layer in range(engine.spec.num_layers)] == [n + every for n in kept]
         for step, step_lengths in enumerate(want_lengths, start=1):
             assert step_lengths == [n + step % every for n in kept], (len(prompt), step)
+
+
+ADAKV_DECODE = {"budget": 24, "window": 4, "kernel": 5, "alpha": 0.3, "every": 4}
+
+
+def test_adakv_decode_budget_follows_the_oracle(model_dir, hf):
+    """Ada-KV with `every` > 0: every `every` decoding steps a layer allocates its budget across KV heads
+    again over the tokens each head still holds (they differ per head: per-head starts), and each layer's
+    slots are its longest head's (methods/adakv.kvm; the oracle: tests/references/decode_eviction.AdaKV)."""
+    engine, oracle = _follow_the_oracle(model_dir, hf, "adakv", ADAKV_DECODE)
+    assert engine.method.decoding.head_counts and engine.method.decode_window == ADAKV_DECODE["window"]
+    every, budget = ADAKV_DECODE["every"], ADAKV_DECODE["budget"]
+    for prompt, want_lengths in zip(prompts_of(LENGTHS, seed=21), oracle):
+        if len(prompt) <= budget:
+            continue
+        # admission's bound holds every layer's slots at every step
+        bounds = [engine.method.decode_bound(len(prompt), len(prompt) + STEPS, layer)
+                  for layer in range(engine.spec.num_layers)]
+        assert all(n <= bound for step_lengths in want_lengths for n, bound in zip(step_lengths, bounds))
+        # re-allocated at every 4th step: back to the heads' budget, the longest head over the average
+        kept = [want_lengths[step - 1] for step in range(every, STEPS - 1, every)]
+        assert all(n < len(prompt) for layer_lengths in kept for n in layer_lengths)
+        assert any(n > budget for layer_lengths in kept for n in layer_lengths)  # per-head counts differ
 
 
 def test_a_decode_budget_is_off_by_default(model_dir):

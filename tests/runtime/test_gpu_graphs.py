@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CASES = {"h2o": {"heavy": 0.25, "recent": 0.1}, "tova": {"budget": 40},
          "rkv": {"budget": 40, "window": 8, "kernel": 5, "every": 4},  # its query windows written in the graphs
          "streamingllm": {"sink": 4, "recent": 36},  # keeps in place: positions recorded in the graphs
-         "snapkv": {"budget": 40, "window": 8, "kernel": 5, "every": 4}}  # a decode budget
+         "snapkv": {"budget": 40, "window": 8, "kernel": 5, "every": 4},  # a decode budget
+         "adakv": {"budget": 40, "window": 8, "kernel": 5, "every": 4}}  # one with per-head counts (starts)
 LENGTHS = (60, 150, 299, 97)
 
 
