@@ -6,7 +6,8 @@
 # full in the same run), with a profile of the decode windows (`--busy`) where BUSY=1.
 # Usage (device machine): bash bench/gpu_issue21.sh "$OUT" "tests micro window32 window128"
 # METHODS (default full,snapkv,streamingllm,h2o,tova) picks the throughput parts' methods; EXTRA adds options.
-# `budget32` / `budget128`: full against SnapKV with a constant decode budget (snapkv:every=$EVERY, default 16).
+# `budget32` / `budget128`: full against SnapKV with a constant decode budget (snapkv:every=$EVERY, default 16;
+# BUDGET_METHOD=adakv or pyramidkv for theirs).
 set -uo pipefail
 out=${1:?output folder}; parts=${2:-tests micro window32 window128}
 methods=${METHODS:-full,snapkv,streamingllm,h2o,tova}
@@ -29,8 +30,9 @@ for part in $parts; do
     window32) args=(--inputs 32768 --steps "${STEPS:-32}" --sources "${SOURCES:-8}") ;;
     window128) args=(--inputs 131072 --steps "${STEPS:-32}" --sources "${SOURCES:-2}") ;;
     budget32|budget128) input=$([[ $part == budget32 ]] && echo 32768 || echo 131072)
-      timeout "${PART_TIMEOUT:-500}" python3 -m kvc.runtime.cli bench throughput "${common[@]/$methods/full,snapkv}" \
-        --inputs "$input" --steps "${STEPS:-32}" --sources "${SOURCES:-4}" --method-params "snapkv:every=${EVERY:-16}" \
+      bm=${BUDGET_METHOD:-snapkv}
+      timeout "${PART_TIMEOUT:-500}" python3 -m kvc.runtime.cli bench throughput "${common[@]/$methods/full,$bm}" \
+        --inputs "$input" --steps "${STEPS:-32}" --sources "${SOURCES:-4}" --method-params "$bm:every=${EVERY:-16}" \
         --out "$out/throughput_$part.json" > "$out/throughput_$part.md" 2> "$out/throughput_$part.log"
       echo "$part: rc=$?"; cat "$out/throughput_$part.md"; grep -v Warn "$out/throughput_$part.log" | tail -5
       continue ;;

@@ -114,7 +114,7 @@ def held_by(select: Select):
 def derive(method: MethodIR) -> Budgets:
     """The budget formulas of a method (every token for `full` and methods without a keep)."""
     keeps: list[Keep] = []
-    end = method.hook("prefill_end")
+    end = method.hook("prefill_end") or method.hook("replay_end")  # the keep after the prompt is stored
     if end is not None:
         keeps = end.keeps
     kept = CONTEXT if not keeps else kept_by(keeps[-1].select)

@@ -17,7 +17,9 @@ manifest keeps the same expressions as text for readers (the kernels' `WINDOW_EX
   (the engine serves the method as if it had none: a decode-time budget that is a method parameter), and
   `decode_query_window` is 0 too;
 - `<hook>_tail(sym, params)` for each keeping hook with a `+ last N`, collected in `KEEP_TAILS`: that
-  N from the hook's symbols and the parameters, unclamped (`CompiledMethod.kept_tail` clamps it).
+  N from the hook's symbols and the parameters, unclamped (`CompiledMethod.kept_tail` clamps it);
+- `replay(params)`: a `replay` declaration's prompts and counts (chunk, overlap, sink: parameters only),
+  None without one (runtime/replay.py builds the pass from it).
 """
 
 from __future__ import annotations
@@ -156,6 +158,21 @@ def keep_periods_source(method: MethodIR, params: list[str]) -> str:
         entries.append(f'"{hook.name}": {hook.name}_period')
     table = "KEEP_PERIODS = {" + ", ".join(entries) + "}  # keeping hook with `where step % n == 0` -> n"
     return "\n\n\n".join(functions + [table]) + "\n"
+
+
+def replay_source(method: MethodIR, params: list[str]) -> str:
+    replay = method.replay
+    head = ["def replay(params):",
+            '    """The `replay` pass: its prompts and token counts under these parameters (None: none)."""']
+    if replay is None:
+        return "\n".join(head + ["    return None"]) + "\n"
+    counts = {"chunk": replay.chunk, "overlap": replay.overlap, "sink": replay.sink}
+    unpack: list[str] = []
+    for name, expr in counts.items():
+        unpack += [line for line in _unpack(expr, params, f"the replay {name}", allowed=()) if line not in unpack]
+    fields = [f'"prompt": {replay.prompt!r}', f'"then": {replay.then!r}'] + [
+        f'"{name}": max(0, math.floor({_py(expr)}))' for name, expr in counts.items()]
+    return "\n".join(head + unpack + ["    return {" + ", ".join(fields) + "}"]) + "\n"
 
 
 def keep_tails_source(method: MethodIR, params: list[str]) -> str:

@@ -308,6 +308,18 @@ class InputIR:
     file: str
 
 
+@dataclass(frozen=True)
+class ReplayIR:
+    """`replay PROMPT in chunks of CHUNK [then THEN + last OVERLAP] [over first SINK]`: the pass that
+    re-reads the context after prefill (docs/language.md, "Replay"); counts as sympy over parameters."""
+
+    prompt: str
+    chunk: object
+    then: str | None = None
+    overlap: object = 0
+    sink: object = 0
+
+
 @dataclass
 class MethodIR:
     name: str
@@ -324,6 +336,7 @@ class MethodIR:
     inputs: list[InputIR] = field(default_factory=list)
     roles: dict[str, Value] = field(default_factory=dict)  # role -> a bool mask over (some of) layer, kv_head
     partitions: dict[str, Partition] = field(default_factory=dict)  # the `kmeans` partitions a read ranks
+    replay: ReplayIR | None = None
     checked: object = field(default=None, repr=False, compare=False)  # the CheckedMethod (compiler/kv_spec.py reads it)
 
     def hook(self, name: str) -> HookIR | None:
@@ -602,6 +615,11 @@ def build(checked, source: bytes | None = None) -> MethodIR:
             method.states.append(StateIR(decl.name.name, tuple(d.name for d in decl.shape.dims), init))
         if isinstance(decl, ast.Input):
             method.inputs.append(InputIR(decl.name.name, tuple(d.name for d in decl.shape.dims), decl.source.value))
+        if isinstance(decl, ast.Replay):
+            method.replay = ReplayIR(
+                decl.prompt.value, to_sympy(decl.chunk, checked.lets), None if decl.then is None else decl.then.value,
+                0 if decl.overlap is None else to_sympy(decl.overlap, checked.lets),
+                0 if decl.sink is None else to_sympy(decl.sink, checked.lets))
     if method.family not in LOWERED_FAMILIES:
         raise NotLowerable(f"the {method.family} family is not lowered yet (eviction, sparse reads and "
                            "quantization lower so far)")

@@ -585,6 +585,8 @@ class _Deriver:
             if d.shared:
                 self.unfit(d, f"shared {d.name.name}: one value per sequence seen by every layer is not in the spec "
                               "yet")
+            elif self._replay_only(d.name.name):
+                continue  # built and read by the replay pass alone: gone once its keep ran, nothing stored
             elif paged:
                 spec.tensors.append(TensorDesc(d.name.name, "token", "float32", state=True))
             elif not undecided:
@@ -592,6 +594,15 @@ class _Deriver:
                               "the state of a key-local decode_after_attention is paged)")
         if paged and after.get("keeps"):
             spec.tensors.append(TensorDesc(SCORES_PLANE, "token", "float32", state=True))
+
+    def _replay_only(self, name: str) -> bool:
+        """Does only the replay pass (`replay_chunk`, `replay_end`) read or write state `name`?"""
+        def names(s) -> set[str]:
+            target = getattr(getattr(s, "target", None), "name", None)
+            return {n.id for n in ast.walk(s) if isinstance(n, ast.Name)} | ({target.name} if target else set())
+
+        users = {h.name.name for h in self.checked.hooks if any(name in names(s) for s in h.body)}
+        return bool(users) and users <= {"replay_chunk", "replay_end"}
 
     def positions(self, facts: dict | None, spec: SpecDesc) -> None:
         """A decode-time keep evicts in place (each kept token past the new length fills an evicted

@@ -20,11 +20,16 @@ HOOK_RULES: dict[str, tuple[bool, frozenset[str]]] = {
     "decode_after_attention": (True, frozenset({"q", "k", "v", "attn"})),
     "step_end": (True, frozenset({"q", "k", "v"})),
     "turn_end": (True, frozenset({"k", "v"})),
+    # a replayed chunk's queries and their attention over the context (runtime/replay.py); the keep
+    # after the whole pass reads the method's state, once for all layers
+    "replay_chunk": (False, frozenset({"q", "attn"})),
+    "replay_end": (True, frozenset()),
     # reads the step's queries, the page summaries and the stored keys (the step's own among them)
     "decode_before_attention": (False, frozenset({"q", "k"})),
 }
 ROLE_KEEP_HOOKS = ("prefill_chunk", "step_end")  # where a per-head `keep ... for ROLE` runs (its plans)
-GRANULARITIES = ("kv_head", "layer", "head_adaptive")  # 'global' (across layer) is not lowered yet
+GRANULARITIES = ("kv_head", "layer", "head_adaptive", "global")
+GLOBAL_HOOKS = ("replay_end",)  # a top across layers runs where every layer's scores are at hand
 READ_GRANULARITIES = ("kv_head", "layer")
 # a read plan's shape is static (decode stays in CUDA graphs) and one `where` covers the whole batch:
 # its counts and condition may not read what differs between the rows of a decode batch
@@ -87,6 +92,9 @@ def problems(method: MethodIR) -> list[str]:
                     value = top.score
                     if top.granularity not in GRANULARITIES:
                         out.append(f"{top.granularity} selections are not lowered yet")
+                    elif top.granularity == "global" and hook.name not in GLOBAL_HOOKS:
+                        out.append(f"a top across layers is lowered in {', '.join(GLOBAL_HOOKS)} only, not in "
+                                   f"{hook.name}")
             if isinstance(stmt, (Read, Estimate, Choose)) and stmt.select.top is not None:
                 value = stmt.select.top.score
             if value is None:

@@ -411,7 +411,15 @@ def emit_hook(hook: HookIR, partitions: dict[str, Partition] | None = None) -> H
             keep = {"first": "None" if sel.first is None else em.scalar(sel.first),
                     "last": "None" if sel.last is None else em.scalar(sel.last),
                     "count": "None", "at_least": "None", "granularity": "none", "score": "None"}
-            if top is not None:
+            if top is not None and top.granularity == "global":  # every layer's scores at once (replay_end)
+                if "layer" not in top.score.dims or "kv_head" not in top.score.dims:
+                    raise NotLowerable(f"{hook.name}: a top across layers ranks a [layer, kv_head, key] score")
+                score = em.laid_out(em.value(top.score), top.score.dims, ("layer", "kv_head", "key"))
+                code.lines.append(f"scores = {score}.float()")
+                code.names |= {"kv_heads", "context"}
+                keep.update(score="scores", count=em.scalar(top.count), granularity="global",
+                            at_least="None" if top.at_least is None else em.scalar(top.at_least))
+            elif top is not None:
                 per_head = "kv_head" in top.score.dims
                 score = em.laid_out(em.value(top.score), top.score.dims, ("kv_head", "key") if per_head else ("key",))
                 start = em.key_start(top.score)

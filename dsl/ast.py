@@ -243,8 +243,13 @@ class Store(Decl):
 
 @dataclass
 class Replay(Decl):
+    """`replay PROMPT in chunks of CHUNK [then THEN + last OVERLAP] [over first SINK]` (docs/language.md)."""
+
     prompt: String
     chunk: Expr
+    then: String | None = None  # the prompt of every chunk after the first
+    overlap: Expr | None = None  # the previous chunk's last tokens that follow `then`
+    sink: Expr | None = None  # the first keys a replayed chunk's attention spans besides the chunk
 
 
 # ---- hooks ---------------------------------------------------------------------------------

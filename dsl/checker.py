@@ -341,6 +341,11 @@ class Checker:
         ctx = Ctx("in replay", frozenset({"param"}), STATIC, counts=self.counts)
         self.xc.count(d.chunk, ctx, "the replay chunk")
         self.xc.numeric_checks.append(("positive", d.chunk, ctx, "the replay chunk"))
+        if d.then is not None and not d.then.value.strip():
+            self.xc.error(d.then, "the later chunks' replay prompt is empty")
+        for e, what in ((d.overlap, "the previous chunk's tokens after `then`"), (d.sink, "the sink keys")):
+            if e is not None:
+                self.xc.count(e, ctx, what)
 
     # ---- numbers that need parameter values ------------------------------------------------
 

@@ -111,7 +111,10 @@ def decl(d: ast.Decl) -> str:
         text += f" except {expr(d.exempt)}" if d.exempt is not None else ""
         return text + (f" where {expr(d.where)}" if d.where is not None else "")
     if isinstance(d, ast.Replay):
-        return f"replay {_string(d.prompt.value)} in chunks of {expr(d.chunk)}"
+        text = f"replay {_string(d.prompt.value)} in chunks of {expr(d.chunk)}"
+        if d.then is not None:
+            text += f" then {_string(d.then.value)} + last {expr(d.overlap)}"
+        return text + (f" over first {expr(d.sink)}" if d.sink is not None else "")
     if isinstance(d, ast.Hook):
         where = f" where {expr(d.where)}" if d.where is not None else ""
         return f"on {d.name.name}{where}:"

@@ -157,7 +157,8 @@ class _ToAst(Transformer):
         return ast.Store(names[0], codecs, c[-2], also=names[1:], where=c[-1], pos=self._pos(meta))
 
     def replay_decl(self, meta, c):
-        return ast.Replay(self._string(c[0]), c[1], pos=self._pos(meta))
+        then = self._string(c[2]) if c[2] is not None else None
+        return ast.Replay(self._string(c[0]), c[1], then=then, overlap=c[3], sink=c[4], pos=self._pos(meta))
 
     def shape(self, meta, c):
         kind = self._id(c[0]) if c[0] is not None else None

@@ -32,6 +32,7 @@ from kvc.runtime.attention.backend import PagedAttention, class_pages, layer_pag
 from kvc.runtime.chain_prune import PruneRequest, Pruner, Scorer, parse_auto_prune, resolve_scorer
 from kvc.runtime.chains import ChainSpec, ChainStore
 from kvc.runtime.config import DEFAULT_PAGE_SIZE, EngineConfig
+from kvc.runtime.context_replay import ContextReplay
 from kvc.runtime.errors import (
     ChainCapacity,
     ConfigError,
@@ -210,6 +211,9 @@ class Engine:
             pool=self.pool,
             grammars=self.grammars,
         )
+        if self.method.replay is not None:  # re-reads each prompt after its prefill (runtime/context_replay.py)
+            self.runner.replay = ContextReplay(self.runner, self.method.replay, self.tokenizer)
+            self.method.budget.replay_tokens = self.runner.replay.longest
         self.sequences: dict[int, Sequence] = {}
         self.chains.settle = self.runner.hooks.settle
         self.pruner = Pruner(self.chains, self.runner.executors, layout.layers, self.attention.layer_class,
@@ -267,6 +271,9 @@ class Engine:
                    "stores K/V in a format its prefill attention reads back")
             raise ConfigError(f"method {self.method.name!r} {why}, so its forward is its own: it neither records nor "
                               "replays prefills", param="replay")
+        if self.method.replay is not None and chain is not None and not chain.open:
+            raise ConfigError(f"method {self.method.name!r} re-reads the whole stored prompt after its prefill; a "
+                              "chain continuation prefills only its suffix", param="chain")
         if replay is not None:
             if chain is not None and not chain.open:
                 raise ConfigError("replay: a recorded prefill starts at the prompt's first token; a chain "

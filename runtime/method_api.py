@@ -268,6 +268,9 @@ class KVMethod(Protocol):
     scores_tokens: bool  # does `token_scores` rank stored tokens (a chain prune's scorer)?
     query_window: int  # the newest prefill queries `token_scores` reads (0: none)
     tuned_kernels: frozenset[str]  # `kvc tune` groups beyond attention it launches ("compaction", "scores")
+    # a pass re-reading the stored prompt after prefill (KVzip's context reconstruction): its prompts and counts
+    # ({"prompt", "then", "chunk", "overlap", "sink"}), or None; the engine runs it (runtime/replay.py)
+    replay: dict[str, Any] | None
 
     def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None,
              max_context: int | None = None, num_heads: int | None = None) -> None: ...
@@ -295,6 +298,11 @@ class KVMethod(Protocol):
 
     def step_end_due(self, layer: int, lengths: np.ndarray, prompt_lens: np.ndarray,
                      context_lens: np.ndarray) -> np.ndarray | None: ...
+
+    def replay_chunk(self, seq_id: int, layer: int, num_layers: int, q: torch.Tensor, attn: torch.Tensor,
+                     start: int, context_len: int, num_kv_heads: int) -> None: ...
+
+    def replay_end(self, seq_id: int, num_layers: int, context_len: int, num_kv_heads: int) -> list[KeepPlan]: ...
 
     def token_scores(self, layer: int, num_layers: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor: ...
 
@@ -324,6 +332,7 @@ class MethodBase:
     scores_tokens = False
     query_window = 0
     tuned_kernels: frozenset[str] = frozenset()
+    replay: dict[str, Any] | None = None
 
     @property
     def fingerprint(self) -> str:

@@ -163,6 +163,7 @@ class ModelRunner:
         # delta-coded layers' stores: their decode rows' due blocks are compressed before each step (`_compress_due`)
         self.delta_sources = {layer: source for layer in range(self.num_layers)
                               if (source := attention.delta_source(layer)) is not None}
+        self.replay = None  # a method's replay pass after prefill (runtime/context_replay.py; set by the engine)
         self.graphs: DecodeGraphs | None = None
         # the torch backend decodes eagerly: its writes sync with the host
         if use_cuda_graphs and device.type == "cuda" and attention.backend != "torch" and self.method.decode_graphs:
@@ -215,6 +216,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
             rows = inputs.sample_seqs
             _record_logits(batch, rows, logits)
+        if self.replay is not None and batch.num_prefills:
+            self.replay.after_prefill(batch, output)
         if Hook.STEP_END in self.method.hooks and batch.num_decodes:
             self.hooks.step_end(batch, output)
         if not rows:

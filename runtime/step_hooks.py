@@ -147,6 +147,19 @@ class StepHooks:
             self._compact(layer, batch, [j[0] for j in jobs], [j[2] for j in jobs], [j[3] for j in jobs],
                           output.compacted, [j[4] for j in jobs])
 
+    def keep_stored(self, seq, plans: list, length: int, new: int, output: StepOutput) -> None:
+        """Keep plans for every layer of one sequence that stores `length` tokens, `new` of them from this
+        step (a replay pass's, after the prefill that ended in it: runtime/context_replay.py), compacted
+        and reported like prefill_end's."""
+        for layer, plan in enumerate(plans):
+            if plan is None:
+                continue
+            self._own_pages(seq, layer, -(-plan.kept // self.page_size))  # copy-on-write before compaction
+            job = CompactionJob(self.tables.local(layer, seq.page_tables[layer]), length, plan.indices, plan.lengths,
+                                seq.kv_starts[layer])
+            batch = batch_of_jobs(self.store_of(layer).token_tensors()[0], [job])
+            self._compact(layer, batch, [seq], [length - plan.tail], [length], output.compacted, [new])
+
     def _held(self, seq, layer: int, new: int) -> int:
         """The slots seq's residual window holds in `layer` once the step's `new` tokens are stored."""
         return min(seq.resid_lens[layer] + new, self.store_of(layer).residual_window)

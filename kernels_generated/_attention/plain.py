@@ -7,6 +7,7 @@
 #   methods/adakv.kvm
 #   methods/duoattention.kvm
 #   methods/full.kvm
+#   methods/kvzip.kvm
 #   methods/pyramidkv.kvm
 #   methods/rkv.kvm
 #   methods/snapkv.kvm

@@ -5,7 +5,7 @@
 This is the budget side of the lifecycle contract (docs/design.md, "The lifecycle contract"):
 `held_tokens(...)` and `budget(...)` for admission (the engine's compiled-method adapter calls
 `held_tokens`), `kv_spec(...)` (every tensor the method stores), `query_window(params)`,
-`decode_query_window(params)`, `KEEP_TAILS` and `KEEP_PERIODS` (the queries prefill_end and step_end read, each
+`decode_query_window(params)`, `KEEP_TAILS`, `KEEP_PERIODS` and `replay(params)` (the queries prefill_end and step_end read, each
 keep's `+ last N`, each periodic keep's period), and the scoring/selection
 entry points of the torch backend.
 
@@ -112,6 +112,11 @@ KEEP_TAILS = {"prefill_chunk": prefill_chunk_tail, "step_end": step_end_tail}  #
 
 
 KEEP_PERIODS = {}  # keeping hook with `where step % n == 0` -> n
+
+
+def replay(params):
+    """The `replay` pass: its prompts and token counts under these parameters (None: none)."""
+    return None
 
 
 def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):

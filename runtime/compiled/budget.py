@@ -21,6 +21,7 @@ class CompiledBudget:
         # (prompt_len, layer) -> what a layer holds after prefill, where the generated `held_tokens`
         # cannot say (a per-head keep on a per-head cache layer, set by the adapter)
         self.prefill_kept: Callable[[int, int], int] | None = None
+        self.replay_tokens = 0  # what a replay pass stores for a chunk besides the prompt (runtime/context_replay.py)
 
     def kept(self, prompt_len: int, layer: int) -> int:
         """Physical tokens (slots) layer `layer` holds at most after prefill end."""
@@ -30,7 +31,7 @@ class CompiledBudget:
                                                     self.params)))
 
     def peak_tokens(self, prompt_len: int, layer: int) -> int:
-        return prompt_len
+        return prompt_len + self.replay_tokens
 
     def steady_tokens(self, prompt_len: int, context_len: int, layer: int) -> int:
         """Tokens held at `context_len` by a request whose prefill compressed `prompt_len` tokens."""

@@ -26,6 +26,7 @@ from kvc.runtime.compiled.folder import ALL_QUERIES, GeneratedCode
 from kvc.runtime.compiled.inputs import digest, load_declared
 from kvc.runtime.compiled.prefill import PrefillHooks
 from kvc.runtime.compiled.read import READ_HOOK, ReadHook
+from kvc.runtime.compiled.replay import ReplayHooks
 from kvc.runtime.compiled.roles import RoleKeeps
 from kvc.runtime.compiled.state import SequenceStates
 from kvc.runtime.compiled.step_end import StepEnd, group_mode
@@ -65,8 +66,10 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         self.kv_head_layers = self.roles is not None and all(
             hook in self.roles.keeps for hook, facts in code.facts.items() if facts)
         decode_keeps = any(code.facts.get(hook, {}).get("keeps") for hook in DECODE_KEEP_HOOKS)
+        self.replayer = ReplayHooks(code, params)  # a pass re-reading the prompt after prefill (replay.py)
+        self.replay = self.replayer.spec
         if (code.end_scores is None and any(code.facts.values()) and not reads_only and not self.chunk_keeps
-                and not decode_keeps):
+                and not decode_keeps and self.replay is None):
             raise ConfigError(f"method {name!r} has chunk or decode hooks that keep nothing, and no prefill_end "
                               "selection: the engine serves compiled methods that compress at prefill end or "
                               "while decoding", param="method")
@@ -114,7 +117,9 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         hooks |= self.decoding.hooks
         if self.indices is not None:  # per-sequence cluster indices: built at prefill end, grown at step end
             hooks |= {Hook.PREFILL_END, Hook.STEP_END, Hook.RELEASE}
-        if self.states:  # per-sequence state that a chain must carry between turns
+        if self.replay is not None:  # the replay's state until its keep
+            hooks.add(Hook.RELEASE)
+        if self.states and self.replay is None:  # per-sequence state that a chain must carry between turns
             hooks.add(Hook.TURN)
         if hooks:  # some per-sequence state may exist: a cloned sequence must get its copy
             hooks.add(Hook.CLONE)
@@ -269,6 +274,14 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         return {"context": None, "prompt": None, "step": None, "layer": layer, "layers": self.budget.num_layers,
                 "heads": self.num_heads, "kv_heads": self.budget.num_kv_heads, "head_dim": None}
 
+    # ---- the replay pass (replay.py) --------------------------------------------------------------
+    def replay_chunk(self, seq_id: int, layer: int, num_layers: int, q: torch.Tensor, attn: torch.Tensor,
+                     start: int, context_len: int, num_kv_heads: int) -> None:
+        self.replayer.chunk(seq_id, layer, num_layers, q, attn, start, context_len, num_kv_heads)
+
+    def replay_end(self, seq_id: int, num_layers: int, context_len: int, num_kv_heads: int) -> list[KeepPlan]:
+        return self.replayer.end(seq_id, num_layers, context_len, num_kv_heads)
+
     # ---- lifecycle (state.py) ------------------------------------------------------------------
     def turn_end(self, seq_id: int) -> dict[int, dict[str, torch.Tensor] | str]:
         return self.seqs.turn_end(seq_id)
@@ -283,6 +296,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
 
     def release(self, seq_id: int) -> None:
         self.seqs.release(seq_id)
+        self.replayer.release(seq_id)
         if self.indices is not None:
             self.indices.release(seq_id)
 

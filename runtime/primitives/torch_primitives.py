@@ -200,6 +200,8 @@ def select(scores, length, kv_heads, *, first, last, count, at_least, granularit
     counts), see `select_adaptive`."""
     if heads is not None:
         return select_heads(length, kv_heads, heads, starts, first=first, last=last, device=scores.device)
+    if granularity == "global":
+        return select_global(scores, length, first=first, last=last, count=count)
     if granularity == "head_adaptive" and (scores.device.type == "meta" or (starts is not None and any(starts))):
         return select_adaptive(scores, length, kv_heads, first=first, last=last, count=count, at_least=at_least,
                                starts=starts)
@@ -265,6 +267,41 @@ def select_adaptive(scores, length, kv_heads, *, first, last, count, at_least, s
     chosen.view(-1)[flat] = True
     kept = forced | chosen
     return [kept[h].nonzero().flatten() for h in range(kv_heads)]
+
+
+def select_global(scores, length, *, first, last, count):
+    """A top across layers and KV heads (`top(s, n, across layer, kv_head)`) over scores [layer, kv_head,
+    key]: every (layer, head) keeps its ranges, and `count` more go to the best-ranked other tokens of any
+    (ties: the lower layer, then head, then the older token). Kept indices [layer][kv_head], ascending."""
+    layers, kv_heads = scores.shape[0], scores.shape[1]
+    device = scores.device
+    n_first = clamp_count(first, length) if first is not None else 0
+    n_last = clamp_count(last, length - n_first) if last is not None else 0
+    forced = torch.zeros(length, dtype=torch.bool, device=device)
+    forced[:n_first] = True
+    forced[length - n_last:] = True
+    candidates = length - n_first - n_last
+    total = clamp_count(count, layers * kv_heads * candidates)
+    flat = ranked(scores.float().reshape(-1), forced.repeat(layers * kv_heads))[:total]
+    chosen = torch.zeros(layers * kv_heads * length, dtype=torch.bool, device=device)
+    chosen[flat] = True
+    kept = chosen.view(layers, kv_heads, length) | forced
+    return [[kept[layer, h].nonzero().flatten() for h in range(kv_heads)] for layer in range(layers)]
+
+
+def replay_attention(q, sink, chunk, own):
+    """A replayed chunk's attention (a `replay ... over first s` pass): queries q [head, query, channel] over
+    the sink keys [kv_head, s, channel], the chunk's keys [kv_head, c, channel] and the replayed tokens' own
+    keys [kv_head, query, channel] (causal among themselves), normalised over all of them -> the
+    probabilities on the chunk's keys, [head, query, c] float32."""
+    heads, queries, head_dim = q.shape
+    group = heads // chunk.shape[0]
+    keys = torch.cat([sink, chunk, own], dim=1).float().repeat_interleave(group, dim=0)
+    logits = (q.float() @ keys.transpose(1, 2)).div_(math.sqrt(head_dim))
+    own_pos = torch.arange(queries, device=q.device)
+    future = own_pos[None, :] > own_pos[:, None]  # [query, own key]
+    logits[:, :, sink.shape[1] + chunk.shape[1]:].masked_fill_(future, NEG_INF)
+    return logits.softmax(dim=-1)[:, :, sink.shape[1]:sink.shape[1] + chunk.shape[1]]
 
 
 def all_tokens(length, kv_heads, starts=None, device=None):

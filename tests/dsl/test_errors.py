@@ -150,6 +150,10 @@ CASES = [
     ("accumulate a hook value", PRE + "on prefill_end:\n  x += 1\n  keep last window\n", 7, 3, "'x' is not a state"),
     ("define a value twice", PRE + "on prefill_end:\n  x = seen\n  x = seen\n  keep last window\n", 8, 3,
      "'x' is already defined at line 7"),
+    ("empty later replay prompt", PRE + 'replay "again" in chunks of 512 then " " + last 8\n' + KEEP, 6, 38,
+     "the later chunks' replay prompt is empty"),
+    ("negative replay overlap", PRE + 'replay "again" in chunks of 512 then "more" + last (window - budget)\n' + KEEP,
+     6, 53, "is negative"),
     ("layer in a per-request hook", PRE + 'replay "again" in chunks of 512\n' +
      'on replay_end:\n  keep last (window * layer)\n', 8, 23, "'layer' is not available in replay_end"),
     # ---- numbers: budgets, kernels, bits ----------------------------------------------------

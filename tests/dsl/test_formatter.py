@@ -89,3 +89,9 @@ def test_formatting_a_broken_file_reports_errors() -> None:
     with pytest.raises(KvmError) as info:
         format_source("method m : eviction\non step_end:\n  keep (\n")
     assert info.value.first.pos.line == 3
+
+
+def test_replay_declaration_round_trips():
+    src = ('method m : eviction\nparam sink: tokens = 4 in [0, 64]\n'
+           'replay "a" in chunks of 64 then "b" + last 8 over first sink\n')
+    assert format_source(src) == src
