@@ -323,6 +323,54 @@ class MultiTurn(NumberTask):
                     info=(("depths", ",".join(f"{depths[i]:.2f}" for i in asked)),))
 
 
+@dataclass(frozen=True)
+class Count(NumberTask):
+    """A long generation whose every step reads the model's own output: after a long document, the
+    model is asked for the numbers from A to B (B - A + 1 = `numbers`), comma-separated, and its
+    answer opens with A. Each next number follows the last one written, hundreds of generated tokens
+    long, so a method that compresses the output (R-KV) is tested on what it keeps of it. Correct:
+    the generated numbers begin A+1, ..., B, in order (`count_correct`). What follows B is not
+    scored: SmolLM2-135M counts on past B even with the full cache (it counts without fault)."""
+
+    name: str = "count"
+    description: str = "after varied prose, write the 100 numbers from A to B (3-digit A), comma-separated"
+    numbers: int = 100
+    answer_digits: int = 3
+    default: bool = False  # hundreds of decode steps per case: run it with --tasks count
+    instruction: str = "Read the following text. Afterwards I will give you a counting exercise.\n\n"
+    question: str = "\n\nWrite the numbers from {first} to {last}, separated by commas."
+
+    def correct(self, expected: str, generated_text: str) -> bool:
+        return count_correct(expected, generated_text)
+
+    def stop_token_ids(self, frame: Frame) -> tuple[int, ...]:
+        return frame.end_of_turn_ids()  # the numbers may wrap onto new lines
+
+    @property
+    def max_tokens(self) -> int:
+        # each number after A: a comma, a space and its digits (one token each under SmolLM2's
+        # tokenizer); room for a few more
+        return (self.answer_digits + 2) * self.numbers + 8
+
+    def case(self, frame: Frame, stops: tuple[int, ...], length: int, index: int, r: random.Random) -> Case:
+        # every number keeps the width of the first
+        first = r.randrange(10 ** (self.answer_digits - 1), 10**self.answer_digits - self.numbers + 1)
+        last = first + self.numbers - 1
+        fill = prose(frame.tokenizer, r.getrandbits(32))
+        # the answer opens with the first number: the model's own output is the rest, A+1..B
+        prompt, _ = build_prompt(self.name, frame, length, self.instruction, [],
+                                 self.question.format(first=first, last=last), f"{first},", fill)
+        return Case(self.name, length, index, prompt, f"{first + 1}-{last}", self.max_tokens, stops,
+                    info=(("first", str(first)), ("last", str(last))))
+
+
+def count_correct(expected: str, generated_text: str) -> bool:
+    """`expected` "A-B": the numbers in the generated text begin A, A+1, ..., B (digit for digit)."""
+    first, last = (int(x) for x in expected.split("-"))
+    want = [str(n) for n in range(first, last + 1)]
+    return _NUMBER.findall(generated_text)[: len(want)] == want
+
+
 TASKS: dict[str, Task] = {
     t.name: t
     for t in (
@@ -330,6 +378,7 @@ TASKS: dict[str, Task] = {
         MultiKey(),
         KVLookup(),
         MultiTurn(),
+        Count(),
         Passkey(name="passkey_repeat", repeat=True, default=False,
                 description="a 5-digit pass key in one repeated passage (eviction's known weak spot), depth 0-100%"),
     )

@@ -225,7 +225,8 @@ def test_fit_cuts_the_last_unit_only_when_no_whole_units_can_close_the_gap() -> 
 ])
 def test_the_first_number_in_the_answer_must_be_the_expected_one(generated: str, ok: bool) -> None:
     assert number_correct("48213", generated) is ok
-    assert all(TASKS[t].correct("48213", generated) is ok for t in TASKS)
+    # every task scored by its answer's first number (`count` scores a run of numbers: its own test below)
+    assert all(TASKS[t].correct("48213", generated) is ok for t in TASKS if t != "count")
 
 
 # --- errors ----------------------------------------------------------------------------------------
@@ -261,3 +262,24 @@ def test_the_minimum_is_exact_where_the_skeleton_is_fixed(tok, task: str) -> Non
 def test_bad_lengths_and_counts_are_config_errors(tok, length, count) -> None:
     with pytest.raises(ConfigError):
         make_cases("passkey", tok, length, count, 0)
+
+
+def test_count_asks_for_a_run_of_numbers_and_scores_its_start(smol) -> None:
+    """`count`: the question names A and B (B - A + 1 = 100, every number 3 digits), the answer opens with
+    "A,", so the model's own output is A+1..B; it is right when its numbers begin exactly so, whatever
+    follows (the model counts on past B), and wrong at the first slip."""
+    from kvc.runtime.eval.tasks import count_correct
+
+    task = TASKS["count"]
+    for case in make_cases("count", smol, 1024, 4, seed=0):
+        first, last = (int(x) for x in case.answer.split("-"))
+        assert 100 <= first - 1 and last <= 999 and last - first + 2 == task.numbers
+        text = smol.decode(list(case.prompt))
+        assert f"from {first - 1} to {last}" in text and text.endswith(f"{first - 1},")
+        assert case.max_tokens >= 5 * task.numbers
+    assert count_correct("101-104", " 101, 102, 103, 104, 105, 106")
+    assert count_correct("101-104", " 101,\n102, 103, 104")
+    assert not count_correct("101-104", " 101, 102, 104, 105")
+    assert not count_correct("101-104", " 101, 102, 103")
+    assert count_correct("101-104", "Here they are: 101, 102, 103, 104")  # words are not numbers
+    assert not count_correct("101-104", "The 3 numbers: 101, 102, 103, 104")
