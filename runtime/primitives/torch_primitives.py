@@ -295,13 +295,15 @@ def replay_attention(q, sink, chunk, own):
     keys [kv_head, query, channel] (causal among themselves), normalised over all of them -> the
     probabilities on the chunk's keys, [head, query, c] float32."""
     heads, queries, head_dim = q.shape
-    group = heads // chunk.shape[0]
-    keys = torch.cat([sink, chunk, own], dim=1).float().repeat_interleave(group, dim=0)
-    logits = (q.float() @ keys.transpose(1, 2)).div_(math.sqrt(head_dim))
+    kv_heads = chunk.shape[0]
+    keys = torch.cat([sink, chunk, own], dim=1).float()  # [kv_head, s + c + query, channel]
+    # a KV head's query group as one matrix against its keys: no copy of the keys per query head
+    grouped = q.float().reshape(kv_heads, heads // kv_heads * queries, head_dim)
+    logits = (grouped @ keys.transpose(1, 2)).div_(math.sqrt(head_dim)).view(heads, queries, keys.shape[1])
     own_pos = torch.arange(queries, device=q.device)
     future = own_pos[None, :] > own_pos[:, None]  # [query, own key]
     logits[:, :, sink.shape[1] + chunk.shape[1]:].masked_fill_(future, NEG_INF)
-    return logits.softmax(dim=-1)[:, :, sink.shape[1]:sink.shape[1] + chunk.shape[1]]
+    return torch.softmax(logits, dim=-1)[:, :, sink.shape[1]:sink.shape[1] + chunk.shape[1]]
 
 
 def all_tokens(length, kv_heads, starts=None, device=None):
