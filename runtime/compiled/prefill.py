@@ -17,6 +17,7 @@ import torch
 from kvc.runtime.compiled.decode import DecodeHooks
 from kvc.runtime.compiled.folder import ALL_QUERIES, GeneratedCode
 from kvc.runtime.compiled.state import Key, SequenceStates
+from kvc.runtime.kv.plans import keep_plan
 from kvc.runtime.method_api import KeepPlan, LayerCacheView, PrefillView
 from kvc.runtime.primitives.torch_primitives import attention
 
@@ -180,16 +181,3 @@ def operand(t: torch.Tensor) -> torch.Tensor:
     lowering upcasts itself)."""
     t = t.detach()
     return t.float() if t.device.type == "cpu" else t
-
-
-def keep_plan(kept: list[torch.Tensor], device: torch.device) -> KeepPlan:
-    """A `KeepPlan` without a device sync: the counts are the tensors' sizes (host facts), and
-    per-head counts stay a CPU tensor, so the engine learns the layer's new physical length and
-    start slots without reading the device (`KeepPlan.from_heads` would copy them to it)."""
-    counts = [int(t.numel()) for t in kept]
-    if len(set(counts)) <= 1:
-        return KeepPlan(torch.stack(kept).to(device=device, dtype=torch.long))
-    indices = torch.zeros((len(kept), max(counts)), dtype=torch.long, device=device)
-    for head, t in enumerate(kept):
-        indices[head, : counts[head]] = t
-    return KeepPlan(indices, torch.tensor(counts, dtype=torch.long))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kvc.runtime.compiled.folder import GeneratedCode
+from kvc.runtime.kv.plans import keep_plan
 from kvc.runtime.method_api import KeepPlan
 
 
@@ -57,15 +58,7 @@ class ReplayHooks:
         sym = {"context": context_len, "prompt": context_len, "step": 0, "layer": None, "layers": num_layers,
                "heads": None, "kv_heads": num_kv_heads, "head_dim": None}
         scores = self.end_scores({}, state, sym, self.params)
-        plans = []
-        for kept in self.end_select(scores, sym, self.params):
-            counts = [int(t.numel()) for t in kept]
-            indices = torch.zeros((len(kept), max(counts)), dtype=torch.long)
-            for head, t in enumerate(kept):
-                indices[head, : counts[head]] = t.cpu()
-            lengths = None if len(set(counts)) == 1 else torch.tensor(counts, dtype=torch.long)
-            plans.append(KeepPlan(indices.to(scores.device), lengths))
-        return plans
+        return [keep_plan(kept, scores.device) for kept in self.end_select(scores, sym, self.params)]
 
     def release(self, seq_id: int) -> None:
         for key in [key for key in self.state if key[0] == seq_id]:

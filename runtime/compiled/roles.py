@@ -21,6 +21,7 @@ import torch
 
 from kvc.runtime.compiled.folder import GeneratedCode
 from kvc.runtime.compiled.inputs import digest, load_declared
+from kvc.runtime.kv.plans import keep_plan
 from kvc.runtime.method_api import KeepPlan, LayerCacheView
 
 ROLE_HOOKS = ("prefill_chunk", "step_end")
@@ -106,10 +107,4 @@ class RoleKeeps:
         counts = [int(t.numel()) for t in kept]
         if max(cache.length - start - count for start, count in zip(starts, counts)) < interval:
             return None
-        device = cache.device
-        if len(set(counts)) == 1:
-            return KeepPlan(torch.stack(kept).to(device=device, dtype=torch.long), tail=tail)
-        indices = torch.zeros((len(kept), max(counts)), dtype=torch.long)
-        for head, t in enumerate(kept):
-            indices[head, : counts[head]] = t
-        return KeepPlan(indices.to(device), torch.tensor(counts, dtype=torch.long), tail=tail)
+        return keep_plan(kept, cache.device, tail)

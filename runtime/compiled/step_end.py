@@ -22,6 +22,7 @@ from kvc.runtime.compiled.budget import CompiledBudget
 from kvc.runtime.compiled.decode import DecodeFacts, decode_sym
 from kvc.runtime.compiled.state import SequenceStates, gather_state
 from kvc.runtime.kv import slot_order
+from kvc.runtime.kv.plans import keep_plan
 from kvc.runtime.method_api import KeepPlan, LayerCacheView, StackedPlan, StepView, StepViews
 
 MEMO_LIMIT = 4096  # memoised counts (decode_kept) before the memo starts over
@@ -171,11 +172,7 @@ class StepEnd:
         counts = [int(t.numel()) for t in kept]
         if max(cache.length - start - count for start, count in zip(starts, counts)) < self.evict_interval:
             return None
-        indices = torch.zeros((len(kept), max(counts)), dtype=torch.long)
-        for head, t in enumerate(kept):
-            indices[head, : counts[head]] = t.cpu()
-        tail = self.kept_tail(self.decoding.keep_hook, sym, cache.length)
-        return KeepPlan(indices.to(cache.device), torch.tensor(counts, dtype=torch.long), tail=tail)
+        return keep_plan(kept, cache.device, self.kept_tail(self.decoding.keep_hook, sym, cache.length))
 
     def _step_end_paged(self, view: StepView, count: int, sym: dict) -> KeepPlan:
         """step_end over the planes: the scores (or the state) of the stored slots; compaction moves

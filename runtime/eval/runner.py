@@ -113,15 +113,23 @@ def settings_for(cfg: EvalConfig) -> list[Setting]:
     """Every (method, budget) the run covers, in `--methods` order; unknown methods and bad
     parameters fail here, before any model work."""
     out: list[Setting] = []
+    used: set[str] = set()
     for method in cfg.methods:
-        declared = resolve_method(method, cfg.method_params or None).params
+        # `method_params` go to the methods that declare them (`--method-param ratio=0.25`: kvzip's, not full's)
+        own = {k: v for k, v in cfg.method_params.items() if k in resolve_method(method, None).params}
+        used |= set(own)
+        declared = resolve_method(method, own or None).params
         if BUDGET_PARAM in declared:
             for budget in cfg.budgets:
-                params = {**cfg.method_params, BUDGET_PARAM: budget}
+                params = {**own, BUDGET_PARAM: budget}
                 resolve_method(method, params)  # the method's own range check, now
                 out.append(Setting(method, budget, _hashable(params)))
         else:
-            out.append(Setting(method, None, _hashable(cfg.method_params)))
+            out.append(Setting(method, None, _hashable(own)))
+    unused = sorted(set(cfg.method_params) - used)
+    if unused:
+        raise ConfigError(f"method parameter(s) {', '.join(unused)} belong to none of the methods "
+                          f"{', '.join(cfg.methods)}", param="method_params")
     return out
 
 

@@ -147,3 +147,16 @@ class RewritePlan:
 
 
 Plan = KeepPlan | RewritePlan
+
+
+def keep_plan(kept: list[torch.Tensor], device: torch.device, tail: int = 0) -> KeepPlan:
+    """A `KeepPlan` without a device sync: the counts are the tensors' sizes (host facts), and
+    per-head counts stay a CPU tensor, so the engine learns the layer's new physical length and
+    start slots without reading the device (`KeepPlan.from_heads` would copy them to it)."""
+    counts = [int(t.numel()) for t in kept]
+    if len(set(counts)) <= 1:
+        return KeepPlan(torch.stack(kept).to(device=device, dtype=torch.long), tail=tail)
+    indices = torch.zeros((len(kept), max(counts)), dtype=torch.long, device=device)
+    for head, t in enumerate(kept):
+        indices[head, : counts[head]] = t
+    return KeepPlan(indices, torch.tensor(counts, dtype=torch.long), tail=tail)

@@ -27,6 +27,12 @@ def test_settings_cover_every_budget_of_budgeted_methods() -> None:
     layers = EvalConfig(methods=["kivi"], method_params={"dense_layers": [0, 1]}, **TINY)
     (kivi,) = settings_for(layers)  # a list parameter: the setting still keys the run's dicts
     assert {kivi: 1}[kivi] == 1 and kivi.method_params["dense_layers"] == [0, 1]
+    # a parameter goes to the methods that declare it: kvzip's ratio, not full's or snapkv's
+    mixed = settings_for(EvalConfig(methods=["full", "snapkv", "kvzip"], budgets=[64], method_params={"ratio": 0.25},
+                                    **TINY))
+    assert [s.method_params for s in mixed] == [{}, {"budget": 64}, {"ratio": 0.25}]
+    with pytest.raises(ConfigError, match="ratiio belong to none"):
+        settings_for(EvalConfig(methods=["full", "kvzip"], method_params={"ratiio": 0.25}, **TINY))
 
 
 def test_bad_configurations_fail_before_any_work() -> None:
