@@ -158,14 +158,19 @@ class ContextReplay:
         attention, method, scale = runner.attention, runner.method, runner.scale
         num_layers, sink = runner.num_layers, min(self.sink, start)
 
+        def stored_keys(layer: int, first: int, last: int) -> torch.Tensor:
+            """The stored keys of slots [first, last): [Hkv, last - first, D], read from their pages only."""
+            low = first // runner.page_size
+            view = LayerCacheView(attention.store_of(layer), tables[layer][low:-(-last // runner.page_size)],
+                                  last - low * runner.page_size, None, layer, seq.row)
+            return view.keys()[:, first - low * runner.page_size:]
+
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             out = attention.forward(layer, q, k, v, md, scale)
-            cache = LayerCacheView(attention.store_of(layer), tables[layer], length, None, layer, seq.row)
-            keys = cache.keys()  # [Hkv, length, D], the stored prompt
-            own = k.transpose(0, 1)
+            chunk = stored_keys(layer, start, end)
             queries = q.transpose(0, 1)  # [Hq, n, D]
-            probs = replay_attention(queries, keys[:, :sink], keys[:, start:end], own)
-            method.replay_chunk(seq.seq_id, layer, num_layers, queries, probs, start, length, keys.shape[0])
+            probs = replay_attention(queries, stored_keys(layer, 0, sink), chunk, k.transpose(0, 1))
+            method.replay_chunk(seq.seq_id, layer, num_layers, queries, probs, start, length, chunk.shape[0])
             return out
 
         return split_heads(attn, runner.layout) if runner.layout.per_head else attn
