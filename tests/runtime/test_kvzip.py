@@ -142,3 +142,36 @@ def test_kvzip_refuses_what_it_cannot_serve(tmp_path):
     bare = make_tiny_llama(tmp_path / "bare")  # no tokenizer: the repeat prompt cannot be encoded
     with pytest.raises(ConfigError, match="no tokenizer"):
         LLM(str(bare), method="kvzip", device="cpu", dtype="float32", attention_backend="torch")
+
+
+def test_kvzip_behind_the_http_api():
+    """`kvc serve --method kvzip`: a chat request is prefilled, replayed and compressed, and answered; two
+    requests at once give the offline API's tokens (the random tiny model with its byte tokenizer)."""
+    import httpx
+
+    from tests.server.conftest import live_server
+
+    options = {"method": "kvzip", "method_params": {"ratio": 0.5, "chunk": 64}}
+    messages = [[{"role": "user", "content": f"Tell me about item {i}: " + "one two three four five " * 12}]
+                for i in range(2)]
+    replays = []
+
+    def spy(engine):  # count the replay passes that end in a keep
+        end = engine.method.replay_end
+        engine.method.replay_end = lambda *a: replays.append(a[0]) or end(*a)
+
+    with live_server(engine_options=options, prepare=spy) as s:
+        def ask(m):
+            body = {"model": "kvc-test", "messages": m, "max_tokens": 5, "temperature": 0}
+            return httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60)
+
+        answers = [ask(m) for m in messages]
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+        assert all(r.json()["usage"]["completion_tokens"] == 5 for r in answers)
+        texts = [r.json()["choices"][0]["message"]["content"] for r in answers]
+    assert len(replays) == 2
+    offline = LLM("random:tiny", method="kvzip", method_params=options["method_params"], max_model_len=512)
+    tok = offline.tokenizer
+    prompts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+    outs = offline.generate(prompts, SamplingParams(max_tokens=5, temperature=0))
+    assert texts == [o.text for o in outs]
