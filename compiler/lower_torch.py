@@ -416,16 +416,13 @@ def emit_hook(hook: HookIR, partitions: dict[str, Partition] | None = None) -> H
                     raise NotLowerable(f"{hook.name}: a top across layers ranks a [layer, kv_head, key] score")
                 score = em.laid_out(em.value(top.score), top.score.dims, ("layer", "kv_head", "key"))
                 code.lines.append(f"scores = {score}.float()")
-                code.names |= {"kv_heads", "context"}
-                keep.update(score="scores", count=em.scalar(top.count), granularity="global",
-                            at_least="None" if top.at_least is None else em.scalar(top.at_least))
             elif top is not None:
                 per_head = "kv_head" in top.score.dims
                 score = em.laid_out(em.value(top.score), top.score.dims, ("kv_head", "key") if per_head else ("key",))
                 start = em.key_start(top.score)
                 start = "" if start is None else f", start={start}"
                 code.lines.append(f"scores = _full_scores({score}, {str(per_head)}, kv_heads, context{start})")
-                code.names |= {"kv_heads", "context"}
+            if top is not None:
                 keep.update(score="scores", count=em.scalar(top.count), granularity=top.granularity,
                             at_least="None" if top.at_least is None else em.scalar(top.at_least))
             if stmt.role is not None:

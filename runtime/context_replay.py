@@ -96,15 +96,15 @@ class ContextReplay:
 
     def after_prefill(self, batch: ScheduledBatch, output: StepOutput) -> None:
         """The pass for every sequence whose prefill this step's chunk ended, then its keep plans."""
+        runner = self.runner
         for i in range(batch.num_decodes, len(batch.seqs)):
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             length = seq.num_computed_tokens + n
             if length != seq.prefill_end:
                 continue
-            method, runner = self.runner.method, self.runner
             for start, end, ids in self.chunks(seq.token_ids[:length]):
                 self._chunk(seq, length, start, end, ids)
-            plans = method.replay_end(seq.seq_id, runner.num_layers, length, runner.num_kv_heads)
+            plans = runner.method.replay_end(seq.seq_id, runner.num_layers, length, runner.num_kv_heads)
             runner.hooks.keep_stored(seq, plans, length, n, output)
 
     def _chunk(self, seq, length: int, start: int, end: int, ids: list[int]) -> None:

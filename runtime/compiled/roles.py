@@ -21,7 +21,7 @@ import torch
 
 from kvc.runtime.compiled.folder import GeneratedCode
 from kvc.runtime.compiled.inputs import digest, load_declared
-from kvc.runtime.kv.plans import keep_plan
+from kvc.runtime.kv.plans import keep_plan_if_due
 from kvc.runtime.method_api import KeepPlan, LayerCacheView
 
 ROLE_HOOKS = ("prefill_chunk", "step_end")
@@ -102,9 +102,5 @@ class RoleKeeps:
         """The keep plan of `hook` for one sequence's layer, or None when no head would drop
         `interval` tokens (no head of the role, or every one within its ranges). Per-head counts
         stay a CPU tensor (host facts: the engine reads no device value)."""
-        starts = cache.starts or [0] * cache.num_kv_heads
         kept = self.kept(hook, layer, sym, cache.starts)
-        counts = [int(t.numel()) for t in kept]
-        if max(cache.length - start - count for start, count in zip(starts, counts)) < interval:
-            return None
-        return keep_plan(kept, cache.device, tail)
+        return keep_plan_if_due(kept, cache.length, cache.starts, interval, cache.device, tail)

@@ -22,7 +22,7 @@ from kvc.runtime.compiled.budget import CompiledBudget
 from kvc.runtime.compiled.decode import DecodeFacts, decode_sym
 from kvc.runtime.compiled.state import SequenceStates, gather_state
 from kvc.runtime.kv import slot_order
-from kvc.runtime.kv.plans import keep_plan
+from kvc.runtime.kv.plans import keep_plan_if_due
 from kvc.runtime.method_api import KeepPlan, LayerCacheView, StackedPlan, StepView, StepViews
 
 MEMO_LIMIT = 4096  # memoised counts (decode_kept) before the memo starts over
@@ -167,12 +167,9 @@ class StepEnd:
         cache = view.cache
         sym = self._step_sym(layer, view, cache.num_kv_heads)
         scores = self.decoding.step_scores(CacheInputs(cache), {}, sym, self.params)
-        kept = self._select_fn(scores, sym, self.params)
-        starts = cache.starts or [0] * cache.num_kv_heads
-        counts = [int(t.numel()) for t in kept]
-        if max(cache.length - start - count for start, count in zip(starts, counts)) < self.evict_interval:
-            return None
-        return keep_plan(kept, cache.device, self.kept_tail(self.decoding.keep_hook, sym, cache.length))
+        return keep_plan_if_due(self._select_fn(scores, sym, self.params), cache.length, cache.starts,
+                                self.evict_interval, cache.device,
+                                self.kept_tail(self.decoding.keep_hook, sym, cache.length))
 
     def _step_end_paged(self, view: StepView, count: int, sym: dict) -> KeepPlan:
         """step_end over the planes: the scores (or the state) of the stored slots; compaction moves

@@ -116,9 +116,11 @@ def settings_for(cfg: EvalConfig) -> list[Setting]:
     used: set[str] = set()
     for method in cfg.methods:
         # `method_params` go to the methods that declare them (`--method-param ratio=0.25`: kvzip's, not full's)
-        own = {k: v for k, v in cfg.method_params.items() if k in resolve_method(method, None).params}
+        declared = resolve_method(method, None).params
+        own = {k: v for k, v in cfg.method_params.items() if k in declared}
         used |= set(own)
-        declared = resolve_method(method, own or None).params
+        if own:
+            resolve_method(method, own)  # the method's own range check, now
         if BUDGET_PARAM in declared:
             for budget in cfg.budgets:
                 params = {**own, BUDGET_PARAM: budget}

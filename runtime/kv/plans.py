@@ -160,3 +160,13 @@ def keep_plan(kept: list[torch.Tensor], device: torch.device, tail: int = 0) -> 
     for head, t in enumerate(kept):
         indices[head, : counts[head]] = t
     return KeepPlan(indices, torch.tensor(counts, dtype=torch.long), tail=tail)
+
+
+def keep_plan_if_due(kept: list[torch.Tensor], length: int, starts: Seq[int] | None, interval: int,
+                     device: torch.device, tail: int = 0) -> KeepPlan | None:
+    """`keep_plan` of a layer whose KV head h stores slots [starts[h], length), or None when no head
+    would drop `interval` or more of its own tokens (a per-head keep is not due yet)."""
+    starts = starts or [0] * len(kept)
+    if max(length - start - int(t.numel()) for start, t in zip(starts, kept)) < interval:
+        return None
+    return keep_plan(kept, device, tail)

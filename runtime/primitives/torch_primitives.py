@@ -83,13 +83,10 @@ def attention(q, k, softmax=True, starts=None):
     query_pos = torch.arange(length - queries, length, device=q.device)[:, None]
     logits.masked_fill_(torch.arange(length, device=q.device)[None, :] > query_pos, NEG_INF)
     if starts is not None and any(starts):
-        below = torch.arange(length, device=q.device)[None, :] < _starts(starts, q.device)[:, None]  # [kv_head, key]
+        first = torch.as_tensor(list(starts), dtype=torch.long, device=q.device)
+        below = torch.arange(length, device=q.device)[None, :] < first[:, None]  # [kv_head, key]
         logits.masked_fill_(below.repeat_interleave(heads // k.shape[0], dim=0)[:, None, :], NEG_INF)
     return logits.softmax(dim=-1) if softmax else logits
-
-
-def _starts(starts, device) -> torch.Tensor:
-    return torch.as_tensor(list(starts), dtype=torch.long, device=device)
 
 
 def reduce(x, fn, dims):
@@ -202,7 +199,7 @@ def select(scores, length, kv_heads, *, first, last, count, at_least, granularit
         return select_heads(length, kv_heads, heads, starts, first=first, last=last, device=scores.device)
     if granularity == "global":
         return select_global(scores, length, first=first, last=last, count=count)
-    if granularity == "head_adaptive" and (scores.device.type == "meta" or (starts is not None and any(starts))):
+    if granularity == "head_adaptive":
         return select_adaptive(scores, length, kv_heads, first=first, last=last, count=count, at_least=at_least,
                                starts=starts)
     if starts is not None and any(starts):
@@ -215,15 +212,6 @@ def select(scores, length, kv_heads, *, first, last, count, at_least, granularit
     forced[length - n_last:] = True
     candidates = length - min(length, n_first + n_last)
     chosen = torch.zeros(kv_heads, length, dtype=torch.bool, device=device)
-    if granularity == "head_adaptive":
-        total = clamp_count(count, kv_heads * candidates)
-        floor_each = clamp_count(at_least, candidates) if at_least is not None else 0
-        chosen.scatter_(1, ranked(scores, forced)[:, :floor_each], True)
-        rest = max(0, total - kv_heads * floor_each)
-        flat = ranked(scores.reshape(-1), (forced[None, :] | chosen).reshape(-1))[:rest]
-        chosen.view(-1)[flat] = True
-        kept = forced[None, :] | chosen
-        return [kept[head].nonzero().flatten() for head in range(kv_heads)]
     n = 0
     if granularity in ("kv_head", "layer"):
         n = clamp_count(count, candidates)
