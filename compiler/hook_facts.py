@@ -43,6 +43,13 @@ set to the stacked row count (step end over a decode batch: runtime/compiled/ste
 `keep_symbols` are the engine symbols (`context`, `prompt`, `step`, `layer`) that its counts, ranges
 and `where` read: "equal" means equal in those (StreamingLLM's and TOVA's: `context` alone).
 
+A step_end keep states `head_local`: its ranking score is computed KV head by KV head from the
+hook's `q`, `k` and `v` (windows, attention within a KV head's query group, reductions over `group`,
+`query` or `key`, pooling, softmax and redundancy along a sequence axis; nothing across heads, no
+state, no scalar of `heads` or `kv_heads`), ranked per KV head. Its `score_symbols` are the engine
+symbols the score reads. The engine may then stack the q/k of several rows that agree on those and
+on `keep_symbols` as the heads of one call (SnapKV's and R-KV's decode budget over a decode batch).
+
 The engine's decode attention (attention variant `decode_stats`, `compiler/attention.py`; torch:
 `runtime/attention/decode_stats.py`) emits exactly that reduction of the softmax probabilities,
 so a decode step never materialises [head, key] when the method only needs [kv_head, key] or
@@ -57,13 +64,16 @@ import re
 
 import sympy as sp
 
-from kvc.compiler.ir import Accumulate, Elementwise, HookIR, Input, Keep, MethodIR, Reduce, Scalar, Value
+from kvc.compiler.ir import (Accumulate, Attention, Elementwise, HookIR, Input, Keep, MethodIR, Norm, Pool, Quantile,
+                             Redundancy, Reduce, Scalar, Softmax, Value, Window)
 from kvc.compiler.lower_torch import HookCode, names_in
 
 _FOLDABLE = {("group",): "group", ("head",): "head"}
 _SHAPE_SYMBOLS = {"layer", "layers", "heads", "kv_heads", "head_dim"}  # the same for every row of a batch
 PLANE_DIMS = ("kv_head", "key")  # the state shape a paged plane holds
 _ROWWISE_GRANULARITIES = {"none", "kv_head", "layer"}  # each KV head ranked and kept on its own row
+# the operations a head-local score may use (each applies KV head by KV head unless its axes name a head)
+_HEAD_LOCAL_OPS = (Window, Attention, Reduce, Pool, Elementwise, Norm, Quantile, Softmax, Redundancy)
 
 
 def _children(value: Value):
@@ -130,6 +140,47 @@ def key_local(method: MethodIR, hook: HookIR) -> bool:
     return bool(values) and all(_key_local_value(v, names, states) and v.dims[-1:] == ("key",) for v in values)
 
 
+_HEAD_AXES = {"head", "kv_head"}
+
+
+def _head_local_value(value: Value) -> bool:
+    if isinstance(value, Input):
+        return value.kind == "hook" and value.name in ("q", "k", "v")
+    if isinstance(value, Scalar):
+        return not names_in(value.expr) & {"heads", "kv_heads"}
+    axes = getattr(value, "axes", None) or ((value.axis,) if hasattr(value, "axis") else ())
+    if set(axes) & _HEAD_AXES or not isinstance(value, _HEAD_LOCAL_OPS):
+        return False  # a reduction, norm or softmax across heads, or an operation not known here
+    return all(_head_local_value(child) for child in _children(value))
+
+
+def head_local(hook: HookIR, code: HookCode) -> bool:
+    """Is a step_end keep's ranking score computed KV head by KV head from the hook's q/k/v (module
+    docstring)?"""
+    if hook.name != "step_end" or not rowwise_select(code) or code.keep["granularity"] != "kv_head":
+        return False
+    scores = [stmt.select.top.score for stmt in hook.stmts if isinstance(stmt, Keep) and stmt.select.top is not None]
+    return bool(scores) and all(v.dims == PLANE_DIMS and _head_local_value(v) for v in scores)
+
+
+def score_symbols(hook: HookIR) -> list[str]:
+    """The engine symbols that a keep's ranking score reads (a window's count, a pooling kernel, a scalar)."""
+    names: set[str] = set()
+
+    def visit(value: Value) -> None:
+        for f in dataclasses.fields(value):
+            item = getattr(value, f.name)
+            if isinstance(item, sp.Basic):
+                names.update(names_in(item))
+        for child in _children(value):
+            visit(child)
+
+    for stmt in hook.stmts:
+        if isinstance(stmt, Keep) and stmt.select.top is not None:
+            visit(stmt.select.top.score)
+    return [name for name in ENGINE_SYMBOLS if name in names]
+
+
 def rowwise_select(code: HookCode) -> bool:
     """Whether a keeping hook's selection is per KV head row and blind to `kv_heads` (module docstring)."""
     keep = code.keep
@@ -170,6 +221,8 @@ def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
                                 "estimate": code.read["estimate"] != "None"}
         if code.keep is not None:
             fact["keep_symbols"] = keep_symbols(hook)
+            fact["head_local"] = head_local(hook, code)
+            fact["score_symbols"] = score_symbols(hook)
             # kept counts differ per KV head (a `top(..., across kv_head)`): the layer is stored with per-head starts
             fact["head_counts"] = code.keep["granularity"] == "head_adaptive"
         if code.keep is not None and code.keep.get("role"):  # a per-head keep: only the role's heads evict

@@ -33,6 +33,7 @@ largest graph's temporaries; capture is lazy, and there are at most (batch bucke
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -170,11 +171,12 @@ class DecodeGraphs:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile kernels and settle allocations outside the graph
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
+        with self.parked(key.batch):  # the warm-up steps run for real: on padding rows only
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile kernels and settle allocations outside the graph
+                    step()
+            torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # captured on the stream the warm-up ran on: libraries' per-stream state (cuBLAS's workspace)
         # exists before the capture; a fresh capture stream made cuBLAS allocate inside it, which
@@ -185,6 +187,25 @@ class DecodeGraphs:
         self.graphs[key] = graph
         log.debug("captured decode graph %d for batch %d, context %d%s", len(self.graphs), key.batch, key.context,
                   " with KV-head starts" if key.starts else "")
+
+    @contextlib.contextmanager
+    def parked(self, b: int):
+        """The first `b` rows of the static buffers as padding rows (no slot, no context, the scratch row)
+        inside the block, restored after it. A capture's warm-up steps execute: over the batch loaded
+        for the step (a graph captured lazily) they would store its tokens' K/V and queries, count its
+        query windows and fold its decode statistics three times instead of once."""
+        held = [(buf, buf[..., :b].clone()) for buf in (self.slots, self.ctx, self.resid, self.rows) if buf is not None]
+        self.slots[:, :b].fill_(-1)
+        self.ctx[:, :b].zero_()
+        if self.resid is not None:
+            self.resid[:, :b].zero_()
+        if self.rows is not None:
+            self.rows[:b].fill_(self.runner.attention.scratch_row)
+        try:
+            yield
+        finally:
+            for buf, saved in held:
+                buf[..., :b].copy_(saved)
 
     def capture_all(self) -> None:
         """Every batch bucket at the first context bucket (longer contexts capture when reached)."""

@@ -212,12 +212,14 @@ class StepViews(Seq[StepView]):
     only when read (a decode batch of hundreds of rows x every layer would otherwise build as many
     objects at every step), and the rows' host facts as arrays for a method that batches from them:
     `seq_ids`, `lengths` (physical, the step's token included), `contexts`, `prompts` ([n] int64),
-    `tables` ([n, W] int32 store indices, zero past each row's `pages`) and the layer's `store`."""
+    `tables` ([n, W] int32 store indices, zero past each row's `pages`), `rows` ([n] int64: each sequence's row
+    of the spec's per-sequence tensors, its query window's; -1: none) and the layer's `store`."""
 
     def __init__(self, layer: int, store: KVStore, seq_ids: list[int], lengths: np.ndarray, contexts: np.ndarray,
-                 prompts: np.ndarray, tables: np.ndarray, pages: np.ndarray, make: Any) -> None:
+                 prompts: np.ndarray, tables: np.ndarray, pages: np.ndarray, make: Any, rows: np.ndarray) -> None:
         self.layer, self.store, self.seq_ids = layer, store, seq_ids
         self.lengths, self.contexts, self.prompts, self.tables, self.pages = lengths, contexts, prompts, tables, pages
+        self.rows = rows
         self._make = make  # row i -> its StepView
         self._views: dict[int, StepView] = {}
 
@@ -243,7 +245,7 @@ class StepViews(Seq[StepView]):
         index = np.asarray(rows, dtype=np.int64)
         return StepViews(self.layer, self.store, [self.seq_ids[r] for r in rows], self.lengths[index],
                          self.contexts[index], self.prompts[index], self.tables[index], self.pages[index],
-                         lambda i: self[rows[i]])
+                         lambda i: self[rows[i]], self.rows[index])
 
 
 @runtime_checkable

@@ -231,6 +231,7 @@ class StepHooks:
         contexts = np.array([seq.num_computed_tokens + 1 for seq in decoded], dtype=np.int64)[:, None] - gaps
         prompts = np.array([seq.prefill_end for seq in decoded], dtype=np.int64)[:, None] - gaps
         everyone = list(range(len(decoded)))
+        seq_rows = np.array([-1 if seq.row is None else seq.row for seq in decoded], dtype=np.int64)  # -1: none
         for layer in range(num_layers):
             candidates = everyone
             due = due_fn(layer, lengths[:, layer], prompts[:, layer], contexts[:, layer])
@@ -255,7 +256,7 @@ class StepHooks:
             index = slice(None) if candidates is everyone else np.asarray(candidates)
             views = StepViews(layer, self.store_of(layer), [seq.seq_id for seq in chosen], lengths[index, layer],
                               contexts[index, layer], prompts[index, layer], packed[layer][index],
-                              page_counts[index, layer], make)
+                              page_counts[index, layer], make, seq_rows[index])
             plans = batched(layer, views)
             if len(plans) != len(views):
                 raise RuntimeError(f"method {method.name!r}: step_end_batch gave {len(plans)} plans for "

@@ -21,7 +21,8 @@ import torch
 from kvc.runtime.compiled.budget import CompiledBudget
 from kvc.runtime.compiled.decode import DecodeFacts, decode_sym
 from kvc.runtime.compiled.state import SequenceStates, gather_state
-from kvc.runtime.kv import slot_order
+from kvc.runtime.kv import query_window, slot_order
+from kvc.runtime.kv.spec import Dense
 from kvc.runtime.kv.plans import keep_plan_if_due
 from kvc.runtime.method_api import KeepPlan, LayerCacheView, StackedPlan, StepView, StepViews
 
@@ -247,7 +248,11 @@ class StepEnd:
         read (the compiler's hook fact `keep_symbols`; all of them where a manifest has none): rows of one
         length that agree on them get the same plan (a StreamingLLM or TOVA batch is one group whatever its
         prompts; H2O's fractions of the prompt are not)."""
-        return frozenset(self.decoding.keep.get("keep_symbols", ("prompt", "step"))) & {"prompt", "step"}
+        keep = self.decoding.keep
+        read = set(keep.get("keep_symbols", ("prompt", "step")))
+        if self._group_mode == "inputs":  # the stacked scores read their own symbols too
+            read |= set(keep.get("score_symbols", ("prompt", "step")))
+        return frozenset(read) & {"prompt", "step"}
 
     def _read_facts(self, views: StepViews) -> np.ndarray:
         """[n, k]: each row's length and the symbols its selection reads (`_group_symbols`)."""
@@ -264,6 +269,8 @@ class StepEnd:
     def _step_end_group(self, layer: int, views: Seq[StepView]) -> list[KeepPlan | None]:
         """step_end of rows of one length: one selection per group of them that agrees on what it reads
         (`_sym_groups`), over score planes read (and sorted by position) once for all of them."""
+        if self._group_mode == "inputs":
+            return self._step_end_stacked(layer, views)
         first = views[0]
         seq_ids = views.seq_ids if isinstance(views, StepViews) else [view.seq_id for view in views]
         pending = self.seqs.pending
@@ -313,6 +320,110 @@ class StepEnd:
         return out
 
 
+    def _step_end_stacked(self, layer: int, views: Seq[StepView]) -> list[KeepPlan | None]:
+        """step_end of rows of one length that agree on what the keep reads, its score head-local (the
+        compiler's `head_local`): the rows' keys and query windows stacked as the heads of one call of the
+        generated scores and selection, a chunk of rows at a time (`StackedRows`), one stack of kept
+        indices for all. Where the keys are encoded or a row has no query window: per row."""
+        first = views[0]
+        length, kv_heads = first.cache.length, first.cache.num_kv_heads
+        count = self.decode_kept(length, first.prompt_len, first.context_len, layer, kv_heads)
+        if not self._due(length, count):
+            return [None] * len(views)
+        rows = StackedRows.of(views, self.decoding.keep["inputs"])
+        if rows is None:
+            return [self.step_end(layer, view) for view in views]
+        sym = self._step_sym(layer, first, kv_heads)
+
+        def kept(lo: int, hi: int) -> torch.Tensor:
+            stacked_sym = {**sym, "kv_heads": (hi - lo) * kv_heads}
+            scores = self.decoding.step_scores(rows.inputs(lo, hi), {}, stacked_sym, self.params)
+            return stacked(self._select_fn(scores, stacked_sym, self.params), rows.device)
+
+        stack = rows.map(kept).view(len(views), kv_heads, -1)
+        if stack.shape[2] != count:
+            raise RuntimeError(f"method {self.name!r}: the stacked selection kept {stack.shape[2]}, its count "
+                               f"says {count}")
+        tail = self.kept_tail(self.decoding.keep_hook, sym, length)
+        return [StackedPlan(stack, g, tail, rows.order) for g in range(len(views))]
+
+
+class StackedRows:
+    """Rows of one layer and length, the hook inputs of a chunk of them stacked as heads (`inputs`): keys
+    and values [G * Hkv, n, D] (dense stores; in time order), query windows [G * Hq, window, D]; float32
+    on the CPU, as `CacheInputs`. `map` runs a function over chunks of rows sized to the free device
+    memory (measured on the first chunk's peak) and concatenates what it returns."""
+
+    FIRST_CHUNK = 16  # rows; then as many as half the free device memory holds (the CPU: 64 at a time)
+    CPU_CHUNK = 64
+
+    def __init__(self, store, layer: int, tables: np.ndarray, rows: np.ndarray, length: int) -> None:
+        self.store, self.layer, self.tables, self.rows, self.length = store, layer, tables, rows, length
+        self.device = store.device
+        self.order = None  # [G, Hkv, n]: slots in time order (a spec with positions)
+        if store.spec.positions is not None:
+            lengths = np.full(len(tables), length)
+            self.order = slot_order.order(slot_order.read_rows(store[store.spec.positions], tables, lengths))
+
+    @classmethod
+    def of(cls, views: Seq[StepView], inputs: list[str]) -> StackedRows | None:
+        """The views' rows, or None where they cannot be stacked (not `StepViews`, encoded K/V, no window)."""
+        if not isinstance(views, StepViews):
+            return None
+        spec = views.store.spec
+        if any(not isinstance(spec.keys if name == "k" else spec.values, Dense) for name in inputs if name != "q"):
+            return None
+        if "q" in inputs and (views.rows < 0).any():
+            return None
+        return cls(views.store, views.layer, views.tables, views.rows, int(views.lengths[0]))
+
+    def inputs(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        """The hook inputs of rows [lo, hi), each made only when read."""
+        return _StackedInputs(self, lo, hi)
+
+    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        if name == "q":
+            rows = torch.as_tensor(self.rows[lo:hi], device=self.device)
+            x = query_window.read_rows(self.store.tensors, self.layer, rows)
+        else:
+            enc = self.store.spec.keys if name == "k" else self.store.spec.values
+            x = read_rows(self.store.tensors[enc.tensor], self.tables[lo:hi], self.length)  # [G, Hkv, n, D]
+            if self.order is not None:
+                x = slot_order.in_order(x, self.order[lo:hi])
+            x = x.reshape(-1, *x.shape[2:])
+        return x.float() if x.device.type == "cpu" else x
+
+    def map(self, fn: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+        total, parts, lo = len(self.rows), [], 0
+        cuda = self.device.type == "cuda"
+        size = self.FIRST_CHUNK if cuda else self.CPU_CHUNK
+        while lo < total:
+            hi = min(total, lo + size)
+            if cuda and not parts:
+                torch.cuda.reset_peak_memory_stats(self.device)
+                base = torch.cuda.memory_allocated(self.device)
+            parts.append(fn(lo, hi))
+            if cuda and len(parts) == 1 and hi < total:
+                per_row = max(1, (torch.cuda.max_memory_allocated(self.device) - base) // (hi - lo))
+                free, _ = torch.cuda.mem_get_info(self.device)
+                idle = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+                size = max(1, (free + idle) // 2 // per_row)
+            lo = hi
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class _StackedInputs(dict):
+    def __init__(self, rows: StackedRows, lo: int, hi: int) -> None:
+        super().__init__()
+        self._rows, self._lo, self._hi = rows, lo, hi
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        if name not in ("k", "v", "q"):
+            raise KeyError(name)
+        value = self[name] = self._rows.read(name, self._lo, self._hi)
+        return value
+
+
 def row_groups(facts: np.ndarray) -> list[list[int]]:
     """The rows of `facts [n, k]` with equal facts, as lists of row indices in order of first appearance
     (one list where every row agrees)."""
@@ -328,13 +439,16 @@ def row_groups(facts: np.ndarray) -> list[list[int]]:
 def group_mode(facts: DecodeFacts, stateful: bool) -> str | None:
     """How `step_end_batch` batches a group of rows with equal symbols: "symbolic" (scores from the
     symbols alone: one selection, one plan for all), "planes" (scores in a plane, row-wise
-    selection: one stacked selection), or None (per row)."""
+    selection: one stacked selection), "inputs" (a head-local score over q/k/v: the rows stacked as the
+    heads of one scoring and selection, `StackedRows`), or None (per row)."""
     if facts.keep_hook is None:
         return None
     if facts.keep_hook == "step_end" and not facts.keep["inputs"] and not stateful and not facts.paged:
         return "symbolic"
     if facts.keep_hook == "decode_after_attention" and facts.paged and facts.keep.get("rowwise_select"):
         return "planes"
+    if facts.keep_hook == "step_end" and facts.keep.get("head_local") and not stateful and not facts.paged:
+        return "inputs"
     return None
 
 

@@ -60,3 +60,14 @@ def read(store_tensors: dict[str, torch.Tensor], layer: int, row: int) -> torch.
     order = ((counts[row, layer, 0].long() + torch.arange(window, device=queries.device)) % window)
     ring = queries[row, layer]  # [Hkv, group, n, D]
     return ring[:, :, order].reshape(-1, window, ring.shape[-1])
+
+
+def read_rows(store_tensors: dict[str, torch.Tensor], layer: int, rows: torch.Tensor) -> torch.Tensor:
+    """Several rows' windows in `layer`, oldest first, as the heads of one: [len(rows) * Hq, n, D] (row g's
+    query head h at g * Hq + h), each row's equal to `read`'s."""
+    queries, counts = store_tensors[QUERIES], store_tensors[COUNT]
+    window = queries.shape[4]
+    ring = queries[rows, layer]  # [G, Hkv, group, n, D]
+    order = (counts[rows, layer, 0, 0].long()[:, None] + torch.arange(window, device=queries.device)) % window
+    index = order[:, None, None, :, None].expand(*ring.shape[:3], window, ring.shape[-1])
+    return ring.gather(3, index).reshape(-1, window, ring.shape[-1])

@@ -38,20 +38,22 @@ def record(plane: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) ->
 def read_rows(plane: torch.Tensor, tables: np.ndarray, lengths: np.ndarray, pad=PAD) -> torch.Tensor:
     """A per-token plane's values (positions, or a method's state) at slots [0, lengths[n]) of N layers
     `tables [N, W]` (store indices): [N, Hkv, max length], `pad` past each one's length. The tables go
-    to the device in one pinned copy."""
-    page_size, device = plane.shape[2], plane.device
+    to the device in one pinned copy. A token tensor `[pages + 1, Hkv, S, *rest]` (dense keys) reads
+    the same way, as [N, Hkv, max length, *rest]."""
+    page_size, device, rest = plane.shape[2], plane.device, plane.shape[3:]
     lengths = np.asarray(lengths, dtype=np.int64)
     width = int(lengths.max(initial=0))
     if width == 0:
-        return torch.full((len(tables), plane.shape[1], 0), pad, dtype=plane.dtype, device=device)
+        return torch.full((len(tables), plane.shape[1], 0, *rest), pad, dtype=plane.dtype, device=device)
     pages = -(-width // page_size)
     ids = device_ints(np.ascontiguousarray(tables[:, :pages], dtype=np.int64), device)
     slots = torch.arange(width, device=device)
-    out = plane[ids[:, slots // page_size], :, slots % page_size].permute(0, 2, 1)  # [N, Hkv, width]
+    out = plane[ids[:, slots // page_size], :, slots % page_size].movedim(2, 1)  # [N, Hkv, width, *rest]
     if (lengths == width).all():
         return out
-    inside = slots[None, :] < device_ints(lengths, device)[:, None]
-    return torch.where(inside[:, None, :], out, torch.full_like(out, pad))
+    inside = (slots[None, :] < device_ints(lengths, device)[:, None])[:, None, :]
+    inside = inside.view(*inside.shape, *([1] * len(rest)))
+    return torch.where(inside, out, torch.full_like(out, pad))
 
 
 def order(positions: torch.Tensor) -> torch.Tensor:

@@ -77,9 +77,10 @@ def attention(q, k, softmax=True, starts=None):
     `starts` (host ints per KV head, a layer compacted with per-head counts): KV head h's keys are slots
     [starts[h], key); the slots below are no keys of it (-inf, 0 after the softmax)."""
     heads, queries, head_dim = q.shape
-    length = k.shape[1]
-    keys = k.float().repeat_interleave(heads // k.shape[0], dim=0)
-    logits = (q.float() @ keys.transpose(1, 2)).div_(math.sqrt(head_dim))  # in place: one [h, q, k] buffer
+    kv_heads, length = k.shape[0], k.shape[1]
+    grouped = q.float().reshape(kv_heads, heads // kv_heads * queries, head_dim)  # a KV head's query heads in a row
+    logits = (grouped @ k.float().transpose(1, 2)).view(heads, queries, length)  # no repeated copy of the keys
+    logits.div_(math.sqrt(head_dim))  # in place: one [h, q, k] buffer
     query_pos = torch.arange(length - queries, length, device=q.device)[:, None]
     logits.masked_fill_(torch.arange(length, device=q.device)[None, :] > query_pos, NEG_INF)
     if starts is not None and any(starts):

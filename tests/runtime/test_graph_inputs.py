@@ -159,3 +159,45 @@ def test_context_buckets_change_during_a_run(model_dir: Path, method: str) -> No
         rows = runner.method.attention.decode_stats.rows(runner.model.spec.num_heads, runner.num_kv_heads)
         assert runner.attention._stats is stats and stats.numel() == 6 * rows * graphs.contexts[-1]
         assert max(widths) <= graphs.contexts[-1]  # eager (mixed) steps ask for no more either
+
+
+PARKED = {"h2o": METHODS["h2o"], "rkv": {"budget": 20, "window": 4, "kernel": 3, "every": 4},
+          "kivi": {"bits": 4, "group_size": 4, "residual_length": 8}}
+
+
+@pytest.mark.parametrize("method", sorted(PARKED))
+def test_capture_warm_up_touches_no_sequence(model_dir: Path, method: str) -> None:
+    """A graph captured lazily (a new batch bucket or context rung mid-run) executes its warm-up steps
+    (`DecodeGraphs._capture`): run `parked`, over padding rows only, they change nothing a sequence owns
+    (its K/V, decode statistics, query windows and their counts, residual windows: only the scratch
+    page and row), and the loaded batch is back in the buffers after them, so the replay decodes the
+    eager tokens. Unparked, the warm-ups wrote the step's queries into R-KV's windows three times."""
+    prompts = [tokens(n, seed=90 + n) for n in (37, 45, 29)]
+    steps = [greedy(14), greedy(9), greedy(12)]
+    want = [o.token_ids for o in make_llm(model_dir, method, PARKED[method], max_num_seqs=6).generate(prompts, steps)]
+    llm = make_llm(model_dir, method, PARKED[method], max_num_seqs=6)
+    runner = llm.engine.runner
+    graphs = runner.graphs = DecodeGraphs(runner, 6)
+    stores = list(runner.attention.stores)
+    checked = []
+
+    def replay(batch, feed=None):
+        key = graphs._load(batch, feed)
+        buffers = [buf.clone() for buf in (graphs.slots, graphs.ctx, graphs.rows) if buf is not None]
+        before = [{name: t.clone() for name, t in store.tensors.items()} for store in stores]
+        with graphs.parked(key.batch):
+            for _ in range(2):
+                graphs._step_fn(key)()
+        for store, saved in zip(stores, before):
+            for name, t in store.tensors.items():
+                owned = t[: store.scratch_row] if t.shape[0] == store.num_rows + 1 else t[: store.scratch_page]
+                kept = saved[name][: owned.shape[0]]
+                assert torch.equal(owned, kept), f"a warm-up step changed {name!r}"
+        after = [buf for buf in (graphs.slots, graphs.ctx, graphs.rows) if buf is not None]
+        assert all(torch.equal(a, b) for a, b in zip(after, buffers))
+        checked.append(len(batch.seqs))
+        return graphs._step_fn(key)()[: len(batch.seqs)]
+
+    graphs.run = replay
+    assert [o.token_ids for o in llm.generate(prompts, steps)] == want
+    assert {3, 2} <= set(checked)

@@ -4,7 +4,8 @@ plans of a whole decode batch at once, grouped by equal symbols, equal to `step_
 On a tiny random Llama (float32, CPU, page size 5), five requests whose prompt lengths repeat
 (groups of rows with the same stored length, context and prompt length) next to lengths of their
 own (groups of one), so the steps mix stacked selections, shared plans and per-row fallbacks;
-eviction runs at every step. Checked at every layer of every step: the batched plans are
+eviction runs at every step. SnapKV's and R-KV's decode budgets stack the rows' keys and query
+windows as the heads of one scoring. Checked at every layer of every step: the batched plans are
 tensor-equal to the per-row oracle's (indices, lengths, tail), the batched path really ran (a
 group of several rows took the stacked or shared selection), and end to end the greedy tokens
 and kv_lens equal a run whose runner calls `step_end` per row.
@@ -30,6 +31,9 @@ CASES = {
     "streamingllm": ({"sink": 4, "recent": 20}, "symbolic"),
     "h2o": ({"heavy": 0.3, "recent": 0.1}, "planes"),
     "tova": ({"budget": 26}, "planes"),
+    # a decode budget re-scored from the keys and the newest queries (`head_local`): rows stacked as heads
+    "snapkv": ({"budget": 24, "window": 4, "kernel": 3, "every": 1}, "inputs"),
+    "rkv": ({"budget": 24, "window": 4, "kernel": 3, "every": 1}, "inputs"),
 }
 
 
@@ -88,11 +92,18 @@ def test_batched_plans_equal_the_per_row_plans(model_dir, method, monkeypatch):
 
     monkeypatch.setattr(m, "step_end_batch", checked)
     monkeypatch.setattr(m, "_step_end_group", spy_group)
+    stacked_rows = []
+    stacked_map = step_end.StackedRows.map
+    monkeypatch.setattr(step_end.StackedRows, "map",
+                        lambda rows, fn: stacked_rows.append(len(rows.rows)) or stacked_map(rows, fn))
     run(llm)
+    assert (max(stacked_rows, default=0) == 3) is (CASES[method][1] == "inputs")  # rows scored as one
     assert compared[0] > 2 * len(LENGTHS) * (STEPS - 6)  # eviction at (almost) every step, every row
-    # rows batched: H2O's selection reads the prompt, so its groups are the repeated prompts (3 and 2 rows); the
-    # others' read only the length, so every row of a length is one group once they all hold their budget
-    widest = 3 if "prompt" in m._group_symbols() else len(LENGTHS)
+    # rows batched: H2O's selection reads the prompt, so its groups are the repeated prompts (3 and 2 rows);
+    # SnapKV's and R-KV's read the step (`where step % every == 0`), so theirs are the rows that began decoding
+    # together (the first three prompts fill the first prefill step); the others' read only the length, so
+    # every row of a length is one group once they all hold their budget
+    widest = 3 if m._group_symbols() else len(LENGTHS)
     assert groups and max(groups) == widest and (2 in groups or widest == len(LENGTHS))
 
 
@@ -119,7 +130,7 @@ def test_stacked_rows_read_like_one_row_reads():
         step_end.read_rows(plane, [[1, 2], [3]], 10)
 
 
-@pytest.mark.parametrize("method", sorted(CASES))
+@pytest.mark.parametrize("method", sorted(name for name, (_, mode) in CASES.items() if mode != "inputs"))
 def test_batched_plans_over_random_planes(method):
     """Planes of random scores with ties, page tables out of order, two groups (every third row a
     token longer): the batched plans equal the per-row ones, and rows of one group keep
@@ -153,3 +164,20 @@ def test_rowwise_select_fact():
     assert not rowwise_select(HookCode("h", keep={**keep, "count": "budget/kv_heads"}))
     assert not rowwise_select(HookCode("h", keep={**keep, "granularity": "head_adaptive"}))
     assert not rowwise_select(HookCode("h"))
+
+
+def test_head_local_fact():
+    """The compiler's `head_local`: a step_end score computed KV head by KV head from q/k (SnapKV's and R-KV's
+    decode budgets), not Ada-KV's (heads share one budget) nor a score from state (H2O's); `score_symbols`
+    are what the scores read (their windows: `context`)."""
+    import json
+
+    root = Path(__file__).resolve().parents[2] / "kernels_generated"
+    hooks = {name: json.loads((root / name / "manifest.json").read_text())["hooks"]
+             for name in ("snapkv", "rkv", "adakv", "h2o", "streamingllm")}
+    assert hooks["snapkv"]["step_end"]["head_local"] and hooks["rkv"]["step_end"]["head_local"]
+    assert hooks["snapkv"]["step_end"]["score_symbols"] == ["context"]
+    assert not hooks["snapkv"]["prefill_end"]["head_local"]  # prefill end is not stacked
+    assert not hooks["adakv"]["step_end"]["head_local"]
+    assert not hooks["h2o"]["decode_after_attention"]["head_local"]
+    assert not hooks["streamingllm"]["step_end"]["head_local"]  # no score at all
