@@ -39,7 +39,8 @@ def make(rows: int, window: int, dropped: int, heads: int, head_dim: int, page: 
     length = window + dropped
     per_row = -(-length // page)
     spec = dense_spec(head_dim, dtype, extra=(TensorSpec("slot.position", Extent.TOKEN, torch.int32),))
-    store = KVStore(dataclasses.replace(spec, positions="slot.position"), rows * per_row, heads, page, 1, device)
+    spec = dataclasses.replace(spec, positions="slot.position", in_place=True)
+    store = KVStore(spec, rows * per_row, heads, page, 1, device)
     g = torch.Generator().manual_seed(seed)
     for name in ("k", "v"):
         store[name].copy_(torch.randn(store[name].shape, generator=g).to(dtype))

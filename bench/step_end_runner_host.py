@@ -69,7 +69,7 @@ def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_
     spec = method.kv_spec(kv_heads, head_dim, torch.float32, page)
     if not in_place and spec.positions is not None:
         spec = dataclasses.replace(spec, tensors=tuple(t for t in spec.tensors if t.name != spec.positions),
-                                   positions=None)
+                                   positions=None, in_place=False)
     store = KVStore(spec, pages, kv_heads, page, layers, device)
     if device != "meta":  # K/V random; the state planes random scores with ties
         for tensor in store.tensors.values():

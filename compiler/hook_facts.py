@@ -43,6 +43,11 @@ set to the stacked row count (step end over a decode batch: runtime/compiled/ste
 `keep_symbols` are the engine symbols (`context`, `prompt`, `step`, `layer`) that its counts, ranges
 and `where` read: "equal" means equal in those (StreamingLLM's and TOVA's: `context` alone).
 
+A hook that reads the spans of a text partition (`dim P = split(key, at = [...])`) states `spans`:
+{P: the strings that end a span}. The engine hands it `sym[P]`, each stored slot's span ([kv_head,
+key] int64, -1 for a slot a head does not store), from the tokens' text (runtime/text_spans.py).
+A top over P keeps whole spans: its KV heads keep different counts (`head_counts`).
+
 A step_end keep states `head_local`: its ranking score is computed KV head by KV head from the
 hook's `q`, `k` and `v` (windows, attention within a KV head's query group, reductions over `group`,
 `query` or `key`, pooling, softmax and redundancy along a sequence axis; nothing across heads, no
@@ -224,7 +229,9 @@ def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
             fact["head_local"] = head_local(hook, code)
             fact["score_symbols"] = score_symbols(hook)
             # kept counts differ per KV head (a `top(..., across kv_head)`): the layer is stored with per-head starts
-            fact["head_counts"] = code.keep["granularity"] == "head_adaptive"
+            fact["head_counts"] = code.keep["granularity"] in ("head_adaptive", "spans")
+        if code.spans:  # the text partitions whose spans it reads: name -> the strings that end a span
+            fact["spans"] = {name: list(method.spans[name]) for name in sorted(code.spans)}
         if code.keep is not None and code.keep.get("role"):  # a per-head keep: only the role's heads evict
             fact["role"] = code.keep["role"]
         before = out.get(hook.name)

@@ -137,13 +137,34 @@ class Redundancy(Value):
 
 
 @dataclass(frozen=True)
+class SpanReduce(Value):
+    """`fn(x, within P)` over the spans of a text partition (`dim P = split(key, at = [...])`): the key
+    axis becomes P, one entry per span of the tokens each KV head stores (NaN where it stores none)."""
+
+    src: Value
+    fn: str
+    partition: str
+
+
+@dataclass(frozen=True)
+class Duplicated(Value):
+    """`duplicated(x, threshold, along P)`: 1 where a later item along P has a vector (over `channel`)
+    of cosine similarity above `threshold` with this item's, else 0; `channel` is dropped."""
+
+    src: Value
+    threshold: object  # sympy
+    axis: str
+
+
+@dataclass(frozen=True)
 class Scalar(Value):
     """A scalar operand inside a tensor expression (sympy)."""
 
     expr: object
 
 
-TensorValue = Union[Input, Window, Attention, Reduce, Pool, Elementwise, Norm, Quantile, Softmax, Redundancy, Scalar]
+TensorValue = Union[Input, Window, Attention, Reduce, Pool, Elementwise, Norm, Quantile, Softmax, Redundancy,
+                    SpanReduce, Duplicated, Scalar]
 
 # ---- statements ----------------------------------------------------------------------------
 
@@ -152,8 +173,9 @@ TensorValue = Union[Input, Window, Attention, Reduce, Pool, Elementwise, Norm, Q
 class TopK:
     score: Value
     count: object  # sympy: tokens (per index of `per`, or in total across `across`)
-    granularity: str  # 'kv_head' | 'layer' (one set for every head) | 'head_adaptive' | 'global'
+    granularity: str  # 'kv_head' | 'layer' (one set for every head) | 'head_adaptive' | 'global' | 'spans'
     at_least: object = None  # sympy or None (head-adaptive safeguard per head)
+    within: str | None = None  # 'spans': the text partition whose whole spans it keeps (count in tokens)
 
 
 @dataclass(frozen=True)
@@ -336,6 +358,7 @@ class MethodIR:
     inputs: list[InputIR] = field(default_factory=list)
     roles: dict[str, Value] = field(default_factory=dict)  # role -> a bool mask over (some of) layer, kv_head
     partitions: dict[str, Partition] = field(default_factory=dict)  # the `kmeans` partitions a read ranks
+    spans: dict[str, tuple[str, ...]] = field(default_factory=dict)  # text partitions: name -> strings ending a span
     replay: ReplayIR | None = None
     checked: object = field(default=None, repr=False, compare=False)  # the CheckedMethod (compiler/kv_spec.py reads it)
 
@@ -357,6 +380,7 @@ class _Builder:
         self.lets = checked.lets
         self.env: dict[str, Value] = {}
         self.partitions: dict[str, Partition] = {}
+        self.spans: dict[str, tuple[str, ...]] = {}
 
     def sym(self, expr: ast.Expr):
         return to_sympy(expr, self.lets)
@@ -406,6 +430,14 @@ class _Builder:
         if name in _REDUCERS and len(e.args) == 1 and e.clause("over"):
             axes = tuple(d.name for d in e.clause("over").dims)
             return Reduce(self.dims(e), self.value(e.args[0]), name, axes)
+        if name in _REDUCERS and len(e.args) == 1 and e.clause("within"):
+            partition = e.clause("within").dims[0].name
+            if partition not in self.spans:
+                raise NotLowerable(f"`{name}(x, within {partition})` is lowered over the spans of a "
+                                   "`split(key, at = [...])` partition (pages and clusters are summarised)", e.pos)
+            return SpanReduce(self.dims(e), self.value(e.args[0]), name, partition)
+        if name == "duplicated":
+            return Duplicated(self.dims(e), self.value(e.args[0]), self.sym(e.args[1]), e.clause("along").dims[0].name)
         if name in ("max", "min") and len(e.args) == 2 and isinstance(e.ty, Tensor):
             return Elementwise(self.dims(e), name, (self.value(e.args[0]), self.value(e.args[1])))
         if name == "pool":
@@ -461,6 +493,10 @@ class _Builder:
         ty: Selection = e.ty
         if ty.item not in items:
             raise NotLowerable("selections over partitions (pages, spans, clusters) are not lowered yet", e.pos)
+        if ty.item in self.spans:  # whole spans of a text partition, up to `count` tokens per KV head
+            if ty.per != ("kv_head",) or ty.across or e.kwarg("at_least") is not None:
+                raise NotLowerable("a top over spans is lowered `per kv_head` only", e.pos)
+            return TopK(self.value(e.args[0]), self.sym(e.args[1]), "spans", within=ty.item)
         if ty.across == ("kv_head",):
             granularity = "head_adaptive"
         elif ty.across:
@@ -518,6 +554,17 @@ class _Builder:
             raise NotLowerable("an estimate is one `top(score, count)`", s.pos)
         return Estimate(select, item, key, value_sum)
 
+    def span_partitions(self) -> dict[str, tuple[str, ...]]:
+        """Every `dim P = split(key, at = [...])`: the strings that end a span (docs/language.md)."""
+        out = {}
+        for decl in self.checked.method.items:
+            call = getattr(decl, "value", None)
+            if isinstance(decl, ast.DimDecl) and isinstance(call, ast.Call) and call.func.name == "split":
+                at = call.kwarg("at")
+                if at is not None:
+                    out[decl.name.name] = tuple(item.value for item in at.items)
+        return out
+
     def kmeans_partitions(self) -> dict[str, Partition]:
         """Every `dim P = kmeans(k, ...)` whose summaries are plain reductions of k or v within P."""
         out: dict[str, Partition] = {}
@@ -573,7 +620,7 @@ class _Builder:
                 state = self.checked.bindings[s.target.name.name].type
                 stmts.append(Accumulate(s.target.name.name, self.value(s.value), tuple(state.dims)))
             elif isinstance(s, ast.Keep):
-                stmts.append(Keep(self.selection(s.selection), s.role.name if s.role else None))
+                stmts.append(Keep(self.selection(s.selection, ("key", *self.spans)), s.role.name if s.role else None))
             elif isinstance(s, ast.Read):
                 stmts.append(self.read(s))
             elif isinstance(s, ast.Estimate):
@@ -627,6 +674,7 @@ def build(checked, source: bytes | None = None) -> MethodIR:
         _lowerable_stores(checked)
     builder = _Builder(checked)
     method.partitions = builder.partitions = builder.kmeans_partitions()
+    method.spans = builder.spans = builder.span_partitions()
     method.roles = {decl.name.name: builder.value(decl.value) for decl in checked.method.items
                     if isinstance(decl, ast.Role)}
     method.hooks = [builder.hook(h) for h in checked.hooks]

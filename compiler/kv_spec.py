@@ -229,7 +229,8 @@ class SpecDesc:
     tensors: list[TensorDesc] = field(default_factory=list)
     summaries: list[SummaryDesc] = field(default_factory=list)
     head_starts: bool = False
-    positions: str | None = None  # the TOKEN tensor of each slot's logical position (eviction in place)
+    positions: str | None = None  # the TOKEN tensor of each slot's logical position
+    in_place: bool = False  # the decode-time keep evicts in place (slots out of time order)
     page_tokens: object = None  # sympy: tokens per page the summaries need, or None
     reasons: list[str] = field(default_factory=list)
     # operand ("k", "v") -> the layers its store applies to, `where layer [not] in P` ({"param", "member"});
@@ -239,7 +240,8 @@ class SpecDesc:
     def to_json(self) -> dict:
         return {"tensors": [t.to_json() for t in self.tensors], "keys": self.keys.to_json(),
                 "values": self.values.to_json(), "summaries": [s.to_json() for s in self.summaries],
-                "head_starts": self.head_starts, "positions": self.positions, "layers": self.layers,
+                "head_starts": self.head_starts, "positions": self.positions,
+                "in_place": self.in_place, "layers": self.layers,
                 "page_tokens": None if self.page_tokens is None else _text(self.page_tokens),
                 "reason": "; ".join(self.reasons) if self.reasons else None}
 
@@ -605,13 +607,19 @@ class _Deriver:
         return bool(users) and users <= {"replay_chunk", "replay_end"}
 
     def positions(self, facts: dict | None, spec: SpecDesc) -> None:
-        """A decode-time keep evicts in place (each kept token past the new length fills an evicted
+        """A hook that reads the spans of a text partition: the spec records each slot's logical position
+        (the engine maps positions to spans); slots stay in time order.
+        A decode-time keep evicts in place (each kept token past the new length fills an evicted
         slot below it, so an eviction moves O(evicted) tokens): the spec then stores each slot's
         logical position, which gives the hooks the layer in time order. Only where every slot moves
         alone: equal counts per KV head (no head-adaptive or per-role keep), a decode state that does
         not depend on slot order (a key-local decode_after_attention's planes), codes with no
         per-page scales or residual window, and no read plan (its newest slots and pages are the
         appended ones)."""
+        if any(f.get("spans") for f in (facts or {}).values()):  # a hook reads the spans of stored tokens
+            spec.tensors.append(TensorDesc(POSITIONS, "token", "int32"))
+            spec.positions = POSITIONS  # recorded, slots kept in time order (per-head counts)
+            return
         keeps = [(h, (facts or {}).get(h) or {}) for h in ("step_end", "decode_after_attention")]
         keeps = [(h, f) for h, f in keeps if f.get("keeps")]
         if not keeps or spec.head_starts or any(f.get("role") for _, f in keeps):
@@ -625,7 +633,7 @@ class _Deriver:
                     isinstance(enc, Quantized) and (enc.residual is not None or enc.axis == "token")):
                 return
         spec.tensors.append(TensorDesc(POSITIONS, "token", "int32"))
-        spec.positions = POSITIONS
+        spec.positions, spec.in_place = POSITIONS, True
 
 
 def _chosen_each_step(facts: dict) -> bool:
@@ -651,14 +659,22 @@ def _ranges(e: ast.Expr | None) -> list[ast.Range]:
     return [e] if isinstance(e, ast.Range) else []
 
 
+def _is_spans(checked, item: str) -> bool:
+    """Is `item` a text partition (`dim P = split(key, at = [...])`)?"""
+    decl = getattr(checked.axes.get(item), "decl", None)
+    split = getattr(decl, "value", None)
+    return isinstance(split, ast.Call) and split.func.name == "split" and split.kwarg("at") is not None
+
+
 def _head_adaptive(checked) -> bool:
-    """Does any keep select a head-adaptive `top(..., across kv_head)` (per-head counts, right-aligned)?"""
+    """Does any keep select a head-adaptive `top(..., across kv_head)` or whole spans of a text partition
+    (per-head counts, right-aligned)?"""
     for hook in checked.hooks:
         for stmt in hook.body:
             if isinstance(stmt, ast.Keep):
                 for node in ast.walk(stmt.selection):
                     if (isinstance(node, ast.Call) and node.func.name == "top" and isinstance(node.ty, Selection)
-                            and node.ty.across == ("kv_head",)):
+                            and (node.ty.across == ("kv_head",) or _is_spans(checked, node.ty.item))):
                         return True
     return False
 
@@ -860,7 +876,8 @@ class _Emitter:
                   f"    summaries = {summaries}",
                   f"    return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, "
                   f"head_starts={spec.head_starts}"
-                  + (f', positions="{spec.positions}")' if spec.positions else ")")]
+                  + (f', positions="{spec.positions}"' if spec.positions else "")
+                  + (", in_place=True)" if spec.in_place else ")")]
         return lines
 
 

@@ -10,7 +10,7 @@ engine contract cannot run yet. It returns problems; `check` raises the first as
 from __future__ import annotations
 
 from kvc.compiler.ir import (Accumulate, Assign, Attention, Choose, Estimate, Input, Keep, MethodIR, NotLowerable, Read,
-                             Window)
+                             SpanReduce, Window)
 from kvc.compiler.lower_torch import names_in
 
 # hook -> (may keep, hook inputs it has)
@@ -28,7 +28,8 @@ HOOK_RULES: dict[str, tuple[bool, frozenset[str]]] = {
     "decode_before_attention": (False, frozenset({"q", "k"})),
 }
 ROLE_KEEP_HOOKS = ("prefill_chunk", "step_end")  # where a per-head `keep ... for ROLE` runs (its plans)
-GRANULARITIES = ("kv_head", "layer", "head_adaptive", "global")
+GRANULARITIES = ("kv_head", "layer", "head_adaptive", "global", "spans")
+SPAN_HOOKS = ("step_end",)  # text partitions: the engine hands a step_end the spans of every stored token
 GLOBAL_HOOKS = ("replay_end",)  # a top across layers runs where every layer's scores are at hand
 READ_GRANULARITIES = ("kv_head", "layer")
 # a read plan's shape is static (decode stays in CUDA graphs) and one `where` covers the whole batch:
@@ -48,6 +49,19 @@ def _inputs(value) -> list[Input]:
                 stack.append(getattr(v, field))
         stack.extend(getattr(v, "args", ()))
     return found
+
+
+def _reads_spans(value) -> bool:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, SpanReduce):
+            return True
+        for field in ("src", "q", "k"):
+            if hasattr(v, field):
+                stack.append(getattr(v, field))
+        stack.extend(getattr(v, "args", ()))
+    return False
 
 
 def _windows_static(value) -> list[str]:
@@ -92,6 +106,8 @@ def problems(method: MethodIR) -> list[str]:
                     value = top.score
                     if top.granularity not in GRANULARITIES:
                         out.append(f"{top.granularity} selections are not lowered yet")
+                    elif top.granularity == "spans" and hook.name not in SPAN_HOOKS:
+                        out.append(f"a top over spans is lowered in {', '.join(SPAN_HOOKS)} only, not in {hook.name}")
                     elif top.granularity == "global" and hook.name not in GLOBAL_HOOKS:
                         out.append(f"a top across layers is lowered in {', '.join(GLOBAL_HOOKS)} only, not in "
                                    f"{hook.name}")
@@ -99,6 +115,8 @@ def problems(method: MethodIR) -> list[str]:
                 value = stmt.select.top.score
             if value is None:
                 continue
+            if _reads_spans(value) and hook.name not in SPAN_HOOKS:
+                out.append(f"spans of a text partition are lowered in {', '.join(SPAN_HOOKS)} only, not in {hook.name}")
             for inp in _inputs(value):
                 if inp.kind == "hook" and inp.name not in inputs:
                     out.append(f"`{inp.name}` is not available in {hook.name}")

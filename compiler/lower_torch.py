@@ -36,7 +36,7 @@ import sympy as sp
 
 from kvc.compiler.ir import (Accumulate, Assign, Attention, Choose, Elementwise, Estimate, HookIR, Input, Keep,
                              MethodIR, Norm, NotLowerable, Partition, Pool, Quantile, Read, Reduce, Redundancy, Scalar,
-                             Softmax, Value, Window)
+                             Softmax, SpanReduce, Duplicated, Value, Window)
 
 _NUMBER = re.compile(r"[0-9.]+(e-?[0-9]+)?")
 SYMBOLS = ("context", "prompt", "step", "layer", "layers", "heads", "kv_heads", "head_dim")
@@ -72,6 +72,7 @@ class HookCode:
     choose: dict | None = None  # the shared selection a batched hook chooses: its name, score, counts
     where: str | None = None
     rows: bool = False  # batched over a decode batch's rows
+    spans: set[str] = field(default_factory=set)  # the text partitions it reads (`sym[P]`: each slot's span)
 
 
 class _Emitter:
@@ -179,6 +180,15 @@ class _Emitter:
         if isinstance(v, Softmax):
             src = self.value(v.src)
             return self.emit(f"_softmax({src}, {v.src.dims.index(v.axis)})"), v.src.dims
+        if isinstance(v, SpanReduce):
+            src = self.value(v.src)
+            self.code.spans.add(v.partition)
+            return self.emit(f'_span_reduce({src}, {v.partition}, "{v.fn}", {v.src.dims.index("key")})'), \
+                tuple(v.partition if d == "key" else d for d in v.src.dims)
+        if isinstance(v, Duplicated):
+            src = self.value(v.src)
+            return self.emit(f"_duplicated({src}, {self.scalar(v.threshold)}, {v.src.dims.index(v.axis)}, "
+                             f"{v.src.dims.index('channel')})"), tuple(d for d in v.src.dims if d != "channel")
         if isinstance(v, Redundancy):
             src = self.value(v.src)
             return self.emit(f"_redundancy({src}, {self.scalar(v.threshold)}, {v.src.dims.index(v.axis)}, "
@@ -416,6 +426,10 @@ def emit_hook(hook: HookIR, partitions: dict[str, Partition] | None = None) -> H
                     raise NotLowerable(f"{hook.name}: a top across layers ranks a [layer, kv_head, key] score")
                 score = em.laid_out(em.value(top.score), top.score.dims, ("layer", "kv_head", "key"))
                 code.lines.append(f"scores = {score}.float()")
+            elif top is not None and top.within is not None:  # whole spans: the spans' scores [kv_head, P]
+                code.spans.add(top.within)
+                score = em.laid_out(em.value(top.score), top.score.dims, ("kv_head", top.within))
+                code.lines.append(f"scores = {score}.float()")
             elif top is not None:
                 per_head = "kv_head" in top.score.dims
                 score = em.laid_out(em.value(top.score), top.score.dims, ("kv_head", "key") if per_head else ("key",))
@@ -425,6 +439,8 @@ def emit_hook(hook: HookIR, partitions: dict[str, Partition] | None = None) -> H
             if top is not None:
                 keep.update(score="scores", count=em.scalar(top.count), granularity=top.granularity,
                             at_least="None" if top.at_least is None else em.scalar(top.at_least))
+                if top.within is not None:
+                    keep["within"] = top.within
             if stmt.role is not None:
                 if top is not None:
                     raise NotLowerable(f"{hook.name}: `keep top(...) for ROLE` is not lowered yet (only ranges: "
@@ -459,8 +475,10 @@ def emit_roles(method: MethodIR) -> HookCode | None:
 def unpack_lines(code: HookCode, params: list[str]) -> list[str]:
     """Local names a hook body reads: symbols from `sym`, parameters from `params`."""
     lines = []
-    for name in sorted(code.names):
-        if name in SYMBOLS:
+    for name in sorted(code.names | code.spans):
+        if name in code.spans:  # each stored slot's span (the engine's; absent in a `meta` run of the counts)
+            lines.append(f'{name} = sym.get("{name}")')
+        elif name in SYMBOLS:
             lines.append(f'{name} = sym["{name}"]')
         elif name in params:
             lines.append(f'{name} = params["{name}"]')

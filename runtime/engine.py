@@ -55,6 +55,7 @@ from kvc.runtime.prefill_record import PrefillRecord
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.scheduler import Scheduler, SchedulerConfig
 from kvc.runtime.sequence import Sequence
+from kvc.runtime.text_spans import TextSpans
 from kvc.runtime.tuning.lookup import load_for_device as load_tuned_configs
 
 log = logging.getLogger(__name__)
@@ -211,6 +212,12 @@ class Engine:
             pool=self.pool,
             grammars=self.grammars,
         )
+        if self.method.text_partitions:  # spans of the stored tokens' text (runtime/text_spans.py)
+            if self.tokenizer is None:
+                raise ConfigError(f"method {self.method.name!r} reads the spans of its tokens' text: the model needs "
+                                  "a tokenizer", param="method")
+            self.runner.hooks.text_spans = {name: TextSpans(self.tokenizer, markers)
+                                            for name, markers in self.method.text_partitions.items()}
         if self.method.replay is not None:  # re-reads each prompt after its prefill (runtime/context_replay.py)
             self.runner.replay = ContextReplay(self.runner, self.method.replay, self.tokenizer)
             self.method.budget.replay_tokens = self.runner.replay.longest

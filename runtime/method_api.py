@@ -14,7 +14,7 @@ import enum
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -97,7 +97,7 @@ class LayerCacheView:
     def order(self) -> torch.Tensor | None:
         """[Hkv, length] int64: the physical slots in time order (None: the spec keeps slots in order)."""
         name = self.store.spec.positions
-        if name is None:
+        if not self.store.spec.in_place:
             return None
         if self._order is None:
             tables = np.asarray([self.page_ids], dtype=np.int64).reshape(1, -1)
@@ -112,6 +112,14 @@ class LayerCacheView:
     def read_plane(self, plane: torch.Tensor) -> torch.Tensor:
         """A per-token plane's values of the stored slots, [Hkv, length], in time order."""
         return self.in_order(state_planes.read(plane, self.page_ids, self.length))
+
+    def positions(self) -> torch.Tensor:
+        """[Hkv, length] int64: each stored slot's logical position, in time order (a spec that records them:
+        KVSpec.positions; a head's slots below its start hold no token of it)."""
+        name = self.store.spec.positions
+        if name is None:
+            raise RuntimeError("the KV spec records no positions")
+        return self.read_plane(self.store[name]).long()
 
     def keys(self) -> torch.Tensor:
         """Dense copy [Hkv, length, D] in time order (post-RoPE keys; decoded when the spec stores them encoded)."""
@@ -205,6 +213,9 @@ class StepView:
     context_len: int  # logical tokens (RoPE positions keep growing after eviction)
     prompt_len: int
     cache: LayerCacheView  # `length` = physical tokens, the step's token included
+    # a text partition's name -> the span of each logical position [0, the step's token] (int64 numpy), for a
+    # method with `text_partitions` (runtime/text_spans.py); None: the engine has no tokenizer
+    spans: Callable[[str], np.ndarray] | None = None
 
 
 class StepViews(Seq[StepView]):
@@ -273,6 +284,8 @@ class KVMethod(Protocol):
     # a pass re-reading the stored prompt after prefill (KVzip's context reconstruction): its prompts and counts
     # ({"prompt", "then", "chunk", "overlap", "sink"}), or None; the engine runs it (runtime/replay.py)
     replay: dict[str, Any] | None
+    # text partitions whose spans its step_end reads: name -> the strings that end a span (runtime/text_spans.py)
+    text_partitions: dict[str, tuple[str, ...]]
 
     def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None,
              max_context: int | None = None, num_heads: int | None = None) -> None: ...
@@ -335,6 +348,7 @@ class MethodBase:
     query_window = 0
     tuned_kernels: frozenset[str] = frozenset()
     replay: dict[str, Any] | None = None
+    text_partitions: dict[str, tuple[str, ...]] = {}
 
     @property
     def fingerprint(self) -> str:

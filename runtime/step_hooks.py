@@ -26,6 +26,7 @@ from kvc.runtime.kv.tables import TableCache
 from kvc.runtime.method_api import (Hook, KVMethod, LayerCacheView, PrefillView, RewritePlan, StackedPlan, StepView,
                                     StepViews)
 from kvc.runtime.scheduler import ScheduledBatch
+from kvc.runtime.text_spans import TextSpans
 
 if TYPE_CHECKING:
     from kvc.runtime.model_runner import StepOutput
@@ -39,6 +40,7 @@ class StepHooks:
         sees hold its class store's page indices (`TableCache.local`)."""
         self.method, self.tables, self.pool = method, tables, pool
         self.stores, self.executors = stores, executors
+        self.text_spans: dict[str, TextSpans] = {}  # the method's text partitions (the engine sets them)
         self.layer_class = tuple(layer_class) if layer_class is not None else (0,) * num_layers
         store = stores[0]
         # rows by id in every store that has them (`PagedAttention.copy_rows`; default: the store's)
@@ -51,13 +53,13 @@ class StepHooks:
         """seq's layers back in time order where a keep evicted in place (runtime/kv/slot_order.py): a
         chain's turn ends, and its record's readers (the next turn's prefill hooks, pruning, rollback)
         read slots in order. One call per storage class."""
-        if not any(store.spec.positions for store in self.stores):
+        if not any(store.spec.in_place for store in self.stores):
             return
         arr = self.tables.array(seq)
         lengths = np.asarray(seq.kv_lens, dtype=np.int64)
         for cls, executor in enumerate(self.executors):
             layers = [layer for layer in range(self.num_layers) if self.layer_class[layer] == cls]
-            if layers and executor.store.spec.positions is not None:
+            if layers and executor.store.spec.in_place:
                 executor.settle(arr[layers], lengths[layers])
 
     def store_of(self, layer: int) -> KVStore:
@@ -251,7 +253,8 @@ class StepHooks:
                 seq = chosen[i]
                 return StepView(seq.seq_id, layer, num_layers, seq.num_computed_tokens + 1 - seq.history_gap[layer],
                                 seq.prefill_end - seq.history_gap[layer],  # a chain's prompt: stored history + suffix
-                                cache_view(seq, layer, seq.kv_lens[layer] + 1, 1))  # the step's token is stored
+                                cache_view(seq, layer, seq.kv_lens[layer] + 1, 1),  # the step's token is stored
+                                self._spans_of(seq))
 
             index = slice(None) if candidates is everyone else np.asarray(candidates)
             views = StepViews(layer, self.store_of(layer), [seq.seq_id for seq in chosen], lengths[index, layer],
@@ -285,7 +288,14 @@ class StepHooks:
             jobs = self._plan_batch(layer, kept, seqs, lengths[job_rows, layer], page_counts[job_rows, layer],
                                     packed[layer] if every else packed[layer, rows])
             self._compact(layer, jobs, seqs, [n - plan.tail for n, plan in zip(logical, kept)], logical,
-                          output.compacted, in_place=self.store_of(layer).spec.positions is not None)
+                          output.compacted, in_place=self.store_of(layer).spec.in_place)
+
+    def _spans_of(self, seq) -> Callable[[str], np.ndarray] | None:
+        """A step view's `spans`: the span of each logical position of seq up to the step's token, per text
+        partition of the method (runtime/text_spans.py); None where the method has none."""
+        if not self.text_spans:
+            return None
+        return lambda name: self.text_spans[name].index(seq.token_ids, seq.num_computed_tokens + 1, seq.seq_id)
 
     def _refresh_table(self, packed: np.ndarray, row: int, seq) -> None:
         """Row `row` of the step's packed tables after copy-on-write changed seq's tables."""

@@ -10,6 +10,7 @@
 #   methods/kvzip.kvm
 #   methods/pyramidkv.kvm
 #   methods/rkv.kvm
+#   methods/skipkv.kvm
 #   methods/snapkv.kvm
 #   methods/streamingllm.kvm
 # Do not edit: change the templates and run `kvc compile --all`.

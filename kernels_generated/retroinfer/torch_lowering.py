@@ -33,6 +33,7 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
     choose_tokens as _choose_tokens,
     clamp_count as _count,
     decode_logits as _decode_logits,
+    duplicated as _duplicated,
     floor as _floor,
     full_scores as _full_scores,
     grow as _grow,
@@ -47,6 +48,7 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
     row_range as _row_range,
     select as _select,
     softmax as _softmax,
+    span_reduce as _span_reduce,
     symbols,
     window as _window,
 )

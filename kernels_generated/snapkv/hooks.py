@@ -149,7 +149,7 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
     keys = Dense("k")
     values = Dense("v")
     summaries = ()
-    return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, head_starts=False, positions="slot.position")
+    return KVSpec(tuple(tensors), keys=keys, values=values, summaries=summaries, head_starts=False, positions="slot.position", in_place=True)
 
 
 def page_tokens(params):

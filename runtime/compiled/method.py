@@ -68,6 +68,9 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         decode_keeps = any(code.facts.get(hook, {}).get("keeps") for hook in DECODE_KEEP_HOOKS)
         self.replayer = ReplayHooks(code, params)  # a pass re-reading the prompt after prefill (replay.py)
         self.replay = self.replayer.spec
+        # text partitions whose spans a hook reads (the compiler's `spans`; runtime/text_spans.py)
+        self.text_partitions = {name: tuple(markers) for facts in code.facts.values() if facts
+                                for name, markers in (facts.get("spans") or {}).items()}
         if (code.end_scores is None and any(code.facts.values()) and not reads_only and not self.chunk_keeps
                 and not decode_keeps and self.replay is None):
             raise ConfigError(f"method {name!r} has chunk or decode hooks that keep nothing, and no prefill_end "
@@ -192,10 +195,10 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         planes = {t.name for t in spec.method_tensors}
         if spec.positions is not None and self.decoding.keep_hook is None:  # a decode keep switched off
             spec = dataclasses.replace(spec, tensors=tuple(t for t in spec.tensors if t.name != spec.positions),
-                                       positions=None)
-        if spec.positions is not None and not self.paged_state and self.decoding.after is not None:
+                                       positions=None, in_place=False)
+        if spec.in_place and not self.paged_state and self.decoding.after is not None:
             planes.add(spec.positions)  # per-row dicts follow slot order: the keep compacts in order
-            spec = dataclasses.replace(spec, positions=None)
+            spec = dataclasses.replace(spec, positions=None, in_place=False)
         if planes and not self.paged_state:
             spec = dataclasses.replace(spec, tensors=tuple(t for t in spec.tensors if t.name not in planes))
         if self.indices is not None:  # the rows' cluster indices (SEQ tensors), sized by the longest context

@@ -166,11 +166,36 @@ class StepEnd:
         [starts[h], length), which the scores and the selection see alone (`sym["starts"]`); due where a
         head would drop `evict_interval` or more of them. Counts stay on the CPU (host facts)."""
         cache = view.cache
-        sym = self._step_sym(layer, view, cache.num_kv_heads)
+        period = self.keep_period(self.decoding.keep_hook) if self.decoding.keep["where"] else None
+        if period is not None and (view.context_len - view.prompt_len) % period:
+            return None  # a periodic keep's `where` does not hold: no scores to compute
+        sym = self._with_spans(view, self._step_sym(layer, view, cache.num_kv_heads))
         scores = self.decoding.step_scores(CacheInputs(cache), {}, sym, self.params)
         return keep_plan_if_due(self._select_fn(scores, sym, self.params), cache.length, cache.starts,
                                 self.evict_interval, cache.device,
                                 self.kept_tail(self.decoding.keep_hook, sym, cache.length))
+
+    def _with_spans(self, view: StepView, sym: dict[str, Any]) -> dict[str, Any]:
+        """`sym` with each text partition the keep reads (the compiler's `spans`): `sym[P]` [Hkv, length] int64,
+        the span of each stored slot (from the slot's recorded position), -1 below a head's start."""
+        names = self.decoding.keep.get("spans") or {}
+        if not names:
+            return sym
+        if view.spans is None:
+            raise RuntimeError(f"method {self.name!r} reads the spans of its tokens' text, which the engine did not "
+                               "give (no tokenizer)")
+        cache = view.cache
+        positions = cache.positions()
+        below = None
+        if cache.starts is not None:
+            starts = torch.as_tensor(cache.starts, device=positions.device)[:, None]
+            below = torch.arange(cache.length, device=positions.device)[None, :] < starts
+        out = dict(sym)
+        for name in names:
+            index = torch.as_tensor(view.spans(name), device=positions.device)
+            spans = index[positions.clamp(0, len(index) - 1)]
+            out[name] = spans if below is None else spans.masked_fill(below, -1)
+        return out
 
     def _step_end_paged(self, view: StepView, count: int, sym: dict) -> KeepPlan:
         """step_end over the planes: the scores (or the state) of the stored slots; compaction moves
@@ -296,7 +321,7 @@ class StepEnd:
         tables = views.tables if isinstance(views, StepViews) else [view.cache.page_ids for view in views]
         scores = read_rows(planes[self.decoding.scores_plane], tables, length)
         order = None
-        if cache.store.spec.positions is not None:  # slots out of time order (runtime/kv/slot_order.py)
+        if cache.store.spec.in_place:  # slots out of time order (runtime/kv/slot_order.py)
             order = slot_order.order(read_rows(cache.store[cache.store.spec.positions], tables, length))
             scores = slot_order.in_order(scores, order)
         out: list[KeepPlan | None] = [None] * len(views)
@@ -361,7 +386,7 @@ class StackedRows:
         self.store, self.layer, self.tables, self.rows, self.length = store, layer, tables, rows, length
         self.device = store.device
         self.order = None  # [G, Hkv, n]: slots in time order (a spec with positions)
-        if store.spec.positions is not None:
+        if store.spec.in_place:
             lengths = np.full(len(tables), length)
             self.order = slot_order.order(slot_order.read_rows(store[store.spec.positions], tables, lengths))
 

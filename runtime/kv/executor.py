@@ -63,8 +63,8 @@ class KVExecutor:
     def _fill(self, batch: CompactionBatch, layer: int | None) -> np.ndarray:
         """Keep plans in place (`compact(..., in_place=True)`): equal counts per KV head, no start slots."""
         store = self.store
-        if store.spec.positions is None:
-            raise ValueError("a keep in place needs a spec that stores positions (KVSpec.positions)")
+        if not store.spec.in_place:
+            raise ValueError("a keep in place needs a spec that evicts in place (KVSpec.in_place, with positions)")
         if batch.starts is not None or not (batch.counts == batch.counts[:, :1]).all():
             raise ValueError("a keep in place keeps the same count in every KV head")
         if not len(batch.lengths):
@@ -83,7 +83,7 @@ class KVExecutor:
         """Layers `tables [N, W]` (store indices) storing `lengths [N]` slots put back in time order (a
         spec with positions; runtime/kv/slot_order.py `settle`)."""
         store = self.store
-        if store.spec.positions is not None and len(tables):
+        if store.spec.in_place and len(tables):
             slot_order.settle(store.token_tensors(), store[store.spec.positions], tables, lengths)
 
     def _restore(self, batch: CompactionBatch, checked: bool | None, layer: int | None,

@@ -315,9 +315,12 @@ class KVSpec:
     # the method's keeps may give KV heads different counts (stored right-aligned, per-head start
     # slots the kernels read: docs/design.md, "KV memory")
     head_starts: bool = False
-    # the TOKEN tensor of each slot's logical position (int32): the method's decode-time keep evicts in
-    # place, so slot order is not time order (runtime/kv/slot_order.py); None: slots are in time order
+    # the TOKEN tensor of each slot's logical position (int32), written as tokens are stored and moved with
+    # them; None: not recorded. `in_place`: the method's decode-time keep evicts in place, so slot order is
+    # not time order (runtime/kv/slot_order.py); otherwise slots are in time order (positions read by hooks:
+    # a text partition's spans)
     positions: str | None = None
+    in_place: bool = False
     _by_name: dict = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -332,6 +335,8 @@ class KVSpec:
         for s in self.summaries:
             self._need(s.tensor, Extent.PAGE, "summary")
         positions = self._need(self.positions, Extent.TOKEN, "positions")
+        if self.in_place and positions is None:
+            raise ValueError("KV spec: a keep in place needs the slots' positions")
         if positions is not None and (positions.dtype != torch.int32 or positions.shape != ()):
             raise ValueError(f"KV spec: positions {positions.name!r} are one int32 per slot, got "
                              f"{positions.dtype}{list(positions.shape)}")

@@ -161,6 +161,47 @@ def redundancy(x, threshold, dim, channel):
     return out.movedim(-1, keep.index(dim))
 
 
+def span_reduce(x, spans, fn, dim):
+    """`fn(x, within P)` over the spans of a text partition: x [kv_head, ..., key, ...] with its key axis at
+    `dim`, `spans [kv_head, key]` int64 each stored slot's span (-1: a slot the head does not store). The
+    key axis becomes the spans 0..S-1 (S: the most any head has); NaN for a span a head stores no slot of."""
+    if fn not in ("sum", "mean", "max", "min"):
+        raise ValueError(f"span_reduce: unknown reduction {fn!r}")
+    v = x.float().movedim(dim, 1)  # [H, n, *rest]
+    heads, n, rest = v.shape[0], v.shape[1], v.shape[2:]
+    flat = v.reshape(heads, n, -1)
+    count = int(spans.max()) + 1 if spans.numel() else 0
+    inside = spans >= 0
+    index = spans.clamp(min=0)[:, :, None].expand_as(flat)
+    sizes = torch.zeros(heads, count, device=x.device).scatter_add_(1, spans.clamp(min=0), inside.float())
+    if fn in ("sum", "mean"):
+        out = torch.zeros(heads, count, flat.shape[2], device=x.device)
+        out.scatter_add_(1, index, torch.where(inside[:, :, None], flat, 0.0))
+        if fn == "mean":
+            out = out / sizes.clamp(min=1)[:, :, None]
+    else:
+        fill = NEG_INF if fn == "max" else -NEG_INF
+        out = torch.full((heads, count, flat.shape[2]), fill, device=x.device)
+        out.scatter_reduce_(1, index, torch.where(inside[:, :, None], flat, fill), "amax" if fn == "max" else "amin")
+    out = out.masked_fill((sizes == 0)[:, :, None], float("nan"))
+    return out.reshape(heads, count, *rest).movedim(1, dim)
+
+
+def duplicated(x, threshold, dim, channel):
+    """`duplicated(x, threshold, along P)`: 1 where a later item along `dim` has a vector (along `channel`,
+    which the result drops) of cosine similarity above `threshold` with this item's (a vector's norm + 1e-8
+    under it), else 0; an item with NaN entries (a span a head stores none of) is nobody's duplicate."""
+    dim, channel = dim % x.dim(), channel % x.dim()
+    v = x.float().movedim((dim, channel), (-2, -1))
+    unit = v / (v.norm(dim=-1, keepdim=True) + 1e-8)
+    sim = unit @ unit.transpose(-1, -2)
+    n = sim.shape[-1]
+    later = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(diagonal=1)  # [i, j]: j after i
+    out = ((sim > threshold) & later).any(dim=-1).float()  # NaN compares false
+    keep = [d for d in range(x.dim()) if d != channel]
+    return out.movedim(-1, keep.index(dim))
+
+
 def grow(state, value, dim=-1):
     """A state with a key axis (`dim`) grows with the cache: new keys start at 0."""
     missing = value.shape[dim] - state.shape[dim]
@@ -186,7 +227,8 @@ def ranked(scores, excluded):
     return order.gather(-1, torch.sort(out, dim=-1, stable=True).indices)
 
 
-def select(scores, length, kv_heads, *, first, last, count, at_least, granularity, heads=None, starts=None):
+def select(scores, length, kv_heads, *, first, last, count, at_least, granularity, heads=None, starts=None,
+           spans=None):
     """Kept key indices per KV head: the ranges, plus the top-ranked other tokens.
 
     Runs where `scores` live (CPU, GPU, or `meta` for shapes only) without reading a value back
@@ -195,7 +237,10 @@ def select(scores, length, kv_heads, *, first, last, count, at_least, granularit
     `heads` (a keep `for ROLE`: bool per KV head, host values) limits the keep to those heads,
     the others keeping every stored token; see `select_heads`. `starts` (host ints per KV head):
     head h stores its tokens in slots [starts[h], length) (a layer compacted with per-head
-    counts), see `select_adaptive`."""
+    counts), see `select_adaptive`. `spans` (granularity "spans"): whole spans of a text partition,
+    see `select_spans`."""
+    if granularity == "spans":
+        return select_spans(scores, length, kv_heads, spans, first=first, last=last, count=count, starts=starts)
     if heads is not None:
         return select_heads(length, kv_heads, heads, starts, first=first, last=last, device=scores.device)
     if granularity == "global":
@@ -222,6 +267,37 @@ def select(scores, length, kv_heads, *, first, last, count, at_least, granularit
     position = torch.arange(length, device=device).expand(kv_heads, length)
     order = torch.where(kept, position, position + length).sort(dim=-1).values
     return list(order[:, : length - candidates + n].unbind(0))
+
+
+def select_spans(scores, length, kv_heads, spans, *, first, last, count, starts=None):
+    """Whole spans of a text partition per KV head: `scores [kv_head, S]` rank the spans, `spans
+    [kv_head, key]` give each stored slot's (-1: none). Head h's own tokens are slots [starts[h], length)
+    (0 without starts) and its ranges (`first`, `last`) count from its own start; its other tokens are
+    kept a whole span at a time: spans best first (ties: the older span; NaN, a span with no such
+    token, last) while their tokens fit in `count` (clamped to the head's other tokens), the first that
+    does not fit and every span after it dropped. The counts differ per head; on `meta` (shapes only,
+    `spans` None) every head reports the most one can keep (its ranges plus `count`)."""
+    device = scores.device
+    own = [length - (0 if starts is None else int(starts[h])) for h in range(kv_heads)]
+    n_first = [clamp_count(first, n) if first is not None else 0 for n in own]
+    n_last = [clamp_count(last, n - f) if last is not None else 0 for n, f in zip(own, n_first)]
+    totals = [clamp_count(count, n - f - t) for n, f, t in zip(own, n_first, n_last)]
+    if device.type == "meta" or spans is None:
+        most = max(f + t + c for f, t, c in zip(n_first, n_last, totals))
+        return [torch.empty(most, dtype=torch.long, device=device) for _ in range(kv_heads)]
+    slot = torch.arange(length, device=device)[None, :]
+    start = torch.as_tensor([length - n for n in own], device=device)[:, None]
+    forced = ((slot >= start) & (slot < start + torch.as_tensor(n_first, device=device)[:, None])) \
+        | (slot >= length - torch.as_tensor(n_last, device=device)[:, None])
+    spans = spans.to(device=device, dtype=torch.long)
+    eligible = (slot >= start) & ~forced & (spans >= 0)
+    index = spans.clamp(min=0)
+    sizes = torch.zeros(scores.shape, device=device).scatter_add_(1, index, eligible.float())
+    order = torch.sort(scores.float().nan_to_num(nan=NEG_INF), dim=1, descending=True, stable=True).indices
+    fits = sizes.gather(1, order).cumsum(dim=1) <= torch.as_tensor(totals, device=device)[:, None]
+    chosen = torch.zeros(scores.shape, dtype=torch.bool, device=device).scatter_(1, order, fits)
+    kept = forced | (eligible & chosen.gather(1, index))
+    return [row.nonzero().flatten() for row in kept]
 
 
 def select_adaptive(scores, length, kv_heads, *, first, last, count, at_least, starts=None):

@@ -63,14 +63,16 @@ def test_served_specs_equal_the_hand_built_ones(name, planes, monkeypatch):
         assert spec.bytes_per_page(heads, page_size) == before.bytes_per_page(heads, page_size)
         assert spec.head_starts is (name == "adakv")  # Ada-KV's per-head counts, stored right-aligned
         assert spec.positions == ("slot.position" if in_place else None)
-        assert spec == dataclasses.replace(before, head_starts=spec.head_starts, positions=spec.positions)
+        assert spec.in_place is in_place
+        assert spec == dataclasses.replace(before, head_starts=spec.head_starts, positions=spec.positions,
+                                           in_place=spec.in_place)
 
 
 def test_every_shipped_method_has_a_kv_spec():
     for name in SHIPPED:
         spec = manifest(name)["kv_spec"]
-        assert set(spec) == {"tensors", "keys", "values", "summaries", "head_starts", "positions", "page_tokens",
-                             "layers", "reason"}, name
+        assert set(spec) == {"tensors", "keys", "values", "summaries", "head_starts", "positions", "in_place",
+                             "page_tokens", "layers", "reason"}, name
         if spec["positions"] is not None:  # a keep in place: each slot's position, one int32
             assert {"name": spec["positions"], "extent": "token", "dtype": "int32", "shape": [],
                     "packing": ""} in spec["tensors"], name

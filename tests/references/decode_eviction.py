@@ -124,6 +124,48 @@ class RKV:
 
 
 
+class SkipKV:
+    """SkipKV (Tian et al. 2026; tests/references/skipkv.py for the sentences, scores and the keep) as
+    `methods/skipkv.kvm` spells its schedule: the prefill keeps every token; after decoding step s (1 at the
+    first) with s % every == 0, each KV head of a layer keeps SkipKV's choice over the tokens it still holds
+    (they differ per head: whole sentences), scored with its newest `window` queries (the prompt's last ones
+    first, then each step's). `history` holds the sequence's tokens so far (the caller appends each generated
+    one) and `piece` gives a token's text; each head's tokens keep their positions, whose sentences come from
+    the whole history."""
+
+    def __init__(self, *, budget: int, window: int, kernel: int, threshold: float, every: int,
+                 prompt_queries: list[torch.Tensor], history: list[int], piece) -> None:
+        self.params = {"budget": budget, "window": window, "kernel": kernel, "threshold": threshold}
+        self.every, self.history, self.piece = every, history, piece
+        self.queries = [q[:, -window:] for q in prompt_queries]  # per layer [Hq, <= window, D]
+        self.steps = [0] * len(prompt_queries)
+        self.positions: list[list[list[int]] | None] = [None] * len(prompt_queries)  # per layer, per head
+
+    def step(self, layer: int, q: torch.Tensor, cache) -> None:
+        from tests.references import skipkv
+
+        window = self.params["window"]
+        self.queries[layer] = torch.cat([self.queries[layer], q[:, None]], dim=1)[:, -window:]
+        self.steps[layer] += 1
+        lengths = cache.lengths()
+        if self.positions[layer] is None:  # the prompt and the first step's token, every head
+            self.positions[layer] = [list(range(n)) for n in lengths]
+        else:
+            for held in self.positions[layer]:
+                held.append(held[-1] + 1)
+        if self.steps[layer] % self.every:
+            return
+        newest = self.positions[layer][0][-1]
+        ids = skipkv.sentences([self.piece(t) for t in self.history[:newest]] + [""])
+        group = q.shape[0] // len(lengths)
+        kept = []
+        for h, held in enumerate(self.positions[layer]):
+            queries = self.queries[layer][h * group:(h + 1) * group]
+            kept.append(skipkv.keep_head(queries, cache.keys[h], [ids[p] for p in held], **self.params))
+            self.positions[layer][h] = [held[i] for i in kept[-1].tolist()]
+        _gather(cache, kept)
+
+
 class SnapKV:
     """SnapKV (Li et al. 2024) with a decode budget, as `methods/snapkv.kvm` and `pyramidkv.kvm` spell `every`:
     after decoding step s (1 at the first) with s % every == 0, a layer holding more than its budget (the

@@ -223,6 +223,8 @@ def _decode_evictor(method: str, layers: list[LayerPrompt], rankings: list[Ranki
         return decode_eviction.TOVA(budget=params["budget"], interval=interval)
     if method == "rkv":
         return decode_eviction.RKV(prompt_queries=[t.q for t in layers], **params)
+    if method == "skipkv":  # needs the tokens' text: `history` (the caller's growing token list) and `piece`
+        return decode_eviction.SkipKV(prompt_queries=[t.q for t in layers], **params)
     if method in ("snapkv", "pyramidkv"):  # a decode budget (`every`): back to each layer's prefill budget
         from tests.references.eviction import kvcache_factory_budgets
 
@@ -253,7 +255,7 @@ def _prefill_params(method: str, prompt_len: int, params: dict[str, Any]) -> tup
     if method == "h2o":
         recent = int(params["recent"] * prompt_len)
         return "h2o", {"budget": int(params["heavy"] * prompt_len) + recent, "recent": recent}
-    if method == "rkv":  # no prefill-end keep: every prompt token stays
+    if method in ("rkv", "skipkv"):  # no prefill-end keep: every prompt token stays
         return "streamingllm", {"budget": prompt_len, "n_sink": 0}
     if method in ("snapkv", "pyramidkv"):
         shared = {"budget": params["budget"], "window": params["window"], "kernel": params["kernel"],
@@ -280,17 +282,22 @@ def greedy_compressed_decode(
     `interval` tokens of growth past the budget, with `interval` > 1).
 
     `method` is one of streamingllm (sink, recent), h2o (heavy, recent: fractions of the prompt),
-    tova (budget), rkv (budget, window, kernel, mix, threshold, every), and snapkv / pyramidkv with a decode
-    budget (budget, window, kernel, pooling, every; pyramidkv's beta), with kvc's parameter names.
+    tova (budget), rkv (budget, window, kernel, mix, threshold, every), skipkv (budget, window, kernel,
+    threshold, every, and `piece`: a token's text), and snapkv / pyramidkv with a decode budget (budget,
+    window, kernel, pooling, every; pyramidkv's beta), with kvc's parameter names.
     Returns the greedy tokens [steps], their logits [steps, vocab], and per decoding step the cache
     length of every layer after eviction."""
     prompt_len = prompt_ids.numel()
     layers, prompt_logits = prefill(model, prompt_ids)
     ref_method, ref_params = _prefill_params(method, prompt_len, params)
     rankings, caches = compress(layers, ref_method, **ref_params)
+    history = prompt_ids.tolist()  # the tokens so far (SkipKV's sentences read their text)
+    if method == "skipkv":
+        params = {**params, "history": history}
     evictor = _decode_evictor(method, layers, rankings, prompt_len, params, interval)
     step_logits = [prompt_logits[-1]]
     tokens = [int(prompt_logits[-1].argmax())]
+    history.append(tokens[-1])
     lengths = []
     for step in range(1, steps):
         session = _Session(caches=caches, after_decode=evictor.step)
@@ -299,4 +306,5 @@ def greedy_compressed_decode(
         lengths.append([max(cache.lengths()) for cache in caches])  # a layer's slots: its longest head
         step_logits.append(logits)
         tokens.append(int(logits.argmax()))
+        history.append(tokens[-1])
     return torch.tensor(tokens), torch.stack(step_logits), lengths

@@ -231,8 +231,9 @@ def test_config_errors(tmp_path):
 
     with pytest.raises(ConfigError, match="unknown method 'nope'.*snapkv"):
         resolve_method("nope")
-    with pytest.raises(ConfigError, match=r"not lowered.*mean.*skipkv.kvm:21:16"):
-        resolve_method("skipkv")
+    variant = Path(__file__).resolve().parents[2] / "bench" / "variants" / "turboquant_prod.kvm"  # QJL: not lowered
+    with pytest.raises(ConfigError, match=r"not lowered.*qjl.*turboquant_prod.kvm:10:1"):
+        resolve_method(str(variant))
     with pytest.raises(ConfigError, match="no parameter.*'bogus'"):
         resolve_method("snapkv", {"bogus": 1})
     with pytest.raises(ConfigError, match="window"):

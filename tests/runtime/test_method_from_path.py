@@ -126,10 +126,10 @@ def test_errors_through_llm(model_dir, tmp_path):
     assert "    4 |   keep top(windw, 4, per kv_head)" in message and "|            ^^^^^" in message
     with pytest.raises(ConfigError, match="does not exist"):
         make_llm(model_dir, str(tmp_path / "missing.kvm"), None)
-    skipkv = tmp_path / "skipkv.kvm"
-    shutil.copy(METHODS_DIR / "skipkv.kvm", skipkv)
-    with pytest.raises(ConfigError, match=r"not lowered.*mean.*skipkv.kvm:21:16"):
-        make_llm(model_dir, str(skipkv), None)
+    variant = tmp_path / "turboquant_prod.kvm"  # QJL sketches: not lowered
+    shutil.copy(METHODS_DIR.parent / "bench" / "variants" / "turboquant_prod.kvm", variant)
+    with pytest.raises(ConfigError, match=r"not lowered.*qjl.*turboquant_prod.kvm:10:1"):
+        make_llm(model_dir, str(variant), None)
 
 
 def test_errors_through_the_cli(model_dir, tmp_path, capsys):

@@ -29,7 +29,7 @@ PAGE, HEADS, DIM = 4, 2, 3
 def _store(num_pages: int = 40) -> KVStore:
     spec = dense_spec(DIM, torch.float32, extra=(state_plane("seen"),
                                                   TensorSpec("slot.position", Extent.TOKEN, torch.int32)))
-    spec = dataclasses.replace(spec, positions="slot.position")
+    spec = dataclasses.replace(spec, positions="slot.position", in_place=True)
     store = KVStore(spec, num_pages, HEADS, PAGE, 1, "cpu")
     g = torch.Generator().manual_seed(0)
     for name in ("k", "v", "seen"):
@@ -162,7 +162,7 @@ def test_positions_are_recorded_with_the_tokens():
 def test_a_keep_in_place_needs_positions_and_equal_counts():
     store = KVStore(dense_spec(DIM, torch.float32), 8, HEADS, PAGE, 1, "cpu")
     batch = _batch(torch.zeros(1, HEADS, 2, dtype=torch.long), [2], [3], np.zeros((1, 1), dtype=np.int64))
-    with pytest.raises(ValueError, match="stores positions"):
+    with pytest.raises(ValueError, match="evicts in place"):
         KVExecutor(store).compact(batch, in_place=True)
     store = _store()
     batch.counts[0, 1] = 1
@@ -171,7 +171,7 @@ def test_a_keep_in_place_needs_positions_and_equal_counts():
     with pytest.raises(ValueError, match="int32"):
         KVSpec((TensorSpec("k", Extent.TOKEN, torch.float32, (DIM,)), TensorSpec("v", Extent.TOKEN, torch.float32,
                                                                                  (DIM,)),
-                TensorSpec("p", Extent.TOKEN, torch.float32)), positions="p")
+                TensorSpec("p", Extent.TOKEN, torch.float32)), positions="p", in_place=True)
 
 
 # ---- served: the same requests with slots kept in order ------------------------------------------
@@ -194,7 +194,7 @@ def _in_order_spec(monkeypatch) -> None:
         if spec.positions is None:
             return spec
         return dataclasses.replace(spec, tensors=tuple(t for t in spec.tensors if t.name != spec.positions),
-                                   positions=None)
+                                   positions=None, in_place=False)
 
     monkeypatch.setattr(CompiledMethod, "kv_spec", ordered)
 

@@ -1,0 +1,112 @@
+"""SkipKV served (methods/skipkv.kvm): sentence-level eviction while decoding, from the tokens' text.
+
+The sentences are a text partition (`dim sentences = split(key, at = [...])`): the engine finds where the
+tokens' text ends a span (runtime/text_spans.py), the KV spec records each slot's position, and step_end gets
+each stored slot's sentence; `top` over the sentences keeps whole ones per KV head (counts differ per head).
+
+Oracle: tests/references/skipkv.py (written from the paper, float64, loops) inside
+`greedy_compressed_decode` (dense recomputation per step). On tiny random Llama and Qwen3 with kvc's
+byte-level tokenizer (".\\n" is two tokens, ")\\n\\n" three), two prompts of sentences served together: the
+greedy tokens and every layer's physical length after every decoding step equal the oracle's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kvc.runtime.errors import ConfigError
+from kvc.runtime.llm import LLM
+from kvc.runtime.sampling_params import SamplingParams
+from kvc.runtime.text_spans import TextSpans
+from tests.models.tiny import make_tiny_llama, make_tiny_qwen3
+from tests.references import skipkv
+from tests.references.model_forward import greedy_compressed_decode
+
+STEPS = 22
+PAGE = 5
+PARAMS = {"budget": 40, "window": 4, "kernel": 3, "every": 4}
+TEXTS = [
+    "The cat sat.\nIt was warm (and dry)\n\nThen it left.\nNobody saw.\n\nThe end came soon.\nA bird sang.\n",
+    "One.\nTwo is more.\n\nThree (three)\n\nFour came late.\nFive.\nSix and seven.\n\nEight and nine.\nTen.\n"
+    "Eleven at the door.\nTwelve.\n",
+]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model_dir(request, tmp_path_factory) -> Path:
+    make = {"llama": make_tiny_llama, "qwen3": make_tiny_qwen3}[request.param]
+    return make(tmp_path_factory.mktemp(request.param), tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_text_spans_end_where_the_text_does(tokenizer):
+    """A span ends after the token that completes a marker (markers of several tokens here); the
+    index of a position counts the ends before it; a sequence scanned in steps equals one scanned at once."""
+    spans = TextSpans(tokenizer, skipkv.MARKERS)
+    ids = tokenizer.encode(TEXTS[0])
+    pieces = [tokenizer.decode([t]) for t in ids]
+    assert "".join(pieces) == TEXTS[0]
+    assert "." in pieces and "\n" in pieces  # markers of two and three tokens
+    ends = spans.ends(ids)
+    want = skipkv.sentences(pieces + [""])
+    assert [int(x) for x in spans.index(ids + [0], len(ids) + 1)] == want
+    assert int(ends.sum()) == want[-1] == 7
+    text_ends = [i for i in range(len(ids)) if ends[i]]
+    assert all(TEXTS[0][: len("".join(pieces[: i + 1]))].endswith((".\n", ")\n\n", "\n\n")) for i in text_ends)
+    for n in (3, 17, 30, len(ids)):  # incremental, one sequence
+        spans.ends(ids[:n], seq_id=7)
+    assert (spans.ends(ids, seq_id=7) == ends).all()
+    assert (spans.ends(ids[:5] + [1, 2], seq_id=7) == spans.ends(ids[:5] + [1, 2])).all()  # another history
+
+
+@pytest.mark.parametrize("threshold", [0.95, 0.2])
+def test_skipkv_follows_the_reference(model_dir, tokenizer, threshold):
+    """Every `every` steps each KV head keeps whole sentences (the paper's rule over the tokens it holds): the
+    greedy tokens and every layer's slots (its longest head) after every step equal the oracle's; heads keep
+    different counts (per-head starts); at threshold 0.2 near-duplicate sentences go first."""
+    params = {**PARAMS, "threshold": threshold}
+    llm = LLM(str(model_dir), method="skipkv", method_params=params, device="cpu", dtype="float32",
+              page_size=PAGE, max_num_batched_tokens=64, max_prefill_chunk=32, attention_backend="torch")
+    engine = llm.engine
+    spec = engine.attention.store_of(0).spec
+    assert spec.positions is not None and not spec.in_place and spec.head_starts
+    prompts = [tokenizer.encode(text) for text in TEXTS]
+    sampling = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(p, sampling) for p in prompts]
+    lengths = {s.seq_id: {} for s in seqs}
+    per_head = set()
+    while engine.has_unfinished():
+        engine.step()
+        for s in seqs:
+            if s.is_finished or s.is_prefill or s.num_computed_tokens <= s.num_prompt_tokens:
+                continue
+            lengths[s.seq_id][s.num_computed_tokens - s.num_prompt_tokens] = list(s.kv_lens)
+            per_head |= {tuple(starts) for starts in s.kv_starts if starts is not None}
+    assert engine.pool.num_free == engine.pool.num_pages
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    piece = {}
+    for seq, prompt in zip(seqs, prompts):
+        want, _, want_lengths = greedy_compressed_decode(
+            hf, torch.tensor(prompt), STEPS, "skipkv", **params,
+            piece=lambda t: piece.setdefault(t, tokenizer.decode([t])))
+        assert seq.generated_ids == want.tolist(), f"prompt of {len(prompt)} tokens"
+        got = lengths[seq.seq_id]
+        assert [got[step] for step in range(1, STEPS - 1)] == want_lengths[:-1]
+        evicted = [want_lengths[step - 1] for step in range(PARAMS["every"], STEPS - 1, PARAMS["every"])]
+        assert all(max(layer) <= len(prompt) for layer in evicted)
+        assert any(max(layer) < len(prompt) for layer in evicted)  # whole sentences went
+    assert any(len(set(starts)) > 1 for starts in per_head)  # KV heads kept different counts
+
+
+def test_skipkv_needs_a_tokenizer(tmp_path):
+    model = make_tiny_qwen3(tmp_path)  # no tokenizer in the directory
+    with pytest.raises(ConfigError, match="tokenizer"):
+        LLM(str(model), method="skipkv", device="cpu", dtype="float32", attention_backend="torch")
