@@ -70,8 +70,10 @@ class TextSpans:
         before it (a position past the known tokens takes the span after the last known one)."""
         ends = self.ends(tokens[: max(0, length - 1)], seq_id)
         out = np.zeros(length, dtype=np.int64)
-        if length > 1:
-            out[1:] = np.cumsum(ends[: length - 1])
+        known = len(ends)
+        if length > 1 and known:
+            out[1: known + 1] = np.cumsum(ends)
+            out[known + 1:] = out[known]
         return out
 
     def forget(self, seq_id: int) -> None:

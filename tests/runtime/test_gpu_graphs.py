@@ -22,7 +22,8 @@ CASES = {"h2o": {"heavy": 0.25, "recent": 0.1}, "tova": {"budget": 40},
          "rkv": {"budget": 40, "window": 8, "kernel": 5, "every": 4},  # its query windows written in the graphs
          "streamingllm": {"sink": 4, "recent": 36},  # keeps in place: positions recorded in the graphs
          "snapkv": {"budget": 40, "window": 8, "kernel": 5, "every": 4},  # a decode budget
-         "adakv": {"budget": 40, "window": 8, "kernel": 5, "every": 4}}  # one with per-head counts (starts)
+         "adakv": {"budget": 40, "window": 8, "kernel": 5, "every": 4},  # one with per-head counts (starts)
+         "skipkv": {"budget": 40, "window": 8, "kernel": 5, "every": 4}}  # whole sentences of the tokens' text
 LENGTHS = (60, 150, 299, 97)
 
 
@@ -55,7 +56,7 @@ def serve(model_dir, method: str, graphs: bool, planes: bool, monkeypatch):
 
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_graph_decode_equals_eager(tmp_path, method, monkeypatch):
-    model_dir = make_tiny_qwen3(tmp_path)
+    model_dir = make_tiny_qwen3(tmp_path, tokenizer=True)  # SkipKV reads the tokens' text
     oracle = serve(model_dir, method, graphs=False, planes=False, monkeypatch=monkeypatch)
     eager = serve(model_dir, method, graphs=False, planes=True, monkeypatch=monkeypatch)
     graph = serve(model_dir, method, graphs=True, planes=True, monkeypatch=monkeypatch)
