@@ -110,3 +110,47 @@ def test_skipkv_needs_a_tokenizer(tmp_path):
     model = make_tiny_qwen3(tmp_path)  # no tokenizer in the directory
     with pytest.raises(ConfigError, match="tokenizer"):
         LLM(str(model), method="skipkv", device="cpu", dtype="float32", attention_backend="torch")
+
+
+def _served(model_dir: Path, tokenizer, monkeypatch=None, graphs: bool = False, **options) -> list[list[int]]:
+    llm = LLM(str(model_dir), method="skipkv", method_params={**PARAMS, "threshold": 0.2}, device="cpu",
+              dtype="float32", page_size=PAGE, max_num_batched_tokens=64, max_prefill_chunk=32,
+              attention_backend="torch", max_model_len=256, max_num_seqs=4, **options)
+    engine = llm.engine
+    if graphs:  # decode-only steps through the CUDA-graph runner's own step, uncaptured on the CPU
+        from kvc.runtime.decode_graphs import DecodeGraphs
+
+        runner = engine.runner
+        runner.graphs = DecodeGraphs(runner, 4)
+        monkeypatch.setattr(runner.graphs, "run", lambda batch, feed=None: runner.graphs.run_uncaptured(batch, feed))
+    seqs = [engine.add_request(tokenizer.encode(text), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            for text, n in zip(TEXTS + [TEXTS[0][40:]], (STEPS, STEPS - 5, STEPS - 2))]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.num_free == engine.pool.num_pages
+    return [s.generated_ids for s in seqs]
+
+
+def test_skipkv_runs_ahead_and_in_the_graph_step(model_dir, tokenizer, monkeypatch):
+    """Async scheduling (a step's spans are read while the previous step's token is still on the device: the
+    spans need only the tokens before each position) and the decode graphs' step give the plain steps' tokens."""
+    plain = _served(model_dir, tokenizer, async_scheduling=False)
+    assert _served(model_dir, tokenizer, async_scheduling=True) == plain
+    assert _served(model_dir, tokenizer, monkeypatch, graphs=True, async_scheduling=True) == plain
+
+
+def test_skipkv_chained_turns(model_dir, tokenizer):
+    """A chain carries the compressed KV (per-head counts and the slots' positions) into the next turn, whose
+    keeps read the spans of the whole history's text; the continued turn is served from the record."""
+    from kvc.runtime.chains import ChainSpec
+
+    llm = LLM(str(model_dir), method="skipkv", method_params={**PARAMS, "threshold": 0.2}, device="cpu",
+              dtype="float32", page_size=PAGE, attention_backend="torch")
+    first, second = tokenizer.encode(TEXTS[1]), tokenizer.encode("Then a new line.\nAnd more.\n")
+    params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
+    out = llm.generate(first, params, chain=ChainSpec(open=True))[0]
+    record = llm.engine.chains.get(out.chain_id, None)
+    assert max(record.kv_lens) < len(first) + STEPS  # compressed in turn one
+    again = llm.generate(first + out.token_ids + second, params, chain=ChainSpec(continue_id=out.chain_id))[0]
+    # the record holds every token fed in turn one (its last sampled token was never fed)
+    assert again.num_cached_tokens == len(first) + len(out.token_ids) - 1 and len(again.token_ids) == STEPS
