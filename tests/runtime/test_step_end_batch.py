@@ -181,3 +181,10 @@ def test_head_local_fact():
     assert not hooks["adakv"]["step_end"]["head_local"]
     assert not hooks["h2o"]["decode_after_attention"]["head_local"]
     assert not hooks["streamingllm"]["step_end"]["head_local"]  # no score at all
+
+
+def test_stacked_rows_in_chunks(model_dir, monkeypatch):
+    """Rows scored a chunk at a time (two rows here; on a GPU as many as half the free memory holds) give the
+    per-row plans too: the chunks' kept indices join into one stack."""
+    monkeypatch.setattr(step_end.StackedRows, "CPU_CHUNK", 2)
+    test_batched_plans_equal_the_per_row_plans(model_dir, "snapkv", monkeypatch)
