@@ -83,6 +83,28 @@ def make_tiny_qwen3_moe(
     return save_tiny(Qwen3MoeConfig(**fields), root, "qwen3_moe", seed, tokenizer)
 
 
+def make_tiny_glm4_moe_lite(root: Path, seed: int = 0, tokenizer: bool = False, **overrides: Any) -> Path:
+    """GLM-4.7-Flash's layout (`glm4_moe_lite`: MLA, group-limited sigmoid routing, a shared expert) at tiny
+    sizes: a latent of 32 plus a RoPE key part of 8 (interleaved), 8 experts in 2 groups, top-2."""
+    from transformers import Glm4MoeLiteConfig
+
+    layers = overrides.pop("num_hidden_layers", 3)
+    dense = overrides.pop("dense_layers", 1)
+    fields = {
+        **{k: v for k, v in _COMMON.items() if k not in ("head_dim", "num_key_value_heads")},
+        "num_hidden_layers": layers,
+        "num_key_value_heads": 4,
+        "mlp_layer_types": ["dense"] * dense + ["sparse"] * (layers - dense),
+        "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+        "v_head_dim": 24, "head_dim": 8, "rope_interleave": True,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+        "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 1.8,
+        "norm_topk_prob": True,
+        **overrides,
+    }
+    return save_tiny(Glm4MoeLiteConfig(**fields), root, "glm4_moe_lite", seed, tokenizer)
+
+
 def save_tiny(config: Any, root: Path, name: str, seed: int = 0, tokenizer: bool = False) -> Path:
     """Instantiate `config`'s Hugging Face model with seeded random weights and save it."""
     config.architectures = [config.__class__.__name__.replace("Config", "ForCausalLM")]
@@ -117,6 +139,9 @@ def _randomize_norms(model: PreTrainedModel, seed: int) -> None:
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+        for name, buffer in model.named_buffers():  # routers' score corrections start at 0 too
+            if name.endswith("e_score_correction_bias"):
+                buffer.add_(torch.randn(buffer.shape, generator=generator) * 0.1)
 
 
 def load_hf(path: Path) -> PreTrainedModel:

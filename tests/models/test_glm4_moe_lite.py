@@ -1,0 +1,98 @@
+"""GLM-4.7-Flash's model code (runtime/models/glm4_moe_lite.py) against transformers' `glm4_moe_lite`.
+
+Tiny random checkpoints (tests/models/tiny.py `make_tiny_glm4_moe_lite`) loaded through kvc's checkpoint
+layout (`load_checkpoint`: every tensor placed, none left over), float32 on the CPU. The model calls its
+attention in MLA's absorbed form (q [T, heads, latent + rope], one latent key [T, 1, latent + rope], the
+latent as the value); here a plain causal attention over those, with the model's `attention_scale`, stands in
+for the engine (which does not serve the latent cache yet). Checked: the prompt's logits equal transformers'
+(decompressed per-head keys and values), and greedy decoding over a cache of latents gives transformers'
+greedy tokens, for a config with one dense layer and a query low-rank and one with three dense layers and a
+full-rank query projection.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvc.runtime.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
+from kvc.runtime.models.registry import make_spec
+from kvc.runtime.models.weights import load_checkpoint
+from tests.models.tiny import load_hf, make_tiny_glm4_moe_lite
+
+CONFIGS = {"one dense layer": {}, "three dense layers": {"num_hidden_layers": 5, "dense_layers": 3,
+                                                         "q_lora_rank": None}}
+
+
+def _load(model_dir: Path) -> tuple[Glm4MoeLiteForCausalLM, object]:
+    hf = load_hf(model_dir)
+    config = hf.config
+    spec = make_spec(Glm4MoeLiteForCausalLM, config, torch.float32, (2,))
+    with torch.device("meta"):
+        model = Glm4MoeLiteForCausalLM(config, spec)
+    model = model.to_empty(device="cpu")
+    model.init_buffers()
+    load_checkpoint(model, model_dir, torch.device("cpu"))
+    return model.eval().requires_grad_(False), hf
+
+
+class LatentCache:
+    """A causal attention over the absorbed q and the cached latent keys/values of every layer."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale, self.keys, self.values = scale, {}, {}
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        assert k.shape[1] == v.shape[1] == 1 and k.shape[2] == v.shape[2] + 8  # latent + RoPE part
+        keys = torch.cat([self.keys.get(layer, k[:0]), k])
+        values = torch.cat([self.values.get(layer, v[:0]), v])
+        self.keys[layer], self.values[layer] = keys, values
+        n, t = keys.shape[0], q.shape[0]
+        logits = torch.einsum("thd,nd->htn", q, keys[:, 0]) * self.scale
+        future = torch.arange(n)[None, :] > torch.arange(n - t, n)[:, None]
+        probs = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
+        return torch.einsum("htn,nr->thr", probs, values[:, 0])
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_prompt_logits_and_greedy_tokens_equal_transformers(tmp_path, name):
+    model_dir = make_tiny_glm4_moe_lite(tmp_path, seed=3, **CONFIGS[name])
+    model, hf = _load(model_dir)
+    prompt = torch.randint(3, 300, (37,), generator=torch.Generator().manual_seed(5))
+    cache = LatentCache(model.attention_scale)
+    hidden = model(prompt, torch.arange(prompt.numel()), cache)
+    with torch.no_grad():
+        want = hf(prompt[None]).logits[0].float()
+    torch.testing.assert_close(model.compute_logits(hidden), want, rtol=1e-4, atol=1e-4)
+
+    tokens = [int(model.compute_logits(hidden[-1:]).argmax())]
+    for step in range(15):
+        position = torch.tensor([prompt.numel() + step])
+        hidden = model(torch.tensor(tokens[-1:]), position, cache)
+        tokens.append(int(model.compute_logits(hidden).argmax()))
+    with torch.no_grad():
+        out = hf.generate(prompt[None], max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert tokens == out[0, prompt.numel():].tolist()
+
+
+def test_router_keeps_the_best_group():
+    """Group-limited routing: with `topk_group` 1 of 2 groups, both chosen experts come from the group whose
+    two best corrected scores sum highest; the weights are the uncorrected sigmoid scores, normalised, times
+    the routed scaling factor."""
+    from transformers import Glm4MoeLiteConfig
+
+    from kvc.runtime.models.glm4_moe_lite import LatentMoE
+
+    config = Glm4MoeLiteConfig(hidden_size=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                               moe_intermediate_size=4, n_shared_experts=1, routed_scaling_factor=2.0,
+                               norm_topk_prob=True)
+    moe = LatentMoE(config)
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.eye(8, 4) * 3)  # expert e scores x[e] (e < 4), 0 for the others
+        moe.score_bias.copy_(torch.tensor([0, 0, 0, 0, 0.4, 0.4, 0, 0]))
+    x = torch.tensor([[1.0, 0.5, -2.0, -2.0]])  # group 0: sigmoid(3), sigmoid(1.5); group 1: 0.9, 0.9 corrected
+    ids, weights = moe.route(x)
+    assert sorted(ids[0].tolist()) == [4, 5]  # group 1 wins on its corrected scores (1.8 > 0.95 + 0.82)
+    torch.testing.assert_close(weights[0], torch.tensor([1.0, 1.0]))  # sigmoid(0) each, normalised, x 2
