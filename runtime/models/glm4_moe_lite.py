@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvc.runtime.errors import UnsupportedArchitectureError
-from kvc.runtime.models.base import AttentionFn, CausalLM, CheckpointLayout, ModelSpec
+from kvc.runtime.models.base import AttentionFn, CheckpointLayout, ModelSpec
 from kvc.runtime.models.experts import RoutedExperts
 from kvc.runtime.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, check_activation
+from kvc.runtime.models.llama import DecoderLM
 from kvc.runtime.models.rope import RopeSettings
 
 
@@ -158,7 +159,7 @@ class DecoderLayer(nn.Module):
         return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
-class Glm4MoeLiteForCausalLM(CausalLM):
+class Glm4MoeLiteForCausalLM(DecoderLM):
     architecture = "Glm4MoeLiteForCausalLM"
 
     def __init__(self, config: Any, spec: ModelSpec) -> None:
@@ -175,32 +176,3 @@ class Glm4MoeLiteForCausalLM(CausalLM):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                         bias=False)
-
-    def forward(  # type: ignore[override]
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
-
-    def checkpoint_layout(self) -> CheckpointLayout:
-        layout = CheckpointLayout()
-        layout.add("model.embed_tokens.weight", "embed_tokens.weight")
-        for i, layer in enumerate(self.layers):
-            hf, kvc = f"model.layers.{i}", f"layers.{i}"
-            layout.add(f"{hf}.input_layernorm.weight", f"{kvc}.input_layernorm.weight")
-            layout.add(f"{hf}.post_attention_layernorm.weight", f"{kvc}.post_attention_layernorm.weight")
-            layer.self_attn.add_to_layout(layout, f"{hf}.self_attn", f"{kvc}.self_attn")
-            layer.mlp.add_to_layout(layout, f"{hf}.mlp", f"{kvc}.mlp")
-        layout.add("model.norm.weight", "norm.weight")
-        if self.lm_head is None:
-            layout.ignored.add("lm_head.weight")
-        else:
-            layout.add("lm_head.weight", "lm_head.weight")
-        return layout

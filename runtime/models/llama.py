@@ -44,32 +44,12 @@ class DecoderLayer(nn.Module):
         return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
-class LlamaForCausalLM(CausalLM):
-    architecture = "LlamaForCausalLM"
-    qk_norm = False
+class DecoderLM(CausalLM):
+    """What every decoder here shares: embedding -> `layers` (each `(x, cos, sin, attn)`) -> final norm, the
+    LM head (tied or not), and the checkpoint names of that stack; a subclass builds `embed_tokens`,
+    `rotary`, `layers` (each with `self_attn` and `mlp` that lay out their own tensors), `norm`, `lm_head`."""
 
-    def __init__(self, config: Any, spec: ModelSpec) -> None:
-        super().__init__(config, spec)
-        check_activation(config)
-        if getattr(config, "use_sliding_window", False):
-            raise UnsupportedArchitectureError("sliding-window attention is not supported")
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(RopeSettings.from_config(config), head_dim_of(config))
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.qk_norm, self.make_mlp(config, i))
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
-            None
-            if self.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-
-    def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
-        bias = bool(getattr(config, "mlp_bias", False))
-        return GatedMLP(config.hidden_size, config.intermediate_size, bias=bias)
+    tie_word_embeddings: bool
 
     def forward(  # type: ignore[override]
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
@@ -99,6 +79,34 @@ class LlamaForCausalLM(CausalLM):
         else:
             layout.add("lm_head.weight", "lm_head.weight")
         return layout
+
+
+class LlamaForCausalLM(DecoderLM):
+    architecture = "LlamaForCausalLM"
+    qk_norm = False
+
+    def __init__(self, config: Any, spec: ModelSpec) -> None:
+        super().__init__(config, spec)
+        check_activation(config)
+        if getattr(config, "use_sliding_window", False):
+            raise UnsupportedArchitectureError("sliding-window attention is not supported")
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(RopeSettings.from_config(config), head_dim_of(config))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.qk_norm, self.make_mlp(config, i))
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if self.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
+        bias = bool(getattr(config, "mlp_bias", False))
+        return GatedMLP(config.hidden_size, config.intermediate_size, bias=bias)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
