@@ -21,8 +21,8 @@ import torch
 from kvc.runtime.compiled.budget import CompiledBudget
 from kvc.runtime.compiled.decode import DecodeFacts, decode_sym
 from kvc.runtime.compiled.state import SequenceStates, gather_state
-from kvc.runtime.kv import query_window, slot_order
-from kvc.runtime.kv.spec import Dense
+from kvc.runtime.compiled.stacked import StackedRows
+from kvc.runtime.kv import slot_order
 from kvc.runtime.kv.plans import keep_plan_if_due
 from kvc.runtime.method_api import KeepPlan, LayerCacheView, StackedPlan, StepView, StepViews
 
@@ -344,7 +344,6 @@ class StepEnd:
                 out[i] = StackedPlan(stack, g, tail, order, order_row=i)
         return out
 
-
     def _step_end_stacked(self, layer: int, views: Seq[StepView]) -> list[KeepPlan | None]:
         """step_end of rows of one length that agree on what the keep reads, its score head-local (the
         compiler's `head_local`): the rows' keys and query windows stacked as the heads of one call of the
@@ -371,82 +370,6 @@ class StepEnd:
                                f"says {count}")
         tail = self.kept_tail(self.decoding.keep_hook, sym, length)
         return [StackedPlan(stack, g, tail, rows.order) for g in range(len(views))]
-
-
-class StackedRows:
-    """Rows of one layer and length, the hook inputs of a chunk of them stacked as heads (`inputs`): keys
-    and values [G * Hkv, n, D] (dense stores; in time order), query windows [G * Hq, window, D]; float32
-    on the CPU, as `CacheInputs`. `map` runs a function over chunks of rows sized to the free device
-    memory (measured on the first chunk's peak) and concatenates what it returns."""
-
-    FIRST_CHUNK = 16  # rows; then as many as half the free device memory holds (the CPU: 64 at a time)
-    CPU_CHUNK = 64
-
-    def __init__(self, store, layer: int, tables: np.ndarray, rows: np.ndarray, length: int) -> None:
-        self.store, self.layer, self.tables, self.rows, self.length = store, layer, tables, rows, length
-        self.device = store.device
-        self.order = None  # [G, Hkv, n]: slots in time order (a spec with positions)
-        if store.spec.in_place:
-            lengths = np.full(len(tables), length)
-            self.order = slot_order.order(slot_order.read_rows(store[store.spec.positions], tables, lengths))
-
-    @classmethod
-    def of(cls, views: Seq[StepView], inputs: list[str]) -> StackedRows | None:
-        """The views' rows, or None where they cannot be stacked (not `StepViews`, encoded K/V, no window)."""
-        if not isinstance(views, StepViews):
-            return None
-        spec = views.store.spec
-        if any(not isinstance(spec.keys if name == "k" else spec.values, Dense) for name in inputs if name != "q"):
-            return None
-        if "q" in inputs and (views.rows < 0).any():
-            return None
-        return cls(views.store, views.layer, views.tables, views.rows, int(views.lengths[0]))
-
-    def inputs(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
-        """The hook inputs of rows [lo, hi), each made only when read."""
-        return _StackedInputs(self, lo, hi)
-
-    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        if name == "q":
-            rows = torch.as_tensor(self.rows[lo:hi], device=self.device)
-            x = query_window.read_rows(self.store.tensors, self.layer, rows)
-        else:
-            enc = self.store.spec.keys if name == "k" else self.store.spec.values
-            x = read_rows(self.store.tensors[enc.tensor], self.tables[lo:hi], self.length)  # [G, Hkv, n, D]
-            if self.order is not None:
-                x = slot_order.in_order(x, self.order[lo:hi])
-            x = x.reshape(-1, *x.shape[2:])
-        return x.float() if x.device.type == "cpu" else x
-
-    def map(self, fn: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
-        total, parts, lo = len(self.rows), [], 0
-        cuda = self.device.type == "cuda"
-        size = self.FIRST_CHUNK if cuda else self.CPU_CHUNK
-        while lo < total:
-            hi = min(total, lo + size)
-            if cuda and not parts:
-                torch.cuda.reset_peak_memory_stats(self.device)
-                base = torch.cuda.memory_allocated(self.device)
-            parts.append(fn(lo, hi))
-            if cuda and len(parts) == 1 and hi < total:
-                per_row = max(1, (torch.cuda.max_memory_allocated(self.device) - base) // (hi - lo))
-                free, _ = torch.cuda.mem_get_info(self.device)
-                idle = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-                size = max(1, (free + idle) // 2 // per_row)
-            lo = hi
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-class _StackedInputs(dict):
-    def __init__(self, rows: StackedRows, lo: int, hi: int) -> None:
-        super().__init__()
-        self._rows, self._lo, self._hi = rows, lo, hi
-
-    def __missing__(self, name: str) -> torch.Tensor:
-        if name not in ("k", "v", "q"):
-            raise KeyError(name)
-        value = self[name] = self._rows.read(name, self._lo, self._hi)
-        return value
 
 
 def row_groups(facts: np.ndarray) -> list[list[int]]:

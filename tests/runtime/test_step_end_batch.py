@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvc.runtime.compiled import step_end
+from kvc.runtime.compiled import stacked, step_end
 from kvc.runtime.llm import LLM
 from kvc.runtime.method_api import MethodBase
 from kvc.runtime.sampling_params import SamplingParams
@@ -93,8 +93,8 @@ def test_batched_plans_equal_the_per_row_plans(model_dir, method, monkeypatch):
     monkeypatch.setattr(m, "step_end_batch", checked)
     monkeypatch.setattr(m, "_step_end_group", spy_group)
     stacked_rows = []
-    stacked_map = step_end.StackedRows.map
-    monkeypatch.setattr(step_end.StackedRows, "map",
+    stacked_map = stacked.StackedRows.map
+    monkeypatch.setattr(stacked.StackedRows, "map",
                         lambda rows, fn: stacked_rows.append(len(rows.rows)) or stacked_map(rows, fn))
     run(llm)
     assert (max(stacked_rows, default=0) == 3) is (CASES[method][1] == "inputs")  # rows scored as one
@@ -186,5 +186,5 @@ def test_head_local_fact():
 def test_stacked_rows_in_chunks(model_dir, monkeypatch):
     """Rows scored a chunk at a time (two rows here; on a GPU as many as half the free memory holds) give the
     per-row plans too: the chunks' kept indices join into one stack."""
-    monkeypatch.setattr(step_end.StackedRows, "CPU_CHUNK", 2)
+    monkeypatch.setattr(stacked.StackedRows, "CPU_CHUNK", 2)
     test_batched_plans_equal_the_per_row_plans(model_dir, "snapkv", monkeypatch)
