@@ -27,6 +27,7 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
     duplicated as _duplicated,
     floor as _floor,
     full_scores as _full_scores,
+    no_scores as _no_scores,
     grow as _grow,
     group as _group,
     pool as _pool,
@@ -77,7 +78,7 @@ def prefill_chunk_scores(inputs, state, sym, params):
     kv_heads = sym["kv_heads"]
     recent = params["recent"]
     sink = params["sink"]
-    return torch.zeros(kv_heads, context, device=inputs["k"].device)
+    return _no_scores(inputs, kv_heads, context)
 
 
 def prefill_chunk_select(scores, sym, params, heads, starts=None):
@@ -108,7 +109,7 @@ def step_end_scores(inputs, state, sym, params):
     kv_heads = sym["kv_heads"]
     recent = params["recent"]
     sink = params["sink"]
-    return torch.zeros(kv_heads, context, device=inputs["k"].device)
+    return _no_scores(inputs, kv_heads, context)
 
 
 def step_end_select(scores, sym, params, heads, starts=None):

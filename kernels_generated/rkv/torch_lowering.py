@@ -27,6 +27,7 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
     duplicated as _duplicated,
     floor as _floor,
     full_scores as _full_scores,
+    no_scores as _no_scores,
     grow as _grow,
     group as _group,
     pool as _pool,

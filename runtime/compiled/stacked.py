@@ -86,6 +86,7 @@ class _StackedInputs(dict):
     def __init__(self, rows: StackedRows, lo: int, hi: int) -> None:
         super().__init__()
         self._rows, self._lo, self._hi = rows, lo, hi
+        self.device = rows.device
 
     def __missing__(self, name: str) -> torch.Tensor:
         if name not in ("k", "v", "q"):

@@ -432,6 +432,7 @@ class CacheInputs(dict):
     def __init__(self, cache: LayerCacheView) -> None:
         super().__init__()
         self._cache = cache
+        self.device = cache.device  # where the scores go (`no_scores`), without reading the cache
 
     def __missing__(self, name: str) -> torch.Tensor:
         if name not in ("k", "v", "q"):

@@ -119,11 +119,13 @@ def _move(tensors: list[torch.Tensor], table: torch.Tensor, src: torch.Tensor, d
     """Slot src[n, h, i] of job n's layer (table row n) into its slot dst[n, h, i], KV head h, in every
     TOKEN tensor, where `moved`; the sources are read before any is written."""
     heads = torch.arange(src.shape[1], device=src.device)[None, :, None].expand_as(src)
+    addresses: dict[tuple[int, int], tuple] = {}  # (page size, scratch page) -> the moves' (page, offset) pairs
     for tensor in tensors:
         raw = encodings.raw(tensor)
-        page_size, scratch = raw.shape[2], raw.shape[0] - 1
-        sp, so = _address(table, src, moved, page_size, scratch)
-        dp, do = _address(table, dst, moved, page_size, scratch)
+        key = (raw.shape[2], raw.shape[0] - 1)
+        if key not in addresses:  # every TOKEN tensor of a store shares them: computed once, not per tensor
+            addresses[key] = (*_address(table, src, moved, *key), *_address(table, dst, moved, *key))
+        sp, so, dp, do = addresses[key]
         raw[dp, heads, do] = raw[sp, heads, so]
 
 

@@ -220,6 +220,13 @@ def full_scores(score, per_head, kv_heads, context, start=0):
     return torch.nn.functional.pad(score, (start, context - start - score.shape[-1]), value=NEG_INF)
 
 
+def no_scores(inputs, kv_heads, context):
+    """The scores of a keep without a `top` (ranges only): zeros [kv_heads, context] on the inputs' device,
+    read from `inputs.device` where the engine's lazy inputs have it (no copy of the cache made to learn it)."""
+    device = getattr(inputs, "device", None)
+    return torch.zeros(kv_heads, context, device=inputs["k"].device if device is None else device)
+
+
 def ranked(scores, excluded):
     """Indices along the last dim, best first; ties to the older token; excluded ones last."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
