@@ -19,7 +19,7 @@ manifest keeps the same expressions as text for readers (the kernels' `WINDOW_EX
 - `<hook>_tail(sym, params)` for each keeping hook with a `+ last N`, collected in `KEEP_TAILS`: that
   N from the hook's symbols and the parameters, unclamped (`CompiledMethod.kept_tail` clamps it);
 - `replay(params)`: a `replay` declaration's prompts and counts (chunk, overlap, sink: parameters only),
-  None without one (runtime/replay.py builds the pass from it).
+  None without one (runtime/context_replay.py builds the pass from it).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ engine contract cannot run yet. It returns problems; `check` raises the first as
 
 from __future__ import annotations
 
-from kvc.compiler.ir import (Accumulate, Assign, Attention, Choose, Estimate, Input, Keep, MethodIR, NotLowerable, Read,
+from kvc.compiler.ir import (Accumulate, Assign, Choose, Estimate, Input, Keep, MethodIR, NotLowerable, Read,
                              SpanReduce, Window)
 from kvc.compiler.lower_torch import names_in
 
@@ -20,7 +20,7 @@ HOOK_RULES: dict[str, tuple[bool, frozenset[str]]] = {
     "decode_after_attention": (True, frozenset({"q", "k", "v", "attn"})),
     "step_end": (True, frozenset({"q", "k", "v"})),
     "turn_end": (True, frozenset({"k", "v"})),
-    # a replayed chunk's queries and their attention over the context (runtime/replay.py); the keep
+    # a replayed chunk's queries and their attention over the context (runtime/context_replay.py); the keep
     # after the whole pass reads the method's state, once for all layers
     "replay_chunk": (False, frozenset({"q", "attn"})),
     "replay_end": (True, frozenset()),
@@ -37,49 +37,34 @@ READ_GRANULARITIES = ("kv_head", "layer")
 ROW_SYMBOLS = {"context", "prompt", "step"}
 
 
-def _inputs(value) -> list[Input]:
-    found = []
+def _nodes(value):
+    """Every value of a tensor expression, depth first (operands through `src`, `q`, `k` and `args`)."""
     stack = [value]
     while stack:
         v = stack.pop()
-        if isinstance(v, Input):
-            found.append(v)
+        yield v
         for field in ("src", "q", "k"):
             if hasattr(v, field):
                 stack.append(getattr(v, field))
         stack.extend(getattr(v, "args", ()))
-    return found
+
+
+def _inputs(value) -> list[Input]:
+    return [v for v in _nodes(value) if isinstance(v, Input)]
 
 
 def _reads_spans(value) -> bool:
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, SpanReduce):
-            return True
-        for field in ("src", "q", "k"):
-            if hasattr(v, field):
-                stack.append(getattr(v, field))
-        stack.extend(getattr(v, "args", ()))
-    return False
+    return any(isinstance(v, SpanReduce) for v in _nodes(value))
 
 
 def _windows_static(value) -> list[str]:
     """`q[last n]` outside a chunk needs an n the engine can fix up front (no context symbols)."""
     bad = []
-    stack = [value]
-    while stack:
-        v = stack.pop()
+    for v in _nodes(value):
         if isinstance(v, Window) and isinstance(v.src, Input) and v.src.name == "q":
             names = {str(s) for s in getattr(v.count, "free_symbols", ())}
             if names & {"context", "prompt", "step"}:
                 bad.append(f"q[{v.side} n] needs an n that does not depend on {', '.join(sorted(names))}")
-        if isinstance(v, Attention):
-            stack.extend([v.q, v.k])
-        for field in ("src",):
-            if hasattr(v, field):
-                stack.append(getattr(v, field))
-        stack.extend(getattr(v, "args", ()))
     return bad
 
 

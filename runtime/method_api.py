@@ -282,7 +282,7 @@ class KVMethod(Protocol):
     query_window: int  # the newest prefill queries `token_scores` reads (0: none)
     tuned_kernels: frozenset[str]  # `kvc tune` groups beyond attention it launches ("compaction", "scores")
     # a pass re-reading the stored prompt after prefill (KVzip's context reconstruction): its prompts and counts
-    # ({"prompt", "then", "chunk", "overlap", "sink"}), or None; the engine runs it (runtime/replay.py)
+    # ({"prompt", "then", "chunk", "overlap", "sink"}), or None; the engine runs it (runtime/context_replay.py)
     replay: dict[str, Any] | None
     # text partitions whose spans its step_end reads: name -> the strings that end a span (runtime/text_spans.py)
     text_partitions: dict[str, tuple[str, ...]]

@@ -33,6 +33,7 @@ class TextSpans:
         self._pieces: dict[int, str] = {}
         # seq_id -> (tokens scanned, their end flags, the text tail after them)
         self._memo: OrderedDict[int, tuple[list[int], list[bool], str]] = OrderedDict()
+        self._last_index: tuple[int, int, int, np.ndarray] | None = None  # (seq_id, tokens, length, index)
 
     def piece(self, token: int) -> str:
         """A token's own text (decoded alone: special tokens as their text, no cleanup)."""
@@ -67,14 +68,17 @@ class TextSpans:
 
     def index(self, tokens: list[int], length: int, seq_id: int | None = None) -> np.ndarray:
         """[length] int64: the span of each logical position 0..length-1 (ends before it), from the tokens
-        before it (a position past the known tokens takes the span after the last known one)."""
+        before it (a position past the known tokens takes the span after the last known one). Every layer of a
+        step asks for the same sequence's index: the last one is kept (keyed by the tokens known and `length`)."""
+        last = self._last_index
+        if seq_id is not None and last is not None and last[:3] == (seq_id, len(tokens), length):
+            return last[3]
         ends = self.ends(tokens[: max(0, length - 1)], seq_id)
         out = np.zeros(length, dtype=np.int64)
         known = len(ends)
         if length > 1 and known:
             out[1: known + 1] = np.cumsum(ends)
             out[known + 1:] = out[known]
+        if seq_id is not None:
+            self._last_index = (seq_id, len(tokens), length, out)
         return out
-
-    def forget(self, seq_id: int) -> None:
-        self._memo.pop(seq_id, None)

@@ -1,7 +1,7 @@
 """The replay pass's hooks of a compiled method: `replay_chunk` and `replay_end`.
 
 docs/design.md, "Replay", is the design; the engine side (the replayed chunks through the model)
-is runtime/replay.py. A replayed chunk's hook runs over the keys its chunk reconstructs: its `attn`
+is runtime/context_replay.py. A replayed chunk's hook runs over the keys its chunk reconstructs: its `attn`
 is the replayed queries' attention on those keys ([head, query, key], normalised over the sink keys,
 the chunk and the replayed tokens, as the `replay ... over first s` declaration says), and its state
 is the chunk's slice of the per-(sequence, layer) state, written back after the hook. `replay_end`

@@ -76,11 +76,9 @@ def attention(q, k, softmax=True, starts=None):
     """Causal q k^T / sqrt(d) of q [head, query, channel] (the last positions) over k [kv_head, key, channel].
     `starts` (host ints per KV head, a layer compacted with per-head counts): KV head h's keys are slots
     [starts[h], key); the slots below are no keys of it (-inf, 0 after the softmax)."""
-    heads, queries, head_dim = q.shape
-    kv_heads, length = k.shape[0], k.shape[1]
-    grouped = q.float().reshape(kv_heads, heads // kv_heads * queries, head_dim)  # a KV head's query heads in a row
-    logits = (grouped @ k.float().transpose(1, 2)).view(heads, queries, length)  # no repeated copy of the keys
-    logits.div_(math.sqrt(head_dim))  # in place: one [h, q, k] buffer
+    heads, queries, _ = q.shape
+    length = k.shape[1]
+    logits = grouped_logits(q, k)
     query_pos = torch.arange(length - queries, length, device=q.device)[:, None]
     logits.masked_fill_(torch.arange(length, device=q.device)[None, :] > query_pos, NEG_INF)
     if starts is not None and any(starts):
@@ -88,6 +86,16 @@ def attention(q, k, softmax=True, starts=None):
         below = torch.arange(length, device=q.device)[None, :] < first[:, None]  # [kv_head, key]
         logits.masked_fill_(below.repeat_interleave(heads // k.shape[0], dim=0)[:, None, :], NEG_INF)
     return logits.softmax(dim=-1) if softmax else logits
+
+
+def grouped_logits(q, k):
+    """q k^T / sqrt(d), float32 [head, query, key], of q [head, query, channel] over k [kv_head, key, channel]
+    (query head h reads KV head h // group): each KV head's query group is one matrix against its keys, so
+    the keys are never repeated per query head."""
+    heads, queries, head_dim = q.shape
+    kv_heads, length = k.shape[0], k.shape[1]
+    grouped = q.float().reshape(kv_heads, heads // kv_heads * queries, head_dim)
+    return (grouped @ k.float().transpose(1, 2)).div_(math.sqrt(head_dim)).view(heads, queries, length)
 
 
 def reduce(x, fn, dims):
@@ -276,6 +284,25 @@ def select(scores, length, kv_heads, *, first, last, count, at_least, granularit
     return list(order[:, : length - candidates + n].unbind(0))
 
 
+def head_ranges(length, kv_heads, starts, first, last) -> tuple[list[int], list[int], list[int]]:
+    """Per KV head of a layer whose head h stores slots [starts[h], length) (0 without starts): how many
+    tokens it holds, and its `first` and `last` ranges counted from its own start (host ints)."""
+    own = [length - (0 if starts is None else int(starts[h])) for h in range(kv_heads)]
+    n_first = [clamp_count(first, n) if first is not None else 0 for n in own]
+    n_last = [clamp_count(last, n - f) if last is not None else 0 for n, f in zip(own, n_first)]
+    return own, n_first, n_last
+
+
+def range_masks(length, own, n_first, n_last, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start [kv_head, 1], forced [kv_head, length]) of `head_ranges`: each head's first slot, and the slots its
+    ranges keep."""
+    slot = torch.arange(length, device=device)[None, :]
+    start = torch.as_tensor([length - n for n in own], device=device)[:, None]
+    forced = ((slot >= start) & (slot < start + torch.as_tensor(n_first, device=device)[:, None])) \
+        | (slot >= length - torch.as_tensor(n_last, device=device)[:, None])
+    return start, forced
+
+
 def select_spans(scores, length, kv_heads, spans, *, first, last, count, starts=None):
     """Whole spans of a text partition per KV head: `scores [kv_head, S]` rank the spans, `spans
     [kv_head, key]` give each stored slot's (-1: none). Head h's own tokens are slots [starts[h], length)
@@ -285,17 +312,13 @@ def select_spans(scores, length, kv_heads, spans, *, first, last, count, starts=
     does not fit and every span after it dropped. The counts differ per head; on `meta` (shapes only,
     `spans` None) every head reports the most one can keep (its ranges plus `count`)."""
     device = scores.device
-    own = [length - (0 if starts is None else int(starts[h])) for h in range(kv_heads)]
-    n_first = [clamp_count(first, n) if first is not None else 0 for n in own]
-    n_last = [clamp_count(last, n - f) if last is not None else 0 for n, f in zip(own, n_first)]
+    own, n_first, n_last = head_ranges(length, kv_heads, starts, first, last)
     totals = [clamp_count(count, n - f - t) for n, f, t in zip(own, n_first, n_last)]
     if device.type == "meta" or spans is None:
         most = max(f + t + c for f, t, c in zip(n_first, n_last, totals))
         return [torch.empty(most, dtype=torch.long, device=device) for _ in range(kv_heads)]
     slot = torch.arange(length, device=device)[None, :]
-    start = torch.as_tensor([length - n for n in own], device=device)[:, None]
-    forced = ((slot >= start) & (slot < start + torch.as_tensor(n_first, device=device)[:, None])) \
-        | (slot >= length - torch.as_tensor(n_last, device=device)[:, None])
+    start, forced = range_masks(length, own, n_first, n_last, device)
     spans = spans.to(device=device, dtype=torch.long)
     eligible = (slot >= start) & ~forced & (spans >= 0)
     index = spans.clamp(min=0)
@@ -315,9 +338,7 @@ def select_adaptive(scores, length, kv_heads, *, first, last, count, at_least, s
     older token). On `meta` (shapes only) every head reports the most one head can keep: the bound
     the engine reserves slots for (the counts themselves depend on the scores)."""
     device = scores.device
-    own = [length - (0 if starts is None else int(starts[h])) for h in range(kv_heads)]
-    n_first = [clamp_count(first, n) if first is not None else 0 for n in own]
-    n_last = [clamp_count(last, n - f) if last is not None else 0 for n, f in zip(own, n_first)]
+    own, n_first, n_last = head_ranges(length, kv_heads, starts, first, last)
     candidates = [n - f - t for n, f, t in zip(own, n_first, n_last)]
     floor_each = [clamp_count(at_least, c) if at_least is not None else 0 for c in candidates]
     total = clamp_count(count, sum(candidates))
@@ -325,11 +346,8 @@ def select_adaptive(scores, length, kv_heads, *, first, last, count, at_least, s
         rest = max(0, total - sum(floor_each))
         most = max(f + t + fl + min(c - fl, rest) for f, t, c, fl in zip(n_first, n_last, candidates, floor_each))
         return [torch.empty(most, dtype=torch.long, device=device) for _ in range(kv_heads)]
-    slot = torch.arange(length, device=device)
-    start = torch.as_tensor([length - n for n in own], device=device)[:, None]
-    forced = ((slot[None, :] >= start) & (slot[None, :] < start + torch.as_tensor(n_first, device=device)[:, None])) \
-        | (slot[None, :] >= length - torch.as_tensor(n_last, device=device)[:, None])
-    excluded = forced | (slot[None, :] < start)  # [kv_head, key]: not a candidate
+    start, forced = range_masks(length, own, n_first, n_last, device)
+    excluded = forced | (torch.arange(length, device=device)[None, :] < start)  # [kv_head, key]: not a candidate
     order = ranked(scores.float(), excluded)
     chosen = torch.zeros(kv_heads, length, dtype=torch.bool, device=device)
     for h, n in enumerate(floor_each):
@@ -366,12 +384,8 @@ def replay_attention(q, sink, chunk, own):
     the sink keys [kv_head, s, channel], the chunk's keys [kv_head, c, channel] and the replayed tokens' own
     keys [kv_head, query, channel] (causal among themselves), normalised over all of them -> the
     probabilities on the chunk's keys, [head, query, c] float32."""
-    heads, queries, head_dim = q.shape
-    kv_heads = chunk.shape[0]
-    keys = torch.cat([sink, chunk, own], dim=1).float()  # [kv_head, s + c + query, channel]
-    # a KV head's query group as one matrix against its keys: no copy of the keys per query head
-    grouped = q.float().reshape(kv_heads, heads // kv_heads * queries, head_dim)
-    logits = (grouped @ keys.transpose(1, 2)).div_(math.sqrt(head_dim)).view(heads, queries, keys.shape[1])
+    queries = q.shape[1]
+    logits = grouped_logits(q, torch.cat([sink, chunk, own], dim=1))  # [head, query, s + c + query]
     own_pos = torch.arange(queries, device=q.device)
     future = own_pos[None, :] > own_pos[:, None]  # [query, own key]
     logits[:, :, sink.shape[1] + chunk.shape[1]:].masked_fill_(future, NEG_INF)
