@@ -9,7 +9,8 @@ its method through `locate(variant)`.
 A variant is the module template `paged_attention.py.jinja` (which includes one template per kernel
 family: `paged_store_kv`, `paged_decode`, `paged_prefill`) plus the code a variant template splices
 in at named points, or a module template of its own (`lowrank`: low-rank latents,
-paged_lowrank.py.jinja; `delta`: DeltaKV codes, paged_delta.py.jinja). `plain` splices nothing
+paged_lowrank.py.jinja; `delta`: DeltaKV codes, paged_delta.py.jinja; `latent`: MLA's latent cache,
+paged_latent.py.jinja). `plain` splices nothing
 (every method that only reads the cache, `full` included); `decode_stats` (methods whose decode hook
 reads `attn`: H2O, TOVA) makes the decode kernels emit the attention statistics; `spec` is rendered
 `by_spec`: K and V each dense or quantized (codes, scales, zero points, residual windows), read-plan
@@ -84,6 +85,7 @@ VARIANTS = {
                     reads=("paged_variant_decode_stats.py.jinja",)),
     "lowrank": Variant("lowrank", None, False, module="paged_lowrank.py.jinja"),
     "delta": Variant("delta", None, False, module="paged_delta.py.jinja"),
+    "latent": Variant("latent", None, False, module="paged_latent.py.jinja"),
 }
 
 
@@ -98,14 +100,17 @@ def variant_for(hook_facts: dict, dense: bool = True, low_rank: bool = False, de
 
 
 def variant_for_spec(dense: bool, decode_stats: bool = False, read_plan: bool = False, low_rank: bool = False,
-                     delta: bool = False) -> str:
+                     delta: bool = False, latent: bool = False) -> str:
     """The variant that reads a KV spec's K/V: `dense` is `KVSpec.dense` (runtime/kv/spec.py: keys
     and values both `Dense`), `decode_stats` whether decode emits statistics, `read_plan` whether
     decode may take a ReadPlan. Dense K/V over whole contexts keep the kernels they always ran
     (`plain`, `decode_stats`); anything else runs `spec`, whose launches take the encodings (bits,
     group, zero point, packing, residual window) as constexprs: one module for every encoding;
     low-rank latents (`low_rank`: K or V a `LowRank`) run `lowrank`, a module of its own, and DeltaKV
-    codes (`delta`: the spec's `Delta`) `delta`."""
+    codes (`delta`: the spec's `Delta`) `delta`; MLA's latent cache (`latent`: `KVSpec.latent`, values a
+    view of the keys) `latent`, whose decode hands statistics and read plans to the torch ops."""
+    if latent:
+        return "latent"
     if delta:
         return "delta"
     if low_rank:

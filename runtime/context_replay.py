@@ -168,7 +168,7 @@ class ContextReplay:
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             out = attention.forward(layer, q, k, v, md, scale)
             chunk = stored_keys(layer, start, end)
-            queries = q.transpose(0, 1)  # [Hq, n, D]
+            queries = runner.hook_queries(q).transpose(0, 1)  # [Hq, n, D], as hooks see them
             probs = replay_attention(queries, stored_keys(layer, 0, sink), chunk, k.transpose(0, 1))
             method.replay_chunk(seq.seq_id, layer, num_layers, queries, probs, start, length, chunk.shape[0])
             return out

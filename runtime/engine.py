@@ -97,8 +97,7 @@ class Engine:
         # the cache's layers: the model's, or one per KV head (runtime/kv/layout.py)
         self.layout = layout = CacheLayout.of(self.spec, self.method)
         # each layer's KV spec: one class of layers mostly, several where the .kvm stores some layers apart
-        self.storage = classes = self.method.storage_classes(layout.layers, layout.kv_heads, self.spec.head_dim,
-                                                             self.spec.dtype, config.page_size)
+        self.storage = classes = layout.storage(self.spec, self.method, config.page_size)
         specs = classes.specs
         # one layer's page: every per-token tensor of the spec, plus its per-page ones; the rows of
         # its per-sequence tensors (a running sequence's, and an idle chain's) come off the budget first

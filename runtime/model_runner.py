@@ -131,7 +131,12 @@ class ModelRunner:
         self.page_size = page_size
         self.max_model_len = max_model_len
         self.device = device
-        self.scale = model.spec.head_dim**-0.5
+        self.scale = model.spec.scale
+        # hooks score with the language's q . k / sqrt(d) (docs/language.md); where the model's softmax scale
+        # is another (MLA: qk_head_dim^-1/2 over wider absorbed queries) they see q times scale * sqrt(d), so
+        # their logits and attention are the model's (docs/design.md, "MLA")
+        spec = model.spec
+        self.hook_scale = None if spec.attention_scale is None else spec.scale * spec.head_dim ** 0.5
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.num_kv_heads = self.layout.kv_heads
         # the tables the kernels see index each layer's store: pool ids less its class's first page
@@ -151,7 +156,7 @@ class ModelRunner:
         # decode statistics the method reads, and whether its decode hook gives read plans
         attention.use_variants([variant_for_spec(st.spec.dense, self.method.attention.decode_stats is not None,
                                                  Hook.DECODE_BEFORE_ATTENTION in self.method.hooks,
-                                                 st.spec.low_rank, st.spec.delta is not None)
+                                                 st.spec.low_rank, st.spec.delta is not None, st.spec.latent)
                                 for st in attention.stores])
         # a plan executor per storage class (each moves its store's tensors; pages by their store index)
         self.executors = [KVExecutor(st, pool, "triton" if attention.backend == "triton" else "auto",
@@ -329,11 +334,13 @@ class ModelRunner:
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             d = md.num_decodes
             view = stats = None
+            hq = self.hook_queries(q)
             if decode_hooks and d > 0:
                 if fold is not None and Hook.DECODE_AFTER_ATTENTION in hooks:  # emitted by the decode kernels
                     stats = attention.stats_request(fold, d, q.shape[1], md.max_context_len)
-                view = DecodeView(layer, q[:d], k[:d], v[:d], md.block_tables[layer, :d],
-                                  md.context_lens[layer, :d], attention.store_of(layer), scale,
+                view = DecodeView(layer, hq[:d], k[:d], v[:d], md.block_tables[layer, :d],
+                                  md.context_lens[layer, :d], attention.store_of(layer),
+                                  scale if self.hook_scale is None else q.shape[-1] ** -0.5,
                                   None if batch is None else _decode_rows(batch, layer),
                                   kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d],
                                   prompt_lens=None if md.prompt_lens is None else md.prompt_lens[layer, :d],
@@ -348,21 +355,25 @@ class ModelRunner:
                 out = None
                 attention.write(layer, k, v, md)
             if records_queries:  # the newest queries a step_end reads (runtime/kv/query_window.py)
-                attention.record_queries(layer, q, md)
+                attention.record_queries(layer, hq, md)
             for seq, rows in recording:
                 seq.record.add(layer, q[rows], k[rows], v[rows])
             if view is not None and Hook.DECODE_AFTER_ATTENTION in hooks:
                 view.attn_stats = None if stats is None else stats.out
                 method.decode_after_attention(layer, view, out[:d])
             if prefill_hooks:
-                self.hooks.prefill(layer, q, k, v, batch, output)
+                self.hooks.prefill(layer, hq, k, v, batch, output)
             for seq, rows in chained:  # a chain keeps its latest prefill queries (a prune scores with them)
                 prev = seq.window_queries[layer]
-                both = q[rows] if prev is None else torch.cat([prev, q[rows]])
+                both = hq[rows] if prev is None else torch.cat([prev, hq[rows]])
                 seq.window_queries[layer] = both[-self.chain_window:].clone()
             return out
 
         return attn
+
+    def hook_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """The queries the method's hooks see (`hook_scale`)."""
+        return q if self.hook_scale is None else q * self.hook_scale
 
     def _replay(self, md: AttentionMetadata, batch: ScheduledBatch, output: StepOutput) -> None:
         """A step of replayed prefill chunks (runtime/prefill_record.py): per layer the recorded

@@ -226,7 +226,7 @@ class PagedAttention:
 
         def source(enc, which: str) -> Source:
             if isinstance(enc, Dense):
-                return store[enc.tensor]
+                return enc.view(store[enc.tensor])
             if isinstance(enc, LowRank):
                 return LowRankPages(enc, store[enc.latent], store[enc.down][layer], store[enc.up][layer],
                                     store.head_dim(which), store.model_dtype(which), store.rope_freq)
@@ -466,7 +466,7 @@ class PagedAttention:
         decode_ops = torch_ops if estimated else ops
         # a prefill chunk reads the window's older slots, which its own would overwrite: they enter after
         self.write(layer_idx, k, v, md, window_tokens=None if resid is None else md.num_decodes)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v_cache.shape[-1])  # MLA's values are narrower than its keys
         num_decodes = md.num_decodes
         if num_decodes > 0:
             decode_ops.paged_decode(

@@ -161,6 +161,13 @@ class LowRankPages:
 Source = torch.Tensor | QuantizedPages | LowRankPages
 
 
+def within_keys(v_cache: Source, k_cache: Source) -> bool:
+    """Are the values a view inside the keys' tensor (a latent cache: `KVSpec.with_latent_values`)? Then
+    they are written with the keys, never on their own."""
+    return (is_dense(v_cache) and is_dense(k_cache) and v_cache is not k_cache
+            and v_cache.untyped_storage().data_ptr() == k_cache.untyped_storage().data_ptr())
+
+
 def is_dense(source: Source) -> bool:
     return isinstance(source, torch.Tensor)
 

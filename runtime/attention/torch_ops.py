@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from kvc.runtime.attention import decode_stats
 from kvc.runtime.attention.decode_stats import decode_stats_torch
 from kvc.runtime.attention.metadata import DecodeStats
-from kvc.runtime.attention.sources import LowRankPages, QuantizedPages, Source, is_dense
+from kvc.runtime.attention.sources import LowRankPages, QuantizedPages, Source, is_dense, within_keys
 from kvc.runtime.kv import encodings, lowrank, rotation
 from kvc.runtime.kv.plans import Estimate, ReadPlan
 from kvc.runtime.kv.spec import flush_from, flushed
@@ -79,7 +79,7 @@ def store_kv(
     heads = torch.arange(num_kv_heads, device=slots.device)
     flat = ((slots // page_size * num_kv_heads)[:, None] + heads[None, :]) * page_size + (slots % page_size)[:, None]
     flat = flat.flatten()  # [n * Hkv], token-major like k
-    for x, cache in ((k, k_cache), (v, v_cache)):
+    for x, cache in ((k, k_cache),) if within_keys(v_cache, k_cache) else ((k, k_cache), (v, v_cache)):
         if is_dense(cache):
             cache.view(-1, head_dim).index_copy_(0, flat, x.reshape(-1, head_dim).to(cache.dtype))
             continue
@@ -412,7 +412,7 @@ def _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, max_c
     o = F.scaled_dot_product_attention(
         grouped_q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale,
     )
-    o = o.reshape(batch, num_q_heads, head_dim)
+    o = o.reshape(batch, num_q_heads, -1)
     return torch.where((context_lens > 0)[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
 
 
@@ -422,7 +422,7 @@ def _decode_by_row(q, k_cache, v_cache, block_tables, context_lens, scale, kv_st
     _, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     rows, resid_lens = residual
-    o = torch.zeros_like(q) if out is None else out
+    o = q.new_zeros(*q.shape[:2], v_cache.shape[-1]) if out is None else out
     head_starts = None if kv_starts is None else kv_starts.tolist()
     for b, length in enumerate(context_lens.tolist()):
         if length == 0:
@@ -436,7 +436,7 @@ def _decode_by_row(q, k_cache, v_cache, block_tables, context_lens, scale, kv_st
             mask = (torch.arange(length, device=q.device)[None, :] >= kv_starts[b][:, None])[None, :, None, :]
         grouped_q = q[b].reshape(1, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # as in _decode_padded
         row = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask, scale=scale)
-        o[b] = row.reshape(num_q_heads, head_dim)
+        o[b] = row.reshape(num_q_heads, -1)
     return o
 
 
@@ -490,7 +490,7 @@ def _decode_by_plan(q, k_cache, v_cache, block_tables, context_lens, scale, kv_s
     if stats is not None:
         decode_stats.check_args(q, k_cache, stats.out, stats.reduce, stats.fn)
         decode_stats.stats_over_slots(q, keys, slots, stored, scale, stats.out, stats.reduce, stats.fn)
-    return o.reshape(batch, num_q_heads, head_dim)
+    return o.reshape(batch, num_q_heads, -1)
 
 
 def _gathers_last(read: ReadPlan, max_context_len: int | None, block_tables: torch.Tensor, k_cache: Source) -> bool:
@@ -550,7 +550,7 @@ def _decode_by_token_mask(q, k_cache, v_cache, block_tables, context_lens, scale
         decode_stats.check_args(q, k_cache, stats.out, stats.reduce, stats.fn)
         decode_stats.stats_over_slots(q, keys.to(q.dtype), slots.expand(batch, num_kv_heads, length), mask, scale,
                                       stats.out, stats.reduce, stats.fn)
-    return o.reshape(batch, num_q_heads, head_dim)
+    return o.reshape(batch, num_q_heads, -1)
 
 
 def _attend(grouped_q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
@@ -594,7 +594,7 @@ def _attend_over_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     """
     n, m = q.shape[2], keys.shape[2]
     gqa = q.shape[1] != keys.shape[1]
-    if _CPU_FLASH is None or q.device.type != "cpu":
+    if _CPU_FLASH is None or q.device.type != "cpu" or values.shape[-1] != q.shape[-1]:  # (MLA's are narrower)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_offset_mask(n, m, q.device),
                                               scale=scale, enable_gqa=gqa)
     prefix = m - n
@@ -648,7 +648,7 @@ def paged_prefill(
         raise ValueError("paged_prefill: sources that read a chunk as computed (a residual window, `prefill_exact`) "
                          "read the chunk's own slots from k_new and v_new")
     if out is None:
-        out = torch.zeros_like(q)
+        out = q.new_zeros(*q.shape[:2], v_cache.shape[-1])
     starts = cu_seqlens_q.tolist()
     lengths = context_lens.tolist()
     head_starts = None if kv_starts is None else kv_starts.tolist()

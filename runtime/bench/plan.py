@@ -178,7 +178,7 @@ def plan_batch(method, spec: ModelSpec, kv_memory: int, page_size: int, input_le
     method.bind(spec.num_layers, spec.num_kv_heads, model_dir=inputs_dir, max_context=longest,
                 num_heads=spec.num_heads)
     layout = CacheLayout.of(spec, method)  # as the engine's
-    classes = method.storage_classes(layout.layers, layout.kv_heads, spec.head_dim, spec.dtype, page_size)
+    classes = layout.storage(spec, method, page_size)
     # a layer-page: with several storage classes, their mean over the layers (the engine sizes the
     # classes to run out together, at equal tokens per layer)
     page_bytes = -(-sum(layer_page_bytes(classes.spec_of(layer), layout.kv_heads, page_size)

@@ -56,8 +56,8 @@ class StackedRows:
             x = query_window.read_rows(self.store.tensors, self.layer, rows)
         else:
             enc = self.store.spec.keys if name == "k" else self.store.spec.values
-            x = slot_order.read_rows(self.store.tensors[enc.tensor], self.tables[lo:hi],
-                                    np.full(hi - lo, self.length))  # [G, Hkv, n, D]
+            x = enc.view(slot_order.read_rows(self.store.tensors[enc.tensor], self.tables[lo:hi],
+                                              np.full(hi - lo, self.length)))  # [G, Hkv, n, D]
             if self.order is not None:
                 x = slot_order.in_order(x, self.order[lo:hi])
             x = x.reshape(-1, *x.shape[2:])

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvc.runtime.errors import ConfigError
+from kvc.runtime.kv.spec import StorageClasses
+
 
 @dataclass(frozen=True)
 class CacheLayout:
@@ -29,6 +32,19 @@ class CacheLayout:
     def of(cls, spec, method) -> CacheLayout:
         """The layout the engine runs `method` with on a model of `spec` (its num_layers, num_kv_heads)."""
         return cls(spec.num_layers, spec.num_kv_heads, method.kv_head_layers)
+
+    def storage(self, spec, method, page_size: int) -> StorageClasses:
+        """Each cache layer's KV spec for `method` on a model of `spec`: the method's, over MLA's latent
+        cache where the model's values are its keys' latent (`ModelSpec.latent_values`; docs/design.md,
+        "MLA")."""
+        classes = method.storage_classes(self.layers, self.kv_heads, spec.head_dim, spec.dtype, page_size)
+        if spec.latent_values is None:
+            return classes
+        try:
+            return classes.with_latent_values(spec.latent_values)
+        except ValueError as e:
+            raise ConfigError(f"method {method.name!r} on {spec.architecture}'s latent KV cache: {e}",
+                              param="method") from None
 
     @property
     def layers(self) -> int:

@@ -72,9 +72,15 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Dense:
-    """Attention reads the tensor as it is: `[.., D]` in the model's dtype."""
+    """Attention reads the tensor as it is: `[.., D]` in the model's dtype; with `channels`, its first
+    `channels` only, a view (MLA's values: the latent part of the keys' tensor, `KVSpec.with_latent_values`)."""
 
     tensor: str
+    channels: int | None = None
+
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What attention reads of the stored `tensor [..., D]`."""
+        return tensor if self.channels is None else tensor[..., : self.channels]
 
 
 @dataclass(frozen=True)
@@ -354,7 +360,10 @@ class KVSpec:
 
     def _check_encoding(self, enc: Encoding) -> None:
         if isinstance(enc, Dense):
-            self._need(enc.tensor, Extent.TOKEN, "dense")
+            t = self._need(enc.tensor, Extent.TOKEN, "dense")
+            if enc.channels is not None and not 0 < enc.channels <= t.shape[-1]:
+                raise ValueError(f"KV spec: dense {enc.tensor!r} read as its first {enc.channels} channels of "
+                                 f"{t.shape[-1]}")
             return
         if isinstance(enc, Delta):
             for name, extent in ((enc.latent, Extent.TOKEN), (enc.neighbours, Extent.TOKEN), (enc.centers, Extent.PAGE),
@@ -487,6 +496,24 @@ class KVSpec:
         tensors = tuple(added) + tuple(t for t in self.tensors if t.name not in dropped)
         return replace(self, tensors=tensors, keys=keys, values=values)
 
+    @property
+    def latent(self) -> bool:
+        """Values are a view of the keys' tensor (`with_latent_values`): written with the keys."""
+        return (isinstance(self.keys, Dense) and isinstance(self.values, Dense)
+                and self.values.tensor == self.keys.tensor and self.values.channels is not None)
+
+    def with_latent_values(self, channels: int) -> KVSpec:
+        """The spec over MLA's absorbed attention (runtime/models/glm4_moe_lite.py), whose values are the
+        keys' first `channels` (the latent): the V tensor dropped, values read as that view of K, so a
+        token costs its keys' bytes only (docs/design.md, "MLA"). Keys and values must be stored dense,
+        and no summary may be of values."""
+        if not self.dense or self.keys != Dense(K) or self.values != Dense(V):
+            raise ValueError(f"a latent cache reads values from the keys' tensor: keys and values must be stored "
+                             f"dense, got {type(self.keys).__name__} keys and {type(self.values).__name__} values")
+        if any(s.source == V for s in self.summaries):
+            raise ValueError("a latent cache stores no values of their own: no page summary may be of values")
+        return replace(self, tensors=tuple(t for t in self.tensors if t.name != V), values=Dense(K, channels))
+
     def describe(self) -> str:
         """One line per tensor (logs, `kvc` messages)."""
         return "; ".join(f"{t.name}: {t.extent.value} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
@@ -559,6 +586,10 @@ class StorageClasses:
 
     def spec_of(self, layer: int) -> KVSpec:
         return self.specs[self.layer_class[layer]]
+
+    def with_latent_values(self, channels: int) -> StorageClasses:
+        """Every class's spec over MLA's latent cache (`KVSpec.with_latent_values`)."""
+        return replace(self, specs=tuple(s.with_latent_values(channels) for s in self.specs))
 
 
 def dense_spec(head_dim: int, dtype: torch.dtype, extra: tuple[TensorSpec, ...] = (),

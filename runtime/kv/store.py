@@ -89,7 +89,7 @@ class KVStore:
     def _dense(self, enc, what: str) -> torch.Tensor:
         if not isinstance(enc, Dense):
             raise TypeError(f"the KV spec stores {what} encoded ({type(enc).__name__}), not as a dense tensor")
-        return self.tensors[enc.tensor]
+        return enc.view(self.tensors[enc.tensor])
 
     @property
     def flushes_blocks(self) -> bool:
@@ -159,6 +159,7 @@ class KVStore:
     def token_tensors(self) -> list[torch.Tensor]:
         """Every TOKEN tensor (what a keep plan moves), dense K and V first."""
         first = [self.tensors[e.tensor] for e in (self.spec.keys, self.spec.values) if isinstance(e, Dense)]
+        first = first[:1] if self.spec.latent else first  # values inside the keys' tensor move with it
         rest = [self.tensors[t.name] for t in self.spec.of(Extent.TOKEN)
                 if not any(self.tensors[t.name] is f for f in first)]
         return first + rest
@@ -203,7 +204,7 @@ class KVStore:
         enc = self.spec.keys if which == K else self.spec.values
         pages = self._page_index(page_ids, length)
         if isinstance(enc, Dense):
-            return _flat(self.tensors[enc.tensor], pages, length)
+            return enc.view(_flat(self.tensors[enc.tensor], pages, length))
         if isinstance(enc, LowRank):
             if layer is None:
                 raise ValueError(f"low-rank {enc.latent!r} is read with its layer's projections: pass the layer")
@@ -237,7 +238,7 @@ class KVStore:
     def head_dim(self, which: str) -> int:
         enc = self.spec.keys if which == K else self.spec.values
         if isinstance(enc, Dense):
-            return self.spec.tensor(enc.tensor).shape[-1]
+            return enc.channels or self.spec.tensor(enc.tensor).shape[-1]
         if isinstance(enc, LowRank):
             return self.spec.tensor(enc.up).shape[0]
         if isinstance(enc, Delta):  # a head's [k_pre | v]
@@ -335,7 +336,7 @@ class KVStore:
         """K or V of `pages` (layer `layer`'s) decoded: [n, Hkv, S, D]."""
         enc = self.spec.keys if which == K else self.spec.values
         if isinstance(enc, Dense):
-            return self.tensors[enc.tensor][pages]
+            return enc.view(self.tensors[enc.tensor][pages])
         if isinstance(enc, LowRank):
             raise NotImplementedError(f"page summaries of low-rank {enc.latent!r}: a page's slots have no layer here")
         zero = None if enc.zero is None else self.scale_slots(enc.zero, layer)[pages]

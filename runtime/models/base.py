@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 # (layer_idx, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [T, num_kv_heads,
-# head_dim]) -> out [T, num_heads, head_dim]. q and k arrive already normed and roped; the
-# function owns everything else: causal masking per sequence, the softmax scale
-# (head_dim ** -0.5 for every kvc model), GQA head grouping, and the KV cache.
+# value_dim]) -> out [T, num_heads, value_dim]. q and k arrive already normed and roped; the
+# function owns everything else: causal masking per sequence, the softmax scale (the spec's
+# `scale`), GQA head grouping, and the KV cache.
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -36,6 +36,19 @@ class ModelSpec:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype
+    # MLA's absorbed form (runtime/models/glm4_moe_lite.py): values are the first `value_dim` channels
+    # of the keys (the latent), so the cache stores keys only; None: values are head_dim wide and stored
+    latent_values: int | None = None
+    # the softmax scale of q . k; None: head_dim ** -0.5
+    attention_scale: float | None = None
+
+    @property
+    def value_dim(self) -> int:
+        return self.latent_values or self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,12 @@ class CausalLM(nn.Module):
     def __init__(self, config: Any, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
+
+    @classmethod
+    def attention_shape(cls, config: Any) -> dict[str, Any]:
+        """ModelSpec fields of the attention the model hands the engine where they differ from the
+        config's heads (MLA: one latent KV head); {} for ordinary multi-head attention."""
+        return {}
 
     def forward(  # type: ignore[override]
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn

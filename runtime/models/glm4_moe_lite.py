@@ -162,6 +162,13 @@ class DecoderLayer(nn.Module):
 class Glm4MoeLiteForCausalLM(DecoderLM):
     architecture = "Glm4MoeLiteForCausalLM"
 
+    @classmethod
+    def attention_shape(cls, config: Any) -> dict[str, Any]:
+        """One latent KV head of `kv_lora_rank + qk_rope_head_dim` channels, the values its first
+        `kv_lora_rank`, scaled as the decompressed heads are (module docstring)."""
+        return {"num_kv_heads": 1, "head_dim": config.kv_lora_rank + config.qk_rope_head_dim,
+                "latent_values": config.kv_lora_rank, "attention_scale": attention_scale(config)}
+
     def __init__(self, config: Any, spec: ModelSpec) -> None:
         super().__init__(config, spec)
         check_activation(config)

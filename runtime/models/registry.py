@@ -18,6 +18,7 @@ import torch
 from kvc.runtime.errors import UnsupportedArchitectureError
 from kvc.runtime.models.base import CausalLM, ModelSpec
 from kvc.runtime.models.layers import head_dim_of
+from kvc.runtime.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from kvc.runtime.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from kvc.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -25,12 +26,14 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
 }
 # For configs without an `architectures` list.
 MODEL_TYPES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "glm4_moe_lite": Glm4MoeLiteForCausalLM,
 }
 
 
@@ -95,7 +98,7 @@ def default_dtype(config: Any, device: torch.device) -> torch.dtype:
 
 def make_spec(cls: type[CausalLM], config: Any, dtype: torch.dtype, eos: tuple[int, ...]) -> ModelSpec:
     num_heads = config.num_attention_heads
-    return ModelSpec(
+    fields = dict(
         architecture=getattr(cls, "architecture", cls.__name__),
         num_layers=config.num_hidden_layers,
         num_heads=num_heads,
@@ -107,6 +110,7 @@ def make_spec(cls: type[CausalLM], config: Any, dtype: torch.dtype, eos: tuple[i
         eos_token_ids=eos,
         dtype=dtype,
     )
+    return ModelSpec(**{**fields, **cls.attention_shape(config)})
 
 
 def empty_model(

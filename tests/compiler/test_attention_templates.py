@@ -38,9 +38,9 @@ def test_compile_all_twice_is_byte_identical(tmp_path: Path):
     assert compile_command([], everything=True, output=out, quiet=True) == 0
     second = {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
     assert first == second
-    # every variant, also one no manifest names (`spec`: the engine picks it by KV spec)
-    variants = ["_attention/decode_stats.py", "_attention/delta.py", "_attention/lowrank.py", "_attention/plain.py",
-                "_attention/spec.py"]
+    # every variant, also those no manifest names (`spec`, `latent`: the engine picks them by KV spec)
+    variants = ["_attention/decode_stats.py", "_attention/delta.py", "_attention/latent.py", "_attention/lowrank.py",
+                "_attention/plain.py", "_attention/spec.py"]
     assert sorted(n for n in first if n.startswith("_attention/")) == variants
     for name in variants:
         assert first[name] == (OUTPUT_DIR / name).read_bytes()  # the committed modules are these

@@ -7,7 +7,8 @@ latent as the value); here a plain causal attention over those, with the model's
 for the engine (which does not serve the latent cache yet). Checked: the prompt's logits equal transformers'
 (decompressed per-head keys and values), and greedy decoding over a cache of latents gives transformers'
 greedy tokens, for a config with one dense layer and a query low-rank and one with three dense layers and a
-full-rank query projection.
+full-rank query projection. Then the same through the engine (`LLM`, method `full`): its paged latent cache
+(one tensor of latent + RoPE channels per token, the values a view of it), batched prompts in chunks.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvc.runtime.kv.spec import Extent
+from kvc.runtime.llm import LLM
 from kvc.runtime.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from kvc.runtime.models.registry import make_spec
 from kvc.runtime.models.weights import load_checkpoint
+from kvc.runtime.sampling_params import SamplingParams
 from tests.models.tiny import load_hf, make_tiny_glm4_moe_lite
 
 CONFIGS = {"one dense layer": {}, "three dense layers": {"num_hidden_layers": 5, "dense_layers": 3,
@@ -75,6 +79,28 @@ def test_prompt_logits_and_greedy_tokens_equal_transformers(tmp_path, name):
     with torch.no_grad():
         out = hf.generate(prompt[None], max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert tokens == out[0, prompt.numel():].tolist()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_served_full_gives_transformers_greedy_tokens(tmp_path, name):
+    model_dir = make_tiny_glm4_moe_lite(tmp_path, seed=6, **CONFIGS[name])
+    hf = load_hf(model_dir)
+    llm = LLM(str(model_dir), method="full", device="cpu", dtype="float32", page_size=4, attention_backend="torch",
+              max_num_batched_tokens=64, max_prefill_chunk=20)
+    store = llm.engine.attention.stores[0]
+    latent = hf.config.kv_lora_rank + hf.config.qk_rope_head_dim
+    assert [(t.name, t.shape) for t in store.spec.of(Extent.TOKEN)] == [("k", (latent,))]
+    assert store.spec.bytes_per_token(llm.engine.layout.kv_heads) == latent * 4  # one latent head, float32
+    assert store.v_cache.shape[-1] == hf.config.kv_lora_rank
+    assert store.v_cache.untyped_storage().data_ptr() == store.k_cache.untyped_storage().data_ptr()
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 37, 70)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)
+        assert out.token_ids == want[0, len(prompt):].tolist()
 
 
 def test_router_keeps_the_best_group():

@@ -1,0 +1,125 @@
+"""Oracle 4 for MLA's latent cache: the `latent` variant's Triton kernels against the torch ops.
+
+One KV head stores `[c, k_rope]` per token; the values are the view of its first RANK channels
+(`KVSpec.with_latent_values`), and the queries are absorbed, as wide as the keys. The torch ops read
+the same two views. Pages are shuffled, unowned slots hold NaN (a stray read fails), and outputs are
+poisoned first. Interpreter sizes on a CPU (TRITON_INTERPRET=1); the same test runs the compiled
+kernels on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvc.runtime.attention import torch_ops
+from tests.kernels.paged_cases import triton_device_and_ops
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+pytest.importorskip("triton")
+DEVICE, latent_ops = triton_device_and_ops("latent")
+
+RANK, ROPE, HEADS, PAGE = 32, 8, 5, 4  # five heads: a padded head block; RoPE part narrower than a tile
+SCALE = 0.3
+
+
+def _cache(gen: torch.Generator, lengths: list[int], dtype: torch.dtype):
+    """A latent cache over shuffled pages, NaN where no sequence owns a slot: (k, v, tables)."""
+    pages = [-(-n // PAGE) for n in lengths]
+    total = sum(pages) + 2
+    cache = torch.full((total, 1, PAGE, RANK + ROPE), float("nan"))
+    order = torch.randperm(total - 1, generator=gen)
+    tables = torch.zeros(len(lengths), max(pages + [1]), dtype=torch.int32)
+    used = 0
+    for b, (n, count) in enumerate(zip(lengths, pages)):
+        for i in range(count):
+            page = int(order[used])
+            used += 1
+            tables[b, i] = page
+            filled = min(PAGE, n - i * PAGE)
+            cache[page, 0, :filled] = torch.randn(filled, RANK + ROPE, generator=gen)
+    cache = cache.to(dtype).to(DEVICE)
+    return cache, cache[..., :RANK], tables.to(DEVICE)
+
+
+def _clean(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k = cache.nan_to_num(0.0).float()
+    return k, k[..., :RANK]
+
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("starts", [False, True], ids=["whole", "per-row-starts"])
+def test_decode_matches_torch(dtype, starts):
+    gen = torch.Generator().manual_seed(3)
+    lengths = [1, 37, 0, 70, 9]
+    k_cache, v_cache, tables = _cache(gen, lengths, dtype)
+    q = torch.randn(len(lengths), HEADS, RANK + ROPE, generator=gen).to(dtype).to(DEVICE)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    kv_starts = torch.tensor([[0], [5], [0], [33], [8]], dtype=torch.int32, device=DEVICE) if starts else None
+    out = torch.full((len(lengths), HEADS, RANK), float("nan"), dtype=dtype, device=DEVICE)
+    latent_ops.paged_decode(q, k_cache, v_cache, tables, lens, SCALE, max_context_len=70, out=out,
+                            kv_starts=kv_starts, num_splits=3, block_n=16)
+    k, v = _clean(k_cache)
+    want = torch_ops.paged_decode(q.float(), k, v, tables, lens, SCALE, kv_starts=kv_starts)
+    torch.testing.assert_close(out.float(), want, **TOL[dtype])
+    assert bool((out[2] == 0).all())  # no context: zeros
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_prefill_matches_torch(dtype):
+    """Chunks over a cached prefix (and a fresh one), their own tokens already stored; per-row starts in
+    one row."""
+    gen = torch.Generator().manual_seed(4)
+    lengths, q_lens = [23, 9, 40], [7, 9, 1]
+    k_cache, v_cache, tables = _cache(gen, lengths, dtype)
+    cu = torch.tensor([0, 7, 16, 17], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(17, HEADS, RANK + ROPE, generator=gen).to(dtype).to(DEVICE)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    k, v = _clean(k_cache)
+    for kv_starts in (None, torch.tensor([[0], [0], [12]], dtype=torch.int32, device=DEVICE)):
+        out = torch.full((17, HEADS, RANK), float("nan"), dtype=dtype, device=DEVICE)
+        latent_ops.paged_prefill(q, k_cache, v_cache, tables, cu, lens, SCALE, max(q_lens), out=out,
+                                 kv_starts=kv_starts, block_m=16, block_n=16)
+        want = torch_ops.paged_prefill(q.float(), k, v, tables, cu, lens, SCALE, max(q_lens), kv_starts=kv_starts)
+        torch.testing.assert_close(out.float(), want, **TOL[dtype])
+
+
+def test_store_writes_the_keys_only():
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache, _ = _cache(gen, [8], torch.float32)
+    before = k_cache.clone()
+    k = torch.randn(3, 1, RANK + ROPE, generator=gen).to(DEVICE)
+    slots = torch.tensor([2, -1, 5], device=DEVICE)
+    latent_ops.store_kv(k, k[..., :RANK], k_cache, v_cache, slots)
+    want = before.clone()
+    torch_ops.store_kv(k, k[..., :RANK], want, want[..., :RANK], slots)
+    scratch = k_cache.shape[0] - 1  # padding rows land on the scratch page; compare the rest
+    torch.testing.assert_close(k_cache[:scratch], want[:scratch], equal_nan=True)
+    assert torch.equal(k_cache[0, 0, 2], k[0, 0])
+
+
+@pytest.mark.parametrize("method,params", [("full", {}), ("snapkv", {"budget": 24, "window": 8})])
+def test_served_glm_gives_the_torch_backends_tokens(tmp_path, method, params):
+    """The engine over a tiny GLM-4.7-Flash (`glm4_moe_lite`) with the Triton backend (the `latent` variant:
+    store, decode and chunked prefill) generates the torch backend's greedy tokens."""
+    from kvc.runtime.llm import LLM
+    from kvc.runtime.sampling_params import SamplingParams
+    from tests.models.tiny import make_tiny_glm4_moe_lite
+
+    model_dir = make_tiny_glm4_moe_lite(tmp_path, seed=3)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 37, 70)]
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(model_dir), method=method, method_params=params, device=DEVICE.type, dtype="float32",
+                  page_size=16, attention_backend=backend, max_num_batched_tokens=64, max_prefill_chunk=20)
+        assert llm.engine.attention.variants == ["latent"]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        tokens[backend] = [o.token_ids for o in outs]
+    assert tokens["triton"] == tokens["torch"]

@@ -1,0 +1,60 @@
+"""Eviction methods on GLM-4.7-Flash's latent KV cache (MLA) against the references run on the decompressed
+model's attention probabilities: the same kept prompt positions, and the same logits, float32 on CPU.
+
+kvc stores one latent per token and layer, `[c, k_rope]`, and scores it with the absorbed queries
+(runtime/models/glm4_moe_lite.py): one KV head that all query heads read. The oracle is transformers'
+`glm4_moe_lite`, which decompresses every head's key and value; `tests/references/mla.py` writes its heads
+as one KV head with the same logits, so the reference methods (`eviction.rank`, configured as in
+test_served_parity.py) rank from the decompressed probabilities, averaged over every query head as kvc's
+"per kv_head" means on MLA. Logits: the prefill's row and the first decode step's, over the kept tokens of
+every decompressed head (`model_forward.decode`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models.tiny import make_tiny_glm4_moe_lite
+from tests.references.compare import assert_logits_close, assert_same_kept
+from tests.references.eviction import gather_kv, rank
+from tests.references.mla import one_kv_head
+from tests.references.model_forward import HeadCache, decode
+from tests.runtime.served import make_llm, serve
+from tests.runtime.test_served_parity import METHODS, STEPS, Oracle, prompts_of
+
+PROMPTS = prompts_of([37, 101], seed=23)
+# weights 5x the default spread: peaked attention, so a softmax at another temperature (the latent's width
+# instead of the model's qk_head_dim) would keep other tokens
+CONFIGS = {"one-dense-layer": {"initializer_range": 0.1},
+           "three-dense-layers": {"num_hidden_layers": 5, "dense_layers": 3, "q_lora_rank": None,
+                                  "initializer_range": 0.1}}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def oracle(request, tmp_path_factory) -> Oracle:
+    return Oracle(make_tiny_glm4_moe_lite(tmp_path_factory.mktemp("glm"), seed=4, **CONFIGS[request.param]))
+
+
+@pytest.mark.parametrize("chunk", [None, 20], ids=["one-step-prefill", "chunks-of-20"])
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_kept_positions_and_logits_match_the_decompressed_reference(oracle: Oracle, method: str, chunk) -> None:
+    params, reference = METHODS[method]
+    llm = make_llm(oracle.model_dir, method, params, page_size=16, chunk=chunk)
+    assert llm.engine.attention.stores[0].spec.latent  # the latent cache: keys only, values their view
+    for served in serve(llm, PROMPTS, STEPS):
+        length = len(served.prompt)
+        ref_method, ref_params = reference(length)
+        layers, prompt_logits = oracle.prefill(served.prompt)
+        caches = []
+        for layer, t in enumerate(layers):
+            q, k = one_kv_head(t.q, t.k)
+            ranking = rank(ref_method, q, k, layer=layer, num_layers=len(layers), **ref_params)
+            where = f"{method}, {length}-token prompt, layer {layer}"
+            assert ranking.count < length, f"{where}: the budget must compress"
+            assert_same_kept(ranking, served.kept_heads(layer), where=where)
+            kept = served.kept_heads(layer)[0]  # the reference's, or an equal choice among near-ties
+            caches.append(HeadCache(*gather_kv(t.k, t.v, [kept] * t.k.shape[0])))
+        decoded = decode(oracle.hf, caches, torch.tensor(served.tokens[:-1]), start=length)
+        assert_logits_close(served.logits, torch.cat([prompt_logits[-1:], decoded]),
+                            where=f"{method}, {length}-token prompt")
