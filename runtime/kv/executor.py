@@ -74,7 +74,8 @@ class KVExecutor:
         order = batch.order
         if order is None:
             order = slot_order.orders(store[store.spec.positions], batch.tables, batch.lengths)
-        slot_order.fill(store.token_tensors(), slot_order.to_slots(keep, order), counts, batch.lengths, batch.tables)
+        slot_order.fill(store.token_tensors(), slot_order.to_slots(keep, order), counts, batch.lengths, batch.tables,
+                        backend=self.backend)
         if store.spec.summaries and len(counts):
             self._refresh_rewritten(batch, counts, layer)
         return counts

@@ -10,7 +10,9 @@ the slot like any per-token tensor. Attention reads a set of keys and does not c
 a layer as a sequence (a hook's `last N`, pooling along keys, ties broken by index) reads it in
 `order`: the physical slots sorted by position. Plans stay in logical indices, mapped to slots
 (`to_slots`) before `fill` carries them out. `settle` puts a layer back in time order (a chain's
-turn ends: its pages become the record's, which prefill hooks and pruning read in order).
+turn ends: its pages become the record's, which prefill hooks and pruning read in order). On CUDA
+`fill` is one Triton launch (slot_order_triton.py); the torch version here is the CPU path and its
+oracle.
 
 docs/design.md, "Eviction in place".
 """
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 
 from kvc.runtime.kv import encodings
-from kvc.runtime.kv.compaction import device_ints
+from kvc.runtime.kv.compaction import _use_triton, device_ints
 
 PAD = torch.iinfo(torch.int32).max  # position of a padding slot: sorts last
 
@@ -80,12 +82,19 @@ def to_slots(keep: torch.Tensor, slot_order: torch.Tensor) -> torch.Tensor:
 
 
 def fill(tensors: list[torch.Tensor], keep: torch.Tensor, counts: np.ndarray, lengths: np.ndarray,
-         tables: np.ndarray) -> None:
+         tables: np.ndarray, backend: str = "auto") -> None:
     """Job n keeps the physical slots `keep[n, h, :counts[n]]` (any order) of the `lengths[n]` its table
     `tables[n]` stores, in place: its new length is counts[n], and each kept slot at or past it moves
     into a dropped slot below it (the i-th such in slot order into the i-th hole), in every TOKEN
     tensor [pages + 1, Hkv, S, ...]. Moves max(lengths - counts) slots per head at most, whatever
-    the window."""
+    the window. `backend` as compaction's: "auto" runs the one-launch Triton kernel on CUDA
+    (slot_order_triton.py), "triton" asks for it (CUDA, or TRITON_INTERPRET=1), "torch" runs the
+    torch version below (the CPU path and the kernel's oracle)."""
+    if _use_triton(backend, keep.device):
+        from kvc.runtime.kv.slot_order_triton import fill_triton
+
+        fill_triton(tensors, keep, counts, lengths, tables)
+        return
     num, heads, width = keep.shape
     if num == 0:
         return
