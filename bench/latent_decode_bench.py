@@ -21,6 +21,8 @@ from quantized_decode_bench import copy_baseline, time_ms  # bench/ is on the pa
 HEADS, RANK, ROPE, NOPE, V_DIM, PAGE = 20, 512, 64, 192, 256, 16
 SCALE = (NOPE + ROPE) ** -0.5
 SWEEP = [dict(block_n=n, num_warps=w, num_stages=st) for n in (16, 32, 64) for w in (4, 8) for st in (1, 2, 3)]
+PREFILL_SWEEP = [dict(block_m=m, block_n=n, num_warps=w, num_stages=st) for m in (32, 64) for n in (32, 64)
+                 for w in (4, 8) for st in (1, 2)]
 
 
 def latent_cache(batch: int, context: int, device: torch.device, dtype=torch.bfloat16):
@@ -33,16 +35,22 @@ def latent_cache(batch: int, context: int, device: torch.device, dtype=torch.bfl
     return k, k[..., :RANK], tables, lens, batch * context * (RANK + ROPE) * k.element_size()
 
 
-def prefill_rows(ops, chunk: int, device: torch.device, dtype=torch.bfloat16) -> list[dict]:
-    """One sequence's causal chunk of `chunk` tokens with no prefix: absorbed kernel vs decompressed SDPA."""
+def prefill_rows(ops, chunk: int, device: torch.device, sweep: bool, dtype=torch.bfloat16) -> list[dict]:
+    """One sequence's causal chunk of `chunk` tokens with no prefix: absorbed kernel (and its launch knobs
+    with `sweep`) vs decompressed SDPA."""
     k, v, tables, lens, _ = latent_cache(1, chunk, device, dtype)
     q = torch.randn(chunk, HEADS, RANK + ROPE, device=device, dtype=dtype) * 0.1
     cu = torch.tensor([0, chunk], dtype=torch.int32, device=device)
     pairs = chunk * (chunk + 1) / 2 * HEADS
     rows = []
-    ms = time_ms(lambda: ops.paged_prefill(q, k, v, tables, cu, lens, SCALE, chunk), device, reps=3)
-    rows.append({"piece": "prefill_absorbed", "chunk": chunk, "ms": ms,
-                 "TFLOPs": 2 * pairs * (RANK + ROPE + RANK) / ms / 1e9})
+    for knobs in [{}] + (PREFILL_SWEEP if sweep else []):
+        try:
+            ms = time_ms(lambda: ops.paged_prefill(q, k, v, tables, cu, lens, SCALE, chunk, **knobs), device, reps=3)
+        except Exception as e:  # a launch that does not fit (shared memory): report and go on
+            rows.append({"piece": "prefill_absorbed", "chunk": chunk, **knobs, "error": type(e).__name__})
+            continue
+        rows.append({"piece": "prefill_absorbed", "chunk": chunk, **(knobs or {"knobs": "default"}), "ms": ms,
+                     "TFLOPs": 2 * pairs * (RANK + ROPE + RANK) / ms / 1e9})
     up = torch.randn(RANK, HEADS * (NOPE + V_DIM), device=device, dtype=dtype) * 0.05
     latent = torch.randn(chunk, RANK, device=device, dtype=dtype)
     k_rope = torch.randn(chunk, 1, ROPE, device=device, dtype=dtype)
@@ -95,7 +103,7 @@ def main() -> None:
             show({"piece": "decode", "batch": batch, "context": context, **(knobs or {"knobs": "default"}), "ms": ms,
                   "GBps": gbps, "of_copy": gbps / copy_bw})
     for chunk in ([64] if a.smoke else [int(x) for x in a.prefill.split(",")]):
-        for row in prefill_rows(ops, chunk, device):
+        for row in prefill_rows(ops, chunk, device, a.sweep and not a.smoke):
             show(row)
     if a.out:
         meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,

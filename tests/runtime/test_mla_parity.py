@@ -8,6 +8,11 @@ as one KV head with the same logits, so the reference methods (`eviction.rank`, 
 test_served_parity.py) rank from the decompressed probabilities, averaged over every query head as kvc's
 "per kv_head" means on MLA. Logits: the prefill's row and the first decode step's, over the kept tokens of
 every decompressed head (`model_forward.decode`).
+
+The sparse method: OmniKV, whose filter layers choose tokens by the step query's logits, the largest over
+every query head. Its reference (tests/references/omnikv.py) runs transformers' decompressed attention and
+chooses from the decompressed per-head logits; kvc chooses from the absorbed queries' logits over the latents.
+Compared: greedy tokens and every sampled logit row, in a batch with chunked prefills.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ import pytest
 import torch
 
 from tests.models.tiny import make_tiny_glm4_moe_lite
+from tests.references import omnikv as omnikv_ref
 from tests.references.compare import assert_logits_close, assert_same_kept
 from tests.references.eviction import gather_kv, rank
 from tests.references.mla import one_kv_head
 from tests.references.model_forward import HeadCache, decode
 from tests.runtime.served import make_llm, serve
+from tests.runtime.test_contract_methods import ATOL, Logits, check, greedy
 from tests.runtime.test_served_parity import METHODS, STEPS, Oracle, prompts_of
 
 PROMPTS = prompts_of([37, 101], seed=23)
@@ -58,3 +65,19 @@ def test_kept_positions_and_logits_match_the_decompressed_reference(oracle: Orac
         decoded = decode(oracle.hf, caches, torch.tensor(served.tokens[:-1]), start=length)
         assert_logits_close(served.logits, torch.cat([prompt_logits[-1:], decoded]),
                             where=f"{method}, {length}-token prompt")
+
+
+def test_omnikv_equals_the_decompressed_reference(oracle: Oracle, monkeypatch) -> None:
+    params = {"filters": [1], "selected": 0.3}  # layer 0 dense, 1 chooses, every later one reads its choice
+    spy = Logits(monkeypatch)
+    llm = make_llm(oracle.model_dir, "omnikv", params, page_size=4, chunk=8)
+    steps = 8
+    sampling = [greedy(steps) for _ in PROMPTS]
+    outs = llm.generate(PROMPTS, sampling)
+    blind = True
+    for p, out, sp in zip(PROMPTS, outs, sampling):
+        want = omnikv_ref.generate(oracle.hf, omnikv_ref.Session(dict(params)), p, steps)
+        check(out.token_ids, spy.of(sp), want)
+        dense = omnikv_ref.generate(oracle.hf, omnikv_ref.Session({**params, "selected": 1.0}), p, steps)[1]
+        blind &= bool((dense[1:] - want[1][1:]).abs().max() <= 10 * ATOL)
+    assert not blind, "OmniKV changes nothing: the test is blind"
