@@ -4,7 +4,8 @@
 # one layer's eviction in order against in place (`micro`, bench/evict_in_place_bench.py), and decode throughput
 # of per-step eviction against SnapKV and full at 32K / 128K (random-weight Qwen3-30B-A3B, bf16, 60 GiB of KV,
 # full in the same run), with a profile of the decode windows (`--busy`) where BUSY=1.
-# Usage (device machine): bash bench/gpu_issue21.sh "$OUT" "tests micro window32 window128"
+# `fill`: one layer's in-place fill, torch against the one-launch Triton kernel (bench/fill_kernel.py).
+# Usage (device machine): bash bench/gpu_issue21.sh "$OUT" "tests micro fill window32 window128"
 # METHODS (default full,snapkv,streamingllm,h2o,tova) picks the throughput parts' methods; EXTRA adds options.
 # `budget32` / `budget128`: full against SnapKV with a constant decode budget (snapkv:every=$EVERY, default 16;
 # BUDGET_METHOD=adakv or pyramidkv for theirs).
@@ -27,6 +28,9 @@ for part in $parts; do
                --window 2048 $shape --out "$out/evict_$name.json" > "$out/evict_$name.log" 2>&1
              echo "micro $name: rc=$?"; grep -v Warn "$out/evict_$name.log" | tail -4
            done; continue ;;
+    fill) timeout "${PART_TIMEOUT:-120}" python3 bench/fill_kernel.py --evict 1 16 256 --out "$out/fill.json" \
+            > "$out/fill.log" 2>&1
+          echo "fill: rc=$?"; grep -v Warn "$out/fill.log" | tail -12; continue ;;
     window32) args=(--inputs 32768 --steps "${STEPS:-32}" --sources "${SOURCES:-8}") ;;
     window128) args=(--inputs 131072 --steps "${STEPS:-32}" --sources "${SOURCES:-2}") ;;
     budget32|budget128) input=$([[ $part == budget32 ]] && echo 32768 || echo 131072)

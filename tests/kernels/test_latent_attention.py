@@ -123,3 +123,11 @@ def test_served_glm_gives_the_torch_backends_tokens(tmp_path, method, params):
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         tokens[backend] = [o.token_ids for o in outs]
     assert tokens["triton"] == tokens["torch"]
+
+
+def test_the_kernels_compile_for_sm90() -> None:
+    """Decode and prefill at GLM-4.7-Flash's shape compile for an H100/H200 (ptxas here), within a block's
+    shared memory."""
+    from tests.kernels.sm90 import compiles_for_sm90
+
+    compiles_for_sm90("tests.kernels.sm90_compile_latent")

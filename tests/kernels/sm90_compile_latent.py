@@ -1,0 +1,53 @@
+"""Compiles the `latent` attention module's decode and prefill kernels for an H100/H200 (sm90) on a machine
+without a GPU (Triton's passes and ptxas, as tests/kernels/sm90_compile.py does for `spec`): GLM-4.7-Flash's
+shape (20 query heads over one latent head of 512 + 64 RoPE channels), bf16, at the launch defaults and the
+other tiles bench/latent_decode_bench.py sweeps; prints each build's registers, spills and shared memory.
+`python -m tests.kernels.sm90_compile_latent`; tests/kernels/test_latent_attention.py runs it in a subprocess."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kvc.compiler import attention
+from tests.kernels.sm90_compile import build
+
+SHAPE = dict(HEADS=20, RANK=512, ROPE=64, PAGE_SIZE=16, BLOCK_P=64, HAS_STARTS=False, PRECISION="native")
+POINTERS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "tables_ptr": "*i32", "lens_ptr": "*i32",
+            "starts_ptr": "*i32", "cu_ptr": "*i32", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}
+
+
+def _report(name: str, ptx: str, options: dict) -> None:
+    """ptxas -v's registers, spill stores and shared memory of one build."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(ptx)
+        done = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(source), "-o",
+                               str(Path(folder) / "kernel.o")], capture_output=True, text=True, check=True)
+    usage = " ".join(m.group(0) for m in re.finditer(r"Used \d+ registers|\d+ bytes spill stores|\d+ bytes smem",
+                                                       done.stderr))
+    print(name, options, usage)
+
+
+def main() -> None:
+    spec = importlib.util.spec_from_file_location("kvc_latent_sm90", attention.locate("latent"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for block_n, warps, stages in ((32, 8, 2), (16, 4, 2), (64, 8, 1)):
+        options = dict(num_warps=warps, num_stages=stages)
+        ptx = build(mod._decode_split_kernel, dict(BLOCK_H=32, BLOCK_N=block_n, **SHAPE), POINTERS, **options)
+        _report(f"decode BLOCK_N={block_n}", ptx, options)
+    for block_m, block_n, warps, stages in ((32, 32, 8, 2), (64, 32, 8, 1)):
+        options = dict(num_warps=warps, num_stages=stages)
+        ptx = build(mod._prefill_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, **SHAPE), POINTERS, **options)
+        _report(f"prefill BLOCK_M={block_m} BLOCK_N={block_n}", ptx, options)
+    print("latent kernels compiled for sm90")
+
+
+if __name__ == "__main__":
+    main()
