@@ -63,6 +63,8 @@ class Target:
     param: str
     index: tuple[int | slice, ...] = ()
     alternative: bool = False
+    # > 0: the tensor holds one row per this many rows of the region (FP8 block scales), repeated over them
+    expand_rows: int = 0
 
 
 @dataclass
@@ -85,6 +87,8 @@ class CausalLM(nn.Module):
     """
 
     spec: ModelSpec
+    # (parameters stored as FP8 codes, their format) of an FP8 checkpoint (runtime/models/fp8_weights.py)
+    fp8_weights: tuple[set[str], Any] | None = None
 
     def __init__(self, config: Any, spec: ModelSpec) -> None:
         super().__init__()

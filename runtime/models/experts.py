@@ -81,22 +81,48 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.impl: ExpertsImpl = "auto"
         self.tile_config: MoeTileConfig | None = None  # None: moe_triton's heuristic per batch
+        self.fp8_block_columns = 0  # > 0: weights stored as FP8 codes with per-row block scales (`to_fp8`)
+
+    def to_fp8(self, names: list[str], block_columns: int) -> None:
+        """Stores the weights `names` as FP8 codes plus `<name>_scale` [E, rows, ceil(cols / block)] per-row
+        block scales (runtime/models/fp8_weights.py); built on the meta device, filled by the loader."""
+        from kvc.runtime.models.fp8_weights import CODES
+
+        for name in names:
+            shape = getattr(self, name).shape
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=CODES), requires_grad=False))
+            scales = torch.empty(*shape[:-1], -(-shape[-1] // block_columns), dtype=torch.float32)
+            setattr(self, f"{name}_scale", nn.Parameter(scales, requires_grad=False))
+        self.fp8_block_columns = block_columns
+
+    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) as the products read them: FP8 ones dequantized to `dtype`."""
+        if not self.fp8_block_columns:
+            return self.gate_up_proj, self.down_proj
+        from kvc.runtime.models.fp8_weights import dequantize
+
+        return tuple(dequantize(getattr(self, n), getattr(self, f"{n}_scale"), self.fp8_block_columns, dtype)
+                     if getattr(self, n).dtype != dtype else getattr(self, n) for n in ("gate_up_proj", "down_proj"))
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """x [T, H], topk_ids/topk_weights [T, k] -> sum_j w_j * expert_{id_j}(x) [T, H]."""
         kernels = triton_kernels_for(x.device, self.impl)
-        if kernels is not None:
-            return kernels.fused_experts(
-                x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, self.tile_config
-            )
+        if kernels is not None:  # FP8 weights dequantized tile by tile in the kernels
+            scales = (self.gate_up_proj_scale, self.down_proj_scale) if self.fp8_block_columns else None
+            return kernels.fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights,
+                                         self.tile_config, scales, self.fp8_block_columns)
         return self.forward_torch(x, topk_ids, topk_weights)
 
     def forward_torch(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        gate_up: torch.Tensor | None = None, down: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The torch path (the oracle): grouped matmuls over the pairs sorted by expert."""
+        """The torch path (the oracle): grouped matmuls over the pairs sorted by expert (over `weights()`
+        unless given)."""
+        if gate_up is None or down is None:
+            gate_up, down = self.weights(x.dtype)
         grouped: GroupedImpl = "auto"
         if self.impl in ("grouped_mm", "loop"):
             grouped = self.impl
@@ -106,8 +132,8 @@ class RoutedExperts(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         rows = x[order // k]
-        gate, up = grouped_linear(rows, self.gate_up_proj, counts, grouped).chunk(2, dim=-1)
-        out_sorted = grouped_linear(F.silu(gate) * up, self.down_proj, counts, grouped)
+        gate, up = grouped_linear(rows, gate_up, counts, grouped).chunk(2, dim=-1)
+        out_sorted = grouped_linear(F.silu(gate) * up, down, counts, grouped)
         # Weight each row (float32 weights), round to the activation dtype as the reference does
         # per expert, then un-sort and sum each token's k rows.
         out_sorted = (out_sorted * topk_weights.reshape(-1)[order, None]).to(x.dtype)

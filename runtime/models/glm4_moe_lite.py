@@ -31,6 +31,7 @@ from torch import nn
 from kvc.runtime.errors import UnsupportedArchitectureError
 from kvc.runtime.models.base import AttentionFn, CheckpointLayout, ModelSpec
 from kvc.runtime.models.experts import RoutedExperts
+from kvc.runtime.models.fp8_weights import weight_of
 from kvc.runtime.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, check_activation
 from kvc.runtime.models.llama import DecoderLM
 from kvc.runtime.models.rope import RopeSettings
@@ -89,7 +90,7 @@ class LatentAttention(nn.Module):
         q_nope, q_rope = q.view(-1, self.num_heads, self.qk_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, R]
-        up = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
+        up = weight_of(self.kv_b_proj, q.dtype).view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
         w_uk, w_uv = up[:, : self.nope_dim], up[:, self.nope_dim:]  # [H, nope, R], [H, v, R]
         q_abs = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         q = torch.cat([q_abs, self._rope(q_rope, cos, sin)], dim=-1)  # [T, H, R + P]

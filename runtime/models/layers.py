@@ -114,7 +114,7 @@ class GatedMLP(nn.Module):
     CPU_SPLIT_ROWS = 64
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.shape[0] > self.CPU_SPLIT_ROWS:
+        if x.device.type == "cpu" and x.shape[0] > self.CPU_SPLIT_ROWS and isinstance(self.gate_up_proj, nn.Linear):
             i, w, b = self.intermediate_size, self.gate_up_proj.weight, self.gate_up_proj.bias
             gate = F.linear(x, w[:i], None if b is None else b[:i])
             up = F.linear(x, w[i:], None if b is None else b[i:])

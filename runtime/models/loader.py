@@ -3,7 +3,9 @@
 - a local Hugging Face directory;
 - `gguf:PATH` or a `.gguf` path: a GGUF file, converted once into the model cache (gguf.py);
 - `random:tiny`: the tiny random-weight Qwen3 with a byte tokenizer that tests use (random_tiny.py);
-- `random:NAME`: a named full-size shape with random weights (`random:qwen3-30b-a3b`) for benchmarks.
+- `random:NAME`: a named full-size shape with random weights (`random:qwen3-30b-a3b`) for benchmarks;
+  `random:NAME,fp8_block=128` stores its layers' weights as FP8 codes with 128 x 128 block scales, as the
+  published FP8 checkpoints do (runtime/models/fp8_weights.py).
 
 Loading a directory: check it, read config.json (our own JSON read first, so a broken file gets a
 precise message; then transformers' AutoConfig, local files only), pick the kvc class, allocate
@@ -22,7 +24,9 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from kvc.runtime.errors import ModelLoadError, UnsupportedArchitectureError
+from kvc.runtime.errors import ModelLoadError
+from kvc.runtime.models.base import CausalLM
+from kvc.runtime.models.fp8_weights import CODES, BlockFp8, published_rule, quantize_modules, quantized_weights
 from kvc.runtime.models.gguf import ensure_converted, is_gguf
 from kvc.runtime.models.layers import RMSNorm
 from kvc.runtime.models.named_configs import named_config
@@ -53,17 +57,19 @@ def load_model(
     raw = _read_json_object(_check_dir(path) / "config.json", required=True)
     model_class_for(raw.get("architectures"), raw.get("model_type"))
     quantization = raw.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise UnsupportedArchitectureError(
-            f"{path}: quantized checkpoints ({method or 'unknown method'}) are not supported; "
-            "use a bf16/fp16/fp32 one"
-        )
+    fmt = BlockFp8.of_config(quantization, str(path / "config.json")) if quantization else None
     config = _auto_config(path)
     generation = _read_json_object(path / "generation_config.json", required=False)
     eos = eos_ids_of(config, generation)
     dtype = dtype or default_dtype(config, device)
-    model = empty_model(config, device, dtype, eos)
+    transform = None
+    if fmt is not None:  # FP8 codes where the checkpoint has block scales (runtime/models/fp8_weights.py)
+        quantized = quantized_weights(path)
+
+        def transform(model: CausalLM) -> None:
+            model.fp8_weights = (quantize_modules(model, model.checkpoint_layout(), quantized, fmt), fmt)
+
+    model = empty_model(config, device, dtype, eos, transform)
     load_checkpoint(model, path, device)
     logger.info("loaded %s from %s (%s, %s)", model.spec.architecture, path, dtype, device)
     return LoadedModel(model=model, spec=model.spec, hf_config=config, path=path)
@@ -74,13 +80,15 @@ def build_random_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     seed: int = 0,
+    fp8_block: int = 0,
     **overrides: Any,
 ) -> LoadedModel:
     """A model of a named (or given) shape with random weights, allocated on `device` directly.
 
     Weights are N(0, 0.02), norms 1, biases 0 — cheap in-place fills on the device. `overrides`
     replace config fields (e.g. `num_hidden_layers=2` for a quick test). The meta device gives a
-    shape-only model.
+    shape-only model. `fp8_block` > 0: the weights the published FP8 files quantize are FP8 codes (N(0, 1)
+    rounded to e4m3) with square blocks of that size, every scale 0.02.
     """
     if isinstance(name_or_config, str):
         config = named_config(name_or_config, **overrides)
@@ -91,7 +99,15 @@ def build_random_model(
     model_class_for_config(config)
     device = torch.device(device)
     dtype = dtype or default_dtype(config, device)
-    model = empty_model(config, device, dtype, eos_ids_of(config))
+    transform = None
+    if fp8_block:
+        fmt = BlockFp8((fp8_block, fp8_block))
+
+        def transform(model: CausalLM) -> None:
+            layout = model.checkpoint_layout()
+            model.fp8_weights = (quantize_modules(model, layout, published_rule(layout), fmt), fmt)
+
+    model = empty_model(config, device, dtype, eos_ids_of(config), transform)
     if device.type != "meta":
         _init_random_(model, device, seed)
     return LoadedModel(model=model, spec=model.spec, hf_config=config, path=None)
@@ -107,7 +123,8 @@ def resolve_model(
     if directory is not None:
         return load_model(directory, device, dtype)
     name, *fields = spec[len(RANDOM_PREFIX) :].split(",")
-    return build_random_model(name, device, dtype, **_int_overrides(spec, fields))
+    overrides = _int_overrides(spec, fields)
+    return build_random_model(name, device, dtype, fp8_block=overrides.pop("fp8_block", 0), **overrides)
 
 
 def model_directory(spec: str | None) -> Path | None:
@@ -176,6 +193,11 @@ def _init_random_(model: torch.nn.Module, device: torch.device, seed: int) -> No
     for name, param in model.named_parameters():
         if id(param) in norms:
             param.fill_(1.0)
+        elif param.dtype == CODES:  # FP8 codes N(0, 1), their scales RANDOM_INIT_STD (below)
+            for row in param.view(-1, param.shape[-1]).split(4096):
+                row.copy_(torch.randn(row.shape, generator=generator, device=device))
+        elif name.endswith("_scale"):
+            param.fill_(RANDOM_INIT_STD)
         elif name.endswith("bias"):
             param.zero_()
         else:

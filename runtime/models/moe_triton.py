@@ -105,6 +105,17 @@ def _mma(a, b, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _weights(w, s_ptrs, cols, mask, stride_sk, dtype, SCALE_COLS: tl.constexpr):
+    """A weight tile [BLOCK_K, BLOCK_N] as the product reads it: FP8 codes (SCALE_COLS > 0) times each row's
+    scale of their column block, rounded to the activations' dtype as dequantized weights are
+    (runtime/models/fp8_weights.py); other weights as they are."""
+    if SCALE_COLS > 0:
+        scale = tl.load(s_ptrs + (cols // SCALE_COLS)[:, None] * stride_sk, mask=mask, other=0.0)
+        w = (w.to(tl.float32) * scale).to(dtype)
+    return w
+
+
+@triton.jit
 def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Program id -> (row block, column block), GROUP_M row blocks sweeping the columns together."""
     pid = tl.program_id(0)
@@ -118,11 +129,13 @@ def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr)
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, ws_ptr,
                     num_pairs, num_m_blocks, N, K,
                     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_or, stride_on,
+                    stride_se, stride_sn, stride_sk,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    SCALE_COLS: tl.constexpr):
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -137,6 +150,7 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pad
     # [BLOCK_K, BLOCK_N] tiles of W[e].T: gate rows are [0, N), up rows [N, 2N)
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     u_ptrs = g_ptrs + N * stride_wn
+    gs_ptrs = ws_ptr + expert * stride_se + offs_n[None, :] * stride_sn
     n_ok = offs_n < N
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -144,8 +158,12 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pad
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_ok = k_ok[:, None] & n_ok[None, :]
-        gate = _mma(a, tl.load(g_ptrs, mask=w_ok, other=0.0), gate, DOT_PRECISION)
-        up = _mma(a, tl.load(u_ptrs, mask=w_ok, other=0.0), up, DOT_PRECISION)
+        g = _weights(tl.load(g_ptrs, mask=w_ok, other=0.0), gs_ptrs, k0 + offs_k, w_ok, stride_sk, a.dtype,
+                     SCALE_COLS)
+        u = _weights(tl.load(u_ptrs, mask=w_ok, other=0.0), gs_ptrs + N * stride_sn, k0 + offs_k, w_ok, stride_sk,
+                     a.dtype, SCALE_COLS)
+        gate = _mma(a, g, gate, DOT_PRECISION)
+        up = _mma(a, u, up, DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
@@ -155,11 +173,12 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pad
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, out_ptr, route_w_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+def _down_kernel(h_ptr, w_ptr, out_ptr, route_w_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, ws_ptr,
                  num_pairs, num_m_blocks, N, K,
                  stride_hr, stride_hk, stride_we, stride_wn, stride_wk, stride_op, stride_on,
+                 stride_se, stride_sn, stride_sk,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_COLS: tl.constexpr):
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -171,12 +190,15 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, route_w_ptr, sorted_ptr, block_expert_pt
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hr + offs_k[None, :] * stride_hk
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    s_ptrs = ws_ptr + expert * stride_se + offs_n[None, :] * stride_sn
     n_ok = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & n_ok[None, :]
+        w = _weights(tl.load(w_ptrs, mask=w_ok, other=0.0), s_ptrs, k0 + offs_k, w_ok, stride_sk, a.dtype,
+                     SCALE_COLS)
         acc = _mma(a, w, acc, DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_hk
         w_ptrs += BLOCK_K * stride_wk
@@ -204,10 +226,15 @@ def fused_experts(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     config: MoeTileConfig | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scale_columns: int = 0,
 ) -> torch.Tensor:
     """x [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I], topk_ids/topk_weights [T, k]
-    -> [T, H] in x's dtype: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])."""
-    _check(x, gate_up_proj, down_proj, topk_ids, topk_weights)
+    -> [T, H] in x's dtype: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]). FP8 weights come with
+    `scales` (gate_up's [E, 2I, ceil(H / c)], down's [E, H, ceil(I / c)]: each row's scale per `scale_columns`
+    = c columns, runtime/models/fp8_weights.py) and are dequantized tile by tile in the kernels."""
+    _check(x, gate_up_proj, down_proj, topk_ids, topk_weights, scales, scale_columns)
+    gate_up_scale, down_scale = scales if scales is not None else (gate_up_proj, down_proj)  # unread without
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
@@ -223,28 +250,28 @@ def fused_experts(
     h = x.new_empty(capacity, inter)
     tile = config.fit(inter, hidden)
     _gate_up_kernel[(num_m_blocks * triton.cdiv(inter, tile.block_n),)](
-        x, gate_up_proj, h, align.sorted_pairs, align.block_experts, align.num_padded,
+        x, gate_up_proj, h, align.sorted_pairs, align.block_experts, align.num_padded, gate_up_scale,
         num_pairs, num_m_blocks, inter, hidden,
-        x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
+        x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1), *gate_up_scale.stride(),
         TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m, DOT_PRECISION=precision,
+        GROUP_M=tile.group_m, DOT_PRECISION=precision, SCALE_COLS=scale_columns if scales is not None else 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     per_pair = x.new_empty(num_pairs, hidden)
     route_w = topk_weights.reshape(-1)
     tile = config.fit(hidden, inter)
     _down_kernel[(num_m_blocks * triton.cdiv(hidden, tile.block_n),)](
-        h, down_proj, per_pair, route_w, align.sorted_pairs, align.block_experts, align.num_padded,
+        h, down_proj, per_pair, route_w, align.sorted_pairs, align.block_experts, align.num_padded, down_scale,
         num_pairs, num_m_blocks, hidden, inter,
-        h.stride(0), h.stride(1), *down_proj.stride(), per_pair.stride(0), per_pair.stride(1),
+        h.stride(0), h.stride(1), *down_proj.stride(), per_pair.stride(0), per_pair.stride(1), *down_scale.stride(),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m, DOT_PRECISION=precision,
+        GROUP_M=tile.group_m, DOT_PRECISION=precision, SCALE_COLS=scale_columns if scales is not None else 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
-def _check(x, gate_up_proj, down_proj, topk_ids, topk_weights) -> None:
+def _check(x, gate_up_proj, down_proj, topk_ids, topk_weights, scales=None, scale_columns=0) -> None:
     num_experts, two_i, hidden = gate_up_proj.shape
     if x.dim() != 2 or x.shape[1] != hidden or two_i % 2:
         raise ValueError(f"x must be [T, {hidden}] for gate_up_proj {tuple(gate_up_proj.shape)}, "
@@ -255,8 +282,14 @@ def _check(x, gate_up_proj, down_proj, topk_ids, topk_weights) -> None:
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids and topk_weights must both be [{x.shape[0]}, k], got "
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
-    if gate_up_proj.dtype != x.dtype or down_proj.dtype != x.dtype:
+    want = torch.float8_e4m3fn if scales is not None else x.dtype
+    if gate_up_proj.dtype != want or down_proj.dtype != want:
         raise ValueError(f"expert weights ({gate_up_proj.dtype}, {down_proj.dtype}) must have the "
-                         f"activations' dtype {x.dtype}")
+                         f"activations' dtype {x.dtype}, or be FP8 codes with their scales")
+    blocks = [-(-w.shape[2] // max(scale_columns, 1)) for w in (gate_up_proj, down_proj)]
+    if scales is not None and (scale_columns < 1 or scales[0].shape != (*gate_up_proj.shape[:2], blocks[0])
+                               or scales[1].shape != (*down_proj.shape[:2], blocks[1])):
+        raise ValueError(f"FP8 expert scales must be [E, rows, ceil(columns / {scale_columns})] per weight, got "
+                         f"{[tuple(t.shape) for t in scales]}")
     if not topk_ids.is_contiguous() or not topk_weights.is_contiguous():
         raise ValueError("topk_ids and topk_weights must be contiguous")

@@ -7,7 +7,7 @@ module is built on the meta device, then given uninitialized memory where it wil
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -114,13 +114,17 @@ def make_spec(cls: type[CausalLM], config: Any, dtype: torch.dtype, eos: tuple[i
 
 
 def empty_model(
-    config: Any, device: torch.device, dtype: torch.dtype, eos: tuple[int, ...]
+    config: Any, device: torch.device, dtype: torch.dtype, eos: tuple[int, ...],
+    transform: Callable[[CausalLM], None] | None = None,
 ) -> CausalLM:
-    """The model for `config` with uninitialized weights in `dtype` on `device`."""
+    """The model for `config` with uninitialized weights in `dtype` on `device`; `transform` changes it on
+    the meta device first, after the cast (FP8 weights: runtime/models/fp8_weights.py)."""
     cls = model_class_for_config(config)
     spec = make_spec(cls, config, dtype, eos)
     with torch.device("meta"):
         model = cls(config, spec).to(dtype)
+        if transform is not None:
+            transform(model)
     model = model.to_empty(device=device)
     model.init_buffers()
     return model.eval().requires_grad_(False)

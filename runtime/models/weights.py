@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvc.runtime.errors import ModelLoadError
 from kvc.runtime.models.base import CausalLM, CheckpointLayout
+from kvc.runtime.models.fp8_weights import add_scale_targets
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ def find_shards(path: Path) -> dict[Path, list[str] | None]:
 
 def load_checkpoint(model: CausalLM, path: Path, device: torch.device) -> None:
     layout = model.checkpoint_layout()
+    if model.fp8_weights is not None:  # each FP8 weight's block scales (runtime/models/fp8_weights.py)
+        add_scale_targets(layout, *model.fp8_weights)
     params = dict(model.named_parameters())
     written: dict[str, int] = defaultdict(int)
     seen: set[str] = set()
@@ -85,13 +88,19 @@ def load_checkpoint(model: CausalLM, path: Path, device: torch.device) -> None:
                         continue
                     dest = params[target.param].data[target.index]
                     shape = tuple(f.get_slice(name).get_shape())
-                    if shape != tuple(dest.shape):
+                    want = tuple(dest.shape)
+                    if target.expand_rows:  # block scales: one row a block of the region's rows
+                        want = (-(-want[0] // target.expand_rows), *want[1:])
+                    if shape != want:
                         raise ModelLoadError(
                             f"{file.name}: tensor {name} has shape {list(shape)}, but the model "
-                            f"expects {list(dest.shape)} (for {target.param}); does config.json "
+                            f"expects {list(want)} (for {target.param}); does config.json "
                             "match the weights?"
                         )
-                    dest.copy_(f.get_tensor(name))
+                    tensor = f.get_tensor(name)
+                    if target.expand_rows:
+                        tensor = tensor.repeat_interleave(target.expand_rows, dim=0)[: dest.shape[0]]
+                    dest.copy_(tensor)
                     seen.add(name)
                     written[target.param] += dest.numel()
         except (SafetensorError, OSError) as err:

@@ -376,3 +376,28 @@ def test_glm4_moe_lite_block_with_triton_experts_equals_transformers():
         routed = experts(x[0].to(DEVICE), ids.to(DEVICE), weights.contiguous().to(DEVICE)).cpu()
         got = routed + block.shared_experts(x[0])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_experts_equal_the_dequantized_ones(dtype):
+    """FP8 expert weights (codes plus per-row scales of 24-column blocks, runtime/models/fp8_weights.py),
+    dequantized tile by tile in the kernels, give what the kernels give over the weights dequantized first."""
+    from kvc.runtime.models.fp8_weights import dequantize
+
+    experts = make_experts(8, 64, 32, dtype)
+    gen = torch.Generator().manual_seed(3)
+    codes, scales = [], []
+    for w in (experts.gate_up_proj, experts.down_proj):
+        cols = -(-w.shape[2] // 24)
+        # codes ~ N(0, 40): weights ~ N(0, 1 / in), as make_experts' (outputs of the tolerances' scale)
+        scale = ((torch.rand(*w.shape[:2], cols, generator=gen) * 0.5 + 0.75) / (40 * w.shape[2] ** 0.5)).to(DEVICE)
+        codes.append((torch.randn(w.shape, generator=gen) * 40).to(torch.float8_e4m3fn).to(DEVICE))
+        scales.append(scale)
+    x = torch.randn(9, 64, generator=gen).to(DEVICE, dtype)
+    ids, weights = random_routing(9, 8, 2, seed=4)
+    got = moe_triton.fused_experts(x, *codes, ids, weights, scales=tuple(scales), scale_columns=24)
+    dense = [dequantize(c, s, 24, dtype) for c, s in zip(codes, scales)]
+    want = moe_triton.fused_experts(x, *dense, ids, weights)
+    torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+    with pytest.raises(ValueError, match="FP8 expert scales"):
+        moe_triton.fused_experts(x, *codes, ids, weights, scales=(scales[1], scales[0]), scale_columns=24)

@@ -123,10 +123,13 @@ def test_unsupported_rope_type(model_dir: Path) -> None:
         load_model(model_dir)
 
 
-def test_quantized_checkpoint_is_refused(model_dir: Path) -> None:
-    edit_config(model_dir, quantization_config={"quant_method": "fp8"})
-    with pytest.raises(UnsupportedArchitectureError, match=r"quantized checkpoints \(fp8\)"):
-        load_model(model_dir)
+def test_quantized_checkpoint_of_another_format_is_refused(model_dir: Path) -> None:
+    """FP8 without a block size, and other methods: only the published block-wise FP8 format loads
+    (tests/models/test_fp8_weights.py)."""
+    for quantization in ({"quant_method": "fp8"}, {"quant_method": "gptq", "bits": 4}):
+        edit_config(model_dir, quantization_config=quantization)
+        with pytest.raises(UnsupportedArchitectureError, match="block-wise FP8 format only"):
+            load_model(model_dir)
 
 
 def test_no_safetensors(model_dir: Path) -> None:
