@@ -17,7 +17,12 @@ keep's `+ last N`, the parameters with the .kvm's defaults):
   converted to kvpress's (counted with it, `adakv_safeguard`);
 - tova: `TOVAPress`; streamingllm: `StreamingLLMPress(n_sink=sink)`, keeping kvc's sink + recent (or budget);
 - h2o: `ColumnSumPress` (below), kvpress's observed attention as H2O's prefill selection, with
-  kvc's heavy and recent counts (fractions of the prompt, or a token budget); eager attention.
+  kvc's heavy and recent counts (fractions of the prompt, or a token budget); eager attention;
+- kvzip: `KVzipPress(compression_ratio=1 - ratio, chunk_size=chunk, n_sink=sink)`, one budget across
+  layers as kvc's. Its prefill is kvpress's own (`with press(model): model.model(prompt)`: the prompt,
+  then the press's context reconstruction passes, which leave the cache whole and each layer's pruned
+  pairs in `masked_key_indices`, decoded masked as Ada-KV's); the repeat prompt comes from the model
+  directory's tokenizer and chat template, as kvc's engine frames it.
 
 Semantics: the whole prompt (question included, as kvc compresses it) is the press's context and is
 compressed at the end of its prefill; the first token comes from the prefill's last logits, then
@@ -214,6 +219,11 @@ def _h2o(p: _Prompt) -> Any:
     return _press_classes()["ColumnSumPress"](ratio_keeping(p.length, p.kept[0]), recent=p.recent)
 
 
+def _kvzip(p: _Prompt) -> Any:
+    return _kvpress().KVzipPress(compression_ratio=1 - p.params["ratio"], chunk_size=p.params["chunk"],
+                                 n_sink=p.params["sink"])
+
+
 # kvc method -> (the press for one prompt, the attention implementation it runs with)
 _PRESSES: dict[str, tuple[Callable[[_Prompt], Any], str]] = {
     "snapkv": (_snapkv, "sdpa"),
@@ -222,6 +232,7 @@ _PRESSES: dict[str, tuple[Callable[[_Prompt], Any], str]] = {
     "tova": (_tova, "sdpa"),
     "streamingllm": (_streamingllm, "sdpa"),
     "h2o": (_h2o, "eager"),  # ColumnSumPress reads the attention matrix
+    "kvzip": (_kvzip, "sdpa"),  # its own prefill (`replayed`): reconstruction passes after the prompt
 }
 FULL = "full"
 
@@ -340,6 +351,32 @@ def prefill(model: Any, prompt: torch.Tensor, presses: dict[int, Any | None]
     return out.logits[0, -1], caches
 
 
+def replayed(model: Any, prompt: torch.Tensor, press: Any) -> tuple[torch.Tensor, CompressedCache]:
+    """KVzip's prefill through kvpress's own path: the prompt under `press(model)`, whose exit replays the
+    context and scores it; its last logits and the whole cache with each layer's pruned pairs masked."""
+    from kvpress.utils import extract_keys_and_values
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        hidden = model.model(input_ids=prompt[None], past_key_values=cache).last_hidden_state
+    with torch.no_grad():
+        logits = model.lm_head(hidden[0, -1])
+    out = CompressedCache([], [], [])
+    for module in _attention_modules(model):
+        keys, values = extract_keys_and_values(cache, module.layer_idx)
+        out.keys.append(keys)
+        out.values.append(values)
+        out.masked.append(getattr(module, "masked_key_indices", None))
+        module.masked_key_indices = None
+    return logits, out
+
+
+def _replays(press: Any) -> bool:
+    """A press that compresses by replaying the context after the prefill (KVzip), not in a hook."""
+    return type(press).__name__ == "KVzipPress"
+
+
 def _stacked(rows: list[CompressedCache]) -> tuple[Any, list[tuple[torch.Tensor, ...] | None]]:
     """One DynamicCache with `rows` in the batch dimension, and each layer's masked indices with
     their batch index moved to the row's."""
@@ -412,12 +449,19 @@ def run_on_model(model: Any, prompts: list[ReferencePrompt], methods: list[Refer
             tokens: dict[int, list[int]] = {}
             for attention, presses in sorted(by_attention.items(), reverse=True):  # sdpa, then eager
                 model.set_attn_implementation(attention)
-                logits, caches = prefill(model, torch.tensor(case.prompt, device=device), presses)
-                first = int(logits.argmax())
-                same_shape: dict[tuple[int, ...], list[int]] = defaultdict(list)
+                ids = torch.tensor(case.prompt, device=device)
+                hooked = {i: press for i, press in presses.items() if not _replays(press)}
+                caches, firsts = {}, {}
+                if hooked:
+                    logits, caches = prefill(model, ids, hooked)
+                    firsts = dict.fromkeys(caches, int(logits.argmax()))
+                for i in presses.keys() - hooked.keys():
+                    logits, caches[i] = replayed(model, ids, presses[i])
+                    firsts[i] = int(logits.argmax())
+                same_shape: dict[tuple, list[int]] = defaultdict(list)
                 for i, compressed in caches.items():
-                    same_shape[compressed.lengths].append(i)
-                for group in same_shape.values():
+                    same_shape[compressed.lengths, firsts[i]].append(i)
+                for (_, first), group in same_shape.items():
                     rows = greedy(model, [caches[i] for i in group], first, length, max_tokens, stops)
                     tokens.update(zip(group, rows))
                 del caches

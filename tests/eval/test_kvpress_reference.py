@@ -284,3 +284,22 @@ def test_missing_kvpress_is_a_config_error(monkeypatch: pytest.MonkeyPatch, tmp_
         ref.run_kvpress(tmp_path, prompts_of((10,), seed=0), [("full", {})])
     assert error.value.message == ("--reference kvpress needs kvpress: pip install kvpress==0.5.5 (it needs "
                                    "transformers < 5.3)")
+
+
+@needs_kvpress
+def test_kvzip_column_is_kvpress_alone(tmp_path: Path) -> None:
+    """KVzip's column (its own prefill: the prompt, then kvpress's context reconstruction) gives the tokens
+    KVzipPress gives through kvpress's standard path, beside `full` and a hooked press in the same run; a
+    3-chunk replay included. The model directory has a tokenizer (the repeat prompt is text)."""
+    model_dir = make_tiny_llama(tmp_path, seed=3, num_hidden_layers=4, tokenizer=True)
+    configs = [("full", {}), ("kvzip", {"ratio": 0.3}), ("kvzip", {"ratio": 0.3, "chunk": 32}),
+               ("snapkv", {"budget": 32, "window": 8})]
+    prompts = prompts_of((90,), seed=33, max_tokens=8)
+    methods = methods_for(model_dir, configs)
+    model = hf_model(model_dir, "sdpa")
+    shared = ref.run_on_model(model, prompts, methods, tuple(eos_of(model)))
+    for i, method in enumerate(methods):
+        press, attention = method.press(len(prompts[0].prompt))
+        assert shared[i][0] == alone(hf_model(model_dir, attention), press, prompts[0]), configs[i]
+    assert type(methods[1].press(90)[0]).__name__ == "KVzipPress"
+    assert shared[1] != shared[0] or shared[2] != shared[0], "KVzip changed nothing: the prompt pins too little"
