@@ -55,6 +55,8 @@ def add_commands(bench_sub) -> None:
                    "row's): GPU busy fraction, host gap per step, top kernels by GPU time (slow)")
     t.add_argument("--busy-batch", type=int, default=64, help="batch of the --busy windows (default 64; a larger "
                    "value profiles the whole batch)")
+    t.add_argument("--requests", type=int, default=0, help="also run this many requests end to end per method and "
+                   "input, prefill included, as `vllm bench throughput` does: output tok/s, requests/s, TTFT")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", help="write the JSON result here")
     t.add_argument("--plot", help="also render the PNG here (needs matplotlib)")
@@ -101,7 +103,7 @@ def parse_method_params(items: list[str] | None) -> dict[str, dict]:
 
 def _throughput(a: argparse.Namespace) -> int:
     from kvc.runtime.bench.plan import parse_bytes
-    from kvc.runtime.bench.result import format_profiles, format_table
+    from kvc.runtime.bench.result import format_offline, format_profiles, format_table
     from kvc.runtime.bench.throughput import ThroughputConfig, run
 
     cfg = ThroughputConfig(
@@ -115,7 +117,7 @@ def _throughput(a: argparse.Namespace) -> int:
         async_scheduling=ASYNC_SCHEDULING_CHOICES[a.async_scheduling], evict_interval=a.evict_interval,
         method_inputs=a.method_inputs,
         temperature=a.temperature, sources=a.sources, e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy,
-        busy_batch=a.busy_batch, seed=a.seed)
+        busy_batch=a.busy_batch, requests=a.requests, seed=a.seed)
     if a.plot:
         from kvc.runtime.bench.plot import _pyplot
 
@@ -124,6 +126,10 @@ def _throughput(a: argparse.Namespace) -> int:
     def show(row: dict) -> None:
         if "error" in row:
             print(f"{row['method']} @ {row['input_len']}: {row['error']}", file=sys.stderr, flush=True)
+        elif row["mode"] == "offline":
+            print(f"{row['method']} @ {row['input_len']} (offline, {row['requests']} requests): "
+                  f"{row['output_tok_s']:.1f} output tok/s, {row['wall_s']:.1f} s, TTFT {row['ttft_s']:.2f} s",
+                  file=sys.stderr, flush=True)
         else:
             checks = "".join([
                 f", {row['window_step_ratio']:.2f}x the window's step" if row.get("window_step_ratio") else "",
@@ -135,6 +141,9 @@ def _throughput(a: argparse.Namespace) -> int:
     partial = (lambda result: _write(a.out, result)) if a.out else None  # rows so far, after every case
     result = run(cfg, progress=not a.no_progress and sys.stderr.isatty(), on_row=show, on_partial=partial)
     print(format_table(result))
+    offline = format_offline(result)
+    if offline:
+        print("\n" + offline)
     profiles = format_profiles(result)
     if profiles:
         print("\n" + profiles)

@@ -108,6 +108,8 @@ def format_table(result: dict) -> str:
              "| prefill s | TTFT s | busy | e2e check |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.get("rows", []):
+        if r["mode"] == "offline":  # the whole run's rows: `format_offline`
+            continue
         if "error" in r:
             lines.append(f"| {r['method']} | {r['input_len']} | {r['mode']} | - | - | - | - | - | - | - | - | "
                          f"{r['error']} |")
@@ -118,6 +120,26 @@ def format_table(result: dict) -> str:
         lines.append(f"| {r['method']} | {r['input_len']} | {r['mode']} | {r['batch']} | {r['pages_per_seq']} | "
                      f"{r['step_ms']:.2f} | {r['decode_tok_s']:.1f} | {shown} | {r['prefill_s']:.3f} | "
                      f"{r['ttft_s']:.3f} | {busy} | {_e2e_check(r)} |")
+    return "\n".join(lines)
+
+
+def format_offline(result: dict) -> str:
+    """A markdown table of the whole-run rows (`--requests`), with the output tok/s ratio vs full; "" without."""
+    rows = [r for r in result.get("rows", []) if r["mode"] == "offline"]
+    if not rows:
+        return ""
+    ratios = result.get("ratios_vs_full", {})
+    lines = ["| method | input | output | requests | seats | output tok/s | vs full | requests/s | TTFT mean s "
+             "| TTFT p99 s | prefill share | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['method']} | {r['input_len']} | {r['output_len']} | {r['requests']} | - | - | - | - "
+                         f"| - | - | - | {r['error']} |")
+            continue
+        ratio = ratios.get(str(r["input_len"]), {}).get(r["method"], {}).get("output_tok_s")
+        lines.append(f"| {r['method']} | {r['input_len']} | {r['output_len']} | {r['requests']} | {r['batch']} | "
+                     f"{r['output_tok_s']:.1f} | {'-' if ratio is None else f'{ratio:.2f}x'} | {r['requests_s']:.3f} "
+                     f"| {r['ttft_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['prefill_share']:.2f} | {r['wall_s']:.1f} |")
     return "\n".join(lines)
 
 

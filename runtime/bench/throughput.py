@@ -19,7 +19,10 @@ stored):
    (`busy`, `busy_profile`: busy fraction, host gap per step, GPU time per kernel; `busy.py`);
 5. `--e2e`: a second engine prefills `batch` real prompts end to end, then times the same decode
    window (`"mode": "e2e"`, `window_step_ratio` = its step time over the decode window's at the
-   same batch), profiled too with `--busy` (`e2e.py`).
+   same batch), profiled too with `--busy` (`e2e.py`);
+6. `--requests N`: N requests run end to end by one more engine, prefill included, as `vllm bench
+   throughput` measures (`"mode": "offline"`: output tok/s, requests/s and TTFT over the whole run;
+   `offline.py`).
 
 Prefilling hundreds of long prompts does not fit a short GPU call; the decode window is the
 shortcut, and the e2e row is its check (the acceptance: within 10% at 32K, batch >= 64).
@@ -39,6 +42,7 @@ from pathlib import Path
 import torch
 
 from kvc.runtime.bench.e2e import after_window, e2e_row, steps_after_prefill
+from kvc.runtime.bench.offline import offline_row
 from kvc.runtime.bench.plan import (
     BatchPlan,
     declared_family,
@@ -87,6 +91,7 @@ class ThroughputConfig:
     e2e_batch: int | None = None  # None: the planned (largest) batch
     busy: bool = False
     busy_batch: int = 64
+    requests: int = 0  # > 0: also run that many requests end to end per case (offline.py)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -106,6 +111,8 @@ class ThroughputConfig:
                               "least 0", param="warmup")
         if not self.methods or not self.inputs or any(n < 2 for n in self.inputs):
             raise ConfigError("give at least one method and input lengths of at least 2 tokens", param="inputs")
+        if isinstance(self.requests, bool) or not isinstance(self.requests, int) or self.requests < 0:
+            raise ConfigError(f"requests must be a whole number >= 0, got {self.requests!r}", param="requests")
         if self.e2e_batch is not None and (isinstance(self.e2e_batch, bool) or not isinstance(self.e2e_batch, int)
                                            or self.e2e_batch < 1):
             raise ConfigError(f"e2e_batch must be a positive integer, got {self.e2e_batch!r}", param="e2e_batch")
@@ -189,6 +196,8 @@ def measure(cfg: ThroughputConfig, case: Case) -> list[dict]:
     rows = [row]
     if cfg.e2e:
         rows.append(e2e_row(cfg, case, row))
+    if cfg.requests:
+        rows.append(offline_row(cfg, case))
     return rows
 
 
@@ -243,16 +252,20 @@ def _diverge(clones: list, vocab: int, seed: int) -> None:
 
 
 def ratios(rows: list[dict], baseline: str = "full") -> dict[str, dict[str, dict]]:
-    """Per input length, per method: decode tok/s and batch over the baseline's (decode windows)."""
-    windows = [r for r in rows if r["mode"] == "decode_window" and r.get("decode_tok_s")]
-    base = {r["input_len"]: r for r in windows if r["method"] == baseline}
+    """Per input length, per method: decode tok/s and batch over the baseline's (decode windows), and the
+    whole run's output tok/s over the baseline's (`output_tok_s`, offline rows)."""
     out: dict[str, dict[str, dict]] = {}
-    for r in windows:
-        b = base.get(r["input_len"])
-        if b is None:
-            continue
-        out.setdefault(str(r["input_len"]), {})[r["method"]] = {
-            "decode_tok_s": r["decode_tok_s"] / b["decode_tok_s"], "batch": r["batch"] / b["batch"]}
+    for mode, key in (("decode_window", "decode_tok_s"), ("offline", "output_tok_s")):
+        measured = [r for r in rows if r["mode"] == mode and r.get(key)]
+        base = {r["input_len"]: r for r in measured if r["method"] == baseline}
+        for r in measured:
+            b = base.get(r["input_len"])
+            if b is None:
+                continue
+            cell = out.setdefault(str(r["input_len"]), {}).setdefault(r["method"], {})
+            cell[key] = r[key] / b[key]
+            if mode == "decode_window":
+                cell["batch"] = r["batch"] / b["batch"]
     return out
 
 
