@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # GLM-4.7-Flash (MLA, latent KV cache) on the H200: the latent kernels' tests (compiled, against the torch ops,
 # and the tiny GLM served through them), one layer's decode bandwidth and prefill (`micro`,
-# bench/latent_decode_bench.py), and decode throughput of full against SnapKV@2048 at 32K / 128K (random-weight
-# GLM-4.7-Flash, bf16, 60 GiB of KV, full in the same run).
+# bench/latent_decode_bench.py), and decode throughput of full against SnapKV@2048 and FP8 latents at 32K / 128K
+# (random-weight GLM-4.7-Flash, bf16, 60 GiB of KV, full in the same run).
 # Usage (device machine): bash bench/gpu_issue22.sh "$OUT" "tests micro t32 t128"
 set -uo pipefail
 out=${1:?output folder}; parts=${2:-tests micro t32 t128}
-methods=${METHODS:-full,snapkv}
+methods=${METHODS:-full,snapkv,fp8}
 common=(--model random:glm-4.7-flash --dtype bfloat16 --kv-memory 60GiB --output 2048 --no-progress
         --methods "$methods")
 read -ra extra <<< "${EXTRA:-}"

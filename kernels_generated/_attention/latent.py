@@ -6,11 +6,13 @@
 """Paged attention over MLA's latent cache (runtime/kv/spec.py, `KVSpec.with_latent_values`): the `latent` variant.
 
 Same entry points and signatures as runtime/attention/torch_ops.py. One KV head stores each token's
-`[c, k_rope]` (`RANK + ROPE` channels); the values are the view of its first `RANK` (the latent c), so a
+`[c, k_rope]` (`RANK + ROPE` channels), in the model dtype or as FP8 codes with the layer's one scale
+(`QuantizedPages`, the `fp8` method); the values are the view of its first `RANK` (the latent c), so a
 token is read once for its key and its value. The queries arrive absorbed (runtime/models/glm4_moe_lite.py):
 `[q_abs, q_rope]` per head, every query head reading the one latent head (docs/design.md, "MLA").
 
-- `store_kv`: the keys' rows written at their slots (the values are inside them); device ops only.
+- `store_kv`: the keys' rows written at their slots (the values are inside them), FP8 ones quantized
+  against the layer's scale; device ops only.
 - `paged_decode`: one Triton program per (sequence, split of its context) reads each latent tile once
   for all the query heads: `q_abs . c + q_rope . k_rope` as two tensor-core products, the online
   softmax, and `p @ c` into a [heads, RANK] accumulator; the splits are merged after. No host value is
@@ -27,31 +29,49 @@ import triton
 import triton.language as tl
 
 from kvc.runtime.attention import torch_ops
+from kvc.runtime.attention.sources import QuantizedPages
+from kvc.runtime.kv import encodings
 
 SPLIT_TOKENS = 256  # decode: the fewest tokens a split reads
 
 
-def _layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
-    """(RANK, ROPE) of a latent cache read by absorbed queries q [.., heads, RANK + ROPE]."""
-    rank, width = v_cache.shape[-1], k_cache.shape[-1]
-    if (not isinstance(k_cache, torch.Tensor) or not isinstance(v_cache, torch.Tensor) or k_cache.shape[1] != 1
-            or v_cache.data_ptr() != k_cache.data_ptr() or v_cache.stride() != k_cache.stride() or rank >= width):
+def _stored(source) -> torch.Tensor:
+    """The tensor a source's rows live in: the dense cache, or FP8 codes."""
+    return source.codes if isinstance(source, QuantizedPages) else source
+
+
+def _layout(q: torch.Tensor, k_cache, v_cache) -> tuple[int, int, torch.Tensor, torch.Tensor | None]:
+    """(RANK, ROPE, the rows [pages + 1, 1, page, RANK + ROPE], the FP8 scale or None) of a latent cache read by
+    absorbed queries q [.., heads, RANK + ROPE]."""
+    quantized = isinstance(k_cache, QuantizedPages)
+    if quantized and not (k_cache.enc.format and isinstance(v_cache, QuantizedPages) and v_cache.enc.format
+                          and k_cache.residual is None and k_cache.enc.rotation is None):
+        raise ValueError("the latent attention variant reads dense or FP8 latents with one scale a layer")
+    rows, values = _stored(k_cache), _stored(v_cache)
+    rank, width = values.shape[-1], rows.shape[-1]
+    if (not isinstance(rows, torch.Tensor) or not isinstance(values, torch.Tensor) or rows.shape[1] != 1
+            or values.data_ptr() != rows.data_ptr() or values.stride() != rows.stride() or rank >= width):
         raise ValueError("the latent attention variant reads one KV head whose values are the first channels of its "
-                         f"keys, got k {tuple(k_cache.shape)} and v {tuple(v_cache.shape)}")
-    if rank & (rank - 1) or rank < 16 or q.shape[-1] != width or k_cache.stride(-1) != 1:
+                         f"keys, got k {tuple(rows.shape)} and v {tuple(values.shape)}")
+    if rank & (rank - 1) or rank < 16 or q.shape[-1] != width or rows.stride(-1) != 1:
         raise ValueError(f"the latent kernels take a power-of-two latent >= 16 (got {rank}), queries as wide as the "
                          f"keys ({q.shape[-1]} vs {width}) and contiguous channels")
-    return rank, width - rank
+    return rank, width - rank, rows, k_cache.scale if quantized else None
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, cu_seqlens_q=None, context_lens=None, rows=None,
              block_tables=None, window_tokens=None, resid_lens=None) -> None:
     """New keys k [T, 1, RANK + ROPE] at `slot_mapping` (-1: the scratch page); `v` is their first RANK
-    channels, stored with them."""
-    num_pages, heads, page, dim = k_cache.shape
+    channels, stored with them. FP8 keys: codes of `k / scale` (the layer's scale, set before the first store)."""
+    rows = _stored(k_cache)
+    num_pages, heads, page, dim = rows.shape
     slots = torch.where(slot_mapping >= 0, slot_mapping.long(), (num_pages - 1) * page)
     flat = ((slots // page * heads)[:, None] + torch.arange(heads, device=slots.device)) * page + (slots % page)[:, None]
-    k_cache.view(-1, dim).index_copy_(0, flat.flatten(), k.reshape(-1, dim).to(k_cache.dtype))
+    if isinstance(k_cache, QuantizedPages):
+        scale = k_cache.scale[0, :, 0].float()  # [Hkv, 1]
+        k = encodings.quantize_float(k, torch.where(scale > 0, scale, 1.0), k_cache.enc.format)
+    new = k.reshape(-1, dim).to(rows.dtype)
+    encodings.raw(rows).view(-1, dim).index_copy_(0, flat.flatten(), encodings.raw(new))  # (FP8 as bytes)
 
 
 def store_window(*args, **kwargs) -> None:
@@ -69,25 +89,30 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _scores(q_lat, q_rope, kv_ptr, rows, token_mask, ranks, rope_dims,
-            RANK: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr):
-    """A key tile's latent [BLOCK_N, RANK] and q . k [rows, BLOCK_N] for the queries' two parts."""
+def _scores(q_lat, q_rope, kv_ptr, scale_ptr, rows, token_mask, ranks, rope_dims,
+            RANK: tl.constexpr, ROPE: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr):
+    """A key tile's latent [BLOCK_N, RANK] and q . k [rows, BLOCK_N] for the queries' two parts; FP8 codes
+    (SCALED) dequantized as the torch ops do: `code x scale` in float32, rounded to the queries' dtype."""
     latent = tl.load(kv_ptr + rows[:, None] + ranks[None, :], mask=token_mask[:, None], other=0.0)
     rope = tl.load(kv_ptr + rows[:, None] + RANK + rope_dims[None, :],
                    mask=token_mask[:, None] & (rope_dims < ROPE)[None, :], other=0.0)
+    if SCALED:
+        scale = tl.load(scale_ptr).to(tl.float32)
+        latent = (latent.to(tl.float32) * scale).to(q_lat.dtype)
+        rope = (rope.to(tl.float32) * scale).to(q_lat.dtype)
     qk = _dot(q_lat, tl.trans(latent), PRECISION) + _dot(q_rope, tl.trans(rope), PRECISION)
     return latent, qk
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, tables_ptr, lens_ptr, starts_ptr, acc_ptr, m_ptr, l_ptr,
+    q_ptr, kv_ptr, scale_ptr, tables_ptr, lens_ptr, starts_ptr, acc_ptr, m_ptr, l_ptr,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_tb, stride_sb,
     stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
     scale_log2, num_splits,
     HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HAS_STARTS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SCALED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq, split = tl.program_id(0), tl.program_id(1)
     context = tl.load(lens_ptr + seq)
@@ -113,7 +138,8 @@ def _decode_split_kernel(
         token_mask = tokens < last
         pages = tl.load(tables_ptr + seq * stride_tb + tokens // PAGE_SIZE, mask=token_mask, other=0)
         rows = pages.to(tl.int64) * stride_kp + (tokens % PAGE_SIZE) * stride_ks
-        latent, qk = _scores(q_lat, q_rope, kv_ptr, rows, token_mask, ranks, rope_dims, RANK, ROPE, PRECISION)
+        latent, qk = _scores(q_lat, q_rope, kv_ptr, scale_ptr, rows, token_mask, ranks, rope_dims, RANK, ROPE,
+                                 SCALED, PRECISION)
         qk = tl.where(token_mask[None, :], qk * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -155,7 +181,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
     if stats is not None or read is not None:  # the statistics and read plans of the torch ops
         return torch_ops.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out,
                                       kv_starts, stats, rows, resid_lens, read)
-    rank, rope = _layout(q, k_cache, v_cache)
+    rank, rope, rows, kv_scale = _layout(q, k_cache, v_cache)
     batch, heads, _ = q.shape
     if out is None:
         out = q.new_empty(batch, heads, rank)
@@ -168,13 +194,14 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
     lsum = torch.empty_like(m)
     starts, stride_sb = _starts(kv_starts, context_lens)
     _decode_split_kernel[(batch, splits)](
-        q, k_cache, block_tables, context_lens, starts, acc, m, lsum,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(2), block_tables.stride(0), stride_sb,
+        q, rows, rows if kv_scale is None else kv_scale, block_tables, context_lens, starts, acc, m, lsum,
+        q.stride(0), q.stride(1), rows.stride(0), rows.stride(2), block_tables.stride(0), stride_sb,
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         scale * 1.4426950408889634, splits,
-        HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=k_cache.shape[2], BLOCK_H=max(16, triton.next_power_of_2(heads)),
+        HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=rows.shape[2], BLOCK_H=max(16, triton.next_power_of_2(heads)),
         BLOCK_N=block_n or 32, BLOCK_P=max(16, triton.next_power_of_2(rope)), HAS_STARTS=kv_starts is not None,
-        PRECISION=_precision(q.dtype), num_warps=num_warps or 8, num_stages=num_stages or 2,
+        SCALED=kv_scale is not None, PRECISION=_precision(q.dtype), num_warps=num_warps or 8,
+        num_stages=num_stages or 2,
     )
     # merge the splits (an empty one has m = -inf and weighs 0; a row with no context gives zeros)
     top = m.amax(dim=-1, keepdim=True)
@@ -186,12 +213,12 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kv_ptr, out_ptr, tables_ptr, cu_ptr, lens_ptr, starts_ptr,
+    q_ptr, kv_ptr, scale_ptr, out_ptr, tables_ptr, cu_ptr, lens_ptr, starts_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_tb, stride_sb,
     scale_log2,
     HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HAS_STARTS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SCALED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     block, seq = tl.program_id(0), tl.program_id(1)
     q_first = tl.load(cu_ptr + seq)
@@ -220,7 +247,8 @@ def _prefill_kernel(
         token_mask = tokens < end
         pages = tl.load(tables_ptr + seq * stride_tb + tokens // PAGE_SIZE, mask=token_mask, other=0)
         rows = pages.to(tl.int64) * stride_kp + (tokens % PAGE_SIZE) * stride_ks
-        latent, qk = _scores(q_lat, q_rope, kv_ptr, rows, token_mask, ranks, rope_dims, RANK, ROPE, PRECISION)
+        latent, qk = _scores(q_lat, q_rope, kv_ptr, scale_ptr, rows, token_mask, ranks, rope_dims, RANK, ROPE,
+                                 SCALED, PRECISION)
         visible = token_mask[None, :] & (tokens[None, :] <= query_pos[:, None])
         qk = tl.where(visible, qk * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -240,7 +268,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                   num_warps=None, num_stages=None):
     """Causal prefill chunks of absorbed queries q [T, heads, RANK + ROPE] over their sequences' latents,
     the chunk's own already stored; out [T, heads, RANK] (module docstring)."""
-    rank, rope = _layout(q, k_cache, v_cache)
+    rank, rope, rows, kv_scale = _layout(q, k_cache, v_cache)
     heads = q.shape[1]
     if out is None:
         out = q.new_zeros(q.shape[0], heads, rank)
@@ -250,11 +278,12 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     tile_m = block_m or 32
     starts, stride_sb = _starts(kv_starts, context_lens)
     _prefill_kernel[(triton.cdiv(max_query_len * heads, tile_m), batch)](
-        q, k_cache, out, block_tables, cu_seqlens_q, context_lens, starts,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(2),
+        q, rows, rows if kv_scale is None else kv_scale, out, block_tables, cu_seqlens_q, context_lens, starts,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), rows.stride(0), rows.stride(2),
         block_tables.stride(0), stride_sb, scale * 1.4426950408889634,
-        HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=k_cache.shape[2], BLOCK_M=tile_m, BLOCK_N=block_n or 32,
+        HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=rows.shape[2], BLOCK_M=tile_m, BLOCK_N=block_n or 32,
         BLOCK_P=max(16, triton.next_power_of_2(rope)), HAS_STARTS=kv_starts is not None,
-        PRECISION=_precision(q.dtype), num_warps=num_warps or 8, num_stages=num_stages or 2,
+        SCALED=kv_scale is not None, PRECISION=_precision(q.dtype), num_warps=num_warps or 8,
+        num_stages=num_stages or 2,
     )
     return out

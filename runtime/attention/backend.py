@@ -233,8 +233,8 @@ class PagedAttention:
             zero = None if enc.zero is None else store.scale_slots(enc.zero, layer)
             residual = None if enc.residual is None else store[enc.residual][:, layer]
             scale = store.scale_slots(enc.scale, layer)  # a LAYER scale (FP8) seen at every slot
-            return QuantizedPages(enc, store[enc.codes], scale, zero, store.head_dim(which), store.model_dtype(which),
-                                  residual)
+            return QuantizedPages(enc, enc.view(store[enc.codes]), scale, zero, store.head_dim(which),
+                                  store.model_dtype(which), residual)
 
         return source(store.spec.keys, K), source(store.spec.values, V)
 

@@ -162,10 +162,14 @@ Source = torch.Tensor | QuantizedPages | LowRankPages
 
 
 def within_keys(v_cache: Source, k_cache: Source) -> bool:
-    """Are the values a view inside the keys' tensor (a latent cache: `KVSpec.with_latent_values`)? Then
-    they are written with the keys, never on their own."""
-    return (is_dense(v_cache) and is_dense(k_cache) and v_cache is not k_cache
-            and v_cache.untyped_storage().data_ptr() == k_cache.untyped_storage().data_ptr())
+    """Are the values a view inside the keys' tensor or codes (a latent cache: `KVSpec.with_latent_values`)?
+    Then they are written with the keys, never on their own."""
+    def stored(source: Source) -> torch.Tensor | None:
+        return source if is_dense(source) else getattr(source, "codes", None)
+
+    k, v = stored(k_cache), stored(v_cache)
+    return (k is not None and v is not None and v_cache is not k_cache
+            and v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr())
 
 
 def is_dense(source: Source) -> bool:

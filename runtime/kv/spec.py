@@ -145,8 +145,19 @@ class Quantized:
     codebook: str | None = None
     rotation: str | None = None
     prefill_exact: bool = False
+    # float codes only: read the codes tensor's first `channels` (MLA's values inside the keys' codes,
+    # `KVSpec.with_latent_values`); None: all of them
+    channels: int | None = None
+
+    def view(self, codes: torch.Tensor) -> torch.Tensor:
+        """What a reader reads of the stored codes [..., Dc]."""
+        return codes if self.channels is None else codes[..., : self.channels]
 
     def __post_init__(self) -> None:
+        if self.channels is not None and (self.format is None or self.channels != self.group):
+            raise ValueError(f"quantized {self.codes!r}: reading the first channels of the codes takes float codes, "
+                             f"one scale over those channels (group = channels); got format {self.format!r}, "
+                             f"group {self.group}, channels {self.channels}")
         if self.rotation is not None and self.rotation not in ROTATIONS:
             raise ValueError(f"quantized {self.codes!r}: rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         if self.rotation is not None and self.residual is not None:
@@ -499,20 +510,31 @@ class KVSpec:
     @property
     def latent(self) -> bool:
         """Values are a view of the keys' tensor (`with_latent_values`): written with the keys."""
-        return (isinstance(self.keys, Dense) and isinstance(self.values, Dense)
-                and self.values.tensor == self.keys.tensor and self.values.channels is not None)
+        keys, values = self.keys, self.values
+        if isinstance(keys, Dense) and isinstance(values, Dense):
+            return values.tensor == keys.tensor and values.channels is not None
+        return (isinstance(keys, Quantized) and isinstance(values, Quantized) and values.codes == keys.codes
+                and values.channels is not None)
 
     def with_latent_values(self, channels: int) -> KVSpec:
         """The spec over MLA's absorbed attention (runtime/models/glm4_moe_lite.py), whose values are the
-        keys' first `channels` (the latent): the V tensor dropped, values read as that view of K, so a
-        token costs its keys' bytes only (docs/design.md, "MLA"). Keys and values must be stored dense,
-        and no summary may be of values."""
-        if not self.dense or self.keys != Dense(K) or self.values != Dense(V):
-            raise ValueError(f"a latent cache reads values from the keys' tensor: keys and values must be stored "
-                             f"dense, got {type(self.keys).__name__} keys and {type(self.values).__name__} values")
+        keys' first `channels` (the latent): the values' own tensors dropped, values read as that view of
+        the keys' (dense K, or FP8 codes with their one scale), so a token costs its keys' bytes only
+        (docs/design.md, "MLA"). Other encodings, and page summaries of values, are errors."""
+        keys, values = self.keys, self.values
         if any(s.source == V for s in self.summaries):
             raise ValueError("a latent cache stores no values of their own: no page summary may be of values")
-        return replace(self, tensors=tuple(t for t in self.tensors if t.name != V), values=Dense(K, channels))
+        if keys == Dense(K) and values == Dense(V):
+            return replace(self, tensors=tuple(t for t in self.tensors if t.name != V), values=Dense(K, channels))
+        fp8 = [isinstance(e, Quantized) and e.format is not None and e.rotation is None for e in (keys, values)]
+        if all(fp8) and (keys.format, keys.scaling, keys.shared_heads) == (values.format, values.scaling,
+                                                                           values.shared_heads):
+            dropped = _encoding_tensors(values)
+            return replace(self, tensors=tuple(t for t in self.tensors if t.name not in dropped),
+                           values=replace(keys, group=channels, channels=channels))
+        raise ValueError(f"a latent cache reads values from the keys' tensor: keys and values must be stored dense or "
+                         f"as FP8 codes of one format and scaling, got {type(keys).__name__} keys and "
+                         f"{type(values).__name__} values")
 
     def describe(self) -> str:
         """One line per tensor (logs, `kvc` messages)."""

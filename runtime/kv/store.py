@@ -148,7 +148,7 @@ class KVStore:
             return
         self._unsettled[layer] = False
         stored = slots >= 0
-        for which, x in ((K, k), (V, v)):
+        for which, x in ((K, k),) if self.spec.latent else ((K, k), (V, v)):  # a latent cache's values: K's scale
             enc = encoding_of(self.spec, which)
             if isinstance(enc, Quantized) and enc.format and enc.scaling == "dynamic":
                 scale = self.tensors[enc.scale][layer]
@@ -211,7 +211,8 @@ class KVStore:
             return self._low_rank(enc, _flat(self.tensors[enc.latent], pages, length), layer,
                                   torch.arange(length, device=self.device), which)
         x = encodings.dequantize(
-            _flat(self.tensors[enc.codes], pages, length), _flat(self.scale_slots(enc.scale, layer), pages, length),
+            enc.view(_flat(self.tensors[enc.codes], pages, length)),
+            _flat(self.scale_slots(enc.scale, layer), pages, length),
             None if enc.zero is None else _flat(self.scale_slots(enc.zero, layer), pages, length), enc,
             self.head_dim(which), self.model_dtype(which))
         if enc.flush_block and length:  # only the newest, unfinished block is read from the window
@@ -341,7 +342,7 @@ class KVStore:
             raise NotImplementedError(f"page summaries of low-rank {enc.latent!r}: a page's slots have no layer here")
         zero = None if enc.zero is None else self.scale_slots(enc.zero, layer)[pages]
         scale = self.scale_slots(enc.scale, layer)[pages]
-        return encodings.dequantize(self.tensors[enc.codes][pages], scale, zero, enc,
+        return encodings.dequantize(enc.view(self.tensors[enc.codes][pages]), scale, zero, enc,
                                     self.head_dim(which), self.model_dtype(which))
 
 

@@ -1,7 +1,8 @@
 """Compiles the `latent` attention module's decode and prefill kernels for an H100/H200 (sm90) on a machine
 without a GPU (Triton's passes and ptxas, as tests/kernels/sm90_compile.py does for `spec`): GLM-4.7-Flash's
-shape (20 query heads over one latent head of 512 + 64 RoPE channels), bf16, at the launch defaults and the
-other tiles bench/latent_decode_bench.py sweeps; prints each build's registers, spills and shared memory.
+shape (20 query heads over one latent head of 512 + 64 RoPE channels), bf16 (and FP8 latents for decode), at
+the launch defaults and the other tiles bench/latent_decode_bench.py sweeps; prints each build's registers,
+spills and shared memory.
 `python -m tests.kernels.sm90_compile_latent`; tests/kernels/test_latent_attention.py runs it in a subprocess."""
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from pathlib import Path
 from kvc.compiler import attention
 from tests.kernels.sm90_compile import build
 
-SHAPE = dict(HEADS=20, RANK=512, ROPE=64, PAGE_SIZE=16, BLOCK_P=64, HAS_STARTS=False, PRECISION="native")
-POINTERS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "tables_ptr": "*i32", "lens_ptr": "*i32",
+SHAPE = dict(HEADS=20, RANK=512, ROPE=64, PAGE_SIZE=16, BLOCK_P=64, HAS_STARTS=False, SCALED=False,
+             PRECISION="native")
+POINTERS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "scale_ptr": "*bf16", "out_ptr": "*bf16", "tables_ptr": "*i32",
+            "lens_ptr": "*i32",
             "starts_ptr": "*i32", "cu_ptr": "*i32", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}
 
 
@@ -42,6 +45,11 @@ def main() -> None:
         options = dict(num_warps=warps, num_stages=stages)
         ptx = build(mod._decode_split_kernel, dict(BLOCK_H=32, BLOCK_N=block_n, **SHAPE), POINTERS, **options)
         _report(f"decode BLOCK_N={block_n}", ptx, options)
+    fp8 = dict(SHAPE, SCALED=True)
+    options = dict(num_warps=8, num_stages=2)
+    ptx = build(mod._decode_split_kernel, dict(BLOCK_H=32, BLOCK_N=32, **fp8), {**POINTERS, "kv_ptr": "*fp8e4nv"},
+                **options)
+    _report("decode FP8 latents BLOCK_N=32", ptx, options)
     for block_m, block_n, warps, stages in ((32, 32, 8, 2), (64, 32, 8, 1)):
         options = dict(num_warps=warps, num_stages=stages)
         ptx = build(mod._prefill_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, **SHAPE), POINTERS, **options)

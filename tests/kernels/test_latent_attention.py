@@ -104,10 +104,12 @@ def test_store_writes_the_keys_only():
     assert torch.equal(k_cache[0, 0, 2], k[0, 0])
 
 
-@pytest.mark.parametrize("method,params", [("full", {}), ("snapkv", {"budget": 24, "window": 8})])
+@pytest.mark.parametrize("method,params", [("full", {}), ("snapkv", {"budget": 24, "window": 8}),
+                                           ("fp8", {"scale": "dynamic"})])
 def test_served_glm_gives_the_torch_backends_tokens(tmp_path, method, params):
     """The engine over a tiny GLM-4.7-Flash (`glm4_moe_lite`) with the Triton backend (the `latent` variant:
-    store, decode and chunked prefill) generates the torch backend's greedy tokens."""
+    store, decode and chunked prefill; FP8 latents with the layer's scale for `fp8`) generates the torch
+    backend's greedy tokens."""
     from kvc.runtime.llm import LLM
     from kvc.runtime.sampling_params import SamplingParams
     from tests.models.tiny import make_tiny_glm4_moe_lite
@@ -120,6 +122,9 @@ def test_served_glm_gives_the_torch_backends_tokens(tmp_path, method, params):
         llm = LLM(str(model_dir), method=method, method_params=params, device=DEVICE.type, dtype="float32",
                   page_size=16, attention_backend=backend, max_num_batched_tokens=64, max_prefill_chunk=20)
         assert llm.engine.attention.variants == ["latent"]
+        spec = llm.engine.attention.stores[0].spec
+        width = 32 + 8  # the tiny latent and RoPE key: one tensor a token, values its view
+        assert spec.latent and spec.bytes_per_token(1) == width * (1 if method == "fp8" else 4)
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         tokens[backend] = [o.token_ids for o in outs]
     assert tokens["triton"] == tokens["torch"]

@@ -122,3 +122,14 @@ def test_router_keeps_the_best_group():
     ids, weights = moe.route(x)
     assert sorted(ids[0].tolist()) == [4, 5]  # group 1 wins on its corrected scores (1.8 > 0.95 + 0.82)
     torch.testing.assert_close(weights[0], torch.tensor([1.0, 1.0]))  # sigmoid(0) each, normalised, x 2
+
+
+def test_methods_the_latent_cache_cannot_hold_are_config_errors(tmp_path):
+    """KIVI stores values apart from keys (integer codes per group): on the latent cache, a ConfigError that
+    says so, before any memory is allocated."""
+    from kvc.runtime.errors import ConfigError
+
+    model_dir = make_tiny_glm4_moe_lite(tmp_path, seed=1)
+    with pytest.raises(ConfigError, match="latent KV cache"):
+        LLM(str(model_dir), method="kivi", method_params={"group_size": 8, "residual_length": 32}, device="cpu",
+            dtype="float32", page_size=8)
