@@ -26,6 +26,7 @@ from tests.references.compare import assert_logits_close, assert_same_kept
 from tests.references.eviction import gather_kv, rank
 from tests.references.mla import one_kv_head
 from tests.references.model_forward import HeadCache, decode
+from kvc.runtime.llm import LLM
 from tests.runtime.served import make_llm, serve
 from tests.runtime.test_contract_methods import ATOL, Logits, check, greedy
 from tests.runtime.test_served_parity import METHODS, STEPS, Oracle, prompts_of
@@ -81,3 +82,35 @@ def test_omnikv_equals_the_decompressed_reference(oracle: Oracle, monkeypatch) -
         dense = omnikv_ref.generate(oracle.hf, omnikv_ref.Session({**params, "selected": 1.0}), p, steps)[1]
         blind &= bool((dense[1:] - want[1][1:]).abs().max() <= 10 * ATOL)
     assert not blind, "OmniKV changes nothing: the test is blind"
+
+
+@pytest.mark.parametrize("method,params", [("full", {}), ("snapkv", {"budget": 24, "window": 8})])
+def test_chains_and_prefix_caching_on_the_latent_cache(tmp_path, method, params) -> None:
+    """The engine's cache features over latent pages: a chain's turns and prefix-cache hits give the tokens
+    of a fresh engine without them (`full`: the whole conversation; SnapKV: each turn compressed again, so
+    the first turn equals a fresh engine's), and every page comes back."""
+    from kvc.runtime.chains import ChainSpec
+    from tests.runtime.chained import check_books, greedy, tokens, turn
+
+    model_dir = make_tiny_glm4_moe_lite(tmp_path, seed=4, initializer_range=0.1)
+    options = {"device": "cpu", "dtype": "float32", "page_size": 4, "attention_backend": "torch",
+               "kv_cache_memory": 2**22}
+    chained = LLM(str(model_dir), method=method, method_params=params or None, **options)
+    plain = LLM(str(model_dir), method=method, method_params=params or None, enable_prefix_caching=False, **options)
+    conversation, spec, outs = tokens(40, seed=1), ChainSpec(open=True), []
+    for k in range(3):
+        out = turn(chained, conversation, 5, spec)
+        outs.append(out.token_ids)
+        if method == "full":
+            assert out.token_ids == plain.generate(conversation, greedy(5))[0].token_ids, f"turn {k}"
+        spec = ChainSpec(continue_id=out.chain_id)
+        conversation = conversation + out.token_ids + tokens(7 + k, seed=10 + k)
+    again = [plain.generate(list(p), greedy(5))[0].token_ids for p in [tokens(40, seed=1)]]
+    assert outs[0] == again[0]
+    shared = tokens(40, seed=1)  # full: a prefix-cache hit on the first turn's pages, then a new suffix
+    hit = chained.generate(shared + tokens(6, seed=30), greedy(5))[0]
+    assert hit.num_cached_tokens > 0 or method != "full"  # SnapKV's pages were compressed: none to share
+    assert hit.token_ids == plain.generate(shared + tokens(6, seed=30), greedy(5))[0].token_ids
+    chained.engine.drop_chain(out.chain_id, None)
+    check_books(chained.engine)
+    assert chained.engine.pool.num_free == chained.engine.pool.num_pages
