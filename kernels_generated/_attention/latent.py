@@ -105,6 +105,18 @@ def _scores(q_lat, q_rope, kv_ptr, scale_ptr, rows, token_mask, ranks, rope_dims
 
 
 @triton.jit
+def _online_softmax(qk, latent, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One key tile into the running softmax: base-2 logits qk [rows, BLOCK_N] (-inf where not read), the
+    tile's latent [BLOCK_N, RANK] as values; a row with nothing read yet stays at m = -inf, l = 0."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    acc = acc * alpha[:, None] + _dot(p.to(latent.dtype), latent, PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, kv_ptr, scale_ptr, tables_ptr, lens_ptr, starts_ptr, acc_ptr, m_ptr, l_ptr,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_tb, stride_sb,
@@ -141,12 +153,7 @@ def _decode_split_kernel(
         latent, qk = _scores(q_lat, q_rope, kv_ptr, scale_ptr, rows, token_mask, ranks, rope_dims, RANK, ROPE,
                                  SCALED, PRECISION)
         qk = tl.where(token_mask[None, :], qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        acc = acc * alpha[:, None] + _dot(p.to(latent.dtype), latent, PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(qk, latent, m_i, l_i, acc, PRECISION)
     tl.store(acc_ptr + seq * stride_ab + heads[:, None] * stride_ah + split * stride_as + ranks[None, :], acc,
              mask=head_mask[:, None])
     at = seq * stride_mb + heads * stride_mh + split
@@ -251,13 +258,7 @@ def _prefill_kernel(
                                  SCALED, PRECISION)
         visible = token_mask[None, :] & (tokens[None, :] <= query_pos[:, None])
         qk = tl.where(visible, qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        acc = acc * alpha[:, None] + _dot(p.to(latent.dtype), latent, PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(qk, latent, m_i, l_i, acc, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = out_ptr + (q_first + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
     tl.store(o_rows + ranks[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
