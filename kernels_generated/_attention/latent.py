@@ -89,10 +89,17 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _scores(q_lat, q_rope, kv_ptr, scale_ptr, rows, token_mask, ranks, rope_dims,
-            RANK: tl.constexpr, ROPE: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr):
-    """A key tile's latent [BLOCK_N, RANK] and q . k [rows, BLOCK_N] for the queries' two parts; FP8 codes
-    (SCALED) dequantized as the torch ops do: `code x scale` in float32, rounded to the queries' dtype."""
+def _scores(q_lat, q_rope, kv_ptr, scale_ptr, table_ptr, start, end, stride_kp, stride_ks, ranks, rope_dims,
+            RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+            SCALED: tl.constexpr, PRECISION: tl.constexpr):
+    """The key tile of slots [start, start + BLOCK_N) below `end`, through the sequence's page table at
+    `table_ptr`: its slots, their mask, its latent [BLOCK_N, RANK] and q . k [rows, BLOCK_N] for the queries'
+    two parts. FP8 codes (SCALED) dequantized as the torch ops do: `code x scale` in float32, rounded to the
+    queries' dtype."""
+    tokens = start + tl.arange(0, BLOCK_N)
+    token_mask = tokens < end
+    pages = tl.load(table_ptr + tokens // PAGE_SIZE, mask=token_mask, other=0)
+    rows = pages.to(tl.int64) * stride_kp + (tokens % PAGE_SIZE) * stride_ks
     latent = tl.load(kv_ptr + rows[:, None] + ranks[None, :], mask=token_mask[:, None], other=0.0)
     rope = tl.load(kv_ptr + rows[:, None] + RANK + rope_dims[None, :],
                    mask=token_mask[:, None] & (rope_dims < ROPE)[None, :], other=0.0)
@@ -101,7 +108,7 @@ def _scores(q_lat, q_rope, kv_ptr, scale_ptr, rows, token_mask, ranks, rope_dims
         latent = (latent.to(tl.float32) * scale).to(q_lat.dtype)
         rope = (rope.to(tl.float32) * scale).to(q_lat.dtype)
     qk = _dot(q_lat, tl.trans(latent), PRECISION) + _dot(q_rope, tl.trans(rope), PRECISION)
-    return latent, qk
+    return tokens, token_mask, latent, qk
 
 
 @triton.jit
@@ -146,12 +153,9 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, RANK], tl.float32)
     for start in range(first, last, BLOCK_N):
-        tokens = start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < last
-        pages = tl.load(tables_ptr + seq * stride_tb + tokens // PAGE_SIZE, mask=token_mask, other=0)
-        rows = pages.to(tl.int64) * stride_kp + (tokens % PAGE_SIZE) * stride_ks
-        latent, qk = _scores(q_lat, q_rope, kv_ptr, scale_ptr, rows, token_mask, ranks, rope_dims, RANK, ROPE,
-                                 SCALED, PRECISION)
+        tokens, token_mask, latent, qk = _scores(
+            q_lat, q_rope, kv_ptr, scale_ptr, tables_ptr + seq * stride_tb, start, last, stride_kp, stride_ks, ranks,
+            rope_dims, RANK, ROPE, PAGE_SIZE, BLOCK_N, SCALED, PRECISION)
         qk = tl.where(token_mask[None, :], qk * scale_log2, float("-inf"))
         m_i, l_i, acc = _online_softmax(qk, latent, m_i, l_i, acc, PRECISION)
     tl.store(acc_ptr + seq * stride_ab + heads[:, None] * stride_ah + split * stride_as + ranks[None, :], acc,
@@ -250,12 +254,9 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, RANK], tl.float32)
     for start in range(begin, end, BLOCK_N):
-        tokens = start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < end
-        pages = tl.load(tables_ptr + seq * stride_tb + tokens // PAGE_SIZE, mask=token_mask, other=0)
-        rows = pages.to(tl.int64) * stride_kp + (tokens % PAGE_SIZE) * stride_ks
-        latent, qk = _scores(q_lat, q_rope, kv_ptr, scale_ptr, rows, token_mask, ranks, rope_dims, RANK, ROPE,
-                                 SCALED, PRECISION)
+        tokens, token_mask, latent, qk = _scores(
+            q_lat, q_rope, kv_ptr, scale_ptr, tables_ptr + seq * stride_tb, start, end, stride_kp, stride_ks, ranks,
+            rope_dims, RANK, ROPE, PAGE_SIZE, BLOCK_N, SCALED, PRECISION)
         visible = token_mask[None, :] & (tokens[None, :] <= query_pos[:, None])
         qk = tl.where(visible, qk * scale_log2, float("-inf"))
         m_i, l_i, acc = _online_softmax(qk, latent, m_i, l_i, acc, PRECISION)
