@@ -20,7 +20,7 @@ from kvc.runtime.models.fp8_weights import CODES, Fp8Linear
 from kvc.runtime.models.loader import load_model
 from kvc.runtime.sampling_params import SamplingParams
 from tests.models.fp8_checkpoint import write_fp8
-from tests.models.tiny import make_tiny_qwen3, make_tiny_qwen3_moe, reference_attention
+from tests.models.tiny import make_tiny_glm4_moe_lite, make_tiny_qwen3, make_tiny_qwen3_moe, reference_attention
 
 BLOCK = (24, 40)  # neither divides 64 (hidden), 16 x 4 (q), 16 x 2 (k, v) nor 128 (intermediate)
 
@@ -30,9 +30,9 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 300, (n,), generator=g).tolist() for n in (11, 40)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "glm4_moe_lite"])
 def test_fp8_checkpoint_generates_the_dequantized_models_tokens(tmp_path, arch):
-    make = {"qwen3": make_tiny_qwen3, "qwen3_moe": make_tiny_qwen3_moe}[arch]
+    make = {"qwen3": make_tiny_qwen3, "qwen3_moe": make_tiny_qwen3_moe, "glm4_moe_lite": make_tiny_glm4_moe_lite}[arch]
     fp8_dir = write_fp8(make(tmp_path / "src", seed=5, initializer_range=0.2), tmp_path / "fp8", BLOCK)
     hf = AutoModelForCausalLM.from_pretrained(fp8_dir / "dequantized", dtype=torch.float32).eval()
     llm = LLM(str(fp8_dir), device="cpu", dtype="float32", page_size=8)
@@ -40,8 +40,8 @@ def test_fp8_checkpoint_generates_the_dequantized_models_tokens(tmp_path, arch):
     fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert fp8 and all(m.weight.dtype == CODES for m in fp8)
     assert model.compute_logits is not None and model.lm_head.weight.dtype == torch.float32  # not quantized
-    if arch == "qwen3_moe":
-        experts = model.layers[0].mlp.experts
+    if arch != "qwen3":  # the first sparse layer's experts (GLM's layer 0 is dense)
+        experts = next(m.mlp.experts for m in model.layers if hasattr(m.mlp, "experts"))
         assert experts.gate_up_proj.dtype == CODES and experts.down_proj.dtype == CODES
     outs = llm.generate(_prompts(), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     for prompt, out in zip(_prompts(), outs):
