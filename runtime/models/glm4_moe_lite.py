@@ -33,7 +33,7 @@ from kvc.runtime.models.base import AttentionFn, CheckpointLayout, ModelSpec
 from kvc.runtime.models.experts import RoutedExperts
 from kvc.runtime.models.fp8_weights import weight_of
 from kvc.runtime.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, check_activation
-from kvc.runtime.models.llama import DecoderLM
+from kvc.runtime.models.llama import DecoderLM, PreNormLayer
 from kvc.runtime.models.rope import RopeSettings
 
 
@@ -146,7 +146,7 @@ class LatentMoE(nn.Module):
         self.shared_experts.add_to_layout(layout, f"{hf}.shared_experts", f"{kvc}.shared_experts")
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -154,10 +154,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = (LatentMoE(config) if mlp_is_sparse(config, layer_idx)
                     else GatedMLP(config.hidden_size, config.intermediate_size))
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), cos, sin, attn).add_(x)
-        return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
 class Glm4MoeLiteForCausalLM(DecoderLM):

@@ -4,8 +4,9 @@ All tensors are flat over tokens ([T, ...]); there is no batch dimension. Numeri
 reference models so that logits match Hugging Face's: norms compute in float32 and cast back
 before the weight multiply; cos/sin are computed in float32 and cast to the activation dtype.
 
-On CUDA, RMSNorm and q/k norm + rotary run as single Triton launches (norm_triton.py), the same
-steps in the same dtypes; the CPU path below is the oracle.
+On CUDA, RMSNorm (with the residual add in front of it, `RMSNorm.forward_add`) and q/k norm + rotary
+run as single Triton launches (norm_triton.py), the same steps in the same dtypes; the CPU path below
+is the oracle.
 
 `Attention` stops at the seam: it calls the engine's `AttentionFn` with roped q/k/v and applies
 the output projection to what comes back.
@@ -61,6 +62,15 @@ class RMSNorm(nn.Module):
         if self.weight.dtype != normed.dtype:  # weight * normed promotes: no in-place product
             return self.weight * normed
         return normed.mul_(self.weight)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add in front of the norm: `residual += x` (in place, the bits of `x + residual`),
+        then (this norm of the sum, residual). On CUDA one launch for both; elsewhere the add, then `forward`."""
+        fusable = self.weight.dtype == x.dtype == residual.dtype and residual.is_contiguous()
+        if x.is_cuda and fusable and residual.shape == x.shape:
+            return _fused().add_rms_norm(x, residual, self.weight, self.eps)
+        residual.add_(x)
+        return self(residual), residual
 
 
 class RotaryEmbedding(HasBuffers):

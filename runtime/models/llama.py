@@ -3,7 +3,14 @@
 Read top to bottom: a decoder layer is pre-norm attention then pre-norm MLP, each added to the
 residual stream; the model is embedding -> layers -> final norm, with the LM head applied
 separately (`compute_logits`) so the runner can project only the rows it samples from.
-Qwen3-MoE (qwen3_moe.py) reuses all of this and swaps the MLP of its sparse layers.
+Qwen3-MoE (qwen3_moe.py) reuses all of this and swaps the MLP of its sparse layers; GLM-4.7-Flash
+(glm4_moe_lite.py) reuses `PreNormLayer` and `DecoderLM`.
+
+The residual stream travels beside the hidden states: a layer takes (hidden, residual) and returns
+(its MLP output, residual), and each add happens in the norm after it (`RMSNorm.forward_add`, one
+launch on CUDA for add and norm): the layer's input norm adds the previous layer's MLP output, its
+post-attention norm the attention output, and the model's final norm the last MLP output. The sums
+are those of `h = x + attn(norm(x)); h + mlp(norm(h))`, bit for bit.
 """
 
 from __future__ import annotations
@@ -27,7 +34,29 @@ from kvc.runtime.models.layers import (
 from kvc.runtime.models.rope import RopeSettings
 
 
-class DecoderLayer(nn.Module):
+class PreNormLayer(nn.Module):
+    """A pre-norm decoder layer over the residual stream; a subclass builds `input_layernorm`, `self_attn`,
+    `post_attention_layernorm` and `mlp`."""
+
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        attn: AttentionFn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output, not yet added to `residual` (None at the first layer,
+        where x is the embedding and becomes the stream). Returns (this MLP's output, residual), the
+        stream updated in place; the next norm adds the output."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_add(x, residual)
+        h, residual = self.post_attention_layernorm.forward_add(self.self_attn(h, cos, sin, attn), residual)
+        return self.mlp(h), residual
+
+
+class DecoderLayer(PreNormLayer):
     def __init__(self, config: Any, layer_idx: int, qk_norm: bool, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -35,19 +64,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
-    ) -> torch.Tensor:
-        # The residual sums land in the attention output (a new tensor), not in a fresh one; an
-        # addition is commutative, so the bits are those of x + attention.
-        h = self.self_attn(self.input_layernorm(x), cos, sin, attn).add_(x)
-        return h.add_(self.mlp(self.post_attention_layernorm(h)))
-
 
 class DecoderLM(CausalLM):
-    """What every decoder here shares: embedding -> `layers` (each `(x, cos, sin, attn)`) -> final norm, the
-    LM head (tied or not), and the checkpoint names of that stack; a subclass builds `embed_tokens`,
-    `rotary`, `layers` (each with `self_attn` and `mlp` that lay out their own tensors), `norm`, `lm_head`."""
+    """What every decoder here shares: embedding -> `layers` (each `(x, residual, cos, sin, attn) -> (x,
+    residual)`, module docstring) -> final norm of the last sum, the LM head (tied or not), and the checkpoint
+    names of that stack; a subclass builds `embed_tokens`, `rotary`, `layers` (each with `self_attn` and
+    `mlp` that lay out their own tensors), `norm`, `lm_head`."""
 
     tie_word_embeddings: bool
 
@@ -56,9 +78,12 @@ class DecoderLM(CausalLM):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, attn)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.forward_add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

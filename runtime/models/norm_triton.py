@@ -3,6 +3,8 @@ CPU keeps the torch path, the parity oracle).
 
 - `rms_norm`: RMSNorm of each row, one launch instead of eight (float copy, square, mean, add,
   rsqrt, multiply, cast, weight).
+- `add_rms_norm`: the residual add in front of a norm, `residual += x` then RMSNorm of the sum, one
+  launch that writes both (the decoder layers carry the residual stream apart: llama.py).
 - `norm_rope`: q and k of a step together: the per-head RMSNorm of Qwen3 (when it has one) and the
   rotary embedding, one launch instead of about thirty.
 
@@ -43,6 +45,46 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, eps, BLOCK=block,
                                            num_warps=max(1, min(8, block // 256)))
     return out.view(x.shape)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    dt = res_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    # the sum rounded to the activation dtype, as torch's add: float32 holds a sum of two bf16 or fp16
+    # values closely enough that rounding it once more (to nearest even on a GPU; the interpreter's cast
+    # to bf16 truncates) gives the correctly rounded sum
+    total = (x + r).to(dt)
+    tl.store(res_ptr + row * stride_r + cols, total, mask=mask)
+    s = total.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(s * s, axis=0) / N + eps)
+    normed = (s * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual += x`, then RMSNorm of the sum over the last axis: (normed, residual). x and residual
+    [..., N] of one dtype (weight [N] too); residual must be contiguous and is updated in place (the
+    bits of torch's `x + residual`); normed is a new tensor like x."""
+    n = x.shape[-1]
+    if residual.shape != x.shape or not residual.is_contiguous():
+        raise ValueError(f"residual {tuple(residual.shape)} must be contiguous and shaped like x {tuple(x.shape)}")
+    rows, res_rows = x.reshape(-1, n), residual.view(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(res_rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(n)
+        _add_rms_norm_kernel[(rows.shape[0],)](rows, res_rows, weight, out, rows.stride(0), res_rows.stride(0),
+                                               out.stride(0), n, eps, BLOCK=block,
+                                               num_warps=max(1, min(8, block // 256)))
+    return out.view(x.shape), residual
 
 
 @triton.jit
