@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from timing import time_ms  # noqa: E402 -- bench/ is on sys.path
+
+from kvc.runtime.tuning.timing import time_ms
 
 
 @dataclass(frozen=True)

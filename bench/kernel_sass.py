@@ -1,7 +1,7 @@
 """The SASS of a decode attention kernel for sm90, compiled on this machine (no GPU needed): shared memory,
 registers and spills (ptxas -v), and the instruction mix of its main loop's body per warp and tile. A proxy
 for iterating on a kernel between GPU runs: this machine's Triton may differ from the GPU image's (compare
-with `bench/gpu_kernel_profile.sh`, which keeps the GPU's SASS); the counts are static, per loop trip.
+with `bench/kernel_profile.py`, which keeps the GPU's SASS); the counts are static, per loop trip.
 
     python bench/kernel_sass.py --method kivi                      # the spec kernel at KIVI-2's bench shape
     python bench/kernel_sass.py --method kivi --window 0 --block-n 64 --warps 8

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 import torch
-from timing import time_ms  # noqa: E402 -- bench/ is on sys.path
+
+from kvc.runtime.tuning.timing import time_ms
 
 PAIRS = [144, 512, 1280, 2048, 8192, 16384]  # decode at 18, 64, 160, 256, 1024 and 2048 tokens
 CALLS = 16  # alignments per captured graph (a decode step runs one per MoE layer)

@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from timing import time_ms as _time_ms  # noqa: E402 -- bench/ is on sys.path
+
+from kvc.runtime.tuning.timing import time_ms as _time_ms
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvc.runtime.server.cli import add_commands as add_server_commands  # `kvc serve`, `kvc bench serve`
 
     bench_sub = add_server_commands(sub, _add_engine_args, _engine_options)
-    from kvc.runtime.bench.cli import add_commands as add_bench_commands  # `kvc bench throughput`, `kvc bench plot`
+    from kvc.runtime.bench.cli import add_commands as add_bench_commands  # `kvc bench throughput`, `plot`, `suite`
 
     add_bench_commands(bench_sub)
     from kvc.dsl.cli import add_commands  # `kvc check` and `kvc fmt` (the method language)

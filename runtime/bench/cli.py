@@ -1,5 +1,5 @@
-"""The `kvc bench throughput` and `kvc bench plot` subcommands (added under `kvc bench` by
-runtime/cli.py). The engine is imported when a command runs, not when `kvc` parses."""
+"""The `kvc bench throughput`, `kvc bench plot` and `kvc bench suite` subcommands (added under `kvc bench`
+by runtime/cli.py). The engine is imported when a command runs, not when `kvc` parses."""
 
 from __future__ import annotations
 
@@ -67,6 +67,16 @@ def add_commands(bench_sub) -> None:
     p.add_argument("result", help="the JSON written by `kvc bench throughput --out`")
     p.add_argument("-o", "--out", help="the PNG (default: the result's path with .png)")
     p.set_defaults(func=_plot)
+
+    s = bench_sub.add_parser("suite", help="run a benchmark suite (bench/suites/*.toml: the runs behind published "
+                             "tables of docs/benchmarks.md) into a dated result folder")
+    s.add_argument("file", help="the suite's TOML file")
+    s.add_argument("--out", help="the result folder (default: bench/results/<suite>/<YYYY-MM-DD>-<commit>)")
+    s.add_argument("--only", metavar="RUN[,RUN...]", help="run these runs only (default: every run)")
+    s.add_argument("--force", action="store_true", help="run again the runs the folder's suite.json records as done "
+                   "(default: skip them, so a suite resumes where the last call stopped)")
+    s.add_argument("--list", action="store_true", help="print the runs and their commands; run nothing")
+    s.set_defaults(func=_suite)
 
 
 def _csv(text: str, what: str) -> list[str]:
@@ -172,6 +182,16 @@ def _plot(a: argparse.Namespace) -> int:
     out = a.out or str(Path(a.result).with_suffix(".png"))
     print(render(load_result(a.result), out))
     return 0
+
+
+def _suite(a: argparse.Namespace) -> int:
+    from kvc.runtime.bench.suite import command
+
+    try:
+        return command(a.file, out=a.out, only=a.only, force=a.force, list_only=a.list)
+    except ConfigError as e:  # the suite file or the arguments: nothing ran
+        print(f"kvc: error: {e.message}", file=sys.stderr)
+        return 2
 
 
 def _served() -> list[str]:

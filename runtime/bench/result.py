@@ -39,7 +39,8 @@ BUDGET_RULE = ("from each method's declared parameters: `budget` (tokens) = budg
                "--method-params override")
 
 
-def _versions() -> dict[str, str | None]:
+def versions() -> dict[str, str | None]:
+    """torch, Triton, transformers and Python versions, and the git commit (`kvc bench suite` records them too)."""
     import transformers
 
     try:
@@ -49,10 +50,11 @@ def _versions() -> dict[str, str | None]:
     except ImportError:
         triton_version = None
     return {"torch": torch.__version__, "triton": triton_version, "transformers": transformers.__version__,
-            "python": platform.python_version(), "kvc_commit": _commit()}
+            "python": platform.python_version(), "kvc_commit": commit()}
 
 
-def _commit() -> str | None:
+def commit() -> str | None:
+    """The checkout's short git commit, or None outside a git checkout."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=5)
@@ -61,7 +63,8 @@ def _commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def _device_name(device: str) -> str:
+def device_name(device: str) -> str:
+    """The GPU's name (torch.cuda), else `cpu (PROCESSOR)`."""
     if torch.cuda.is_available() and device != "cpu":
         index = torch.device(device).index if device.startswith("cuda:") else None
         return torch.cuda.get_device_name(index)
@@ -75,8 +78,8 @@ def header(cfg, model: str) -> dict:
         "benchmark": "kvc bench throughput",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
-        "device": _device_name(cfg.device),
-        "versions": _versions(),
+        "device": device_name(cfg.device),
+        "versions": versions(),
         "model": model,
         "dtype": cfg.dtype,
         "kv_memory_bytes": cfg.kv_memory,
