@@ -19,7 +19,8 @@ keep's `+ last N`, the parameters with the .kvm's defaults):
 - h2o: `ColumnSumPress` (below), kvpress's observed attention as H2O's prefill selection, with
   kvc's heavy and recent counts (fractions of the prompt, or a token budget); eager attention;
 - kvzip: `KVzipPress(compression_ratio=1 - ratio, chunk_size=chunk, n_sink=sink)`, one budget across
-  layers as kvc's. Its prefill is kvpress's own (`with press(model): model.model(prompt)`: the prompt,
+  layers as kvc's, reconstructing from after the chat template's user prefix only where the prompt opens
+  with it (`FramedKVzipPress`; kvpress skips that many tokens of any prompt). Its prefill is kvpress's own (`with press(model): model.model(prompt)`: the prompt,
   then the press's context reconstruction passes, which leave the cache whole and each layer's pruned
   pairs in `masked_key_indices`, decoded masked as Ada-KV's); the repeat prompt comes from the model
   directory's tokenizer and chat template, as kvc's engine frames it.
@@ -155,12 +156,28 @@ def _press_classes() -> dict[str, type]:
         def get_layer_budget(self, module, q_len: int) -> int:
             return self.schedule[module.layer_idx]
 
-    return {"ColumnSumPress": ColumnSumPress, "PinnedPyramidKVPress": PinnedPyramidKVPress}
+    @dataclass
+    class FramedKVzipPress(kvpress.KVzipPress):
+        """KVzipPress reconstructing the context from after the chat template's user-turn prefix only where
+        the prompt opens with it, as kvc frames the replay (runtime/context_replay.py). kvpress assumes a
+        templated prompt and skips that prefix's length from any prompt: a raw one (the eval's tasks) would
+        lose its first tokens' scores, and those tokens, to the assumption."""
+
+        def prepare(self, model, tokenizer, prev_postfix_size=8):
+            from kvc.runtime.context_replay import frame
+
+            prefix = frame(tokenizer)[0]
+            if self._context_ids[0, : len(prefix)].tolist() != prefix:
+                self.prefix_length = 0
+            return super().prepare(model, tokenizer, prev_postfix_size)
+
+    return {"ColumnSumPress": ColumnSumPress, "PinnedPyramidKVPress": PinnedPyramidKVPress,
+            "FramedKVzipPress": FramedKVzipPress}
 
 
 def __getattr__(name: str) -> type:
-    """`ColumnSumPress` and `PinnedPyramidKVPress` import kvpress only when first asked for."""
-    if name in ("ColumnSumPress", "PinnedPyramidKVPress"):
+    """The presses of `_press_classes` import kvpress only when first asked for."""
+    if name in ("ColumnSumPress", "PinnedPyramidKVPress", "FramedKVzipPress"):
         return _press_classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -222,8 +239,8 @@ def _h2o(p: _Prompt) -> Any:
 def _kvzip(p: _Prompt) -> Any:
     # its cost warning (2-3x a prefill) comes once per press, so once per prompt: said once by the eval's docs
     logging.getLogger("kvpress.presses.kvzip_press").setLevel(logging.ERROR)
-    return _kvpress().KVzipPress(compression_ratio=1 - p.params["ratio"], chunk_size=p.params["chunk"],
-                                 n_sink=p.params["sink"])
+    return _press_classes()["FramedKVzipPress"](compression_ratio=1 - p.params["ratio"],
+                                                chunk_size=p.params["chunk"], n_sink=p.params["sink"])
 
 
 # kvc method -> (the press for one prompt, the attention implementation it runs with)
@@ -376,7 +393,7 @@ def replayed(model: Any, prompt: torch.Tensor, press: Any) -> tuple[torch.Tensor
 
 def _replays(press: Any) -> bool:
     """A press that compresses by replaying the context after the prefill (KVzip), not in a hook."""
-    return type(press).__name__ == "KVzipPress"
+    return isinstance(press, _kvpress().KVzipPress)
 
 
 def _stacked(rows: list[CompressedCache]) -> tuple[Any, list[tuple[torch.Tensor, ...] | None]]:

@@ -301,5 +301,5 @@ def test_kvzip_column_is_kvpress_alone(tmp_path: Path) -> None:
     for i, method in enumerate(methods):
         press, attention = method.press(len(prompts[0].prompt))
         assert shared[i][0] == alone(hf_model(model_dir, attention), press, prompts[0]), configs[i]
-    assert type(methods[1].press(90)[0]).__name__ == "KVzipPress"
+    assert type(methods[1].press(90)[0]).__name__ == "FramedKVzipPress"
     assert shared[1] != shared[0] or shared[2] != shared[0], "KVzip changed nothing: the prompt pins too little"

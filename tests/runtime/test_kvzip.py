@@ -175,3 +175,40 @@ def test_kvzip_behind_the_http_api():
     prompts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
     outs = offline.generate(prompts, SamplingParams(max_tokens=5, temperature=0))
     assert texts == [o.text for o in outs]
+
+
+def test_a_raw_prompt_is_reconstructed_from_its_start(tmp_path):
+    """A prompt that does not open with the chat template's user prefix (the eval's tasks) is reconstructed
+    from token 0. kvpress's KVzipPress skips the prefix's length of any prompt (it assumes a templated one),
+    so it keeps other triples; the eval's reference (`FramedKVzipPress`, runtime/eval/kvpress_reference.py)
+    frames as kvc does and keeps kvc's."""
+    from transformers import DynamicCache
+
+    from kvc.runtime.eval.kvpress_reference import _press_classes
+
+    path = _model_dir(tmp_path, "qwen3", True)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    prompt = torch.randint(3, 250, (60,), generator=torch.Generator().manual_seed(8)).tolist()
+    prefix, _ = frame(AutoTokenizer.from_pretrained(path))
+    assert prefix and prompt[:len(prefix)] != prefix
+    llm = LLM(str(path), method="kvzip", method_params=PARAMS, device="cpu", dtype="float32", page_size=8,
+              attention_backend="torch")
+    plans = []
+    replay_end = llm.engine.method.replay_end
+    llm.engine.method.replay_end = lambda *a: plans.append(replay_end(*a)) or plans[-1]
+    llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    kept = {(layer, h, int(t)) for layer, plan in enumerate(plans[0]) for h in range(plan.indices.shape[0])
+            for t in plan.indices[h, : (plan.indices.shape[1] if plan.lengths is None else int(plan.lengths[h]))]}
+    press = _press_classes()["FramedKVzipPress"](compression_ratio=1 - PARAMS["ratio"], chunk_size=2048,
+                                                 n_sink=PARAMS["sink"])
+    with torch.no_grad(), press(hf):
+        hf.model(input_ids=torch.tensor([prompt]), past_key_values=DynamicCache())
+    framed = set()
+    for layer, module in enumerate(layer.self_attn for layer in hf.model.layers):
+        _, heads, tokens = module.masked_key_indices
+        pruned = set(zip(heads.tolist(), tokens.tolist()))
+        framed |= {(layer, h, t) for h in range(hf.config.num_key_value_heads) for t in range(len(prompt))
+                   if (h, t) not in pruned}
+        module.masked_key_indices = None
+    assert kept == framed
+    assert kept != _kvpress_kept(hf, prompt, PARAMS["ratio"], 2048, PARAMS["sink"])  # kvpress's own framing
