@@ -20,10 +20,11 @@ keep's `+ last N`, the parameters with the .kvm's defaults):
   kvc's heavy and recent counts (fractions of the prompt, or a token budget); eager attention;
 - kvzip: `KVzipPress(compression_ratio=1 - ratio, chunk_size=chunk, n_sink=sink)`, one budget across
   layers as kvc's, reconstructing from after the chat template's user prefix only where the prompt opens
-  with it (`FramedKVzipPress`; kvpress skips that many tokens of any prompt). Its prefill is kvpress's own (`with press(model): model.model(prompt)`: the prompt,
-  then the press's context reconstruction passes, which leave the cache whole and each layer's pruned
-  pairs in `masked_key_indices`, decoded masked as Ada-KV's); the repeat prompt comes from the model
-  directory's tokenizer and chat template, as kvc's engine frames it.
+  with it (`FramedKVzipPress`; kvpress skips that many tokens of any prompt). Its prefill is kvpress's own
+  (`with press(model): model.model(prompt)`: the prompt, then the press's context reconstruction passes,
+  which leave the cache whole and each layer's pruned pairs in `masked_key_indices`, decoded masked as
+  Ada-KV's); the repeat prompt comes from the model directory's tokenizer and chat template, as kvc's
+  engine frames it.
 
 Semantics: the whole prompt (question included, as kvc compresses it) is the press's context and is
 compressed at the end of its prefill; the first token comes from the prefill's last logits, then
