@@ -47,8 +47,9 @@ def _model_dir(root: Path, model: str, template: bool) -> Path:
     return path
 
 
-def _kvpress_kept(hf, prompt: list[int], ratio: float, chunk: int, sink: int) -> set[tuple[int, int, int]]:
-    press = kvpress.KVzipPress(compression_ratio=1 - ratio, chunk_size=chunk, n_sink=sink)
+def _kvpress_kept(hf, prompt: list[int], ratio: float, chunk: int, sink: int,
+                  press_class=None) -> set[tuple[int, int, int]]:
+    press = (press_class or kvpress.KVzipPress)(compression_ratio=1 - ratio, chunk_size=chunk, n_sink=sink)
     from transformers import DynamicCache
 
     with torch.no_grad(), press(hf):
@@ -182,8 +183,6 @@ def test_a_raw_prompt_is_reconstructed_from_its_start(tmp_path):
     from token 0. kvpress's KVzipPress skips the prefix's length of any prompt (it assumes a templated one),
     so it keeps other triples; the eval's reference (`FramedKVzipPress`, runtime/eval/kvpress_reference.py)
     frames as kvc does and keeps kvc's."""
-    from transformers import DynamicCache
-
     from kvc.runtime.eval.kvpress_reference import _press_classes
 
     path = _model_dir(tmp_path, "qwen3", True)
@@ -199,16 +198,6 @@ def test_a_raw_prompt_is_reconstructed_from_its_start(tmp_path):
     llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     kept = {(layer, h, int(t)) for layer, plan in enumerate(plans[0]) for h in range(plan.indices.shape[0])
             for t in plan.indices[h, : (plan.indices.shape[1] if plan.lengths is None else int(plan.lengths[h]))]}
-    press = _press_classes()["FramedKVzipPress"](compression_ratio=1 - PARAMS["ratio"], chunk_size=2048,
-                                                 n_sink=PARAMS["sink"])
-    with torch.no_grad(), press(hf):
-        hf.model(input_ids=torch.tensor([prompt]), past_key_values=DynamicCache())
-    framed = set()
-    for layer, module in enumerate(layer.self_attn for layer in hf.model.layers):
-        _, heads, tokens = module.masked_key_indices
-        pruned = set(zip(heads.tolist(), tokens.tolist()))
-        framed |= {(layer, h, t) for h in range(hf.config.num_key_value_heads) for t in range(len(prompt))
-                   if (h, t) not in pruned}
-        module.masked_key_indices = None
+    framed = _kvpress_kept(hf, prompt, PARAMS["ratio"], 2048, PARAMS["sink"], _press_classes()["FramedKVzipPress"])
     assert kept == framed
     assert kept != _kvpress_kept(hf, prompt, PARAMS["ratio"], 2048, PARAMS["sink"])  # kvpress's own framing
