@@ -275,7 +275,8 @@ def test_methods_kvpress_lacks_are_config_errors(model_dir: Path) -> None:
         ref.run_kvpress(model_dir, prompts, [("snapkv", {"budgets": 8})])
     with pytest.raises(ConfigError, match="only average-pools"):
         ref.run_kvpress(model_dir, prompts, [("snapkv", {"budget": 32, "pooling": "max"})])
-    assert set(ref.kvpress_methods()) == {"full", "snapkv", "pyramidkv", "adakv", "tova", "streamingllm", "h2o"}
+    assert set(ref.kvpress_methods()) == {"full", "snapkv", "pyramidkv", "adakv", "tova", "streamingllm", "h2o",
+                                          "kvzip"}
 
 
 def test_missing_kvpress_is_a_config_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
