@@ -27,6 +27,7 @@ from tests.references.eviction import gather_kv, rank
 from tests.references.mla import one_kv_head
 from tests.references.model_forward import HeadCache, decode
 from kvc.runtime.llm import LLM
+from kvc.runtime.sampling_params import SamplingParams
 from tests.runtime.served import make_llm, serve
 from tests.runtime.test_contract_methods import ATOL, Logits, check, greedy
 from tests.runtime.test_served_parity import METHODS, STEPS, Oracle, prompts_of
@@ -114,3 +115,26 @@ def test_chains_and_prefix_caching_on_the_latent_cache(tmp_path, method, params)
     chained.engine.drop_chain(out.chain_id, None)
     check_books(chained.engine)
     assert chained.engine.pool.num_free == chained.engine.pool.num_pages
+
+
+DECODE_TIME = {"snapkv-every": ("snapkv", {"budget": 24, "window": 8, "every": 4}), "rkv": ("rkv", {}),
+               "skipkv": ("skipkv", {}), "h2o": ("h2o", {"budget": 24}),
+               "streamingllm": ("streamingllm", {"budget": 20}), "kvzip": ("kvzip", {"ratio": 0.3}),
+               "quest": ("quest", {"budget": 16, "page_size": 8})}
+
+
+@pytest.mark.parametrize("name", sorted(DECODE_TIME))
+def test_decode_time_and_replay_methods_run_on_the_latent_cache(tmp_path_factory, name) -> None:
+    """The methods whose references above do not reach (decode-time eviction, a replay pass, read plans)
+    serve a batch on the latent cache to its full length, within their budget, and give every page back."""
+    from tests.runtime.chained import check_books
+
+    method, params = DECODE_TIME[name]
+    model_dir = make_tiny_glm4_moe_lite(tmp_path_factory.mktemp("glm"), seed=3, tokenizer=True, vocab_size=320)
+    llm = LLM(str(model_dir), method=method, method_params=params, device="cpu", dtype="float32", page_size=8)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (30, 70)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [40, 40]
+    check_books(llm.engine)
+    assert llm.engine.pool.num_free == llm.engine.pool.num_pages
