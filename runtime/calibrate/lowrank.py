@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from kvc.runtime.models.fp8_weights import weight_of
+
 
 def group_basis(rows: torch.Tensor, num_kv_heads: int, group: int, rank: int) -> torch.Tensor:
     """rows [Hkv * D, n] (what a projection produces, one head's D rows at a time) -> [Hkv, D, rank]
@@ -46,7 +48,7 @@ def weight_projections(model, group: int, rank: int) -> dict[str, torch.Tensor]:
     keys, values = [], []
     for layer in model.layers:
         attn = layer.self_attn
-        weight = attn.qkv_proj.weight.detach().float()
+        weight = weight_of(attn.qkv_proj, torch.float32).detach()  # an FP8 layer's weights dequantized
         bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.detach().float()
         q, kv = attn.q_size, attn.kv_size
         k_rows, v_rows = weight[q:q + kv], weight[q + kv:]
