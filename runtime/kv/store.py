@@ -157,12 +157,10 @@ class KVStore:
                 scale.copy_(torch.where(scale > 0, scale, new))
 
     def token_tensors(self) -> list[torch.Tensor]:
-        """Every TOKEN tensor (what a keep plan moves), dense K and V first."""
-        first = [self.tensors[e.tensor] for e in (self.spec.keys, self.spec.values) if isinstance(e, Dense)]
-        first = first[:1] if self.spec.latent else first  # values inside the keys' tensor move with it
-        rest = [self.tensors[t.name] for t in self.spec.of(Extent.TOKEN)
-                if not any(self.tensors[t.name] is f for f in first)]
-        return first + rest
+        """Every TOKEN tensor (what a keep plan moves) once, dense K and V first (a latent cache's values are a
+        view of the keys' tensor: it moves once)."""
+        dense = [e.tensor for e in (self.spec.keys, self.spec.values) if isinstance(e, Dense)]
+        return [self.tensors[name] for name in dict.fromkeys([*dense, *(t.name for t in self.spec.of(Extent.TOKEN))])]
 
     def method_tensors(self) -> dict[str, torch.Tensor]:
         """The method's own tensors (per-token state: H2O's `seen`), by name."""

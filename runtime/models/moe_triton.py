@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvc.runtime.models.fp8_triton import dequantize_tile
 from kvc.runtime.models.moe_align import (  # the others re-exported: the alignment is step 1 here
     ALIGN_TRITON_MAX_PAIRS,  # noqa: F401
     ExpertAlignment,  # noqa: F401
@@ -105,17 +106,6 @@ def _mma(a, b, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _weights(w, s_ptrs, cols, mask, stride_sk, dtype, SCALE_COLS: tl.constexpr):
-    """A weight tile [BLOCK_K, BLOCK_N] as the product reads it: FP8 codes (SCALE_COLS > 0) times each row's
-    scale of their column block, rounded to the activations' dtype as dequantized weights are
-    (runtime/models/fp8_weights.py); other weights as they are."""
-    if SCALE_COLS > 0:
-        scale = tl.load(s_ptrs + (cols // SCALE_COLS)[:, None] * stride_sk, mask=mask, other=0.0)
-        w = (w.to(tl.float32) * scale).to(dtype)
-    return w
-
-
-@triton.jit
 def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Program id -> (row block, column block), GROUP_M row blocks sweeping the columns together."""
     pid = tl.program_id(0)
@@ -158,10 +148,11 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pad
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_ok = k_ok[:, None] & n_ok[None, :]
-        g = _weights(tl.load(g_ptrs, mask=w_ok, other=0.0), gs_ptrs, k0 + offs_k, w_ok, stride_sk, a.dtype,
-                     SCALE_COLS)
-        u = _weights(tl.load(u_ptrs, mask=w_ok, other=0.0), gs_ptrs + N * stride_sn, k0 + offs_k, w_ok, stride_sk,
-                     a.dtype, SCALE_COLS)
+        cols = k0 + offs_k
+        g = dequantize_tile(tl.load(g_ptrs, mask=w_ok, other=0.0), gs_ptrs, cols, w_ok, stride_sk, a.dtype,
+                            SCALE_COLS)
+        u = dequantize_tile(tl.load(u_ptrs, mask=w_ok, other=0.0), gs_ptrs + N * stride_sn, cols, w_ok, stride_sk,
+                            a.dtype, SCALE_COLS)
         gate = _mma(a, g, gate, DOT_PRECISION)
         up = _mma(a, u, up, DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_xk
@@ -197,8 +188,8 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, route_w_ptr, sorted_ptr, block_expert_pt
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_ok = k_ok[:, None] & n_ok[None, :]
-        w = _weights(tl.load(w_ptrs, mask=w_ok, other=0.0), s_ptrs, k0 + offs_k, w_ok, stride_sk, a.dtype,
-                     SCALE_COLS)
+        w = dequantize_tile(tl.load(w_ptrs, mask=w_ok, other=0.0), s_ptrs, k0 + offs_k, w_ok, stride_sk, a.dtype,
+                            SCALE_COLS)
         acc = _mma(a, w, acc, DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_hk
         w_ptrs += BLOCK_K * stride_wk
