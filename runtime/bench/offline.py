@@ -51,11 +51,13 @@ def offline_row(cfg, case) -> dict:
         while engine.has_unfinished():
             if steps >= limit:
                 raise RuntimeError(f"the engine did not finish {n} requests in {limit} steps")
-            prefilling = any(s.num_generated == 0 for s in seqs if not s.is_finished)
+            before = [s.num_computed_tokens for s in seqs]
             seconds = clock.time(engine.step)
             steps += 1
             step_time += seconds
-            prefill_time += seconds if prefilling else 0.0
+            # a step prefilled when a prompt's computed tokens grew in it (a queued request is not prefilling)
+            prefilled = any(n < s.num_prompt_tokens and s.num_computed_tokens > n for s, n in zip(seqs, before))
+            prefill_time += seconds if prefilled else 0.0
             now = time.perf_counter()
             running = 0
             for s in seqs:
