@@ -44,6 +44,7 @@ from kvc.runtime.errors import (
     ChainBusy,
     ChainCapacity,
     ChainDiverged,
+    ChainMethodMismatch,
     ChainEvicted,
     ChainNotFound,
     KvcError,
@@ -112,6 +113,7 @@ class ChainRecord:
     verbatim_from: int = 0  # logical position from which every layer's stored tail is verbatim
     compressed: bool = False  # pages no longer equal the logical tokens
     method_state: Any = None  # KVMethod.turn_end's opaque value
+    lane: Any = None  # the engine's lane it was recorded in (runtime/lanes.py; None: the default one)
     # the KV spec's per-sequence tensors (runtime/kv/rows.py): the record's row (None: none) and,
     # per layer, the newest stored slots its residual window holds in full precision
     row: int | None = None
@@ -224,32 +226,35 @@ class ChainStore:
         return list(self._records.values())
 
     # ---- a request starts --------------------------------------------------------------------
-    def begin(self, spec: ChainSpec, prompt: Seq[int]) -> ChainRecord:
+    def begin(self, spec: ChainSpec, prompt: Seq[int], lane=None) -> ChainRecord:
         """The record the request runs on, now active; rolls back to the prompt's common prefix
         with the history where it may. Raises the chain errors; changes nothing when it does
-        (except a rollback, which leaves a valid, shorter chain)."""
+        (except a rollback, which leaves a valid, shorter chain). `lane`: the request's method's
+        (runtime/lanes.py; None: the engine's default): a chain continues only in the lane that
+        recorded it (ChainMethodMismatch)."""
         self.expire()
+        fingerprint = self.fingerprint if lane is None else lane.fingerprint
         if spec.auto:
-            found = self.find(spec.owner, prompt, spec.auto_min_tokens)
+            found = self.find(spec.owner, prompt, spec.auto_min_tokens, fingerprint)
             if found is not None:
                 spec = ChainSpec(continue_id=found.chain_id, owner=spec.owner)
         if spec.open or spec.auto:
             record = self._new(spec.owner, [[] for _ in range(self.num_layers)], [0] * self.num_layers,
-                               [None] * self.num_layers)
+                               [None] * self.num_layers, fingerprint, lane)
             self.expire()  # one more chain: the least recently used idle one may go
             return record
         if spec.continue_id is not None:
             record = self.get(spec.continue_id, spec.owner)
-            self._check_usable(record)
+            self._check_usable(record, fingerprint, lane)
             self._match(record, prompt)
             record.state = ChainState.ACTIVE
             return record
         source = self.get(spec.fork_id, spec.owner)
-        self._check_usable(source)
+        self._check_usable(source, fingerprint, lane)
         for table in source.page_tables:
             self.pool.acquire(table)
         fork = self._new(spec.owner, [list(t) for t in source.page_tables], list(source.kv_lens),
-                         [None if s is None else list(s) for s in source.kv_starts])
+                         [None if s is None else list(s) for s in source.kv_starts], fingerprint, lane)
         fork.set_tokens(list(source.tokens))
         fork.turn_prompt = source.turn_prompt
         fork.verbatim_from, fork.compressed = source.verbatim_from, source.compressed
@@ -274,7 +279,8 @@ class ChainStore:
         self.expire()
         return fork
 
-    def find(self, owner: str | None, prompt: Seq[int], min_tokens: int = 1) -> ChainRecord | None:
+    def find(self, owner: str | None, prompt: Seq[int], min_tokens: int = 1,
+             fingerprint: str | None = None) -> ChainRecord | None:
         """The idle chain of `owner` that `prompt` continues, for an automatic chain; None when none.
 
         The rule: the chain's history up to the end of its last turn's prompt is a prefix of
@@ -285,10 +291,11 @@ class ChainStore:
         chains, active ones, and a history the prompt does not extend (another branch of the
         conversation) never match."""
         prompt = list(prompt)
+        fingerprint = fingerprint or self.fingerprint  # chains of the request's lane only
         best: ChainRecord | None = None
         best_common = 0
         for record in self._records.values():
-            if record.owner != owner or record.state is not ChainState.IDLE or record.fingerprint != self.fingerprint:
+            if record.owner != owner or record.state is not ChainState.IDLE or record.fingerprint != fingerprint:
                 continue
             anchor = min(record.turn_prompt, len(record.tokens))
             if len(prompt) < anchor or prompt[:anchor] != record.tokens[:anchor]:  # compared in C: cheap
@@ -318,20 +325,29 @@ class ChainStore:
         else:
             self._remove(record, remember=False)
 
-    def _new(self, owner, tables, kv_lens, kv_starts) -> ChainRecord:
+    def _new(self, owner, tables, kv_lens, kv_starts, fingerprint: str, lane) -> ChainRecord:
         chain_id = "chain-" + secrets.token_urlsafe(24)
-        record = ChainRecord(chain_id, owner, self.fingerprint, tables, kv_lens, kv_starts,
-                             last_use=next(self._clock))
+        record = ChainRecord(chain_id, owner, fingerprint, tables, kv_lens, kv_starts,
+                             last_use=next(self._clock), lane=lane)
         self._records[chain_id] = record
         return record
 
-    def _check_usable(self, record: ChainRecord) -> None:
+    def _check_usable(self, record: ChainRecord, fingerprint: str, lane) -> None:
         if record.state is ChainState.ACTIVE:
             raise ChainBusy(f"a request is already running on chain {record.chain_id!r}; one at a time",
                             param="chain_id")
-        if record.fingerprint != self.fingerprint:
+        if record.fingerprint != fingerprint:
+            if record.lane is not None or lane is not None:
+                raise ChainMethodMismatch(
+                    f"chain {record.chain_id!r} was recorded by method {self.method_of(record).name!r}"
+                    f"{_params(record.lane)}; continue it with that method and parameters (asked: "
+                    f"{(lane.method if lane is not None else self.method).name!r}{_params(lane)})", param="method")
             raise ChainDiverged(f"chain {record.chain_id!r} was recorded with another model, method or "
                                 "parameters", param="chain_id")
+
+    def method_of(self, record: ChainRecord) -> KVMethod:
+        """The method a record's turns run (its lane's)."""
+        return self.method if record.lane is None else record.lane.method
 
     def _match(self, record: ChainRecord, prompt: Seq[int]) -> None:
         """Makes the record's history a prefix of `prompt` (leaving at least the prompt's last
@@ -344,7 +360,8 @@ class ChainStore:
             why = ("the prompt ends inside the history" if common == len(prompt) - 1 else
                    f"the prompt differs from the history at token {common}")
             raise ChainDiverged(
-                f"{why} of chain {record.chain_id!r} ({history} tokens); the method {self.method.name!r} compressed "
+                f"{why} of chain {record.chain_id!r} ({history} tokens); the method "
+                f"{self.method_of(record).name!r} compressed "
                 f"the history before token {record.verbatim_from}, so the chain can roll back to token "
                 f"{record.verbatim_from} or later only; resend the conversation as recorded, or start a new chain",
                 param="chain_id")
@@ -410,11 +427,12 @@ class ChainStore:
     def resume(self, seq) -> None:
         """The admission went through: the method gets the chain's state for this sequence."""
         record: ChainRecord = seq.chain
-        hooks = self.method.hooks
+        method = self.method_of(record)
+        hooks = method.hooks
         if Hook.RELEASE in hooks:
-            self.method.release(seq.seq_id)  # what a preempted attempt of this turn left behind
+            method.release(seq.seq_id)  # what a preempted attempt of this turn left behind
         if Hook.TURN in hooks:
-            self.method.turn_resume(seq.seq_id, record.method_state, list(seq.kv_lens))
+            method.turn_resume(seq.seq_id, record.method_state, list(seq.kv_lens))
         history = len(record.tokens)
         self.reused_tokens_total += history
         self.prefilled_tokens_total += len(seq.token_ids) - history
@@ -449,7 +467,8 @@ class ChainStore:
             record.positions = seq.positions
             record.window_queries = seq.window_queries
             record.segments = _turn_segments(seq, len(record.tokens))
-            record.method_state = self.method.turn_end(seq.seq_id) if Hook.TURN in self.method.hooks else None
+            method = self.method_of(record)
+            record.method_state = method.turn_end(seq.seq_id) if Hook.TURN in method.hooks else None
             for table in old:
                 self.pool.free(table)
             if seq.row is not None:  # the record takes the sequence's row (its residual windows)
@@ -546,3 +565,9 @@ class ChainStore:
             "prunes_total": self.prunes_total,
             "pruned_tokens_total": self.pruned_tokens_total,
         }
+
+
+def _params(lane) -> str:
+    """A lane's parameters as the error names them (none where it runs the loaded ones)."""
+    params = getattr(lane, "params", None)
+    return f" with parameters {params}" if params else ""

@@ -43,7 +43,7 @@ def add_method_inputs(p: argparse.ArgumentParser) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local Hugging Face directory, gguf:FILE (or a .gguf path), random:tiny (the test "
                    "model) or random:NAME (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--method", default="full", help="KV-cache method: a shipped name or a .kvm path, compiled on "
+    p.add_argument("--method", help="KV-cache method: a shipped name or a .kvm path, compiled on "
                    "start, or a folder compiled by `kvc compile FILE --out DIR` (default: full)")
     p.add_argument("--method-param", action="append", metavar="KEY=VALUE",
                    help="override a parameter of the method's .kvm (repeatable)")
@@ -107,7 +107,7 @@ def _generate(a: argparse.Namespace) -> int:
     from kvc.runtime.server.launch import parse_method_params
 
     method_params = parse_method_params(a.method_param) or None
-    llm = LLM(a.model, method=a.method, method_params=method_params, **_engine_options(a))
+    llm = LLM(a.model, method=a.method or "full", method_params=method_params, **_engine_options(a))
     outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
     for prompt, out in zip(prompts, outputs):
         if a.json:

@@ -33,6 +33,11 @@ class EngineConfig:
     model: str | None = None  # local HF directory, "random:NAME", or None for the embedded default
     method: str = "full"
     method_params: dict | None = None  # overrides of the method's .kvm parameters (checked at resolve)
+    # more methods served beside `method` (the default), each request choosing one (runtime/lanes.py):
+    # names, .kvm paths or compiled folders, with their default parameters
+    methods: tuple[str, ...] | list[str] | None = None
+    # per method of `methods` and the default (by name): its parameters' overrides (`method_params` over them)
+    methods_params: dict[str, dict] | None = None
     # a directory holding the method's input files (`input NAME ... from "FILE"`, as `kvc calibrate
     # --out` writes them), read instead of the model's directory and the shipped defaults
     method_inputs: str | None = None
@@ -80,6 +85,13 @@ class EngineConfig:
 
         if self.method_params is not None and not isinstance(self.method_params, dict):
             raise ConfigError(f"method_params must be a dict, got {self.method_params!r}", param="method_params")
+        if self.methods is not None and (isinstance(self.methods, str)
+                                         or not all(isinstance(m, str) and m for m in self.methods)):
+            raise ConfigError(f"methods must be a list of method names, got {self.methods!r}", param="methods")
+        if self.methods_params is not None and not (isinstance(self.methods_params, dict) and all(
+                isinstance(v, dict) for v in self.methods_params.values())):
+            raise ConfigError(f"methods_params must map method names to parameter dicts, got {self.methods_params!r}",
+                              param="methods_params")
         if self.page_size is not None:
             positive_int("page_size", self.page_size)
         positive_int("max_num_seqs", self.max_num_seqs)

@@ -19,7 +19,6 @@ would. The throughput benchmark (runtime/bench/) builds its decode batch this wa
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvc.runtime.attention.backend import PagedAttention, class_pages, layer_page_bytes, seq_rows
+from kvc.runtime.attention.backend import PagedAttention, class_pages, layer_page_bytes, load_ops, seq_rows
 from kvc.runtime.chain_prune import PruneRequest, Pruner, Scorer, parse_auto_prune, resolve_scorer
 from kvc.runtime.chains import ChainSpec, ChainStore
 from kvc.runtime.config import DEFAULT_PAGE_SIZE, EngineConfig
@@ -46,7 +45,10 @@ from kvc.runtime.grammar_book import GrammarBook
 from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.rows import RowPool
-from kvc.runtime.kv.spec import LowRank
+from kvc.runtime.kv.spec import LowRank, StorageClasses
+from kvc.runtime.kv.store import KVStore
+from kvc.runtime.lanes import (MAX_REQUEST_LANES, Lane, PoolClasses, lane_rules, method_fingerprint, requested,
+                               storage_salt)
 from kvc.runtime.method_api import Hook, KVMethod
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.model_runner import ModelRunner
@@ -55,6 +57,8 @@ from kvc.runtime.prefill_record import PrefillRecord
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.scheduler import Scheduler, SchedulerConfig
 from kvc.runtime.sequence import Sequence
+from kvc.runtime.spec_group import SpecGroup, shares_attention, variants_of
+from kvc.runtime.step_hooks import StepHooks
 from kvc.runtime.text_spans import TextSpans
 from kvc.runtime.tuning.lookup import load_for_device as load_tuned_configs
 
@@ -67,17 +71,32 @@ class Engine:
     def __init__(self, config: EngineConfig, method: KVMethod | None = None,
                  loaded: LoadedModel | None = None) -> None:
         """`loaded`: a model already in memory (its weights are shared, never written), for tools
-        that build several engines over one model (`kvc eval`); otherwise `config.model` is loaded."""
-        self.method = method if method is not None else resolve_method(config.method, config.method_params)
-        if config.page_size is None:  # the method's page, else the default (EngineConfig.page_size)
-            config = replace(config, page_size=self.method.page_tokens() or DEFAULT_PAGE_SIZE)
+        that build several engines over one model (`kvc eval`); otherwise `config.model` is loaded.
+        `config.methods` names more methods to serve beside the default one (runtime/lanes.py)."""
+        given = dict(config.methods_params or {})  # per method name; the default's are under method_params too
+        if method is None:
+            method = resolve_method(config.method, {**given.get(config.method, {}), **(config.method_params or {})}
+                                    or None)
+        self.method = method
+        self._sources = {self.method.name: config.method}  # what each loaded method was resolved from
+        extra = []
+        for spec in dict.fromkeys(config.methods or ()):
+            m = resolve_method(spec, given.get(spec))
+            if m.name not in self._sources:
+                self._sources[m.name] = spec
+                extra.append(m)
+        methods = [self.method, *extra]
+        if config.page_size is None:  # the methods' page, else the default (EngineConfig.page_size)
+            pages = {m.page_tokens() for m in methods} - {None}
+            if len(pages) > 1:
+                raise ConfigError(f"methods {', '.join(m.name for m in methods)} ask for pages of {sorted(pages)} "
+                                  "tokens; serve them on engines of their own", param="methods")
+            config = replace(config, page_size=pages.pop() if pages else DEFAULT_PAGE_SIZE)
         self.config = config
-        # the contract's `evict_interval`: before anything sizes memory by the method's budget
-        self.method.evict_interval = config.evict_interval
         self.device = config.resolve_device()
         dtype = None if config.dtype == "auto" else config.resolve_dtype(self.device, None)
         self.loaded: LoadedModel = loaded or resolve_model(config.model, self.device, dtype)  # None: the default
-        model_ref = str(self.loaded.path or config.model)
+        self.model_ref = str(self.loaded.path or config.model)
         self.model = self.loaded.model
         self.spec = self.model.spec
         self.tokenizer = self.loaded.tokenizer
@@ -89,27 +108,33 @@ class Engine:
                 f"({self.spec.max_position_embeddings})",
                 param="max_model_len",
             )
-        # the model's shape, for its budget; its directory, where the method's input tensors are found
-        # (or the directory the config names for them)
-        inputs_dir = Path(config.method_inputs) if config.method_inputs is not None else self.loaded.path
-        self.method.bind(self.spec.num_layers, self.spec.num_kv_heads, model_dir=inputs_dir,
-                         max_context=self.max_model_len, num_heads=self.spec.num_heads)
+        for m in methods:
+            self._bind(m)
         # the cache's layers: the model's, or one per KV head (runtime/kv/layout.py)
         self.layout = layout = CacheLayout.of(self.spec, self.method)
-        # each layer's KV spec: one class of layers mostly, several where the .kvm stores some layers apart
-        self.storage = classes = layout.storage(self.spec, self.method, config.page_size)
-        specs = classes.specs
+        for m in extra:
+            if CacheLayout.of(self.spec, m) != layout:
+                raise ConfigError(f"methods {self.method.name!r} and {m.name!r} lay the cache out differently (one "
+                                  "cache layer per KV head or per model layer); serve them on engines of their own",
+                                  param="methods")
+        # each lane's per-layer KV specs, over the pool's storage classes (equal specs: one class)
+        self.pool_classes = pool_classes = PoolClasses()
+        storages = [layout.storage(self.spec, m, config.page_size) for m in methods]
+        lane_classes = [pool_classes.classes_of(st, m.layer_digest if hasattr(m, "layer_digest") else "")
+                        for st, m in zip(storages, methods)]
+        specs = pool_classes.specs
         # one layer's page: every per-token tensor of the spec, plus its per-page ones; the rows of
         # its per-sequence tensors (a running sequence's, and an idle chain's) come off the budget first
-        class_page_bytes = [layer_page_bytes(s, layout.kv_heads, config.page_size) for s in specs]
         each_row = sum(s.bytes_per_row(layout.kv_heads, layout.layers) for s in specs) \
             if any(s.uses_rows for s in specs) else 0
         num_rows = seq_rows(config.max_num_seqs, each_row, self._kv_budget_bytes())
         if num_rows < 2 * config.max_num_seqs and each_row:
             # rows sized by the longest context (a per-sequence index) would crowd out the pages: fewer
             # rows, and a request waits for one (the rows bound how many sequences run and chains idle)
+            owners = ", ".join(m.name for m, classes in zip(methods, lane_classes)
+                               if any(specs[c].uses_rows for c in set(classes)))
             log.warning("method %s: %.1f MiB per sequence's row of per-sequence tensors; %d rows (as many "
-                        "sequences running or chained at most, max_num_seqs %d)", self.method.name, each_row / 2**20,
+                        "sequences running or chained at most, max_num_seqs %d)", owners, each_row / 2**20,
                         num_rows, config.max_num_seqs)
         row_bytes = num_rows * each_row
         if row_bytes >= self._kv_budget_bytes():
@@ -119,62 +144,53 @@ class Engine:
                               param="kv_cache_memory")
         # LAYER tensors (FP8 scales) are stored once, not per page
         fixed_bytes = row_bytes + sum(s.bytes_per_layers(layout.kv_heads, layout.layers) for s in specs)
-        # pages per class, so that the classes run out together when every layer stores as many tokens
-        self.pages_by_class = class_pages(self._kv_budget_bytes() - fixed_bytes, classes, layout.kv_heads,
-                                          config.page_size)
+        # pages per class: each lane's share of the budget over its own classes, so that they run out
+        # together when every layer stores as many tokens; lanes sharing a class pool their shares
+        self.pages_by_class = [0] * len(specs)
+        share = (self._kv_budget_bytes() - fixed_bytes) // len(methods)
+        for storage, classes in zip(storages, lane_classes):
+            local = class_pages(share, storage, layout.kv_heads, config.page_size)
+            for c, n in enumerate(local):
+                self.pages_by_class[classes[storage.layers(c)[0]]] += n
         self.num_pages = sum(self.pages_by_class)
+        class_page_bytes = [layer_page_bytes(s, layout.kv_heads, config.page_size) for s in specs]
         page_bytes = sum(n * b for n, b in zip(self.pages_by_class, class_page_bytes)) // self.num_pages
-        prerope = any(s.prerope for s in specs)
-        if prerope and (self.method.compacts or self.method.rewrites or any(s.head_starts for s in specs)):
-            raise ConfigError(f"method {self.method.name!r} stores keys before RoPE, each read at its slot's position; "
-                              "it cannot also move or drop stored tokens (keeps, rewrites)", param="method")
-        if any(s.low_rank and not all(isinstance(e, LowRank) for e in (s.keys, s.values)) for s in specs):
-            raise ConfigError(f"method {self.method.name!r}: a low-rank operand needs the other one low-rank too (the "
-                              "lowrank kernels read both)", param="method")
+        for m, storage in zip(methods, storages):
+            _check_storage(m, storage)
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         if backend == "triton":  # this GPU's `kvc tune` configs (runtime/tuning/); one log line
             load_tuned_configs(self.device)
-        self.attention = PagedAttention.allocate(
-            num_layers=layout.layers,
-            num_pages=self.num_pages,
-            num_kv_heads=layout.kv_heads,
-            page_size=config.page_size,
-            head_dim=self.spec.head_dim,
-            dtype=self.spec.dtype,
-            device=self.device,
-            backend=backend,
-            spec=classes,
-            num_rows=num_rows,
-            num_pages_by_class=self.pages_by_class,
-        )
-        # LAYER tensors that are the method's input files (low-rank projections), fixed from here on
-        for store in self.attention.stores:
-            for name, value in self.method.layer_inputs(store.spec, layout.layers, layout.kv_heads).items():
-                store[name].copy_(value)
+        load_ops(backend, self.device)  # a bad backend fails before the pool is allocated
+        self.stores = [KVStore(s, n, layout.kv_heads, config.page_size, layout.layers, self.device, num_rows)
+                       for s, n in zip(specs, self.pages_by_class)]
+        # LAYER tensors that are the methods' input files (low-rank projections), fixed from here on
+        for m, classes in zip(methods, lane_classes):
+            for c in sorted(set(classes)):
+                for name, value in m.layer_inputs(self.stores[c].spec, layout.layers, layout.kv_heads).items():
+                    self.stores[c][name].copy_(value)
         self.rows = RowPool(num_rows) if num_rows else None
         log.info(
-            "KV cache: %d pages of %d tokens (%.1f MiB)%s%s, backend %s",
+            "KV cache: %d pages of %d tokens (%.1f MiB)%s%s, backend %s%s",
             self.num_pages, config.page_size, self.num_pages * page_bytes / 2**20,
             f" in {len(specs)} storage classes ({', '.join(map(str, self.pages_by_class))} pages)"
             if len(specs) > 1 else "",
             f" and {num_rows} rows of per-sequence tensors ({row_bytes / 2**20:.1f} MiB)" if num_rows else "", backend,
+            f", methods {', '.join(m.name for m in methods)}" if extra else "",
         )
-        method_id = self.method.fingerprint  # name + parameters (+ generated source)
-        salt = hashlib.sha256(f"{model_ref}|{method_id}|{self.spec}".encode()).digest()[:16]
-        # A compacting method's pages stop matching the logical tokens: no prefix caching for it
-        # (its chains still share pages, copy-on-write). Nor for a delta code: a page's codes are
-        # relative to centers and sinks its row holds. A spec that writes codes a block at a time
-        # shares whole blocks whose codes are written (docs/design.md, "Prefix caching over blocks").
-        delta = any(s.delta is not None for s in specs)
-        prefix_caching = config.enable_prefix_caching and not self.method.compacts and not delta
-        flush_block = self.attention.flush_block
-        self.pool = PagePool(self.pages_by_class, config.page_size, prefix_caching, salt=salt,
+        self.backend = backend
+        self.lanes: list[Lane] = [self._lane(m, {}, classes) for m, classes in zip(methods, lane_classes)]
+        self.default_lane = self.lanes[0]
+        self.attention = self.default_lane.attention
+        self.storage = storages[0]
+        prefix_caching = any(lane.rules.prefix_caching for lane in self.lanes)
+        flush_block = math.lcm(*(lane.rules.flush_block or 1 for lane in self.lanes))
+        flush_block = 0 if flush_block == 1 else flush_block
+        self.pool = PagePool(self.pages_by_class, config.page_size, prefix_caching,
                              prefix_block=math.lcm(flush_block, config.page_size) if flush_block else 0)
-        self.chains = ChainStore(self.pool, layout.layers, self.method, fingerprint=salt.hex(),
+        self.chains = ChainStore(self.pool, layout.layers, self.method, fingerprint=self.default_lane.fingerprint,
                                  rows=self.rows, copy_row=self.attention.copy_rows)
-        hooks = self.method.hooks
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -185,45 +201,17 @@ class Engine:
             ),
             self.pool,
             num_layers=layout.layers,
-            budget=self.method.budget,
             chains=self.chains,
-            # may a step write into pages before the newest (copy-on-write of every shared page)?
-            compacts=((self.method.compacts or self.method.rewrites) and Hook.PREFILL_END in hooks,
-                      (self.method.compacts or self.method.rewrites) and Hook.STEP_END in hooks,
-                      self.method.chunk_keeps),
             rows=self.rows,
-            residual=self.attention.residual_window,
-            window_after=self.attention.window_after,
-            layer_class=classes.layer_class,
-            flush_block=flush_block,
+            rules=self.default_lane.rules,
         )
         self.grammars = GrammarBook(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
-        self.runner = ModelRunner(
-            self.model,
-            self.attention,
-            page_size=config.page_size,
-            max_model_len=self.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            device=self.device,
-            use_cuda_graphs=config.cuda_graphs,
-            seed=config.seed,
-            method=self.method,
-            pool=self.pool,
-            grammars=self.grammars,
-        )
-        if self.method.text_partitions:  # spans of the stored tokens' text (runtime/text_spans.py)
-            if self.tokenizer is None:
-                raise ConfigError(f"method {self.method.name!r} reads the spans of its tokens' text: the model needs "
-                                  "a tokenizer", param="method")
-            self.runner.hooks.text_spans = {name: TextSpans(self.tokenizer, markers)
-                                            for name, markers in self.method.text_partitions.items()}
-        if self.method.replay is not None:  # re-reads each prompt after its prefill (runtime/context_replay.py)
-            self.runner.replay = ContextReplay(self.runner, self.method.replay, self.tokenizer)
-            self.method.budget.replay_tokens = self.runner.replay.longest
+        self.runner = ModelRunner(self.model, [], self.device, seed=config.seed, grammars=self.grammars)
+        for lane in self.lanes:
+            self._join_group(lane)
         self.sequences: dict[int, Sequence] = {}
-        self.chains.settle = self.runner.hooks.settle
-        self.pruner = Pruner(self.chains, self.runner.executors, layout.layers, self.attention.layer_class,
-                             self.attention.page_starts)
+        self.chains.settle = lambda seq: self.lane_of(seq).hooks.settle(seq)
+        self.pruner = self._pruner(self.default_lane)
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
         if self.auto_prune is not None:
             try:
@@ -238,6 +226,122 @@ class Engine:
         self._async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         self._launched: tuple | None = None  # (batch, StepOutput) running ahead of its commit
         self._drained: list[Sequence] = []  # finished by a `drain`, reported by the next step
+
+    # ---- lanes (runtime/lanes.py) ----------------------------------------------------------
+    def _bind(self, method: KVMethod) -> None:
+        """Binds `method` to the model: its budget, its input tensors (from the model's directory, or
+        the directory the config names for them)."""
+        # the contract's `evict_interval`: before anything sizes memory by the method's budget
+        method.evict_interval = self.config.evict_interval
+        inputs_dir = Path(self.config.method_inputs) if self.config.method_inputs is not None else self.loaded.path
+        method.bind(self.spec.num_layers, self.spec.num_kv_heads, model_dir=inputs_dir,
+                    max_context=self.max_model_len, num_heads=self.spec.num_heads)
+
+    def _lane(self, method: KVMethod, params: dict, classes: tuple[int, ...], loaded: bool = True) -> Lane:
+        """A lane of `method` over the pool classes `classes` (its attention over the pool's stores)."""
+        attention = PagedAttention(self.stores, self.backend, self.layout.layers, classes)
+        salt = storage_salt(self.model_ref, self.spec, self.pool_classes, classes)
+        rules = lane_rules(method, attention, self.config.enable_prefix_caching, salt)
+        lane = Lane(method.name, params, method, self.layout.storage(self.spec, method, self.config.page_size), classes,
+                    rules, method_fingerprint(self.model_ref, self.spec, method), loaded)
+        lane.attention = attention
+        return lane
+
+    def _join_group(self, lane: Lane) -> None:
+        """Puts `lane` in the attention group of its storage and kernels (runtime/spec_group.py), or one of
+        its own; its hooks, text spans and replay pass."""
+        stores = self.stores
+        for group in self.runner.groups:
+            if (shares_attention(lane) and all(shares_attention(other) for other in group.lanes)
+                    and group.attention.layer_class == lane.layer_class
+                    and variants_of(lane, stores) == variants_of(group.lanes[0], stores)):
+                group.lanes.append(lane)
+                lane.group = group
+                lane.hooks = StepHooks(lane.method, stores, group.executors, group.tables, self.pool,
+                                       group.num_layers, copy_rows=group.attention.copy_rows,
+                                       layer_class=group.attention.layer_class)
+                break
+        else:
+            self.runner.groups.append(SpecGroup([lane], self.model, lane.attention, self.config.page_size,
+                                                self.max_model_len, self.config.max_num_seqs, self.device,
+                                                self.config.cuda_graphs, self.pool))
+            self.runner.groups[-1].chain_window = self.runner.groups[0].chain_window
+        method = lane.method
+        if method.text_partitions:  # spans of the stored tokens' text (runtime/text_spans.py)
+            if self.tokenizer is None:
+                raise ConfigError(f"method {method.name!r} reads the spans of its tokens' text: the model needs "
+                                  "a tokenizer", param="method")
+            lane.hooks.text_spans = {name: TextSpans(self.tokenizer, markers)
+                                     for name, markers in method.text_partitions.items()}
+        if method.replay is not None:  # re-reads each prompt after its prefill (runtime/context_replay.py)
+            lane.replay = ContextReplay(lane.group, method.replay, self.tokenizer)
+            method.budget.replay_tokens = lane.replay.longest
+
+    def lane_of(self, seq: Sequence) -> Lane:
+        return seq.lane or self.default_lane
+
+    def lane_for(self, name: str | None, params: dict | None = None) -> Lane:
+        """The lane a request asks for (`name` None: the default method; `params`: its parameters over the
+        loaded ones'), made on first use where the parameters differ (runtime/lanes.py). ConfigError for
+        a method the engine did not load, parameters it does not have or out of range, or parameters
+        that change how the method stores K/V."""
+        name, params = requested(name, params, self.method.name)
+        base = next((lane for lane in self.lanes if lane.loaded and lane.name == name), None)
+        if base is None:
+            raise ConfigError(f"method {name!r} is not served here; this server runs "
+                              f"{', '.join(lane.name for lane in self.lanes if lane.loaded)}", param="method")
+        if not params:
+            return base
+        params = {**base.method.params, **params} if hasattr(base.method, "params") else params
+        for lane in self.lanes:
+            if lane.name == name and getattr(lane.method, "params", None) == params:
+                return lane
+        given = {k: v for k, v in params.items() if getattr(base.method, "params", {}).get(k) != v}
+        if sum(not lane.loaded for lane in self.lanes) >= MAX_REQUEST_LANES:
+            raise ConfigError(f"this server already runs {MAX_REQUEST_LANES} parameter variants of its methods; "
+                              "use the loaded parameters", param="method_params")
+        method = resolve_method(self._sources[name], params)
+        self._bind(method)
+        storage = self.layout.storage(self.spec, method, self.config.page_size)
+        classes = self.pool_classes.classes_of(storage, getattr(method, "layer_digest", ""), add=False)
+        if classes is None or CacheLayout.of(self.spec, method) != self.layout or method.replay is not None:
+            raise ConfigError(f"method {name!r} with parameters {given} stores K/V otherwise than the loaded "
+                              f"{name!r}; serve it with those parameters (--method-params)", param="method_params")
+        lane = self._lane(method, given, classes, loaded=False)
+        self.lanes.append(lane)
+        self._join_group(lane)
+        return lane
+
+    def lane_stats(self) -> list[dict]:
+        """Per lane (its `key`): requests added, their prompt tokens, tokens generated by finished ones,
+        sequences running and the KV pages they hold (/metrics)."""
+        running = {id(lane): [0, 0] for lane in self.lanes}
+        for seq in self.scheduler.running:
+            held = running[id(self.lane_of(seq))]
+            held[0] += 1
+            held[1] += sum(len(t) for t in seq.page_tables)
+        return [{"method": lane.key, **lane.counts, "running": running[id(lane)][0], "kv_pages": running[id(lane)][1]}
+                for lane in self.lanes]
+
+    def method_cards(self) -> list[dict]:
+        """The methods loaded at start, the default first: each one's name and parameters (values and
+        declared types), as GET /v1/models lists them."""
+        out = []
+        for lane in self.lanes:
+            if not lane.loaded:
+                continue
+            code = getattr(lane.method, "code", None)
+            declared = {} if code is None else code.manifest.get("parameters", {})
+            values = getattr(lane.method, "params", {})
+            out.append({"name": lane.name, "default": lane is self.default_lane,
+                        "parameters": {k: {"value": values.get(k, d.get("default")), "type": str(d.get("type", ""))}
+                                       for k, d in declared.items()}})
+        return out
+
+    def _pruner(self, lane: Lane) -> Pruner:
+        group = lane.group
+        return Pruner(self.chains, group.executors, self.layout.layers, group.attention.layer_class,
+                      group.attention.page_starts)
 
     def _kv_budget_bytes(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -254,7 +358,10 @@ class Engine:
                     replay: PrefillRecord | None = None) -> Sequence:
         """Queues a request; raises the user's errors at once (and the chain errors for `chain`).
         `record`: capture this request's prefill into it; `replay`: take the prefill from a record
-        of the same prompt instead of running the model (runtime/prefill_record.py)."""
+        of the same prompt instead of running the model (runtime/prefill_record.py). The request
+        runs the method `params.method` names (with `params.method_params`), else the default one."""
+        lane = self.lane_for(params.method, params.method_params)
+        method = lane.method
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidPromptError("the prompt is empty; give at least one token", param="prompt")
@@ -272,13 +379,13 @@ class Engine:
         if params.prompt_logprobs is not None and (replay is not None or (chain is not None and not chain.open)):
             raise InvalidSamplingParams("prompt_logprobs: a chain continuation or a replayed prefill does not run "
                                         "the model over the whole prompt", param="prompt_logprobs")
-        if (record is not None or replay is not None) and not self.shares_prefills:
-            why = ("cuts its cache after every prefill chunk" if self.method.chunk_keeps else
+        if (record is not None or replay is not None) and not self.shares_prefills_in(lane):
+            why = ("cuts its cache after every prefill chunk" if method.chunk_keeps else
                    "stores K/V in a format its prefill attention reads back")
-            raise ConfigError(f"method {self.method.name!r} {why}, so its forward is its own: it neither records nor "
+            raise ConfigError(f"method {method.name!r} {why}, so its forward is its own: it neither records nor "
                               "replays prefills", param="replay")
-        if self.method.replay is not None and chain is not None and not chain.open:
-            raise ConfigError(f"method {self.method.name!r} re-reads the whole stored prompt after its prefill; a "
+        if method.replay is not None and chain is not None and not chain.open:
+            raise ConfigError(f"method {method.name!r} re-reads the whole stored prompt after its prefill; a "
                               "chain continuation prefills only its suffix", param="chain")
         if replay is not None:
             if chain is not None and not chain.open:
@@ -300,11 +407,12 @@ class Engine:
         if record is not None:
             record.start(prompt_token_ids, self.layout.layers)
         seq.record, seq.replay = record, replay
+        seq.lane, seq.rules = lane, lane.rules
         if chain is None:
             self._check_fits(seq, params)
             self.scheduler.add(seq)
         else:
-            record = self.chains.begin(chain, prompt_token_ids)
+            record = self.chains.begin(chain, prompt_token_ids, lane)
             seq.chain, seq.chain_id = record, record.chain_id
             seq.segments = chain.segments
             try:
@@ -322,6 +430,8 @@ class Engine:
         if matcher is not None:
             self.grammars.add(seq.seq_id, matcher)
         self.sequences[seq.seq_id] = seq
+        lane.counts["requests"] += 1
+        lane.counts["prompt_tokens"] += n
         return seq
 
     def _check_fits(self, seq: Sequence, params: SamplingParams) -> None:
@@ -329,7 +439,8 @@ class Engine:
         cannot fit beside the pages active chains pin (idle ones would be evicted)."""
         physical = seq.physical_prompt_len  # a continuation counts its stored history, not its logical one
         grown = physical + min(params.max_tokens, self.max_model_len - len(seq.token_ids))
-        needed = self.scheduler.pages_needed_by_class(physical, grown)
+        rules = self.lane_of(seq).rules
+        needed = self.scheduler.pages_needed_by_class(physical, grown, rules)
         sizes = self.pool.sizes
         c = self.pool.oversized(needed)
         if c is not None:
@@ -341,9 +452,9 @@ class Engine:
         if seq.chain is not None:
             # the record's pages stay pinned for the turn; a compacting turn may copy all of them,
             # otherwise only each layer's partial last page is copied
-            compacts = self.scheduler.compacts_prefill or self.scheduler.compacts_decode
+            compacts = rules.compacts_prefill or rules.compacts_decode
             copies = (self.pool.count_by_class(seq.chain.pages()) if compacts
-                      else self.scheduler.by_class([1] * self.layout.layers))
+                      else self.scheduler.by_class([1] * self.layout.layers, rules))
             pinned = self.chains.pinned_pages(exclude=seq.chain)
             for need, copy, pin, size in zip(needed, copies, pinned, sizes):
                 if need + copy + pin > size:
@@ -364,13 +475,14 @@ class Engine:
             for _ in range(count)
         ]
         pairs = self.scheduler.clone(seq, clones)
+        method = self.lane_of(seq).method
         self.attention.copy_pages([src for src, _ in pairs], [dst for _, dst in pairs])
         if seq.row is not None:
             self.attention.copy_rows([seq.row] * len(clones), [clone.row for clone in clones])
         source_generator = self.runner.generators.get(seq.seq_id)
         for clone in clones:
-            if Hook.CLONE in self.method.hooks:
-                self.method.clone(seq.seq_id, clone.seq_id)
+            if Hook.CLONE in method.hooks:
+                method.clone(seq.seq_id, clone.seq_id)
             self.runner.add_request(clone.seq_id, None if source_generator is None else 0)
             if source_generator is not None:  # the clone draws what the source would
                 self.runner.generators[clone.seq_id].set_state(source_generator.get_state())
@@ -388,15 +500,19 @@ class Engine:
         """Prunes an idle chain's history (runtime/chain_prune.py); its report as a dict. Raises the
         chain errors, InvalidPrune for a request that names nothing prunable."""
         record = self.chains.get(chain_id, owner)
-        self.pruner.check_prunable()
-        report = self.pruner.prune(record, request, self._scorer(request))
+        lane = record.lane or self.default_lane
+        pruner = self.pruner if lane is self.default_lane else self._pruner(lane)
+        pruner.check_prunable()
+        report = pruner.prune(record, request, self._scorer(request, lane))
         return {"id": chain_id, **report.as_dict()}
 
-    def _scorer(self, request: PruneRequest) -> Scorer:
-        key = json.dumps([request.scorer, request.scorer_params], sort_keys=True, default=repr)
+    def _scorer(self, request: PruneRequest, lane: Lane | None = None) -> Scorer:
+        """The scorer a prune names, else the default one or that of the chain's method (`lane`'s)."""
+        lane = lane or self.default_lane
+        key = json.dumps([request.scorer, request.scorer_params, lane.key], sort_keys=True, default=repr)
         scorer = self._scorers.get(key)
         if scorer is None:
-            scorer = self._scorers[key] = resolve_scorer(request, self.method, self.config.prune_scorer)
+            scorer = self._scorers[key] = resolve_scorer(request, lane.method, self.config.prune_scorer)
         return scorer
 
     def _chain_window(self) -> int:
@@ -414,8 +530,10 @@ class Engine:
         record = seq.chain
         if record is None or record.segments is None or record.chain_id not in self.chains:
             return
+        lane = record.lane or self.default_lane
         try:
-            self.pruner.prune(record, self.auto_prune, self._scorer(self.auto_prune))
+            pruner = self.pruner if lane is self.default_lane else self._pruner(lane)
+            pruner.prune(record, self.auto_prune, self._scorer(self.auto_prune, lane))
         except KvcError as e:  # e.g. no page for a copy-on-write: the chain stays as it was
             log.warning("automatic prune of chain %s skipped: %s", record.chain_id, e.message)
 
@@ -438,7 +556,12 @@ class Engine:
         may record prefills and replay others': not when its method cuts the cache while prefilling,
         nor when K/V are stored in a format attention reads back (quantized: earlier chunks, and
         without a residual window the chunk itself, are read as stored)."""
-        return not self.method.chunk_keeps and all(s.spec.dense for s in self.attention.stores)
+        return self.shares_prefills_in(self.default_lane)
+
+    @staticmethod
+    def shares_prefills_in(lane: Lane) -> bool:
+        """`shares_prefills` for one lane's method."""
+        return not lane.method.chunk_keeps and all(s.spec.dense for s in lane.attention.used)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._launched is not None or bool(self._drained)
@@ -498,8 +621,23 @@ class Engine:
             self._drained += self._commit(*launched)
 
     def _release(self, seq_id: int) -> None:
+        seq = self.sequences.pop(seq_id, None)
         self.runner.remove_request(seq_id)
         self.grammars.remove(seq_id)
-        self.sequences.pop(seq_id, None)
-        if Hook.RELEASE in self.method.hooks:
-            self.method.release(seq_id)
+        lane = self.default_lane if seq is None else self.lane_of(seq)
+        if seq is not None:
+            lane.counts["generated_tokens"] += seq.num_generated
+        if Hook.RELEASE in lane.method.hooks:
+            lane.method.release(seq_id)
+
+
+def _check_storage(method: KVMethod, storage: StorageClasses) -> None:
+    """What the engine cannot serve of a method's KV specs: keys stored before RoPE that a plan moves,
+    one low-rank operand without the other."""
+    specs = storage.specs
+    if any(s.prerope for s in specs) and (method.compacts or method.rewrites or any(s.head_starts for s in specs)):
+        raise ConfigError(f"method {method.name!r} stores keys before RoPE, each read at its slot's position; "
+                          "it cannot also move or drop stored tokens (keeps, rewrites)", param="method")
+    if any(s.low_rank and not all(isinstance(e, LowRank) for e in (s.keys, s.values)) for s in specs):
+        raise ConfigError(f"method {method.name!r}: a low-rank operand needs the other one low-rank too (the "
+                          "lowrank kernels read both)", param="method")

@@ -72,6 +72,13 @@ class ChainDiverged(ChainError):
     code = "chain_diverged"
 
 
+class ChainMethodMismatch(ChainError):
+    """The chain was recorded by another KV method (or parameters) than the request asks for."""
+
+    status = 409
+    code = "chain_method_mismatch"
+
+
 class ChainEvicted(ChainError):
     """The chain existed but was evicted under memory pressure, or dropped."""
 

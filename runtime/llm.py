@@ -5,6 +5,10 @@ returns outputs with a `chain_id`; the next turn passes the whole conversation w
 `chain=ChainSpec(continue_id=...)` (or `fork_id=...`) and only the new suffix is prefilled
 (`num_cached_tokens` says how many tokens were reused).
 
+Several methods: `LLM(method="full", methods=["snapkv", "kivi"])` serves each; a request picks one
+with `generate(..., method="snapkv", method_params={"budget": 1024})` (or `SamplingParams.method`), the
+default otherwise, and all of them decode in one batch (runtime/lanes.py).
+
 Outputs carry what `SamplingParams` asked for: `logprobs` (one `TokenLogprobs` per generated
 token: its logprob, rank and the top N), `prompt_logprobs` (one per prompt token, None for the
 first), and `stop_reason` (the stop token id that ended the request, else None).
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvc.runtime.chains import ChainSpec
@@ -42,6 +46,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # per generated token (SamplingParams.logprobs)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, None first (prompt_logprobs)
     stop_reason: int | None = None  # the stop token id that ended it (None: EOS, length, abort)
+    method: str | None = None  # the KV method it ran (its name)
 
 
 class LLM:
@@ -85,12 +90,16 @@ class LLM:
         on_finished: Callable[[int], None] | None = None,
         record: Seq[PrefillRecord | None] | None = None,
         replay: Seq[PrefillRecord | None] | None = None,
+        method: str | Seq[str | None] | None = None,
+        method_params: dict | Seq[dict | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for all prompts together (continuous batching); outputs keep prompt order.
         `chain`: one `ChainSpec` per prompt (or one for a single prompt), None for no chain.
         `on_finished(n)`: called after each engine step that finished n > 0 requests (a caller's
         own progress bar). `record` / `replay`: per prompt, a `PrefillRecord` to capture its prefill
-        into, or to take it from (runtime/prefill_record.py)."""
+        into, or to take it from (runtime/prefill_record.py). `method` / `method_params`: the KV method
+        (one the engine serves) and its parameters, for every prompt or one per prompt; they override
+        the SamplingParams' own."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -112,6 +121,7 @@ class LLM:
         replays = list(replay) if replay is not None else [None] * len(prompts)
         if len(records) != len(prompts) or len(replays) != len(prompts):
             raise InvalidPromptError("record / replay take one entry per prompt", param="record")
+        params = _with_methods(params, method, method_params)
         token_lists = [self.encode(p) for p in prompts]  # all errors before any work starts
         seqs: list[Sequence] = []
         try:
@@ -134,6 +144,7 @@ class LLM:
                 logprobs=seq.logprobs,
                 prompt_logprobs=seq.prompt_logprobs,
                 stop_reason=seq.stop_reason,
+                method=self.engine.lane_of(seq).name,
             )
             for p, seq in zip(prompts, seqs)
         ]
@@ -151,3 +162,22 @@ class LLM:
             task = progress.add_task("generating", total=total)
             while self.engine.has_unfinished():
                 progress.advance(task, len(self.engine.step()))
+
+
+def _with_methods(params: list[SamplingParams], method, method_params) -> list[SamplingParams]:
+    """`params` with the method (and its parameters) `generate` names, one for all or one per prompt."""
+    n = len(params)
+
+    def per_prompt(value, what: str, single) -> list:
+        if value is None or isinstance(value, single):
+            return [value] * n
+        values = list(value)
+        if len(values) != n:
+            raise InvalidSamplingParams(f"got {len(values)} {what} for {n} prompts", param=what)
+        return values
+
+    methods = per_prompt(method, "method", str)
+    method_params = per_prompt(method_params, "method_params", dict)
+    return [p if m is None and mp is None else
+            replace(p, method=p.method if m is None else m, method_params=p.method_params if mp is None else mp)
+            for p, m, mp in zip(params, methods, method_params)]

@@ -36,6 +36,10 @@ class SamplingParams:
     logprobs: int | None = None  # per generated token: its logprob and the top N; None: none; 0: only its own
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
     structured_outputs: StructuredOutputs | None = None  # what the output must match (a grammar)
+    # the KV method the request runs (one the engine serves; None: its default) and its parameters over
+    # the served ones' (runtime/lanes.py; the engine checks both when the request is added)
+    method: str | None = None
+    method_params: dict | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,6 +65,10 @@ class SamplingParams:
 
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise bad("max_tokens", "must be an integer")
+        if self.method is not None and (not isinstance(self.method, str) or not self.method):
+            raise bad("method", "must be the name of a method the engine serves")
+        if self.method_params is not None and not isinstance(self.method_params, dict):
+            raise bad("method_params", "must be a dict of the method's parameters")
         if self.max_tokens < 1:
             raise bad("max_tokens", "must be at least 1")
         for name in ("temperature", "top_p"):

@@ -113,42 +113,99 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
 
+def _no_window(kept: int) -> int:
+    return 0
+
+
+@dataclass
+class LaneRules:
+    """What the scheduler knows of a sequence's method (its lane, runtime/lanes.py; docs/design.md,
+    "Many methods in one batch"): its budget, the pool class of each layer's pages, when its plans
+    may write into pages, its per-sequence row and residual window, and how it uses the prefix cache.
+    Every sequence carries its lane's (`Sequence.rules`); None: the scheduler's own."""
+
+    budget: KVBudget = field(default_factory=FullBudget)
+    layer_class: tuple[int, ...] = ()  # each layer's storage class (the pool's page-id range it takes pages from)
+    # may compaction write into a sequence's pages: at a prefill's last chunk, at decode steps, at
+    # any prefill chunk (a method whose prefill_chunk keeps)?
+    compacts_prefill: bool = False
+    compacts_decode: bool = False
+    compacts_chunks: bool = False
+    rows: bool = False  # takes a row of the per-sequence tensors
+    residual: int = 0  # slots its residual window holds (0: none)
+    # what a sequence's residual window holds after a keep plan left n slots (KVExecutor.window_after)
+    window_after: Callable[[int], int] = _no_window
+    # codes written a block of this many tokens at a time (0: token by token): a page is named in the
+    # prefix cache once its block's codes are (spec.flushed)
+    flush_block: int = 0
+    prefix_caching: bool = False  # takes prefix-cache hits and names its computed full pages
+    # a method that compacts at prefill end reads hits but names nothing (its pages are cut); the last
+    # `hit_margin` prompt tokens (its query window) are always computed; -1: no hits at all
+    registers: bool = True
+    hit_margin: int = 0
+    salt: bytes | None = None  # its pages' prefix-cache salt (runtime/kv/page_pool.py); None: the pool's
+
+
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, pool: PagePool, num_layers: int = 1, budget: KVBudget | None = None,
         chains: ChainStore | None = None, compacts: tuple[bool, ...] = (False, False),
         rows: RowPool | None = None, residual: int = 0, window_after: Callable[[int], int] | None = None,
-        layer_class: tuple[int, ...] | None = None, flush_block: int = 0,
+        layer_class: tuple[int, ...] | None = None, flush_block: int = 0, rules: LaneRules | None = None,
     ) -> None:
+        """The default lane's facts come as `rules`, or (one method) as the separate arguments."""
         self.config = config
-        # each layer's storage class (the pool's page-id range it takes pages from)
-        self.layer_class = tuple(layer_class) if layer_class is not None else (0,) * num_layers
         self.num_classes = pool.num_classes
-        if len(self.layer_class) != num_layers or max(self.layer_class, default=0) >= self.num_classes:
-            raise ValueError(f"layer classes {self.layer_class} for {num_layers} layers and {self.num_classes} "
-                             "pool classes")
+        if rules is None:
+            rules = LaneRules(
+                budget=budget or FullBudget(),
+                layer_class=tuple(layer_class) if layer_class is not None else (0,) * num_layers,
+                compacts_prefill=compacts[0], compacts_decode=compacts[1], compacts_chunks=(*compacts, False)[2],
+                rows=rows is not None, residual=residual, window_after=window_after or (lambda n: 0),
+                flush_block=flush_block, prefix_caching=True)
+        self.rules = rules
+        self.check_rules(rules, num_layers)
         self._zero = [0] * self.num_classes
         self.chains = chains
-        # the KV spec's per-sequence rows (None: the spec has no per-sequence tensors) and the
-        # slots its residual window holds (0: none)
-        self.rows, self.residual = rows, residual
-        # what a sequence's residual window holds after a keep plan left n slots (KVExecutor.window_after)
-        self.window_after = window_after or (lambda n: 0)
-        # codes written a block of this many tokens at a time (0: token by token): a page is named in the
-        # prefix cache once its block's codes are (spec.flushed)
-        self.flush_block = flush_block
-        # may compaction write into a sequence's pages: at a prefill's last chunk, at decode steps, at
-        # any prefill chunk (a method whose prefill_chunk keeps)?
-        self.compacts_prefill, self.compacts_decode, self.compacts_chunks = (*compacts, False)[:3]
+        self.rows = rows  # the per-sequence rows of every lane's tensors (None: no lane has any)
         self.pool = pool
         self.num_layers = num_layers
-        self.budget = budget or FullBudget()
         self.prefix_caching = config.enable_prefix_caching and pool.enable_prefix_caching
         self.waiting: deque[Sequence] = deque()  # by arrival; preempted ones rejoin the front
         self.running: list[Sequence] = []  # by arrival; the last one is preempted first
         self._live: dict[int, Sequence] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
         self.num_scheduled_tokens = 0  # tokens of every step advanced since start (metrics: tokens per step)
+
+    def check_rules(self, rules: LaneRules, num_layers: int) -> None:
+        if len(rules.layer_class) != num_layers or max(rules.layer_class, default=0) >= self.num_classes:
+            raise ValueError(f"layer classes {rules.layer_class} for {num_layers} layers and {self.num_classes} "
+                             "pool classes")
+
+    def rules_of(self, seq: Sequence) -> LaneRules:
+        """seq's lane's rules (the scheduler's own where it has none)."""
+        return seq.rules or self.rules
+
+    # the default lane's facts (one method: the engine's)
+    @property
+    def budget(self) -> KVBudget:
+        return self.rules.budget
+
+    @property
+    def layer_class(self) -> tuple[int, ...]:
+        return self.rules.layer_class
+
+    @property
+    def compacts_prefill(self) -> bool:
+        return self.rules.compacts_prefill
+
+    @property
+    def compacts_decode(self) -> bool:
+        return self.rules.compacts_decode
+
+    @property
+    def residual(self) -> int:
+        return self.rules.residual
 
     # ---- queue -------------------------------------------------------------------------------
     @property
@@ -176,7 +233,7 @@ class Scheduler:
         if seq.num_layers != self.num_layers:
             raise ValueError(f"{seq} has {seq.num_layers} page tables, the model {self.num_layers} layers")
         physical = seq.physical_prompt_len
-        needed = self.pages_needed_by_class(physical, physical + 1)
+        needed = self.pages_needed_by_class(physical, physical + 1, self.rules_of(seq))
         c = self.pool.oversized(needed)
         if c is not None:
             where = f" of storage class {c}" if self.num_classes > 1 else ""
@@ -192,26 +249,27 @@ class Scheduler:
             i = bisect.bisect_right([s.arrival for s in self.waiting], seq.arrival)
             self.waiting.insert(i, seq)
 
-    def pages_needed(self, prompt_len: int, context_len: int) -> int:
+    def pages_needed(self, prompt_len: int, context_len: int, rules: LaneRules | None = None) -> int:
         """Pages (all layers) a request holds at its worst: its prefill peak or its steady state at
-        `context_len` tokens, by the method's budget."""
-        return sum(self.pages_needed_by_class(prompt_len, context_len))
+        `context_len` tokens, by its method's budget (`rules`: its lane's; None: the default lane's)."""
+        return sum(self.pages_needed_by_class(prompt_len, context_len, rules))
 
-    def pages_needed_by_class(self, prompt_len: int, context_len: int) -> list[int]:
+    def pages_needed_by_class(self, prompt_len: int, context_len: int, rules: LaneRules | None = None) -> list[int]:
         """`pages_needed` per storage class."""
-        b, size = self.budget, self.pool.page_size
+        rules = rules or self.rules
+        b, size = rules.budget, self.pool.page_size
         return self.by_class(
-            -(-max(b.peak_tokens(prompt_len, layer), b.steady_tokens(prompt_len, context_len, layer)) // size)
-            for layer in range(self.num_layers)
-        )
+            (-(-max(b.peak_tokens(prompt_len, layer), b.steady_tokens(prompt_len, context_len, layer)) // size)
+             for layer in range(self.num_layers)), rules)
 
-    def by_class(self, per_layer) -> list[int]:
-        """Per-layer counts summed by storage class."""
+    def by_class(self, per_layer, rules: LaneRules | None = None) -> list[int]:
+        """Per-layer counts summed by storage class (of `rules`' layers; None: the default lane's)."""
         if self.num_classes == 1:
             return [sum(per_layer)]
+        layer_class = (rules or self.rules).layer_class
         out = list(self._zero)
         for layer, n in enumerate(per_layer):
-            out[self.layer_class[layer]] += n
+            out[layer_class[layer]] += n
         return out
 
     def _spares(self, seq: Sequence) -> list[int]:
@@ -232,7 +290,7 @@ class Scheduler:
             return self._zero
         if self.num_classes == 1:
             return [room.growth(n)]
-        return room.growth_by(n, self.layer_class, self.num_classes)
+        return room.growth_by(n, self.rules_of(seq).layer_class, self.num_classes)
 
     def _room(self, seq: Sequence) -> Room:
         """seq's free slots per layer in the pages it holds. Walks the layers once per change of
@@ -251,16 +309,16 @@ class Scheduler:
         its partial last pages when they are shared, or every shared page when the step may compact."""
         if seq.chain is None and not self.prefix_caching:
             return self._zero  # nothing shares its pages
-        pool, size = self.pool, self.pool.page_size
+        pool, size, rules = self.pool, self.pool.page_size, self.rules_of(seq)
         if seq.is_prefill:
             last = seq.num_computed_tokens + n == seq.prefill_end
-            compacts = self.compacts_chunks or (self.compacts_prefill and last)
+            compacts = rules.compacts_chunks or (rules.compacts_prefill and last)
         else:
-            compacts = self.compacts_decode
+            compacts = rules.compacts_decode
         if compacts:
-            return self.by_class(sum(pool.is_shared(p) for p in table) for table in seq.page_tables)
-        return self.by_class(kv % size != 0 and kv // size < len(t) and pool.is_shared(t[kv // size])
-                              for kv, t in zip(seq.kv_lens, seq.page_tables))
+            return self.by_class((sum(pool.is_shared(p) for p in table) for table in seq.page_tables), rules)
+        return self.by_class((kv % size != 0 and kv // size < len(t) and pool.is_shared(t[kv // size])
+                              for kv, t in zip(seq.kv_lens, seq.page_tables)), rules)
 
     def _need(self, seq: Sequence, n: int) -> list[int]:
         """Pages of each storage class seq's next step of n tokens needs beyond its spare ones."""
@@ -282,8 +340,9 @@ class Scheduler:
                     seq.grow_table(layer, fresh[at : at + count])
                     at += count
             else:
+                layer_class = self.rules_of(seq).layer_class
                 for layer, count in short:
-                    seq.grow_table(layer, self.pool.allocate(count, self.layer_class[layer]))
+                    seq.grow_table(layer, self.pool.allocate(count, layer_class[layer]))
             room.grew(short, seq.tables_version)
         for cls, count in enumerate(copies):
             if count > 0:
@@ -299,13 +358,13 @@ class Scheduler:
     def _evict_idle_chain(self, exclude=None) -> bool:
         return self.chains is not None and self.chains.evict_idle(exclude=exclude)
 
-    def _row_free(self) -> bool:
-        return self.rows is None or self.rows.num_free > 0
+    def _row_free(self, seq: Sequence) -> bool:
+        return not self.rules_of(seq).rows or self.rows.num_free > 0
 
     def _take_row(self, seq: Sequence) -> None:
         """seq's row of the per-sequence tensors; a chain continuation's starts as a copy of its
         record's (the runner copies it before the step)."""
-        if self.rows is None:
+        if not self.rules_of(seq).rows:
             return
         seq.row = self.rows.allocate()
         record = seq.chain
@@ -340,12 +399,13 @@ class Scheduler:
         if len(clones) > seats:
             raise ConfigError(f"cloning {len(clones)} sequences needs {len(clones)} free seats, {seats} are left; "
                               "raise max_num_seqs", param="max_num_seqs")
-        per_clone = self.by_class(len(t) for t in seq.page_tables)
+        rules = self.rules_of(seq)
+        per_clone = self.by_class((len(t) for t in seq.page_tables), rules)
         if not self.pool.fits([n * len(clones) for n in per_clone]):
             raise OutOfKVMemory(f"cloning {len(clones)} sequences of {sum(per_clone)} KV pages each needs "
                                 f"{sum(per_clone) * len(clones)} pages, {self.pool.num_free} are free; "
                                 "give the engine more KV cache memory or clone fewer")
-        if self.rows is not None and self.rows.num_free < len(clones):
+        if rules.rows and self.rows.num_free < len(clones):
             raise OutOfKVMemory(f"cloning {len(clones)} sequences needs as many per-sequence rows, "
                                 f"{self.rows.num_free} are free")
         for clone in clones:
@@ -353,7 +413,8 @@ class Scheduler:
                 raise ValueError(f"{clone} cannot receive a clone: it is not a fresh sequence")
         pairs: list[tuple[int, int]] = []
         for clone in clones:
-            clone.page_tables = [self.pool.allocate(len(table), self.layer_class[layer])
+            clone.rules, clone.lane = seq.rules, seq.lane
+            clone.page_tables = [self.pool.allocate(len(table), rules.layer_class[layer])
                                  for layer, table in enumerate(seq.page_tables)]
             for src, dst in zip(seq.page_tables, clone.page_tables):
                 pairs += zip(src, dst)
@@ -369,7 +430,7 @@ class Scheduler:
             clone.history_gap = list(seq.history_gap)
             clone.verbatim_from = seq.verbatim_from
             clone.resid_lens = list(seq.resid_lens)
-            if self.rows is not None:  # the caller copies the row with the pages
+            if rules.rows:  # the caller copies the row with the pages
                 clone.row = self.rows.allocate()
             clone.status = SequenceStatus.RUNNING
             self._live[clone.seq_id] = clone
@@ -443,24 +504,23 @@ class Scheduler:
                     break
                 budget -= step[seq.seq_id]
                 continue
-            layers = self.num_layers
-            # a request still owed prompt logprobs computes every prompt position: no prefix hits
-            cached = self.prefix_caching and not _wants_prompt_logits(seq)
-            hits = pool.lookup_layers(seq.token_ids, layers) if cached else [[]] * layers
+            layers, rules = self.num_layers, self.rules_of(seq)
+            cached = self._hit_tokens(seq, rules)
+            hits = pool.lookup_layers(cached, layers, rules.salt) if cached else [[]] * layers
             computed = len(hits[0]) * pool.page_size
             n = min(len(seq.token_ids) - computed, budget, chunk_cap)
             # the prompt stays resident until prefill_end: every layer needs pages for computed + n
             fresh = pool.pages_for(computed + n) - len(hits[0])
             revived = [sum(pool.ref_count(p) == 0 for p in table) for table in hits]  # cached hits, per layer
-            if not pool.fits(self.by_class(fresh + r for r in revived)) or not self._row_free():
+            if not pool.fits(self.by_class((fresh + r for r in revived), rules)) or not self._row_free(seq):
                 if self._evict_idle_chain():
                     continue  # evicted chains' pages may also be prefix hits now: look again
                 break
             self.waiting.popleft()
             self._take_row(seq)
             if cached:
-                hits = pool.match_prefix_layers(seq.token_ids, layers)
-            seq.page_tables = [table + pool.allocate(fresh, self.layer_class[layer])
+                hits = pool.match_prefix_layers(cached, layers, rules.salt)
+            seq.page_tables = [table + pool.allocate(fresh, rules.layer_class[layer])
                                for layer, table in enumerate(hits)]
             seq.tables_version += 1
             seq.kv_lens = [computed] * layers
@@ -472,13 +532,29 @@ class Scheduler:
             step[seq.seq_id] = n
             budget -= n
 
+    def _hit_tokens(self, seq: Sequence, rules: LaneRules) -> list[int]:
+        """The prompt tokens seq may take from the prefix cache (none: []): a request still owed prompt
+        logprobs computes every prompt position; a lane that compacts at prefill end computes its query
+        window (`hit_margin`) and takes hits only where the pool also holds the copies its compaction
+        makes of them (copy-on-write; docs/design.md, "Many methods in one batch")."""
+        if not (self.prefix_caching and rules.prefix_caching) or rules.hit_margin < 0 or _wants_prompt_logits(seq):
+            return []
+        tokens = seq.token_ids[:len(seq.token_ids) - rules.hit_margin]
+        if rules.compacts_prefill and tokens:
+            n = len(seq.token_ids)
+            peak = self.pages_needed_by_class(n, n + 1, rules)
+            copies = self.by_class([self.pool.pages_for(len(tokens))] * self.num_layers, rules)
+            if self.pool.oversized([a + b for a, b in zip(peak, copies)]) is not None:
+                return []
+        return tokens
+
     def _admit_chained(self, seq: Sequence, step: dict[int, int], budget: int, chunk_cap: int) -> bool:
         """Admits the head of the queue from its chain record (only its suffix to prefill); False
         when its pages do not fit, even with every idle chain evicted."""
         self.chains.attach(seq)
         seq.prefill_end = len(seq.token_ids)
         n = min(seq.num_uncomputed_tokens, budget, chunk_cap)
-        while not self.pool.fits(self._need(seq, n)) or not self._row_free():
+        while not self.pool.fits(self._need(seq, n)) or not self._row_free(seq):
             if not self._evict_idle_chain(exclude=seq.chain):
                 self._free(seq)  # the record keeps its own references
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
@@ -531,8 +607,9 @@ class Scheduler:
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
             seq.kv_lens = [kv + n for kv in seq.kv_lens]
-            if self.residual:  # the step's tokens joined each layer's residual window
-                seq.resid_lens = [min(r + n, self.residual) for r in seq.resid_lens]
+            rules = self.rules_of(seq)
+            if rules.residual:  # the step's tokens joined each layer's residual window
+                seq.resid_lens = [min(r + n, rules.residual) for r in seq.resid_lens]
             if seq.room is not None and seq.room.version == seq.tables_version:
                 seq.room.use(n)
             if seq.spare_pages:  # copy-on-write pages the step did not need
@@ -542,11 +619,11 @@ class Scheduler:
             if shrunk:
                 self._shrink(seq, shrunk, decoding=i < batch.num_decodes)
                 for layer, kept in shrunk.items():
-                    seq.resid_lens[layer] = self.window_after(kept)  # moved slots: codes (or re-stored)
+                    seq.resid_lens[layer] = rules.window_after(kept)  # moved slots: codes (or re-stored)
             for layer, resid in rewritten.get(seq.seq_id, {}).items():
                 seq.resid_lens[layer] = resid
-            if self.prefix_caching and not seq.compressed:
-                self._register_full_pages(seq, before)
+            if self.prefix_caching and rules.prefix_caching and rules.registers and not seq.compressed:
+                self._register_full_pages(seq, before, rules)
             if samples:
                 seq.pending += 1
 
@@ -599,17 +676,17 @@ class Scheduler:
             self._take(seq, 1)
         return ScheduledBatch(seqs=seqs, num_new_tokens=[1] * len(seqs), num_decodes=len(seqs))
 
-    def _register_full_pages(self, seq: Sequence, computed_before: int) -> None:
+    def _register_full_pages(self, seq: Sequence, computed_before: int, rules: LaneRules) -> None:
         """Names in the prefix cache each page that this step filled (under a flush block: whose block's
         codes this step wrote)."""
         size = self.pool.page_size
         first, end = computed_before // size, seq.num_computed_tokens // size
-        if self.flush_block:  # the pages of blocks with codes (the newest block's are in the window only)
-            first, end = (flushed(n, self.flush_block) // size for n in (computed_before, seq.num_computed_tokens))
+        if rules.flush_block:  # the pages of blocks with codes (the newest block's are in the window only)
+            first, end = (flushed(n, rules.flush_block) // size for n in (computed_before, seq.num_computed_tokens))
         while len(seq.page_hashes) < end:
             i = len(seq.page_hashes)
             prev = seq.page_hashes[i - 1] if i else None
-            seq.page_hashes.append(self.pool.page_hash(prev, seq.token_ids[i * size : (i + 1) * size]))
+            seq.page_hashes.append(self.pool.page_hash(prev, seq.token_ids[i * size : (i + 1) * size], rules.salt))
         for i in range(first, end):
             for layer, table in enumerate(seq.page_tables):
                 self.pool.register(table[i], self.pool.layer_key(seq.page_hashes[i], layer))
@@ -618,7 +695,7 @@ class Scheduler:
         """Could some storage class not hold seq's next token even with seq alone in the pool (its
         pages, the growth, and those its chain record pins)?"""
         growth = self._growth_by_class(seq, 1)
-        held = self.by_class(len(t) for t in seq.page_tables)
+        held = self.by_class((len(t) for t in seq.page_tables), self.rules_of(seq))
         pinned = self._zero if seq.chain is None or self.chains is None else self.chains.extra_pages(seq)
         return any(g and g + h + p > size for g, h, p, size in zip(growth, held, pinned, self.pool.sizes))
 

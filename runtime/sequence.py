@@ -103,6 +103,9 @@ class Sequence:
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
         self.max_model_len: int = max_model_len
 
+        # its method's lane (runtime/lanes.py) and the scheduler's facts of it; None: the engine's default
+        self.lane = None
+        self.rules = None
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache

@@ -47,7 +47,7 @@ class StepHooks:
         self._copy_rows = copy_rows or store.copy_rows
         self.num_layers, self.num_kv_heads, self.page_size = num_layers, store.num_kv_heads, store.page_size
         # the method's per-token state (every decode row writes it), in any class's store
-        self.planes = any(s.method_tensors() for s in stores)
+        self.planes = any(stores[c].method_tensors() for c in set(self.layer_class))  # of its layers' stores
 
     def settle(self, seq) -> None:
         """seq's layers back in time order where a keep evicted in place (runtime/kv/slot_order.py): a

@@ -143,6 +143,9 @@ class PagedAttention:
         self.num_layers = num_layers
         self.stores = list(store) if isinstance(store, list) else [store]
         self.layer_class = tuple(layer_class) if layer_class is not None else (0,) * num_layers
+        # the stores its layers use: an engine serving several methods hands every lane all of the pool's
+        # stores, each lane's layers using some (runtime/lanes.py)
+        self.used = [self.stores[c] for c in sorted(set(self.layer_class))]
         # each class's first page id in the pool (its store's page 0)
         self.page_starts = [sum(s.num_pages for s in self.stores[:c]) for c in range(len(self.stores))]
         self.backend = backend
@@ -178,10 +181,10 @@ class PagedAttention:
     @property
     def residual_window(self) -> int:
         """Slots a residual window holds (the largest of the classes'; 0: none)."""
-        return max(s.residual_window for s in self.stores)
+        return max(s.residual_window for s in self.used)
 
     def window_after(self, length: int) -> int:
-        return max(s.window_after(length) for s in self.stores)
+        return max(s.window_after(length) for s in self.used)
 
     @property
     def flushes_blocks(self) -> bool:
@@ -191,7 +194,7 @@ class PagedAttention:
     def flush_block(self) -> int:
         """Tokens a block of codes spans where a spec writes them a block at a time (0: none; every
         class's block divides it)."""
-        blocks = [s.flush_block for s in self.stores if s.flush_block]
+        blocks = [s.flush_block for s in self.used if s.flush_block]
         return math.lcm(*blocks) if blocks else 0
 
     def copy_rows(self, src: list[int], dst: list[int]) -> None:
@@ -396,7 +399,7 @@ class PagedAttention:
     @cached_property
     def keeps_queries(self) -> bool:
         """Does some class's spec keep decode query windows (runtime/kv/query_window.py)?"""
-        return any(query_window.QUERIES in store.tensors for store in self.stores)
+        return any(query_window.QUERIES in store.tensors for store in self.used)
 
     def record_queries(self, layer: int, q: torch.Tensor, md: AttentionMetadata) -> None:
         """The step's queries q [T, Hq, D] into their rows' decode query windows in `layer`, where its class's spec

@@ -113,6 +113,12 @@ def format_table(result: dict) -> str:
     for r in result.get("rows", []):
         if r["mode"] == "offline":  # the whole run's rows: `format_offline`
             continue
+        if r["mode"] == "mixed_window" and "error" not in r:  # every method in one batch (mixed.py)
+            shares = ", ".join(f"{m} {n}" for m, n in r["shares"].items())
+            vs = "-" if r.get("vs_slowest") is None else f"{r['vs_slowest']:.2f}x step of {r['slowest']}"
+            lines.append(f"| {r['method']} | {r['input_len']} | mixed_window | {r['batch']} ({shares}) | - | "
+                         f"{r['step_ms']:.2f} | {r['decode_tok_s']:.1f} | - | - | - | - | {vs} |")
+            continue
         if "error" in r:
             lines.append(f"| {r['method']} | {r['input_len']} | {r['mode']} | - | - | - | - | - | - | - | - | "
                          f"{r['error']} |")

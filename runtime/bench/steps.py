@@ -36,8 +36,10 @@ class Clock:
         return time.perf_counter() - start
 
 
-def make_engine(cfg, model: str, method, params: dict, input_len: int, seats: int):
-    """The engine of one run: `cfg` (a ThroughputConfig)'s settings, `seats` sequences at most."""
+def make_engine(cfg, model: str, method, params: dict, input_len: int, seats: int, methods: list[str] | None = None,
+                methods_params: dict | None = None):
+    """The engine of one run: `cfg` (a ThroughputConfig)'s settings, `seats` sequences at most; `methods`
+    (with `methods_params`): more methods it serves beside `method` (runtime/lanes.py)."""
     from kvc.runtime.engine import Engine
 
     config = EngineConfig(
@@ -47,7 +49,7 @@ def make_engine(cfg, model: str, method, params: dict, input_len: int, seats: in
         max_model_len=input_len + cfg.output_len + 1, enable_prefix_caching=False,
         attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
         async_scheduling=cfg.async_scheduling, evict_interval=cfg.evict_interval, method_inputs=cfg.method_inputs,
-        seed=cfg.seed)
+        seed=cfg.seed, methods=methods, methods_params=methods_params)
     return Engine(config, method=method)
 
 

@@ -22,7 +22,9 @@ stored):
    same batch), profiled too with `--busy` (`e2e.py`);
 6. `--requests N`: N requests run end to end by one more engine, prefill included, as `vllm bench
    throughput` measures (`"mode": "offline"`: output tok/s, requests/s and TTFT over the whole run;
-   `offline.py`).
+   `offline.py`);
+7. `--mix`: every method's window at the batch all of them hold, then all of them in one engine
+   and one batch, an equal share each (`"mode": "mixed_window"`, `vs_slowest`; `mixed.py`).
 
 Prefilling hundreds of long prompts does not fit a short GPU call; the decode window is the
 shortcut, and the e2e row is its check (the acceptance: within 10% at 32K, batch >= 64).
@@ -42,6 +44,7 @@ from pathlib import Path
 import torch
 
 from kvc.runtime.bench.e2e import after_window, e2e_row, steps_after_prefill
+from kvc.runtime.bench.mixed import cap_batches, mixed_row
 from kvc.runtime.bench.offline import offline_row
 from kvc.runtime.bench.plan import (
     BatchPlan,
@@ -92,6 +95,7 @@ class ThroughputConfig:
     busy: bool = False
     busy_batch: int = 64
     requests: int = 0  # > 0: also run that many requests end to end per case (offline.py)
+    mix: bool = False  # also every method together in one batch, at the batch all of them hold (mixed.py)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -281,6 +285,8 @@ def run(cfg: ThroughputConfig, progress: bool = False, on_row: Callable[[dict], 
         model = str(model_directory(None))
     result = header(cfg, model)
     cases = prepare(cfg, model)
+    if cfg.mix:
+        cases = cap_batches(cases)
     for case in cases:
         log.info("plan: %s at %d input tokens: batch %d (%d pages of %d per sequence)", case.method, case.input_len,
                  case.plan.batch, case.plan.pages_per_seq, case.plan.num_pages)
@@ -304,6 +310,18 @@ def run(cfg: ThroughputConfig, progress: bool = False, on_row: Callable[[dict], 
             for row in new:
                 if on_row is not None:
                     on_row(row)
+            last = [c for c in cases if c.input_len == case.input_len][-1]
+            if cfg.mix and case is last and len(cfg.methods) > 1:
+                try:
+                    mixed = mixed_row(cfg, [c for c in cases if c.input_len == case.input_len], rows)
+                except (RuntimeError, OutOfKVMemory) as e:
+                    log.exception("bench throughput: the mixed window at %d input tokens failed", case.input_len)
+                    mixed = {"method": "+".join(cfg.methods), "input_len": case.input_len, "mode": "mixed_window",
+                             "error": f"failed: {e}"}
+                collect()
+                rows.append(mixed)
+                if on_row is not None:
+                    on_row(mixed)
             if on_partial is not None:
                 on_partial({**result, "rows": rows, "ratios_vs_full": ratios(rows), "complete": False})
             if bar is not None:

@@ -161,23 +161,25 @@ class PagePool:
                     self._frees[self._class[page]].append(page)
 
     # ---- prefix cache ------------------------------------------------------------------------
-    def page_hash(self, prev: bytes | None, page_tokens: Seq[int]) -> bytes:
-        """Hash of one full page given the hash of the page before it (None for the first)."""
+    def page_hash(self, prev: bytes | None, page_tokens: Seq[int], salt: bytes | None = None) -> bytes:
+        """Hash of one full page given the hash of the page before it (None for the first); `salt`:
+        a lane's (runtime/lanes.py; None: the pool's)."""
         if len(page_tokens) != self.page_size:
             raise ValueError(f"only full pages are hashed ({len(page_tokens)} != {self.page_size})")
         h = hashlib.blake2b(prev or _ROOT, digest_size=_DIGEST)
-        h.update(self._salt)
+        h.update(self._salt if salt is None else salt)
         h.update(struct.pack(f"<{len(page_tokens)}q", *page_tokens))
         return h.digest()
 
-    def prefix_hashes(self, token_ids: Seq[int], num_pages: int | None = None) -> list[bytes]:
+    def prefix_hashes(self, token_ids: Seq[int], num_pages: int | None = None,
+                      salt: bytes | None = None) -> list[bytes]:
         """Chained hashes of the first `num_pages` full pages of `token_ids` (default: all)."""
         size = self.page_size
         n = len(token_ids) // size if num_pages is None else num_pages
         hashes: list[bytes] = []
         prev = None
         for i in range(n):
-            prev = self.page_hash(prev, token_ids[i * size : (i + 1) * size])
+            prev = self.page_hash(prev, token_ids[i * size : (i + 1) * size], salt)
             hashes.append(prev)
         return hashes
 
@@ -204,13 +206,13 @@ class PagePool:
             return page_hash
         return hashlib.blake2b(page_hash + struct.pack("<q", layer), digest_size=_DIGEST).digest()
 
-    def lookup_layers(self, token_ids: Seq[int], num_layers: int) -> list[list[int]]:
+    def lookup_layers(self, token_ids: Seq[int], num_layers: int, salt: bytes | None = None) -> list[list[int]]:
         """Per layer, the cached pages of the longest leading run of full pages that every layer
         still holds (as `lookup`, capped so the last token is computed); changes nothing."""
         tables: list[list[int]] = [[] for _ in range(num_layers)]
         if not self.enable_prefix_caching:
             return tables
-        for h in self.prefix_hashes(token_ids, (len(token_ids) - 1) // self.page_size):
+        for h in self.prefix_hashes(token_ids, (len(token_ids) - 1) // self.page_size, salt):
             pages = [self._hash_page.get(self.layer_key(h, layer)) for layer in range(num_layers)]
             if any(page is None for page in pages):
                 break
@@ -219,9 +221,9 @@ class PagePool:
         whole = len(tables[0]) // self.prefix_pages * self.prefix_pages  # whole blocks only
         return [table[:whole] for table in tables]
 
-    def match_prefix_layers(self, token_ids: Seq[int], num_layers: int) -> list[list[int]]:
+    def match_prefix_layers(self, token_ids: Seq[int], num_layers: int, salt: bytes | None = None) -> list[list[int]]:
         """Like `lookup_layers`, but takes a reference on each hit page and counts the query."""
-        tables = self.lookup_layers(token_ids, num_layers)
+        tables = self.lookup_layers(token_ids, num_layers, salt)
         for table in tables:
             self.acquire(table)
         if self.enable_prefix_caching:

@@ -193,7 +193,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     def card() -> ModelCard:
         return ModelCard(id=config.served_model_name, created=0, root=str(engine.config.model or "default"),
                          max_model_len=engine.max_model_len, vocab_size=engine.spec.vocab_size,
-                         method=engine.config.method)
+                         method=engine.method.name, methods=engine.method_cards())
 
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health():

@@ -84,6 +84,8 @@ class EngineStats:
     chain_pages: int = 0
     chain_prunes_total: int = 0
     chain_pruned_tokens_total: int = 0
+    # per method (Engine.lane_stats): its key, requests, prompt tokens, generated tokens, running, KV pages
+    methods: tuple[dict, ...] = ()
 
 
 @dataclass
@@ -404,6 +406,7 @@ class AsyncEngine:
             chain_pages=int(chains.get("pages", 0)),
             chain_prunes_total=int(chains.get("prunes_total", 0)),
             chain_pruned_tokens_total=int(chains.get("pruned_tokens_total", 0)),
+            methods=tuple(engine.lane_stats()),
         )
 
 

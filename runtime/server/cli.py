@@ -17,6 +17,10 @@ def add_commands(sub, add_engine_args, engine_options):
     subparsers, where runtime/cli.py adds the offline benchmarks."""
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     add_engine_args(serve)
+    serve.add_argument("--methods", metavar="M1,M2,...",
+                       help="serve several KV methods at once, each request choosing one (extra_body={\"kvc\": "
+                       "{\"method\": ...}}); the first is the default, unless --method names another of them; "
+                       "--method-param NAME.KEY=VALUE sets a parameter of method NAME")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", action="append",
@@ -106,7 +110,23 @@ def _serve(a: argparse.Namespace, engine_options) -> int:
     if a.auto_chain_min_tokens < 1:
         raise ConfigError("--auto-chain-min-tokens must be at least 1", param="auto_chain_min_tokens")
     ChainLimits(ttl=a.chain_ttl, max_chains=a.max_chains)  # refuses bad limits before the model loads
-    cfg = engine_config(a.model, a.method, parse_method_params(a.method_param), options)
+    method, params = a.method or "full", parse_method_params(a.method_param)
+    if a.methods:
+        names = [m.strip() for m in a.methods.split(",")]
+        if not all(names):
+            raise ConfigError(f"--methods takes method names separated by commas, got {a.methods!r}", param="methods")
+        method = a.method or names[0]
+        if method not in names:
+            raise ConfigError(f"--method {method!r} is not one of --methods {a.methods!r}", param="methods")
+        options["methods"] = names
+        # --method-param NAME.KEY=VALUE: a parameter of method NAME of --methods (a plain KEY: the default's)
+        per_method: dict[str, dict] = {}
+        for key in [k for k in params if "." in k and k.split(".", 1)[0] in names]:
+            name, field = key.split(".", 1)
+            per_method.setdefault(name, {})[field] = params.pop(key)
+        params = {**params, **per_method.pop(method, {})}
+        options["methods_params"] = per_method
+    cfg = engine_config(a.model, method, params, options)
     return serve(cfg, host=a.host, port=a.port, served_model_name=a.served_model_name, api_keys=keys,
                  max_waiting=a.max_waiting_requests, shutdown_timeout=a.shutdown_timeout,
                  max_request_bytes=a.max_request_bytes or None, public_metrics=a.public_metrics,

@@ -245,6 +245,8 @@ def _params(req: GenerationRequest, max_tokens: int, logprobs: int | None = None
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         structured_outputs=structured,
+        method=None if req.kvc is None else req.kvc.method,
+        method_params=None if req.kvc is None else req.kvc.params,
     )
 
 

@@ -78,6 +78,16 @@ class StructuredOutputsRequest(RequestModel):
     grammar: str | None = Field(None, description="a Lark grammar (llguidance's dialect)")
 
 
+class KvcOptions(RequestModel):
+    """kvc's per-request options (OpenAI clients send them as `extra_body={"kvc": {...}}`)."""
+
+    method: str | None = Field(None, min_length=1,
+                               description="the KV method the request runs: one the server serves (GET /v1/models); "
+                                           "default: the server's --method")
+    params: dict[str, Any] | None = Field(None, description="the method's parameters for this request, over the "
+                                                            "served ones (their ranges: GET /v1/models)")
+
+
 class GenerationRequest(RequestModel):
     """Fields shared by completions and chat completions."""
 
@@ -110,6 +120,7 @@ class GenerationRequest(RequestModel):
     )
     structured_outputs: StructuredOutputsRequest | None = Field(
         None, description="vLLM's: the output matches a JSON schema, regex, choice or grammar")
+    kvc: KvcOptions | None = Field(None, description="kvc: the request's KV method and its parameters")
     # kvc's chain cache (at most one of the three; n and best_of must be 1)
     chain: bool | None = Field(None, description="kvc: open a chain: keep this request's KV for the next turn")
     chain_id: ChainId | None = Field(None, description="kvc: continue this chain (resend the whole conversation)")
@@ -306,6 +317,19 @@ class CompletionChunk(BaseModel):
     chain_id: str | None = Field(None, description="kvc: the chain this request continues or opened")
 
 
+class MethodParameter(BaseModel):
+    value: Any = Field(description="the value requests run with unless they give another")
+    type: str = Field(description="its type as the .kvm declares it (tokens, int, float, ratio, or a choice)")
+
+
+class MethodCard(BaseModel):
+    """kvc: one KV method the server runs."""
+
+    name: str
+    default: bool = Field(description="whether requests that name no method run it")
+    parameters: dict[str, MethodParameter]
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -314,7 +338,9 @@ class ModelCard(BaseModel):
     root: str | None = None
     max_model_len: int
     vocab_size: int = Field(description="kvc: token ids are in [0, vocab_size)")
-    method: str = Field(description="kvc: the KV-cache method the server runs")
+    method: str = Field(description="kvc: the KV-cache method requests run by default")
+    methods: list[MethodCard] = Field(default_factory=list, description="kvc: every KV method a request may choose "
+                                                                          "(`extra_body={\"kvc\": {\"method\": ...}}`)")
 
 
 class ModelList(BaseModel):

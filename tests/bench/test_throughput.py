@@ -205,3 +205,22 @@ def test_plot_rejects_what_is_not_a_result(tmp_path, capsys):
     bad.write_text('{"rows": 3}')
     assert main(["bench", "plot", str(bad)]) == 1
     assert "not a `kvc bench throughput` result" in capsys.readouterr().err
+
+
+def test_mix_runs_every_method_in_one_batch(model_dir, tmp_path):
+    """--mix: each method's window at the batch all hold, then one engine with both, half the rows each."""
+    out = tmp_path / "mix.json"
+    code = main(["bench", "throughput", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
+                 "--methods", "full,snapkv", "--method-params", "snapkv:budget=40,window=8", "--inputs", str(INPUT),
+                 "--output", str(OUTPUT), "--kv-memory", str(300 * PAGE_BYTES), "--page-size", str(PAGE),
+                 "--steps", "3", "--warmup", "1", "--sources", "1", "--attention-backend", "torch", "--mix",
+                 "--out", str(out), "--no-progress"])
+    assert code == 0
+    rows = {(r["method"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
+    assert rows["full", "decode_window"]["batch"] == rows["snapkv", "decode_window"]["batch"] == 3  # full's
+    mixed = rows["full+snapkv", "mixed_window"]
+    assert "error" not in mixed, mixed.get("error")
+    assert mixed["batch"] == 3 and mixed["shares"] == {"full": 2, "snapkv": 1} and mixed["groups"] == 1
+    slowest = max(rows["full", "decode_window"]["step_ms"], rows["snapkv", "decode_window"]["step_ms"])
+    assert mixed["vs_slowest"] == pytest.approx(mixed["step_ms"] / slowest)
+    assert mixed["decode_tok_s"] == pytest.approx(3 * 3 / mixed["phases"]["window_s"])
