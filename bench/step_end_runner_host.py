@@ -30,7 +30,6 @@ from types import SimpleNamespace
 import torch
 
 from bench.step_end_host import PARAMS
-from kvc.runtime import model_runner
 from kvc.runtime.kv import executor
 from kvc.runtime.kv.executor import KVExecutor
 from kvc.runtime.kv.store import KVStore
@@ -56,7 +55,8 @@ def make_method(name: str, layers: int, kv: int, kv_heads: int):
 def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_heads: int = 4,
                 head_dim: int = 8, device: str = "cpu", backend: str = "torch", ragged: bool = False,
                 seed: int = 0, in_place: bool = True, own_layers: bool = False, shuffled: bool = False):
-    """(runner, batch): a `ModelRunner` holding only what its step end reads, and its decode batch.
+    """(runner, batch): the runner's facts its step end reads (a stand-in for one attention group,
+    runtime/spec_group.py: the method, its store, executor, tables and hooks), and its decode batch.
     `in_place` False: the method's spec without slot positions (its keeps compact in order).
     `own_layers`: each layer its own pages (else the layers share one pool's pages, as timing allows:
     then slot positions and contents are not each layer's own). `shuffled`: each row's stored slots hold their
@@ -75,7 +75,7 @@ def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_
         for tensor in store.tensors.values():
             tensor.copy_(torch.randint(0, 4, tensor.shape, generator=g).float() if tensor.dim() == 3 else
                          torch.randn(tensor.shape, generator=g))
-    runner = model_runner.ModelRunner.__new__(model_runner.ModelRunner)
+    runner = SimpleNamespace()
     runner.method, runner.pool, runner.num_layers, runner.page_size = method, None, layers, page
     runner.attention = SimpleNamespace(store=store, backend=backend, k_cache=store.k_cache, v_cache=store.v_cache)
     runner.planes = store.method_tensors()

@@ -55,6 +55,16 @@ state, no scalar of `heads` or `kv_heads`), ranked per KV head. Its `score_symbo
 symbols the score reads. The engine may then stack the q/k of several rows that agree on those and
 on `keep_symbols` as the heads of one call (SnapKV's and R-KV's decode budget over a decode batch).
 
+Every hook states `ranks`: how it runs under tensor parallelism, where each rank holds some KV heads
+and their query groups (docs/design.md, "Tensor parallelism"). "local": every value it computes is
+per KV head (or per query head) from that head's own inputs, its counts read no head count, and its
+KV heads keep equal counts: each rank runs it over its heads alone (SnapKV, H2O's sums over its
+group, Quest's page bounds). "gather": the same values, but a selection across KV heads (Ada-KV's
+`top(..., across kv_head)`): the engine gathers the ranks' score rows, selects over every head and
+keeps its own heads' part, every rank storing the layer as wide as the widest head. "global": a value
+crosses heads (`mean(..., over head)`: TOVA; a shared selection over heads; a state without a
+KV-head axis): not split across ranks (the engine refuses it under tensor parallelism).
+
 The engine's decode attention (attention variant `decode_stats`, `compiler/attention.py`; torch:
 `runtime/attention/decode_stats.py`) emits exactly that reduction of the softmax probabilities,
 so a decode step never materialises [head, key] when the method only needs [kv_head, key] or
@@ -69,8 +79,8 @@ import re
 
 import sympy as sp
 
-from kvc.compiler.ir import (Accumulate, Attention, Elementwise, HookIR, Input, Keep, MethodIR, Norm, Pool, Quantile,
-                             Redundancy, Reduce, Scalar, Softmax, Value, Window)
+from kvc.compiler.ir import (Accumulate, Assign, Attention, Elementwise, HookIR, Input, Keep, MethodIR, Norm, Pool,
+                             Quantile, Redundancy, Reduce, Scalar, Softmax, Value, Window)
 from kvc.compiler.lower_torch import HookCode, names_in
 
 _FOLDABLE = {("group",): "group", ("head",): "head"}
@@ -159,6 +169,50 @@ def _head_local_value(value: Value) -> bool:
     return all(_head_local_value(child) for child in _children(value))
 
 
+def _rank_local_value(value: Value, states: dict[str, tuple[str, ...]]) -> bool:
+    """Is `value` computed head by head (KV head or query head) from that head's own inputs?"""
+    if isinstance(value, Input):
+        dims = states.get(value.name, value.dims) if value.kind == "state" else value.dims
+        return bool(set(dims) & _HEAD_AXES)  # q/k/v/attn, a per-head state, summary or span index
+    if isinstance(value, Scalar):
+        return not names_in(value.expr) & {"heads", "kv_heads"}
+    axes = getattr(value, "axes", None) or ((value.axis,) if hasattr(value, "axis") else ())
+    if set(axes) & _HEAD_AXES:
+        return False  # a reduction, norm or softmax across heads
+    return all(_rank_local_value(child, states) for child in _children(value))
+
+
+def _statement_values(stmt) -> list:
+    """The tensor values a statement computes (its counts and ranges are sympy, checked apart)."""
+    if isinstance(stmt, (Accumulate, Assign)):
+        return [stmt.value]
+    select = getattr(stmt, "select", None)
+    return [] if select is None or select.top is None else [select.top.score]
+
+
+def ranks(method: MethodIR, hook: HookIR, code: HookCode) -> str:
+    """"local", "gather" or "global": how `hook` splits over tensor-parallel ranks (module docstring)."""
+    states = {s.name: s.dims for s in method.states}
+    values = [v for stmt in hook.stmts for v in _statement_values(stmt)]
+    if not all(_rank_local_value(v, states) for v in values):
+        return "global"
+    if any(getattr(stmt, "shared", None) or getattr(getattr(stmt, "select", None), "shared", None)
+           for stmt in hook.stmts):
+        return "global"  # a shared selection: one layer chooses for the others, over every head
+    granularity = None if code.keep is None else code.keep["granularity"]
+    if granularity == "head_adaptive":
+        return "gather"
+    if granularity not in (None, "kv_head", "none"):
+        return "global"  # one set for every head, whole spans, or across layers
+    counts = [hook.where]
+    for stmt in hook.stmts:
+        select = getattr(stmt, "select", None)
+        if select is not None:
+            counts += [select.first, select.last] + ([select.top.count, select.top.at_least] if select.top else [])
+    names = {str(s) for e in counts if e is not None for s in sp.sympify(e).free_symbols}
+    return "global" if names & {"heads", "kv_heads"} else "local"
+
+
 def head_local(hook: HookIR, code: HookCode) -> bool:
     """Is a step_end keep's ranking score computed KV head by KV head from the hook's q/k/v (module
     docstring)?"""
@@ -219,7 +273,7 @@ def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
         fact = {"inputs": sorted(code.inputs), "keeps": code.keep is not None, "where": code.where,
                 "reads": code.read is not None, "tokens": code.rows and (code.read is None or "tokens" in code.read),
                 "attention": attention_reduction(hook), "last": last, "key_local": key_local(method, hook),
-                "rowwise_select": rowwise_select(code)}
+                "rowwise_select": rowwise_select(code), "ranks": ranks(method, hook, code)}
         if code.read is not None and "clusters" in code.read:  # a read over a cluster index (cluster_index.py)
             partition = method.partitions[code.read["clusters"]]
             fact["clusters"] = {"partition": partition.name, "summaries": sorted(partition.summaries),

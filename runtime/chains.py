@@ -186,6 +186,7 @@ class ChainStore:
         self.method = method
         self.fingerprint = fingerprint
         self._records: dict[str, ChainRecord] = {}
+        self.next_id: str | None = None  # the next record's id where another rank chose it (tensor parallelism)
         self._gone: OrderedDict[str, str | None] = OrderedDict()  # id -> owner, for 410
         self._clock = itertools.count(1)
         self.limits = ChainLimits()
@@ -326,7 +327,7 @@ class ChainStore:
             self._remove(record, remember=False)
 
     def _new(self, owner, tables, kv_lens, kv_starts, fingerprint: str, lane) -> ChainRecord:
-        chain_id = "chain-" + secrets.token_urlsafe(24)
+        chain_id, self.next_id = self.next_id or "chain-" + secrets.token_urlsafe(24), None
         record = ChainRecord(chain_id, owner, fingerprint, tables, kv_lens, kv_starts,
                              last_use=next(self._clock), lane=lane)
         self._records[chain_id] = record

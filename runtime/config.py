@@ -76,6 +76,9 @@ class EngineConfig:
     # and decodes wait (throughput over latency; it keeps replayed prefills, runtime/prefill_record.py,
     # out of mixed steps). False: decodes first, then prefill chunks, in one step
     prefill_first: bool = False
+    # ranks the model's heads, MLP and expert columns are split over (runtime/distributed/): rank 0 is
+    # this process, the others are spawned; torch.distributed with NCCL on GPUs, gloo on the CPU
+    tensor_parallel_size: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -97,6 +100,7 @@ class EngineConfig:
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         positive_int("evict_interval", self.evict_interval)
+        positive_int("tensor_parallel_size", self.tensor_parallel_size)
         for name in ("max_prefill_chunk", "max_model_len", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))

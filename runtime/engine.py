@@ -27,11 +27,14 @@ from pathlib import Path
 
 import torch
 
-from kvc.runtime.attention.backend import PagedAttention, class_pages, layer_page_bytes, load_ops, seq_rows
+from kvc.runtime.attention.backend import PagedAttention, layer_page_bytes, load_ops, seq_rows
 from kvc.runtime.chain_prune import PruneRequest, Pruner, Scorer, parse_auto_prune, resolve_scorer
 from kvc.runtime.chains import ChainSpec, ChainStore
 from kvc.runtime.config import DEFAULT_PAGE_SIZE, EngineConfig
 from kvc.runtime.context_replay import ContextReplay
+from kvc.runtime.distributed.group import HeadCollective, TPGroup
+from kvc.runtime.distributed.shard import shard_model
+from kvc.runtime.distributed.workers import launch as launch_followers
 from kvc.runtime.errors import (
     ChainCapacity,
     ConfigError,
@@ -47,8 +50,8 @@ from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.rows import RowPool
 from kvc.runtime.kv.spec import LowRank, StorageClasses
 from kvc.runtime.kv.store import KVStore
-from kvc.runtime.lanes import (MAX_REQUEST_LANES, Lane, PoolClasses, lane_rules, method_fingerprint, requested,
-                               storage_salt)
+from kvc.runtime.lanes import (MAX_REQUEST_LANES, Lane, PoolClasses, lane_rules, method_fingerprint, pool_pages,
+                               requested, storage_salt)
 from kvc.runtime.method_api import Hook, KVMethod
 from kvc.runtime.methods import resolve_method
 from kvc.runtime.model_runner import ModelRunner
@@ -69,10 +72,37 @@ CPU_DEFAULT_KV_BYTES = 512 * 2**20
 
 class Engine:
     def __init__(self, config: EngineConfig, method: KVMethod | None = None,
-                 loaded: LoadedModel | None = None) -> None:
+                 loaded: LoadedModel | None = None, tp: TPGroup | None = None) -> None:
         """`loaded`: a model already in memory (its weights are shared, never written), for tools
         that build several engines over one model (`kvc eval`); otherwise `config.model` is loaded.
-        `config.methods` names more methods to serve beside the default one (runtime/lanes.py)."""
+        `config.methods` names more methods to serve beside the default one (runtime/lanes.py).
+        `config.tensor_parallel_size` > 1: this engine leads that many ranks, spawning the others
+        (runtime/distributed/); `tp`: a follower rank's group (workers.py builds those)."""
+        self.tp, self._followers = tp, []
+        if config.tensor_parallel_size > 1 and tp is None:
+            if loaded is not None:
+                raise ConfigError("an engine over a model already loaded runs on one rank",
+                                  param="tensor_parallel_size")
+            if config.auto_prune is not None:
+                raise ConfigError("automatic chain prunes are not supported under tensor parallelism yet",
+                                  param="auto_prune")
+            self._followers, init = launch_followers(config)
+            try:
+                self.tp = TPGroup.join(0, config.tensor_parallel_size, init, config.resolve_device())
+            except BaseException:
+                for proc in self._followers:
+                    proc.kill()
+                raise
+        try:
+            self._build(config, method, loaded)
+        except BaseException:
+            for proc in self._followers:  # a leader that fails leaves no follower waiting for it
+                proc.kill()
+            if self.tp is not None:
+                self.tp.close()
+            raise
+
+    def _build(self, config: EngineConfig, method: KVMethod | None, loaded: LoadedModel | None) -> None:
         given = dict(config.methods_params or {})  # per method name; the default's are under method_params too
         if method is None:
             method = resolve_method(config.method, {**given.get(config.method, {}), **(config.method_params or {})}
@@ -98,6 +128,8 @@ class Engine:
         self.loaded: LoadedModel = loaded or resolve_model(config.model, self.device, dtype)  # None: the default
         self.model_ref = str(self.loaded.path or config.model)
         self.model = self.loaded.model
+        # this rank's heads and columns of the model (runtime/distributed/shard.py); None: one rank
+        self.shards = None if self.tp is None else shard_model(self.model, self.tp)
         self.spec = self.model.spec
         self.tokenizer = self.loaded.tokenizer
 
@@ -127,7 +159,8 @@ class Engine:
         # its per-sequence tensors (a running sequence's, and an idle chain's) come off the budget first
         each_row = sum(s.bytes_per_row(layout.kv_heads, layout.layers) for s in specs) \
             if any(s.uses_rows for s in specs) else 0
-        num_rows = seq_rows(config.max_num_seqs, each_row, self._kv_budget_bytes())
+        budget = self._kv_budget_bytes()
+        num_rows = seq_rows(config.max_num_seqs, each_row, budget)
         if num_rows < 2 * config.max_num_seqs and each_row:
             # rows sized by the longest context (a per-sequence index) would crowd out the pages: fewer
             # rows, and a request waits for one (the rows bound how many sequences run and chains idle)
@@ -137,7 +170,7 @@ class Engine:
                         "sequences running or chained at most, max_num_seqs %d)", owners, each_row / 2**20,
                         num_rows, config.max_num_seqs)
         row_bytes = num_rows * each_row
-        if row_bytes >= self._kv_budget_bytes():
+        if row_bytes >= budget:
             raise ConfigError(f"method {self.method.name!r}: {num_rows} rows of per-sequence tensors take "
                               f"{row_bytes} bytes, the whole KV budget; raise kv_cache_memory or lower max_num_seqs "
                               "(or max_model_len, where the method sizes them by the longest context)",
@@ -146,12 +179,8 @@ class Engine:
         fixed_bytes = row_bytes + sum(s.bytes_per_layers(layout.kv_heads, layout.layers) for s in specs)
         # pages per class: each lane's share of the budget over its own classes, so that they run out
         # together when every layer stores as many tokens; lanes sharing a class pool their shares
-        self.pages_by_class = [0] * len(specs)
-        share = (self._kv_budget_bytes() - fixed_bytes) // len(methods)
-        for storage, classes in zip(storages, lane_classes):
-            local = class_pages(share, storage, layout.kv_heads, config.page_size)
-            for c, n in enumerate(local):
-                self.pages_by_class[classes[storage.layers(c)[0]]] += n
+        self.pages_by_class = pool_pages(budget - fixed_bytes, storages, lane_classes, len(specs),
+                                         layout.kv_heads, config.page_size)
         self.num_pages = sum(self.pages_by_class)
         class_page_bytes = [layer_page_bytes(s, layout.kv_heads, config.page_size) for s in specs]
         page_bytes = sum(n * b for n, b in zip(self.pages_by_class, class_page_bytes)) // self.num_pages
@@ -235,7 +264,8 @@ class Engine:
         method.evict_interval = self.config.evict_interval
         inputs_dir = Path(self.config.method_inputs) if self.config.method_inputs is not None else self.loaded.path
         method.bind(self.spec.num_layers, self.spec.num_kv_heads, model_dir=inputs_dir,
-                    max_context=self.max_model_len, num_heads=self.spec.num_heads)
+                    max_context=self.max_model_len, num_heads=self.spec.num_heads,
+                    **({} if self.tp is None else {"heads": HeadCollective(self.tp, self.shards)}))
 
     def _lane(self, method: KVMethod, params: dict, classes: tuple[int, ...], loaded: bool = True) -> Lane:
         """A lane of `method` over the pool classes `classes` (its attention over the pool's stores)."""
@@ -344,6 +374,14 @@ class Engine:
                       group.attention.page_starts)
 
     def _kv_budget_bytes(self) -> int:
+        """Bytes for KV pages: the config's, else a share of free device memory (the least of the ranks',
+        under tensor parallelism: every rank must hold as many pages)."""
+        budget = self._own_kv_budget()
+        if self.tp is not None:
+            budget = self.tp.least(budget)
+        return budget
+
+    def _own_kv_budget(self) -> int:
         if self.config.kv_cache_memory is not None:
             return self.config.kv_cache_memory
         if self.device.type == "cuda":
@@ -359,7 +397,18 @@ class Engine:
         """Queues a request; raises the user's errors at once (and the chain errors for `chain`).
         `record`: capture this request's prefill into it; `replay`: take the prefill from a record
         of the same prompt instead of running the model (runtime/prefill_record.py). The request
-        runs the method `params.method` names (with `params.method_params`), else the default one."""
+        runs the method `params.method` names (with `params.method_params`), else the default one.
+        Tensor parallelism: the followers add it with the ids it got here."""
+        if self.tp is not None and (record is not None or replay is not None):
+            raise ConfigError("prefill records are not shared across tensor-parallel ranks yet", param="replay")
+        seq = self.add_request_as(prompt_token_ids, params, chain, record, replay)
+        self._mirror("add_request_as", prompt_token_ids, params, chain, ids=(seq.seq_id, seq.chain_id))
+        return seq
+
+    def add_request_as(self, prompt_token_ids: list[int], params: SamplingParams,
+                       chain: ChainSpec | None = None, record: PrefillRecord | None = None,
+                       replay: PrefillRecord | None = None, ids: tuple[int, str | None] | None = None) -> Sequence:
+        """`add_request`, with the sequence and chain ids the leader rank gave it (`ids`; None: new ones)."""
         lane = self.lane_for(params.method, params.method_params)
         method = lane.method
         n = len(prompt_token_ids)
@@ -403,6 +452,7 @@ class Engine:
             eos_token_ids=self.spec.eos_token_ids,
             max_model_len=self.max_model_len,
             num_layers=self.layout.layers,
+            seq_id=None if ids is None else ids[0],
         )
         if record is not None:
             record.start(prompt_token_ids, self.layout.layers)
@@ -412,7 +462,11 @@ class Engine:
             self._check_fits(seq, params)
             self.scheduler.add(seq)
         else:
-            record = self.chains.begin(chain, prompt_token_ids, lane)
+            self.chains.next_id = None if ids is None else ids[1]
+            try:
+                record = self.chains.begin(chain, prompt_token_ids, lane)
+            finally:
+                self.chains.next_id = None
             seq.chain, seq.chain_id = record, record.chain_id
             seq.segments = chain.segments
             try:
@@ -466,13 +520,21 @@ class Engine:
         """`count` new running sequences, each a copy of the decoding `seq` (its tokens, its K/V in
         pages of its own, the method's state, the sampling generator's state). Refused whole with
         OutOfKVMemory when the free pages do not cover them, ConfigError past max_num_seqs."""
+        clones = self.clone_sequence_as(seq.seq_id, count)
+        self._mirror("clone_sequence_as", seq.seq_id, count, ids=[c.seq_id for c in clones])
+        return clones
+
+    def clone_sequence_as(self, seq_id: int, count: int, ids: list[int] | None = None) -> list[Sequence]:
+        """`clone_sequence` of sequence `seq_id`, the clones with the leader rank's ids (`ids`; None: new ones)."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ConfigError(f"clone count must be a non-negative integer, got {count!r}", param="count")
         self.drain()
+        seq = self.sequences[seq_id]
         clones = [
             Sequence(seq.token_ids[: seq.num_prompt_tokens], params=seq.params, eos_token_ids=seq.eos_token_ids,
-                     max_model_len=seq.max_model_len, num_layers=self.layout.layers)
-            for _ in range(count)
+                     max_model_len=seq.max_model_len, num_layers=self.layout.layers,
+                     seq_id=None if ids is None else ids[i])
+            for i in range(count)
         ]
         pairs = self.scheduler.clone(seq, clones)
         method = self.lane_of(seq).method
@@ -495,10 +557,13 @@ class Engine:
     def drop_chain(self, chain_id: str, owner: str | None) -> None:
         """Forgets a chain and frees its pages (ChainNotFound / ChainEvicted / ChainBusy)."""
         self.chains.drop(chain_id, owner)
+        self._mirror("drop_chain", chain_id, owner)
 
     def prune_chain(self, chain_id: str, owner: str | None, request: PruneRequest) -> dict:
         """Prunes an idle chain's history (runtime/chain_prune.py); its report as a dict. Raises the
         chain errors, InvalidPrune for a request that names nothing prunable."""
+        if self.tp is not None:
+            raise ConfigError("pruning a chain under tensor parallelism is not supported yet", param="chain_id")
         record = self.chains.get(chain_id, owner)
         lane = record.lane or self.default_lane
         pruner = self.pruner if lane is self.default_lane else self._pruner(lane)
@@ -549,6 +614,33 @@ class Engine:
         self.scheduler.abort(seq_id)
         self._release(seq_id)
         self.sequences.pop(seq_id, None)
+        self._mirror("abort", seq_id)
+
+    def capture_graphs(self) -> None:
+        """Captures every attention group's decode graphs at their first context bucket (a server does it
+        at start rather than in its first requests' latency); every rank does (the captures' warm-up steps
+        run the model)."""
+        self._mirror("capture_graphs")
+        for group in self.runner.groups:
+            if group.graphs is not None:
+                log.info("capturing CUDA graphs for decode batches %s", group.graphs.buckets)
+                group.graphs.capture_all()
+
+    # ---- tensor parallelism (runtime/distributed/) ---------------------------------------------
+    def _mirror(self, name: str, *args, **kwargs) -> None:
+        """The leader rank sends a command to its followers, which replay it (runtime/distributed/workers.py)."""
+        if self.tp is not None and self.tp.leads:
+            self.tp.broadcast((name, args, kwargs))
+
+    def close(self) -> None:
+        """Stops the follower ranks (tensor parallelism; nothing to do on one rank). The engine is unusable after."""
+        if self.tp is None or not self.tp.leads:
+            return
+        self.tp.broadcast(None)
+        for proc in self._followers:
+            proc.join(timeout=60)
+        self.tp.close()
+        self.tp = None
 
     @property
     def shares_prefills(self) -> bool:
@@ -574,6 +666,7 @@ class Engine:
         waits for its tokens and commits them. The host's work for a step so overlaps the
         device's previous one. A step that cannot be scheduled ahead (a request waits, a prefill,
         a chain, structured outputs, pages short) is run the plain way, after a commit."""
+        self._mirror("step")
         finished, self._drained = self._drained, []
         launched, self._launched = self._launched, None
         if launched is not None:
@@ -601,6 +694,8 @@ class Engine:
         """Appends an advanced step's tokens and logprobs (waiting for them); the sequences that
         finished."""
         sampled = out.resolve()
+        if self.tp is not None:  # every rank appends the leader's tokens (runtime/distributed/workers.py)
+            sampled = self.tp.broadcast(sampled if self.tp.leads else None)
         if self.grammars.matchers:
             self.grammars.advance(sampled)
         for seq_id, (first, entries) in out.prompt_logprobs.items():
@@ -616,6 +711,7 @@ class Engine:
     def drain(self) -> None:
         """Commits the step left running (async scheduling), so every sequence's tokens are on the
         host; what finished is reported by the next `step()`."""
+        self._mirror("drain")
         launched, self._launched = self._launched, None
         if launched is not None:
             self._drained += self._commit(*launched)

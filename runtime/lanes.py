@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvc.runtime.attention.backend import class_pages
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv.spec import Extent, KVSpec, StorageClasses
 from kvc.runtime.method_api import Hook, KVMethod
@@ -77,6 +78,19 @@ class PoolClasses:
                 self.specs.append(spec)
             out.append(self.keys.index(key))
         return tuple(out[c] for c in storage.layer_class)
+
+
+def pool_pages(kv_bytes: int, storages: list[StorageClasses], lane_classes: list[tuple[int, ...]], num_classes: int,
+               kv_heads: int, page_size: int) -> list[int]:
+    """Pages of each pool class `kv_bytes` buy: an even share per lane, each share over the lane's own
+    classes as one method's would be (`class_pages`: they run out together when every layer stores as
+    many tokens); lanes sharing a class pool their shares (one lane: exactly one method's pool)."""
+    pages = [0] * num_classes
+    share = kv_bytes // len(storages)
+    for storage, classes in zip(storages, lane_classes):
+        for c, n in enumerate(class_pages(share, storage, kv_heads, page_size)):
+            pages[classes[storage.layers(c)[0]]] += n
+    return pages
 
 
 def _has_layer_inputs(spec: KVSpec) -> bool:

@@ -67,6 +67,16 @@ class LLM:
         llm.engine, llm.tokenizer = engine, engine.tokenizer
         return llm
 
+    def close(self) -> None:
+        """Stops the engine's follower ranks (tensor parallelism); the LLM is unusable after."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:

@@ -288,7 +288,7 @@ class KVMethod(Protocol):
     text_partitions: dict[str, tuple[str, ...]]
 
     def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None,
-             max_context: int | None = None, num_heads: int | None = None) -> None: ...
+             max_context: int | None = None, num_heads: int | None = None, heads: Any = None) -> None: ...
 
     def page_tokens(self) -> int | None: ...
 
@@ -356,8 +356,12 @@ class MethodBase:
         return f"{self.name}({params})"
 
     def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None,
-             max_context: int | None = None, num_heads: int | None = None) -> None:
-        return None
+             max_context: int | None = None, num_heads: int | None = None, heads: Any = None) -> None:
+        if heads is not None and self.hooks:
+            from kvc.runtime.errors import ConfigError
+
+            raise ConfigError(f"method {self.name!r} does not say how its hooks split over tensor-parallel ranks",
+                              param="tensor_parallel_size")
 
     def page_tokens(self) -> int | None:
         return None

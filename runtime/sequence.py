@@ -92,10 +92,12 @@ class Sequence:
         max_model_len: int,
         arrival: int | None = None,
         num_layers: int = 1,
+        seq_id: int | None = None,
     ) -> None:
+        """`seq_id`: the id another rank's engine gave it (tensor parallelism: followers take the leader's)."""
         if len(prompt_token_ids) == 0:
             raise KvcError("the prompt is empty; give at least one token", param="prompt")
-        self.seq_id: int = next(Sequence._ids)
+        self.seq_id: int = next(Sequence._ids) if seq_id is None else seq_id
         self.arrival: int = self.seq_id if arrival is None else arrival  # FCFS order
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens: int = len(self.token_ids)

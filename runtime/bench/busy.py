@@ -129,7 +129,7 @@ def kernel_table(events: list[dict], window: tuple[float, float], steps: int) ->
 def busy_from_trace(trace: dict, steps: int = 1) -> dict:
     """The profile of a Chrome trace holding one `WINDOW` range over `steps` engine steps: {busy,
     window_ms, gpu_ms, kernels, steps, window_ms_per_step, gpu_ms_per_step, host_gap_ms_per_step,
-    by_kernel} (module docstring)."""
+    all_reduce_share (NCCL kernels' time over the window), by_kernel} (module docstring)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     events = trace.get("traceEvents", [])
@@ -142,10 +142,14 @@ def busy_from_trace(trace: dict, steps: int = 1) -> dict:
     gpu = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in gpu_events]
     busy = union_length(gpu, window)
     length = window[1] - window[0]
+    # tensor parallelism: the GPU time of the ranks' collectives (NCCL's kernels), over the window
+    collective = union_length([(e["ts"], e["ts"] + e.get("dur", 0)) for e in gpu_events
+                               if "nccl" in str(e.get("name", "")).lower()], window)
     return {"busy": busy / length if length > 0 else 0.0, "window_ms": length / 1e3, "gpu_ms": busy / 1e3,
             "kernels": sum(1 for s, e in gpu if e > window[0] and s < window[1]), "steps": steps,
             "window_ms_per_step": length / 1e3 / steps, "gpu_ms_per_step": busy / 1e3 / steps,
             "host_gap_ms_per_step": (length - busy) / 1e3 / steps,
+            "all_reduce_share": collective / length if length > 0 else 0.0,
             "by_kernel": kernel_table(gpu_events, window, steps)}
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvc.runtime.bench.steps import Clock, abort_all, collect, cut, make_engine, prompt, until, warm_up, window
+from kvc.runtime.bench.steps import Clock, retire, collect, cut, make_engine, prompt, until, warm_up, window
 from kvc.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def e2e_row(cfg: ThroughputConfig, case: Case, window_row: dict) -> dict:
         if cfg.busy:
             row.update(profile_window(engine, cfg, cut(engine, seqs, min(cfg.busy_batch, batch)), clock, phases))
     finally:
-        abort_all(engine)
+        retire(engine)
         del engine
         collect()
     row.update({"decode_tok_s": batch * cfg.steps / seconds, "step_ms": 1e3 * seconds / cfg.steps, "phases": phases})

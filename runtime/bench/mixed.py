@@ -17,7 +17,7 @@ from dataclasses import replace
 from functools import partial
 
 from kvc.runtime.bench.sources import mix_layers, prefill_sources
-from kvc.runtime.bench.steps import Clock, abort_all, collect, make_engine, prompt, until, warm_up, window
+from kvc.runtime.bench.steps import Clock, retire, collect, make_engine, prompt, until, warm_up, window
 from kvc.runtime.sampling_params import SamplingParams
 
 
@@ -68,7 +68,7 @@ def mixed_row(cfg, cases: list, rows: list[dict]) -> dict:
         row.update({"decode_tok_s": batch * cfg.steps / seconds, "step_ms": 1e3 * seconds / cfg.steps,
                     "shares": dict(zip(names, shares)), "groups": len(engine.runner.groups)})
     finally:
-        abort_all(engine)
+        retire(engine)
         del engine
         collect()
     own = [r for r in rows if r.get("mode") == "decode_window" and r["input_len"] == first.input_len

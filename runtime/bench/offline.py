@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from kvc.runtime.bench.steps import Clock, abort_all, collect, make_engine, prompt, warm_up
+from kvc.runtime.bench.steps import Clock, retire, collect, make_engine, prompt, warm_up
 from kvc.runtime.sampling_params import SamplingParams
 
 
@@ -70,7 +70,7 @@ def offline_row(cfg, case) -> dict:
         if any(s.num_generated != cfg.output_len for s in seqs):
             raise RuntimeError("a request ended before its output length (ignore_eos is set)")
     finally:
-        abort_all(engine)
+        retire(engine)
         del engine
         collect()
     ttft = np.array([first[s.seq_id] for s in seqs])

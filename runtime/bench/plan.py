@@ -149,6 +149,18 @@ def model_spec(model: str, device: torch.device, dtype: str) -> ModelSpec:
     return make_spec(model_class_for_config(config), config, resolved, ())
 
 
+def rank_spec(spec: ModelSpec, tensor_parallel_size: int) -> ModelSpec:
+    """The shape one rank of a tensor-parallel engine holds (its heads: runtime/distributed/group.py)."""
+    if tensor_parallel_size == 1:
+        return spec
+    from dataclasses import replace
+
+    from kvc.runtime.distributed.group import HeadShards
+
+    shards = HeadShards(spec.num_heads, spec.num_kv_heads, 0, tensor_parallel_size)
+    return replace(spec, num_heads=len(shards.heads), num_kv_heads=len(shards.kv_heads))
+
+
 def _dtype(dtype: str, device: torch.device) -> torch.dtype:
     return EngineConfig(dtype=dtype).resolve_dtype(device, None)
 

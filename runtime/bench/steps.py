@@ -49,13 +49,15 @@ def make_engine(cfg, model: str, method, params: dict, input_len: int, seats: in
         max_model_len=input_len + cfg.output_len + 1, enable_prefix_caching=False,
         attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
         async_scheduling=cfg.async_scheduling, evict_interval=cfg.evict_interval, method_inputs=cfg.method_inputs,
-        seed=cfg.seed, methods=methods, methods_params=methods_params)
+        seed=cfg.seed, methods=methods, methods_params=methods_params, tensor_parallel_size=cfg.tensor_parallel_size)
     return Engine(config, method=method)
 
 
-def abort_all(engine) -> None:
+def retire(engine) -> None:
+    """The run is over: every sequence aborted (its pages freed), the follower ranks stopped (tensor parallelism)."""
     for seq_id in list(engine.sequences):
         engine.abort(seq_id)
+    engine.close()
 
 
 def collect() -> None:

@@ -48,6 +48,7 @@ from kvc.runtime.bench.mixed import cap_batches, mixed_row
 from kvc.runtime.bench.offline import offline_row
 from kvc.runtime.bench.plan import (
     BatchPlan,
+    rank_spec,
     declared_family,
     declared_parameters,
     equal_budget_params,
@@ -56,7 +57,7 @@ from kvc.runtime.bench.plan import (
     plan_batch,
 )
 from kvc.runtime.bench.sources import mix_layers, prefill_sources
-from kvc.runtime.bench.steps import Clock, abort_all, collect, make_engine, prompt, until, warm_up, window
+from kvc.runtime.bench.steps import Clock, retire, collect, make_engine, prompt, until, warm_up, window
 from kvc.runtime.config import DEFAULT_PAGE_SIZE, EngineConfig
 from kvc.runtime.errors import ConfigError, OutOfKVMemory
 from kvc.runtime.models.loader import model_directory
@@ -96,6 +97,7 @@ class ThroughputConfig:
     busy_batch: int = 64
     requests: int = 0  # > 0: also run that many requests end to end per case (offline.py)
     mix: bool = False  # also every method together in one batch, at the batch all of them hold (mixed.py)
+    tensor_parallel_size: int = 1  # ranks per engine (runtime/distributed/); `kv_memory` is each rank's
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -150,7 +152,7 @@ def prepare(cfg: ThroughputConfig, model: str) -> list[Case]:
     from kvc.runtime.methods import resolve_method
 
     device = EngineConfig(device=cfg.device).resolve_device()
-    spec = model_spec(model, device, cfg.dtype)
+    spec = rank_spec(model_spec(model, device, cfg.dtype), cfg.tensor_parallel_size)
     inputs_dir = Path(cfg.method_inputs) if cfg.method_inputs is not None else model_directory(model)
     cases = []
     for input_len in cfg.inputs:
@@ -193,7 +195,7 @@ def measure(cfg: ThroughputConfig, case: Case) -> list[dict]:
         phases["warmup_s"] = clock.time(partial(warm_up, engine, cfg, case.input_len))
         row.update(_decode_window(engine, cfg, case.input_len, plan.batch, clock, phases))
     finally:
-        abort_all(engine)
+        retire(engine)
         del engine
         collect()
     row["phases"] = phases

@@ -34,7 +34,7 @@ from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv import query_window
 from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.kv.spec import Extent, KVSpec, StorageClasses
-from kvc.runtime.kv.plans import KeepPlan
+from kvc.runtime.kv.plans import HeadKeeps, KeepPlan
 from kvc.runtime.method_api import DecodeView, Hook, MethodBase, PrefillView, ReadPlan, StepView
 
 
@@ -138,11 +138,15 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         return f"{self.name}({params}){inputs}@{self._source_sha256}"
 
     def bind(self, num_layers: int, num_kv_heads: int, model_dir: Path | None = None,
-             max_context: int | None = None, num_heads: int | None = None) -> None:
+             max_context: int | None = None, num_heads: int | None = None, heads: Any = None) -> None:
         """The model's shape, for the budget formulas (called by the engine before admission; over
         cache layers when `kv_head_layers`), its directory, where the method's input tensors are
         found (roles.py), and the longest context a sequence reaches (what per-sequence index
-        buffers are sized by)."""
+        buffers are sized by). `heads`: this tensor-parallel rank's `HeadCollective`
+        (runtime/distributed/group.py; `num_kv_heads` then counts this rank's): each hook runs as the
+        compiler's `ranks` fact says (`_split_over_ranks`)."""
+        if heads is not None:
+            self._split_over_ranks(heads)
         layout = CacheLayout(num_layers, num_kv_heads, self.kv_head_layers)
         self.budget.num_layers, self.budget.num_kv_heads = layout.layers, layout.kv_heads
         self.max_context = max_context
@@ -154,6 +158,26 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
             self.budget.prefill_kept = self._prefill_kept if self.chunk_keeps else None
             if Hook.STEP_END in self.hooks:
                 self.budget.decode_bound = self.decode_bound
+
+    def _split_over_ranks(self, heads) -> None:
+        """Tensor parallelism (compiler/hook_facts.py, `ranks`): a "local" hook runs over this rank's heads
+        as it is; a "gather" hook's selection runs over every rank's score rows (`_across_ranks`); a
+        "global" one, per-head roles and method inputs (indexed by the model's heads) are refused."""
+        facts = {hook: f for hook, f in self.code.facts.items() if f}
+        where = sorted(hook for hook, f in facts.items() if f.get("ranks", "global") == "global")
+        if where or self.roles is not None or self.declared_inputs:
+            why = (f"its {', '.join(where)} computes across KV heads" if where else
+                   "it reads per-head inputs indexed by the model's heads")
+            raise ConfigError(f"method {self.name!r} does not run under tensor parallelism yet: {why}",
+                              param="tensor_parallel_size")
+        gathers = {hook for hook, f in facts.items() if f.get("ranks") == "gather"}
+        if gathers - {"prefill_end", "step_end"}:
+            raise ConfigError(f"method {self.name!r}: a selection across KV heads in "
+                              f"{', '.join(sorted(gathers))} under tensor parallelism", param="tensor_parallel_size")
+        if "prefill_end" in gathers:
+            self.code.end_select = _across_ranks(self.code.end_select, heads)
+        if "step_end" in gathers:
+            self._select_fn = _across_ranks(self._select_fn, heads)
 
     def _prefill_kept(self, prompt_len: int, layer: int) -> int:
         """What a cache layer holds after a prefill that its chunk keeps cut (the last chunk's keep)."""
@@ -318,3 +342,23 @@ def resolve_compiled(spec: str, params: dict[str, Any] | None) -> CompiledMethod
     """A shipped method name, compiled folder or .kvm path -> the adapter over its (possibly just compiled) code."""
     name, manifest, checked, folder = compiled_folder.resolve(spec, params)
     return CompiledMethod(name, manifest, checked, folder)
+
+
+def _across_ranks(select, heads):
+    """`select` (a generated `<hook>_select` across KV heads) over every tensor-parallel rank's score rows:
+    the selection of the model's heads, this rank's part as `HeadKeeps` (the layer as wide as the widest
+    head on any rank; a keep due where any head's is)."""
+
+    def run(scores, sym, params):
+        every = heads.gather(scores)
+        starts = sym.get("starts")
+        full = {**sym, "kv_heads": heads.total}
+        if starts is not None:
+            full["starts"] = starts = heads.gather_ints(list(starts))
+        kept = select(every, full, params)
+        counts = [int(t.numel()) for t in kept]
+        length = scores.shape[-1]
+        drop = max(length - start - count for start, count in zip(starts or [0] * len(counts), counts))
+        return HeadKeeps(list(kept[heads.local]), max(counts), drop)
+
+    return run

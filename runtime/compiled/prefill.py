@@ -124,7 +124,7 @@ class PrefillHooks:
             scores = self._end_scores(view, q, k, state, sym)
         kept = self.code.end_select(scores, sym, self.params)
         if starts is not None:  # a head never keeps its padding slots (its floor may reach them)
-            kept = [t[t >= start] for t, start in zip(kept, starts)]
+            kept[:] = [t[t >= start] for t, start in zip(kept, starts)]
         plan = None if all(int(t.numel()) >= length for t in kept) else keep_plan(kept, device)
         if plan is not None:
             plan.tail = self.kept_tail("prefill_end", sym, length)

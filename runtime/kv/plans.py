@@ -37,8 +37,9 @@ class KeepPlan:
 
     @property
     def kept(self) -> int:
-        """Physical tokens per head slot after compaction: the most-keeping head's count."""
-        return self.indices.shape[1] if self.lengths is None else int(self.lengths.max())
+        """Physical tokens per head slot after compaction: the most-keeping head's count (or, where a
+        tensor-parallel rank's heads keep fewer than another rank's, that rank's: `HeadKeeps.width`)."""
+        return self.indices.shape[1]
 
     @classmethod
     def from_heads(cls, kept: Seq[torch.Tensor]) -> KeepPlan:
@@ -149,14 +150,25 @@ class RewritePlan:
 Plan = KeepPlan | RewritePlan
 
 
+class HeadKeeps(list):
+    """One rank's KV heads' kept indices out of a selection over every rank's heads (tensor parallelism,
+    docs/design.md): `width` is the widest head's count over all of them, the layer's stored length on
+    every rank, and `drop` the most tokens any head drops (whether a keep is due, alike on every rank)."""
+
+    def __init__(self, kept: list[torch.Tensor], width: int, drop: int) -> None:
+        super().__init__(kept)
+        self.width, self.drop = width, drop
+
+
 def keep_plan(kept: list[torch.Tensor], device: torch.device, tail: int = 0) -> KeepPlan:
     """A `KeepPlan` without a device sync: the counts are the tensors' sizes (host facts), and
     per-head counts stay a CPU tensor, so the engine learns the layer's new physical length and
     start slots without reading the device (`KeepPlan.from_heads` would copy them to it)."""
     counts = [int(t.numel()) for t in kept]
-    if len(set(counts)) <= 1:
+    width = getattr(kept, "width", None) or max(counts)
+    if len(set(counts)) <= 1 and counts[0] == width:
         return KeepPlan(torch.stack(kept).to(device=device, dtype=torch.long), tail=tail)
-    indices = torch.zeros((len(kept), max(counts)), dtype=torch.long, device=device)
+    indices = torch.zeros((len(kept), width), dtype=torch.long, device=device)
     for head, t in enumerate(kept):
         indices[head, : counts[head]] = t
     return KeepPlan(indices, torch.tensor(counts, dtype=torch.long), tail=tail)
@@ -167,6 +179,9 @@ def keep_plan_if_due(kept: list[torch.Tensor], length: int, starts: Seq[int] | N
     """`keep_plan` of a layer whose KV head h stores slots [starts[h], length), or None when no head
     would drop `interval` or more of its own tokens (a per-head keep is not due yet)."""
     starts = starts or [0] * len(kept)
-    if max(length - start - int(t.numel()) for start, t in zip(starts, kept)) < interval:
+    drop = getattr(kept, "drop", None)  # over every rank's heads (HeadKeeps)
+    if drop is None:
+        drop = max(length - start - int(t.numel()) for start, t in zip(starts, kept))
+    if drop < interval:
         return None
     return keep_plan(kept, device, tail)

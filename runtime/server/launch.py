@@ -133,11 +133,19 @@ def serve(
     **server_options,
 ) -> int:
     """Serves until a signal; `server_options` are `ServerConfig` fields (max_waiting, chain_ttl, ...)."""
+    if engine_cfg.tensor_parallel_size > 1 and (server_options.get("chain_ttl") or server_options.get("max_chains")):
+        raise ConfigError("--chain-ttl and --max-chains drop chains by the leader's clock; under tensor parallelism "
+                          "the ranks would disagree: not supported yet", param="chain_ttl")
     engine = Engine(engine_cfg)
-    graphs = getattr(engine.runner, "graphs", None)
-    if graphs is not None:  # now, rather than in the first requests' latency
-        log.info("capturing CUDA graphs for decode batches %s", graphs.buckets)
-        graphs.capture_all()
+    try:
+        return _serve(engine, engine_cfg, host, port, served_model_name, api_keys, log_level, server_options)
+    finally:
+        engine.close()
+
+
+def _serve(engine: Engine, engine_cfg: EngineConfig, host: str, port: int, served_model_name: str | None,
+           api_keys, log_level: str, server_options: dict) -> int:
+    engine.capture_graphs()  # now, rather than in the first requests' latency
     name = served_model_name or engine_cfg.model or DEFAULT_MODEL_NAME
     app = build_app(engine, ServerConfig(served_model_name=name, api_keys=tuple(api_keys), **server_options))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,

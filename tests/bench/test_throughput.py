@@ -224,3 +224,17 @@ def test_mix_runs_every_method_in_one_batch(model_dir, tmp_path):
     slowest = max(rows["full", "decode_window"]["step_ms"], rows["snapkv", "decode_window"]["step_ms"])
     assert mixed["vs_slowest"] == pytest.approx(mixed["step_ms"] / slowest)
     assert mixed["decode_tok_s"] == pytest.approx(3 * 3 / mixed["phases"]["window_s"])
+
+
+def test_tensor_parallel_run_plans_one_ranks_heads(model_dir, tmp_path):
+    """--tensor-parallel-size 2: each rank holds one of the two KV heads, so the same per-rank KV memory holds
+    twice full's batch; the engine's pool is the plan's (checked by the run)."""
+    out = tmp_path / "tp.json"
+    args = ["bench", "throughput", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
+            "--methods", "full", "--inputs", str(INPUT), "--output", str(OUTPUT), "--kv-memory", str(300 * PAGE_BYTES),
+            "--page-size", str(PAGE), "--steps", "2", "--warmup", "1", "--sources", "1", "--attention-backend",
+            "torch", "--no-progress"]
+    assert main([*args, "--tensor-parallel-size", "2", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "error" not in row, row.get("error")
+    assert row["batch"] == 6  # 3 at one rank (test_cli_run_writes_the_result_and_plot)

@@ -168,3 +168,22 @@ def test_one_group_of_two_lanes_and_async_scheduling(methods):
         rows = [i for i, w in enumerate(which) if w == method]
         ref = _single(method, PARAMS.get(method)).generate([prompts[i] for i in rows], GREEDY)
         assert [out[i].token_ids for i in rows] == [r.token_ids for r in ref], method
+
+
+def test_preemption_keeps_each_requests_method():
+    """A pool too small for every request at once: the newest are preempted and recomputed later, each
+    in its own lane (full's rows still give their one-method tokens: a recompute is exact there)."""
+    llm = LLM("random:tiny", method="full", methods=["snapkv", "kivi"], methods_params=PARAMS,
+              **{**OPTIONS, "kv_cache_memory": 2**19})
+    engine = llm.engine
+    prompts = _prompts(9, 90, 110, seed=6)
+    which = ["full", "snapkv", "kivi"] * 3
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    out = llm.generate(prompts, params, method=which)
+    assert engine.scheduler.num_preemptions > 0
+    assert [o.method for o in out] == which and all(len(o.token_ids) == 120 for o in out)
+    rows = [i for i, w in enumerate(which) if w == "full"]
+    ref = _single("full").generate([prompts[i] for i in rows], params)
+    assert [out[i].token_ids for i in rows] == [r.token_ids for r in ref]
+    assert engine.pool.num_free == engine.pool.num_pages
+    assert {s["method"]: s["requests"] for s in engine.lane_stats()} == {"full": 3, "snapkv": 3, "kivi": 3}

@@ -103,3 +103,22 @@ def test_a_chain_continued_with_another_method_is_a_409(server):
     assert r.status_code == 409 and r.json()["error"]["code"] == "chain_method_mismatch"
     r = httpx.post(f"{server.url}/v1/completions", json={**again, "kvc": {"method": "snapkv"}}, timeout=60)
     assert r.status_code == 200
+
+
+def test_serve_cli_methods_and_their_parameters(monkeypatch):
+    """`kvc serve --methods A,B --method-param B.k=v`: the config the server starts with; bad lists refused."""
+    from kvc.runtime.cli import main
+    from kvc.runtime.server import launch
+
+    seen = {}
+    monkeypatch.setattr(launch, "serve", lambda cfg, **kw: seen.setdefault("cfg", cfg) and 0)
+    assert main(["serve", "--model", "random:tiny", "--methods", "snapkv,full,kivi", "--method-param",
+                 "snapkv.budget=64", "--method-param", "kivi.bits=4", "--method-param", "window=16"]) == 0
+    cfg = seen["cfg"]
+    assert (cfg.method, list(cfg.methods)) == ("snapkv", ["snapkv", "full", "kivi"])
+    assert cfg.method_params == {"budget": 64, "window": 16} and cfg.methods_params == {"kivi": {"bits": 4}}
+    seen.clear()
+    assert main(["serve", "--model", "random:tiny", "--methods", "snapkv,full", "--method", "full"]) == 0
+    assert seen["cfg"].method == "full"
+    assert main(["serve", "--model", "random:tiny", "--methods", "snapkv,full", "--method", "h2o"]) != 0
+    assert main(["serve", "--model", "random:tiny", "--methods", "snapkv,,full"]) != 0

@@ -1,0 +1,84 @@
+"""Tensor parallelism on the CPU (runtime/distributed/): two ranks over gloo, the follower spawned by the
+engine, give the greedy tokens of one rank for full, SnapKV and Ada-KV (whose selection across KV heads
+gathers every rank's scores), on tiny random Qwen3 and Qwen3-MoE, with chunked prefill, a chain continued
+and a prefix-cache hit; what does not split over ranks is refused up front."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvc import LLM, SamplingParams
+from kvc.runtime.chains import ChainSpec
+from kvc.runtime.distributed.group import HeadShards
+from kvc.runtime.errors import ConfigError
+from tests.models.tiny import make_tiny_qwen3, make_tiny_qwen3_moe
+
+PARAMS = {"snapkv": {"budget": 32, "window": 8}, "adakv": {"budget": 32, "window": 8}}
+OPTIONS = dict(device="cpu", dtype="float32", kv_cache_memory=2**24, max_num_batched_tokens=256, max_prefill_chunk=64)
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+METHODS = ["full", "snapkv", "adakv"]
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (int(k),), generator=g).tolist() for k in torch.randint(40, 120, (n,), generator=g)]
+
+
+@pytest.mark.parametrize("make", [make_tiny_qwen3, make_tiny_qwen3_moe], ids=["qwen3", "qwen3_moe"])
+def test_two_ranks_give_one_ranks_tokens(tmp_path: Path, make):
+    model = str(make(tmp_path))
+    prompts = _prompts(9)
+    which = [METHODS[i % 3] for i in range(9)]
+    tp = LLM(model, method="full", methods=METHODS[1:], methods_params=PARAMS, tensor_parallel_size=2, **OPTIONS)
+    try:
+        engine = tp.engine
+        assert engine.spec.num_heads == 2 and engine.spec.num_kv_heads == 1  # this rank's half of 4 / 2
+        out = tp.generate(prompts, GREEDY, method=which)
+        # a chain continued on both ranks, and a prefix-cache hit (full's pages, named on both ranks)
+        first = tp.generate(prompts[0], GREEDY, chain=ChainSpec(open=True))[0]
+        history = prompts[0] + first.token_ids + [7, 8, 9]
+        turn = tp.generate(history, GREEDY, chain=ChainSpec(continue_id=first.chain_id))[0]
+        hit = tp.generate(prompts[3] + [5], GREEDY)[0]
+    finally:
+        tp.engine.close()
+    assert turn.num_cached_tokens > 0 and hit.num_cached_tokens > 0
+    for method in METHODS:
+        rows = [i for i, w in enumerate(which) if w == method]
+        one = LLM(model, method=method, method_params=PARAMS.get(method), **OPTIONS)
+        ref = one.generate([prompts[i] for i in rows], GREEDY)
+        assert [out[i].token_ids for i in rows] == [r.token_ids for r in ref], method
+        if method == "full":
+            ref_first = one.generate(prompts[0], GREEDY, chain=ChainSpec(open=True))[0]
+            assert ref_first.token_ids == first.token_ids
+            ref_turn = one.generate(history, GREEDY, chain=ChainSpec(continue_id=ref_first.chain_id))[0]
+            assert ref_turn.token_ids == turn.token_ids
+            assert one.generate(prompts[3] + [5], GREEDY)[0].token_ids == hit.token_ids
+
+
+def test_head_shards_split_and_replicate():
+    """Query heads split evenly; KV heads too, or replicated when fewer than ranks (each rank its group's)."""
+    split = [HeadShards(8, 4, r, 2) for r in range(2)]
+    assert [(list(s.heads), list(s.kv_heads)) for s in split] == [([0, 1, 2, 3], [0, 1]), ([4, 5, 6, 7], [2, 3])]
+    replicated = [HeadShards(8, 2, r, 4) for r in range(4)]
+    assert [list(s.kv_heads) for s in replicated] == [[0], [0], [1], [1]] and replicated[0].replicas == 2
+    with pytest.raises(ConfigError, match="must divide the model's 6 attention heads"):
+        HeadShards(6, 2, 0, 4)
+
+
+@pytest.mark.parametrize("method, message", [
+    ("tova", "its decode_after_attention, prefill_end computes across KV heads"),
+    ("omnikv", "decode_before_attention computes across KV heads"),
+])
+def test_methods_that_cross_ranks_are_refused(tmp_path: Path, method, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(str(make_tiny_qwen3(tmp_path)), method=method, tensor_parallel_size=2, **OPTIONS)
+
+
+def test_bad_sizes_are_refused(tmp_path: Path):
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 must divide the model's 4 attention heads"):
+        LLM(str(make_tiny_qwen3(tmp_path)), tensor_parallel_size=3, **OPTIONS)
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive integer"):
+        LLM(str(make_tiny_qwen3(tmp_path)), tensor_parallel_size=0, **OPTIONS)
