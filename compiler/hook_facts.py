@@ -59,11 +59,14 @@ Every hook states `ranks`: how it runs under tensor parallelism, where each rank
 and their query groups (docs/design.md, "Tensor parallelism"). "local": every value it computes is
 per KV head (or per query head) from that head's own inputs, its counts read no head count, and its
 KV heads keep equal counts: each rank runs it over its heads alone (SnapKV, H2O's sums over its
-group, Quest's page bounds). "gather": the same values, but a selection across KV heads (Ada-KV's
-`top(..., across kv_head)`): the engine gathers the ranks' score rows, selects over every head and
-keeps its own heads' part, every rank storing the layer as wide as the widest head. "global": a value
-crosses heads (`mean(..., over head)`: TOVA; a shared selection over heads; a state without a
-KV-head axis): not split across ranks (the engine refuses it under tensor parallelism).
+group, Quest's page bounds). "reduce": as local, but a sum, mean, max or min over the query heads
+(TOVA's `mean(..., over head)`, OmniKV's `max(..., over head)`): the lowering emits `_reduce_heads`,
+which combines the ranks' partial reductions, so every rank computes the same value. "gather": a
+selection across KV heads (Ada-KV's `top(..., across kv_head)`): the engine gathers the ranks' score
+rows, selects over every head and keeps its own heads' part, every rank storing the layer as wide as
+the widest head. "global": anything else across heads (a norm, softmax or quantile over heads, a
+reduction over KV heads, whole text spans, a top across layers, a count of heads): not split across
+ranks (the engine refuses it under tensor parallelism).
 
 The engine's decode attention (attention variant `decode_stats`, `compiler/attention.py`; torch:
 `runtime/attention/decode_stats.py`) emits exactly that reduction of the softmax probabilities,
@@ -169,8 +172,12 @@ def _head_local_value(value: Value) -> bool:
     return all(_head_local_value(child) for child in _children(value))
 
 
-def _rank_local_value(value: Value, states: dict[str, tuple[str, ...]]) -> bool:
-    """Is `value` computed head by head (KV head or query head) from that head's own inputs?"""
+_RANK_REDUCTIONS = ("sum", "mean", "max", "min")  # what `_reduce_heads` combines over ranks
+
+
+def _rank_value(value: Value, states: dict[str, tuple[str, ...]], reduces: list) -> bool:
+    """Is `value` computed head by head from each head's own inputs, but for reductions over the query
+    heads that the ranks combine (appended to `reduces`)?"""
     if isinstance(value, Input):
         dims = states.get(value.name, value.dims) if value.kind == "state" else value.dims
         return bool(set(dims) & _HEAD_AXES)  # q/k/v/attn, a per-head state, summary or span index
@@ -178,8 +185,10 @@ def _rank_local_value(value: Value, states: dict[str, tuple[str, ...]]) -> bool:
         return not names_in(value.expr) & {"heads", "kv_heads"}
     axes = getattr(value, "axes", None) or ((value.axis,) if hasattr(value, "axis") else ())
     if set(axes) & _HEAD_AXES:
-        return False  # a reduction, norm or softmax across heads
-    return all(_rank_local_value(child, states) for child in _children(value))
+        if not (isinstance(value, Reduce) and "kv_head" not in axes and value.fn in _RANK_REDUCTIONS):
+            return False  # a norm, softmax or quantile across heads, or a reduction over KV heads
+        reduces.append(value)
+    return all(_rank_value(child, states, reduces) for child in _children(value))
 
 
 def _statement_values(stmt) -> list:
@@ -191,26 +200,35 @@ def _statement_values(stmt) -> list:
 
 
 def ranks(method: MethodIR, hook: HookIR, code: HookCode) -> str:
-    """"local", "gather" or "global": how `hook` splits over tensor-parallel ranks (module docstring)."""
+    """"local", "reduce", "gather" or "global": how `hook` splits over tensor-parallel ranks (module docstring)."""
     states = {s.name: s.dims for s in method.states}
     values = [v for stmt in hook.stmts for v in _statement_values(stmt)]
-    if not all(_rank_local_value(v, states) for v in values):
+    reduces: list = []
+    if not all(_rank_value(v, states, reduces) for v in values):
         return "global"
-    if any(getattr(stmt, "shared", None) or getattr(getattr(stmt, "select", None), "shared", None)
-           for stmt in hook.stmts):
-        return "global"  # a shared selection: one layer chooses for the others, over every head
-    granularity = None if code.keep is None else code.keep["granularity"]
-    if granularity == "head_adaptive":
-        return "gather"
-    if granularity not in (None, "kv_head", "none"):
-        return "global"  # one set for every head, whole spans, or across layers
+    selects = [stmt.select for stmt in hook.stmts if getattr(stmt, "select", None) is not None]
+    granularities = {"none" if s.top is None else s.top.granularity for s in selects}
+    if granularities & {"spans", "global"}:
+        return "global"  # whole text spans, or a top across layers
+    if "head_adaptive" in granularities:
+        return "gather" if not reduces else "global"
     counts = [hook.where]
     for stmt in hook.stmts:
         select = getattr(stmt, "select", None)
         if select is not None:
             counts += [select.first, select.last] + ([select.top.count, select.top.at_least] if select.top else [])
     names = {str(s) for e in counts if e is not None for s in sp.sympify(e).free_symbols}
-    return "global" if names & {"heads", "kv_heads"} else "local"
+    if names & {"heads", "kv_heads"}:
+        return "global"
+    return "reduce" if reduces else "local"
+
+
+def _joined_ranks(a: str, b: str) -> str:
+    """The `ranks` of a hook written in parts (several `where`s): the part that splits least."""
+    if {a, b} == {"reduce", "gather"}:
+        return "global"
+    order = ("local", "reduce", "gather", "global")
+    return max(a, b, key=order.index)
 
 
 def head_local(hook: HookIR, code: HookCode) -> bool:
@@ -292,6 +310,7 @@ def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
         if before is not None:  # the same hook under another `where` (codegen allows it for token hooks)
             wheres = [w for w in (before["where"], code.where) if w is not None]
             fact.update(inputs=sorted(set(before["inputs"]) | code.inputs), reads=before["reads"] or fact["reads"],
-                        where=None if len(wheres) < 2 else " or ".join(f"({w})" for w in wheres))
+                        where=None if len(wheres) < 2 else " or ".join(f"({w})" for w in wheres),
+                        ranks=_joined_ranks(before["ranks"], fact["ranks"]))
         out[hook.name] = fact
     return out

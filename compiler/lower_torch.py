@@ -157,7 +157,9 @@ class _Emitter:
                 dims[dims.index("head")] = "kv_head"
             rest = tuple(dims.index(a) for a in v.axes if a != "group")
             kept = tuple(d for d in dims if d not in v.axes)
-            return (self.emit(f'_reduce({x}, "{v.fn}", {rest})') if rest else x), kept
+            # over the query heads: the ranks of a tensor-parallel engine each hold some (`_reduce_heads`)
+            reduce = "_reduce_heads" if "head" in v.axes else "_reduce"
+            return (self.emit(f'{reduce}({x}, "{v.fn}", {rest})') if rest else x), kept
         if isinstance(v, Pool):
             if v.mode.startswith("param:"):
                 mode = v.mode.split(":", 1)[1]

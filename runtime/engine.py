@@ -57,6 +57,7 @@ from kvc.runtime.methods import resolve_method
 from kvc.runtime.model_runner import ModelRunner
 from kvc.runtime.models.loader import LoadedModel, resolve_model
 from kvc.runtime.prefill_record import PrefillRecord
+from kvc.runtime.primitives.torch_primitives import ranks_scope
 from kvc.runtime.sampling_params import SamplingParams
 from kvc.runtime.scheduler import Scheduler, SchedulerConfig
 from kvc.runtime.sequence import Sequence
@@ -624,7 +625,8 @@ class Engine:
         for group in self.runner.groups:
             if group.graphs is not None:
                 log.info("capturing CUDA graphs for decode batches %s", group.graphs.buckets)
-                group.graphs.capture_all()
+                with ranks_scope(self.tp):
+                    group.graphs.capture_all()
 
     # ---- tensor parallelism (runtime/distributed/) ---------------------------------------------
     def _mirror(self, name: str, *args, **kwargs) -> None:
@@ -667,6 +669,10 @@ class Engine:
         device's previous one. A step that cannot be scheduled ahead (a request waits, a prefill,
         a chain, structured outputs, pages short) is run the plain way, after a commit."""
         self._mirror("step")
+        with ranks_scope(self.tp):  # the lowering's reductions over query heads combine the ranks' (TP)
+            return self._step()
+
+    def _step(self) -> list[Sequence]:
         finished, self._drained = self._drained, []
         launched, self._launched = self._launched, None
         if launched is not None:
@@ -694,8 +700,12 @@ class Engine:
         """Appends an advanced step's tokens and logprobs (waiting for them); the sequences that
         finished."""
         sampled = out.resolve()
-        if self.tp is not None:  # every rank appends the leader's tokens (runtime/distributed/workers.py)
-            sampled = self.tp.broadcast(sampled if self.tp.leads else None)
+        if self.tp is not None:  # every rank appends the leader's tokens, of the step the leader scheduled
+            step = [(seq.seq_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+            sampled, scheduled = self.tp.broadcast((sampled, step) if self.tp.leads else None)
+            if scheduled != step:
+                raise RuntimeError(f"tensor-parallel rank {self.tp.rank} scheduled {step}, rank 0 {scheduled}: "
+                                   "the ranks' engines diverged")
         if self.grammars.matchers:
             self.grammars.advance(sampled)
         for seq_id, (first, entries) in out.prompt_logprobs.items():

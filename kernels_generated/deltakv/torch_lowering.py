@@ -43,6 +43,7 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
     read_pages as _read_pages,
     read_tokens as _read_tokens,
     reduce as _reduce,
+    reduce_heads as _reduce_heads,
     redundancy as _redundancy,
     row_range as _row_range,
     select as _select,
@@ -86,7 +87,7 @@ def decode_before_attention_1(inputs, shared, sym, params):
     layer = sym["layer"]
     selected = params["selected"]
     t1 = _decode_logits(q, k, context, softmax=False)
-    t2 = _reduce(t1, "max", (1,))
+    t2 = _reduce_heads(t1, "max", (1,))
     scores = t2.float()
     width = scores.shape[-1]  # keys of the batch's widest row: the choice's static bound
     shared["chosen"] = _choose_tokens(scores, selected, selected)

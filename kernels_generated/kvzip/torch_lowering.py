@@ -36,6 +36,7 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
     read_pages as _read_pages,
     read_tokens as _read_tokens,
     reduce as _reduce,
+    reduce_heads as _reduce_heads,
     redundancy as _redundancy,
     row_range as _row_range,
     select as _select,

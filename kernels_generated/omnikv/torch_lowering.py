@@ -43,6 +43,7 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
     read_pages as _read_pages,
     read_tokens as _read_tokens,
     reduce as _reduce,
+    reduce_heads as _reduce_heads,
     redundancy as _redundancy,
     row_range as _row_range,
     select as _select,
@@ -82,7 +83,7 @@ def decode_before_attention_1(inputs, shared, sym, params):
     selected = params["selected"]
     t1 = _align(q, ("row", "head", "channel"), ("row", "head", "query", "channel"))
     t2 = _decode_logits(t1, k, context, softmax=False)
-    t3 = _reduce(t2, "max", (1, 2))
+    t3 = _reduce_heads(t2, "max", (1, 2))
     t4 = _row_range(t3, 1, "first", prompt, context)
     scores = t4.float()
     width = scores.shape[-1]  # keys of the batch's widest row: the choice's static bound

@@ -36,6 +36,7 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
     read_pages as _read_pages,
     read_tokens as _read_tokens,
     reduce as _reduce,
+    reduce_heads as _reduce_heads,
     redundancy as _redundancy,
     row_range as _row_range,
     select as _select,
@@ -64,7 +65,7 @@ def prefill_end_scores(inputs, state, sym, params):
     kv_heads = sym["kv_heads"]
     t1 = _window(q, 1, "last", 1)
     t2 = _attention(t1, k, softmax=True, starts=sym.get("starts"))
-    t3 = _reduce(t2, "mean", (0, 1))
+    t3 = _reduce_heads(t2, "mean", (0, 1))
     scores = _full_scores(t3, False, kv_heads, context)
     return scores
 
@@ -93,7 +94,7 @@ def decode_after_attention_scores(inputs, state, sym, params):
     budget = params["budget"]
     context = sym["context"]
     kv_heads = sym["kv_heads"]
-    t1 = _reduce(attn, "mean", (0,))
+    t1 = _reduce_heads(attn, "mean", (0,))
     scores = _full_scores(t1, False, kv_heads, context)
     return scores
 

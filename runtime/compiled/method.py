@@ -161,7 +161,9 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
 
     def _split_over_ranks(self, heads) -> None:
         """Tensor parallelism (compiler/hook_facts.py, `ranks`): a "local" hook runs over this rank's heads
-        as it is; a "gather" hook's selection runs over every rank's score rows (`_across_ranks`); a
+        as it is; a "reduce" one too, its reductions over the query heads combined across the ranks by the
+        lowering (`_reduce_heads`; the fused scoring kernels, which reduce over this rank's heads only,
+        are not used); a "gather" hook's selection runs over every rank's score rows (`_across_ranks`); a
         "global" one, per-head roles and method inputs (indexed by the model's heads) are refused."""
         facts = {hook: f for hook, f in self.code.facts.items() if f}
         where = sorted(hook for hook, f in facts.items() if f.get("ranks", "global") == "global")
@@ -170,6 +172,8 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
                    "it reads per-head inputs indexed by the model's heads")
             raise ConfigError(f"method {self.name!r} does not run under tensor parallelism yet: {why}",
                               param="tensor_parallel_size")
+        if any(f.get("ranks") == "reduce" for f in facts.values()):
+            self.fused_devices = ()
         gathers = {hook for hook, f in facts.items() if f.get("ranks") == "gather"}
         if gathers - {"prefill_end", "step_end"}:
             raise ConfigError(f"method {self.name!r}: a selection across KV heads in "

@@ -4,6 +4,8 @@ selection rule of `keep`. One copy here instead of one per generated file; their
 pinned in docs/language.md ("Semantics the compiler implements"). Every tensor they create lives on
 the device of their inputs, so a lowering runs on the CPU or the GPU alike."""
 
+import contextlib
+import contextvars
 import math
 
 import torch
@@ -107,6 +109,42 @@ def reduce(x, fn, dims):
         shape = [size for d, size in enumerate(x.shape) if d not in {d % x.dim() for d in dims}]
         return x.new_full(shape, NEG_INF if fn == "max" else -NEG_INF)
     return x.amax(dim=dims) if fn == "max" else x.amin(dim=dims)
+
+
+# the tensor-parallel group whose ranks each hold some of the model's query heads, while an engine of
+# several ranks runs a step (`ranks_scope`; runtime/distributed/); None: one rank holds every head
+_RANKS: contextvars.ContextVar = contextvars.ContextVar("kvc_ranks", default=None)
+
+
+@contextlib.contextmanager
+def ranks_scope(ranks):
+    """Inside: `reduce_heads` combines the ranks' partial reductions over `ranks` (a `TPGroup`; None: no-op)."""
+    token = _RANKS.set(ranks)
+    try:
+        yield
+    finally:
+        _RANKS.reset(token)
+
+
+def reduce_heads(x, fn, dims):
+    """`reduce` over axes that include the query heads (the compiler emits it there, compiler/lower_torch.py).
+    Under tensor parallelism each rank holds an equal share of the heads: its partial sums are added and
+    its maxima / minima combined over the ranks, a mean divided by every rank's count, so every rank
+    gets the value one rank holding every head computes."""
+    ranks = _RANKS.get()
+    if ranks is None:
+        return reduce(x, fn, dims)
+    import torch.distributed as dist
+
+    if fn in ("sum", "mean"):
+        out = reduce(x, "sum", dims).contiguous()
+        ranks.all_reduce(out)
+        if fn == "mean":
+            out = out / (math.prod(x.shape[d] for d in dims) * ranks.size)
+        return out
+    out = reduce(x, fn, dims).contiguous()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX if fn == "max" else dist.ReduceOp.MIN, group=ranks.group)
+    return out
 
 
 def quantile(x, p, dims):

@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (runtime/distributed/): two ranks over gloo, the follower spawned by the
-engine, give the greedy tokens of one rank for full, SnapKV and Ada-KV (whose selection across KV heads
-gathers every rank's scores), on tiny random Qwen3 and Qwen3-MoE, with chunked prefill, a chain continued
-and a prefix-cache hit; what does not split over ranks is refused up front."""
+engine, give the greedy tokens of one rank for full, SnapKV, Ada-KV (whose selection across KV heads
+gathers every rank's scores) and TOVA (whose mean over the query heads the ranks combine), on tiny random
+Qwen3 and Qwen3-MoE, with chunked prefill, a chain continued and a prefix-cache hit; what does not split
+over ranks is refused up front."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from kvc.runtime.distributed.group import HeadShards
 from kvc.runtime.errors import ConfigError
 from tests.models.tiny import make_tiny_qwen3, make_tiny_qwen3_moe
 
-PARAMS = {"snapkv": {"budget": 32, "window": 8}, "adakv": {"budget": 32, "window": 8}}
+PARAMS = {"snapkv": {"budget": 32, "window": 8}, "adakv": {"budget": 32, "window": 8}, "tova": {"budget": 32}}
 OPTIONS = dict(device="cpu", dtype="float32", kv_cache_memory=2**24, max_num_batched_tokens=256, max_prefill_chunk=64)
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-METHODS = ["full", "snapkv", "adakv"]
+METHODS = ["full", "snapkv", "adakv", "tova"]
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -30,8 +31,8 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 @pytest.mark.parametrize("make", [make_tiny_qwen3, make_tiny_qwen3_moe], ids=["qwen3", "qwen3_moe"])
 def test_two_ranks_give_one_ranks_tokens(tmp_path: Path, make):
     model = str(make(tmp_path))
-    prompts = _prompts(9)
-    which = [METHODS[i % 3] for i in range(9)]
+    prompts = _prompts(12)
+    which = [METHODS[i % 4] for i in range(12)]
     tp = LLM(model, method="full", methods=METHODS[1:], methods_params=PARAMS, tensor_parallel_size=2, **OPTIONS)
     try:
         engine = tp.engine
@@ -41,7 +42,7 @@ def test_two_ranks_give_one_ranks_tokens(tmp_path: Path, make):
         first = tp.generate(prompts[0], GREEDY, chain=ChainSpec(open=True))[0]
         history = prompts[0] + first.token_ids + [7, 8, 9]
         turn = tp.generate(history, GREEDY, chain=ChainSpec(continue_id=first.chain_id))[0]
-        hit = tp.generate(prompts[3] + [5], GREEDY)[0]
+        hit = tp.generate(prompts[4] + [5], GREEDY)[0]
     finally:
         tp.engine.close()
     assert turn.num_cached_tokens > 0 and hit.num_cached_tokens > 0
@@ -55,7 +56,7 @@ def test_two_ranks_give_one_ranks_tokens(tmp_path: Path, make):
             assert ref_first.token_ids == first.token_ids
             ref_turn = one.generate(history, GREEDY, chain=ChainSpec(continue_id=ref_first.chain_id))[0]
             assert ref_turn.token_ids == turn.token_ids
-            assert one.generate(prompts[3] + [5], GREEDY)[0].token_ids == hit.token_ids
+            assert one.generate(prompts[4] + [5], GREEDY)[0].token_ids == hit.token_ids
 
 
 def test_head_shards_split_and_replicate():
@@ -69,8 +70,8 @@ def test_head_shards_split_and_replicate():
 
 
 @pytest.mark.parametrize("method, message", [
-    ("tova", "its decode_after_attention, prefill_end computes across KV heads"),
-    ("omnikv", "decode_before_attention computes across KV heads"),
+    ("kvzip", "its replay_end computes across KV heads"),
+    ("duoattention", "it reads per-head inputs indexed by the model's heads"),
 ])
 def test_methods_that_cross_ranks_are_refused(tmp_path: Path, method, message):
     with pytest.raises(ConfigError, match=message):
