@@ -335,7 +335,8 @@ class Engine:
         self._bind(method)
         storage = self.layout.storage(self.spec, method, self.config.page_size)
         classes = self.pool_classes.classes_of(storage, getattr(method, "layer_digest", ""), add=False)
-        if classes is None or CacheLayout.of(self.spec, method) != self.layout or method.replay is not None:
+        if (classes is None or CacheLayout.of(self.spec, method) != self.layout or method.replay is not None
+                or method.page_tokens() not in (None, self.config.page_size)):
             raise ConfigError(f"method {name!r} with parameters {given} stores K/V otherwise than the loaded "
                               f"{name!r}; serve it with those parameters (--method-params)", param="method_params")
         lane = self._lane(method, given, classes, loaded=False)

@@ -10,7 +10,7 @@ Storage: the lanes' storage classes map onto the pool's classes; equal specs (wi
 inputs) are one class, so lanes of one storage share stores, pages and the prefix cache (their
 prefix salt is the storage's, not the method's). The KV budget is split evenly among the lanes
 loaded at start, each share over its own classes as one method's would be; lanes sharing a class
-pool their shares. A lane made for a request's parameters (`LaneSet.get`) must store K/V as a
+pool their shares. A lane made for a request's parameters (`Engine.lane_for`) must store K/V as a
 loaded lane of its method does: it takes that lane's classes and no memory of its own.
 """
 

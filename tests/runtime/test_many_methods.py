@@ -114,6 +114,7 @@ def test_request_parameters_make_a_lane_of_the_same_storage(mixed):
     ("snapkv", {"budget": 0}, "budget"),
     ("snapkv", {"nope": 1}, "has no parameter"),
     ("kivi", {"bits": 2}, "stores K/V otherwise"),
+    ("quest", {"page_size": 32}, "needs pages of 32 tokens"),  # pages of its own size
 ])
 def test_bad_method_choices_are_refused_whole(mixed, method, params, message):
     engine = mixed.engine
