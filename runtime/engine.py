@@ -23,6 +23,7 @@ import json
 import logging
 import math
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -240,7 +241,7 @@ class Engine:
         for lane in self.lanes:
             self._join_group(lane)
         self.sequences: dict[int, Sequence] = {}
-        self.chains.settle = lambda seq: self.lane_of(seq).hooks.settle(seq)
+        self.chains.settle = partial(_settle, self.default_lane)
         self.pruner = self._pruner(self.default_lane)
         self.auto_prune = parse_auto_prune(config.auto_prune) if config.auto_prune else None
         if self.auto_prune is not None:
@@ -748,3 +749,8 @@ def _check_storage(method: KVMethod, storage: StorageClasses) -> None:
     if any(s.low_rank and not all(isinstance(e, LowRank) for e in (s.keys, s.values)) for s in specs):
         raise ConfigError(f"method {method.name!r}: a low-rank operand needs the other one low-rank too (the "
                           "lowrank kernels read both)", param="method")
+
+
+def _settle(default: Lane, seq: Sequence) -> None:
+    """A chain's turn ends: its sequence's layers back in time order, by its lane's hooks (ChainStore.settle)."""
+    (seq.lane or default).hooks.settle(seq)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,10 +47,21 @@ class Lane:
     fingerprint: str  # model + method + parameters: a chain recorded here continues only here
     loaded: bool = True  # loaded at start (listed by the server), else made for a request's parameters
     attention: Any = None  # its layers' paged attention over the pool's stores (runtime/attention/backend.py)
-    group: SpecGroup | None = None  # its attention group (the runner sets it)
     hooks: StepHooks | None = None
     replay: ContextReplay | None = None  # its pass re-reading each prompt after prefill (runtime/context_replay.py)
     counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0})
+
+    _group: Any = field(default=None, repr=False)  # a weak reference: the group holds its lanes
+
+    @property
+    def group(self) -> SpecGroup | None:
+        """Its attention group (runtime/spec_group.py; the group sets it). Held weakly, so that an engine
+        nothing references is freed at once, its KV tensors with it, without waiting for a cycle collection."""
+        return None if self._group is None else self._group()
+
+    @group.setter
+    def group(self, group: SpecGroup) -> None:
+        self._group = weakref.ref(group)
 
     @property
     def key(self) -> str:
