@@ -16,10 +16,12 @@ TIMEOUT = datetime.timedelta(minutes=30)  # a follower waits this long for the l
 
 
 class TPGroup:
-    """One rank's view of the group (`rank` 0 leads)."""
+    """One rank's view of the group (`rank` 0 leads): `group` carries tensors (NCCL on GPUs), `host` the
+    engine's commands and sampled tokens as Python objects (gloo, on the CPU: no device copy or sync)."""
 
-    def __init__(self, rank: int, size: int, group: Any, device: torch.device) -> None:
+    def __init__(self, rank: int, size: int, group: Any, device: torch.device, host: Any = None) -> None:
         self.rank, self.size, self.group, self.device = rank, size, group, device
+        self.host = group if host is None else host
 
     @classmethod
     def join(cls, rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
@@ -28,7 +30,8 @@ class TPGroup:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=TIMEOUT)
-        return cls(rank, size, dist.group.WORLD, device)
+        host = dist.new_group(backend="gloo", timeout=TIMEOUT) if backend != "gloo" else None
+        return cls(rank, size, dist.group.WORLD, device, host)
 
     @property
     def leads(self) -> bool:
@@ -45,13 +48,13 @@ class TPGroup:
 
     def all_gather_objects(self, obj: Any) -> list[Any]:
         out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        dist.all_gather_object(out, obj, group=self.host)
         return out
 
     def broadcast(self, obj: Any = None) -> Any:
         """The leader's `obj` on every rank (a follower passes nothing)."""
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.broadcast_object_list(box, src=0, group=self.host)
         return box[0]
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -125,5 +128,4 @@ class HeadCollective:
 
     def gather_ints(self, values: list[int]) -> list[int]:
         """Per-head integers (start slots) of every rank, in head order."""
-        return self.gather(torch.tensor(values, dtype=torch.int64, device=self.tp.device
-                                        if self.tp.device.type == "cuda" else "cpu")).tolist()
+        return self.gather(torch.tensor(values, dtype=torch.int64, device=self.tp.device)).tolist()
