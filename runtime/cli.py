@@ -60,6 +60,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model's heads, MLP and experts "
                    "are split over (torch.distributed: NCCL on GPUs, one per rank; gloo on the CPU)")
+    p.add_argument("--expert-parallel", action="store_true", help="with --tensor-parallel-size: split MoE layers "
+                   "by whole experts rather than by every expert's columns")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--async-scheduling", choices=tuple(ASYNC_SCHEDULING_CHOICES), default="auto",
                    help="schedule the next decode step while the current one runs (auto: on a GPU)")
@@ -80,6 +82,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
         max_model_len=a.max_model_len,
         enable_prefix_caching=not a.no_prefix_caching,
         tensor_parallel_size=a.tensor_parallel_size,
+        expert_parallel=a.expert_parallel,
         cuda_graphs=not a.no_cuda_graphs,
         async_scheduling=ASYNC_SCHEDULING_CHOICES[a.async_scheduling],
         evict_interval=a.evict_interval,

@@ -79,6 +79,9 @@ class EngineConfig:
     # ranks the model's heads, MLP and expert columns are split over (runtime/distributed/): rank 0 is
     # this process, the others are spawned; torch.distributed with NCCL on GPUs, gloo on the CPU
     tensor_parallel_size: int = 1
+    # under tensor parallelism, split MoE layers by whole experts (an even share per rank) rather than by
+    # every expert's intermediate columns (runtime/distributed/shard.py)
+    expert_parallel: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -131,7 +131,7 @@ class Engine:
         self.model_ref = str(self.loaded.path or config.model)
         self.model = self.loaded.model
         # this rank's heads and columns of the model (runtime/distributed/shard.py); None: one rank
-        self.shards = None if self.tp is None else shard_model(self.model, self.tp)
+        self.shards = None if self.tp is None else shard_model(self.model, self.tp, config.expert_parallel)
         self.spec = self.model.spec
         self.tokenizer = self.loaded.tokenizer
 

@@ -59,6 +59,8 @@ def add_commands(bench_sub) -> None:
                    "input, prefill included, as `vllm bench throughput` does: output tok/s, requests/s, TTFT")
     t.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per engine (one GPU each); "
                    "--kv-memory is each rank's, and the plan counts one rank's heads")
+    t.add_argument("--expert-parallel", action="store_true", help="with --tensor-parallel-size: MoE layers split "
+                   "by whole experts rather than by every expert's columns")
     t.add_argument("--mix", action="store_true", help="also run every method together in one engine and one "
                    "batch (an equal share of rows each) at the batch all of them hold, every method's own window "
                    "at that batch too: the mixed step time over the slowest one's (`vs_slowest`)")
@@ -133,7 +135,7 @@ def _throughput(a: argparse.Namespace) -> int:
         method_inputs=a.method_inputs,
         temperature=a.temperature, sources=a.sources, e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy,
         busy_batch=a.busy_batch, requests=a.requests, mix=a.mix, tensor_parallel_size=a.tensor_parallel_size,
-        seed=a.seed)
+        expert_parallel=a.expert_parallel, seed=a.seed)
     if a.plot:
         from kvc.runtime.bench.plot import _pyplot
 

@@ -98,6 +98,7 @@ class ThroughputConfig:
     requests: int = 0  # > 0: also run that many requests end to end per case (offline.py)
     mix: bool = False  # also every method together in one batch, at the batch all of them hold (mixed.py)
     tensor_parallel_size: int = 1  # ranks per engine (runtime/distributed/); `kv_memory` is each rank's
+    expert_parallel: bool = False  # with tensor_parallel_size > 1: MoE layers split by whole experts
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -3,7 +3,9 @@
 Megatron's layout, for the decoders of runtime/models/llama.py and qwen3_moe.py: each rank keeps
 its query heads and their KV heads (`HeadShards`; replicated where the model has fewer KV heads
 than ranks) in the fused q/k/v projection, the matching columns of the output projection, a slice
-of the MLP's (and of every expert's) intermediate columns in gate/up and down. Attention and MLP
+of the MLP's (and of every expert's) intermediate columns in gate/up and down, or, with expert
+parallelism, an even share of whole experts (a pair routed to another rank's expert adds nothing here,
+no token moves: the activations are whole on every rank). Attention and MLP
 then each give a partial sum of the layer's output: `AllReduced` adds the ranks' (one all-reduce
 each per layer, as vLLM's row-parallel layers). Embedding, norms, the router and the LM head stay
 whole on every rank, so every rank computes the same logits. A bias after an all-reduce is added by
@@ -39,9 +41,11 @@ class AllReduced(nn.Module):
         return self.tp.all_reduce(self.inner(*args))
 
 
-def shard_model(model: nn.Module, tp: TPGroup) -> HeadShards:
+def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) -> HeadShards:
     """Cuts `model` (loaded whole) to rank `tp.rank`'s part, in place; its spec then counts this rank's
-    heads. Returns which heads it holds."""
+    heads. Returns which heads it holds. `expert_parallel`: each rank keeps whole experts (an even share of
+    them) rather than every expert's columns; a token's pairs routed elsewhere add nothing on this rank,
+    and the all-reduce after the layer adds the ranks' (RoutedExperts.first_expert)."""
     spec = model.spec
     if spec.architecture not in SUPPORTED:
         raise ConfigError(f"tensor parallelism runs {', '.join(SUPPORTED)}; {spec.architecture} runs on one GPU "
@@ -54,7 +58,7 @@ def shard_model(model: nn.Module, tp: TPGroup) -> HeadShards:
         if isinstance(mlp, GatedMLP):
             _shard_gated(mlp, tp.rank, tp.size)
         elif hasattr(mlp, "experts"):
-            _shard_experts(mlp.experts, tp.rank, tp.size)
+            (_split_experts if expert_parallel else _shard_experts)(mlp.experts, tp.rank, tp.size)
         else:
             raise ConfigError(f"tensor parallelism: {type(mlp).__name__} layers are not sharded yet",
                               param="tensor_parallel_size")
@@ -119,3 +123,14 @@ def _shard_experts(experts: nn.Module, rank: int, world: int) -> None:
                                         .contiguous(), requires_grad=False)
     experts.down_proj = nn.Parameter(down[:, :, cols].contiguous(), requires_grad=False)
     experts.intermediate_size = cols.stop - cols.start
+
+
+def _split_experts(experts: nn.Module, rank: int, world: int) -> None:
+    """Experts [e0, e1) whole (expert parallelism; the router stays whole: every rank routes alike)."""
+    if experts.fp8_block_columns:
+        raise ConfigError("expert parallelism over FP8 expert weights is not supported yet",
+                          param="expert_parallel")
+    keep = _columns(experts.num_experts, rank, world, "number of routed experts")
+    experts.gate_up_proj = nn.Parameter(experts.gate_up_proj.data[keep].contiguous(), requires_grad=False)
+    experts.down_proj = nn.Parameter(experts.down_proj.data[keep].contiguous(), requires_grad=False)
+    experts.num_experts, experts.first_expert = keep.stop - keep.start, keep.start

@@ -82,6 +82,17 @@ class RoutedExperts(nn.Module):
         self.impl: ExpertsImpl = "auto"
         self.tile_config: MoeTileConfig | None = None  # None: moe_triton's heuristic per batch
         self.fp8_block_columns = 0  # > 0: weights stored as FP8 codes with per-row block scales (`to_fp8`)
+        # expert parallelism (runtime/distributed/shard.py): this rank holds experts [first_expert, first_expert + E)
+        # of the model's; a pair routed to another rank's expert adds nothing here. None: every expert
+        self.first_expert: int | None = None
+
+    def local_pairs(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's expert ids as this rank's (expert parallelism): another rank's expert becomes
+        `num_experts` (no expert here), its weight 0."""
+        ids = topk_ids - self.first_expert
+        outside = (ids < 0) | (ids >= self.num_experts)
+        return (ids.masked_fill(outside, self.num_experts).contiguous(),
+                topk_weights.masked_fill(outside, 0.0).contiguous())
 
     def to_fp8(self, names: list[str], block_columns: int) -> None:
         """Stores the weights `names` as FP8 codes plus `<name>_scale` [E, rows, ceil(cols / block)] per-row
@@ -108,11 +119,16 @@ class RoutedExperts(nn.Module):
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """x [T, H], topk_ids/topk_weights [T, k] -> sum_j w_j * expert_{id_j}(x) [T, H]."""
+        skips = self.first_expert is not None
+        if skips:
+            topk_ids, topk_weights = self.local_pairs(topk_ids, topk_weights)
         kernels = triton_kernels_for(x.device, self.impl)
         if kernels is not None:  # FP8 weights dequantized tile by tile in the kernels
             scales = (self.gate_up_proj_scale, self.down_proj_scale) if self.fp8_block_columns else None
             return kernels.fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights,
-                                         self.tile_config, scales, self.fp8_block_columns)
+                                         self.tile_config, scales, self.fp8_block_columns, skips)
+        if skips:  # the torch path (the oracle) computes another rank's pairs on expert 0, weighted 0
+            topk_ids = topk_ids.masked_fill(topk_ids == self.num_experts, 0)
         return self.forward_torch(x, topk_ids, topk_weights)
 
     def forward_torch(

@@ -63,9 +63,10 @@ def alignment_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def align_by_expert(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, impl: str = "auto"
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, impl: str = "auto", skips: bool = False
 ) -> ExpertAlignment:
-    """Group the pairs of `topk_ids [T, k]` by expert (stable), padded per expert to block_m.
+    """Group the pairs of `topk_ids [T, k]` by expert (stable), padded per expert to block_m. `skips`: an id
+    may be `num_experts` (another rank's expert, expert parallelism): that pair is placed nowhere.
 
     `impl`: "triton" (parallel kernel), "single" (the previous one-program kernel), "torch"
     (argsort), or "auto" (triton up to ALIGN_TRITON_MAX_PAIRS pairs, torch above).
@@ -89,7 +90,7 @@ def align_by_expert(
         block_p, num_warps = parallel_launch(num_pairs)
         _align_parallel_kernel[(num_experts,)](
             flat, sorted_pairs, block_experts, num_padded, num_pairs, capacity, num_experts,
-            BLOCK_M=block_m, BLOCK_E=max(32, triton.next_power_of_2(num_experts)), BLOCK_P=block_p,
+            BLOCK_M=block_m, BLOCK_E=max(32, triton.next_power_of_2(num_experts + skips)), BLOCK_P=block_p,
             BLOCK_FILL=_FILL, num_warps=num_warps,
         )
     else:
@@ -111,18 +112,24 @@ def parallel_launch(num_pairs: int) -> tuple[int, int]:
 
 
 def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, capacity: int) -> ExpertAlignment:
+    """(An id of `num_experts` names no expert: such a pair is placed nowhere, as in the Triton kernels.)"""
     device, num_pairs = flat.device, flat.numel()
     ids = flat.long()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, ids, torch.ones_like(ids))  # bincount would sync for its length
+    skipped, counts = counts[num_experts:], counts[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     order = torch.argsort(ids, stable=True)
     sorted_ids = ids[order]
-    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_ids]
-    dest = (padded_end - padded)[sorted_ids] + rank
-    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
+    placed = num_pairs - skipped  # the skipped pairs sort last
+    starts = torch.cat([counts.cumsum(0) - counts, placed])
+    rank = torch.arange(num_pairs, device=device) - starts[sorted_ids]
+    dest = torch.cat([padded_end - padded, padded_end[-1:]])[sorted_ids] + rank
+    dest = torch.where(sorted_ids < num_experts, dest, capacity)  # a skipped pair: dropped below
+    sorted_pairs = torch.full((capacity + 1,), num_pairs, dtype=torch.int32, device=device)
     sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    sorted_pairs = sorted_pairs[:capacity]
     block_starts = torch.arange(0, capacity, block_m, device=device)
     owner = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
     return ExpertAlignment(sorted_pairs, owner.to(torch.int32), padded_end[-1:].to(torch.int32), block_m)
@@ -145,6 +152,7 @@ def _align_parallel_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr
         counts += tl.histogram(ids, BLOCK_E)
     overrun = (num_pairs + BLOCK_P - 1) // BLOCK_P * BLOCK_P - num_pairs
     counts -= tl.where(experts == 0, overrun, 0)
+    counts = tl.where(experts < num_experts, counts, 0)  # id num_experts: another rank's expert, placed nowhere
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     num_padded = tl.sum(padded, axis=0)
     start = tl.sum(tl.where(experts < e, padded, 0), axis=0)
@@ -190,7 +198,7 @@ def _align_single_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, 
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for p0 in range(0, num_pairs, BLOCK_P):  # histogram by one-hot sums (no atomics)
         ids = tl.load(ids_ptr + p0 + lanes, mask=p0 + lanes < num_pairs, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        counts += tl.sum(((ids[:, None] == experts[None, :]) & (experts[None, :] < num_experts)).to(tl.int32), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
     padded_start = padded_end - padded
@@ -199,10 +207,10 @@ def _align_single_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, 
     for p0 in range(0, num_pairs, BLOCK_P):  # scatter: rank within the expert, in pair order
         pairs = p0 + lanes
         ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+        hit = ((ids[:, None] == experts[None, :]) & (experts[None, :] < num_experts)).to(tl.int32)
         rank = tl.cumsum(hit, axis=0) - hit + (padded_start + seen)[None, :]
         dest = tl.sum(hit * rank, axis=1)
-        tl.store(sorted_ptr + dest, pairs, mask=pairs < num_pairs)
+        tl.store(sorted_ptr + dest, pairs, mask=(pairs < num_pairs) & (tl.sum(hit, axis=1) > 0))
         seen += tl.sum(hit, axis=0)
     for b0 in range(0, capacity // BLOCK_M, BLOCK_P):  # a block's expert: ends at or before it
         blocks = b0 + lanes

@@ -219,11 +219,13 @@ def fused_experts(
     config: MoeTileConfig | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     scale_columns: int = 0,
+    skips: bool = False,
 ) -> torch.Tensor:
     """x [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I], topk_ids/topk_weights [T, k]
     -> [T, H] in x's dtype: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]). FP8 weights come with
     `scales` (gate_up's [E, 2I, ceil(H / c)], down's [E, H, ceil(I / c)]: each row's scale per `scale_columns`
-    = c columns, runtime/models/fp8_weights.py) and are dequantized tile by tile in the kernels."""
+    = c columns, runtime/models/fp8_weights.py) and are dequantized tile by tile in the kernels. `skips`: a
+    pair whose id is E (another rank's expert, expert parallelism) is computed by no expert and adds nothing."""
     _check(x, gate_up_proj, down_proj, topk_ids, topk_weights, scales, scale_columns)
     gate_up_scale, down_scale = scales if scales is not None else (gate_up_proj, down_proj)  # unread without
     num_tokens, top_k = topk_ids.shape
@@ -233,7 +235,7 @@ def fused_experts(
     if num_pairs == 0:
         return x.new_zeros(num_tokens, hidden)
     config = config or launch_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype)
-    align = align_by_expert(topk_ids, num_experts, config.block_m)
+    align = align_by_expert(topk_ids, num_experts, config.block_m, skips=skips)
     capacity = align.sorted_pairs.numel()
     num_m_blocks = capacity // config.block_m
     precision = dot_precision(x.dtype)
@@ -248,7 +250,7 @@ def fused_experts(
         GROUP_M=tile.group_m, DOT_PRECISION=precision, SCALE_COLS=scale_columns if scales is not None else 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
-    per_pair = x.new_empty(num_pairs, hidden)
+    per_pair = x.new_zeros(num_pairs, hidden) if skips else x.new_empty(num_pairs, hidden)  # skipped: never written
     route_w = topk_weights.reshape(-1)
     tile = config.fit(hidden, inter)
     _down_kernel[(num_m_blocks * triton.cdiv(hidden, tile.block_n),)](

@@ -401,3 +401,33 @@ def test_fp8_experts_equal_the_dequantized_ones(dtype):
     torch.testing.assert_close(got, want, **TOLERANCES[dtype])
     with pytest.raises(ValueError, match="FP8 expert scales"):
         moe_triton.fused_experts(x, *codes, ids, weights, scales=(scales[1], scales[0]), scale_columns=24)
+
+
+@pytest.mark.parametrize("impl", ["triton", "triton-sort", "torch"])
+def test_a_ranks_own_experts_skip_the_others_pairs(impl, monkeypatch):
+    """Expert parallelism (runtime/distributed/shard.py): a rank holding some of 8 experts computes only the
+    pairs routed to them; the ranks' outputs add up to the whole layer's (the Triton kernels skip the other
+    pairs in the alignment, parallel or sorted; the torch path weights them 0)."""
+    from kvc.runtime.models import moe_align
+
+    whole = make_experts(8, 64, 32)
+    x = torch.randn(10, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ids, weights = random_routing(10, 8, 2)
+    want = per_token_reference(whole, x, ids, weights)
+    if impl == "triton-sort":
+        monkeypatch.setattr(moe_align, "ALIGN_TRITON_MAX_PAIRS", 0)
+    total = torch.zeros_like(want)
+    for first, last in ((0, 2), (2, 6), (6, 8)):
+        part = make_experts(last - first, 64, 32)
+        with torch.no_grad():
+            part.gate_up_proj.copy_(whole.gate_up_proj[first:last])
+            part.down_proj.copy_(whole.down_proj[first:last])
+        part.first_expert = first
+        if impl == "torch":
+            part.impl = "torch"
+            got = part(x, ids, weights)
+        else:
+            local, local_w = part.local_pairs(ids, weights)
+            got = moe_triton.fused_experts(x, part.gate_up_proj, part.down_proj, local, local_w, skips=True)
+        total += got.double().cpu()
+    torch.testing.assert_close(total, want, **TOLERANCES[torch.float32])

@@ -83,3 +83,16 @@ def test_bad_sizes_are_refused(tmp_path: Path):
         LLM(str(make_tiny_qwen3(tmp_path)), tensor_parallel_size=3, **OPTIONS)
     with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive integer"):
         LLM(str(make_tiny_qwen3(tmp_path)), tensor_parallel_size=0, **OPTIONS)
+
+
+def test_expert_parallel_ranks_give_one_ranks_tokens(tmp_path: Path):
+    """--expert-parallel: each rank holds 4 of the 8 experts whole (a pair routed to the other rank's adds
+    nothing here); the layer's all-reduce adds the ranks' shares: one rank's tokens."""
+    model = str(make_tiny_qwen3_moe(tmp_path))
+    prompts = _prompts(4, seed=1)
+    with LLM(model, tensor_parallel_size=2, expert_parallel=True, **OPTIONS) as tp:
+        experts = tp.engine.model.layers[0].mlp.inner.experts
+        assert (experts.num_experts, experts.first_expert) == (4, 0)
+        out = tp.generate(prompts, GREEDY)
+    ref = LLM(model, **OPTIONS).generate(prompts, GREEDY)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
