@@ -154,7 +154,7 @@ class Engine:
         # each lane's per-layer KV specs, over the pool's storage classes (equal specs: one class)
         self.pool_classes = pool_classes = PoolClasses()
         storages = [layout.storage(self.spec, m, config.page_size) for m in methods]
-        lane_classes = [pool_classes.classes_of(st, m.layer_digest if hasattr(m, "layer_digest") else "")
+        lane_classes = [pool_classes.classes_of(st, getattr(m, "layer_digest", ""))
                         for st, m in zip(storages, methods)]
         specs = pool_classes.specs
         # one layer's page: every per-token tensor of the spec, plus its per-page ones; the rows of
@@ -211,7 +211,8 @@ class Engine:
             f", methods {', '.join(m.name for m in methods)}" if extra else "",
         )
         self.backend = backend
-        self.lanes: list[Lane] = [self._lane(m, {}, classes) for m, classes in zip(methods, lane_classes)]
+        self.lanes: list[Lane] = [self._lane(m, {}, storage, classes)
+                                  for m, storage, classes in zip(methods, storages, lane_classes)]
         self.default_lane = self.lanes[0]
         self.attention = self.default_lane.attention
         self.storage = storages[0]
@@ -269,13 +270,15 @@ class Engine:
                     max_context=self.max_model_len, num_heads=self.spec.num_heads,
                     **({} if self.tp is None else {"heads": HeadCollective(self.tp, self.shards)}))
 
-    def _lane(self, method: KVMethod, params: dict, classes: tuple[int, ...], loaded: bool = True) -> Lane:
-        """A lane of `method` over the pool classes `classes` (its attention over the pool's stores)."""
+    def _lane(self, method: KVMethod, params: dict, storage: StorageClasses, classes: tuple[int, ...],
+              loaded: bool = True) -> Lane:
+        """A lane of `method` (its layers' specs `storage`) over the pool classes `classes` (its attention over
+        the pool's stores)."""
         attention = PagedAttention(self.stores, self.backend, self.layout.layers, classes)
         salt = storage_salt(self.model_ref, self.spec, self.pool_classes, classes)
         rules = lane_rules(method, attention, self.config.enable_prefix_caching, salt)
-        lane = Lane(method.name, params, method, self.layout.storage(self.spec, method, self.config.page_size), classes,
-                    rules, method_fingerprint(self.model_ref, self.spec, method), loaded)
+        lane = Lane(method.name, params, method, storage, classes, rules,
+                    method_fingerprint(self.model_ref, self.spec, method), loaded)
         lane.attention = attention
         return lane
 
@@ -340,7 +343,7 @@ class Engine:
                 or method.page_tokens() not in (None, self.config.page_size)):
             raise ConfigError(f"method {name!r} with parameters {given} stores K/V otherwise than the loaded "
                               f"{name!r}; serve it with those parameters (--method-params)", param="method_params")
-        lane = self._lane(method, given, classes, loaded=False)
+        lane = self._lane(method, given, storage, classes, loaded=False)
         self.lanes.append(lane)
         self._join_group(lane)
         return lane

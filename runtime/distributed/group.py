@@ -37,9 +37,10 @@ class TPGroup:
     def leads(self) -> bool:
         return self.rank == 0
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's `x`, in place (every rank gets the same values)."""
-        dist.all_reduce(x, group=self.group)
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Every rank's `x` combined by `op` (sum, max or min), in place (every rank gets the same values)."""
+        reduce = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        dist.all_reduce(x, op=reduce, group=self.group)
         return x
 
     def least(self, value: int) -> int:

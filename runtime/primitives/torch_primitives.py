@@ -134,17 +134,13 @@ def reduce_heads(x, fn, dims):
     ranks = _RANKS.get()
     if ranks is None:
         return reduce(x, fn, dims)
-    import torch.distributed as dist
-
     if fn in ("sum", "mean"):
         out = reduce(x, "sum", dims).contiguous()
         ranks.all_reduce(out)
         if fn == "mean":
             out = out / (math.prod(x.shape[d] for d in dims) * ranks.size)
         return out
-    out = reduce(x, fn, dims).contiguous()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX if fn == "max" else dist.ReduceOp.MIN, group=ranks.group)
-    return out
+    return ranks.all_reduce(reduce(x, fn, dims).contiguous(), fn)
 
 
 def quantile(x, p, dims):
