@@ -12,6 +12,9 @@ CUDA activity inside a user range named `WINDOW`, exports the Chrome trace and m
   during steady decode" asks. Profiling slows the host slightly, so the fraction is a lower bound
   of the unprofiled one.
 - `host_gap_ms_per_step`: the window minus that union, per step: the time per step no GPU work runs.
+- `launches_per_step`: the kernels that ran in the window, per step (CUDA-graph replays count each
+  kernel of the graph: the GPU's launches, which fusing small steps reduces, not the host's), and
+  `copies_per_step`: the device memcpy and memset operations, per step.
 - `by_kernel`: every kernel name's GPU time inside the window (clipped to it), largest first, with
   its calls, total and per-step milliseconds and share of the summed kernel time. Names are
   shortened (`short_kernel_name`): C++ namespaces, return type and parameter list dropped, one
@@ -128,8 +131,9 @@ def kernel_table(events: list[dict], window: tuple[float, float], steps: int) ->
 
 def busy_from_trace(trace: dict, steps: int = 1) -> dict:
     """The profile of a Chrome trace holding one `WINDOW` range over `steps` engine steps: {busy,
-    window_ms, gpu_ms, kernels, steps, window_ms_per_step, gpu_ms_per_step, host_gap_ms_per_step,
-    all_reduce_share (NCCL kernels' time over the window), by_kernel} (module docstring)."""
+    window_ms, gpu_ms, kernels (GPU operations: kernels, copies and sets), steps, window_ms_per_step,
+    gpu_ms_per_step, host_gap_ms_per_step, launches_per_step, copies_per_step, all_reduce_share (NCCL
+    kernels' time over the window), by_kernel} (module docstring)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     events = trace.get("traceEvents", [])
@@ -140,15 +144,18 @@ def busy_from_trace(trace: dict, steps: int = 1) -> dict:
     window = ranges[0]
     gpu_events = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
     gpu = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in gpu_events]
+    inside = [e for e, (s, end) in zip(gpu_events, gpu) if end > window[0] and s < window[1]]
+    launches = sum(1 for e in inside if e["cat"] == "kernel")
     busy = union_length(gpu, window)
     length = window[1] - window[0]
     # tensor parallelism: the GPU time of the ranks' collectives (NCCL's kernels), over the window
     collective = union_length([(e["ts"], e["ts"] + e.get("dur", 0)) for e in gpu_events
                                if "nccl" in str(e.get("name", "")).lower()], window)
     return {"busy": busy / length if length > 0 else 0.0, "window_ms": length / 1e3, "gpu_ms": busy / 1e3,
-            "kernels": sum(1 for s, e in gpu if e > window[0] and s < window[1]), "steps": steps,
+            "kernels": len(inside), "steps": steps,
             "window_ms_per_step": length / 1e3 / steps, "gpu_ms_per_step": busy / 1e3 / steps,
             "host_gap_ms_per_step": (length - busy) / 1e3 / steps,
+            "launches_per_step": launches / steps, "copies_per_step": (len(inside) - launches) / steps,
             "all_reduce_share": collective / length if length > 0 else 0.0,
             "by_kernel": kernel_table(gpu_events, window, steps)}
 

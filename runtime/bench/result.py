@@ -153,8 +153,9 @@ def format_offline(result: dict) -> str:
 
 
 def format_profiles(result: dict, top: int = 12) -> str:
-    """Per profiled row, a heading with its busy fraction and per-step times, and a markdown table
-    of its `top` kernels by GPU time (the rest summed in one line); '' when no row was profiled."""
+    """Per profiled row, a heading with its busy fraction, per-step times and GPU launches per step, and
+    a markdown table of its `top` kernels by GPU time (the rest summed in one line); '' when no row was
+    profiled."""
     blocks = []
     for r in result.get("rows", []):
         profile = r.get("busy_profile")
@@ -163,8 +164,9 @@ def format_profiles(result: dict, top: int = 12) -> str:
         steps = profile["steps"]
         lines = [f"#### {r['method']} @ {r['input_len']} ({r['mode']}, batch {r['busy_batch']}, {steps} profiled "
                  f"steps): busy {profile['busy']:.3f}, step {profile['window_ms_per_step']:.2f} ms = GPU "
-                 f"{profile['gpu_ms_per_step']:.2f} ms + host gap {profile['host_gap_ms_per_step']:.2f} ms",
-                 "", "| kernel | calls | calls/step | total ms | ms/step | share |", "|---|---|---|---|---|---|"]
+                 f"{profile['gpu_ms_per_step']:.2f} ms + host gap {profile['host_gap_ms_per_step']:.2f} ms"
+                 + _launches(profile), "", "| kernel | calls | calls/step | total ms | ms/step | share |",
+                 "|---|---|---|---|---|---|"]
         kernels = profile.get("by_kernel", [])
         for k in kernels[:top]:
             lines.append(f"| {_cell(k['name'])} | {k['calls']} | {k['calls'] / steps:.1f} | {k['total_ms']:.2f} | "
@@ -176,6 +178,13 @@ def format_profiles(result: dict, top: int = 12) -> str:
                          f"{total / steps:.3f} | {100 * sum(k['share'] for k in rest):.1f}% |")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def _launches(profile: dict) -> str:
+    """", N kernel launches + M copies per step" (profiles saved before they were counted: '')."""
+    if "launches_per_step" not in profile:
+        return ""
+    return f", {profile['launches_per_step']:.1f} kernel launches + {profile['copies_per_step']:.1f} copies per step"
 
 
 def _cell(text: str) -> str:

@@ -4,9 +4,9 @@ All tensors are flat over tokens ([T, ...]); there is no batch dimension. Numeri
 reference models so that logits match Hugging Face's: norms compute in float32 and cast back
 before the weight multiply; cos/sin are computed in float32 and cast to the activation dtype.
 
-On CUDA, RMSNorm (with the residual add in front of it, `RMSNorm.forward_add`) and q/k norm + rotary
-run as single Triton launches (norm_triton.py), the same steps in the same dtypes; the CPU path below
-is the oracle.
+On CUDA, RMSNorm (with the residual add in front of it, `RMSNorm.forward_add`), q/k norm + rotary and
+the gated MLP's silu(gate) * up run as single Triton launches (norm_triton.py), the same steps in the
+same dtypes; the CPU path below is the oracle.
 
 `Attention` stops at the seam: it calls the engine's `AttentionFn` with roped q/k/v and applies
 the output projection to what comes back.
@@ -124,6 +124,8 @@ class GatedMLP(nn.Module):
     CPU_SPLIT_ROWS = 64
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # silu(gate) * up in one launch over the fused output
+            return self.down_proj(_fused().silu_mul(self.gate_up_proj(x)))
         if x.device.type == "cpu" and x.shape[0] > self.CPU_SPLIT_ROWS and isinstance(self.gate_up_proj, nn.Linear):
             i, w, b = self.intermediate_size, self.gate_up_proj.weight, self.gate_up_proj.bias
             gate = F.linear(x, w[:i], None if b is None else b[:i])

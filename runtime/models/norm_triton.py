@@ -7,18 +7,24 @@ CPU keeps the torch path, the parity oracle).
   launch that writes both (the decoder layers carry the residual stream apart: llama.py).
 - `norm_rope`: q and k of a step together: the per-head RMSNorm of Qwen3 (when it has one) and the
   rotary embedding, one launch instead of about thirty.
+- `silu_mul`: the gated MLP's `silu(gate) * up` over the fused gate_up matmul's output, one launch
+  instead of two (silu, then the product).
 
 The arithmetic follows layers.py step by step, rounding to the activation dtype where it does (the
 normalised value before the weight, each rotary product, each sum), so the results are those of
-the torch path up to the order of the float32 sum of squares and the hardware rsqrt. A decode
+the torch path up to the order of the float32 sum of squares and the hardware rsqrt (`silu_mul` gives
+its bits: the same expf and an IEEE division on CUDA). A decode
 step of a 48-layer model ran ~1,900 of these small launches (docs/benchmarks.md, "fused RMSNorm").
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 
 @triton.jit
@@ -140,3 +146,47 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k
             D=d, HALF=d // 2, NORM=norm, num_warps=1 if d <= 128 else 2,
         )
     return qo, ko
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    dt = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
+    # torch's silu: x / (1 + expf(-x)) in float32, rounded to the activation dtype; then the product,
+    # rounded again. tl.exp and `/` lower to approximations on CUDA (ex2.approx, div.full) that can
+    # flip a bf16 rounding, so there the kernel calls CUDA's expf and divides correctly rounded; the
+    # interpreter (no libdevice) has numpy's exp, as exact as the CPU's
+    if LIBDEVICE:
+        silu = tl.div_rn(gate, 1.0 + libdevice.exp(-gate))
+    else:
+        silu = gate / (1.0 + tl.exp(-gate))
+    silu = silu.to(dt).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (silu * up).to(dt), mask=mask)
+
+
+# read once, as @triton.jit did when this module was imported: the interpreter has no libdevice
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+SILU_MUL_BLOCK = 1024  # columns a program computes: a decode row of a large MLP spreads over several
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2 * I] (gate columns first, the fused gate_up matmul's output; rows may be strided,
+    the last axis contiguous) -> silu(gate) * up, a new contiguous [..., I] in gate_up's dtype."""
+    n = gate_up.shape[-1] // 2
+    if gate_up.shape[-1] != 2 * n:
+        raise ValueError(f"gate_up's last axis ({gate_up.shape[-1]}) must hold gate and up, two equal halves")
+    rows = gate_up.reshape(-1, 2 * n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
+    if rows.shape[0] and n:
+        block = min(SILU_MUL_BLOCK, triton.next_power_of_2(n))
+        _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
+            rows, out, rows.stride(0), out.stride(0), n, BLOCK=block, LIBDEVICE=not _INTERPRETED,
+            num_warps=max(1, min(8, block // 256)),
+        )
+    return out.view(*gate_up.shape[:-1], n)

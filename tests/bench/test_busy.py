@@ -54,6 +54,25 @@ def test_profile_splits_each_step_into_gpu_time_and_host_gap():
         busy_from_trace(trace, steps=0)
 
 
+def test_launches_per_step_count_the_kernels_and_the_copies_in_the_window():
+    # 3 steps; a CUDA graph's replay reports each of its kernels: 6 kernels, 2 copies and a memset
+    # inside, a kernel straddling the window's start (it counts), CPU ops and a kernel after it (not)
+    inside = [_gpu(f"k{i}", 100.0 + 50 * i, 10.0) for i in range(5)]
+    trace = {"traceEvents": [
+        _window(100.0, 300.0), _gpu("before", 95.0, 10.0), *inside,
+        _gpu("Memcpy HtoD (Pinned -> Device)", 120.0, 5.0, "gpu_memcpy"),
+        _gpu("Memcpy DtoH (Device -> Pinned)", 380.0, 5.0, "gpu_memcpy"),
+        _gpu("Memset (Device)", 200.0, 1.0, "gpu_memset"),
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 101.0, "dur": 2.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mul", "ts": 110.0, "dur": 5.0},
+        _gpu("after", 400.0, 10.0),
+    ]}
+    got = busy_from_trace(trace, steps=3)
+    assert got["launches_per_step"] == pytest.approx(6 / 3) and got["copies_per_step"] == pytest.approx(3 / 3)
+    assert got["kernels"] == 9  # every GPU operation
+    assert sum(r["calls"] for r in got["by_kernel"]) == 9
+
+
 def test_kernel_table_groups_clips_and_sorts():
     trace = {"traceEvents": [
         _window(1000.0, 1000.0),
@@ -116,5 +135,6 @@ def test_profiled_window_is_found_in_the_real_trace():
     x = torch.randn(64, 64)
     got = profile_busy(lambda: [x @ x for _ in range(10)], torch.device("cpu"), steps=10)
     assert got["window_ms"] > 0 and got["busy"] == 0.0 and got["kernels"] == 0  # no GPU, no kernels
+    assert got["launches_per_step"] == 0 and got["copies_per_step"] == 0
     assert got["by_kernel"] == [] and got["steps"] == 10
     assert got["host_gap_ms_per_step"] == pytest.approx(got["window_ms"] / 10)

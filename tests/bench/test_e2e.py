@@ -120,7 +120,7 @@ def _kernel(i: int) -> dict:
 def test_profile_tables_show_the_top_kernels_and_the_rest():
     profile = {"busy": 0.5, "window_ms": 420.0, "gpu_ms": 210.0, "kernels": 210, "steps": 2,
                "window_ms_per_step": 210.0, "gpu_ms_per_step": 105.0, "host_gap_ms_per_step": 105.0,
-               "by_kernel": [_kernel(i) for i in range(14)]}
+               "launches_per_step": 612.5, "copies_per_step": 3.0, "by_kernel": [_kernel(i) for i in range(14)]}
     result = {"rows": [
         {"method": "pyramidkv", "input_len": 32768, "mode": "decode_window", "busy_batch": 159, "busy": 0.5,
          "busy_profile": profile},
@@ -129,10 +129,14 @@ def test_profile_tables_show_the_top_kernels_and_the_rest():
     text = format_profiles(result)
     lines = text.splitlines()
     assert lines[0] == ("#### pyramidkv @ 32768 (decode_window, batch 159, 2 profiled steps): busy 0.500, "
-                        "step 210.00 ms = GPU 105.00 ms + host gap 105.00 ms")
+                        "step 210.00 ms = GPU 105.00 ms + host gap 105.00 ms, 612.5 kernel launches + 3.0 copies "
+                        "per step")
     rows = [line for line in lines if line.startswith("| k") and not line.startswith("| kernel")]
     assert len(rows) == 12 and rows[0] == "| k0\\|x | 2 | 1.0 | 14.00 | 7.000 | 13.3% |"
     # the two smallest (2 and 1 ms) summed in one line
     assert lines[-1] == "| (2 other kernels) | 54 | 27.0 | 3.00 | 1.500 | 2.9% |"
     assert "full" not in text
     assert format_profiles({"rows": [result["rows"][1]]}) == ""
+    # a profile saved before launches were counted: the heading without them
+    del profile["launches_per_step"], profile["copies_per_step"]
+    assert format_profiles(result).splitlines()[0].endswith("host gap 105.00 ms")
