@@ -13,6 +13,7 @@ import sys
 from kvc.runtime.errors import KvcError
 
 ASYNC_SCHEDULING_CHOICES = {"auto": None, "on": True, "off": False}  # --async-scheduling -> EngineConfig
+MLA_PREFILL_CHOICES = ("auto", "absorbed", "decompressed")  # --mla-prefill: config.MLA_PREFILL_FORMS (no torch here)
 
 
 def _interval(text: str) -> int:
@@ -32,6 +33,13 @@ def add_evict_interval(p: argparse.ArgumentParser) -> None:
                    help="decode-time eviction (a method keeping at step end: StreamingLLM, H2O, TOVA) only once "
                    "a row stores N tokens past its kept count, then back down to it; peak KV memory grows by "
                    "N-1 tokens per row and layer (default 1: every step)")
+
+
+def add_mla_prefill(p: argparse.ArgumentParser) -> None:
+    """`--mla-prefill FORM` (EngineConfig.mla_prefill), for generate, serve and bench throughput."""
+    p.add_argument("--mla-prefill", choices=MLA_PREFILL_CHOICES, default="auto",
+                   help="an MLA model's (GLM-4.7-Flash's) prefill attention: absorbed over the latent cache, or "
+                   "decompressed over per-head keys and values (auto: decompressed, fewer FLOPs a pair)")
 
 
 def add_method_inputs(p: argparse.ArgumentParser) -> None:
@@ -63,6 +71,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-parallel", action="store_true", help="with --tensor-parallel-size: split MoE layers "
                    "by whole experts rather than by every expert's columns")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    add_mla_prefill(p)
     p.add_argument("--async-scheduling", choices=tuple(ASYNC_SCHEDULING_CHOICES), default="auto",
                    help="schedule the next decode step while the current one runs (auto: on a GPU)")
     add_evict_interval(p)
@@ -86,6 +95,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
         cuda_graphs=not a.no_cuda_graphs,
         async_scheduling=ASYNC_SCHEDULING_CHOICES[a.async_scheduling],
         evict_interval=a.evict_interval,
+        mla_prefill=a.mla_prefill,
         method_inputs=a.method_inputs,
         seed=a.seed,
     )

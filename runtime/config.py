@@ -8,6 +8,7 @@ import torch
 
 from kvc.runtime.errors import ConfigError
 
+MLA_PREFILL_FORMS = ("auto", "absorbed", "decompressed")  # EngineConfig.mla_prefill (latent_prefill.py)
 DEFAULT_PAGE_SIZE = 16  # tokens per KV page when neither the config nor the method sets one
 
 _DTYPES = {
@@ -54,6 +55,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    # an MLA model's prefill chunks (runtime/attention/latent_prefill.py): "absorbed" over the latents,
+    # "decompressed" over per-head keys and values up-projected per chunk; "auto": decompressed
+    mla_prefill: str = "auto"
     cuda_graphs: bool = True
     # schedule the next decode step while the current one runs (runtime/engine.py `step`);
     # None: on for a GPU, off on the CPU (where it buys nothing; tests turn it on)
@@ -109,6 +113,9 @@ class EngineConfig:
                 positive_int(name, getattr(self, name))
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization")
+        if self.mla_prefill not in MLA_PREFILL_FORMS:
+            raise ConfigError(f"mla_prefill must be one of {', '.join(MLA_PREFILL_FORMS)}, got {self.mla_prefill!r}",
+                              param="mla_prefill")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}",

@@ -30,6 +30,7 @@ import torch
 from kvc.runtime.attention.metadata import AttentionMetadata
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.method_api import LayerCacheView
+from kvc.runtime.models.base import LatentQueries
 from kvc.runtime.model_runner import split_heads
 from kvc.runtime.primitives.torch_primitives import replay_attention
 from kvc.runtime.transfer import to_device
@@ -165,8 +166,9 @@ class ContextReplay:
                                   last - low * runner.page_size, None, layer, seq.row)
             return view.keys()[:, first - low * runner.page_size:]
 
-        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = attention.forward(layer, q, k, v, md, scale)
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 latent: LatentQueries | None = None) -> torch.Tensor:
+            out = attention.forward(layer, q, k, v, md, scale, latent=latent)
             chunk = stored_keys(layer, start, end)
             queries = runner.hook_queries(q).transpose(0, 1)  # [Hq, n, D], as hooks see them
             probs = replay_attention(queries, stored_keys(layer, 0, sink), chunk, k.transpose(0, 1))

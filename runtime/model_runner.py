@@ -23,7 +23,7 @@ import torch
 
 from kvc.runtime.grammar_book import GrammarBook
 from kvc.runtime.method_api import Hook
-from kvc.runtime.models.base import CausalLM
+from kvc.runtime.models.base import CausalLM, LatentQueries
 from kvc.runtime.logprobs import LogprobTensors, TokenLogprobs, compute, to_host
 from kvc.runtime.penalties import TokenCounts
 from kvc.runtime.sampler import RowHistory, sample
@@ -255,8 +255,10 @@ class ModelRunner:
             sampled += [first + i for i in x.sample_seqs]
             at, first = at + n, first + len(part.seqs)
 
-        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return torch.cat([fn(layer, q[a:b], k[a:b], v[a:b]) for fn, (a, b) in zip(fns, bounds)])
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 latent: LatentQueries | None = None) -> torch.Tensor:
+            return torch.cat([fn(layer, q[a:b], k[a:b], v[a:b], latent=None if latent is None else latent.rows(a, b))
+                              for fn, (a, b) in zip(fns, bounds)])
 
         hidden = self.model(ids, torch.cat([x.positions for x in inputs]), attn)
         decodes = [i < part.num_decodes for _, part in parts for i in range(len(part.seqs))]

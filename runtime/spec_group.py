@@ -28,7 +28,7 @@ from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.tables import TableCache
 from kvc.runtime.method_api import DecodeRow, DecodeView, Hook
-from kvc.runtime.models.base import CausalLM
+from kvc.runtime.models.base import CausalLM, LatentQueries
 from kvc.runtime.scheduler import ScheduledBatch
 from kvc.runtime.step_hooks import StepHooks
 from kvc.runtime.transfer import to_device
@@ -181,7 +181,8 @@ class SpecGroup:
         recording = [] if batch is None else _recording_prefills(batch)
         records_queries = attention.keeps_queries  # a spec with decode query windows (runtime/kv/query_window.py)
 
-        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 latent: LatentQueries | None = None) -> torch.Tensor:
             d = md.num_decodes
             view = stats = None
             hq = self.hook_queries(q)
@@ -200,7 +201,7 @@ class SpecGroup:
             if view is not None and Hook.DECODE_BEFORE_ATTENTION in hooks:
                 read = method.decode_before_attention(layer, view)  # a ReadPlan, or None: every slot
             if compute:
-                out = attention.forward(layer, q, k, v, md, scale, stats=stats, read=read)
+                out = attention.forward(layer, q, k, v, md, scale, stats=stats, read=read, latent=latent)
             else:
                 out = None
                 attention.write(layer, k, v, md)
@@ -310,8 +311,12 @@ def split_heads(attn, layout: CacheLayout):
     """A model layer's attention over per-head cache layers: KV head h of layer l (its query group
     and its K/V) goes to cache layer `layout.cache_layers(l)[h]`; the outputs join in head order."""
 
-    def by_head(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def by_head(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                latent: LatentQueries | None = None) -> torch.Tensor:
         layers = layout.cache_layers(layer)
+        if latent is not None:  # MLA: one latent KV head, one cache layer
+            (cache_layer,) = layers
+            return attn(cache_layer, q, k, v, latent=latent)
         group = q.shape[1] // len(layers)
         outs = [attn(cache_layer, q[:, h * group:(h + 1) * group], k[:, h:h + 1], v[:, h:h + 1])
                 for h, cache_layer in enumerate(layers)]  # views: the ops take strided rows

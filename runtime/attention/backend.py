@@ -35,6 +35,7 @@ from functools import cached_property, partial
 import torch
 
 from kvc.runtime.attention import delta_ops, torch_ops
+from kvc.runtime.attention.latent_prefill import decompressed_prefill
 from kvc.runtime.attention.metadata import AttentionMetadata, DecodeStats, StatsFold
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.attention.sources import LowRankPages, QuantizedPages, Source
@@ -43,6 +44,7 @@ from kvc.runtime.kv.delta_pages import DeltaPages
 from kvc.runtime.kv.plans import ReadPlan
 from kvc.runtime.kv.spec import K, V, Dense, KVSpec, LowRank, StorageClasses, dense_spec
 from kvc.runtime.kv.store import KVStore
+from kvc.runtime.models.base import LatentQueries
 
 BACKENDS = ("torch", "triton")
 
@@ -139,8 +141,10 @@ class PagedAttention:
     spec, paged; a page belongs to one layer of one sequence at a time) and a backend."""
 
     def __init__(self, store: KVStore | list[KVStore], backend: str = "torch", num_layers: int = 1,
-                 layer_class: tuple[int, ...] | None = None) -> None:
+                 layer_class: tuple[int, ...] | None = None, mla_prefill: str = "absorbed") -> None:
         self.num_layers = num_layers
+        # MLA's prefill chunks: "absorbed" (the latent kernels) or "decompressed" (latent_prefill.py)
+        self.mla_prefill = mla_prefill
         self.stores = list(store) if isinstance(store, list) else [store]
         self.layer_class = tuple(layer_class) if layer_class is not None else (0,) * num_layers
         # the stores its layers use: an engine serving several methods hands every lane all of the pool's
@@ -437,10 +441,13 @@ class PagedAttention:
         scale: float,
         stats: DecodeStats | None = None,
         read: ReadPlan | None = None,
+        latent: LatentQueries | None = None,
     ) -> torch.Tensor:
         """Attention output [T, Hq, D] for the step's queries q [T, Hq, D] (k, v: [T, Hkv, D]);
         with `stats`, the decode rows' attention statistics also land in `stats.out`; with `read`
-        (a method's ReadPlan) each decode row's KV heads attend only to the slots it lists.
+        (a method's ReadPlan) each decode row's KV heads attend only to the slots it lists. With
+        `latent` (MLA, runtime/models/base.py) the output is the up-projected values [T, Hq,
+        latent.value_dim], the prefill rows attended in the form `mla_prefill` names.
 
         Rows past cu_seqlens_q[-1] (if any) are left unwritten. A decode-only step
         (num_decodes == B) touches no host value: it can be captured in a CUDA graph with the
@@ -471,6 +478,7 @@ class PagedAttention:
         self.write(layer_idx, k, v, md, window_tokens=None if resid is None else md.num_decodes)
         out = q.new_empty(*q.shape[:2], v_cache.shape[-1])  # MLA's values are narrower than its keys
         num_decodes = md.num_decodes
+        decompress = latent is not None and self.mla_prefill == "decompressed" and md.num_prefills > 0
         if num_decodes > 0:
             decode_ops.paged_decode(
                 q[:num_decodes], k_cache, v_cache,
@@ -478,7 +486,7 @@ class PagedAttention:
                 max_context_len=md.max_context_len, out=out[:num_decodes],
                 kv_starts=None if starts is None else starts[:num_decodes], stats=stats, **extra_d,
             )
-        if md.num_prefills > 0:
+        if md.num_prefills > 0 and not decompress:
             # Each decode owns exactly one token, so the prefill tokens start at num_decodes.
             ops.paged_prefill(
                 q[num_decodes:], k_cache, v_cache,
@@ -489,4 +497,14 @@ class PagedAttention:
             if resid is not None:
                 ops.store_window(k, v, k_cache, v_cache, md.slot_mapping[layer_idx], md.cu_seqlens_q, lens, md.rows,
                                  num_decodes)
-        return out
+        if latent is None:
+            return out
+        if not decompress:
+            return latent.values(out)
+        values = q.new_empty(*q.shape[:2], latent.value_dim)
+        values[:num_decodes] = latent.values(out[:num_decodes])
+        decompressed_prefill(latent.rows(num_decodes, q.shape[0]), k_cache, tables[num_decodes:],
+                             md.cu_seqlens_q[num_decodes:] - num_decodes, lens[num_decodes:], scale,
+                             values[num_decodes:], kv_starts=None if starts is None else starts[num_decodes:],
+                             k_new=k[num_decodes:])
+        return values

@@ -237,7 +237,7 @@ def gather_source(source: Source, page_ids: torch.Tensor, length: int | None = N
     return encodings.dequantize(codes, scale, zero, source.enc, source.head_dim, source.dtype)
 
 
-def _reads_chunk_exact(source: Source, resid_lens: torch.Tensor | None) -> bool:
+def reads_chunk_exact(source: Source, resid_lens: torch.Tensor | None) -> bool:
     """Does a prefill chunk read this operand's own slots as computed (`Quantized.exact_chunk`)?"""
     return reads_residual(source, resid_lens) or (not is_dense(source) and source.enc.exact_chunk)
 
@@ -578,10 +578,26 @@ def causal_offset_mask(q_len: int, kv_len: int, device: torch.device) -> torch.T
     return torch.arange(kv_len, device=device)[None, :] <= positions[:, None]
 
 
-# The CPU flash-attention kernel also returns each query's log-sum-exp, which lets a chunk over a
-# cached prefix run as two mask-free calls (`_attend_over_prefix`). Private aten op; without it
-# (another build) or off the CPU, the chunk takes one call with its causal mask.
+# The flash-attention kernels also return each query's log-sum-exp, which lets a chunk over a
+# cached prefix run as two mask-free calls (`_attend_over_prefix`). Private aten ops; without them
+# (another build), or where the CUDA one does not apply (GQA, value width unlike the keys', not
+# half precision, head dim over 256), the chunk takes one call with its causal mask.
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CUDA_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+
+
+def _flash_with_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool, scale: float):
+    """(out, log-sum-exp [1, Hq, n]) of one mask-free flash call, or None where no flash kernel applies."""
+    if values.shape[-1] != q.shape[-1]:
+        return None
+    if q.device.type == "cpu" and _CPU_FLASH is not None:  # (takes GQA)
+        out, lse = _CPU_FLASH(q, keys, values, 0.0, causal, scale=scale)
+        return out, lse
+    if (q.device.type == "cuda" and _CUDA_FLASH is not None and q.shape[1] == keys.shape[1] and q.shape[-1] <= 256
+            and q.dtype in (torch.float16, torch.bfloat16)):
+        out, lse = _CUDA_FLASH(q, keys, values, 0.0, causal, False, scale=scale)[:2]
+        return out, lse
+    return None
 
 
 def _attend_over_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -594,12 +610,13 @@ def _attend_over_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     """
     n, m = q.shape[2], keys.shape[2]
     gqa = q.shape[1] != keys.shape[1]
-    if _CPU_FLASH is None or q.device.type != "cpu" or values.shape[-1] != q.shape[-1]:  # (MLA's are narrower)
+    prefix = m - n
+    whole = _flash_with_lse(q, keys[:, :, :prefix], values[:, :, :prefix], False, scale)
+    if whole is None:  # (GQA on CUDA, MLA's narrower values)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_offset_mask(n, m, q.device),
                                               scale=scale, enable_gqa=gqa)
-    prefix = m - n
-    o_prefix, lse_prefix = _CPU_FLASH(q, keys[:, :, :prefix], values[:, :, :prefix], 0.0, False, scale=scale)
-    o_chunk, lse_chunk = _CPU_FLASH(q, keys[:, :, prefix:], values[:, :, prefix:], 0.0, True, scale=scale)
+    o_prefix, lse_prefix = whole
+    o_chunk, lse_chunk = _flash_with_lse(q, keys[:, :, prefix:], values[:, :, prefix:], True, scale)
     # softmax over both parts = each part's softmax weighted by its share of the total mass
     w_prefix = torch.sigmoid(lse_prefix.float() - lse_chunk.float()).unsqueeze(-1)  # [1, Hq, n, 1]
     return torch.lerp(o_chunk.float(), o_prefix.float(), w_prefix).to(q.dtype)
@@ -643,8 +660,7 @@ def paged_prefill(
     num_q_heads = q.shape[1]
     num_kv_heads = k_cache.shape[1]
     page_size = k_cache.shape[2]
-    gqa = num_q_heads != num_kv_heads
-    if (k_new is None or v_new is None) and any(_reads_chunk_exact(c, resid_lens) for c in (k_cache, v_cache)):
+    if (k_new is None or v_new is None) and any(reads_chunk_exact(c, resid_lens) for c in (k_cache, v_cache)):
         raise ValueError("paged_prefill: sources that read a chunk as computed (a residual window, `prefill_exact`) "
                          "read the chunk's own slots from k_new and v_new")
     if out is None:
@@ -661,19 +677,28 @@ def paged_prefill(
         keys, values = (_row_operand(cache, block_tables[b, :num_pages], kv_len, b, context_lens, (rows, resid_lens),
                                      q.dtype, q_len) for cache in (k_cache, v_cache))  # [1, Hkv, L, D]
         for x, cache, fresh in ((keys, k_cache, k_new), (values, v_cache, v_new)):
-            if fresh is not None and _reads_chunk_exact(cache, resid_lens):
+            if fresh is not None and reads_chunk_exact(cache, resid_lens):
                 x[0, :, kv_len - q_len:] = fresh[start:end].transpose(0, 1).to(x.dtype)
         queries = q[start:end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        first = None  # each query head from its kv head's start, where a start is not 0
         if head_starts is not None and any(head_starts[b]):
-            # [Hq, q_len, kv_len]: each query head from its kv head's start
             first = kv_starts[b].repeat_interleave(num_q_heads // num_kv_heads)
-            visible = torch.arange(kv_len, device=q.device)[None, None, :] >= first[:, None, None]
-            mask = causal_offset_mask(q_len, kv_len, q.device)[None] & visible
-            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[None], scale=scale,
-                                               enable_gqa=gqa)
-        elif q_len == kv_len:
-            o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            o = _attend_over_prefix(queries, keys, values, scale)
-        out[start:end] = o[0].transpose(0, 1)
+        out[start:end] = attend_chunk(queries, keys, values, scale, first)[0].transpose(0, 1)
     return out
+
+
+def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                 first: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a chunk's queries q [1, Hq, n, D] over keys [1, Hkv, m, D] and values
+    [1, Hkv, m, Dv] whose last n are the chunk's own (query i sees keys 0..m - n + i; from `first[h]`
+    on for query head h where given): `is_causal` for a fresh chunk, `_attend_over_prefix` over a
+    cached prefix, a mask with starts. [1, Hq, n, Dv]."""
+    n, m = q.shape[2], keys.shape[2]
+    gqa = q.shape[1] != keys.shape[1]
+    if first is not None:  # [Hq, n, m]
+        visible = torch.arange(m, device=q.device)[None, None, :] >= first[:, None, None]
+        mask = causal_offset_mask(n, m, q.device)[None] & visible
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None], scale=scale, enable_gqa=gqa)
+    if n == m:
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+    return _attend_over_prefix(q, keys, values, scale)

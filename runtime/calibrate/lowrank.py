@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from kvc.runtime.models.base import plain_attention
 from kvc.runtime.models.fp8_weights import weight_of
 
 
@@ -88,7 +89,7 @@ def covariances(model, batches: list[torch.Tensor], prerope: bool = True) -> dic
 
     with torch.no_grad():
         for ids in batches:
-            model(ids, torch.arange(ids.shape[0], device=ids.device), attn)
+            model(ids, torch.arange(ids.shape[0], device=ids.device), plain_attention(attn))
     return moments
 
 

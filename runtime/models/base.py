@@ -16,10 +16,67 @@ import torch
 from torch import nn
 
 # (layer_idx, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [T, num_kv_heads,
-# value_dim]) -> out [T, num_heads, value_dim]. q and k arrive already normed and roped; the
-# function owns everything else: causal masking per sequence, the softmax scale (the spec's
-# `scale`), GQA head grouping, and the KV cache.
-AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# value_dim], latent=None) -> out [T, num_heads, value_dim]. q and k arrive already normed and roped;
+# the function owns everything else: causal masking per sequence, the softmax scale (the spec's
+# `scale`), GQA head grouping, and the KV cache. An MLA model also passes `latent` (LatentQueries);
+# then out is the up-projected values [T, num_heads, latent.value_dim].
+AttentionFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LatentQueries:
+    """MLA's decompressed operands beside the absorbed q of an `AttentionFn` call (docs/design.md, "MLA").
+
+    The absorbed call attends q = [W_UK^T q_nope, q_rope] over the latents [c, k_rope] and gets
+    sum_t p_t c_t per head; the decompressed form attends [q_nope, q_rope] over per-head keys
+    [W_UK c, k_rope] and values W_UV c, with the same logits, and is the cheaper prefill (256 + 256
+    channels a pair at GLM-4.7-Flash's shape against 576 + 512). Either way the function returns
+    the values W_UV (sum_t p_t c_t) [T, heads, value_dim]."""
+
+    q_nope: torch.Tensor  # [T, heads, nope]
+    q_rope: torch.Tensor  # [T, heads, rope], roped
+    w_uk: torch.Tensor  # [heads, nope, rank]: head h's key up-projection
+    w_uv: torch.Tensor  # [heads, value_dim, rank]: head h's value up-projection
+
+    @property
+    def rank(self) -> int:
+        return self.w_uk.shape[-1]
+
+    @property
+    def value_dim(self) -> int:
+        return self.w_uv.shape[1]
+
+    def rows(self, start: int, end: int) -> LatentQueries:
+        """The queries of rows [start, end) (the weights are shared)."""
+        return LatentQueries(self.q_nope[start:end], self.q_rope[start:end], self.w_uk, self.w_uv)
+
+    def values(self, out: torch.Tensor) -> torch.Tensor:
+        """Absorbed outputs [n, heads, rank] (sum_t p_t c_t) up-projected: [n, heads, value_dim]."""
+        return torch.einsum("thr,hvr->thv", out, self.w_uv.to(out.dtype))
+
+    def queries(self, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end)'s decompressed queries [n, heads, nope + rope]."""
+        return torch.cat([self.q_nope[start:end], self.q_rope[start:end]], dim=-1)
+
+    def keys_values(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored latents [L, rank + rope] ([c, k_rope]) as per-head keys [L, heads, nope + rope] and values
+        [L, heads, value_dim]."""
+        c, k_rope = latents.split([self.rank, latents.shape[-1] - self.rank], dim=-1)
+        w_uk, w_uv = self.w_uk.to(c.dtype), self.w_uv.to(c.dtype)
+        keys = torch.einsum("lr,hnr->lhn", c, w_uk)
+        keys = torch.cat([keys, k_rope[:, None].expand(-1, keys.shape[1], -1)], dim=-1)
+        return keys, torch.einsum("lr,hvr->lhv", c, w_uv)
+
+
+def plain_attention(attn: AttentionFn) -> AttentionFn:
+    """`attn` taking no `latent` as an `AttentionFn` (its absorbed outputs up-projected where one is passed)."""
+
+    def call(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             latent: LatentQueries | None = None) -> torch.Tensor:
+        out = attn(layer, q, k, v)
+        return out if latent is None else latent.values(out)
+
+    return call
 
 
 @dataclass(frozen=True)

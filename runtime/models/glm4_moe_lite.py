@@ -10,7 +10,10 @@ per-head keys and values (docs/design.md, "MLA"):
   k = [c, k_rope] and v = c (R = kv_lora_rank, P = qk_rope_head_dim): one KV head whose logits, scaled
   by `attention_scale` (qk_head_dim^-1/2, not (R + P)^-1/2), are exactly the decompressed model's;
 - the output up-projects per head, o_h = W_UV_h (sum_t p_t c_t), then `o_proj`.
-So a method's scores over these q and k are the decompressed model's attention probabilities.
+So a method's scores over these q and k are the decompressed model's attention probabilities. The call
+also carries the decompressed operands (`LatentQueries`: q_nope, roped q_rope, W_UK, W_UV), so the engine
+may attend a prefill chunk in the decompressed form instead (fewer FLOPs a pair; `--mla-prefill`) and
+returns the up-projected values either way.
 
 The MLP of a layer is dense (`mlp_layer_types[i] == "dense"`, or the first `first_k_dense_replace`) or a
 mixture: a sigmoid router (float32) whose choice adds `e_score_correction_bias` and keeps the best
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvc.runtime.errors import UnsupportedArchitectureError
-from kvc.runtime.models.base import AttentionFn, CheckpointLayout, ModelSpec
+from kvc.runtime.models.base import AttentionFn, CheckpointLayout, LatentQueries, ModelSpec
 from kvc.runtime.models.experts import RoutedExperts
 from kvc.runtime.models.fp8_weights import weight_of
 from kvc.runtime.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope, check_activation
@@ -93,10 +96,12 @@ class LatentAttention(nn.Module):
         up = weight_of(self.kv_b_proj, q.dtype).view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
         w_uk, w_uv = up[:, : self.nope_dim], up[:, self.nope_dim:]  # [H, nope, R], [H, v, R]
         q_abs = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        q = torch.cat([q_abs, self._rope(q_rope, cos, sin)], dim=-1)  # [T, H, R + P]
+        q_rope = self._rope(q_rope, cos, sin)
+        q = torch.cat([q_abs, q_rope], dim=-1)  # [T, H, R + P]
         k = torch.cat([latent, self._rope(k_rope[:, None], cos, sin)[:, 0]], dim=-1)[:, None]  # [T, 1, R + P]
-        out = attn(self.layer_idx, q, k, latent[:, None].contiguous())  # [T, H, R]
-        values = torch.einsum("thr,hvr->thv", out.view(-1, self.num_heads, self.rank), w_uv)
+        # the engine attends absorbed (decode) or decompressed (prefill) and up-projects: [T, H, v]
+        values = attn(self.layer_idx, q, k, latent[:, None].contiguous(),
+                      latent=LatentQueries(q_nope, q_rope, w_uk, w_uv))
         return self.o_proj(values.reshape(-1, self.num_heads * self.v_dim))
 
     def add_to_layout(self, layout: CheckpointLayout, hf: str, kvc: str) -> None:

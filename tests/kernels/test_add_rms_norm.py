@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 pytest.importorskip("triton")
 from kvc.runtime.models import norm_triton  # noqa: E402
+from kvc.runtime.models.base import plain_attention  # noqa: E402
 from kvc.runtime.models.layers import RMSNorm  # noqa: E402
 from kvc.runtime.models.loader import build_random_model  # noqa: E402
 
@@ -103,6 +104,7 @@ SMALL = {
 }
 
 
+@plain_attention  # an MLA model's absorbed outputs up-projected
 def causal_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

@@ -104,12 +104,14 @@ def test_store_writes_the_keys_only():
     assert torch.equal(k_cache[0, 0, 2], k[0, 0])
 
 
-@pytest.mark.parametrize("method,params", [("full", {}), ("snapkv", {"budget": 24, "window": 8}),
-                                           ("fp8", {"scale": "dynamic"})])
-def test_served_glm_gives_the_torch_backends_tokens(tmp_path, method, params):
+@pytest.mark.parametrize("method,params,form", [("full", {}, "absorbed"), ("snapkv", {"budget": 24, "window": 8},
+                                                                        "decompressed"),
+                                                ("fp8", {"scale": "dynamic"}, "absorbed"),
+                                                ("fp8", {"scale": "dynamic"}, "decompressed")])
+def test_served_glm_gives_the_torch_backends_tokens(tmp_path, method, params, form):
     """The engine over a tiny GLM-4.7-Flash (`glm4_moe_lite`) with the Triton backend (the `latent` variant:
-    store, decode and chunked prefill; FP8 latents with the layer's scale for `fp8`) generates the torch
-    backend's greedy tokens."""
+    store, decode and, in the absorbed form, chunked prefill; FP8 latents with the layer's scale for `fp8`)
+    generates the torch backend's greedy tokens, with prefill chunks in either MLA form (`mla_prefill`)."""
     from kvc.runtime.llm import LLM
     from kvc.runtime.sampling_params import SamplingParams
     from tests.models.tiny import make_tiny_glm4_moe_lite
@@ -120,7 +122,8 @@ def test_served_glm_gives_the_torch_backends_tokens(tmp_path, method, params):
     tokens = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(model_dir), method=method, method_params=params, device=DEVICE.type, dtype="float32",
-                  page_size=16, attention_backend=backend, max_num_batched_tokens=64, max_prefill_chunk=20)
+                  page_size=16, attention_backend=backend, max_num_batched_tokens=64, max_prefill_chunk=20,
+                  mla_prefill=form)
         assert llm.engine.attention.variants == ["latent"]
         spec = llm.engine.attention.stores[0].spec
         width = 32 + 8  # the tiny latent and RoPE key: one tensor a token, values its view

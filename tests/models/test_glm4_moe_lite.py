@@ -48,7 +48,7 @@ class LatentCache:
     def __init__(self, scale: float) -> None:
         self.scale, self.keys, self.values = scale, {}, {}
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, latent=None) -> torch.Tensor:
         assert k.shape[1] == v.shape[1] == 1 and k.shape[2] == v.shape[2] + 8  # latent + RoPE part
         keys = torch.cat([self.keys.get(layer, k[:0]), k])
         values = torch.cat([self.values.get(layer, v[:0]), v])
@@ -57,7 +57,7 @@ class LatentCache:
         logits = torch.einsum("thd,nd->htn", q, keys[:, 0]) * self.scale
         future = torch.arange(n)[None, :] > torch.arange(n - t, n)[:, None]
         probs = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
-        return torch.einsum("htn,nr->thr", probs, values[:, 0])
+        return latent.values(torch.einsum("htn,nr->thr", probs, values[:, 0]))  # up-projected
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -81,12 +81,15 @@ def test_prompt_logits_and_greedy_tokens_equal_transformers(tmp_path, name):
     assert tokens == out[0, prompt.numel():].tolist()
 
 
+@pytest.mark.parametrize("form", ["absorbed", "decompressed"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_served_full_gives_transformers_greedy_tokens(tmp_path, name):
+def test_served_full_gives_transformers_greedy_tokens(tmp_path, name, form):
+    """Chunked prompts (chunks over a cached prefix), prefilled in either MLA form (`mla_prefill`)."""
     model_dir = make_tiny_glm4_moe_lite(tmp_path, seed=6, **CONFIGS[name])
     hf = load_hf(model_dir)
     llm = LLM(str(model_dir), method="full", device="cpu", dtype="float32", page_size=4, attention_backend="torch",
-              max_num_batched_tokens=64, max_prefill_chunk=20)
+              max_num_batched_tokens=64, max_prefill_chunk=20, mla_prefill=form)
+    assert llm.engine.attention.mla_prefill == form
     store = llm.engine.attention.stores[0]
     latent = hf.config.kv_lora_rank + hf.config.qk_rope_head_dim
     assert [(t.name, t.shape) for t in store.spec.of(Extent.TOKEN)] == [("k", (latent,))]
@@ -122,6 +125,13 @@ def test_router_keeps_the_best_group():
     ids, weights = moe.route(x)
     assert sorted(ids[0].tolist()) == [4, 5]  # group 1 wins on its corrected scores (1.8 > 0.95 + 0.82)
     torch.testing.assert_close(weights[0], torch.tensor([1.0, 1.0]))  # sigmoid(0) each, normalised, x 2
+
+
+def test_an_unknown_mla_prefill_form_is_a_config_error(tmp_path):
+    from kvc.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="mla_prefill must be one of auto, absorbed, decompressed"):
+        LLM(str(make_tiny_glm4_moe_lite(tmp_path, seed=6)), device="cpu", mla_prefill="latent")
 
 
 def test_methods_the_latent_cache_cannot_hold_are_config_errors(tmp_path):

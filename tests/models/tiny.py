@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from kvc.runtime.models import byte_tokenizer
+from kvc.runtime.models.base import plain_attention
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 320,
@@ -170,4 +171,4 @@ def reference_attention(seq_lens: Sequence[int] | None = None):
             outs.append(o.transpose(0, 1))
         return torch.cat(outs)
 
-    return attn
+    return plain_attention(attn)  # an MLA model's absorbed outputs up-projected
