@@ -14,6 +14,7 @@ from kvc.runtime.errors import KvcError
 
 ASYNC_SCHEDULING_CHOICES = {"auto": None, "on": True, "off": False}  # --async-scheduling -> EngineConfig
 MLA_PREFILL_CHOICES = ("auto", "absorbed", "decompressed")  # --mla-prefill: config.MLA_PREFILL_FORMS (no torch here)
+PREFILL_ATTENTION_CHOICES = ("auto", "kernel", "sdpa")  # --prefill-attention: config.PREFILL_ATTENTION
 
 
 def _interval(text: str) -> int:
@@ -35,8 +36,11 @@ def add_evict_interval(p: argparse.ArgumentParser) -> None:
                    "N-1 tokens per row and layer (default 1: every step)")
 
 
-def add_mla_prefill(p: argparse.ArgumentParser) -> None:
-    """`--mla-prefill FORM` (EngineConfig.mla_prefill), for generate, serve and bench throughput."""
+def add_prefill_forms(p: argparse.ArgumentParser) -> None:
+    """`--prefill-attention` and `--mla-prefill` (EngineConfig), for generate, serve and bench throughput."""
+    p.add_argument("--prefill-attention", choices=PREFILL_ATTENTION_CHOICES, default="auto",
+                   help="dense layers' prefill attention on the triton backend: the paged kernel, or sdpa (cuDNN's "
+                   "fused attention over the chunk or its gathered pages) (auto: kernel)")
     p.add_argument("--mla-prefill", choices=MLA_PREFILL_CHOICES, default="auto",
                    help="an MLA model's (GLM-4.7-Flash's) prefill attention: absorbed over the latent cache, or "
                    "decompressed over per-head keys and values (auto: decompressed, fewer FLOPs a pair)")
@@ -71,7 +75,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-parallel", action="store_true", help="with --tensor-parallel-size: split MoE layers "
                    "by whole experts rather than by every expert's columns")
     p.add_argument("--no-cuda-graphs", action="store_true")
-    add_mla_prefill(p)
+    add_prefill_forms(p)
     p.add_argument("--async-scheduling", choices=tuple(ASYNC_SCHEDULING_CHOICES), default="auto",
                    help="schedule the next decode step while the current one runs (auto: on a GPU)")
     add_evict_interval(p)
@@ -96,6 +100,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
         async_scheduling=ASYNC_SCHEDULING_CHOICES[a.async_scheduling],
         evict_interval=a.evict_interval,
         mla_prefill=a.mla_prefill,
+        prefill_attention=a.prefill_attention,
         method_inputs=a.method_inputs,
         seed=a.seed,
     )

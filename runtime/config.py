@@ -9,6 +9,7 @@ import torch
 from kvc.runtime.errors import ConfigError
 
 MLA_PREFILL_FORMS = ("auto", "absorbed", "decompressed")  # EngineConfig.mla_prefill (latent_prefill.py)
+PREFILL_ATTENTION = ("auto", "kernel", "sdpa")  # EngineConfig.prefill_attention (sdpa_prefill.py)
 DEFAULT_PAGE_SIZE = 16  # tokens per KV page when neither the config nor the method sets one
 
 _DTYPES = {
@@ -58,6 +59,10 @@ class EngineConfig:
     # an MLA model's prefill chunks (runtime/attention/latent_prefill.py): "absorbed" over the latents,
     # "decompressed" over per-head keys and values up-projected per chunk; "auto": decompressed
     mla_prefill: str = "auto"
+    # dense layers' prefill chunks on the triton backend: "kernel" (the paged prefill kernel) or "sdpa"
+    # (runtime/attention/sdpa_prefill.py: cuDNN's fused attention over the chunk, or over its gathered
+    # pages); "auto": kernel
+    prefill_attention: str = "auto"
     cuda_graphs: bool = True
     # schedule the next decode step while the current one runs (runtime/engine.py `step`);
     # None: on for a GPU, off on the CPU (where it buys nothing; tests turn it on)
@@ -116,6 +121,9 @@ class EngineConfig:
         if self.mla_prefill not in MLA_PREFILL_FORMS:
             raise ConfigError(f"mla_prefill must be one of {', '.join(MLA_PREFILL_FORMS)}, got {self.mla_prefill!r}",
                               param="mla_prefill")
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ConfigError(f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION)}, got "
+                              f"{self.prefill_attention!r}", param="prefill_attention")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}",

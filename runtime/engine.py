@@ -275,7 +275,8 @@ class Engine:
         """A lane of `method` (its layers' specs `storage`) over the pool classes `classes` (its attention over
         the pool's stores)."""
         attention = PagedAttention(self.stores, self.backend, self.layout.layers, classes,
-                                   mla_prefill="absorbed" if self.config.mla_prefill == "absorbed" else "decompressed")
+                                   mla_prefill="absorbed" if self.config.mla_prefill == "absorbed" else "decompressed",
+                                   prefill_attention="sdpa" if self.config.prefill_attention == "sdpa" else "kernel")
         salt = storage_salt(self.model_ref, self.spec, self.pool_classes, classes)
         rules = lane_rules(method, attention, self.config.enable_prefix_caching, salt)
         lane = Lane(method.name, params, method, storage, classes, rules,

@@ -36,6 +36,7 @@ import torch
 
 from kvc.runtime.attention import delta_ops, torch_ops
 from kvc.runtime.attention.latent_prefill import decompressed_prefill
+from kvc.runtime.attention.sdpa_prefill import sdpa_prefill
 from kvc.runtime.attention.metadata import AttentionMetadata, DecodeStats, StatsFold
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.attention.sources import LowRankPages, QuantizedPages, Source
@@ -141,10 +142,13 @@ class PagedAttention:
     spec, paged; a page belongs to one layer of one sequence at a time) and a backend."""
 
     def __init__(self, store: KVStore | list[KVStore], backend: str = "torch", num_layers: int = 1,
-                 layer_class: tuple[int, ...] | None = None, mla_prefill: str = "absorbed") -> None:
+                 layer_class: tuple[int, ...] | None = None, mla_prefill: str = "absorbed",
+                 prefill_attention: str = "kernel") -> None:
         self.num_layers = num_layers
         # MLA's prefill chunks: "absorbed" (the latent kernels) or "decompressed" (latent_prefill.py)
         self.mla_prefill = mla_prefill
+        # dense layers' prefill chunks: "kernel" (the backend's paged prefill) or "sdpa" (sdpa_prefill.py)
+        self.prefill_attention = prefill_attention
         self.stores = list(store) if isinstance(store, list) else [store]
         self.layer_class = tuple(layer_class) if layer_class is not None else (0,) * num_layers
         # the stores its layers use: an engine serving several methods hands every lane all of the pool's
@@ -400,6 +404,16 @@ class PagedAttention:
         else:
             store.refresh_summaries(*last_in_page(slots, store.page_size, store.scratch_page), layer_idx)
 
+    def _prefills_by_sdpa(self, q: torch.Tensor, k_cache: Source, v_cache: Source, md: AttentionMetadata,
+                          resid: torch.Tensor | None, starts: torch.Tensor | None, store: KVStore) -> bool:
+        """Do this step's prefill chunks take `sdpa_prefill`: asked for, K/V stored dense in the model's
+        dtype with values as wide as keys, no per-head starts or residual window, host lengths at hand?"""
+        return (self.prefill_attention == "sdpa" and isinstance(k_cache, torch.Tensor)
+                and isinstance(v_cache, torch.Tensor) and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+                and v_cache.shape[-1] == k_cache.shape[-1] and resid is None and starts is None
+                and not store.spec.exact_chunks and not store.spec.prerope
+                and md.host_cu_seqlens is not None and md.host_context_lens is not None)
+
     @cached_property
     def keeps_queries(self) -> bool:
         """Does some class's spec keep decode query windows (runtime/kv/query_window.py)?"""
@@ -486,7 +500,13 @@ class PagedAttention:
                 max_context_len=md.max_context_len, out=out[:num_decodes],
                 kv_starts=None if starts is None else starts[:num_decodes], stats=stats, **extra_d,
             )
-        if md.num_prefills > 0 and not decompress:
+        if md.num_prefills > 0 and not decompress and self._prefills_by_sdpa(q, k_cache, v_cache, md, resid, starts,
+                                                                               store):
+            host_cu = md.host_cu_seqlens[num_decodes:]
+            sdpa_prefill(q[num_decodes:], k[num_decodes:], v[num_decodes:], k_cache, v_cache, tables[num_decodes:],
+                         [c - num_decodes for c in host_cu], md.host_context_lens[layer_idx][num_decodes:], scale,
+                         out[num_decodes:])
+        elif md.num_prefills > 0 and not decompress:
             # Each decode owns exactly one token, so the prefill tokens start at num_decodes.
             ops.paged_prefill(
                 q[num_decodes:], k_cache, v_cache,

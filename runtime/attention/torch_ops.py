@@ -578,25 +578,36 @@ def causal_offset_mask(q_len: int, kv_len: int, device: torch.device) -> torch.T
     return torch.arange(kv_len, device=device)[None, :] <= positions[:, None]
 
 
-# The flash-attention kernels also return each query's log-sum-exp, which lets a chunk over a
-# cached prefix run as two mask-free calls (`_attend_over_prefix`). Private aten ops; without them
-# (another build), or where the CUDA one does not apply (GQA, value width unlike the keys', not
-# half precision, head dim over 256), the chunk takes one call with its causal mask.
+# The fused attention kernels also return each query's log-sum-exp, which lets a chunk over a
+# cached prefix run as two mask-free calls (`_attend_over_prefix`). Private aten ops: the CPU's flash
+# kernel; on CUDA cuDNN's (head dim <= 128; the fastest on Hopper: docs/benchmarks.md) or flash's
+# (<= 256), each over as many KV heads as query heads (a GQA prefix's heads repeated: a copy of
+# about 1% of the attention's time at 8K-token chunks). Without them (another build), or where none
+# applies (values narrower than keys, float32 on CUDA), the chunk takes one call with its causal mask.
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CUDA_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+_CUDNN = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
 
 
 def _flash_with_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool, scale: float):
-    """(out, log-sum-exp [1, Hq, n]) of one mask-free flash call, or None where no flash kernel applies."""
+    """(out [1, Hq, n, D], log-sum-exp [1, Hq, n]) of one mask-free fused call, or None where no kernel
+    applies."""
     if values.shape[-1] != q.shape[-1]:
         return None
     if q.device.type == "cpu" and _CPU_FLASH is not None:  # (takes GQA)
         out, lse = _CPU_FLASH(q, keys, values, 0.0, causal, scale=scale)
         return out, lse
-    if (q.device.type == "cuda" and _CUDA_FLASH is not None and q.shape[1] == keys.shape[1] and q.shape[-1] <= 256
-            and q.dtype in (torch.float16, torch.bfloat16)):
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256:
+        return None
+    if q.shape[1] != keys.shape[1]:
+        group = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    if _CUDNN is not None and q.shape[-1] <= 128:
+        out, lse = _CUDNN(q, keys, values, None, True, 0.0, causal, False, scale=scale)[:2]
+        return out, lse.reshape(q.shape[:3])
+    if _CUDA_FLASH is not None:
         out, lse = _CUDA_FLASH(q, keys, values, 0.0, causal, False, scale=scale)[:2]
-        return out, lse
+        return out, lse.reshape(q.shape[:3])
     return None
 
 
@@ -612,7 +623,7 @@ def _attend_over_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     gqa = q.shape[1] != keys.shape[1]
     prefix = m - n
     whole = _flash_with_lse(q, keys[:, :, :prefix], values[:, :, :prefix], False, scale)
-    if whole is None:  # (GQA on CUDA, MLA's narrower values)
+    if whole is None:  # (MLA's narrower values, float32 on CUDA)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_offset_mask(n, m, q.device),
                                               scale=scale, enable_gqa=gqa)
     o_prefix, lse_prefix = whole

@@ -8,7 +8,7 @@ import json
 import re
 import sys
 
-from kvc.runtime.cli import ASYNC_SCHEDULING_CHOICES, add_evict_interval, add_method_inputs, add_mla_prefill
+from kvc.runtime.cli import ASYNC_SCHEDULING_CHOICES, add_evict_interval, add_method_inputs, add_prefill_forms
 from kvc.runtime.errors import ConfigError, KvcError
 
 
@@ -42,7 +42,7 @@ def add_commands(bench_sub) -> None:
     t.add_argument("--async-scheduling", choices=tuple(ASYNC_SCHEDULING_CHOICES), default="auto",
                    help="schedule each decode step while the one before runs (auto: on a GPU)")
     add_evict_interval(t)  # the plan sizes the batch by the peak it implies
-    add_mla_prefill(t)
+    add_prefill_forms(t)
     add_method_inputs(t)
     t.add_argument("--temperature", type=float, default=1.0, help="decode sampling temperature (default 1: rows "
                    "stay distinct requests, so MoE layers route like real traffic; 0: greedy)")
@@ -133,7 +133,8 @@ def _throughput(a: argparse.Namespace) -> int:
         max_prefill_chunk=a.max_prefill_chunk, attention_backend=a.attention_backend,
         cuda_graphs=not a.no_cuda_graphs,
         async_scheduling=ASYNC_SCHEDULING_CHOICES[a.async_scheduling], evict_interval=a.evict_interval,
-        mla_prefill=a.mla_prefill, method_inputs=a.method_inputs,
+        mla_prefill=a.mla_prefill, prefill_attention=a.prefill_attention,
+        method_inputs=a.method_inputs,
         temperature=a.temperature, sources=a.sources, e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy,
         busy_batch=a.busy_batch, requests=a.requests, mix=a.mix, tensor_parallel_size=a.tensor_parallel_size,
         expert_parallel=a.expert_parallel, seed=a.seed)

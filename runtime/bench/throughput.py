@@ -89,6 +89,7 @@ class ThroughputConfig:
     async_scheduling: bool | None = None  # None: the engine's default (on for a GPU)
     evict_interval: int = 1  # EngineConfig.evict_interval; the plan counts its peak
     mla_prefill: str = "auto"  # EngineConfig.mla_prefill (an MLA model's prefill form)
+    prefill_attention: str = "auto"  # EngineConfig.prefill_attention (dense layers' prefill: kernel or sdpa)
     method_inputs: str | None = None  # EngineConfig.method_inputs (None: the model's directory)
     temperature: float = 1.0  # decode sampling (window and e2e); 0: greedy
     sources: int = 4  # real requests the decode window's clones mix their layers from (sources.py)
