@@ -127,11 +127,15 @@ class Engine:
         self.config = config
         self.device = config.resolve_device()
         dtype = None if config.dtype == "auto" else config.resolve_dtype(self.device, None)
-        self.loaded: LoadedModel = loaded or resolve_model(config.model, self.device, dtype)  # None: the default
+        # this rank's heads and columns of the model (runtime/distributed/shard.py); None: one rank. A
+        # checkpoint is cut before it is read (each rank loads its part alone); a model in memory after
+        self.shards = None
+        cut = None if self.tp is None else self._cut
+        self.loaded: LoadedModel = loaded or resolve_model(config.model, self.device, dtype, cut)  # None: the default
         self.model_ref = str(self.loaded.path or config.model)
         self.model = self.loaded.model
-        # this rank's heads and columns of the model (runtime/distributed/shard.py); None: one rank
-        self.shards = None if self.tp is None else shard_model(self.model, self.tp, config.expert_parallel)
+        if self.tp is not None and self.shards is None:
+            self._cut(self.model)
         self.spec = self.model.spec
         self.tokenizer = self.loaded.tokenizer
 
@@ -269,6 +273,10 @@ class Engine:
         method.bind(self.spec.num_layers, self.spec.num_kv_heads, model_dir=inputs_dir,
                     max_context=self.max_model_len, num_heads=self.spec.num_heads,
                     **({} if self.tp is None else {"heads": HeadCollective(self.tp, self.shards)}))
+
+    def _cut(self, model) -> None:
+        """Cuts `model` to this rank's part (runtime/distributed/shard.py)."""
+        self.shards = shard_model(model, self.tp, self.config.expert_parallel)
 
     def _lane(self, method: KVMethod, params: dict, storage: StorageClasses, classes: tuple[int, ...],
               loaded: bool = True) -> Lane:

@@ -6,19 +6,21 @@ than ranks) in the fused q/k/v projection, the matching columns of the output pr
 of the MLP's (and of every expert's) intermediate columns in gate/up and down, or, with expert
 parallelism, an even share of whole experts (a pair routed to another rank's expert adds nothing here,
 no token moves: the activations are whole on every rank). Attention and MLP
-then each give a partial sum of the layer's output: `AllReduced` adds the ranks' (one all-reduce
-each per layer, as vLLM's row-parallel layers). Embedding, norms, the router and the LM head stay
-whole on every rank, so every rank computes the same logits. A bias after an all-reduce is added by
-rank 0 only. The model's spec then counts this rank's heads: the engine's KV cache and the method's
-hooks see only them.
+then each give a partial sum of the layer's output: a forward hook all-reduces it (`all_reduced`;
+one all-reduce each per layer, as vLLM's row-parallel layers; the parameters keep their names).
+Embedding, norms, the router and the LM head stay whole on every rank, so every rank computes the
+same logits. A bias after an all-reduce is added by rank 0 only. The model's spec then counts this
+rank's heads: the engine's KV cache and the method's hooks see only them.
 
-The model is loaded whole, then cut (each rank frees what it does not hold); loading each rank's
-part straight from the checkpoint is left to do.
+A checkpoint is cut before it is read: `shard_model` runs on the meta model (`empty_model`'s
+transform), records which of the original rows or columns each cut parameter keeps (`ShardPlan`),
+and `load_checkpoint` then reads only those into the rank's smaller parameters, so a rank allocates
+and copies its part alone. A model built in memory (random weights) is cut after it is built.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -28,68 +30,98 @@ from kvc.runtime.errors import ConfigError
 from kvc.runtime.models.layers import Attention, GatedMLP
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+HOST = torch.device("cpu")  # the kept indices (the cut runs under the meta device's default)
 
 
-class AllReduced(nn.Module):
-    """A module whose output is one rank's partial sum: the ranks' outputs added (every rank gets the sum)."""
+@dataclass
+class ShardPlan:
+    """What a rank's cut parameters hold of the checkpoint's: the model's checkpoint layout before the
+    cut (regions of the original parameters) and, per cut parameter, its original shape and the
+    original indices it keeps along each cut axis, in its own order (`load_checkpoint` reads these)."""
 
-    def __init__(self, inner: nn.Module, tp: TPGroup) -> None:
-        super().__init__()
-        self.inner, self.tp = inner, tp
-
-    def forward(self, *args):
-        return self.tp.all_reduce(self.inner(*args))
+    layout: object  # CheckpointLayout of the whole model
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    kept: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    dropped: set[str] = field(default_factory=set)  # parameters this rank does not hold (rank > 0's biases)
 
 
 def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) -> HeadShards:
-    """Cuts `model` (loaded whole) to rank `tp.rank`'s part, in place; its spec then counts this rank's
-    heads. Returns which heads it holds. `expert_parallel`: each rank keeps whole experts (an even share of
-    them) rather than every expert's columns; a token's pairs routed elsewhere add nothing on this rank,
-    and the all-reduce after the layer adds the ranks' (RoutedExperts.first_expert)."""
+    """Cuts `model` to rank `tp.rank`'s part, in place; its spec then counts this rank's heads. Returns
+    which heads it holds. On the meta device (before a checkpoint is read) it also leaves
+    `model.shard_plan` for the loader. `expert_parallel`: each rank keeps whole experts (an even share
+    of them) rather than every expert's columns; a token's pairs routed elsewhere add nothing on this
+    rank, and the all-reduce after the layer adds the ranks' (RoutedExperts.first_expert)."""
     spec = model.spec
     if spec.architecture not in SUPPORTED:
         raise ConfigError(f"tensor parallelism runs {', '.join(SUPPORTED)}; {spec.architecture} runs on one GPU "
                           "for now", param="tensor_parallel_size")
+    if getattr(model, "fp8_weights", None) is not None:
+        raise ConfigError("tensor parallelism over FP8 weights is not supported yet", param="tensor_parallel_size")
     shards = HeadShards(spec.num_heads, spec.num_kv_heads, tp.rank, tp.size)
+    layout = model.checkpoint_layout()
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    cuts: list[tuple[nn.Parameter, dict[int, torch.Tensor]]] = []
     for layer in model.layers:
-        _shard_attention(layer.self_attn, shards, tp.rank)
-        layer.self_attn = AllReduced(layer.self_attn, tp)
+        cuts += _shard_attention(layer.self_attn, shards, tp.rank)
         mlp = layer.mlp
         if isinstance(mlp, GatedMLP):
-            _shard_gated(mlp, tp.rank, tp.size)
+            cuts += _shard_gated(mlp, tp.rank, tp.size)
         elif hasattr(mlp, "experts"):
-            (_split_experts if expert_parallel else _shard_experts)(mlp.experts, tp.rank, tp.size)
+            cuts += (_split_experts if expert_parallel else _shard_experts)(mlp.experts, tp.rank, tp.size)
         else:
             raise ConfigError(f"tensor parallelism: {type(mlp).__name__} layers are not sharded yet",
                               param="tensor_parallel_size")
-        layer.mlp = AllReduced(mlp, tp)
+        for part in (layer.self_attn, mlp):
+            all_reduced(part, tp)
     model.spec = replace(spec, num_heads=len(shards.heads), num_kv_heads=len(shards.kv_heads))
+    if next(model.parameters()).device.type == "meta":
+        names = {id(p): name for name, p in model.named_parameters()}
+        kept = {names[id(p)]: axes for p, axes in cuts}  # (the indices stay on the host)
+        model.shard_plan = ShardPlan(layout, {name: shapes[name] for name in kept}, kept,
+                                     set(shapes) - set(names.values()))
     return shards
+
+
+def all_reduced(module: nn.Module, tp: TPGroup) -> None:
+    """`module`'s output, one rank's partial sum, becomes the ranks' sum (every rank gets it)."""
+    module.register_forward_hook(lambda _module, _args, out: tp.all_reduce(out))
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        out.weight.copy_(weight)
-        if bias is not None:
-            out.bias.copy_(bias)
+    if weight.device.type != "meta":
+        with torch.no_grad():
+            out.weight.copy_(weight)
+            if bias is not None:
+                out.bias.copy_(bias)
     out.requires_grad_(False)
     return out
 
 
-def _shard_attention(attn: Attention, shards: HeadShards, rank: int) -> None:
+def _cut_linear(linear: nn.Linear, axis: int, index: torch.Tensor, bias: str) -> tuple[nn.Linear, list]:
+    """`linear` keeping `index` [n] of its rows (axis 0) or columns (axis 1); its bias cut alike ("cut"), whole
+    ("keep") or dropped ("drop": rank > 0 after an all-reduce). The new layer and its cuts."""
+    at = index.to(linear.weight.device)
+    b = linear.bias
+    bias_value = None if b is None or bias == "drop" else b.index_select(0, at) if bias == "cut" else b
+    out = _linear(linear.weight.index_select(axis, at), bias_value)
+    cuts = [(out.weight, {axis: index})]
+    if out.bias is not None and bias == "cut":
+        cuts.append((out.bias, {0: index}))
+    return out, cuts
+
+
+def _shard_attention(attn: Attention, shards: HeadShards, rank: int) -> list:
     d = attn.head_dim
     q_rows = [h * d + i for h in shards.heads for i in range(d)]
     kv_rows = [h * d + i for h in shards.kv_heads for i in range(d)]
     rows = torch.tensor(q_rows + [attn.q_size + r for r in kv_rows] + [attn.q_size + attn.kv_size + r for r in kv_rows],
-                        device=attn.qkv_proj.weight.device)
-    qkv = attn.qkv_proj
-    attn.qkv_proj = _linear(qkv.weight.index_select(0, rows), None if qkv.bias is None else qkv.bias[rows])
-    cols = torch.tensor(q_rows, device=attn.o_proj.weight.device)
-    o = attn.o_proj
-    attn.o_proj = _linear(o.weight.index_select(1, cols), None if o.bias is None or rank else o.bias)
+                        device=HOST)
+    attn.qkv_proj, cuts = _cut_linear(attn.qkv_proj, 0, rows, "cut")
+    attn.o_proj, more = _cut_linear(attn.o_proj, 1, torch.tensor(q_rows, device=HOST), "drop" if rank else "keep")
     attn.num_heads, attn.num_kv_heads = len(shards.heads), len(shards.kv_heads)
     attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
+    return cuts + more
 
 
 def _columns(size: int, rank: int, world: int, what: str) -> slice:
@@ -99,38 +131,50 @@ def _columns(size: int, rank: int, world: int, what: str) -> slice:
     return slice(rank * size // world, (rank + 1) * size // world)
 
 
-def _shard_gated(mlp: GatedMLP, rank: int, world: int) -> None:
+def _indices(part: slice) -> torch.Tensor:
+    return torch.arange(part.start, part.stop, device=HOST)
+
+
+def _gate_up_rows(cols: slice, intermediate: int) -> torch.Tensor:
+    """The gate rows `cols` and the same up rows of a fused gate/up projection (gate rows first)."""
+    return torch.cat([_indices(cols), intermediate + _indices(cols)])
+
+
+def _shard_gated(mlp: GatedMLP, rank: int, world: int) -> list:
     i = mlp.intermediate_size
     cols = _columns(i, rank, world, "intermediate size")
-    gate_up, down = mlp.gate_up_proj, mlp.down_proj
-    rows = torch.cat([torch.arange(cols.start, cols.stop), torch.arange(i + cols.start, i + cols.stop)])
-    rows = rows.to(gate_up.weight.device)
-    mlp.gate_up_proj = _linear(gate_up.weight.index_select(0, rows),
-                               None if gate_up.bias is None else gate_up.bias[rows])
-    mlp.down_proj = _linear(down.weight[:, cols].contiguous(), None if down.bias is None or rank else down.bias)
+    mlp.gate_up_proj, cuts = _cut_linear(mlp.gate_up_proj, 0, _gate_up_rows(cols, i), "cut")
+    mlp.down_proj, more = _cut_linear(mlp.down_proj, 1, _indices(cols), "drop" if rank else "keep")
     mlp.intermediate_size = cols.stop - cols.start
+    return cuts + more
 
 
-def _shard_experts(experts: nn.Module, rank: int, world: int) -> None:
+def _cut_parameter(x: torch.Tensor, axis: int, index: torch.Tensor) -> tuple[nn.Parameter, list]:
+    out = nn.Parameter(x.index_select(axis, index.to(x.device)).contiguous(), requires_grad=False)
+    return out, [(out, {axis: index})]
+
+
+def _shard_experts(experts: nn.Module, rank: int, world: int) -> list:
     """Every expert's intermediate columns [i0, i1) (the router stays whole: every rank routes alike)."""
     if experts.fp8_block_columns:
         raise ConfigError("tensor parallelism over FP8 expert weights is not supported yet",
                           param="tensor_parallel_size")
     i = experts.intermediate_size
     cols = _columns(i, rank, world, "expert intermediate size")
-    gate_up, down = experts.gate_up_proj.data, experts.down_proj.data
-    experts.gate_up_proj = nn.Parameter(torch.cat([gate_up[:, cols], gate_up[:, i + cols.start:i + cols.stop]], dim=1)
-                                        .contiguous(), requires_grad=False)
-    experts.down_proj = nn.Parameter(down[:, :, cols].contiguous(), requires_grad=False)
+    experts.gate_up_proj, cuts = _cut_parameter(experts.gate_up_proj.data, 1, _gate_up_rows(cols, i))
+    experts.down_proj, more = _cut_parameter(experts.down_proj.data, 2, _indices(cols))
     experts.intermediate_size = cols.stop - cols.start
+    return cuts + more
 
 
-def _split_experts(experts: nn.Module, rank: int, world: int) -> None:
+def _split_experts(experts: nn.Module, rank: int, world: int) -> list:
     """Experts [e0, e1) whole (expert parallelism; the router stays whole: every rank routes alike)."""
     if experts.fp8_block_columns:
         raise ConfigError("expert parallelism over FP8 expert weights is not supported yet",
                           param="expert_parallel")
     keep = _columns(experts.num_experts, rank, world, "number of routed experts")
-    experts.gate_up_proj = nn.Parameter(experts.gate_up_proj.data[keep].contiguous(), requires_grad=False)
-    experts.down_proj = nn.Parameter(experts.down_proj.data[keep].contiguous(), requires_grad=False)
+    index = _indices(keep)
+    experts.gate_up_proj, cuts = _cut_parameter(experts.gate_up_proj.data, 0, index)
+    experts.down_proj, more = _cut_parameter(experts.down_proj.data, 0, index)
     experts.num_experts, experts.first_expert = keep.stop - keep.start, keep.start
+    return cuts + more

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,12 @@ RANDOM_INIT_STD = 0.02
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+    cut: Callable[[CausalLM], None] | None = None,
 ) -> LoadedModel:
-    """Load a local Hugging Face checkpoint directory (config.json + safetensors)."""
+    """Load a local Hugging Face checkpoint directory (config.json + safetensors). `cut`: changes the
+    model on the meta device before any weight is allocated or read (a tensor-parallel rank's part:
+    runtime/distributed/shard.py), so only what it keeps is loaded."""
     path = Path(path).expanduser()
     device = torch.device(device)
     raw = _read_json_object(_check_dir(path) / "config.json", required=True)
@@ -68,6 +72,14 @@ def load_model(
 
         def transform(model: CausalLM) -> None:
             model.fp8_weights = (quantize_modules(model, model.checkpoint_layout(), quantized, fmt), fmt)
+
+    if cut is not None:
+        fp8 = transform
+
+        def transform(model: CausalLM) -> None:
+            if fp8 is not None:
+                fp8(model)
+            cut(model)
 
     model = empty_model(config, device, dtype, eos, transform)
     load_checkpoint(model, path, device)
@@ -114,14 +126,16 @@ def build_random_model(
 
 
 def resolve_model(
-    spec: str | None, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    spec: str | None, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+    cut: Callable[[CausalLM], None] | None = None,
 ) -> LoadedModel:
     """A model reference (module docstring) loaded. `random:NAME,key=value,...` overrides integer
     config fields of the named shape (e.g. `max_position_embeddings=139264`: random weights have no
-    trained context to respect)."""
+    trained context to respect). `cut`: as `load_model`'s, for a checkpoint; random weights are built
+    whole and never cut here (the caller cuts them)."""
     directory = model_directory(spec)
     if directory is not None:
-        return load_model(directory, device, dtype)
+        return load_model(directory, device, dtype, cut)
     name, *fields = spec[len(RANDOM_PREFIX) :].split(",")
     overrides = _int_overrides(spec, fields)
     return build_random_model(name, device, dtype, fp8_block=overrides.pop("fp8_block", 0), **overrides)

@@ -5,6 +5,11 @@ slice of a fused one). Loading reads each tensor straight onto the target device
 shape against the destination, copies it (casting to the model dtype), and counts how many
 elements of each parameter were written, so that a parameter left partly empty is reported with
 the names of the checkpoint tensors that should have filled it.
+
+A model cut for one tensor-parallel rank before loading (`model.shard_plan`,
+runtime/distributed/shard.py) is filled through the whole model's layout: of each tensor only the
+rows or columns the rank's parameter keeps are read (a contiguous run through the file's slice, no
+more) and written where the parameter holds them.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ def find_shards(path: Path) -> dict[Path, list[str] | None]:
 
 
 def load_checkpoint(model: CausalLM, path: Path, device: torch.device) -> None:
-    layout = model.checkpoint_layout()
+    plan = getattr(model, "shard_plan", None)  # a rank's cut (module docstring)
+    layout = model.checkpoint_layout() if plan is None else plan.layout
     if model.fp8_weights is not None:  # each FP8 weight's block scales (runtime/models/fp8_weights.py)
         add_scale_targets(layout, *model.fp8_weights)
     params = dict(model.named_parameters())
@@ -86,6 +92,13 @@ def load_checkpoint(model: CausalLM, path: Path, device: torch.device) -> None:
                     if target is None:
                         unused.append(name)
                         continue
+                    if plan is not None and (target.param in plan.kept or target.param in plan.dropped):
+                        if target.param in plan.kept:
+                            written[target.param] += _copy_kept(f, name, params[target.param].data, target.index,
+                                                                plan.shapes[target.param], plan.kept[target.param],
+                                                                file.name)
+                        seen.add(name)
+                        continue
                     dest = params[target.param].data[target.index]
                     shape = tuple(f.get_slice(name).get_shape())
                     want = tuple(dest.shape)
@@ -109,6 +122,61 @@ def load_checkpoint(model: CausalLM, path: Path, device: torch.device) -> None:
         shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
         logger.warning("%s: ignoring %d tensors the model does not use: %s", path, len(unused), shown)
     _check_complete(layout, params, written, seen, path)
+
+
+def _copy_kept(f, name: str, dest: torch.Tensor, region: tuple, shape: tuple[int, ...],
+               kept: dict[int, torch.Tensor], file: str) -> int:
+    """Copies what a cut parameter `dest` keeps of checkpoint tensor `name`, which fills `region` (ints and
+    slices over the leading axes) of the whole parameter of `shape`; `kept[axis]`: the whole parameter's
+    indices `dest` holds along a cut axis, in its order. The elements written (0: none of it is this rank's)."""
+    reads, writes, want = [], [], []  # per axis of the checkpoint tensor / of dest
+    for axis, size in enumerate(shape):
+        r = region[axis] if axis < len(region) else slice(None)
+        index = kept.get(axis)
+        if isinstance(r, int):
+            if index is None:
+                writes.append(r)
+                continue
+            at = (index == r).nonzero().flatten()
+            if at.numel() == 0:
+                return 0
+            writes.append(int(at[0]))
+            continue
+        start, stop, _ = r.indices(size)
+        want.append(stop - start)
+        if index is None:
+            reads.append(slice(None))
+            writes.append(slice(start, stop))
+            continue
+        inside = (index >= start) & (index < stop)
+        at, source = inside.nonzero().flatten(), index[inside] - start
+        if at.numel() == 0:
+            return 0
+        reads.append(_as_slice(source))
+        writes.append(_as_slice(at))
+    got = tuple(f.get_slice(name).get_shape())
+    if got != tuple(want):
+        raise ModelLoadError(f"{file}: tensor {name} has shape {list(got)}, but the model expects {list(want)}; "
+                             "does config.json match the weights?")
+    ranged = tuple(r if isinstance(r, slice) else slice(None) for r in reads)
+    tensor = f.get_slice(name)[ranged]  # contiguous runs read alone
+    for axis, r in enumerate(reads):
+        if not isinstance(r, slice):
+            tensor = tensor.index_select(axis, r.to(tensor.device))
+    spread = [w for w in writes if isinstance(w, torch.Tensor)]
+    if len(spread) > 1:
+        raise ModelLoadError(f"{file}: tensor {name}: a cut along two axes at once is not supported")
+    writes = [w.to(dest.device) if isinstance(w, torch.Tensor) else w for w in writes]
+    dest[tuple(writes)] = tensor.to(dest.dtype)
+    return tensor.numel()
+
+
+def _as_slice(index: torch.Tensor) -> slice | torch.Tensor:
+    """A run of consecutive indices as a slice; any other index as it is."""
+    first, n = int(index[0]), index.numel()
+    if bool((index == torch.arange(first, first + n, device=index.device)).all()):
+        return slice(first, first + n)
+    return index
 
 
 def _check_complete(

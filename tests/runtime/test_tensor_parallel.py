@@ -15,7 +15,7 @@ from kvc import LLM, SamplingParams
 from kvc.runtime.chains import ChainSpec
 from kvc.runtime.distributed.group import HeadShards
 from kvc.runtime.errors import ConfigError
-from tests.models.tiny import make_tiny_qwen3, make_tiny_qwen3_moe
+from tests.models.tiny import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_moe
 
 PARAMS = {"snapkv": {"budget": 32, "window": 8}, "adakv": {"budget": 32, "window": 8}, "tova": {"budget": 32}}
 OPTIONS = dict(device="cpu", dtype="float32", kv_cache_memory=2**24, max_num_batched_tokens=256, max_prefill_chunk=64)
@@ -91,8 +91,47 @@ def test_expert_parallel_ranks_give_one_ranks_tokens(tmp_path: Path):
     model = str(make_tiny_qwen3_moe(tmp_path))
     prompts = _prompts(4, seed=1)
     with LLM(model, tensor_parallel_size=2, expert_parallel=True, **OPTIONS) as tp:
-        experts = tp.engine.model.layers[0].mlp.inner.experts
+        experts = tp.engine.model.layers[0].mlp.experts
         assert (experts.num_experts, experts.first_expert) == (4, 0)
         out = tp.generate(prompts, GREEDY)
     ref = LLM(model, **OPTIONS).generate(prompts, GREEDY)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+
+
+class _Ranks:
+    """What shard_model reads of a TPGroup: the rank, the size, and the all-reduce its hooks call."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, x):
+        return x
+
+
+@pytest.mark.parametrize("make, overrides, expert_parallel", [
+    (make_tiny_llama, {"attention_bias": True, "mlp_bias": True}, False),
+    (make_tiny_qwen3, {}, False),
+    (make_tiny_qwen3_moe, {}, False),
+    (make_tiny_qwen3_moe, {}, True),
+], ids=["llama-biases", "qwen3", "qwen3_moe", "qwen3_moe-expert-parallel"])
+def test_a_rank_loads_only_its_part_and_the_part_equals_the_whole_model_cut(tmp_path: Path, make, overrides,
+                                                                             expert_parallel):
+    """Cut on the meta device, then read: every rank's parameters (rows, columns, experts; rank 0's biases after
+    an all-reduce, the others' none) equal the whole loaded model cut, and the rank allocates less than the
+    whole model."""
+    from kvc.runtime.distributed.shard import shard_model
+    from kvc.runtime.models.loader import load_model
+
+    model_dir = make(tmp_path, **overrides)
+    whole = load_model(model_dir).model
+    size = sum(p.numel() for p in whole.parameters())
+    for rank in range(2):
+        cut = load_model(model_dir).model
+        shard_model(cut, _Ranks(rank, 2), expert_parallel)
+        want = dict(cut.named_parameters())
+        got = dict(load_model(model_dir, cut=lambda m: shard_model(m, _Ranks(rank, 2), expert_parallel))
+                   .model.named_parameters())
+        assert sorted(got) == sorted(want)
+        for name, p in got.items():
+            assert torch.equal(p, want[name]), name
+        assert sum(p.numel() for p in got.values()) < size
