@@ -196,6 +196,9 @@ class ModelRunner:
             group, part = parts[0]  # one lane's rows: the batch itself; several lanes': their prefills by lane
             needs = needs_sample if part is batch else part.needs_sample()
             logits, seqs = self._forward_group(group, part, needs, after, output)
+        elif all(_graph_step(group, part) for group, part in parts):  # each group's rows through its graphs
+            steps = [self._forward_group(group, part, part.needs_sample(), after, output) for group, part in parts]
+            logits, seqs = torch.cat([x for x, _ in steps]), [seq for _, rows in steps for seq in rows]
         else:
             logits, seqs = self._forward_groups(parts, after, output)
         for group, part in parts:
@@ -337,6 +340,15 @@ class ModelRunner:
             parts.append(compute(logprobs, targets[block], k))
         joined = LogprobTensors(*(torch.cat(t) for t in zip(*(p.tensors() for p in parts))))
         output.prompt_spans, output.prompt_pending = spans, PendingTensors(joined.tensors())
+
+
+def _graph_step(group: SpecGroup, part: ScheduledBatch) -> bool:
+    """Do a group's rows of a step replay its decode graphs (decode rows only, a batch its graphs fit)?
+
+    A decode step over several groups then replays each group's graph over its rows (every group reads
+    the weights once; an eager forward over all rows reads them once but launches every kernel from the
+    host: docs/design.md, "Many methods in one batch")."""
+    return group.graphs is not None and part.num_decodes == len(part.seqs) and group.graphs.fits(len(part.seqs))
 
 
 def _record_logits(batch: ScheduledBatch, rows: list[int], logits: torch.Tensor) -> None:

@@ -188,3 +188,31 @@ def test_preemption_keeps_each_requests_method():
     assert [out[i].token_ids for i in rows] == [r.token_ids for r in ref]
     assert engine.pool.num_free == engine.pool.num_pages
     assert {s["method"]: s["requests"] for s in engine.lane_stats()} == {"full": 3, "snapkv": 3, "kivi": 3}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_mixed_decode_steps_replay_each_groups_graphs(monkeypatch, async_scheduling):
+    """With decode graphs (run uncaptured on the CPU: the same buffers and code), a decode step over full,
+    Quest and KIVI rows replays each group's graph over its own rows instead of one eager forward, and every
+    request still gets its one-method tokens."""
+    from kvc.runtime.decode_graphs import DecodeGraphs
+
+    llm = LLM("random:tiny", method="full", methods=["quest", "kivi"], methods_params=PARAMS,
+              async_scheduling=async_scheduling, **OPTIONS)
+    replays, eager = [], []
+    for group in llm.engine.runner.groups:
+        group.graphs = DecodeGraphs(group, 4)
+        monkeypatch.setattr(group.graphs, "run", lambda batch, feed=None, g=group: replays.append(
+            (g.lanes[0].key, len(batch.seqs))) or g.graphs.run_uncaptured(batch, feed))
+    forward = ModelRunner._forward_groups
+    monkeypatch.setattr(ModelRunner, "_forward_groups", lambda self, parts, *a: eager.append(
+        sum(p.num_prefills for _, p in parts)) or forward(self, parts, *a))
+    prompts = _prompts(9, seed=3)
+    which = [["full", "quest", "kivi"][i % 3] for i in range(9)]
+    out = llm.generate(prompts, GREEDY, method=which)
+    assert all(eager)  # only steps with prefill chunks ran one eager forward over several groups
+    assert {key for key, _ in replays} == {"full", "quest", "kivi"} and max(n for _, n in replays) == 3
+    for method in ("full", "quest", "kivi"):
+        rows = [i for i, w in enumerate(which) if w == method]
+        ref = _single(method, PARAMS.get(method)).generate([prompts[i] for i in rows], GREEDY)
+        assert [out[i].token_ids for i in rows] == [r.token_ids for r in ref], method
