@@ -166,6 +166,11 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         are not used); a "gather" hook's selection runs over every rank's score rows (`_across_ranks`); a
         "global" one, per-head roles and method inputs (indexed by the model's heads) are refused."""
         facts = {hook: f for hook, f in self.code.facts.items() if f}
+        if facts and heads.shards.replicas > 1:  # a rank holds part of its KV head's query group
+            raise ConfigError(f"method {self.name!r} does not run under tensor parallelism with KV heads replicated "
+                              f"over ranks (tensor_parallel_size {heads.tp.size} > the model's "
+                              f"{heads.shards.num_kv_heads} KV heads): its per-KV-head scores would each see part "
+                              "of the query group", param="tensor_parallel_size")
         where = sorted(hook for hook, f in facts.items() if f.get("ranks", "global") == "global")
         if where or self.roles is not None or self.declared_inputs:
             why = (f"its {', '.join(where)} computes across KV heads" if where else

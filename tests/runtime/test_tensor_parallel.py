@@ -78,6 +78,13 @@ def test_methods_that_cross_ranks_are_refused(tmp_path: Path, method, message):
         LLM(str(make_tiny_qwen3(tmp_path)), method=method, tensor_parallel_size=2, **OPTIONS)
 
 
+def test_query_dependent_methods_are_refused_over_replicated_kv_heads(tmp_path: Path):
+    """Four ranks over two KV heads: each KV head lives on two ranks, each with half its query group, so a
+    per-KV-head score (SnapKV's window attention) would differ between them: refused before anything runs."""
+    with pytest.raises(ConfigError, match="KV heads replicated over ranks"):
+        LLM(str(make_tiny_qwen3(tmp_path)), method="snapkv", tensor_parallel_size=4, **OPTIONS)
+
+
 def test_bad_sizes_are_refused(tmp_path: Path):
     with pytest.raises(ConfigError, match="tensor_parallel_size=3 must divide the model's 4 attention heads"):
         LLM(str(make_tiny_qwen3(tmp_path)), tensor_parallel_size=3, **OPTIONS)
