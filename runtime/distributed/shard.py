@@ -27,9 +27,10 @@ from torch import nn
 
 from kvc.runtime.distributed.group import HeadShards, TPGroup
 from kvc.runtime.errors import ConfigError
+from kvc.runtime.models.glm4_moe_lite import LatentAttention
 from kvc.runtime.models.layers import Attention, GatedMLP
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeLiteForCausalLM")
 HOST = torch.device("cpu")  # the kept indices (the cut runs under the meta device's default)
 
 
@@ -62,12 +63,16 @@ def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) ->
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     cuts: list[tuple[nn.Parameter, dict[int, torch.Tensor]]] = []
     for layer in model.layers:
-        cuts += _shard_attention(layer.self_attn, shards, tp.rank)
+        attn = layer.self_attn
+        cuts += (_shard_latent_attention if isinstance(attn, LatentAttention) else _shard_attention)(attn, shards,
+                                                                                                      tp.rank)
         mlp = layer.mlp
         if isinstance(mlp, GatedMLP):
             cuts += _shard_gated(mlp, tp.rank, tp.size)
         elif hasattr(mlp, "experts"):
             cuts += (_split_experts if expert_parallel else _shard_experts)(mlp.experts, tp.rank, tp.size)
+            if getattr(mlp, "shared_experts", None) is not None:  # (GLM's) by columns, as a dense MLP
+                cuts += _shard_gated(mlp.shared_experts, tp.rank, tp.size)
         else:
             raise ConfigError(f"tensor parallelism: {type(mlp).__name__} layers are not sharded yet",
                               param="tensor_parallel_size")
@@ -122,6 +127,22 @@ def _shard_attention(attn: Attention, shards: HeadShards, rank: int) -> list:
     attn.num_heads, attn.num_kv_heads = len(shards.heads), len(shards.kv_heads)
     attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
     return cuts + more
+
+
+def _shard_latent_attention(attn: LatentAttention, shards: HeadShards, rank: int) -> list:
+    """MLA: this rank's query heads' rows of the query and up projections and columns of the output one; the
+    latent (`kv_a_proj_with_mqa`, its norm) and `q_a_proj` stay whole, so every rank stores the whole
+    latent cache (its one KV head replicated)."""
+    def rows(width: int) -> torch.Tensor:
+        return torch.tensor([h * width + i for h in shards.heads for i in range(width)], device=HOST)
+
+    name = "q_proj" if attn.q_lora_rank is None else "q_b_proj"
+    query, cuts = _cut_linear(getattr(attn, name), 0, rows(attn.qk_dim), "cut")
+    setattr(attn, name, query)
+    attn.kv_b_proj, more = _cut_linear(attn.kv_b_proj, 0, rows(attn.nope_dim + attn.v_dim), "cut")
+    attn.o_proj, out = _cut_linear(attn.o_proj, 1, rows(attn.v_dim), "drop" if rank else "keep")
+    attn.num_heads = len(shards.heads)
+    return cuts + more + out
 
 
 def _columns(size: int, rank: int, world: int, what: str) -> slice:

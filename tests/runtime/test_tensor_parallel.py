@@ -15,7 +15,7 @@ from kvc import LLM, SamplingParams
 from kvc.runtime.chains import ChainSpec
 from kvc.runtime.distributed.group import HeadShards
 from kvc.runtime.errors import ConfigError
-from tests.models.tiny import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_moe
+from tests.models.tiny import make_tiny_glm4_moe_lite, make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_moe
 
 PARAMS = {"snapkv": {"budget": 32, "window": 8}, "adakv": {"budget": 32, "window": 8}, "tova": {"budget": 32}}
 OPTIONS = dict(device="cpu", dtype="float32", kv_cache_memory=2**24, max_num_batched_tokens=256, max_prefill_chunk=64)
@@ -120,7 +120,8 @@ class _Ranks:
     (make_tiny_qwen3, {}, False),
     (make_tiny_qwen3_moe, {}, False),
     (make_tiny_qwen3_moe, {}, True),
-], ids=["llama-biases", "qwen3", "qwen3_moe", "qwen3_moe-expert-parallel"])
+    (make_tiny_glm4_moe_lite, {}, False),
+], ids=["llama-biases", "qwen3", "qwen3_moe", "qwen3_moe-expert-parallel", "glm"])
 def test_a_rank_loads_only_its_part_and_the_part_equals_the_whole_model_cut(tmp_path: Path, make, overrides,
                                                                              expert_parallel):
     """Cut on the meta device, then read: every rank's parameters (rows, columns, experts; rank 0's biases after
@@ -142,3 +143,20 @@ def test_a_rank_loads_only_its_part_and_the_part_equals_the_whole_model_cut(tmp_
         for name, p in got.items():
             assert torch.equal(p, want[name]), name
         assert sum(p.numel() for p in got.values()) < size
+
+
+@pytest.mark.parametrize("method, params", [("full", None), ("fp8", {"scale": "dynamic"})])
+def test_glm_over_two_ranks_gives_one_ranks_tokens(tmp_path: Path, method, params):
+    """GLM-4.7-Flash (MLA): each rank holds half the query heads (their rows of the query and up projections,
+    columns of the output one), half of every expert's and the shared experts' columns, and the whole latent
+    cache (its one KV head replicated); chunked prefill in the decompressed form, latent decode: one rank's
+    tokens. A method scoring the latent head is refused there (each rank sees half its query group)."""
+    model = str(make_tiny_glm4_moe_lite(tmp_path, seed=3))
+    prompts = _prompts(3, seed=2)
+    with LLM(model, method=method, method_params=params, tensor_parallel_size=2, **OPTIONS) as tp:
+        assert tp.engine.spec.num_heads * 2 == LLM(model, **OPTIONS).engine.spec.num_heads
+        out = tp.generate(prompts, GREEDY)
+    ref = LLM(model, method=method, method_params=params, **OPTIONS).generate(prompts, GREEDY)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    with pytest.raises(ConfigError, match="KV heads replicated over ranks"):
+        LLM(model, method="snapkv", tensor_parallel_size=2, **OPTIONS)
