@@ -23,7 +23,7 @@ import json
 import logging
 import math
 from dataclasses import replace
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
@@ -272,11 +272,16 @@ class Engine:
         inputs_dir = Path(self.config.method_inputs) if self.config.method_inputs is not None else self.loaded.path
         method.bind(self.spec.num_layers, self.spec.num_kv_heads, model_dir=inputs_dir,
                     max_context=self.max_model_len, num_heads=self.spec.num_heads,
-                    **({} if self.tp is None else {"heads": HeadCollective(self.tp, self.shards)}))
+                    **({} if self.tp is None else {"heads": self.heads}))
 
     def _cut(self, model) -> None:
         """Cuts `model` to this rank's part (runtime/distributed/shard.py)."""
         self.shards = shard_model(model, self.tp, self.config.expert_parallel)
+
+    @cached_property
+    def heads(self) -> HeadCollective | None:
+        """What the method's hooks need of the other ranks (None: one rank)."""
+        return None if self.tp is None else HeadCollective(self.tp, self.shards)
 
     def _lane(self, method: KVMethod, params: dict, storage: StorageClasses, classes: tuple[int, ...],
               loaded: bool = True) -> Lane:
@@ -640,7 +645,7 @@ class Engine:
         for group in self.runner.groups:
             if group.graphs is not None:
                 log.info("capturing CUDA graphs for decode batches %s", group.graphs.buckets)
-                with ranks_scope(self.tp):
+                with ranks_scope(self.heads):
                     group.graphs.capture_all()
 
     # ---- tensor parallelism (runtime/distributed/) ---------------------------------------------
@@ -684,7 +689,7 @@ class Engine:
         device's previous one. A step that cannot be scheduled ahead (a request waits, a prefill,
         a chain, structured outputs, pages short) is run the plain way, after a commit."""
         self._mirror("step")
-        with ranks_scope(self.tp):  # the lowering's reductions over query heads combine the ranks' (TP)
+        with ranks_scope(self.heads):  # the lowering's reductions over query heads combine the ranks' (TP)
             return self._step()
 
     def _step(self) -> list[Sequence]:

@@ -164,20 +164,18 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         as it is; a "reduce" one too, its reductions over the query heads combined across the ranks by the
         lowering (`_reduce_heads`; the fused scoring kernels, which reduce over this rank's heads only,
         are not used); a "gather" hook's selection runs over every rank's score rows (`_across_ranks`); a
-        "global" one, per-head roles and method inputs (indexed by the model's heads) are refused."""
+        "global" one, per-head roles and method inputs (indexed by the model's heads) are refused. Where KV
+        heads are replicated over ranks, folds over a query group (`_group`) combine the replicas' parts
+        (HeadCollective.across_replicas), and the fused scoring kernels are not used either."""
         facts = {hook: f for hook, f in self.code.facts.items() if f}
-        if facts and heads.shards.replicas > 1:  # a rank holds part of its KV head's query group
-            raise ConfigError(f"method {self.name!r} does not run under tensor parallelism with KV heads replicated "
-                              f"over ranks (tensor_parallel_size {heads.tp.size} > the model's "
-                              f"{heads.shards.num_kv_heads} KV heads): its per-KV-head scores would each see part "
-                              "of the query group", param="tensor_parallel_size")
         where = sorted(hook for hook, f in facts.items() if f.get("ranks", "global") == "global")
         if where or self.roles is not None or self.declared_inputs:
             why = (f"its {', '.join(where)} computes across KV heads" if where else
                    "it reads per-head inputs indexed by the model's heads")
             raise ConfigError(f"method {self.name!r} does not run under tensor parallelism yet: {why}",
                               param="tensor_parallel_size")
-        if any(f.get("ranks") == "reduce" for f in facts.values()):
+        if any(f.get("ranks") == "reduce" for f in facts.values()) or heads.replicas > 1:
+            # (replicated KV heads: each rank folds part of a query group, which `group` completes)
             self.fused_devices = ()
         gathers = {hook for hook, f in facts.items() if f.get("ranks") == "gather"}
         if gathers - {"prefill_end", "step_end"}:

@@ -107,12 +107,39 @@ class HeadShards:
 
 
 class HeadCollective:
-    """What a compiled method's selection across KV heads needs on one rank (the compiler's `ranks`
-    fact "gather", compiler/hook_facts.py): every rank's score rows in the model's head order, and
-    which of them are this rank's."""
+    """What a compiled method's hooks need of the other ranks (compiler/hook_facts.py, `ranks`): for a
+    selection across KV heads ("gather"), every rank's score rows in the model's head order and which of
+    them are this rank's; for reductions over query heads (`ranks_scope`, torch_primitives), the group's
+    all-reduce, and where KV heads are replicated, each KV head's query group combined over its replicas
+    (`across_replicas`)."""
 
     def __init__(self, tp: TPGroup, shards: HeadShards) -> None:
         self.tp, self.shards = tp, shards
+
+    @property
+    def size(self) -> int:
+        return self.tp.size
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding each KV head (1: none replicated)."""
+        return self.shards.replicas
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return self.tp.all_reduce(x, op)
+
+    def across_replicas(self, x: torch.Tensor, op: str, dim: int) -> torch.Tensor:
+        """`x` with this rank's KV heads along `dim`, one rank's partial fold of each KV head's query group:
+        the folds of every rank holding that KV head combined by `op` (sum, max or min). One all-reduce over
+        the model's KV heads, each rank's rows in place and the identity of `op` elsewhere."""
+        shape = list(x.shape)
+        shape[dim] = self.shards.num_kv_heads
+        identity = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}[op]
+        whole = x.new_full(shape, identity)
+        local = self.local
+        whole.narrow(dim, local.start, local.stop - local.start).copy_(x)
+        self.tp.all_reduce(whole, op)
+        return whole.narrow(dim, local.start, local.stop - local.start)
 
     @property
     def total(self) -> int:

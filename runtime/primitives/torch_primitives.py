@@ -160,10 +160,20 @@ def quantile(x, p, dims):
 
 
 def group(x, fn, dim, kv_heads):
-    """Fold query heads into their KV head (head h reads KV head h // (heads // kv_heads))."""
+    """Fold query heads into their KV head (head h reads KV head h // (heads // kv_heads)). Under tensor
+    parallelism with KV heads replicated over ranks (`ranks_scope`), a rank holds part of each of its KV
+    heads' query group: the replicas' partial folds are combined (a decode kernel's statistics, already
+    folded over the rank's heads, combine the same way: a mean of equal shares is the mean)."""
     shape = tuple(x.shape)
     grouped = x.reshape(shape[:dim] + (kv_heads, shape[dim] // kv_heads) + shape[dim + 1:])
-    return reduce(grouped, fn, (dim + 1,))
+    ranks = _RANKS.get()
+    if ranks is None or getattr(ranks, "replicas", 1) == 1:
+        return reduce(grouped, fn, (dim + 1,))
+    if fn not in ("sum", "mean", "max", "min"):
+        raise ValueError(f"group: a {fn!r} over a query group split over ranks")
+    op = "sum" if fn == "mean" else fn
+    out = ranks.across_replicas(reduce(grouped, op, (dim + 1,)).contiguous(), op, dim)
+    return out / (grouped.shape[dim + 1] * ranks.replicas) if fn == "mean" else out
 
 
 def pool(x, mode, kernel, dim):

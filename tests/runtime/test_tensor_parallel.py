@@ -78,11 +78,20 @@ def test_methods_that_cross_ranks_are_refused(tmp_path: Path, method, message):
         LLM(str(make_tiny_qwen3(tmp_path)), method=method, tensor_parallel_size=2, **OPTIONS)
 
 
-def test_query_dependent_methods_are_refused_over_replicated_kv_heads(tmp_path: Path):
-    """Four ranks over two KV heads: each KV head lives on two ranks, each with half its query group, so a
-    per-KV-head score (SnapKV's window attention) would differ between them: refused before anything runs."""
-    with pytest.raises(ConfigError, match="KV heads replicated over ranks"):
-        LLM(str(make_tiny_qwen3(tmp_path)), method="snapkv", tensor_parallel_size=4, **OPTIONS)
+@pytest.mark.parametrize("method, params", [("snapkv", PARAMS["snapkv"]), ("h2o", {"budget": 32}),
+                                            ("quest", {"budget": 32})])
+def test_replicated_kv_heads_combine_their_query_groups(tmp_path: Path, method, params):
+    """Four ranks over two KV heads: each KV head lives on two ranks, each with half its query group. The
+    folds over a query group (SnapKV's window scores at prefill end, H2O's decode statistics folded by the
+    kernel, Quest's page bound) combine the two halves, so both replicas keep and read alike: one rank's
+    tokens."""
+    model = str(make_tiny_qwen3(tmp_path))
+    prompts = _prompts(3, seed=4)
+    with LLM(model, method=method, method_params=params, tensor_parallel_size=4, **OPTIONS) as tp:
+        assert tp.engine.heads.replicas == 2
+        out = tp.generate(prompts, GREEDY)
+    ref = LLM(model, method=method, method_params=params, **OPTIONS).generate(prompts, GREEDY)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
 
 
 def test_bad_sizes_are_refused(tmp_path: Path):
@@ -145,12 +154,13 @@ def test_a_rank_loads_only_its_part_and_the_part_equals_the_whole_model_cut(tmp_
         assert sum(p.numel() for p in got.values()) < size
 
 
-@pytest.mark.parametrize("method, params", [("full", None), ("fp8", {"scale": "dynamic"})])
+@pytest.mark.parametrize("method, params", [("full", None), ("fp8", {"scale": "dynamic"}),
+                                            ("snapkv", PARAMS["snapkv"]), ("tova", PARAMS["tova"])])
 def test_glm_over_two_ranks_gives_one_ranks_tokens(tmp_path: Path, method, params):
     """GLM-4.7-Flash (MLA): each rank holds half the query heads (their rows of the query and up projections,
     columns of the output one), half of every expert's and the shared experts' columns, and the whole latent
-    cache (its one KV head replicated); chunked prefill in the decompressed form, latent decode: one rank's
-    tokens. A method scoring the latent head is refused there (each rank sees half its query group)."""
+    cache (its one KV head replicated, the scores over it combined from both halves of the query heads);
+    chunked prefill in the decompressed form, latent decode: one rank's tokens."""
     model = str(make_tiny_glm4_moe_lite(tmp_path, seed=3))
     prompts = _prompts(3, seed=2)
     with LLM(model, method=method, method_params=params, tensor_parallel_size=2, **OPTIONS) as tp:
@@ -158,5 +168,3 @@ def test_glm_over_two_ranks_gives_one_ranks_tokens(tmp_path: Path, method, param
         out = tp.generate(prompts, GREEDY)
     ref = LLM(model, method=method, method_params=params, **OPTIONS).generate(prompts, GREEDY)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
-    with pytest.raises(ConfigError, match="KV heads replicated over ranks"):
-        LLM(model, method="snapkv", tensor_parallel_size=2, **OPTIONS)
