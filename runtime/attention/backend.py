@@ -523,8 +523,11 @@ class PagedAttention:
             return latent.values(out)
         values = q.new_empty(*q.shape[:2], latent.value_dim)
         values[:num_decodes] = latent.values(out[:num_decodes])
+        host = md.host_cu_seqlens is not None and md.host_context_lens is not None  # (no device sync)
         decompressed_prefill(latent.rows(num_decodes, q.shape[0]), k_cache, tables[num_decodes:],
-                             md.cu_seqlens_q[num_decodes:] - num_decodes, lens[num_decodes:], scale,
+                             [c - num_decodes for c in md.host_cu_seqlens[num_decodes:]] if host
+                             else md.cu_seqlens_q[num_decodes:] - num_decodes,
+                             md.host_context_lens[layer_idx][num_decodes:] if host else lens[num_decodes:], scale,
                              values[num_decodes:], kv_starts=None if starts is None else starts[num_decodes:],
                              k_new=k[num_decodes:])
         return values

@@ -24,17 +24,20 @@ from kvc.runtime.models.base import LatentQueries
 
 
 def decompressed_prefill(latent: LatentQueries, k_cache: Source, block_tables: torch.Tensor,
-                         cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float, out: torch.Tensor,
-                         kv_starts: torch.Tensor | None = None, k_new: torch.Tensor | None = None) -> torch.Tensor:
+                         cu_seqlens_q: torch.Tensor | list[int], context_lens: torch.Tensor | list[int], scale: float,
+                         out: torch.Tensor, kv_starts: torch.Tensor | None = None,
+                         k_new: torch.Tensor | None = None) -> torch.Tensor:
     """Values [Tq, heads, value_dim] into `out` of the prefill chunks whose decompressed queries are
     `latent`'s rows (varlen, `cu_seqlens_q`; sequence b's chunk is the last of its context_lens[b]
-    tokens, already stored in `k_cache` over `block_tables[b]`); `kv_starts [B, 1]`: each sequence's
-    first visible slot; `k_new [Tq, 1, R + P]`: the chunks' latents as computed."""
+    tokens, already stored in `k_cache` over `block_tables[b]`; host lists spare a device sync);
+    `kv_starts [B, 1]`: each sequence's first visible slot; `k_new [Tq, 1, R + P]`: the chunks' latents
+    as computed."""
     page_size = k_cache.shape[2]
     exact = reads_chunk_exact(k_cache, None)
     if exact and k_new is None:
         raise ValueError("decompressed_prefill: a latent cache that reads a chunk as computed needs k_new")
-    starts, lengths = cu_seqlens_q.tolist(), context_lens.tolist()
+    starts = cu_seqlens_q if isinstance(cu_seqlens_q, list) else cu_seqlens_q.tolist()
+    lengths = context_lens if isinstance(context_lens, list) else context_lens.tolist()
     firsts = None if kv_starts is None else kv_starts[:, 0].tolist()
     for b, kv_len in enumerate(lengths):
         start, end = starts[b], starts[b + 1]
