@@ -143,3 +143,25 @@ def test_methods_the_latent_cache_cannot_hold_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="latent KV cache"):
         LLM(str(model_dir), method="kivi", method_params={"group_size": 8, "residual_length": 32}, device="cpu",
             dtype="float32", page_size=8)
+
+
+def test_mixed_full_and_fp8_latents_in_one_batch(tmp_path):
+    """Two attention groups (bf16/float latents and FP8 latents) in one forward: each layer's attention call
+    carries its group's rows of the decompressed queries (`LatentQueries.rows`); every request gets its
+    one-method tokens."""
+    model_dir = str(make_tiny_glm4_moe_lite(tmp_path, seed=3))
+    options = dict(device="cpu", dtype="float32", page_size=4, attention_backend="torch", max_num_batched_tokens=128,
+                   max_prefill_chunk=24)
+    params = {"fp8": {"scale": "dynamic"}}
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (30, 50, 41, 27)]
+    which = ["full", "fp8", "full", "fp8"]
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    mixed = LLM(model_dir, method="full", methods=["fp8"], methods_params=params, **options)
+    assert [[lane.key for lane in group.lanes] for group in mixed.engine.runner.groups] == [["full"], ["fp8"]]
+    out = mixed.generate(prompts, greedy, method=which)
+    for method in ("full", "fp8"):
+        rows = [i for i, w in enumerate(which) if w == method]
+        ref = LLM(model_dir, method=method, method_params=params.get(method), **options).generate(
+            [prompts[i] for i in rows], greedy)
+        assert [out[i].token_ids for i in rows] == [r.token_ids for r in ref], method
