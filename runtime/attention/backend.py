@@ -404,15 +404,14 @@ class PagedAttention:
         else:
             store.refresh_summaries(*last_in_page(slots, store.page_size, store.scratch_page), layer_idx)
 
-    def _prefills_by_sdpa(self, q: torch.Tensor, k_cache: Source, v_cache: Source, md: AttentionMetadata,
-                          resid: torch.Tensor | None, starts: torch.Tensor | None, store: KVStore) -> bool:
+    def _prefills_by_sdpa(self, q: torch.Tensor, k_cache: Source, v_cache: Source, resid: torch.Tensor | None,
+                          starts: torch.Tensor | None, store: KVStore) -> bool:
         """Do this step's prefill chunks take `sdpa_prefill`: asked for, K/V stored dense in the model's
-        dtype with values as wide as keys, no per-head starts or residual window, host lengths at hand?"""
+        dtype with values as wide as keys, no per-head starts or residual window?"""
         return (self.prefill_attention == "sdpa" and isinstance(k_cache, torch.Tensor)
                 and isinstance(v_cache, torch.Tensor) and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
                 and v_cache.shape[-1] == k_cache.shape[-1] and resid is None and starts is None
-                and not store.spec.exact_chunks and not store.spec.prerope
-                and md.host_cu_seqlens is not None and md.host_context_lens is not None)
+                and not store.spec.exact_chunks and not store.spec.prerope)
 
     @cached_property
     def keeps_queries(self) -> bool:
@@ -500,12 +499,11 @@ class PagedAttention:
                 max_context_len=md.max_context_len, out=out[:num_decodes],
                 kv_starts=None if starts is None else starts[:num_decodes], stats=stats, **extra_d,
             )
-        if md.num_prefills > 0 and not decompress and self._prefills_by_sdpa(q, k_cache, v_cache, md, resid, starts,
-                                                                               store):
-            host_cu = md.host_cu_seqlens[num_decodes:]
-            sdpa_prefill(q[num_decodes:], k[num_decodes:], v[num_decodes:], k_cache, v_cache, tables[num_decodes:],
-                         [c - num_decodes for c in host_cu], md.host_context_lens[layer_idx][num_decodes:], scale,
-                         out[num_decodes:])
+        host = _host_prefills(md, layer_idx)  # the prefill rows' offsets and lengths on the host, or None
+        if md.num_prefills > 0 and not decompress and host is not None and self._prefills_by_sdpa(
+                q, k_cache, v_cache, resid, starts, store):
+            d = num_decodes
+            sdpa_prefill(q[d:], k[d:], v[d:], k_cache, v_cache, tables[d:], *host, scale, out[d:])
         elif md.num_prefills > 0 and not decompress:
             # Each decode owns exactly one token, so the prefill tokens start at num_decodes.
             ops.paged_prefill(
@@ -521,13 +519,19 @@ class PagedAttention:
             return out
         if not decompress:
             return latent.values(out)
+        d = num_decodes
         values = q.new_empty(*q.shape[:2], latent.value_dim)
-        values[:num_decodes] = latent.values(out[:num_decodes])
-        host = md.host_cu_seqlens is not None and md.host_context_lens is not None  # (no device sync)
-        decompressed_prefill(latent.rows(num_decodes, q.shape[0]), k_cache, tables[num_decodes:],
-                             [c - num_decodes for c in md.host_cu_seqlens[num_decodes:]] if host
-                             else md.cu_seqlens_q[num_decodes:] - num_decodes,
-                             md.host_context_lens[layer_idx][num_decodes:] if host else lens[num_decodes:], scale,
-                             values[num_decodes:], kv_starts=None if starts is None else starts[num_decodes:],
-                             k_new=k[num_decodes:])
+        values[:d] = latent.values(out[:d])
+        cu, lengths = host or (md.cu_seqlens_q[d:] - d, lens[d:])
+        decompressed_prefill(latent.rows(d, q.shape[0]), k_cache, tables[d:], cu, lengths, scale, values[d:],
+                             kv_starts=None if starts is None else starts[d:], k_new=k[d:])
         return values
+
+
+def _host_prefills(md: AttentionMetadata, layer: int) -> tuple[list[int], list[int]] | None:
+    """The step's prefill rows' query offsets (from 0) and `layer`'s context lengths, from the host copies an
+    eager step carries (no device sync), or None where it carries none."""
+    if md.num_prefills == 0 or md.host_cu_seqlens is None or md.host_context_lens is None:
+        return None
+    d = md.num_decodes
+    return [c - d for c in md.host_cu_seqlens[d:]], md.host_context_lens[layer][d:]
