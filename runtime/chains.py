@@ -190,6 +190,9 @@ class ChainStore:
         self._gone: OrderedDict[str, str | None] = OrderedDict()  # id -> owner, for 410
         self._clock = itertools.count(1)
         self.limits = ChainLimits()
+        # the TTL applies only in `expire(sweep=True)`, between steps (tensor parallelism: the leader's clock
+        # decides and the other ranks drop what it dropped, `forget`); the count cap is a logical clock's
+        self.ttl_by_sweep = False
         self.evicted_total = 0
         self.expired_total = 0  # idle chains dropped by `limits`
         self.reused_tokens_total = 0
@@ -482,13 +485,15 @@ class ChainStore:
         self.expire()
 
     # ---- memory ------------------------------------------------------------------------------
-    def expire(self, now: float | None = None) -> int:
-        """Drops the idle chains `limits` no longer allows: unused for `ttl` seconds, then the least
-        recently used beyond `max_chains`. Their pages are freed and their ids answer 410 (like an
-        eviction). Returns how many were dropped."""
+    def expire(self, now: float | None = None, sweep: bool = False) -> list[str]:
+        """Drops the idle chains `limits` no longer allows: unused for `ttl` seconds (with `ttl_by_sweep`,
+        only in a `sweep`), then the least recently used beyond `max_chains`. Their pages are freed and
+        their ids answer 410 (like an eviction). Returns the ids dropped."""
         ttl, cap = self.limits.ttl, self.limits.max_chains
+        if self.ttl_by_sweep and not sweep:
+            ttl = None
         if ttl is None and cap is None:
-            return 0
+            return []
         now = time.time() if now is None else now
         idle = sorted((r for r in self._records.values() if r.state is ChainState.IDLE), key=lambda r: r.last_use)
         drop = [r for r in idle if ttl is not None and now - r.last_used >= ttl]
@@ -499,7 +504,13 @@ class ChainStore:
         for record in drop:
             self._remove(record, remember=True)
         self.expired_total += len(drop)
-        return len(drop)
+        return [record.chain_id for record in drop]
+
+    def forget(self, chain_ids: Seq[str]) -> None:
+        """Drops these idle chains as `expire` did on another rank (tensor parallelism)."""
+        for chain_id in chain_ids:
+            self._remove(self._records[chain_id], remember=True)
+        self.expired_total += len(chain_ids)
 
     def evict_idle(self, exclude: ChainRecord | None = None) -> bool:
         """Evicts the idle chain used longest ago (never `exclude`); False when there is none."""

@@ -30,7 +30,7 @@ import torch
 
 from kvc.runtime.attention.backend import PagedAttention, layer_page_bytes, load_ops, seq_rows
 from kvc.runtime.chain_prune import PruneRequest, Pruner, Scorer, parse_auto_prune, resolve_scorer
-from kvc.runtime.chains import ChainSpec, ChainStore
+from kvc.runtime.chains import ChainLimits, ChainSpec, ChainStore
 from kvc.runtime.config import DEFAULT_PAGE_SIZE, EngineConfig
 from kvc.runtime.context_replay import ContextReplay
 from kvc.runtime.distributed.group import HeadCollective, TPGroup
@@ -575,6 +575,25 @@ class Engine:
             self.sequences[clone.seq_id] = clone
         return clones
 
+    def set_chain_limits(self, limits: ChainLimits) -> None:
+        """Bounds on idle chains (ChainStore.expire). Under tensor parallelism every rank applies the count cap
+        itself (a logical clock), and the TTL only in `expire_chains`, by the leader's clock."""
+        self.chains.limits = limits
+        self.chains.ttl_by_sweep = self.tp is not None
+        self._mirror("set_chain_limits", limits)
+
+    def expire_chains(self, now: float | None = None) -> int:
+        """Drops the idle chains the limits no longer allow at unix time `now` (None: the clock's), between
+        steps (the server's sweep); the other ranks drop the same ones. How many."""
+        dropped = self.chains.expire(now, sweep=True)
+        if dropped:
+            self._mirror("forget_chains", dropped)
+        return len(dropped)
+
+    def forget_chains(self, chain_ids: list[str]) -> None:
+        """A follower rank drops the chains the leader's `expire_chains` dropped."""
+        self.chains.forget(chain_ids)
+
     def drop_chain(self, chain_id: str, owner: str | None) -> None:
         """Forgets a chain and frees its pages (ChainNotFound / ChainEvicted / ChainBusy)."""
         self.chains.drop(chain_id, owner)
@@ -721,11 +740,11 @@ class Engine:
         finished."""
         sampled = out.resolve()
         if self.tp is not None:  # every rank appends the leader's tokens, of the step the leader scheduled
-            step = [(seq.seq_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+            step = ([(seq.seq_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)], self.pool.num_free)
             sampled, scheduled = self.tp.broadcast((sampled, step) if self.tp.leads else None)
             if scheduled != step:
-                raise RuntimeError(f"tensor-parallel rank {self.tp.rank} scheduled {step}, rank 0 {scheduled}: "
-                                   "the ranks' engines diverged")
+                raise RuntimeError(f"tensor-parallel rank {self.tp.rank} scheduled {step[0]} with {step[1]} free "
+                                   f"pages, rank 0 {scheduled[0]} with {scheduled[1]}: the ranks' engines diverged")
         if self.grammars.matchers:
             self.grammars.advance(sampled)
         for seq_id, (first, entries) in out.prompt_logprobs.items():

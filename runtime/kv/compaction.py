@@ -105,11 +105,16 @@ class CompactionBatch:
     # [N, Hkv, >= max length]: each job's slots in time order where its plan's selection already sorted
     # them (a keep in place: runtime/kv/slot_order.py); None: the executor finds them
     order: torch.Tensor | None = None
+    # [N]: each job's new length at least this, its plan's width (`batch_of_jobs`): a tensor-parallel rank's part
+    # of a keep over every rank's heads is as wide as the widest head on any rank (plans.HeadKeeps), so every
+    # rank's layer holds as many slots and pages; None: the most-keeping head's count
+    floor: np.ndarray | None = None
 
     @property
     def physical(self) -> np.ndarray:
-        """[N]: each job's new physical length M (its most-keeping head)."""
-        return self.counts.max(axis=1, initial=0)
+        """[N]: each job's new physical length M (its most-keeping head, or its `floor`)."""
+        most = self.counts.max(axis=1, initial=0)
+        return most if self.floor is None else np.maximum(most, self.floor)
 
     def keep_of(self, job: int) -> torch.Tensor:
         """Job `job`'s plan, [Hkv, its width]."""
@@ -205,7 +210,8 @@ def batch_of_jobs(k_cache: torch.Tensor, jobs: Seq[CompactionJob]) -> Compaction
                     raise ValueError(f"per-head starts must be [{num_kv_heads}] slots, got {list(job.starts)}")
                 starts[j] = job.starts
     return CompactionBatch(keep, pos, widths, counts, np.array([job.length for job in jobs], dtype=np.int64),
-                           tables, np.array([len(job.page_ids) for job in jobs], dtype=np.int64), starts)
+                           tables, np.array([len(job.page_ids) for job in jobs], dtype=np.int64), starts,
+                           floor=widths)
 
 
 def compact_layer(

@@ -96,7 +96,7 @@ class ServerState:
         self.metrics = ServerMetrics(self.aengine, config.served_model_name)
         self.draining = False
         # before the engine thread starts; only that thread touches the store afterwards
-        engine.chains.limits = ChainLimits(ttl=config.chain_ttl, max_chains=config.max_chains)
+        engine.set_chain_limits(ChainLimits(ttl=config.chain_ttl, max_chains=config.max_chains))
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=max(1, config.tokenizer_threads),
                                                  thread_name_prefix="kvc-tokenize")
         self.ctx = openai_api.ServingContext(

@@ -288,7 +288,7 @@ class AsyncEngine:
         now = time.monotonic()
         if now - self._last_sweep >= _SWEEP_SECONDS:
             self._last_sweep = now
-            if self.engine.chains.expire():
+            if self.engine.expire_chains():
                 self._publish()
 
     def _handle(self, command: tuple) -> bool:

@@ -133,9 +133,6 @@ def serve(
     **server_options,
 ) -> int:
     """Serves until a signal; `server_options` are `ServerConfig` fields (max_waiting, chain_ttl, ...)."""
-    if engine_cfg.tensor_parallel_size > 1 and (server_options.get("chain_ttl") or server_options.get("max_chains")):
-        raise ConfigError("--chain-ttl and --max-chains drop chains by the leader's clock; under tensor parallelism "
-                          "the ranks would disagree: not supported yet", param="chain_ttl")
     engine = Engine(engine_cfg)
     try:
         return _serve(engine, engine_cfg, host, port, served_model_name, api_keys, log_level, server_options)

@@ -117,8 +117,8 @@ def test_expired_chains_are_dropped_and_their_pages_freed(model_dir: Path) -> No
     assert engine.pool.num_free < free
     store.limits = ChainLimits(ttl=60.0)
     record = next(r for r in store.records() if r.chain_id == first.chain_id)
-    assert store.expire(now=record.last_used + 59) == 0
-    assert store.expire(now=record.last_used + 61) == 1
+    assert store.expire(now=record.last_used + 59) == []
+    assert store.expire(now=record.last_used + 61) == [first.chain_id]
     assert engine.pool.num_free == free and store.stats()["expired_total"] == 1
     check_books(engine)
     with pytest.raises(ChainEvicted):  # 410, like an eviction

@@ -168,3 +168,27 @@ def test_glm_over_two_ranks_gives_one_ranks_tokens(tmp_path: Path, method, param
         out = tp.generate(prompts, GREEDY)
     ref = LLM(model, method=method, method_params=params, **OPTIONS).generate(prompts, GREEDY)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+
+
+def test_chain_limits_drop_the_same_chains_on_every_rank(tmp_path: Path):
+    """--max-chains: every rank drops the least recently used idle chain by its logical clock; --chain-ttl: the
+    leader's clock decides between steps and the follower drops the same chains. The next steps find both
+    ranks' pools alike (each commit checks the free pages), and the tokens are one rank's."""
+    import time
+
+    from kvc.runtime.chains import ChainLimits
+
+    model = str(make_tiny_qwen3(tmp_path))
+    prompts = _prompts(3, seed=6)
+    with LLM(model, tensor_parallel_size=2, **OPTIONS) as tp:
+        engine = tp.engine
+        free = engine.pool.num_free
+        engine.set_chain_limits(ChainLimits(ttl=60, max_chains=2))
+        for prompt in prompts:
+            tp.generate(prompt, GREEDY, chain=ChainSpec(open=True))
+        assert len(engine.chains.records()) == 2 and engine.chains.expired_total == 1
+        assert engine.expire_chains() == 0  # not idle for the TTL yet
+        assert engine.expire_chains(now=time.time() + 61) == 2 and engine.pool.num_free == free
+        out = tp.generate(prompts, GREEDY)
+    ref = LLM(model, **OPTIONS).generate(prompts, GREEDY)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]

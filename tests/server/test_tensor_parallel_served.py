@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from openai import OpenAI
 
 from kvc import LLM, SamplingParams
-from kvc.runtime.errors import ConfigError
 from tests.models.tiny import make_tiny_qwen3
 from tests.server.conftest import live_server
 
@@ -31,10 +29,3 @@ def test_a_two_rank_server_answers_like_one_rank(tmp_path: Path):
     ref = one.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert got == [r.token_ids for r in ref]
 
-
-def test_serve_refuses_chain_limits_under_tensor_parallelism(monkeypatch):
-    from kvc.runtime.server.launch import serve
-    from kvc.runtime.config import EngineConfig
-
-    with pytest.raises(ConfigError, match="under tensor parallelism"):
-        serve(EngineConfig(model="random:tiny", tensor_parallel_size=2), chain_ttl=60)
