@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -26,23 +27,18 @@ PAGE, DIM, CHUNK = 16, 128, 8192
 
 
 def median_ms(fn, device: torch.device, reps: int) -> float:
-    """The median of `reps` timed calls after two warm-up calls (CUDA events; the host clock on the CPU)."""
-    fn(), fn()
+    """The median ms of repeated calls after warm-up: triton's do_bench (CUDA events) over about 200 x `reps`
+    ms of calls on the GPU (at least one), `reps` calls by the host clock on the CPU (--smoke)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=40 * reps, rep=200 * reps, return_mode="median")
+    fn()
     times = []
     for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
