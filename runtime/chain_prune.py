@@ -232,14 +232,23 @@ class Pruner:
     """Applies prunes to idle chain records of one engine (in the engine thread, between steps)."""
 
     def __init__(self, store, executors, num_layers: int, layer_class: tuple[int, ...] | None = None,
-                 page_starts: list[int] | None = None) -> None:
+                 page_starts: list[int] | None = None, ranks=None) -> None:
         self.store = store  # the chain store
+        # tensor parallelism: the other ranks' heads (runtime/distributed/group.py HeadCollective; None: one
+        # rank), whose counts a layer's drops and width agree with, so every rank's pages stay alike
+        self.ranks = ranks
         # each storage class's plan executor (every spec tensor of its store moves with the K/V), the class of
         # each layer, and the pool id of each class's first page (a class's store indexes its pages from 0)
         self.executors = list(executors)
         self.num_layers = num_layers
         self.layer_class = tuple(layer_class) if layer_class is not None else (0,) * num_layers
         self.page_starts = list(page_starts) if page_starts is not None else [0] * len(self.executors)
+
+    def _across(self, value: int, op: str) -> int:
+        """`value` combined by `op` (min or max) over the tensor-parallel ranks (itself on one rank)."""
+        if self.ranks is None:
+            return value
+        return int(self.ranks.all_reduce(torch.tensor([value], device=self.ranks.tp.device), op).item())
 
     def check_prunable(self) -> None:
         """Raises InvalidPrune where the served KV spec cannot drop tokens from a chain: keys stored
@@ -297,8 +306,8 @@ class Pruner:
         drops = []
         for per_head in stored:
             wanted = [n - request.kept(n) for n in per_head]
-            drops.append(wanted if starts is not None else [min(wanted)] * kv_heads)
-        if not any(d for per_head in drops for d in per_head):
+            drops.append(wanted if starts is not None else [self._across(min(wanted), "min")] * kv_heads)
+        if not self._across(int(any(d for per_head in drops for d in per_head)), "max"):
             return -1
         # the layer (per-layer scales) and the row's window (the newest slots of a spec with one)
         keys = LayerCacheView(store, local, length, starts, layer, row=record.row,
@@ -324,7 +333,7 @@ class Pruner:
             report.dropped[r] += sum(per_head)
         kept_mask = valid & ~dropped
         counts = kept_mask.sum(dim=1).tolist()
-        physical = max(counts)
+        physical = self._across(max(counts), "max")  # every rank's layer as wide as the widest head anywhere
         width = physical
         keep = torch.zeros((kv_heads, width), dtype=torch.long, device=device)
         slots = torch.arange(length, device=device)
@@ -332,7 +341,7 @@ class Pruner:
             keep[h, : counts[h]] = slots[kept_mask[h]]
         self._own_pages(record, layer, -(-physical // page))
         job = CompactionJob([p - first for p in record.page_tables[layer]], length, keep,
-                            None if len(set(counts)) == 1 else torch.tensor(counts), starts)
+                            None if set(counts) == {width} else torch.tensor(counts), starts)
         batch = batch_of_jobs(store.token_tensors()[0], [job])
         windows = [(record.row, record.resid_lens[layer])]  # a spec written a block at a time re-stores
         done = batch.result(0, executor.compact(batch, layer=layer, windows=windows))

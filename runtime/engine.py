@@ -85,9 +85,6 @@ class Engine:
             if loaded is not None:
                 raise ConfigError("an engine over a model already loaded runs on one rank",
                                   param="tensor_parallel_size")
-            if config.auto_prune is not None:
-                raise ConfigError("automatic chain prunes are not supported under tensor parallelism yet",
-                                  param="auto_prune")
             self._followers, init = launch_followers(config)
             try:
                 self.tp = TPGroup.join(0, config.tensor_parallel_size, init, config.resolve_device())
@@ -392,7 +389,7 @@ class Engine:
     def _pruner(self, lane: Lane) -> Pruner:
         group = lane.group
         return Pruner(self.chains, group.executors, self.layout.layers, group.attention.layer_class,
-                      group.attention.page_starts)
+                      group.attention.page_starts, self.heads)
 
     def _kv_budget_bytes(self) -> int:
         """Bytes for KV pages: the config's, else a share of free device memory (the least of the ranks',
@@ -602,13 +599,13 @@ class Engine:
     def prune_chain(self, chain_id: str, owner: str | None, request: PruneRequest) -> dict:
         """Prunes an idle chain's history (runtime/chain_prune.py); its report as a dict. Raises the
         chain errors, InvalidPrune for a request that names nothing prunable."""
-        if self.tp is not None:
-            raise ConfigError("pruning a chain under tensor parallelism is not supported yet", param="chain_id")
+        self._mirror("prune_chain", chain_id, owner, request)  # before: the ranks' prunes meet in all-reduces
         record = self.chains.get(chain_id, owner)
         lane = record.lane or self.default_lane
         pruner = self.pruner if lane is self.default_lane else self._pruner(lane)
         pruner.check_prunable()
-        report = pruner.prune(record, request, self._scorer(request, lane))
+        with ranks_scope(self.heads):  # a scorer's folds over query groups combine the ranks' (TP)
+            report = pruner.prune(record, request, self._scorer(request, lane))
         return {"id": chain_id, **report.as_dict()}
 
     def _scorer(self, request: PruneRequest, lane: Lane | None = None) -> Scorer:
@@ -763,7 +760,8 @@ class Engine:
         self._mirror("drain")
         launched, self._launched = self._launched, None
         if launched is not None:
-            self._drained += self._commit(*launched)
+            with ranks_scope(self.heads):  # (an automatic prune at a turn's end combines the ranks')
+                self._drained += self._commit(*launched)
 
     def _release(self, seq_id: int) -> None:
         seq = self.sequences.pop(seq_id, None)

@@ -125,7 +125,9 @@ class PrefillHooks:
         kept = self.code.end_select(scores, sym, self.params)
         if starts is not None:  # a head never keeps its padding slots (its floor may reach them)
             kept[:] = [t[t >= start] for t, start in zip(kept, starts)]
-        plan = None if all(int(t.numel()) >= length for t in kept) else keep_plan(kept, device)
+        drop = getattr(kept, "drop", None)  # the most any head of any rank drops (HeadKeeps): one choice for all
+        keeps_all = all(int(t.numel()) >= length for t in kept) if drop is None else drop <= 0
+        plan = None if keeps_all else keep_plan(kept, device)
         if plan is not None:
             plan.tail = self.kept_tail("prefill_end", sym, length)
         self.decoder.start(key, state, view.cache, plan)

@@ -192,3 +192,30 @@ def test_chain_limits_drop_the_same_chains_on_every_rank(tmp_path: Path):
         out = tp.generate(prompts, GREEDY)
     ref = LLM(model, **OPTIONS).generate(prompts, GREEDY)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+
+
+@pytest.mark.parametrize("method, params, size", [("full", None, 2), ("adakv", PARAMS["adakv"], 2),
+                                                  ("snapkv", PARAMS["snapkv"], 4)],
+                         ids=["full-2", "adakv-2", "snapkv-4-replicated"])
+def test_a_chain_pruned_over_ranks_continues_as_on_one(tmp_path: Path, method, params, size):
+    """A prune of an idle chain (SnapKV's scores over the stored window of queries) runs on every rank: a layer's
+    drops and width agree over the ranks' heads (per-head layers of Ada-KV as wide as the widest head anywhere;
+    replicated KV heads' scores combined), so the pages stay alike, and the next turn gives one rank's tokens."""
+    from kvc.runtime.chain_prune import PruneRequest
+
+    model = str(make_tiny_qwen3(tmp_path))
+    prompt = _prompts(1, seed=8)[0]
+    request = PruneRequest(token_ranges=((4, 40),), keep=0.3, scorer="snapkv", scorer_params={"window": 8})
+
+    def session(llm):
+        first = llm.generate(prompt, GREEDY, chain=ChainSpec(open=True))[0]
+        report = llm.engine.prune_chain(first.chain_id, None, request)
+        convo = prompt + first.token_ids + [7, 8, 9]
+        second = llm.generate(convo, GREEDY, chain=ChainSpec(continue_id=first.chain_id))[0]
+        return first.token_ids, second.token_ids, report["pages"] < report["pages_before"]
+
+    with LLM(model, method=method, method_params=params, tensor_parallel_size=size, prune_scorer="snapkv",
+             **OPTIONS) as tp:
+        got = session(tp)
+    assert got == session(LLM(model, method=method, method_params=params, prune_scorer="snapkv", **OPTIONS))
+    assert got[2]
