@@ -280,6 +280,9 @@ class Pruner:
                 record.compressed = True
                 record.verbatim_from = max(record.verbatim_from, last_dropped + 1)
             record.pruned |= set(ranges)
+            if self.ranks is not None:  # every rank's heads (a replicated KV head counted once)
+                dropped = self.ranks.all_reduce(torch.tensor(report.dropped, device=self.ranks.tp.device))
+                report.dropped = (dropped // self.ranks.replicas).tolist()
         report.stored_after = sum(record.kv_lens)
         report.pages_after = sum(len(t) for t in record.page_tables)
         self.store.prunes_total += 1

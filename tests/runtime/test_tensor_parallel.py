@@ -200,7 +200,8 @@ def test_chain_limits_drop_the_same_chains_on_every_rank(tmp_path: Path):
 def test_a_chain_pruned_over_ranks_continues_as_on_one(tmp_path: Path, method, params, size):
     """A prune of an idle chain (SnapKV's scores over the stored window of queries) runs on every rank: a layer's
     drops and width agree over the ranks' heads (per-head layers of Ada-KV as wide as the widest head anywhere;
-    replicated KV heads' scores combined), so the pages stay alike, and the next turn gives one rank's tokens."""
+    replicated KV heads' scores combined), so the pages stay alike, the next turn gives one rank's tokens, and the
+    report counts every rank's heads."""
     from kvc.runtime.chain_prune import PruneRequest
 
     model = str(make_tiny_qwen3(tmp_path))
@@ -212,7 +213,7 @@ def test_a_chain_pruned_over_ranks_continues_as_on_one(tmp_path: Path, method, p
         report = llm.engine.prune_chain(first.chain_id, None, request)
         convo = prompt + first.token_ids + [7, 8, 9]
         second = llm.generate(convo, GREEDY, chain=ChainSpec(continue_id=first.chain_id))[0]
-        return first.token_ids, second.token_ids, report["pages"] < report["pages_before"]
+        return first.token_ids, second.token_ids, report["pages"] < report["pages_before"], report["dropped"]
 
     with LLM(model, method=method, method_params=params, tensor_parallel_size=size, prune_scorer="snapkv",
              **OPTIONS) as tp:
