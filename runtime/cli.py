@@ -40,7 +40,7 @@ def add_prefill_forms(p: argparse.ArgumentParser) -> None:
     """`--prefill-attention` and `--mla-prefill` (EngineConfig), for generate, serve and bench throughput."""
     p.add_argument("--prefill-attention", choices=PREFILL_ATTENTION_CHOICES, default="auto",
                    help="dense layers' prefill attention on the triton backend: the paged kernel, or sdpa (cuDNN's "
-                   "fused attention over the chunk or its gathered pages) (auto: kernel)")
+                   "fused attention over the chunk or its gathered pages) (auto: sdpa on CUDA, measured faster)")
     p.add_argument("--mla-prefill", choices=MLA_PREFILL_CHOICES, default="auto",
                    help="an MLA model's (GLM-4.7-Flash's) prefill attention: absorbed over the latent cache, or "
                    "decompressed over per-head keys and values (auto: decompressed, fewer FLOPs a pair)")

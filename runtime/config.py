@@ -59,9 +59,9 @@ class EngineConfig:
     # an MLA model's prefill chunks (runtime/attention/latent_prefill.py): "absorbed" over the latents,
     # "decompressed" over per-head keys and values up-projected per chunk; "auto": decompressed
     mla_prefill: str = "auto"
-    # dense layers' prefill chunks on the triton backend: "kernel" (the paged prefill kernel) or "sdpa"
+    # dense layers' prefill chunks: "kernel" (the backend's paged prefill) or "sdpa"
     # (runtime/attention/sdpa_prefill.py: cuDNN's fused attention over the chunk, or over its gathered
-    # pages); "auto": kernel
+    # pages); "auto": sdpa on CUDA, kernel elsewhere
     prefill_attention: str = "auto"
     cuda_graphs: bool = True
     # schedule the next decode step while the current one runs (runtime/engine.py `step`);
