@@ -78,7 +78,7 @@ def rows_of(c: dict, ops, device: torch.device, reps: int) -> list[dict]:
     out = torch.empty_like(q)
     runs = {
         "sdpa": lambda: sdpa_prefill(q, new_k, new_v, c["k_cache"], c["v_cache"], c["tables"], [0, chunk],
-                                     [context], scale, out),
+                                     [context], scale),  # no `out`: a prefill-only step's, as the engine calls it
     }
     if ops is not None:
         runs["kernel"] = lambda: ops.paged_prefill(q, c["k_cache"], c["v_cache"], c["tables"], cu, lens, scale,

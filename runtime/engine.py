@@ -271,13 +271,16 @@ class Engine:
                     max_context=self.max_model_len, num_heads=self.spec.num_heads,
                     **({} if self.tp is None else {"heads": self.heads}))
 
-    def _prefill_attention(self) -> str:
-        """`config.prefill_attention`, with `auto` as measured (docs/benchmarks.md, "Prefill attention through
-        cuDNN"): `sdpa` on CUDA (0.97-1.01x cuDNN, 1.3-1.5x the paged kernel on an H200), the paged op elsewhere."""
+    def _prefill_forms(self) -> dict[str, str]:
+        """PagedAttention's prefill forms, `auto` resolved as measured on an H200 (docs/benchmarks.md, "Issue 23:
+        prefill attention through cuDNN; issue 22: MLA's two prefill forms"): `prefill_attention` is `sdpa` on
+        CUDA (0.97-1.01x cuDNN, 1.3-1.5x the paged kernel), the paged op elsewhere; `mla_prefill` is decompressed
+        (12.7-15.8x the absorbed kernel) unless asked absorbed."""
         form = self.config.prefill_attention
         if form == "auto":
-            return "sdpa" if self.device.type == "cuda" else "kernel"
-        return form
+            form = "sdpa" if self.device.type == "cuda" else "kernel"
+        return {"prefill_attention": form,
+                "mla_prefill": "absorbed" if self.config.mla_prefill == "absorbed" else "decompressed"}
 
     def _cut(self, model) -> None:
         """Cuts `model` to this rank's part (runtime/distributed/shard.py)."""
@@ -292,9 +295,7 @@ class Engine:
               loaded: bool = True) -> Lane:
         """A lane of `method` (its layers' specs `storage`) over the pool classes `classes` (its attention over
         the pool's stores)."""
-        attention = PagedAttention(self.stores, self.backend, self.layout.layers, classes,
-                                   mla_prefill="absorbed" if self.config.mla_prefill == "absorbed" else "decompressed",
-                                   prefill_attention=self._prefill_attention())
+        attention = PagedAttention(self.stores, self.backend, self.layout.layers, classes, **self._prefill_forms())
         salt = storage_salt(self.model_ref, self.spec, self.pool_classes, classes)
         rules = lane_rules(method, attention, self.config.enable_prefix_caching, salt)
         lane = Lane(method.name, params, method, storage, classes, rules,

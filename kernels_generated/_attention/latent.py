@@ -14,8 +14,9 @@ token is read once for its key and its value. The queries arrive absorbed (runti
 - `store_kv`: the keys' rows written at their slots (the values are inside them), FP8 ones quantized
   against the layer's scale; device ops only.
 - `paged_decode`: one Triton program per (sequence, split of its context) reads each latent tile once
-  for all the query heads: `q_abs . c + q_rope . k_rope` as two tensor-core products, the online
-  softmax, and `p @ c` into a [heads, RANK] accumulator; the splits are merged after. No host value is
+  for all the query heads, transposed so that the tile is the tall operand of both products (Hopper's
+  warpgroup MMA): `[c, k_rope] . q^T` as the scores, the online softmax, and `c^T . p^T` into a
+  [RANK, heads] accumulator; a reduce kernel merges the splits by their log-sum-exps. No host value is
   read (CUDA-graph safe). Decode statistics and read plans run the torch ops.
 - `paged_prefill`: the absorbed form too: a program takes a block of (token, head) rows of one
   sequence's chunk (all heads share the keys, so a key tile serves every row of the block) and runs
@@ -33,6 +34,9 @@ from kvc.runtime.attention.sources import QuantizedPages
 from kvc.runtime.kv import encodings
 
 SPLIT_TOKENS = 256  # decode: the fewest tokens a split reads
+MAX_SPLITS = 64
+PROGRAM_BYTES = 1 << 16  # decode: a program's start-up, in bytes it could have read
+LOG2E = 1.4426950408889634
 
 
 def _stored(source) -> torch.Tensor:
@@ -124,52 +128,120 @@ def _online_softmax(qk, latent, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _split_len(context_len, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens per split of a context: an even share in whole tiles, at least one (an empty context: no split)."""
+    tiles = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N)
+    return tl.maximum(tiles, 1) * BLOCK_N
+
+
+@triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, scale_ptr, tables_ptr, lens_ptr, starts_ptr, acc_ptr, m_ptr, l_ptr,
+    q_ptr, kv_ptr, scale_ptr, tables_ptr, lens_ptr, starts_ptr, part_out_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_tb, stride_sb,
-    stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
     scale_log2, num_splits,
     HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HAS_STARTS: tl.constexpr,
     SCALED: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """One split of one sequence's context, transposed so that the key tile is the products' tall operand
+    (Hopper's warpgroup MMA wants 64 rows; the heads are few): scores^T [BLOCK_N, heads] = [c, k_rope] . q^T,
+    out^T [RANK, heads] += c^T . p^T. Writes the split's normalised output and log-sum-exp (base 2); an empty
+    split writes nothing (`_decode_reduce_kernel` reads the active ones)."""
     seq, split = tl.program_id(0), tl.program_id(1)
     context = tl.load(lens_ptr + seq)
     begin = 0
     if HAS_STARTS:
         begin = tl.load(starts_ptr + seq * stride_sb)
-    per_split = tl.cdiv(tl.cdiv(tl.maximum(context - begin, 0), num_splits), BLOCK_N) * BLOCK_N
-    first = begin + split * per_split
-    last = tl.minimum(context, first + per_split)
-    heads = tl.arange(0, BLOCK_H)
-    head_mask = heads < HEADS
+    split_len = _split_len(tl.maximum(context - begin, 0), num_splits, BLOCK_N)
+    first = begin + split * split_len
+    last = tl.minimum(context, first + split_len)
+    if first < last:
+        heads = tl.arange(0, BLOCK_H)
+        head_mask = heads < HEADS
+        ranks = tl.arange(0, RANK)
+        rope_dims = tl.arange(0, BLOCK_P)
+        q_cols = q_ptr + seq.to(tl.int64) * stride_qb + heads[None, :] * stride_qh
+        q_lat = tl.load(q_cols + ranks[:, None], mask=head_mask[None, :], other=0.0)  # [RANK, BLOCK_H]
+        q_rope = tl.load(q_cols + RANK + rope_dims[:, None], mask=head_mask[None, :] & (rope_dims < ROPE)[:, None],
+                         other=0.0)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([RANK, BLOCK_H], tl.float32)
+        table = tables_ptr + seq * stride_tb
+        for start in range(first, last, BLOCK_N):
+            tokens = start + tl.arange(0, BLOCK_N)
+            token_mask = tokens < last
+            pages = tl.load(table + tokens // PAGE_SIZE, mask=token_mask, other=0)
+            rows = pages.to(tl.int64) * stride_kp + (tokens % PAGE_SIZE) * stride_ks
+            latent = tl.load(kv_ptr + rows[:, None] + ranks[None, :], mask=token_mask[:, None], other=0.0)
+            rope = tl.load(kv_ptr + rows[:, None] + RANK + rope_dims[None, :],
+                           mask=token_mask[:, None] & (rope_dims < ROPE)[None, :], other=0.0)
+            if SCALED:  # FP8 codes dequantized as the torch ops do: code x scale in float32, in the queries' dtype
+                scale = tl.load(scale_ptr).to(tl.float32)
+                latent = (latent.to(tl.float32) * scale).to(q_lat.dtype)
+                rope = (rope.to(tl.float32) * scale).to(q_lat.dtype)
+            s = _dot(latent, q_lat, PRECISION) + _dot(rope, q_rope, PRECISION)  # [BLOCK_N, BLOCK_H]
+            s = tl.where(token_mask[:, None], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)  # the tile has a token: m_new is finite
+            p = tl.exp2(s - m_new[None, :])
+            acc = acc * alpha[None, :] + _dot(tl.trans(latent), p.to(latent.dtype), PRECISION)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            m_i = m_new
+        row = (seq.to(tl.int64) * HEADS + heads) * num_splits + split  # [BLOCK_H]
+        tl.store(part_out_ptr + row[None, :] * RANK + ranks[:, None], acc / l_i[None, :], mask=head_mask[None, :])
+        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=head_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, lens_ptr, starts_ptr, out_ptr, stride_sb, stride_ob, stride_oh, num_splits,
+    HEADS: tl.constexpr, RANK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
+):
+    """A (sequence, head)'s active splits merged by their log-sum-exps; no context gives zeros."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    active = tl.load(lens_ptr + seq)
+    if HAS_STARTS:
+        active -= tl.load(starts_ptr + seq * stride_sb)
+    active = tl.maximum(active, 0)
+    num_active = tl.cdiv(active, _split_len(active, num_splits, BLOCK_N))
     ranks = tl.arange(0, RANK)
-    rope_dims = tl.arange(0, BLOCK_P)
-    q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
-    q_lat = tl.load(q_rows + ranks[None, :], mask=head_mask[:, None], other=0.0)
-    q_rope = tl.load(q_rows + RANK + rope_dims[None, :], mask=head_mask[:, None] & (rope_dims < ROPE)[None, :],
-                     other=0.0)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, RANK], tl.float32)
-    for start in range(first, last, BLOCK_N):
-        tokens, token_mask, latent, qk = _scores(
-            q_lat, q_rope, kv_ptr, scale_ptr, tables_ptr + seq * stride_tb, start, last, stride_kp, stride_ks, ranks,
-            rope_dims, RANK, ROPE, PAGE_SIZE, BLOCK_N, SCALED, PRECISION)
-        qk = tl.where(token_mask[None, :], qk * scale_log2, float("-inf"))
-        m_i, l_i, acc = _online_softmax(qk, latent, m_i, l_i, acc, PRECISION)
-    tl.store(acc_ptr + seq * stride_ab + heads[:, None] * stride_ah + split * stride_as + ranks[None, :], acc,
-             mask=head_mask[:, None])
-    at = seq * stride_mb + heads * stride_mh + split
-    tl.store(m_ptr + at, m_i, mask=head_mask)
-    tl.store(l_ptr + at, l_i, mask=head_mask)
+    row0 = (seq.to(tl.int64) * HEADS + head) * num_splits
+    m = tl.full([], -1.0e30, tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([RANK], tl.float32)
+    for s0 in range(0, num_active, SPLIT_BLOCK):
+        splits = s0 + tl.arange(0, SPLIT_BLOCK)
+        split_mask = splits < num_active
+        lse = tl.load(part_lse_ptr + row0 + splits, mask=split_mask, other=float("-inf"))
+        o = tl.load(part_out_ptr + (row0 + splits)[:, None] * RANK + ranks[None, :], mask=split_mask[:, None],
+                    other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        total = total * alpha + tl.sum(w, 0)
+        m = m_new
+    out = acc / tl.maximum(total, 1.0)  # the largest split weighs exactly 1
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + ranks, out.to(out_ptr.dtype.element_ty))
 
 
-def decode_splits(batch: int, max_context_len: int, device: torch.device) -> int:
-    """Splits of each sequence's context: enough programs for two waves of the GPU's SMs, at least
-    SPLIT_TOKENS tokens each."""
+def decode_splits(batch: int, max_context_len: int, device: torch.device, heads: int, rank: int,
+                  token_bytes: int) -> int:
+    """Splits of each sequence's context (at most MAX_SPLITS, at least SPLIT_TOKENS tokens each) that minimise
+    a byte model of the step: a program holds most of an SM's shared memory, so programs run one an SM in
+    waves, each wave as long as a split's bytes plus a pipeline's fill (PROGRAM_BYTES); the merge reads and
+    writes every split's float32 partial over the whole GPU."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(max_context_len, SPLIT_TOKENS), triton.cdiv(2 * sms, batch)))
+    most = max(1, min(MAX_SPLITS, triton.cdiv(max_context_len, SPLIT_TOKENS)))
+
+    def cost(splits: int) -> float:
+        waves = triton.cdiv(batch * splits, sms)
+        return (waves * (triton.cdiv(max_context_len, splits) * token_bytes + PROGRAM_BYTES)
+                + batch * splits * heads * rank * 8 / sms)
+
+    return min(range(1, most + 1), key=cost)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -199,26 +271,26 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
     if batch == 0:
         return out
     max_context_len = int(context_lens.max()) if max_context_len is None else max_context_len
-    splits = num_splits or decode_splits(batch, max(1, max_context_len), q.device)
-    acc = torch.empty(batch, heads, splits, rank, device=q.device, dtype=torch.float32)
-    m = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
-    lsum = torch.empty_like(m)
+    splits = num_splits or decode_splits(batch, max(1, max_context_len), q.device, heads, rank,
+                                         rows.shape[-1] * rows.element_size())
+    part_out = torch.empty(batch, heads, splits, rank, device=q.device, dtype=torch.float32)
+    part_lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
     starts, stride_sb = _starts(kv_starts, context_lens)
+    tile_n = block_n or 64
     _decode_split_kernel[(batch, splits)](
-        q, rows, rows if kv_scale is None else kv_scale, block_tables, context_lens, starts, acc, m, lsum,
+        q, rows, rows if kv_scale is None else kv_scale, block_tables, context_lens, starts, part_out, part_lse,
         q.stride(0), q.stride(1), rows.stride(0), rows.stride(2), block_tables.stride(0), stride_sb,
-        acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        scale * 1.4426950408889634, splits,
+        scale * LOG2E, splits,
         HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=rows.shape[2], BLOCK_H=max(16, triton.next_power_of_2(heads)),
-        BLOCK_N=block_n or 32, BLOCK_P=max(16, triton.next_power_of_2(rope)), HAS_STARTS=kv_starts is not None,
+        BLOCK_N=tile_n, BLOCK_P=max(16, triton.next_power_of_2(rope)), HAS_STARTS=kv_starts is not None,
         SCALED=kv_scale is not None, PRECISION=_precision(q.dtype), num_warps=num_warps or 8,
         num_stages=num_stages or 2,
     )
-    # merge the splits (an empty one has m = -inf and weighs 0; a row with no context gives zeros)
-    top = m.amax(dim=-1, keepdim=True)
-    weight = torch.exp2(m - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
-    total = (weight * lsum).sum(dim=-1).clamp(min=1e-30)
-    out.copy_((weight[..., None] * acc).sum(dim=2) / total[..., None])
+    _decode_reduce_kernel[(batch, heads)](
+        part_out, part_lse, context_lens, starts, out, stride_sb, out.stride(0), out.stride(1), splits,
+        HEADS=heads, RANK=rank, BLOCK_N=tile_n, SPLIT_BLOCK=min(triton.next_power_of_2(splits), max(1, 8192 // rank)),
+        HAS_STARTS=kv_starts is not None, num_warps=4,
+    )
     return out
 
 
@@ -282,7 +354,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     _prefill_kernel[(triton.cdiv(max_query_len * heads, tile_m), batch)](
         q, rows, rows if kv_scale is None else kv_scale, out, block_tables, cu_seqlens_q, context_lens, starts,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), rows.stride(0), rows.stride(2),
-        block_tables.stride(0), stride_sb, scale * 1.4426950408889634,
+        block_tables.stride(0), stride_sb, scale * LOG2E,
         HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=rows.shape[2], BLOCK_M=tile_m, BLOCK_N=block_n or 32,
         BLOCK_P=max(16, triton.next_power_of_2(rope)), HAS_STARTS=kv_starts is not None,
         SCALED=kv_scale is not None, PRECISION=_precision(q.dtype), num_warps=num_warps or 8,

@@ -503,7 +503,10 @@ class PagedAttention:
         if md.num_prefills > 0 and not decompress and host is not None and self._prefills_by_sdpa(
                 q, k_cache, v_cache, resid, starts, store):
             d = num_decodes
-            sdpa_prefill(q[d:], k[d:], v[d:], k_cache, v_cache, tables[d:], *host, scale, out[d:])
+            if d == 0:  # a prefill-only step takes SDPA's output as it is
+                out = sdpa_prefill(q, k, v, k_cache, v_cache, tables, *host, scale)
+            else:
+                sdpa_prefill(q[d:], k[d:], v[d:], k_cache, v_cache, tables[d:], *host, scale, out[d:])
         elif md.num_prefills > 0 and not decompress:
             # Each decode owns exactly one token, so the prefill tokens start at num_decodes.
             ops.paged_prefill(

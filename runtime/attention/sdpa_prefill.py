@@ -26,22 +26,35 @@ ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFI
 
 def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, cu_seqlens: list[int], context_lens: list[int], scale: float,
-                 out: torch.Tensor) -> torch.Tensor:
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the prefill chunks q [Tq, Hq, D] (varlen: host offsets `cu_seqlens`, host
-    lengths `context_lens`, the chunk the last tokens of each) into `out` [Tq, Hq, D]; k, v [Tq, Hkv, D]:
-    the chunks' own keys and values, already stored in the dense caches [P, Hkv, S, D] over
-    `block_tables` [B, pages]."""
+    lengths `context_lens`, the chunk the last tokens of each); k, v [Tq, Hkv, D]: the chunks' own keys
+    and values, already stored in the dense caches [P, Hkv, S, D] over `block_tables` [B, pages].
+    Returns [Tq, Hq, D]: written into `out` where given; without it, one fresh chunk's is SDPA's own output
+    (no copy: cuDNN writes it in q's token-major layout)."""
     page_size = k_cache.shape[2]
+    rows = [(b, cu_seqlens[b], cu_seqlens[b + 1], n) for b, n in enumerate(context_lens)
+            if cu_seqlens[b + 1] > cu_seqlens[b]]
     with sdpa_kernel(ORDER, set_priority=True):
-        for b, kv_len in enumerate(context_lens):
-            start, end = cu_seqlens[b], cu_seqlens[b + 1]
-            if end == start:
-                continue
-            if end - start == kv_len:  # a fresh chunk: its own k, v
-                keys, values = k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None]
-            else:
-                pages = block_tables[b, :-(-kv_len // page_size)]
-                keys, values = (gather_kv(cache, pages, kv_len)[None] for cache in (k_cache, v_cache))
-            queries = q[start:end].transpose(0, 1)[None]  # [1, Hq, n, D]
-            out[start:end] = attend_chunk(queries, keys, values, scale)[0].transpose(0, 1)
+        if out is None and len(rows) == 1 and rows[0][1] == 0 and rows[0][2] == q.shape[0]:
+            _, start, end, kv_len = rows[0]
+            return _attend(q, k, v, k_cache, v_cache, block_tables[rows[0][0]], kv_len, page_size, scale)
+        if out is None:
+            out = q.new_empty(q.shape)
+        for b, start, end, kv_len in rows:
+            out[start:end] = _attend(q[start:end], k[start:end], v[start:end], k_cache, v_cache, block_tables[b],
+                                     kv_len, page_size, scale)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            table: torch.Tensor, kv_len: int, page_size: int, scale: float) -> torch.Tensor:
+    """One sequence's chunk q [n, Hq, D] over its `kv_len` tokens, the last n its own k, v [n, Hkv, D]:
+    [n, Hq, D]."""
+    n = q.shape[0]
+    if n == kv_len:  # a fresh chunk: its own k, v
+        keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    else:
+        pages = table[:-(-kv_len // page_size)]
+        keys, values = (gather_kv(cache, pages, kv_len)[None] for cache in (k_cache, v_cache))
+    return attend_chunk(q.transpose(0, 1)[None], keys, values, scale)[0].transpose(0, 1)

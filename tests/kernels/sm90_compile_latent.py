@@ -20,7 +20,7 @@ SHAPE = dict(HEADS=20, RANK=512, ROPE=64, PAGE_SIZE=16, BLOCK_P=64, HAS_STARTS=F
              PRECISION="native")
 POINTERS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "scale_ptr": "*bf16", "out_ptr": "*bf16", "tables_ptr": "*i32",
             "lens_ptr": "*i32",
-            "starts_ptr": "*i32", "cu_ptr": "*i32", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}
+            "starts_ptr": "*i32", "cu_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
 
 
 def _report(name: str, ptx: str, options: dict) -> None:
@@ -41,15 +41,21 @@ def main() -> None:
     spec = importlib.util.spec_from_file_location("kvc_latent_sm90", attention.locate("latent"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    for block_n, warps, stages in ((32, 8, 2), (16, 4, 2), (64, 8, 1)):
+    aligned = ("stride_q", "stride_k")  # as a launch specialises them: the copies pipeline (16-byte cp.async)
+    for block_n, warps, stages in ((64, 8, 2), (64, 4, 3), (32, 8, 3)):
         options = dict(num_warps=warps, num_stages=stages)
-        ptx = build(mod._decode_split_kernel, dict(BLOCK_H=32, BLOCK_N=block_n, **SHAPE), POINTERS, **options)
+        ptx = build(mod._decode_split_kernel, dict(BLOCK_H=32, BLOCK_N=block_n, **SHAPE), POINTERS, aligned,
+                    **options)
+        assert "wgmma.mma_async" in ptx and "cp.async" in ptx, "the decode kernel lost its warpgroup MMA or pipeline"
         _report(f"decode BLOCK_N={block_n}", ptx, options)
     fp8 = dict(SHAPE, SCALED=True)
     options = dict(num_warps=8, num_stages=2)
-    ptx = build(mod._decode_split_kernel, dict(BLOCK_H=32, BLOCK_N=32, **fp8), {**POINTERS, "kv_ptr": "*fp8e4nv"},
-                **options)
-    _report("decode FP8 latents BLOCK_N=32", ptx, options)
+    ptx = build(mod._decode_split_kernel, dict(BLOCK_H=32, BLOCK_N=64, **fp8), {**POINTERS, "kv_ptr": "*fp8e4nv"},
+                aligned, **options)
+    _report("decode FP8 latents BLOCK_N=64", ptx, options)
+    ptx = build(mod._decode_reduce_kernel, dict(HEADS=20, RANK=512, BLOCK_N=64, SPLIT_BLOCK=16, HAS_STARTS=False),
+                POINTERS, num_warps=4)
+    _report("decode reduce", ptx, dict(num_warps=4))
     for block_m, block_n, warps, stages in ((32, 32, 8, 2), (64, 32, 8, 1)):
         options = dict(num_warps=warps, num_stages=stages)
         ptx = build(mod._prefill_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, **SHAPE), POINTERS, **options)

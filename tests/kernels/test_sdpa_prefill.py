@@ -51,6 +51,25 @@ def test_sdpa_prefill_equals_the_paged_op(device, heads, kv_heads):
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_len", [17, 9], ids=["fresh", "over-a-prefix"])
+def test_without_out_one_chunk_returns_its_attention(device, q_len):
+    """No `out`: one row's result comes back (a fresh chunk's is SDPA's own tensor, on the GPU token-major as
+    q, so that the projection after it copies nothing) and equals the paged op's."""
+    gen = torch.Generator().manual_seed(4)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v, k_cache, v_cache, tables, cu = _case(gen, [17], [q_len], 8, 2, 64, device, dtype)
+    out = sdpa_prefill(q, k, v, k_cache, v_cache, tables, cu, [17], 0.25)
+    lens = torch.tensor([17], dtype=torch.int32, device=device)
+    want = torch_ops.paged_prefill(q.double(), k_cache.double(), v_cache.double(), tables,
+                                   torch.tensor(cu, dtype=torch.int32, device=device), lens, 0.25, q_len)
+    assert out.shape == q.shape
+    tol = 2e-2 if device == "cuda" else 1e-5
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    if device == "cuda" and q_len == 17:
+        assert out.is_contiguous()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cuDNN's attention)")
 @pytest.mark.parametrize("kv_heads", [8, 4])
 def test_bf16_through_cudnn_on_the_gpu(kv_heads):
