@@ -276,15 +276,16 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
     part_out = torch.empty(batch, heads, splits, rank, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
     starts, stride_sb = _starts(kv_starts, context_lens)
-    tile_n = block_n or 64
+    scaled = kv_scale is not None
+    tile_n = block_n or (32 if scaled else 64)  # measured (docs/benchmarks.md); FP8's dequantized tile: no spills
     _decode_split_kernel[(batch, splits)](
         q, rows, rows if kv_scale is None else kv_scale, block_tables, context_lens, starts, part_out, part_lse,
         q.stride(0), q.stride(1), rows.stride(0), rows.stride(2), block_tables.stride(0), stride_sb,
         scale * LOG2E, splits,
         HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=rows.shape[2], BLOCK_H=max(16, triton.next_power_of_2(heads)),
         BLOCK_N=tile_n, BLOCK_P=max(16, triton.next_power_of_2(rope)), HAS_STARTS=kv_starts is not None,
-        SCALED=kv_scale is not None, PRECISION=_precision(q.dtype), num_warps=num_warps or 8,
-        num_stages=num_stages or 2,
+        SCALED=scaled, PRECISION=_precision(q.dtype), num_warps=num_warps or (8 if scaled else 4),
+        num_stages=num_stages or (2 if scaled else 3),
     )
     _decode_reduce_kernel[(batch, heads)](
         part_out, part_lse, context_lens, starts, out, stride_sb, out.stride(0), out.stride(1), splits,

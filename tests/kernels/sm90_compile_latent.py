@@ -50,9 +50,9 @@ def main() -> None:
         _report(f"decode BLOCK_N={block_n}", ptx, options)
     fp8 = dict(SHAPE, SCALED=True)
     options = dict(num_warps=8, num_stages=2)
-    ptx = build(mod._decode_split_kernel, dict(BLOCK_H=32, BLOCK_N=64, **fp8), {**POINTERS, "kv_ptr": "*fp8e4nv"},
+    ptx = build(mod._decode_split_kernel, dict(BLOCK_H=32, BLOCK_N=32, **fp8), {**POINTERS, "kv_ptr": "*fp8e4nv"},
                 aligned, **options)
-    _report("decode FP8 latents BLOCK_N=64", ptx, options)
+    _report("decode FP8 latents BLOCK_N=32", ptx, options)
     ptx = build(mod._decode_reduce_kernel, dict(HEADS=20, RANK=512, BLOCK_N=64, SPLIT_BLOCK=16, HAS_STARTS=False),
                 POINTERS, num_warps=4)
     _report("decode reduce", ptx, dict(num_warps=4))
