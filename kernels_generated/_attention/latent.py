@@ -135,6 +135,59 @@ def _split_len(context_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _attend_range(q_ptr, kv_ptr, scale_ptr, table, seq, first, last, stride_qb, stride_qh, stride_kp, stride_ks,
+                  scale_log2, HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, SCALED: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Sequence `seq`'s absorbed query over its slots [first, last) (non-empty) through its page table at
+    `table`, transposed so that the key tile is the tall operand of both products (Hopper's warpgroup MMA wants
+    64 rows; the heads are few): scores^T [BLOCK_N, heads] = [c, k_rope] . q^T, out^T [RANK, heads] += c^T . p^T.
+    Returns the normalised out^T [RANK, BLOCK_H] (float32) and the base-2 log-sum-exp [BLOCK_H]."""
+    heads = tl.arange(0, BLOCK_H)
+    head_mask = heads < HEADS
+    ranks = tl.arange(0, RANK)
+    rope_dims = tl.arange(0, BLOCK_P)
+    q_cols = q_ptr + seq.to(tl.int64) * stride_qb + heads[None, :] * stride_qh
+    q_lat = tl.load(q_cols + ranks[:, None], mask=head_mask[None, :], other=0.0)  # [RANK, BLOCK_H]
+    q_rope = tl.load(q_cols + RANK + rope_dims[:, None], mask=head_mask[None, :] & (rope_dims < ROPE)[:, None],
+                     other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([RANK, BLOCK_H], tl.float32)
+    for start in range(first, last, BLOCK_N):
+        tokens = start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < last
+        pages = tl.load(table + tokens // PAGE_SIZE, mask=token_mask, other=0)
+        rows = pages.to(tl.int64) * stride_kp + (tokens % PAGE_SIZE) * stride_ks
+        latent = tl.load(kv_ptr + rows[:, None] + ranks[None, :], mask=token_mask[:, None], other=0.0)
+        rope = tl.load(kv_ptr + rows[:, None] + RANK + rope_dims[None, :],
+                       mask=token_mask[:, None] & (rope_dims < ROPE)[None, :], other=0.0)
+        if SCALED:  # FP8 codes dequantized as the torch ops do: code x scale in float32, in the queries' dtype
+            scale = tl.load(scale_ptr).to(tl.float32)
+            latent = (latent.to(tl.float32) * scale).to(q_lat.dtype)
+            rope = (rope.to(tl.float32) * scale).to(q_lat.dtype)
+        s = _dot(latent, q_lat, PRECISION) + _dot(rope, q_rope, PRECISION)  # [BLOCK_N, BLOCK_H]
+        s = tl.where(token_mask[:, None], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)  # the tile has a token: m_new is finite
+        p = tl.exp2(s - m_new[None, :])
+        acc = acc * alpha[None, :] + _dot(tl.trans(latent), p.to(latent.dtype), PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+    return acc / l_i[None, :], m_i + tl.log2(l_i)
+
+
+@triton.jit
+def _store_partial(part_out_ptr, part_lse_ptr, base, head_stride, out_t, lse, HEADS: tl.constexpr,
+                   RANK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A range's normalised output and log-sum-exp at partial rows `base + head x head_stride`."""
+    heads = tl.arange(0, BLOCK_H)
+    row = base + heads.to(tl.int64) * head_stride
+    tl.store(part_out_ptr + row[None, :] * RANK + tl.arange(0, RANK)[:, None], out_t, mask=(heads < HEADS)[None, :])
+    tl.store(part_lse_ptr + row, lse, mask=heads < HEADS)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, kv_ptr, scale_ptr, tables_ptr, lens_ptr, starts_ptr, part_out_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_tb, stride_sb,
@@ -143,9 +196,7 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HAS_STARTS: tl.constexpr,
     SCALED: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One split of one sequence's context, transposed so that the key tile is the products' tall operand
-    (Hopper's warpgroup MMA wants 64 rows; the heads are few): scores^T [BLOCK_N, heads] = [c, k_rope] . q^T,
-    out^T [RANK, heads] += c^T . p^T. Writes the split's normalised output and log-sum-exp (base 2); an empty
+    """The `split` schedule: one split of one sequence's context a program, partial (seq, head, split); an empty
     split writes nothing (`_decode_reduce_kernel` reads the active ones)."""
     seq, split = tl.program_id(0), tl.program_id(1)
     context = tl.load(lens_ptr + seq)
@@ -156,84 +207,117 @@ def _decode_split_kernel(
     first = begin + split * split_len
     last = tl.minimum(context, first + split_len)
     if first < last:
-        heads = tl.arange(0, BLOCK_H)
-        head_mask = heads < HEADS
-        ranks = tl.arange(0, RANK)
-        rope_dims = tl.arange(0, BLOCK_P)
-        q_cols = q_ptr + seq.to(tl.int64) * stride_qb + heads[None, :] * stride_qh
-        q_lat = tl.load(q_cols + ranks[:, None], mask=head_mask[None, :], other=0.0)  # [RANK, BLOCK_H]
-        q_rope = tl.load(q_cols + RANK + rope_dims[:, None], mask=head_mask[None, :] & (rope_dims < ROPE)[:, None],
-                         other=0.0)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([RANK, BLOCK_H], tl.float32)
-        table = tables_ptr + seq * stride_tb
-        for start in range(first, last, BLOCK_N):
-            tokens = start + tl.arange(0, BLOCK_N)
-            token_mask = tokens < last
-            pages = tl.load(table + tokens // PAGE_SIZE, mask=token_mask, other=0)
-            rows = pages.to(tl.int64) * stride_kp + (tokens % PAGE_SIZE) * stride_ks
-            latent = tl.load(kv_ptr + rows[:, None] + ranks[None, :], mask=token_mask[:, None], other=0.0)
-            rope = tl.load(kv_ptr + rows[:, None] + RANK + rope_dims[None, :],
-                           mask=token_mask[:, None] & (rope_dims < ROPE)[None, :], other=0.0)
-            if SCALED:  # FP8 codes dequantized as the torch ops do: code x scale in float32, in the queries' dtype
-                scale = tl.load(scale_ptr).to(tl.float32)
-                latent = (latent.to(tl.float32) * scale).to(q_lat.dtype)
-                rope = (rope.to(tl.float32) * scale).to(q_lat.dtype)
-            s = _dot(latent, q_lat, PRECISION) + _dot(rope, q_rope, PRECISION)  # [BLOCK_N, BLOCK_H]
-            s = tl.where(token_mask[:, None], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            alpha = tl.exp2(m_i - m_new)  # the tile has a token: m_new is finite
-            p = tl.exp2(s - m_new[None, :])
-            acc = acc * alpha[None, :] + _dot(tl.trans(latent), p.to(latent.dtype), PRECISION)
-            l_i = l_i * alpha + tl.sum(p, 0)
-            m_i = m_new
-        row = (seq.to(tl.int64) * HEADS + heads) * num_splits + split  # [BLOCK_H]
-        tl.store(part_out_ptr + row[None, :] * RANK + ranks[:, None], acc / l_i[None, :], mask=head_mask[None, :])
-        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=head_mask)
+        out_t, lse = _attend_range(q_ptr, kv_ptr, scale_ptr, tables_ptr + seq * stride_tb, seq, first, last,
+                                   stride_qb, stride_qh, stride_kp, stride_ks, scale_log2, HEADS, RANK, ROPE,
+                                   PAGE_SIZE, BLOCK_H, BLOCK_N, BLOCK_P, SCALED, PRECISION)
+        _store_partial(part_out_ptr, part_lse_ptr, seq.to(tl.int64) * HEADS * num_splits + split, num_splits, out_t,
+                       lse, HEADS, RANK, BLOCK_H)
+
+
+@triton.jit
+def _batch_tiles(lens_ptr, starts_ptr, stride_sb, batch, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_STARTS: tl.constexpr):
+    """The `balanced` schedule's tile line: each sequence's (first slot, length, first tile, tile count), the
+    sequences' tiles laid end to end, and the line's length."""
+    seqs = tl.arange(0, BLOCK_B)
+    mask = seqs < batch
+    lens = tl.load(lens_ptr + seqs, mask=mask, other=0)
+    begins = tl.zeros([BLOCK_B], tl.int32)
+    if HAS_STARTS:
+        begins = tl.load(starts_ptr + seqs * stride_sb, mask=mask, other=0)
+    tiles = tl.cdiv(tl.maximum(lens - begins, 0), BLOCK_N)
+    ends = tl.cumsum(tiles, 0)
+    return seqs, begins, lens, ends - tiles, tiles, tl.max(ends, 0)
+
+
+@triton.jit
+def _decode_balanced_kernel(
+    q_ptr, kv_ptr, scale_ptr, tables_ptr, lens_ptr, starts_ptr, part_out_ptr, part_lse_ptr,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_tb, stride_sb,
+    scale_log2, batch,
+    HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr,
+    HAS_STARTS: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The `balanced` schedule: program p takes tiles [p C, (p + 1) C) of the batch's tile line (C = ceil(tiles /
+    programs)), cut at sequence boundaries into segments; segment (p, sequence b) writes partial p + b."""
+    prog = tl.program_id(0)
+    seqs, begins, lens, firsts, tiles, total = _batch_tiles(lens_ptr, starts_ptr, stride_sb, batch, BLOCK_B, BLOCK_N,
+                                                            HAS_STARTS)
+    chunk = tl.cdiv(total, tl.num_programs(0))
+    t = tl.minimum(prog * chunk, total)
+    hi = tl.minimum(t + chunk, total)
+    while t < hi:
+        b = tl.sum((firsts + tiles <= t).to(tl.int32), 0)  # the sequence holding tile t
+        here = seqs == b
+        first_tile = tl.sum(tl.where(here, firsts, 0), 0)
+        seg_end = tl.minimum(hi, first_tile + tl.sum(tl.where(here, tiles, 0), 0))
+        begin = tl.sum(tl.where(here, begins, 0), 0)
+        first = begin + (t - first_tile) * BLOCK_N
+        last = tl.minimum(tl.sum(tl.where(here, lens, 0), 0), begin + (seg_end - first_tile) * BLOCK_N)
+        out_t, lse = _attend_range(q_ptr, kv_ptr, scale_ptr, tables_ptr + b * stride_tb, b, first, last,
+                                   stride_qb, stride_qh, stride_kp, stride_ks, scale_log2, HEADS, RANK, ROPE,
+                                   PAGE_SIZE, BLOCK_H, BLOCK_N, BLOCK_P, SCALED, PRECISION)
+        _store_partial(part_out_ptr, part_lse_ptr, (prog + b).to(tl.int64) * HEADS, 1, out_t, lse, HEADS, RANK,
+                       BLOCK_H)
+        t = seg_end
 
 
 @triton.jit
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, lens_ptr, starts_ptr, out_ptr, stride_sb, stride_ob, stride_oh, num_splits,
-    HEADS: tl.constexpr, RANK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-    HAS_STARTS: tl.constexpr,
+    batch, HEADS: tl.constexpr, RANK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr, HAS_STARTS: tl.constexpr, BALANCED: tl.constexpr,
 ):
-    """A (sequence, head)'s active splits merged by their log-sum-exps; no context gives zeros."""
+    """A (sequence, head)'s partials merged by their log-sum-exps; no context gives zeros. `split`: its active
+    splits (consecutive rows); `balanced` (`num_splits` = the programs): the programs its tiles fell to, row
+    p + b each (HEADS apart)."""
     seq, head = tl.program_id(0), tl.program_id(1)
-    active = tl.load(lens_ptr + seq)
-    if HAS_STARTS:
-        active -= tl.load(starts_ptr + seq * stride_sb)
-    active = tl.maximum(active, 0)
-    num_active = tl.cdiv(active, _split_len(active, num_splits, BLOCK_N))
+    if BALANCED:
+        seqs, begins, lens, firsts, tiles, total = _batch_tiles(lens_ptr, starts_ptr, stride_sb, batch, BLOCK_B,
+                                                                BLOCK_N, HAS_STARTS)
+        c0 = tl.sum(tl.where(seqs == seq, firsts, 0), 0)
+        count = tl.sum(tl.where(seqs == seq, tiles, 0), 0)
+        chunk = tl.maximum(tl.cdiv(total, num_splits), 1)
+        p0 = c0 // chunk
+        num_parts = tl.where(count > 0, (c0 + count - 1) // chunk - p0 + 1, 0)
+        row0 = (p0 + seq).to(tl.int64) * HEADS + head
+        part_stride = HEADS
+    else:
+        active = tl.load(lens_ptr + seq)
+        if HAS_STARTS:
+            active -= tl.load(starts_ptr + seq * stride_sb)
+        active = tl.maximum(active, 0)
+        num_parts = tl.cdiv(active, _split_len(active, num_splits, BLOCK_N))
+        row0 = (seq.to(tl.int64) * HEADS + head) * num_splits
+        part_stride = 1
     ranks = tl.arange(0, RANK)
-    row0 = (seq.to(tl.int64) * HEADS + head) * num_splits
     m = tl.full([], -1.0e30, tl.float32)
-    total = tl.zeros([], tl.float32)
+    total_w = tl.zeros([], tl.float32)
     acc = tl.zeros([RANK], tl.float32)
-    for s0 in range(0, num_active, SPLIT_BLOCK):
-        splits = s0 + tl.arange(0, SPLIT_BLOCK)
-        split_mask = splits < num_active
-        lse = tl.load(part_lse_ptr + row0 + splits, mask=split_mask, other=float("-inf"))
-        o = tl.load(part_out_ptr + (row0 + splits)[:, None] * RANK + ranks[None, :], mask=split_mask[:, None],
-                    other=0.0)
+    for s0 in range(0, num_parts, SPLIT_BLOCK):
+        parts = s0 + tl.arange(0, SPLIT_BLOCK)
+        part_mask = parts < num_parts
+        rows = row0 + parts * part_stride
+        lse = tl.load(part_lse_ptr + rows, mask=part_mask, other=float("-inf"))
+        o = tl.load(part_out_ptr + rows[:, None] * RANK + ranks[None, :], mask=part_mask[:, None], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, 0))
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(lse - m_new)
         acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-        total = total * alpha + tl.sum(w, 0)
+        total_w = total_w * alpha + tl.sum(w, 0)
         m = m_new
-    out = acc / tl.maximum(total, 1.0)  # the largest split weighs exactly 1
+    out = acc / tl.maximum(total_w, 1.0)  # the largest part weighs exactly 1
     tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + ranks, out.to(out_ptr.dtype.element_ty))
 
 
 def decode_splits(batch: int, max_context_len: int, device: torch.device, heads: int, rank: int,
                   token_bytes: int) -> int:
-    """Splits of each sequence's context (at most MAX_SPLITS, at least SPLIT_TOKENS tokens each) that minimise
-    a byte model of the step: a program holds most of an SM's shared memory, so programs run one an SM in
-    waves, each wave as long as a split's bytes plus a pipeline's fill (PROGRAM_BYTES); the merge reads and
-    writes every split's float32 partial over the whole GPU."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    """Splits of each sequence's context for the `split` schedule (at most MAX_SPLITS, at least SPLIT_TOKENS
+    tokens each) that minimise a byte model of the step: a program holds most of an SM's shared memory, so
+    programs run one an SM in waves, each wave as long as a split's bytes plus a pipeline's fill
+    (PROGRAM_BYTES); the merge reads and writes every split's float32 partial over the whole GPU."""
+    sms = _sms(device)
     most = max(1, min(MAX_SPLITS, triton.cdiv(max_context_len, SPLIT_TOKENS)))
 
     def cost(splits: int) -> float:
@@ -242,6 +326,10 @@ def decode_splits(batch: int, max_context_len: int, device: torch.device, heads:
                 + batch * splits * heads * rank * 8 / sms)
 
     return min(range(1, most + 1), key=cost)
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -257,40 +345,54 @@ def _starts(kv_starts, context_lens):
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=None, out=None,
-                 kv_starts=None, stats=None, read=None, rows=None, resid_lens=None, *, block_n=None, num_warps=None,
-                 num_stages=None, num_splits=None):
+                 kv_starts=None, stats=None, read=None, rows=None, resid_lens=None, *, schedule="split", block_n=None,
+                 num_warps=None, num_stages=None, num_splits=None, num_programs=None):
     """One absorbed query per sequence, q [B, heads, RANK + ROPE], over its latents; out [B, heads, RANK]
-    (module docstring). The keyword knobs override the launch."""
+    (module docstring). `schedule` "split" (each context in `num_splits` splits) or "balanced" (`num_programs`,
+    default one an SM, share the batch's tiles evenly: a ragged batch's programs finish together); the other
+    keyword knobs override the launch."""
     if stats is not None or read is not None:  # the statistics and read plans of the torch ops
         return torch_ops.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out,
                                       kv_starts, stats, rows, resid_lens, read)
+    if schedule not in ("split", "balanced"):
+        raise ValueError(f"unknown latent decode schedule {schedule!r}: split or balanced")
     rank, rope, rows, kv_scale = _layout(q, k_cache, v_cache)
     batch, heads, _ = q.shape
     if out is None:
         out = q.new_empty(batch, heads, rank)
     if batch == 0:
         return out
-    max_context_len = int(context_lens.max()) if max_context_len is None else max_context_len
-    splits = num_splits or decode_splits(batch, max(1, max_context_len), q.device, heads, rank,
-                                         rows.shape[-1] * rows.element_size())
-    part_out = torch.empty(batch, heads, splits, rank, device=q.device, dtype=torch.float32)
-    part_lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
+    balanced = schedule == "balanced"
+    if balanced:
+        parts = num_programs or _sms(q.device)
+        part_rows = parts + batch  # partial p + b: at most programs + batch segments
+    else:
+        max_context_len = int(context_lens.max()) if max_context_len is None else max_context_len
+        parts = num_splits or decode_splits(batch, max(1, max_context_len), q.device, heads, rank,
+                                            rows.shape[-1] * rows.element_size())
+        part_rows = batch * parts
+    part_out = torch.empty(part_rows * heads, rank, device=q.device, dtype=torch.float32)
+    part_lse = torch.empty(part_rows * heads, device=q.device, dtype=torch.float32)
     starts, stride_sb = _starts(kv_starts, context_lens)
     scaled = kv_scale is not None
     tile_n = block_n or (32 if scaled else 64)  # measured (docs/benchmarks.md); FP8's dequantized tile: no spills
-    _decode_split_kernel[(batch, splits)](
-        q, rows, rows if kv_scale is None else kv_scale, block_tables, context_lens, starts, part_out, part_lse,
-        q.stride(0), q.stride(1), rows.stride(0), rows.stride(2), block_tables.stride(0), stride_sb,
-        scale * LOG2E, splits,
-        HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=rows.shape[2], BLOCK_H=max(16, triton.next_power_of_2(heads)),
-        BLOCK_N=tile_n, BLOCK_P=max(16, triton.next_power_of_2(rope)), HAS_STARTS=kv_starts is not None,
-        SCALED=scaled, PRECISION=_precision(q.dtype), num_warps=num_warps or (8 if scaled else 4),
-        num_stages=num_stages or (2 if scaled else 3),
-    )
+    block_b = max(16, triton.next_power_of_2(batch))
+    args = (q, rows, rows if kv_scale is None else kv_scale, block_tables, context_lens, starts, part_out, part_lse,
+            q.stride(0), q.stride(1), rows.stride(0), rows.stride(2), block_tables.stride(0), stride_sb,
+            scale * LOG2E, batch if balanced else parts)
+    shape = dict(HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=rows.shape[2],
+                 BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_N=tile_n,
+                 BLOCK_P=max(16, triton.next_power_of_2(rope)), HAS_STARTS=kv_starts is not None, SCALED=scaled,
+                 PRECISION=_precision(q.dtype), num_warps=num_warps or (8 if scaled else 4),
+                 num_stages=num_stages or (2 if scaled else 3))
+    if balanced:
+        _decode_balanced_kernel[(parts,)](*args, BLOCK_B=block_b, **shape)
+    else:
+        _decode_split_kernel[(batch, parts)](*args, **shape)
     _decode_reduce_kernel[(batch, heads)](
-        part_out, part_lse, context_lens, starts, out, stride_sb, out.stride(0), out.stride(1), splits,
-        HEADS=heads, RANK=rank, BLOCK_N=tile_n, SPLIT_BLOCK=min(triton.next_power_of_2(splits), max(1, 8192 // rank)),
-        HAS_STARTS=kv_starts is not None, num_warps=4,
+        part_out, part_lse, context_lens, starts, out, stride_sb, out.stride(0), out.stride(1), parts, batch,
+        HEADS=heads, RANK=rank, BLOCK_N=tile_n, SPLIT_BLOCK=min(triton.next_power_of_2(parts), max(1, 8192 // rank)),
+        BLOCK_B=block_b, HAS_STARTS=kv_starts is not None, BALANCED=balanced, num_warps=4,
     )
     return out
 

@@ -53,9 +53,15 @@ def main() -> None:
     ptx = build(mod._decode_split_kernel, dict(BLOCK_H=32, BLOCK_N=32, **fp8), {**POINTERS, "kv_ptr": "*fp8e4nv"},
                 aligned, **options)
     _report("decode FP8 latents BLOCK_N=32", ptx, options)
-    ptx = build(mod._decode_reduce_kernel, dict(HEADS=20, RANK=512, BLOCK_N=64, SPLIT_BLOCK=16, HAS_STARTS=False),
-                POINTERS, num_warps=4)
-    _report("decode reduce", ptx, dict(num_warps=4))
+    options = dict(num_warps=4, num_stages=3)
+    ptx = build(mod._decode_balanced_kernel, dict(BLOCK_H=32, BLOCK_N=64, BLOCK_B=32, **SHAPE), POINTERS, aligned,
+                **options)
+    assert "wgmma.mma_async" in ptx and "cp.async" in ptx, "the balanced decode lost its warpgroup MMA or pipeline"
+    _report("decode, balanced schedule, BLOCK_N=64", ptx, options)
+    for balanced in (False, True):
+        ptx = build(mod._decode_reduce_kernel, dict(HEADS=20, RANK=512, BLOCK_N=64, SPLIT_BLOCK=16, BLOCK_B=32,
+                                                    HAS_STARTS=False, BALANCED=balanced), POINTERS, num_warps=4)
+        _report(f"decode reduce, balanced={balanced}", ptx, dict(num_warps=4))
     for block_m, block_n, warps, stages in ((32, 32, 8, 2), (64, 32, 8, 1)):
         options = dict(num_warps=warps, num_stages=stages)
         ptx = build(mod._prefill_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, **SHAPE), POINTERS, **options)

@@ -53,9 +53,14 @@ def _clean(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
+SCHEDULES = {"split": dict(num_splits=3), "balanced": dict(num_programs=3), "balanced-idle": dict(num_programs=40)}
+
+
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("starts", [False, True], ids=["whole", "per-row-starts"])
-def test_decode_matches_torch(dtype, starts):
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_decode_matches_torch(dtype, starts, schedule):
+    """Both schedules; `balanced-idle`: more programs than the batch has tiles (some do nothing)."""
     gen = torch.Generator().manual_seed(3)
     lengths = [1, 37, 0, 70, 9]
     k_cache, v_cache, tables = _cache(gen, lengths, dtype)
@@ -64,7 +69,7 @@ def test_decode_matches_torch(dtype, starts):
     kv_starts = torch.tensor([[0], [5], [0], [33], [8]], dtype=torch.int32, device=DEVICE) if starts else None
     out = torch.full((len(lengths), HEADS, RANK), float("nan"), dtype=dtype, device=DEVICE)
     latent_ops.paged_decode(q, k_cache, v_cache, tables, lens, SCALE, max_context_len=70, out=out,
-                            kv_starts=kv_starts, num_splits=3, block_n=16)
+                            kv_starts=kv_starts, block_n=16, schedule=schedule.split("-")[0], **SCHEDULES[schedule])
     k, v = _clean(k_cache)
     want = torch_ops.paged_decode(q.float(), k, v, tables, lens, SCALE, kv_starts=kv_starts)
     torch.testing.assert_close(out.float(), want, **TOL[dtype])
