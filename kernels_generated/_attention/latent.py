@@ -17,7 +17,8 @@ token is read once for its key and its value. The queries arrive absorbed (runti
   for all the query heads, transposed so that the tile is the tall operand of both products (Hopper's
   warpgroup MMA): `[c, k_rope] . q^T` as the scores, the online softmax, and `c^T . p^T` into a
   [RANK, heads] accumulator; a reduce kernel merges the splits by their log-sum-exps. No host value is
-  read (CUDA-graph safe). Decode statistics and read plans run the torch ops.
+  read (CUDA-graph safe). `schedule="balanced"`: one program an SM shares the batch's tiles evenly instead
+  (a ragged batch's programs finish together). Decode statistics and read plans run the torch ops.
 - `paged_prefill`: the absorbed form too: a program takes a block of (token, head) rows of one
   sequence's chunk (all heads share the keys, so a key tile serves every row of the block) and runs
   a causal flash loop over the keys up to the block's last token.
@@ -93,13 +94,12 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _scores(q_lat, q_rope, kv_ptr, scale_ptr, table_ptr, start, end, stride_kp, stride_ks, ranks, rope_dims,
-            RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-            SCALED: tl.constexpr, PRECISION: tl.constexpr):
+def _tile(q_lat, kv_ptr, scale_ptr, table_ptr, start, end, stride_kp, stride_ks, ranks, rope_dims,
+          RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+          SCALED: tl.constexpr):
     """The key tile of slots [start, start + BLOCK_N) below `end`, through the sequence's page table at
-    `table_ptr`: its slots, their mask, its latent [BLOCK_N, RANK] and q . k [rows, BLOCK_N] for the queries'
-    two parts. FP8 codes (SCALED) dequantized as the torch ops do: `code x scale` in float32, rounded to the
-    queries' dtype."""
+    `table_ptr`: its slots, their mask, its latent [BLOCK_N, RANK] and RoPE part [BLOCK_N, BLOCK_P] in the queries'
+    dtype. FP8 codes (SCALED) dequantized as the torch ops do: `code x scale` in float32, rounded to that dtype."""
     tokens = start + tl.arange(0, BLOCK_N)
     token_mask = tokens < end
     pages = tl.load(table_ptr + tokens // PAGE_SIZE, mask=token_mask, other=0)
@@ -111,6 +111,16 @@ def _scores(q_lat, q_rope, kv_ptr, scale_ptr, table_ptr, start, end, stride_kp, 
         scale = tl.load(scale_ptr).to(tl.float32)
         latent = (latent.to(tl.float32) * scale).to(q_lat.dtype)
         rope = (rope.to(tl.float32) * scale).to(q_lat.dtype)
+    return tokens, token_mask, latent, rope
+
+
+@triton.jit
+def _scores(q_lat, q_rope, kv_ptr, scale_ptr, table_ptr, start, end, stride_kp, stride_ks, ranks, rope_dims,
+            RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+            SCALED: tl.constexpr, PRECISION: tl.constexpr):
+    """`_tile`'s slots, mask and latent, and q . k [rows, BLOCK_N] for the queries' two parts (rows the queries)."""
+    tokens, token_mask, latent, rope = _tile(q_lat, kv_ptr, scale_ptr, table_ptr, start, end, stride_kp, stride_ks,
+                                             ranks, rope_dims, RANK, ROPE, PAGE_SIZE, BLOCK_N, SCALED)
     qk = _dot(q_lat, tl.trans(latent), PRECISION) + _dot(q_rope, tl.trans(rope), PRECISION)
     return tokens, token_mask, latent, qk
 
@@ -155,17 +165,8 @@ def _attend_range(q_ptr, kv_ptr, scale_ptr, table, seq, first, last, stride_qb, 
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([RANK, BLOCK_H], tl.float32)
     for start in range(first, last, BLOCK_N):
-        tokens = start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < last
-        pages = tl.load(table + tokens // PAGE_SIZE, mask=token_mask, other=0)
-        rows = pages.to(tl.int64) * stride_kp + (tokens % PAGE_SIZE) * stride_ks
-        latent = tl.load(kv_ptr + rows[:, None] + ranks[None, :], mask=token_mask[:, None], other=0.0)
-        rope = tl.load(kv_ptr + rows[:, None] + RANK + rope_dims[None, :],
-                       mask=token_mask[:, None] & (rope_dims < ROPE)[None, :], other=0.0)
-        if SCALED:  # FP8 codes dequantized as the torch ops do: code x scale in float32, in the queries' dtype
-            scale = tl.load(scale_ptr).to(tl.float32)
-            latent = (latent.to(tl.float32) * scale).to(q_lat.dtype)
-            rope = (rope.to(tl.float32) * scale).to(q_lat.dtype)
+        tokens, token_mask, latent, rope = _tile(q_lat, kv_ptr, scale_ptr, table, start, last, stride_kp, stride_ks,
+                                                 ranks, rope_dims, RANK, ROPE, PAGE_SIZE, BLOCK_N, SCALED)
         s = _dot(latent, q_lat, PRECISION) + _dot(rope, q_rope, PRECISION)  # [BLOCK_N, BLOCK_H]
         s = tl.where(token_mask[:, None], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
