@@ -272,8 +272,8 @@ class Engine:
                     **({} if self.tp is None else {"heads": self.heads}))
 
     def _prefill_forms(self) -> dict[str, str]:
-        """PagedAttention's prefill forms, `auto` resolved as measured on an H200 (docs/benchmarks.md, "Issue 23:
-        prefill attention through cuDNN; issue 22: MLA's two prefill forms"): `prefill_attention` is `sdpa` on
+        """PagedAttention's prefill forms, `auto` resolved as measured on an H200 (docs/benchmarks.md, the section on
+        prefill attention through cuDNN and MLA's two prefill forms): `prefill_attention` is `sdpa` on
         CUDA (0.97-1.01x cuDNN, 1.3-1.5x the paged kernel), the paged op elsewhere; `mla_prefill` is decompressed
         (12.7-15.8x the absorbed kernel) unless asked absorbed."""
         form = self.config.prefill_attention

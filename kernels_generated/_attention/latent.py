@@ -24,6 +24,7 @@ token is read once for its key and its value. The queries arrive absorbed (runti
   a causal flash loop over the keys up to the block's last token.
 """
 
+import functools
 import os
 
 import torch
@@ -312,6 +313,7 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + ranks, out.to(out_ptr.dtype.element_ty))
 
 
+@functools.lru_cache(maxsize=1024)  # (every layer of an eager step asks the same)
 def decode_splits(batch: int, max_context_len: int, device: torch.device, heads: int, rank: int,
                   token_bytes: int) -> int:
     """Splits of each sequence's context for the `split` schedule (at most MAX_SPLITS, at least SPLIT_TOKENS
@@ -329,7 +331,9 @@ def decode_splits(batch: int, max_context_len: int, device: torch.device, heads:
     return min(range(1, most + 1), key=cost)
 
 
+@functools.lru_cache(maxsize=None)
 def _sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (a nominal 4 off-GPU, for the interpreter)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 

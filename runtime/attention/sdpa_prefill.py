@@ -36,9 +36,9 @@ def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
     rows = [(b, cu_seqlens[b], cu_seqlens[b + 1], n) for b, n in enumerate(context_lens)
             if cu_seqlens[b + 1] > cu_seqlens[b]]
     with sdpa_kernel(ORDER, set_priority=True):
-        if out is None and len(rows) == 1 and rows[0][1] == 0 and rows[0][2] == q.shape[0]:
-            _, start, end, kv_len = rows[0]
-            return _attend(q, k, v, k_cache, v_cache, block_tables[rows[0][0]], kv_len, page_size, scale)
+        if out is None and len(rows) == 1:  # one row holds all of q: its attention is the result
+            b, _, _, kv_len = rows[0]
+            return _attend(q, k, v, k_cache, v_cache, block_tables[b], kv_len, page_size, scale)
         if out is None:
             out = q.new_empty(q.shape)
         for b, start, end, kv_len in rows:
