@@ -1,6 +1,7 @@
 """MLA's latent cache on one layer at GLM-4.7-Flash's shape (20 query heads over one latent head of 512 +
-64 RoPE channels, bf16, pages of 16): the generated `latent` decode kernel's bandwidth over the latent
-bytes a decode reads, against a device-to-device copy in the same run; and the prefill attention of one
+64 RoPE channels, bf16, pages of 16): the generated `latent` decode kernels' bandwidth over the latent
+bytes a decode reads (TMA loads in a warp-specialized Gluon kernel, and the Triton kernel's pointer
+loads; `max_diff` against the first one's output), against a device-to-device copy in the same run; and the prefill attention of one
 chunk in the absorbed form (the `latent` prefill kernel, FLOPs of q . [c, k_rope] and p . c) against the
 decompressed form (per-head keys [nope 192 | rope 64] and values 256 through torch's SDPA, plus the
 up-projection of every context token that the decompressed form needs first).
@@ -92,16 +93,21 @@ def main() -> None:
         k, v, tables, lens, held = latent_cache(batch, context, device)
         q = torch.randn(batch, HEADS, RANK + ROPE, device=device, dtype=torch.bfloat16)
         out = q.new_empty(batch, HEADS, RANK)
-        for knobs in [{}] + (SWEEP if a.sweep and not a.smoke else []):
+        want = None
+        loads = [{}] if a.smoke else [{"loads": "tma"}, {"loads": "pointers"}]
+        for knobs in loads + (SWEEP if a.sweep and not a.smoke else []):
             try:
+                got = ops.paged_decode(q, k, v, tables, lens, SCALE, max_context_len=context, **knobs)
                 ms = time_ms(lambda: ops.paged_decode(q, k, v, tables, lens, SCALE, max_context_len=context, out=out,
                                                       **knobs), device)
-            except Exception as e:  # a launch that does not fit (shared memory): report and go on
-                show({"piece": "decode", "batch": batch, "context": context, **knobs, "error": type(e).__name__})
+            except Exception as e:  # a launch that does not fit (shared memory), no TMA: report and go on
+                show({"piece": "decode", "batch": batch, "context": context, **knobs, "error": f"{type(e).__name__}: "
+                      f"{str(e)[:200]}"})
                 continue
+            want = got.float() if want is None else want  # the first kernel's output: the others must match it
             gbps = held / ms / 1e6
             show({"piece": "decode", "batch": batch, "context": context, **(knobs or {"knobs": "default"}), "ms": ms,
-                  "GBps": gbps, "of_copy": gbps / copy_bw})
+                  "GBps": gbps, "of_copy": gbps / copy_bw, "max_diff": float((got.float() - want).abs().max())})
     for chunk in ([64] if a.smoke else [int(x) for x in a.prefill.split(",")]):
         for row in prefill_rows(ops, chunk, device, a.sweep and not a.smoke):
             show(row)

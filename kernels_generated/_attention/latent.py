@@ -13,12 +13,15 @@ token is read once for its key and its value. The queries arrive absorbed (runti
 
 - `store_kv`: the keys' rows written at their slots (the values are inside them), FP8 ones quantized
   against the layer's scale; device ops only.
-- `paged_decode`: one Triton program per (sequence, split of its context) reads each latent tile once
+- `paged_decode`: one program per (sequence, split of its context) reads each latent tile once
   for all the query heads, transposed so that the tile is the tall operand of both products (Hopper's
   warpgroup MMA): `[c, k_rope] . q^T` as the scores, the online softmax, and `c^T . p^T` into a
   [RANK, heads] accumulator; a reduce kernel merges the splits by their log-sum-exps. No host value is
-  read (CUDA-graph safe). `schedule="balanced"`: one program an SM shares the batch's tiles evenly instead
-  (a ragged batch's programs finish together). Decode statistics and read plans run the torch ops.
+  read (CUDA-graph safe). On Hopper with 16-bit latents the program is a Gluon kernel: a loader warp
+  copies pages by TMA into a ring that the consumer warpgroup's products read (`_decode_tma_kernel`);
+  elsewhere it is the Triton kernel (`_decode_split_kernel`, copies by pointer). `schedule="balanced"`:
+  one Triton program an SM shares the batch's tiles evenly instead (a ragged batch's programs finish
+  together). Decode statistics and read plans run the torch ops.
 - `paged_prefill`: the absorbed form too: a program takes a block of (token, head) rows of one
   sequence's chunk (all heads share the keys, so a key tile serves every row of the block) and runs
   a causal flash loop over the keys up to the block's last token.
@@ -313,6 +316,224 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + ranks, out.to(out_ptr.dtype.element_ty))
 
 
+# ---------------------------------------------------------------------------------------------
+# The split schedule with TMA loads and a warp-specialized pipeline (Gluon; Hopper, bf16/fp16 latents)
+#
+# One loader warp copies each key tile into a ring of STAGES shared-memory buffers with TMA, a
+# page-sized box at a time (a tile spans pages: the table is read per box), and signals a `ready`
+# barrier with the bytes; the consumer warpgroup runs `_attend_range`'s products on the buffer (the
+# tile is wgmma's tall operand), then frees it (`empty`). Copies and tensor-core work overlap without
+# costing the consumer's issue slots (docs/design.md, "MLA"). Boxes are whole pages, so a split's first
+# and last tiles hold slots outside [first, last): the consumer zeroes those rows before reading them.
+# Gluon compiles for NVIDIA GPUs only: `_TMA` is None where it is missing, and the Triton kernel runs.
+# ---------------------------------------------------------------------------------------------
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _TMA, TMA_UNAVAILABLE = gl, None
+except ImportError as error:  # a Triton without Gluon's Hopper paths
+    _TMA, TMA_UNAVAILABLE = None, repr(error)
+
+TMA_TILE = 64  # slots a tile: wgmma's M
+TMA_STAGES = 2  # tiles in shared memory (2 x 72 KB at GLM-4.7-Flash's 512 + 64, with the queries: 189 KB)
+TMA_MAX_HEADS = 32  # the [RANK, heads] float32 accumulator in one warpgroup's registers
+TMA_LOADER_REGS = 40
+
+if _TMA is not None:
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # renamed after Triton 3.6
+    _tma_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
+    _TILE = gl.constexpr(TMA_TILE)
+    _LOADER_REGS = gl.constexpr(TMA_LOADER_REGS)
+
+    @triton.constexpr_function
+    def _tma_acc_layout(block_h):
+        """The products' accumulator layout: one warpgroup, instructions [16, heads, 16]."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_h, 16])
+
+    @triton.constexpr_function
+    def _tma_rows_layout(width):
+        """A [TMA_TILE, width] register layout over one warpgroup, 8 channels a thread."""
+        across = min(32, max(1, width // 8))
+        return gl.BlockedLayout([1, 8], [32 // across, across], [4, 1], [1, 0])
+
+    @gluon.jit
+    def _tma_loader(table, lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, a0, last, n_tiles,
+                    PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
+        """The loader warp: tile t (slots a0 + t TMA_TILE ...) into buffer t % STAGES once the consumer freed it, a
+        box of BOX slots (within one page) at a time; boxes past `last` repeat the last one (their rows are
+        masked)."""
+        last_box = (last - 1) // BOX * BOX
+        for t in range(n_tiles):
+            stage = t % STAGES
+            mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, (_TILE // BOX) * (lat_desc.block_type.nbytes + rope_desc.block_type.nbytes))
+            for j in gl.static_range(_TILE // BOX):
+                slot = gl.minimum(a0 + t * _TILE + j * BOX, last_box)
+                row = gl.load(table + slot // PAGE_SIZE) * PAGE_SIZE + slot % PAGE_SIZE
+                _tma_load(lat_desc, [row, 0], bar, lat_smem.index(stage).slice(j * BOX, BOX))
+                _tma_load(rope_desc, [row, 0], bar, rope_smem.index(stage).slice(j * BOX, BOX))
+
+    @gluon.jit
+    def _tma_zero_rows(buf, tile0, first, last, WIDTH: gl.constexpr):
+        """Rows of a [TMA_TILE, WIDTH] buffer whose slots fall outside [first, last) set to zero (they may hold
+        anything: another sequence's slots, or a page's unwritten tail)."""
+        chunk: gl.constexpr = 64 if WIDTH > 64 else WIDTH
+        layout: gl.constexpr = _tma_rows_layout(chunk)
+        slots = tile0 + gl.arange(0, _TILE, layout=gl.SliceLayout(1, layout))
+        keep = ((slots >= first) & (slots < last))[:, None]
+        for c in gl.static_range(WIDTH // chunk):
+            part = buf.slice(c * chunk, chunk, dim=1)
+            part.store(gl.where(keep, part.load(layout), 0.0))
+
+    @gluon.jit
+    def _tma_attend(q_ptr, lat_smem, rope_smem, qlat_smem, qrope_smem, p_smem, ready, empty, seq, first, last, a0,
+                    n_tiles, stride_qb, stride_qh, scale_log2, HEADS: gl.constexpr, RANK: gl.constexpr,
+                    ROPE: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr):
+        """The consumer warpgroup: the queries into shared memory, then `_attend_range`'s loop over the loader's
+        tiles. Returns out^T [RANK, BLOCK_H] (float32, unnormalised), the running max and sum (base 2)."""
+        q_layout: gl.constexpr = _tma_rows_layout(RANK)
+        heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+        q_rows = q_ptr + seq.to(gl.int64) * stride_qb + heads[:, None] * stride_qh
+        head_mask = (heads < HEADS)[:, None]
+        ranks = gl.arange(0, RANK, layout=gl.SliceLayout(0, q_layout))
+        qlat_smem.store(gl.load(q_rows + ranks[None, :], mask=head_mask, other=0.0))
+        rope_layout: gl.constexpr = _tma_rows_layout(ROPE)
+        heads_r = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rope_layout))
+        rope_dims = gl.arange(0, ROPE, layout=gl.SliceLayout(0, rope_layout))
+        qrope_smem.store(gl.load(q_ptr + seq.to(gl.int64) * stride_qb + heads_r[:, None] * stride_qh + RANK
+                                 + rope_dims[None, :], mask=(heads_r < HEADS)[:, None], other=0.0))
+        fence_async_shared()
+        acc_layout: gl.constexpr = _tma_acc_layout(BLOCK_H)
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, acc_layout))
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, acc_layout))
+        acc = gl.zeros([RANK, BLOCK_H], gl.float32, layout=acc_layout)
+        s_init = gl.zeros([_TILE, BLOCK_H], gl.float32, layout=acc_layout)
+        for t in range(n_tiles):
+            stage = t % STAGES
+            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            lat = lat_smem.index(stage)
+            rope = rope_smem.index(stage)
+            tile0 = a0 + t * _TILE
+            if (tile0 < first) | (tile0 + _TILE > last):
+                _tma_zero_rows(lat, tile0, first, last, RANK)
+                _tma_zero_rows(rope, tile0, first, last, ROPE)
+                fence_async_shared()
+                _tma_barrier()
+            s = warpgroup_mma(lat, qlat_smem.permute((1, 0)), s_init, use_acc=False, is_async=True)
+            s = warpgroup_mma(rope, qrope_smem.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            slots = tile0 + gl.arange(0, _TILE, layout=gl.SliceLayout(1, acc_layout))
+            s = gl.where(((slots >= first) & (slots < last))[:, None], s * scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0))  # every tile holds a slot of the range: m_new is finite
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + gl.sum(p, 0)
+            acc = acc * alpha[None, :]
+            p_smem.store(p.to(p_smem.dtype))
+            fence_async_shared()
+            acc = warpgroup_mma(lat.permute((1, 0)), p_smem, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(stage), count=1)
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _decode_tma_kernel(
+        q_ptr, lat_desc, rope_desc, tables_ptr, lens_ptr, starts_ptr, part_out_ptr, part_lse_ptr,
+        stride_qb, stride_qh, stride_tb, stride_sb, scale_log2, num_splits,
+        HEADS: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_H: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr, HAS_STARTS: gl.constexpr,
+    ):
+        """`_decode_split_kernel`'s program (sequence, split) and partial rows, its tiles loaded by TMA in a
+        warp-specialized pipeline (section comment)."""
+        seq = gl.program_id(0)
+        split = gl.program_id(1)
+        context = gl.load(lens_ptr + seq)
+        begin = 0
+        if HAS_STARTS:
+            begin = gl.load(starts_ptr + seq * stride_sb)
+        split_len = gl.maximum(gl.cdiv(gl.cdiv(gl.maximum(context - begin, 0), num_splits), _TILE), 1) * _TILE
+        first = begin + split * split_len
+        last = gl.minimum(context, first + split_len)
+        if first < last:
+            a0 = first - first % BOX  # tiles start at a box
+            dtype: gl.constexpr = lat_desc.dtype
+            lat_smem = gl.allocate_shared_memory(dtype, [STAGES, _TILE, RANK],
+                                                 gl.NVMMASharedLayout.get_default_for([_TILE, RANK], dtype))
+            rope_smem = gl.allocate_shared_memory(dtype, [STAGES, _TILE, ROPE],
+                                                  gl.NVMMASharedLayout.get_default_for([_TILE, ROPE], dtype))
+            qlat_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, RANK],
+                                                  gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], dtype))
+            qrope_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE],
+                                                   gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype))
+            p_smem = gl.allocate_shared_memory(dtype, [_TILE, BLOCK_H],
+                                               gl.NVMMASharedLayout.get_default_for([_TILE, BLOCK_H], dtype))
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(ready.index(i), count=1)
+                mbarrier.init(empty.index(i), count=1)
+            n_tiles = gl.cdiv(last - a0, _TILE)
+            acc, m_i, l_i = gl.warp_specialize([
+                (_tma_attend, (q_ptr, lat_smem, rope_smem, qlat_smem, qrope_smem, p_smem, ready, empty, seq, first,
+                               last, a0, n_tiles, stride_qb, stride_qh, scale_log2, HEADS, RANK, ROPE, BLOCK_H,
+                               STAGES)),
+                (_tma_loader, (tables_ptr + seq * stride_tb, lat_desc, rope_desc, lat_smem, rope_smem, ready, empty,
+                               a0, last, n_tiles, PAGE_SIZE, BOX, STAGES)),
+            ], [1], [_LOADER_REGS])
+            acc_layout: gl.constexpr = _tma_acc_layout(BLOCK_H)
+            heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, acc_layout))
+            ranks = gl.arange(0, RANK, layout=gl.SliceLayout(1, acc_layout))
+            row = (seq.to(gl.int64) * HEADS + heads) * num_splits + split
+            head_mask = heads < HEADS
+            gl.store(part_out_ptr + row[None, :] * RANK + ranks[:, None], acc / l_i[None, :],
+                     mask=head_mask[None, :])
+            gl.store(part_lse_ptr + row, m_i + gl.log2(l_i), mask=head_mask)
+
+
+def _tma_unsupported(q: torch.Tensor, rows: torch.Tensor, rank: int, rope: int, scaled: bool) -> str | None:
+    """Why `_decode_tma_kernel` cannot read this decode (None: it can)."""
+    heads, page = q.shape[1], rows.shape[2]
+    if _TMA is None:
+        return f"Gluon's Hopper paths are missing ({TMA_UNAVAILABLE})"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "TMA and warpgroup MMA need a Hopper GPU"
+    if scaled or q.dtype not in (torch.bfloat16, torch.float16) or rows.dtype != q.dtype:
+        return "the TMA kernel reads 16-bit latents in the queries' dtype"
+    if heads > TMA_MAX_HEADS or rank < TMA_TILE or rank > 512 or rope < 16 or rope & (rope - 1):
+        return f"the TMA kernel takes at most {TMA_MAX_HEADS} heads, a latent of 64 to 512 and a power-of-two RoPE part"
+    if page & (page - 1) or page < 8 or not rows.is_contiguous():
+        return "the TMA kernel reads contiguous pages of a power-of-two size >= 8"
+    return None
+
+
+def _decode_tma(q, rows, block_tables, context_lens, starts, stride_sb, has_starts, part_out, part_lse, splits,
+                scale_log2, rank, rope) -> None:
+    """`_decode_tma_kernel` over the split schedule's grid: descriptors over the cache's token rows, a box a page
+    (or a tile, for larger pages)."""
+    batch, heads, _ = q.shape
+    page = rows.shape[2]
+    box = min(page, TMA_TILE)
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    flat = rows.view(-1, rows.shape[-1])
+    lat = TensorDescriptor.from_tensor(flat[:, :rank], [box, rank],
+                                       gl.NVMMASharedLayout.get_default_for([box, rank], dtype))
+    rope_desc = TensorDescriptor.from_tensor(flat[:, rank:], [box, rope],
+                                             gl.NVMMASharedLayout.get_default_for([box, rope], dtype))
+    _decode_tma_kernel[(batch, splits)](
+        q, lat, rope_desc, block_tables, context_lens, starts, part_out, part_lse,
+        q.stride(0), q.stride(1), block_tables.stride(0), stride_sb, scale_log2, splits,
+        HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=page, BLOCK_H=max(16, triton.next_power_of_2(heads)), BOX=box,
+        STAGES=TMA_STAGES, HAS_STARTS=has_starts, num_warps=4,
+    )
+
+
 @functools.lru_cache(maxsize=1024)  # (every layer of an eager step asks the same)
 def decode_splits(batch: int, max_context_len: int, device: torch.device, heads: int, rank: int,
                   token_bytes: int) -> int:
@@ -350,18 +571,26 @@ def _starts(kv_starts, context_lens):
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=None, out=None,
-                 kv_starts=None, stats=None, read=None, rows=None, resid_lens=None, *, schedule="split", block_n=None,
-                 num_warps=None, num_stages=None, num_splits=None, num_programs=None):
+                 kv_starts=None, stats=None, read=None, rows=None, resid_lens=None, *, schedule="split", loads=None,
+                 block_n=None, num_warps=None, num_stages=None, num_splits=None, num_programs=None):
     """One absorbed query per sequence, q [B, heads, RANK + ROPE], over its latents; out [B, heads, RANK]
     (module docstring). `schedule` "split" (each context in `num_splits` splits) or "balanced" (`num_programs`,
-    default one an SM, share the batch's tiles evenly: a ragged batch's programs finish together); the other
-    keyword knobs override the launch."""
+    default one an SM, share the batch's tiles evenly: a ragged batch's programs finish together). `loads`
+    "tma" (the split schedule's warp-specialized kernel: Hopper, 16-bit latents), "pointers" (the Triton
+    kernels) or None: TMA where it applies and no Triton knob (block_n, num_warps, num_stages) is given."""
     if stats is not None or read is not None:  # the statistics and read plans of the torch ops
         return torch_ops.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out,
                                       kv_starts, stats, rows, resid_lens, read)
     if schedule not in ("split", "balanced"):
         raise ValueError(f"unknown latent decode schedule {schedule!r}: split or balanced")
+    if loads not in (None, "tma", "pointers"):
+        raise ValueError(f"unknown latent decode loads {loads!r}: tma or pointers")
     rank, rope, rows, kv_scale = _layout(q, k_cache, v_cache)
+    why_not = _tma_unsupported(q, rows, rank, rope, kv_scale is not None) if loads != "pointers" else "pointers"
+    if loads == "tma" and (why_not or schedule != "split"):
+        raise ValueError(f"the TMA decode kernel cannot read this decode: {why_not or 'it runs the split schedule'}")
+    tma_loads = why_not is None and schedule == "split" and (
+        loads == "tma" or (block_n, num_warps, num_stages) == (None, None, None))
     batch, heads, _ = q.shape
     if out is None:
         out = q.new_empty(batch, heads, rank)
@@ -380,7 +609,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
     part_lse = torch.empty(part_rows * heads, device=q.device, dtype=torch.float32)
     starts, stride_sb = _starts(kv_starts, context_lens)
     scaled = kv_scale is not None
-    tile_n = block_n or (32 if scaled else 64)  # measured (docs/benchmarks.md); FP8's dequantized tile: no spills
+    # measured (docs/benchmarks.md); FP8's dequantized tile: no spills
+    tile_n = TMA_TILE if tma_loads else block_n or (32 if scaled else 64)
     block_b = max(16, triton.next_power_of_2(batch))
     args = (q, rows, rows if kv_scale is None else kv_scale, block_tables, context_lens, starts, part_out, part_lse,
             q.stride(0), q.stride(1), rows.stride(0), rows.stride(2), block_tables.stride(0), stride_sb,
@@ -390,7 +620,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
                  BLOCK_P=max(16, triton.next_power_of_2(rope)), HAS_STARTS=kv_starts is not None, SCALED=scaled,
                  PRECISION=_precision(q.dtype), num_warps=num_warps or (8 if scaled else 4),
                  num_stages=num_stages or (2 if scaled else 3))
-    if balanced:
+    if tma_loads:
+        _decode_tma(q, rows, block_tables, context_lens, starts, stride_sb, kv_starts is not None, part_out, part_lse,
+                    parts, scale * LOG2E, rank, rope)
+    elif balanced:
         _decode_balanced_kernel[(parts,)](*args, BLOCK_B=block_b, **shape)
     else:
         _decode_split_kernel[(batch, parts)](*args, **shape)

@@ -37,6 +37,22 @@ def _report(name: str, ptx: str, options: dict) -> None:
     print(name, options, usage)
 
 
+def _tma_decode(mod) -> None:
+    """The warp-specialized decode (Gluon): TMA copies a page at a time, warpgroup MMA in the consumer, and the
+    register split between the loader warp and the consumer warpgroup (setmaxnreg)."""
+    gl = mod.gl
+    boxes = {"lat_desc": [16, 512], "rope_desc": [16, 64]}
+    types = {**POINTERS, "scale_log2": "fp32"}
+    types |= {name: f"tensordesc<bf16{box},{gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)!r}>"
+              for name, box in boxes.items()}
+    shape = dict(HEADS=20, RANK=512, ROPE=64, PAGE_SIZE=16, BLOCK_H=32, BOX=16, STAGES=mod.TMA_STAGES)
+    for starts in (False, True):
+        ptx = build(mod._decode_tma_kernel, dict(shape, HAS_STARTS=starts), types, num_warps=4)
+        for part in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "setmaxnreg"):
+            assert part in ptx, f"the TMA decode kernel lost {part}"
+        _report(f"decode TMA, warp-specialized, starts={starts}", ptx, dict(num_warps=4))
+
+
 def main() -> None:
     spec = importlib.util.spec_from_file_location("kvc_latent_sm90", attention.locate("latent"))
     mod = importlib.util.module_from_spec(spec)
@@ -48,6 +64,7 @@ def main() -> None:
                     **options)
         assert "wgmma.mma_async" in ptx and "cp.async" in ptx, "the decode kernel lost its warpgroup MMA or pipeline"
         _report(f"decode BLOCK_N={block_n}", ptx, options)
+    _tma_decode(mod)
     fp8 = dict(SHAPE, SCALED=True)
     options = dict(num_warps=8, num_stages=2)
     ptx = build(mod._decode_split_kernel, dict(BLOCK_H=32, BLOCK_N=32, **fp8), {**POINTERS, "kv_ptr": "*fp8e4nv"},

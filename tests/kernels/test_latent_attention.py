@@ -26,28 +26,29 @@ RANK, ROPE, HEADS, PAGE = 32, 8, 5, 4  # five heads: a padded head block; RoPE p
 SCALE = 0.3
 
 
-def _cache(gen: torch.Generator, lengths: list[int], dtype: torch.dtype):
+def _cache(gen: torch.Generator, lengths: list[int], dtype: torch.dtype, rank: int = RANK, rope: int = ROPE,
+           page: int = PAGE):
     """A latent cache over shuffled pages, NaN where no sequence owns a slot: (k, v, tables)."""
-    pages = [-(-n // PAGE) for n in lengths]
+    pages = [-(-n // page) for n in lengths]
     total = sum(pages) + 2
-    cache = torch.full((total, 1, PAGE, RANK + ROPE), float("nan"))
+    cache = torch.full((total, 1, page, rank + rope), float("nan"))
     order = torch.randperm(total - 1, generator=gen)
     tables = torch.zeros(len(lengths), max(pages + [1]), dtype=torch.int32)
     used = 0
     for b, (n, count) in enumerate(zip(lengths, pages)):
         for i in range(count):
-            page = int(order[used])
+            where = int(order[used])
             used += 1
-            tables[b, i] = page
-            filled = min(PAGE, n - i * PAGE)
-            cache[page, 0, :filled] = torch.randn(filled, RANK + ROPE, generator=gen)
+            tables[b, i] = where
+            filled = min(page, n - i * page)
+            cache[where, 0, :filled] = torch.randn(filled, rank + rope, generator=gen)
     cache = cache.to(dtype).to(DEVICE)
-    return cache, cache[..., :RANK], tables.to(DEVICE)
+    return cache, cache[..., :rank], tables.to(DEVICE)
 
 
-def _clean(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _clean(cache: torch.Tensor, rank: int = RANK) -> tuple[torch.Tensor, torch.Tensor]:
     k = cache.nan_to_num(0.0).float()
-    return k, k[..., :RANK]
+    return k, k[..., :rank]
 
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -74,6 +75,48 @@ def test_decode_matches_torch(dtype, starts, schedule):
     want = torch_ops.paged_decode(q.float(), k, v, tables, lens, SCALE, kv_starts=kv_starts)
     torch.testing.assert_close(out.float(), want, **TOL[dtype])
     assert bool((out[2] == 0).all())  # no context: zeros
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not HOPPER, reason="the TMA decode kernel needs a Hopper GPU")
+@pytest.mark.parametrize("starts", [False, True], ids=["whole", "per-row-starts"])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_tma_decode_matches_torch(starts, splits):
+    """The warp-specialized TMA kernel at GLM-4.7-Flash's shape (20 heads, 512 + 64, pages of 16, bf16): whole
+    pages are copied, so NaN in the slots no sequence owns (page tails, before a row's start) must not reach the
+    output; splits that start mid-page; a context of one tile exactly, of one slot, and none."""
+    gen = torch.Generator().manual_seed(6)
+    lengths = [1, 37, 0, 700, 2000, 64, 129, 1500]
+    k_cache, v_cache, tables = _cache(gen, lengths, torch.bfloat16, rank=512, rope=64, page=16)
+    q = torch.randn(len(lengths), 20, 576, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    kv_starts = (torch.tensor([[0], [5], [0], [333], [8], [63], [70], [1]], dtype=torch.int32, device=DEVICE)
+                 if starts else None)
+    if kv_starts is not None:  # slots before a row's start: NaN too
+        for b, (n, first) in enumerate(zip(lengths, kv_starts[:, 0].tolist())):
+            for slot in range(first):
+                k_cache[tables[b, slot // 16], 0, slot % 16] = float("nan")
+    out = torch.full((len(lengths), 20, 512), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    latent_ops.paged_decode(q, k_cache, v_cache, tables, lens, SCALE, max_context_len=2000, out=out,
+                            kv_starts=kv_starts, loads="tma", num_splits=splits)
+    k, v = _clean(k_cache, 512)
+    want = torch_ops.paged_decode(q.float(), k, v, tables, lens, SCALE, kv_starts=kv_starts)
+    torch.testing.assert_close(out.float(), want, **TOL[torch.bfloat16])
+    assert bool((out[2] == 0).all())  # no context: zeros
+
+
+@pytest.mark.skipif(HOPPER, reason="off Hopper: the TMA kernel is refused")
+def test_tma_decode_off_hopper_is_a_clear_error():
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache, tables = _cache(gen, [5], torch.float32)
+    q = torch.randn(1, HEADS, RANK + ROPE, generator=gen).to(DEVICE)
+    lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="the TMA decode kernel cannot read this decode"):
+        latent_ops.paged_decode(q, k_cache, v_cache, tables, lens, SCALE, loads="tma")
+    with pytest.raises(ValueError, match="unknown latent decode loads"):
+        latent_ops.paged_decode(q, k_cache, v_cache, tables, lens, SCALE, loads="gather")
 
 
 @pytest.mark.parametrize("dtype", list(TOL))
