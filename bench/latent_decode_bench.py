@@ -1,10 +1,11 @@
 """MLA's latent cache on one layer at GLM-4.7-Flash's shape (20 query heads over one latent head of 512 +
 64 RoPE channels, bf16, pages of 16): the generated `latent` decode kernels' bandwidth over the latent
 bytes a decode reads (TMA loads in a warp-specialized Gluon kernel, and the Triton kernel's pointer
-loads; `max_diff` against the first one's output), against a device-to-device copy in the same run; and the prefill attention of one
-chunk in the absorbed form (the `latent` prefill kernel, FLOPs of q . [c, k_rope] and p . c) against the
-decompressed form (per-head keys [nope 192 | rope 64] and values 256 through torch's SDPA, plus the
-up-projection of every context token that the decompressed form needs first).
+loads; `max_diff` against the first one's output), against a device-to-device copy in the same run; and
+the prefill attention of one chunk in the absorbed form (the `latent` prefill kernel, FLOPs of
+q . [c, k_rope] and p . c) against the decompressed form (per-head keys [nope 192 | rope 64] and values
+256 through torch's SDPA, plus the up-projection of every context token that the decompressed form
+needs first).
 
     python bench/latent_decode_bench.py --shapes 32x32768,8x131072 --sweep --out latent.json
     TRITON_INTERPRET=1 python bench/latent_decode_bench.py --smoke     # CPU, tiny: proves it runs
