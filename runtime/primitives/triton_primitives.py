@@ -92,17 +92,29 @@ def _columns(q_ptr, k_ptr, m_ptr, l_ptr, out_ptr, queries, length, n_keys, group
     tl.store(out_ptr + head * n_keys + k_offs, votes, mask=k_ok)
 
 
-def votes_config(queries: int, on_gpu: bool) -> dict:
-    """The heuristic knobs of `column_votes` (what a launch uses without a tuned entry)."""
+TILE_BYTES = 1 << 17  # the query and key tiles of one step together, at most (shared memory; wide MLA heads)
+
+
+def votes_config(queries: int, on_gpu: bool, head_dim: int = 128, element_size: int = 2) -> dict:
+    """The heuristic knobs of `column_votes` (what a launch uses without a tuned entry): on a GPU, 64-query and
+    64-key tiles, halved (the larger first) while both tiles of padded `head_dim` exceed TILE_BYTES (MLA's
+    absorbed 576 channels pad to 1024)."""
     if not on_gpu:
         return {"block_q": 16, "block_k": 16, "num_warps": 4}
-    return {"block_q": max(16, min(64, triton.next_power_of_2(queries))), "block_k": 64, "num_warps": 4}
+    block_q, block_k = max(16, min(64, triton.next_power_of_2(queries))), 64
+    width = max(16, triton.next_power_of_2(head_dim)) * element_size
+    while (block_q + block_k) * width > TILE_BYTES and max(block_q, block_k) > 16:
+        if block_k >= block_q:
+            block_k //= 2
+        else:
+            block_q //= 2
+    return {"block_q": block_q, "block_k": block_k, "num_warps": 4}
 
 
 def launch_config(queries: int, keys: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                   on_gpu: bool) -> dict:
     """This GPU's tuned knobs for the bucket (`kvc tune`), else `votes_config`."""
-    cfg = votes_config(queries, on_gpu)
+    cfg = votes_config(queries, on_gpu, head_dim, torch.empty((), dtype=dtype).element_size())
     knobs = tuned(KERNEL, tuning_buckets.votes(queries, keys, heads, kv_heads, head_dim, dtype), SOURCE_HASH)
     return {**cfg, **knobs} if knobs else cfg
 

@@ -284,7 +284,8 @@ def _votes(shape: ModelShape, queries: int, keys: int, effort: str, device: torc
     q = _randn(s.q_heads, queries, s.head_dim, dtype=s.dtype, device=device, gen=gen)
     k = _randn(s.kv_heads, keys, s.head_dim, dtype=s.dtype, device=device, gen=gen)
     n_keys = keys - queries  # a window's scores cover the keys before it (SnapKV's sliced keys)
-    heuristic = triton_primitives.votes_config(queries, device.type != "cpu")
+    heuristic = triton_primitives.votes_config(queries, device.type != "cpu", s.head_dim,
+                                               torch.finfo(s.dtype).bits // 8)
 
     def launch(cfg):
         return lambda: triton_primitives.column_votes(q, k, n_keys, **cfg)

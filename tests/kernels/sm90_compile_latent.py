@@ -53,6 +53,19 @@ def _tma_decode(mod) -> None:
         _report(f"decode TMA, warp-specialized, starts={starts}", ptx, dict(num_warps=4))
 
 
+def _column_votes() -> None:
+    """SnapKV's prefill-end window scores (`column_votes`) over MLA's absorbed queries and latent keys (576
+    channels, padded to 1024) at the heuristic's tiles: within a block's shared memory."""
+    from kvc.runtime.primitives import triton_primitives as prims
+
+    for queries in (8, 32, 64):
+        cfg = prims.votes_config(queries, True, head_dim=576)
+        consts = dict(HEAD_DIM=576, BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"], BLOCK_D=1024, IEEE=False)
+        for fn in (prims._row_stats, prims._columns):
+            ptx = build(fn, consts, {"q_ptr": "*bf16", "k_ptr": "*bf16", "scale": "fp32"}, num_warps=cfg["num_warps"])
+            _report(f"column votes {fn.__name__}, {queries} queries", ptx, cfg)
+
+
 def main() -> None:
     spec = importlib.util.spec_from_file_location("kvc_latent_sm90", attention.locate("latent"))
     mod = importlib.util.module_from_spec(spec)
@@ -83,6 +96,7 @@ def main() -> None:
         options = dict(num_warps=warps, num_stages=stages)
         ptx = build(mod._prefill_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, **SHAPE), POINTERS, **options)
         _report(f"prefill BLOCK_M={block_m} BLOCK_N={block_n}", ptx, options)
+    _column_votes()
     print("latent kernels compiled for sm90")
 
 

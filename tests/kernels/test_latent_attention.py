@@ -107,6 +107,33 @@ def test_tma_decode_matches_torch(starts, splits):
     assert bool((out[2] == 0).all())  # no context: zeros
 
 
+@pytest.mark.skipif(not HOPPER, reason="the TMA decode kernel needs a Hopper GPU")
+def test_tma_decode_replays_in_a_cuda_graph():
+    """Captured once (its descriptors hold the cache's address), replayed after the cache, the queries and the
+    lengths changed in place: the eager call's output."""
+    gen = torch.Generator().manual_seed(8)
+    k_cache, v_cache, tables = _cache(gen, [300, 900], torch.bfloat16, rank=512, rope=64, page=16)
+    k_cache.nan_to_num_(0.0)
+    q = torch.randn(2, 20, 576, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor([300, 900], dtype=torch.int32, device=DEVICE)
+    out = torch.empty(2, 20, 512, dtype=torch.bfloat16, device=DEVICE)
+
+    def step():
+        latent_ops.paged_decode(q, k_cache, v_cache, tables, lens, SCALE, max_context_len=900, out=out, loads="tma")
+
+    step()  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    k_cache.mul_(0.5)
+    q.copy_(torch.randn(2, 20, 576, generator=gen).to(torch.bfloat16))
+    lens.copy_(torch.tensor([250, 899], dtype=torch.int32))
+    graph.replay()
+    replayed = out.clone()
+    step()
+    assert torch.equal(replayed, out)
+
+
 @pytest.mark.skipif(HOPPER, reason="off Hopper: the TMA kernel is refused")
 def test_tma_decode_off_hopper_is_a_clear_error():
     gen = torch.Generator().manual_seed(7)
