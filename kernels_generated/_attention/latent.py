@@ -317,14 +317,16 @@ def _decode_reduce_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# The split schedule with TMA loads and a warp-specialized pipeline (Gluon; Hopper, bf16/fp16 latents)
+# The split schedule with TMA loads and a warp-specialized pipeline (Gluon; Hopper)
 #
 # One loader warp copies each key tile into a ring of STAGES shared-memory buffers with TMA, a
 # page-sized box at a time (a tile spans pages: the table is read per box), and signals a `ready`
-# barrier with the bytes; the consumer warpgroup runs `_attend_range`'s products on the buffer (the
-# tile is wgmma's tall operand), then frees it (`empty`). Copies and tensor-core work overlap without
-# costing the consumer's issue slots (docs/design.md, "MLA"). Boxes are whole pages, so a split's first
-# and last tiles hold slots outside [first, last): the consumer zeroes those rows before reading them.
+# barrier with the bytes; the consumer warpgroup runs `_attend_range`'s products on the tile (wgmma's
+# tall operand), then frees the buffer (`empty`). Copies and tensor-core work overlap without costing
+# the consumer's issue slots (docs/design.md, "MLA"). Boxes are whole pages, so a split's first and
+# last tiles hold slots outside [first, last): those rows are zeroed before the products read them.
+# FP8 latents: the ring holds the codes; the consumer writes `code x scale` (rows outside the range
+# zeroed) into a 16-bit tile, frees the ring buffer, and the products read that tile.
 # Gluon compiles for NVIDIA GPUs only: `_TMA` is None where it is missing, and the Triton kernel runs.
 # ---------------------------------------------------------------------------------------------
 
@@ -336,17 +338,20 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _TMA, TMA_UNAVAILABLE = gl, None
+    _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
+                  torch.float8_e5m2: gl.float8e5}
 except ImportError as error:  # a Triton without Gluon's Hopper paths
     _TMA, TMA_UNAVAILABLE = None, repr(error)
 
 TMA_TILE = 64  # slots a tile: wgmma's M
-TMA_STAGES = 2  # tiles in shared memory (2 x 72 KB at GLM-4.7-Flash's 512 + 64, with the queries: 189 KB)
+TMA_STAGES = 2  # 16-bit tiles in the ring (2 x 72 KB at GLM-4.7-Flash's 512 + 64, with the queries: 189 KB)
+TMA_FP8_STAGES = 3  # FP8 tiles in the ring (3 x 36 KB, plus the 72 KB 16-bit tile the products read)
 TMA_MAX_HEADS = 32  # the [RANK, heads] float32 accumulator in one warpgroup's registers
 TMA_LOADER_REGS = 40
+FP8_CODES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 if _TMA is not None:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # renamed after Triton 3.6
-    _tma_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
     _TILE = gl.constexpr(TMA_TILE)
     _LOADER_REGS = gl.constexpr(TMA_LOADER_REGS)
 
@@ -357,7 +362,7 @@ if _TMA is not None:
 
     @triton.constexpr_function
     def _tma_rows_layout(width):
-        """A [TMA_TILE, width] register layout over one warpgroup, 8 channels a thread."""
+        """A [rows, width] register layout over one warpgroup, 8 channels a thread."""
         across = min(32, max(1, width // 8))
         return gl.BlockedLayout([1, 8], [32 // across, across], [4, 1], [1, 0])
 
@@ -380,35 +385,41 @@ if _TMA is not None:
                 _tma_load(rope_desc, [row, 0], bar, rope_smem.index(stage).slice(j * BOX, BOX))
 
     @gluon.jit
-    def _tma_zero_rows(buf, tile0, first, last, WIDTH: gl.constexpr):
-        """Rows of a [TMA_TILE, WIDTH] buffer whose slots fall outside [first, last) set to zero (they may hold
-        anything: another sequence's slots, or a page's unwritten tail)."""
-        chunk: gl.constexpr = 64 if WIDTH > 64 else WIDTH
-        layout: gl.constexpr = _tma_rows_layout(chunk)
-        slots = tile0 + gl.arange(0, _TILE, layout=gl.SliceLayout(1, layout))
-        keep = ((slots >= first) & (slots < last))[:, None]
-        for c in gl.static_range(WIDTH // chunk):
-            part = buf.slice(c * chunk, chunk, dim=1)
-            part.store(gl.where(keep, part.load(layout), 0.0))
+    def _tma_masked_rows(src, dst, scale, tile0, first, last, WIDTH: gl.constexpr):
+        """dst = src x scale (float32, rounded to dst's dtype) for the tile's slots in [first, last), zero for the
+        others (they may hold anything: another sequence's slots, a page's unwritten tail): FP8 codes into the
+        products' tile, or a 16-bit tile's outside rows in place (scale 1). Blocks of 16 rows x up to 256
+        channels, whole swizzle atoms of either dtype."""
+        cols: gl.constexpr = 256 if WIDTH > 256 else WIDTH
+        layout: gl.constexpr = _tma_rows_layout(cols)
+        for r in gl.static_range(_TILE // 16):
+            slots = tile0 + r * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+            keep = ((slots >= first) & (slots < last))[:, None]
+            for c in gl.static_range(WIDTH // cols):
+                x = src.slice(r * 16, 16).slice(c * cols, cols, dim=1).load(layout).to(gl.float32) * scale
+                dst.slice(r * 16, 16).slice(c * cols, cols, dim=1).store(gl.where(keep, x, 0.0).to(dst.dtype))
 
     @gluon.jit
-    def _tma_attend(q_ptr, lat_smem, rope_smem, qlat_smem, qrope_smem, p_smem, ready, empty, seq, first, last, a0,
-                    n_tiles, stride_qb, stride_qh, scale_log2, HEADS: gl.constexpr, RANK: gl.constexpr,
-                    ROPE: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr):
+    def _tma_attend(q_ptr, scale_ptr, lat_smem, rope_smem, lat_tile, rope_tile, qlat_smem, qrope_smem, p_smem, ready,
+                    empty, seq, first, last, a0, n_tiles, stride_qb, stride_qh, scale_log2, HEADS: gl.constexpr,
+                    RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
+                    SCALED: gl.constexpr):
         """The consumer warpgroup: the queries into shared memory, then `_attend_range`'s loop over the loader's
         tiles. Returns out^T [RANK, BLOCK_H] (float32, unnormalised), the running max and sum (base 2)."""
         q_layout: gl.constexpr = _tma_rows_layout(RANK)
         heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
-        q_rows = q_ptr + seq.to(gl.int64) * stride_qb + heads[:, None] * stride_qh
-        head_mask = (heads < HEADS)[:, None]
         ranks = gl.arange(0, RANK, layout=gl.SliceLayout(0, q_layout))
-        qlat_smem.store(gl.load(q_rows + ranks[None, :], mask=head_mask, other=0.0))
+        q_rows = q_ptr + seq.to(gl.int64) * stride_qb + heads[:, None] * stride_qh
+        qlat_smem.store(gl.load(q_rows + ranks[None, :], mask=(heads < HEADS)[:, None], other=0.0))
         rope_layout: gl.constexpr = _tma_rows_layout(ROPE)
         heads_r = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rope_layout))
         rope_dims = gl.arange(0, ROPE, layout=gl.SliceLayout(0, rope_layout))
         qrope_smem.store(gl.load(q_ptr + seq.to(gl.int64) * stride_qb + heads_r[:, None] * stride_qh + RANK
                                  + rope_dims[None, :], mask=(heads_r < HEADS)[:, None], other=0.0))
         fence_async_shared()
+        kv_scale = 1.0
+        if SCALED:
+            kv_scale = gl.load(scale_ptr).to(gl.float32)
         acc_layout: gl.constexpr = _tma_acc_layout(BLOCK_H)
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, acc_layout))
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, acc_layout))
@@ -417,14 +428,21 @@ if _TMA is not None:
         for t in range(n_tiles):
             stage = t % STAGES
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
-            lat = lat_smem.index(stage)
-            rope = rope_smem.index(stage)
             tile0 = a0 + t * _TILE
-            if (tile0 < first) | (tile0 + _TILE > last):
-                _tma_zero_rows(lat, tile0, first, last, RANK)
-                _tma_zero_rows(rope, tile0, first, last, ROPE)
+            if SCALED:  # the codes into the 16-bit tile; the ring buffer is free once every thread has read it
+                _tma_masked_rows(lat_smem.index(stage), lat_tile, kv_scale, tile0, first, last, RANK)
+                _tma_masked_rows(rope_smem.index(stage), rope_tile, kv_scale, tile0, first, last, ROPE)
                 fence_async_shared()
-                _tma_barrier()
+                mbarrier.arrive(empty.index(stage), count=1)
+                lat = lat_tile
+                rope = rope_tile
+            else:
+                lat = lat_smem.index(stage)
+                rope = rope_smem.index(stage)
+                if (tile0 < first) | (tile0 + _TILE > last):
+                    _tma_masked_rows(lat, lat, kv_scale, tile0, first, last, RANK)
+                    _tma_masked_rows(rope, rope, kv_scale, tile0, first, last, ROPE)
+                    fence_async_shared()
             s = warpgroup_mma(lat, qlat_smem.permute((1, 0)), s_init, use_acc=False, is_async=True)
             s = warpgroup_mma(rope, qrope_smem.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -439,16 +457,18 @@ if _TMA is not None:
             fence_async_shared()
             acc = warpgroup_mma(lat.permute((1, 0)), p_smem, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(stage), count=1)
+            if not SCALED:
+                mbarrier.arrive(empty.index(stage), count=1)
             m_i = m_new
         return acc, m_i, l_i
 
     @gluon.jit
     def _decode_tma_kernel(
-        q_ptr, lat_desc, rope_desc, tables_ptr, lens_ptr, starts_ptr, part_out_ptr, part_lse_ptr,
+        q_ptr, lat_desc, rope_desc, scale_ptr, tables_ptr, lens_ptr, starts_ptr, part_out_ptr, part_lse_ptr,
         stride_qb, stride_qh, stride_tb, stride_sb, scale_log2, num_splits,
         HEADS: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr, HAS_STARTS: gl.constexpr,
+        SCALED: gl.constexpr,
     ):
         """`_decode_split_kernel`'s program (sequence, split) and partial rows, its tiles loaded by TMA in a
         warp-specialized pipeline (section comment)."""
@@ -463,11 +483,20 @@ if _TMA is not None:
         last = gl.minimum(context, first + split_len)
         if first < last:
             a0 = first - first % BOX  # tiles start at a box
-            dtype: gl.constexpr = lat_desc.dtype
-            lat_smem = gl.allocate_shared_memory(dtype, [STAGES, _TILE, RANK],
-                                                 gl.NVMMASharedLayout.get_default_for([_TILE, RANK], dtype))
-            rope_smem = gl.allocate_shared_memory(dtype, [STAGES, _TILE, ROPE],
-                                                  gl.NVMMASharedLayout.get_default_for([_TILE, ROPE], dtype))
+            dtype: gl.constexpr = q_ptr.dtype.element_ty
+            stored: gl.constexpr = lat_desc.dtype
+            lat_smem = gl.allocate_shared_memory(stored, [STAGES, _TILE, RANK],
+                                                 gl.NVMMASharedLayout.get_default_for([_TILE, RANK], stored))
+            rope_smem = gl.allocate_shared_memory(stored, [STAGES, _TILE, ROPE],
+                                                  gl.NVMMASharedLayout.get_default_for([_TILE, ROPE], stored))
+            if SCALED:  # the dequantized tile the products read
+                lat_tile = gl.allocate_shared_memory(dtype, [_TILE, RANK],
+                                                     gl.NVMMASharedLayout.get_default_for([_TILE, RANK], dtype))
+                rope_tile = gl.allocate_shared_memory(dtype, [_TILE, ROPE],
+                                                      gl.NVMMASharedLayout.get_default_for([_TILE, ROPE], dtype))
+            else:  # the products read the ring
+                lat_tile = lat_smem
+                rope_tile = rope_smem
             qlat_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, RANK],
                                                   gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], dtype))
             qrope_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE],
@@ -481,9 +510,9 @@ if _TMA is not None:
                 mbarrier.init(empty.index(i), count=1)
             n_tiles = gl.cdiv(last - a0, _TILE)
             acc, m_i, l_i = gl.warp_specialize([
-                (_tma_attend, (q_ptr, lat_smem, rope_smem, qlat_smem, qrope_smem, p_smem, ready, empty, seq, first,
-                               last, a0, n_tiles, stride_qb, stride_qh, scale_log2, HEADS, RANK, ROPE, BLOCK_H,
-                               STAGES)),
+                (_tma_attend, (q_ptr, scale_ptr, lat_smem, rope_smem, lat_tile, rope_tile, qlat_smem, qrope_smem,
+                               p_smem, ready, empty, seq, first, last, a0, n_tiles, stride_qb, stride_qh, scale_log2,
+                               HEADS, RANK, ROPE, BLOCK_H, STAGES, SCALED)),
                 (_tma_loader, (tables_ptr + seq * stride_tb, lat_desc, rope_desc, lat_smem, rope_smem, ready, empty,
                                a0, last, n_tiles, PAGE_SIZE, BOX, STAGES)),
             ], [1], [_LOADER_REGS])
@@ -497,15 +526,15 @@ if _TMA is not None:
             gl.store(part_lse_ptr + row, m_i + gl.log2(l_i), mask=head_mask)
 
 
-def _tma_unsupported(q: torch.Tensor, rows: torch.Tensor, rank: int, rope: int, scaled: bool) -> str | None:
+def _tma_unsupported(q: torch.Tensor, rows: torch.Tensor, rank: int, rope: int) -> str | None:
     """Why `_decode_tma_kernel` cannot read this decode (None: it can)."""
     heads, page = q.shape[1], rows.shape[2]
     if _TMA is None:
         return f"Gluon's Hopper paths are missing ({TMA_UNAVAILABLE})"
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "TMA and warpgroup MMA need a Hopper GPU"
-    if scaled or q.dtype not in (torch.bfloat16, torch.float16) or rows.dtype != q.dtype:
-        return "the TMA kernel reads 16-bit latents in the queries' dtype"
+    if q.dtype not in (torch.bfloat16, torch.float16) or rows.dtype not in (q.dtype, *FP8_CODES):
+        return "the TMA kernel reads 16-bit queries over latents in their dtype or FP8"
     if heads > TMA_MAX_HEADS or rank < TMA_TILE or rank > 512 or rope < 16 or rope & (rope - 1):
         return f"the TMA kernel takes at most {TMA_MAX_HEADS} heads, a latent of 64 to 512 and a power-of-two RoPE part"
     if page & (page - 1) or page < 8 or not rows.is_contiguous():
@@ -513,24 +542,25 @@ def _tma_unsupported(q: torch.Tensor, rows: torch.Tensor, rank: int, rope: int, 
     return None
 
 
-def _decode_tma(q, rows, block_tables, context_lens, starts, stride_sb, has_starts, part_out, part_lse, splits,
-                scale_log2, rank, rope) -> None:
-    """`_decode_tma_kernel` over the split schedule's grid: descriptors over the cache's token rows, a box a page
-    (or a tile, for larger pages)."""
+def _decode_tma(q, rows, kv_scale, block_tables, context_lens, starts, stride_sb, has_starts, part_out, part_lse,
+                splits, scale_log2, rank, rope) -> None:
+    """`_decode_tma_kernel` over the split schedule's grid: descriptors over the cache's token rows (or FP8
+    codes), a box a page (or a tile, for larger pages)."""
     batch, heads, _ = q.shape
     page = rows.shape[2]
     box = min(page, TMA_TILE)
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    stored = _GL_DTYPES[rows.dtype]
     flat = rows.view(-1, rows.shape[-1])
     lat = TensorDescriptor.from_tensor(flat[:, :rank], [box, rank],
-                                       gl.NVMMASharedLayout.get_default_for([box, rank], dtype))
+                                       gl.NVMMASharedLayout.get_default_for([box, rank], stored))
     rope_desc = TensorDescriptor.from_tensor(flat[:, rank:], [box, rope],
-                                             gl.NVMMASharedLayout.get_default_for([box, rope], dtype))
+                                             gl.NVMMASharedLayout.get_default_for([box, rope], stored))
+    scaled = kv_scale is not None
     _decode_tma_kernel[(batch, splits)](
-        q, lat, rope_desc, block_tables, context_lens, starts, part_out, part_lse,
+        q, lat, rope_desc, kv_scale if scaled else q, block_tables, context_lens, starts, part_out, part_lse,
         q.stride(0), q.stride(1), block_tables.stride(0), stride_sb, scale_log2, splits,
         HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=page, BLOCK_H=max(16, triton.next_power_of_2(heads)), BOX=box,
-        STAGES=TMA_STAGES, HAS_STARTS=has_starts, num_warps=4,
+        STAGES=TMA_FP8_STAGES if scaled else TMA_STAGES, HAS_STARTS=has_starts, SCALED=scaled, num_warps=4,
     )
 
 
@@ -576,7 +606,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
     """One absorbed query per sequence, q [B, heads, RANK + ROPE], over its latents; out [B, heads, RANK]
     (module docstring). `schedule` "split" (each context in `num_splits` splits) or "balanced" (`num_programs`,
     default one an SM, share the batch's tiles evenly: a ragged batch's programs finish together). `loads`
-    "tma" (the split schedule's warp-specialized kernel: Hopper, 16-bit latents), "pointers" (the Triton
+    "tma" (the split schedule's warp-specialized kernel: Hopper, 16-bit or FP8 latents), "pointers" (the Triton
     kernels) or None: TMA where it applies and no Triton knob (block_n, num_warps, num_stages) is given."""
     if stats is not None or read is not None:  # the statistics and read plans of the torch ops
         return torch_ops.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out,
@@ -586,7 +616,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
     if loads not in (None, "tma", "pointers"):
         raise ValueError(f"unknown latent decode loads {loads!r}: tma or pointers")
     rank, rope, rows, kv_scale = _layout(q, k_cache, v_cache)
-    why_not = _tma_unsupported(q, rows, rank, rope, kv_scale is not None) if loads != "pointers" else "pointers"
+    why_not = _tma_unsupported(q, rows, rank, rope) if loads != "pointers" else "pointers"
     if loads == "tma" and (why_not or schedule != "split"):
         raise ValueError(f"the TMA decode kernel cannot read this decode: {why_not or 'it runs the split schedule'}")
     tma_loads = why_not is None and schedule == "split" and (
@@ -621,8 +651,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
                  PRECISION=_precision(q.dtype), num_warps=num_warps or (8 if scaled else 4),
                  num_stages=num_stages or (2 if scaled else 3))
     if tma_loads:
-        _decode_tma(q, rows, block_tables, context_lens, starts, stride_sb, kv_starts is not None, part_out, part_lse,
-                    parts, scale * LOG2E, rank, rope)
+        _decode_tma(q, rows, kv_scale, block_tables, context_lens, starts, stride_sb, kv_starts is not None, part_out,
+                    part_lse, parts, scale * LOG2E, rank, rope)
     elif balanced:
         _decode_balanced_kernel[(parts,)](*args, BLOCK_B=block_b, **shape)
     else:

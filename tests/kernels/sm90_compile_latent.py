@@ -45,12 +45,16 @@ def _tma_decode(mod) -> None:
     types = {**POINTERS, "scale_log2": "fp32"}
     types |= {name: f"tensordesc<bf16{box},{gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)!r}>"
               for name, box in boxes.items()}
-    shape = dict(HEADS=20, RANK=512, ROPE=64, PAGE_SIZE=16, BLOCK_H=32, BOX=16, STAGES=mod.TMA_STAGES)
-    for starts in (False, True):
-        ptx = build(mod._decode_tma_kernel, dict(shape, HAS_STARTS=starts), types, num_warps=4)
+    shape = dict(HEADS=20, RANK=512, ROPE=64, PAGE_SIZE=16, BLOCK_H=32, BOX=16)
+    fp8 = {name: f"tensordesc<fp8e4nv{box},{gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)!r}>"
+           for name, box in boxes.items()}
+    for scaled, starts in ((False, False), (False, True), (True, True)):
+        ptx = build(mod._decode_tma_kernel, dict(shape, HAS_STARTS=starts, SCALED=scaled,
+                                                 STAGES=mod.TMA_FP8_STAGES if scaled else mod.TMA_STAGES),
+                    {**types, **(fp8 if scaled else {})}, num_warps=4)
         for part in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "setmaxnreg"):
             assert part in ptx, f"the TMA decode kernel lost {part}"
-        _report(f"decode TMA, warp-specialized, starts={starts}", ptx, dict(num_warps=4))
+        _report(f"decode TMA, warp-specialized, FP8={scaled}, starts={starts}", ptx, dict(num_warps=4))
 
 
 def _column_votes() -> None:

@@ -107,6 +107,54 @@ def test_tma_decode_matches_torch(starts, splits):
     assert bool((out[2] == 0).all())  # no context: zeros
 
 
+def _fp8_latent(codes: torch.Tensor, scale: float, rank: int):
+    """(keys, values) of an FP8 latent cache (e4m3 codes [pages + 1, 1, page, rank + rope], one scale), built as
+    the engine builds a layer's sources (runtime/attention/backend.py)."""
+    from kvc.runtime.attention.sources import QuantizedPages
+    from kvc.runtime.kv.spec import Extent, KVSpec, Quantized, TensorSpec
+    from kvc.runtime.kv.store import KVStore
+
+    width = codes.shape[-1]
+    tensors = tuple(TensorSpec(n, e, t, s) for n, e, t, s in (
+        ("k_codes", Extent.TOKEN, codes.dtype, (width,)), ("k_scale", Extent.LAYER, torch.bfloat16, (1,)),
+        ("v_codes", Extent.TOKEN, codes.dtype, (width,)), ("v_scale", Extent.LAYER, torch.bfloat16, (1,))))
+    enc = dict(format="e4m3", scaling="unit", shared_heads=True)
+    spec = KVSpec(tensors, keys=Quantized("k_codes", "k_scale", 8, width, **enc),
+                  values=Quantized("v_codes", "v_scale", 8, width, **enc)).with_latent_values(rank)
+    store = KVStore(spec, codes.shape[0] - 1, 1, codes.shape[2], 1, codes.device)
+    store[spec.keys.codes].copy_(codes)
+    store[spec.keys.scale].fill_(scale)
+    return tuple(QuantizedPages(e, e.view(store[e.codes]), store.scale_slots(e.scale, 0), None, d, torch.bfloat16)
+                 for e, d in ((spec.keys, width), (spec.values, rank)))
+
+
+@pytest.mark.skipif(not HOPPER, reason="the TMA decode kernel needs a Hopper GPU")
+@pytest.mark.parametrize("starts", [False, True], ids=["whole", "per-row-starts"])
+def test_tma_decode_over_fp8_latents_matches_torch(starts):
+    """FP8 latents (e4m3, the layer's one scale): the TMA kernel dequantizes each tile as the torch op does
+    (`code x scale`, rounded to bf16); NaN codes where no sequence owns a slot stay out of the output."""
+    gen = torch.Generator().manual_seed(9)
+    lengths = [1, 37, 0, 700, 2000, 64, 129, 1500]
+    dense, _, tables = _cache(gen, lengths, torch.float32, rank=512, rope=64, page=16)
+    scale = 0.02
+    codes = (dense / scale).to(torch.float8_e4m3fn)  # NaN stays NaN
+    q = torch.randn(len(lengths), 20, 576, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    kv_starts = (torch.tensor([[0], [5], [0], [333], [8], [63], [70], [1]], dtype=torch.int32, device=DEVICE)
+                 if starts else None)
+    k_src, v_src = _fp8_latent(codes, scale, 512)
+    out = torch.full((len(lengths), 20, 512), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    latent_ops.paged_decode(q, k_src, v_src, tables, lens, SCALE, max_context_len=2000, out=out, kv_starts=kv_starts,
+                            loads="tma")
+    k_ref, v_ref = _fp8_latent(codes.float().nan_to_num(0.0).to(torch.float8_e4m3fn), scale, 512)
+    want = torch_ops.paged_decode(q, k_ref, v_ref, tables, lens, SCALE, kv_starts=kv_starts)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[torch.bfloat16])
+    pointers = latent_ops.paged_decode(q, k_src, v_src, tables, lens, SCALE, max_context_len=2000,
+                                       kv_starts=kv_starts, loads="pointers")
+    torch.testing.assert_close(out.float(), pointers.float(), **TOL[torch.bfloat16])
+    assert bool((out[2] == 0).all())
+
+
 @pytest.mark.skipif(not HOPPER, reason="the TMA decode kernel needs a Hopper GPU")
 def test_tma_decode_replays_in_a_cuda_graph():
     """Captured once (its descriptors hold the cache's address), replayed after the cache, the queries and the
