@@ -17,7 +17,7 @@ import json
 import time
 
 import torch
-from sparse_decode_bench import graph_ms  # bench/ is on the path of a script run from it
+from kvc.runtime.bench.bandwidth import graph_ms
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 4, 128, 16
 SINK, RECENT, EVERY, COUNT, SHARE = 8, 128, 8, 4, 64

@@ -22,7 +22,7 @@ import math
 import time
 
 import torch
-from sparse_decode_bench import copy_gbps, graph_ms  # bench/ is on the path of a script run from it
+from kvc.runtime.bench.bandwidth import copy_gbps, graph_ms
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 4, 128, 16
 SWEEP = [dict(block_n=n, num_warps=w, num_stages=2, **({"num_splits": sp} if sp else {}))

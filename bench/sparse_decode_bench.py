@@ -16,6 +16,7 @@ import torch
 
 from kvc.compiler.cache import locate
 from kvc.runtime.attention import triton_ops
+from kvc.runtime.bench.bandwidth import copy_gbps, graph_ms
 from kvc.runtime.compiled import folder
 from kvc.runtime.compiled.folder import GeneratedCode
 from kvc.runtime.kv import summary_kernels
@@ -23,48 +24,6 @@ from kvc.runtime.kv.plans import ReadPlan
 from kvc.runtime.primitives import torch_primitives, triton_plans
 
 HEADS, KV_HEADS, DIM, PAGE, BUDGET = 32, 4, 128, 16, 4096
-
-
-def graph_ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (5 * reps)
-
-
-def copy_gbps(n_bytes: int = 2**30, reps: int = 10) -> dict:
-    """Device-to-device copy bandwidth, (bytes read + written) / time, three ways: a copy captured in a CUDA
-    graph (a memcpy node, which the driver may give to a copy engine), the same copy launched eagerly, and an
-    elementwise kernel (every SM moving bytes). `best`, the fastest, is the baseline the decode benches divide
-    by: a graph's memcpy node alone measured 2.7 TB/s on the H200 against 4.2 TB/s for the kernel copy."""
-    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    graph = graph_ms(lambda: dst.copy_(src), reps)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    eager = start.elapsed_time(end) / reps
-    words, out = src.view(torch.int32), dst.view(torch.int32)
-    kernel = graph_ms(lambda: torch.bitwise_or(words, 0, out=out), reps)
-    rates = {name: 2 * n_bytes / ms / 1e6 for name, ms in (("graph_memcpy", graph), ("eager_memcpy", eager),
-                                                         ("kernel", kernel))}
-    return rates | {"best": max(rates.values())}
 
 
 def main() -> None:

@@ -105,11 +105,12 @@ def _e2e_check(row: dict) -> str:
 
 
 def format_table(result: dict) -> str:
-    """A markdown table of the rows, with the decode tok/s ratio vs full."""
+    """A markdown table of the rows, with the decode tok/s ratio vs full and the step over its memory floor
+    (GPU runs)."""
     ratios = result.get("ratios_vs_full", {})
-    lines = ["| method | input | mode | batch | pages/seq | step ms | decode tok/s | vs full "
+    lines = ["| method | input | mode | batch | pages/seq | step ms | decode tok/s | vs full | vs floor "
              "| prefill s | TTFT s | busy | e2e check |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.get("rows", []):
         if r["mode"] == "offline":  # the whole run's rows: `format_offline`
             continue
@@ -117,17 +118,18 @@ def format_table(result: dict) -> str:
             shares = ", ".join(f"{m} {n}" for m, n in r["shares"].items())
             vs = "-" if r.get("vs_slowest") is None else f"{r['vs_slowest']:.2f}x step of {r['slowest']}"
             lines.append(f"| {r['method']} | {r['input_len']} | mixed_window | {r['batch']} ({shares}) | - | "
-                         f"{r['step_ms']:.2f} | {r['decode_tok_s']:.1f} | - | - | - | - | {vs} |")
+                         f"{r['step_ms']:.2f} | {r['decode_tok_s']:.1f} | - | - | - | - | - | {vs} |")
             continue
         if "error" in r:
-            lines.append(f"| {r['method']} | {r['input_len']} | {r['mode']} | - | - | - | - | - | - | - | - | "
+            lines.append(f"| {r['method']} | {r['input_len']} | {r['mode']} | - | - | - | - | - | - | - | - | - | "
                          f"{r['error']} |")
             continue
         ratio = ratios.get(str(r["input_len"]), {}).get(r["method"], {}).get("decode_tok_s")
         shown = "-" if ratio is None or r["mode"] != "decode_window" else f"{ratio:.2f}x"
         busy = "-" if r.get("busy") is None else f"{r['busy']:.3f} @{r['busy_batch']}"
+        floor = "-" if r.get("vs_floor") is None else f"{r['vs_floor']:.2f}x"
         lines.append(f"| {r['method']} | {r['input_len']} | {r['mode']} | {r['batch']} | {r['pages_per_seq']} | "
-                     f"{r['step_ms']:.2f} | {r['decode_tok_s']:.1f} | {shown} | {r['prefill_s']:.3f} | "
+                     f"{r['step_ms']:.2f} | {r['decode_tok_s']:.1f} | {shown} | {floor} | {r['prefill_s']:.3f} | "
                      f"{r['ttft_s']:.3f} | {busy} | {_e2e_check(r)} |")
     return "\n".join(lines)
 

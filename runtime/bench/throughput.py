@@ -13,7 +13,9 @@ stored):
    of its pages, bookkeeping and method state), then `warmup` steps and `steps` timed steps
    (synchronised wall time around `Engine.step`, scheduling and sampling included):
    `decode_tok_s = batch * steps / time`, `step_ms = time / steps`. Every timed step decodes the
-   whole batch (checked: no preemption, every sequence advanced by one token per step);
+   whole batch (checked: no preemption, every sequence advanced by one token per step). On a GPU,
+   `vs_floor`: the step over its memory floor, the bytes it must read over the copy bandwidth
+   measured at the run's start (`floor`; floor.py);
 4. then the batch is cut down (`e2e.after_window`): with `--e2e`, to the e2e batch, timed again
    (`step_ms_at_e2e_batch`); with `--busy`, to `--busy-batch` (64) sequences for a profiled window
    (`busy`, `busy_profile`: busy fraction, host gap per step, GPU time per kernel; `busy.py`);
@@ -43,7 +45,9 @@ from pathlib import Path
 
 import torch
 
+from kvc.runtime.bench.bandwidth import copy_gbps
 from kvc.runtime.bench.e2e import after_window, e2e_row, steps_after_prefill
+from kvc.runtime.bench.floor import kv_bytes, step_floor
 from kvc.runtime.bench.mixed import cap_batches, mixed_row
 from kvc.runtime.bench.offline import offline_row
 from kvc.runtime.bench.plan import (
@@ -175,8 +179,9 @@ def prepare(cfg: ThroughputConfig, model: str) -> list[Case]:
     return cases
 
 
-def measure(cfg: ThroughputConfig, case: Case) -> list[dict]:
-    """The rows of one case: its decode window, and its e2e run when asked."""
+def measure(cfg: ThroughputConfig, case: Case, copy_gbps: float | None = None) -> list[dict]:
+    """The rows of one case: its decode window (with its memory floor against `copy_gbps`, on a GPU), and its
+    e2e run when asked."""
     from kvc.runtime.methods import resolve_method
 
     phases: dict[str, float] = {}
@@ -196,7 +201,7 @@ def measure(cfg: ThroughputConfig, case: Case) -> list[dict]:
         clock = Clock(engine.device)
         phases["load_s"] = time.perf_counter() - start
         phases["warmup_s"] = clock.time(partial(warm_up, engine, cfg, case.input_len))
-        row.update(_decode_window(engine, cfg, case.input_len, plan.batch, clock, phases))
+        row.update(_decode_window(engine, cfg, case.input_len, plan.batch, clock, phases, copy_gbps))
     finally:
         retire(engine)
         del engine
@@ -216,7 +221,7 @@ def _check_plan(engine, plan: BatchPlan) -> None:
 
 
 def _decode_window(engine, cfg: ThroughputConfig, input_len: int, batch: int, clock: Clock,
-                   phases: dict) -> dict:
+                   phases: dict, copy_gbps: float | None = None) -> dict:
     params = SamplingParams(max_tokens=cfg.output_len, temperature=cfg.temperature, ignore_eos=True)
     tokens = prompt(engine.spec.vocab_size, input_len, cfg.seed)
     clock.sync()
@@ -242,11 +247,16 @@ def _decode_window(engine, cfg: ThroughputConfig, input_len: int, batch: int, cl
     clock.sync()
     phases["clone_s"] = time.perf_counter() - t0
     phases["warmup_steps_s"] = window(engine, seqs, cfg.warmup, clock)
+    kv_before = kv_bytes(engine, seqs)
     seconds = window(engine, seqs, cfg.steps, clock)
     phases["window_s"] = seconds
     out = {"decode_tok_s": batch * cfg.steps / seconds, "step_ms": 1e3 * seconds / cfg.steps,
            "prefill_s": prefill_s, "ttft_s": ttft_s, "kv_tokens_at_window": kv_tokens, "busy": None,
            "sources": count, "mixed_layers": mixed}
+    if copy_gbps is not None:  # the bytes a step must read, over the run's copy bandwidth (floor.py)
+        kv = (kv_before + kv_bytes(engine, seqs)) / 2
+        out["floor"] = step_floor(engine.runner.model, batch, kv, copy_gbps, out["step_ms"])
+        out["vs_floor"] = out["floor"]["vs_floor"]
     out.update(after_window(engine, cfg, seqs, out["step_ms"], clock, phases))
     return out
 
@@ -290,6 +300,8 @@ def run(cfg: ThroughputConfig, progress: bool = False, on_row: Callable[[dict], 
         model = str(model_directory(None))
     result = header(cfg, model)
     cases = prepare(cfg, model)
+    copy = _copy_bandwidth(cfg)
+    result["copy_GBps"] = copy
     if cfg.mix:
         cases = cap_batches(cases)
     for case in cases:
@@ -302,7 +314,7 @@ def run(cfg: ThroughputConfig, progress: bool = False, on_row: Callable[[dict], 
             if bar is not None:
                 bar.update(bar.task_ids[0], description=f"{case.method} @ {case.input_len}")
             try:
-                new = measure(cfg, case)
+                new = measure(cfg, case, copy)
             except (RuntimeError, OutOfKVMemory) as e:  # out of device memory, a batch that did not hold: a row
                 log.exception("bench throughput: %s at %d input tokens failed", case.method, case.input_len)
                 what = "out of device memory" if isinstance(e, torch.cuda.OutOfMemoryError) else "failed"
@@ -338,6 +350,17 @@ def run(cfg: ThroughputConfig, progress: bool = False, on_row: Callable[[dict], 
     result["ratios_vs_full"] = ratios(rows)
     result["complete"] = True
     return result
+
+
+def _copy_bandwidth(cfg: ThroughputConfig) -> float | None:
+    """The device's copy bandwidth (GB/s, read + written; bandwidth.py), measured before any engine holds the
+    memory: the memory floors' baseline. None off CUDA and with tensor parallelism (a rank reads its shard)."""
+    device = EngineConfig(device=cfg.device).resolve_device()
+    if device.type != "cuda" or cfg.tensor_parallel_size > 1:
+        return None
+    copies = copy_gbps()
+    collect()
+    return copies["best"]
 
 
 def _progress(enabled: bool, total: int):
