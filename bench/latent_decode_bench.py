@@ -1,7 +1,8 @@
 """MLA's latent cache on one layer at GLM-4.7-Flash's shape (20 query heads over one latent head of 512 +
 64 RoPE channels, bf16, pages of 16): the generated `latent` decode kernels' bandwidth over the latent
 bytes a decode reads (TMA loads in a warp-specialized Gluon kernel, and the Triton kernel's pointer
-loads; `max_diff` against the first one's output), against a device-to-device copy in the same run; and
+loads; `max_diff` against the first one's output), over bf16 latents and over the `fp8` method's e4m3
+codes (`decode_fp8`, half the bytes), against a device-to-device copy in the same run; and
 the prefill attention of one chunk in the absorbed form (the `latent` prefill kernel, FLOPs of
 q . [c, k_rope] and p . c) against the decompressed form (per-head keys [nope 192 | rope 64] and values
 256 through torch's SDPA, plus the up-projection of every context token that the decompressed form
@@ -20,6 +21,8 @@ import time
 import torch
 from quantized_decode_bench import copy_baseline, time_ms  # bench/ is on the path
 
+from kvc.runtime.attention.sources import fp8_latent_sources
+
 HEADS, RANK, ROPE, NOPE, V_DIM, PAGE = 20, 512, 64, 192, 256, 16
 SCALE = (NOPE + ROPE) ** -0.5
 SWEEP = [dict(block_n=n, num_warps=w, num_stages=st) for n in (16, 32, 64) for w in (4, 8) for st in (1, 2, 3)]
@@ -35,6 +38,13 @@ def latent_cache(batch: int, context: int, device: torch.device, dtype=torch.bfl
     tables = torch.randperm(batch * pages, generator=gen, device=device).int().view(batch, pages)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     return k, k[..., :RANK], tables, lens, batch * context * (RANK + ROPE) * k.element_size()
+
+
+def fp8_latent(k: torch.Tensor):
+    """(keys, values) of the `fp8` method's latent cache holding `k`'s tokens: e4m3 codes with one scale (amax over
+    448, as a dynamic scale is set); a token is 576 bytes instead of 1,152."""
+    scale = float(k.float().abs().amax()) / 448.0
+    return fp8_latent_sources((k.float() / scale).to(torch.float8_e4m3fn), scale, RANK, k.dtype)
 
 
 def prefill_rows(ops, chunk: int, device: torch.device, sweep: bool, dtype=torch.bfloat16) -> list[dict]:
@@ -94,21 +104,23 @@ def main() -> None:
         k, v, tables, lens, held = latent_cache(batch, context, device)
         q = torch.randn(batch, HEADS, RANK + ROPE, device=device, dtype=torch.bfloat16)
         out = q.new_empty(batch, HEADS, RANK)
-        want = None
         loads = [{}] if a.smoke else [{"loads": "tma"}, {"loads": "pointers"}]
-        for knobs in loads + (SWEEP if a.sweep and not a.smoke else []):
-            try:
-                got = ops.paged_decode(q, k, v, tables, lens, SCALE, max_context_len=context, **knobs)
-                ms = time_ms(lambda: ops.paged_decode(q, k, v, tables, lens, SCALE, max_context_len=context, out=out,
-                                                      **knobs), device)
-            except Exception as e:  # a launch that does not fit (shared memory), no TMA: report and go on
-                show({"piece": "decode", "batch": batch, "context": context, **knobs, "error": f"{type(e).__name__}: "
-                      f"{str(e)[:200]}"})
-                continue
-            want = got.float() if want is None else want  # the first kernel's output: the others must match it
-            gbps = held / ms / 1e6
-            show({"piece": "decode", "batch": batch, "context": context, **(knobs or {"knobs": "default"}), "ms": ms,
-                  "GBps": gbps, "of_copy": gbps / copy_bw, "max_diff": float((got.float() - want).abs().max())})
+        for piece, (keys, values), nbytes in (("decode", (k, v), held), ("decode_fp8", fp8_latent(k), held // 2)):
+            want = None
+            for knobs in loads + (SWEEP if a.sweep and not a.smoke and piece == "decode" else []):
+                try:
+                    got = ops.paged_decode(q, keys, values, tables, lens, SCALE, max_context_len=context, **knobs)
+                    ms = time_ms(lambda: ops.paged_decode(q, keys, values, tables, lens, SCALE,
+                                                          max_context_len=context, out=out, **knobs), device)
+                except Exception as e:  # a launch that does not fit (shared memory), no TMA: report and go on
+                    show({"piece": piece, "batch": batch, "context": context, **knobs,
+                          "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                    continue
+                want = got.float() if want is None else want  # the first kernel's output: the others must match it
+                gbps = nbytes / ms / 1e6
+                show({"piece": piece, "batch": batch, "context": context, **(knobs or {"knobs": "default"}),
+                      "ms": ms, "GBps": gbps, "of_copy": gbps / copy_bw,
+                      "max_diff": float((got.float() - want).abs().max())})
     for chunk in ([64] if a.smoke else [int(x) for x in a.prefill.split(",")]):
         for row in prefill_rows(ops, chunk, device, a.sweep and not a.smoke):
             show(row)

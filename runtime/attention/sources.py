@@ -226,6 +226,28 @@ class KernelOperand:
                 f"{prefix}_BOOK": self.book, f"{prefix}_FRESH": self.fresh, f"{prefix}_ROT": self.rotated}
 
 
+def fp8_latent_sources(codes: torch.Tensor, scale: float, rank: int,
+                       dtype: torch.dtype) -> tuple[QuantizedPages, QuantizedPages]:
+    """(keys, values) over an FP8 latent cache's codes [pages + 1, 1, page, rank + rope] (the last page the
+    scratch page) with the layer's one scale, as the backend builds a layer of `fp8` on MLA (values: the keys'
+    first `rank` codes); for tests and benches of the latent kernels."""
+    from kvc.runtime.kv.spec import Extent, KVSpec, TensorSpec
+    from kvc.runtime.kv.store import KVStore
+
+    width = codes.shape[-1]
+    fmt = next(name for name, (code, _) in encodings.FLOAT_CODES.items() if code == codes.dtype)
+    tensors = tuple(TensorSpec(n, e, t, shape) for n, e, t, shape in (
+        ("k_codes", Extent.TOKEN, codes.dtype, (width,)), ("k_scale", Extent.LAYER, dtype, (1,)),
+        ("v_codes", Extent.TOKEN, codes.dtype, (width,)), ("v_scale", Extent.LAYER, dtype, (1,))))
+    enc = dict(format=fmt, scaling="unit", shared_heads=True)
+    spec = KVSpec(tensors, keys=Quantized("k_codes", "k_scale", 8, width, **enc),
+                  values=Quantized("v_codes", "v_scale", 8, width, **enc)).with_latent_values(rank)
+    store = KVStore.from_tensors(spec, {"k_codes": codes, "k_scale": torch.full((1, 1, 1), scale, dtype=dtype,
+                                                                                  device=codes.device)}, 1)
+    return tuple(QuantizedPages(e, e.view(store[e.codes]), store.scale_slots(e.scale, 0), None, d, dtype)
+                 for e, d in ((spec.keys, width), (spec.values, rank)))
+
+
 def kernel_operand(source: Source, use_residual: bool) -> KernelOperand:
     """`source` as kernel arguments; `use_residual`: the op reads (or writes) residual windows (it
     was given the rows and, to read, resid_lens), so a source with a residual passes its window."""

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvc.runtime.attention import torch_ops
+from kvc.runtime.attention.sources import fp8_latent_sources
 from tests.kernels.paged_cases import triton_device_and_ops
 
 if not torch.cuda.is_available():
@@ -80,6 +81,27 @@ def test_decode_matches_torch(dtype, starts, schedule):
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+@pytest.mark.parametrize("schedule", ["split", "balanced"])
+def test_decode_over_fp8_latents_matches_torch(schedule):
+    """FP8 latents (e4m3 codes, the layer's one scale; `fp8_latent_sources` builds them as the engine does) through
+    the Triton kernels: `code x scale` rounded to the queries' dtype, as the torch op reads them; NaN codes where no
+    sequence owns a slot stay out."""
+    gen = torch.Generator().manual_seed(10)
+    lengths = [1, 37, 0, 70, 9]
+    dense, _, tables = _cache(gen, lengths, torch.float32)
+    codes = (dense / 0.05).to(torch.float8_e4m3fn)
+    q = torch.randn(len(lengths), HEADS, RANK + ROPE, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    k_src, v_src = fp8_latent_sources(codes, 0.05, RANK, torch.bfloat16)
+    out = latent_ops.paged_decode(q, k_src, v_src, tables, lens, SCALE, max_context_len=70, loads="pointers",
+                                  block_n=16, schedule=schedule, **SCHEDULES[schedule])
+    k_ref, v_ref = fp8_latent_sources(codes.float().nan_to_num(0.0).to(torch.float8_e4m3fn), 0.05, RANK,
+                                      torch.bfloat16)
+    want = torch_ops.paged_decode(q, k_ref, v_ref, tables, lens, SCALE)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[torch.bfloat16])
+    assert bool((out[2] == 0).all())
+
+
 @pytest.mark.skipif(not HOPPER, reason="the TMA decode kernel needs a Hopper GPU")
 @pytest.mark.parametrize("starts", [False, True], ids=["whole", "per-row-starts"])
 @pytest.mark.parametrize("splits", [None, 3])
@@ -107,27 +129,6 @@ def test_tma_decode_matches_torch(starts, splits):
     assert bool((out[2] == 0).all())  # no context: zeros
 
 
-def _fp8_latent(codes: torch.Tensor, scale: float, rank: int):
-    """(keys, values) of an FP8 latent cache (e4m3 codes [pages + 1, 1, page, rank + rope], one scale), built as
-    the engine builds a layer's sources (runtime/attention/backend.py)."""
-    from kvc.runtime.attention.sources import QuantizedPages
-    from kvc.runtime.kv.spec import Extent, KVSpec, Quantized, TensorSpec
-    from kvc.runtime.kv.store import KVStore
-
-    width = codes.shape[-1]
-    tensors = tuple(TensorSpec(n, e, t, s) for n, e, t, s in (
-        ("k_codes", Extent.TOKEN, codes.dtype, (width,)), ("k_scale", Extent.LAYER, torch.bfloat16, (1,)),
-        ("v_codes", Extent.TOKEN, codes.dtype, (width,)), ("v_scale", Extent.LAYER, torch.bfloat16, (1,))))
-    enc = dict(format="e4m3", scaling="unit", shared_heads=True)
-    spec = KVSpec(tensors, keys=Quantized("k_codes", "k_scale", 8, width, **enc),
-                  values=Quantized("v_codes", "v_scale", 8, width, **enc)).with_latent_values(rank)
-    store = KVStore(spec, codes.shape[0] - 1, 1, codes.shape[2], 1, codes.device)
-    store[spec.keys.codes].copy_(codes)
-    store[spec.keys.scale].fill_(scale)
-    return tuple(QuantizedPages(e, e.view(store[e.codes]), store.scale_slots(e.scale, 0), None, d, torch.bfloat16)
-                 for e, d in ((spec.keys, width), (spec.values, rank)))
-
-
 @pytest.mark.skipif(not HOPPER, reason="the TMA decode kernel needs a Hopper GPU")
 @pytest.mark.parametrize("starts", [False, True], ids=["whole", "per-row-starts"])
 def test_tma_decode_over_fp8_latents_matches_torch(starts):
@@ -142,11 +143,12 @@ def test_tma_decode_over_fp8_latents_matches_torch(starts):
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     kv_starts = (torch.tensor([[0], [5], [0], [333], [8], [63], [70], [1]], dtype=torch.int32, device=DEVICE)
                  if starts else None)
-    k_src, v_src = _fp8_latent(codes, scale, 512)
+    k_src, v_src = fp8_latent_sources(codes.to(DEVICE), scale, 512, torch.bfloat16)
     out = torch.full((len(lengths), 20, 512), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     latent_ops.paged_decode(q, k_src, v_src, tables, lens, SCALE, max_context_len=2000, out=out, kv_starts=kv_starts,
                             loads="tma")
-    k_ref, v_ref = _fp8_latent(codes.float().nan_to_num(0.0).to(torch.float8_e4m3fn), scale, 512)
+    k_ref, v_ref = fp8_latent_sources(codes.float().nan_to_num(0.0).to(torch.float8_e4m3fn).to(DEVICE), scale, 512,
+                                      torch.bfloat16)
     want = torch_ops.paged_decode(q, k_ref, v_ref, tables, lens, SCALE, kv_starts=kv_starts)
     torch.testing.assert_close(out.float(), want.float(), **TOL[torch.bfloat16])
     pointers = latent_ops.paged_decode(q, k_src, v_src, tables, lens, SCALE, max_context_len=2000,
