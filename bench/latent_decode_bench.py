@@ -2,7 +2,8 @@
 64 RoPE channels, bf16, pages of 16): the generated `latent` decode kernels' bandwidth over the latent
 bytes a decode reads (TMA loads in a warp-specialized Gluon kernel, and the Triton kernel's pointer
 loads; `max_diff` against the first one's output), over bf16 latents and over the `fp8` method's e4m3
-codes (`decode_fp8`, half the bytes), against a device-to-device copy in the same run; and
+codes (`decode_fp8`, half the bytes; also with the converter warpgroup, `loads="convert"`), against a
+device-to-device copy in the same run; and
 the prefill attention of one chunk in the absorbed form (the `latent` prefill kernel, FLOPs of
 q . [c, k_rope] and p . c) against the decompressed form (per-head keys [nope 192 | rope 64] and values
 256 through torch's SDPA, plus the up-projection of every context token that the decompressed form
@@ -107,7 +108,9 @@ def main() -> None:
         loads = [{}] if a.smoke else [{"loads": "tma"}, {"loads": "pointers"}]
         for piece, (keys, values), nbytes in (("decode", (k, v), held), ("decode_fp8", fp8_latent(k), held // 2)):
             want = None
-            for knobs in loads + (SWEEP if a.sweep and not a.smoke and piece == "decode" else []):
+            converter = [{"loads": "convert"}] if piece == "decode_fp8" and not a.smoke else []
+            for knobs in loads[:1] + converter + loads[1:] + (SWEEP if a.sweep and not a.smoke and piece == "decode"
+                                                                else []):
                 try:
                     got = ops.paged_decode(q, keys, values, tables, lens, SCALE, max_context_len=context, **knobs)
                     ms = time_ms(lambda: ops.paged_decode(q, keys, values, tables, lens, SCALE,

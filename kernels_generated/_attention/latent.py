@@ -348,6 +348,8 @@ TMA_STAGES = 2  # 16-bit tiles in the ring (2 x 72 KB at GLM-4.7-Flash's 512 + 6
 TMA_FP8_STAGES = 3  # FP8 tiles in the ring (3 x 36 KB, plus the 72 KB 16-bit tile the products read)
 TMA_MAX_HEADS = 32  # the [RANK, heads] float32 accumulator in one warpgroup's registers
 TMA_LOADER_REGS = 40
+CONVERTER_REGS = 120  # the FP8 converter warpgroup's registers (16 rows of codes at a time)
+CODE_STAGES = 2  # FP8 half tiles staged for the converter (2 x 18 KB, beside the 16-bit ring: 225 KB in all)
 FP8_CODES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 if _TMA is not None:
@@ -367,32 +369,32 @@ if _TMA is not None:
         return gl.BlockedLayout([1, 8], [32 // across, across], [4, 1], [1, 0])
 
     @gluon.jit
-    def _tma_loader(table, lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, a0, last, n_tiles,
-                    PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
-        """The loader warp: tile t (slots a0 + t TMA_TILE ...) into buffer t % STAGES once the consumer freed it, a
-        box of BOX slots (within one page) at a time; boxes past `last` repeat the last one (their rows are
-        masked)."""
+    def _tma_loader(table, lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, a0, last, n_units,
+                    PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr, UNIT: gl.constexpr):
+        """The loader warp: unit u (UNIT slots from a0 + u UNIT: a tile, or half of one) into buffer u % STAGES once
+        its reader freed it, a box of BOX slots (within one page) at a time; boxes past `last` repeat the last one
+        (their rows are masked)."""
         last_box = (last - 1) // BOX * BOX
-        for t in range(n_tiles):
-            stage = t % STAGES
-            mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
+        for u in range(n_units):
+            stage = u % STAGES
+            mbarrier.wait(empty.index(stage), ((u // STAGES) & 1) ^ 1)
             bar = ready.index(stage)
-            mbarrier.expect(bar, (_TILE // BOX) * (lat_desc.block_type.nbytes + rope_desc.block_type.nbytes))
-            for j in gl.static_range(_TILE // BOX):
-                slot = gl.minimum(a0 + t * _TILE + j * BOX, last_box)
+            mbarrier.expect(bar, (UNIT // BOX) * (lat_desc.block_type.nbytes + rope_desc.block_type.nbytes))
+            for j in gl.static_range(UNIT // BOX):
+                slot = gl.minimum(a0 + u * UNIT + j * BOX, last_box)
                 row = gl.load(table + slot // PAGE_SIZE) * PAGE_SIZE + slot % PAGE_SIZE
                 _tma_load(lat_desc, [row, 0], bar, lat_smem.index(stage).slice(j * BOX, BOX))
                 _tma_load(rope_desc, [row, 0], bar, rope_smem.index(stage).slice(j * BOX, BOX))
 
     @gluon.jit
-    def _tma_masked_rows(src, dst, scale, tile0, first, last, WIDTH: gl.constexpr):
-        """dst = src x scale (float32, rounded to dst's dtype) for the tile's slots in [first, last), zero for the
+    def _tma_masked_rows(src, dst, scale, tile0, first, last, WIDTH: gl.constexpr, ROWS: gl.constexpr = _TILE):
+        """dst = src x scale (float32, rounded to dst's dtype) for the ROWS slots from tile0 in [first, last), zero for the
         others (they may hold anything: another sequence's slots, a page's unwritten tail): FP8 codes into the
         products' tile, or a 16-bit tile's outside rows in place (scale 1). Blocks of 16 rows x up to 256
         channels, whole swizzle atoms of either dtype."""
         cols: gl.constexpr = 256 if WIDTH > 256 else WIDTH
         layout: gl.constexpr = _tma_rows_layout(cols)
-        for r in gl.static_range(_TILE // 16):
+        for r in gl.static_range(ROWS // 16):
             slots = tile0 + r * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
             keep = ((slots >= first) & (slots < last))[:, None]
             for c in gl.static_range(WIDTH // cols):
@@ -403,7 +405,7 @@ if _TMA is not None:
     def _tma_attend(q_ptr, scale_ptr, lat_smem, rope_smem, lat_tile, rope_tile, qlat_smem, qrope_smem, p_smem, ready,
                     empty, seq, first, last, a0, n_tiles, stride_qb, stride_qh, scale_log2, HEADS: gl.constexpr,
                     RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
-                    SCALED: gl.constexpr):
+                    SCALED: gl.constexpr, ZERO_EDGES: gl.constexpr = True):
         """The consumer warpgroup: the queries into shared memory, then `_attend_range`'s loop over the loader's
         tiles. Returns out^T [RANK, BLOCK_H] (float32, unnormalised), the running max and sum (base 2)."""
         q_layout: gl.constexpr = _tma_rows_layout(RANK)
@@ -439,7 +441,7 @@ if _TMA is not None:
             else:
                 lat = lat_smem.index(stage)
                 rope = rope_smem.index(stage)
-                if (tile0 < first) | (tile0 + _TILE > last):
+                if ZERO_EDGES and ((tile0 < first) | (tile0 + _TILE > last)):
                     _tma_masked_rows(lat, lat, kv_scale, tile0, first, last, RANK)
                     _tma_masked_rows(rope, rope, kv_scale, tile0, first, last, ROPE)
                     fence_async_shared()
@@ -514,16 +516,108 @@ if _TMA is not None:
                                p_smem, ready, empty, seq, first, last, a0, n_tiles, stride_qb, stride_qh, scale_log2,
                                HEADS, RANK, ROPE, BLOCK_H, STAGES, SCALED)),
                 (_tma_loader, (tables_ptr + seq * stride_tb, lat_desc, rope_desc, lat_smem, rope_smem, ready, empty,
-                               a0, last, n_tiles, PAGE_SIZE, BOX, STAGES)),
+                               a0, last, n_tiles, PAGE_SIZE, BOX, STAGES, _TILE)),
             ], [1], [_LOADER_REGS])
-            acc_layout: gl.constexpr = _tma_acc_layout(BLOCK_H)
-            heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, acc_layout))
-            ranks = gl.arange(0, RANK, layout=gl.SliceLayout(1, acc_layout))
-            row = (seq.to(gl.int64) * HEADS + heads) * num_splits + split
-            head_mask = heads < HEADS
-            gl.store(part_out_ptr + row[None, :] * RANK + ranks[:, None], acc / l_i[None, :],
-                     mask=head_mask[None, :])
-            gl.store(part_lse_ptr + row, m_i + gl.log2(l_i), mask=head_mask)
+            _store_split(part_out_ptr, part_lse_ptr, acc, m_i, l_i, seq, split, num_splits, HEADS, RANK, BLOCK_H)
+
+
+    @gluon.jit
+    def _fp8_converter(codes_lat, codes_rope, codes_ready, codes_empty, lat_smem, rope_smem, ready, empty, scale_ptr,
+                       first, last, a0, n_tiles, RANK: gl.constexpr, ROPE: gl.constexpr, STAGES: gl.constexpr,
+                       CODE_STAGES: gl.constexpr):
+        """The converter warpgroup of FP8 latents: each half tile of codes the loader staged becomes `code x scale`
+        (float32, rounded to the ring's dtype; zero outside [first, last)) in the 16-bit ring buffer of its tile,
+        and its staging buffer is freed; a whole tile written, the consumer may read it."""
+        scale = gl.load(scale_ptr).to(gl.float32)
+        half: gl.constexpr = _TILE // 2
+        for t in range(n_tiles):
+            stage = t % STAGES
+            mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
+            for h in gl.static_range(2):
+                u = 2 * t + h
+                cs = u % CODE_STAGES
+                mbarrier.wait(codes_ready.index(cs), (u // CODE_STAGES) & 1)
+                slot0 = a0 + t * _TILE + h * half
+                _tma_masked_rows(codes_lat.index(cs), lat_smem.index(stage).slice(h * half, half), scale, slot0,
+                                 first, last, RANK, half)
+                _tma_masked_rows(codes_rope.index(cs), rope_smem.index(stage).slice(h * half, half), scale, slot0,
+                                 first, last, ROPE, half)
+                mbarrier.arrive(codes_empty.index(cs), count=1)
+            fence_async_shared()
+            mbarrier.arrive(ready.index(stage), count=1)
+
+    @gluon.jit
+    def _decode_fp8_kernel(
+        q_ptr, lat_desc, rope_desc, scale_ptr, tables_ptr, lens_ptr, starts_ptr, part_out_ptr, part_lse_ptr,
+        stride_qb, stride_qh, stride_tb, stride_sb, scale_log2, num_splits,
+        HEADS: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_H: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr, CODE_STAGES: gl.constexpr,
+        HAS_STARTS: gl.constexpr, CONVERTER_REGS: gl.constexpr,
+    ):
+        """`_decode_tma_kernel` over FP8 latents with three partitions (`paged_decode(loads="convert")`): the loader
+        warp stages half tiles of codes by TMA, the converter warpgroup dequantizes them into the 16-bit ring, and
+        the consumer reads that ring as over 16-bit latents, so dequantization overlaps the products."""
+        seq = gl.program_id(0)
+        split = gl.program_id(1)
+        context = gl.load(lens_ptr + seq)
+        begin = 0
+        if HAS_STARTS:
+            begin = gl.load(starts_ptr + seq * stride_sb)
+        split_len = gl.maximum(gl.cdiv(gl.cdiv(gl.maximum(context - begin, 0), num_splits), _TILE), 1) * _TILE
+        first = begin + split * split_len
+        last = gl.minimum(context, first + split_len)
+        if first < last:
+            a0 = first - first % BOX
+            dtype: gl.constexpr = q_ptr.dtype.element_ty
+            codes: gl.constexpr = lat_desc.dtype
+            half: gl.constexpr = _TILE // 2
+            codes_lat = gl.allocate_shared_memory(codes, [CODE_STAGES, half, RANK],
+                                                  gl.NVMMASharedLayout.get_default_for([half, RANK], codes))
+            codes_rope = gl.allocate_shared_memory(codes, [CODE_STAGES, half, ROPE],
+                                                   gl.NVMMASharedLayout.get_default_for([half, ROPE], codes))
+            lat_smem = gl.allocate_shared_memory(dtype, [STAGES, _TILE, RANK],
+                                                 gl.NVMMASharedLayout.get_default_for([_TILE, RANK], dtype))
+            rope_smem = gl.allocate_shared_memory(dtype, [STAGES, _TILE, ROPE],
+                                                  gl.NVMMASharedLayout.get_default_for([_TILE, ROPE], dtype))
+            qlat_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, RANK],
+                                                  gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], dtype))
+            qrope_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE],
+                                                   gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype))
+            p_smem = gl.allocate_shared_memory(dtype, [_TILE, BLOCK_H],
+                                               gl.NVMMASharedLayout.get_default_for([_TILE, BLOCK_H], dtype))
+            codes_ready = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
+            codes_empty = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(CODE_STAGES):
+                mbarrier.init(codes_ready.index(i), count=1)
+                mbarrier.init(codes_empty.index(i), count=1)
+            for i in gl.static_range(STAGES):
+                mbarrier.init(ready.index(i), count=1)
+                mbarrier.init(empty.index(i), count=1)
+            n_tiles = gl.cdiv(last - a0, _TILE)
+            acc, m_i, l_i = gl.warp_specialize([
+                (_tma_attend, (q_ptr, scale_ptr, lat_smem, rope_smem, lat_smem, rope_smem, qlat_smem, qrope_smem,
+                               p_smem, ready, empty, seq, first, last, a0, n_tiles, stride_qb, stride_qh,
+                               scale_log2, HEADS, RANK, ROPE, BLOCK_H, STAGES, False, False)),
+                (_fp8_converter, (codes_lat, codes_rope, codes_ready, codes_empty, lat_smem, rope_smem, ready, empty,
+                                  scale_ptr, first, last, a0, n_tiles, RANK, ROPE, STAGES, CODE_STAGES)),
+                (_tma_loader, (tables_ptr + seq * stride_tb, lat_desc, rope_desc, codes_lat, codes_rope, codes_ready,
+                               codes_empty, a0, last, 2 * n_tiles, PAGE_SIZE, BOX, CODE_STAGES, half)),
+            ], [4, 1], [CONVERTER_REGS, _LOADER_REGS])
+            _store_split(part_out_ptr, part_lse_ptr, acc, m_i, l_i, seq, split, num_splits, HEADS, RANK, BLOCK_H)
+
+    @gluon.jit
+    def _store_split(part_out_ptr, part_lse_ptr, acc, m_i, l_i, seq, split, num_splits, HEADS: gl.constexpr,
+                     RANK: gl.constexpr, BLOCK_H: gl.constexpr):
+        """A split's normalised out^T and log-sum-exp at partial rows (sequence, head, split)."""
+        acc_layout: gl.constexpr = _tma_acc_layout(BLOCK_H)
+        heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, acc_layout))
+        ranks = gl.arange(0, RANK, layout=gl.SliceLayout(1, acc_layout))
+        row = (seq.to(gl.int64) * HEADS + heads) * num_splits + split
+        head_mask = heads < HEADS
+        gl.store(part_out_ptr + row[None, :] * RANK + ranks[:, None], acc / l_i[None, :], mask=head_mask[None, :])
+        gl.store(part_lse_ptr + row, m_i + gl.log2(l_i), mask=head_mask)
 
 
 def _tma_unsupported(q: torch.Tensor, rows: torch.Tensor, rank: int, rope: int) -> str | None:
@@ -542,6 +636,32 @@ def _tma_unsupported(q: torch.Tensor, rows: torch.Tensor, rank: int, rope: int) 
     return None
 
 
+def _decode_converted(q, rows, kv_scale, block_tables, context_lens, starts, stride_sb, has_starts, part_out,
+                      part_lse, splits, scale_log2, rank, rope) -> None:
+    """`_decode_fp8_kernel` over the split schedule's grid (FP8 latents, `loads="convert"`): descriptors over the
+    codes, a box a page (or half a tile)."""
+    batch, heads, _ = q.shape
+    page = rows.shape[2]
+    lat, rope_desc = _descriptors(rows, rank, rope, min(page, TMA_TILE // 2))
+    _decode_fp8_kernel[(batch, splits)](
+        q, lat, rope_desc, kv_scale, block_tables, context_lens, starts, part_out, part_lse,
+        q.stride(0), q.stride(1), block_tables.stride(0), stride_sb, scale_log2, splits,
+        HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=page, BLOCK_H=max(16, triton.next_power_of_2(heads)),
+        BOX=min(page, TMA_TILE // 2), STAGES=TMA_STAGES, CODE_STAGES=CODE_STAGES, HAS_STARTS=has_starts,
+        CONVERTER_REGS=CONVERTER_REGS, num_warps=4,
+    )
+
+
+def _descriptors(rows: torch.Tensor, rank: int, rope: int, box: int):
+    """TMA descriptors over the cache's token rows (or codes): the latent [box, rank] and RoPE [box, rope] boxes."""
+    stored = _GL_DTYPES[rows.dtype]
+    flat = rows.view(-1, rows.shape[-1])
+    return (TensorDescriptor.from_tensor(flat[:, :rank], [box, rank],
+                                         gl.NVMMASharedLayout.get_default_for([box, rank], stored)),
+            TensorDescriptor.from_tensor(flat[:, rank:], [box, rope],
+                                         gl.NVMMASharedLayout.get_default_for([box, rope], stored)))
+
+
 def _decode_tma(q, rows, kv_scale, block_tables, context_lens, starts, stride_sb, has_starts, part_out, part_lse,
                 splits, scale_log2, rank, rope) -> None:
     """`_decode_tma_kernel` over the split schedule's grid: descriptors over the cache's token rows (or FP8
@@ -549,12 +669,7 @@ def _decode_tma(q, rows, kv_scale, block_tables, context_lens, starts, stride_sb
     batch, heads, _ = q.shape
     page = rows.shape[2]
     box = min(page, TMA_TILE)
-    stored = _GL_DTYPES[rows.dtype]
-    flat = rows.view(-1, rows.shape[-1])
-    lat = TensorDescriptor.from_tensor(flat[:, :rank], [box, rank],
-                                       gl.NVMMASharedLayout.get_default_for([box, rank], stored))
-    rope_desc = TensorDescriptor.from_tensor(flat[:, rank:], [box, rope],
-                                             gl.NVMMASharedLayout.get_default_for([box, rope], stored))
+    lat, rope_desc = _descriptors(rows, rank, rope, box)
     scaled = kv_scale is not None
     _decode_tma_kernel[(batch, splits)](
         q, lat, rope_desc, kv_scale if scaled else q, block_tables, context_lens, starts, part_out, part_lse,
@@ -606,21 +721,25 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
     """One absorbed query per sequence, q [B, heads, RANK + ROPE], over its latents; out [B, heads, RANK]
     (module docstring). `schedule` "split" (each context in `num_splits` splits) or "balanced" (`num_programs`,
     default one an SM, share the batch's tiles evenly: a ragged batch's programs finish together). `loads`
-    "tma" (the split schedule's warp-specialized kernel: Hopper, 16-bit or FP8 latents), "pointers" (the Triton
-    kernels) or None: TMA where it applies and no Triton knob (block_n, num_warps, num_stages) is given."""
+    "tma" (the split schedule's warp-specialized kernel: Hopper, 16-bit or FP8 latents), "convert" (FP8 latents
+    dequantized by a converter warpgroup beside the consumer: not measured yet), "pointers" (the Triton kernels)
+    or None: TMA where it applies and no Triton knob (block_n, num_warps, num_stages) is given."""
     if stats is not None or read is not None:  # the statistics and read plans of the torch ops
         return torch_ops.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out,
                                       kv_starts, stats, rows, resid_lens, read)
     if schedule not in ("split", "balanced"):
         raise ValueError(f"unknown latent decode schedule {schedule!r}: split or balanced")
-    if loads not in (None, "tma", "pointers"):
-        raise ValueError(f"unknown latent decode loads {loads!r}: tma or pointers")
+    if loads not in (None, "tma", "convert", "pointers"):
+        raise ValueError(f"unknown latent decode loads {loads!r}: tma, convert or pointers")
     rank, rope, rows, kv_scale = _layout(q, k_cache, v_cache)
     why_not = _tma_unsupported(q, rows, rank, rope) if loads != "pointers" else "pointers"
-    if loads == "tma" and (why_not or schedule != "split"):
-        raise ValueError(f"the TMA decode kernel cannot read this decode: {why_not or 'it runs the split schedule'}")
+    if loads == "convert" and kv_scale is None:
+        why_not = "the converter reads FP8 latents"
+    if loads in ("tma", "convert") and (why_not or schedule != "split"):
+        raise ValueError(f"the {loads} decode kernel cannot read this decode: "
+                         f"{why_not or 'it runs the split schedule'}")
     tma_loads = why_not is None and schedule == "split" and (
-        loads == "tma" or (block_n, num_warps, num_stages) == (None, None, None))
+        loads in ("tma", "convert") or (block_n, num_warps, num_stages) == (None, None, None))
     batch, heads, _ = q.shape
     if out is None:
         out = q.new_empty(batch, heads, rank)
@@ -651,8 +770,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
                  PRECISION=_precision(q.dtype), num_warps=num_warps or (8 if scaled else 4),
                  num_stages=num_stages or (2 if scaled else 3))
     if tma_loads:
-        _decode_tma(q, rows, kv_scale, block_tables, context_lens, starts, stride_sb, kv_starts is not None, part_out,
-                    part_lse, parts, scale * LOG2E, rank, rope)
+        launch = _decode_converted if loads == "convert" else _decode_tma
+        launch(q, rows, kv_scale, block_tables, context_lens, starts, stride_sb, kv_starts is not None, part_out,
+               part_lse, parts, scale * LOG2E, rank, rope)
     elif balanced:
         _decode_balanced_kernel[(parts,)](*args, BLOCK_B=block_b, **shape)
     else:
