@@ -474,42 +474,21 @@ if _TMA is not None:
     ):
         """`_decode_split_kernel`'s program (sequence, split) and partial rows, its tiles loaded by TMA in a
         warp-specialized pipeline (section comment)."""
-        seq = gl.program_id(0)
-        split = gl.program_id(1)
-        context = gl.load(lens_ptr + seq)
-        begin = 0
-        if HAS_STARTS:
-            begin = gl.load(starts_ptr + seq * stride_sb)
-        split_len = gl.maximum(gl.cdiv(gl.cdiv(gl.maximum(context - begin, 0), num_splits), _TILE), 1) * _TILE
-        first = begin + split * split_len
-        last = gl.minimum(context, first + split_len)
+        seq, split, first, last = _split_range(lens_ptr, starts_ptr, stride_sb, num_splits, HAS_STARTS)
         if first < last:
             a0 = first - first % BOX  # tiles start at a box
             dtype: gl.constexpr = q_ptr.dtype.element_ty
-            stored: gl.constexpr = lat_desc.dtype
-            lat_smem = gl.allocate_shared_memory(stored, [STAGES, _TILE, RANK],
-                                                 gl.NVMMASharedLayout.get_default_for([_TILE, RANK], stored))
-            rope_smem = gl.allocate_shared_memory(stored, [STAGES, _TILE, ROPE],
-                                                  gl.NVMMASharedLayout.get_default_for([_TILE, ROPE], stored))
+            lat_smem, rope_smem = _tiles(lat_desc.dtype, STAGES, _TILE, RANK, ROPE)
             if SCALED:  # the dequantized tile the products read
-                lat_tile = gl.allocate_shared_memory(dtype, [_TILE, RANK],
-                                                     gl.NVMMASharedLayout.get_default_for([_TILE, RANK], dtype))
-                rope_tile = gl.allocate_shared_memory(dtype, [_TILE, ROPE],
-                                                      gl.NVMMASharedLayout.get_default_for([_TILE, ROPE], dtype))
+                lat_tile = _tile_buffer(dtype, [_TILE, RANK])
+                rope_tile = _tile_buffer(dtype, [_TILE, ROPE])
             else:  # the products read the ring
                 lat_tile = lat_smem
                 rope_tile = rope_smem
-            qlat_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, RANK],
-                                                  gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], dtype))
-            qrope_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE],
-                                                   gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype))
-            p_smem = gl.allocate_shared_memory(dtype, [_TILE, BLOCK_H],
-                                               gl.NVMMASharedLayout.get_default_for([_TILE, BLOCK_H], dtype))
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(STAGES):
-                mbarrier.init(ready.index(i), count=1)
-                mbarrier.init(empty.index(i), count=1)
+            qlat_smem = _tile_buffer(dtype, [BLOCK_H, RANK])
+            qrope_smem = _tile_buffer(dtype, [BLOCK_H, ROPE])
+            p_smem = _tile_buffer(dtype, [_TILE, BLOCK_H])
+            ready, empty = _barriers(STAGES)
             n_tiles = gl.cdiv(last - a0, _TILE)
             acc, m_i, l_i = gl.warp_specialize([
                 (_tma_attend, (q_ptr, scale_ptr, lat_smem, rope_smem, lat_tile, rope_tile, qlat_smem, qrope_smem,
@@ -557,44 +536,18 @@ if _TMA is not None:
         """`_decode_tma_kernel` over FP8 latents with three partitions (`paged_decode(loads="convert")`): the loader
         warp stages half tiles of codes by TMA, the converter warpgroup dequantizes them into the 16-bit ring, and
         the consumer reads that ring as over 16-bit latents, so dequantization overlaps the products."""
-        seq = gl.program_id(0)
-        split = gl.program_id(1)
-        context = gl.load(lens_ptr + seq)
-        begin = 0
-        if HAS_STARTS:
-            begin = gl.load(starts_ptr + seq * stride_sb)
-        split_len = gl.maximum(gl.cdiv(gl.cdiv(gl.maximum(context - begin, 0), num_splits), _TILE), 1) * _TILE
-        first = begin + split * split_len
-        last = gl.minimum(context, first + split_len)
+        seq, split, first, last = _split_range(lens_ptr, starts_ptr, stride_sb, num_splits, HAS_STARTS)
         if first < last:
             a0 = first - first % BOX
             dtype: gl.constexpr = q_ptr.dtype.element_ty
-            codes: gl.constexpr = lat_desc.dtype
             half: gl.constexpr = _TILE // 2
-            codes_lat = gl.allocate_shared_memory(codes, [CODE_STAGES, half, RANK],
-                                                  gl.NVMMASharedLayout.get_default_for([half, RANK], codes))
-            codes_rope = gl.allocate_shared_memory(codes, [CODE_STAGES, half, ROPE],
-                                                   gl.NVMMASharedLayout.get_default_for([half, ROPE], codes))
-            lat_smem = gl.allocate_shared_memory(dtype, [STAGES, _TILE, RANK],
-                                                 gl.NVMMASharedLayout.get_default_for([_TILE, RANK], dtype))
-            rope_smem = gl.allocate_shared_memory(dtype, [STAGES, _TILE, ROPE],
-                                                  gl.NVMMASharedLayout.get_default_for([_TILE, ROPE], dtype))
-            qlat_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, RANK],
-                                                  gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], dtype))
-            qrope_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE],
-                                                   gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype))
-            p_smem = gl.allocate_shared_memory(dtype, [_TILE, BLOCK_H],
-                                               gl.NVMMASharedLayout.get_default_for([_TILE, BLOCK_H], dtype))
-            codes_ready = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
-            codes_empty = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(CODE_STAGES):
-                mbarrier.init(codes_ready.index(i), count=1)
-                mbarrier.init(codes_empty.index(i), count=1)
-            for i in gl.static_range(STAGES):
-                mbarrier.init(ready.index(i), count=1)
-                mbarrier.init(empty.index(i), count=1)
+            codes_lat, codes_rope = _tiles(lat_desc.dtype, CODE_STAGES, half, RANK, ROPE)
+            lat_smem, rope_smem = _tiles(dtype, STAGES, _TILE, RANK, ROPE)
+            qlat_smem = _tile_buffer(dtype, [BLOCK_H, RANK])
+            qrope_smem = _tile_buffer(dtype, [BLOCK_H, ROPE])
+            p_smem = _tile_buffer(dtype, [_TILE, BLOCK_H])
+            codes_ready, codes_empty = _barriers(CODE_STAGES)
+            ready, empty = _barriers(STAGES)
             n_tiles = gl.cdiv(last - a0, _TILE)
             acc, m_i, l_i = gl.warp_specialize([
                 (_tma_attend, (q_ptr, scale_ptr, lat_smem, rope_smem, lat_smem, rope_smem, qlat_smem, qrope_smem,
@@ -606,6 +559,45 @@ if _TMA is not None:
                                codes_empty, a0, last, 2 * n_tiles, PAGE_SIZE, BOX, CODE_STAGES, half)),
             ], [4, 1], [CONVERTER_REGS, _LOADER_REGS])
             _store_split(part_out_ptr, part_lse_ptr, acc, m_i, l_i, seq, split, num_splits, HEADS, RANK, BLOCK_H)
+
+    @gluon.jit
+    def _split_range(lens_ptr, starts_ptr, stride_sb, num_splits, HAS_STARTS: gl.constexpr):
+        """(sequence, split, first slot, end slot) of this program of the split schedule (`_split_len`'s whole
+        tiles from the row's start)."""
+        seq = gl.program_id(0)
+        split = gl.program_id(1)
+        context = gl.load(lens_ptr + seq)
+        begin = 0
+        if HAS_STARTS:
+            begin = gl.load(starts_ptr + seq * stride_sb)
+        split_len = gl.maximum(gl.cdiv(gl.cdiv(gl.maximum(context - begin, 0), num_splits), _TILE), 1) * _TILE
+        first = begin + split * split_len
+        return seq, split, first, gl.minimum(context, first + split_len)
+
+    @gluon.jit
+    def _tile_buffer(dtype: gl.constexpr, shape: gl.constexpr):
+        """A wgmma operand's (or a TMA box's) buffer in shared memory."""
+        return gl.allocate_shared_memory(dtype, shape, gl.NVMMASharedLayout.get_default_for(shape, dtype))
+
+    @gluon.jit
+    def _tiles(dtype: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, RANK: gl.constexpr,
+               ROPE: gl.constexpr):
+        """A ring of STAGES buffers of ROWS slots: the latent part and the RoPE part."""
+        lat = gl.allocate_shared_memory(dtype, [STAGES, ROWS, RANK],
+                                        gl.NVMMASharedLayout.get_default_for([ROWS, RANK], dtype))
+        rope = gl.allocate_shared_memory(dtype, [STAGES, ROWS, ROPE],
+                                         gl.NVMMASharedLayout.get_default_for([ROWS, ROPE], dtype))
+        return lat, rope
+
+    @gluon.jit
+    def _barriers(STAGES: gl.constexpr):
+        """A ring's `ready` and `empty` barriers, one arrival each a phase."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        return ready, empty
 
     @gluon.jit
     def _store_split(part_out_ptr, part_lse_ptr, acc, m_i, l_i, seq, split, num_splits, HEADS: gl.constexpr,
