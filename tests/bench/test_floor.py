@@ -77,3 +77,37 @@ def test_the_table_shows_the_step_over_its_floor():
     assert "| vs floor |" in lines[0] and len(lines[1].split("|")) == len(lines[0].split("|"))
     assert " | - | " in lines[2] and "| 1.23x |" in lines[3]
     assert all(len(line.split("|")) == len(lines[0].split("|")) for line in lines)
+
+
+def test_a_run_reports_each_windows_floor(tmp_path, monkeypatch):
+    """`kvc bench throughput` with a copy bandwidth (on a GPU: measured at the run's start; here given) puts the
+    floor in every decode window's row: the weights of an MoE model at the window's batch, the KV its rows hold
+    (between the window's first and last step), the step over their sum."""
+    import json
+
+    from kvc.runtime.bench import throughput
+    from kvc.runtime.cli import main
+
+    model_dir = make_tiny_qwen3_moe(tmp_path / "moe", tie_word_embeddings=False)
+    monkeypatch.setattr(throughput, "_copy_bandwidth", lambda cfg: 50.0)
+    out = tmp_path / "result.json"
+    page_bytes = 2 * KV_HEADS * HEAD_DIM * 4 * 4 * LAYERS  # a page of 4 slots, every layer, float32
+    code = main(["bench", "throughput", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
+                 "--methods", "full,snapkv", "--method-params", "snapkv:budget=40,window=8", "--inputs", "120",
+                 "--output", "16", "--kv-memory", str(120 * page_bytes), "--page-size", "4", "--steps", "3",
+                 "--warmup", "1", "--sources", "1", "--attention-backend", "torch", "--out", str(out),
+                 "--no-progress"])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["copy_GBps"] == 50.0
+    per_token = 2 * KV_HEADS * HEAD_DIM * 4 * LAYERS
+    for row in result["rows"]:
+        floor = row["floor"]
+        batch = row["batch"]
+        stored = row["kv_tokens_at_window"] * batch * per_token  # a row's tokens when the window began
+        assert stored <= floor["kv_bytes"] <= stored + 6 * batch * per_token  # + up to warmup + steps tokens
+        chosen = EXPERTS * (1 - (1 - TOP_K / EXPERTS) ** batch)
+        assert floor["expert_bytes_read"] == pytest.approx(LAYERS * _expert_bytes() * chosen / EXPERTS, rel=1e-6)
+        total = floor["weight_bytes"] + floor["expert_bytes_read"] + floor["kv_bytes"]
+        assert floor["floor_ms"] == pytest.approx(total / 50e6, rel=1e-6)
+        assert row["vs_floor"] == pytest.approx(row["step_ms"] / floor["floor_ms"])
