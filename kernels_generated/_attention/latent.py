@@ -326,7 +326,9 @@ def _decode_reduce_kernel(
 # the consumer's issue slots (docs/design.md, "MLA"). Boxes are whole pages, so a split's first and
 # last tiles hold slots outside [first, last): those rows are zeroed before the products read them.
 # FP8 latents: the ring holds the codes; the consumer writes `code x scale` (rows outside the range
-# zeroed) into a 16-bit tile, frees the ring buffer, and the products read that tile.
+# zeroed) into a 16-bit tile, frees the ring buffer, and the products read that tile. Or, with
+# `loads="convert"` (`_decode_fp8_kernel`), a converter warpgroup does that from staged half tiles
+# into a 16-bit ring while the consumer's products run.
 # Gluon compiles for NVIDIA GPUs only: `_TMA` is None where it is missing, and the Triton kernel runs.
 # ---------------------------------------------------------------------------------------------
 
@@ -388,9 +390,9 @@ if _TMA is not None:
 
     @gluon.jit
     def _tma_masked_rows(src, dst, scale, tile0, first, last, WIDTH: gl.constexpr, ROWS: gl.constexpr = _TILE):
-        """dst = src x scale (float32, rounded to dst's dtype) for the ROWS slots from tile0 in [first, last), zero for the
-        others (they may hold anything: another sequence's slots, a page's unwritten tail): FP8 codes into the
-        products' tile, or a 16-bit tile's outside rows in place (scale 1). Blocks of 16 rows x up to 256
+        """dst = src x scale (float32, rounded to dst's dtype) for the ROWS slots from tile0 inside [first, last),
+        zero for the others (they may hold anything: another sequence's slots, a page's unwritten tail): FP8 codes
+        into the products' tile, or a 16-bit tile's outside rows in place (scale 1). Blocks of 16 rows x up to 256
         channels, whole swizzle atoms of either dtype."""
         cols: gl.constexpr = 256 if WIDTH > 256 else WIDTH
         layout: gl.constexpr = _tma_rows_layout(cols)
