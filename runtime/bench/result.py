@@ -53,14 +53,19 @@ def versions() -> dict[str, str | None]:
             "python": platform.python_version(), "kvc_commit": commit()}
 
 
-def commit() -> str | None:
-    """The checkout's short git commit, or None outside a git checkout."""
+def commit(cwd: Path | None = None) -> str | None:
+    """The checkout's short git commit, `+modified` when its tracked files differ from it (a copy of a working
+    tree over older git metadata, as a device run gets), or None outside a git checkout."""
+    where = cwd or Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True, text=True,
+                             timeout=5)
+        if out.returncode != 0 or not out.stdout.strip():
+            return None
+        clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=where, capture_output=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return out.stdout.strip() + ("" if clean.returncode == 0 else "+modified")
 
 
 def device_name(device: str) -> str:

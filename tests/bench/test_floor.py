@@ -111,3 +111,4 @@ def test_a_run_reports_each_windows_floor(tmp_path, monkeypatch):
         total = floor["weight_bytes"] + floor["expert_bytes_read"] + floor["kv_bytes"]
         assert floor["floor_ms"] == pytest.approx(total / 50e6, rel=1e-6)
         assert row["vs_floor"] == pytest.approx(row["step_ms"] / floor["floor_ms"])
+

@@ -210,3 +210,26 @@ def test_the_docs_name_suites_and_runs_that_exist():
             assert set(filter(None, only.split(","))) <= names, (file, only)
             cited += 1
     assert cited >= 20
+
+
+def test_the_commit_says_when_the_tree_differs_from_it(tmp_path):
+    """Result provenance (`kvc_commit`): the short commit of a clean checkout; `+modified` when a tracked file
+    differs from it (a device gets the working tree over older git metadata); None outside git."""
+    import subprocess
+
+    from kvc.runtime.bench.result import commit
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    assert commit(tmp_path) is None
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("one")
+    git("add", "a.txt")
+    git("commit", "-qm", "one")
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
+                         text=True).stdout.strip()
+    assert commit(tmp_path) == sha
+    (tmp_path / "a.txt").write_text("two")
+    assert commit(tmp_path) == sha + "+modified"
