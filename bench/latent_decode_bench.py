@@ -105,12 +105,11 @@ def main() -> None:
         k, v, tables, lens, held = latent_cache(batch, context, device)
         q = torch.randn(batch, HEADS, RANK + ROPE, device=device, dtype=torch.bfloat16)
         out = q.new_empty(batch, HEADS, RANK)
-        loads = [{}] if a.smoke else [{"loads": "tma"}, {"loads": "pointers"}]
+        runs = {"decode": ["tma", "pointers"], "decode_fp8": ["tma", "convert", "pointers"]}
         for piece, (keys, values), nbytes in (("decode", (k, v), held), ("decode_fp8", fp8_latent(k), held // 2)):
             want = None
-            converter = [{"loads": "convert"}] if piece == "decode_fp8" and not a.smoke else []
-            for knobs in loads[:1] + converter + loads[1:] + (SWEEP if a.sweep and not a.smoke and piece == "decode"
-                                                                else []):
+            launches = [{}] if a.smoke else [{"loads": loads} for loads in runs[piece]]
+            for knobs in launches + (SWEEP if a.sweep and not a.smoke and piece == "decode" else []):
                 try:
                     got = ops.paged_decode(q, keys, values, tables, lens, SCALE, max_context_len=context, **knobs)
                     ms = time_ms(lambda: ops.paged_decode(q, keys, values, tables, lens, SCALE,

@@ -619,7 +619,7 @@ def _tma_unsupported(q: torch.Tensor, rows: torch.Tensor, rank: int, rope: int) 
     heads, page = q.shape[1], rows.shape[2]
     if _TMA is None:
         return f"Gluon's Hopper paths are missing ({TMA_UNAVAILABLE})"
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not _hopper(q.device):
         return "TMA and warpgroup MMA need a Hopper GPU"
     if q.dtype not in (torch.bfloat16, torch.float16) or rows.dtype not in (q.dtype, *FP8_CODES):
         return "the TMA kernel reads 16-bit queries over latents in their dtype or FP8"
@@ -630,47 +630,36 @@ def _tma_unsupported(q: torch.Tensor, rows: torch.Tensor, rank: int, rope: int) 
     return None
 
 
-def _decode_converted(q, rows, kv_scale, block_tables, context_lens, starts, stride_sb, has_starts, part_out,
-                      part_lse, splits, scale_log2, rank, rope) -> None:
-    """`_decode_fp8_kernel` over the split schedule's grid (FP8 latents, `loads="convert"`): descriptors over the
-    codes, a box a page (or half a tile)."""
+def _decode_warp_specialized(q, rows, kv_scale, block_tables, context_lens, starts, stride_sb, has_starts,
+                             part_out, part_lse, splits, scale_log2, rank, rope, convert: bool) -> None:
+    """The split schedule's grid of a Gluon kernel, descriptors over the cache's token rows (or FP8 codes):
+    `_decode_tma_kernel`, a box a page (or a tile, for larger pages), or with `convert` `_decode_fp8_kernel`, a
+    box a page (or half a tile)."""
     batch, heads, _ = q.shape
     page = rows.shape[2]
-    lat, rope_desc = _descriptors(rows, rank, rope, min(page, TMA_TILE // 2))
-    _decode_fp8_kernel[(batch, splits)](
-        q, lat, rope_desc, kv_scale, block_tables, context_lens, starts, part_out, part_lse,
-        q.stride(0), q.stride(1), block_tables.stride(0), stride_sb, scale_log2, splits,
-        HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=page, BLOCK_H=max(16, triton.next_power_of_2(heads)),
-        BOX=min(page, TMA_TILE // 2), STAGES=TMA_STAGES, CODE_STAGES=CODE_STAGES, HAS_STARTS=has_starts,
-        CONVERTER_REGS=CONVERTER_REGS, num_warps=4,
-    )
-
-
-def _descriptors(rows: torch.Tensor, rank: int, rope: int, box: int):
-    """TMA descriptors over the cache's token rows (or codes): the latent [box, rank] and RoPE [box, rope] boxes."""
+    box = min(page, TMA_TILE // 2 if convert else TMA_TILE)
     stored = _GL_DTYPES[rows.dtype]
     flat = rows.view(-1, rows.shape[-1])
-    return (TensorDescriptor.from_tensor(flat[:, :rank], [box, rank],
-                                         gl.NVMMASharedLayout.get_default_for([box, rank], stored)),
-            TensorDescriptor.from_tensor(flat[:, rank:], [box, rope],
-                                         gl.NVMMASharedLayout.get_default_for([box, rope], stored)))
-
-
-def _decode_tma(q, rows, kv_scale, block_tables, context_lens, starts, stride_sb, has_starts, part_out, part_lse,
-                splits, scale_log2, rank, rope) -> None:
-    """`_decode_tma_kernel` over the split schedule's grid: descriptors over the cache's token rows (or FP8
-    codes), a box a page (or a tile, for larger pages)."""
-    batch, heads, _ = q.shape
-    page = rows.shape[2]
-    box = min(page, TMA_TILE)
-    lat, rope_desc = _descriptors(rows, rank, rope, box)
+    lat, rope_desc = (TensorDescriptor.from_tensor(part, [box, width],
+                                                   gl.NVMMASharedLayout.get_default_for([box, width], stored))
+                      for part, width in ((flat[:, :rank], rank), (flat[:, rank:], rope)))
     scaled = kv_scale is not None
-    _decode_tma_kernel[(batch, splits)](
-        q, lat, rope_desc, kv_scale if scaled else q, block_tables, context_lens, starts, part_out, part_lse,
-        q.stride(0), q.stride(1), block_tables.stride(0), stride_sb, scale_log2, splits,
-        HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=page, BLOCK_H=max(16, triton.next_power_of_2(heads)), BOX=box,
-        STAGES=TMA_FP8_STAGES if scaled else TMA_STAGES, HAS_STARTS=has_starts, SCALED=scaled, num_warps=4,
-    )
+    args = (q, lat, rope_desc, kv_scale if scaled else q, block_tables, context_lens, starts, part_out, part_lse,
+            q.stride(0), q.stride(1), block_tables.stride(0), stride_sb, scale_log2, splits)
+    shape = dict(HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=page, BLOCK_H=max(16, triton.next_power_of_2(heads)),
+                 BOX=box, HAS_STARTS=has_starts, num_warps=4)
+    if convert:
+        _decode_fp8_kernel[(batch, splits)](*args, STAGES=TMA_STAGES, CODE_STAGES=CODE_STAGES,
+                                            CONVERTER_REGS=CONVERTER_REGS, **shape)
+    else:
+        _decode_tma_kernel[(batch, splits)](*args, STAGES=TMA_FP8_STAGES if scaled else TMA_STAGES, SCALED=scaled,
+                                            **shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(device: torch.device) -> bool:
+    """Whether `device` is a Hopper GPU (TMA, warpgroup MMA)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 @functools.lru_cache(maxsize=1024)  # (every layer of an eager step asks the same)
@@ -755,22 +744,23 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
     # measured (docs/benchmarks.md); FP8's dequantized tile: no spills
     tile_n = TMA_TILE if tma_loads else block_n or (32 if scaled else 64)
     block_b = max(16, triton.next_power_of_2(batch))
-    args = (q, rows, rows if kv_scale is None else kv_scale, block_tables, context_lens, starts, part_out, part_lse,
-            q.stride(0), q.stride(1), rows.stride(0), rows.stride(2), block_tables.stride(0), stride_sb,
-            scale * LOG2E, batch if balanced else parts)
-    shape = dict(HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=rows.shape[2],
-                 BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_N=tile_n,
-                 BLOCK_P=max(16, triton.next_power_of_2(rope)), HAS_STARTS=kv_starts is not None, SCALED=scaled,
-                 PRECISION=_precision(q.dtype), num_warps=num_warps or (8 if scaled else 4),
-                 num_stages=num_stages or (2 if scaled else 3))
     if tma_loads:
-        launch = _decode_converted if loads == "convert" else _decode_tma
-        launch(q, rows, kv_scale, block_tables, context_lens, starts, stride_sb, kv_starts is not None, part_out,
-               part_lse, parts, scale * LOG2E, rank, rope)
-    elif balanced:
-        _decode_balanced_kernel[(parts,)](*args, BLOCK_B=block_b, **shape)
+        _decode_warp_specialized(q, rows, kv_scale, block_tables, context_lens, starts, stride_sb,
+                                 kv_starts is not None, part_out, part_lse, parts, scale * LOG2E, rank, rope,
+                                 convert=loads == "convert")
     else:
-        _decode_split_kernel[(batch, parts)](*args, **shape)
+        args = (q, rows, rows if kv_scale is None else kv_scale, block_tables, context_lens, starts, part_out,
+                part_lse, q.stride(0), q.stride(1), rows.stride(0), rows.stride(2), block_tables.stride(0), stride_sb,
+                scale * LOG2E, batch if balanced else parts)
+        shape = dict(HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=rows.shape[2],
+                     BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_N=tile_n,
+                     BLOCK_P=max(16, triton.next_power_of_2(rope)), HAS_STARTS=kv_starts is not None, SCALED=scaled,
+                     PRECISION=_precision(q.dtype), num_warps=num_warps or (8 if scaled else 4),
+                     num_stages=num_stages or (2 if scaled else 3))
+        if balanced:
+            _decode_balanced_kernel[(parts,)](*args, BLOCK_B=block_b, **shape)
+        else:
+            _decode_split_kernel[(batch, parts)](*args, **shape)
     _decode_reduce_kernel[(batch, heads)](
         part_out, part_lse, context_lens, starts, out, stride_sb, out.stride(0), out.stride(1), parts, batch,
         HEADS=heads, RANK=rank, BLOCK_N=tile_n, SPLIT_BLOCK=min(triton.next_power_of_2(parts), max(1, 8192 // rank)),
