@@ -18,13 +18,19 @@ import triton.language as tl
 
 
 @triton.jit
-def dequantize_tile(w, s_ptrs, cols, mask, stride_sk, dtype, SCALE_COLS: tl.constexpr):
-    """A weight tile [BLOCK_K, BLOCK_N] as a product reads it: FP8 codes (SCALE_COLS > 0) times each row's scale
-    of their column block (`s_ptrs` [1, BLOCK_N]: the rows' scales, `cols` [BLOCK_K] the tile's columns), rounded
-    to the activations' dtype as dequantized weights are (runtime/models/fp8_weights.py); other weights as they
-    are. The routed experts' kernels (moe_triton.py) use it too."""
+def dequantize_tile(w, s_ptrs, s_ok, k0, mask, stride_sk, dtype, SCALE_COLS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A weight tile [BLOCK_K, BLOCK_N] of columns k0 .. k0 + BLOCK_K as a product reads it: FP8 codes
+    (SCALE_COLS > 0) times each row's scale of their column block (`s_ptrs` [1, BLOCK_N]: the rows' scales,
+    `s_ok` which rows exist), rounded to the activations' dtype as dequantized weights are
+    (runtime/models/fp8_weights.py); other weights as they are. A tile inside one scale block (BLOCK_K divides
+    SCALE_COLS, as the launchers choose) loads one scale a row; any other tile one a weight. The routed
+    experts' kernels (moe_triton.py) use it too."""
     if SCALE_COLS > 0:
-        scale = tl.load(s_ptrs + (cols // SCALE_COLS)[:, None] * stride_sk, mask=mask, other=0.0)
+        if SCALE_COLS % BLOCK_K == 0:
+            scale = tl.load(s_ptrs + (k0 // SCALE_COLS) * stride_sk, mask=s_ok, other=0.0)
+        else:
+            cols = k0 + tl.arange(0, BLOCK_K)
+            scale = tl.load(s_ptrs + (cols // SCALE_COLS)[:, None] * stride_sk, mask=mask, other=0.0)
         w = (w.to(tl.float32) * scale).to(dtype)
     return w
 
@@ -47,7 +53,8 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K,
                     other=0.0)
         w_ok = k_ok[:, None] & col_ok[None, :]
         codes = tl.load(w_ptr + cols[None, :] * stride_wn + ks[:, None] * stride_wk, mask=w_ok, other=0.0)
-        w = dequantize_tile(codes, s_ptr + cols[None, :] * stride_sn, ks, w_ok, stride_sk, x.dtype, SCALE_COLS)
+        w = dequantize_tile(codes, s_ptr + cols[None, :] * stride_sn, col_ok[None, :], k0, w_ok, stride_sk, x.dtype,
+                            SCALE_COLS, BLOCK_K)
         if UPCAST:  # fp32 (IEEE, the parity path), or bf16 under the interpreter, whose tl.dot misreads it
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:

@@ -148,11 +148,10 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pad
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_ok = k_ok[:, None] & n_ok[None, :]
-        cols = k0 + offs_k
-        g = dequantize_tile(tl.load(g_ptrs, mask=w_ok, other=0.0), gs_ptrs, cols, w_ok, stride_sk, a.dtype,
-                            SCALE_COLS)
-        u = dequantize_tile(tl.load(u_ptrs, mask=w_ok, other=0.0), gs_ptrs + N * stride_sn, cols, w_ok, stride_sk,
-                            a.dtype, SCALE_COLS)
+        g = dequantize_tile(tl.load(g_ptrs, mask=w_ok, other=0.0), gs_ptrs, n_ok[None, :], k0, w_ok, stride_sk,
+                            a.dtype, SCALE_COLS, BLOCK_K)
+        u = dequantize_tile(tl.load(u_ptrs, mask=w_ok, other=0.0), gs_ptrs + N * stride_sn, n_ok[None, :], k0, w_ok,
+                            stride_sk, a.dtype, SCALE_COLS, BLOCK_K)
         gate = _mma(a, g, gate, DOT_PRECISION)
         up = _mma(a, u, up, DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_xk
@@ -188,8 +187,8 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, route_w_ptr, sorted_ptr, block_expert_pt
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_ok = k_ok[:, None] & n_ok[None, :]
-        w = dequantize_tile(tl.load(w_ptrs, mask=w_ok, other=0.0), s_ptrs, k0 + offs_k, w_ok, stride_sk, a.dtype,
-                            SCALE_COLS)
+        w = dequantize_tile(tl.load(w_ptrs, mask=w_ok, other=0.0), s_ptrs, n_ok[None, :], k0, w_ok, stride_sk,
+                            a.dtype, SCALE_COLS, BLOCK_K)
         acc = _mma(a, w, acc, DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_hk
         w_ptrs += BLOCK_K * stride_wk

@@ -1,6 +1,7 @@
 """Oracle 4 for FP8 weights: the Triton linear layer (runtime/models/fp8_triton.py) against `F.linear` over
 the weights dequantized first (runtime/models/fp8_weights.py `dequantize`), under TRITON_INTERPRET=1 on a
-CPU: row counts of a decode and of a prefill chunk, column blocks that do not divide the layer, a bias."""
+CPU: row counts of a decode and of a prefill chunk, column blocks that do not divide the layer, tiles across
+scale blocks and inside one, a bias."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("rows", [1, 3, 70])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_equals_the_dequantized_layer(dtype, rows, bias):
+@pytest.mark.parametrize("cols", [24, 64])  # tiles across scale blocks (a scale a weight); tiles inside one
+def test_linear_equals_the_dequantized_layer(dtype, rows, bias, cols):
     gen = torch.Generator().manual_seed(rows)
-    n, k, cols = 90, 100, 24
+    n, k = 90, 100
     codes = (torch.randn(n, k, generator=gen) * 40).to(torch.float8_e4m3fn).to(DEVICE)
     scales = ((torch.rand(n, -(-k // cols), generator=gen) + 0.5) / (40 * k ** 0.5)).to(DEVICE)
     b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None

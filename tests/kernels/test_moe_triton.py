@@ -379,8 +379,9 @@ def test_glm4_moe_lite_block_with_triton_experts_equals_transformers():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_experts_equal_the_dequantized_ones(dtype):
-    """FP8 expert weights (codes plus per-row scales of 24-column blocks, runtime/models/fp8_weights.py),
+@pytest.mark.parametrize("block", [24, 64])  # tiles across scale blocks (a scale a weight); tiles inside one
+def test_fp8_experts_equal_the_dequantized_ones(dtype, block):
+    """FP8 expert weights (codes plus per-row scales of `block`-column blocks, runtime/models/fp8_weights.py),
     dequantized tile by tile in the kernels, give what the kernels give over the weights dequantized first."""
     from kvc.runtime.models.fp8_weights import dequantize
 
@@ -388,19 +389,20 @@ def test_fp8_experts_equal_the_dequantized_ones(dtype):
     gen = torch.Generator().manual_seed(3)
     codes, scales = [], []
     for w in (experts.gate_up_proj, experts.down_proj):
-        cols = -(-w.shape[2] // 24)
+        cols = -(-w.shape[2] // block)
         # codes ~ N(0, 40): weights ~ N(0, 1 / in), as make_experts' (outputs of the tolerances' scale)
         scale = ((torch.rand(*w.shape[:2], cols, generator=gen) * 0.5 + 0.75) / (40 * w.shape[2] ** 0.5)).to(DEVICE)
         codes.append((torch.randn(w.shape, generator=gen) * 40).to(torch.float8_e4m3fn).to(DEVICE))
         scales.append(scale)
     x = torch.randn(9, 64, generator=gen).to(DEVICE, dtype)
     ids, weights = random_routing(9, 8, 2, seed=4)
-    got = moe_triton.fused_experts(x, *codes, ids, weights, scales=tuple(scales), scale_columns=24)
-    dense = [dequantize(c, s, 24, dtype) for c, s in zip(codes, scales)]
+    got = moe_triton.fused_experts(x, *codes, ids, weights, scales=tuple(scales), scale_columns=block)
+    dense = [dequantize(c, s, block, dtype) for c, s in zip(codes, scales)]
     want = moe_triton.fused_experts(x, *dense, ids, weights)
     torch.testing.assert_close(got, want, **TOLERANCES[dtype])
     with pytest.raises(ValueError, match="FP8 expert scales"):
-        moe_triton.fused_experts(x, *codes, ids, weights, scales=(scales[1], scales[0]), scale_columns=24)
+        moe_triton.fused_experts(x, *codes, ids, weights, scales=(scales[0], scales[1].repeat(1, 1, 2)),
+                                 scale_columns=block)
 
 
 @pytest.mark.parametrize("impl", ["triton", "triton-sort", "torch"])
