@@ -2,7 +2,7 @@
 64 RoPE channels, bf16, pages of 16): the generated `latent` decode kernels' bandwidth over the latent
 bytes a decode reads (TMA loads in a warp-specialized Gluon kernel, and the Triton kernel's pointer
 loads; `max_diff` against the first one's output), over bf16 latents and over the `fp8` method's e4m3
-codes (`decode_fp8`, half the bytes; also with the converter warpgroup, `loads="convert"`), against a
+codes (`decode_fp8`, half the bytes, dequantized by a converter warpgroup under TMA), against a
 device-to-device copy in the same run; and
 the prefill attention of one chunk in the absorbed form (the `latent` prefill kernel, FLOPs of
 q . [c, k_rope] and p . c) against the decompressed form (per-head keys [nope 192 | rope 64] and values
@@ -105,7 +105,7 @@ def main() -> None:
         k, v, tables, lens, held = latent_cache(batch, context, device)
         q = torch.randn(batch, HEADS, RANK + ROPE, device=device, dtype=torch.bfloat16)
         out = q.new_empty(batch, HEADS, RANK)
-        runs = {"decode": ["tma", "pointers"], "decode_fp8": ["tma", "convert", "pointers"]}
+        runs = {"decode": ["tma", "pointers"], "decode_fp8": ["tma", "pointers"]}
         for piece, (keys, values), nbytes in (("decode", (k, v), held), ("decode_fp8", fp8_latent(k), held // 2)):
             want = None
             launches = [{}] if a.smoke else [{"loads": loads} for loads in runs[piece]]

@@ -325,10 +325,9 @@ def _decode_reduce_kernel(
 # tall operand), then frees the buffer (`empty`). Copies and tensor-core work overlap without costing
 # the consumer's issue slots (docs/design.md, "MLA"). Boxes are whole pages, so a split's first and
 # last tiles hold slots outside [first, last): those rows are zeroed before the products read them.
-# FP8 latents: the ring holds the codes; the consumer writes `code x scale` (rows outside the range
-# zeroed) into a 16-bit tile, frees the ring buffer, and the products read that tile. Or, with
-# `loads="convert"` (`_decode_fp8_kernel`), a converter warpgroup does that from staged half tiles
-# into a 16-bit ring while the consumer's products run.
+# FP8 latents (`_decode_fp8_kernel`): the loader stages half tiles of codes, a converter warpgroup
+# writes `code x scale` (rows outside the range zeroed) into the 16-bit ring while the consumer's
+# products run on the tile before (1.19x faster than the consumer dequantizing, H200).
 # Gluon compiles for NVIDIA GPUs only: `_TMA` is None where it is missing, and the Triton kernel runs.
 # ---------------------------------------------------------------------------------------------
 
@@ -347,7 +346,6 @@ except ImportError as error:  # a Triton without Gluon's Hopper paths
 
 TMA_TILE = 64  # slots a tile: wgmma's M
 TMA_STAGES = 2  # 16-bit tiles in the ring (2 x 72 KB at GLM-4.7-Flash's 512 + 64, with the queries: 189 KB)
-TMA_FP8_STAGES = 3  # FP8 tiles in the ring (3 x 36 KB, plus the 72 KB 16-bit tile the products read)
 TMA_MAX_HEADS = 32  # the [RANK, heads] float32 accumulator in one warpgroup's registers
 TMA_LOADER_REGS = 40
 CONVERTER_REGS = 120  # the FP8 converter warpgroup's registers (16 rows of codes at a time)
@@ -404,12 +402,12 @@ if _TMA is not None:
                 dst.slice(r * 16, 16).slice(c * cols, cols, dim=1).store(gl.where(keep, x, 0.0).to(dst.dtype))
 
     @gluon.jit
-    def _tma_attend(q_ptr, scale_ptr, lat_smem, rope_smem, lat_tile, rope_tile, qlat_smem, qrope_smem, p_smem, ready,
-                    empty, seq, first, last, a0, n_tiles, stride_qb, stride_qh, scale_log2, HEADS: gl.constexpr,
-                    RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
-                    SCALED: gl.constexpr, ZERO_EDGES: gl.constexpr = True):
-        """The consumer warpgroup: the queries into shared memory, then `_attend_range`'s loop over the loader's
-        tiles. Returns out^T [RANK, BLOCK_H] (float32, unnormalised), the running max and sum (base 2)."""
+    def _tma_attend(q_ptr, lat_smem, rope_smem, qlat_smem, qrope_smem, p_smem, ready, empty, seq, first, last, a0,
+                    n_tiles, stride_qb, stride_qh, scale_log2, HEADS: gl.constexpr, RANK: gl.constexpr,
+                    ROPE: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr, ZERO_EDGES: gl.constexpr):
+        """The consumer warpgroup: the queries into shared memory, then `_attend_range`'s loop over the ring's
+        tiles (ZERO_EDGES: zero a tile's rows outside [first, last) first; a converter already did). Returns out^T
+        [RANK, BLOCK_H] (float32, unnormalised), the running max and sum (base 2)."""
         q_layout: gl.constexpr = _tma_rows_layout(RANK)
         heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
         ranks = gl.arange(0, RANK, layout=gl.SliceLayout(0, q_layout))
@@ -421,9 +419,6 @@ if _TMA is not None:
         qrope_smem.store(gl.load(q_ptr + seq.to(gl.int64) * stride_qb + heads_r[:, None] * stride_qh + RANK
                                  + rope_dims[None, :], mask=(heads_r < HEADS)[:, None], other=0.0))
         fence_async_shared()
-        kv_scale = 1.0
-        if SCALED:
-            kv_scale = gl.load(scale_ptr).to(gl.float32)
         acc_layout: gl.constexpr = _tma_acc_layout(BLOCK_H)
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, acc_layout))
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, acc_layout))
@@ -433,20 +428,12 @@ if _TMA is not None:
             stage = t % STAGES
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
             tile0 = a0 + t * _TILE
-            if SCALED:  # the codes into the 16-bit tile; the ring buffer is free once every thread has read it
-                _tma_masked_rows(lat_smem.index(stage), lat_tile, kv_scale, tile0, first, last, RANK)
-                _tma_masked_rows(rope_smem.index(stage), rope_tile, kv_scale, tile0, first, last, ROPE)
+            lat = lat_smem.index(stage)
+            rope = rope_smem.index(stage)
+            if ZERO_EDGES and ((tile0 < first) | (tile0 + _TILE > last)):
+                _tma_masked_rows(lat, lat, 1.0, tile0, first, last, RANK)
+                _tma_masked_rows(rope, rope, 1.0, tile0, first, last, ROPE)
                 fence_async_shared()
-                mbarrier.arrive(empty.index(stage), count=1)
-                lat = lat_tile
-                rope = rope_tile
-            else:
-                lat = lat_smem.index(stage)
-                rope = rope_smem.index(stage)
-                if ZERO_EDGES and ((tile0 < first) | (tile0 + _TILE > last)):
-                    _tma_masked_rows(lat, lat, kv_scale, tile0, first, last, RANK)
-                    _tma_masked_rows(rope, rope, kv_scale, tile0, first, last, ROPE)
-                    fence_async_shared()
             s = warpgroup_mma(lat, qlat_smem.permute((1, 0)), s_init, use_acc=False, is_async=True)
             s = warpgroup_mma(rope, qrope_smem.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -461,41 +448,33 @@ if _TMA is not None:
             fence_async_shared()
             acc = warpgroup_mma(lat.permute((1, 0)), p_smem, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            if not SCALED:
-                mbarrier.arrive(empty.index(stage), count=1)
+            mbarrier.arrive(empty.index(stage), count=1)
             m_i = m_new
         return acc, m_i, l_i
 
     @gluon.jit
     def _decode_tma_kernel(
-        q_ptr, lat_desc, rope_desc, scale_ptr, tables_ptr, lens_ptr, starts_ptr, part_out_ptr, part_lse_ptr,
+        q_ptr, lat_desc, rope_desc, tables_ptr, lens_ptr, starts_ptr, part_out_ptr, part_lse_ptr,
         stride_qb, stride_qh, stride_tb, stride_sb, scale_log2, num_splits,
         HEADS: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr, HAS_STARTS: gl.constexpr,
-        SCALED: gl.constexpr,
     ):
-        """`_decode_split_kernel`'s program (sequence, split) and partial rows, its tiles loaded by TMA in a
-        warp-specialized pipeline (section comment)."""
+        """`_decode_split_kernel`'s program (sequence, split) and partial rows over 16-bit latents, its tiles
+        loaded by TMA in a warp-specialized pipeline (section comment)."""
         seq, split, first, last = _split_range(lens_ptr, starts_ptr, stride_sb, num_splits, HAS_STARTS)
         if first < last:
             a0 = first - first % BOX  # tiles start at a box
             dtype: gl.constexpr = q_ptr.dtype.element_ty
             lat_smem, rope_smem = _tiles(lat_desc.dtype, STAGES, _TILE, RANK, ROPE)
-            if SCALED:  # the dequantized tile the products read
-                lat_tile = _tile_buffer(dtype, [_TILE, RANK])
-                rope_tile = _tile_buffer(dtype, [_TILE, ROPE])
-            else:  # the products read the ring
-                lat_tile = lat_smem
-                rope_tile = rope_smem
             qlat_smem = _tile_buffer(dtype, [BLOCK_H, RANK])
             qrope_smem = _tile_buffer(dtype, [BLOCK_H, ROPE])
             p_smem = _tile_buffer(dtype, [_TILE, BLOCK_H])
             ready, empty = _barriers(STAGES)
             n_tiles = gl.cdiv(last - a0, _TILE)
             acc, m_i, l_i = gl.warp_specialize([
-                (_tma_attend, (q_ptr, scale_ptr, lat_smem, rope_smem, lat_tile, rope_tile, qlat_smem, qrope_smem,
-                               p_smem, ready, empty, seq, first, last, a0, n_tiles, stride_qb, stride_qh, scale_log2,
-                               HEADS, RANK, ROPE, BLOCK_H, STAGES, SCALED)),
+                (_tma_attend, (q_ptr, lat_smem, rope_smem, qlat_smem, qrope_smem, p_smem, ready, empty, seq, first,
+                               last, a0, n_tiles, stride_qb, stride_qh, scale_log2, HEADS, RANK, ROPE, BLOCK_H, STAGES,
+                               True)),
                 (_tma_loader, (tables_ptr + seq * stride_tb, lat_desc, rope_desc, lat_smem, rope_smem, ready, empty,
                                a0, last, n_tiles, PAGE_SIZE, BOX, STAGES, _TILE)),
             ], [1], [_LOADER_REGS])
@@ -535,9 +514,9 @@ if _TMA is not None:
         BLOCK_H: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr, CODE_STAGES: gl.constexpr,
         HAS_STARTS: gl.constexpr, CONVERTER_REGS: gl.constexpr,
     ):
-        """`_decode_tma_kernel` over FP8 latents with three partitions (`paged_decode(loads="convert")`): the loader
-        warp stages half tiles of codes by TMA, the converter warpgroup dequantizes them into the 16-bit ring, and
-        the consumer reads that ring as over 16-bit latents, so dequantization overlaps the products."""
+        """`_decode_tma_kernel` over FP8 latents (`scale_ptr`: the layer's scale) with three partitions: the
+        loader warp stages half tiles of codes by TMA, the converter warpgroup dequantizes them into the 16-bit ring,
+        and the consumer reads that ring as over 16-bit latents, so dequantization overlaps the products."""
         seq, split, first, last = _split_range(lens_ptr, starts_ptr, stride_sb, num_splits, HAS_STARTS)
         if first < last:
             a0 = first - first % BOX
@@ -552,9 +531,9 @@ if _TMA is not None:
             ready, empty = _barriers(STAGES)
             n_tiles = gl.cdiv(last - a0, _TILE)
             acc, m_i, l_i = gl.warp_specialize([
-                (_tma_attend, (q_ptr, scale_ptr, lat_smem, rope_smem, lat_smem, rope_smem, qlat_smem, qrope_smem,
-                               p_smem, ready, empty, seq, first, last, a0, n_tiles, stride_qb, stride_qh,
-                               scale_log2, HEADS, RANK, ROPE, BLOCK_H, STAGES, False, False)),
+                (_tma_attend, (q_ptr, lat_smem, rope_smem, qlat_smem, qrope_smem, p_smem, ready, empty, seq, first,
+                               last, a0, n_tiles, stride_qb, stride_qh, scale_log2, HEADS, RANK, ROPE, BLOCK_H, STAGES,
+                               False)),
                 (_fp8_converter, (codes_lat, codes_rope, codes_ready, codes_empty, lat_smem, rope_smem, ready, empty,
                                   scale_ptr, first, last, a0, n_tiles, RANK, ROPE, STAGES, CODE_STAGES)),
                 (_tma_loader, (tables_ptr + seq * stride_tb, lat_desc, rope_desc, codes_lat, codes_rope, codes_ready,
@@ -631,29 +610,28 @@ def _tma_unsupported(q: torch.Tensor, rows: torch.Tensor, rank: int, rope: int) 
 
 
 def _decode_warp_specialized(q, rows, kv_scale, block_tables, context_lens, starts, stride_sb, has_starts,
-                             part_out, part_lse, splits, scale_log2, rank, rope, convert: bool) -> None:
-    """The split schedule's grid of a Gluon kernel, descriptors over the cache's token rows (or FP8 codes):
-    `_decode_tma_kernel`, a box a page (or a tile, for larger pages), or with `convert` `_decode_fp8_kernel`, a
-    box a page (or half a tile)."""
+                             part_out, part_lse, splits, scale_log2, rank, rope) -> None:
+    """The split schedule's grid of a Gluon kernel, descriptors over the cache's token rows: 16-bit latents'
+    `_decode_tma_kernel`, a box a page (or a tile, for larger pages), or FP8 codes' `_decode_fp8_kernel`
+    (`kv_scale` given), a box a page (or half a tile)."""
     batch, heads, _ = q.shape
     page = rows.shape[2]
-    box = min(page, TMA_TILE // 2 if convert else TMA_TILE)
+    scaled = kv_scale is not None
+    box = min(page, TMA_TILE // 2 if scaled else TMA_TILE)
     stored = _GL_DTYPES[rows.dtype]
     flat = rows.view(-1, rows.shape[-1])
     lat, rope_desc = (TensorDescriptor.from_tensor(part, [box, width],
                                                    gl.NVMMASharedLayout.get_default_for([box, width], stored))
                       for part, width in ((flat[:, :rank], rank), (flat[:, rank:], rope)))
-    scaled = kv_scale is not None
-    args = (q, lat, rope_desc, kv_scale if scaled else q, block_tables, context_lens, starts, part_out, part_lse,
-            q.stride(0), q.stride(1), block_tables.stride(0), stride_sb, scale_log2, splits)
+    rest = (block_tables, context_lens, starts, part_out, part_lse, q.stride(0), q.stride(1),
+            block_tables.stride(0), stride_sb, scale_log2, splits)
     shape = dict(HEADS=heads, RANK=rank, ROPE=rope, PAGE_SIZE=page, BLOCK_H=max(16, triton.next_power_of_2(heads)),
-                 BOX=box, HAS_STARTS=has_starts, num_warps=4)
-    if convert:
-        _decode_fp8_kernel[(batch, splits)](*args, STAGES=TMA_STAGES, CODE_STAGES=CODE_STAGES,
+                 BOX=box, STAGES=TMA_STAGES, HAS_STARTS=has_starts, num_warps=4)
+    if scaled:
+        _decode_fp8_kernel[(batch, splits)](q, lat, rope_desc, kv_scale, *rest, CODE_STAGES=CODE_STAGES,
                                             CONVERTER_REGS=CONVERTER_REGS, **shape)
     else:
-        _decode_tma_kernel[(batch, splits)](*args, STAGES=TMA_FP8_STAGES if scaled else TMA_STAGES, SCALED=scaled,
-                                            **shape)
+        _decode_tma_kernel[(batch, splits)](q, lat, rope_desc, *rest, **shape)
 
 
 @functools.lru_cache(maxsize=None)
@@ -704,25 +682,22 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
     """One absorbed query per sequence, q [B, heads, RANK + ROPE], over its latents; out [B, heads, RANK]
     (module docstring). `schedule` "split" (each context in `num_splits` splits) or "balanced" (`num_programs`,
     default one an SM, share the batch's tiles evenly: a ragged batch's programs finish together). `loads`
-    "tma" (the split schedule's warp-specialized kernel: Hopper, 16-bit or FP8 latents), "convert" (FP8 latents
-    dequantized by a converter warpgroup beside the consumer: not measured yet), "pointers" (the Triton kernels)
-    or None: TMA where it applies and no Triton knob (block_n, num_warps, num_stages) is given."""
+    "tma" (the split schedule's warp-specialized kernels: Hopper, 16-bit or FP8 latents), "pointers" (the Triton
+    kernels) or None: TMA where it applies and no Triton knob (block_n, num_warps, num_stages) is given."""
     if stats is not None or read is not None:  # the statistics and read plans of the torch ops
         return torch_ops.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out,
                                       kv_starts, stats, rows, resid_lens, read)
     if schedule not in ("split", "balanced"):
         raise ValueError(f"unknown latent decode schedule {schedule!r}: split or balanced")
-    if loads not in (None, "tma", "convert", "pointers"):
-        raise ValueError(f"unknown latent decode loads {loads!r}: tma, convert or pointers")
+    if loads not in (None, "tma", "pointers"):
+        raise ValueError(f"unknown latent decode loads {loads!r}: tma or pointers")
     rank, rope, rows, kv_scale = _layout(q, k_cache, v_cache)
     why_not = _tma_unsupported(q, rows, rank, rope) if loads != "pointers" else "pointers"
-    if loads == "convert" and kv_scale is None:
-        why_not = "the converter reads FP8 latents"
-    if loads in ("tma", "convert") and (why_not or schedule != "split"):
+    if loads == "tma" and (why_not or schedule != "split"):
         raise ValueError(f"the {loads} decode kernel cannot read this decode: "
                          f"{why_not or 'it runs the split schedule'}")
     tma_loads = why_not is None and schedule == "split" and (
-        loads in ("tma", "convert") or (block_n, num_warps, num_stages) == (None, None, None))
+        loads == "tma" or (block_n, num_warps, num_stages) == (None, None, None))
     batch, heads, _ = q.shape
     if out is None:
         out = q.new_empty(batch, heads, rank)
@@ -746,8 +721,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_con
     block_b = max(16, triton.next_power_of_2(batch))
     if tma_loads:
         _decode_warp_specialized(q, rows, kv_scale, block_tables, context_lens, starts, stride_sb,
-                                 kv_starts is not None, part_out, part_lse, parts, scale * LOG2E, rank, rope,
-                                 convert=loads == "convert")
+                                 kv_starts is not None, part_out, part_lse, parts, scale * LOG2E, rank, rope)
     else:
         args = (q, rows, rows if kv_scale is None else kv_scale, block_tables, context_lens, starts, part_out,
                 part_lse, q.stride(0), q.stride(1), rows.stride(0), rows.stride(2), block_tables.stride(0), stride_sb,

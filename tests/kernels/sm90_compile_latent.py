@@ -39,8 +39,8 @@ def _report(name: str, ptx: str, options: dict) -> None:
 
 def _tma_decode(mod) -> None:
     """The warp-specialized decodes (Gluon): TMA copies a page at a time, warpgroup MMA in the consumer, and the
-    register split between the loader warp and the consumer warpgroup (setmaxnreg); over FP8 latents, the TMA
-    loader's ring of codes, and the converter warpgroup's."""
+    register split between the loader warp and the consumer warpgroup (setmaxnreg); over FP8 latents, the
+    converter warpgroup's."""
     gl = mod.gl
     boxes = {"lat_desc": [16, 512], "rope_desc": [16, 64]}
     types = {**POINTERS, "scale_log2": "fp32"}
@@ -49,13 +49,12 @@ def _tma_decode(mod) -> None:
     shape = dict(HEADS=20, RANK=512, ROPE=64, PAGE_SIZE=16, BLOCK_H=32, BOX=16)
     fp8 = {name: f"tensordesc<fp8e4nv{box},{gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)!r}>"
            for name, box in boxes.items()}
-    for scaled, starts in ((False, False), (False, True), (True, True)):
-        ptx = build(mod._decode_tma_kernel, dict(shape, HAS_STARTS=starts, SCALED=scaled,
-                                                 STAGES=mod.TMA_FP8_STAGES if scaled else mod.TMA_STAGES),
-                    {**types, **(fp8 if scaled else {})}, num_warps=4)
+    for starts in (False, True):
+        ptx = build(mod._decode_tma_kernel, dict(shape, HAS_STARTS=starts, STAGES=mod.TMA_STAGES), types,
+                    num_warps=4)
         for part in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "setmaxnreg"):
             assert part in ptx, f"the TMA decode kernel lost {part}"
-        _report(f"decode TMA, warp-specialized, FP8={scaled}, starts={starts}", ptx, dict(num_warps=4))
+        _report(f"decode TMA, warp-specialized, starts={starts}", ptx, dict(num_warps=4))
     consts = dict(HEADS=20, RANK=512, ROPE=64, PAGE_SIZE=16, BLOCK_H=32, BOX=16, STAGES=mod.TMA_STAGES,
                   CODE_STAGES=mod.CODE_STAGES, HAS_STARTS=True, CONVERTER_REGS=mod.CONVERTER_REGS)
     ptx = build(mod._decode_fp8_kernel, consts, {**types, **fp8}, num_warps=4)

@@ -130,11 +130,10 @@ def test_tma_decode_matches_torch(starts, splits):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the TMA decode kernel needs a Hopper GPU")
-@pytest.mark.parametrize("loads", ["tma", "convert"])
 @pytest.mark.parametrize("starts", [False, True], ids=["whole", "per-row-starts"])
-def test_tma_decode_over_fp8_latents_matches_torch(starts, loads):
-    """FP8 latents (e4m3, the layer's one scale): the TMA kernels (the consumer dequantizing, or a converter
-    warpgroup) dequantize each tile as the torch op does (`code x scale`, rounded to bf16); NaN codes where no
+def test_tma_decode_over_fp8_latents_matches_torch(starts):
+    """FP8 latents (e4m3, the layer's one scale): the TMA kernel's converter warpgroup dequantizes each tile
+    as the torch op does (`code x scale`, rounded to bf16); NaN codes where no
     sequence owns a slot stay out of the output."""
     gen = torch.Generator().manual_seed(9)
     lengths = [1, 37, 0, 700, 2000, 64, 129, 1500]
@@ -148,7 +147,7 @@ def test_tma_decode_over_fp8_latents_matches_torch(starts, loads):
     k_src, v_src = fp8_latent_sources(codes.to(DEVICE), scale, 512, torch.bfloat16)
     out = torch.full((len(lengths), 20, 512), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     latent_ops.paged_decode(q, k_src, v_src, tables, lens, SCALE, max_context_len=2000, out=out, kv_starts=kv_starts,
-                            loads=loads)
+                            loads="tma")
     k_ref, v_ref = fp8_latent_sources(codes.float().nan_to_num(0.0).to(torch.float8_e4m3fn).to(DEVICE), scale, 512,
                                       torch.bfloat16)
     want = torch_ops.paged_decode(q, k_ref, v_ref, tables, lens, SCALE, kv_starts=kv_starts)
@@ -192,9 +191,8 @@ def test_tma_decode_off_hopper_is_a_clear_error():
     k_cache, v_cache, tables = _cache(gen, [5], torch.float32)
     q = torch.randn(1, HEADS, RANK + ROPE, generator=gen).to(DEVICE)
     lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
-    for loads in ("tma", "convert"):
-        with pytest.raises(ValueError, match=f"the {loads} decode kernel cannot read this decode"):
-            latent_ops.paged_decode(q, k_cache, v_cache, tables, lens, SCALE, loads=loads)
+    with pytest.raises(ValueError, match="the tma decode kernel cannot read this decode"):
+        latent_ops.paged_decode(q, k_cache, v_cache, tables, lens, SCALE, loads="tma")
     with pytest.raises(ValueError, match="unknown latent decode loads"):
         latent_ops.paged_decode(q, k_cache, v_cache, tables, lens, SCALE, loads="gather")
 
