@@ -29,11 +29,15 @@ def _interval(text: str) -> int:
 
 
 def add_evict_interval(p: argparse.ArgumentParser) -> None:
-    """`--evict-interval N` (EngineConfig.evict_interval), for generate, serve and bench throughput."""
+    """`--evict-interval N` and `--no-decode-rings` (EngineConfig.evict_interval, decode_rings), for generate,
+    serve and bench throughput."""
     p.add_argument("--evict-interval", type=_interval, default=1, metavar="N",
                    help="decode-time eviction (a method keeping at step end: StreamingLLM, H2O, TOVA) only once "
                    "a row stores N tokens past its kept count, then back down to it; peak KV memory grows by "
                    "N-1 tokens per row and layer (default 1: every step)")
+    p.add_argument("--no-decode-rings", action="store_true",
+                   help="a window keep at every step (StreamingLLM's) evicts at step end instead of writing each "
+                   "decode token over its oldest recent one (docs/design.md, \"Decode rings\")")
 
 
 def add_prefill_forms(p: argparse.ArgumentParser) -> None:
@@ -99,6 +103,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
         cuda_graphs=not a.no_cuda_graphs,
         async_scheduling=ASYNC_SCHEDULING_CHOICES[a.async_scheduling],
         evict_interval=a.evict_interval,
+        decode_rings=not a.no_decode_rings,
         mla_prefill=a.mla_prefill,
         prefill_attention=a.prefill_attention,
         method_inputs=a.method_inputs,

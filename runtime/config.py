@@ -81,6 +81,10 @@ class EngineConfig:
     # (kvpress DecodingPress's compression_interval); 1: every step. Peak memory grows by N - 1
     # tokens per layer and row (docs/design.md, "Eviction interval")
     evict_interval: int = 1
+    # a window keep at every step (StreamingLLM's `first a + last b`) writes each decode token over the
+    # oldest recent one instead of evicting at step end (runtime/kv/ring.py; docs/design.md, "Decode
+    # rings"); False: every decode step appends and the step end evicts in place (the rings' oracle)
+    decode_rings: bool = True
     # prefill first: while a request prefills or waits to be admitted, steps run prefill chunks only
     # and decodes wait (throughput over latency; it keeps replayed prefills, runtime/prefill_record.py,
     # out of mixed steps). False: decodes first, then prefill chunks, in one step

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from kvc.runtime.attention.metadata import AttentionMetadata
+from kvc.runtime.kv.ring import decode_offsets
 from kvc.runtime.kv.tables import split_resized
 from kvc.runtime.method_api import Hook
 from kvc.runtime.scheduler import ScheduledBatch
@@ -245,11 +246,12 @@ class DecodeGraphs:
         pos = [seq.num_computed_tokens for seq in seqs]
         ids = [seq.token_ids[p] if p < len(seq.token_ids) else 0 for seq, p in zip(seqs, pos)]  # 0: pending
         kv = np.array([seq.kv_lens for seq in seqs], dtype=np.int64).T  # [L, n]
-        pages = np.take_along_axis(self._host_tables[:, :n], (kv // page)[:, :, None], axis=2)[:, :, 0]
+        phys, after = decode_offsets(kv, [seq.ring for seq in seqs], pos)  # appends, or rings (runtime/kv/ring.py)
+        pages = np.take_along_axis(self._host_tables[:, :n], (phys // page)[:, :, None], axis=2)[:, :, 0]
         slots = np.full((layers, b), -1, dtype=np.int64)  # padding rows: no slot, no context
-        slots[:, :n] = pages.astype(np.int64) * page + kv % page
+        slots[:, :n] = pages.astype(np.int64) * page + phys % page
         ctx = np.zeros((layers, b), dtype=np.int32)
-        ctx[:, :n] = kv + 1
+        ctx[:, :n] = after
         key = GraphKey(b, with_starts, context_bucket(self.contexts, int(ctx.max())))
         pad = b - n
         copy_into(self.input_ids[:b], ids + [0] * pad)  # pinned: no wait for the step still running

@@ -297,7 +297,7 @@ class Engine:
         the pool's stores)."""
         attention = PagedAttention(self.stores, self.backend, self.layout.layers, classes, **self._prefill_forms())
         salt = storage_salt(self.model_ref, self.spec, self.pool_classes, classes)
-        rules = lane_rules(method, attention, self.config.enable_prefix_caching, salt)
+        rules = lane_rules(method, attention, self.config.enable_prefix_caching, salt, self.config.decode_rings)
         lane = Lane(method.name, params, method, storage, classes, rules,
                     method_fingerprint(self.model_ref, self.spec, method), loaded)
         lane.attention = attention
@@ -329,6 +329,7 @@ class Engine:
                                   "a tokenizer", param="method")
             lane.hooks.text_spans = {name: TextSpans(self.tokenizer, markers)
                                      for name, markers in method.text_partitions.items()}
+        lane.hooks.rings = lane.rules.rings  # its step end leaves ringed rows alone (runtime/kv/ring.py)
         if method.replay is not None:  # re-reads each prompt after its prefill (runtime/context_replay.py)
             lane.replay = ContextReplay(lane.group, method.replay, self.tokenizer)
             method.budget.replay_tokens = lane.replay.longest

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvc.runtime.attention.backend import class_pages
 from kvc.runtime.errors import ConfigError
+from kvc.runtime.kv.ring import RingRules
 from kvc.runtime.kv.spec import Extent, KVSpec, StorageClasses
 from kvc.runtime.method_api import Hook, KVMethod
 from kvc.runtime.scheduler import LaneRules
@@ -109,17 +110,21 @@ def _has_layer_inputs(spec: KVSpec) -> bool:
     return any(t.extent is Extent.LAYER for t in spec.tensors)
 
 
-def lane_rules(method: KVMethod, attention, prefix_caching: bool, salt: bytes) -> LaneRules:
+def lane_rules(method: KVMethod, attention, prefix_caching: bool, salt: bytes, rings: bool = True) -> LaneRules:
     """The scheduler's facts of a lane whose layers' stores are `attention`'s (runtime/attention/backend.py).
     Prefix caching (docs/design.md, "Many methods in one batch"): a method that keeps every computed
     token names its full pages and takes hits; one that compacts at prefill end only (SnapKV and kin)
     takes hits of the dense prefix other lanes of its storage named, up to its query window, and names
     none (its pages are cut); one that compacts while prefilling or decoding, or reads every prefill
-    query, neither. A delta code's pages lean on its row: no caching."""
+    query, neither. A delta code's pages lean on its row: no caching. `rings`: a window keep at every step
+    may ring (runtime/kv/ring.py; `EngineConfig.decode_rings`)."""
     cuts = method.compacts or method.rewrites  # writes into pages before the newest
     drops = method.compacts  # stored tokens stop matching the prompt
     decode_drops = drops and Hook.STEP_END in method.hooks
     window = getattr(method, "query_window", 0)
+    ringed = None
+    if rings and Hook.STEP_END in method.hooks and all(s.spec.in_place for s in attention.used):
+        ringed = RingRules.of([method.decode_ring(layer) for layer in range(len(attention.layer_class))])
     return LaneRules(
         budget=method.budget,
         layer_class=attention.layer_class,
@@ -134,6 +139,7 @@ def lane_rules(method: KVMethod, attention, prefix_caching: bool, salt: bytes) -
         registers=not drops,
         hit_margin=0 if not drops else (-1 if decode_drops or method.chunk_keeps or window < 0 else window),
         salt=salt,
+        rings=ringed,
     )
 
 

@@ -314,6 +314,8 @@ class KVMethod(Protocol):
     def step_end_due(self, layer: int, lengths: np.ndarray, prompt_lens: np.ndarray,
                      context_lens: np.ndarray) -> np.ndarray | None: ...
 
+    def decode_ring(self, layer: int) -> tuple[int, int] | None: ...
+
     def replay_chunk(self, seq_id: int, layer: int, num_layers: int, q: torch.Tensor, attn: torch.Tensor,
                      start: int, context_len: int, num_kv_heads: int) -> None: ...
 
@@ -400,6 +402,13 @@ class MethodBase:
     def step_end_due(self, layer: int, lengths: np.ndarray, prompt_lens: np.ndarray,
                      context_lens: np.ndarray) -> np.ndarray | None:
         """Which decoded rows' step_end may give a plan (None: all of them)."""
+        return None
+
+    def decode_ring(self, layer: int) -> tuple[int, int] | None:
+        """(first, capacity) when layer `layer`'s decode-time keep is exactly `first a + last b` at every step
+        and its prefill keeps at most a + b: the engine may then write each decode token over the oldest
+        recent one once the layer holds capacity = a + b + 1 tokens, and skip its step end
+        (runtime/kv/ring.py). None: no such keep."""
         return None
 
     def token_scores(self, layer: int, num_layers: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 
 from kvc.runtime.errors import ConfigError, OutOfKVMemory, PromptTooLongError
 from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.kv.ring import RingRules
 from kvc.runtime.kv.room import Room
 from kvc.runtime.kv.rows import RowPool
 from kvc.runtime.kv.spec import flushed
@@ -64,6 +65,9 @@ if TYPE_CHECKING:
     from kvc.runtime.chains import ChainStore
 
 log = logging.getLogger(__name__)
+
+
+RING_ROOM = 1 << 40  # a ringed layer's free slots: its tokens go into slots it holds (runtime/kv/ring.py)
 
 
 @dataclass
@@ -144,6 +148,8 @@ class LaneRules:
     registers: bool = True
     hit_margin: int = 0
     salt: bytes | None = None  # its pages' prefix-cache salt (runtime/kv/page_pool.py); None: the pool's
+    # its window keep's decode rings per layer (runtime/kv/ring.py `RingRules`); None: its decode steps append
+    rings: RingRules | None = None
 
 
 class Scheduler:
@@ -300,7 +306,10 @@ class Scheduler:
         if room is not None and room.version == seq.tables_version:
             return room
         size = self.pool.page_size
-        room = Room(seq.tables_version, [len(t) * size - kv for kv, t in zip(seq.kv_lens, seq.page_tables)], size)
+        free = [len(t) * size - kv for kv, t in zip(seq.kv_lens, seq.page_tables)]
+        if seq.ring is not None:  # a ringed layer's tokens go into slots it holds (runtime/kv/ring.py)
+            free = [RING_ROOM if on else f for f, on in zip(free, seq.ring.on.tolist())]
+        room = Room(seq.tables_version, free, size)
         seq.room = room
         return room
 
@@ -425,6 +434,7 @@ class Scheduler:
             clone.prefill_end = seq.prefill_end
             clone.kv_lens = list(seq.kv_lens)
             clone.kv_starts = [None if s is None else list(s) for s in seq.kv_starts]
+            clone.ring = None if seq.ring is None else seq.ring.copy()
             clone.compressed = seq.compressed
             clone.page_hashes = list(seq.page_hashes)
             clone.history_gap = list(seq.history_gap)
@@ -606,8 +616,15 @@ class Scheduler:
                 continue  # aborted (or finished by an earlier step's tokens) while the step ran
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
-            seq.kv_lens = [kv + n for kv in seq.kv_lens]
             rules = self.rules_of(seq)
+            ring = seq.ring
+            if ring is None or not ring.full:  # a full ring's layers write over their oldest recent token
+                seq.kv_lens = [kv + n for kv in seq.kv_lens] if ring is None else \
+                    [kv if on else kv + n for kv, on in zip(seq.kv_lens, ring.on.tolist())]
+                if rules.rings is not None and i < batch.num_decodes and seq.chain is None:
+                    seq.ring = rules.rings.enter(seq.kv_lens, seq.num_computed_tokens, ring)
+                    if seq.ring is not ring:
+                        seq.room = None  # a ringed layer needs no room (`_room`)
             if rules.residual:  # the step's tokens joined each layer's residual window
                 seq.resid_lens = [min(r + n, rules.residual) for r in seq.resid_lens]
             if seq.room is not None and seq.room.version == seq.tables_version:

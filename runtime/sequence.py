@@ -122,6 +122,9 @@ class Sequence:
         self.room = None  # the scheduler's cache of free slots per layer (runtime/kv/room.py)
         self.kv_lens: list[int] = [0] * num_layers  # physical tokens stored per layer
         self.kv_starts: list[list[int] | None] = [None] * num_layers  # per layer, per KV head; None: 0
+        # decode rings (runtime/kv/ring.py): where a layer at its window's capacity writes its next token
+        # (its kv_lens then stay); None: every layer appends
+        self.ring = None
         self.compressed = False  # a method compacted it: pages no longer equal the logical tokens
         # Chained hashes of the full pages of `token_ids`, filled by the scheduler as pages are
         # computed. Tokens never change once appended, so the list survives preemption.
@@ -184,6 +187,7 @@ class Sequence:
         self.resized_layers = []
         self.kv_lens = [0] * len(tables)
         self.kv_starts = [None] * len(tables)
+        self.ring = None
         self.compressed = False
         self.history_gap = [0] * len(tables)
         self.resid_lens = [0] * len(tables)

@@ -255,9 +255,14 @@ class SpecGroup:
             positions.extend(range(start, start + n))
             kv = np.asarray(seq.kv_lens, dtype=np.int64)
             phys = kv[:, None] + np.arange(n, dtype=np.int64)[None, :]  # [L, n] physical offsets
+            after = kv + n
+            if seq.ring is not None:  # a decode row's ringed layers (runtime/kv/ring.py): n == 1
+                on = seq.ring.on
+                phys[on, 0] = seq.ring.slots(start)[on]
+                after = np.where(on, kv, after)
             pages = np.take_along_axis(tables_np[:, i, :], phys // page, axis=1)
             slots.append(pages.astype(np.int64) * page + phys % page)
-            ctx.append((kv + n).tolist())
+            ctx.append(after.tolist())
             cu.append(cu[-1] + n)
             if needs_sample[i]:
                 sample_rows.append(cu[-1] - 1)

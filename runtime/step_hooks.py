@@ -21,6 +21,7 @@ from kvc.runtime.kv.compaction import CompactionBatch, CompactionJob, batch_of_j
 from kvc.runtime.kv.executor import KVExecutor
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.positions import compact_map
+from kvc.runtime.kv.ring import RingRules
 from kvc.runtime.kv.store import KVStore
 from kvc.runtime.kv.tables import TableCache
 from kvc.runtime.method_api import (Hook, KVMethod, LayerCacheView, PrefillView, RewritePlan, StackedPlan, StepView,
@@ -41,6 +42,9 @@ class StepHooks:
         self.method, self.tables, self.pool = method, tables, pool
         self.stores, self.executors = stores, executors
         self.text_spans: dict[str, TextSpans] = {}  # the method's text partitions (the engine sets them)
+        # its lane's decode rings (runtime/kv/ring.py; the engine sets them): an unchained decode row's
+        # window keep is where its next token is written, not a step-end plan
+        self.rings: RingRules | None = None
         self.layer_class = tuple(layer_class) if layer_class is not None else (0,) * num_layers
         store = stores[0]
         # rows by id in every store that has them (`PagedAttention.copy_rows`; default: the store's)
@@ -74,7 +78,8 @@ class StepHooks:
     # (the hot path of every decode step, and of every keep plan of decode-time eviction).
     def own_append_pages(self, batch: ScheduledBatch) -> None:
         """Each sequence's partial last page, which this step appends to, becomes its own (every
-        page of a decode row when the decode hook writes state planes)."""
+        page of a decode row when the decode hook writes state planes; a ringed layer's page of the
+        slot it writes over)."""
         page = self.page_size
         for i, seq in enumerate(batch.seqs):
             if not seq.spare_pages:
@@ -83,8 +88,11 @@ class StepHooks:
                 for layer, table in enumerate(seq.page_tables):
                     self._own_pages(seq, layer, len(table))
                 continue
+            rings = None if seq.ring is None else seq.ring.slots(seq.num_computed_tokens).tolist()
             for layer, kv in enumerate(seq.kv_lens):
-                if kv % page:
+                if rings is not None and rings[layer] >= 0:
+                    self._own_page(seq, layer, rings[layer] // page)
+                elif kv % page:
                     self._own_page(seq, layer, kv // page)
 
     def _own_pages(self, seq, layer: int, count: int) -> None:
@@ -223,6 +231,10 @@ class StepHooks:
         plans sharing a tensor (`StackedPlan`) move as one."""
         method, page = self.method, self.page_size
         decoded = batch.seqs[: batch.num_decodes]
+        if self.rings is not None:  # an unchained row's window keep rings (runtime/kv/ring.py): no plan
+            decoded = [seq for seq in decoded if seq.chain is not None]
+            if not decoded:
+                return
         batched = method.step_end_batch
         num_layers, cache_view = self.num_layers, self._cache_view
         packed = versions = None  # [L, B, W] page tables of `decoded`, built at the first layer with candidates

@@ -133,7 +133,7 @@ def _throughput(a: argparse.Namespace) -> int:
         max_prefill_chunk=a.max_prefill_chunk, attention_backend=a.attention_backend,
         cuda_graphs=not a.no_cuda_graphs,
         async_scheduling=ASYNC_SCHEDULING_CHOICES[a.async_scheduling], evict_interval=a.evict_interval,
-        mla_prefill=a.mla_prefill, prefill_attention=a.prefill_attention,
+        decode_rings=not a.no_decode_rings, mla_prefill=a.mla_prefill, prefill_attention=a.prefill_attention,
         method_inputs=a.method_inputs,
         temperature=a.temperature, sources=a.sources, e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy,
         busy_batch=a.busy_batch, requests=a.requests, mix=a.mix, tensor_parallel_size=a.tensor_parallel_size,

@@ -48,7 +48,8 @@ def make_engine(cfg, model: str, method, params: dict, input_len: int, seats: in
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_prefill_chunk=cfg.max_prefill_chunk,
         max_model_len=input_len + cfg.output_len + 1, enable_prefix_caching=False,
         attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
-        async_scheduling=cfg.async_scheduling, evict_interval=cfg.evict_interval, mla_prefill=cfg.mla_prefill,
+        async_scheduling=cfg.async_scheduling, evict_interval=cfg.evict_interval, decode_rings=cfg.decode_rings,
+        mla_prefill=cfg.mla_prefill,
         prefill_attention=cfg.prefill_attention, method_inputs=cfg.method_inputs,
         seed=cfg.seed, methods=methods, methods_params=methods_params, tensor_parallel_size=cfg.tensor_parallel_size,
         expert_parallel=cfg.expert_parallel)

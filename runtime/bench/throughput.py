@@ -92,6 +92,7 @@ class ThroughputConfig:
     cuda_graphs: bool = True
     async_scheduling: bool | None = None  # None: the engine's default (on for a GPU)
     evict_interval: int = 1  # EngineConfig.evict_interval; the plan counts its peak
+    decode_rings: bool = True  # EngineConfig.decode_rings (a window keep rings: runtime/kv/ring.py)
     mla_prefill: str = "auto"  # EngineConfig.mla_prefill (an MLA model's prefill form)
     prefill_attention: str = "auto"  # EngineConfig.prefill_attention (dense layers' prefill: kernel or sdpa)
     method_inputs: str | None = None  # EngineConfig.method_inputs (None: the model's directory)

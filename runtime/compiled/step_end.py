@@ -24,7 +24,7 @@ from kvc.runtime.compiled.state import SequenceStates, gather_state
 from kvc.runtime.compiled.stacked import StackedRows
 from kvc.runtime.kv import slot_order
 from kvc.runtime.kv.plans import keep_plan_if_due
-from kvc.runtime.method_api import KeepPlan, LayerCacheView, StackedPlan, StepView, StepViews
+from kvc.runtime.method_api import Hook, KeepPlan, LayerCacheView, StackedPlan, StepView, StepViews
 
 MEMO_LIMIT = 4096  # memoised counts (decode_kept) before the memo starts over
 
@@ -38,6 +38,7 @@ class StepEnd:
 
     name: str
     params: dict[str, Any]
+    hooks: frozenset[Hook]
     decoding: DecodeFacts
     seqs: SequenceStates
     budget: CompiledBudget
@@ -106,6 +107,24 @@ class StepEnd:
         due = np.array([self._due(int(n), self.decode_kept(int(n), int(p), int(c), layer, kv_heads))
                         for n, p, c in distinct], dtype=bool)
         return due[inverse.reshape(-1)]
+
+    def decode_ring(self, layer: int) -> tuple[int, int] | None:
+        """The contract's `decode_ring` (runtime/kv/ring.py): (a, a + b + 1) where the decode-time keep is
+        `first a + last b` at every step (no scores, no `where`, counts that read no row symbol, equal per KV
+        head), the prefill keeps at most a + b and no decode hook reads the layer; else None."""
+        facts, hook = self.decoding, self.decoding.keep_hook
+        if (hook is None or self.evict_interval != 1 or facts.keep["inputs"] or facts.keep["where"]
+                or facts.head_counts or self._role_keep(hook)
+                or set(facts.keep.get("keep_symbols", ["step"])) - {"layer"}
+                or self.hooks & {Hook.DECODE_BEFORE_ATTENTION, Hook.DECODE_AFTER_ATTENTION}):
+            return None
+        kv_heads, huge = self.budget.num_kv_heads, 1 << 20
+        kept = self.decode_kept(huge, huge, huge, layer, kv_heads)  # a + b
+        last = self.kept_tail(hook, decode_sym(layer, self.budget.num_layers, huge, huge, huge, None, kv_heads, None),
+                              huge)
+        if kept >= huge or any(self.budget.kept(n, layer) > kept for n in (huge, huge * 2)):
+            return None  # keeps every token, or a prefill that keeps more than the window
+        return kept - last, kept + 1
 
     def _due(self, length: int, count: int) -> bool:
         """Does a row storing `length` tokens, of which the keep leaves `count`, evict at this step:

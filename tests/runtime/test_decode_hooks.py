@@ -57,7 +57,8 @@ def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
 
 def make_engine(model_dir: Path, method: str, params: dict | None = None) -> Engine:
     llm = LLM(str(model_dir), method=method, method_params=params or CASES[method], device="cpu", dtype="float32",
-              page_size=PAGE, max_num_batched_tokens=64, max_prefill_chunk=32, attention_backend="torch")
+              page_size=PAGE, max_num_batched_tokens=64, max_prefill_chunk=32, attention_backend="torch",
+              decode_rings=False)  # the step end's lengths (StreamingLLM rings otherwise: runtime/kv/ring.py)
     return llm.engine
 
 

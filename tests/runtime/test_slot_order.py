@@ -202,7 +202,7 @@ def _in_order_spec(monkeypatch) -> None:
 def _serve(model_dir: Path, method: str, interval: int = 1) -> tuple[list[list[int]], list]:
     llm = LLM(str(model_dir), method=method, method_params=SERVED[method], device="cpu", dtype="float32",
               page_size=PAGE, max_num_batched_tokens=64, max_prefill_chunk=32, attention_backend="torch",
-              evict_interval=interval)
+              evict_interval=interval, decode_rings=False)  # the step end's layouts (rings: test_decode_rings.py)
     engine = llm.engine
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (23, 40, 31)]
@@ -232,7 +232,7 @@ def test_streamingllm_turns_its_window_into_a_ring(model_dir):
     """Per step, StreamingLLM drops its oldest recent token: in place, the newest token takes that
     slot, so the slots' positions rotate (out of time order) and nothing else moves."""
     llm = LLM(str(model_dir), method="streamingllm", method_params=SERVED["streamingllm"], device="cpu",
-              dtype="float32", page_size=PAGE, attention_backend="torch")
+              dtype="float32", page_size=PAGE, attention_backend="torch", decode_rings=False)  # the step end's fill
     engine = llm.engine
     seq = engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
     while seq.num_generated < 8:
