@@ -49,9 +49,10 @@ def serve(model_dir, method: str, graphs: bool, planes: bool, monkeypatch):
     again = llm.generate(history + prompts[1][:20], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
                          chain=ChainSpec(continue_id=chained.chain_id))[0]
     graphs_used = sorted(engine.runner.graphs.graphs) if engine.runner.graphs is not None else []
+    rings = engine.scheduler.rules.rings is not None  # StreamingLLM's window rings (runtime/kv/ring.py)
     del llm, engine
     torch.cuda.empty_cache()
-    return tokens, lengths, [chained.token_ids, again.token_ids], graphs_used
+    return tokens, lengths, [chained.token_ids, again.token_ids], graphs_used, rings
 
 
 @pytest.mark.parametrize("method", sorted(CASES))
@@ -63,8 +64,10 @@ def test_graph_decode_equals_eager(tmp_path, method, monkeypatch):
     assert graph[3], "decode steps must have replayed captured graphs"
     for got in (eager, graph):
         assert got[0] == oracle[0]  # greedy tokens
-        assert got[1] == oracle[1]  # physical lengths after every step
         assert got[2] == oracle[2]  # chained turns
+    assert graph[1] == eager[1]  # physical lengths after every step
+    if not eager[4]:  # a ring holds the slot it writes next: one more than the step end leaves
+        assert eager[1] == oracle[1]
 
 
 GROWING = {"full": {}, "h2o": {"heavy": 0.6, "recent": 0.6}, "tova": {"budget": 300}}
