@@ -123,7 +123,7 @@ def lane_rules(method: KVMethod, attention, prefix_caching: bool, salt: bytes, r
     decode_drops = drops and Hook.STEP_END in method.hooks
     window = getattr(method, "query_window", 0)
     ringed = None
-    if rings and Hook.STEP_END in method.hooks and all(s.spec.in_place for s in attention.used):
+    if rings and Hook.STEP_END in method.hooks:
         ringed = RingRules.of([method.decode_ring(layer) for layer in range(len(attention.layer_class))])
     return LaneRules(
         budget=method.budget,

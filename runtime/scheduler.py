@@ -618,13 +618,15 @@ class Scheduler:
             seq.num_computed_tokens += n
             rules = self.rules_of(seq)
             ring = seq.ring
-            if ring is None or not ring.full:  # a full ring's layers write over their oldest recent token
-                seq.kv_lens = [kv + n for kv in seq.kv_lens] if ring is None else \
-                    [kv if on else kv + n for kv, on in zip(seq.kv_lens, ring.on.tolist())]
-                if rules.rings is not None and i < batch.num_decodes and seq.chain is None:
-                    seq.ring = rules.rings.enter(seq.kv_lens, seq.num_computed_tokens, ring)
-                    if seq.ring is not ring:
-                        seq.room = None  # a ringed layer needs no room (`_room`)
+            if ring is None:
+                seq.kv_lens = [kv + n for kv in seq.kv_lens]
+            elif not ring.steady:  # a ringed layer writes over its oldest recent token (runtime/kv/ring.py)
+                seq.kv_lens = [kv if on else kv + n for kv, on in zip(seq.kv_lens, ring.on.tolist())]
+            if (rules.rings is not None and i < batch.num_decodes and seq.chain is None
+                    and (ring is None or not ring.full)):
+                seq.ring = rules.rings.enter(seq.kv_lens, seq.num_computed_tokens, ring)
+                if seq.ring is not ring:
+                    seq.room = None  # a ringed layer needs no room (`_room`)
             if rules.residual:  # the step's tokens joined each layer's residual window
                 seq.resid_lens = [min(r + n, rules.residual) for r in seq.resid_lens]
             if seq.room is not None and seq.room.version == seq.tables_version:

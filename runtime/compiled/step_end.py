@@ -111,15 +111,22 @@ class StepEnd:
     def decode_ring(self, layer: int) -> tuple[int, int] | None:
         """The contract's `decode_ring` (runtime/kv/ring.py): (a, a + b + 1) where the decode-time keep is
         `first a + last b` at every step (no scores, no `where`, counts that read no row symbol, equal per KV
-        head), the prefill keeps at most a + b and no decode hook reads the layer; else None."""
+        head; a role's keep on a cache layer of one KV head of the role, DuoAttention's streaming heads), the
+        prefill keeps at most a + b and no decode hook reads the layer; else None."""
         facts, hook = self.decoding, self.decoding.keep_hook
         if (hook is None or self.evict_interval != 1 or facts.keep["inputs"] or facts.keep["where"]
-                or facts.head_counts or self._role_keep(hook)
-                or set(facts.keep.get("keep_symbols", ["step"])) - {"layer"}
+                or facts.head_counts or set(facts.keep.get("keep_symbols", ["step"])) - {"layer"}
                 or self.hooks & {Hook.DECODE_BEFORE_ATTENTION, Hook.DECODE_AFTER_ATTENTION}):
             return None
         kv_heads, huge = self.budget.num_kv_heads, 1 << 20
-        kept = self.decode_kept(huge, huge, huge, layer, kv_heads)  # a + b
+        if self._role_keep(hook):  # per-head counts: only a cache layer of one KV head, of the role, rings
+            if not self.kv_head_layers or not all(self.roles.heads(hook, layer)):
+                return None
+            kept = self.roles.static_count(hook, layer)
+            if kept is None:
+                return None
+        else:
+            kept = self.decode_kept(huge, huge, huge, layer, kv_heads)  # a + b
         last = self.kept_tail(hook, decode_sym(layer, self.budget.num_layers, huge, huge, huge, None, kv_heads, None),
                               huge)
         if kept >= huge or any(self.budget.kept(n, layer) > kept for n in (huge, huge * 2)):

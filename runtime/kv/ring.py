@@ -14,13 +14,15 @@ graphs as it does.
 The slot a layer writes next is a function of the logical position alone: slot
 `first + (position - base) % (capacity - first)`, `base` the position of the first token written in
 the ring (set when the layer reached its capacity in time order: slot `first` then holds the oldest
-recent token). Keys are stored after RoPE, so slot order does not matter to attention; the positions
-plane records each slot's position (the spec's `positions`), for readers of a layer in time order.
+recent token). Keys are stored after RoPE, so slot order does not matter to attention, and nothing
+reads a ringed layer in time order (no step end, no decode hook, no chain); a spec with positions still
+records each slot's.
 
 Who rings (the compiled method's `decode_ring`, the scheduler's `LaneRules.rings`): the step-end keep
-reads no scores, no `where`, constant counts; the prefill keeps at most a + b; interval 1; the spec
-stores positions; the method has no decode hooks; the sequence is not chained (a chain's turn end
-reads its layers in time order, through the step-end path). docs/design.md, "Decode rings".
+reads no scores, no `where`, constant counts (or a role's, on a cache layer of one KV head of the role:
+DuoAttention's streaming heads, beside retrieval heads that append); the prefill keeps at most a + b;
+interval 1; the method has no decode hooks; the sequence is not chained (a chain's turn end reads its
+layers in time order, through the step-end path). docs/design.md, "Decode rings".
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class RingState:
     def __init__(self, rules: RingRules, base: np.ndarray) -> None:
         self.rules, self.base = rules, base
         self.on = base >= 0
-        self.full = bool(self.on[rules.capacity >= 0].all())  # every ringed layer rings: kv_lens stay
+        self.full = bool(self.on[rules.capacity >= 0].all())  # every layer that may ring does: none enters
+        self.steady = bool(self.on.all())  # every layer rings: kv_lens stay
 
     def slots(self, position: int) -> np.ndarray:
         """Each layer's write offset for the token at `position`: its ring's slot, -1 where it appends."""

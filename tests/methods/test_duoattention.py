@@ -255,8 +255,9 @@ def test_neither_records_nor_replays(model_dir) -> None:
 
 def test_streaming_heads_free_their_pages(model_dir) -> None:
     """Each KV head is a cache layer of its own (runtime/kv/layout.py): a streaming head's table
-    holds its sink + recent tokens, a retrieval head's the whole context, so the sequence holds
-    about half of full's KV bytes at sparsity 0.5, and the freed pages are back in the pool."""
+    holds its sink + recent tokens (and the slot its ring writes next), a retrieval head's the whole
+    context, so the sequence holds about half of full's KV bytes at sparsity 0.5, and the freed pages
+    are back in the pool."""
     p, out = prompt(60, 1), 20
     held = {}
     for method in ("full", "duoattention"):
@@ -275,7 +276,8 @@ def test_streaming_heads_free_their_pages(model_dir) -> None:
         assert layout.per_head and layout.layers == 6 and layout.kv_heads == 1
         for layer in range(3):
             for head, cache_layer in enumerate(layout.cache_layers(layer)):
-                expected = SINK + RECENT if masks[layer][head] else context
+                # a streaming head rings at sink + recent + 1 slots (runtime/kv/ring.py)
+                expected = SINK + RECENT + 1 if masks[layer][head] else context
                 assert seq.kv_lens[cache_layer] == expected, (layer, head)
                 assert len(seq.page_tables[cache_layer]) == -(-expected // PAGE)
     streaming = sum(sum(m) for m in masks)

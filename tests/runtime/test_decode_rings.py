@@ -158,3 +158,22 @@ def test_decode_offsets_equal_each_rows_ring():
     assert phys[:, 0].tolist() == [3, 3, 3] and ctx[:, 0].tolist() == [4, 4, 4]
     assert phys[:, 1].tolist() == [2 + (33 - 30) % 5, 6, 9] and ctx[:, 1].tolist() == [7, 7, 10]
     assert phys[:, 2].tolist() == [2 + (45 - 40) % 5, 2 + (45 - 40) % 5, 12] and ctx[:, 2].tolist() == [7, 7, 13]
+
+
+def test_duoattention_streaming_heads_ring_beside_retrieval_heads(tmp_path):
+    """DuoAttention's role keep on per-head cache layers: its streaming heads ring, its retrieval heads keep
+    appending (a sequence with some layers ringed and some not); the tokens equal the step end's."""
+    from kvc.runtime.models.method_inputs import save_input
+
+    model_dir = make_tiny_llama(tmp_path, seed=7, num_hidden_layers=3)
+    save_input(model_dir / "duo_attention_heads.safetensors", "gate",
+               torch.rand(3, 2, generator=torch.Generator().manual_seed(0)))
+    params = {"sink": 2, "recent": 5, "sparsity": 0.5}
+    prompts = prompts_of([9, 23, 37], seed=8)
+    want = serve(make_engine(model_dir, rings=False, method="duoattention", params=params), prompts)
+    engine = make_engine(model_dir, method="duoattention", params=params)
+    rules = engine.scheduler.rules.rings
+    assert rules is not None and 0 < int((rules.capacity >= 0).sum()) < len(rules.capacity)
+    got = serve(engine, prompts)
+    assert [s.generated_ids for s in got] == [s.generated_ids for s in want]
+
