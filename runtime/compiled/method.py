@@ -99,6 +99,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         if self._role_keep(facts.keep_hook or ""):
             self._group_mode = None  # per-head counts follow each row's starts: one plan per row
         self._count_memo: dict[tuple, int] = {}
+        self._rings = None  # decode_ring's answers (runtime/compiled/step_end.py), at one eviction interval
         self.hooks = self._hooks()
         # a method that never keeps (`full`, or one that only reads) stores every token: prefix caching stays on
         self.compacts = any(facts.get("keeps") for facts in code.facts.values())

@@ -46,6 +46,7 @@ class StepEnd:
     _select_fn: Callable  # the keep's generated selection (decoding.select)
     _group_mode: str | None  # group_mode(decoding, stateful)
     _count_memo: dict[tuple, int]
+    _rings: tuple[tuple, list] | None  # ((evict_interval, layers), `decode_ring` per layer), found once
     kept_tail: Callable[[str, dict, int], int]
     keep_period: Callable[[str], int | None]
     roles: Any  # RoleKeeps or None (a keep `for ROLE`: per-head counts, roles.py)
@@ -112,25 +113,38 @@ class StepEnd:
         """The contract's `decode_ring` (runtime/kv/ring.py): (a, a + b + 1) where the decode-time keep is
         `first a + last b` at every step (no scores, no `where`, counts that read no row symbol, equal per KV
         head; a role's keep on a cache layer of one KV head of the role, DuoAttention's streaming heads), the
-        prefill keeps at most a + b and no decode hook reads the layer; else None."""
+        prefill keeps at most a + b and no decode hook reads the layer; else None. The engine skips a ringed
+        row's step end, so rings are all or nothing: None for every layer unless each one that evicts rings."""
+        key = (self.evict_interval, self.budget.num_layers)  # both set before the engine asks (`bind`)
+        if self._rings is None or self._rings[0] != key:
+            rings = [self._ring_of(n) for n in range(self.budget.num_layers)]
+            self._rings = (key, rings if all(r is not False for r in rings) else [None] * len(rings))
+        return self._rings[1][layer]
+
+    def _ring_of(self, layer: int) -> tuple[int, int] | None | bool:
+        """`decode_ring`'s answer for one layer; None where the layer's keep never drops a token at decode (a
+        head outside the role), False where it evicts but cannot ring."""
         facts, hook = self.decoding, self.decoding.keep_hook
-        if (hook is None or self.evict_interval != 1 or facts.keep["inputs"] or facts.keep["where"]
-                or facts.head_counts or set(facts.keep.get("keep_symbols", ["step"])) - {"layer"}
-                or self.hooks & {Hook.DECODE_BEFORE_ATTENTION, Hook.DECODE_AFTER_ATTENTION}):
+        if hook is None:
             return None
+        if (self.evict_interval != 1 or facts.keep["inputs"] or facts.keep["where"] or facts.head_counts
+                or set(facts.keep.get("keep_symbols", ["step"])) - {"layer"}
+                or self.hooks & {Hook.DECODE_BEFORE_ATTENTION, Hook.DECODE_AFTER_ATTENTION}):
+            return False
         kv_heads, huge = self.budget.num_kv_heads, 1 << 20
         if self._role_keep(hook):  # per-head counts: only a cache layer of one KV head, of the role, rings
-            if not self.kv_head_layers or not all(self.roles.heads(hook, layer)):
-                return None
-            kept = self.roles.static_count(hook, layer)
-            if kept is None:
-                return None
+            heads = self.roles.heads(hook, layer)
+            if not any(heads):
+                return None  # no head of the role: nothing evicted
+            kept = self.roles.static_count(hook, layer) if self.kv_head_layers and all(heads) else None
         else:
             kept = self.decode_kept(huge, huge, huge, layer, kv_heads)  # a + b
+        if kept is None or any(self.budget.kept(n, layer) > kept for n in (huge, huge * 2)):
+            return False  # counts that depend on the row, or a prefill that keeps more than the window
+        if kept >= huge:
+            return None  # keeps every token
         last = self.kept_tail(hook, decode_sym(layer, self.budget.num_layers, huge, huge, huge, None, kv_heads, None),
                               huge)
-        if kept >= huge or any(self.budget.kept(n, layer) > kept for n in (huge, huge * 2)):
-            return None  # keeps every token, or a prefill that keeps more than the window
         return kept - last, kept + 1
 
     def _due(self, length: int, count: int) -> bool:
