@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvc.runtime.errors import ConfigError, OutOfKVMemory, PromptTooLongError
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.ring import RingRules
@@ -65,9 +67,6 @@ if TYPE_CHECKING:
     from kvc.runtime.chains import ChainStore
 
 log = logging.getLogger(__name__)
-
-
-RING_ROOM = 1 << 40  # a ringed layer's free slots: its tokens go into slots it holds (runtime/kv/ring.py)
 
 
 @dataclass
@@ -307,9 +306,9 @@ class Scheduler:
             return room
         size = self.pool.page_size
         free = [len(t) * size - kv for kv, t in zip(seq.kv_lens, seq.page_tables)]
-        if seq.ring is not None:  # a ringed layer's tokens go into slots it holds (runtime/kv/ring.py)
-            free = [RING_ROOM if on else f for f, on in zip(free, seq.ring.on.tolist())]
-        room = Room(seq.tables_version, free, size)
+        # a ringed layer's tokens go into slots it holds (runtime/kv/ring.py)
+        fixed = frozenset() if seq.ring is None else frozenset(np.flatnonzero(seq.ring.on).tolist())
+        room = Room(seq.tables_version, free, size, fixed)
         seq.room = room
         return room
 

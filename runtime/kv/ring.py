@@ -49,9 +49,11 @@ class RingRules:
         """The ring state of a decoding sequence after a step left `kv_lens` stored and `position` the
         next token's: layers that reached their capacity (in time order) ring from that position on."""
         kv = np.asarray(kv_lens, dtype=np.int64)
-        full = (kv == self.capacity) & (self.capacity >= 0)
-        if ring is not None:
-            full &= ring.base < 0
+        waiting = self.capacity >= 0 if ring is None else (self.capacity >= 0) & (ring.base < 0)
+        if (waiting & (kv > self.capacity)).any():  # the prefill keeps at most a + b (`decode_ring`)
+            raise RuntimeError(f"a layer outgrew its decode ring's capacity: {kv.tolist()} stored, "
+                               f"capacity {self.capacity.tolist()}")
+        full = waiting & (kv == self.capacity)
         if not full.any():
             return ring
         base = np.full(len(kv), NONE, dtype=np.int64) if ring is None else ring.base.copy()

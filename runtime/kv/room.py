@@ -10,32 +10,38 @@ boundary at every step; this keeps that cost at the few layers that cross.
 
 The scheduler caches one on the sequence (`Sequence.room`), valid at one `tables_version`: its own
 appends (`grew`) move it along, any other change of the tables makes the scheduler build a new
-one from the tables.
+one from the tables. Layers that store no more tokens (`fixed`: decode rings, runtime/kv/ring.py, write
+over slots they hold) are left out: they never need a page and never give one back.
 """
 
 from __future__ import annotations
 
 import bisect
 
+UNBOUNDED = 1 << 62  # `least` of a sequence whose every layer is fixed
+
 
 class Room:
     """Free slots per layer (len(page_tables[l]) * page_size - kv_lens[l]) of one sequence, valid
     at `version` of its tables."""
 
-    __slots__ = ("version", "page_size", "_base", "_order", "_used", "_short")
+    __slots__ = ("version", "page_size", "_base", "_order", "_used", "_short", "_fixed")
 
-    def __init__(self, version: int, free: list[int], page_size: int) -> None:
+    def __init__(self, version: int, free: list[int], page_size: int, fixed: frozenset[int] = frozenset()) -> None:
         self.version = version
         self.page_size = page_size
+        self._fixed = fixed  # layers whose tokens go into slots they hold
         self._base = list(free)  # per layer, its free slots when _used was 0
-        self._order = sorted((slots, layer) for layer, slots in enumerate(free))
+        self._order = sorted((slots, layer) for layer, slots in enumerate(free) if layer not in fixed)
         self._used = 0  # tokens stored in every layer since
         self._short: tuple[int, list[tuple[int, int]]] | None = None  # the last `short`, by _used + n
 
     @property
     def least(self) -> int:
-        """Tokens every layer can still store (0 without layers)."""
-        return self._order[0][0] - self._used if self._order else 0
+        """Tokens every layer can still store (0 without layers; unbounded when every layer is fixed)."""
+        if self._order:
+            return self._order[0][0] - self._used
+        return UNBOUNDED if self._fixed else 0
 
     def free(self) -> list[int]:
         """Free slots per layer, in layer order."""
@@ -70,7 +76,8 @@ class Room:
         need, size = self._used + n, self.page_size
         out = [0] * num_classes
         for layer, slots in enumerate(self._base):
-            out[layer_class[layer]] -= (slots - need) // size
+            if layer not in self._fixed:
+                out[layer_class[layer]] -= (slots - need) // size
         return out
 
     def grew(self, short: list[tuple[int, int]], version: int) -> None:

@@ -177,3 +177,15 @@ def test_duoattention_streaming_heads_ring_beside_retrieval_heads(tmp_path):
     got = serve(engine, prompts)
     assert [s.generated_ids for s in got] == [s.generated_ids for s in want]
 
+
+
+def test_a_ringed_layer_never_needs_or_returns_pages():
+    """`Room` with fixed layers (the scheduler's view of a ringed sequence): growth counts only the layers that
+    append, whatever the fixed ones hold; a sequence whose every layer rings never grows."""
+    from kvc.runtime.kv.room import UNBOUNDED, Room
+
+    room = Room(0, [0, 40, 3], 8, fixed=frozenset({1}))  # layer 1 rings (40 free slots ignored), 0 and 2 append
+    assert room.least == 0 and room.growth(1) == 1 and room.short(3) == [(0, 1)] and room.short(4) == [(0, 1), (2, 1)]
+    assert room.growth_by(3, (0, 0, 1), 2) == [1, 0]  # layer 2's 3 free slots take 3 tokens
+    every = Room(0, [0, 0], 8, fixed=frozenset({0, 1}))
+    assert every.least == UNBOUNDED and every.growth(1) == 0 and every.growth_by(1, (0, 0), 1) == [0]
