@@ -315,9 +315,11 @@ class Scheduler:
     def _copies(self, seq: Sequence, n: int) -> list[int]:
         """Spare pages (per storage class) seq's next step of n tokens may need for copy-on-write:
         its partial last pages when they are shared, or every shared page when the step may compact."""
-        if seq.chain is None and not self.prefix_caching:
-            return self._zero  # nothing shares its pages
-        pool, size, rules = self.pool, self.pool.page_size, self.rules_of(seq)
+        rules = self.rules_of(seq)
+        if seq.chain is None and (not (self.prefix_caching and rules.prefix_caching)
+                                  or (rules.hit_margin < 0 and not rules.registers)):
+            return self._zero  # nothing shares its pages: no chain, no prefix-cache hit taken or given
+        pool, size = self.pool, self.pool.page_size
         if seq.is_prefill:
             last = seq.num_computed_tokens + n == seq.prefill_end
             compacts = rules.compacts_chunks or (rules.compacts_prefill and last)
