@@ -466,9 +466,7 @@ if _TMA is not None:
             a0 = first - first % BOX  # tiles start at a box
             dtype: gl.constexpr = q_ptr.dtype.element_ty
             lat_smem, rope_smem = _tiles(lat_desc.dtype, STAGES, _TILE, RANK, ROPE)
-            qlat_smem = _tile_buffer(dtype, [BLOCK_H, RANK])
-            qrope_smem = _tile_buffer(dtype, [BLOCK_H, ROPE])
-            p_smem = _tile_buffer(dtype, [_TILE, BLOCK_H])
+            qlat_smem, qrope_smem, p_smem = _consumer_buffers(dtype, BLOCK_H, RANK, ROPE)
             ready, empty = _barriers(STAGES)
             n_tiles = gl.cdiv(last - a0, _TILE)
             acc, m_i, l_i = gl.warp_specialize([
@@ -524,9 +522,7 @@ if _TMA is not None:
             half: gl.constexpr = _TILE // 2
             codes_lat, codes_rope = _tiles(lat_desc.dtype, CODE_STAGES, half, RANK, ROPE)
             lat_smem, rope_smem = _tiles(dtype, STAGES, _TILE, RANK, ROPE)
-            qlat_smem = _tile_buffer(dtype, [BLOCK_H, RANK])
-            qrope_smem = _tile_buffer(dtype, [BLOCK_H, ROPE])
-            p_smem = _tile_buffer(dtype, [_TILE, BLOCK_H])
+            qlat_smem, qrope_smem, p_smem = _consumer_buffers(dtype, BLOCK_H, RANK, ROPE)
             codes_ready, codes_empty = _barriers(CODE_STAGES)
             ready, empty = _barriers(STAGES)
             n_tiles = gl.cdiv(last - a0, _TILE)
@@ -554,6 +550,12 @@ if _TMA is not None:
         split_len = gl.maximum(gl.cdiv(gl.cdiv(gl.maximum(context - begin, 0), num_splits), _TILE), 1) * _TILE
         first = begin + split * split_len
         return seq, split, first, gl.minimum(context, first + split_len)
+
+    @gluon.jit
+    def _consumer_buffers(dtype: gl.constexpr, BLOCK_H: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr):
+        """The consumer warpgroup's operands in shared memory: the queries' latent and RoPE parts, and p^T."""
+        return (_tile_buffer(dtype, [BLOCK_H, RANK]), _tile_buffer(dtype, [BLOCK_H, ROPE]),
+                _tile_buffer(dtype, [_TILE, BLOCK_H]))
 
     @gluon.jit
     def _tile_buffer(dtype: gl.constexpr, shape: gl.constexpr):

@@ -41,6 +41,12 @@ class RingRules:
         self.capacity = np.array([NONE if r is None else r[1] for r in rings], dtype=np.int64)
         self.size = np.where(self.capacity >= 0, self.capacity - self.first, 1)  # the recent slots a ring cycles
 
+    def slot(self, base: np.ndarray, position) -> np.ndarray:
+        """The ring slot of the token at `position` ([L] or [L, n] bases, positions broadcast against them): the
+        oldest recent token's, `first + (position - base) % (capacity - first)`."""
+        first, size = (self.first, self.size) if base.ndim == 1 else (self.first[:, None], self.size[:, None])
+        return first + (position - base) % size
+
     @classmethod
     def of(cls, rings: list[tuple[int, int] | None]) -> RingRules | None:
         return None if all(r is None for r in rings) else cls(rings)
@@ -72,8 +78,7 @@ class RingState:
 
     def slots(self, position: int) -> np.ndarray:
         """Each layer's write offset for the token at `position`: its ring's slot, -1 where it appends."""
-        r = self.rules
-        return np.where(self.on, r.first + (position - self.base) % r.size, NONE)
+        return np.where(self.on, self.rules.slot(self.base, position), NONE)
 
     def copy(self) -> RingState:
         return RingState(self.rules, self.base.copy())
@@ -94,6 +99,6 @@ def decode_offsets(kv: np.ndarray, rings: list[RingState | None], positions: lis
         base = np.stack([rings[i].base for i in rows], axis=1)  # [L, g]
         on = base >= 0
         at = np.asarray([positions[i] for i in rows], dtype=np.int64)[None, :]
-        phys[:, cols] = np.where(on, rules.first[:, None] + (at - base) % rules.size[:, None], kv[:, cols])
+        phys[:, cols] = np.where(on, rules.slot(base, at), kv[:, cols])
         ctx[:, cols] = np.where(on, kv[:, cols], kv[:, cols] + 1)
     return phys, ctx
