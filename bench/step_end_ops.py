@@ -7,6 +7,10 @@ non-view aten operations called from Python (not those inside other aten operati
 sequence of one layer.
 
     python bench/step_end_ops.py --method streamingllm --params sink=4,recent=60
+    TRITON_INTERPRET=1 python bench/step_end_ops.py --method snapkv --params budget=64,window=8,every=1 --fused
+
+`--fused`: the compiled methods' fused Triton kernels run on the CPU too (interpreted), as on a GPU (one
+launch each, whatever aten calls the interpreter makes inside it are not counted).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import argparse
 import collections
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from kvc import LLM, SamplingParams
 
@@ -35,13 +39,41 @@ def _value(text: str):
             return text
 
 
+KERNEL_MARK = "triton::"  # a fused kernel's launch, as the profiler records it (`_fuse_on_cpu`)
+
+
+def _fuse_on_cpu() -> None:
+    """The fused Triton kernels on the CPU (interpreted), each call recorded as one launch."""
+    from kvc.runtime.compiled.folder import GeneratedCode
+    from kvc.runtime.compiled.method import CompiledMethod
+
+    CompiledMethod.fused_devices = ("cuda", "cpu")
+    fused = GeneratedCode.fused
+
+    def marked(self, hook):
+        fn = fused(self, hook)
+        if fn is None:
+            return None
+
+        def call(*args, **kwargs):
+            with record_function(KERNEL_MARK + fn.__name__):
+                return fn(*args, **kwargs)
+
+        return call
+
+    GeneratedCode.fused = marked
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--method", default="streamingllm")
     p.add_argument("--params", default="sink=4,recent=60", help="k=v,... method parameters")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--fused", action="store_true", help="run the fused Triton kernels on the CPU (TRITON_INTERPRET=1)")
     a = p.parse_args()
+    if a.fused:
+        _fuse_on_cpu()
     params = {k: _value(v) for k, v in (kv.split("=") for kv in a.params.split(",") if kv)}
     llm = LLM("random:tiny", device="cpu", dtype="float32", method=a.method, method_params=params, page_size=16,
               async_scheduling=False)
@@ -65,17 +97,26 @@ def main() -> None:
     hooks.step_end = step_end
 
     def launched(e) -> bool:
+        if e.name.startswith(KERNEL_MARK):
+            return True
         name = e.name[6:]
         parent = e.cpu_parent
-        return (e.name.startswith("aten::") and name not in VIEWS
+        return (e.name.startswith("aten::") and name not in VIEWS and not inside_kernel(e)
                 and (parent is None or not parent.name.startswith("aten::") or parent.name[6:] in VIEWS))
+
+    def inside_kernel(e) -> bool:
+        """Within an interpreted Triton launch (its numpy conversions are the interpreter's, not launches)."""
+        return any(k.time_range.start <= e.time_range.start and e.time_range.end <= k.time_range.end
+                   for k in kernels)
+
+    kernels = [e for e in captured["prof"].events() if e.name.startswith(KERNEL_MARK)]
 
     ops = sorted((e for e in captured["prof"].events() if launched(e)), key=lambda e: e.time_range.start)
     layers = engine.runner.num_layers
-    counts = collections.Counter(e.name[6:] for e in ops)
+    counts = collections.Counter(e.name.split("::", 1)[1] for e in ops)
     print(f"{a.method}: {len(ops) / layers:.0f} torch operations a layer ({layers} layers, batch {a.batch})")
     print("most called:", ", ".join(f"{n} {c // layers}" for n, c in counts.most_common(12)))
-    print("one layer:", " ".join(e.name[6:] for e in ops[: len(ops) // layers]))
+    print("one layer:", " ".join(e.name.split("::", 1)[1] for e in ops[: len(ops) // layers]))
 
 
 if __name__ == "__main__":

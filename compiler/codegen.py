@@ -78,7 +78,8 @@ def _manifest(method: MethodIR, lowered: bool, reason: str | None, files: dict[s
         "templates": {name: template_hash(name) for name in sorted(templates)},
         "files": {name: hashlib.sha256(text.encode()).hexdigest() for name, text in sorted(files.items())},
         "budget_formulas": formulas,
-        "kernels": [{"name": k.name, "family": k.family, "hook": k.hook, "flags": dict(k.flags)}
+        "kernels": [{"name": k.name, "family": k.family, "hook": k.hook, "flags": dict(k.flags),
+                     **({"also": list(k.also)} if k.also else {})}
                     for k in (plan.kernels if plan else [])],
         "hooks": hooks or {},
         "kv_spec": spec.to_json(),

@@ -35,6 +35,7 @@ cores instead of elementwise work per query head.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import sympy as sp
@@ -54,6 +55,7 @@ class KernelSpec:
     hook: str
     flags: tuple[tuple[str, object], ...]  # constant flags, sorted by name
     doc: str
+    also: tuple[str, ...] = ()  # other hooks whose keep scores the same tree (step_end's decode budget)
 
     @property
     def flag(self) -> dict[str, object]:
@@ -208,19 +210,30 @@ def _page_score(read: Read, fns: dict[str, tuple[str, str, str]]) -> dict | None
             "BOUND": bound or ()}
 
 
+def _add_keep_score(out: FusionPlan, hook: str, flags: dict) -> None:
+    """A keep's score as one `attention_columns` kernel: prefill_end's, and step_end's (a decode budget: the
+    rows' query windows over their stored keys), one kernel where both score the same tree."""
+    name = "last_query_score" if flags["HEAD_REDUCE"] == "all" else "window_score"
+    doc = ("TOVA-style: the last query's attention, averaged over every head" if name == "last_query_score"
+           else "observation-window scores, pooled, averaged over the GQA group")
+    flags = tuple(sorted({**flags, "ACCUMULATE": False}.items()))
+    for i, kernel in enumerate(out.kernels):
+        if kernel.family == "attention_columns" and kernel.flags == flags and kernel.name == name:
+            out.kernels[i] = dataclasses.replace(kernel, also=(*kernel.also, hook))
+            return
+    if any(kernel.name == name for kernel in out.kernels):
+        name = f"{hook}_{name}"
+    out.kernels.append(KernelSpec("attention_columns", name, hook, flags, doc))
+
+
 def plan(method: MethodIR) -> FusionPlan:
     out = FusionPlan()
     for hook in method.hooks:
         for stmt in hook.stmts:  # names are already substituted: a keep's score is one whole tree
-            if isinstance(stmt, Keep) and stmt.select.top is not None and hook.name == "prefill_end":
+            if isinstance(stmt, Keep) and stmt.select.top is not None and hook.name in ("prefill_end", "step_end"):
                 flags = _window_score(stmt.select.top.score)
                 if flags is not None:
-                    name = "last_query_score" if flags["HEAD_REDUCE"] == "all" else "window_score"
-                    doc = ("TOVA-style: the last query's attention, averaged over every head" if name ==
-                           "last_query_score" else "observation-window scores, pooled, averaged over the GQA group")
-                    flags["ACCUMULATE"] = False
-                    out.kernels.append(KernelSpec("attention_columns", name, hook.name,
-                                                  tuple(sorted(flags.items())), doc))
+                    _add_keep_score(out, hook.name, flags)
             if (isinstance(stmt, Accumulate) and hook.name == "prefill_chunk" and stmt.dims == ("kv_head", "key")
                     and _column_sum(stmt.value)):
                 flags = {"HEAD_REDUCE": "group", "POOL": "none", "QUERY_REDUCE": "sum", "SLICED_KEYS": False,

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from kvc.runtime.attention.metadata import AttentionMetadata
-from kvc.runtime.kv.ring import decode_offsets
+from kvc.runtime.kv.ring import ring_offsets
 from kvc.runtime.kv.tables import split_resized
 from kvc.runtime.method_api import Hook
 from kvc.runtime.scheduler import ScheduledBatch
@@ -110,6 +110,10 @@ class DecodeGraphs:
         # per layer and row, the newest slots its residual window held before the step; None: no window
         self.resid = (torch.zeros((layers, n), dtype=torch.int32, device=dev)
                       if runner.attention.residual_window else None)
+        # per layer and row, the slot a ranked ring hands to the method's ranking (runtime/kv/ring.py); None: no
+        # lane's ring is ranked
+        ranked = any(lane.rules.rings is not None and lane.rules.rings.ranked.any() for lane in runner.lanes)
+        self.leave = torch.full((layers, n), -1, dtype=torch.int64, device=dev) if ranked else None
         self.logits: torch.Tensor | None = None  # [n, vocab] float32, every graph's output (`_step_fn`)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -154,6 +158,7 @@ class DecodeGraphs:
             rows=None if self.rows is None else self.rows[:b],
             resid_lens=None if self.resid is None else self.resid[:, :b],
             positions=self.positions[:b],
+            ring_leave=None if self.leave is None else self.leave[:, :b],
         )
         attn = r._attn_fn(md)
         if self.logits is None:  # outside any capture
@@ -195,8 +200,11 @@ class DecodeGraphs:
         inside the block, restored after it. A capture's warm-up steps execute: over the batch loaded
         for the step (a graph captured lazily) they would store its tokens' K/V and queries, count its
         query windows and fold its decode statistics three times instead of once."""
-        held = [(buf, buf[..., :b].clone()) for buf in (self.slots, self.ctx, self.resid, self.rows) if buf is not None]
+        held = [(buf, buf[..., :b].clone()) for buf in (self.slots, self.ctx, self.resid, self.rows, self.leave)
+                if buf is not None]
         self.slots[:, :b].fill_(-1)
+        if self.leave is not None:
+            self.leave[:, :b].fill_(-1)
         self.ctx[:, :b].zero_()
         if self.resid is not None:
             self.resid[:, :b].zero_()
@@ -246,7 +254,8 @@ class DecodeGraphs:
         pos = [seq.num_computed_tokens for seq in seqs]
         ids = [seq.token_ids[p] if p < len(seq.token_ids) else 0 for seq, p in zip(seqs, pos)]  # 0: pending
         kv = np.array([seq.kv_lens for seq in seqs], dtype=np.int64).T  # [L, n]
-        phys, after = decode_offsets(kv, [seq.ring for seq in seqs], pos)  # appends, or rings (runtime/kv/ring.py)
+        phys, after, leave = ring_offsets(kv, [seq.ring for seq in seqs], pos,  # appends, or rings (runtime/kv/ring.py)
+                                          leave=self.leave is not None)
         pages = np.take_along_axis(self._host_tables[:, :n], (phys // page)[:, :, None], axis=2)[:, :, 0]
         slots = np.full((layers, b), -1, dtype=np.int64)  # padding rows: no slot, no context
         slots[:, :n] = pages.astype(np.int64) * page + phys % page
@@ -258,6 +267,11 @@ class DecodeGraphs:
         copy_into(self.positions[:b], pos + [0] * pad)
         copy_into(self.slots[:, :b], slots)
         copy_into(self.ctx[:, :b], ctx)
+        if self.leave is not None:
+            hand = np.full((layers, b), -1, dtype=np.int64)
+            if leave is not None:
+                hand[:, :n] = leave
+            copy_into(self.leave[:, :b], hand)
         prompts = np.zeros((layers, b), dtype=np.int32)
         prompts[:, :n] = (np.array([s.prefill_end for s in seqs], dtype=np.int64)[None, :]
                           - np.array([s.history_gap for s in seqs], dtype=np.int64).T)  # as the runner's `prepare`

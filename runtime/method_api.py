@@ -23,6 +23,7 @@ from kvc.runtime.attention.metadata import StatsFold
 from kvc.runtime.kv import query_window, slot_order, state_planes
 from kvc.runtime.kv.spec import K, V, KVSpec, StorageClasses, dense_spec
 from kvc.runtime.kv.store import KVStore
+from kvc.runtime.kv.ring import Ring  # noqa: F401 -- the contract's decode ring
 from kvc.runtime.kv.plans import Estimate, KeepPlan, Plan, ReadPlan, RewritePlan, StackedPlan  # noqa: F401 -- the contract's plans
 
 
@@ -201,6 +202,12 @@ class DecodeView:
     max_context_len: int | None = None
     # [B] int32: each row's row of the spec's SEQ tensors (runtime/kv/rows.py; None: the spec has none)
     seq_rows: torch.Tensor | None = None
+    # [B] int64: where each row's token of the step was stored (page * page_size + offset; None: unknown, the
+    # slot after the row's earlier ones)
+    write_slots: torch.Tensor | None = None
+    # [B] int64: the slot each row's ranked decode ring hands to the method's ranking after the step (-1: none;
+    # runtime/kv/ring.py `promote`); None: no ranked ring
+    ring_leave: torch.Tensor | None = None
 
 
 @dataclass
@@ -314,7 +321,7 @@ class KVMethod(Protocol):
     def step_end_due(self, layer: int, lengths: np.ndarray, prompt_lens: np.ndarray,
                      context_lens: np.ndarray) -> np.ndarray | None: ...
 
-    def decode_ring(self, layer: int) -> tuple[int, int] | None: ...
+    def decode_ring(self, layer: int) -> Ring | None: ...
 
     def replay_chunk(self, seq_id: int, layer: int, num_layers: int, q: torch.Tensor, attn: torch.Tensor,
                      start: int, context_len: int, num_kv_heads: int) -> None: ...
@@ -404,11 +411,12 @@ class MethodBase:
         """Which decoded rows' step_end may give a plan (None: all of them)."""
         return None
 
-    def decode_ring(self, layer: int) -> tuple[int, int] | None:
-        """(first, capacity) when layer `layer`'s decode-time keep is exactly `first a + last b` at every step
-        and its prefill keeps at most a + b: the engine may then write each decode token over the oldest
-        recent one once the layer holds capacity = a + b + 1 tokens, and skip its step end
-        (runtime/kv/ring.py). None: no such keep."""
+    def decode_ring(self, layer: int) -> Ring | None:
+        """Ring(first, capacity, ranked) when layer `layer`'s decode-time keep is exactly `first a + last b`
+        at every step, or `top(score, a) + last b` (`ranked`: the method then moves a slot leaving the recent
+        window into a ranked one, runtime/kv/ring.py `promote`), and its prefill keeps at most a + b: the
+        engine may then write each decode token over the oldest recent one once the layer holds capacity =
+        a + b + 1 tokens, and skip its step end (runtime/kv/ring.py). None: no such keep."""
         return None
 
     def token_scores(self, layer: int, num_layers: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -370,7 +370,7 @@ def _replayable(batch: ScheduledBatch) -> bool:
 
 
 # what `ModelRunner` answers from its default group (`__getattr__`)
-_GROUP_FACTS = frozenset({"attention", "tables", "executors", "executor", "layout", "replay",
+_GROUP_FACTS = frozenset({"attention", "tables", "executors", "executor", "layout", "replay", "lanes",
                           "method", "num_layers", "num_kv_heads", "page_size", "max_model_len", "pool", "scale",
                           "hook_scale", "hook_queries", "prepare", "delta_sources", "max_pages_per_seq", "_attn_fn",
                           "_cache_attn_fn"})

@@ -623,11 +623,6 @@ class Scheduler:
                 seq.kv_lens = [kv + n for kv in seq.kv_lens]
             elif not ring.steady:  # a ringed layer writes over its oldest recent token (runtime/kv/ring.py)
                 seq.kv_lens = [kv if on else kv + n for kv, on in zip(seq.kv_lens, ring.on.tolist())]
-            if (rules.rings is not None and i < batch.num_decodes and seq.chain is None
-                    and (ring is None or not ring.full)):
-                seq.ring = rules.rings.enter(seq.kv_lens, seq.num_computed_tokens, ring)
-                if seq.ring is not ring:
-                    seq.room = None  # a ringed layer needs no room (`_room`)
             if rules.residual:  # the step's tokens joined each layer's residual window
                 seq.resid_lens = [min(r + n, rules.residual) for r in seq.resid_lens]
             if seq.room is not None and seq.room.version == seq.tables_version:
@@ -642,6 +637,11 @@ class Scheduler:
                     seq.resid_lens[layer] = rules.window_after(kept)  # moved slots: codes (or re-stored)
             for layer, resid in rewritten.get(seq.seq_id, {}).items():
                 seq.resid_lens[layer] = resid
+            if (rules.rings is not None and (i < batch.num_decodes or samples) and seq.chain is None
+                    and (ring is None or not ring.full)):  # a decoding row (or one from its first step on)
+                seq.ring = rules.rings.enter(seq.kv_lens, seq.num_computed_tokens, ring)
+                if seq.ring is not ring:
+                    seq.room = None  # a ringed layer needs no room (`_room`)
             if self.prefix_caching and rules.prefix_caching and rules.registers and not seq.compressed:
                 self._register_full_pages(seq, before, rules)
             if samples:

@@ -26,6 +26,7 @@ from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv.executor import KVExecutor
 from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.kv.page_pool import PagePool
+from kvc.runtime.kv.ring import leave_slots
 from kvc.runtime.kv.tables import TableCache
 from kvc.runtime.method_api import DecodeRow, DecodeView, Hook
 from kvc.runtime.models.base import CausalLM, LatentQueries
@@ -196,7 +197,9 @@ class SpecGroup:
                                   kv_starts=None if md.kv_starts is None else md.kv_starts[layer, :d],
                                   prompt_lens=None if md.prompt_lens is None else md.prompt_lens[layer, :d],
                                   max_context_len=md.max_context_len,
-                                  seq_rows=None if md.rows is None else md.rows[:d])
+                                  seq_rows=None if md.rows is None else md.rows[:d],
+                                  write_slots=md.slot_mapping[layer, :d],
+                                  ring_leave=None if md.ring_leave is None else md.ring_leave[layer, :d])
             read = None
             if view is not None and Hook.DECODE_BEFORE_ATTENTION in hooks:
                 read = method.decode_before_attention(layer, view)  # a ReadPlan, or None: every slot
@@ -247,6 +250,7 @@ class SpecGroup:
         sample_rows: list[int] = []
         sample_seqs: list[int] = []
         tables_np = self.tables.pack_numpy(batch.seqs, max(len(t) for s in batch.seqs for t in s.page_tables))
+        leave = None  # [L, B] the slots ranked rings hand to the ranking (runtime/kv/ring.py `leave_slots`)
         starts_np = self.tables.pack_starts(batch.seqs)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
@@ -256,10 +260,15 @@ class SpecGroup:
             kv = np.asarray(seq.kv_lens, dtype=np.int64)
             phys = kv[:, None] + np.arange(n, dtype=np.int64)[None, :]  # [L, n] physical offsets
             after = kv + n
-            if seq.ring is not None:  # a decode row's ringed layers (runtime/kv/ring.py): n == 1
+            if seq.ring is not None and i < batch.num_decodes:  # a decode row's ringed layers (runtime/kv/ring.py)
                 on = seq.ring.on
                 phys[on, 0] = seq.ring.slots(start)[on]
                 after = np.where(on, kv, after)
+                ranked = leave_slots(kv[:, None], [seq.ring], [start])
+                if ranked is not None:
+                    if leave is None:
+                        leave = np.full((len(kv), len(batch.seqs)), -1, dtype=np.int64)
+                    leave[:, i] = ranked[:, 0]
             pages = np.take_along_axis(tables_np[:, i, :], phys // page, axis=1)
             slots.append(pages.astype(np.int64) * page + phys % page)
             ctx.append(after.tolist())
@@ -298,6 +307,7 @@ class SpecGroup:
             prompt_lens=to_dev([list(p) for p in zip(*prompts)], torch.int32),
             host_cu_seqlens=cu, host_context_lens=ctx, host_rows=host_rows,
             positions=to_dev(positions, torch.int64),
+            ring_leave=None if leave is None else to_dev(leave),
         )
         return StepInputs(to_dev(ids, torch.int64), md.positions, md, sample_rows, sample_seqs)
 

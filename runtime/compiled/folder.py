@@ -166,14 +166,15 @@ class GeneratedCode:
 
 
 def _fused_kernels(manifest: dict) -> dict[str, str]:
-    """hook -> the fused kernel computing all of it: a prefill_end kernel that is the keep's whole
-    score (not accumulating), a prefill_chunk kernel that is the hook's only statement, or a read's
+    """hook -> the fused kernel computing all of it: a prefill_end or step_end kernel that is the keep's
+    whole score (not accumulating), a prefill_chunk kernel that is the hook's only statement, or a read's
     page scores (decode_before_attention)."""
     fused = {}
     for kernel in manifest.get("kernels", []):
         hook, flags = kernel.get("hook"), kernel.get("flags", {})
-        if hook == "prefill_end" and not flags.get("ACCUMULATE", False):
-            fused[hook] = kernel["name"]
+        if hook in ("prefill_end", "step_end") and not flags.get("ACCUMULATE", False):
+            for name in (hook, *kernel.get("also", ())):
+                fused[name] = kernel["name"]
         elif hook == "prefill_chunk" and flags.get("ACCUMULATE", False) and flags.get("WHOLE_HOOK", False):
             fused[hook] = kernel["name"]
         elif hook == "decode_before_attention" and kernel.get("family") == "page_scores":

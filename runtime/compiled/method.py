@@ -279,7 +279,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
                                                                      self.fused_devices)
 
     def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None:
-        self.decoder.after_attention(layer, view)
+        self.decoder.after_attention(layer, view, self.decode_ring(layer))
 
     # ---- cluster indices (cluster_index.py): written outside the decode step ----------------------
     def prefill_end(self, layer: int, view: PrefillView) -> KeepPlan | None:

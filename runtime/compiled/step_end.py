@@ -24,6 +24,7 @@ from kvc.runtime.compiled.state import SequenceStates, gather_state
 from kvc.runtime.compiled.stacked import StackedRows
 from kvc.runtime.kv import slot_order
 from kvc.runtime.kv.plans import keep_plan_if_due
+from kvc.runtime.kv.ring import Ring
 from kvc.runtime.method_api import Hook, KeepPlan, LayerCacheView, StackedPlan, StepView, StepViews
 
 MEMO_LIMIT = 4096  # memoised counts (decode_kept) before the memo starts over
@@ -52,6 +53,8 @@ class StepEnd:
     roles: Any  # RoleKeeps or None (a keep `for ROLE`: per-head counts, roles.py)
     kv_head_layers: bool  # a cache layer per KV head: a role keep's count is its one head's
     _role_keep: Callable[[str], bool]
+    kv_spec: Callable  # the method's KV spec (a ranked ring needs its slot positions)
+    _kernel: Callable  # the fused Triton kernel of a hook on a device, or None (runtime/compiled/prefill.py)
 
     # ---- host-side counts ----------------------------------------------------------------------
     def decode_kept(self, length: int, prompt_len: int, context_len: int, layer: int, kv_heads: int) -> int:
@@ -109,27 +112,35 @@ class StepEnd:
                         for n, p, c in distinct], dtype=bool)
         return due[inverse.reshape(-1)]
 
-    def decode_ring(self, layer: int) -> tuple[int, int] | None:
-        """The contract's `decode_ring` (runtime/kv/ring.py): (a, a + b + 1) where the decode-time keep is
-        `first a + last b` at every step (no scores, no `where`, counts that read no row symbol, equal per KV
-        head; a role's keep on a cache layer of one KV head of the role, DuoAttention's streaming heads), the
-        prefill keeps at most a + b and no decode hook reads the layer; else None. The engine skips a ringed
-        row's step end, so rings are all or nothing: None for every layer unless each one that evicts rings."""
+    def decode_ring(self, layer: int) -> Ring | None:
+        """The contract's `decode_ring` (runtime/kv/ring.py): where the decode-time keep at every step is a
+        `first a + last b` (the compiler's `ring` fact "window": no decode hook reads the layer) or a
+        `top(score, a) + last b` of decode_after_attention's paged scores over slots with positions ("ranked"),
+        with no `where`, counts equal per KV head and for every row (a role's keep on a cache layer of one KV
+        head of the role, DuoAttention's streaming heads, is a window), and the prefill keeps at most a + b:
+        (a, a + b + 1, ranked); else None. The engine skips a ringed row's step end, so rings are all or
+        nothing: None for every layer unless each one that evicts rings."""
         key = (self.evict_interval, self.budget.num_layers)  # both set before the engine asks (`bind`)
         if self._rings is None or self._rings[0] != key:
             rings = [self._ring_of(n) for n in range(self.budget.num_layers)]
             self._rings = (key, rings if all(r is not False for r in rings) else [None] * len(rings))
         return self._rings[1][layer]
 
-    def _ring_of(self, layer: int) -> tuple[int, int] | None | bool:
+    def _ring_of(self, layer: int) -> Ring | None | bool:
         """`decode_ring`'s answer for one layer; None where the layer's keep never drops a token at decode (a
         head outside the role), False where it evicts but cannot ring."""
         facts, hook = self.decoding, self.decoding.keep_hook
         if hook is None:
             return None
-        if (self.evict_interval != 1 or facts.keep["inputs"] or facts.keep["where"] or facts.head_counts
-                or set(facts.keep.get("keep_symbols", ["step"])) - {"layer"}
-                or self.hooks & {Hook.DECODE_BEFORE_ATTENTION, Hook.DECODE_AFTER_ATTENTION}):
+        form = facts.keep.get("ring")
+        if (self.evict_interval != 1 or facts.keep["where"] or facts.head_counts or form is None
+                or set(facts.keep.get("keep_symbols", ["step"])) - {"layer", "prompt"}
+                or Hook.DECODE_BEFORE_ATTENTION in self.hooks):
+            return False
+        if form == "window" and (facts.keep["inputs"] or Hook.DECODE_AFTER_ATTENTION in self.hooks):
+            return False
+        if form == "ranked" and not (hook == "decode_after_attention" and facts.scores_plane is not None
+                                     and self._ranks_in_place()):
             return False
         kv_heads, huge = self.budget.num_kv_heads, 1 << 20
         if self._role_keep(hook):  # per-head counts: only a cache layer of one KV head, of the role, rings
@@ -137,15 +148,25 @@ class StepEnd:
             if not any(heads):
                 return None  # no head of the role: nothing evicted
             kept = self.roles.static_count(hook, layer) if self.kv_head_layers and all(heads) else None
-        else:
-            kept = self.decode_kept(huge, huge, huge, layer, kv_heads)  # a + b
+            last = None if kept is None else self._tail(hook, layer, huge, huge)
+        else:  # counts that read the prompt ring where they come out the same for every prompt (a budget)
+            counts = {(self.decode_kept(huge, p, huge + p, layer, kv_heads), self._tail(hook, layer, huge, p))
+                      for p in (1, huge // 3, huge, 2 * huge)}
+            kept, last = counts.pop() if len(counts) == 1 else (None, None)
         if kept is None or any(self.budget.kept(n, layer) > kept for n in (huge, huge * 2)):
             return False  # counts that depend on the row, or a prefill that keeps more than the window
         if kept >= huge:
             return None  # keeps every token
-        last = self.kept_tail(hook, decode_sym(layer, self.budget.num_layers, huge, huge, huge, None, kv_heads, None),
-                              huge)
-        return kept - last, kept + 1
+        return Ring(kept - last, kept + 1, form == "ranked")
+
+    def _tail(self, hook: str, layer: int, length: int, prompt: int) -> int:
+        sym = decode_sym(layer, self.budget.num_layers, length, length + prompt, prompt, None,
+                         self.budget.num_kv_heads, None)
+        return int(self.kept_tail(hook, sym, length))
+
+    def _ranks_in_place(self) -> bool:
+        """Does the KV spec record each slot's position (a ranked ring breaks ties to the older token by it)?"""
+        return self.kv_spec(1, 8, torch.float32, 16).positions is not None
 
     def _due(self, length: int, count: int) -> bool:
         """Does a row storing `length` tokens, of which the keep leaves `count`, evict at this step:
@@ -398,10 +419,15 @@ class StepEnd:
         if rows is None:
             return [self.step_end(layer, view) for view in views]
         sym = self._step_sym(layer, first, kv_heads)
+        fused = self._kernel("step_end", rows.device)  # the keep's score as one Triton kernel (compiler/fusion.py)
 
         def kept(lo: int, hi: int) -> torch.Tensor:
             stacked_sym = {**sym, "kv_heads": (hi - lo) * kv_heads}
-            scores = self.decoding.step_scores(rows.inputs(lo, hi), {}, stacked_sym, self.params)
+            inputs = rows.inputs(lo, hi)
+            if fused is not None:  # no [rows x heads, queries, keys] attention in memory
+                scores = fused(inputs["q"], inputs["k"], self.params, {})
+            else:
+                scores = self.decoding.step_scores(inputs, {}, stacked_sym, self.params)
             return stacked(self._select_fn(scores, stacked_sym, self.params), rows.device)
 
         stack = rows.map(kept).view(len(views), kv_heads, -1)

@@ -22,23 +22,44 @@ Who rings (the compiled method's `decode_ring`, the scheduler's `LaneRules.rings
 reads no scores, no `where`, constant counts (or a role's, on a cache layer of one KV head of the role:
 DuoAttention's streaming heads, beside retrieval heads that append); the prefill keeps at most a + b;
 interval 1; the method has no decode hooks; the sequence is not chained (a chain's turn end reads its
-layers in time order, through the step-end path). docs/design.md, "Decode rings".
+layers in time order, through the step-end path).
+
+Ranked rings (`Ring.ranked`): a keep `top(score, a) + last b` (H2O's with a budget, TOVA's) drops one token
+a step, the lowest scored of the a ranked ones and the one leaving the window. The recent slots ring as
+above; the slot the next token takes (`leave_slots`) is handed to the method's decode hook, whose `promote`
+moves the leaving token into the lowest ranked slot where it scores higher. docs/design.md, "Decode rings".
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
+import torch
+
+from kvc.runtime.kv.spec import Extent
 
 NONE = -1  # a layer without a ring (or not yet full)
 
 
+class Ring(NamedTuple):
+    """One layer's ring (the contract's `decode_ring`): slots [0, first) are the sinks, or, `ranked`, the
+    ranked slots; the ring cycles slots [first, capacity)."""
+
+    first: int
+    capacity: int
+    ranked: bool = False
+
+
 class RingRules:
     """A lane's rings, per layer: the sinks `first` and the `capacity` (a + b + 1); -1 where a layer has
-    none."""
+    none; `ranked` where the first slots are ranked (`Ring`)."""
 
-    def __init__(self, rings: list[tuple[int, int] | None]) -> None:
-        self.first = np.array([NONE if r is None else r[0] for r in rings], dtype=np.int64)
-        self.capacity = np.array([NONE if r is None else r[1] for r in rings], dtype=np.int64)
+    def __init__(self, rings: list[Ring | tuple[int, int] | None]) -> None:
+        rings = [None if r is None else Ring(*r) for r in rings]
+        self.first = np.array([NONE if r is None else r.first for r in rings], dtype=np.int64)
+        self.capacity = np.array([NONE if r is None else r.capacity for r in rings], dtype=np.int64)
+        self.ranked = np.array([r is not None and r.ranked for r in rings], dtype=bool)
         self.size = np.where(self.capacity >= 0, self.capacity - self.first, 1)  # the recent slots a ring cycles
 
     def slot(self, base: np.ndarray, position) -> np.ndarray:
@@ -51,9 +72,10 @@ class RingRules:
     def of(cls, rings: list[tuple[int, int] | None]) -> RingRules | None:
         return None if all(r is None for r in rings) else cls(rings)
 
-    def enter(self, kv_lens: list[int], position: int, ring: RingState | None) -> RingState | None:
+    def enter(self, kv_lens: list[int], position: int, ring: RingState | None) -> RingState:
         """The ring state of a decoding sequence after a step left `kv_lens` stored and `position` the
-        next token's: layers that reached their capacity (in time order) ring from that position on."""
+        next token's: layers that reached their capacity (in time order) ring from that position on (a
+        state with none on yet where none has: the next step's `leave_slots` need the rules)."""
         kv = np.asarray(kv_lens, dtype=np.int64)
         waiting = self.capacity >= 0 if ring is None else (self.capacity >= 0) & (ring.base < 0)
         if (waiting & (kv > self.capacity)).any():  # the prefill keeps at most a + b (`decode_ring`)
@@ -61,7 +83,7 @@ class RingRules:
                                f"capacity {self.capacity.tolist()}")
         full = waiting & (kv == self.capacity)
         if not full.any():
-            return ring
+            return RingState(self, np.full(len(kv), NONE, dtype=np.int64)) if ring is None else ring
         base = np.full(len(kv), NONE, dtype=np.int64) if ring is None else ring.base.copy()
         base[full] = position
         return RingState(self, base)
@@ -89,7 +111,21 @@ def decode_offsets(kv: np.ndarray, rings: list[RingState | None], positions: lis
     """[L, n] physical write offsets and context lengths of n decoding rows (one token each, at `positions`)
     whose layers store `kv [L, n]`: a ring's slot and its whole capacity where a layer rings, else the append
     slot and kv + 1. Vectorised over the rows of each lane's rules (a step's rows mostly share one)."""
+    return ring_offsets(kv, rings, positions, leave=False)[:2]
+
+
+def leave_slots(kv: np.ndarray, rings: list[RingState | None], positions: list[int]) -> np.ndarray | None:
+    """[L, n] the slot each decoding row's ranked ring hands to the ranking after the step (`promote`):
+    its oldest recent token's, the one the next token will overwrite, where the layer holds its capacity
+    after the step; -1 elsewhere. None when no row has a ranked ring."""
+    return ring_offsets(kv, rings, positions)[2]
+
+
+def ring_offsets(kv: np.ndarray, rings: list[RingState | None], positions: list[int],
+                 leave: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """`decode_offsets` and, `leave`, `leave_slots` at once."""
     phys, ctx = kv.copy(), kv + 1
+    out = None
     groups: dict[int, list[int]] = {}
     for i, ring in enumerate(rings):
         if ring is not None:
@@ -101,4 +137,48 @@ def decode_offsets(kv: np.ndarray, rings: list[RingState | None], positions: lis
         at = np.asarray([positions[i] for i in rows], dtype=np.int64)[None, :]
         phys[:, cols] = np.where(on, rules.slot(base, at), kv[:, cols])
         ctx[:, cols] = np.where(on, kv[:, cols], kv[:, cols] + 1)
-    return phys, ctx
+        if leave and rules.ranked.any():
+            if out is None:
+                out = np.full(kv.shape, NONE, dtype=np.int64)
+            first, size, cap = rules.first[:, None], rules.size[:, None], rules.capacity[:, None]
+            nxt = first + (phys[:, cols] - first + 1) % size  # the slot after this step's in the ring's cycle
+            out[:, cols] = np.where(rules.ranked[:, None] & (ctx[:, cols] == cap), nxt, NONE)
+    return phys, ctx, out
+
+
+def promote(store, block_tables: torch.Tensor, scores: torch.Tensor, leave: torch.Tensor, first: int) -> None:
+    """A ranked ring's step (`Ring.ranked`): the token in slot `leave[b]` leaves the recent window, and competes
+    with the `first` ranked slots of its KV head for theirs, as the per-step keep `top(score, first) + last b`
+    would rank them: where its score beats their lowest, every per-token tensor of the spec (K, V, the method's
+    state planes, positions) moves from its slot into that one's; its own slot is the next token's either way.
+    Ties go to the older token, as the selection's do: the ranked slot dropped among equal lowest scores is the
+    one with the newest position, and the leaving token, newer than every ranked one, must beat the lowest.
+
+    `scores [B, Hkv, W]` the ranking's scores of each decode row's slots, `leave [B]` (-1: no ring at capacity),
+    `block_tables [B, P]` the layer's tables. Static shapes, no host value: CUDA-graph safe."""
+    spec = store.spec
+    if spec.positions is None:
+        raise RuntimeError("a ranked decode ring needs the KV spec's slot positions (its ties go to the older token)")
+    batch, heads, width = scores.shape
+    if width <= first:
+        return  # no row holds a ring's capacity (a static shape: the graphs' bucket, an eager step's longest row)
+    page = store.page_size
+    tables = block_tables.long()
+    slots = torch.arange(first, device=scores.device)
+    ranked_pages = tables[:, (slots // page).clamp(max=tables.shape[1] - 1)]  # [B, first] (short rows: any page)
+    ranked_pos = store[spec.positions][ranked_pages, :, slots % page].permute(0, 2, 1)  # [B, Hkv, first]
+    ranked = scores[:, :, :first]
+    low = ranked.min(dim=-1, keepdim=True).values
+    dropped = torch.where(ranked == low, ranked_pos, -1).argmax(dim=-1)  # [B, Hkv] the newest of the lowest
+    gone = leave.clamp(min=0)
+    leaving = scores.gather(2, gone[:, None, None].expand(batch, heads, 1))[..., 0]
+    wins = (leave >= 0)[:, None] & (leaving > low[..., 0])
+    src_page = tables.gather(1, (gone // page)[:, None]).expand(batch, heads)
+    src_off = (gone % page)[:, None].expand(batch, heads)
+    dst_page = torch.where(wins, tables.gather(1, dropped // page), store.scratch_page)
+    dst_off = dropped % page
+    head = torch.arange(heads, device=scores.device)[None, :].expand(batch, heads)
+    for t in spec.tensors:
+        if t.extent is Extent.TOKEN:
+            x = store[t.name]
+            x[dst_page, head, dst_off] = x[src_page, head, src_off]

@@ -67,6 +67,10 @@ class BatchSlots:
         pages = torch.where(inside, pages, torch.full_like(pages, scratch_page))
         return cls(pages, (slots % page_size).expand_as(pages))
 
+    def flat(self, page_size: int) -> torch.Tensor:
+        """[B, W] int64: each slot's place in the store, `page * page_size + offset` (a slot mapping's)."""
+        return self.pages * page_size + self.offsets
+
     def gather(self, plane: torch.Tensor) -> torch.Tensor:
         """[B, Hkv, W]: the plane's values at the rows' slots (scratch values past a row's length)."""
         return plane[self.pages, :, self.offsets].permute(0, 2, 1)

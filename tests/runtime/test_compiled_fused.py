@@ -66,3 +66,41 @@ def test_fused_path_equals_torch_lowering(model_dir, method, monkeypatch):
         assert (got is None) == (want is None)
         if got is not None:
             torch.testing.assert_close(got, want)
+
+
+def test_a_decode_budget_scores_with_the_fused_kernel(model_dir, monkeypatch):
+    """SnapKV's decode budget (`step_end ... where step % every == 0`) scores the same tree as its prefill_end:
+    the compiler gives step_end the same kernel, which the stacked step end runs over the rows' query windows
+    and keys (no [rows x heads, queries, keys] attention in memory). Its plans and tokens equal the lowering's."""
+    params = {"budget": 24, "window": 6, "kernel": 5, "every": 2}
+    original_batch = CompiledMethod.step_end_batch
+
+    def run(fused: bool):
+        monkeypatch.setattr(CompiledMethod, "fused_devices", ("cuda", "cpu") if fused else ("cuda",))
+        plans, hooks = [], []
+
+        def spy_batch(self, layer, views):
+            out = original_batch(self, layer, views)
+            plans.extend(None if p is None else p.indices.clone() for p in out)
+            return out
+
+        def spy_kernel(self, hook, device):
+            fn = ORIGINAL_KERNEL(self, hook, device)
+            hooks.append((hook, fn is not None))
+            return fn
+
+        monkeypatch.setattr(CompiledMethod, "step_end_batch", spy_batch)
+        monkeypatch.setattr(CompiledMethod, "_kernel", spy_kernel)
+        llm = make_llm(model_dir, "snapkv", params)
+        outs = llm.generate(prompts_of([45, 70, 52], seed=6), SamplingParams(temperature=0, max_tokens=9))
+        return [o.token_ids for o in outs], plans, hooks
+
+    tokens_ref, plans_ref, hooks_ref = run(False)
+    tokens, plans, hooks = run(True)
+    assert ("step_end", True) in hooks and ("step_end", True) not in hooks_ref
+    assert tokens == tokens_ref
+    assert len(plans) == len(plans_ref) and sum(p is not None for p in plans) > 0
+    for got, want in zip(plans, plans_ref):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want)

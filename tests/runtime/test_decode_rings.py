@@ -6,6 +6,7 @@ preemption; the ring's slots hold exactly the tokens the rule keeps, and no step
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvc.runtime.kv import slot_order
-from kvc.runtime.kv.ring import RingRules, decode_offsets
+from kvc.runtime.kv.ring import Ring, RingRules, decode_offsets, leave_slots
 from kvc.runtime.llm import LLM
 from kvc.runtime.sampling_params import SamplingParams
 from tests.models.tiny import make_tiny_llama
@@ -65,11 +66,23 @@ def test_the_window_keep_rings_and_others_do_not(model_dir):
     assert rules is not None
     assert rules.first.tolist() == [SINK] * engine.spec.num_layers
     assert rules.capacity.tolist() == [SINK + RECENT + 1] * engine.spec.num_layers
-    assert engine.method.decode_ring(0) == (SINK, SINK + RECENT + 1)
+    assert engine.method.decode_ring(0) == (SINK, SINK + RECENT + 1, False)
     assert make_engine(model_dir, rings=False).scheduler.rules.rings is None
     assert make_engine(model_dir, evict_interval=4).scheduler.rules.rings is None
-    h2o = make_engine(model_dir, method="h2o", params={"heavy": 0.3, "recent": 0.2})
+    h2o = make_engine(model_dir, method="h2o", params={"heavy": 0.3, "recent": 0.2})  # counts read the prompt
     assert h2o.method.decode_ring(0) is None and h2o.scheduler.rules.rings is None
+    snapkv = make_engine(model_dir, method="snapkv", params={"budget": 16, "window": 4, "every": 1})
+    assert snapkv.scheduler.rules.rings is None  # a decode budget ranks step_end's own scores
+
+
+@pytest.mark.parametrize(("method", "params", "ring"), [
+    ("h2o", {"budget": 12}, (6, 13, True)),  # `top(seen, 6) + last 6`: the prompt's fractions unused
+    ("tova", {"budget": 11}, (11, 12, True)),  # `top(attention, 11)`: a ring of one slot
+])
+def test_a_ranked_keep_rings(model_dir, method, params, ring):
+    engine = make_engine(model_dir, method=method, params=params)
+    assert engine.method.decode_ring(0) == ring
+    assert engine.scheduler.rules.rings.ranked.all()
 
 
 def test_tokens_follow_the_per_step_rule(model_dir, hf):
@@ -147,6 +160,113 @@ def test_clones_of_a_ringed_row_decode_its_tokens(model_dir):
     assert engine.pool.num_free == engine.pool.num_pages
 
 
+RANKED = {"h2o": {"budget": 12}, "tova": {"budget": 11}}
+
+
+def _inverted(engine):
+    """The engine with its decode keep ranking the negated scores: on the tiny random model a token leaving
+    H2O's window never out-scores the older ranked ones (attention is flat, and they summed more queries), so
+    ranking the least attended first makes it win (the mechanics under test are the same)."""
+    decoder = engine.method.decoder
+    after = decoder.facts.after_fn
+    decoder.facts = dataclasses.replace(decoder.facts, after_fn=lambda inputs, state, sym, params: -after(
+        inputs, state, sym, params))
+    return engine
+
+
+def _kept_positions(engine, seq) -> list[list[list[int]]]:
+    """Per layer and KV head, the positions of the stored slots, sorted (a multiset: a ring's leaving slot may
+    still hold a token the ranking copied)."""
+    store = engine.attention.store_of(0)
+    out = []
+    for layer in range(engine.spec.num_layers):
+        table = np.asarray([seq.page_tables[layer]], dtype=np.int64)
+        pos = slot_order.read_rows(store[store.spec.positions], table, np.array([seq.kv_lens[layer]]))
+        out.append([sorted(h.tolist()) for h in pos[0]])
+    return out
+
+
+@pytest.mark.parametrize("method", sorted(RANKED))
+def test_a_ranked_ring_holds_the_step_ends_tokens_at_every_step(model_dir, method):
+    """H2O's `top(seen, h) + last r` and TOVA's `top(attention, n)` at every step, ringed: after each step a
+    ring's slots, less its leaving slot's token (the next token's slot), are exactly the tokens the step end's
+    eviction keeps, per layer and KV head, in a batch of a short, a window-long and two long prompts; the
+    ranked slots change (tokens leaving the window win slots; H2O's ranking inverted, `_inverted`); the greedy
+    tokens are equal."""
+    prompts = prompts_of([9, 13, 30, 45], seed=9)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ringed, plain = (make_engine(model_dir, rings=r, method=method, params=RANKED[method]) for r in (True, False))
+    if method == "h2o":
+        ringed, plain = _inverted(ringed), _inverted(plain)
+    ring = ringed.method.decode_ring(0)
+    recent = ring.capacity - ring.first - 1
+    pairs = [(ringed.add_request(p, params), plain.add_request(p, params)) for p in prompts]
+    compared, ranked_sets = 0, set()
+    while ringed.has_unfinished():
+        ringed.step()
+        plain.step()
+        for a, b in pairs:
+            if a.is_finished or a.num_generated == 0:
+                continue
+            got = _kept_positions(ringed, a)
+            if a.ring is not None and a.ring.on.all():
+                leaving = a.num_computed_tokens - recent - 1
+                for heads in got:
+                    for head in heads:
+                        head.remove(leaving)
+                ranked_sets.add((a.seq_id, str([[h[:ring.first] for h in heads] for heads in got])))
+            assert got == _kept_positions(plain, b), (a.seq_id, a.num_generated)
+            compared += 1
+    assert compared > 60 and len(ranked_sets) > 20
+    assert [a.generated_ids for a, _ in pairs] == [b.generated_ids for _, b in pairs]
+    assert ringed.pool.num_free == ringed.pool.num_pages
+
+
+@pytest.mark.parametrize("options", [
+    dict(async_scheduling=True),
+    dict(kv_cache_memory=2 * 2 * 16 * 4 * PAGE * 21),  # 19 pages with the planes: a request is preempted
+], ids=["async", "preempted"])
+@pytest.mark.parametrize("method", sorted(RANKED))
+def test_ranked_ring_tokens_equal_the_step_end_eviction(model_dir, method, options):
+    prompts = prompts_of([30, 45, 20, 60], seed=5)
+    want = serve(make_engine(model_dir, rings=False, method=method, params=RANKED[method], **options), prompts)
+    engine = make_engine(model_dir, method=method, params=RANKED[method], **options)
+    got = serve(engine, prompts)
+    assert [s.generated_ids for s in got] == [s.generated_ids for s in want]
+    if "kv_cache_memory" in options:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_promote_moves_every_token_tensor_and_breaks_ties_to_the_older_token():
+    """`promote` on a hand-made store: two rows of 2 KV heads, 3 ranked slots and a leaving slot on another
+    page. Row 0: head 0's leaving token beats the lowest ranked slot (tied lowest: the newer one goes), head 1's
+    equals the lowest (the older token stays). Row 1: no leaving slot. K, V, the state and positions move."""
+    from kvc.runtime.kv.ring import promote
+    from kvc.runtime.kv.spec import Extent, KVSpec, TensorSpec, state_plane
+    from kvc.runtime.kv.store import KVStore
+
+    spec = KVSpec((TensorSpec("k", Extent.TOKEN, torch.float32, (2,)), TensorSpec("v", Extent.TOKEN, torch.float32,
+                                                                                 (2,)),
+                   state_plane("seen"), TensorSpec("slot.position", Extent.TOKEN, torch.int32, ())),
+                  positions="slot.position", in_place=True)
+    store = KVStore(spec, num_pages=4, num_kv_heads=2, page_size=4, num_layers=1, device="cpu")
+    for name in ("k", "v", "seen"):
+        store[name].copy_(torch.randn(store[name].shape))
+    tables = torch.tensor([[0, 1], [2, 3]])
+    pos = store["slot.position"]
+    pos[0, :, :3] = torch.tensor([[7, 2, 5], [7, 2, 5]], dtype=torch.int32)  # row 0's ranked slots 0..2
+    pos[1, :, 1] = 20  # slot 5: the leaving token
+    scores = torch.tensor([[[0.1, 0.5, 0.1, 0.0, 0.0, 0.3],    # head 0: lowest 0.1 at positions 7 and 5
+                            [0.2, 0.6, 0.4, 0.0, 0.0, 0.2]],   # head 1: leaving ties the lowest
+                           [[0.0] * 6, [0.0] * 6]])
+    before = {name: t.clone() for name, t in store.tensors.items()}
+    promote(store, tables, scores, torch.tensor([5, -1]), first=3)
+    for name in ("k", "v", "seen", "slot.position"):
+        want = before[name].clone()
+        want[0, 0, 0] = before[name][1, 0, 1]  # head 0: slot 0 (position 7, the newer of the lowest) replaced
+        torch.testing.assert_close(store[name][:4], want[:4], rtol=0, atol=0)
+
+
 def test_decode_offsets_equal_each_rows_ring():
     """The graphs' vectorised offsets equal each row's own: appending rows, partly and fully ringed rows."""
     rules = RingRules.of([(2, 7), (2, 7), None])
@@ -158,6 +278,18 @@ def test_decode_offsets_equal_each_rows_ring():
     assert phys[:, 0].tolist() == [3, 3, 3] and ctx[:, 0].tolist() == [4, 4, 4]
     assert phys[:, 1].tolist() == [2 + (33 - 30) % 5, 6, 9] and ctx[:, 1].tolist() == [7, 7, 10]
     assert phys[:, 2].tolist() == [2 + (45 - 40) % 5, 2 + (45 - 40) % 5, 12] and ctx[:, 2].tolist() == [7, 7, 13]
+
+
+
+def test_leave_slots_name_the_next_tokens_slot_at_capacity():
+    """A ranked ring hands the slot the next token will take: the one after this step's in the ring's cycle,
+    where the layer holds its capacity after the step (ringing, or just filled); -1 below it."""
+    rules = RingRules.of([Ring(2, 7, True), Ring(2, 7, True), Ring(2, 7, True)])
+    kv = np.array([[7], [6], [4]], dtype=np.int64)  # ringing, filling now, still short
+    ring = rules.enter([7, 6, 4], 40, None)
+    leave = leave_slots(kv, [ring], [44])
+    assert leave[:, 0].tolist() == [2 + (44 - 40 + 1) % 5, 2, -1]
+    assert leave_slots(kv, [RingRules.of([(2, 7)] * 3).enter([7, 6, 4], 40, None)], [44]) is None  # a window ring
 
 
 def test_duoattention_streaming_heads_ring_beside_retrieval_heads(tmp_path):

@@ -49,8 +49,9 @@ def greedy(n: int) -> SamplingParams:
 
 def make_llm(model_dir: Path, method: str, planes: bool, monkeypatch, **options) -> LLM:
     monkeypatch.setattr(CompiledMethod, "use_state_planes", planes)
+    # the step end's eviction (TOVA's keep would otherwise ring: tests/runtime/test_decode_rings.py)
     defaults = dict(device="cpu", dtype="float32", page_size=PAGE, max_num_batched_tokens=64, max_prefill_chunk=32,
-                    attention_backend="torch")
+                    attention_backend="torch", decode_rings=False)
     llm = LLM(str(model_dir), method=method, method_params=CASES[method], **{**defaults, **options})
     assert llm.engine.method.paged_state is planes and llm.engine.method.decode_graphs is planes
     assert bool(llm.engine.attention.planes) is planes

@@ -124,7 +124,7 @@ def test_incremental_tables_equal_a_fresh_rebuild(monkeypatch, seed: int, log_ca
     for _ in range(5):
         top = rng.randrange(8, 40)
         _decoding(pool, scheduler, rng, [max(1, top - 5 * layer + rng.randrange(3)) for layer in range(LAYERS)])
-    runner = SimpleNamespace(device=torch.device("cpu"), num_layers=LAYERS, max_pages_per_seq=256,
+    runner = SimpleNamespace(device=torch.device("cpu"), lanes=[], num_layers=LAYERS, max_pages_per_seq=256,
                              num_kv_heads=HEADS, page_size=PAGE, tables=TableCache(LAYERS, HEADS),
                              max_model_len=256 * PAGE, attention=SimpleNamespace(num_pages=pool.num_pages, num_rows=0,
                                                                                  scratch_row=0, residual_window=0))
