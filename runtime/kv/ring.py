@@ -32,6 +32,7 @@ moves the leaving token into the lowest ranked slot where it scores higher. docs
 
 from __future__ import annotations
 
+import importlib.util
 from typing import NamedTuple
 
 import numpy as np
@@ -146,7 +147,8 @@ def ring_offsets(kv: np.ndarray, rings: list[RingState | None], positions: list[
     return phys, ctx, out
 
 
-def promote(store, block_tables: torch.Tensor, scores: torch.Tensor, leave: torch.Tensor, first: int) -> None:
+def promote(store, block_tables: torch.Tensor, scores: torch.Tensor, leave: torch.Tensor, first: int,
+            triton: bool | None = None) -> None:
     """A ranked ring's step (`Ring.ranked`): the token in slot `leave[b]` leaves the recent window, and competes
     with the `first` ranked slots of its KV head for theirs, as the per-step keep `top(score, first) + last b`
     would rank them: where its score beats their lowest, every per-token tensor of the spec (K, V, the method's
@@ -155,13 +157,21 @@ def promote(store, block_tables: torch.Tensor, scores: torch.Tensor, leave: torc
     one with the newest position, and the leaving token, newer than every ranked one, must beat the lowest.
 
     `scores [B, Hkv, W]` the ranking's scores of each decode row's slots, `leave [B]` (-1: no ring at capacity),
-    `block_tables [B, P]` the layer's tables. Static shapes, no host value: CUDA-graph safe."""
+    `block_tables [B, P]` the layer's tables. Static shapes, no host value: CUDA-graph safe. `triton`: the
+    Triton kernels (runtime/kv/ring_triton.py), or this torch code, the CPU's and their oracle (None: Triton
+    on CUDA)."""
     spec = store.spec
     if spec.positions is None:
         raise RuntimeError("a ranked decode ring needs the KV spec's slot positions (its ties go to the older token)")
     batch, heads, width = scores.shape
     if width <= first:
         return  # no row holds a ring's capacity (a static shape: the graphs' bucket, an eager step's longest row)
+    if triton or (triton is None and _triton_runs(scores.device)):  # two launches (runtime/kv/ring_triton.py)
+        from kvc.runtime.kv.ring_triton import promote_triton
+
+        tokens = [store[t.name] for t in spec.tensors if t.extent is Extent.TOKEN]
+        promote_triton(tokens, store[spec.positions], block_tables, scores, leave, first)
+        return
     page = store.page_size
     tables = block_tables.long()
     slots = torch.arange(first, device=scores.device)
@@ -182,3 +192,7 @@ def promote(store, block_tables: torch.Tensor, scores: torch.Tensor, leave: torc
         if t.extent is Extent.TOKEN:
             x = store[t.name]
             x[dst_page, head, dst_off] = x[src_page, head, src_off]
+
+
+def _triton_runs(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
