@@ -94,6 +94,9 @@ class DecodeGraphs:
         self.buckets.append(max_num_seqs)
         self.contexts = context_ladder(longest_context(runner.max_model_len, runner.attention.num_pages,
                                                        runner.page_size))
+        # a ring's capacity is a rung of its own: its rows stay there, and what a decode hook reads is that wide
+        rings = {int(c) for lane in runner.lanes if lane.rules.rings is not None for c in lane.rules.rings.capacity}
+        self.contexts = sorted(set(self.contexts) | {c for c in rings if 0 < c < self.contexts[-1]})
         n, dev, layers = self.buckets[-1], runner.device, runner.num_layers
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)

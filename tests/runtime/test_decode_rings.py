@@ -321,3 +321,16 @@ def test_a_ringed_layer_never_needs_or_returns_pages():
     assert room.growth_by(3, (0, 0, 1), 2) == [1, 0]  # layer 2's 3 free slots take 3 tokens
     every = Room(0, [0, 0], 8, fixed=frozenset({0, 1}))
     assert every.least == UNBOUNDED and every.growth(1) == 0 and every.growth_by(1, (0, 0), 1) == [0]
+
+
+def test_a_rings_capacity_is_a_context_rung_of_the_decode_graphs(model_dir):
+    """Ringed rows stay at the capacity: the decode graphs get a context rung there, so a decode hook's reads
+    (as wide as the graph's context) cover the ring and no more."""
+    from kvc.runtime.decode_graphs import DecodeGraphs
+
+    engine = make_engine(model_dir, method="tova", params=RANKED["tova"])
+    capacity = engine.method.decode_ring(0).capacity
+    graphs = DecodeGraphs(engine.runner, 4)
+    assert capacity in graphs.contexts and graphs.contexts == sorted(graphs.contexts)
+    assert capacity not in DecodeGraphs(make_engine(model_dir, rings=False, method="tova",
+                                                    params=RANKED["tova"]).runner, 4).contexts
