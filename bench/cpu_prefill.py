@@ -162,7 +162,8 @@ def table(results: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a local Hugging Face model directory (both sides load it)")
+    p.add_argument("--model", default="default",
+                   help="a local Hugging Face model directory (both sides load it); default: the embedded model's")
     p.add_argument("--lengths", default="2048,4096", help="prompt lengths of the prefill cases")
     p.add_argument("--threads", default="1,2", help="torch thread counts, each run on both sides")
     p.add_argument("--repeats", type=int, default=3)
@@ -184,6 +185,10 @@ def main() -> None:
     threads = [int(x) for x in a.threads.split(",") if x]
     step = (a.batch_max - a.batch_min) / max(a.batch - 1, 1)
     batch_lengths = [round(a.batch_min + i * step) for i in range(a.batch)]
+    if a.model == "default":
+        from kvc.runtime.default_model import ensure_default_model
+
+        a.model = str(ensure_default_model())
     sides = Sides(a.model, None if a.kv_memory_mib is None else a.kv_memory_mib * 2**20)
     gen = torch.Generator().manual_seed(a.seed)
     warm = random_prompt(gen, 64, sides.vocab)

@@ -7,16 +7,17 @@ non-view aten operations called from Python (not those inside other aten operati
 sequence of one layer.
 
     python bench/step_end_ops.py --method streamingllm --params sink=4,recent=60
-    TRITON_INTERPRET=1 python bench/step_end_ops.py --method snapkv --params budget=64,window=8,every=1 --fused
+    python bench/step_end_ops.py --method snapkv --params budget=64,window=8,every=1 --fused
 
-`--fused`: the compiled methods' fused Triton kernels run on the CPU too (interpreted), as on a GPU (one
-launch each, whatever aten calls the interpreter makes inside it are not counted).
+`--fused`: the compiled methods' fused Triton kernels run on the CPU too (interpreted, TRITON_INTERPRET=1), as
+on a GPU (one launch each, whatever aten calls the interpreter makes inside it are not counted).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -73,10 +74,12 @@ def main() -> None:
     p.add_argument("--fused", action="store_true", help="run the fused Triton kernels on the CPU (TRITON_INTERPRET=1)")
     a = p.parse_args()
     if a.fused:
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # before the generated kernels import triton
         _fuse_on_cpu()
     params = {k: _value(v) for k, v in (kv.split("=") for kv in a.params.split(",") if kv)}
     llm = LLM("random:tiny", device="cpu", dtype="float32", method=a.method, method_params=params, page_size=16,
-              async_scheduling=False)
+              async_scheduling=False, decode_rings=False)  # the step end's eviction (a ring has none)
     engine = llm.engine
     g = torch.Generator().manual_seed(0)
     for _ in range(a.batch):

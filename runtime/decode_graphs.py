@@ -95,7 +95,8 @@ class DecodeGraphs:
         self.contexts = context_ladder(longest_context(runner.max_model_len, runner.attention.num_pages,
                                                        runner.page_size))
         # a ring's capacity is a rung of its own: its rows stay there, and what a decode hook reads is that wide
-        rings = {int(c) for lane in runner.lanes if lane.rules.rings is not None for c in lane.rules.rings.capacity}
+        lanes = getattr(runner, "lanes", ())  # a runner stand-in of the host benches and tests may have none
+        rings = {int(c) for lane in lanes if lane.rules.rings is not None for c in lane.rules.rings.capacity}
         self.contexts = sorted(set(self.contexts) | {c for c in rings if 0 < c < self.contexts[-1]})
         n, dev, layers = self.buckets[-1], runner.device, runner.num_layers
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -115,7 +116,7 @@ class DecodeGraphs:
                       if runner.attention.residual_window else None)
         # per layer and row, the slot a ranked ring hands to the method's ranking (runtime/kv/ring.py); None: no
         # lane's ring is ranked
-        ranked = any(lane.rules.rings is not None and lane.rules.rings.ranked.any() for lane in runner.lanes)
+        ranked = any(lane.rules.rings is not None and lane.rules.rings.ranked.any() for lane in lanes)
         self.leave = torch.full((layers, n), -1, dtype=torch.int64, device=dev) if ranked else None
         self.logits: torch.Tensor | None = None  # [n, vocab] float32, every graph's output (`_step_fn`)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
