@@ -334,3 +334,35 @@ def test_a_rings_capacity_is_a_context_rung_of_the_decode_graphs(model_dir):
     assert capacity in graphs.contexts and graphs.contexts == sorted(graphs.contexts)
     assert capacity not in DecodeGraphs(make_engine(model_dir, rings=False, method="tova",
                                                     params=RANKED["tova"]).runner, 4).contexts
+
+
+@pytest.mark.parametrize("method", sorted(RANKED))
+def test_a_ranked_ring_through_the_decode_graphs_step(model_dir, method, monkeypatch):
+    """The decode graphs' own step (`DecodeGraphs`, static buffers and the leaving-slot buffer, run uncaptured on
+    the CPU) rings as the eager step does: one request (a batch bucket of one, so no padding row changes a float),
+    the same kept tokens after every step and the same greedy tokens."""
+    from kvc.runtime.decode_graphs import DecodeGraphs
+
+    prompt = prompts_of([30], seed=12)[0]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    engines = []
+    for graphs in (False, True):
+        engine = make_engine(model_dir, method=method, params=RANKED[method], max_num_seqs=4)
+        if method == "h2o":
+            _inverted(engine)
+        if graphs:
+            runner = engine.runner
+            runner.graphs = DecodeGraphs(runner, 4)
+            assert runner.graphs.leave is not None
+            monkeypatch.setattr(runner.graphs, "run", lambda batch, feed=None, g=runner.graphs: g.run_uncaptured(
+                batch, feed))
+        engines.append((engine, engine.add_request(prompt, params)))
+    (eager, a), (graph, b) = engines
+    steps = 0
+    while eager.has_unfinished():
+        eager.step()
+        graph.step()
+        if not a.is_finished and a.num_generated:
+            assert _kept_positions(eager, a) == _kept_positions(graph, b), a.num_generated
+            steps += a.ring is not None and bool(a.ring.on.all())
+    assert steps > 5 and a.generated_ids == b.generated_ids

@@ -285,16 +285,11 @@ def _tokens(model_dir: Path, method: str, monkeypatch=None, graphs: bool = False
     after it. The keep's selection therefore ranks scores rounded to 1e-5, equal in every run."""
     llm = LLM(str(model_dir), method=method, method_params=RUNS[method], device="cpu", dtype="float32",
               page_size=PAGE, max_num_batched_tokens=64, max_prefill_chunk=32, attention_backend="torch",
-              max_model_len=160, max_num_seqs=4, **options)
+              max_model_len=160, max_num_seqs=4, decode_rings=False, **options)  # the keeps in place, not rings
     engine = llm.engine
     select = engine.method._select_fn  # ranks scores on a 1e-5 grid: see `_tokens`' docstring
     engine.method._select_fn = lambda scores, sym, params: select(
         scores if scores.device.type == "meta" else torch.round(scores, decimals=5), sym, params)
-    decoder = engine.method.decoder
-    if decoder.facts.scores_plane is not None:  # a ranked decode ring ranks the decode hook's scores itself
-        after = decoder.facts.after_fn
-        decoder.facts = dataclasses.replace(decoder.facts, after_fn=lambda inputs, state, sym, params: torch.round(
-            after(inputs, state, sym, params), decimals=5))
     if graphs:  # decode-only steps through the CUDA-graph runner's own step, uncaptured on the CPU
         from kvc.runtime.decode_graphs import DecodeGraphs
 
