@@ -27,7 +27,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from kvc.runtime.kv.page_pool import PagePool
-from kvc.runtime.kv.ring import Ring, RingRules
+from kvc.runtime.kv.ring import Ring, RingRules, Rings
 from kvc.runtime.decode_graphs import DecodeGraphs
 from kvc.runtime.kv.tables import TableCache
 from kvc.runtime.model_runner import ScheduledBatch
@@ -42,7 +42,8 @@ def build(batch: int, layers: int, kv: int, page: int, kv_heads: int, ring: int 
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(8192, batch),
                                           enable_prefix_caching=False), pool, num_layers=layers)
     if ring is not None:  # the first step prefills each row's last prompt token, the second decodes: it rings
-        scheduler.rules = replace(scheduler.rules, rings=RingRules.of([Ring(ring, kv + 2, ranked)] * layers))
+        rules = RingRules.of([Ring(ring, kv + 2, ranked)] * layers)
+        scheduler.rules = replace(scheduler.rules, rings=Rings.fixed(rules))
     params = SamplingParams(max_tokens=1 << 30, temperature=0, ignore_eos=True)
     for _ in range(batch):  # decoding sequences in a method's post-prefill state (compressed to kv)
         seq = Sequence(list(range(kv + 1)), params, max_model_len=1 << 30, num_layers=layers)

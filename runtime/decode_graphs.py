@@ -96,7 +96,7 @@ class DecodeGraphs:
                                                        runner.page_size))
         # a ring's capacity is a rung of its own: its rows stay there, and what a decode hook reads is that wide
         lanes = getattr(runner, "lanes", ())  # a runner stand-in of the host benches and tests may have none
-        rings = {int(c) for lane in lanes if lane.rules.rings is not None for c in lane.rules.rings.capacity}
+        rings = {c for lane in lanes if lane.rules.rings is not None for c in lane.rules.rings.capacities}
         self.contexts = sorted(set(self.contexts) | {c for c in rings if 0 < c < self.contexts[-1]})
         n, dev, layers = self.buckets[-1], runner.device, runner.num_layers
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -116,8 +116,9 @@ class DecodeGraphs:
                       if runner.attention.residual_window else None)
         # per layer and row, the slot a ranked ring hands to the method's ranking (runtime/kv/ring.py); None: no
         # lane's ring is ranked
-        ranked = any(lane.rules.rings is not None and lane.rules.rings.ranked.any() for lane in lanes)
+        ranked = any(lane.rules.rings is not None and lane.rules.rings.ranked for lane in lanes)
         self.leave = torch.full((layers, n), -1, dtype=torch.int64, device=dev) if ranked else None
+        self.first = torch.zeros((layers, n), dtype=torch.int64, device=dev) if ranked else None
         self.logits: torch.Tensor | None = None  # [n, vocab] float32, every graph's output (`_step_fn`)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -163,6 +164,7 @@ class DecodeGraphs:
             resid_lens=None if self.resid is None else self.resid[:, :b],
             positions=self.positions[:b],
             ring_leave=None if self.leave is None else self.leave[:, :b],
+            ring_first=None if self.first is None else self.first[:, :b],
         )
         attn = r._attn_fn(md)
         if self.logits is None:  # outside any capture
@@ -272,10 +274,11 @@ class DecodeGraphs:
         copy_into(self.slots[:, :b], slots)
         copy_into(self.ctx[:, :b], ctx)
         if self.leave is not None:
-            hand = np.full((layers, b), -1, dtype=np.int64)
+            hand, first = np.full((layers, b), -1, dtype=np.int64), np.zeros((layers, b), dtype=np.int64)
             if leave is not None:
-                hand[:, :n] = leave
+                hand[:, :n], first[:, :n] = leave
             copy_into(self.leave[:, :b], hand)
+            copy_into(self.first[:, :b], first)
         prompts = np.zeros((layers, b), dtype=np.int32)
         prompts[:, :n] = (np.array([s.prefill_end for s in seqs], dtype=np.int64)[None, :]
                           - np.array([s.history_gap for s in seqs], dtype=np.int64).T)  # as the runner's `prepare`

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvc.runtime.attention.backend import class_pages
 from kvc.runtime.errors import ConfigError
-from kvc.runtime.kv.ring import RingRules
+from kvc.runtime.kv.ring import Rings
 from kvc.runtime.kv.spec import Extent, KVSpec, StorageClasses
 from kvc.runtime.method_api import Hook, KVMethod
 from kvc.runtime.scheduler import LaneRules
@@ -124,7 +124,7 @@ def lane_rules(method: KVMethod, attention, prefix_caching: bool, salt: bytes, r
     window = getattr(method, "query_window", 0)
     ringed = None
     if rings and Hook.STEP_END in method.hooks:
-        ringed = RingRules.of([method.decode_ring(layer) for layer in range(len(attention.layer_class))])
+        ringed = Rings.of_method(method.decode_ring, len(attention.layer_class))
     return LaneRules(
         budget=method.budget,
         layer_class=attention.layer_class,

@@ -206,8 +206,9 @@ class DecodeView:
     # slot after the row's earlier ones)
     write_slots: torch.Tensor | None = None
     # [B] int64: the slot each row's ranked decode ring hands to the method's ranking after the step (-1: none;
-    # runtime/kv/ring.py `promote`); None: no ranked ring
+    # runtime/kv/ring.py `promote`), and the ranked slots [0, first) it competes with; None: no ranked ring
     ring_leave: torch.Tensor | None = None
+    ring_first: torch.Tensor | None = None
 
 
 @dataclass
@@ -321,7 +322,7 @@ class KVMethod(Protocol):
     def step_end_due(self, layer: int, lengths: np.ndarray, prompt_lens: np.ndarray,
                      context_lens: np.ndarray) -> np.ndarray | None: ...
 
-    def decode_ring(self, layer: int) -> Ring | None: ...
+    def decode_ring(self, layer: int, prompt_len: int) -> Ring | None: ...
 
     def replay_chunk(self, seq_id: int, layer: int, num_layers: int, q: torch.Tensor, attn: torch.Tensor,
                      start: int, context_len: int, num_kv_heads: int) -> None: ...
@@ -411,10 +412,11 @@ class MethodBase:
         """Which decoded rows' step_end may give a plan (None: all of them)."""
         return None
 
-    def decode_ring(self, layer: int) -> Ring | None:
-        """Ring(first, capacity, ranked) when layer `layer`'s decode-time keep is exactly `first a + last b`
-        at every step, or `top(score, a) + last b` (`ranked`: the method then moves a slot leaving the recent
-        window into a ranked one, runtime/kv/ring.py `promote`), and its prefill keeps at most a + b: the
+    def decode_ring(self, layer: int, prompt_len: int) -> Ring | None:
+        """Ring(first, capacity, ranked) when layer `layer`'s decode-time keep, for a row whose prefill covered
+        `prompt_len` tokens, is exactly `first a + last b` at every step, or `top(score, a) + last b` (`ranked`:
+        the method then moves a slot leaving the recent window into a ranked one, runtime/kv/ring.py
+        `promote`), and its prefill keeps at most a + b: the
         engine may then write each decode token over the oldest recent one once the layer holds capacity =
         a + b + 1 tokens, and skip its step end (runtime/kv/ring.py). None: no such keep."""
         return None

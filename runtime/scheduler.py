@@ -56,7 +56,7 @@ import numpy as np
 
 from kvc.runtime.errors import ConfigError, OutOfKVMemory, PromptTooLongError
 from kvc.runtime.kv.page_pool import PagePool
-from kvc.runtime.kv.ring import RingRules
+from kvc.runtime.kv.ring import Rings
 from kvc.runtime.kv.room import Room
 from kvc.runtime.kv.rows import RowPool
 from kvc.runtime.kv.spec import flushed
@@ -147,8 +147,8 @@ class LaneRules:
     registers: bool = True
     hit_margin: int = 0
     salt: bytes | None = None  # its pages' prefix-cache salt (runtime/kv/page_pool.py); None: the pool's
-    # its window keep's decode rings per layer (runtime/kv/ring.py `RingRules`); None: its decode steps append
-    rings: RingRules | None = None
+    # its decode-time keep's rings, per prompt length and layer (runtime/kv/ring.py `Rings`); None: none rings
+    rings: Rings | None = None
 
 
 class Scheduler:
@@ -639,9 +639,11 @@ class Scheduler:
                 seq.resid_lens[layer] = resid
             if (rules.rings is not None and (i < batch.num_decodes or samples) and seq.chain is None
                     and (ring is None or not ring.full)):  # a decoding row (or one from its first step on)
-                seq.ring = rules.rings.enter(seq.kv_lens, seq.num_computed_tokens, ring)
-                if seq.ring is not ring:
-                    seq.room = None  # a ringed layer needs no room (`_room`)
+                ringed = ring.rules if ring is not None else rules.rings.of(seq.prefill_end)
+                if ringed is not None:  # its keep's counts at its prompt ring (runtime/kv/ring.py `Rings`)
+                    seq.ring = ringed.enter(seq.kv_lens, seq.num_computed_tokens, ring)
+                    if seq.ring is not ring:
+                        seq.room = None  # a ringed layer needs no room (`_room`)
             if self.prefix_caching and rules.prefix_caching and rules.registers and not seq.compressed:
                 self._register_full_pages(seq, before, rules)
             if samples:

@@ -199,7 +199,8 @@ class SpecGroup:
                                   max_context_len=md.max_context_len,
                                   seq_rows=None if md.rows is None else md.rows[:d],
                                   write_slots=md.slot_mapping[layer, :d],
-                                  ring_leave=None if md.ring_leave is None else md.ring_leave[layer, :d])
+                                  ring_leave=None if md.ring_leave is None else md.ring_leave[layer, :d],
+                                  ring_first=None if md.ring_first is None else md.ring_first[layer, :d])
             read = None
             if view is not None and Hook.DECODE_BEFORE_ATTENTION in hooks:
                 read = method.decode_before_attention(layer, view)  # a ReadPlan, or None: every slot
@@ -267,8 +268,9 @@ class SpecGroup:
                 ranked = leave_slots(kv[:, None], [seq.ring], [start])
                 if ranked is not None:
                     if leave is None:
-                        leave = np.full((len(kv), len(batch.seqs)), -1, dtype=np.int64)
-                    leave[:, i] = ranked[:, 0]
+                        leave = (np.full((len(kv), len(batch.seqs)), -1, dtype=np.int64),
+                                 np.zeros((len(kv), len(batch.seqs)), dtype=np.int64))
+                    leave[0][:, i], leave[1][:, i] = ranked[0][:, 0], ranked[1][:, 0]
             pages = np.take_along_axis(tables_np[:, i, :], phys // page, axis=1)
             slots.append(pages.astype(np.int64) * page + phys % page)
             ctx.append(after.tolist())
@@ -307,7 +309,8 @@ class SpecGroup:
             prompt_lens=to_dev([list(p) for p in zip(*prompts)], torch.int32),
             host_cu_seqlens=cu, host_context_lens=ctx, host_rows=host_rows,
             positions=to_dev(positions, torch.int64),
-            ring_leave=None if leave is None else to_dev(leave),
+            ring_leave=None if leave is None else to_dev(leave[0]),
+            ring_first=None if leave is None else to_dev(leave[1]),
         )
         return StepInputs(to_dev(ids, torch.int64), md.positions, md, sample_rows, sample_seqs)
 

@@ -21,7 +21,7 @@ from kvc.runtime.kv.compaction import CompactionBatch, CompactionJob, batch_of_j
 from kvc.runtime.kv.executor import KVExecutor
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.positions import compact_map
-from kvc.runtime.kv.ring import RingRules
+from kvc.runtime.kv.ring import Rings
 from kvc.runtime.kv.store import KVStore
 from kvc.runtime.kv.tables import TableCache
 from kvc.runtime.method_api import (Hook, KVMethod, LayerCacheView, PrefillView, RewritePlan, StackedPlan, StepView,
@@ -44,7 +44,7 @@ class StepHooks:
         self.text_spans: dict[str, TextSpans] = {}  # the method's text partitions (the engine sets them)
         # its lane's decode rings (runtime/kv/ring.py; the engine sets them): an unchained decode row's
         # window keep is where its next token is written, not a step-end plan
-        self.rings: RingRules | None = None
+        self.rings: Rings | None = None
         self.layer_class = tuple(layer_class) if layer_class is not None else (0,) * num_layers
         store = stores[0]
         # rows by id in every store that has them (`PagedAttention.copy_rows`; default: the store's)
@@ -231,8 +231,8 @@ class StepHooks:
         plans sharing a tensor (`StackedPlan`) move as one."""
         method, page = self.method, self.page_size
         decoded = batch.seqs[: batch.num_decodes]
-        if self.rings is not None:  # an unchained row's window keep rings (runtime/kv/ring.py): no plan
-            decoded = [seq for seq in decoded if seq.chain is not None]
+        if self.rings is not None:  # a ringed row evicts by where it writes (runtime/kv/ring.py): no plan
+            decoded = [seq for seq in decoded if seq.ring is None]
             if not decoded:
                 return
         batched = method.step_end_batch

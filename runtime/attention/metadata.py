@@ -82,9 +82,11 @@ class AttentionMetadata:
     # stores per slot (runtime/kv/slot_order.py); None: the step stores none
     positions: torch.Tensor | None = None
     host_context_lens: list[list[int]] | None = None
-    # [L, B] int64: the slot each decode row's ranked ring hands to the method's ranking after the step
-    # (runtime/kv/ring.py `leave_slots`; -1: none); None: no row has a ranked ring
+    # [L, B] int64: the slot each decode row's ranked ring hands to the method's ranking after the step, and
+    # the ranked slots [0, first) it competes with (runtime/kv/ring.py `leave_slots`; -1 and 0: none); None: no
+    # row has a ranked ring
     ring_leave: torch.Tensor | None = None
+    ring_first: torch.Tensor | None = None
     host_rows: list[int] | None = None
 
     @property

@@ -20,7 +20,7 @@ from kvc.runtime.compiled.folder import GeneratedCode
 from kvc.runtime.compiled.state import Key, SequenceStates, gather_state
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv import state_planes
-from kvc.runtime.kv.ring import Ring, promote
+from kvc.runtime.kv.ring import promote
 from kvc.runtime.kv.state_planes import BatchSlots
 from kvc.runtime.method_api import DecodeView, Hook, KeepPlan, LayerCacheView
 
@@ -150,11 +150,11 @@ class DecodeHooks:
             state_planes.write(planes[name], cache.page_ids, value)
         self.seqs.in_pages.add(key)
 
-    def after_attention(self, layer: int, view: DecodeView, ring: Ring | None = None) -> None:
-        """The hook over the step's decode rows; `ring` the layer's decode ring (a ranked one hands its leaving
-        slots to the ranking, runtime/kv/ring.py `promote`)."""
+    def after_attention(self, layer: int, view: DecodeView) -> None:
+        """The hook over the step's decode rows (a ranked ring's rows hand their leaving slots to the ranking,
+        `view.ring_leave`: runtime/kv/ring.py `promote`)."""
         if self.facts.paged:
-            self._after_paged(layer, view, ring)
+            self._after_paged(layer, view)
             return
         if view.rows is None:
             raise RuntimeError(f"method {self.name!r} needs eager decode steps (decode_graphs is False)")
@@ -177,7 +177,7 @@ class DecodeHooks:
             else:
                 decode[key] = after_fn(inputs, state, sym, self.params)
 
-    def _after_paged(self, layer: int, view: DecodeView, ring: Ring | None) -> None:
+    def _after_paged(self, layer: int, view: DecodeView) -> None:
         """The generated hook once over the batch, its rows' keys side by side (docs/design.md,
         "State planes and CUDA graphs"). Tensors of static shape only, no host reads: CUDA-graph
         capturable."""
@@ -211,11 +211,11 @@ class DecodeHooks:
             state = self.facts.after_fn(inputs, state, sym, self.params)
         for name in self.states:
             slots.scatter(planes[name], _unflatten(state[name], batch, width))
-        if ring is not None and ring.ranked and view.ring_leave is not None:
-            ranked = _unflatten(scores, batch, width) if self.facts.scores_plane is not None else None
-            if ranked is None:
+        if view.ring_leave is not None:  # a ranked ring's rows (runtime/kv/ring.py)
+            if self.facts.scores_plane is None:
                 raise RuntimeError(f"method {self.name!r}: a ranked decode ring needs the decode keep's scores")
-            promote(view.store, view.block_tables, ranked, view.ring_leave, ring.first)
+            promote(view.store, view.block_tables, _unflatten(scores, batch, width), view.ring_leave,
+                    view.ring_first)
 
 
 def decode_sym(layer: int, layers: int, length: int, context_len: int, prompt_len: int, heads: int | None,

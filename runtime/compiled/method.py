@@ -99,7 +99,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         if self._role_keep(facts.keep_hook or ""):
             self._group_mode = None  # per-head counts follow each row's starts: one plan per row
         self._count_memo: dict[tuple, int] = {}
-        self._rings = None  # decode_ring's answers (runtime/compiled/step_end.py), at one eviction interval
+        self._rings = {}  # decode_ring's answers (runtime/compiled/step_end.py), per eviction interval and prompt
         self.hooks = self._hooks()
         # a method that never keeps (`full`, or one that only reads) stores every token: prefix caching stays on
         self.compacts = any(facts.get("keeps") for facts in code.facts.values())
@@ -279,7 +279,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
                                                                      self.fused_devices)
 
     def decode_after_attention(self, layer: int, view: DecodeView, out: torch.Tensor) -> None:
-        self.decoder.after_attention(layer, view, self.decode_ring(layer))
+        self.decoder.after_attention(layer, view)
 
     # ---- cluster indices (cluster_index.py): written outside the decode step ----------------------
     def prefill_end(self, layer: int, view: PrefillView) -> KeepPlan | None:

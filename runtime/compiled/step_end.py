@@ -47,7 +47,7 @@ class StepEnd:
     _select_fn: Callable  # the keep's generated selection (decoding.select)
     _group_mode: str | None  # group_mode(decoding, stateful)
     _count_memo: dict[tuple, int]
-    _rings: tuple[tuple, list] | None  # ((evict_interval, layers), `decode_ring` per layer), found once
+    _rings: dict[tuple, list]  # (evict_interval, layers, prompt) -> `decode_ring` per layer
     kept_tail: Callable[[str, dict, int], int]
     keep_period: Callable[[str], int | None]
     roles: Any  # RoleKeeps or None (a keep `for ROLE`: per-head counts, roles.py)
@@ -112,21 +112,26 @@ class StepEnd:
                         for n, p, c in distinct], dtype=bool)
         return due[inverse.reshape(-1)]
 
-    def decode_ring(self, layer: int) -> Ring | None:
-        """The contract's `decode_ring` (runtime/kv/ring.py): where the decode-time keep at every step is a
-        `first a + last b` (the compiler's `ring` fact "window": no decode hook reads the layer) or a
-        `top(score, a) + last b` of decode_after_attention's paged scores over slots with positions ("ranked"),
-        with no `where`, counts equal per KV head and for every row (a role's keep on a cache layer of one KV
-        head of the role, DuoAttention's streaming heads, is a window), and the prefill keeps at most a + b:
-        (a, a + b + 1, ranked); else None. The engine skips a ringed row's step end, so rings are all or
-        nothing: None for every layer unless each one that evicts rings."""
-        key = (self.evict_interval, self.budget.num_layers)  # both set before the engine asks (`bind`)
-        if self._rings is None or self._rings[0] != key:
-            rings = [self._ring_of(n) for n in range(self.budget.num_layers)]
-            self._rings = (key, rings if all(r is not False for r in rings) else [None] * len(rings))
-        return self._rings[1][layer]
+    def decode_ring(self, layer: int, prompt_len: int) -> Ring | None:
+        """The contract's `decode_ring` (runtime/kv/ring.py) for a row whose prefill covered `prompt_len` tokens:
+        where the decode-time keep at every step is a `first a + last b` (the compiler's `ring` fact "window": no
+        decode hook reads the layer) or a `top(score, a) + last b` of decode_after_attention's paged scores over
+        slots with positions ("ranked"), with no `where`, counts equal per KV head that read nothing of the row
+        but its prompt (a role's keep on a cache layer of one KV head of the role, DuoAttention's streaming heads,
+        is a window), and the prefill keeps at most a + b: (a, a + b + 1, ranked); else None. The engine skips a
+        ringed row's step end, so rings are all or nothing: None for every layer unless each one that evicts
+        rings."""
+        key = (self.evict_interval, self.budget.num_layers, prompt_len)  # both set before the engine asks (`bind`)
+        rings = self._rings.get(key)
+        if rings is None:
+            rings = [self._ring_of(n, prompt_len) for n in range(self.budget.num_layers)]
+            rings = rings if all(r is not False for r in rings) else [None] * len(rings)
+            if len(self._rings) >= MEMO_LIMIT:
+                self._rings.clear()
+            self._rings[key] = rings
+        return rings[layer]
 
-    def _ring_of(self, layer: int) -> Ring | None | bool:
+    def _ring_of(self, layer: int, prompt: int) -> Ring | None | bool:
         """`decode_ring`'s answer for one layer; None where the layer's keep never drops a token at decode (a
         head outside the role), False where it evicts but cannot ring."""
         facts, hook = self.decoding, self.decoding.keep_hook
@@ -142,22 +147,19 @@ class StepEnd:
         if form == "ranked" and not (hook == "decode_after_attention" and facts.scores_plane is not None
                                      and self._ranks_in_place()):
             return False
-        kv_heads, huge = self.budget.num_kv_heads, 1 << 20
+        kv_heads, huge = self.budget.num_kv_heads, max(1 << 20, 16 * prompt)  # more than the keep of a row
         if self._role_keep(hook):  # per-head counts: only a cache layer of one KV head, of the role, rings
             heads = self.roles.heads(hook, layer)
             if not any(heads):
                 return None  # no head of the role: nothing evicted
             kept = self.roles.static_count(hook, layer) if self.kv_head_layers and all(heads) else None
-            last = None if kept is None else self._tail(hook, layer, huge, huge)
-        else:  # counts that read the prompt ring where they come out the same for every prompt (a budget)
-            counts = {(self.decode_kept(huge, p, huge + p, layer, kv_heads), self._tail(hook, layer, huge, p))
-                      for p in (1, huge // 3, huge, 2 * huge)}
-            kept, last = counts.pop() if len(counts) == 1 else (None, None)
-        if kept is None or any(self.budget.kept(n, layer) > kept for n in (huge, huge * 2)):
+        else:  # the count of a layer storing more than it keeps: the keep's, at this prompt
+            kept = self.decode_kept(huge, prompt, huge + prompt, layer, kv_heads)
+        if kept is None or self.budget.kept(prompt, layer) > kept:
             return False  # counts that depend on the row, or a prefill that keeps more than the window
         if kept >= huge:
             return None  # keeps every token
-        return Ring(kept - last, kept + 1, form == "ranked")
+        return Ring(kept - self._tail(hook, layer, huge, prompt), kept + 1, form == "ranked")
 
     def _tail(self, hook: str, layer: int, length: int, prompt: int) -> int:
         sym = decode_sym(layer, self.budget.num_layers, length, length + prompt, prompt, None,

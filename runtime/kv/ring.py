@@ -33,7 +33,7 @@ moves the leaving token into the lowest ranked slot where it scores higher. docs
 from __future__ import annotations
 
 import importlib.util
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -115,15 +115,17 @@ def decode_offsets(kv: np.ndarray, rings: list[RingState | None], positions: lis
     return ring_offsets(kv, rings, positions, leave=False)[:2]
 
 
-def leave_slots(kv: np.ndarray, rings: list[RingState | None], positions: list[int]) -> np.ndarray | None:
-    """[L, n] the slot each decoding row's ranked ring hands to the ranking after the step (`promote`):
-    its oldest recent token's, the one the next token will overwrite, where the layer holds its capacity
-    after the step; -1 elsewhere. None when no row has a ranked ring."""
+def leave_slots(kv: np.ndarray, rings: list[RingState | None], positions: list[int]) -> tuple[np.ndarray,
+                                                                                           np.ndarray] | None:
+    """([L, n] leave, [L, n] first): the slot each decoding row's ranked ring hands to the ranking after the step
+    (`promote`), its oldest recent token's, the one the next token will overwrite, where the layer holds its
+    capacity after the step (-1 elsewhere), and the ranked slots it competes with, [0, first). None when no row
+    has a ranked ring."""
     return ring_offsets(kv, rings, positions)[2]
 
 
-def ring_offsets(kv: np.ndarray, rings: list[RingState | None], positions: list[int],
-                 leave: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def ring_offsets(kv: np.ndarray, rings: list[RingState | None], positions: list[int], leave: bool = True
+                 ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """`decode_offsets` and, `leave`, `leave_slots` at once."""
     phys, ctx = kv.copy(), kv + 1
     out = None
@@ -140,32 +142,67 @@ def ring_offsets(kv: np.ndarray, rings: list[RingState | None], positions: list[
         ctx[:, cols] = np.where(on, kv[:, cols], kv[:, cols] + 1)
         if leave and rules.ranked.any():
             if out is None:
-                out = np.full(kv.shape, NONE, dtype=np.int64)
+                out = (np.full(kv.shape, NONE, dtype=np.int64), np.zeros(kv.shape, dtype=np.int64))
             first, size, cap = rules.first[:, None], rules.size[:, None], rules.capacity[:, None]
             nxt = first + (phys[:, cols] - first + 1) % size  # the slot after this step's in the ring's cycle
-            out[:, cols] = np.where(rules.ranked[:, None] & (ctx[:, cols] == cap), nxt, NONE)
+            handed = rules.ranked[:, None] & (ctx[:, cols] == cap)
+            out[0][:, cols] = np.where(handed, nxt, NONE)
+            out[1][:, cols] = np.where(handed, first, 0)
     return phys, ctx, out
 
 
-def promote(store, block_tables: torch.Tensor, scores: torch.Tensor, leave: torch.Tensor, first: int,
+class Rings:
+    """A lane's decode rings: the `RingRules` of each prompt length (a keep's counts may read the prompt, H2O's
+    fractions of it), memoised; `ranked`, whether a ring may rank (the decode graphs then carry the leaving
+    slots); `capacities`, those that are the same for every prompt (the decode graphs' context rungs)."""
+
+    PROBES = (1 << 14, 1 << 15)  # prompts whose rules tell the lane's facts
+    MEMO = 4096
+
+    def __init__(self, rules_of: Callable[[int], RingRules | None]) -> None:
+        self._rules_of, self._memo = rules_of, {}
+        probes = [self.of(p) for p in self.PROBES]
+        self.ranked = any(r is not None and bool(r.ranked.any()) for r in probes)
+        same = all(r is not None for r in probes) and np.array_equal(probes[0].capacity, probes[1].capacity)
+        self.capacities = sorted({int(c) for c in probes[0].capacity if c > 0}) if same else []
+
+    @classmethod
+    def of_method(cls, decode_ring: Callable[[int, int], Ring | None], num_layers: int) -> Rings | None:
+        """A method's rings (`decode_ring(layer, prompt)`), or None where no probed prompt rings."""
+        rings = cls(lambda prompt: RingRules.of([decode_ring(layer, prompt) for layer in range(num_layers)]))
+        return rings if any(rings.of(p) is not None for p in cls.PROBES) else None
+
+    @classmethod
+    def fixed(cls, rules: RingRules) -> Rings:
+        """The same rules for every prompt (benches, tests)."""
+        return cls(lambda prompt: rules)
+
+    def of(self, prompt: int) -> RingRules | None:
+        rules = self._memo.get(prompt, False)
+        if rules is False:
+            if len(self._memo) >= self.MEMO:
+                self._memo.clear()
+            rules = self._memo[prompt] = self._rules_of(prompt)
+        return rules
+
+
+def promote(store, block_tables: torch.Tensor, scores: torch.Tensor, leave: torch.Tensor, first: torch.Tensor,
             triton: bool | None = None) -> None:
     """A ranked ring's step (`Ring.ranked`): the token in slot `leave[b]` leaves the recent window, and competes
-    with the `first` ranked slots of its KV head for theirs, as the per-step keep `top(score, first) + last b`
+    with the `first[b]` ranked slots of its KV head for theirs, as the per-step keep `top(score, first) + last b`
     would rank them: where its score beats their lowest, every per-token tensor of the spec (K, V, the method's
     state planes, positions) moves from its slot into that one's; its own slot is the next token's either way.
     Ties go to the older token, as the selection's do: the ranked slot dropped among equal lowest scores is the
     one with the newest position, and the leaving token, newer than every ranked one, must beat the lowest.
 
     `scores [B, Hkv, W]` the ranking's scores of each decode row's slots, `leave [B]` (-1: no ring at capacity),
-    `block_tables [B, P]` the layer's tables. Static shapes, no host value: CUDA-graph safe. `triton`: the
-    Triton kernels (runtime/kv/ring_triton.py), or this torch code, the CPU's and their oracle (None: Triton
-    on CUDA)."""
+    `first [B]` (int64), `block_tables [B, P]` the layer's tables. Static shapes, no host value: CUDA-graph safe.
+    `triton`: the Triton kernels (runtime/kv/ring_triton.py), or this torch code, the CPU's and their oracle
+    (None: Triton on CUDA)."""
     spec = store.spec
     if spec.positions is None:
         raise RuntimeError("a ranked decode ring needs the KV spec's slot positions (its ties go to the older token)")
     batch, heads, width = scores.shape
-    if width <= first:
-        return  # no row holds a ring's capacity (a static shape: the graphs' bucket, an eager step's longest row)
     if triton or (triton is None and _triton_runs(scores.device)):  # two launches (runtime/kv/ring_triton.py)
         from kvc.runtime.kv.ring_triton import promote_triton
 
@@ -174,18 +211,19 @@ def promote(store, block_tables: torch.Tensor, scores: torch.Tensor, leave: torc
         return
     page = store.page_size
     tables = block_tables.long()
-    slots = torch.arange(first, device=scores.device)
-    ranked_pages = tables[:, (slots // page).clamp(max=tables.shape[1] - 1)]  # [B, first] (short rows: any page)
-    ranked_pos = store[spec.positions][ranked_pages, :, slots % page].permute(0, 2, 1)  # [B, Hkv, first]
-    ranked = scores[:, :, :first]
-    low = ranked.min(dim=-1, keepdim=True).values
-    dropped = torch.where(ranked == low, ranked_pos, -1).argmax(dim=-1)  # [B, Hkv] the newest of the lowest
+    slots = torch.arange(width, device=scores.device)
+    pages = tables[:, (slots // page).clamp(max=tables.shape[1] - 1)]  # [B, W] (past a short row's table: any page)
+    pos = store[spec.positions][pages, :, slots % page].permute(0, 2, 1)  # [B, Hkv, W]
+    ranked = (slots[None, :] < first[:, None])[:, None, :]  # [B, 1, W]
+    low = torch.where(ranked, scores, float("inf")).min(dim=-1, keepdim=True).values
+    dropped = torch.where(ranked & (scores == low), pos, -1).argmax(dim=-1)  # [B, Hkv] the newest of the lowest
     gone = leave.clamp(min=0)
     leaving = scores.gather(2, gone[:, None, None].expand(batch, heads, 1))[..., 0]
-    wins = (leave >= 0)[:, None] & (leaving > low[..., 0])
+    wins = ((leave >= 0) & (first > 0))[:, None] & (leaving > low[..., 0])
     src_page = tables.gather(1, (gone // page)[:, None]).expand(batch, heads)
     src_off = (gone % page)[:, None].expand(batch, heads)
-    dst_page = torch.where(wins, tables.gather(1, dropped // page), store.scratch_page)
+    dst_page = torch.where(wins, tables.gather(1, (dropped // page).clamp(max=tables.shape[1] - 1)),
+                           store.scratch_page)
     dst_off = dropped % page
     head = torch.arange(heads, device=scores.device)[None, :].expand(batch, heads)
     for t in spec.tensors:

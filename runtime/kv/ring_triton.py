@@ -4,7 +4,7 @@
 token leaving the recent window takes the lowest ranked slot, and moves it there in every TOKEN tensor. In
 torch that is about 34 small launches a layer (index arithmetic, a min, an argmax, a gather and an index_put
 per tensor), inside the decode graph at every step. Here:
-1. `_choose_kernel`, one program per (row, KV head): the lowest score over the ranked slots [0, first), ties
+1. `_choose_kernel`, one program per (row, KV head): the lowest score over the ranked slots [0, first[row]), ties
    to the newest position (the slot the selection would give up), against the leaving slot's score; it writes
    (leaving slot, chosen slot or -1) to a [B, Hkv, 2] buffer;
 2. `_move_kernel`, one program per (row, KV head) and up to `MAX_TENSORS` tensors a launch: where a slot was
@@ -27,14 +27,15 @@ NUM_WARPS = 4
 
 @triton.jit
 def _choose_kernel(scores_ptr, stride_sb, stride_sh, stride_sw, pos_ptr, stride_pp, stride_ph, stride_ps,
-                   tables_ptr, stride_tb, leave_ptr, out_ptr, first,
+                   tables_ptr, stride_tb, leave_ptr, first_ptr, out_ptr,
                    NUM_KV_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     leave = tl.load(leave_ptr + row).to(tl.int64)
+    first = tl.load(first_ptr + row).to(tl.int64)
     out = out_ptr + (row.to(tl.int64) * NUM_KV_HEADS + head) * 2
     chosen = leave * 0 - 1
-    if leave >= 0:
+    if (leave >= 0) & (first > 0):
         scores = scores_ptr + row.to(tl.int64) * stride_sb + head.to(tl.int64) * stride_sh
         table = tables_ptr + row.to(tl.int64) * stride_tb
         best = float("inf")
@@ -92,9 +93,9 @@ def _move_kernel(
 
 
 def promote_triton(tensors: list[torch.Tensor], positions: torch.Tensor, block_tables: torch.Tensor,
-                   scores: torch.Tensor, leave: torch.Tensor, first: int) -> None:
+                   scores: torch.Tensor, leave: torch.Tensor, first: torch.Tensor) -> None:
     """`ring.promote` over the TOKEN tensors `tensors` (positions among them) of one layer's store: `scores
-    [B, Hkv, W]`, `leave [B]`, `block_tables [B, P]` (contiguous rows), `first` ranked slots."""
+    [B, Hkv, W]`, `leave [B]`, `first [B]` ranked slots, `block_tables [B, P]` (contiguous rows)."""
     batch, heads, _ = scores.shape
     if batch == 0:
         return
@@ -104,7 +105,7 @@ def promote_triton(tensors: list[torch.Tensor], positions: torch.Tensor, block_t
     out = torch.empty((batch, heads, 2), dtype=torch.int64, device=scores.device)
     _choose_kernel[(batch, heads)](
         scores, *scores.stride(), positions, *positions.stride()[:3], block_tables, block_tables.stride(0),
-        leave, out, first, NUM_KV_HEADS=heads, PAGE=page, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        leave, first, out, NUM_KV_HEADS=heads, PAGE=page, BLOCK=BLOCK, num_warps=NUM_WARPS)
     rows = [r for r in (_rows(t, heads) for t in tensors) if r[2] > 0]
     for start in range(0, len(rows), MAX_TENSORS):
         group = rows[start : start + MAX_TENSORS]

@@ -43,7 +43,7 @@ def _store(num_pages: int, seed: int) -> KVStore:
 
 @pytest.mark.parametrize("first", [5, 300])  # within one block of the choice, and over two
 def test_triton_promote_equals_torch(first):
-    rows, capacity = 6, first + 4
+    rows, capacity = 6, first + 4  # and a seventh row (below)
     pages_per_row = -(-capacity // PAGE)
     g = torch.Generator().manual_seed(first)
     num_pages = rows * pages_per_row + 3
@@ -53,10 +53,15 @@ def test_triton_promote_equals_torch(first):
     scores[2, 0, first + 1] = scores[2, 0, :first].min()  # the leaving token ties the lowest: it stays out
     scores[3, :, first + 2] = 2.0  # the leaving token wins in both heads
     scores[4, 1, :first] = 3.0  # it wins in head 1 only
-    leave = torch.tensor([first + 3, first, first + 1, first + 2, first, -1])
+    leave = torch.tensor([first + 3, first, first + 1, first + 2, first, -1, first])
+    firsts = torch.tensor([first, first, first, first, first, first, first - 2])  # a row of fewer ranked slots
+    tables = torch.cat([tables, tables[:1]])  # row 6 reads row 0's pages (it moves nothing there: see below)
+    scores = torch.cat([scores, scores[:1]])
+    scores[6, :, first - 2] = -1.0  # past its ranked slots: it must not count as the lowest
+    scores[6, :, first] = -0.5  # its leaving token, lower than every ranked one: no move
     want, got = _store(num_pages, first), _store(num_pages, first)
-    promote(want, tables, scores, leave, first, triton=False)
-    promote(got, tables.to(DEVICE).int(), scores.to(DEVICE), leave.to(DEVICE), first, triton=True)
+    promote(want, tables, scores, leave, firsts, triton=False)
+    promote(got, tables.to(DEVICE).int(), scores.to(DEVICE), leave.to(DEVICE), firsts.to(DEVICE), triton=True)
     before, moved = _store(num_pages, first), 0
     for name in want.tensors:  # the scratch page (the last) is anyone's to write: torch parks its no-ops there
         torch.testing.assert_close(got[name][:num_pages].cpu(), want[name][:num_pages], rtol=0, atol=0)

@@ -62,15 +62,15 @@ def test_the_window_keep_rings_and_others_do_not(model_dir):
     """StreamingLLM's `first sink + last recent` at every step rings at capacity sink + recent + 1; a keep that
     reads scores, an eviction interval or `decode_rings=False` does not."""
     engine = make_engine(model_dir)
-    rules = engine.scheduler.rules.rings
-    assert rules is not None
+    rings = engine.scheduler.rules.rings
+    assert rings is not None and rings.capacities == [SINK + RECENT + 1] and not rings.ranked
+    rules = rings.of(40)
+    assert rules is rings.of(1000) or rules.capacity.tolist() == rings.of(1000).capacity.tolist()
     assert rules.first.tolist() == [SINK] * engine.spec.num_layers
     assert rules.capacity.tolist() == [SINK + RECENT + 1] * engine.spec.num_layers
-    assert engine.method.decode_ring(0) == (SINK, SINK + RECENT + 1, False)
+    assert engine.method.decode_ring(0, 40) == (SINK, SINK + RECENT + 1, False)
     assert make_engine(model_dir, rings=False).scheduler.rules.rings is None
     assert make_engine(model_dir, evict_interval=4).scheduler.rules.rings is None
-    h2o = make_engine(model_dir, method="h2o", params={"heavy": 0.3, "recent": 0.2})  # counts read the prompt
-    assert h2o.method.decode_ring(0) is None and h2o.scheduler.rules.rings is None
     snapkv = make_engine(model_dir, method="snapkv", params={"budget": 16, "window": 4, "every": 1})
     assert snapkv.scheduler.rules.rings is None  # a decode budget ranks step_end's own scores
 
@@ -78,11 +78,14 @@ def test_the_window_keep_rings_and_others_do_not(model_dir):
 @pytest.mark.parametrize(("method", "params", "ring"), [
     ("h2o", {"budget": 12}, (6, 13, True)),  # `top(seen, 6) + last 6`: the prompt's fractions unused
     ("tova", {"budget": 11}, (11, 12, True)),  # `top(attention, 11)`: a ring of one slot
+    ("h2o", {"heavy": 0.3, "recent": 0.2}, (30, 51, True)),  # fractions of a 100-token prompt
 ])
 def test_a_ranked_keep_rings(model_dir, method, params, ring):
     engine = make_engine(model_dir, method=method, params=params)
-    assert engine.method.decode_ring(0) == ring
-    assert engine.scheduler.rules.rings.ranked.all()
+    assert engine.method.decode_ring(0, 100) == ring
+    rings = engine.scheduler.rules.rings
+    assert rings.ranked and rings.of(100).ranked.all()
+    assert rings.capacities == ([] if "heavy" in params else [ring[1]])  # a rung only where every prompt has it
 
 
 def test_tokens_follow_the_per_step_rule(model_dir, hf):
@@ -188,6 +191,16 @@ def _kept_positions(engine, seq) -> list[list[list[int]]]:
 
 @pytest.mark.parametrize("method", sorted(RANKED))
 def test_a_ranked_ring_holds_the_step_ends_tokens_at_every_step(model_dir, method):
+    _holds_the_step_ends_tokens(model_dir, method, RANKED[method])
+
+
+def test_rings_of_counts_that_read_the_prompt(model_dir):
+    """H2O's default fractions of the prompt: each row rings at its own prompt's counts, rows of several rules
+    in one batch (and one a step whose counts, at 9 tokens, keep 2)."""
+    _holds_the_step_ends_tokens(model_dir, "h2o", {"heavy": 0.15, "recent": 0.15}, min_sets=10)
+
+
+def _holds_the_step_ends_tokens(model_dir, method: str, method_params: dict, min_sets: int = 20) -> None:
     """H2O's `top(seen, h) + last r` and TOVA's `top(attention, n)` at every step, ringed: after each step a
     ring's slots, less its leaving slot's token (the next token's slot), are exactly the tokens the step end's
     eviction keeps, per layer and KV head, in a batch of a short, a window-long and two long prompts; the
@@ -195,11 +208,9 @@ def test_a_ranked_ring_holds_the_step_ends_tokens_at_every_step(model_dir, metho
     tokens are equal."""
     prompts = prompts_of([9, 13, 30, 45], seed=9)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    ringed, plain = (make_engine(model_dir, rings=r, method=method, params=RANKED[method]) for r in (True, False))
+    ringed, plain = (make_engine(model_dir, rings=r, method=method, params=method_params) for r in (True, False))
     if method == "h2o":
         ringed, plain = _inverted(ringed), _inverted(plain)
-    ring = ringed.method.decode_ring(0)
-    recent = ring.capacity - ring.first - 1
     pairs = [(ringed.add_request(p, params), plain.add_request(p, params)) for p in prompts]
     compared, ranked_sets = 0, set()
     while ringed.has_unfinished():
@@ -210,14 +221,15 @@ def test_a_ranked_ring_holds_the_step_ends_tokens_at_every_step(model_dir, metho
                 continue
             got = _kept_positions(ringed, a)
             if a.ring is not None and a.ring.on.all():
-                leaving = a.num_computed_tokens - recent - 1
+                first = int(a.ring.rules.first[0])
+                leaving = a.num_computed_tokens - (int(a.ring.rules.capacity[0]) - first - 1) - 1
                 for heads in got:
                     for head in heads:
                         head.remove(leaving)
-                ranked_sets.add((a.seq_id, str([[h[:ring.first] for h in heads] for heads in got])))
+                ranked_sets.add((a.seq_id, str([[h[:first] for h in heads] for heads in got])))
             assert got == _kept_positions(plain, b), (a.seq_id, a.num_generated)
             compared += 1
-    assert compared > 60 and len(ranked_sets) > 20
+    assert compared > 60 and len(ranked_sets) > min_sets
     assert [a.generated_ids for a, _ in pairs] == [b.generated_ids for _, b in pairs]
     assert ringed.pool.num_free == ringed.pool.num_pages
 
@@ -260,7 +272,7 @@ def test_promote_moves_every_token_tensor_and_breaks_ties_to_the_older_token():
                             [0.2, 0.6, 0.4, 0.0, 0.0, 0.2]],   # head 1: leaving ties the lowest
                            [[0.0] * 6, [0.0] * 6]])
     before = {name: t.clone() for name, t in store.tensors.items()}
-    promote(store, tables, scores, torch.tensor([5, -1]), first=3)
+    promote(store, tables, scores, torch.tensor([5, -1]), torch.tensor([3, 3]))
     for name in ("k", "v", "seen", "slot.position"):
         want = before[name].clone()
         want[0, 0, 0] = before[name][1, 0, 1]  # head 0: slot 0 (position 7, the newer of the lowest) replaced
@@ -287,8 +299,8 @@ def test_leave_slots_name_the_next_tokens_slot_at_capacity():
     rules = RingRules.of([Ring(2, 7, True), Ring(2, 7, True), Ring(2, 7, True)])
     kv = np.array([[7], [6], [4]], dtype=np.int64)  # ringing, filling now, still short
     ring = rules.enter([7, 6, 4], 40, None)
-    leave = leave_slots(kv, [ring], [44])
-    assert leave[:, 0].tolist() == [2 + (44 - 40 + 1) % 5, 2, -1]
+    leave, first = leave_slots(kv, [ring], [44])
+    assert leave[:, 0].tolist() == [2 + (44 - 40 + 1) % 5, 2, -1] and first[:, 0].tolist() == [2, 2, 0]
     assert leave_slots(kv, [RingRules.of([(2, 7)] * 3).enter([7, 6, 4], 40, None)], [44]) is None  # a window ring
 
 
@@ -304,7 +316,7 @@ def test_duoattention_streaming_heads_ring_beside_retrieval_heads(tmp_path):
     prompts = prompts_of([9, 23, 37], seed=8)
     want = serve(make_engine(model_dir, rings=False, method="duoattention", params=params), prompts)
     engine = make_engine(model_dir, method="duoattention", params=params)
-    rules = engine.scheduler.rules.rings
+    rules = engine.scheduler.rules.rings.of(23)
     assert rules is not None and 0 < int((rules.capacity >= 0).sum()) < len(rules.capacity)
     got = serve(engine, prompts)
     assert [s.generated_ids for s in got] == [s.generated_ids for s in want]
@@ -329,7 +341,7 @@ def test_a_rings_capacity_is_a_context_rung_of_the_decode_graphs(model_dir):
     from kvc.runtime.decode_graphs import DecodeGraphs
 
     engine = make_engine(model_dir, method="tova", params=RANKED["tova"])
-    capacity = engine.method.decode_ring(0).capacity
+    capacity = engine.method.decode_ring(0, 40).capacity
     graphs = DecodeGraphs(engine.runner, 4)
     assert capacity in graphs.contexts and graphs.contexts == sorted(graphs.contexts)
     assert capacity not in DecodeGraphs(make_engine(model_dir, rings=False, method="tova",
