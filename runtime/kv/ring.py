@@ -18,11 +18,12 @@ recent token). Keys are stored after RoPE, so slot order does not matter to atte
 reads a ringed layer in time order (no step end, no decode hook, no chain); a spec with positions still
 records each slot's.
 
-Who rings (the compiled method's `decode_ring`, the scheduler's `LaneRules.rings`): the step-end keep
-reads no scores, no `where`, constant counts (or a role's, on a cache layer of one KV head of the role:
-DuoAttention's streaming heads, beside retrieval heads that append); the prefill keeps at most a + b;
-interval 1; the method has no decode hooks; the sequence is not chained (a chain's turn end reads its
-layers in time order, through the step-end path).
+Who rings (the compiled method's `decode_ring(layer, prompt)`, the scheduler's `LaneRules.rings`, a `Rings`
+giving each prompt length its `RingRules`): the step-end keep reads no scores, no `where`, counts that read
+nothing of a row but its prompt (or a role's, on a cache layer of one KV head of the role: DuoAttention's
+streaming heads, beside retrieval heads that append); the prefill keeps at most a + b; interval 1; the
+method has no decode hooks; the sequence is not chained (a chain's turn end reads its layers in time order,
+through the step-end path).
 
 Ranked rings (`Ring.ranked`): a keep `top(score, a) + last b` (H2O's with a budget, TOVA's) drops one token
 a step, the lowest scored of the a ranked ones and the one leaving the window. The recent slots ring as
@@ -154,7 +155,8 @@ def ring_offsets(kv: np.ndarray, rings: list[RingState | None], positions: list[
 class Rings:
     """A lane's decode rings: the `RingRules` of each prompt length (a keep's counts may read the prompt, H2O's
     fractions of it), memoised; `ranked`, whether a ring may rank (the decode graphs then carry the leaving
-    slots); `capacities`, those that are the same for every prompt (the decode graphs' context rungs)."""
+    slots); `capacities`, those that are the same for every prompt (the decode graphs' context rungs: a rung
+    is only a bucket, a row of another capacity runs in a wider one)."""
 
     PROBES = (1 << 14, 1 << 15)  # prompts whose rules tell the lane's facts
     MEMO = 4096
