@@ -267,14 +267,16 @@ def rowwise_select(code: HookCode) -> bool:
     return not any(re.search(r"\bkv_heads\b", expr) for expr in exprs)
 
 
-def ring_form(code: HookCode) -> str | None:
+def ring_form(hook: HookIR, code: HookCode) -> str | None:
     """Which decode ring a keep's shape allows (runtime/kv/ring.py, docs/design.md "Decode rings"): "window"
     for `first a + last b` (no ranking: the sinks stay, the newest token replaces the oldest recent one),
     "ranked" for `top(score, h) + last b` ranked per KV head or per layer with no `first` and no `at_least`
     (the slots that leave the recent window compete with the h ranked ones for theirs), None otherwise. The
-    engine decides from the counts' values whether a ring applies."""
+    engine decides from the counts' values whether a ring applies. One keep a hook: a second would select
+    from the first's result."""
     keep = code.keep
-    if keep is None or keep.get("within") or keep["at_least"] != "None":
+    if (keep is None or keep.get("within") or keep["at_least"] != "None"
+            or sum(isinstance(stmt, Keep) for stmt in hook.stmts) != 1):
         return None
     if keep["count"] == "None":
         return "window"
@@ -318,7 +320,7 @@ def describe(method: MethodIR, codes: list[HookCode]) -> dict[str, dict]:
             fact["score_symbols"] = score_symbols(hook)
             # kept counts differ per KV head (a `top(..., across kv_head)`): the layer is stored with per-head starts
             fact["head_counts"] = code.keep["granularity"] in ("head_adaptive", "spans")
-            fact["ring"] = ring_form(code)
+            fact["ring"] = ring_form(hook, code)
         if code.spans:  # the text partitions whose spans it reads: name -> the strings that end a span
             fact["spans"] = {name: list(method.spans[name]) for name in sorted(code.spans)}
         if code.keep is not None and code.keep.get("role"):  # a per-head keep: only the role's heads evict
