@@ -302,6 +302,14 @@ def test_leave_slots_name_the_next_tokens_slot_at_capacity():
     leave, first = leave_slots(kv, [ring], [44])
     assert leave[:, 0].tolist() == [2 + (44 - 40 + 1) % 5, 2, -1] and first[:, 0].tolist() == [2, 2, 0]
     assert leave_slots(kv, [RingRules.of([(2, 7)] * 3).enter([7, 6, 4], 40, None)], [44]) is None  # a window ring
+    # rows of two prompts' rules in one step (the graphs' vectorised path groups rows by rules), and a row without
+    other = RingRules.of([Ring(3, 9, True)] * 3)
+    rows = [ring, other.enter([9, 9, 8], 50, None), None]
+    kv3 = np.array([[7, 9, 5], [6, 9, 5], [4, 8, 5]], dtype=np.int64)
+    leave, first = leave_slots(kv3, rows, [44, 52, 7])
+    assert leave.T.tolist() == [[2 + (44 - 40 + 1) % 5, 2, -1], [3 + (52 - 50 + 1) % 6, 3 + (52 - 50 + 1) % 6, 3],
+                                [-1, -1, -1]]
+    assert first.T.tolist() == [[2, 2, 0], [3, 3, 3], [0, 0, 0]]
 
 
 def test_duoattention_streaming_heads_ring_beside_retrieval_heads(tmp_path):
