@@ -17,6 +17,10 @@ compaction on the Triton path with its launch stubbed out (here, in the bench on
 `cpu` is the engine's CPU path as it is (torch compaction doing the copies, value checks on).
 
     PYTHONPATH=. python bench/step_end_runner_host.py --batch 317 --layers 48 --kv 2048
+    PYTHONPATH=. python bench/step_end_runner_host.py --methods snapkv --batch 280 --layers 48 --kv 2048
+
+`--methods snapkv`: SnapKV's decode budget (`every` 1: every step evicts), its rows' query windows in the store
+and its window scores replaced by random ones of their shape (`flat_scores`: a GPU computes them).
 """
 
 from __future__ import annotations
@@ -40,16 +44,32 @@ from kvc.runtime.methods import resolve_method
 from kvc.runtime.sequence import Sequence
 
 
+DECODE_BUDGET = {"window": 8, "kernel": 5, "every": 1}  # SnapKV's decode budget (`--methods snapkv`): every step
+
+
 def make_method(name: str, layers: int, kv: int, kv_heads: int):
     """(method, prompt length): the method evicts back to `kv` kept tokens at length kv + 1."""
     params = dict(PARAMS.get(name, {}))
     if name == "streamingllm":
         params["recent"] = kv - params["sink"]
-    elif name == "tova":
+    elif name in ("tova", "snapkv"):
         params["budget"] = kv
+    if name == "snapkv":
+        params.update(DECODE_BUDGET)
     method = resolve_method(name, params)
-    method.bind(layers, kv_heads)
+    method.bind(layers, kv_heads, num_heads=kv_heads * GROUP if name == "snapkv" else None)
     return method, kv * 8 if name == "h2o" else kv  # H2O keeps fractions of the prompt
+
+
+GROUP = 1  # query heads a KV head (a decode budget's query windows)
+
+
+def flat_scores(method) -> None:
+    """A decode budget's step_end scores made random, of their shape (bench only): what is left is the host's
+    part and the selection, not the window attention a GPU computes."""
+    facts = method.decoding
+    method.decoding = dataclasses.replace(facts, step_scores=lambda inputs, state, sym, params: torch.rand(
+        sym["kv_heads"], sym["context"]))
 
 
 def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_heads: int = 4,
@@ -70,7 +90,7 @@ def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_
     if not in_place and spec.positions is not None:
         spec = dataclasses.replace(spec, tensors=tuple(t for t in spec.tensors if t.name != spec.positions),
                                    positions=None, in_place=False)
-    store = KVStore(spec, pages, kv_heads, page, layers, device)
+    store = KVStore(spec, pages, kv_heads, page, layers, device, num_rows=batch)  # rows: a decode budget's windows
     if device != "meta":  # K/V random; the state planes random scores with ties
         for tensor in store.tensors.values():
             tensor.copy_(torch.randint(0, 4, tensor.shape, generator=g).float() if tensor.dim() == 3 else
@@ -89,6 +109,7 @@ def make_runner(name: str, batch: int, layers: int, kv: int, page: int = 16, kv_
                        max_model_len=prompt + 64, num_layers=layers)
         seq.num_computed_tokens = prompt + extra
         seq.kv_lens = [kv + extra] * layers
+        seq.row = b if store.num_rows else None
         seqs.append(seq)
     _distinct_tables(seqs, pages, per_seq, layers, g, own_layers)
     if spec.positions is not None and device != "meta":  # slots in time order: slot s holds position s
@@ -121,10 +142,17 @@ def _distinct_tables(seqs, pages: int, per_seq: int, layers: int, g: torch.Gener
 
 
 def stub_launch() -> None:
-    """The Triton launch becomes a no-op (bench only): what is left is the host's packing."""
-    from kvc.runtime.kv import compaction_triton
+    """The Triton launches become no-ops (bench only): what is left is the host's packing (the compaction's
+    and the in-place fill's, runtime/kv/slot_order_triton.py)."""
+    from kvc.runtime.kv import compaction_triton, slot_order_triton
 
     compaction_triton._launch = lambda *args, **kwargs: None
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    slot_order_triton._fill_kernel = NoLaunch()
 
 
 def time_step(runner, batch, repeat: int) -> tuple[float, float, int]:
@@ -179,6 +207,8 @@ def main() -> None:
     for name in args.methods.split(","):
         runner, batch = make_runner(name, args.batch, args.layers, args.kv, head_dim=args.head_dim, device=device,
                                     backend=backend, ragged=args.ragged)
+        if runner.method.decode_window:
+            flat_scores(runner.method)
         seconds, selecting, plans = time_step(runner, batch, args.repeat)
         print(f"{name:>13}: {seconds * 1e3:9.1f} ms per step, of which selection {selecting * 1e3:8.1f} ms, "
               f"host {(seconds - selecting) * 1e3:8.1f} ms   ({plans} plans)")
