@@ -4,13 +4,12 @@ engine checks of its counts and inputs."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from kvc.compiler import cache, codegen
+from kvc.compiler import cache
 from kvc.dsl import METHODS_DIR
 from kvc.runtime.methods import resolve_method
+from tests.compiler.test_key_local import BASE as KEY_LOCAL, facts_of
 
 SHIPPED = {  # method -> its decode-time keep's hook and ring fact
     "streamingllm": ("step_end", "window"),
@@ -21,22 +20,10 @@ SHIPPED = {  # method -> its decode-time keep's hook and ring fact
     "adakv": ("step_end", None),  # counts across KV heads
 }
 
-BASE = """method {name} : eviction
-
-param budget: tokens = 16 in [1, 1048576]
-
-state seen: [kv_head, key] = 0
-
-on prefill_chunk:
-  seen += sum(mean(attn, over group), over query)
-
-on prefill_end:
-  keep top(seen, budget, per kv_head) + last 4
-
-on decode_after_attention:
-  seen += mean(attn, over group)
-{keeps}
-"""
+# test_key_local's method, its decode hook's keep varied
+BASE = KEY_LOCAL.replace("  seen += {update}\n  keep top(seen, budget, per kv_head) + last 4\n",
+                         "  seen += mean(attn, over group)\n{keeps}\n")
+assert "{keeps}" in BASE
 
 VARIANTS = {  # the decode hook's keep -> (ring fact, its ring at a 100-token prompt)
     "ranked": ("  keep top(seen, budget, per kv_head) + last 4", "ranked", (16, 21, True)),
@@ -46,8 +33,6 @@ VARIANTS = {  # the decode hook's keep -> (ring fact, its ring at a 100-token pr
 }
 
 
-def facts_of(path) -> dict:
-    return json.loads(codegen.generate(path)["manifest.json"])["hooks"]
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))

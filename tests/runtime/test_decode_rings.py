@@ -148,8 +148,11 @@ def test_tokens_equal_the_step_end_eviction(model_dir, options):
         assert engine.scheduler.num_preemptions > 0
 
 
-def test_clones_of_a_ringed_row_decode_its_tokens(model_dir):
-    engine = make_engine(model_dir)
+@pytest.mark.parametrize("method", ["streamingllm", "tova"])  # a window ring, and a ranked one (moves in the step)
+def test_clones_of_a_ringed_row_decode_its_tokens(model_dir, method):
+    """Clones of a row whose ring is full share its pages copy-on-write, each with its own ring state: every clone
+    decodes the source's tokens, and every page returns to the pool."""
+    engine = make_engine(model_dir, method=method, params=RANKED.get(method))
     source = engine.add_request(prompts_of([33], seed=6)[0], SamplingParams(max_tokens=STEPS, temperature=0,
                                                                              ignore_eos=True))
     while source.num_generated < 10:
@@ -387,18 +390,3 @@ def test_a_ranked_ring_through_the_decode_graphs_step(model_dir, method, monkeyp
             steps += a.ring is not None and bool(a.ring.on.all())
     assert steps > 5 and a.generated_ids == b.generated_ids
 
-
-def test_clones_of_a_ranked_ring_decode_its_tokens(model_dir):
-    """Clones of a TOVA row whose ring is full share its pages copy-on-write, each with its own ring state: every
-    clone decodes the source's tokens, and every page returns to the pool."""
-    engine = make_engine(model_dir, method="tova", params=RANKED["tova"])
-    source = engine.add_request(prompts_of([33], seed=13)[0], SamplingParams(max_tokens=STEPS, temperature=0,
-                                                                              ignore_eos=True))
-    while source.num_generated < 10:
-        engine.step()
-    assert source.ring is not None and source.ring.full
-    clones = engine.clone_sequence(source, 2)
-    while engine.has_unfinished():
-        engine.step()
-    assert all(c.generated_ids == source.generated_ids for c in clones)
-    assert engine.pool.num_free == engine.pool.num_pages
