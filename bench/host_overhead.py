@@ -16,7 +16,7 @@ keep's steady state, StreamingLLM's at every step: one token in, one out), as th
 `--ring A`: the keep `first A + last (kv + 1 - A)` rings instead (runtime/kv/ring.py): each layer's capacity
 is kv + 2, reached at the first decode step; then no step end and no length change. `--ranked`: the ring's
 first A slots are ranked (H2O's `top(seen, A) + last (kv + 1 - A)`, TOVA's with A = kv + 1): the graph inputs
-also name each row's leaving slot (`leave_slots`).
+also name each row's leaving slot (`ring_offsets`).
 """
 
 from __future__ import annotations

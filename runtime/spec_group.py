@@ -26,7 +26,7 @@ from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv.executor import KVExecutor
 from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.kv.page_pool import PagePool
-from kvc.runtime.kv.ring import leave_slots
+from kvc.runtime.kv.ring import ring_offsets
 from kvc.runtime.kv.tables import TableCache
 from kvc.runtime.method_api import DecodeRow, DecodeView, Hook
 from kvc.runtime.models.base import CausalLM, LatentQueries
@@ -251,7 +251,7 @@ class SpecGroup:
         sample_rows: list[int] = []
         sample_seqs: list[int] = []
         tables_np = self.tables.pack_numpy(batch.seqs, max(len(t) for s in batch.seqs for t in s.page_tables))
-        leave = None  # [L, B] the slots ranked rings hand to the ranking (runtime/kv/ring.py `leave_slots`)
+        leave = None  # ([L, B] leaving slots, [L, B] ranked counts) of ranked rings (runtime/kv/ring.py `ring_offsets`)
         starts_np = self.tables.pack_starts(batch.seqs)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
@@ -262,10 +262,8 @@ class SpecGroup:
             phys = kv[:, None] + np.arange(n, dtype=np.int64)[None, :]  # [L, n] physical offsets
             after = kv + n
             if seq.ring is not None and i < batch.num_decodes:  # a decode row's ringed layers (runtime/kv/ring.py)
-                on = seq.ring.on
-                phys[on, 0] = seq.ring.slots(start)[on]
-                after = np.where(on, kv, after)
-                ranked = leave_slots(kv[:, None], [seq.ring], [start])
+                phys, after, ranked = ring_offsets(kv[:, None], [seq.ring], [start])
+                after = after[:, 0]
                 if ranked is not None:
                     if leave is None:
                         leave = (np.full((len(kv), len(batch.seqs)), -1, dtype=np.int64),

@@ -83,7 +83,7 @@ class AttentionMetadata:
     positions: torch.Tensor | None = None
     host_context_lens: list[list[int]] | None = None
     # [L, B] int64: the slot each decode row's ranked ring hands to the method's ranking after the step, and
-    # the ranked slots [0, first) it competes with (runtime/kv/ring.py `leave_slots`; -1 and 0: none); None: no
+    # the ranked slots [0, first) it competes with (runtime/kv/ring.py `ring_offsets`; -1 and 0: none); None: no
     # row has a ranked ring
     ring_leave: torch.Tensor | None = None
     ring_first: torch.Tensor | None = None

@@ -191,11 +191,12 @@ class DecodeHooks:
         slots = BatchSlots.of(view.block_tables, view.context_lens, width, some.shape[2], some.shape[0] - 1)
         # the state covers the slots stored before this step; the step's own starts at 0 (`_grow`): the slot it
         # was written to, the last one or, in a decode ring, the one it replaced
-        inside = torch.arange(width, device=attn.device)[None, :] < view.context_lens.long()[:, None]
+        slot = torch.arange(width, device=attn.device)[None, :]
         if view.write_slots is None:
-            before = torch.arange(width, device=attn.device)[None, :] < (view.context_lens.long() - 1)[:, None]
+            before = slot < (view.context_lens.long() - 1)[:, None]
         else:
-            before = inside & (slots.flat(some.shape[2]) != view.write_slots.long()[:, None])
+            before = (slot < view.context_lens.long()[:, None]) & (slots.flat(some.shape[2])
+                                                                   != view.write_slots.long()[:, None])
         state = {}
         for name in self.states:
             value = torch.where(before[:, None, :], slots.gather(planes[name]), 0.0)

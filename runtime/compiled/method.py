@@ -100,6 +100,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
             self._group_mode = None  # per-head counts follow each row's starts: one plan per row
         self._count_memo: dict[tuple, int] = {}
         self._rings = {}  # decode_ring's answers (runtime/compiled/step_end.py), per eviction interval and prompt
+        self._positions_recorded = None  # whether the KV spec records slot positions (step_end.py)
         self.hooks = self._hooks()
         # a method that never keeps (`full`, or one that only reads) stores every token: prefix caching stays on
         self.compacts = any(facts.get("keeps") for facts in code.facts.values())

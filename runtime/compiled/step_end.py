@@ -54,6 +54,7 @@ class StepEnd:
     kv_head_layers: bool  # a cache layer per KV head: a role keep's count is its one head's
     _role_keep: Callable[[str], bool]
     kv_spec: Callable  # the method's KV spec (a ranked ring needs its slot positions)
+    _positions_recorded: bool | None  # whether it records them (`_ranks_in_place`, found once)
     _kernel: Callable  # the fused Triton kernel of a hook on a device, or None (runtime/compiled/prefill.py)
 
     # ---- host-side counts ----------------------------------------------------------------------
@@ -66,8 +67,10 @@ class StepEnd:
         role = self._role_keep(facts.keep_hook)
         if role and not self.kv_head_layers:
             raise NotImplementedError(f"method {self.name!r}: per-head counts on shared pages follow each row's starts")
-        step = context_len - prompt_len if facts.keep["where"] else None
-        key = (length, prompt_len, layer, kv_heads, step)
+        reads = facts.keep.get("keep_symbols", ("prompt", "step", "layer"))  # the memo keys on what the counts read
+        step = context_len - prompt_len if facts.keep["where"] or "step" in reads else None
+        key = (length, prompt_len if "prompt" in reads else None, layer if role or "layer" in reads else None,
+               kv_heads, step)
         count = self._count_memo.get(key)
         if count is None:
             sym = decode_sym(layer, self.budget.num_layers, length, context_len, prompt_len, None, kv_heads, None)
@@ -168,7 +171,9 @@ class StepEnd:
 
     def _ranks_in_place(self) -> bool:
         """Does the KV spec record each slot's position (a ranked ring breaks ties to the older token by it)?"""
-        return self.kv_spec(1, 8, torch.float32, 16).positions is not None
+        if self._positions_recorded is None:
+            self._positions_recorded = self.kv_spec(1, 8, torch.float32, 16).positions is not None
+        return self._positions_recorded
 
     def _due(self, length: int, count: int) -> bool:
         """Does a row storing `length` tokens, of which the keep leaves `count`, evict at this step:

@@ -27,7 +27,7 @@ through the step-end path).
 
 Ranked rings (`Ring.ranked`): a keep `top(score, a) + last b` (H2O's with a budget, TOVA's) drops one token
 a step, the lowest scored of the a ranked ones and the one leaving the window. The recent slots ring as
-above; the slot the next token takes (`leave_slots`) is handed to the method's decode hook, whose `promote`
+above; the slot the next token takes (`ring_offsets`) is handed to the method's decode hook, whose `promote`
 moves the leaving token into the lowest ranked slot where it scores higher. docs/design.md, "Decode rings".
 """
 
@@ -77,7 +77,7 @@ class RingRules:
     def enter(self, kv_lens: list[int], position: int, ring: RingState | None) -> RingState:
         """The ring state of a decoding sequence after a step left `kv_lens` stored and `position` the
         next token's: layers that reached their capacity (in time order) ring from that position on (a
-        state with none on yet where none has: the next step's `leave_slots` need the rules)."""
+        state with none on yet where none has: the next step's leaving slots need the rules)."""
         kv = np.asarray(kv_lens, dtype=np.int64)
         waiting = self.capacity >= 0 if ring is None else (self.capacity >= 0) & (ring.base < 0)
         if (waiting & (kv > self.capacity)).any():  # the prefill keeps at most a + b (`decode_ring`)
@@ -116,18 +116,12 @@ def decode_offsets(kv: np.ndarray, rings: list[RingState | None], positions: lis
     return ring_offsets(kv, rings, positions, leave=False)[:2]
 
 
-def leave_slots(kv: np.ndarray, rings: list[RingState | None], positions: list[int]) -> tuple[np.ndarray,
-                                                                                           np.ndarray] | None:
-    """([L, n] leave, [L, n] first): the slot each decoding row's ranked ring hands to the ranking after the step
-    (`promote`), its oldest recent token's, the one the next token will overwrite, where the layer holds its
-    capacity after the step (-1 elsewhere), and the ranked slots it competes with, [0, first). None when no row
-    has a ranked ring."""
-    return ring_offsets(kv, rings, positions)[2]
-
-
 def ring_offsets(kv: np.ndarray, rings: list[RingState | None], positions: list[int], leave: bool = True
                  ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
-    """`decode_offsets` and, `leave`, `leave_slots` at once."""
+    """`decode_offsets`, and, `leave`, what ranked rings hand to the ranking after the step (`promote`): ([L, n]
+    leave, [L, n] first), the slot the next token will overwrite (its oldest recent token's) where the layer
+    holds its capacity after the step (-1 elsewhere) and the ranked slots it competes with, [0, first); None
+    when no row has a ranked ring."""
     phys, ctx = kv.copy(), kv + 1
     out = None
     groups: dict[int, list[int]] = {}
@@ -170,8 +164,17 @@ class Rings:
 
     @classmethod
     def of_method(cls, decode_ring: Callable[[int, int], Ring | None], num_layers: int) -> Rings | None:
-        """A method's rings (`decode_ring(layer, prompt)`), or None where no probed prompt rings."""
-        rings = cls(lambda prompt: RingRules.of([decode_ring(layer, prompt) for layer in range(num_layers)]))
+        """A method's rings (`decode_ring(layer, prompt)`), or None where no probed prompt rings. Prompts whose
+        layers ring alike share one `RingRules` (a step's offsets are vectorised over the rows of each)."""
+        shared: dict[tuple, RingRules | None] = {}
+
+        def rules_of(prompt: int) -> RingRules | None:
+            layers = tuple(decode_ring(layer, prompt) for layer in range(num_layers))
+            if layers not in shared:
+                shared[layers] = RingRules.of(list(layers))
+            return shared[layers]
+
+        rings = cls(rules_of)
         return rings if any(rings.of(p) is not None for p in cls.PROBES) else None
 
     @classmethod

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvc.runtime.kv.slot_order_triton import MAX_TENSORS, _block_r, _copy_rows, _rows
+from kvc.runtime.kv.slot_order_triton import _copy_rows, _rows, tensor_launches
 
 BLOCK = 256  # ranked slots per block of the choice
 NUM_WARPS = 4
@@ -107,13 +107,6 @@ def promote_triton(tensors: list[torch.Tensor], positions: torch.Tensor, block_t
         scores, *scores.stride(), positions, *positions.stride()[:3], block_tables, block_tables.stride(0),
         leave, first, out, NUM_KV_HEADS=heads, PAGE=page, BLOCK=BLOCK, num_warps=NUM_WARPS)
     rows = [r for r in (_rows(t, heads) for t in tensors) if r[2] > 0]
-    for start in range(0, len(rows), MAX_TENSORS):
-        group = rows[start : start + MAX_TENSORS]
-        padded = group + [group[0]] * (MAX_TENSORS - len(group))  # unused slots: never read (NUM_TENSORS)
-        (t0, s0, w0, p0), (t1, s1, w1, p1), (t2, s2, w2, p2), (t3, s3, w3, p3) = padded
-        _move_kernel[(batch, heads)](
-            out, block_tables, block_tables.stride(0), t0, t1, t2, t3, *s0, *s1, *s2, *s3,
-            NUM_KV_HEADS=heads, NUM_TENSORS=len(group), ROW0=w0, ROW1=w1, ROW2=w2, ROW3=w3,
-            PAGE0=p0, PAGE1=p1, PAGE2=p2, PAGE3=p3,
-            BLOCK_R0=_block_r(w0), BLOCK_R1=_block_r(w1), BLOCK_R2=_block_r(w2), BLOCK_R3=_block_r(w3),
-            num_warps=NUM_WARPS)
+    for tensor_args, consts in tensor_launches(rows):
+        _move_kernel[(batch, heads)](out, block_tables, block_tables.stride(0), *tensor_args, NUM_KV_HEADS=heads,
+                                     num_warps=NUM_WARPS, **consts)

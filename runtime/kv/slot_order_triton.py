@@ -148,17 +148,25 @@ def fill_triton(tensors: list[torch.Tensor], keep: torch.Tensor, counts: np.ndar
     flags = torch.empty(num * heads, int(lengths.max()), dtype=torch.int8, device=device)  # cleared by the kernel
     pairs = torch.empty(num * heads, 2 * dropped, dtype=torch.int32, device=device)
     shared = (*keep.stride(), meta.shape[1], flags.shape[1], dropped)
+    for tensor_args, consts in tensor_launches(rows):
+        _fill_kernel[(num, heads)](keep, meta_t, flags, pairs, *tensor_args, *shared, NUM_KV_HEADS=heads,
+                                   BLOCK_S=BLOCK_S, BLOCK_E=BLOCK_E, num_warps=NUM_WARPS, **consts)
+
+
+def tensor_launches(rows: list) -> list[tuple[list, dict]]:
+    """The `_copy_rows` arguments of launches over up to `MAX_TENSORS` tensors each (`_rows` of every TOKEN
+    tensor): (pointers then their (page, head, slot) strides, positional; the NUM_TENSORS, ROWi, PAGEi and
+    BLOCK_Ri constants). Unused slots repeat the first tensor and are never read."""
+    launches = []
     for first in range(0, len(rows), MAX_TENSORS):
         group = rows[first : first + MAX_TENSORS]
-        padded = group + [group[0]] * (MAX_TENSORS - len(group))  # unused slots: never read (NUM_TENSORS)
-        (t0, s0, w0, p0), (t1, s1, w1, p1), (t2, s2, w2, p2), (t3, s3, w3, p3) = padded
-        _fill_kernel[(num, heads)](
-            keep, meta_t, flags, pairs, t0, t1, t2, t3, *s0, *s1, *s2, *s3, *shared,
-            NUM_KV_HEADS=heads, NUM_TENSORS=len(group), ROW0=w0, ROW1=w1, ROW2=w2, ROW3=w3,
-            PAGE0=p0, PAGE1=p1, PAGE2=p2, PAGE3=p3,
-            BLOCK_R0=_block_r(w0), BLOCK_R1=_block_r(w1), BLOCK_R2=_block_r(w2), BLOCK_R3=_block_r(w3),
-            BLOCK_S=BLOCK_S, BLOCK_E=BLOCK_E, num_warps=NUM_WARPS,
-        )
+        padded = group + [group[0]] * (MAX_TENSORS - len(group))
+        args = [t for t, _, _, _ in padded] + [x for _, strides, _, _ in padded for x in strides]
+        consts = {"NUM_TENSORS": len(group)}
+        for i, (_, _, width, page) in enumerate(padded):
+            consts.update({f"ROW{i}": width, f"PAGE{i}": page, f"BLOCK_R{i}": _block_r(width)})
+        launches.append((args, consts))
+    return launches
 
 
 def _rows(tensor: torch.Tensor, heads: int) -> tuple[torch.Tensor, tuple[int, int, int], int, int]:

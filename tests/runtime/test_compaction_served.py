@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import kvc.runtime.model_runner as model_runner
 import kvc.runtime.kv.executor as executor_module
@@ -42,11 +41,6 @@ def model_dir(request, tmp_path_factory) -> Path:
     if request.param == "llama":
         return make_tiny_llama(tmp_path_factory.mktemp("llama"))
     return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3"), num_attention_heads=8, num_key_value_heads=4)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 class Recompacting:

@@ -12,10 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from kvc.runtime.kv import slot_order
-from kvc.runtime.kv.ring import Ring, RingRules, decode_offsets, leave_slots
+from kvc.runtime.kv.ring import Ring, RingRules, decode_offsets, ring_offsets
 from kvc.runtime.llm import LLM
 from kvc.runtime.sampling_params import SamplingParams
 from tests.models.tiny import make_tiny_llama
@@ -29,11 +28,6 @@ STEPS = 24
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("llama"))
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def make_engine(model_dir: Path, rings: bool = True, method: str = "streamingllm", params: dict | None = None,
@@ -302,14 +296,14 @@ def test_leave_slots_name_the_next_tokens_slot_at_capacity():
     rules = RingRules.of([Ring(2, 7, True), Ring(2, 7, True), Ring(2, 7, True)])
     kv = np.array([[7], [6], [4]], dtype=np.int64)  # ringing, filling now, still short
     ring = rules.enter([7, 6, 4], 40, None)
-    leave, first = leave_slots(kv, [ring], [44])
+    leave, first = ring_offsets(kv, [ring], [44])[2]
     assert leave[:, 0].tolist() == [2 + (44 - 40 + 1) % 5, 2, -1] and first[:, 0].tolist() == [2, 2, 0]
-    assert leave_slots(kv, [RingRules.of([(2, 7)] * 3).enter([7, 6, 4], 40, None)], [44]) is None  # a window ring
+    assert ring_offsets(kv, [RingRules.of([(2, 7)] * 3).enter([7, 6, 4], 40, None)], [44])[2] is None  # a window ring
     # rows of two prompts' rules in one step (the graphs' vectorised path groups rows by rules), and a row without
     other = RingRules.of([Ring(3, 9, True)] * 3)
     rows = [ring, other.enter([9, 9, 8], 50, None), None]
     kv3 = np.array([[7, 9, 5], [6, 9, 5], [4, 8, 5]], dtype=np.int64)
-    leave, first = leave_slots(kv3, rows, [44, 52, 7])
+    leave, first = ring_offsets(kv3, rows, [44, 52, 7])[2]
     assert leave.T.tolist() == [[2 + (44 - 40 + 1) % 5, 2, -1], [3 + (52 - 50 + 1) % 6, 3 + (52 - 50 + 1) % 6, 3],
                                 [-1, -1, -1]]
     assert first.T.tolist() == [[2, 2, 0], [3, 3, 3], [0, 0, 0]]

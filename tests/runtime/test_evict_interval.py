@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from kvc.runtime.bench.plan import model_spec, plan_batch
 from kvc.runtime.config import EngineConfig
@@ -41,11 +40,6 @@ CASES = {
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("llama"))
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
