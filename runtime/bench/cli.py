@@ -56,6 +56,8 @@ def add_commands(bench_sub) -> None:
                    "row's): GPU busy fraction, host gap per step, top kernels by GPU time (slow)")
     t.add_argument("--busy-batch", type=int, default=64, help="batch of the --busy windows (default 64; a larger "
                    "value profiles the whole batch)")
+    t.add_argument("--busy-prefill", action="store_true", help="profile the second source's prefill (needs "
+                   "--sources >= 2): GPU time per kernel of one prefill (`prefill_busy`)")
     t.add_argument("--requests", type=int, default=0, help="also run this many requests end to end per method and "
                    "input, prefill included, as `vllm bench throughput` does: output tok/s, requests/s, TTFT")
     t.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per engine (one GPU each); "
@@ -136,8 +138,8 @@ def _throughput(a: argparse.Namespace) -> int:
         decode_rings=not a.no_decode_rings, mla_prefill=a.mla_prefill, prefill_attention=a.prefill_attention,
         method_inputs=a.method_inputs,
         temperature=a.temperature, sources=a.sources, e2e=a.e2e, e2e_batch=a.e2e_batch, busy=a.busy,
-        busy_batch=a.busy_batch, requests=a.requests, mix=a.mix, tensor_parallel_size=a.tensor_parallel_size,
-        expert_parallel=a.expert_parallel, seed=a.seed)
+        busy_batch=a.busy_batch, busy_prefill=a.busy_prefill, requests=a.requests, mix=a.mix,
+        tensor_parallel_size=a.tensor_parallel_size, expert_parallel=a.expert_parallel, seed=a.seed)
     if a.plot:
         from kvc.runtime.bench.plot import _pyplot
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvc.runtime.bench.sources import prefill_sources
 from kvc.runtime.bench.steps import Clock, retire, collect, cut, make_engine, prompt, until, warm_up, window
 from kvc.runtime.sampling_params import SamplingParams
 
@@ -67,6 +68,19 @@ def profile_window(engine, cfg: ThroughputConfig, seqs: list, clock: Clock, phas
     result = profile_busy(lambda: window(engine, seqs, steps, clock), engine.device, steps)
     phases["busy_s"] = time.perf_counter() - t0
     return {"busy": result["busy"], "busy_batch": len(seqs), "busy_profile": result}
+
+
+def profile_prefill(engine, params, input_len: int, seed: int, clock: Clock) -> dict:
+    """One more source request (the second's prompt) prefilled under the profiler: `prefill_busy` (its
+    `busy_profile`, per prefill, not per step), `prefill_profiled_s` (slowed by the profiler) and the
+    sequence (`seq`)."""
+    from kvc.runtime.bench.busy import profile_busy
+
+    seqs: list = []
+    t0 = time.perf_counter()
+    result = profile_busy(lambda: seqs.extend(prefill_sources(engine, params, input_len, 1, seed, clock)),
+                          engine.device, steps=1)
+    return {"prefill_busy": result, "prefill_profiled_s": time.perf_counter() - t0, "seq": seqs[0]}
 
 
 def after_window(engine, cfg: ThroughputConfig, seqs: list, step_ms: float, clock: Clock, phases: dict) -> dict:

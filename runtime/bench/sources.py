@@ -25,11 +25,11 @@ import random
 from kvc.runtime.bench.steps import prompt, until
 
 
-def prefill_sources(engine, params, input_len: int, count: int, seed: int, clock) -> list:
-    """`count` more real requests of `input_len` random tokens, stepped until each has its first
-    token; the list of their sequences."""
+def prefill_sources(engine, params, input_len: int, count: int, seed: int, clock, first: int = 0) -> list:
+    """`count` more real requests of `input_len` random tokens (the `first`th source's prompt on), stepped
+    until each has its first token; the list of their sequences."""
     seqs = [engine.add_request(prompt(engine.spec.vocab_size, input_len, seed + 100 + i), params)
-            for i in range(count)]
+            for i in range(first, first + count)]
     until(engine, lambda: all(s.num_generated >= 1 for s in seqs), clock, limit=count * (input_len + 1))
     return seqs
 

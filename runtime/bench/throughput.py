@@ -19,6 +19,8 @@ stored):
 4. then the batch is cut down (`e2e.after_window`): with `--e2e`, to the e2e batch, timed again
    (`step_ms_at_e2e_batch`); with `--busy`, to `--busy-batch` (64) sequences for a profiled window
    (`busy`, `busy_profile`: busy fraction, host gap per step, GPU time per kernel; `busy.py`);
+   `--busy-prefill` profiles the second source's prefill the same way (`prefill_busy`: where one
+   prefill's GPU time goes, kernel by kernel);
 5. `--e2e`: a second engine prefills `batch` real prompts end to end, then times the same decode
    window (`"mode": "e2e"`, `window_step_ratio` = its step time over the decode window's at the
    same batch), profiled too with `--busy` (`e2e.py`);
@@ -46,7 +48,7 @@ from pathlib import Path
 import torch
 
 from kvc.runtime.bench.bandwidth import copy_gbps
-from kvc.runtime.bench.e2e import after_window, e2e_row, steps_after_prefill
+from kvc.runtime.bench.e2e import after_window, e2e_row, profile_prefill, profiling_supported, steps_after_prefill
 from kvc.runtime.bench.floor import kv_bytes, step_floor
 from kvc.runtime.bench.mixed import cap_batches, mixed_row
 from kvc.runtime.bench.offline import offline_row
@@ -102,6 +104,7 @@ class ThroughputConfig:
     e2e_batch: int | None = None  # None: the planned (largest) batch
     busy: bool = False
     busy_batch: int = 64
+    busy_prefill: bool = False  # profile one source's prefill (`prefill_busy`); needs sources >= 2
     requests: int = 0  # > 0: also run that many requests end to end per case (offline.py)
     mix: bool = False  # also every method together in one batch, at the batch all of them hold (mixed.py)
     tensor_parallel_size: int = 1  # ranks per engine (runtime/distributed/); `kv_memory` is each rank's
@@ -136,6 +139,9 @@ class ThroughputConfig:
                               "again at the e2e batch with --e2e, the profile's with --busy) must stay below the "
                               f"output length ({self.output_len}): sequences must not finish inside the window",
                               param="steps")
+        if self.busy_prefill and self.sources < 2:
+            raise ConfigError("busy_prefill profiles the second source's prefill: give sources >= 2",
+                              param="busy_prefill")
         unknown = set(self.method_params) - set(self.methods)
         if unknown:
             raise ConfigError(f"--method-params names method(s) not in --methods: {', '.join(sorted(unknown))}",
@@ -237,7 +243,11 @@ def _decode_window(engine, cfg: ThroughputConfig, input_len: int, batch: int, cl
     kv_tokens = sum(seq.kv_lens) / len(seq.kv_lens)
     count = min(cfg.sources, batch)
     t0 = time.perf_counter()
-    sources = [seq, *prefill_sources(engine, params, input_len, count - 1, cfg.seed, clock)]
+    sources, profiled = [seq], {}
+    if cfg.busy_prefill and count > 1 and profiling_supported(engine.device):
+        profiled = profile_prefill(engine, params, input_len, cfg.seed, clock)
+        sources.append(profiled.pop("seq"))
+    sources += prefill_sources(engine, params, input_len, count - len(sources), cfg.seed, clock, first=len(sources) - 1)
     phases["sources_s"] = time.perf_counter() - t0
     clock.sync()
     t0 = time.perf_counter()
@@ -253,7 +263,7 @@ def _decode_window(engine, cfg: ThroughputConfig, input_len: int, batch: int, cl
     phases["window_s"] = seconds
     out = {"decode_tok_s": batch * cfg.steps / seconds, "step_ms": 1e3 * seconds / cfg.steps,
            "prefill_s": prefill_s, "ttft_s": ttft_s, "kv_tokens_at_window": kv_tokens, "busy": None,
-           "sources": count, "mixed_layers": mixed}
+           "sources": count, "mixed_layers": mixed, **profiled}
     if copy_gbps is not None:  # the bytes a step must read, over the run's copy bandwidth (floor.py)
         kv = (kv_before + kv_bytes(engine, seqs)) / 2
         out["floor"] = step_floor(engine.runner.model, batch, kv, copy_gbps, out["step_ms"])

@@ -110,6 +110,8 @@ def test_option_parsing():
         ThroughputConfig(methods=["full"], inputs=[100], kv_memory=2**20, method_params={"snapkv": {"budget": 8}})
     with pytest.raises(ConfigError, match="must not finish"):
         ThroughputConfig(methods=["full"], inputs=[100], kv_memory=2**20, output_len=16, steps=16)
+    with pytest.raises(ConfigError, match="sources >= 2"):
+        ThroughputConfig(methods=["full"], inputs=[100], kv_memory=2**20, sources=1, busy_prefill=True)
 
 
 def test_bad_method_is_refused_before_any_measurement(model_dir):
