@@ -46,6 +46,7 @@ from kvc.runtime.errors import (
     PromptTooLongError,
 )
 from kvc.runtime.grammar_book import GrammarBook
+from kvc.runtime.host_ranges import host_range
 from kvc.runtime.kv.layout import CacheLayout
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.rows import RowPool
@@ -723,20 +724,24 @@ class Engine:
         launched, self._launched = self._launched, None
         if launched is not None:
             batch, out = launched
-            ahead = self.scheduler.schedule_ahead(batch)
+            with host_range("kvc.schedule"):
+                ahead = self.scheduler.schedule_ahead(batch)
             if ahead is not None:
                 ahead_out = self.runner.run(ahead, ahead.needs_sample(), out, defer=True)
                 finished += self._commit(batch, out)
-                self.scheduler.advance(ahead, ahead_out.compacted, ahead_out.rewritten)
+                with host_range("kvc.advance"):
+                    self.scheduler.advance(ahead, ahead_out.compacted, ahead_out.rewritten)
                 self._launched = (ahead, ahead_out)
                 return finished
             finished += self._commit(batch, out)  # then this call's step, scheduled the plain way
-        batch = self.scheduler.schedule()
+        with host_range("kvc.schedule"):
+            batch = self.scheduler.schedule()
         if batch is None:
             return finished
         overlap = self._async and self.scheduler.may_run_ahead(batch)
         out = self.runner.run(batch, batch.needs_sample(), defer=overlap)
-        self.scheduler.advance(batch, out.compacted, out.rewritten)
+        with host_range("kvc.advance"):
+            self.scheduler.advance(batch, out.compacted, out.rewritten)
         if overlap:
             self._launched = (batch, out)
             return finished
@@ -745,6 +750,10 @@ class Engine:
     def _commit(self, batch, out) -> list[Sequence]:
         """Appends an advanced step's tokens and logprobs (waiting for them); the sequences that
         finished."""
+        with host_range("kvc.commit"):
+            return self._commit_tokens(batch, out)
+
+    def _commit_tokens(self, batch, out) -> list[Sequence]:
         sampled = out.resolve()
         if self.tp is not None:  # every rank appends the leader's tokens, of the step the leader scheduled
             step = ([(seq.seq_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)], self.pool.num_free)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvc.runtime.grammar_book import GrammarBook
+from kvc.runtime.host_ranges import host_range
 from kvc.runtime.method_api import Hook
 from kvc.runtime.models.base import CausalLM, LatentQueries
 from kvc.runtime.logprobs import LogprobTensors, TokenLogprobs, compute, to_host
@@ -190,26 +191,29 @@ class ModelRunner:
         queued, its tokens unread (`StepOutput.resolve` reads them)."""
         output = StepOutput({})
         parts = self.split(batch)
-        for group, part in parts:
-            group.begin(part)
-        if len(parts) == 1:
-            group, part = parts[0]  # one lane's rows: the batch itself; several lanes': their prefills by lane
-            needs = needs_sample if part is batch else part.needs_sample()
-            logits, seqs = self._forward_group(group, part, needs, after, output)
-        elif all(_graph_step(group, part) for group, part in parts):  # each group's rows through its graphs
-            steps = [self._forward_group(group, part, part.needs_sample(), after, output) for group, part in parts]
-            logits, seqs = torch.cat([x for x, _ in steps]), [seq for _, rows in steps for seq in rows]
-        else:
-            logits, seqs = self._forward_groups(parts, after, output)
+        with host_range("kvc.forward"):
+            for group, part in parts:
+                group.begin(part)
+            if len(parts) == 1:
+                group, part = parts[0]  # one lane's rows: the batch itself; several lanes': their prefills by lane
+                needs = needs_sample if part is batch else part.needs_sample()
+                logits, seqs = self._forward_group(group, part, needs, after, output)
+            elif all(_graph_step(group, part) for group, part in parts):  # each group's rows through its graphs
+                steps = [self._forward_group(group, part, part.needs_sample(), after, output) for group, part in parts]
+                logits, seqs = torch.cat([x for x, _ in steps]), [seq for _, rows in steps for seq in rows]
+            else:
+                logits, seqs = self._forward_groups(parts, after, output)
         for group, part in parts:
             for lane, rows in group.lane_batches(part):
                 if lane.replay is not None and rows.num_prefills:
                     lane.replay.after_prefill(rows, output)
                 if Hook.STEP_END in lane.method.hooks and rows.num_decodes:
-                    lane.hooks.step_end(rows, output)
+                    with host_range("kvc.step_end"):
+                        lane.hooks.step_end(rows, output)
         if not seqs:
             return output
-        self._sample(logits, seqs, output)
+        with host_range("kvc.sample"):
+            self._sample(logits, seqs, output)
         if not defer:
             output.resolve()
         return output

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvc.runtime.host_ranges import host_range
 from kvc.runtime.kv.compaction import CompactionBatch, CompactionJob, batch_of_jobs, stack_keeps
 from kvc.runtime.kv.executor import KVExecutor
 from kvc.runtime.kv.page_pool import PagePool
@@ -272,7 +273,8 @@ class StepHooks:
             views = StepViews(layer, self.store_of(layer), [seq.seq_id for seq in chosen], lengths[index, layer],
                               contexts[index, layer], prompts[index, layer], packed[layer][index],
                               page_counts[index, layer], make, seq_rows[index])
-            plans = batched(layer, views)
+            with host_range("kvc.step_end.select"):
+                plans = batched(layer, views)
             if len(plans) != len(views):
                 raise RuntimeError(f"method {method.name!r}: step_end_batch gave {len(plans)} plans for "
                                    f"{len(views)} sequences")
@@ -297,10 +299,11 @@ class StepHooks:
             kept = plans if every else [plans[i] for i in found]
             logical = [seq.num_computed_tokens + 1 for seq in seqs]
             job_rows = slice(None) if every else np.asarray(rows)
-            jobs = self._plan_batch(layer, kept, seqs, lengths[job_rows, layer], page_counts[job_rows, layer],
-                                    packed[layer] if every else packed[layer, rows])
-            self._compact(layer, jobs, seqs, [n - plan.tail for n, plan in zip(logical, kept)], logical,
-                          output.compacted, in_place=self.store_of(layer).spec.in_place)
+            with host_range("kvc.step_end.compact"):
+                jobs = self._plan_batch(layer, kept, seqs, lengths[job_rows, layer], page_counts[job_rows, layer],
+                                        packed[layer] if every else packed[layer, rows])
+                self._compact(layer, jobs, seqs, [n - plan.tail for n, plan in zip(logical, kept)], logical,
+                              output.compacted, in_place=self.store_of(layer).spec.in_place)
 
     def _spans_of(self, seq) -> Callable[[str], np.ndarray] | None:
         """A step view's `spans`: the span of each logical position of seq up to the step's token, per text

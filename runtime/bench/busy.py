@@ -15,6 +15,11 @@ CUDA activity inside a user range named `WINDOW`, exports the Chrome trace and m
 - `launches_per_step`: the kernels that ran in the window, per step (CUDA-graph replays count each
   kernel of the graph: the GPU's launches, which fusing small steps reduces, not the host's), and
   `copies_per_step`: the device memcpy and memset operations, per step.
+- `host_ranges`: the host time of each of the engine's named ranges ("kvc.schedule", "kvc.forward",
+  "kvc.step_end", "kvc.step_end.select", ...: runtime/host_ranges.py) started in the window, per step;
+  `host_waits`: the CUDA runtime calls in which the host waits for the GPU (stream, event and device
+  synchronisations, blocking copies), their count and time per step: a host range long with waits is
+  the GPU's time, one long without them the host's own.
 - `by_kernel`: every kernel name's GPU time inside the window (clipped to it), largest first, with
   its calls, total and per-step milliseconds and share of the summed kernel time. Names are
   shortened (`short_kernel_name`): C++ namespaces, return type and parameter list dropped, one
@@ -34,6 +39,9 @@ import torch
 
 WINDOW = "kvc_decode_window"
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_RANGE_PREFIX = "kvc."  # the engine's named host ranges (runtime/host_ranges.py)
+# CUDA runtime calls in which the host waits for the device: synchronisations, and blocking copies
+_WAITS = re.compile(r"Synchronize|^cudaMemcpy$|^cudaMemcpy2D$|^cudaMemset$")
 NAME_LIMIT = 120  # characters of a shortened kernel name
 
 _IDENT = re.compile(r"[A-Za-z_]\w*")
@@ -157,7 +165,28 @@ def busy_from_trace(trace: dict, steps: int = 1) -> dict:
             "host_gap_ms_per_step": (length - busy) / 1e3 / steps,
             "launches_per_step": launches / steps, "copies_per_step": (len(inside) - launches) / steps,
             "all_reduce_share": collective / length if length > 0 else 0.0,
-            "by_kernel": kernel_table(gpu_events, window, steps)}
+            "by_kernel": kernel_table(gpu_events, window, steps),
+            "host_ranges": range_table(events, window, steps, lambda e: e.get("cat") == "user_annotation"
+                                       and str(e.get("name", "")).startswith(HOST_RANGE_PREFIX)),
+            "host_waits": range_table(events, window, steps, lambda e: e.get("cat") == "cuda_runtime"
+                                      and bool(_WAITS.search(str(e.get("name", "")))))}
+
+
+def range_table(events: list[dict], window: tuple[float, float], steps: int,
+                chosen: Callable[[dict], bool]) -> list[dict]:
+    """Per name, the host events `chosen` picks that start inside `window`: calls, total and per-step
+    milliseconds; largest first."""
+    lo, hi = window
+    groups: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") != "X" or not lo <= e["ts"] < hi or not chosen(e):
+            continue
+        group = groups.setdefault(str(e["name"]), [0, 0.0])
+        group[0] += 1
+        group[1] += e.get("dur", 0)
+    rows = [{"name": name, "calls": calls, "total_ms": us / 1e3, "ms_per_step": us / 1e3 / steps}
+            for name, (calls, us) in groups.items()]
+    return sorted(rows, key=lambda r: (-r["total_ms"], r["name"]))
 
 
 def profile_busy(run: Callable[[], None], device: torch.device, steps: int = 1) -> dict:

@@ -160,31 +160,40 @@ def format_offline(result: dict) -> str:
 
 
 def format_profiles(result: dict, top: int = 12) -> str:
-    """Per profiled row, a heading with its busy fraction, per-step times and GPU launches per step, and
-    a markdown table of its `top` kernels by GPU time (the rest summed in one line); '' when no row was
-    profiled."""
+    """Per profiled row (a decode window's `busy_profile`, a prefill's `prefill_busy`), a heading with its busy
+    fraction, per-step times and GPU launches per step, a markdown table of its `top` kernels by GPU time (the
+    rest summed in one line), and its host ranges and waits; '' when no row was profiled."""
     blocks = []
     for r in result.get("rows", []):
-        profile = r.get("busy_profile")
-        if not profile:
-            continue
-        steps = profile["steps"]
-        lines = [f"#### {r['method']} @ {r['input_len']} ({r['mode']}, batch {r['busy_batch']}, {steps} profiled "
-                 f"steps): busy {profile['busy']:.3f}, step {profile['window_ms_per_step']:.2f} ms = GPU "
-                 f"{profile['gpu_ms_per_step']:.2f} ms + host gap {profile['host_gap_ms_per_step']:.2f} ms"
-                 + _launches(profile), "", "| kernel | calls | calls/step | total ms | ms/step | share |",
-                 "|---|---|---|---|---|---|"]
-        kernels = profile.get("by_kernel", [])
-        for k in kernels[:top]:
-            lines.append(f"| {_cell(k['name'])} | {k['calls']} | {k['calls'] / steps:.1f} | {k['total_ms']:.2f} | "
-                         f"{k['ms_per_step']:.3f} | {100 * k['share']:.1f}% |")
-        rest = kernels[top:]
-        if rest:
-            calls, total = sum(k["calls"] for k in rest), sum(k["total_ms"] for k in rest)
-            lines.append(f"| ({len(rest)} other kernels) | {calls} | {calls / steps:.1f} | {total:.2f} | "
-                         f"{total / steps:.3f} | {100 * sum(k['share'] for k in rest):.1f}% |")
-        blocks.append("\n".join(lines))
+        for key, what in (("busy_profile", f"{r['mode']}, batch {r.get('busy_batch')}"), ("prefill_busy", "prefill")):
+            profile = r.get(key)
+            if profile:
+                blocks.append(_profile_block(f"{r['method']} @ {r['input_len']} ({what}", profile, top))
     return "\n\n".join(blocks)
+
+
+def _profile_block(heading: str, profile: dict, top: int) -> str:
+    steps = profile["steps"]
+    lines = [f"#### {heading}, {steps} profiled steps): busy {profile['busy']:.3f}, step "
+             f"{profile['window_ms_per_step']:.2f} ms = GPU {profile['gpu_ms_per_step']:.2f} ms + host gap "
+             f"{profile['host_gap_ms_per_step']:.2f} ms" + _launches(profile), "",
+             "| kernel | calls | calls/step | total ms | ms/step | share |", "|---|---|---|---|---|---|"]
+    kernels = profile.get("by_kernel", [])
+    for k in kernels[:top]:
+        lines.append(f"| {_cell(k['name'])} | {k['calls']} | {k['calls'] / steps:.1f} | {k['total_ms']:.2f} | "
+                     f"{k['ms_per_step']:.3f} | {100 * k['share']:.1f}% |")
+    rest = kernels[top:]
+    if rest:
+        calls, total = sum(k["calls"] for k in rest), sum(k["total_ms"] for k in rest)
+        lines.append(f"| ({len(rest)} other kernels) | {calls} | {calls / steps:.1f} | {total:.2f} | "
+                     f"{total / steps:.3f} | {100 * sum(k['share'] for k in rest):.1f}% |")
+    for key, what in (("host_ranges", "host range"), ("host_waits", "host wait (CUDA runtime)")):
+        rows = profile.get(key)
+        if rows:
+            lines += ["", f"| {what} | calls | calls/step | total ms | ms/step |", "|---|---|---|---|---|"]
+            lines += [f"| {_cell(h['name'])} | {h['calls']} | {h['calls'] / steps:.1f} | {h['total_ms']:.2f} | "
+                      f"{h['ms_per_step']:.3f} |" for h in rows[:top]]
+    return "\n".join(lines)
 
 
 def _launches(profile: dict) -> str:

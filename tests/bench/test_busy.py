@@ -138,3 +138,37 @@ def test_profiled_window_is_found_in_the_real_trace():
     assert got["launches_per_step"] == 0 and got["copies_per_step"] == 0
     assert got["by_kernel"] == [] and got["steps"] == 10
     assert got["host_gap_ms_per_step"] == pytest.approx(got["window_ms"] / 10)
+
+
+def test_host_ranges_and_waits_per_step():
+    # 2 steps: the engine's ranges and the CUDA runtime's waits starting inside the window count, by name;
+    # another annotation, a launch (not a wait) and a range starting after the window do not
+    host = lambda cat, name, ts, dur: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    trace = {"traceEvents": [
+        _window(0.0, 1000.0),
+        host("user_annotation", "kvc.forward", 10.0, 200.0), host("user_annotation", "kvc.forward", 510.0, 200.0),
+        host("user_annotation", "kvc.step_end", 220.0, 250.0), host("user_annotation", "other", 5.0, 900.0),
+        host("cuda_runtime", "cudaStreamSynchronize", 300.0, 120.0), host("cuda_runtime", "cudaMemcpy", 430.0, 30.0),
+        host("cuda_runtime", "cudaLaunchKernel", 20.0, 5.0), host("cuda_runtime", "cudaMemcpyAsync", 40.0, 5.0),
+        host("user_annotation", "kvc.forward", 1200.0, 200.0),
+    ]}
+    got = busy_from_trace(trace, steps=2)
+    ranges = {r["name"]: r for r in got["host_ranges"]}
+    assert list(ranges) == ["kvc.forward", "kvc.step_end"]
+    assert (ranges["kvc.forward"]["calls"], ranges["kvc.forward"]["ms_per_step"]) == (2, pytest.approx(0.2))
+    assert ranges["kvc.step_end"]["total_ms"] == pytest.approx(0.25)
+    waits = {r["name"]: r["total_ms"] for r in got["host_waits"]}
+    assert waits == {"cudaStreamSynchronize": pytest.approx(0.12), "cudaMemcpy": pytest.approx(0.03)}
+
+
+def test_engine_steps_name_their_host_ranges_in_a_profile():
+    from kvc import LLM, SamplingParams
+
+    llm = LLM("random:tiny", device="cpu", dtype="float32", method="snapkv",
+              method_params={"budget": 16, "window": 4, "kernel": 3, "every": 2})
+    engine = llm.engine
+    engine.add_request(list(range(3, 60)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    got = profile_busy(lambda: [engine.step() for _ in range(6)], engine.device, steps=6)
+    names = {r["name"] for r in got["host_ranges"]}
+    assert {"kvc.schedule", "kvc.forward", "kvc.sample", "kvc.commit", "kvc.step_end", "kvc.step_end.select",
+            "kvc.step_end.compact"} <= names

@@ -140,3 +140,17 @@ def test_profile_tables_show_the_top_kernels_and_the_rest():
     # a profile saved before launches were counted: the heading without them
     del profile["launches_per_step"], profile["copies_per_step"]
     assert format_profiles(result).splitlines()[0].endswith("host gap 105.00 ms")
+
+
+def test_prefill_profile_and_host_ranges_are_tabled():
+    profile = {"busy": 0.9, "window_ms": 1800.0, "gpu_ms": 1620.0, "kernels": 5000, "steps": 1,
+               "window_ms_per_step": 1800.0, "gpu_ms_per_step": 1620.0, "host_gap_ms_per_step": 180.0,
+               "launches_per_step": 5000.0, "copies_per_step": 2.0, "by_kernel": [_kernel(0)],
+               "host_ranges": [{"name": "kvc.forward", "calls": 4, "total_ms": 1700.0, "ms_per_step": 1700.0}],
+               "host_waits": [{"name": "cudaStreamSynchronize", "calls": 1, "total_ms": 1500.0,
+                               "ms_per_step": 1500.0}]}
+    row = {"method": "full", "input_len": 32768, "mode": "decode_window", "busy": None, "prefill_busy": profile}
+    lines = format_profiles({"rows": [row]}).splitlines()
+    assert lines[0].startswith("#### full @ 32768 (prefill, 1 profiled steps): busy 0.900, step 1800.00 ms")
+    assert "| kvc.forward | 4 | 4.0 | 1700.00 | 1700.000 |" in lines
+    assert lines[-1] == "| cudaStreamSynchronize | 1 | 1.0 | 1500.00 | 1500.000 |"
