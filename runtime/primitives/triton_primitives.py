@@ -5,11 +5,13 @@ state) stay in the generated wrappers (compiler/templates/attention_columns.py.j
 
 `column_votes`: per query head, the causal softmax attention of the last `queries` positions
 summed over those queries, for each of the first `n_keys` keys, without writing the [query, key]
-matrix: a split-K pass for each query's softmax max and normaliser, then a per-head column pass
-that recomputes QK^T tile by tile. Its launch knobs (BLOCK_Q, BLOCK_K, warps) come from this GPU's
-`kvc tune` entry for the (queries, keys, heads, kv_heads, head_dim, dtype) bucket when one was
-measured for this file's version (runtime/tuning/: kernel `scores.column_votes`), else from
-`votes_config`'s heuristic."""
+matrix: a split-K pass for each query's softmax max and normaliser, then a column pass that
+recomputes QK^T tile by tile. Both passes take a KV head's whole query group per program, so each
+key tile is read once per group, not once per query head (a stacked decode batch scores
+rows x kv_heads groups of short windows: the keys are what it reads). Its launch knobs (BLOCK_Q,
+BLOCK_K, warps) come from this GPU's `kvc tune` entry for the (queries, keys, heads, kv_heads,
+head_dim, dtype) bucket when one was measured for this file's version (runtime/tuning/: kernel
+`scores.column_votes`), else from `votes_config`'s heuristic."""
 
 import math
 
@@ -25,20 +27,21 @@ SOURCE_HASH = source_hash(__file__)  # tuned entries recorded for another versio
 
 
 @triton.jit
-def _row_stats(q_ptr, k_ptr, m_ptr, l_ptr, queries, length, group, scale, keys_per_split,
-                                 HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
-    """Partial softmax max and normaliser of each query over one split of its causal keys (queries are the
-    last positions); the splits are merged on the host side of the wrapper."""
-    head = tl.program_id(0)
-    q_offs = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+def _row_stats(q_ptr, k_ptr, m_ptr, l_ptr, queries, length, rows, scale, keys_per_split,
+               HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """Partial softmax max and normaliser of each query over one split of its causal keys. A program takes
+    BLOCK_Q of the `rows` (= group x queries) query rows of one KV head's group (the group's heads' queries,
+    each head's the last positions), so a key tile is read once for all of them; the splits are merged on
+    the host side of the wrapper."""
+    kv_head = tl.program_id(0)
+    r_offs = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     split = tl.program_id(2)
     d_offs = tl.arange(0, BLOCK_D)
-    q_ok = q_offs < queries
-    q_pos = length - queries + q_offs
-    q_tile = tl.load(q_ptr + (head * queries + q_offs[:, None]) * HEAD_DIM + d_offs[None, :],
-                     mask=q_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0)
-    kv_head = head // group
+    r_ok = r_offs < rows
+    q_pos = length - queries + r_offs % queries
+    q_tile = tl.load(q_ptr + (kv_head * rows + r_offs[:, None]) * HEAD_DIM + d_offs[None, :],
+                     mask=r_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0)
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q], tl.float32)
     lo = split * keys_per_split
@@ -56,40 +59,43 @@ def _row_stats(q_ptr, k_ptr, m_ptr, l_ptr, queries, length, group, scale, keys_p
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
         m = m_new
-    stats = (head * tl.num_programs(2) + split) * queries + q_offs
-    tl.store(m_ptr + stats, m, mask=q_ok)
-    tl.store(l_ptr + stats, l, mask=q_ok)
+    stats = (kv_head * tl.num_programs(2) + split) * rows + r_offs
+    tl.store(m_ptr + stats, m, mask=r_ok)
+    tl.store(l_ptr + stats, l, mask=r_ok)
 
 
 @triton.jit
 def _columns(q_ptr, k_ptr, m_ptr, l_ptr, out_ptr, queries, length, n_keys, group, scale,
-                               HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                               BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
-    """One query head's attention probabilities summed over its queries, for a block of keys: QK^T is
-    recomputed tile by tile from the row statistics, so no [query, key] matrix is written."""
-    head = tl.program_id(0)
+             HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+             BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """For a block of one KV head's keys, each query head of its group: the head's attention probabilities
+    summed over its queries. The key tile is read once for the whole group; QK^T is recomputed tile by tile
+    from the row statistics, so no [query, key] matrix is written."""
+    kv_head = tl.program_id(0)
     k_offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     d_offs = tl.arange(0, BLOCK_D)
     k_ok = k_offs < n_keys
-    k_tile = tl.load(k_ptr + ((head // group) * length + k_offs[:, None]) * HEAD_DIM + d_offs[None, :],
+    k_tile = tl.load(k_ptr + (kv_head * length + k_offs[:, None]) * HEAD_DIM + d_offs[None, :],
                      mask=k_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0)
-    votes = tl.zeros([BLOCK_K], tl.float32)
-    for q_start in range(0, queries, BLOCK_Q):
-        q_offs = q_start + tl.arange(0, BLOCK_Q)
-        q_ok = q_offs < queries
-        q_pos = length - queries + q_offs
-        q_tile = tl.load(q_ptr + (head * queries + q_offs[:, None]) * HEAD_DIM + d_offs[None, :],
-                         mask=q_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0)
-        m = tl.load(m_ptr + head * queries + q_offs, mask=q_ok, other=0.0)
-        inv_l = 1.0 / tl.load(l_ptr + head * queries + q_offs, mask=q_ok, other=1.0)
-        if IEEE:
-            s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q_tile, tl.trans(k_tile)) * scale
-        p = tl.exp(s - m[:, None]) * inv_l[:, None]
-        seen = q_ok[:, None] & k_ok[None, :] & (k_offs[None, :] <= q_pos[:, None])
-        votes += tl.sum(tl.where(seen, p, 0.0), axis=0)
-    tl.store(out_ptr + head * n_keys + k_offs, votes, mask=k_ok)
+    for member in range(0, group):
+        head = kv_head * group + member
+        votes = tl.zeros([BLOCK_K], tl.float32)
+        for q_start in range(0, queries, BLOCK_Q):
+            q_offs = q_start + tl.arange(0, BLOCK_Q)
+            q_ok = q_offs < queries
+            q_pos = length - queries + q_offs
+            q_tile = tl.load(q_ptr + (head * queries + q_offs[:, None]) * HEAD_DIM + d_offs[None, :],
+                             mask=q_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0)
+            m = tl.load(m_ptr + head * queries + q_offs, mask=q_ok, other=0.0)
+            inv_l = 1.0 / tl.load(l_ptr + head * queries + q_offs, mask=q_ok, other=1.0)
+            if IEEE:
+                s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q_tile, tl.trans(k_tile)) * scale
+            p = tl.exp(s - m[:, None]) * inv_l[:, None]
+            seen = q_ok[:, None] & k_ok[None, :] & (k_offs[None, :] <= q_pos[:, None])
+            votes += tl.sum(tl.where(seen, p, 0.0), axis=0)
+        tl.store(out_ptr + head * n_keys + k_offs, votes, mask=k_ok)
 
 
 TILE_BYTES = 1 << 17  # the query and key tiles of one step together, at most (shared memory; wide MLA heads)
@@ -109,6 +115,16 @@ def votes_config(queries: int, on_gpu: bool, head_dim: int = 128, element_size: 
         else:
             block_q //= 2
     return {"block_q": block_q, "block_k": block_k, "num_warps": 4}
+
+
+def stats_rows(block_q: int, block_k: int, rows: int, width: int, on_gpu: bool) -> int:
+    """Query rows a program of the statistics pass takes: `block_q`, doubled on a GPU up to 128 (or the
+    group's rows) while the query and key tiles stay within TILE_BYTES, so fewer programs read each key tile."""
+    block = block_q
+    limit = min(128, triton.next_power_of_2(rows))
+    while on_gpu and 2 * block <= limit and (2 * block + block_k) * width <= TILE_BYTES:
+        block *= 2
+    return block
 
 
 def launch_config(queries: int, keys: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -137,20 +153,22 @@ def column_votes(q, k, n_keys, *, block_q=None, block_k=None, num_warps=None):
     block_d = max(16, triton.next_power_of_2(head_dim))
     scale = 1.0 / math.sqrt(head_dim)
     ieee = k.dtype == f32
-    q_blocks = triton.cdiv(queries, block_q)
-    splits = max(1, min(triton.cdiv(length, 4 * block_k), triton.cdiv(512, heads * q_blocks))) if on_gpu else 2
+    rows = group * queries  # a KV head's query rows: its group's heads' queries, contiguous in q
+    block_r = stats_rows(block_q, block_k, rows, block_d * k.element_size(), on_gpu)
+    q_blocks = triton.cdiv(rows, block_r)
+    splits = max(1, min(triton.cdiv(length, 4 * block_k), triton.cdiv(512, kv_heads * q_blocks))) if on_gpu else 2
     keys_per_split = triton.cdiv(triton.cdiv(length, splits), block_k) * block_k
     splits = triton.cdiv(length, keys_per_split)
-    m_part = torch.empty(heads, splits, queries, dtype=f32, device=device)
-    l_part = torch.empty(heads, splits, queries, dtype=f32, device=device)
-    _row_stats[(heads, q_blocks, splits)](
-        q, k, m_part, l_part, queries, length, group, scale, keys_per_split, HEAD_DIM=head_dim, BLOCK_Q=block_q,
+    m_part = torch.empty(kv_heads, splits, rows, dtype=f32, device=device)
+    l_part = torch.empty(kv_heads, splits, rows, dtype=f32, device=device)
+    _row_stats[(kv_heads, q_blocks, splits)](
+        q, k, m_part, l_part, queries, length, rows, scale, keys_per_split, HEAD_DIM=head_dim, BLOCK_Q=block_r,
         BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee, num_warps=num_warps)
-    m = m_part.amax(dim=1)
+    m = m_part.amax(dim=1)  # [kv_heads, rows]: [heads, queries] in memory
     l = (l_part * torch.exp(m_part - m[:, None]).nan_to_num(0.0)).sum(dim=1).contiguous()
     m = m.contiguous()
     votes = torch.empty(heads, n_keys, dtype=f32, device=device)
-    _columns[(heads, triton.cdiv(n_keys, block_k))](
+    _columns[(kv_heads, triton.cdiv(n_keys, block_k))](
         q, k, m, l, votes, queries, length, n_keys, group, scale, HEAD_DIM=head_dim, BLOCK_Q=block_q,
         BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee, num_warps=num_warps)
     return votes
