@@ -493,7 +493,11 @@ def read_rows(plane: torch.Tensor, tables: list[list[int]] | np.ndarray, n: int)
 
 def stacked(kept: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The generated selection's per-row index tensors (equal lengths) as one [rows, kept] int64
-    tensor on `device`: one stack, one move (not one per row)."""
+    tensor on `device`: one stack, one move (not one per row); a selection that kept them stacked
+    (`KeptRows`) gives its tensor."""
+    whole = getattr(kept, "stack", None)
+    if whole is not None and len(whole) == len(kept):
+        return whole.to(device=device, dtype=torch.long)
     return torch.stack(kept).to(device=device, dtype=torch.long)
 
 

@@ -286,6 +286,16 @@ def ranked(scores, excluded):
     return order.gather(-1, torch.sort(out, dim=-1, stable=True).indices)
 
 
+class KeptRows(list):
+    """A selection's kept indices per KV head where every head keeps the same count: the list of rows the
+    contract gives, and the [kv_heads, kept] tensor they are views of (`stack`), so a caller that wants them
+    stacked (a decode batch's rows stacked as heads) takes it as is instead of copying a thousand rows."""
+
+    def __init__(self, stack: torch.Tensor) -> None:
+        super().__init__(stack.unbind(0))
+        self.stack = stack
+
+
 def select(scores, length, kv_heads, *, first, last, count, at_least, granularity, heads=None, starts=None,
            spans=None):
     """Kept key indices per KV head: the ranges, plus the top-ranked other tokens.
@@ -325,7 +335,7 @@ def select(scores, length, kv_heads, *, first, last, count, at_least, granularit
     # the kept positions of each row, ascending: kept ones sort before the others by construction
     position = torch.arange(length, device=device).expand(kv_heads, length)
     order = torch.where(kept, position, position + length).sort(dim=-1).values
-    return list(order[:, : length - candidates + n].unbind(0))
+    return KeptRows(order[:, : length - candidates + n])
 
 
 def head_ranges(length, kv_heads, starts, first, last) -> tuple[list[int], list[int], list[int]]:
