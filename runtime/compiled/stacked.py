@@ -56,10 +56,11 @@ class StackedRows:
             x = query_window.read_rows(self.store.tensors, self.layer, rows)
         else:
             enc = self.store.spec.keys if name == "k" else self.store.spec.values
-            x = enc.view(slot_order.read_rows(self.store.tensors[enc.tensor], self.tables[lo:hi],
-                                              np.full(hi - lo, self.length)))  # [G, Hkv, n, D]
-            if self.order is not None:
-                x = slot_order.in_order(x, self.order[lo:hi])
+            plane = self.store.tensors[enc.tensor]
+            if self.order is not None:  # [G, Hkv, n, D] in time order, one gather
+                x = enc.view(slot_order.read_rows_in_order(plane, self.tables[lo:hi], self.order[lo:hi]))
+            else:
+                x = enc.view(slot_order.read_rows(plane, self.tables[lo:hi], np.full(hi - lo, self.length)))
             x = x.reshape(-1, *x.shape[2:])
         return x.float() if x.device.type == "cpu" else x
 

@@ -58,6 +58,19 @@ def read_rows(plane: torch.Tensor, tables: np.ndarray, lengths: np.ndarray, pad=
     return torch.where(inside, out, torch.full_like(out, pad))
 
 
+def read_rows_in_order(plane: torch.Tensor, tables: np.ndarray, slot_order: torch.Tensor) -> torch.Tensor:
+    """`in_order(read_rows(plane, tables, lengths), slot_order)` for N layers of one length n (`slot_order [N,
+    Hkv, n]`, each layer's slots in logical order) in one gather: [N, Hkv, n, *rest], entry i of head h the
+    slot `slot_order[., h, i]`'s (a stacked decode batch's keys, read once rather than read and reordered)."""
+    page_size, device = plane.shape[2], plane.device
+    n = slot_order.shape[-1]
+    ids = device_ints(np.ascontiguousarray(tables[:, : -(-n // page_size)], dtype=np.int64), device)
+    slots = slot_order.to(device)
+    pages = ids.gather(1, (slots // page_size).flatten(1)).view_as(slots)  # [N, Hkv, n]
+    heads = torch.arange(plane.shape[1], device=device)[None, :, None]
+    return plane[pages, heads, slots % page_size]
+
+
 def order(positions: torch.Tensor) -> torch.Tensor:
     """Physical slots in logical order, [..., n] int64, from their positions [..., n] (PAD last)."""
     return torch.sort(positions, dim=-1, stable=True).indices

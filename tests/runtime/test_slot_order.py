@@ -159,6 +159,17 @@ def test_positions_are_recorded_with_the_tokens():
     assert int((plane[: store.num_pages] != -7).sum()) == 4
 
 
+def test_rows_read_in_order_in_one_gather():
+    """`read_rows_in_order` (a stacked decode batch's keys) equals reading the rows, then reordering them."""
+    g = torch.Generator().manual_seed(3)
+    plane = torch.randn(21, HEADS, PAGE, DIM, generator=g)
+    tables = np.stack([np.random.RandomState(i).permutation(20)[:4] for i in range(3)])
+    length = 14  # a partial last page
+    order = torch.stack([torch.stack([torch.randperm(length, generator=g) for _ in range(HEADS)]) for _ in range(3)])
+    expected = slot_order.in_order(slot_order.read_rows(plane, tables, np.full(3, length)), order)
+    assert torch.equal(slot_order.read_rows_in_order(plane, tables, order), expected)
+
+
 def test_a_keep_in_place_needs_positions_and_equal_counts():
     store = KVStore(dense_spec(DIM, torch.float32), 8, HEADS, PAGE, 1, "cpu")
     batch = _batch(torch.zeros(1, HEADS, 2, dtype=torch.long), [2], [3], np.zeros((1, 1), dtype=np.int64))
