@@ -16,6 +16,7 @@ from kvc.runtime.config import EngineConfig
 from kvc.runtime.sampling_params import SamplingParams
 
 WARMUP_PROMPT_EXTRA = 256  # the warm-up prompt: budget * 2 + this (so methods compact), capped by the input
+WARMUP_DECODE = 64  # warm-up tokens at most, for a method that keeps tokens at decode (until its keep has run)
 
 
 class Clock:
@@ -108,9 +109,23 @@ def cut(engine, seqs: list, keep: int) -> list:
 
 
 def warm_up(engine, cfg, input_len: int) -> None:
-    """One short request end to end (compiles the kernels, so no timing after includes JIT)."""
+    """Two short requests end to end, so no timing after includes JIT or a first call's set-up: they
+    compile the prefill and decode kernels and, where the method keeps tokens at decode (a `step_end`
+    keep, e.g. a decode budget `every` N steps), decode until that keep has run once (a row's stored
+    length drops), or WARMUP_DECODE tokens. Two rows, so no kernel is specialised to a batch of one."""
+    from kvc.runtime.method_api import Hook
+
     n = min(input_len, 2 * cfg.budget + WARMUP_PROMPT_EXTRA)
-    seq = engine.add_request(prompt(engine.spec.vocab_size, n, cfg.seed + 1),
-                             SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    while not seq.is_finished:
+    decode_keep = Hook.STEP_END in engine.method.hooks
+    params = SamplingParams(max_tokens=WARMUP_DECODE if decode_keep else 3, temperature=0.0, ignore_eos=True)
+    seqs = [engine.add_request(prompt(engine.spec.vocab_size, n, cfg.seed + 1 + i), params) for i in range(2)]
+    stored = {}
+    while not all(seq.is_finished for seq in seqs):
         engine.step()
+        dropped = any(seq.num_generated > 1 and sum(seq.kv_lens) < stored.get(seq.seq_id, 0) for seq in seqs)
+        stored = {seq.seq_id: sum(seq.kv_lens) for seq in seqs}
+        if dropped and all(seq.num_generated >= 3 for seq in seqs):
+            break
+    for seq in seqs:
+        if not seq.is_finished:
+            engine.abort(seq.seq_id)

@@ -154,3 +154,23 @@ def test_prefill_profile_and_host_ranges_are_tabled():
     assert lines[0].startswith("#### full @ 32768 (prefill, 1 profiled steps): busy 0.900, step 1800.00 ms")
     assert "| kvc.forward | 4 | 4.0 | 1700.00 | 1700.000 |" in lines
     assert lines[-1] == "| cudaStreamSynchronize | 1 | 1.0 | 1500.00 | 1500.000 |"
+
+
+@pytest.mark.parametrize("every,runs", [(4, True), (0, False)])
+def test_warm_up_runs_a_decode_keep_once(model_dir, monkeypatch, every, runs):
+    """A method that keeps tokens at decode (SnapKV's decode budget) is warmed up through one run of that keep,
+    so its first run's set-up and compiles fall before any timing; one without (every 0) stops after 3 tokens."""
+    from kvc.runtime.bench.steps import make_engine, warm_up
+    from kvc.runtime.compiled.method import CompiledMethod
+    from kvc.runtime.methods import resolve_method
+
+    params = {"budget": 32, "window": 4, "kernel": 3, "every": every}
+    cfg = ThroughputConfig(methods=["snapkv"], inputs=[100], kv_memory=2**22, budget=32, output_len=128, steps=8,
+                           device="cpu", dtype="float32", method_params={"snapkv": params})
+    engine = make_engine(cfg, str(model_dir), resolve_method("snapkv", params), params, 100, 4)
+    plans, batch = [], CompiledMethod.step_end_batch
+    monkeypatch.setattr(CompiledMethod, "step_end_batch",
+                        lambda self, layer, views: plans.extend(p for p in batch(self, layer, views) if p) or
+                        batch(self, layer, views))
+    warm_up(engine, cfg, 100)
+    assert bool(plans) is runs and not engine.has_unfinished()
