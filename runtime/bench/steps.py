@@ -108,6 +108,23 @@ def cut(engine, seqs: list, keep: int) -> list:
     return seqs[:keep]
 
 
+def through_decode_keep(engine, seqs: list, limit: int, clock: Clock) -> int:
+    """Decode steps of `seqs` (each decoding the whole batch, `window`) until a decode-time keep has dropped
+    stored tokens of one of them, at most `limit`; none for a method without a `step_end` keep. The steps run."""
+    from kvc.runtime.method_api import Hook
+
+    if Hook.STEP_END not in engine.method.hooks:
+        return 0
+    for done in range(limit):
+        engine.drain()
+        before = [sum(seq.kv_lens) for seq in seqs]
+        window(engine, seqs, 1, clock)
+        engine.drain()
+        if any(sum(seq.kv_lens) < n for seq, n in zip(seqs, before)):
+            return done + 1
+    return limit
+
+
 def warm_up(engine, cfg, input_len: int) -> None:
     """Two short requests end to end, so no timing after includes JIT or a first call's set-up: they
     compile the prefill and decode kernels and, where the method keeps tokens at decode (a `step_end`

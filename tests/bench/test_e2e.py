@@ -174,3 +174,13 @@ def test_warm_up_runs_a_decode_keep_once(model_dir, monkeypatch, every, runs):
                         batch(self, layer, views))
     warm_up(engine, cfg, 100)
     assert bool(plans) is runs and not engine.has_unfinished()
+
+
+def test_the_window_starts_after_its_batch_ran_the_decode_keep(model_dir):
+    params = {"budget": 32, "window": 4, "kernel": 3, "every": 8}
+    cfg = ThroughputConfig(methods=["full", "snapkv"], inputs=[100], kv_memory=2**22, budget=32, output_len=128,
+                           steps=8, device="cpu", dtype="float32", method_params={"snapkv": params},
+                           model=str(model_dir))
+    rows = {r["method"]: r for r in run(cfg)["rows"]}
+    assert rows["full"]["phases"]["warmup_keep_steps"] == 0
+    assert 1 <= rows["snapkv"]["phases"]["warmup_keep_steps"] <= 8
