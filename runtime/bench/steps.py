@@ -126,23 +126,18 @@ def through_decode_keep(engine, seqs: list, limit: int, clock: Clock) -> int:
 
 
 def warm_up(engine, cfg, input_len: int) -> None:
-    """Two short requests end to end, so no timing after includes JIT or a first call's set-up: they
-    compile the prefill and decode kernels and, where the method keeps tokens at decode (a `step_end`
-    keep, e.g. a decode budget `every` N steps), decode until that keep has run once (a row's stored
-    length drops), or WARMUP_DECODE tokens. Two rows, so no kernel is specialised to a batch of one."""
-    from kvc.runtime.method_api import Hook
-
+    """Two short requests (one where the engine seats one), so no timing after includes JIT or a first call's
+    set-up: they compile the prefill and decode kernels and, where the method keeps tokens at decode (a
+    `step_end` keep, e.g. a decode budget `every` N steps), decode until that keep has run once
+    (`through_decode_keep`, WARMUP_DECODE steps at most). Two rows, so no kernel is specialised to a batch
+    of one."""
     n = min(input_len, 2 * cfg.budget + WARMUP_PROMPT_EXTRA)
-    decode_keep = Hook.STEP_END in engine.method.hooks
-    params = SamplingParams(max_tokens=WARMUP_DECODE if decode_keep else 3, temperature=0.0, ignore_eos=True)
-    seqs = [engine.add_request(prompt(engine.spec.vocab_size, n, cfg.seed + 1 + i), params) for i in range(2)]
-    stored = {}
-    while not all(seq.is_finished for seq in seqs):
-        engine.step()
-        dropped = any(seq.num_generated > 1 and sum(seq.kv_lens) < stored.get(seq.seq_id, 0) for seq in seqs)
-        stored = {seq.seq_id: sum(seq.kv_lens) for seq in seqs}
-        if dropped and all(seq.num_generated >= 3 for seq in seqs):
-            break
+    params = SamplingParams(max_tokens=WARMUP_DECODE + 8, temperature=0.0, ignore_eos=True)
+    rows = min(2, engine.config.max_num_seqs)
+    seqs = [engine.add_request(prompt(engine.spec.vocab_size, n, cfg.seed + 1 + i), params) for i in range(rows)]
+    clock = Clock(engine.device)
+    until(engine, lambda: all(seq.num_generated >= 1 for seq in seqs), clock, limit=rows * (n + 1))
+    window(engine, seqs, 2, clock)
+    through_decode_keep(engine, seqs, WARMUP_DECODE, clock)
     for seq in seqs:
-        if not seq.is_finished:
-            engine.abort(seq.seq_id)
+        engine.abort(seq.seq_id)
