@@ -164,10 +164,13 @@ def keep_plan(kept: list[torch.Tensor], device: torch.device, tail: int = 0) -> 
     """A `KeepPlan` without a device sync: the counts are the tensors' sizes (host facts), and
     per-head counts stay a CPU tensor, so the engine learns the layer's new physical length and
     start slots without reading the device (`KeepPlan.from_heads` would copy them to it)."""
+    whole = getattr(kept, "stack", None)  # every head keeps the same count (`KeptRows`)
+    if whole is not None and getattr(kept, "width", None) in (None, whole.shape[1]):
+        return KeepPlan(whole.to(device=device, dtype=torch.long), tail=tail)
     counts = [int(t.numel()) for t in kept]
     width = getattr(kept, "width", None) or max(counts)
     if len(set(counts)) <= 1 and counts[0] == width:
-        return KeepPlan(torch.stack(kept).to(device=device, dtype=torch.long), tail=tail)
+        return KeepPlan(torch.stack(list(kept)).to(device=device, dtype=torch.long), tail=tail)
     indices = torch.zeros((len(kept), width), dtype=torch.long, device=device)
     for head, t in enumerate(kept):
         indices[head, : counts[head]] = t
