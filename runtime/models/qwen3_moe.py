@@ -3,8 +3,9 @@
 A layer is sparse when it is not in `mlp_only_layers` and (layer_idx + 1) is a multiple of
 `decoder_sparse_step`; other layers keep a dense gated MLP of `intermediate_size`. The router is
 softmax over all experts (float32), then top-k, then optionally renormalized over the k
-(`norm_topk_prob`). There is no shared expert. The experts themselves run in `RoutedExperts`
-(experts.py): the fused Triton kernels on CUDA (moe_triton.py), the torch path elsewhere.
+(`norm_topk_prob`); on CUDA one Triton launch (router_triton.py). There is no shared expert. The
+experts themselves run in `RoutedExperts` (experts.py): the fused Triton kernels on CUDA
+(moe_triton.py), the torch path elsewhere.
 """
 
 from __future__ import annotations
@@ -43,8 +44,14 @@ class SparseMoeBlock(nn.Module):
         self.experts = RoutedExperts(num_experts, config.hidden_size, config.moe_intermediate_size)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_ids [T, k], topk_weights [T, k] float32)."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        """x [T, H] -> (topk_ids [T, k], topk_weights [T, k] float32); on CUDA one launch
+        (router_triton.py), elsewhere torch's softmax and top-k (the oracle)."""
+        logits = self.gate(x)
+        if logits.is_cuda:
+            from kvc.runtime.models import router_triton  # imports triton: only a CUDA forward asks
+
+            return router_triton.softmax_topk(logits, self.top_k, self.norm_topk_prob)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
