@@ -59,6 +59,7 @@ def _softmax_topk_kernel(logits_ptr, ids_ptr, weights_ptr, T, E, stride_l, strid
     for j in tl.static_range(TOP_K):
         best = tl.max(left, axis=1)
         pick = tl.min(tl.where(left == best[:, None], cols[None, :], BLOCK_E), axis=1)  # ties: the lower id
+        pick = tl.minimum(pick, E - 1)  # a NaN logit matches nothing: never an id past the experts
         hit = cols[None, :] == pick[:, None]
         pj = tl.sum(tl.where(hit, p, 0.0), axis=1)
         ids = tl.where(slots[None, :] == j, pick.to(tl.int64)[:, None], ids)
