@@ -126,8 +126,15 @@ class LatentMoE(nn.Module):
         self.shared_experts = GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_ids [T, k], topk_weights [T, k] float32)."""
-        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
+        """x [T, H] -> (topk_ids [T, k], topk_weights [T, k] float32); past the float32 gate, on CUDA one
+        launch (router_triton.py), elsewhere the torch ops below (the oracle)."""
+        logits = F.linear(x.float(), self.gate.weight.float())
+        if logits.is_cuda:
+            from kvc.runtime.models import router_triton  # imports triton: only a CUDA forward asks
+
+            return router_triton.sigmoid_topk(logits, self.score_bias, self.top_k, self.n_group, self.topk_group,
+                                              self.norm_topk_prob, self.scaling)
+        scores = logits.sigmoid()
         choice = scores + self.score_bias.float()
         groups = choice.view(-1, self.n_group, self.num_experts // self.n_group)
         group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)

@@ -1,17 +1,19 @@
-"""A softmax router's top-k in one Triton launch on CUDA (qwen3_moe.py's `SparseMoeBlock.route` calls it there;
-the CPU keeps the torch path, the parity oracle).
+"""Routers' top-k in one Triton launch on CUDA; the models call them there (qwen3_moe.py's
+`SparseMoeBlock.route`, glm4_moe_lite.py's `LatentMoE.route`) and the CPU keeps their torch paths, the parity
+oracles.
 
-The torch path is five launches a layer: the float32 softmax over every expert's logit, top-k's two kernels
-(a gather and a bitonic sort), and with `norm_topk_prob` a sum and a division. At a decode step of a 48-layer
-MoE model that is about 240 launches and 0.9 ms of a 7.7 ms step at batch 16 (docs/benchmarks.md, issue 23's
-launches per decode step). Here one program routes a block of tokens: it loads their logits once, takes the
-softmax in float32, picks the k largest one at a time (ties to the lower expert id, where torch's order is
-unspecified) and renormalises them over the k when asked.
+- `softmax_topk` (Qwen3-MoE): the torch path is five launches a layer, the float32 softmax over every expert's
+  logit, top-k's two kernels (a gather and a bitonic sort), and with `norm_topk_prob` a sum and a division. At a
+  decode step of a 48-layer MoE model that is about 240 launches and 0.9 ms of a 7.7 ms step at batch 16
+  (docs/benchmarks.md, issue 23's launches per decode step).
+- `sigmoid_topk` (GLM-4.7-Flash, DeepSeek-V3's routing): sigmoid scores, a bias added for the choice only,
+  group-limited choice (the best `topk_group` of `n_group` groups by the sum of each group's two best), the
+  weights the chosen scores, renormalised and scaled: about a dozen torch launches a layer.
 
-The arithmetic is torch's: p = exp(x - max) / sum(exp(x - max)) in float32 (CUDA's expf and a correctly
-rounded division, as the torch kernel computes them), then p / sum of the k chosen p. Only the order of the two
-float32 sums differs, so the weights agree to about an ulp and the ids exactly (the k largest p are the k
-largest logits).
+One program routes a block of tokens: it loads their logits once, scores them in float32 (CUDA's expf and
+correctly rounded divisions, as torch's kernels), picks the k best one at a time (ties to the lower expert id,
+where torch's order is unspecified) and writes ids and weights, largest choice first. Only the order of the
+float32 sums differs from torch's, so the weights agree to a few ulps and the ids exactly.
 """
 
 from __future__ import annotations
@@ -96,5 +98,98 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
             logits, ids, weights, tokens, experts, logits.stride(0), ids.stride(0), weights.stride(0),
             TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_T=BLOCK_TOKENS, BLOCK_E=block_e,
             RENORMALIZE=renormalize, LIBDEVICE=not _INTERPRETED, num_warps=4 if block_e <= 256 else 8,
+        )
+    return ids, weights
+
+
+@triton.jit
+def _sigmoid_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, stride_l, stride_i, stride_w, scaling,
+                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                         N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                         GROUP_SIZE: tl.constexpr, RENORMALIZE: tl.constexpr, LIBDEVICE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < T
+    ok = row_ok[:, None] & (cols[None, :] < E)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(logits_ptr + rows64[:, None] * stride_l + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    if LIBDEVICE:
+        scores = tl.div_rn(1.0, 1.0 + libdevice.exp(-x))
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    bias = tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(tl.float32)
+    choice = tl.where(ok, scores + bias[None, :], float("-inf"))
+    if N_GROUP > 1 and TOPK_GROUP < N_GROUP:
+        # each group's score: the sum of its two best choices; the best TOPK_GROUP groups stay, the others' choices
+        # become 0 (torch's masked_fill), so a kept expert below 0 can still lose to them
+        group = cols // GROUP_SIZE
+        group_score = tl.full((BLOCK_T, G_PAD), float("-inf"), dtype=tl.float32)
+        slots = tl.arange(0, G_PAD)
+        for g in tl.static_range(N_GROUP):
+            members = tl.where((group == g)[None, :], choice, float("-inf"))
+            first = tl.max(members, axis=1)
+            at = tl.min(tl.where(members == first[:, None], cols[None, :], BLOCK_E), axis=1)
+            second = tl.max(tl.where(cols[None, :] == at[:, None], float("-inf"), members), axis=1)
+            group_score = tl.where(slots[None, :] == g, (first + second)[:, None], group_score)
+        kept = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.max(group_score, axis=1)
+            g = tl.min(tl.where(group_score == best[:, None], slots[None, :], G_PAD), axis=1)
+            kept = kept | (group[None, :] == g[:, None])
+            group_score = tl.where(slots[None, :] == g[:, None], float("-inf"), group_score)
+        choice = tl.where(ok, tl.where(kept, choice, 0.0), float("-inf"))
+    slots_k = tl.arange(0, K_PAD)
+    ids = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int64)
+    weights = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+    chosen = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=1)
+        pick = tl.min(tl.where(choice == best[:, None], cols[None, :], BLOCK_E), axis=1)  # ties: the lower id
+        pick = tl.minimum(pick, E - 1)  # a NaN logit matches nothing: never an id past the experts
+        hit = cols[None, :] == pick[:, None]
+        wj = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        ids = tl.where(slots_k[None, :] == j, pick.to(tl.int64)[:, None], ids)
+        weights = tl.where(slots_k[None, :] == j, wj[:, None], weights)
+        chosen += wj
+        choice = tl.where(hit, float("-inf"), choice)
+    if RENORMALIZE:
+        if LIBDEVICE:
+            weights = tl.div_rn(weights, (chosen + 1e-20)[:, None])
+        else:
+            weights = weights / (chosen + 1e-20)[:, None]
+    weights = weights * scaling
+    keep = row_ok[:, None] & (slots_k[None, :] < TOP_K)
+    tl.store(ids_ptr + rows64[:, None] * stride_i + slots_k[None, :], ids, mask=keep)
+    tl.store(weights_ptr + rows64[:, None] * stride_w + slots_k[None, :], weights, mask=keep)
+
+
+def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                 renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (float32, as the model computes its router in float32), bias [E] -> (ids [T, k] int64,
+    weights [T, k] float32): the k best of sigmoid(logits) + bias within the `topk_group` best of `n_group`
+    equal groups of experts (each group scored by the sum of its two best), largest first, ties to the lower
+    id; the weights are the chosen sigmoid scores, over their sum (+ 1e-20) when `renormalize`, times `scaling`."""
+    if logits.dim() != 2:
+        raise ValueError(f"router logits must be [tokens, experts], got {tuple(logits.shape)}")
+    tokens, experts = logits.shape
+    if not 0 < top_k <= experts:
+        raise ValueError(f"top_k must be in [1, {experts}] for {experts} experts, got {top_k}")
+    if n_group < 1 or experts % n_group or not 0 < topk_group <= n_group or (n_group > 1 and experts < 2 * n_group):
+        raise ValueError(f"{experts} experts do not split into {n_group} groups of two or more with {topk_group} kept")
+    if bias.shape != (experts,):
+        raise ValueError(f"the score bias must be [{experts}], got {tuple(bias.shape)}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    if tokens:
+        block_e = triton.next_power_of_2(experts)
+        _sigmoid_topk_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
+            logits, bias.contiguous(), ids, weights, tokens, experts, logits.stride(0), ids.stride(0),
+            weights.stride(0), float(scaling), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+            BLOCK_T=BLOCK_TOKENS, BLOCK_E=block_e, N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group),
+            TOPK_GROUP=topk_group,
+            GROUP_SIZE=experts // n_group, RENORMALIZE=renormalize, LIBDEVICE=not _INTERPRETED,
+            num_warps=4 if block_e <= 256 else 8,
         )
     return ids, weights

@@ -60,3 +60,46 @@ def test_bad_shapes_are_refused() -> None:
         router_triton.softmax_topk(torch.zeros(2, 4, 3, device=DEV), 2, True)
     ids, weights = router_triton.softmax_topk(torch.zeros(0, 4, device=DEV), 2, True)
     assert ids.shape == weights.shape == (0, 2)
+
+
+def torch_sigmoid_route(logits, bias, k, n_group, topk_group, renormalize, scaling):
+    """LatentMoE.route's torch path (GLM-4.7-Flash) on given float32 logits (its gate an identity)."""
+    from kvc.runtime.models.glm4_moe_lite import LatentMoE
+
+    block = LatentMoE.__new__(LatentMoE)
+    torch.nn.Module.__init__(block)
+    block.top_k, block.num_experts, block.n_group, block.topk_group = k, logits.shape[1], n_group, topk_group
+    block.norm_topk_prob, block.scaling = renormalize, scaling
+    block.gate = torch.nn.Linear(logits.shape[1], logits.shape[1], bias=False)
+    block.gate.weight.data = torch.eye(logits.shape[1])
+    block.score_bias = torch.nn.Parameter(bias.clone(), requires_grad=False)
+    return block.route(logits.cpu())
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens,experts,k,n_group,topk_group", [
+    (1, 64, 4, 1, 1), (19, 64, 4, 1, 1),  # GLM-4.7-Flash's routing (one group)
+    (19, 64, 6, 8, 3), (11, 48, 4, 6, 2), (5, 16, 16, 4, 4),  # groups (DeepSeek-V3's 8 of 4 kept, here smaller)
+])
+@torch.no_grad()
+def test_sigmoid_topk_equals_torch_route(renormalize, tokens, experts, k, n_group, topk_group) -> None:
+    g = torch.Generator().manual_seed(tokens * 100 + experts + n_group)
+    logits = torch.randn(tokens, experts, generator=g) * 2
+    bias = torch.randn(experts, generator=g) * 0.5 - 0.6  # negative choices too: a dropped group's 0 can win
+    ids, weights = router_triton.sigmoid_topk(logits.to(DEV), bias.to(DEV), k, n_group, topk_group, renormalize, 1.8)
+    want_ids, want_weights = torch_sigmoid_route(logits, bias, k, n_group, topk_group, renormalize, 1.8)
+    # torch's top-k here is unsorted: compare per token as sets, weights matched by id
+    order = want_ids.argsort(dim=-1)
+    want_ids, want_weights = want_ids.gather(1, order), want_weights.gather(1, order)
+    got = ids.cpu().argsort(dim=-1)
+    assert torch.equal(ids.cpu().gather(1, got), want_ids)
+    torch.testing.assert_close(weights.cpu().gather(1, got), want_weights, rtol=5e-7, atol=1e-8)
+    choice = torch.sigmoid(logits) + bias  # largest choice first
+    assert (choice.gather(1, ids.cpu()).diff(dim=-1) <= 0).all() or n_group > 1
+
+
+def test_sigmoid_topk_refuses_groups_that_do_not_split() -> None:
+    with pytest.raises(ValueError, match="groups"):
+        router_triton.sigmoid_topk(torch.zeros(2, 10, device=DEV), torch.zeros(10, device=DEV), 2, 3, 1, True, 1.0)
+    with pytest.raises(ValueError, match="bias"):
+        router_triton.sigmoid_topk(torch.zeros(2, 8, device=DEV), torch.zeros(4, device=DEV), 2, 1, 1, True, 1.0)
