@@ -31,6 +31,58 @@ BLOCK_TOKENS = 8  # tokens a program routes (sm90, 128 experts, 4 warps: 80 regi
 
 
 @triton.jit
+def _exp(x, LIBDEVICE: tl.constexpr):
+    # tl.exp lowers to an approximation on CUDA; torch's kernels call expf (the interpreter has numpy's)
+    if LIBDEVICE:
+        out = libdevice.exp(x)
+    else:
+        out = tl.exp(x)
+    return out
+
+
+@triton.jit
+def _divide(x, by, LIBDEVICE: tl.constexpr):
+    # correctly rounded, as torch's division (`/` lowers to div.full on CUDA)
+    if LIBDEVICE:
+        out = tl.div_rn(x, by)
+    else:
+        out = x / by
+    return out
+
+
+@triton.jit
+def _top_k(choice, values, cols, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+           BLOCK_E: tl.constexpr):
+    """Per row, the TOP_K largest of `choice` [BLOCK_T, BLOCK_E], one at a time (ties to the lower column; a NaN,
+    which matches nothing, never picks a column past E): (their columns [BLOCK_T, K_PAD] int64, `values` at them,
+    the sum of those values)."""
+    slots = tl.arange(0, K_PAD)
+    ids = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int64)
+    picked = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=1)
+        pick = tl.min(tl.where(choice == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        pick = tl.minimum(pick, E - 1)
+        hit = cols[None, :] == pick[:, None]
+        value = tl.sum(tl.where(hit, values, 0.0), axis=1)
+        ids = tl.where(slots[None, :] == j, pick.to(tl.int64)[:, None], ids)
+        picked = tl.where(slots[None, :] == j, value[:, None], picked)
+        total += value
+        choice = tl.where(hit, float("-inf"), choice)
+    return ids, picked, total
+
+
+@triton.jit
+def _store_top_k(ids_ptr, weights_ptr, rows, row_ok, ids, weights, stride_i, stride_w, TOP_K: tl.constexpr,
+                 K_PAD: tl.constexpr):
+    slots = tl.arange(0, K_PAD)
+    keep = row_ok[:, None] & (slots[None, :] < TOP_K)
+    tl.store(ids_ptr + rows[:, None] * stride_i + slots[None, :], ids, mask=keep)
+    tl.store(weights_ptr + rows[:, None] * stride_w + slots[None, :], weights, mask=keep)
+
+
+@triton.jit
 def _softmax_topk_kernel(logits_ptr, ids_ptr, weights_ptr, T, E, stride_l, stride_i, stride_w,
                          TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                          RENORMALIZE: tl.constexpr, LIBDEVICE: tl.constexpr):
@@ -41,48 +93,18 @@ def _softmax_topk_kernel(logits_ptr, ids_ptr, weights_ptr, T, E, stride_l, strid
     rows64 = rows.to(tl.int64)
     x = tl.load(logits_ptr + rows64[:, None] * stride_l + cols[None, :], mask=ok, other=float("-inf"))
     x = tl.where(ok, x.to(tl.float32), float("-inf"))
-    top = tl.max(x, axis=1)
-    top = tl.where(row_ok, top, 0.0)  # a padding row: no -inf - -inf
-    if LIBDEVICE:
-        e = libdevice.exp(x - top[:, None])
-    else:
-        e = tl.exp(x - top[:, None])
-    e = tl.where(ok, e, 0.0)
-    total = tl.where(row_ok, tl.sum(e, axis=1), 1.0)
-    if LIBDEVICE:
-        p = tl.div_rn(e, total[:, None])
-    else:
-        p = e / total[:, None]
-    slots = tl.arange(0, K_PAD)
-    ids = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int64)
-    weights = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
-    chosen = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    left = x
-    for j in tl.static_range(TOP_K):
-        best = tl.max(left, axis=1)
-        pick = tl.min(tl.where(left == best[:, None], cols[None, :], BLOCK_E), axis=1)  # ties: the lower id
-        pick = tl.minimum(pick, E - 1)  # a NaN logit matches nothing: never an id past the experts
-        hit = cols[None, :] == pick[:, None]
-        pj = tl.sum(tl.where(hit, p, 0.0), axis=1)
-        ids = tl.where(slots[None, :] == j, pick.to(tl.int64)[:, None], ids)
-        weights = tl.where(slots[None, :] == j, pj[:, None], weights)
-        chosen += pj
-        left = tl.where(hit, float("-inf"), left)
+    top = tl.where(row_ok, tl.max(x, axis=1), 0.0)  # a padding row: no -inf - -inf
+    e = tl.where(ok, _exp(x - top[:, None], LIBDEVICE), 0.0)
+    p = _divide(e, tl.where(row_ok, tl.sum(e, axis=1), 1.0)[:, None], LIBDEVICE)
+    # the k largest p are the k largest logits: chosen on x, no rounding of p can reorder them
+    ids, weights, chosen = _top_k(x, p, cols, E, TOP_K, K_PAD, BLOCK_T, BLOCK_E)
     if RENORMALIZE:
-        chosen = tl.where(row_ok, chosen, 1.0)
-        if LIBDEVICE:
-            weights = tl.div_rn(weights, chosen[:, None])
-        else:
-            weights = weights / chosen[:, None]
-    keep = row_ok[:, None] & (slots[None, :] < TOP_K)
-    tl.store(ids_ptr + rows64[:, None] * stride_i + slots[None, :], ids, mask=keep)
-    tl.store(weights_ptr + rows64[:, None] * stride_w + slots[None, :], weights, mask=keep)
+        weights = _divide(weights, tl.where(row_ok, chosen, 1.0)[:, None], LIBDEVICE)
+    _store_top_k(ids_ptr, weights_ptr, rows64, row_ok, ids, weights, stride_i, stride_w, TOP_K, K_PAD)
 
 
-def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (any float dtype; rows may be strided, the expert axis contiguous) -> (ids [T, k] int64,
-    weights [T, k] float32): the k largest of softmax(logits) in float32, largest first, ties to the lower
-    expert id; `renormalize`: divided by their sum (a model's `norm_topk_prob`)."""
+def _outputs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits with a contiguous expert axis, ids [T, k] int64, weights [T, k] float32), or a ValueError."""
     if logits.dim() != 2:
         raise ValueError(f"router logits must be [tokens, experts], got {tuple(logits.shape)}")
     tokens, experts = logits.shape
@@ -90,8 +112,16 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
         raise ValueError(f"top_k must be in [1, {experts}] for {experts} experts, got {top_k}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    return (logits, torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device),
+            torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device))
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (any float dtype; rows may be strided, the expert axis contiguous) -> (ids [T, k] int64,
+    weights [T, k] float32): the k largest of softmax(logits) in float32, largest first, ties to the lower
+    expert id; `renormalize`: divided by their sum (a model's `norm_topk_prob`)."""
+    logits, ids, weights = _outputs(logits, top_k)
+    tokens, experts = logits.shape
     if tokens:
         block_e = triton.next_power_of_2(experts)
         _softmax_topk_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
@@ -113,10 +143,7 @@ def _sigmoid_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, strid
     ok = row_ok[:, None] & (cols[None, :] < E)
     rows64 = rows.to(tl.int64)
     x = tl.load(logits_ptr + rows64[:, None] * stride_l + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    if LIBDEVICE:
-        scores = tl.div_rn(1.0, 1.0 + libdevice.exp(-x))
-    else:
-        scores = 1.0 / (1.0 + tl.exp(-x))
+    scores = _divide(1.0, 1.0 + _exp(-x, LIBDEVICE), LIBDEVICE)
     bias = tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(tl.float32)
     choice = tl.where(ok, scores + bias[None, :], float("-inf"))
     if N_GROUP > 1 and TOPK_GROUP < N_GROUP:
@@ -138,29 +165,10 @@ def _sigmoid_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, strid
             kept = kept | (group[None, :] == g[:, None])
             group_score = tl.where(slots[None, :] == g[:, None], float("-inf"), group_score)
         choice = tl.where(ok, tl.where(kept, choice, 0.0), float("-inf"))
-    slots_k = tl.arange(0, K_PAD)
-    ids = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int64)
-    weights = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
-    chosen = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(choice, axis=1)
-        pick = tl.min(tl.where(choice == best[:, None], cols[None, :], BLOCK_E), axis=1)  # ties: the lower id
-        pick = tl.minimum(pick, E - 1)  # a NaN logit matches nothing: never an id past the experts
-        hit = cols[None, :] == pick[:, None]
-        wj = tl.sum(tl.where(hit, scores, 0.0), axis=1)
-        ids = tl.where(slots_k[None, :] == j, pick.to(tl.int64)[:, None], ids)
-        weights = tl.where(slots_k[None, :] == j, wj[:, None], weights)
-        chosen += wj
-        choice = tl.where(hit, float("-inf"), choice)
+    ids, weights, chosen = _top_k(choice, scores, cols, E, TOP_K, K_PAD, BLOCK_T, BLOCK_E)
     if RENORMALIZE:
-        if LIBDEVICE:
-            weights = tl.div_rn(weights, (chosen + 1e-20)[:, None])
-        else:
-            weights = weights / (chosen + 1e-20)[:, None]
-    weights = weights * scaling
-    keep = row_ok[:, None] & (slots_k[None, :] < TOP_K)
-    tl.store(ids_ptr + rows64[:, None] * stride_i + slots_k[None, :], ids, mask=keep)
-    tl.store(weights_ptr + rows64[:, None] * stride_w + slots_k[None, :], weights, mask=keep)
+        weights = _divide(weights, (chosen + 1e-20)[:, None], LIBDEVICE)
+    _store_top_k(ids_ptr, weights_ptr, rows64, row_ok, ids, weights * scaling, stride_i, stride_w, TOP_K, K_PAD)
 
 
 def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
@@ -169,19 +177,12 @@ def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: 
     weights [T, k] float32): the k best of sigmoid(logits) + bias within the `topk_group` best of `n_group`
     equal groups of experts (each group scored by the sum of its two best), largest first, ties to the lower
     id; the weights are the chosen sigmoid scores, over their sum (+ 1e-20) when `renormalize`, times `scaling`."""
-    if logits.dim() != 2:
-        raise ValueError(f"router logits must be [tokens, experts], got {tuple(logits.shape)}")
+    logits, ids, weights = _outputs(logits, top_k)
     tokens, experts = logits.shape
-    if not 0 < top_k <= experts:
-        raise ValueError(f"top_k must be in [1, {experts}] for {experts} experts, got {top_k}")
     if n_group < 1 or experts % n_group or not 0 < topk_group <= n_group or (n_group > 1 and experts < 2 * n_group):
         raise ValueError(f"{experts} experts do not split into {n_group} groups of two or more with {topk_group} kept")
     if bias.shape != (experts,):
         raise ValueError(f"the score bias must be [{experts}], got {tuple(bias.shape)}")
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
     if tokens:
         block_e = triton.next_power_of_2(experts)
         _sigmoid_topk_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
