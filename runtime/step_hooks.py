@@ -29,6 +29,7 @@ from kvc.runtime.method_api import (Hook, KVMethod, LayerCacheView, PrefillView,
                                     StepViews)
 from kvc.runtime.scheduler import ScheduledBatch
 from kvc.runtime.text_spans import TextSpans
+from kvc.runtime.transfer import to_device
 
 if TYPE_CHECKING:
     from kvc.runtime.model_runner import StepOutput
@@ -350,5 +351,5 @@ def _shared_order(plans: list) -> torch.Tensor | None:
     rows = [p.order_row for p in plans]
     if rows == list(range(order.shape[0])):
         return order
-    return order[torch.as_tensor(rows, device=order.device)]
+    return order[to_device(rows, order.device)]
 

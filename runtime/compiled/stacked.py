@@ -15,6 +15,7 @@ import torch
 from kvc.runtime.kv import query_window, slot_order
 from kvc.runtime.kv.spec import Dense
 from kvc.runtime.method_api import StepView, StepViews
+from kvc.runtime.transfer import to_device
 
 
 class StackedRows:
@@ -52,7 +53,7 @@ class StackedRows:
 
     def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
         if name == "q":
-            rows = torch.as_tensor(self.rows[lo:hi], device=self.device)
+            rows = to_device(self.rows[lo:hi], self.device)  # no stream wait: the GPU may still be on the forward
             x = query_window.read_rows(self.store.tensors, self.layer, rows)
         else:
             enc = self.store.spec.keys if name == "k" else self.store.spec.values

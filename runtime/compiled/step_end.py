@@ -21,6 +21,7 @@ import torch
 from kvc.runtime.compiled.budget import CompiledBudget
 from kvc.runtime.compiled.decode import DecodeFacts, decode_sym
 from kvc.runtime.compiled.state import SequenceStates, gather_state
+from kvc.runtime.transfer import to_device
 from kvc.runtime.compiled.stacked import StackedRows
 from kvc.runtime.kv import slot_order
 from kvc.runtime.kv.plans import keep_plan_if_due
@@ -399,7 +400,7 @@ class StepEnd:
             if not self._due(length, count):
                 continue
             sym = self._step_sym(layer, lead, kv_heads)
-            part = scores if len(members) == len(views) else scores[torch.as_tensor(members, device=scores.device)]
+            part = scores if len(members) == len(views) else scores[to_device(members, scores.device)]
             rows = len(members) * kv_heads
             kept = self._select_fn(part.reshape(rows, length), {**sym, "kv_heads": rows}, self.params)
             indices = stacked(kept, cache.device)

@@ -49,6 +49,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvc.runtime.transfer import to_device
+
 BACKENDS = ("auto", "torch", "triton")
 CHECK_ENV = "KVC_CHECK_COMPACTION"
 
@@ -163,7 +165,7 @@ def stack_keeps(sources: Seq[tuple[torch.Tensor, int | None]], device: torch.dev
         elif len(set(rows)) == 1:
             part = stack[rows[0]].expand(len(rows), *stack.shape[1:])
         else:
-            part = stack[torch.as_tensor(rows, device=device)]
+            part = stack[device_ints(rows, device)]
         at = sum(p.shape[0] for p in parts)
         pos[jobs] = np.arange(at, at + len(jobs))
         widths[jobs] = stack.shape[2]
@@ -412,10 +414,7 @@ def _pairs(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def device_ints(values, device: torch.device) -> torch.Tensor:
     """A host int array on `device` without a sync: pinned and copied asynchronously on CUDA."""
-    host = torch.as_tensor(values)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return to_device(np.asarray(values), device)
 
 
 def _compact_torch(caches: Seq[torch.Tensor], batch: CompactionBatch, physical: np.ndarray) -> None:
