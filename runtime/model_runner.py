@@ -237,7 +237,8 @@ class ModelRunner:
             feed_pending(inputs.input_ids, after.tokens.device, feed, [0, *np.cumsum(batch.num_new_tokens)])
         hidden = self.model(inputs.input_ids, inputs.positions, group._attn_fn(inputs.md, batch, output))
         self._prompt_logprobs(batch.seqs, batch.num_new_tokens, batch.num_decodes, hidden, output)
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        # the rows' indices go to the device pinned: a list index would copy from pageable memory and wait for the GPU
+        logits = self.model.compute_logits(hidden[to_device(inputs.sample_rows, hidden.device, torch.long)])
         _record_logits(batch, rows, logits)
         return logits, [batch.seqs[i] for i in rows]
 
@@ -270,7 +271,9 @@ class ModelRunner:
         hidden = self.model(ids, torch.cat([x.positions for x in inputs]), attn)
         decodes = [i < part.num_decodes for _, part in parts for i in range(len(part.seqs))]
         self._prompt_logprobs(seqs, counts, decodes, hidden, output)
-        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
+        logits = None
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[to_device(sample_rows, hidden.device, torch.long)])
         at = 0
         for (_, part), x in zip(parts, inputs):
             if x.sample_seqs:
