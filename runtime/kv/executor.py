@@ -28,6 +28,7 @@ from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.plans import RewritePlan
 from kvc.runtime.kv.spec import K, V, Quantized
 from kvc.runtime.kv.store import KVStore
+from kvc.runtime.transfer import to_device
 
 
 class KVExecutor:
@@ -131,8 +132,8 @@ class KVExecutor:
         """Recomputes the summaries of `pages` (layer `layer`'s), page i storing `lengths[i]` slots."""
         if pages and self.store.spec.summaries:
             device = self.store.device
-            self.store.refresh_summaries(torch.tensor(pages, dtype=torch.long, device=device),
-                                         torch.tensor(lengths, dtype=torch.long, device=device), layer)
+            self.store.refresh_summaries(to_device(pages, device, torch.long), to_device(lengths, device, torch.long),
+                                         layer)
 
     # ---- rewrite plans --------------------------------------------------------------------------
     def rewrite(self, layer: int, page_ids: list[int], length: int, row: int | None, resid_len: int,
@@ -148,7 +149,7 @@ class KVExecutor:
         if plan.end == plan.start:
             return resid_len
         slots = torch.arange(plan.start, plan.end, device=store.device)
-        pages = torch.tensor(page_ids, dtype=torch.long, device=store.device)[slots // store.page_size]
+        pages = to_device(page_ids, store.device, torch.long)[slots // store.page_size]
         offsets = slots % store.page_size
         for enc, which in ((store.spec.keys, K), (store.spec.values, V)):
             if not isinstance(enc, Quantized) or enc.residual is None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvc.runtime.transfer import to_device
+
 DTYPE = torch.float32
 
 
@@ -31,7 +33,7 @@ def _slots(plane: torch.Tensor, page_ids: list[int], n: int) -> tuple[torch.Tens
     if len(page_ids) * page_size < n:
         raise ValueError(f"{len(page_ids)} pages of {page_size} slots cannot hold {n} tokens")
     slots = torch.arange(n, device=plane.device)
-    pages = torch.tensor(page_ids, dtype=torch.long).to(plane.device)
+    pages = to_device(page_ids, plane.device, torch.long)
     return pages[slots // page_size], slots % page_size
 
 

@@ -19,6 +19,7 @@ import torch
 
 from kvc.runtime.kv import encodings, lowrank, rotation
 from kvc.runtime.kv.spec import K, V, Delta, Dense, Extent, KVSpec, LowRank, Quantized
+from kvc.runtime.transfer import to_device
 
 COPY_BYTES = 256 * 2**20  # bytes of one tensor gathered at once by copy_pages
 
@@ -184,8 +185,7 @@ class KVStore:
     def _copy(self, specs, src: list[int], dst: list[int]) -> None:
         if not src:
             return
-        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
-        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+        src_t, dst_t = to_device(src, self.device, torch.long), to_device(dst, self.device, torch.long)
         for t in specs:
             tensor = encodings.raw(self.tensors[t.name])
             step = max(1, COPY_BYTES // max(1, tensor[0].numel() * tensor.element_size()))
@@ -260,7 +260,7 @@ class KVStore:
         pages = -(-length // self.page_size)
         if len(page_ids) < pages:
             raise ValueError(f"{len(page_ids)} pages of {self.page_size} slots cannot hold {length} tokens")
-        return torch.tensor(page_ids[:pages], dtype=torch.long, device=self.device)
+        return to_device(page_ids[:pages], self.device, torch.long)
 
     # ---- page summaries --------------------------------------------------------------------------
     def refresh_summaries(self, pages: torch.Tensor, lengths: torch.Tensor, layer: int | None = None) -> None:
