@@ -21,12 +21,12 @@ import torch
 from kvc.runtime.compiled.budget import CompiledBudget
 from kvc.runtime.compiled.decode import DecodeFacts, decode_sym
 from kvc.runtime.compiled.state import SequenceStates, gather_state
-from kvc.runtime.transfer import to_device
 from kvc.runtime.compiled.stacked import StackedRows
 from kvc.runtime.kv import slot_order
 from kvc.runtime.kv.plans import keep_plan_if_due
 from kvc.runtime.kv.ring import Ring
 from kvc.runtime.method_api import Hook, KeepPlan, LayerCacheView, StackedPlan, StepView, StepViews
+from kvc.runtime.transfer import to_device
 
 MEMO_LIMIT = 4096  # memoised counts (decode_kept) before the memo starts over
 

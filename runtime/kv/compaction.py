@@ -165,7 +165,7 @@ def stack_keeps(sources: Seq[tuple[torch.Tensor, int | None]], device: torch.dev
         elif len(set(rows)) == 1:
             part = stack[rows[0]].expand(len(rows), *stack.shape[1:])
         else:
-            part = stack[device_ints(rows, device)]
+            part = stack[to_device(rows, device)]
         at = sum(p.shape[0] for p in parts)
         pos[jobs] = np.arange(at, at + len(jobs))
         widths[jobs] = stack.shape[2]
@@ -386,9 +386,9 @@ def _compact_triton(tensors: Seq[torch.Tensor], batch: CompactionBatch, physical
     live = np.flatnonzero(physical > 0)  # jobs that keep nothing move nothing
     rows = batch.pos[live]
     keep = batch.keep if np.array_equal(rows, np.arange(batch.keep.shape[0])) else \
-        batch.keep[device_ints(rows, first.device)]
+        batch.keep[to_device(rows, first.device)]
     meta = np.concatenate([batch.counts[live], physical[live, None], batch.tables[live]], axis=1).astype(np.int32)
-    meta_t = device_ints(meta, first.device)
+    meta_t = to_device(meta, first.device)
     num_kv_heads = first.shape[1]
     rest = list(tensors)
     if len(rest) >= 2 and _pairs(rest[0], rest[1]):
@@ -412,18 +412,13 @@ def _pairs(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.stride(3) == 1)
 
 
-def device_ints(values, device: torch.device) -> torch.Tensor:
-    """A host int array on `device` without a sync: pinned and copied asynchronously on CUDA."""
-    return to_device(np.asarray(values), device)
-
-
 def _compact_torch(caches: Seq[torch.Tensor], batch: CompactionBatch, physical: np.ndarray) -> None:
     """Gather every kept row of every job into a temporary, then scatter it: in place is safe
     whatever moves where, as all reads happen before any write (and jobs own disjoint pages).
     `caches`: per-token tensors (a slot's value may be a vector, as K's, or a single value)."""
     page_size = caches[0].shape[2]
     device = caches[0].device
-    keep = batch.keep[device_ints(batch.pos, device)]  # [N, Hkv, K], the callers' order
+    keep = batch.keep[to_device(batch.pos, device)]  # [N, Hkv, K], the callers' order
     num_jobs, num_heads, width = keep.shape
     token = np.arange(width)
     valid = token[None, None, :] < batch.counts[:, :, None]  # [N, Hkv, K]
@@ -434,10 +429,10 @@ def _compact_torch(caches: Seq[torch.Tensor], batch: CompactionBatch, physical: 
     src = keep.reshape(-1)
     if not valid.all():
         flat = np.flatnonzero(valid)
-        src = src[device_ints(flat, device)]
+        src = src[to_device(flat, device)]
         dst, jobs, heads = dst.reshape(-1)[flat], jobs.reshape(-1)[flat], heads.reshape(-1)[flat]
-    dst, jobs, heads = (device_ints(a.reshape(-1).copy(), device) for a in (dst, jobs, heads))
-    tables = device_ints(batch.tables.astype(np.int64), device)
+    dst, jobs, heads = (to_device(a.reshape(-1).copy(), device) for a in (dst, jobs, heads))
+    tables = to_device(batch.tables.astype(np.int64), device)
     src_page, src_slot = tables[jobs, src // page_size], src % page_size
     dst_page, dst_slot = tables[jobs, dst // page_size], dst % page_size
     for cache in caches:

@@ -44,7 +44,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kvc.runtime.kv.compaction import HostPlan, device_ints
+from kvc.runtime.kv.compaction import HostPlan
+from kvc.runtime.transfer import to_device
 from kvc.runtime.tuning import buckets as tuning_buckets
 from kvc.runtime.tuning.lookup import source_hash, tuned
 
@@ -144,7 +145,7 @@ def compact_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, plans: list[Hos
         meta[j, :num_kv_heads] = plan.counts
         meta[j, num_kv_heads] = plan.physical
         meta[j, num_kv_heads + 1 : num_kv_heads + 1 + len(plan.page_ids)] = plan.page_ids
-    meta_t = device_ints(meta, device)
+    meta_t = to_device(meta, device)
     kept = max(p.keep.shape[1] for p in plans)
     if len(plans) == 1:
         keep = plans[0].keep.contiguous()[None]

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvc.runtime.kv import encodings, slot_order
-from kvc.runtime.kv.compaction import CompactionBatch, compact_tensors, device_ints
+from kvc.runtime.kv.compaction import CompactionBatch, compact_tensors
 from kvc.runtime.kv.page_pool import PagePool
 from kvc.runtime.kv.plans import RewritePlan
 from kvc.runtime.kv.spec import K, V, Quantized
@@ -71,7 +71,7 @@ class KVExecutor:
         if not len(batch.lengths):
             return np.zeros(0, dtype=np.int64)
         counts = batch.counts[:, 0].astype(np.int64)
-        keep = batch.keep[device_ints(batch.pos, batch.keep.device)]  # [N, Hkv, K] in time order
+        keep = batch.keep[to_device(batch.pos, batch.keep.device)]  # [N, Hkv, K] in time order
         order = batch.order
         if order is None:
             order = slot_order.orders(store[store.spec.positions], batch.tables, batch.lengths)

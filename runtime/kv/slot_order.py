@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from kvc.runtime.kv import encodings
-from kvc.runtime.kv.compaction import _use_triton, device_ints
+from kvc.runtime.kv.compaction import _use_triton
+from kvc.runtime.transfer import to_device
 
 PAD = torch.iinfo(torch.int32).max  # position of a padding slot: sorts last
 
@@ -48,12 +49,12 @@ def read_rows(plane: torch.Tensor, tables: np.ndarray, lengths: np.ndarray, pad=
     if width == 0:
         return torch.full((len(tables), plane.shape[1], 0, *rest), pad, dtype=plane.dtype, device=device)
     pages = -(-width // page_size)
-    ids = device_ints(np.ascontiguousarray(tables[:, :pages], dtype=np.int64), device)
+    ids = to_device(np.ascontiguousarray(tables[:, :pages], dtype=np.int64), device)
     slots = torch.arange(width, device=device)
     out = plane[ids[:, slots // page_size], :, slots % page_size].movedim(2, 1)  # [N, Hkv, width, *rest]
     if (lengths == width).all():
         return out
-    inside = (slots[None, :] < device_ints(lengths, device)[:, None])[:, None, :]
+    inside = (slots[None, :] < to_device(lengths, device)[:, None])[:, None, :]
     inside = inside.view(*inside.shape, *([1] * len(rest)))
     return torch.where(inside, out, torch.full_like(out, pad))
 
@@ -64,7 +65,7 @@ def read_rows_in_order(plane: torch.Tensor, tables: np.ndarray, slot_order: torc
     slot `slot_order[., h, i]`'s (a stacked decode batch's keys, read once rather than read and reordered)."""
     page_size, device = plane.shape[2], plane.device
     n = slot_order.shape[-1]
-    ids = device_ints(np.ascontiguousarray(tables[:, : -(-n // page_size)], dtype=np.int64), device)
+    ids = to_device(np.ascontiguousarray(tables[:, : -(-n // page_size)], dtype=np.int64), device)
     slots = slot_order.to(device)
     pages = ids.gather(1, (slots // page_size).flatten(1)).view_as(slots)  # [N, Hkv, n]
     heads = torch.arange(plane.shape[1], device=device)[None, :, None]
@@ -116,7 +117,7 @@ def fill(tensors: list[torch.Tensor], keep: torch.Tensor, counts: np.ndarray, le
     dropped = int((lengths - counts).max())
     if dropped <= 0:
         return
-    count = device_ints(np.asarray(counts, dtype=np.int64), device)
+    count = to_device(np.asarray(counts, dtype=np.int64), device)
     valid = torch.arange(width, device=device)[None, :] < count[:, None]  # [N, K]
     kept = torch.zeros(num, heads, longest + 1, dtype=torch.bool, device=device)
     kept.scatter_(2, torch.where(valid[:, None, :], keep.clamp(min=0, max=longest), longest), True)
@@ -125,7 +126,7 @@ def fill(tensors: list[torch.Tensor], keep: torch.Tensor, counts: np.ndarray, le
     below = (slots[None, :] < count[:, None])[:, None, :]  # [N, 1, L]
     hole, mover = below & ~kept, ~below & kept
     dst, src = (_ranked(mask, slots, dropped) for mask in (hole, mover))  # [N, Hkv, E], -1: none
-    _move(tensors, device_ints(np.ascontiguousarray(tables, dtype=np.int64), device), src, dst, dst >= 0)
+    _move(tensors, to_device(np.ascontiguousarray(tables, dtype=np.int64), device), src, dst, dst >= 0)
 
 
 def _ranked(mask: torch.Tensor, slots: torch.Tensor, width: int) -> torch.Tensor:
@@ -171,8 +172,8 @@ def settle(tensors: list[torch.Tensor], plane: torch.Tensor, tables: np.ndarray,
     if longest == 0:
         return
     positions = torch.arange(longest, device=slot_order.device)
-    inside = positions[None, :] < device_ints(np.asarray(lengths, dtype=np.int64), plane.device)[:, None]
+    inside = positions[None, :] < to_device(np.asarray(lengths, dtype=np.int64), plane.device)[:, None]
     if bool((slot_order == positions).all()):
         return  # already in order
-    table = device_ints(np.ascontiguousarray(tables, dtype=np.int64), plane.device)
+    table = to_device(np.ascontiguousarray(tables, dtype=np.int64), plane.device)
     _move(tensors, table, slot_order, positions.expand_as(slot_order), inside[:, None, :].expand_as(slot_order))

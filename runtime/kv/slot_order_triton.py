@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvc.runtime.kv.compaction import device_ints
+from kvc.runtime.transfer import to_device
 
 MAX_TENSORS = 4  # TOKEN tensors per launch (a spec's K, V, positions and a state plane: one launch)
 BLOCK_S = 1024  # slots per block of the flag and ranking passes
@@ -144,7 +144,7 @@ def fill_triton(tensors: list[torch.Tensor], keep: torch.Tensor, counts: np.ndar
     meta = np.empty((num, 2 + tables.shape[1]), dtype=np.int32)
     meta[:, 0], meta[:, 1], meta[:, 2:] = counts, lengths, tables
     device = keep.device
-    meta_t = device_ints(meta, device)
+    meta_t = to_device(meta, device)
     flags = torch.empty(num * heads, int(lengths.max()), dtype=torch.int8, device=device)  # cleared by the kernel
     pairs = torch.empty(num * heads, 2 * dropped, dtype=torch.int32, device=device)
     shared = (*keep.stride(), meta.shape[1], flags.shape[1], dropped)
