@@ -99,6 +99,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         if self._role_keep(facts.keep_hook or ""):
             self._group_mode = None  # per-head counts follow each row's starts: one plan per row
         self._count_memo: dict[tuple, int] = {}
+        self._row_bytes = {}  # a stacked row's device bytes (runtime/compiled/stacked.py `map`)
         self._rings = {}  # decode_ring's answers (runtime/compiled/step_end.py), per eviction interval and prompt
         self._positions_recorded = None  # whether the KV spec records slot positions (step_end.py)
         self.hooks = self._hooks()

@@ -22,7 +22,7 @@ class StackedRows:
     """Rows of one layer and length, the hook inputs of a chunk of them stacked as heads (`inputs`): keys
     and values [G * Hkv, n, D] (dense stores; in time order), query windows [G * Hq, window, D]; float32
     on the CPU, as `CacheInputs`. `map` runs a function over chunks of rows sized to the free device
-    memory (measured on the first chunk's peak) and concatenates what it returns."""
+    memory (measured on the first chunk's peak, once per length) and concatenates what it returns."""
 
     FIRST_CHUNK = 16  # rows; then as many as half the free device memory holds (the CPU: 64 at a time)
     CPU_CHUNK = 64
@@ -65,23 +65,38 @@ class StackedRows:
             x = x.reshape(-1, *x.shape[2:])
         return x.float() if x.device.type == "cpu" else x
 
-    def map(self, fn: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    def map(self, fn: Callable[[int, int], torch.Tensor], row_bytes: dict | None = None) -> torch.Tensor:
+        """`fn(lo, hi)` over chunks of the rows, concatenated. `row_bytes`: the caller's memo of the device
+        bytes a row's chunk took at this length (its key), which this fills on the first measured chunk
+        and reads after: a later layer's rows then go in one chunk where the free memory holds them,
+        not a first chunk of FIRST_CHUNK to measure again (each chunk is the selection's launches again)."""
         total, parts, lo = len(self.rows), [], 0
         cuda = self.device.type == "cuda"
-        size = self.FIRST_CHUNK if cuda else self.CPU_CHUNK
+        key = (self.length, self.device)
+        per_row = None if row_bytes is None else row_bytes.get(key)
+        size = self._fit(per_row) if cuda and per_row else self.FIRST_CHUNK if cuda else self.CPU_CHUNK
         while lo < total:
             hi = min(total, lo + size)
-            if cuda and not parts:
+            measure = cuda and per_row is None and not parts
+            if measure:
                 torch.cuda.reset_peak_memory_stats(self.device)
                 base = torch.cuda.memory_allocated(self.device)
             parts.append(fn(lo, hi))
-            if cuda and len(parts) == 1 and hi < total:
+            if measure:
                 per_row = max(1, (torch.cuda.max_memory_allocated(self.device) - base) // (hi - lo))
-                free, _ = torch.cuda.mem_get_info(self.device)
-                idle = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-                size = max(1, (free + idle) // 2 // per_row)
+                if row_bytes is not None:
+                    if len(row_bytes) >= 64:
+                        row_bytes.clear()
+                    row_bytes[key] = per_row
+                size = self._fit(per_row)
             lo = hi
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _fit(self, per_row: int) -> int:
+        """Rows of a chunk: as many as half the free device memory (the allocator's idle blocks included) holds."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        idle = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return max(1, (free + idle) // 2 // per_row)
 
 
 class _StackedInputs(dict):

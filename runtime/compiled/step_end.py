@@ -49,6 +49,7 @@ class StepEnd:
     _group_mode: str | None  # group_mode(decoding, stateful)
     _count_memo: dict[tuple, int]
     _rings: dict[tuple, list]  # (evict_interval, layers, prompt) -> `decode_ring` per layer
+    _row_bytes: dict  # StackedRows.map's device bytes a stacked row takes, per length and device
     kept_tail: Callable[[str, dict, int], int]
     keep_period: Callable[[str], int | None]
     roles: Any  # RoleKeeps or None (a keep `for ROLE`: per-head counts, roles.py)
@@ -438,7 +439,7 @@ class StepEnd:
                 scores = self.decoding.step_scores(inputs, {}, stacked_sym, self.params)
             return stacked(self._select_fn(scores, stacked_sym, self.params), rows.device)
 
-        stack = rows.map(kept).view(len(views), kv_heads, -1)
+        stack = rows.map(kept, self._row_bytes).view(len(views), kv_heads, -1)
         if stack.shape[2] != count:
             raise RuntimeError(f"method {self.name!r}: the stacked selection kept {stack.shape[2]}, its count "
                                f"says {count}")

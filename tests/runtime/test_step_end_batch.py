@@ -96,7 +96,7 @@ def test_batched_plans_equal_the_per_row_plans(model_dir, method, monkeypatch):
     stacked_rows = []
     stacked_map = stacked.StackedRows.map
     monkeypatch.setattr(stacked.StackedRows, "map",
-                        lambda rows, fn: stacked_rows.append(len(rows.rows)) or stacked_map(rows, fn))
+                        lambda rows, fn, *memo: stacked_rows.append(len(rows.rows)) or stacked_map(rows, fn, *memo))
     run(llm)
     assert (max(stacked_rows, default=0) == 3) is (CASES[method][1] == "inputs")  # rows scored as one
     assert compared[0] > 2 * len(LENGTHS) * (STEPS - 6)  # eviction at (almost) every step, every row
@@ -189,3 +189,43 @@ def test_stacked_rows_in_chunks(model_dir, monkeypatch):
     per-row plans too: the chunks' kept indices join into one stack."""
     monkeypatch.setattr(stacked.StackedRows, "CPU_CHUNK", 2)
     test_batched_plans_equal_the_per_row_plans(model_dir, "snapkv", monkeypatch)
+
+
+def test_stacked_chunks_measured_once_per_length(monkeypatch):
+    """On a GPU the first chunk (FIRST_CHUNK rows) measures a row's device bytes; the method's memo keeps them,
+    so the next layer's rows at that length go in one chunk where half the free memory holds them (each chunk
+    is the selection's launches again), and a new length is measured again. The CUDA memory calls are faked:
+    30 MB free, a chunk's peak 1 MB a row, so 15 rows a chunk after the first."""
+    allocated = [0]
+    peak = [0]
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: peak.__setitem__(0, allocated[0]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak[0])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: allocated[0])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 << 20, 80 << 30))
+
+    def rows_of(count: int, length: int) -> stacked.StackedRows:
+        rows = object.__new__(stacked.StackedRows)
+        rows.rows, rows.length, rows.device = list(range(count)), length, torch.device("cuda", 0)
+        return rows
+
+    chunks = []
+
+    def fn(lo, hi):
+        chunks.append(hi - lo)
+        peak[0] = max(peak[0], allocated[0] + (hi - lo) * (1 << 20))
+        return torch.arange(lo, hi)
+
+    memo = {}
+    assert rows_of(40, 64).map(fn, memo).tolist() == list(range(40))
+    assert chunks == [stacked.StackedRows.FIRST_CHUNK, 15, 40 - 15 - stacked.StackedRows.FIRST_CHUNK]
+    assert list(memo.values()) == [1 << 20]
+    chunks.clear()
+    assert rows_of(40, 64).map(fn, memo).tolist() == list(range(40))  # the next layer: measured already
+    assert chunks == [15, 15, 10]
+    chunks.clear()
+    rows_of(40, 80).map(fn, memo)  # another length: measured again
+    assert chunks[0] == stacked.StackedRows.FIRST_CHUNK and len(memo) == 2
+    chunks.clear()
+    rows_of(40, 64).map(fn)  # no memo: measured every call, as before
+    assert chunks[0] == stacked.StackedRows.FIRST_CHUNK
