@@ -334,20 +334,18 @@ def select(scores, length, kv_heads, *, first, last, count, at_least, granularit
     device = scores.device
     n_first = clamp_count(first, length) if first is not None else 0
     n_last = clamp_count(last, length) if last is not None else 0
-    forced = torch.zeros(length, dtype=torch.bool, device=device)
-    forced[:n_first] = True
-    forced[length - n_last:] = True
-    candidates = length - min(length, n_first + n_last)
-    chosen = torch.zeros(kv_heads, length, dtype=torch.bool, device=device)
-    n = 0
-    if granularity in ("kv_head", "layer"):
-        n = clamp_count(count, candidates)
-        chosen.scatter_(1, ranked(scores, forced)[:, :n], True)
-    kept = forced[None, :] | chosen
-    # the kept positions of each row, ascending: kept ones sort before the others by construction
-    position = torch.arange(length, device=device).expand(kv_heads, length)
-    order = torch.where(kept, position, position + length).sort(dim=-1).values
-    return KeptRows(order[:, : length - candidates + n])
+    if n_first + n_last >= length:  # the ranges cover every token
+        return KeptRows(torch.arange(length, device=device).expand(kv_heads, length).contiguous())
+    n = clamp_count(count, length - n_first - n_last) if granularity in ("kv_head", "layer") else 0
+    # the ranges' slots and the n best others (a stable sort of the others alone: ranked's order, ties to the
+    # older token), ascending: a sort of the n, not of every slot, and no masks (each one a launch per layer)
+    parts = [torch.arange(n_first, device=device).expand(kv_heads, n_first)]
+    if n:
+        others = scores[:, n_first:length - n_last]
+        best = torch.sort(others, dim=-1, descending=True, stable=True).indices[:, :n]
+        parts.append(best.sort(dim=-1).values + n_first)
+    parts.append(torch.arange(length - n_last, length, device=device).expand(kv_heads, n_last))
+    return KeptRows(torch.cat(parts, dim=1))
 
 
 def head_ranges(length, kv_heads, starts, first, last) -> tuple[list[int], list[int], list[int]]:
