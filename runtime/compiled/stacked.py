@@ -15,6 +15,7 @@ import torch
 from kvc.runtime.kv import query_window, slot_order
 from kvc.runtime.kv.spec import Dense
 from kvc.runtime.method_api import StepView, StepViews
+from kvc.runtime.primitives.paged_keys import PagedKeys
 from kvc.runtime.transfer import to_device
 
 
@@ -64,6 +65,16 @@ class StackedRows:
                 x = enc.view(slot_order.read_rows(plane, self.tables[lo:hi], np.full(hi - lo, self.length)))
             x = x.reshape(-1, *x.shape[2:])
         return x.float() if x.device.type == "cpu" else x
+
+    def paged_keys(self, lo: int, hi: int) -> PagedKeys:
+        """Rows [lo, hi)'s keys where the store keeps them, for a fused score that reads them in place
+        (triton_primitives.column_votes): as `read("k", lo, hi)` gives them, without the gathered copy."""
+        enc = self.store.spec.keys
+        plane = self.store.tensors[enc.tensor]
+        width = -(-self.length // plane.shape[2])
+        tables = to_device(np.ascontiguousarray(self.tables[lo:hi, :width], dtype=np.int64), self.device)
+        order = None if self.order is None else self.order[lo:hi]
+        return PagedKeys(plane, tables, order, self.length, enc.view(plane[:0]).shape[-1])
 
     def map(self, fn: Callable[[int, int], torch.Tensor], row_bytes: dict | None = None) -> torch.Tensor:
         """`fn(lo, hi)` over chunks of the rows, concatenated. `row_bytes`: the caller's memo of the device

@@ -433,8 +433,8 @@ class StepEnd:
         def kept(lo: int, hi: int) -> torch.Tensor:
             stacked_sym = {**sym, "kv_heads": (hi - lo) * kv_heads}
             inputs = rows.inputs(lo, hi)
-            if fused is not None:  # no [rows x heads, queries, keys] attention in memory
-                scores = fused(inputs["q"], inputs["k"], self.params, {})
+            if fused is not None:  # no [rows x heads, queries, keys] attention in memory, no copy of the keys
+                scores = fused(inputs["q"], rows.paged_keys(lo, hi), self.params, {})
             else:
                 scores = self.decoding.step_scores(inputs, {}, stacked_sym, self.params)
             return stacked(self._select_fn(scores, stacked_sym, self.params), rows.device)

@@ -11,7 +11,9 @@ key tile is read once per group, not once per query head (a stacked decode batch
 rows x kv_heads groups of short windows: the keys are what it reads). Its launch knobs (BLOCK_Q,
 BLOCK_K, warps) come from this GPU's `kvc tune` entry for the (queries, keys, heads, kv_heads,
 head_dim, dtype) bucket when one was measured for this file's version (runtime/tuning/: kernel
-`scores.column_votes`), else from `votes_config`'s heuristic."""
+`scores.column_votes`), else from `votes_config`'s heuristic. The keys may be a dense tensor or `PagedKeys`:
+a decode batch's rows read where the KV store keeps them (page tables, and the slot order of a layer evicted
+in place), with no gathered copy of them."""
 
 import math
 
@@ -19,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvc.runtime.primitives.paged_keys import PagedKeys
 from kvc.runtime.tuning import buckets as tuning_buckets
 from kvc.runtime.tuning.lookup import source_hash, tuned
 
@@ -26,10 +29,32 @@ KERNEL = "scores.column_votes"  # the tuning cache's name for the two kernels of
 SOURCE_HASH = source_hash(__file__)  # tuned entries recorded for another version of this file are ignored
 
 
+DENSE = {"PAGED": False, "ORDERED": False, "KV_HEADS": 1, "PAGE": 1}
+
+
 @triton.jit
-def _row_stats(q_ptr, k_ptr, m_ptr, l_ptr, queries, length, rows, scale, keys_per_split,
+def _key_rows(kv_head, k_offs, length, table_ptr, order_ptr, table_stride, stride_page, stride_head, stride_slot,
+              HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, ORDERED: tl.constexpr, KV_HEADS: tl.constexpr,
+              PAGE: tl.constexpr):
+    """Element offsets of key row `kv_head`'s keys `k_offs` (their first channel): dense [kv_heads, length, D],
+    or paged (`PagedKeys`)."""
+    if PAGED:
+        ok = k_offs < length
+        if ORDERED:
+            slot = tl.load(order_ptr + kv_head.to(tl.int64) * length + k_offs, mask=ok, other=0)
+        else:
+            slot = k_offs
+        page = tl.load(table_ptr + (kv_head // KV_HEADS) * table_stride + slot // PAGE, mask=ok, other=0)
+        return page.to(tl.int64) * stride_page + (kv_head % KV_HEADS) * stride_head + (slot % PAGE) * stride_slot
+    return (kv_head.to(tl.int64) * length + k_offs) * HEAD_DIM
+
+
+@triton.jit
+def _row_stats(q_ptr, k_ptr, table_ptr, order_ptr, table_stride, stride_page, stride_head, stride_slot,
+               m_ptr, l_ptr, queries, length, rows, scale, keys_per_split,
                HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+               BLOCK_D: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, ORDERED: tl.constexpr,
+               KV_HEADS: tl.constexpr, PAGE: tl.constexpr):
     """Partial softmax max and normaliser of each query over one split of its causal keys. A program takes
     BLOCK_Q of the `rows` (= group x queries) query rows of one KV head's group (the group's heads' queries,
     each head's the last positions), so a key tile is read once for all of them; the splits are merged on
@@ -48,7 +73,9 @@ def _row_stats(q_ptr, k_ptr, m_ptr, l_ptr, queries, length, rows, scale, keys_pe
     hi = tl.minimum(lo + keys_per_split, length)
     for start in range(lo, hi, BLOCK_K):
         k_offs = start + tl.arange(0, BLOCK_K)
-        k_tile = tl.load(k_ptr + (kv_head * length + k_offs[:, None]) * HEAD_DIM + d_offs[None, :],
+        k_rows = _key_rows(kv_head, k_offs, length, table_ptr, order_ptr, table_stride, stride_page, stride_head,
+                           stride_slot, HEAD_DIM, PAGED, ORDERED, KV_HEADS, PAGE)
+        k_tile = tl.load(k_ptr + k_rows[:, None] + d_offs[None, :],
                          mask=(k_offs[:, None] < hi) & (d_offs[None, :] < HEAD_DIM), other=0.0)
         if IEEE:
             s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * scale
@@ -65,9 +92,11 @@ def _row_stats(q_ptr, k_ptr, m_ptr, l_ptr, queries, length, rows, scale, keys_pe
 
 
 @triton.jit
-def _columns(q_ptr, k_ptr, m_ptr, l_ptr, out_ptr, queries, length, n_keys, group, scale,
+def _columns(q_ptr, k_ptr, table_ptr, order_ptr, table_stride, stride_page, stride_head, stride_slot,
+             m_ptr, l_ptr, out_ptr, queries, length, n_keys, group, scale,
              HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-             BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+             BLOCK_D: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, ORDERED: tl.constexpr,
+             KV_HEADS: tl.constexpr, PAGE: tl.constexpr):
     """For a block of one KV head's keys, each query head of its group: the head's attention probabilities
     summed over its queries. The key tile is read once for the whole group; QK^T is recomputed tile by tile
     from the row statistics, so no [query, key] matrix is written."""
@@ -75,7 +104,9 @@ def _columns(q_ptr, k_ptr, m_ptr, l_ptr, out_ptr, queries, length, n_keys, group
     k_offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     d_offs = tl.arange(0, BLOCK_D)
     k_ok = k_offs < n_keys
-    k_tile = tl.load(k_ptr + (kv_head * length + k_offs[:, None]) * HEAD_DIM + d_offs[None, :],
+    k_rows = _key_rows(kv_head, k_offs, length, table_ptr, order_ptr, table_stride, stride_page, stride_head,
+                       stride_slot, HEAD_DIM, PAGED, ORDERED, KV_HEADS, PAGE)
+    k_tile = tl.load(k_ptr + k_rows[:, None] + d_offs[None, :],
                      mask=k_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0)
     for member in range(0, group):
         head = kv_head * group + member
@@ -136,10 +167,14 @@ def launch_config(queries: int, keys: int, heads: int, kv_heads: int, head_dim: 
 
 
 def column_votes(q, k, n_keys, *, block_q=None, block_k=None, num_warps=None):
-    """q [heads, queries, D] (the last positions), k [kv_heads, keys, D] -> float32 [heads, n_keys] on q's
-    device; float32 inputs are multiplied in full float32 precision, others natively with float32 sums.
-    Knobs given override the launch config (tuned entry or heuristic)."""
-    k = k.contiguous()
+    """q [heads, queries, D] (the last positions), k [kv_heads, keys, D] (a tensor, or `PagedKeys`) -> float32
+    [heads, n_keys] on q's device; float32 inputs are multiplied in full float32 precision, others natively with
+    float32 sums. Knobs given override the launch config (tuned entry or heuristic)."""
+    if isinstance(k, PagedKeys):
+        key_ptr, key_args, key_consts = k.plane, k.args(), k.constants()
+    else:
+        k = k.contiguous()
+        key_ptr, key_args, key_consts = k, (k, k, 0, 0, 0, 0), DENSE  # (table and order unread)
     q = q.to(k.dtype).contiguous()
     heads, queries = q.shape[0], q.shape[1]
     kv_heads, length, head_dim = k.shape
@@ -154,7 +189,8 @@ def column_votes(q, k, n_keys, *, block_q=None, block_k=None, num_warps=None):
     scale = 1.0 / math.sqrt(head_dim)
     ieee = k.dtype == f32
     rows = group * queries  # a KV head's query rows: its group's heads' queries, contiguous in q
-    block_r = stats_rows(block_q, block_k, rows, block_d * k.element_size(), on_gpu)
+    element_size = torch.empty((), dtype=k.dtype).element_size()
+    block_r = stats_rows(block_q, block_k, rows, block_d * element_size, on_gpu)
     q_blocks = triton.cdiv(rows, block_r)
     splits = max(1, min(triton.cdiv(length, 4 * block_k), triton.cdiv(512, kv_heads * q_blocks))) if on_gpu else 2
     keys_per_split = triton.cdiv(triton.cdiv(length, splits), block_k) * block_k
@@ -162,13 +198,13 @@ def column_votes(q, k, n_keys, *, block_q=None, block_k=None, num_warps=None):
     m_part = torch.empty(kv_heads, splits, rows, dtype=f32, device=device)
     l_part = torch.empty(kv_heads, splits, rows, dtype=f32, device=device)
     _row_stats[(kv_heads, q_blocks, splits)](
-        q, k, m_part, l_part, queries, length, rows, scale, keys_per_split, HEAD_DIM=head_dim, BLOCK_Q=block_r,
-        BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee, num_warps=num_warps)
+        q, key_ptr, *key_args, m_part, l_part, queries, length, rows, scale, keys_per_split, HEAD_DIM=head_dim,
+        BLOCK_Q=block_r, BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee, num_warps=num_warps, **key_consts)
     m = m_part.amax(dim=1)  # [kv_heads, rows]: [heads, queries] in memory
     l = (l_part * torch.exp(m_part - m[:, None]).nan_to_num(0.0)).sum(dim=1).contiguous()
     m = m.contiguous()
     votes = torch.empty(heads, n_keys, dtype=f32, device=device)
     _columns[(kv_heads, triton.cdiv(n_keys, block_k))](
-        q, k, m, l, votes, queries, length, n_keys, group, scale, HEAD_DIM=head_dim, BLOCK_Q=block_q,
-        BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee, num_warps=num_warps)
+        q, key_ptr, *key_args, m, l, votes, queries, length, n_keys, group, scale, HEAD_DIM=head_dim,
+        BLOCK_Q=block_q, BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee, num_warps=num_warps, **key_consts)
     return votes

@@ -50,3 +50,28 @@ def test_h2o_column_sums():
     first = kernels.column_sum(q[:, :17], k[:, :17], None, {"seen": torch.zeros(KV_HEADS, 0)})
     both = kernels.column_sum(q[:, 17:], k, None, first)
     torch.testing.assert_close(both["seen"], expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+@pytest.mark.parametrize("channels", [DIM, DIM - 4])
+def test_column_votes_over_paged_keys(ordered, channels):
+    """The window score reading a decode batch's keys where the store keeps them (`PagedKeys`: shuffled pages,
+    a partial last page, a slot order for a layer evicted in place, channels below the stored width) equals it
+    over the same keys gathered into a dense tensor, as the stacked step end read them before."""
+    from kvc.runtime.primitives.paged_keys import PagedKeys
+    from kvc.runtime.primitives.triton_primitives import column_votes
+
+    g = torch.Generator().manual_seed(3 + channels + ordered)
+    rows, page, length, queries = 3, 4, 21, 6
+    pages = -(-length // page)
+    plane = torch.randn(rows * pages + 2, KV_HEADS, page, DIM, generator=g)
+    tables = torch.randperm(rows * pages + 1, generator=g)[: rows * pages].view(rows, pages)
+    order = torch.stack([torch.stack([torch.randperm(length, generator=g) for _ in range(KV_HEADS)])
+                         for _ in range(rows)]) if ordered else None
+    slots = order if ordered else torch.arange(length).expand(rows, KV_HEADS, length)
+    heads = torch.arange(KV_HEADS)[None, :, None]
+    dense = plane[tables.gather(1, (slots // page).flatten(1)).view_as(slots), heads, slots % page][..., :channels]
+    q = torch.randn(rows * HEADS, queries, channels, generator=g)
+    want = column_votes(q, dense.reshape(rows * KV_HEADS, length, channels), length - queries)
+    got = column_votes(q, PagedKeys(plane, tables, order, length, channels), length - queries)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
