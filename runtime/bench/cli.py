@@ -155,7 +155,8 @@ def _throughput(a: argparse.Namespace) -> int:
         else:
             checks = "".join([
                 f", {row['window_step_ratio']:.2f}x the window's step" if row.get("window_step_ratio") else "",
-                f", busy {row['busy']:.3f} @{row['busy_batch']}" if row.get("busy") is not None else ""])
+                f", busy {row['busy']:.3f} @{row['busy_batch']}" if row.get("busy") is not None else "",
+                _slow(row.get("slow_steps"))])
             print(f"{row['method']} @ {row['input_len']} ({row['mode']}): batch {row['batch']}, "
                   f"{row['decode_tok_s']:.1f} tok/s, step {row['step_ms']:.2f} ms{checks}, phases "
                   + ", ".join(f"{k} {v:.1f}" for k, v in row.get("phases", {}).items()), file=sys.stderr, flush=True)
@@ -194,6 +195,14 @@ def _plot(a: argparse.Namespace) -> int:
     out = a.out or str(Path(a.result).with_suffix(".png"))
     print(render(load_result(a.result), out))
     return 0
+
+
+def _slow(split: dict | None) -> str:
+    """The window's slow steps (a decode keep's evicting steps) for the row's line, or nothing."""
+    if not split or not split.get("slow"):
+        return ""
+    return (f", median step {split['median_ms']:.2f} ms, {split['slow']} slow "
+            f"(+{split['slow_extra_ms']:.1f} ms in all)")
 
 
 def _suite(a: argparse.Namespace) -> int:

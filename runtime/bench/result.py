@@ -5,7 +5,9 @@ triton, transformers, python, git commit when known), `model`, `dtype`, `kv_memo
 `page_size`, `output_len`, `steps`, `warmup`, `budget` and `budget_rule` (how each method's
 parameters were set), `mode_notes`, then `rows` (per method and input: `method`, `params`,
 `input_len`, `output_len`, `batch`, `pages_per_seq`, `decode_tok_s`, `step_ms`, `prefill_s`,
-`ttft_s`, `mode`, `busy`, `phases`, `plan`; with --e2e `step_ms_at_e2e_batch` on decode windows and
+`ttft_s`, `mode`, `busy`, `phases`, `plan`; decode windows also `steps_ms` (each step on the host's clock) and
+`slow_steps` (steps.py `slow_steps`: the median step, and the steps over twice it, a decode keep's evicting
+ones); with --e2e `step_ms_at_e2e_batch` on decode windows and
 `window_step_ratio` on e2e rows; with --busy `busy_profile`; or `error`) and `ratios_vs_full` (per
 input, per method: decode tok/s and batch over `full`'s).
 

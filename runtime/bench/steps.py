@@ -10,6 +10,7 @@ import gc
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvc.runtime.config import EngineConfig
@@ -87,18 +88,42 @@ def until(engine, done: Callable[[], bool], clock: Clock, limit: int) -> float:
     return total
 
 
-def window(engine, seqs: list, steps: int, clock: Clock) -> float:
+def window(engine, seqs: list, steps: int, clock: Clock, each: list | None = None) -> float:
     """Seconds of `steps` engine steps, each decoding every one of `seqs` (checked). A token counts
-    once sampled: with async scheduling the last step's tokens are still pending on the device."""
+    once sampled: with async scheduling the last step's tokens are still pending on the device.
+    `each`: filled with each step's seconds on the host's clock, from one step's return to the next (the
+    last to the window's synchronised end). The host waits for a step's tokens a step later, so a slow
+    step shows in its own interval or the next; the intervals add up to the window."""
     before = [s.num_generated + s.pending for s in seqs]
     preemptions = engine.scheduler.num_preemptions
-    seconds = clock.time(lambda: [engine.step() for _ in range(steps)])
+    stamps: list[float] = []
+
+    def run_steps() -> None:
+        stamps.append(time.perf_counter())
+        for _ in range(steps):
+            engine.step()
+            stamps.append(time.perf_counter())
+
+    seconds = clock.time(run_steps)
     advanced = {s.num_generated + s.pending - b for s, b in zip(seqs, before)}
     if engine.scheduler.num_preemptions != preemptions or advanced != {steps} or engine.scheduler.num_waiting:
         raise RuntimeError(f"the decode window did not decode all {len(seqs)} sequences at every step "
                            f"(advanced {sorted(advanced)} tokens, {engine.scheduler.num_preemptions - preemptions} "
                            "preemptions); the planned batch does not hold")
+    if each is not None and steps:
+        stamps[-1] = stamps[0] + seconds  # the window's end, after its last step's work
+        each.extend(b - a for a, b in zip(stamps, stamps[1:]))
     return seconds
+
+
+def slow_steps(step_ms: list[float], factor: float = 2.0) -> dict:
+    """A window's steps split into the steady ones and the slow ones (over `factor` x the median: a decode
+    keep's evicting steps, or a hiccup): the median step, how many are slow, and their time above it."""
+    if not step_ms:
+        return {"median_ms": None, "slow": 0, "slow_extra_ms": 0.0}
+    median = float(np.median(step_ms))
+    slow = [t for t in step_ms if t > factor * median]
+    return {"median_ms": median, "slow": len(slow), "slow_extra_ms": float(sum(t - median for t in slow))}
 
 
 def cut(engine, seqs: list, keep: int) -> list:

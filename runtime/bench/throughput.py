@@ -72,6 +72,7 @@ from kvc.runtime.bench.steps import (
     make_engine,
     prompt,
     retire,
+    slow_steps,
     through_decode_keep,
     until,
     warm_up,
@@ -278,11 +279,14 @@ def _decode_window(engine, cfg: ThroughputConfig, input_len: int, batch: int, cl
     out_keep = through_decode_keep(engine, seqs, min(WARMUP_DECODE + cfg.steps, spare), clock)
     phases["warmup_keep_s"], phases["warmup_keep_steps"] = time.perf_counter() - t0, out_keep
     kv_before = kv_bytes(engine, seqs)
-    seconds = window(engine, seqs, cfg.steps, clock)
+    each: list[float] = []
+    seconds = window(engine, seqs, cfg.steps, clock, each)
     phases["window_s"] = seconds
+    steps_ms = [1e3 * t for t in each]
     out = {"decode_tok_s": batch * cfg.steps / seconds, "step_ms": 1e3 * seconds / cfg.steps,
            "prefill_s": prefill_s, "ttft_s": ttft_s, "kv_tokens_at_window": kv_tokens, "busy": None,
-           "sources": count, "mixed_layers": mixed, **profiled}
+           "sources": count, "mixed_layers": mixed, "steps_ms": [round(t, 3) for t in steps_ms],
+           "slow_steps": slow_steps(steps_ms), **profiled}
     if copy_gbps is not None:  # the bytes a step must read, over the run's copy bandwidth (floor.py)
         kv = (kv_before + kv_bytes(engine, seqs)) / 2
         out["floor"] = step_floor(engine.runner.model, batch, kv, copy_gbps, out["step_ms"])

@@ -190,5 +190,9 @@ def test_the_window_starts_after_its_batch_ran_the_decode_keep(model_dir, monkey
                            model=str(model_dir))
     rows = {r["method"]: r for r in run(cfg)["rows"]}
     assert rows["full"]["phases"]["warmup_keep_steps"] == 0
+    for row in rows.values():  # each window step timed, adding up to the window
+        assert len(row["steps_ms"]) == every
+        assert sum(row["steps_ms"]) == pytest.approx(1e3 * row["phases"]["window_s"], rel=1e-3)
+        assert row["slow_steps"]["median_ms"] > 0
     keep_steps = rows["snapkv"]["phases"]["warmup_keep_steps"]
     assert 1 <= keep_steps <= every and (warmup_decode > every or keep_steps > warmup_decode)

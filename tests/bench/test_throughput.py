@@ -240,3 +240,15 @@ def test_tensor_parallel_run_plans_one_ranks_heads(model_dir, tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert "error" not in row, row.get("error")
     assert row["batch"] == 6  # 3 at one rank (test_cli_run_writes_the_result_and_plot)
+
+
+def test_slow_steps_split_the_evicting_steps_from_the_steady_ones():
+    """A window of steady steps with two slow ones (a decode keep's evicting steps): the median is the steady
+    step, the slow ones are counted with their time above it; a window without any reports none."""
+    from kvc.runtime.bench.steps import slow_steps
+
+    split = slow_steps([30.0, 31.0, 29.0, 250.0, 30.0, 30.5, 90.0, 30.0])
+    assert split["median_ms"] == 30.25 and split["slow"] == 2
+    assert split["slow_extra_ms"] == pytest.approx(250.0 + 90.0 - 2 * 30.25)
+    assert slow_steps([10.0, 11.0, 12.0])["slow"] == 0
+    assert slow_steps([]) == {"median_ms": None, "slow": 0, "slow_extra_ms": 0.0}
