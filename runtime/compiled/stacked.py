@@ -74,7 +74,7 @@ class StackedRows:
         width = -(-self.length // plane.shape[2])
         tables = to_device(np.ascontiguousarray(self.tables[lo:hi, :width], dtype=np.int64), self.device)
         order = None if self.order is None else self.order[lo:hi]
-        return PagedKeys(plane, tables, order, self.length, enc.view(plane[:0]).shape[-1])
+        return PagedKeys(plane, tables, order, self.length, enc.channels or plane.shape[-1])
 
     def map(self, fn: Callable[[int, int], torch.Tensor], row_bytes: dict | None = None) -> torch.Tensor:
         """`fn(lo, hi)` over chunks of the rows, concatenated. `row_bytes`: the caller's memo of the device

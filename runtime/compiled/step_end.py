@@ -498,7 +498,7 @@ def stacked(kept: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     tensor on `device`: one stack, one move (not one per row); a selection that kept them stacked
     (`KeptRows`) gives its tensor."""
     whole = getattr(kept, "stack", None)
-    if whole is not None and len(whole) == len(kept):
+    if whole is not None:
         return whole.to(device=device, dtype=torch.long)
     return torch.stack(kept).to(device=device, dtype=torch.long)
 

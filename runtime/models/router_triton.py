@@ -116,6 +116,13 @@ def _outputs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tens
             torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device))
 
 
+def _launch(experts: int, top_k: int) -> dict:
+    """Both kernels' shape constants and warps: a block of BLOCK_TOKENS tokens over every expert."""
+    block_e = triton.next_power_of_2(experts)
+    return {"TOP_K": top_k, "K_PAD": triton.next_power_of_2(top_k), "BLOCK_T": BLOCK_TOKENS, "BLOCK_E": block_e,
+            "LIBDEVICE": not _INTERPRETED, "num_warps": 4 if block_e <= 256 else 8}
+
+
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (any float dtype; rows may be strided, the expert axis contiguous) -> (ids [T, k] int64,
     weights [T, k] float32): the k largest of softmax(logits) in float32, largest first, ties to the lower
@@ -123,12 +130,9 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     logits, ids, weights = _outputs(logits, top_k)
     tokens, experts = logits.shape
     if tokens:
-        block_e = triton.next_power_of_2(experts)
         _softmax_topk_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
             logits, ids, weights, tokens, experts, logits.stride(0), ids.stride(0), weights.stride(0),
-            TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_T=BLOCK_TOKENS, BLOCK_E=block_e,
-            RENORMALIZE=renormalize, LIBDEVICE=not _INTERPRETED, num_warps=4 if block_e <= 256 else 8,
-        )
+            RENORMALIZE=renormalize, **_launch(experts, top_k))
     return ids, weights
 
 
@@ -184,13 +188,8 @@ def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: 
     if bias.shape != (experts,):
         raise ValueError(f"the score bias must be [{experts}], got {tuple(bias.shape)}")
     if tokens:
-        block_e = triton.next_power_of_2(experts)
         _sigmoid_topk_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
             logits, bias.contiguous(), ids, weights, tokens, experts, logits.stride(0), ids.stride(0),
-            weights.stride(0), float(scaling), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-            BLOCK_T=BLOCK_TOKENS, BLOCK_E=block_e, N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group),
-            TOPK_GROUP=topk_group,
-            GROUP_SIZE=experts // n_group, RENORMALIZE=renormalize, LIBDEVICE=not _INTERPRETED,
-            num_warps=4 if block_e <= 256 else 8,
-        )
+            weights.stride(0), float(scaling), N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group),
+            TOPK_GROUP=topk_group, GROUP_SIZE=experts // n_group, RENORMALIZE=renormalize, **_launch(experts, top_k))
     return ids, weights
