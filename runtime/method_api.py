@@ -227,18 +227,22 @@ class StepView:
 
 
 class StepViews(Seq[StepView]):
-    """One layer's step-end rows as `step_end_batch` gets them: a sequence of `StepView`s, each made
-    only when read (a decode batch of hundreds of rows x every layer would otherwise build as many
-    objects at every step), and the rows' host facts as arrays for a method that batches from them:
-    `seq_ids`, `lengths` (physical, the step's token included), `contexts`, `prompts` ([n] int64),
-    `tables` ([n, W] int32 store indices, zero past each row's `pages`), `rows` ([n] int64: each sequence's row
-    of the spec's per-sequence tensors, its query window's; -1: none) and the layer's `store`."""
+    """One layer's step-end rows as `step_end_batch` gets them (or several layers' of one storage class, for a
+    method with `step_end_layers`): a sequence of `StepView`s, each made only when read (a decode batch of
+    hundreds of rows x every layer would otherwise build as many objects at every step), and the rows' host
+    facts as arrays for a method that batches from them: `seq_ids`, `lengths` (physical, the step's token
+    included), `contexts`, `prompts` ([n] int64), `tables` ([n, W] int32 store indices, zero past each row's
+    `pages`), `rows` ([n] int64: each sequence's row of the spec's per-sequence tensors, its query window's; -1:
+    none), `layers` ([n] int64: each row's layer) and the layers' `store`. `layer` is the first row's layer (every
+    row's, unless `layers` was given)."""
 
     def __init__(self, layer: int, store: KVStore, seq_ids: list[int], lengths: np.ndarray, contexts: np.ndarray,
-                 prompts: np.ndarray, tables: np.ndarray, pages: np.ndarray, make: Any, rows: np.ndarray) -> None:
+                 prompts: np.ndarray, tables: np.ndarray, pages: np.ndarray, make: Any, rows: np.ndarray,
+                 layers: np.ndarray | None = None) -> None:
         self.layer, self.store, self.seq_ids = layer, store, seq_ids
         self.lengths, self.contexts, self.prompts, self.tables, self.pages = lengths, contexts, prompts, tables, pages
         self.rows = rows
+        self.layers = np.full(len(seq_ids), layer, dtype=np.int64) if layers is None else layers
         self._make = make  # row i -> its StepView
         self._views: dict[int, StepView] = {}
 
@@ -262,9 +266,10 @@ class StepViews(Seq[StepView]):
         """The rows `rows` (indices into these), as StepViews of their own."""
         rows = list(rows)
         index = np.asarray(rows, dtype=np.int64)
-        return StepViews(self.layer, self.store, [self.seq_ids[r] for r in rows], self.lengths[index],
-                         self.contexts[index], self.prompts[index], self.tables[index], self.pages[index],
-                         lambda i: self[rows[i]], self.rows[index])
+        layers = self.layers[index]
+        return StepViews(int(layers[0]) if len(rows) else self.layer, self.store, [self.seq_ids[r] for r in rows],
+                         self.lengths[index], self.contexts[index], self.prompts[index], self.tables[index],
+                         self.pages[index], lambda i: self[rows[i]], self.rows[index], layers)
 
 
 @runtime_checkable
@@ -280,6 +285,9 @@ class KVMethod(Protocol):
     rewrites: bool  # may prefill_end / step_end return RewritePlans (writes into pages before the newest)?
     chunk_keeps: bool  # may prefill_chunk return KeepPlans (the prompt cut while prefilled; its forward then differs)
     decode_graphs: bool  # may decode steps (and the decode hooks) be CUDA-graph captured?
+    # may `step_end_batch` take the rows of several layers of one storage class in one call (`StepViews.layers`)?
+    # The engine then calls it once for the layers due in the same rows (one scoring, selection and compaction)
+    step_end_layers: bool
     # is every KV head a cache layer of its own (runtime/kv/layout.py)? Then the budget, the hooks
     # and every per-layer argument below count cache layers, each of one KV head
     kv_head_layers: bool
@@ -350,6 +358,7 @@ class MethodBase:
     rewrites = False
     chunk_keeps = False
     decode_graphs = True
+    step_end_layers = False
     kv_head_layers = False
     budget: KVBudget = FullBudget()
     attention = AttentionKernels()
@@ -404,8 +413,8 @@ class MethodBase:
         return None
 
     def step_end_batch(self, layer: int, views: Seq[StepView]) -> list[Plan | None]:
-        """`step_end` of each view, in order; a method overrides it to batch across sequences."""
-        return [self.step_end(layer, view) for view in views]
+        """`step_end` of each view (at its own layer), in order; a method overrides it to batch across sequences."""
+        return [self.step_end(view.layer, view) for view in views]
 
     def step_end_due(self, layer: int, lengths: np.ndarray, prompt_lens: np.ndarray,
                      context_lens: np.ndarray) -> np.ndarray | None:

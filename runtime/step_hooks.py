@@ -34,6 +34,8 @@ from kvc.runtime.transfer import to_device
 if TYPE_CHECKING:
     from kvc.runtime.model_runner import StepOutput
 
+STACKED_ROWS = 4096  # rows x layers of one stacked step end at most (`StepHooks._layer_groups`)
+
 
 class StepHooks:
     def __init__(self, method: KVMethod, stores: list[KVStore], executors: list[KVExecutor], tables: TableCache,
@@ -190,22 +192,26 @@ class StepHooks:
                                                seq.row, cache.resid_len, plan)
         output.rewritten.setdefault(seq.seq_id, {})[layer] = left
 
-    def _compact(self, layer: int, batch: CompactionBatch, seqs: list, verbatim: list[int], logical: list[int],
-                 compacted: dict[int, dict[int, int]], new: list[int] | None = None, in_place: bool = False) -> None:
-        """Applies one layer's keep plans (one kernel launch on a GPU), reports the kept lengths,
+    def _compact(self, layers: int | np.ndarray, batch: CompactionBatch, seqs: list, verbatim: list[int],
+                 logical: list[int], compacted: dict[int, dict[int, int]], new: list[int] | None = None,
+                 in_place: bool = False) -> None:
+        """Applies keep plans of one storage class (one kernel launch on a GPU), reports the kept lengths,
         records the per-head start slots of plans with per-head variable counts and moves each
         sequence's verbatim tail (`verbatim_from`: the first logical token a keep may have dropped
         or moved, for the chain cache's rollback); a chained sequence's position map follows the plan.
-        Job j of `batch` is `seqs[j]`'s, which stored `new[j]` tokens this step (default 1).
+        Job j of `batch` is `seqs[j]`'s in layer `layers` (one for all, or `layers[j]`: a store without
+        page summaries, not written a block at a time), which stored `new[j]` tokens this step (default 1).
         (Over a spec written a block at a time, the executor needs each job's row and window.)
         `in_place`: the plans are carried out in place (runtime/kv/slot_order.py); a position map
         follows them as if in order, the layout the chain's record gets (`settle`)."""
+        of_job = [layers] * len(seqs) if isinstance(layers, int) else layers.tolist()
+        layer = of_job[0] if of_job else 0
         windows = None
         if self.store_of(layer).flushes_blocks:
             windows = [(seq.row, self._held(seq, layer, 1 if new is None else new[j])) for j, seq in enumerate(seqs)]
         physical = self.executor_of(layer).compact(batch, layer=layer, windows=windows, in_place=in_place)
         uniform = batch.starts is None and bool((batch.counts == batch.widths[:, None]).all())  # no starts anywhere
-        for j, (seq, length, tail_from) in enumerate(zip(seqs, physical.tolist(), verbatim)):
+        for j, (seq, layer, length, tail_from) in enumerate(zip(seqs, of_job, physical.tolist(), verbatim)):
             per_seq = compacted.get(seq.seq_id)
             if per_seq is None:
                 compacted[seq.seq_id] = {layer: length}
@@ -248,63 +254,87 @@ class StepHooks:
         prompts = np.array([seq.prefill_end for seq in decoded], dtype=np.int64)[:, None] - gaps
         everyone = list(range(len(decoded)))
         seq_rows = np.array([-1 if seq.row is None else seq.row for seq in decoded], dtype=np.int64)  # -1: none
-        for layer in range(num_layers):
-            candidates = everyone
-            due = due_fn(layer, lengths[:, layer], prompts[:, layer], contexts[:, layer])
-            if due is not None:
-                if not due.any():
-                    continue  # no row evicts in this layer at this step (an eviction interval's steps between)
-                if not due.all():
-                    candidates = np.flatnonzero(due).tolist()
+        dues = [due_fn(layer, lengths[:, layer], prompts[:, layer], contexts[:, layer]) for layer in range(num_layers)]
+        for layers, due in self._layer_groups(dues, len(decoded)):
+            candidates = everyone if due is None or due.all() else np.flatnonzero(due).tolist()
             if packed is None:
                 width = max(self.tables.longest(seq) for seq in decoded)
                 packed, versions = self.tables.pack_numpy(decoded, width), [s.tables_version for s in decoded]
                 page_counts = np.array([self.tables.lengths(seq) for seq in decoded], dtype=np.int64)  # [B, L]
-            rows_of = everyone if candidates is everyone else candidates
-            chosen = decoded if candidates is everyone else [decoded[i] for i in candidates]
+            # the step's rows: every candidate in each layer of the group, layer by layer
+            row_of = np.tile(np.asarray(candidates, dtype=np.int64), len(layers))
+            layer_of = np.repeat(np.asarray(layers, dtype=np.int64), len(candidates))
 
-            def make(i: int, layer=layer, chosen=chosen) -> StepView:
-                seq = chosen[i]
+            def make(i: int, row_of=row_of, layer_of=layer_of) -> StepView:
+                seq, layer = decoded[row_of[i]], int(layer_of[i])
                 return StepView(seq.seq_id, layer, num_layers, seq.num_computed_tokens + 1 - seq.history_gap[layer],
                                 seq.prefill_end - seq.history_gap[layer],  # a chain's prompt: stored history + suffix
                                 cache_view(seq, layer, seq.kv_lens[layer] + 1, 1),  # the step's token is stored
                                 self._spans_of(seq))
 
-            index = slice(None) if candidates is everyone else np.asarray(candidates)
-            views = StepViews(layer, self.store_of(layer), [seq.seq_id for seq in chosen], lengths[index, layer],
-                              contexts[index, layer], prompts[index, layer], packed[layer][index],
-                              page_counts[index, layer], make, seq_rows[index])
+            views = StepViews(layers[0], self.store_of(layers[0]), [decoded[r].seq_id for r in row_of.tolist()],
+                              lengths[row_of, layer_of], contexts[row_of, layer_of], prompts[row_of, layer_of],
+                              packed[layer_of, row_of], page_counts[row_of, layer_of], make, seq_rows[row_of],
+                              layers=layer_of if len(layers) > 1 else None)
             with host_range("kvc.step_end.select"):
-                plans = batched(layer, views)
+                plans = batched(layers[0], views)
             if len(plans) != len(views):
                 raise RuntimeError(f"method {method.name!r}: step_end_batch gave {len(plans)} plans for "
                                    f"{len(views)} sequences")
-            found = [i for i, plan in enumerate(plans) if plan is not None]  # indices into `candidates`
+            found = [i for i, plan in enumerate(plans) if plan is not None]  # indices into the step's rows
             if found and any(isinstance(plans[i], RewritePlan) for i in found):
                 for i in [i for i in found if isinstance(plans[i], RewritePlan)]:
-                    self._rewrite(decoded[candidates[i]], layer, views[i].cache, plans[i], output)
+                    self._rewrite(decoded[row_of[i]], int(layer_of[i]), views[i].cache, plans[i], output)
                 found = [i for i in found if not isinstance(plans[i], RewritePlan)]
             if not found:
                 continue
-            rows = [rows_of[i] for i in found]
-            every = len(rows) == len(decoded)  # the common case: every row evicts
+            every = len(found) == len(plans)  # the common case: every row evicts
+            jobs_rows, jobs_layers = (row_of, layer_of) if every else (row_of[found], layer_of[found])
             if self.pool is not None:
-                for i, row in zip(found, rows):
+                for i, row, layer in zip(found, jobs_rows.tolist(), jobs_layers.tolist()):
                     seq = decoded[row]
                     if seq.spare_pages:  # copy-on-write before compaction; a table it changes is re-read
                         self._own_pages(seq, layer, -(-plans[i].kept // page))
                         if seq.tables_version != versions[row]:
                             self._refresh_table(packed, row, seq)
                             versions[row] = seq.tables_version
-            seqs = decoded if every else [decoded[row] for row in rows]
+            seqs = [decoded[row] for row in jobs_rows.tolist()]
             kept = plans if every else [plans[i] for i in found]
             logical = [seq.num_computed_tokens + 1 for seq in seqs]
-            job_rows = slice(None) if every else np.asarray(rows)
             with host_range("kvc.step_end.compact"):
-                jobs = self._plan_batch(layer, kept, seqs, lengths[job_rows, layer], page_counts[job_rows, layer],
-                                        packed[layer] if every else packed[layer, rows])
-                self._compact(layer, jobs, seqs, [n - plan.tail for n, plan in zip(logical, kept)], logical,
-                              output.compacted, in_place=self.store_of(layer).spec.in_place)
+                jobs = self._plan_batch(jobs_layers, kept, seqs, lengths[jobs_rows, jobs_layers],
+                                        page_counts[jobs_rows, jobs_layers], packed[jobs_layers, jobs_rows])
+                self._compact(jobs_layers, jobs, seqs, [n - plan.tail for n, plan in zip(logical, kept)], logical,
+                              output.compacted, in_place=self.store_of(layers[0]).spec.in_place)
+
+    def _layer_groups(self, dues: list[np.ndarray | None], rows: int) -> list[tuple[list[int], np.ndarray | None]]:
+        """The layers whose step ends run together, each group with its rows' due mask (None: each of the `rows`
+        may be): one layer at a time, or, where the method stacks layers (`step_end_layers`), the layers of
+        one storage class due in the same rows, in one call (one scoring and selection for all of them, one
+        compaction), where the class's store moves slots without a per-layer pass (no page summaries, not
+        written a block at a time); at most STACKED_ROWS rows x layers a call (the stacked temporaries: a few
+        rows evict in every layer at once, a whole batch a few layers at a time). Layers where no row is due
+        are left out."""
+        groups: dict[tuple, tuple[list[int], np.ndarray | None]] = {}
+        stacks = self.method.step_end_layers
+        for layer, due in enumerate(dues):
+            if due is not None and not due.any():
+                continue  # no row evicts in this layer at this step (an eviction interval's steps between)
+            store = self.store_of(layer)
+            if not stacks or store.flushes_blocks or store.spec.summaries:
+                groups[("layer", layer)] = ([layer], due)
+                continue
+            key = (self.layer_class[layer], None if due is None else due.tobytes())
+            group = groups.get(key)
+            if group is None:
+                groups[key] = ([layer], due)
+            else:
+                group[0].append(layer)
+        out = []
+        for layers, due in groups.values():
+            per_call = max(1, STACKED_ROWS // (rows if due is None else int(due.sum())))
+            out += [(layers[i:i + per_call], due) for i in range(0, len(layers), per_call)]
+        return out
 
     def _spans_of(self, seq) -> Callable[[str], np.ndarray] | None:
         """A step view's `spans`: the span of each logical position of seq up to the step's token, per text
@@ -320,21 +350,23 @@ class StepHooks:
         packed[:, row] = 0
         packed[:, row, :width] = arr[:, :width]
 
-    def _plan_batch(self, layer: int, plans: list, seqs: list, lengths: np.ndarray, pages: np.ndarray,
+    def _plan_batch(self, layers: np.ndarray, plans: list, seqs: list, lengths: np.ndarray, pages: np.ndarray,
                     tables: np.ndarray) -> CompactionBatch:
-        """One layer's step-end plans as a `CompactionBatch`: plans over one tensor (a `StackedPlan`'s
-        stack, or one shared plan) gathered once; counts, lengths (the step's token stored), pages and
-        starts as numpy."""
+        """Step-end plans as a `CompactionBatch`, job j seqs[j]'s in layer `layers[j]` (one storage class): plans
+        over one tensor (a `StackedPlan`'s stack, or one shared plan) gathered once; counts, lengths (the step's
+        token stored), pages and starts as numpy."""
         device = self.stores[0].device
         sources = [(plan.stack, plan.row) if isinstance(plan, StackedPlan) else (plan.indices, None) for plan in plans]
         lengths, pages = np.ascontiguousarray(lengths), np.ascontiguousarray(pages)
         starts = None
-        if any(seq.kv_starts[layer] is not None for seq in seqs):
-            starts = np.array([seq.kv_starts[layer] or [0] * self.num_kv_heads for seq in seqs], dtype=np.int64)
+        layers = layers.tolist()
+        if any(seq.kv_starts[layer] is not None for seq, layer in zip(seqs, layers)):
+            starts = np.array([seq.kv_starts[layer] or [0] * self.num_kv_heads for seq, layer in zip(seqs, layers)],
+                              dtype=np.int64)
         keep, pos, widths = stack_keeps(sources, device)
         if keep.shape[1] != self.num_kv_heads:
-            raise RuntimeError(f"method {self.method.name!r}: keep plans of layer {layer} have {keep.shape[1]} KV "
-                               f"heads, the model {self.num_kv_heads}")
+            raise RuntimeError(f"method {self.method.name!r}: keep plans of layer {layers[0]} have {keep.shape[1]} "
+                               f"KV heads, the model {self.num_kv_heads}")
         counts = np.repeat(widths[:, None], keep.shape[1], axis=1)
         for j, plan in enumerate(plans):
             if plan.lengths is not None:  # per-head variable counts (compiled methods keep them on the CPU)

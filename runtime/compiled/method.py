@@ -98,6 +98,11 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
         self._select_fn, self._group_mode = facts.select, group_mode(facts, bool(code.states))
         if self._role_keep(facts.keep_hook or ""):
             self._group_mode = None  # per-head counts follow each row's starts: one plan per row
+        # rows of several layers stack as one step end where the stacked keep reads nothing of the layer (its
+        # counts, ranges, `where` and score: the compiler's `keep_symbols` and `score_symbols`)
+        keep = facts.keep or {}
+        reads = set(keep.get("keep_symbols", ["layer"])) | set(keep.get("score_symbols", ["layer"]))
+        self.step_end_layers = self._group_mode == "inputs" and "layer" not in reads and self.indices is None
         self._count_memo: dict[tuple, int] = {}
         self._row_bytes = {}  # a stacked row's device bytes (runtime/compiled/stacked.py `map`)
         self._rings = {}  # decode_ring's answers (runtime/compiled/step_end.py), per eviction interval and prompt

@@ -20,16 +20,17 @@ from kvc.runtime.transfer import to_device
 
 
 class StackedRows:
-    """Rows of one layer and length, the hook inputs of a chunk of them stacked as heads (`inputs`): keys
-    and values [G * Hkv, n, D] (dense stores; in time order), query windows [G * Hq, window, D]; float32
-    on the CPU, as `CacheInputs`. `map` runs a function over chunks of rows sized to the free device
-    memory (measured on the first chunk's peak, once per length) and concatenates what it returns."""
+    """Rows of one length (of one layer, or of several layers of one store: `layers` [G]), the hook inputs of a
+    chunk of them stacked as heads (`inputs`): keys and values [G * Hkv, n, D] (dense stores; in time order),
+    query windows [G * Hq, window, D]; float32 on the CPU, as `CacheInputs`. `map` runs a function over chunks of
+    rows sized to the free device memory (measured on the first chunk's peak, once per length) and concatenates
+    what it returns."""
 
     FIRST_CHUNK = 16  # rows; then as many as half the free device memory holds (the CPU: 64 at a time)
     CPU_CHUNK = 64
 
-    def __init__(self, store, layer: int, tables: np.ndarray, rows: np.ndarray, length: int) -> None:
-        self.store, self.layer, self.tables, self.rows, self.length = store, layer, tables, rows, length
+    def __init__(self, store, layers: int | np.ndarray, tables: np.ndarray, rows: np.ndarray, length: int) -> None:
+        self.store, self.layers, self.tables, self.rows, self.length = store, layers, tables, rows, length
         self.device = store.device
         self.order = None  # [G, Hkv, n]: slots in time order (a spec with positions)
         if store.spec.in_place:
@@ -46,7 +47,8 @@ class StackedRows:
             return None
         if "q" in inputs and (views.rows < 0).any():
             return None
-        return cls(views.store, views.layer, views.tables, views.rows, int(views.lengths[0]))
+        layers = views.layers if (views.layers != views.layer).any() else views.layer
+        return cls(views.store, layers, views.tables, views.rows, int(views.lengths[0]))
 
     def inputs(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
         """The hook inputs of rows [lo, hi), each made only when read."""
@@ -55,7 +57,8 @@ class StackedRows:
     def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
         if name == "q":
             rows = to_device(self.rows[lo:hi], self.device)  # no stream wait: the GPU may still be on the forward
-            x = query_window.read_rows(self.store.tensors, self.layer, rows)
+            layers = self.layers if isinstance(self.layers, int) else to_device(self.layers[lo:hi], self.device)
+            x = query_window.read_rows(self.store.tensors, layers, rows)
         else:
             enc = self.store.spec.keys if name == "k" else self.store.spec.values
             plane = self.store.tensors[enc.tensor]

@@ -312,7 +312,7 @@ class StepEnd:
         group's rows share their plan's tensor: one plan object (symbols alone), or `StackedPlan`
         rows of one stacked selection, so the engine moves one tensor per group, not per row."""
         if self._group_mode is None or len(views) < 2:
-            return [self.step_end(layer, view) for view in views]
+            return [self.step_end(view.layer, view) for view in views]
         plans: list[KeepPlan | None] = [None] * len(views)
         if isinstance(views, StepViews):  # the rows' facts as arrays: no view made to group them
             # rows that agree on what the selection reads share it (one layer: one store); rows over score
@@ -331,10 +331,12 @@ class StepEnd:
             groups = list(by_key.values())
         for rows in groups:
             if len(rows) == 1:
-                plans[rows[0]] = self.step_end(layer, views[rows[0]])
+                view = views[rows[0]]
+                plans[rows[0]] = self.step_end(view.layer, view)
                 continue
             group = views.subset(rows) if isinstance(views, StepViews) else [views[i] for i in rows]
-            for i, plan in zip(rows, self._step_end_group(layer, group)):
+            lead = group.layer if isinstance(group, StepViews) else group[0].layer
+            for i, plan in zip(rows, self._step_end_group(lead, group)):
                 plans[i] = plan
         return plans
 
@@ -426,7 +428,7 @@ class StepEnd:
             return [None] * len(views)
         rows = StackedRows.of(views, self.decoding.keep["inputs"])
         if rows is None:
-            return [self.step_end(layer, view) for view in views]
+            return [self.step_end(view.layer, view) for view in views]
         sym = self._step_sym(layer, first, kv_heads)
         fused = self._kernel("step_end", rows.device)  # the keep's score as one Triton kernel (compiler/fusion.py)
 

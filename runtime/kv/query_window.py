@@ -62,9 +62,9 @@ def read(store_tensors: dict[str, torch.Tensor], layer: int, row: int) -> torch.
     return ring[:, :, order].reshape(-1, window, ring.shape[-1])
 
 
-def read_rows(store_tensors: dict[str, torch.Tensor], layer: int, rows: torch.Tensor) -> torch.Tensor:
-    """Several rows' windows in `layer`, oldest first, as the heads of one: [len(rows) * Hq, n, D] (row g's
-    query head h at g * Hq + h), each row's equal to `read`'s."""
+def read_rows(store_tensors: dict[str, torch.Tensor], layer: int | torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Several rows' windows in `layer` (or row g's in `layer[g]`), oldest first, as the heads of one:
+    [len(rows) * Hq, n, D] (row g's query head h at g * Hq + h), each row's equal to `read`'s."""
     queries, counts = store_tensors[QUERIES], store_tensors[COUNT]
     window = queries.shape[4]
     ring = queries[rows, layer]  # [G, Hkv, group, n, D]

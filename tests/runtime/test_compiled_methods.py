@@ -113,15 +113,14 @@ def test_rkv_evicts_while_decoding_as_the_reference(model_dir, monkeypatch, mix)
     from kvc.runtime.compiled.method import CompiledMethod
 
     kept = []
-    step_end = CompiledMethod.step_end
+    step_end_batch = CompiledMethod.step_end_batch
 
-    def spy(self, layer, view):
-        plan = step_end(self, layer, view)
-        if plan is not None:
-            kept.append((view.cache.length, plan.indices.shape[1]))
-        return plan
+    def spy(self, layer, views):
+        plans = step_end_batch(self, layer, views)
+        kept.extend((view.cache.length, plan.indices.shape[1]) for view, plan in zip(views, plans) if plan is not None)
+        return plans
 
-    monkeypatch.setattr(CompiledMethod, "step_end", spy)
+    monkeypatch.setattr(CompiledMethod, "step_end_batch", spy)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = prompts_of(LENGTHS, seed=13)
     params = RKV | {"mix": mix}

@@ -74,7 +74,7 @@ def test_batched_plans_equal_the_per_row_plans(model_dir, method, monkeypatch):
     groups, compared = [], [0]
 
     def checked(layer, views):
-        want = [type(m).step_end(m, layer, view) for view in views]  # the oracle reads, never moves, state
+        want = [type(m).step_end(m, view.layer, view) for view in views]  # the oracle reads, never moves, state
         got = original(layer, views)
         assert len(got) == len(want)
         for a, b in zip(got, want):
@@ -98,14 +98,17 @@ def test_batched_plans_equal_the_per_row_plans(model_dir, method, monkeypatch):
     monkeypatch.setattr(stacked.StackedRows, "map",
                         lambda rows, fn, *memo: stacked_rows.append(len(rows.rows)) or stacked_map(rows, fn, *memo))
     run(llm)
-    assert (max(stacked_rows, default=0) == 3) is (CASES[method][1] == "inputs")  # rows scored as one
+    # a stacked keep reads nothing of the layer: both layers' rows go as one step end (`step_end_layers`)
+    layers = 2 if m.step_end_layers else 1
+    assert m.step_end_layers is (CASES[method][1] == "inputs")
+    assert (max(stacked_rows, default=0) == 3 * layers) is (CASES[method][1] == "inputs")  # rows scored as one
     assert compared[0] > 2 * len(LENGTHS) * (STEPS - 6)  # eviction at (almost) every step, every row
     # rows batched: H2O's selection reads the prompt, so its groups are the repeated prompts (3 and 2 rows);
     # SnapKV's and R-KV's read the step (`where step % every == 0`), so theirs are the rows that began decoding
     # together (the first three prompts fill the first prefill step); the others' read only the length, so
     # every row of a length is one group once they all hold their budget
     widest = 3 if m._group_symbols() else len(LENGTHS)
-    assert groups and max(groups) == widest and (2 in groups or widest == len(LENGTHS))
+    assert groups and max(groups) == widest * layers and (2 * layers in groups or widest == len(LENGTHS))
 
 
 @pytest.mark.parametrize("method", sorted(CASES))
@@ -229,3 +232,31 @@ def test_stacked_chunks_measured_once_per_length(monkeypatch):
     chunks.clear()
     rows_of(40, 64).map(fn)  # no memo: measured every call, as before
     assert chunks[0] == stacked.StackedRows.FIRST_CHUNK
+
+
+def test_layers_stack_by_store_class_and_due_rows(monkeypatch):
+    """`StepHooks._layer_groups`: with `step_end_layers`, the layers of one storage class due in the same rows go
+    as one call (a class whose store has page summaries stays layer by layer), at most STACKED_ROWS rows x layers
+    a call; without it, one layer a call. Layers where no row is due are left out."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kvc.runtime import step_hooks
+
+    plain = SimpleNamespace(flushes_blocks=False, spec=SimpleNamespace(summaries=()))
+    summarised = SimpleNamespace(flushes_blocks=False, spec=SimpleNamespace(summaries=("bounds",)))
+    hooks = step_hooks.StepHooks.__new__(step_hooks.StepHooks)
+    hooks.stores, hooks.layer_class = [plain, summarised], (0, 0, 1, 1, 0, 0, 0)
+    hooks.method = SimpleNamespace(step_end_layers=True)
+    every, first, none = np.ones(3, bool), np.array([True, False, False]), np.zeros(3, bool)
+    dues = [every, every, every, every, first, none, None]
+    groups = [(layers, None if due is None else due.tolist()) for layers, due in hooks._layer_groups(dues, 3)]
+    assert groups == [([0, 1], every.tolist()), ([2], every.tolist()), ([3], every.tolist()),
+                      ([4], first.tolist()), ([6], None)]
+    monkeypatch.setattr(step_hooks, "STACKED_ROWS", 4)  # two rows of three layers: two layers a call
+    hooks.layer_class = (0,) * 7
+    dues = [np.array([True, True, False])] * 3 + [none] * 4
+    assert [layers for layers, _ in hooks._layer_groups(dues, 3)] == [[0, 1], [2]]
+    hooks.method = SimpleNamespace(step_end_layers=False)
+    assert [layers for layers, _ in hooks._layer_groups(dues, 3)] == [[0], [1], [2]]
