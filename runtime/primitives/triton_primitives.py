@@ -93,13 +93,15 @@ def _row_stats(q_ptr, k_ptr, table_ptr, order_ptr, table_stride, stride_page, st
 
 @triton.jit
 def _columns(q_ptr, k_ptr, table_ptr, order_ptr, table_stride, stride_page, stride_head, stride_slot,
-             m_ptr, l_ptr, out_ptr, queries, length, n_keys, group, scale,
-             HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+             m_ptr, l_ptr, out_ptr, queries, length, n_keys, rows, scale,
+             HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
              BLOCK_D: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, ORDERED: tl.constexpr,
              KV_HEADS: tl.constexpr, PAGE: tl.constexpr):
     """For a block of one KV head's keys, each query head of its group: the head's attention probabilities
-    summed over its queries. The key tile is read once for the whole group; QK^T is recomputed tile by tile
-    from the row statistics, so no [query, key] matrix is written."""
+    summed over its queries. The key tile is read once for the whole group, whose `rows` (= group x queries)
+    query rows are taken BLOCK_R at a time (one matrix product over several heads' queries, as `_row_stats`);
+    QK^T is recomputed tile by tile from the row statistics, so no [query, key] matrix is written. A head
+    whose rows straddle two blocks adds the second block's sums to the first's."""
     kv_head = tl.program_id(0)
     k_offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     d_offs = tl.arange(0, BLOCK_D)
@@ -108,25 +110,28 @@ def _columns(q_ptr, k_ptr, table_ptr, order_ptr, table_stride, stride_page, stri
                        stride_slot, HEAD_DIM, PAGED, ORDERED, KV_HEADS, PAGE)
     k_tile = tl.load(k_ptr + k_rows[:, None] + d_offs[None, :],
                      mask=k_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0)
-    for member in range(0, group):
-        head = kv_head * group + member
-        votes = tl.zeros([BLOCK_K], tl.float32)
-        for q_start in range(0, queries, BLOCK_Q):
-            q_offs = q_start + tl.arange(0, BLOCK_Q)
-            q_ok = q_offs < queries
-            q_pos = length - queries + q_offs
-            q_tile = tl.load(q_ptr + (head * queries + q_offs[:, None]) * HEAD_DIM + d_offs[None, :],
-                             mask=q_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0)
-            m = tl.load(m_ptr + head * queries + q_offs, mask=q_ok, other=0.0)
-            inv_l = 1.0 / tl.load(l_ptr + head * queries + q_offs, mask=q_ok, other=1.0)
-            if IEEE:
-                s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q_tile, tl.trans(k_tile)) * scale
-            p = tl.exp(s - m[:, None]) * inv_l[:, None]
-            seen = q_ok[:, None] & k_ok[None, :] & (k_offs[None, :] <= q_pos[:, None])
-            votes += tl.sum(tl.where(seen, p, 0.0), axis=0)
-        tl.store(out_ptr + head * n_keys + k_offs, votes, mask=k_ok)
+    group = rows // queries
+    for r_start in range(0, rows, BLOCK_R):
+        r_offs = r_start + tl.arange(0, BLOCK_R)
+        r_ok = r_offs < rows
+        q_pos = length - queries + r_offs % queries
+        q_tile = tl.load(q_ptr + (kv_head * rows + r_offs[:, None]) * HEAD_DIM + d_offs[None, :],
+                         mask=r_ok[:, None] & (d_offs[None, :] < HEAD_DIM), other=0.0)
+        m = tl.load(m_ptr + kv_head * rows + r_offs, mask=r_ok, other=0.0)
+        inv_l = 1.0 / tl.load(l_ptr + kv_head * rows + r_offs, mask=r_ok, other=1.0)
+        if IEEE:
+            s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q_tile, tl.trans(k_tile)) * scale
+        seen = r_ok[:, None] & k_ok[None, :] & (k_offs[None, :] <= q_pos[:, None])
+        p = tl.where(seen, tl.exp(s - m[:, None]) * inv_l[:, None], 0.0)
+        member = r_offs // queries
+        for head in range(r_start // queries, (tl.minimum(r_start + BLOCK_R, rows) - 1) // queries + 1):
+            votes = tl.sum(tl.where((member == head)[:, None], p, 0.0), axis=0)
+            out = out_ptr + (kv_head * group + head) * n_keys + k_offs
+            earlier = tl.full([BLOCK_K], head * queries, tl.int32) < r_start  # its rows began in an earlier block
+            votes += tl.load(out, mask=k_ok & earlier, other=0.0)
+            tl.store(out, votes, mask=k_ok)
 
 
 TILE_BYTES = 1 << 17  # the query and key tiles of one step together, at most (shared memory; wide MLA heads)
@@ -149,8 +154,9 @@ def votes_config(queries: int, on_gpu: bool, head_dim: int = 128, element_size: 
 
 
 def stats_rows(block_q: int, block_k: int, rows: int, width: int, on_gpu: bool) -> int:
-    """Query rows a program of the statistics pass takes: `block_q`, doubled on a GPU up to 128 (or the
-    group's rows) while the query and key tiles stay within TILE_BYTES, so fewer programs read each key tile."""
+    """Query rows a program of either pass takes at a time: `block_q`, doubled on a GPU up to 128 (or the
+    group's rows) while the query and key tiles stay within TILE_BYTES (the statistics pass: fewer programs read
+    each key tile; the column pass: a matrix product over several heads' queries)."""
     block = block_q
     limit = min(128, triton.next_power_of_2(rows))
     while on_gpu and 2 * block <= limit and (2 * block + block_k) * width <= TILE_BYTES:
@@ -205,6 +211,6 @@ def column_votes(q, k, n_keys, *, block_q=None, block_k=None, num_warps=None):
     m = m.contiguous()
     votes = torch.empty(heads, n_keys, dtype=f32, device=device)
     _columns[(kv_heads, triton.cdiv(n_keys, block_k))](
-        q, key_ptr, *key_args, m, l, votes, queries, length, n_keys, group, scale, HEAD_DIM=head_dim,
-        BLOCK_Q=block_q, BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee, num_warps=num_warps, **key_consts)
+        q, key_ptr, *key_args, m, l, votes, queries, length, n_keys, rows, scale, HEAD_DIM=head_dim,
+        BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee, num_warps=num_warps, **key_consts)
     return votes

@@ -52,6 +52,25 @@ def test_h2o_column_sums():
     torch.testing.assert_close(both["seen"], expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("queries,block_q", [(6, 16), (3, 16), (20, 16), (8, 32)])
+def test_column_votes_against_the_attention_it_sums(queries, block_q):
+    """`column_votes` equals causal softmax attention of the last `queries` positions summed over them, per query
+    head, for the first n_keys keys; a KV head's query rows (group x queries) go `block_q` at a time, so a
+    head's rows may straddle two blocks (20 queries in blocks of 16) or share one with other heads (3, 6, 8)."""
+    from kvc.runtime.primitives.triton_primitives import column_votes
+
+    g = torch.Generator().manual_seed(queries)
+    length, group = 37, HEADS // KV_HEADS
+    q = torch.randn(HEADS, queries, DIM, generator=g)
+    k = torch.randn(KV_HEADS, length, DIM, generator=g)
+    keys = k.repeat_interleave(group, dim=0)  # [HEADS, length, D]
+    s = q @ keys.transpose(1, 2) / DIM ** 0.5
+    causal = torch.arange(length)[None, :] <= (length - queries + torch.arange(queries))[:, None]
+    want = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).sum(dim=1)[:, : length - queries]
+    got = column_votes(q, k, length - queries, block_q=block_q, block_k=16, num_warps=4)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("ordered", [False, True])
 @pytest.mark.parametrize("channels", [DIM, DIM - 4])
 def test_column_votes_over_paged_keys(ordered, channels):

@@ -70,9 +70,9 @@ def _column_votes() -> None:
 
     for queries in (8, 32, 64):
         cfg = prims.votes_config(queries, True, head_dim=576)
-        consts = dict(HEAD_DIM=576, BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"], BLOCK_D=1024, IEEE=False,
-                      **prims.DENSE)
-        for fn in (prims._row_stats, prims._columns):
+        for fn, rows in ((prims._row_stats, "BLOCK_Q"), (prims._columns, "BLOCK_R")):  # the query rows a program takes
+            consts = {"HEAD_DIM": 576, rows: cfg["block_q"], "BLOCK_K": cfg["block_k"], "BLOCK_D": 1024, "IEEE": False,
+                      **prims.DENSE}
             ptx = build(fn, consts, {"q_ptr": "*bf16", "k_ptr": "*bf16", "scale": "fp32"}, num_warps=cfg["num_warps"])
             _report(f"column votes {fn.__name__}, {queries} queries", ptx, cfg)
 
