@@ -171,6 +171,7 @@ class Scheduler:
         self.rules = rules
         self.check_rules(rules, num_layers)
         self._zero = [0] * self.num_classes
+        self._held_memo: dict[tuple, list[int]] = {}  # `_held_pages`
         self.chains = chains
         self.rows = rows  # the per-sequence rows of every lane's tensors (None: no lane has any)
         self.pool = pool
@@ -723,17 +724,21 @@ class Scheduler:
 
     def _shrink(self, seq: Sequence, kept: dict[int, int], decoding: bool = False) -> None:
         """seq's layers now store `kept[layer]` tokens: free the pages past them. A decoding row
-        (`decoding`: its keep ran at step end) whose count is a whole number of pages keeps its last
-        page when that page is the next token's: the step's token started it (so the row owns it) and
-        the next step would take one again (else a decode-time keep of, say, 2048 tokens would free and
-        take a page at every step). The truncation is logged, and its table readers apply it
-        incrementally. Where no page is freed the tables keep their version and the room takes the
-        freed slots (a decode-time keep in steady state: one token in, one out, every layer alike)."""
-        version, drops, size = seq.tables_version, set(), self.pool.page_size
+        (`decoding`: its keep ran at step end) keeps the pages it holds up to its budget's bound at its
+        context (`_held_pages`: what the layer may hold before its keep runs again; else the next token's
+        page), since it would take them again as it grows (a decode-time keep of 2,048 tokens every 128
+        steps would free 8 pages a layer at each keep and take one back every 16 steps; one run every step,
+        the page its step's token started). The
+        truncation is logged, and its table readers apply it incrementally. Where no page is freed the
+        tables keep their version and the room takes the freed slots (a decode-time keep in steady state:
+        the same tokens in and out, every layer alike)."""
+        version, drops, held = seq.tables_version, set(), None
         for layer, n in kept.items():
             pages = self.pool.pages_for(n)
-            if decoding and n % size == 0 and len(seq.page_tables[layer]) == pages + 1:
-                pages += 1  # the next token's page, which the step's token started
+            if decoding and len(seq.page_tables[layer]) > pages:  # pages it takes again before its next keep
+                held = held or self._held_pages(seq)
+                bound = n + 1 if held[layer] is None else held[layer]
+                pages = max(pages, min(len(seq.page_tables[layer]), self.pool.pages_for(bound)))
             dropped = seq.truncate_table(layer, pages)
             if dropped:
                 self.pool.free(dropped)
@@ -745,6 +750,26 @@ class Scheduler:
                 seq.room.use(-drops.pop())
             else:
                 seq.room = None  # rebuilt from the tables when next asked
+
+    def _held_pages(self, seq: Sequence) -> list[int | None]:
+        """Tokens each layer of a decoding row may hold before its keep runs again: its budget's
+        `steady_tokens` at the row's next step, where that bound stays put over the next page of context (a
+        decode-time keep bounds the layer); None where it grows with the context (a budget that does not
+        bound decode: only the next token's page is kept). Memoised per lane, prompt length and context:
+        rows that began decoding together share it."""
+        key = (id(self.rules_of(seq)), seq.prefill_end, seq.num_computed_tokens)
+        held = self._held_memo.get(key)
+        if held is None:
+            budget, size = self.rules_of(seq).budget, self.pool.page_size
+            context, prompt = seq.num_computed_tokens + 1, seq.prefill_end
+            held = []
+            for layer in range(self.num_layers):
+                bound = budget.steady_tokens(prompt, context, layer)
+                held.append(bound if budget.steady_tokens(prompt, context + size, layer) == bound else None)
+            if len(self._held_memo) >= 256:
+                self._held_memo.clear()
+            self._held_memo[key] = held
+        return held
 
     def _free(self, seq: Sequence) -> None:
         if seq.spare_pages:

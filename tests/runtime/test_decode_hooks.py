@@ -70,22 +70,27 @@ def method_is_idle(engine: Engine) -> bool:
 
 def _follow_the_oracle(model_dir, hf, method: str, params: dict) -> tuple[Engine, list[list[list[int]]]]:
     """Two prompts served together: the greedy tokens and every layer's physical length after every decoding
-    step equal the oracle's, the pages held are exactly those the lengths need, and nothing is left behind.
+    step equal the oracle's, the pages held are those the lengths need (up to the budget's bound), and nothing is
+    left behind.
     Returns the engine and the oracle's lengths per prompt."""
     engine = make_engine(model_dir, method, params)
     prompts = prompts_of(LENGTHS, seed=21)
     sampling = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
     seqs = [engine.add_request(p, sampling) for p in prompts]
     lengths = {s.seq_id: {} for s in seqs}  # decode step -> kv_lens after it
+    budget = engine.scheduler.rules.budget
     while engine.has_unfinished():
         engine.step()
         for s in seqs:
             if s.is_finished or s.is_prefill or s.num_computed_tokens <= s.num_prompt_tokens:
                 continue
             lengths[s.seq_id][s.num_computed_tokens - s.num_prompt_tokens] = list(s.kv_lens)
-            # the pages held are those the physical lengths need, freed at once; a keep that leaves whole
-            # pages keeps the page the next token goes to (Scheduler._shrink: no table change per step)
-            assert all(-(-n // PAGE) <= len(t) <= n // PAGE + 1 for t, n in zip(s.page_tables, s.kv_lens))
+            # the pages held are those the physical lengths need, or up to the budget's bound where a keep left
+            # pages the row takes again before its next keep (Scheduler._shrink: no table change per step)
+            bound = [budget.steady_tokens(s.prefill_end, s.num_computed_tokens + 1, layer)
+                     for layer in range(len(s.kv_lens))]
+            assert all(-(-n // PAGE) <= len(t) <= -(-max(n + 1, b) // PAGE)
+                       for t, n, b in zip(s.page_tables, s.kv_lens, bound))
         running = [s for s in seqs if not s.is_finished]
         assert engine.pool.num_used == sum(len(t) for s in running for t in s.page_tables)
     assert engine.pool.num_free == engine.pool.num_pages

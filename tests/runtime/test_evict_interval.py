@@ -55,17 +55,24 @@ def make_engine(model_dir: Path, method: str, params: dict, interval: int, **opt
                attention_backend="torch", evict_interval=interval, **options).engine
 
 
-def decode_lengths(engine: Engine, seqs) -> dict[int, dict[int, list[int]]]:
+def decode_lengths(engine: Engine, seqs, retained: list | None = None) -> dict[int, dict[int, list[int]]]:
     """Steps the engine to the end; per sequence, decode step -> kv_lens after it (the pages held
-    checked to be exactly those the lengths need)."""
+    checked to be those the lengths need, or up to the budget's bound where a keep left pages the row
+    takes again before its next keep: `Scheduler._shrink`)."""
     lengths: dict[int, dict[int, list[int]]] = {s.seq_id: {} for s in seqs}
+    budget = engine.scheduler.rules.budget
     while engine.has_unfinished():
         engine.step()
         for s in seqs:
             if s.is_finished or s.is_prefill or s.num_computed_tokens <= s.num_prompt_tokens:
                 continue
             lengths[s.seq_id][s.num_computed_tokens - s.num_prompt_tokens] = list(s.kv_lens)
-            assert [len(t) for t in s.page_tables] == [-(-n // PAGE) for n in s.kv_lens]
+            bound = [budget.steady_tokens(s.prefill_end, s.num_computed_tokens + 1, layer)
+                     for layer in range(len(s.kv_lens))]
+            assert all(-(-n // PAGE) <= len(t) <= -(-max(n, b) // PAGE)
+                       for n, b, t in zip(s.kv_lens, bound, s.page_tables))
+            if retained is not None:  # pages a keep left for the tokens to come
+                retained.append(sum(len(t) - -(-n // PAGE) for n, t in zip(s.kv_lens, s.page_tables)))
     assert engine.pool.num_free == engine.pool.num_pages
     return lengths
 
@@ -84,7 +91,10 @@ def test_tokens_and_lengths_follow_the_interval_oracle(model_dir, hf, method, in
     prompts = prompts_of([33, 33, 71], seed=21)
     params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
-    lengths = decode_lengths(engine, seqs)
+    retained = []
+    lengths = decode_lengths(engine, seqs, retained)
+    if interval > 1:  # a keep leaves the pages the row fills again before its next keep, not freed and retaken
+        assert max(retained) >= interval // PAGE
     m = engine.method
     assert not m._pending and not m._decode_state and not m._in_pages
     for seq, prompt in zip(seqs, prompts):
