@@ -394,7 +394,7 @@ class PagedAttention:
                               **({"block_tables": md.block_tables[layer_idx], "resid_lens": md.resid_lens[layer_idx]}
                                  if store.flushes_blocks else {}))
         if store.spec.positions is not None and md.positions is not None:
-            slot_order.record(store[store.spec.positions], slots, md.positions)
+            slot_order.record(store[store.spec.positions], slots, md.positions, self.backend)
         if not store.spec.summaries:
             return
         if store.folds_summaries:  # of the rows as computed: the codes of a block come when it is full
@@ -423,7 +423,8 @@ class PagedAttention:
         keeps them (runtime/kv/query_window.py)."""
         store = self.store_of(layer)
         if query_window.QUERIES in store.tensors:
-            query_window.record(store.tensors, layer, q, md.rows, md.num_decodes, md.host_cu_seqlens, md.host_rows)
+            query_window.record(store.tensors, layer, q, md.rows, md.num_decodes, md.host_cu_seqlens, md.host_rows,
+                                self.backend)
 
     def store_fresh(self, layer: int, k: torch.Tensor, v: torch.Tensor, table: list[int], row: int | None) -> None:
         """k, v [m, Hkv, D] as slots [0, m) of a sequence's layer over page table `table` (indices of the

@@ -27,14 +27,20 @@ def tensors(window: int, group: int, head_dim: int, dtype: torch.dtype) -> tuple
 
 
 def record(store_tensors: dict[str, torch.Tensor], layer: int, q: torch.Tensor, rows: torch.Tensor,
-           num_decodes: int, host_cu_seqlens: list[int] | None, host_rows: list[int] | None) -> None:
+           num_decodes: int, host_cu_seqlens: list[int] | None, host_rows: list[int] | None,
+           backend: str = "torch") -> None:
     """A step's queries q [T, Hq, D] into their rows' windows in `layer`: the first `num_decodes` sequences'
-    one query each (device indices only), then each prefill chunk's newest (host offsets: eager steps)."""
+    one query each (device indices only), then each prefill chunk's newest (host offsets: eager steps).
+    `backend` "triton": the decode rows' in one launch (runtime/kv/records_triton.py), else in torch."""
     queries, counts = store_tensors[QUERIES], store_tensors[COUNT]
     kv_heads, group, window = queries.shape[2], queries.shape[3], queries.shape[4]
     ring = queries[:, layer].permute(0, 3, 1, 2, 4)  # [rows, n, Hkv, group, D], a view
     count = counts[:, layer, 0, 0]  # [rows]
-    if num_decodes:
+    if num_decodes and backend == "triton":
+        from kvc.runtime.kv.records_triton import record_queries
+
+        record_queries(queries, counts, layer, q[:num_decodes], rows[:num_decodes])
+    elif num_decodes:
         r = rows[:num_decodes].long()
         written = count[r]
         ring[r, (written % window).long()] = q[:num_decodes].reshape(num_decodes, kv_heads, group, -1).to(ring.dtype)

@@ -29,9 +29,15 @@ from kvc.runtime.transfer import to_device
 PAD = torch.iinfo(torch.int32).max  # position of a padding slot: sorts last
 
 
-def record(plane: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
+def record(plane: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, backend: str = "torch") -> None:
     """The step's tokens' logical `positions [T]` at their `slots [T]` (-1: none, sent to the scratch
-    page) of a positions tensor `plane [pages + 1, Hkv, S]`. Graph-safe: no host value."""
+    page) of a positions tensor `plane [pages + 1, Hkv, S]`. Graph-safe: no host value. `backend` "triton":
+    one launch (runtime/kv/records_triton.py), else in torch."""
+    if backend == "triton":
+        from kvc.runtime.kv.records_triton import record_positions
+
+        record_positions(plane, slots, positions)
+        return
     page_size, scratch = plane.shape[2], plane.shape[0] - 1
     slots = slots.long()
     pages = torch.where(slots >= 0, slots // page_size, scratch)

@@ -309,6 +309,28 @@ def test_triton_statistics_in_the_engine(model_dir, hf, method):
     assert seq.generated_ids == want.tolist()
 
 
+def test_a_decode_budget_on_the_triton_backend(model_dir, hf):
+    """SnapKV's decode budget on the triton backend (the GPU path, here under TRITON_INTERPRET=1): the decode
+    rows' queries and positions written by one launch each (runtime/kv/records_triton.py), the window score
+    fused, the layers' step ends stacked, the fill in one launch; the oracle's tokens."""
+    pytest.importorskip("triton")
+    from tests.kernels.paged_cases import triton_device_and_ops
+
+    device, _ = triton_device_and_ops("plain")
+    params = DECODE_BUDGETS["snapkv"]
+    llm = LLM(str(model_dir), method="snapkv", method_params=params, device=device.type, dtype="float32",
+              page_size=PAGE, max_num_batched_tokens=64, max_prefill_chunk=32, attention_backend="triton",
+              cuda_graphs=False)
+    engine = llm.engine
+    assert engine.attention.backend == "triton" and engine.method.step_end_layers
+    prompt, steps = prompts_of([37], seed=8)[0], 10
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    want = greedy_compressed_decode(hf, torch.tensor(prompt), steps, "snapkv", **params)[0]
+    assert seq.generated_ids == want.tolist()
+
+
 KNORM = """method knorm : eviction
 
 param budget: tokens = 16 in [1, 1048576]
