@@ -272,10 +272,12 @@ class StepHooks:
                                 cache_view(seq, layer, seq.kv_lens[layer] + 1, 1),  # the step's token is stored
                                 self._spans_of(seq))
 
+            # one layer: index with it and a slice (every row) or the candidates, views where numpy gives them
+            rix, lix = (row_of, layer_of) if len(layers) > 1 else (
+                slice(None) if candidates is everyone else np.asarray(candidates), layers[0])
             views = StepViews(layers[0], self.store_of(layers[0]), [decoded[r].seq_id for r in row_of.tolist()],
-                              lengths[row_of, layer_of], contexts[row_of, layer_of], prompts[row_of, layer_of],
-                              packed[layer_of, row_of], page_counts[row_of, layer_of], make, seq_rows[row_of],
-                              layers=layer_of if len(layers) > 1 else None)
+                              lengths[rix, lix], contexts[rix, lix], prompts[rix, lix], packed[lix, rix],
+                              page_counts[rix, lix], make, seq_rows[rix], layers=layer_of if len(layers) > 1 else None)
             with host_range("kvc.step_end.select"):
                 plans = batched(layers[0], views)
             if len(plans) != len(views):
@@ -290,6 +292,7 @@ class StepHooks:
                 continue
             every = len(found) == len(plans)  # the common case: every row evicts
             jobs_rows, jobs_layers = (row_of, layer_of) if every else (row_of[found], layer_of[found])
+            rix_jobs, lix_jobs = (rix, lix) if every else (jobs_rows, jobs_layers)  # every row: the views' indexing
             if self.pool is not None:
                 for i, row, layer in zip(found, jobs_rows.tolist(), jobs_layers.tolist()):
                     seq = decoded[row]
@@ -302,8 +305,8 @@ class StepHooks:
             kept = plans if every else [plans[i] for i in found]
             logical = [seq.num_computed_tokens + 1 for seq in seqs]
             with host_range("kvc.step_end.compact"):
-                jobs = self._plan_batch(jobs_layers, kept, seqs, lengths[jobs_rows, jobs_layers],
-                                        page_counts[jobs_rows, jobs_layers], packed[jobs_layers, jobs_rows])
+                jobs = self._plan_batch(jobs_layers, kept, seqs, lengths[rix_jobs, lix_jobs],
+                                        page_counts[rix_jobs, lix_jobs], packed[lix_jobs, rix_jobs])
                 self._compact(jobs_layers, jobs, seqs, [n - plan.tail for n, plan in zip(logical, kept)], logical,
                               output.compacted, in_place=self.store_of(layers[0]).spec.in_place)
 
