@@ -17,6 +17,8 @@ attends only to the slots a plan lists (runtime/kv/plans.py).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -580,13 +582,15 @@ def causal_offset_mask(q_len: int, kv_len: int, device: torch.device) -> torch.T
 
 # The fused attention kernels also return each query's log-sum-exp, which lets a chunk over a
 # cached prefix run as two mask-free calls (`_attend_over_prefix`). Private aten ops: the CPU's flash
-# kernel; on CUDA cuDNN's (head dim <= 128; the fastest on Hopper: docs/benchmarks.md) or flash's
-# (<= 256), each over as many KV heads as query heads (a GQA prefix's heads repeated: a copy of
-# about 1% of the attention's time at 8K-token chunks). Without them (another build), or where none
-# applies (values narrower than keys, float32 on CUDA), the chunk takes one call with its causal mask.
+# kernel; on CUDA cuDNN's (head dim <= 128; the fastest on Hopper: docs/benchmarks.md), which takes a
+# GQA layer's key heads as they are, or flash's (<= 256) over key heads repeated to the query heads (a
+# copy). Without them (another build), or where none applies (values narrower than keys, float32 on
+# CUDA), the chunk takes one call with its causal mask.
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CUDA_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
 _CUDNN = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+log = logging.getLogger(__name__)
+_CUDNN_GQA = True  # until this torch's cuDNN op refuses fewer key heads than query heads
 
 
 def _flash_with_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool, scale: float):
@@ -599,6 +603,17 @@ def _flash_with_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, c
         return out, lse
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256:
         return None
+    global _CUDNN_GQA
+    if _CUDNN is not None and q.shape[-1] <= 128 and (_CUDNN_GQA or q.shape[1] == keys.shape[1]):
+        try:  # cuDNN takes fewer key/value heads than query heads as they are: no repeated copy
+            out, lse = _CUDNN(q, keys, values, None, True, 0.0, causal, False, scale=scale)[:2]
+            return out, lse.reshape(q.shape[:3])
+        except RuntimeError as err:  # a torch whose cuDNN op wants equal heads: repeat them from now on
+            if q.shape[1] == keys.shape[1] or isinstance(err, torch.OutOfMemoryError):
+                raise
+            _CUDNN_GQA = False
+            log.debug("cuDNN attention refused %d query heads over %d key heads (%s): repeating them",
+                      q.shape[1], keys.shape[1], err)
     if q.shape[1] != keys.shape[1]:
         group = q.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
@@ -628,6 +643,10 @@ def _attend_over_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                                               scale=scale, enable_gqa=gqa)
     o_prefix, lse_prefix = whole
     o_chunk, lse_chunk = _flash_with_lse(q, keys[:, :, prefix:], values[:, :, prefix:], True, scale)
+    if q.is_cuda:  # one launch, no float32 copies (merge_triton.py)
+        from kvc.runtime.attention import merge_triton  # imports triton: only a CUDA prefill asks
+
+        return merge_triton.merge(o_prefix, lse_prefix, o_chunk, lse_chunk)
     # softmax over both parts = each part's softmax weighted by its share of the total mass
     w_prefix = torch.sigmoid(lse_prefix.float() - lse_chunk.float()).unsqueeze(-1)  # [1, Hq, n, 1]
     return torch.lerp(o_chunk.float(), o_prefix.float(), w_prefix).to(q.dtype)
