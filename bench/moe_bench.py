@@ -213,6 +213,12 @@ def sweep_configs(tokens: int, shape: MoeShape):
     from kvc.runtime.models.moe_triton import MoeTileConfig
 
     rows_per_expert = tokens * shape.top_k / shape.num_experts
+    if rows_per_expert > 256:  # prefill chunks: compute-bound tiles
+        for bm, bn, warps, stages, group in itertools.product([64, 128], [64, 128, 256], [4, 8], [3, 4], [8]):
+            if bm * bn * stages > 128 * 256 * 3:
+                continue  # over the shared memory
+            yield MoeTileConfig(block_m=bm, block_n=bn, block_k=64, group_m=group, num_warps=warps, num_stages=stages)
+        return
     block_ms = [16, 32] if rows_per_expert <= 16 else [32, 64, 128]
     for bm, bn, bk, warps, stages in itertools.product(block_ms, [32, 64, 128], [64, 128], [4, 8], [3, 4]):
         if bm * bn >= 128 * 128 and stages > 3:

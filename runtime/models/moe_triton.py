@@ -83,7 +83,9 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
         return MoeTileConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4)
     if rows_per_expert <= 256:
         return MoeTileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
-    return MoeTileConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    # prefill chunks: the best of `python bench/moe_bench.py --tokens 8192,32768 --sweep` on an H100
+    # (1.19x / 1.15x the 64 x 128 tiles: docs/benchmarks.md, issue 23's MoE prefill)
+    return MoeTileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
 def launch_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,

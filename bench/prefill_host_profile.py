@@ -1,0 +1,120 @@
+"""Where one long prefill's host time goes: the steps that prefill a single prompt (no decode rows, no prefix
+hit), timed plainly and then under cProfile, after a warm-up prompt of the same length (kernels compiled,
+cuDNN's graphs built). The GPU time of the same steps (CUDA events around them) says how much of the wall the
+host leaves the GPU idle; the cProfile table says which Python functions hold the host (docs/benchmarks.md,
+issue 23's prefill sections).
+
+    python bench/prefill_host_profile.py --model random:qwen3-30b-a3b --input 32768 --chunk 8192 --out p.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+
+import torch
+
+
+def _as_before() -> None:
+    """The prefill path as it was before the merge kernel (a same-run baseline)."""
+    from kvc.runtime.attention import merge_triton, torch_ops
+    from kvc.runtime.models import moe_triton
+
+    torch_ops._CUDNN_GQA = False
+
+    def lerp(o_a, lse_a, o_b, lse_b):
+        w = torch.sigmoid(lse_a.float() - lse_b.float()).unsqueeze(-1)
+        return torch.lerp(o_b.float(), o_a.float(), w).to(o_b.dtype)
+
+    merge_triton.merge = lerp
+    tiles = moe_triton.default_config
+
+    def old_tiles(num_tokens, top_k, num_experts, dtype):
+        cfg = tiles(num_tokens, top_k, num_experts, dtype)
+        return moe_triton.MoeTileConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3) \
+            if cfg.block_m == 128 and dtype != torch.float32 else cfg
+
+    moe_triton.default_config = old_tiles
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="random:qwen3-30b-a3b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--input", type=int, default=32768)
+    p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
+    p.add_argument("--kv-memory", default="24GiB")
+    p.add_argument("--prefill-attention", default="auto")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--device", default="cuda", help="cpu: a dry run (no GPU time)")
+    p.add_argument("--baseline", action="store_true",
+                   help="as before the merge kernel: GQA keys repeated, the float32 lerp, 64 x 128 MoE prefill tiles")
+    p.add_argument("--out")
+    a = p.parse_args()
+
+    from kvc.runtime.bench.plan import parse_bytes
+    from kvc.runtime.config import EngineConfig
+    from kvc.runtime.engine import Engine
+    from kvc.runtime.sampling_params import SamplingParams
+
+    if a.baseline:
+        _as_before()
+    engine = Engine(EngineConfig(model=a.model, dtype=a.dtype, device=a.device,
+                                 kv_cache_memory=parse_bytes(a.kv_memory), max_num_seqs=4,
+                                 max_num_batched_tokens=a.chunk, max_model_len=a.input + 16,
+                                 enable_prefix_caching=False, prefill_attention=a.prefill_attention))
+    g = torch.Generator().manual_seed(0)
+
+    def prefill(profiler: cProfile.Profile | None) -> tuple[float, float, int]:
+        """(wall s, GPU s, steps) of one fresh prompt's prefill, up to its first token."""
+        seq = engine.add_request(torch.randint(3, min(30000, engine.spec.vocab_size), (a.input,), generator=g).tolist(),
+                                 SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        cuda = a.device == "cuda"
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        steps, t = 0, time.perf_counter()
+        if profiler:
+            profiler.enable()
+        while not seq.is_finished:
+            engine.step()
+            steps += 1
+        if profiler:
+            profiler.disable()
+        if cuda:
+            end.record()
+        sync()
+        wall = time.perf_counter() - t
+        return wall, start.elapsed_time(end) / 1e3 if cuda else wall, steps
+
+    prefill(None)  # warm-up: compiles, cuDNN graphs of these shapes
+    wall, gpu_span, steps = prefill(None)
+    prof = cProfile.Profile()
+    wall_p, _, _ = prefill(prof)
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(a.top)
+    stats.sort_stats("cumulative").print_stats(a.top)
+    print(f"{'baseline ' if a.baseline else ''}{a.model}: one {a.input}-token prefill in chunks of {a.chunk}: "
+          f"{wall:.3f} s wall ({steps} steps), "
+          f"{wall_p:.3f} s under cProfile")
+    print(out.getvalue())
+    if a.out:
+        rows = sorted(((f"{fn[0].split('/kvc/')[-1]}:{fn[1]}({fn[2]})", s[2], s[3], s[1])
+                       for fn, s in stats.stats.items()), key=lambda r: -r[1])[: 4 * a.top]
+        with open(a.out, "w") as f:
+            device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+            json.dump({"model": a.model, "baseline": a.baseline, "input": a.input, "chunk": a.chunk, "wall_s": wall,
+                       "steps": steps, "wall_profiled_s": wall_p, "gpu_span_s": gpu_span, "device": device,
+                       "by_tottime": [{"function": r[0], "tottime_s": r[1], "cumtime_s": r[2], "calls": r[3]}
+                                      for r in rows]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
