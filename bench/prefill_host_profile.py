@@ -41,6 +41,24 @@ def _as_before() -> None:
     moe_triton.default_config = old_tiles
 
 
+def _sync_prefill() -> None:
+    """Async scheduling as it was before prefill chunks and admissions ran ahead (a same-run baseline): only
+    the plain continuation of a decode-only step, with nothing waiting, is scheduled ahead."""
+    from kvc.runtime.scheduler import Scheduler
+
+    ahead = Scheduler.schedule_ahead
+
+    def decodes_only(self, launched):
+        if self.waiting or launched.num_prefills or any(seq.is_prefill for seq in self.running):
+            return None
+        return ahead(self, launched)
+
+    Scheduler.schedule_ahead = decodes_only
+    Scheduler.may_run_ahead = staticmethod(
+        lambda batch: batch.num_prefills == 0 and all(s.chain is None and s.params.structured_outputs is None
+                                                      for s in batch.seqs))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:qwen3-30b-a3b")
@@ -53,6 +71,11 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a dry run (no GPU time)")
     p.add_argument("--baseline", action="store_true",
                    help="as before the merge kernel: GQA keys repeated, the float32 lerp, 64 x 128 MoE prefill tiles")
+    p.add_argument("--sync-prefill", action="store_true",
+                   help="as before prefills ran ahead: a step with prefill chunks, or with requests waiting, syncs")
+    p.add_argument("--decoding", type=int, default=0,
+                   help="rows decoding beside the prefill (mixed steps, as a serving engine runs them)")
+    p.add_argument("--decode-prompt", type=int, default=1024, help="prompt tokens of each decoding row")
     p.add_argument("--out")
     a = p.parse_args()
 
@@ -63,15 +86,23 @@ def main() -> None:
 
     if a.baseline:
         _as_before()
+    if a.sync_prefill:
+        _sync_prefill()
     engine = Engine(EngineConfig(model=a.model, dtype=a.dtype, device=a.device,
-                                 kv_cache_memory=parse_bytes(a.kv_memory), max_num_seqs=4,
+                                 kv_cache_memory=parse_bytes(a.kv_memory), max_num_seqs=a.decoding + 4,
                                  max_num_batched_tokens=a.chunk, max_model_len=a.input + 16,
                                  enable_prefix_caching=False, prefill_attention=a.prefill_attention))
     g = torch.Generator().manual_seed(0)
+    vocab = min(30000, engine.spec.vocab_size)
+    for _ in range(a.decoding):  # outlive the three prefills below; sampled, so that rows stay distinct
+        engine.add_request(torch.randint(3, vocab, (a.decode_prompt,), generator=g).tolist(),
+                           SamplingParams(max_tokens=a.input - a.decode_prompt, temperature=1.0, ignore_eos=True))
+    while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
+        engine.step()
 
     def prefill(profiler: cProfile.Profile | None) -> tuple[float, float, int]:
         """(wall s, GPU s, steps) of one fresh prompt's prefill, up to its first token."""
-        seq = engine.add_request(torch.randint(3, min(30000, engine.spec.vocab_size), (a.input,), generator=g).tolist(),
+        seq = engine.add_request(torch.randint(3, vocab, (a.input,), generator=g).tolist(),
                                  SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
         cuda = a.device == "cuda"
         sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -101,7 +132,9 @@ def main() -> None:
     stats = pstats.Stats(prof, stream=out)
     stats.sort_stats("tottime").print_stats(a.top)
     stats.sort_stats("cumulative").print_stats(a.top)
-    print(f"{'baseline ' if a.baseline else ''}{a.model}: one {a.input}-token prefill in chunks of {a.chunk}: "
+    tags = ("baseline " if a.baseline else "") + ("sync-prefill " if a.sync_prefill else "")
+    print(f"{tags}{a.model}: one {a.input}-token prefill in chunks of {a.chunk}"
+          f"{f' beside {a.decoding} decoding rows' if a.decoding else ''}: "
           f"{wall:.3f} s wall ({steps} steps), "
           f"{wall_p:.3f} s under cProfile")
     print(out.getvalue())
@@ -110,7 +143,9 @@ def main() -> None:
                        for fn, s in stats.stats.items()), key=lambda r: -r[1])[: 4 * a.top]
         with open(a.out, "w") as f:
             device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
-            json.dump({"model": a.model, "baseline": a.baseline, "input": a.input, "chunk": a.chunk, "wall_s": wall,
+            json.dump({"model": a.model, "baseline": a.baseline, "sync_prefill": a.sync_prefill,
+                       "decoding": a.decoding, "input": a.input,
+                       "chunk": a.chunk, "wall_s": wall,
                        "steps": steps, "wall_profiled_s": wall_p, "gpu_span_s": gpu_span, "device": device,
                        "by_tottime": [{"function": r[0], "tottime_s": r[1], "cumtime_s": r[2], "calls": r[3]}
                                       for r in rows]}, f, indent=1)

@@ -710,11 +710,12 @@ class Engine:
     def step(self) -> list[Sequence]:
         """One engine step; returns the sequences that finished in it.
 
-        Async scheduling: a plain decode step is left running on the device (`_launched`); the
-        next call schedules and launches the step after it over its pending tokens, and only then
-        waits for its tokens and commits them. The host's work for a step so overlaps the
-        device's previous one. A step that cannot be scheduled ahead (a request waits, a prefill,
-        a chain, structured outputs, pages short) is run the plain way, after a commit."""
+        Async scheduling: a step is left running on the device (`_launched`); the next call
+        schedules and launches the step after it over its pending tokens (decoding rows) and the
+        host's (prefill chunks, admissions), and only then waits for its tokens and commits them.
+        The host's work for a step so overlaps the device's previous one. A step that cannot be
+        scheduled ahead (a chain, structured outputs, pages short of every row's next step) is run
+        the plain way, after a commit (`Scheduler.schedule_ahead`)."""
         self._mirror("step")
         with ranks_scope(self.heads):  # the lowering's reductions over query heads combine the ranks' (TP)
             return self._step()

@@ -451,7 +451,10 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        """Picks the next step's sequences and token counts; None when there is nothing to run."""
+        """Picks the next step's sequences and token counts; None when there is nothing to run.
+
+        A sequence whose pending tokens (async scheduling, `schedule_ahead`) stop it by length is left out:
+        its step would compute a token past its end."""
         budget = self.config.max_num_batched_tokens
         chunk_cap = self.config.max_prefill_chunk or budget
         step: dict[int, int] = {}  # seq_id -> new tokens, in scheduling order
@@ -484,7 +487,7 @@ class Scheduler:
                     step[seq.seq_id] = n
                     budget -= n
 
-        decoding = [s for s in self.running if not s.is_prefill]  # one uncomputed token each
+        decoding = [s for s in self.running if not s.is_prefill and not (s.pending and s.stops_by_length)]
         prefilling = [s for s in self.running if s.is_prefill]
         prefill_first = self.config.prefill_first and bool(prefilling or self.waiting)
         run(prefilling if prefill_first else decoding + prefilling)
@@ -674,30 +677,31 @@ class Scheduler:
 
     @staticmethod
     def may_run_ahead(batch: ScheduledBatch) -> bool:
-        """Can `batch` stay running while the next step is scheduled: decodes only, none chained,
-        none with structured outputs (whose next mask needs this step's token)."""
-        return batch.num_prefills == 0 and all(seq.chain is None and seq.params.structured_outputs is None
-                                               for seq in batch.seqs)
+        """Can `batch` stay running while the next step is scheduled: none chained, none with structured
+        outputs (whose next mask needs this step's token). Prefill chunks may: the next step continues
+        them from the host's tokens."""
+        return all(seq.chain is None and seq.params.structured_outputs is None for seq in batch.seqs)
 
     def schedule_ahead(self, launched: ScheduledBatch) -> ScheduledBatch | None:
-        """The next decode step of `launched`'s sequences while its tokens are still pending on the
-        device (async scheduling): each decodes its pending token. None (the caller commits first
-        and schedules normally) unless it is the plain continuation: `launched` decoded every
-        running sequence, none is chained, nothing waits, and the free pages take every next
-        token without preempting. A sequence that its pending token stops by length is left out."""
-        if self.waiting or not self.may_run_ahead(launched) or len(launched.seqs) != len(self.running):
+        """The next step while `launched`'s tokens are still pending on the device (async scheduling):
+        `schedule` over the running sequences' known and pending tokens (a decoding row decodes its
+        pending token, a prefill goes on with its next chunk) and the waiting ones it admits, when
+        nothing in it can preempt: the free pages take every running sequence's next step at its
+        largest. None (the caller commits first and schedules normally) when they do not, when
+        `launched` may not run ahead, or when a chained request is next in the queue (its admission
+        attaches the chain's record)."""
+        if not self.may_run_ahead(launched) or (self.waiting and self.waiting[0].chain is not None):
             return None
-        seqs = []
-        for seq in launched.seqs:
-            if seq.status is not SequenceStatus.RUNNING or seq.pending != 1:
-                return None
-            if not seq.stops_by_length:
-                seqs.append(seq)
-        if not seqs or not self.pool.fits([sum(n) for n in zip(*(self._need(seq, 1) for seq in seqs))]):
+        budget = self.config.max_num_batched_tokens
+        cap = min(self.config.max_prefill_chunk or budget, budget)
+        need = [0] * self.num_classes
+        for seq in self.running:
+            n = min(seq.num_uncomputed_tokens, cap)
+            if n and not (seq.pending and seq.stops_by_length):
+                need = [a + b for a, b in zip(need, self._need(seq, n))]
+        if not self.pool.fits(need):
             return None
-        for seq in seqs:
-            self._take(seq, 1)
-        return ScheduledBatch(seqs=seqs, num_new_tokens=[1] * len(seqs), num_decodes=len(seqs))
+        return self.schedule()
 
     def _register_full_pages(self, seq: Sequence, computed_before: int, rules: LaneRules) -> None:
         """Names in the prefix cache each page that this step filled (under a flush block: whose block's

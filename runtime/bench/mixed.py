@@ -17,7 +17,7 @@ from dataclasses import replace
 from functools import partial
 
 from kvc.runtime.bench.sources import mix_layers, prefill_sources
-from kvc.runtime.bench.steps import Clock, retire, collect, make_engine, prompt, until, warm_up, window
+from kvc.runtime.bench.steps import Clock, collect, first_tokens, make_engine, prompt, retire, warm_up, window
 from kvc.runtime.sampling_params import SamplingParams
 
 
@@ -56,7 +56,7 @@ def mixed_row(cfg, cases: list, rows: list[dict]) -> dict:
             params = SamplingParams(max_tokens=cfg.output_len, temperature=cfg.temperature, ignore_eos=True,
                                     method=case.method)
             seq = engine.add_request(prompt(engine.spec.vocab_size, first.input_len, cfg.seed + 1000 * i), params)
-            until(engine, lambda: seq.num_generated >= 1, clock, limit=first.input_len + 1)
+            first_tokens(engine, [seq], clock, limit=first.input_len + 1)
             count = min(cfg.sources, share)
             sources = [seq, *prefill_sources(engine, params, first.input_len, count - 1, cfg.seed + 1000 * i, clock)]
             clones = engine.clone_sequence(seq, share - count)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 
-from kvc.runtime.bench.steps import prompt, until
+from kvc.runtime.bench.steps import first_tokens, prompt
 
 
 def prefill_sources(engine, params, input_len: int, count: int, seed: int, clock, first: int = 0) -> list:
@@ -30,7 +30,7 @@ def prefill_sources(engine, params, input_len: int, count: int, seed: int, clock
     until each has its first token; the list of their sequences."""
     seqs = [engine.add_request(prompt(engine.spec.vocab_size, input_len, seed + 100 + i), params)
             for i in range(first, first + count)]
-    until(engine, lambda: all(s.num_generated >= 1 for s in seqs), clock, limit=count * (input_len + 1))
+    first_tokens(engine, seqs, clock, limit=count * (input_len + 1))
     return seqs
 
 

@@ -88,6 +88,15 @@ def until(engine, done: Callable[[], bool], clock: Clock, limit: int) -> float:
     return total
 
 
+def first_tokens(engine, seqs: list, clock: Clock, limit: int) -> float:
+    """Steps the engine until each of `seqs` has sampled its first token, then commits it; the synchronised
+    time of those steps. A token counts once sampled: with async scheduling the step that samples it is
+    left running, and the step after it (its first decode, scheduled ahead) is not part of the prefill."""
+    total = until(engine, lambda: all(s.num_generated + s.pending >= 1 for s in seqs), clock, limit)
+    engine.drain()
+    return total
+
+
 def window(engine, seqs: list, steps: int, clock: Clock, each: list | None = None) -> float:
     """Seconds of `steps` engine steps, each decoding every one of `seqs` (checked). A token counts
     once sampled: with async scheduling the last step's tokens are still pending on the device.
@@ -161,7 +170,7 @@ def warm_up(engine, cfg, input_len: int) -> None:
     rows = min(2, engine.config.max_num_seqs)
     seqs = [engine.add_request(prompt(engine.spec.vocab_size, n, cfg.seed + 1 + i), params) for i in range(rows)]
     clock = Clock(engine.device)
-    until(engine, lambda: all(seq.num_generated >= 1 for seq in seqs), clock, limit=rows * (n + 1))
+    first_tokens(engine, seqs, clock, limit=rows * (n + 1))
     window(engine, seqs, 2, clock)
     through_decode_keep(engine, seqs, WARMUP_DECODE, clock)
     for seq in seqs:

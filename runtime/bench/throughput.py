@@ -69,6 +69,7 @@ from kvc.runtime.bench.steps import (
     WARMUP_DECODE,
     Clock,
     collect,
+    first_tokens,
     make_engine,
     prompt,
     retire,
@@ -248,7 +249,7 @@ def _decode_window(engine, cfg: ThroughputConfig, input_len: int, batch: int, cl
     clock.sync()
     t0 = time.perf_counter()
     seq = engine.add_request(tokens, params)
-    prefill_s = until(engine, lambda: seq.num_generated >= 1, clock, limit=input_len + 1)
+    prefill_s = first_tokens(engine, [seq], clock, limit=input_len + 1)
     ttft_s = time.perf_counter() - t0
     phases["prefill_s"] = ttft_s
     if cfg.decode_offset:

@@ -33,10 +33,11 @@ def test_rms_norm(dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("tokens", [3, 37], ids=["decode", "blocks"])  # 37: two full blocks of 16 and a partial
 @torch.no_grad()
-def test_norm_rope(dtype, qk_norm) -> None:
+def test_norm_rope(dtype, qk_norm, tokens) -> None:
     g = torch.Generator().manual_seed(1)
-    tokens, hq, hkv, d = 3, 4, 2, 32
+    hq, hkv, d = 4, 2, 32
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEV)
     q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)  # strided views, as Attention.forward has them
     q, k = q.view(tokens, hq, d), k.view(tokens, hkv, d)

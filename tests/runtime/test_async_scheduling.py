@@ -1,7 +1,7 @@
 """Async scheduling (runtime/engine.py `step`): the engine builds and launches the next decode step
 while the current one's sampled tokens are still pending on the device, and commits them after.
 
-The oracle is the same engine without it: every request's tokens and finish reason are equal, for
+The oracle is the same engine without it (prefill chunks and admissions run ahead as well): every request's tokens and finish reason are equal, for
 greedy and seeded sampling, with stop tokens and max_tokens that end requests at different steps
 (a request that a pending token stops is in the step launched ahead: its row is computed and
 dropped), requests arriving and aborted between steps, and the prefix cache (the pages a request
@@ -183,7 +183,7 @@ def test_clone_while_a_step_runs_ahead(model_dir):
     assert seq.generated_ids == alone
 
 
-def test_schedule_ahead_refusals(model_dir):
+def test_schedule_ahead_refusals_and_admissions(model_dir):
     engine = make_engine(model_dir, "full", True)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     a = engine.add_request(prompts()[0], sp)
@@ -191,19 +191,50 @@ def test_schedule_ahead_refusals(model_dir):
         engine.step()
     batch, _ = engine._launched
     sched = engine.scheduler
-    b = engine.add_request(prompts()[1], sp)  # a waiting request: the next step must admit it
-    assert sched.schedule_ahead(batch) is None
-    sched.abort(b.seq_id)
     free = sched.pool.num_free
     taken = sched.pool.allocate(free)  # no free page for a page boundary: never preempt ahead
+    kv_lens, tables = list(a.kv_lens), [list(t) for t in a.page_tables]
     a.kv_lens = [(kv // 8 + 1) * 8 for kv in a.kv_lens]  # every layer at a page boundary
     a.room = None
     assert sched.schedule_ahead(batch) is None
     sched.pool.free(taken)
     a.kv_lens = [len(t) * 8 - 1 for t in a.page_tables]
     a.room = None
+    max_tokens = a.params.max_tokens
     a.params = SamplingParams(max_tokens=a.num_generated + 1, temperature=0, ignore_eos=True)
-    assert a.stops_by_length and sched.schedule_ahead(batch) is None  # its pending token ends it
+    assert a.stops_by_length and sched.schedule_ahead(batch) is None  # its pending token ends it: nothing to run
+    a.params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    a.kv_lens, a.room = kv_lens, None
+    assert [list(t) for t in a.page_tables] == tables
+    b = engine.add_request(prompts()[3], sp)  # 80 tokens: chunks of 32
+    b.chain = object()  # a chained request next in the queue: its admission attaches a record
+    assert sched.schedule_ahead(batch) is None
+    b.chain = None
+    ahead = sched.schedule_ahead(batch)  # admitted ahead: a decodes its pending token, b prefills
+    assert ahead is not None and ahead.seqs == [a, b] and ahead.num_new_tokens == [1, 32]
+
+
+def test_prefill_chunks_run_ahead(model_dir):
+    """A long prompt's chunks and the steps that admit waiting requests are scheduled ahead too (the
+    host's work for the next chunk overlaps the device's current one); the tokens are the plain
+    engine's."""
+    stops = stop_ids_of(model_dir, "snapkv")
+    work = list(zip(prompts(), params(stops)))
+    arrive = {3: 4, 4: 9}
+    plain, _ = run(make_engine(model_dir, "snapkv", False, max_prefill_chunk=8), work, arrive)
+    engine = make_engine(model_dir, "snapkv", True, max_prefill_chunk=8)
+    prefills = []
+    inner = engine.scheduler.schedule_ahead
+
+    def counted(batch):
+        out = inner(batch)
+        prefills.append(out is not None and out.num_prefills > 0)
+        return out
+
+    engine.scheduler.schedule_ahead = counted
+    ahead, _ = run(engine, work, arrive)
+    assert ahead == plain
+    assert sum(prefills) >= 10, f"{sum(prefills)} steps with prefill chunks were scheduled ahead"
 
 
 @pytest.mark.parametrize("method", ["full", "adakv"])
