@@ -21,8 +21,9 @@ import torch
 
 def _as_before() -> None:
     """The prefill path as it was before the merge kernel (a same-run baseline)."""
-    from kvc.runtime.attention import merge_triton, torch_ops
+    from kvc.runtime.attention import torch_ops
     from kvc.runtime.models import moe_triton
+    from kvc.runtime.primitives import merge_triton
 
     torch_ops._CUDNN_GQA = False
 

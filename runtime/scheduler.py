@@ -688,9 +688,9 @@ class Scheduler:
         pending token, a prefill goes on with its next chunk) and the waiting ones it admits, when
         nothing in it can preempt: the free pages take every running sequence's next step at its
         largest. None (the caller commits first and schedules normally) when they do not, when
-        `launched` may not run ahead, or when a chained request is next in the queue (its admission
-        attaches the chain's record)."""
-        if not self.may_run_ahead(launched) or (self.waiting and self.waiting[0].chain is not None):
+        `launched` may not run ahead, or when a chained request waits (its admission attaches the
+        chain's record)."""
+        if not self.may_run_ahead(launched) or any(seq.chain is not None for seq in self.waiting):
             return None
         budget = self.config.max_num_batched_tokens
         cap = min(self.config.max_prefill_chunk or budget, budget)

@@ -644,7 +644,7 @@ def _attend_over_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     o_prefix, lse_prefix = whole
     o_chunk, lse_chunk = _flash_with_lse(q, keys[:, :, prefix:], values[:, :, prefix:], True, scale)
     if q.is_cuda:  # one launch, no float32 copies (merge_triton.py)
-        from kvc.runtime.attention import merge_triton  # imports triton: only a CUDA prefill asks
+        from kvc.runtime.primitives import merge_triton  # imports triton: only a CUDA prefill asks
 
         return merge_triton.merge(o_prefix, lse_prefix, o_chunk, lse_chunk)
     # softmax over both parts = each part's softmax weighted by its share of the total mass

@@ -1,4 +1,4 @@
-"""Two attention parts merged by their log-sum-exps in one launch (runtime/attention/merge_triton.py) against
+"""Two attention parts merged by their log-sum-exps in one launch (runtime/primitives/merge_triton.py) against
 the torch path's float32 lerp (`torch_ops._attend_over_prefix`) and against attention over both parts at once:
 outputs in cuDNN's token-major strides and in plain [1, Hq, n, D], a head dim that is not a power of two, one
 part holding nearly all the mass. Under TRITON_INTERPRET=1 without a GPU (tests/conftest.py sets it); on a
@@ -17,7 +17,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
 
-from kvc.runtime.attention import merge_triton  # noqa: E402
+from kvc.runtime.primitives import merge_triton  # noqa: E402
 
 
 def _part(q, k, v, scale):

@@ -1,12 +1,14 @@
-"""Async scheduling (runtime/engine.py `step`): the engine builds and launches the next decode step
-while the current one's sampled tokens are still pending on the device, and commits them after.
+"""Async scheduling (runtime/engine.py `step`): the engine builds and launches the next step (decodes,
+prefill chunks, admissions) while the current one's sampled tokens are still pending on the device, and
+commits them after.
 
-The oracle is the same engine without it (prefill chunks and admissions run ahead as well): every request's tokens and finish reason are equal, for
+The oracle is the same engine without it: every request's tokens and finish reason are equal, for
 greedy and seeded sampling, with stop tokens and max_tokens that end requests at different steps
 (a request that a pending token stops is in the step launched ahead: its row is computed and
-dropped), requests arriving and aborted between steps, and the prefix cache (the pages a request
-names while running ahead are the ones the plain engine names). The tests also check that steps
-really ran ahead (`schedule_ahead` built most decode steps), and the scheduler's refusals.
+dropped), requests arriving and aborted between steps, long prompts in small chunks, and the prefix
+cache (the pages a request names while running ahead are the ones the plain engine names). The tests
+also check that steps really ran ahead (`schedule_ahead` built most decode steps and the prefill
+steps), and the scheduler's refusals.
 """
 
 from __future__ import annotations
@@ -207,7 +209,7 @@ def test_schedule_ahead_refusals_and_admissions(model_dir):
     a.kv_lens, a.room = kv_lens, None
     assert [list(t) for t in a.page_tables] == tables
     b = engine.add_request(prompts()[3], sp)  # 80 tokens: chunks of 32
-    b.chain = object()  # a chained request next in the queue: its admission attaches a record
+    b.chain = object()  # a chained request waits: its admission attaches a record
     assert sched.schedule_ahead(batch) is None
     b.chain = None
     ahead = sched.schedule_ahead(batch)  # admitted ahead: a decodes its pending token, b prefills
