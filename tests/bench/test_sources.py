@@ -4,7 +4,8 @@ layer, the stored KV of a random real source, so their contexts differ.
 Checked on a tiny random Qwen3 on the CPU with SnapKV and Ada-KV (per-KV-head start slots): after
 `mix_layers`, each clone's every layer holds, in its whole pages below the shorter length, exactly
 the K/V of one source (with that source's start slots), more than one source was drawn, the clones
-decode on, and the bench's decode window records the sources.
+decode on, and the bench's decode window records the sources. `first_tokens` (runtime/bench/steps.py) times
+a prefill's steps only, with and without async scheduling.
 """
 
 from __future__ import annotations
@@ -79,3 +80,25 @@ def test_decode_window_records_its_sources(model_dir):
                            warmup=1, sources=3, async_scheduling=True)
     row, = run(cfg)["rows"]
     assert row["sources"] == 3 and row["mixed_layers"] > 0 and row["decode_tok_s"] > 0, row
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["plain", "async"])
+def test_first_tokens_time_the_prefill_steps_only(model_dir, async_scheduling):
+    """`first_tokens` steps until the first token is sampled and commits it: with async scheduling the step
+    that samples it is left running, and the first decode (scheduled ahead of its commit) is not run inside
+    the timed prefill. A 40-token prompt in chunks of 16: three steps either way."""
+    from kvc.runtime.bench.steps import first_tokens
+
+    engine = LLM(str(model_dir), device="cpu", dtype="float32", page_size=PAGE, max_num_batched_tokens=16,
+                 attention_backend="torch", async_scheduling=async_scheduling).engine
+    seq = engine.add_request(list(range(3, 43)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    steps, step = [], engine.step
+
+    def counted():
+        steps.append(1)
+        return step()
+
+    engine.step = counted
+    first_tokens(engine, [seq], Clock(engine.device), limit=10)
+    assert len(steps) == 3 and seq.num_generated == 1 and seq.pending == 0
+    assert seq.num_computed_tokens == 40  # the first decode has not run
