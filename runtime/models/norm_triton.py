@@ -151,7 +151,7 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k
             q, k, q_weight if norm else q, k_weight if norm else k, cos, sin, qo, ko,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), tokens, hq, eps,
             D=d, HALF=d // 2, NORM=norm, BLOCK_T=block_t,
-            num_warps=max(1, min(4, block_t * d // 512)),
+            num_warps=4 if block_t > 1 else (1 if d <= 128 else 2),
         )
     return qo, ko
 
