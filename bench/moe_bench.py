@@ -6,6 +6,7 @@ experts), Qwen3-30B-A3B's MoE shape (128 experts, top-8, hidden 2048, expert int
     python bench/moe_bench.py --sweep --e2e --out moe.json    # + tile sweep + decode steps
     python bench/moe_bench.py --align --tokens 8 --out moe.json  # + the alignment table, old vs new
     python bench/moe_bench.py --device cpu                    # tiny dry run, TRITON_INTERPRET=1
+    python bench/moe_bench.py --tokens 8192,32768 --grouped-gemms   # + torch._grouped_mm's GEMMs alone
 
 Per token count: median ms of each path, expert weight bandwidth (bytes of the distinct experts
 the batch routes to, over the time: decode reads weights, little else), TFLOP/s (6 T k H I), the
@@ -70,6 +71,8 @@ def parse_args() -> argparse.Namespace:
                    help="the torch path's grouped GEMM (torch: grouped_mm where fast, else loop)")
     p.add_argument("--rep-ms", type=int, default=200)
     p.add_argument("--sweep", action="store_true", help="also time a grid of tile configs")
+    p.add_argument("--grouped-gemms", action="store_true",
+                   help="also time torch._grouped_mm's two GEMMs alone on expert-sorted rows (Hopper bf16)")
     p.add_argument("--e2e", action="store_true", help="decode steps of a random-weight model")
     p.add_argument("--align", action="store_true",
                    help="the expert alignment alone, old vs new (bench/moe_align_bench.py)")
@@ -200,7 +203,25 @@ def bench_tokens(shape: MoeShape, experts, tokens: int, args, device, copy_gbps)
             row[name] = figures(time_ms(replay, device, args.rep_ms)) if replay else {"ms": None, "error": why}
     if args.sweep:
         row["sweep"] = sweep(shape, tokens, triton_fn, rotate, device, args, figures)
+    if args.grouped_gemms and device.type == "cuda" and hasattr(torch, "_grouped_mm"):
+        row["grouped_mm"] = grouped_gemms(shape, experts, sets[0]["ids"], device, args.rep_ms)
     return row
+
+
+def grouped_gemms(shape: MoeShape, experts, ids: torch.Tensor, device, rep_ms: int) -> dict:
+    """torch._grouped_mm's gate_up and down GEMMs alone over the pairs of `ids` sorted by expert (what a
+    grouped-GEMM path would run between its gather and its weighted sum): ms and TFLOP/s of each."""
+    pairs = ids.numel()
+    offsets = torch.bincount(ids.flatten().long(), minlength=shape.num_experts).cumsum(0).to(torch.int32)
+    dtype = experts.gate_up_proj.dtype
+    rows = torch.randn(pairs, shape.hidden, device=device, dtype=dtype)
+    inner = torch.randn(pairs, shape.inter, device=device, dtype=dtype)
+    out = {}
+    for name, x, w, flops in (("gate_up", rows, experts.gate_up_proj, 4 * pairs * shape.hidden * shape.inter),
+                              ("down", inner, experts.down_proj, 2 * pairs * shape.inter * shape.hidden)):
+        ms = time_ms(lambda x=x, w=w: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets), device, rep_ms)
+        out[name] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
+    return out
 
 
 def torch_path_capturable(torch_impl: str, x: torch.Tensor) -> bool:
@@ -329,6 +350,11 @@ def print_report(result: dict) -> None:
               f"{fmt(tr['tflops'], '.1f'):>7} {fmt(r.get('triton_graph', {}).get('ms')):>8} {fmt(to['ms']):>9} "
               f"{fmt(r.get('torch_graph', {}).get('ms')):>8} {fmt(speedup, '.2f'):>7} {r['rel_err_vs_torch']:>8.1e} "
               f"{fmt(r['align_ms']['triton'], '.4f'):>9}/{fmt(r['align_ms']['torch'], '.4f')}")
+    for r in result["micro"]:
+        if "grouped_mm" in r:
+            g = r["grouped_mm"]
+            print(f"{r['tokens']:>6} tokens, torch._grouped_mm alone: gate_up {g['gate_up']['ms']:.3f} ms "
+                  f"({g['gate_up']['tflops']:.0f} TFLOP/s), down {g['down']['ms']:.3f} ms ({g['down']['tflops']:.0f})")
     if result.get("align"):
         from moe_align_bench import print_align
 

@@ -456,7 +456,7 @@ class Scheduler:
         A sequence whose pending tokens (async scheduling, `schedule_ahead`) stop it by length is left out:
         its step would compute a token past its end."""
         budget = self.config.max_num_batched_tokens
-        chunk_cap = self.config.max_prefill_chunk or budget
+        chunk_cap = self._chunk_cap()
         step: dict[int, int] = {}  # seq_id -> new tokens, in scheduling order
         preempted = False
 
@@ -487,7 +487,7 @@ class Scheduler:
                     step[seq.seq_id] = n
                     budget -= n
 
-        decoding = [s for s in self.running if not s.is_prefill and not (s.pending and s.stops_by_length)]
+        decoding = [s for s in self.running if not s.is_prefill and not self._ends_ahead(s)]
         prefilling = [s for s in self.running if s.is_prefill]
         prefill_first = self.config.prefill_first and bool(prefilling or self.waiting)
         run(prefilling if prefill_first else decoding + prefilling)
@@ -675,6 +675,16 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def _chunk_cap(self) -> int:
+        """Tokens one sequence may compute in a step (its prefill chunk at most)."""
+        budget = self.config.max_num_batched_tokens
+        return min(self.config.max_prefill_chunk or budget, budget)
+
+    @staticmethod
+    def _ends_ahead(seq: Sequence) -> bool:
+        """Does seq's pending token (async scheduling) stop it by length? Then no step computes past it."""
+        return bool(seq.pending) and seq.stops_by_length
+
     @staticmethod
     def may_run_ahead(batch: ScheduledBatch) -> bool:
         """Can `batch` stay running while the next step is scheduled: none chained, none with structured
@@ -692,12 +702,10 @@ class Scheduler:
         chain's record)."""
         if not self.may_run_ahead(launched) or any(seq.chain is not None for seq in self.waiting):
             return None
-        budget = self.config.max_num_batched_tokens
-        cap = min(self.config.max_prefill_chunk or budget, budget)
-        need = [0] * self.num_classes
+        cap, need = self._chunk_cap(), [0] * self.num_classes
         for seq in self.running:
             n = min(seq.num_uncomputed_tokens, cap)
-            if n and not (seq.pending and seq.stops_by_length):
+            if n and not self._ends_ahead(seq):
                 need = [a + b for a, b in zip(need, self._need(seq, n))]
         if not self.pool.fits(need):
             return None
