@@ -33,7 +33,7 @@ from kvc.runtime.tuning.timing import time_ms
 PAIRS = [144, 512, 1280, 2048, 8192, 16384]  # decode at 18, 64, 160, 256, 1024 and 2048 tokens
 CALLS = 16  # alignments per captured graph (a decode step runs one per MoE layer)
 OLD_SINGLE_MAX_PAIRS = 1024  # the previous auto rule: the single-program kernel up to here
-IMPLS = ("triton", "single", "torch")
+IMPLS = ("triton", "split", "single", "torch")
 
 
 def routing_ids(tokens: int, num_experts: int, top_k: int, device: torch.device, count: int) -> list[torch.Tensor]:
@@ -79,7 +79,7 @@ def bench_align(pair_counts: list[int], num_experts: int, top_k: int, device: to
                 id_sets, device, rep_ms)
             row[f"{impl}_us"], row[f"{impl}_graph"] = us, graphed
         row["old_auto_us"] = row["single_us" if row["pairs"] <= OLD_SINGLE_MAX_PAIRS else "torch_us"]
-        row["new_auto_us"] = row["triton_us" if row["pairs"] <= moe_align.ALIGN_TRITON_MAX_PAIRS else "torch_us"]
+        row["new_auto_us"] = row["triton_us" if row["pairs"] <= moe_align.ALIGN_ONE_LAUNCH_MAX_PAIRS else "split_us"]
         rows.append(row)
     return rows
 

@@ -10,8 +10,8 @@ experts), Qwen3-30B-A3B's MoE shape (128 experts, top-8, hidden 2048, expert int
 
 Per token count: median ms of each path, expert weight bandwidth (bytes of the distinct experts
 the batch routes to, over the time: decode reads weights, little else), TFLOP/s (6 T k H I), the
-error against the torch path, and the time of both expert alignments (parallel Triton kernel,
-torch argsort) that `moe_align.ALIGN_TRITON_MAX_PAIRS` chooses between (`--align` adds the
+error against the torch path, and the time of the expert alignments (one Triton launch, the split
+kernels, the torch argsort; `moe_align.ALIGN_ONE_LAUNCH_MAX_PAIRS` chooses between the first two) (`--align` adds the
 table of bench/moe_align_bench.py: old vs new per pair count, inside CUDA graphs). Routing is
 random top-k of random logits, rotated over several sets so that the L2 cannot keep the experts
 of the previous call. Up to 256 tokens the Triton call is also timed as a CUDA graph replay (how
@@ -191,7 +191,7 @@ def bench_tokens(shape: MoeShape, experts, tokens: int, args, device, copy_gbps)
            "rel_err_vs_torch": rel_err(triton_fn(sets[0]), torch_fn(sets[0]))}
     row["align_ms"] = {impl: time_ms(lambda: moe_triton.align_by_expert(
         next(rotate)["ids"], shape.num_experts, row["config"]["block_m"], impl), device, args.rep_ms // 4)
-        for impl in ("triton", "torch")}  # where ALIGN_TRITON_MAX_PAIRS should sit
+        for impl in ("triton", "split", "torch")}  # where ALIGN_ONE_LAUNCH_MAX_PAIRS should sit
     row["triton"] = figures(time_ms(lambda: triton_fn(next(rotate)), device, args.rep_ms))
     row["torch"] = figures(time_ms(lambda: torch_fn(next(rotate)), device, args.rep_ms))
     if device.type == "cuda" and tokens <= 256:
@@ -234,11 +234,14 @@ def sweep_configs(tokens: int, shape: MoeShape):
     from kvc.runtime.models.moe_triton import MoeTileConfig
 
     rows_per_expert = tokens * shape.top_k / shape.num_experts
-    if rows_per_expert > 256:  # prefill chunks: compute-bound tiles
-        for bm, bn, warps, stages, group in itertools.product([64, 128], [64, 128, 256], [4, 8], [3, 4], [8]):
-            if bm * bn * stages > 128 * 256 * 3:
-                continue  # over the shared memory
-            yield MoeTileConfig(block_m=bm, block_n=bn, block_k=64, group_m=group, num_warps=warps, num_stages=stages)
+    if rows_per_expert > 256:  # prefill chunks: compute-bound tiles, around the 128 x 128 x 64 default
+        gate_up = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 4), (64, 256, 8, 3)]
+        down = [(0, 0, 0, 0), (128, 128, 8, 3), (256, 64, 8, 3), (128, 64, 8, 4), (256, 128, 8, 2)]
+        for tma, (bm, bn, warps, stages), (dn, dk, dw, ds) in itertools.product([False, True], gate_up, down):
+            if bm == 64 and dn:
+                continue  # the 64-row tiles with the default down tiles only
+            yield MoeTileConfig(block_m=bm, block_n=bn, block_k=64, group_m=8, num_warps=warps, num_stages=stages,
+                                down_block_n=dn, down_block_k=dk, down_num_warps=dw, down_num_stages=ds, tma=tma)
         return
     block_ms = [16, 32] if rows_per_expert <= 16 else [32, 64, 128]
     for bm, bn, bk, warps, stages in itertools.product(block_ms, [32, 64, 128], [64, 128], [4, 8], [3, 4]):
@@ -342,14 +345,14 @@ def print_report(result: dict) -> None:
     print(f"{result['device']}  torch {result['torch']}  triton {result['triton']}  {result['dtype']}  "
           f"copy {fmt(result['copy_gbps'], '.0f')} GB/s")
     print(f"{'tokens':>6} {'experts':>7} {'triton ms':>9} {'GB/s':>6} {'TFLOP/s':>7} {'graph ms':>8} "
-          f"{'torch ms':>9} {'graph ms':>8} {'speedup':>7} {'rel err':>8} {'align ms tri/torch':>18}")
+          f"{'torch ms':>9} {'graph ms':>8} {'speedup':>7} {'rel err':>8} {'align ms one/split/torch':>24}")
     for r in result["micro"]:
         tr, to = r["triton"], r["torch"]
         speedup = to["ms"] / tr["ms"] if tr["ms"] and to["ms"] else None
         print(f"{r['tokens']:>6} {r['experts_touched']:>7.1f} {fmt(tr['ms']):>9} {fmt(tr['weight_gbps'], '.0f'):>6} "
               f"{fmt(tr['tflops'], '.1f'):>7} {fmt(r.get('triton_graph', {}).get('ms')):>8} {fmt(to['ms']):>9} "
               f"{fmt(r.get('torch_graph', {}).get('ms')):>8} {fmt(speedup, '.2f'):>7} {r['rel_err_vs_torch']:>8.1e} "
-              f"{fmt(r['align_ms']['triton'], '.4f'):>9}/{fmt(r['align_ms']['torch'], '.4f')}")
+              + "/".join(fmt(r["align_ms"][impl], ".4f") for impl in ("triton", "split", "torch")))
     for r in result["micro"]:
         if "grouped_mm" in r:
             g = r["grouped_mm"]

@@ -42,6 +42,52 @@ def _as_before() -> None:
     moe_triton.default_config = old_tiles
 
 
+def _moe_before() -> None:
+    """The experts as they were before their even tiles, TMA, the Triton pair sum and the split alignment
+    kernels (a same-run baseline): masked tiles, torch's sum of each token's k rows, the sort above 16,384
+    pairs."""
+    from kvc.runtime.models import moe_triton
+
+    class TorchSum:
+        def __getitem__(self, grid):
+            return lambda src, out, hidden, TOP_K, **_: torch.sum(src.view(-1, TOP_K, hidden), dim=1, out=out)
+
+    moe_triton._sum_pairs_kernel = TorchSum()
+    moe_triton._even_and_tma = lambda *_: (False, False)
+    align = moe_triton.align_by_expert
+    moe_triton.align_by_expert = lambda ids, e, bm, impl="auto", skips=False: align(
+        ids, e, bm, "torch" if impl == "auto" and ids.numel() > 16384 else impl, skips)
+
+
+def _moe_tiles(spec: str) -> None:
+    """Prefill chunks' expert tiles from a JSON object of `MoeTileConfig` fields (e.g. a sweep's best)."""
+    from kvc.runtime.models import moe_triton
+
+    tiles = moe_triton.default_config
+    fields = json.loads(spec)
+
+    def chosen(num_tokens, top_k, num_experts, dtype):
+        cfg = tiles(num_tokens, top_k, num_experts, dtype)
+        return moe_triton.MoeTileConfig(**fields) if num_tokens * top_k > 256 * num_experts else cfg
+
+    moe_triton.default_config = chosen
+
+
+def _gpu_profile(run, top: int) -> str:
+    """One more prefill under torch.profiler: GPU kernels by time, then the torch ops (with input shapes)
+    by their own GPU time, so that a copy or a reduction says where it comes from."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        run()
+    events = prof.key_averages()
+    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    by_shape = prof.key_averages(group_by_input_shape=True)
+    return (events.table(sort_by=key, row_limit=top, max_name_column_width=90)
+            + "\n" + by_shape.table(sort_by=key, row_limit=top, max_name_column_width=40,
+                                     max_shapes_column_width=90))
+
+
 def _sync_prefill() -> None:
     """Async scheduling as it was before prefill chunks and admissions ran ahead (a same-run baseline): only
     the plain continuation of a decode-only step, with nothing waiting, is scheduled ahead."""
@@ -74,6 +120,11 @@ def main() -> None:
                    help="as before the merge kernel: GQA keys repeated, the float32 lerp, 64 x 128 MoE prefill tiles")
     p.add_argument("--sync-prefill", action="store_true",
                    help="as before prefills ran ahead: a step with prefill chunks, or with requests waiting, syncs")
+    p.add_argument("--moe-before", action="store_true",
+                   help="the experts before their even tiles, TMA, Triton pair sum and wider alignment kernel")
+    p.add_argument("--moe-tiles", help="JSON of MoeTileConfig fields for prefill chunks' experts")
+    p.add_argument("--gpu-profile", action="store_true",
+                   help="one more prefill under torch.profiler: kernels and torch ops (with shapes) by GPU time")
     p.add_argument("--decoding", type=int, default=0,
                    help="rows decoding beside the prefill (mixed steps, as a serving engine runs them)")
     p.add_argument("--decode-prompt", type=int, default=1024, help="prompt tokens of each decoding row")
@@ -89,6 +140,10 @@ def main() -> None:
         _as_before()
     if a.sync_prefill:
         _sync_prefill()
+    if a.moe_before:
+        _moe_before()
+    if a.moe_tiles:
+        _moe_tiles(a.moe_tiles)
     engine = Engine(EngineConfig(model=a.model, dtype=a.dtype, device=a.device,
                                  kv_cache_memory=parse_bytes(a.kv_memory), max_num_seqs=a.decoding + 4,
                                  max_num_batched_tokens=a.chunk, max_model_len=a.input + 16,
@@ -133,18 +188,22 @@ def main() -> None:
     stats = pstats.Stats(prof, stream=out)
     stats.sort_stats("tottime").print_stats(a.top)
     stats.sort_stats("cumulative").print_stats(a.top)
-    tags = ("baseline " if a.baseline else "") + ("sync-prefill " if a.sync_prefill else "")
+    tags = ("baseline " if a.baseline else "") + ("sync-prefill " if a.sync_prefill else "") + (
+        "moe-before " if a.moe_before else "") + (f"moe-tiles {a.moe_tiles} " if a.moe_tiles else "")
     print(f"{tags}{a.model}: one {a.input}-token prefill in chunks of {a.chunk}"
           f"{f' beside {a.decoding} decoding rows' if a.decoding else ''}: "
           f"{wall:.3f} s wall ({steps} steps), "
           f"{wall_p:.3f} s under cProfile")
     print(out.getvalue())
+    if a.gpu_profile and a.device == "cuda":
+        print(_gpu_profile(lambda: prefill(None), a.top))
     if a.out:
         rows = sorted(((f"{fn[0].split('/kvc/')[-1]}:{fn[1]}({fn[2]})", s[2], s[3], s[1])
                        for fn, s in stats.stats.items()), key=lambda r: -r[1])[: 4 * a.top]
         with open(a.out, "w") as f:
             device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
             json.dump({"model": a.model, "baseline": a.baseline, "sync_prefill": a.sync_prefill,
+                       "moe_before": a.moe_before, "moe_tiles": a.moe_tiles,
                        "decoding": a.decoding, "input": a.input,
                        "chunk": a.chunk, "wall_s": wall,
                        "steps": steps, "wall_profiled_s": wall_p, "gpu_span_s": gpu_span, "device": device,

@@ -6,19 +6,21 @@ every row block of the grouped GEMMs belongs to one expert. Output (`ExpertAlign
 `sorted_pairs [capacity]` (pair ids, `num_pairs` on padding rows), `block_experts [capacity /
 BLOCK_M]` (blocks past the rows in use get expert E - 1) and `num_padded [1]` (rows in use).
 
-Three implementations give the same tensors, bit for bit:
+Four implementations give the same tensors, bit for bit:
 - "triton" (`_align_parallel_kernel`): one program per expert, one launch. Every program builds the
   full expert histogram (`tl.histogram`: shared-memory counters, cheap; identical in every
   program, so no global atomics and no second launch), takes its padded start from the prefix sum, then scans the
   pairs in order and writes its own ones at start + (stable rank: a cumsum of `ids == e`), its
   padding rows and its row blocks' expert; the rows and blocks past the end are split among all
-  programs. Each program reads all pair ids twice (from L2: a few KB), so the per-program work
-  grows with the batch while the launch count stays one.
+  programs. Each program reads all pair ids twice (from L2: a few KB at decode sizes), so the
+  per-program work grows with the batch while the launch count stays one.
+- "split" (`_align_counts_kernel`, then `_align_split_kernel`): the same over splits of the pairs, for
+  prefill chunks: one launch writes each split's histogram, the next runs a program per (expert,
+  split), which places its expert's pairs of its split after those of the earlier splits.
 - "single" (`_align_single_kernel`): the previous one-program kernel (one-hot histogram and
   scatter, [pairs x experts] tiles in one program). `auto` never picks it; it stays as the
   bench's old-vs-new baseline (bench/moe_bench.py) and a known-good fallback.
-- "torch": scatter_add, stable argsort, searchsorted (~10 launches). The oracle, and `auto`'s
-  choice above ALIGN_TRITON_MAX_PAIRS.
+- "torch": scatter_add, stable argsort, searchsorted (~10 launches). The oracle.
 
 No host sync and no data-dependent shape in any of them: the alignment is captured in the decode
 steps' CUDA graphs. Sizes come from host-known bounds (`alignment_capacity`).
@@ -32,17 +34,15 @@ import torch
 import triton
 import triton.language as tl
 
-# "auto" runs the parallel kernel up to here, the torch path above. An estimate, not a measurement
-# (confirm with `python bench/moe_align_bench.py`): the torch path is ~10 launches, 0.46-0.71 ms
-# eager on the H200 from 8 to 32768 pairs (bench/results/issue7_moe.json; less inside a graph,
-# where its radix sort still takes several kernels). The parallel kernel is one launch whose
-# programs each pass over all pair ids twice: at 16384 pairs (2048 tokens x top-8) that is 8
-# chunks of 2048 per pass, 8 ids per thread per chunk (8 warps), roughly tens of microseconds,
-# still at or under the sort. Past it (long prefill chunks) per-program work keeps growing
-# linearly while the sort spreads over the whole GPU, and the grouped GEMMs dwarf both anyway.
-# Decode batches up to 1024 x top-8 (8192 pairs) stay on the kernel with a factor 2 margin.
-ALIGN_TRITON_MAX_PAIRS = 16384
-ALIGN_IMPLS = ("auto", "triton", "single", "torch")
+# "auto" runs the one-launch kernel up to here and the split kernels above. The one-launch kernel's
+# programs each pass over all pair ids twice, so its time grows with the pairs: on an H100 (`python
+# bench/moe_bench.py --tokens 8192,32768`, `align_ms`) 0.084 ms at 65,536 pairs (an 8K prefill chunk x
+# top-8) and 0.32 ms at 262,144 (the torch sort: 0.74 and 0.44 ms eager). The split kernels cut the pairs
+# into at most 64 splits (two launches), so each program scans a few thousand ids. Decode batches up to
+# 1024 x top-8 (8,192 pairs) stay on the one launch, inside their CUDA graphs, with a factor 2 margin.
+ALIGN_ONE_LAUNCH_MAX_PAIRS = 16384
+MAX_SPLITS = 64
+ALIGN_IMPLS = ("auto", "triton", "split", "single", "torch")
 _FILL = 128  # rows / blocks per store in the padding and block-expert loops
 
 
@@ -68,8 +68,9 @@ def align_by_expert(
     """Group the pairs of `topk_ids [T, k]` by expert (stable), padded per expert to block_m. `skips`: an id
     may be `num_experts` (another rank's expert, expert parallelism): that pair is placed nowhere.
 
-    `impl`: "triton" (parallel kernel), "single" (the previous one-program kernel), "torch"
-    (argsort), or "auto" (triton up to ALIGN_TRITON_MAX_PAIRS pairs, torch above).
+    `impl`: "triton" (one launch), "split" (two launches over splits of the pairs), "single" (the
+    previous one-program kernel), "torch" (argsort), or "auto" (triton up to ALIGN_ONE_LAUNCH_MAX_PAIRS
+    pairs, split above).
     """
     if impl not in ALIGN_IMPLS:
         raise ValueError(f"align impl must be one of {', '.join(ALIGN_IMPLS)}, got {impl!r}")
@@ -79,18 +80,29 @@ def align_by_expert(
     num_pairs = flat.numel()
     capacity = alignment_capacity(num_pairs, num_experts, block_m)
     if impl == "auto":
-        impl = "triton" if num_pairs <= ALIGN_TRITON_MAX_PAIRS else "torch"
+        impl = "triton" if num_pairs <= ALIGN_ONE_LAUNCH_MAX_PAIRS else "split"
     if impl == "torch":
         return _align_torch(flat, num_experts, block_m, capacity)
     device = flat.device
     sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
     block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    if impl == "triton":
+    block_e = max(32, triton.next_power_of_2(num_experts + skips))
+    if impl == "split":
+        split, num_splits, block_p, num_warps = split_launch(num_pairs)
+        counts = torch.empty(num_splits, block_e, dtype=torch.int32, device=device)
+        _align_counts_kernel[(num_splits,)](flat, counts, num_pairs, split, BLOCK_E=block_e, BLOCK_P=block_p,
+                                            num_warps=num_warps)
+        _align_split_kernel[(num_experts, num_splits)](
+            flat, counts, sorted_pairs, block_experts, num_padded, num_pairs, capacity, num_experts, split,
+            num_splits, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            BLOCK_P=block_p, BLOCK_FILL=_FILL, num_warps=num_warps,
+        )
+    elif impl == "triton":
         block_p, num_warps = parallel_launch(num_pairs)
         _align_parallel_kernel[(num_experts,)](
             flat, sorted_pairs, block_experts, num_padded, num_pairs, capacity, num_experts,
-            BLOCK_M=block_m, BLOCK_E=max(32, triton.next_power_of_2(num_experts + skips)), BLOCK_P=block_p,
+            BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p,
             BLOCK_FILL=_FILL, num_warps=num_warps,
         )
     else:
@@ -109,6 +121,15 @@ def parallel_launch(num_pairs: int) -> tuple[int, int]:
     replicated lanes in the histogram), at most 8 per thread, 8 warps once chunks are large."""
     block_p = min(max(128, triton.next_power_of_2(max(num_pairs, 1))), 2048)
     return block_p, 8 if block_p >= 2048 else 4
+
+
+def split_launch(num_pairs: int) -> tuple[int, int, int, int]:
+    """(pairs per split, splits, pair ids per chunk, warps) of the split kernels: at least 4 chunks a
+    split, at most MAX_SPLITS splits."""
+    block_p, num_warps = parallel_launch(num_pairs)
+    chunks = max(4, -(-num_pairs // (MAX_SPLITS * block_p)))
+    split = chunks * block_p
+    return split, max(1, -(-num_pairs // split)), block_p, num_warps
 
 
 def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, capacity: int) -> ExpertAlignment:
@@ -142,31 +163,91 @@ def _align_parallel_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr
     # Every output element has exactly one writer: the rows [start, end) and their blocks belong
     # to expert e's program; the rows and blocks past num_padded are dealt round-robin.
     e = tl.program_id(0)
-    lanes = tl.arange(0, BLOCK_P)
     experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for p0 in range(0, num_pairs, BLOCK_P):
-        # lanes past the end read id 0 and are taken off bin 0 below (the histogram's plain
-        # form; every id it sees must lie in [0, BLOCK_E))
-        ids = tl.load(ids_ptr + p0 + lanes, mask=p0 + lanes < num_pairs, other=0).to(tl.int32)
-        counts += tl.histogram(ids, BLOCK_E)
-    overrun = (num_pairs + BLOCK_P - 1) // BLOCK_P * BLOCK_P - num_pairs
-    counts -= tl.where(experts == 0, overrun, 0)
+    counts = _histogram(ids_ptr, 0, num_pairs, BLOCK_E, BLOCK_P)
     counts = tl.where(experts < num_experts, counts, 0)  # id num_experts: another rank's expert, placed nowhere
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     num_padded = tl.sum(padded, axis=0)
     start = tl.sum(tl.where(experts < e, padded, 0), axis=0)
     count = tl.sum(tl.where(experts == e, counts, 0), axis=0)
-    end = start + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     tl.store(num_padded_ptr, num_padded, mask=e == 0)
-    if count > 0:  # this expert's pairs, in pair order: the stable rank is a running count of hits
-        dest0 = start
-        for p0 in range(0, num_pairs, BLOCK_P):
-            pairs = p0 + lanes
-            hit = (tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) == e).to(tl.int32)
-            dest = dest0 + tl.cumsum(hit, axis=0) - hit
-            tl.store(sorted_ptr + dest, pairs, mask=hit != 0)
-            dest0 += tl.sum(hit, axis=0)
+    if count > 0:
+        _place_pairs(ids_ptr, sorted_ptr, e, 0, num_pairs, start, BLOCK_P)
+    _pad_and_fill(sorted_ptr, block_expert_ptr, e, start, count, num_padded, capacity, num_pairs, num_experts,
+                  BLOCK_M, BLOCK_FILL)
+
+
+@triton.jit
+def _align_counts_kernel(ids_ptr, counts_ptr, num_pairs, split, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Split s's histogram of expert ids (pairs [s * split, (s + 1) * split)) into counts[s, :BLOCK_E]."""
+    s = tl.program_id(0)
+    lo = s * split
+    counts = _histogram(ids_ptr, lo, tl.minimum(lo + split, num_pairs), BLOCK_E, BLOCK_P)
+    tl.store(counts_ptr + s * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+
+
+@triton.jit
+def _align_split_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, capacity,
+                        num_experts, split, num_splits, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_FILL: tl.constexpr):
+    # Program (e, s) places expert e's pairs of split s after those of the splits before it; the
+    # programs of split 0 also write the padding and the fills, as _align_parallel_kernel's do.
+    e = tl.program_id(0)
+    s = tl.program_id(1)
+    experts = tl.arange(0, BLOCK_E)
+    splits = tl.arange(0, BLOCK_S)
+    table = tl.load(counts_ptr + splits[:, None] * BLOCK_E + experts[None, :],
+                    mask=(splits[:, None] < num_splits) & (experts[None, :] < num_experts), other=0)
+    counts = tl.sum(table, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    num_padded = tl.sum(padded, axis=0)
+    start = tl.sum(tl.where(experts < e, padded, 0), axis=0)
+    mine = tl.sum(tl.where(experts[None, :] == e, table, 0), axis=1)  # [BLOCK_S]: e's pairs in each split
+    before = tl.sum(tl.where(splits < s, mine, 0), axis=0)
+    if tl.sum(tl.where(splits == s, mine, 0), axis=0) > 0:
+        lo = s * split
+        _place_pairs(ids_ptr, sorted_ptr, e, lo, tl.minimum(lo + split, num_pairs), start + before, BLOCK_P)
+    if s == 0:
+        tl.store(num_padded_ptr, num_padded, mask=e == 0)
+        count = tl.sum(tl.where(experts == e, counts, 0), axis=0)
+        _pad_and_fill(sorted_ptr, block_expert_ptr, e, start, count, num_padded, capacity, num_pairs, num_experts,
+                      BLOCK_M, BLOCK_FILL)
+
+
+@triton.jit
+def _histogram(ids_ptr, lo, hi, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Counts of each id in [0, BLOCK_E) among ids[lo:hi]."""
+    lanes = tl.arange(0, BLOCK_P)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(lo, hi, BLOCK_P):
+        # lanes past the end read id 0 and are taken off bin 0 below (the histogram's plain
+        # form; every id it sees must lie in [0, BLOCK_E))
+        ids = tl.load(ids_ptr + p0 + lanes, mask=p0 + lanes < hi, other=0).to(tl.int32)
+        counts += tl.histogram(ids, BLOCK_E)
+    overrun = (hi - lo + BLOCK_P - 1) // BLOCK_P * BLOCK_P - (hi - lo)
+    return counts - tl.where(experts == 0, tl.maximum(overrun, 0), 0)
+
+
+@triton.jit
+def _place_pairs(ids_ptr, sorted_ptr, e, lo, hi, dest0, BLOCK_P: tl.constexpr):
+    """Expert e's pairs among [lo, hi), in pair order, written from sorted_ptr[dest0] on (the stable rank
+    is a running count of hits)."""
+    lanes = tl.arange(0, BLOCK_P)
+    for p0 in range(lo, hi, BLOCK_P):
+        pairs = p0 + lanes
+        hit = (tl.load(ids_ptr + pairs, mask=pairs < hi, other=-1) == e).to(tl.int32)
+        dest = dest0 + tl.cumsum(hit, axis=0) - hit
+        tl.store(sorted_ptr + dest, pairs, mask=hit != 0)
+        dest0 += tl.sum(hit, axis=0)
+
+
+@triton.jit
+def _pad_and_fill(sorted_ptr, block_expert_ptr, e, start, count, num_padded, capacity, num_pairs, num_experts,
+                  BLOCK_M: tl.constexpr, BLOCK_FILL: tl.constexpr):
+    """Expert e's padding rows and row blocks, and its round-robin share of the rows and blocks past
+    num_padded (padding, expert E - 1)."""
+    end = start + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pad_rows = start + count + tl.arange(0, BLOCK_M)  # fewer than BLOCK_M padding rows
     tl.store(sorted_ptr + pad_rows, pad_rows * 0 + num_pairs, mask=pad_rows < end)
     fill = tl.arange(0, BLOCK_FILL)

@@ -64,7 +64,7 @@ def moe(heuristic: dict, effort: str) -> list[dict]:
                   "block_k": [heuristic["block_k"]], "num_warps": [4, 8], "num_stages": [heuristic["num_stages"]]}
     else:
         values = {"block_m": [16, 32, 64, 128], "block_n": [32, 64, 128], "block_k": [64, 128],
-                  "group_m": [1, 8], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
+                  "group_m": [1, 8], "num_warps": [4, 8], "num_stages": [2, 3, 4], "tma": [False, True]}
     return _product(heuristic, values)
 
 

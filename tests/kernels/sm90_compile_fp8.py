@@ -17,9 +17,11 @@ def main() -> None:
     for block_m in (16, 64):
         build(fp8_triton._linear_kernel, dict(SCALE_COLS=128, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=64,
                                               BLOCK_K=64, UPCAST=False), POINTERS, num_warps=4, num_stages=3)
-    tiles = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, DOT_PRECISION="native", SCALE_COLS=128)
-    build(moe_triton._gate_up_kernel, dict(TOP_K=8, **tiles), POINTERS, num_warps=4, num_stages=3)
-    build(moe_triton._down_kernel, tiles, POINTERS, num_warps=4, num_stages=3)
+    for even in (False, True):
+        tiles = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, DOT_PRECISION="native", SCALE_COLS=128,
+                     EVEN=even, TMA=False)
+        build(moe_triton._gate_up_kernel, dict(TOP_K=8, **tiles), POINTERS, num_warps=4, num_stages=3)
+        build(moe_triton._down_kernel, tiles, POINTERS, num_warps=4, num_stages=3)
     print("FP8 weight kernels compiled for sm90")
 
 

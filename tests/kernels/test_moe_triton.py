@@ -138,11 +138,17 @@ PARALLEL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("impl", ["triton", "split", "split-128"])
 @pytest.mark.parametrize("num_pairs,num_experts,block_m,kind", PARALLEL_CASES)
-def test_parallel_alignment_equals_the_torch_path_exactly(poisoned_empty, num_pairs, num_experts, block_m, kind):
+def test_parallel_alignment_equals_the_torch_path_exactly(poisoned_empty, monkeypatch, num_pairs, num_experts, block_m,
+                                                          kind, impl):
+    from kvc.runtime.models import moe_align
+
+    if impl == "split-128":  # splits of 128 pairs (up to 24 here): later splits start after earlier ones
+        monkeypatch.setattr(moe_align, "split_launch", lambda n: (128, max(1, -(-n // 128)), 128, 4))
     ids = routing_ids(num_pairs, num_experts, kind, seed=num_pairs)
     want = moe_triton.align_by_expert(ids, num_experts, block_m, impl="torch")
-    got = moe_triton.align_by_expert(ids, num_experts, block_m, impl="triton")
+    got = moe_triton.align_by_expert(ids, num_experts, block_m, impl=impl.removesuffix("-128"))
     assert got.block_m == block_m
     assert torch.equal(got.num_padded, want.num_padded)
     assert torch.equal(got.sorted_pairs, want.sorted_pairs)
@@ -155,20 +161,22 @@ def test_parallel_alignment_of_int32_ids_and_many_tokens_per_row(poisoned_empty)
     check_alignment(got, ids, 16)
 
 
-def test_auto_alignment_runs_the_kernel_up_to_the_threshold_then_torch(monkeypatch):
+def test_auto_alignment_runs_one_launch_up_to_the_threshold_then_the_split_kernels(monkeypatch):
     from kvc.runtime.models import moe_align
 
-    assert moe_align.ALIGN_TRITON_MAX_PAIRS >= 8192  # decode batches of 1024 x top-8 stay on the kernel
+    assert moe_align.ALIGN_ONE_LAUNCH_MAX_PAIRS >= 8192  # decode batches of 1024 x top-8 stay on one launch
     calls = []
-    real_torch = moe_align._align_torch
-    monkeypatch.setattr(moe_align, "_align_torch", lambda *a: calls.append(1) or real_torch(*a))
-    monkeypatch.setattr(moe_align, "ALIGN_TRITON_MAX_PAIRS", 20)
+    for name in ("_align_parallel_kernel", "_align_split_kernel"):
+        real = getattr(moe_align, name)
+        monkeypatch.setattr(moe_align, name, type("Spy", (), {
+            "__getitem__": lambda self, grid, real=real, name=name: calls.append(name) or real[grid]})())
+    monkeypatch.setattr(moe_align, "ALIGN_ONE_LAUNCH_MAX_PAIRS", 20)
     ids, _ = random_routing(10, 8, 2, seed=12)
     check_alignment(moe_triton.align_by_expert(ids, 8, 16), ids, 8)
-    assert calls == []
+    assert calls == ["_align_parallel_kernel"]
     ids, _ = random_routing(11, 8, 2, seed=12)
     check_alignment(moe_triton.align_by_expert(ids, 8, 16), ids, 8)
-    assert calls == [1]
+    assert calls == ["_align_parallel_kernel", "_align_split_kernel"]
     with pytest.raises(ValueError, match="align impl must be one of"):
         moe_triton.align_by_expert(ids, 8, 16, impl="sort")
     with pytest.raises(ValueError, match="power of two"):
@@ -188,10 +196,23 @@ source = ASTSource(fn=moe_align._align_parallel_kernel, signature=signature,
                    constexprs={"BLOCK_M": 16, "BLOCK_E": 128, "BLOCK_P": block_p, "BLOCK_FILL": 128})
 kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 assert kernel.asm["cubin"]
+split, num_splits, block_p, num_warps = moe_align.split_launch(70000)
+assert num_splits > 1
+counts = ASTSource(fn=moe_align._align_counts_kernel, signature={
+    "ids_ptr": "*i64", "counts_ptr": "*i32", "num_pairs": "i32", "split": "i32", "BLOCK_E": "constexpr",
+    "BLOCK_P": "constexpr"}, constexprs={"BLOCK_E": 128, "BLOCK_P": block_p})
+assert triton.compile(counts, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["cubin"]
+signature = {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+             "num_padded_ptr": "*i32", "num_pairs": "i32", "capacity": "i32", "num_experts": "i32", "split": "i32",
+             "num_splits": "i32", "BLOCK_M": "constexpr", "BLOCK_E": "constexpr", "BLOCK_S": "constexpr",
+             "BLOCK_P": "constexpr", "BLOCK_FILL": "constexpr"}
+place = ASTSource(fn=moe_align._align_split_kernel, signature=signature, constexprs={
+    "BLOCK_M": 128, "BLOCK_E": 128, "BLOCK_S": 16, "BLOCK_P": block_p, "BLOCK_FILL": 128})
+assert triton.compile(place, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["cubin"]
 """
 
 
-def test_parallel_align_kernel_compiles_for_hopper():
+def test_parallel_align_kernels_compile_for_hopper():
     """The interpreter does not lower tl.histogram or the dynamic loops: compile the kernel for
     sm_90 ahead of time (no GPU needed), in a process without TRITON_INTERPRET."""
     import os
@@ -203,6 +224,12 @@ def test_parallel_align_kernel_compiles_for_hopper():
     done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_prefill_tiles_compile_for_sm90_with_tma():
+    from tests.kernels.sm90 import compiles_for_sm90
+
+    compiles_for_sm90("tests.kernels.sm90_compile_moe")
 
 
 # ---- the fused experts ---------------------------------------------------------------------------
@@ -239,13 +266,38 @@ def test_fused_experts_any_tiles_odd_sizes_and_strided_input(config):
                                atol=1e-5, rtol=1e-4)
 
 
-def test_fused_experts_past_the_align_threshold_use_the_sort_alignment(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [
+    moe_triton.MoeTileConfig(block_m=16, block_n=16, block_k=32, tma=True),
+    moe_triton.MoeTileConfig(block_m=32, block_n=32, block_k=16, down_block_n=64, down_block_k=32,
+                             down_num_warps=8, down_num_stages=2, tma=True),
+    moe_triton.MoeTileConfig(block_m=16, block_n=32, block_k=64, down_block_n=16, down_block_k=16),
+])
+def test_fused_experts_even_tiles_tma_and_down_tiles_of_their_own(config, dtype, monkeypatch):
+    # hidden 64 / inter 32: every tile divides the weights (no masks); with `tma` the weight tiles come
+    # through descriptors (the interpreter emulates them), one per GEMM; fp32 weights never take TMA
+    made = []
+    real = moe_triton.TensorDescriptor.from_tensor
+    monkeypatch.setattr(moe_triton.TensorDescriptor, "from_tensor", lambda *a: made.append(a[1]) or real(*a))
+    experts = make_experts(8, 64, 32, dtype)
+    x = torch.randn(29, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
+    ids, weights = random_routing(29, 8, 3, seed=6)
+    got = moe_triton.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, config)
+    want = per_token_reference(experts, x, ids, weights)
+    torch.testing.assert_close(got.double().cpu(), want, **TOLERANCES[dtype])
+    down = config.down()
+    tiles = [[config.block_n, config.block_k], [down.block_n, down.block_k]]
+    assert made == (tiles if config.tma and dtype == torch.bfloat16 else [])
+
+
+def test_fused_experts_past_the_align_threshold_use_the_split_alignment(monkeypatch):
     from kvc.runtime.models import moe_align
 
-    monkeypatch.setattr(moe_align, "ALIGN_TRITON_MAX_PAIRS", 64)  # the real one is too big to interpret
+    monkeypatch.setattr(moe_align, "ALIGN_ONE_LAUNCH_MAX_PAIRS", 64)  # the real one is too big to interpret
     calls = []
-    real_torch = moe_align._align_torch
-    monkeypatch.setattr(moe_align, "_align_torch", lambda *a: calls.append(1) or real_torch(*a))
+    real = moe_align._align_split_kernel
+    monkeypatch.setattr(moe_align, "_align_split_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: calls.append(1) or real[grid]})())
     experts = make_experts(8, 16, 16)
     x = torch.randn(39, 16, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     ids, weights = random_routing(39, 8, 2, seed=4)  # 78 pairs
@@ -405,7 +457,7 @@ def test_fp8_experts_equal_the_dequantized_ones(dtype, block):
                                  scale_columns=block)
 
 
-@pytest.mark.parametrize("impl", ["triton", "triton-sort", "torch"])
+@pytest.mark.parametrize("impl", ["triton", "triton-split", "torch"])
 def test_a_ranks_own_experts_skip_the_others_pairs(impl, monkeypatch):
     """Expert parallelism (runtime/distributed/shard.py): a rank holding some of 8 experts computes only the
     pairs routed to them; the ranks' outputs add up to the whole layer's (the Triton kernels skip the other
@@ -416,8 +468,8 @@ def test_a_ranks_own_experts_skip_the_others_pairs(impl, monkeypatch):
     x = torch.randn(10, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     ids, weights = random_routing(10, 8, 2)
     want = per_token_reference(whole, x, ids, weights)
-    if impl == "triton-sort":
-        monkeypatch.setattr(moe_align, "ALIGN_TRITON_MAX_PAIRS", 0)
+    if impl == "triton-split":
+        monkeypatch.setattr(moe_align, "ALIGN_ONE_LAUNCH_MAX_PAIRS", 0)
     total = torch.zeros_like(want)
     for first, last in ((0, 2), (2, 6), (6, 8)):
         part = make_experts(last - first, 64, 32)
