@@ -21,6 +21,20 @@ def fill(pool: PagePool, tokens: list[int]) -> list[int]:
 # ---- reference counts and the free list ----------------------------------------------------
 
 
+def test_free_pages_go_first_in_first_out_in_bulk():
+    # a long prompt's pages are taken by slices; the list drops its taken prefix past 4096 pages, and the
+    # order stays: never-used pages first, then pages in the order they were given back
+    pool = PagePool(10000, 16)
+    first = pool.allocate(6000)
+    assert first == list(range(6000))
+    pool.free(first[:3000])  # given back last to first: page 2999 first
+    second = pool.allocate(5000)
+    assert second == list(range(6000, 10000)) + list(range(2999, 1999, -1))
+    assert pool.num_free == 2000 and pool.allocate(2000) == list(range(1999, -1, -1))
+    pool.free(second)
+    pool.check_invariants()
+
+
 def test_allocate_and_free_keep_counts():
     pool = PagePool(4, 2)
     a = pool.allocate(3)
