@@ -236,7 +236,7 @@ def sweep_configs(tokens: int, shape: MoeShape):
     rows_per_expert = tokens * shape.top_k / shape.num_experts
     if rows_per_expert > 256:  # prefill chunks: compute-bound tiles, around the 128 x 128 x 64 default
         gate_up = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 4), (64, 256, 8, 3)]
-        down = [(0, 0, 0, 0), (128, 128, 8, 3), (256, 64, 8, 3), (128, 64, 8, 4), (256, 128, 8, 2)]
+        down = [(0, 0, 0, 0), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4), (128, 64, 8, 4), (256, 128, 8, 2)]
         for tma, (bm, bn, warps, stages), (dn, dk, dw, ds) in itertools.product([False, True], gate_up, down):
             if bm == 64 and dn:
                 continue  # the 64-row tiles with the default down tiles only
