@@ -74,18 +74,16 @@ def _moe_tiles(spec: str) -> None:
 
 
 def _gpu_profile(run, top: int) -> str:
-    """One more prefill under torch.profiler: GPU kernels by time, then the torch ops (with input shapes)
-    by their own GPU time, so that a copy or a reduction says where it comes from."""
+    """One more prefill under torch.profiler: the torch ops and GPU kernels by their own GPU time, with input
+    shapes, so that a copy or a reduction says where it comes from (the kernels alone, with the busy
+    fraction: `kvc bench throughput --busy-prefill`)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         run()
-    events = prof.key_averages()
+    events = prof.key_averages(group_by_input_shape=True)
     key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    by_shape = prof.key_averages(group_by_input_shape=True)
-    return (events.table(sort_by=key, row_limit=top, max_name_column_width=90)
-            + "\n" + by_shape.table(sort_by=key, row_limit=top, max_name_column_width=40,
-                                     max_shapes_column_width=90))
+    return events.table(sort_by=key, row_limit=top, max_name_column_width=60, max_shapes_column_width=90)
 
 
 def _sync_prefill() -> None:

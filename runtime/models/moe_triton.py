@@ -131,6 +131,14 @@ def _mma(a, b, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _load(ptrs, mask, EVEN: tl.constexpr):
+    """A tile, unmasked where the tiles divide the operand (EVEN), else masked with zeros."""
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Program id -> (row block, column block), GROUP_M row blocks sweeping the columns together."""
     pid = tl.program_id(0)
@@ -182,14 +190,9 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pad
         for k0 in range(0, K, BLOCK_K):
             k_ok = offs_k < K - k0
             w_ok = k_ok[:, None] & n_ok[None, :]
-            if EVEN:
-                a = tl.load(a_ptrs)
-                g = tl.load(g_ptrs)
-                u = tl.load(u_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                g = tl.load(g_ptrs, mask=w_ok, other=0.0)
-                u = tl.load(u_ptrs, mask=w_ok, other=0.0)
+            a = _load(a_ptrs, k_ok[None, :], EVEN)
+            g = _load(g_ptrs, w_ok, EVEN)
+            u = _load(u_ptrs, w_ok, EVEN)
             g = dequantize_tile(g, gs_ptrs, n_ok[None, :], k0, w_ok, stride_sk, a.dtype, SCALE_COLS, BLOCK_K)
             u = dequantize_tile(u, gs_ptrs + N * stride_sn, n_ok[None, :], k0, w_ok, stride_sk, a.dtype, SCALE_COLS,
                                 BLOCK_K)
@@ -236,12 +239,8 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, route_w_ptr, sorted_ptr, block_expert_pt
         for k0 in range(0, K, BLOCK_K):
             k_ok = offs_k < K - k0
             w_ok = k_ok[:, None] & n_ok[None, :]
-            if EVEN:
-                a = tl.load(a_ptrs)
-                w = tl.load(w_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+            a = _load(a_ptrs, k_ok[None, :], EVEN)
+            w = _load(w_ptrs, w_ok, EVEN)
             w = dequantize_tile(w, s_ptrs, n_ok[None, :], k0, w_ok, stride_sk, a.dtype, SCALE_COLS, BLOCK_K)
             acc = _mma(a, w, acc, DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_hk

@@ -58,6 +58,18 @@ def per_token_reference(experts: RoutedExperts, x, ids, weights) -> torch.Tensor
     return out
 
 
+def spy_launches(monkeypatch, module, name: str, calls: list[str]) -> None:
+    """`module.name[grid](...)` launches as before and appends `name` to `calls` each time."""
+    real = getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            calls.append(name)
+            return real[grid]
+
+    monkeypatch.setattr(module, name, Spy())
+
+
 # ---- alignment ---------------------------------------------------------------------------------
 
 
@@ -167,9 +179,7 @@ def test_auto_alignment_runs_one_launch_up_to_the_threshold_then_the_split_kerne
     assert moe_align.ALIGN_ONE_LAUNCH_MAX_PAIRS >= 8192  # decode batches of 1024 x top-8 stay on one launch
     calls = []
     for name in ("_align_parallel_kernel", "_align_split_kernel"):
-        real = getattr(moe_align, name)
-        monkeypatch.setattr(moe_align, name, type("Spy", (), {
-            "__getitem__": lambda self, grid, real=real, name=name: calls.append(name) or real[grid]})())
+        spy_launches(monkeypatch, moe_align, name, calls)
     monkeypatch.setattr(moe_align, "ALIGN_ONE_LAUNCH_MAX_PAIRS", 20)
     ids, _ = random_routing(10, 8, 2, seed=12)
     check_alignment(moe_triton.align_by_expert(ids, 8, 16), ids, 8)
@@ -295,15 +305,13 @@ def test_fused_experts_past_the_align_threshold_use_the_split_alignment(monkeypa
 
     monkeypatch.setattr(moe_align, "ALIGN_ONE_LAUNCH_MAX_PAIRS", 64)  # the real one is too big to interpret
     calls = []
-    real = moe_align._align_split_kernel
-    monkeypatch.setattr(moe_align, "_align_split_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: calls.append(1) or real[grid]})())
+    spy_launches(monkeypatch, moe_align, "_align_split_kernel", calls)
     experts = make_experts(8, 16, 16)
     x = torch.randn(39, 16, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     ids, weights = random_routing(39, 8, 2, seed=4)  # 78 pairs
     config = moe_triton.MoeTileConfig(block_m=64, block_n=16, block_k=16)
     got = moe_triton.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, config)
-    assert calls == [1]
+    assert calls == ["_align_split_kernel"]
     torch.testing.assert_close(got, experts.forward_torch(x, ids, weights), atol=1e-5, rtol=1e-4)
 
 
