@@ -6,7 +6,8 @@ Per shape, median ms and causal TFLOP/s of:
 - `kernel`: kvc's generated paged prefill (`plain` variant) over K/V in shuffled pages of 16;
 - `sdpa`: kvc's `sdpa_prefill` (runtime/attention/sdpa_prefill.py, `--prefill-attention sdpa`), the engine's
   path: a fresh chunk over its own k, v; a chunk over a cached prefix over its gathered pages, prefix and
-  chunk as two calls merged by their log-sum-exps.
+  chunk as two calls merged by their log-sum-exps;
+- `blkN`: the same in query blocks of N tokens, each over the keys before it unmasked and its own causally.
 Cases: one fresh chunk of T tokens, and the last 8,192-token chunk of a T-token context (T > 8K).
 
     python bench/prefill_attention_bench.py --out prefill_attention.json
@@ -59,10 +60,10 @@ def case(context: int, chunk: int, heads: int, kv_heads: int, dim: int, device: 
             "context": context, "chunk": chunk}
 
 
-def rows_of(c: dict, ops, device: torch.device, reps: int) -> list[dict]:
+def rows_of(c: dict, ops, device: torch.device, reps: int, blocks: list[int]) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kvc.runtime.attention.sdpa_prefill import sdpa_prefill
+    from kvc.runtime.attention.sdpa_prefill import ORDER, sdpa_prefill
     from kvc.runtime.attention.torch_ops import attend_chunk
 
     q, context, chunk = c["q"], c["context"], c["chunk"]
@@ -80,6 +81,13 @@ def rows_of(c: dict, ops, device: torch.device, reps: int) -> list[dict]:
         "sdpa": lambda: sdpa_prefill(q, new_k, new_v, c["k_cache"], c["v_cache"], c["tables"], [0, chunk],
                                      [context], scale),  # no `out`: a prefill-only step's, as the engine calls it
     }
+    for block in blocks:
+        if block < chunk:
+            def blocked(block=block):
+                with sdpa_kernel(ORDER, set_priority=True):
+                    return attend_chunk(qd, c["k"], c["v"], scale, block=block)
+
+            runs[f"blk{block}"] = blocked
     if ops is not None:
         runs["kernel"] = lambda: ops.paged_prefill(q, c["k_cache"], c["v_cache"], c["tables"], cu, lens, scale,
                                                    chunk, out=out)
@@ -116,6 +124,8 @@ def main() -> None:
     p.add_argument("--contexts", default="8192,32768,131072")
     p.add_argument("--heads", default="32/8,32/4")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--blocks", default="2048,4096,8192,16384",
+                   help="query blocks of the blocked causal attention (`attend_chunk(block=)`), a row each")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out")
     a = p.parse_args()
@@ -127,6 +137,7 @@ def main() -> None:
 
         ops = triton_ops.load("plain")
     contexts = [64] if a.smoke else [int(x) for x in a.contexts.split(",")]
+    blocks = [16] if a.smoke else [int(x) for x in a.blocks.split(",") if x]
     rows = []
     for heads in a.heads.split(","):
         hq, hkv = (int(x) for x in heads.split("/"))
@@ -136,7 +147,7 @@ def main() -> None:
             chunks = [context] + ([CHUNK] if context > CHUNK else [16] if a.smoke else [])
             for chunk in chunks:
                 c = case(context, chunk, hq, hkv, 16 if a.smoke else DIM, device, dtype)
-                rows += rows_of(c, ops, device, 2 if a.smoke else a.reps)
+                rows += rows_of(c, ops, device, 2 if a.smoke else a.reps, blocks)
                 del c
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

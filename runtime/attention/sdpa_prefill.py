@@ -22,6 +22,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from kvc.runtime.attention.torch_ops import attend_chunk, gather_kv
 
 ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# A chunk longer than this many tokens attends in query blocks of it (0: one call). cuDNN's causal kernel
+# loses rate on long sequences (H100: 570 TFLOP/s over 128K tokens in one call, 609 in blocks of 16K; 601
+# and 605 at 32K; at 8K blocks cost more than they save): docs/benchmarks.md, "Prefill attention in blocks".
+QUERY_BLOCK = 16384
 
 
 def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -57,4 +61,4 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
     else:
         pages = table[:-(-kv_len // page_size)]
         keys, values = (gather_kv(cache, pages, kv_len)[None] for cache in (k_cache, v_cache))
-    return attend_chunk(q.transpose(0, 1)[None], keys, values, scale)[0].transpose(0, 1)
+    return attend_chunk(q.transpose(0, 1)[None], keys, values, scale, block=QUERY_BLOCK)[0].transpose(0, 1)

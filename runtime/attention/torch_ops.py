@@ -633,9 +633,10 @@ def _flash_with_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, c
     return None
 
 
-def _attend_over_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend_over_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a chunk's queries q [1, Hq, n, D] over keys/values [1, Hkv, m, D] whose last
-    n are the chunk's own (query i sees keys 0..m - n + i).
+    n are the chunk's own (query i sees keys 0..m - n + i); into `out` [n, Hq, D] where given.
 
     A boolean mask keeps SDPA from skipping the future half of the chunk and costs a select per
     score, so where the flash kernel is at hand the prefix (every query sees every key) and the
@@ -646,17 +647,46 @@ def _attend_over_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     prefix = m - n
     whole = _flash_with_lse(q, keys[:, :, :prefix], values[:, :, :prefix], False, scale)
     if whole is None:  # (MLA's narrower values, float32 on CUDA)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_offset_mask(n, m, q.device),
-                                              scale=scale, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_offset_mask(n, m, q.device),
+                                           scale=scale, enable_gqa=gqa)
+        return o if out is None else _into(out, o)
     o_prefix, lse_prefix = whole
     o_chunk, lse_chunk = _flash_with_lse(q, keys[:, :, prefix:], values[:, :, prefix:], True, scale)
     if q.is_cuda:  # one launch, no float32 copies (merge_triton.py)
         from kvc.runtime.primitives import merge_triton  # imports triton: only a CUDA prefill asks
 
-        return merge_triton.merge(o_prefix, lse_prefix, o_chunk, lse_chunk)
+        return merge_triton.merge(o_prefix, lse_prefix, o_chunk, lse_chunk, out)
     # softmax over both parts = each part's softmax weighted by its share of the total mass
     w_prefix = torch.sigmoid(lse_prefix.float() - lse_chunk.float()).unsqueeze(-1)  # [1, Hq, n, 1]
-    return torch.lerp(o_chunk.float(), o_prefix.float(), w_prefix).to(q.dtype)
+    o = torch.lerp(o_chunk.float(), o_prefix.float(), w_prefix).to(q.dtype)
+    return o if out is None else _into(out, o)
+
+
+def _into(out: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """o [1, Hq, n, D] copied into out [n, Hq, D]; out seen as o is."""
+    out.copy_(o[0].transpose(0, 1))
+    return out.transpose(0, 1)[None]
+
+
+def _attend_in_blocks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                      block: int) -> torch.Tensor:
+    """`attend_chunk` (no starts) in query blocks of `block` tokens: each block over the keys before it with
+    no mask and over its own causally, merged (`_attend_over_prefix`); the first block of a fresh chunk plainly
+    causal. The same scores as one causal call, in calls that skip the masked half exactly: a long causal call
+    runs below its kernel's unmasked rate (docs/design.md, "Prefill attention"). [1, Hq, n, Dv], a view of a
+    token-major [n, Hq, Dv] tensor."""
+    n, m = q.shape[2], keys.shape[2]
+    out = q.new_empty(n, q.shape[1], values.shape[-1])
+    for start in range(0, n, block):
+        end = min(n, start + block)
+        seen = m - n + end
+        if seen == end - start:
+            o = F.scaled_dot_product_attention(q[:, :, start:end], keys[:, :, :seen], values[:, :, :seen],
+                                               is_causal=True, scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
+            _into(out[start:end], o)
+        else:
+            _attend_over_prefix(q[:, :, start:end], keys[:, :, :seen], values[:, :, :seen], scale, out[start:end])
+    return out.transpose(0, 1)[None]
 
 
 def paged_prefill(
@@ -725,13 +755,16 @@ def paged_prefill(
 
 
 def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                 first: torch.Tensor | None = None) -> torch.Tensor:
+                 first: torch.Tensor | None = None, block: int = 0) -> torch.Tensor:
     """Causal attention of a chunk's queries q [1, Hq, n, D] over keys [1, Hkv, m, D] and values
     [1, Hkv, m, Dv] whose last n are the chunk's own (query i sees keys 0..m - n + i; from `first[h]`
     on for query head h where given): `is_causal` for a fresh chunk, `_attend_over_prefix` over a
-    cached prefix, a mask with starts. [1, Hq, n, Dv]."""
+    cached prefix, a mask with starts; a chunk longer than `block` (> 0) in query blocks of it
+    (`_attend_in_blocks`). [1, Hq, n, Dv]."""
     n, m = q.shape[2], keys.shape[2]
     gqa = q.shape[1] != keys.shape[1]
+    if 0 < block < n and first is None:
+        return _attend_in_blocks(q, keys, values, scale, block)
     if first is not None:  # [Hq, n, m]
         visible = torch.arange(m, device=q.device)[None, None, :] >= first[:, None, None]
         mask = causal_offset_mask(n, m, q.device)[None] & visible

@@ -32,13 +32,16 @@ def _merge_kernel(a_ptr, la_ptr, b_ptr, lb_ptr, out_ptr, n, sa_h, sa_t, sb_h, sb
     tl.store(out_ptr + t[:, None] * so_t + h * so_h + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+def merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
+          out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over keys A and B (disjoint) from each part's output o [1, Hq, n, D] (any strides, the
     head dim contiguous) and log-sum-exp [1, Hq, n]: [1, Hq, n, D] in o_b's dtype, a view of a token-major
-    [n, Hq, D] tensor."""
+    [n, Hq, D] tensor (`out` where given: rows of a larger one, say)."""
     _, heads, n, dim = o_b.shape
     assert o_a.stride(-1) == 1 and o_b.stride(-1) == 1, "the head dim must be contiguous"
-    out = torch.empty(n, heads, dim, dtype=o_b.dtype, device=o_b.device)
+    if out is None:
+        out = torch.empty(n, heads, dim, dtype=o_b.dtype, device=o_b.device)
+    assert out.shape == (n, heads, dim) and out.stride(-1) == 1, "out: [n, Hq, D], the head dim contiguous"
     block_d = triton.next_power_of_2(dim)
     block_t = max(1, 4096 // block_d)
     _merge_kernel[(triton.cdiv(n, block_t), heads)](

@@ -59,6 +59,20 @@ def test_merge_equals_attention_over_both_parts(token_major, dim, dtype):
     torch.testing.assert_close(got.cpu(), lerp, atol=ulp, rtol=ulp)
 
 
+def test_merge_into_rows_of_a_larger_output():
+    """`out`: the merge writes rows of a larger token-major tensor (a query block's), and nothing else."""
+    g = torch.Generator().manual_seed(3)
+    heads, n, dim = 2, 9, 16
+    o_a, o_b = (torch.randn(1, heads, n, dim, generator=g).to(DEVICE) for _ in range(2))
+    lse_a, lse_b = (torch.randn(1, heads, n, generator=g).to(DEVICE) for _ in range(2))
+    whole = torch.full((n + 7, heads, dim), 5.0, device=DEVICE)
+    got = merge_triton.merge(o_a, lse_a, o_b, lse_b, whole[3:3 + n])
+    want = merge_triton.merge(o_a, lse_a, o_b, lse_b)
+    assert got.data_ptr() == whole[3].data_ptr() and got.shape == (1, heads, n, dim)
+    torch.testing.assert_close(whole[3:3 + n], want[0].transpose(0, 1), atol=0, rtol=0)
+    assert (whole[:3] == 5).all() and (whole[3 + n:] == 5).all()
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="cuDNN's two calls and the merge: GPU only")
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
 def test_a_chunk_over_a_prefix_on_the_gpu(heads, kv_heads):

@@ -70,6 +70,26 @@ def test_without_out_one_chunk_returns_its_attention(device, q_len):
         assert out.is_contiguous()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,m,block", [(64, 64, 16), (50, 50, 16), (37, 90, 8), (40, 90, 40)],
+                         ids=["fresh", "fresh-uneven", "over-a-prefix", "one-block"])
+def test_query_blocks_equal_one_call(device, n, m, block):
+    """`attend_chunk(block=)`: a chunk in query blocks (each over the keys before it unmasked, its own causally,
+    merged into rows of one token-major output) gives one call's attention, fresh or over a prefix, GQA."""
+    gen = torch.Generator().manual_seed(n + m)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dim = 128 if device == "cuda" else 16
+    q, k, v = (torch.randn(1, h, length, dim, generator=gen).to(device, dtype)
+               for h, length in ((8, n), (2, m), (2, m)))
+    got = torch_ops.attend_chunk(q, k, v, dim ** -0.5, block=block)
+    want = torch_ops.attend_chunk(q.double(), k.double(), v.double(), dim ** -0.5)
+    assert got.shape == q.shape and got.dtype == dtype
+    if block < n:  # rows of one token-major output, as the output projection reads it
+        assert got[0].transpose(0, 1).is_contiguous()
+    tol = 2e-2 if device == "cuda" else 1e-5
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cuDNN's attention)")
 @pytest.mark.parametrize("kv_heads", [8, 4])
 def test_bf16_through_cudnn_on_the_gpu(kv_heads):
