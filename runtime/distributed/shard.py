@@ -73,6 +73,8 @@ def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) ->
             cuts += (_split_experts if expert_parallel else _shard_experts)(mlp.experts, tp.rank, tp.size)
             if getattr(mlp, "shared_experts", None) is not None:  # (GLM's) by columns, as a dense MLP
                 cuts += _shard_gated(mlp.shared_experts, tp.rank, tp.size)
+            if hasattr(mlp, "reduce_pairs"):  # the all-reduce below sums [T, H], not each token's k expert rows
+                mlp.reduce_pairs = True
         else:
             raise ConfigError(f"tensor parallelism: {type(mlp).__name__} layers are not sharded yet",
                               param="tensor_parallel_size")

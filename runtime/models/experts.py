@@ -116,9 +116,11 @@ class RoutedExperts(nn.Module):
                      if getattr(self, n).dtype != dtype else getattr(self, n) for n in ("gate_up_proj", "down_proj"))
 
     def forward(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, reduce: bool = True,
     ) -> torch.Tensor:
-        """x [T, H], topk_ids/topk_weights [T, k] -> sum_j w_j * expert_{id_j}(x) [T, H]."""
+        """x [T, H], topk_ids/topk_weights [T, k] -> sum_j w_j * expert_{id_j}(x) [T, H]. `reduce=False`
+        allows the k terms unsummed, [T, k, H] (the fused kernels' per-pair rows: a caller whose next step is a
+        residual add, `RMSNorm.forward_add`, sums them there); the torch path sums them anyway."""
         skips = self.first_expert is not None
         if skips:
             topk_ids, topk_weights = self.local_pairs(topk_ids, topk_weights)
@@ -126,7 +128,7 @@ class RoutedExperts(nn.Module):
         if kernels is not None:  # FP8 weights dequantized tile by tile in the kernels
             scales = (self.gate_up_proj_scale, self.down_proj_scale) if self.fp8_block_columns else None
             return kernels.fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights,
-                                         self.tile_config, scales, self.fp8_block_columns, skips)
+                                         self.tile_config, scales, self.fp8_block_columns, skips, reduce)
         if skips:  # the torch path (the oracle) computes another rank's pairs on expert 0, weighted 0
             topk_ids = topk_ids.masked_fill(topk_ids == self.num_experts, 0)
         return self.forward_torch(x, topk_ids, topk_weights)

@@ -65,12 +65,25 @@ class RMSNorm(nn.Module):
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add in front of the norm: `residual += x` (in place, the bits of `x + residual`),
-        then (this norm of the sum, residual). On CUDA one launch for both; elsewhere the add, then `forward`."""
+        then (this norm of the sum, residual). x may be [T, k, N] parts over residual [T, N], added as their
+        sum (an MoE layer's weighted expert rows, unreduced: `RoutedExperts.forward(reduce=False)`). On
+        CUDA one launch for all; elsewhere the sum, the add, then `forward`."""
         fusable = self.weight.dtype == x.dtype == residual.dtype and residual.is_contiguous()
-        if x.is_cuda and fusable and residual.shape == x.shape:
+        if x.is_cuda and fusable and (residual.shape == x.shape or x.dim() == residual.dim() + 1):
             return _fused().add_rms_norm(x, residual, self.weight, self.eps)
+        if x.dim() == residual.dim() + 1:
+            x = sum_parts(x)
         residual.add_(x)
         return self(residual), residual
+
+
+def sum_parts(x: torch.Tensor) -> torch.Tensor:
+    """x [T, k, N] -> [T, N]: each row's k parts summed in order in float32, rounded to x's dtype (as
+    `moe_triton`'s pair sum and the fused add + norm do)."""
+    total = x[:, 0].to(torch.float32, copy=True)  # (a float32 x's own rows are not summed into)
+    for j in range(1, x.shape[1]):
+        total += x[:, j].float()
+    return total.to(x.dtype)
 
 
 class RotaryEmbedding(HasBuffers):

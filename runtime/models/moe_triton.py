@@ -284,9 +284,11 @@ def fused_experts(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     scale_columns: int = 0,
     skips: bool = False,
+    reduce: bool = True,
 ) -> torch.Tensor:
     """x [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I], topk_ids/topk_weights [T, k]
-    -> [T, H] in x's dtype: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]). FP8 weights come with
+    -> [T, H] in x's dtype: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]); with `reduce=False`
+    the k terms unsummed, [T, k, H] (the next residual add + norm sums them in its launch). FP8 weights come with
     `scales` (gate_up's [E, 2I, ceil(H / c)], down's [E, H, ceil(I / c)]: each row's scale per `scale_columns`
     = c columns, runtime/models/fp8_weights.py) and are dequantized tile by tile in the kernels. `skips`: a
     pair whose id is E (another rank's expert, expert parallelism) is computed by no expert and adds nothing."""
@@ -297,7 +299,7 @@ def fused_experts(
     inter = two_i // 2
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
-        return x.new_zeros(num_tokens, hidden)
+        return x.new_zeros(num_tokens, hidden) if reduce else x.new_zeros(num_tokens, top_k, hidden)
     config = config or launch_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype)
     align = align_by_expert(topk_ids, num_experts, config.block_m, skips=skips)
     capacity = align.sorted_pairs.numel()
@@ -328,8 +330,8 @@ def fused_experts(
         GROUP_M=tile.group_m, DOT_PRECISION=precision, SCALE_COLS=scale_cols, EVEN=even, TMA=tma,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
-    if top_k == 1:
-        return per_pair
+    if top_k == 1 or not reduce:
+        return per_pair if reduce else per_pair.view(num_tokens, top_k, hidden)
     out = x.new_empty(num_tokens, hidden)
     block_h = min(triton.next_power_of_2(hidden), 2048)
     _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, block_h))](per_pair, out, hidden, TOP_K=top_k,

@@ -4,7 +4,8 @@ CPU keeps the torch path, the parity oracle).
 - `rms_norm`: RMSNorm of each row, one launch instead of eight (float copy, square, mean, add,
   rsqrt, multiply, cast, weight).
 - `add_rms_norm`: the residual add in front of a norm, `residual += x` then RMSNorm of the sum, one
-  launch that writes both (the decoder layers carry the residual stream apart: llama.py).
+  launch that writes both (the decoder layers carry the residual stream apart: llama.py); x may be an MoE
+  layer's k weighted expert rows per token, summed in the same launch.
 - `norm_rope`: q and k of a step together: the per-head RMSNorm of Qwen3 (when it has one) and the
   rotary embedding, one launch instead of about thirty.
 - `silu_mul`: the gated MLP's `silu(gate) * up` over the fused gate_up matmul's output, one launch
@@ -54,12 +55,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, N, eps, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, N, eps, BLOCK: tl.constexpr,
+                         PARTS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     dt = res_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if PARTS == 1:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    else:  # x's row is the sum of PARTS rows (a token's weighted expert rows), in order, rounded as a tensor's
+        x = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(PARTS):
+            x += tl.load(x_ptr + (row * PARTS + j) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(dt).to(tl.float32)
     r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     # the sum rounded to the activation dtype, as torch's add: float32 holds a sum of two bf16 or fp16
     # values closely enough that rounding it once more (to nearest even on a GPU; the interpreter's cast
@@ -77,20 +85,25 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual += x`, then RMSNorm of the sum over the last axis: (normed, residual). x and residual
     [..., N] of one dtype (weight [N] too); residual must be contiguous and is updated in place (the
-    bits of torch's `x + residual`); normed is a new tensor like x."""
+    bits of torch's `x + residual`); normed is a new tensor like residual. x may also be [T, k, N] over
+    residual [T, N]: parts whose sum (in order, in float32, rounded to the dtype) is added (an MoE layer's
+    weighted expert rows, `moe_triton.fused_experts(reduce=False)`: the sum's launch and its round trip
+    through memory saved)."""
     n = x.shape[-1]
-    if residual.shape != x.shape or not residual.is_contiguous():
-        raise ValueError(f"residual {tuple(residual.shape)} must be contiguous and shaped like x {tuple(x.shape)}")
+    parts = x.shape[1] if x.dim() == 3 and residual.dim() == 2 and x.shape[::2] == residual.shape else 1
+    if (parts == 1 and residual.shape != x.shape) or not residual.is_contiguous():
+        raise ValueError(f"residual {tuple(residual.shape)} must be contiguous and shaped like x {tuple(x.shape)}"
+                         " (or x [T, k, N] over residual [T, N])")
     rows, res_rows = x.reshape(-1, n), residual.view(-1, n)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(res_rows.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
+    if res_rows.shape[0]:
         block = triton.next_power_of_2(n)
-        _add_rms_norm_kernel[(rows.shape[0],)](rows, res_rows, weight, out, rows.stride(0), res_rows.stride(0),
-                                               out.stride(0), n, eps, BLOCK=block,
-                                               num_warps=max(1, min(8, block // 256)))
-    return out.view(x.shape), residual
+        _add_rms_norm_kernel[(res_rows.shape[0],)](rows, res_rows, weight, out, rows.stride(0), res_rows.stride(0),
+                                                   out.stride(0), n, eps, BLOCK=block, PARTS=parts,
+                                                   num_warps=max(1, min(8, block // 256)))
+    return out.view(residual.shape), residual
 
 
 @triton.jit

@@ -42,6 +42,7 @@ class SparseMoeBlock(nn.Module):
         num_experts = num_experts_of(config)
         self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)
         self.experts = RoutedExperts(num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.reduce_pairs = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids [T, k], topk_weights [T, k] float32); on CUDA one launch
@@ -58,8 +59,11 @@ class SparseMoeBlock(nn.Module):
         return ids, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> the layer's output: [T, H], or on the fused kernels [T, k, H], each token's weighted
+        expert rows unsummed (the decoder layer's next norm adds their sum to the residual: llama.py) unless
+        `reduce_pairs` (set where the output is all-reduced across ranks: runtime/distributed/shard.py)."""
         ids, weights = self.route(x)
-        return self.experts(x, ids, weights)
+        return self.experts(x, ids, weights, reduce=self.reduce_pairs)
 
     def add_to_layout(self, layout: CheckpointLayout, hf: str, kvc: str) -> None:
         layout.add(f"{hf}.gate.weight", f"{kvc}.gate.weight")

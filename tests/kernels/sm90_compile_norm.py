@@ -1,6 +1,7 @@
 """Compiles norm_triton.py's fused residual add + RMSNorm (`add_rms_norm`) or silu(gate) * up (`silu_mul`)
 kernel for an H100/H200 (sm90) on a machine without a GPU (Triton's passes and ptxas, as
-tests/kernels/sm90_compile.py does for attention): bf16 rows of 2048 (Qwen3-30B-A3B's hidden size), or a
+tests/kernels/sm90_compile.py does for attention): bf16 rows of 2048 (Qwen3-30B-A3B's hidden size; one
+part or eight summed), or a
 program's 1024 columns of silu_mul, at the launch's own warps; silu_mul with CUDA's expf and a correctly
 rounded division (torch's silu), not Triton's approximate `/`.
 `python -m tests.kernels.sm90_compile_norm [add_rms_norm|silu_mul]`; tests/kernels/test_add_rms_norm.py
@@ -37,8 +38,9 @@ def main(which: str = "add_rms_norm") -> None:
     if which == "add_rms_norm":
         block = triton.next_power_of_2(HIDDEN)
         warps = max(1, min(8, block // 256))  # as `add_rms_norm` launches it
-        kernel = compile_kernel(norm_triton._add_rms_norm_kernel, {"BLOCK": block}, warps)
-        assert ".entry _add_rms_norm_kernel" in kernel.asm["ptx"]
+        for parts in (1, 8):  # a plain add; an MoE layer's 8 expert rows per token summed in the launch
+            kernel = compile_kernel(norm_triton._add_rms_norm_kernel, {"BLOCK": block, "PARTS": parts}, warps)
+            assert ".entry _add_rms_norm_kernel" in kernel.asm["ptx"]
     elif which == "silu_mul":
         block = norm_triton.SILU_MUL_BLOCK
         warps = max(1, min(8, block // 256))  # as `silu_mul` launches it

@@ -81,6 +81,38 @@ def test_a_strided_input_and_no_rows() -> None:
     assert got.shape == (0, 96) and got_sum.shape == (0, 96)
 
 
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("tokens", [1, 33])
+@torch.no_grad()
+def test_parts_summed_in_the_launch(dtype, tokens) -> None:
+    """x [T, k, N] over residual [T, N] (an MoE layer's expert rows, unreduced): the residual add and norm of
+    their sum, `sum_parts` (float32 in order, rounded to the dtype, as the experts' pair sum), bit for bit
+    but for bf16 under the interpreter (whose casts truncate: within a rounding of the partial sums there,
+    0.25 at their magnitude)."""
+    from kvc.runtime.models.layers import sum_parts
+
+    g = torch.Generator().manual_seed(tokens)
+    x = (torch.randn(tokens, 8, 96, generator=g) * 3).to(dtype).to(DEVICE)
+    residual = (torch.randn(tokens, 96, generator=g) * 5).to(dtype).to(DEVICE)
+    w = torch.randn(96, generator=g).to(dtype).to(DEVICE)
+    want, want_sum = norm_triton.add_rms_norm(sum_parts(x), residual.clone(), w, 1e-6)
+    got, got_sum = norm_triton.add_rms_norm(x, residual.clone(), w, 1e-6)
+    assert got.shape == got_sum.shape == (tokens, 96)
+    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        torch.testing.assert_close(got_sum.float().cpu(), want_sum.float().cpu(), atol=0.25, rtol=1e-2)
+        torch.testing.assert_close(got.float().cpu(), want.float().cpu(), **TOL[dtype])
+    else:
+        assert torch.equal(got_sum, want_sum) and torch.equal(got, want)
+    # the torch path of `RMSNorm.forward_add` takes the same parts: the sum, the add, the norm
+    norm = torch_norm(w.cpu(), 1e-6)
+    cpu_sum = residual.cpu().clone()
+    cpu_got, _ = norm.forward_add(x.cpu(), cpu_sum)
+    assert torch.equal(cpu_sum, sum_parts(x.cpu()) + residual.cpu())
+    assert torch.equal(cpu_got, norm(cpu_sum))
+    with pytest.raises(ValueError, match="shaped like x"):
+        norm_triton.add_rms_norm(x[:, :, :48], residual.clone(), w, 1e-6)
+
+
 @torch.no_grad()
 def test_forward_add_on_the_cpu_is_the_add_then_forward() -> None:
     """The torch path of `RMSNorm.forward_add`: the bits of `x + residual` and of `RMSNorm(x + residual)`."""

@@ -260,6 +260,26 @@ def test_fused_experts_match_torch_path_and_definition(dtype, num_tokens):
     torch.testing.assert_close(got.double().cpu(), definition, **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unreduced_rows_sum_to_the_reduced_output(dtype):
+    """`reduce=False`: each token's k weighted expert rows [T, k, H], whose sum in order (`sum_parts`, as the
+    next residual add + norm takes it) is the reduced output (float32: bit for bit; bf16 within a rounding,
+    the interpreter's cast truncating)."""
+    from kvc.runtime.models.layers import sum_parts
+
+    experts = make_experts(8, 64, 32, dtype)
+    x = torch.randn(19, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    ids, weights = random_routing(19, 8, 3, seed=2)
+    args = (x, experts.gate_up_proj, experts.down_proj, ids, weights)
+    reduced, rows = moe_triton.fused_experts(*args), moe_triton.fused_experts(*args, reduce=False)
+    assert rows.shape == (19, 3, 64) and rows.dtype == dtype
+    if dtype == torch.float32 or DEVICE.type == "cuda":
+        assert torch.equal(sum_parts(rows), reduced)
+    torch.testing.assert_close(sum_parts(rows), reduced, **TOLERANCES[dtype])
+    experts.impl = "torch"
+    assert experts(x, ids, weights, reduce=False).shape == (19, 64)  # the torch path sums them anyway
+
+
 @pytest.mark.parametrize("config", [
     moe_triton.MoeTileConfig(block_m=16, block_n=16, block_k=16, group_m=1),
     moe_triton.MoeTileConfig(block_m=32, block_n=32, block_k=32, group_m=4),

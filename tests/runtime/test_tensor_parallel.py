@@ -152,6 +152,8 @@ def test_a_rank_loads_only_its_part_and_the_part_equals_the_whole_model_cut(tmp_
         for name, p in got.items():
             assert torch.equal(p, want[name]), name
         assert sum(p.numel() for p in got.values()) < size
+        # an MoE layer's output is all-reduced: its k expert rows per token come summed, not left to the norm
+        assert all(m.reduce_pairs for m in cut.modules() if hasattr(m, "reduce_pairs"))
 
 
 @pytest.mark.parametrize("method, params", [("full", None), ("fp8", {"scale": "dynamic"}),
