@@ -83,7 +83,33 @@ def _gpu_profile(run, top: int) -> str:
         run()
     events = prof.key_averages(group_by_input_shape=True)
     key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    return events.table(sort_by=key, row_limit=top, max_name_column_width=60, max_shapes_column_width=90)
+    table = events.table(sort_by=key, row_limit=top, max_name_column_width=60, max_shapes_column_width=90)
+    return table + "\n" + _gpu_gaps(prof.events(), top)
+
+
+def _gpu_gaps(events, top: int) -> str:
+    """Where the GPU idles between the prefill's kernels: the span from the first kernel's start to the last
+    one's end, the kernels' busy time, and the largest gaps with the kernels on either side (a gap after a
+    step's last kernel is the host preparing the next one)."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in events  # not the kvc.* ranges
+                      if e.device_type == DeviceType.CUDA and not e.is_user_annotation), key=lambda k: k[0])
+    if not kernels:
+        return "no kernels profiled"
+    gaps, busy_end, busy = [], kernels[0][0], 0.0
+    for i, (start, end, _) in enumerate(kernels):
+        if start > busy_end:
+            gaps.append((start - busy_end, i))
+        busy += max(0.0, end - max(start, busy_end))
+        busy_end = max(busy_end, end)
+    span = busy_end - kernels[0][0]
+    lines = [f"GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms "
+             f"in {len(gaps)} gaps ({sum(g for g, _ in gaps if g >= 20) / 1e3:.1f} ms in gaps of 20 us or more)"]
+    for gap, i in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {gap / 1e3:8.3f} ms  at {(kernels[i][0] - kernels[0][0]) / 1e3:9.1f} ms  after "
+                     f"{kernels[i - 1][2][:50]}  before {kernels[i][2][:50]}")
+    return "\n".join(lines)
 
 
 def _sync_prefill() -> None:
@@ -119,10 +145,15 @@ def main() -> None:
     p.add_argument("--sync-prefill", action="store_true",
                    help="as before prefills ran ahead: a step with prefill chunks, or with requests waiting, syncs")
     p.add_argument("--moe-before", action="store_true",
-                   help="the experts before their even tiles, TMA, Triton pair sum and wider alignment kernel")
+                   help="the experts before their even tiles, TMA, Triton pair sum, wider alignment kernel and the pair "
+                        "sum in the norm (implies --reduce-pairs)")
     p.add_argument("--moe-tiles", help="JSON of MoeTileConfig fields for prefill chunks' experts")
+    p.add_argument("--reduce-pairs", action="store_true",
+                   help="the experts' k rows per token summed in a launch of their own, not in the next norm's")
     p.add_argument("--gpu-profile", action="store_true",
                    help="one more prefill under torch.profiler: kernels and torch ops (with shapes) by GPU time")
+    p.add_argument("--query-block", type=int,
+                   help="the SDPA prefill's query blocks (runtime/attention/sdpa_prefill.py QUERY_BLOCK; 0: one call)")
     p.add_argument("--decoding", type=int, default=0,
                    help="rows decoding beside the prefill (mixed steps, as a serving engine runs them)")
     p.add_argument("--decode-prompt", type=int, default=1024, help="prompt tokens of each decoding row")
@@ -142,10 +173,18 @@ def main() -> None:
         _moe_before()
     if a.moe_tiles:
         _moe_tiles(a.moe_tiles)
+    if a.query_block is not None:
+        from kvc.runtime.attention import sdpa_prefill
+
+        sdpa_prefill.QUERY_BLOCK = a.query_block
     engine = Engine(EngineConfig(model=a.model, dtype=a.dtype, device=a.device,
                                  kv_cache_memory=parse_bytes(a.kv_memory), max_num_seqs=a.decoding + 4,
                                  max_num_batched_tokens=a.chunk, max_model_len=a.input + 16,
                                  enable_prefix_caching=False, prefill_attention=a.prefill_attention))
+    if a.reduce_pairs or a.moe_before:
+        for module in engine.model.modules():
+            if hasattr(module, "reduce_pairs"):
+                module.reduce_pairs = True
     g = torch.Generator().manual_seed(0)
     vocab = min(30000, engine.spec.vocab_size)
     for _ in range(a.decoding):  # outlive the three prefills below; sampled, so that rows stay distinct
@@ -187,7 +226,9 @@ def main() -> None:
     stats.sort_stats("tottime").print_stats(a.top)
     stats.sort_stats("cumulative").print_stats(a.top)
     tags = ("baseline " if a.baseline else "") + ("sync-prefill " if a.sync_prefill else "") + (
-        "moe-before " if a.moe_before else "") + (f"moe-tiles {a.moe_tiles} " if a.moe_tiles else "")
+        "moe-before " if a.moe_before else "") + (f"moe-tiles {a.moe_tiles} " if a.moe_tiles else "") + (
+        f"query-block {a.query_block} " if a.query_block is not None else "") + (
+        "reduce-pairs " if a.reduce_pairs else "")
     print(f"{tags}{a.model}: one {a.input}-token prefill in chunks of {a.chunk}"
           f"{f' beside {a.decoding} decoding rows' if a.decoding else ''}: "
           f"{wall:.3f} s wall ({steps} steps), "
@@ -201,7 +242,7 @@ def main() -> None:
         with open(a.out, "w") as f:
             device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
             json.dump({"model": a.model, "baseline": a.baseline, "sync_prefill": a.sync_prefill,
-                       "moe_before": a.moe_before, "moe_tiles": a.moe_tiles,
+                       "moe_before": a.moe_before, "moe_tiles": a.moe_tiles, "query_block": a.query_block, "reduce_pairs": a.reduce_pairs,
                        "decoding": a.decoding, "input": a.input,
                        "chunk": a.chunk, "wall_s": wall,
                        "steps": steps, "wall_profiled_s": wall_p, "gpu_span_s": gpu_span, "device": device,
