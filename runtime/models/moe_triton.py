@@ -13,7 +13,8 @@ The torch path in `experts.py` stays the CPU default and the oracle; this module
    in the activation dtype, indexed by sorted row.
 3. down: grouped GEMM of that intermediate with the expert's down projection, scaled by the
    pair's routing weight and written per pair; the k rows of a token are then summed in fp32 by one
-   more launch (`_sum_pairs_kernel`; deterministic: no atomics).
+   more launch (`_sum_pairs_kernel`; deterministic: no atomics), or with `reduce=False` left to the
+   next residual add + RMSNorm, which sums them in its own launch (norm_triton.py `add_rms_norm`).
 
 Where the tiles divide the weights (`EVEN`) the inner loops load without masks (a padding row reads
 token 0 and is never stored); with `MoeTileConfig.tma` the weight tiles come through TMA descriptors
