@@ -145,8 +145,8 @@ def main() -> None:
     p.add_argument("--sync-prefill", action="store_true",
                    help="as before prefills ran ahead: a step with prefill chunks, or with requests waiting, syncs")
     p.add_argument("--moe-before", action="store_true",
-                   help="the experts before their even tiles, TMA, Triton pair sum, wider alignment kernel and the pair "
-                        "sum in the norm (implies --reduce-pairs)")
+                   help="the experts before their even tiles, TMA, Triton pair sum, wider alignment kernel and "
+                        "the pair sum in the norm (implies --reduce-pairs)")
     p.add_argument("--moe-tiles", help="JSON of MoeTileConfig fields for prefill chunks' experts")
     p.add_argument("--reduce-pairs", action="store_true",
                    help="the experts' k rows per token summed in a launch of their own, not in the next norm's")
@@ -242,7 +242,8 @@ def main() -> None:
         with open(a.out, "w") as f:
             device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
             json.dump({"model": a.model, "baseline": a.baseline, "sync_prefill": a.sync_prefill,
-                       "moe_before": a.moe_before, "moe_tiles": a.moe_tiles, "query_block": a.query_block, "reduce_pairs": a.reduce_pairs,
+                       "moe_before": a.moe_before, "moe_tiles": a.moe_tiles, "query_block": a.query_block,
+                       "reduce_pairs": a.reduce_pairs,
                        "decoding": a.decoding, "input": a.input,
                        "chunk": a.chunk, "wall_s": wall,
                        "steps": steps, "wall_profiled_s": wall_p, "gpu_span_s": gpu_span, "device": device,

@@ -24,7 +24,7 @@ from kvc.runtime.attention.torch_ops import attend_chunk, gather_kv
 ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # A chunk longer than this many tokens attends in query blocks of it (0: one call). cuDNN's causal kernel
 # loses rate on long sequences (H100: 570 TFLOP/s over 128K tokens in one call, 609 in blocks of 16K; 601
-# and 605 at 32K; at 8K blocks cost more than they save): docs/benchmarks.md, "Prefill attention in blocks".
+# and 605 at 32K; at 8K blocks cost more than they save): docs/benchmarks.md, "Prefill attention in query blocks".
 QUERY_BLOCK = 16384
 
 
