@@ -68,10 +68,11 @@ class RMSNorm(nn.Module):
         then (this norm of the sum, residual). x may be [T, k, N] parts over residual [T, N], added as their
         sum (an MoE layer's weighted expert rows, unreduced: `RoutedExperts.forward(reduce=False)`). On
         CUDA one launch for all; elsewhere the sum, the add, then `forward`."""
+        parts = x.dim() == residual.dim() + 1
         fusable = self.weight.dtype == x.dtype == residual.dtype and residual.is_contiguous()
-        if x.is_cuda and fusable and (residual.shape == x.shape or x.dim() == residual.dim() + 1):
+        if x.is_cuda and fusable and (parts or residual.shape == x.shape):
             return _fused().add_rms_norm(x, residual, self.weight, self.eps)
-        if x.dim() == residual.dim() + 1:
+        if parts:
             x = sum_parts(x)
         residual.add_(x)
         return self(residual), residual

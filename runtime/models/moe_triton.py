@@ -331,8 +331,10 @@ def fused_experts(
         GROUP_M=tile.group_m, DOT_PRECISION=precision, SCALE_COLS=scale_cols, EVEN=even, TMA=tma,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
-    if top_k == 1 or not reduce:
-        return per_pair if reduce else per_pair.view(num_tokens, top_k, hidden)
+    if not reduce:
+        return per_pair.view(num_tokens, top_k, hidden)
+    if top_k == 1:
+        return per_pair
     out = x.new_empty(num_tokens, hidden)
     block_h = min(triton.next_power_of_2(hidden), 2048)
     _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, block_h))](per_pair, out, hidden, TOP_K=top_k,
