@@ -18,29 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from kvc.runtime.tuning.timing import median_ms
+
 PAGE, DIM, CHUNK = 16, 128, 8192
-
-
-def median_ms(fn, device: torch.device, reps: int) -> float:
-    """The median ms of repeated calls after warm-up: triton's do_bench (CUDA events) over about 200 x `reps`
-    ms of calls on the GPU (at least one), `reps` calls by the host clock on the CPU (--smoke)."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=40 * reps, rep=200 * reps, return_mode="median")
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def case(context: int, chunk: int, heads: int, kv_heads: int, dim: int, device: torch.device, dtype) -> dict:
@@ -106,7 +90,7 @@ def rows_of(c: dict, ops, device: torch.device, reps: int, blocks: list[int]) ->
     rows = []
     for name, fn in runs.items():
         try:
-            ms = median_ms(fn, device, reps)
+            ms = median_ms(fn, device, rep_ms=200 * reps, warmup_ms=40 * reps)
         except Exception as e:  # a backend that refuses the shape: say so, go on
             rows.append({"impl": name, "error": f"{type(e).__name__}: {e}"[:200]})
             continue
