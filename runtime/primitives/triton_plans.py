@@ -37,10 +37,11 @@ def _order_key(x):
 @triton.jit
 def _block_keys(row, cols, W, first_newest):
     # (valid, order keys) of a block of a row's page scores: a page is ranked when it lies before the
-    # always-read newest pages and its score is not -inf; other lanes get the smallest key
+    # always-read newest pages and its score is neither -inf nor NaN; other lanes get the smallest int32,
+    # below every ranked page's key (keys stay 32-bit: the per-lane work of each pass is the kernel's cost)
     x = tl.load(row + cols, mask=cols < W, other=float("-inf"))
     valid = (cols < first_newest) & (x > float("-inf"))
-    return valid, tl.where(valid, _order_key(x), -2147483647 - 1).to(tl.int64)
+    return valid, tl.where(valid, _order_key(x), -2147483647 - 1)
 
 
 @triton.jit
@@ -52,22 +53,24 @@ def _read_pages_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stride_sh, s
     first_newest = stored - N_LAST  # the always-read pages start here
     valid, key = _block_keys(scores_ptr + r * stride_sr + h * stride_sh, cols, W, first_newest)
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
-    # the cut: the N_TOP-th largest key (every valid page when there are no more than N_TOP)
-    lo = tl.min(tl.where(valid, key, 2147483647), axis=0)
-    hi = tl.max(key, axis=0) + 1
+    # the cut: the N_TOP-th largest key (every valid page when there are no more than N_TOP); the bounds
+    # are 64-bit scalars (hi - lo spans up to 2^32), every bound compared with a key lies in the keys' range
+    lo = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)
+    hi = tl.max(key, axis=0).to(tl.int64) + 1
     if n_valid > N_TOP:
         # invariant: at least N_TOP keys >= lo, fewer than N_TOP keys >= hi
         while hi - lo > 1:
             mid = lo + (hi - lo) // 2
-            above = tl.sum((key >= mid).to(tl.int32), axis=0)
+            above = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
             if above >= N_TOP:
                 lo = mid
                 if above == N_TOP:
                     hi = mid + 1
             else:
                 hi = mid
-    take = valid & (key > lo)
-    ties = valid & (key == lo)
+    cut = lo.to(tl.int32)
+    take = valid & (key > cut)
+    ties = valid & (key == cut)
     room = N_TOP - tl.sum(take.to(tl.int32), axis=0)
     take = take | (ties & (tl.cumsum(ties.to(tl.int32), axis=0) <= room))
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
