@@ -1,5 +1,6 @@
-"""The read plan's top-k (runtime/primitives/triton_plans.py) against its kernel as it was before its keys became
-32-bit (64-bit keys in every lane; a same-run baseline kept here), per launch width (warps), at Quest's shapes in
+"""The read plan's top-k (runtime/primitives/triton_plans.py): in one pass, in two (slices of 512-2,048 pages, then
+their candidates' cut; `num_warps` is the second pass's), and as it was before its keys became 32-bit (one pass,
+64-bit keys in every lane; a same-run baseline kept here), per launch width (warps), at Quest's shapes in
 the model: 4 KV heads, budget 4096 in pages of 16, page tables as wide as `max_model_len` gives (128K + 2K
 output: 8,321 pages, a block of 16,384 lanes; 32K + 2K: 2,177 pages), scores as random normals and as a model's
 (many pages near the cut). Each timed as a CUDA graph of 20 calls; the plans are checked equal first.
@@ -83,11 +84,17 @@ def main() -> None:
             now = triton_plans.read_pages(scores, lengths, PAGE, count=BUDGET - PAGE, last=PAGE)
             was = before(scores, lengths, 16)
             assert torch.equal(now.sort(dim=-1).values, was.sort(dim=-1).values), "the plans differ"
+            one = triton_plans.read_pages(scores, lengths, PAGE, count=BUDGET - PAGE, last=PAGE, slice_pages=0)
+            assert torch.equal(now, one), "two passes and one differ"
             for warps in (8, 16, 32):
                 row = {"batch": batch, "context": context, "width": width, "scores": kind, "num_warps": warps,
                        "before_us": 1e3 * graph_ms(lambda w=warps: before(scores, lengths, w)),
-                       "now_us": 1e3 * graph_ms(lambda w=warps: triton_plans.read_pages(
-                           scores, lengths, PAGE, count=BUDGET - PAGE, last=PAGE, num_warps=w))}
+                       "one_pass_us": 1e3 * graph_ms(lambda w=warps: triton_plans.read_pages(
+                           scores, lengths, PAGE, count=BUDGET - PAGE, last=PAGE, num_warps=w, slice_pages=0))}
+                for slice_pages in (512, 1024, 2048):
+                    row[f"slices{slice_pages}_us"] = 1e3 * graph_ms(lambda w=warps, sp=slice_pages: (
+                        triton_plans.read_pages(scores, lengths, PAGE, count=BUDGET - PAGE, last=PAGE, num_warps=w,
+                                                slice_pages=sp)))
                 rows.append(row)
                 print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                       flush=True)

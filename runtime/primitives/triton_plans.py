@@ -4,11 +4,17 @@ how ties at the cut are broken; no host read and static shapes, so it runs insid
 graphs.
 
 One program per (row, KV head) holds the row's page scores in registers and finds the k-th largest
-by bisection over the scores' order-preserving integer keys (about log2(pages) + a few passes of
+by bisection over the scores' order-preserving 32-bit keys (about log2(pages) + a few passes of
 a compare-and-count, each one reduction), then writes the pages above the cut, the ties at it in
 column order until k are listed, -1 up to k, and the newest pages. `torch.topk` over a few rows of
 thousands of pages ran on too few blocks and, with the masking and concatenation around it, cost
 about a dozen launches a layer; this is one.
+
+A wide row (a 128K table: 8,321 pages, 16,384 lanes) keeps one program's lanes busy for every pass,
+on a few SMs. It is cut in two passes instead: one program per slice of `SLICE` pages lists the
+slice's best k as candidates (a slice's cut is at or below the row's, and the ties the row takes at
+its cut are a prefix of each slice's, so the candidates hold the whole plan), then one program per
+(row, KV head) cuts the candidates, far fewer lanes than the row.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import triton.language as tl
 from kvc.runtime.primitives import torch_primitives
 
 MAX_PAGES = 65536  # one program holds a row's scores in registers; wider rows take the torch path
+SLICE, SLICE_FROM = 1024, 8192  # rows of SLICE_FROM lanes and more are cut in two passes over slices of SLICE pages
 # (A walk in blocks of 1,024 pages for rows whose one block is mostly padding was measured slower on
 # the H200 in the model: Quest at 128K 13.14 ms a step against 10.91 with the one block,
 # docs/benchmarks.md, "FP8 and KIVI on the H200"; it was removed.)
@@ -45,16 +52,11 @@ def _block_keys(row, cols, W, first_newest):
 
 
 @triton.jit
-def _read_pages_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stride_sh, stride_or, stride_oh,
-                       W, N_TOP, N_LAST, PAGE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_L: tl.constexpr):
-    r, h = tl.program_id(0), tl.program_id(1)
-    cols = tl.arange(0, BLOCK_W)
-    stored = (tl.load(lengths_ptr + r) + PAGE - 1) // PAGE
-    first_newest = stored - N_LAST  # the always-read pages start here
-    valid, key = _block_keys(scores_ptr + r * stride_sr + h * stride_sh, cols, W, first_newest)
+def _cut(key, valid, N_TOP):
+    # the N_TOP-th largest of the valid keys (every valid key when there are no more than N_TOP: the least
+    # of them). Bisection over the keys' range; the bounds are 64-bit scalars (hi - lo spans up to 2^32),
+    # every bound compared with a key lies in the keys' range
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
-    # the cut: the N_TOP-th largest key (every valid page when there are no more than N_TOP); the bounds
-    # are 64-bit scalars (hi - lo spans up to 2^32), every bound compared with a key lies in the keys' range
     lo = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)
     hi = tl.max(key, axis=0).to(tl.int64) + 1
     if n_valid > N_TOP:
@@ -68,26 +70,87 @@ def _read_pages_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stride_sh, s
                     hi = mid + 1
             else:
                 hi = mid
-    cut = lo.to(tl.int32)
+    return lo.to(tl.int32)
+
+
+@triton.jit
+def _taken(key, valid, cut, N_TOP):
+    # the lanes above the cut, then the ties at it in lane order until N_TOP are taken
     take = valid & (key > cut)
     ties = valid & (key == cut)
     room = N_TOP - tl.sum(take.to(tl.int32), axis=0)
-    take = take | (ties & (tl.cumsum(ties.to(tl.int32), axis=0) <= room))
+    return take | (ties & (tl.cumsum(ties.to(tl.int32), axis=0) <= room))
+
+
+@triton.jit
+def _store_plan(base, cols, take, first_newest, N_TOP, N_LAST, BLOCK: tl.constexpr, BLOCK_L: tl.constexpr):
+    # the taken lanes' columns in lane order, -1 up to N_TOP, then the newest pages
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
     listed = tl.sum(take.to(tl.int32), axis=0)
-    base = out_ptr + r * stride_or + h * stride_oh
+    lanes = tl.arange(0, BLOCK)
     tl.store(base + slot, cols, mask=take)
-    tl.store(base + cols, tl.full([BLOCK_W], -1, tl.int32), mask=(cols >= listed) & (cols < N_TOP))
+    tl.store(base + lanes, tl.full([BLOCK], -1, tl.int32), mask=(lanes >= listed) & (lanes < N_TOP))
     tail = tl.arange(0, BLOCK_L)
     newest = first_newest + tail
     tl.store(base + N_TOP + tail, tl.where(newest >= 0, newest, -1), mask=tail < N_LAST)
 
 
+@triton.jit
+def _read_pages_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stride_sh, stride_or, stride_oh,
+                       W, N_TOP, N_LAST, PAGE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_L: tl.constexpr):
+    r, h = tl.program_id(0), tl.program_id(1)
+    cols = tl.arange(0, BLOCK_W)
+    stored = (tl.load(lengths_ptr + r) + PAGE - 1) // PAGE
+    first_newest = stored - N_LAST  # the always-read pages start here
+    valid, key = _block_keys(scores_ptr + r * stride_sr + h * stride_sh, cols, W, first_newest)
+    take = _taken(key, valid, _cut(key, valid, N_TOP), N_TOP)
+    _store_plan(out_ptr + r * stride_or + h * stride_oh, cols, take, first_newest, N_TOP, N_LAST, BLOCK_W, BLOCK_L)
+
+
+@triton.jit
+def _slice_candidates_kernel(scores_ptr, lengths_ptr, key_ptr, col_ptr, stride_sr, stride_sh, W, N_TOP, N_LAST, CAND,
+                             PAGE: tl.constexpr, SLICE: tl.constexpr):
+    # the first of a wide row's two passes: each slice of SLICE pages lists its best CAND (= min(N_TOP,
+    # SLICE)) ranked pages as (key, column) in column order, the smallest int32 key and -1 after them
+    r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    cols = s * SLICE + tl.arange(0, SLICE)
+    first_newest = (tl.load(lengths_ptr + r) + PAGE - 1) // PAGE - N_LAST
+    valid, key = _block_keys(scores_ptr + r * stride_sr + h * stride_sh, cols, W, first_newest)
+    take = _taken(key, valid, _cut(key, valid, N_TOP), N_TOP)
+    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    listed = tl.sum(take.to(tl.int32), axis=0)
+    base = ((r * tl.num_programs(1) + h) * tl.num_programs(2) + s) * CAND
+    tl.store(key_ptr + base + slot, key, mask=take)
+    tl.store(col_ptr + base + slot, cols, mask=take)
+    pad = tl.arange(0, SLICE)
+    tl.store(key_ptr + base + pad, tl.full([SLICE], -2147483647 - 1, tl.int32), mask=(pad >= listed) & (pad < CAND))
+    tl.store(col_ptr + base + pad, tl.full([SLICE], -1, tl.int32), mask=(pad >= listed) & (pad < CAND))
+
+
+@triton.jit
+def _cut_candidates_kernel(key_ptr, col_ptr, lengths_ptr, out_ptr, stride_or, stride_oh, N_CAND, N_TOP, N_LAST,
+                           PAGE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr):
+    # the second pass: the row's plan from its slices' candidates, which hold every page the one-pass
+    # plan takes (a slice's cut is at or below the row's, and the ties a row takes are a prefix of each
+    # slice's), in column order
+    r, h = tl.program_id(0), tl.program_id(1)
+    lanes = tl.arange(0, BLOCK_C)
+    base = (r * tl.num_programs(1) + h) * N_CAND
+    key = tl.load(key_ptr + base + lanes, mask=lanes < N_CAND, other=-2147483647 - 1)
+    cols = tl.load(col_ptr + base + lanes, mask=lanes < N_CAND, other=-1)
+    valid = key > -2147483647 - 1
+    first_newest = (tl.load(lengths_ptr + r) + PAGE - 1) // PAGE - N_LAST
+    take = _taken(key, valid, _cut(key, valid, N_TOP), N_TOP)
+    _store_plan(out_ptr + r * stride_or + h * stride_oh, cols, take, first_newest, N_TOP, N_LAST, BLOCK_C, BLOCK_L)
+
+
 def read_pages(scores: torch.Tensor, lengths: torch.Tensor, page: int, *, count, last,
-               num_warps: int | None = None) -> torch.Tensor:
+               num_warps: int | None = None, slice_pages: int | None = None) -> torch.Tensor:
     """`torch_primitives.read_pages` on the GPU: [row, kv_head, n] int32 page-table columns (-1: none)
     from scores [row, kv_head, pages] and lengths [row]; the ranked pages come first, in column
-    order, then the `ceil(last / page)` newest. `num_warps` overrides the launch's (benchmarks)."""
+    order, then the `ceil(last / page)` newest. A row wider than `SLICE_FROM` pages is cut in two passes
+    (module docstring); `slice_pages` (a power of two; 0: one pass) and `num_warps` override the choice
+    (tests, benchmarks)."""
     rows, kv_heads, width = scores.shape
     n_last = max(0, min(ceil(last / page), width))
     n_top = max(0, min(floor(count / page), width - n_last))
@@ -96,9 +159,30 @@ def read_pages(scores: torch.Tensor, lengths: torch.Tensor, page: int, *, count,
     scores = scores.float().contiguous()
     out = torch.empty(rows, kv_heads, n_top + n_last, dtype=torch.int32, device=scores.device)
     block_w = triton.next_power_of_2(max(width, n_top, 16))
-    _read_pages_kernel[(rows, kv_heads)](
-        scores, lengths, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
-        width, n_top, n_last, PAGE=page, BLOCK_W=block_w, BLOCK_L=triton.next_power_of_2(max(n_last, 1)),
-        num_warps=num_warps or max(4, min(16, block_w // 512)),
+    block_l = triton.next_power_of_2(max(n_last, 1))
+    slice_pages = SLICE if slice_pages is None and block_w >= SLICE_FROM else slice_pages or 0
+    slices = -(-width // slice_pages) if slice_pages else 0
+    cand = min(n_top, slice_pages)
+    block_c = triton.next_power_of_2(max(slices * cand, n_top, 16))
+    if not slices or not n_top or 2 * block_c > block_w:  # one pass: the candidates would not halve the lanes
+        _read_pages_kernel[(rows, kv_heads)](
+            scores, lengths, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
+            width, n_top, n_last, PAGE=page, BLOCK_W=block_w, BLOCK_L=block_l,
+            num_warps=num_warps or _warps(block_w),
+        )
+        return out
+    keys = torch.empty(rows, kv_heads, slices * cand, dtype=torch.int32, device=scores.device)
+    cols = torch.empty_like(keys)
+    _slice_candidates_kernel[(rows, kv_heads, slices)](
+        scores, lengths, keys, cols, scores.stride(0), scores.stride(1), width, n_top, n_last, cand,
+        PAGE=page, SLICE=slice_pages, num_warps=_warps(slice_pages),
+    )
+    _cut_candidates_kernel[(rows, kv_heads)](
+        keys, cols, lengths, out, out.stride(0), out.stride(1), slices * cand, n_top, n_last,
+        PAGE=page, BLOCK_C=block_c, BLOCK_L=block_l, num_warps=num_warps or _warps(block_c),
     )
     return out
+
+
+def _warps(lanes: int) -> int:
+    return max(4, min(16, lanes // 512))

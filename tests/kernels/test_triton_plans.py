@@ -74,7 +74,7 @@ def test_short_rows_pad_with_minus_one() -> None:
 
 
 def test_the_plan_kernel_compiles_for_sm90() -> None:
-    """The plan kernel compiles for an H100/H200 (Triton's compiler and ptxas run here, outside the
+    """The plan kernels compile for an H100/H200 (Triton's compiler and ptxas run here, outside the
     interpreter; tests/kernels/sm90_compile.py)."""
     import os
     import subprocess
@@ -83,9 +83,48 @@ def test_the_plan_kernel_compiles_for_sm90() -> None:
     code = ("from tests.kernels.sm90_compile import build\n"
             "from kvc.runtime.primitives import triton_plans as tp\n"
             "ptrs = {'scores_ptr': '*fp32', 'lengths_ptr': '*i32', 'out_ptr': '*i32'}\n"
-            "build(tp._read_pages_kernel, {'PAGE': 16, 'BLOCK_W': 2048, 'BLOCK_L': 1}, ptrs)\n")
+            "build(tp._read_pages_kernel, {'PAGE': 16, 'BLOCK_W': 2048, 'BLOCK_L': 1}, ptrs)\n"
+            "build(tp._slice_candidates_kernel, {'PAGE': 16, 'SLICE': 1024},\n"
+            "      {**ptrs, 'key_ptr': '*i32', 'col_ptr': '*i32'}, num_warps=4)\n"
+            "build(tp._cut_candidates_kernel, {'PAGE': 16, 'BLOCK_C': 4096, 'BLOCK_L': 1},\n"
+            "      {'key_ptr': '*i32', 'col_ptr': '*i32', 'lengths_ptr': '*i32', 'out_ptr': '*i32'}, num_warps=8)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     if "No module named 'triton.backends.nvidia'" in done.stderr:
         pytest.skip("Triton's NVIDIA backend is not installed")
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("rows,kv_heads,width,page,count,last,slice_pages", [
+    (2, 2, 200, 16, 16 * 9, 16, 16),    # 13 slices of 16 pages, 9 candidates each
+    (3, 2, 300, 16, 16 * 20, 16, 64),   # a short row and an empty one
+    (1, 2, 130, 4, 4 * 40, 8, 32),      # more ranked places than a slice has pages: every valid page a candidate
+])
+def test_two_passes_equal_one(rows, kv_heads, width, page, count, last, slice_pages) -> None:
+    """The wide rows' two passes (slices' candidates, then their cut) give the one pass's plan exactly, ties in
+    column order included; scores with many equal values put ties at the cut across slices."""
+    g = torch.Generator().manual_seed(width)
+    scores = torch.randint(-3, 4, (rows, kv_heads, width), generator=g).float()
+    scores[0, 0, 5] = float("-inf")
+    lengths = torch.tensor([width * page, (width // 3) * page - 1, 0][:rows], dtype=torch.int32)
+    one = triton_plans.read_pages(scores.to(DEV), lengths.to(DEV), page, count=count, last=last, slice_pages=0)
+    two = triton_plans.read_pages(scores.to(DEV), lengths.to(DEV), page, count=count, last=last,
+                                  slice_pages=slice_pages)
+    assert torch.equal(one, two)
+    want = torch_primitives.read_pages(scores, lengths, page, count=count, last=last)
+    for r in range(rows):
+        for h in range(kv_heads):
+            got_scores = sorted(scores[r, h, [c for c in two[r, h].tolist() if c >= 0]].tolist())
+            want_scores = sorted(scores[r, h, [c for c in want[r, h].tolist() if c >= 0]].tolist())
+            assert got_scores == want_scores, (r, h)
+
+
+def test_a_wide_row_takes_two_passes() -> None:
+    """A 128K table (8,321 pages) goes through the slices: the same plan as one pass, on random scores."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(1, 1, 8321, generator=g)
+    lengths = torch.tensor([131072 + 5], dtype=torch.int32)
+    one = triton_plans.read_pages(scores.to(DEV), lengths.to(DEV), 16, count=4080, last=16, slice_pages=0)
+    two = triton_plans.read_pages(scores.to(DEV), lengths.to(DEV), 16, count=4080, last=16)
+    assert torch.equal(one, two)
+    assert triton_plans.SLICE_FROM <= 16384
