@@ -23,9 +23,10 @@ from kvc.runtime.attention.torch_ops import attend_chunk, gather_kv
 
 ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # A chunk longer than this many tokens attends in query blocks of it (0: one call). cuDNN's causal kernel
-# loses rate on long sequences (H100: 570 TFLOP/s over 128K tokens in one call, 609 in blocks of 16K; 601
-# and 605 at 32K; at 8K blocks cost more than they save): docs/benchmarks.md, "Prefill attention in query blocks".
-QUERY_BLOCK = 16384
+# loses rate on long sequences (H100: 557 TFLOP/s over 128K tokens in one call, 584 in blocks of 32K, 585 of
+# 16K), while a 32K chunk in blocks of 16K loses 2-3% (32/8 heads): docs/benchmarks.md, "Prefill attention in
+# query blocks".
+QUERY_BLOCK = 32768
 
 
 def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
