@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kvc.runtime.bench.bandwidth import graph_ms
 from kvc.runtime.primitives import triton_plans
-from kvc.runtime.primitives.triton_plans import _order_key
+from kvc.runtime.primitives.triton_plans import _block_keys, _cut, _store_plan, _taken
 
 KV_HEADS, PAGE, BUDGET = 4, 16, 4096
 
@@ -30,36 +30,11 @@ def _before_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stride_sh, strid
     # the plan kernel before 2026-12-06: the same search over 64-bit keys
     r, h = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, BLOCK_W)
-    stored = (tl.load(lengths_ptr + r) + PAGE - 1) // PAGE
-    first_newest = stored - N_LAST
-    x = tl.load(scores_ptr + r * stride_sr + h * stride_sh + cols, mask=cols < W, other=float("-inf"))
-    valid = (cols < first_newest) & (x > float("-inf"))
-    key = tl.where(valid, _order_key(x), -2147483647 - 1).to(tl.int64)
-    n_valid = tl.sum(valid.to(tl.int32), axis=0)
-    lo = tl.min(tl.where(valid, key, 2147483647), axis=0)
-    hi = tl.max(key, axis=0) + 1
-    if n_valid > N_TOP:
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            above = tl.sum((key >= mid).to(tl.int32), axis=0)
-            if above >= N_TOP:
-                lo = mid
-                if above == N_TOP:
-                    hi = mid + 1
-            else:
-                hi = mid
-    take = valid & (key > lo)
-    ties = valid & (key == lo)
-    room = N_TOP - tl.sum(take.to(tl.int32), axis=0)
-    take = take | (ties & (tl.cumsum(ties.to(tl.int32), axis=0) <= room))
-    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
-    listed = tl.sum(take.to(tl.int32), axis=0)
-    base = out_ptr + r * stride_or + h * stride_oh
-    tl.store(base + slot, cols, mask=take)
-    tl.store(base + cols, tl.full([BLOCK_W], -1, tl.int32), mask=(cols >= listed) & (cols < N_TOP))
-    tail = tl.arange(0, BLOCK_L)
-    newest = first_newest + tail
-    tl.store(base + N_TOP + tail, tl.where(newest >= 0, newest, -1), mask=tail < N_LAST)
+    first_newest = (tl.load(lengths_ptr + r) + PAGE - 1) // PAGE - N_LAST
+    valid, key = _block_keys(scores_ptr + r * stride_sr + h * stride_sh, cols, W, first_newest)
+    key = key.to(tl.int64)
+    take = _taken(key, valid, _cut(key, valid, N_TOP), N_TOP)  # every lane's compare 64-bit
+    _store_plan(out_ptr + r * stride_or + h * stride_oh, cols, take, first_newest, N_TOP, N_LAST, BLOCK_W, BLOCK_L)
 
 
 def before(scores: torch.Tensor, lengths: torch.Tensor, num_warps: int) -> torch.Tensor:
