@@ -29,9 +29,10 @@ from kvc.runtime.primitives import torch_primitives
 
 MAX_PAGES = 65536  # one program holds a row's scores in registers; wider rows take the torch path
 SLICE, SLICE_FROM = 1024, 8192  # rows of SLICE_FROM lanes and more are cut in two passes over slices of SLICE pages
-# (A walk in blocks of 1,024 pages for rows whose one block is mostly padding was measured slower on
-# the H200 in the model: Quest at 128K 13.14 ms a step against 10.91 with the one block,
-# docs/benchmarks.md, "FP8 and KIVI on the H200"; it was removed.)
+# (A walk in blocks of 1,024 pages inside the row's one program was measured slower on the H200 in the
+# model: Quest at 128K 13.14 ms a step against 10.91 with the one block, docs/benchmarks.md, "FP8 and KIVI
+# on the H200"; it was removed. The two passes spread the slices over programs instead: 34 -> 15.5 µs on an
+# H100 for a 128K table, docs/benchmarks.md, "the read plan in two passes".)
 
 
 @triton.jit
@@ -148,7 +149,7 @@ def read_pages(scores: torch.Tensor, lengths: torch.Tensor, page: int, *, count,
                num_warps: int | None = None, slice_pages: int | None = None) -> torch.Tensor:
     """`torch_primitives.read_pages` on the GPU: [row, kv_head, n] int32 page-table columns (-1: none)
     from scores [row, kv_head, pages] and lengths [row]; the ranked pages come first, in column
-    order, then the `ceil(last / page)` newest. A row wider than `SLICE_FROM` pages is cut in two passes
+    order, then the `ceil(last / page)` newest. A row of `SLICE_FROM` lanes or more is cut in two passes
     (module docstring); `slice_pages` (a power of two; 0: one pass) and `num_warps` override the choice
     (tests, benchmarks)."""
     rows, kv_heads, width = scores.shape
