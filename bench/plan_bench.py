@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kvc.runtime.bench.bandwidth import graph_ms
 from kvc.runtime.primitives import triton_plans
-from kvc.runtime.primitives.triton_plans import _block_keys, _cut, _store_plan, _taken
+from kvc.runtime.primitives.triton_plans import _block_keys, _cut, _first_newest, _store_plan, _taken
 
 KV_HEADS, PAGE, BUDGET = 4, 16, 4096
 
@@ -27,14 +27,13 @@ KV_HEADS, PAGE, BUDGET = 4, 16, 4096
 @triton.jit
 def _before_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stride_sh, stride_or, stride_oh,
                    W, N_TOP, N_LAST, PAGE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_L: tl.constexpr):
-    # the plan kernel before 2026-12-06: the same search over 64-bit keys
-    r, h = tl.program_id(0), tl.program_id(1)
-    cols = tl.arange(0, BLOCK_W)
-    first_newest = (tl.load(lengths_ptr + r) + PAGE - 1) // PAGE - N_LAST
-    valid, key = _block_keys(scores_ptr + r * stride_sr + h * stride_sh, cols, W, first_newest)
-    key = key.to(tl.int64)
-    take = _taken(key, valid, _cut(key, valid, N_TOP), N_TOP)  # every lane's compare 64-bit
-    _store_plan(out_ptr + r * stride_or + h * stride_oh, cols, take, first_newest, N_TOP, N_LAST, BLOCK_W, BLOCK_L)
+    # the plan kernel before 2026-12-06: the same search over 64-bit keys (every lane's compare 64-bit)
+    r, h, cols = tl.program_id(0), tl.program_id(1), tl.arange(0, BLOCK_W)
+    first_newest = _first_newest(lengths_ptr, r, N_LAST, PAGE)
+    valid, key32 = _block_keys(scores_ptr + r * stride_sr + h * stride_sh, cols, W, first_newest)
+    key = key32.to(tl.int64)
+    _store_plan(out_ptr + r * stride_or + h * stride_oh, cols, _taken(key, valid, _cut(key, valid, N_TOP), N_TOP),
+                first_newest, N_TOP, N_LAST, BLOCK_W, BLOCK_L)
 
 
 def before(scores: torch.Tensor, lengths: torch.Tensor, num_warps: int) -> torch.Tensor:

@@ -28,6 +28,7 @@ import triton.language as tl
 from kvc.runtime.primitives import torch_primitives
 
 MAX_PAGES = 65536  # one program holds a row's scores in registers; wider rows take the torch path
+NO_KEY = tl.constexpr(-2147483647 - 1)  # the smallest int32: the key of a lane that ranks no page
 SLICE, SLICE_FROM = 1024, 8192  # rows of SLICE_FROM lanes and more are cut in two passes over slices of SLICE pages
 # (A walk in blocks of 1,024 pages inside the row's one program was measured slower on the H200 in the
 # model: Quest at 128K 13.14 ms a step against 10.91 with the one block, docs/benchmarks.md, "FP8 and KIVI
@@ -45,11 +46,17 @@ def _order_key(x):
 @triton.jit
 def _block_keys(row, cols, W, first_newest):
     # (valid, order keys) of a block of a row's page scores: a page is ranked when it lies before the
-    # always-read newest pages and its score is neither -inf nor NaN; other lanes get the smallest int32,
+    # always-read newest pages and its score is neither -inf nor NaN; other lanes get NO_KEY,
     # below every ranked page's key (keys stay 32-bit: the per-lane work of each pass is the kernel's cost)
     x = tl.load(row + cols, mask=cols < W, other=float("-inf"))
     valid = (cols < first_newest) & (x > float("-inf"))
-    return valid, tl.where(valid, _order_key(x), -2147483647 - 1)
+    return valid, tl.where(valid, _order_key(x), NO_KEY)
+
+
+@triton.jit
+def _first_newest(lengths_ptr, r, N_LAST, PAGE: tl.constexpr):
+    # the row's first always-read page: its stored pages less the N_LAST newest
+    return (tl.load(lengths_ptr + r) + PAGE - 1) // PAGE - N_LAST
 
 
 @triton.jit
@@ -101,8 +108,7 @@ def _read_pages_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stride_sh, s
                        W, N_TOP, N_LAST, PAGE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_L: tl.constexpr):
     r, h = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, BLOCK_W)
-    stored = (tl.load(lengths_ptr + r) + PAGE - 1) // PAGE
-    first_newest = stored - N_LAST  # the always-read pages start here
+    first_newest = _first_newest(lengths_ptr, r, N_LAST, PAGE)
     valid, key = _block_keys(scores_ptr + r * stride_sr + h * stride_sh, cols, W, first_newest)
     take = _taken(key, valid, _cut(key, valid, N_TOP), N_TOP)
     _store_plan(out_ptr + r * stride_or + h * stride_oh, cols, take, first_newest, N_TOP, N_LAST, BLOCK_W, BLOCK_L)
@@ -115,7 +121,7 @@ def _slice_candidates_kernel(scores_ptr, lengths_ptr, key_ptr, col_ptr, stride_s
     # SLICE)) ranked pages as (key, column) in column order, the smallest int32 key and -1 after them
     r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = s * SLICE + tl.arange(0, SLICE)
-    first_newest = (tl.load(lengths_ptr + r) + PAGE - 1) // PAGE - N_LAST
+    first_newest = _first_newest(lengths_ptr, r, N_LAST, PAGE)
     valid, key = _block_keys(scores_ptr + r * stride_sr + h * stride_sh, cols, W, first_newest)
     take = _taken(key, valid, _cut(key, valid, N_TOP), N_TOP)
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
@@ -124,7 +130,7 @@ def _slice_candidates_kernel(scores_ptr, lengths_ptr, key_ptr, col_ptr, stride_s
     tl.store(key_ptr + base + slot, key, mask=take)
     tl.store(col_ptr + base + slot, cols, mask=take)
     pad = tl.arange(0, SLICE)
-    tl.store(key_ptr + base + pad, tl.full([SLICE], -2147483647 - 1, tl.int32), mask=(pad >= listed) & (pad < CAND))
+    tl.store(key_ptr + base + pad, tl.full([SLICE], NO_KEY, tl.int32), mask=(pad >= listed) & (pad < CAND))
     tl.store(col_ptr + base + pad, tl.full([SLICE], -1, tl.int32), mask=(pad >= listed) & (pad < CAND))
 
 
@@ -137,10 +143,10 @@ def _cut_candidates_kernel(key_ptr, col_ptr, lengths_ptr, out_ptr, stride_or, st
     r, h = tl.program_id(0), tl.program_id(1)
     lanes = tl.arange(0, BLOCK_C)
     base = (r * tl.num_programs(1) + h) * N_CAND
-    key = tl.load(key_ptr + base + lanes, mask=lanes < N_CAND, other=-2147483647 - 1)
+    key = tl.load(key_ptr + base + lanes, mask=lanes < N_CAND, other=NO_KEY)
     cols = tl.load(col_ptr + base + lanes, mask=lanes < N_CAND, other=-1)
-    valid = key > -2147483647 - 1
-    first_newest = (tl.load(lengths_ptr + r) + PAGE - 1) // PAGE - N_LAST
+    valid = key > NO_KEY
+    first_newest = _first_newest(lengths_ptr, r, N_LAST, PAGE)
     take = _taken(key, valid, _cut(key, valid, N_TOP), N_TOP)
     _store_plan(out_ptr + r * stride_or + h * stride_oh, cols, take, first_newest, N_TOP, N_LAST, BLOCK_C, BLOCK_L)
 
@@ -151,7 +157,7 @@ def read_pages(scores: torch.Tensor, lengths: torch.Tensor, page: int, *, count,
     from scores [row, kv_head, pages] and lengths [row]; the ranked pages come first, in column
     order, then the `ceil(last / page)` newest. A row of `SLICE_FROM` lanes or more is cut in two passes
     (module docstring); `slice_pages` (a power of two; 0: one pass) and `num_warps` override the choice
-    (tests, benchmarks)."""
+    (tests, benchmarks), except that two passes whose candidates would not halve the row's lanes run as one."""
     rows, kv_heads, width = scores.shape
     n_last = max(0, min(ceil(last / page), width))
     n_top = max(0, min(floor(count / page), width - n_last))
@@ -161,7 +167,8 @@ def read_pages(scores: torch.Tensor, lengths: torch.Tensor, page: int, *, count,
     out = torch.empty(rows, kv_heads, n_top + n_last, dtype=torch.int32, device=scores.device)
     block_w = triton.next_power_of_2(max(width, n_top, 16))
     block_l = triton.next_power_of_2(max(n_last, 1))
-    slice_pages = SLICE if slice_pages is None and block_w >= SLICE_FROM else slice_pages or 0
+    if slice_pages is None:
+        slice_pages = SLICE if block_w >= SLICE_FROM else 0
     slices = -(-width // slice_pages) if slice_pages else 0
     cand = min(n_top, slice_pages)
     block_c = triton.next_power_of_2(max(slices * cand, n_top, 16))

@@ -98,7 +98,7 @@ def test_the_plan_kernel_compiles_for_sm90() -> None:
 @pytest.mark.parametrize("rows,kv_heads,width,page,count,last,slice_pages", [
     (2, 2, 200, 16, 16 * 9, 16, 16),    # 13 slices of 16 pages, 9 candidates each
     (3, 2, 300, 16, 16 * 20, 16, 64),   # a short row and an empty one
-    (1, 2, 130, 4, 4 * 40, 8, 32),      # more ranked places than a slice has pages: every valid page a candidate
+    (1, 2, 130, 4, 4 * 10, 8, 32),      # pages of 4, two newest pages, 5 slices of 32
 ])
 def test_two_passes_equal_one(rows, kv_heads, width, page, count, last, slice_pages) -> None:
     """The wide rows' two passes (slices' candidates, then their cut) give the one pass's plan exactly, ties in
