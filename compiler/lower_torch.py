@@ -3,7 +3,7 @@
 Pipeline position: used by `codegen` to fill the named points of `templates/torch_lowering.py.jinja`.
 Every IR value becomes one Python statement over a torch tensor whose dimensions are the value's
 named axes in order (`value.dims`, the checker's order); the template's prelude holds the helpers
-(`_attention`, `_window`, `_reduce`, `_group`, `_pool`, `_align`, `_select`) so the emitted code
+(`_attention`, `_window`, `_reduce`, `_contract`, `_group`, `_pool`, `_align`, `_select`) so the emitted code
 stays one line per operation. Axes combine by name, never by position: reductions, norms, pooling
 and windows find their axis by name, and an operand of an elementwise operation (or of
 `_attention`) whose axes differ from what it meets is first laid out by `_align` (permuted,
@@ -150,6 +150,9 @@ class _Emitter:
         if isinstance(v, Attention):
             return self._attention(v)
         if isinstance(v, Reduce):
+            contracted = self._contraction(v)
+            if contracted is not None:
+                return contracted
             x, dims = self.value(v.src), list(v.src.dims)
             if "group" in v.axes:
                 x = self.emit(f'_group({x}, "{v.fn}", {dims.index("head")}, kv_heads)')
@@ -205,6 +208,18 @@ class _Emitter:
                 return self.emit(f"torch.clamp({tensor}, {bound}={number})"), v.dims
             return self.emit(_BINARY[v.fn].format(a, b)), v.dims
         raise NotLowerable(f"cannot lower {type(v).__name__} to torch yet")
+
+    def _contraction(self, v: Reduce) -> tuple[str, tuple[str, ...]] | None:
+        """`sum(a * b, over axes)` of two tensors as one `_contract` (an einsum: the broadcast product
+        is never in memory), where the sum is over neither the query group nor the query heads."""
+        src = v.src
+        if (v.fn != "sum" or not isinstance(src, Elementwise) or src.fn != "mul" or len(src.args) != 2
+                or any(isinstance(a, Scalar) for a in src.args) or {"group", "head"} & set(v.axes)):
+            return None
+        a, b = src.args
+        kept = tuple(d for d in src.dims if d not in v.axes)
+        return self.emit(f"_contract({self.value(a)}, {_names(a.dims)}, {self.value(b)}, {_names(b.dims)}, "
+                         f"{_names(kept)})"), kept
 
     def _attention(self, v: Attention) -> tuple[str, tuple[str, ...]]:
         """`_attention` takes q [head, query, channel] and k [kv_head, key, channel] (query head h

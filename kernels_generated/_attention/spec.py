@@ -1802,6 +1802,7 @@ def _split_len(context_len, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     q_ptr, block_tables_ptr, context_lens_ptr, kv_starts_ptr, rows_ptr, resid_lens_ptr, plan_ptr, last_ptr,
+    counts_ptr,
     k_cache_ptr, k_scale_ptr, k_zero_ptr, k_book_ptr, k_resid_ptr, k_rot_ptr,
     stride_kp, stride_kh, stride_ks, stride_k_scale_p, stride_k_scale_h, stride_k_scale_s,
     stride_k_resid_r, stride_k_resid_h, stride_k_resid_s,
@@ -1821,7 +1822,7 @@ def _decode_split_kernel(
     K_BITS: tl.constexpr, K_PER_ELEMENT: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_WINDOW: tl.constexpr, K_FLUSH: tl.constexpr, K_BOOK: tl.constexpr, K_FRESH: tl.constexpr, K_ROT: tl.constexpr,
     V_BITS: tl.constexpr, V_PER_ELEMENT: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_WINDOW: tl.constexpr, V_FLUSH: tl.constexpr, V_BOOK: tl.constexpr, V_FRESH: tl.constexpr, V_ROT: tl.constexpr,
     READ: tl.constexpr, HAS_LAST: tl.constexpr, K_FOLD: tl.constexpr, V_FOLD: tl.constexpr, ASM: tl.constexpr,
-    TAIL: tl.constexpr,
+    TAIL: tl.constexpr, HAS_COUNTS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -1842,9 +1843,11 @@ def _decode_split_kernel(
     if TAIL:  # the pages before both windows are `_mma_decode_kernel`'s: the rest of the row
         head_start = tl.maximum(head_start, tl.maximum(tl.minimum(k_resid_start, v_resid_start), 0)
                                 // PAGE_SIZE * PAGE_SIZE)
-    # A read plan: the splits share the plan's positions instead (the same count for every row,
-    # plus the row's `last` newest slots after them).
+    # A read plan: the splits share the plan's positions instead (the same count for every row, or
+    # the head's own count of a packed plan, plus the row's `last` newest slots after them).
     plan = plan_ptr + seq.to(tl.int64) * stride_pb + kv_head * stride_ph
+    if HAS_COUNTS:
+        plan_len = tl.load(counts_ptr + seq * tl.num_programs(1) + kv_head)
     if READ:
         first = 0
         span = plan_len
@@ -1951,13 +1954,16 @@ def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, context_lens_ptr, kv_starts_ptr, out_ptr,
     scores_ptr, lse_ptr, scores_width, EMIT_STATS: tl.constexpr,
     num_splits, stride_sb, stride_ob, stride_oh,
-    plan_len, last_ptr, v_rot_ptr,
+    plan_len, last_ptr, counts_ptr, v_rot_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr, HAS_STARTS: tl.constexpr,
     READ: tl.constexpr, HAS_LAST: tl.constexpr, V_ROT: tl.constexpr, ALL_ACTIVE: tl.constexpr,
+    HAS_COUNTS: tl.constexpr, EXTRA: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    if HAS_COUNTS:  # a packed plan: this head's own count
+        plan_len = tl.load(counts_ptr + seq * (tl.num_programs(1) // GROUP) + head // GROUP)
     if READ:  # the splits shared the plan's positions (and the row's newest slots)
         active_len = plan_len
         if HAS_LAST:
@@ -1972,7 +1978,7 @@ def _decode_reduce_kernel(
 
     offs_d = tl.arange(0, BLOCK_D)
     dim_mask = offs_d < HEAD_DIM
-    row0 = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits
+    row0 = (seq.to(tl.int64) * tl.num_programs(1) + head) * (num_splits + EXTRA)  # EXTRA: a partial after the splits'
     m = tl.full([], -1.0e30, tl.float32)
     total = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
@@ -1989,6 +1995,15 @@ def _decode_reduce_kernel(
         w = tl.exp2(lse - m_new)
         acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
         total = total * alpha + tl.sum(w, axis=0)
+        m = m_new
+    if EXTRA:  # a read plan's estimate, one more partial (-inf: none)
+        lse = tl.load(part_lse_ptr + row0 + num_splits)
+        o = tl.load(part_out_ptr + (row0 + num_splits) * HEAD_DIM + offs_d, mask=dim_mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha + w * o
+        total = total * alpha + w
         m = m_new
     # The largest split has weight exactly 1, so total >= 1 unless nothing was active (then 0/1).
     o = acc / tl.maximum(total, 1.0)
@@ -2033,8 +2048,10 @@ def paged_decode(
     K and V are dense caches or quantized sources (runtime/attention/sources.py); `rows`/`resid_lens`
     [B] int32 read each row's newest resid_lens[b] slots from residual windows; `read` (a ReadPlan,
     runtime/kv/plans.py) restricts each (row, KV head) to the slots it lists (with `read.last`, also the
-    row's newest last[b] slots), the splits sharing the plan's entries (no gather of K/V), statistics
-    then covering the slots read (torch_ops.paged_decode).
+    row's newest last[b] slots; with `read.counts`, the splits share each head's listed entries only),
+    the splits sharing the plan's entries (no gather of K/V), statistics then covering the slots read
+    (torch_ops.paged_decode). A plan's `estimate` enters the softmax as one more split's partial
+    (`_estimate_partial`), merged by the reduce.
     The keyword-only knobs override the launch config (this GPU's tuned entry, else `decode_config`).
     `mma`: read the coded pages with `_mma_decode_kernel` (None: where `mma_decode_fits` and no tile knob is
     given; True: or raise), the split kernel reading the rest of each row (`TAIL`), one reduce over both.
@@ -2058,6 +2075,15 @@ def paged_decode(
         last = read.last
         if last.shape != (batch,) or last.dtype != torch.int32:
             raise ValueError(f"the read plan's `last` must be [{batch}] int32, got {tuple(last.shape)} {last.dtype}")
+    counts = context_lens  # without `read.counts`: never read
+    if read is not None and read.counts is not None:
+        counts = read.counts
+        if counts.shape != (batch, num_kv_heads) or counts.dtype != torch.int32 or not counts.is_contiguous():
+            raise ValueError(f"the read plan's `counts` must be [{batch}, {num_kv_heads}] contiguous int32, got "
+                             f"{tuple(counts.shape)} {counts.dtype}")
+    estimate = None if read is None else read.estimate
+    if estimate is not None and stats is not None:
+        raise NotImplementedError("decode statistics of a read plan with an estimate are not computed yet")
     if read is not None:
         plan = read.pages if read.pages is not None else read.tokens
         if plan.shape[:2] != (batch, num_kv_heads) or plan.stride(-1) != 1:
@@ -2069,8 +2095,10 @@ def paged_decode(
         max_context_len = plan_len  # the split heuristic sizes by what one (row, KV head) reads
         if num_splits is None:  # scattered pages: more, shorter splits keep more loads in flight
             # 128 positions a split: best for Quest's 4096-token plans at 32K and 128K on the H200
-            # (bench/sparse_decode_bench.py --sweep: 32 splits, 0.82-0.96 of the run's copy bandwidth)
-            num_splits = max(1, min(MAX_SPLITS, -(-plan_len // 128)))
+            # (bench/sparse_decode_bench.py --sweep: 32 splits, 0.82-0.96 of the run's copy bandwidth);
+            # a packed plan (`counts`) lists a few percent of its width (a cluster read's chosen clusters), and
+            # its splits share only what each head lists: one split per 2,048 positions of width
+            num_splits = max(1, min(MAX_SPLITS, -(-plan_len // (2048 if read.counts is not None else 128))))
     windows, rows_arg, resid_arg = _residual_rows("paged_decode", k_cache, v_cache, rows, resid_lens, context_lens,
                                                   batch)
     k_op, v_op = kernel_operand(k_cache, windows), kernel_operand(v_cache, windows)
@@ -2102,9 +2130,9 @@ def paged_decode(
     cfg = replace(cfg, **{k: val for k, val in overrides.items() if val is not None})
 
     splits = cfg.num_splits
-    if not tail:
-        part_base, part_stride = 0, splits
-    if splits > 1 or tail:
+    if not tail:  # an estimate's entries: one more partial, after the splits'
+        part_base, part_stride = 0, splits + (estimate is not None)
+    if splits > 1 or tail or estimate is not None:
         part_out = torch.empty((batch, num_q_heads, part_stride, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, num_q_heads, part_stride), dtype=torch.float32, device=q.device)
     else:
@@ -2127,6 +2155,11 @@ def paged_decode(
 
     if stats is not None and read is not None:
         scores.fill_(float("-inf"))  # the slots a plan does not read keep probability 0
+    if estimate is not None and (k_op.rotated or v_op.rotated):
+        raise NotImplementedError("a read plan's estimate over rotated keys or values (its pseudo-keys are in the "
+                                  "model's basis)")
+    if estimate is not None:  # before q turns into the keys' stored basis
+        _estimate_partial(q, estimate, scale, part_out[:, :, splits], part_lse[:, :, splits], group)
     if k_op.rotated:
         # the query in the keys' stored basis, q . (k R^T) = (q R^T) . (k R^T) (runtime/kv/rotation.py): one
         # [B Hq, D] x [D, D] product here; rotated inside every split program it cost the H200's kernel 8%
@@ -2136,7 +2169,7 @@ def paged_decode(
     aligned = read_mode != READ_TOKENS and kv_starts is None  # each tile starts a page: splits are whole tiles
     tiles_in_pages, pages_in_tiles = aligned and page_size % cfg.block_n == 0, aligned and cfg.block_n % page_size == 0
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, block_tables, context_lens, starts, rows_arg, resid_arg, plan, last, *k_op.args(), *v_op.args(),
+        q, block_tables, context_lens, starts, rows_arg, resid_arg, plan, last, counts, *k_op.args(), *v_op.args(),
         out, part_out, part_lse,
         scores, lse, scores_width, stats is not None,
         scale * LOG2E, splits,
@@ -2144,30 +2177,51 @@ def paged_decode(
         *plan_strides, plan_len, part_base, part_stride,
         block_tables.stride(0), stride_sb, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, DIRECT_OUT=splits == 1 and not tail,
+        PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, DIRECT_OUT=splits == 1 and not tail and estimate is None,
         USE_DOT=cfg.use_dot, DOT_PRECISION=_dot_precision(q.dtype), HAS_STARTS=kv_starts is not None,
         **k_op.constants("K"), **v_op.constants("V"), READ=read_mode, HAS_LAST=last is not context_lens,
         K_FOLD=_fold(k_op, head_dim, tiles_in_pages, pages_in_tiles),
         V_FOLD=_fold(v_op, head_dim, tiles_in_pages, pages_in_tiles),
-        ASM=os.environ.get("TRITON_INTERPRET") != "1", TAIL=tail, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        ASM=os.environ.get("TRITON_INTERPRET") != "1", TAIL=tail, HAS_COUNTS=counts is not context_lens,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if tail:
         splits = part_stride  # the reduce's: the mma partials, then the tail's
-    if splits > 1:
+    if splits > 1 or estimate is not None:
         split_block = min(triton.next_power_of_2(splits), max(1, 8192 // block_d))
         _decode_reduce_kernel[(batch, num_q_heads)](
             part_out, part_lse, context_lens, starts, out,
             scores, lse, scores_width, stats is not None,
             splits, stride_sb, out.stride(0), out.stride(1),
-            plan_len, last, v_op.rotation_arg,
+            plan_len, last, counts, v_op.rotation_arg,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_BLOCK=split_block,
             HAS_STARTS=kv_starts is not None, num_warps=4 if head_dim >= 128 else 2,
-            READ=read_mode, HAS_LAST=last is not context_lens, V_ROT=v_op.rotated, ALL_ACTIVE=tail,
+            READ=read_mode, HAS_LAST=last is not context_lens, V_ROT=v_op.rotated,
+            ALL_ACTIVE=tail, HAS_COUNTS=counts is not context_lens, EXTRA=int(estimate is not None),
         )
     if stats is not None:
         _fold_stats(scores, lse, context_lens, starts, stride_sb, kv_starts is not None, stats, group)
     return out
+
+
+def _estimate_partial(q: torch.Tensor, estimate, scale: float, part_out: torch.Tensor, part_lse: torch.Tensor,
+                      group: int) -> None:
+    """A read plan's estimate (runtime/kv/plans.py `Estimate`) as one more split's partial, in the splits'
+    units: part_out [B, Hq, D] the softmax-weighted values over its entries alone (logit q . key * scale +
+    log-weight), part_lse [B, Hq] their log2-sum-exp (-inf and zeros for a head with none). E entries a
+    head: two small batched products in float32, no kernel of its own."""
+    batch, num_q_heads, head_dim = q.shape
+    keys, values = estimate.keys.to(q.device, torch.float32), estimate.values.to(q.device, torch.float32)
+    grouped = q.float().reshape(batch, num_q_heads // group, group, head_dim)
+    logits = torch.matmul(grouped, keys.transpose(-1, -2)) * (scale * LOG2E)  # [B, Hkv, G, E]
+    logits = logits + estimate.log_weights.to(q.device, torch.float32)[:, :, None, :] * LOG2E
+    top = logits.amax(-1, keepdim=True) if logits.shape[-1] else logits.new_full((*logits.shape[:-1], 1), -torch.inf)
+    top = torch.where(top > -torch.inf, top, 0.0)
+    p = torch.exp2(logits - top)
+    total = p.sum(-1)  # [B, Hkv, G]
+    o = torch.matmul(p, values) / torch.where(total > 0, total, 1.0)[..., None]
+    part_out.copy_(o.reshape(batch, num_q_heads, head_dim))
+    part_lse.copy_((top[..., 0] + torch.log2(total)).reshape(batch, num_q_heads))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
     ceil as _ceil,
     choose_tokens as _choose_tokens,
     clamp_count as _count,
+    contract as _contract,
     decode_logits as _decode_logits,
     duplicated as _duplicated,
     floor as _floor,

@@ -13,7 +13,7 @@ indices (runtime/compiled/cluster_index.py: the rows' static buffers): `inputs` 
 channel]`, each summary of the clusters `[row, kv_head, clusters, channel]`, `sizes [row, kv_head,
 clusters]` (0: none), `members [row, kv_head, n]` (the cluster of indexed slot `starts[row] + i`,
 -1: none), `starts`, `ends` and `lengths [row]`; `sym`'s `context`, `prompt` and `step` are float64
-[row] tensors. It answers None (every token read) or `(tokens, last, estimate)`
+[row] tensors. It answers None (every token read) or `(tokens, last, estimate, counts)`
 (runtime/primitives/clusters.py `read_clusters`). `<partition>_segment(k, v, params)` clusters one
 segment of a layer's keys (`<partition>_size` keys per cluster on average), and
 `<hook>_ranges(sym, params)` gives the `first n` and `last m` the index leaves out.
@@ -32,6 +32,7 @@ from kvc.runtime.primitives.torch_primitives import (  # noqa: F401 -- the gener
     ceil as _ceil,
     choose_tokens as _choose_tokens,
     clamp_count as _count,
+    contract as _contract,
     decode_logits as _decode_logits,
     duplicated as _duplicated,
     floor as _floor,
@@ -98,7 +99,6 @@ def decode_before_attention_ranges(sym, params):
     """`on decode_before_attention`: the (first, last) slots its read takes exactly, which the `clusters` index leaves out."""
     cluster_size = params["cluster_size"]
     computed = params["computed"]
-    heads = sym["heads"]
     kv_heads = sym["kv_heads"]
     local = params["local"]
     retrieved = params["retrieved"]
@@ -113,17 +113,13 @@ def decode_before_attention_scores(inputs, state, sym, params):
     cluster_size = params["cluster_size"]
     computed = params["computed"]
     context = sym["context"]
-    heads = sym["heads"]
     kv_heads = sym["kv_heads"]
     local = params["local"]
     retrieved = params["retrieved"]
     sink = params["sink"]
-    t1 = _align(q, ("row", "head", "channel"), ("row", "head", "clusters", "channel"))
-    t2 = _align(centroid, ("row", "kv_head", "clusters", "channel"), ("row", "head", "clusters", "channel"), heads)
-    t3 = (t1 * t2)
-    t4 = _reduce(t3, "sum", (3,))
-    t5 = _group(t4, "max", 1, kv_heads)
-    scores = t5.float()
+    t1 = _contract(q, ("row", "head", "channel"), centroid, ("row", "kv_head", "clusters", "channel"), ("row", "head", "clusters"))
+    t2 = _group(t1, "max", 1, kv_heads)
+    scores = t2.float()
     return scores
 
 
@@ -136,7 +132,6 @@ def decode_before_attention(inputs, state, sym, params):
     cluster_size = params["cluster_size"]
     computed = params["computed"]
     context = sym["context"]
-    heads = sym["heads"]
     kv_heads = sym["kv_heads"]
     local = params["local"]
     retrieved = params["retrieved"]

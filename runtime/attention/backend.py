@@ -485,16 +485,13 @@ class PagedAttention:
             extra_d["read"] = read
         starts = None if md.kv_starts is None else md.kv_starts[layer_idx]  # [B, Hkv]
         ops = self.class_ops[self.layer_class[layer_idx]]
-        # a plan with an estimate (pseudo-keys of a cluster index) runs on the torch path for now
-        estimated = read is not None and read.estimate is not None
-        decode_ops = torch_ops if estimated else ops
         # a prefill chunk reads the window's older slots, which its own would overwrite: they enter after
         self.write(layer_idx, k, v, md, window_tokens=None if resid is None else md.num_decodes)
         out = q.new_empty(*q.shape[:2], v_cache.shape[-1])  # MLA's values are narrower than its keys
         num_decodes = md.num_decodes
         decompress = latent is not None and self.mla_prefill == "decompressed" and md.num_prefills > 0
         if num_decodes > 0:
-            decode_ops.paged_decode(
+            ops.paged_decode(
                 q[:num_decodes], k_cache, v_cache,
                 tables[:num_decodes], lens[:num_decodes], scale,
                 max_context_len=md.max_context_len, out=out[:num_decodes],

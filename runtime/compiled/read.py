@@ -20,8 +20,9 @@ forward chooses again before any layer reads). It answers None or `(tokens, last
 
 A hook that reads the clusters of a `kmeans` partition (hook fact `clusters`) gets the step's
 queries and the rows' cluster indices (cluster_index.py: static per-row buffers, written between
-steps) with the per-row symbols, and answers `(tokens, last, estimate)`: a token `ReadPlan` whose
-`Estimate` holds the estimated clusters' pseudo-keys. Static shapes too: graphs capture it.
+steps) with the per-row symbols, and answers `(tokens, last, estimate, counts)`: a token `ReadPlan`
+whose slots come first in each head's list (`counts` of them), its `Estimate` the estimated clusters'
+pseudo-keys. Static shapes too: graphs capture it.
 """
 
 from __future__ import annotations
@@ -118,13 +119,13 @@ class ReadHook:
         out = self.fn(inputs, {}, sym, params)
         if out is None:
             return None
-        tokens, last_slots, estimate = out
+        tokens, last_slots, estimate, counts = out
         bound = self.indices.last_bound(sym, params)
         if bound is not None and view.rows is not None and int(last_slots.max()) > bound:  # eager steps check it
             raise RuntimeError(f"method {self.name!r}: a row reads {int(last_slots.max())} newest slots past its "
                                f"cluster index, more than the bound {bound}")
         return ReadPlan(tokens=tokens, last=last_slots, estimate=None if estimate is None else Estimate(*estimate),
-                        last_bound=bound)
+                        last_bound=bound, counts=counts)
 
     def _row_symbols(self, view: DecodeView, sym: dict[str, Any]) -> None:
         """The per-row symbols `context`, `prompt` and `step` (float64 [B]) of a token or cluster read."""

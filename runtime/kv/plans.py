@@ -92,6 +92,11 @@ class ReadPlan:
     `last_bound` (host int; None: none known): no row's `last` exceeds it, so the torch path gathers
     the newest `last_bound` slots instead of masking whole rows.
 
+    `counts [B, Hkv]` int32 (token plans only; None: every entry may be listed): head h of row b
+    lists its slots in `tokens[b, h, :counts[b, h]]` and nothing after them (-1), so a kernel walks
+    only those entries (a plan whose count varies by row, as many tokens as the chosen clusters
+    hold, in a static width).
+
     `estimate` (None: none): extra entries of each head's softmax that stand for tokens not read
     (`Estimate`: a cluster's pseudo-key, weighted by its size)."""
 
@@ -100,6 +105,7 @@ class ReadPlan:
     last: torch.Tensor | None = None
     estimate: Estimate | None = None
     last_bound: int | None = None
+    counts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.pages is None) == (self.tokens is None):
@@ -109,6 +115,8 @@ class ReadPlan:
             raise ValueError(f"a ReadPlan is [rows, kv_heads, n], got shape {tuple(plan.shape)}")
         if self.last is not None and (self.tokens is None or self.last.shape != plan.shape[:1]):
             raise ValueError("a ReadPlan's `last` is [rows] and goes with a token plan")
+        if self.counts is not None and (self.tokens is None or tuple(self.counts.shape) != tuple(plan.shape[:2])):
+            raise ValueError("a ReadPlan's `counts` is [rows, kv_heads] and goes with a token plan")
         if self.estimate is not None and self.estimate.log_weights.shape[:2] != plan.shape[:2]:
             raise ValueError(f"a ReadPlan's estimate is for {tuple(self.estimate.log_weights.shape[:2])} rows x KV "
                              f"heads, its plan for {tuple(plan.shape[:2])}")

@@ -87,9 +87,11 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
       summary) whose softmax weight counts its size (log-weight log(size)), with value VSUM / size.
 
     Ties as a stable sort leaves them (the lower cluster first). Static shapes, no host read: the
-    estimate has a place per cluster, those past a row's count weigh nothing (log-weight -inf).
-    Returns (tokens [row, kv_head, n] int32, -1 none; last [row] int32; estimate (keys, values,
-    log_weights) or None)."""
+    estimate has an entry per cluster, in cluster order, those not estimated weighing nothing
+    (log-weight -inf).
+    Returns (tokens [row, kv_head, n] int32, each head's slots first in slot order and -1 after;
+    last [row] int32; estimate (keys, values, log_weights) or None; counts [row, kv_head] int32, the
+    slots each head lists: `ReadPlan.counts`)."""
     sizes, members = inputs["sizes"], inputs["members"]  # [B, Hkv, C], [B, Hkv, N]
     present = sizes > 0
     ranked = torch.where(present, scores.float(), NEG_INF)
@@ -107,22 +109,32 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
         head = torch.arange(first, device=tokens.device).expand(*tokens.shape[:2], first)
         head = torch.where(head < inputs["starts"].long()[:, None, None], head, -1)
         tokens = torch.cat([head, tokens], dim=-1)
-    last = (inputs["lengths"].long() - inputs["ends"].long()).clamp(min=0)
+    last = (inputs["lengths"].long() - inputs["ends"].long()).clamp(min=0).to(torch.int32)
+    tokens, counts = packed(tokens)
     if estimate is None:
-        return tokens.to(torch.int32), last.to(torch.int32), None
+        return tokens, last, None, counts
     n_est = torch.minimum(_clusters(estimate, size, sizes), available - n_read)  # the places right after the read's
-    width = order.shape[-1]  # every cluster may be estimated: a static width (no host read; graphs capture it)
-    if width == 0:
-        return tokens.to(torch.int32), last.to(torch.int32), None
-    at = (n_read[..., None] + torch.arange(width, device=order.device)).clamp(max=order.shape[-1] - 1)  # [B, Hkv, E]
-    picked = order.gather(-1, at)
-    valid = torch.arange(width, device=order.device) < n_est[..., None]
+    if order.shape[-1] == 0:
+        return tokens, last, None, counts
+    # every cluster has its entry (a static width, no gather): those ranked right after the read clusters count
+    estimated = present & (rank >= n_read[..., None]) & (rank < (n_read + n_est)[..., None])
     key_name, value_name = using
-    keys = _gather_clusters(inputs[key_name], picked)
-    weight = sizes.gather(-1, picked)
-    values = _gather_clusters(inputs[value_name], picked) / weight.clamp(min=1)[..., None]
-    log_weights = torch.where(valid & (weight > 0), torch.log(weight.clamp(min=1)), NEG_INF)
-    return tokens.to(torch.int32), last.to(torch.int32), (keys, values, log_weights)
+    weight = sizes.clamp(min=1)
+    values = inputs[value_name] / weight[..., None]
+    log_weights = torch.where(estimated, torch.log(weight), NEG_INF)
+    return tokens, last, (inputs[key_name], values, log_weights), counts
+
+
+def packed(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token plan [B, Hkv, n] (-1: none) with each head's listed slots moved to its front, in their
+    order, -1 after them, as int32; and how many each head lists, [B, Hkv] int32. A prefix sum and a
+    scatter: static shapes, no host read."""
+    listed = tokens >= 0
+    width = tokens.shape[-1]
+    place = torch.where(listed, torch.cumsum(listed, dim=-1) - 1, width)  # unlisted: a spare column
+    out = torch.full((*tokens.shape[:-1], width + 1), -1, dtype=torch.int32, device=tokens.device)
+    out.scatter_(-1, place, tokens.to(torch.int32))
+    return out[..., :width].contiguous(), listed.sum(-1).to(torch.int32)
 
 
 def _clusters(count, size, like: torch.Tensor) -> torch.Tensor:
@@ -130,8 +142,3 @@ def _clusters(count, size, like: torch.Tensor) -> torch.Tensor:
     ceil(count / size), at least 0: [row, 1] int64."""
     count = per_row(count, like.shape[0], like.device).clamp(min=0)
     return torch.ceil(count / size).long().reshape(-1, 1)
-
-
-def _gather_clusters(x: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
-    """x [B, Hkv, C, D] at clusters picked [B, Hkv, E] -> [B, Hkv, E, D]."""
-    return x.gather(2, picked[..., None].expand(-1, -1, -1, x.shape[-1]))

@@ -65,6 +65,44 @@ def align(x, dims, to, heads=None):
     return x[tuple(slice(None) if d in dims else None for d in to)]
 
 
+def contract(x, xdims, y, ydims, to):
+    """`sum(x * y)` over the axes that `to` lacks, laid out over `to`, as one einsum: the broadcast
+    product is never in memory. Axes match by name as in `align`; a `kv_head` axis meeting a `head`
+    axis is read as its query group (query head h reads KV head h // (heads // kv_heads)), without
+    repeating it. Computed in the operands' promoted dtype."""
+    xdims, ydims, to = list(xdims), list(ydims), list(to)
+    dtype = torch.result_type(x, y)
+    x, y = x.to(dtype), y.to(dtype)
+    out_dims = to
+    if ("kv_head" in xdims and "head" in ydims) or ("kv_head" in ydims and "head" in xdims):
+        if "head" not in to:
+            raise ValueError(f"contract: KV heads meet query heads, but the result {to} keeps no query head")
+        kv = x.shape[xdims.index("kv_head")] if "kv_head" in xdims else y.shape[ydims.index("kv_head")]
+        if "head" in xdims:
+            x, xdims = _head_groups(x, xdims, kv)
+        else:
+            y, ydims = _head_groups(y, ydims, kv)
+        at = to.index("head")
+        out_dims = to[:at] + ["kv_head", "group"] + to[at + 1:]
+    letters: dict[str, str] = {}
+
+    def spelled(dims):
+        return "".join(letters.setdefault(d, chr(ord("a") + len(letters))) for d in dims)
+
+    present = xdims + ydims
+    out = torch.einsum(f"{spelled(xdims)},{spelled(ydims)}->{spelled([d for d in out_dims if d in present])}", x, y)
+    if out_dims is not to:
+        at = [d for d in out_dims if d in present].index("kv_head")
+        out = out.flatten(at, at + 1)
+    return out[tuple(slice(None) if d in present or d == "head" and out_dims is not to else None for d in to)]
+
+
+def _head_groups(t, dims, kv_heads):
+    """t's `head` axis as (kv_head, group): query head h is (h // group, h % group)."""
+    at = dims.index("head")
+    return t.unflatten(at, (kv_heads, t.shape[at] // kv_heads)), dims[:at] + ["kv_head", "group"] + dims[at + 1:]
+
+
 def range_start(length, ranges):
     """Where a range of an axis of `length` entries starts: `ranges` are the (side, count) taken,
     outermost first (`x[first a][last b]`), each count clamped to what exists."""

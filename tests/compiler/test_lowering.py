@@ -106,3 +106,27 @@ def test_pool_over_no_keys(pooling):
     scores = module.prefill_end_scores({"q": q, "k": k, "v": None}, {}, sym, params)
     kept = module.prefill_end_select(scores, sym, params)
     assert [t.tolist() for t in kept] == [[0, 1, 2], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("xdims,ydims,to", [
+    (("row", "head", "channel"), ("row", "kv_head", "clusters", "channel"), ("row", "head", "clusters")),
+    (("row", "kv_head", "clusters", "channel"), ("row", "head", "channel"), ("row", "clusters", "head")),
+    (("head", "query", "channel"), ("head", "key", "channel"), ("head", "key")),
+    (("key", "channel"), ("channel", "page"), ("page", "query", "key")),
+])
+def test_contract_is_the_sum_of_the_aligned_product(xdims, ydims, to):
+    """`_contract` (the lowering of `sum(a * b, over ...)`) equals the product laid out by `_align` and
+    summed: every axis order, KV heads meeting query heads as their groups, an axis neither operand has."""
+    from kvc.runtime.primitives.torch_primitives import align, contract, reduce
+
+    g = torch.Generator().manual_seed(0)
+    sizes = {"row": 3, "head": 8, "kv_head": 2, "channel": 5, "clusters": 7, "query": 2, "key": 6, "page": 4}
+    x = torch.randn(*(sizes[d] for d in xdims), generator=g)
+    y = torch.randn(*(sizes[d] for d in ydims), generator=g, dtype=torch.float64)
+    full = tuple(dict.fromkeys(["head" if d == "kv_head" else d for d in (*to, *xdims, *ydims)]))
+    product = align(x, xdims, full, sizes["head"]) * align(y, ydims, full, sizes["head"])
+    summed = [i for i, d in enumerate(full) if d not in to]
+    want = align(reduce(product, "sum", tuple(summed)), tuple(d for d in full if d in to), to)
+    got = contract(x, xdims, y, ydims, to)
+    assert got.dtype == torch.float64 and got.shape == want.shape
+    torch.testing.assert_close(got, want)

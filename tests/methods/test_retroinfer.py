@@ -33,6 +33,7 @@ from kvc.runtime.llm import LLM
 from kvc.runtime.kv.store import KVStore
 from kvc.runtime.method_api import DecodeView, LayerCacheView, PrefillView, StepView
 from kvc.runtime.methods import resolve_method
+from kvc.runtime.primitives import clusters
 from kvc.runtime.primitives.clusters import kmeans
 from tests.methods import served
 from tests.methods.read_spy import Plans
@@ -195,8 +196,18 @@ def test_the_rows_buffers_bound_every_index_and_are_counted() -> None:
     assert method.indices.max_clusters(10, {**PARAMS, "cluster_size": 3, "segment": 6}) == 2 + 2
 
 
-def test_attention_with_an_estimate_is_a_softmax_over_tokens_and_pseudo_keys() -> None:
-    """paged_decode with a token plan, `last` and an Estimate equals the softmax written out here."""
+@pytest.mark.parametrize("backend,packed", [("torch", False), ("torch", True), ("triton", False), ("triton", True)])
+def test_attention_with_an_estimate_is_a_softmax_over_tokens_and_pseudo_keys(backend: str, packed: bool) -> None:
+    """paged_decode with a token plan, `last` and an Estimate equals the softmax written out here: the
+    torch path, and the spec variant's split kernel with the estimate as one more partial (its kernels under
+    TRITON_INTERPRET=1 without a GPU), a plan as written or packed (`clusters.packed`: listed slots first,
+    each head's count)."""
+    device, ops = torch.device("cpu"), torch_ops
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from tests.kernels.paged_cases import triton_device_and_ops
+
+        device, ops = triton_device_and_ops("spec")
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, pages = 4, 2, 8, 6
     k_cache = torch.randn(pages + 1, kv_heads, PAGE, dim, generator=g)
@@ -209,9 +220,14 @@ def test_attention_with_an_estimate_is_a_softmax_over_tokens_and_pseudo_keys() -
     e_keys, e_values = torch.randn(2, kv_heads, 3, dim, generator=g), torch.randn(2, kv_heads, 3, dim, generator=g)
     log_w = torch.tensor([[[math.log(5), math.log(2), float("-inf")], [float("-inf")] * 3],
                           [[0.0, math.log(7), math.log(3)], [math.log(4), float("-inf"), float("-inf")]]])
-    read = ReadPlan(tokens=tokens, last=last, estimate=Estimate(e_keys, e_values, log_w))
+    plan, counts = clusters.packed(tokens) if packed else (tokens, None)
+    if packed:
+        assert counts.tolist() == [[3, 2], [1, 2]] and plan[0, 0].tolist() == [0, 4, 9, -1]
+    put = partial(torch.Tensor.to, device=device)
+    read = ReadPlan(tokens=put(plan), last=put(last), estimate=Estimate(put(e_keys), put(e_values), put(log_w)),
+                    counts=None if counts is None else put(counts))
     scale = 0.3
-    out = torch_ops.paged_decode(q, k_cache, v_cache, tables, lengths, scale, read=read)
+    out = ops.paged_decode(put(q), put(k_cache), put(v_cache), put(tables), put(lengths), scale, read=read).cpu()
     for b in range(2):
         n = int(lengths[b])
         keys = k_cache[tables[b].long()].permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)[:, :n]
@@ -225,7 +241,46 @@ def test_attention_with_an_estimate_is_a_softmax_over_tokens_and_pseudo_keys() -
             top = max(x for x, _ in entries)
             weights = [math.exp(x - top) for x, _ in entries]
             want = sum(w * v for w, (_, v) in zip(weights, entries)) / sum(weights)
-            torch.testing.assert_close(out[b, g_], want, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(out[b, g_], want, atol=1e-5 if backend == "triton" else 1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_packed_plans_with_estimates_in_splits_equal_the_torch_path(num_splits) -> None:
+    """The spec variant's decode of packed token plans (`counts`) with `last` and an estimate, its splits
+    sharing each head's own count (some splits empty, some heads listing nothing), equals the torch path."""
+    pytest.importorskip("triton")
+    from tests.kernels.paged_cases import triton_device_and_ops
+
+    device, ops = triton_device_and_ops("spec")
+    g = torch.Generator().manual_seed(11)
+    batch, kv_heads, group, dim, page, width, entries = 3, 2, 4, 16, 4, 48, 6
+    lengths = torch.tensor([61, 17, 40], dtype=torch.int32)
+    pages = 16
+    tables = torch.randperm(3 * pages, generator=g).reshape(batch, pages).to(torch.int32) + 1
+    k_cache = torch.randn(3 * pages + 1, kv_heads, page, dim, generator=g)
+    v_cache = torch.randn(3 * pages + 1, kv_heads, page, dim, generator=g)
+    q = torch.randn(batch, kv_heads * group, dim, generator=g)
+    last = torch.tensor([5, 0, 9], dtype=torch.int32)
+    tokens = torch.full((batch, kv_heads, width), -1, dtype=torch.long)
+    for b in range(batch):
+        for h in range(kv_heads):
+            older = int(lengths[b] - last[b])
+            n = 0 if (b, h) == (1, 1) else int(torch.randint(1, older, (1,), generator=g))
+            chosen = torch.randperm(older, generator=g)[:n].sort().values
+            tokens[b, h, torch.randperm(width, generator=g)[:n].sort().values] = chosen  # scattered, -1 between
+    plan, counts = clusters.packed(tokens)
+    log_w = torch.rand(batch, kv_heads, entries, generator=g).log() + 2.0
+    log_w[0, 1, 3:] = float("-inf")
+    log_w[2, 0] = float("-inf")  # a head with no estimate
+    estimate = (torch.randn(batch, kv_heads, entries, dim, generator=g),
+                torch.randn(batch, kv_heads, entries, dim, generator=g), log_w)
+    want = torch_ops.paged_decode(q, k_cache, v_cache, tables, lengths, 0.25,
+                                  read=ReadPlan(tokens=tokens.to(torch.int32), last=last, estimate=Estimate(*estimate)))
+    put = partial(torch.Tensor.to, device=device)
+    read = ReadPlan(tokens=put(plan), last=put(last), counts=put(counts), estimate=Estimate(*map(put, estimate)))
+    got = ops.paged_decode(put(q), put(k_cache), put(v_cache), put(tables), put(lengths), 0.25, read=read,
+                           num_splits=num_splits, block_n=None if num_splits is None else 16)
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
 
 
 # ---- served ---------------------------------------------------------------------------------------
