@@ -85,7 +85,7 @@ def main(codes: str) -> None:
                  "q_ptr": "*bf16", "out_ptr": "*bf16", "slot_ptr": "*i64", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
                  "x_ptr": "*bf16", "codes_ptr": "*u8", "scale_ptr": "*bf16", "zero_ptr": "*bf16", "resid_ptr": "*bf16"}
     pointers |= {n: "*i32" for n in ("block_tables_ptr", "context_lens_ptr", "kv_starts_ptr", "rows_ptr",
-                                     "resid_lens_ptr", "plan_ptr", "last_ptr", "cu_seqlens_ptr")}
+                                     "resid_lens_ptr", "plan_ptr", "last_ptr", "counts_ptr", "cu_seqlens_ptr")}
     ops = {f"{x}_{c}": v for x in "KV" for c, v in (("BITS", 8), ("PER_ELEMENT", 1), ("GROUP", 128), ("ASYM", False),
                                                      ("WINDOW", 0), ("FLUSH", 0), ("BOOK", 0),
                                                      ("FRESH", False), ("ROT", False))}
@@ -115,13 +115,20 @@ def main(codes: str) -> None:
         build(mod._decode_split_kernel, dict(EMIT_STATS=False, GROUP=4, BLOCK_H=16, BLOCK_N=block_n, DIRECT_OUT=True,
                                              USE_DOT=True, DOT_PRECISION="native", HAS_STARTS=False, READ=0,
                                              HAS_LAST=False, K_FOLD=k_fold, V_FOLD=v_fold, ASM=asm, TAIL=False,
-                                             **shape, **ops),
+                                             HAS_COUNTS=False, **shape, **ops),
               pointers)
+    # a packed token plan (each head's count, the row's newest slots after it) over gathered slots
+    build(mod._decode_split_kernel, dict(EMIT_STATS=False, GROUP=4, BLOCK_H=16, BLOCK_N=32, DIRECT_OUT=False,
+                                         USE_DOT=True, DOT_PRECISION="native", HAS_STARTS=False, READ=2,
+                                         HAS_LAST=True, K_FOLD=0, V_FOLD=0, ASM=True, TAIL=False, HAS_COUNTS=True,
+                                         **shape, **ops),
+          pointers)
     if codes == "int2" and mod._MMA is not None:
         # the register-mma decode (Gluon) over the coded pages, and the split kernel over each row's rest (TAIL)
         build(mod._decode_split_kernel, dict(EMIT_STATS=False, GROUP=8, BLOCK_H=16, BLOCK_N=128, DIRECT_OUT=False,
                                              USE_DOT=True, DOT_PRECISION="native", HAS_STARTS=False, READ=0,
-                                             HAS_LAST=False, K_FOLD=4, V_FOLD=0, ASM=True, TAIL=True, **shape, **ops),
+                                             HAS_LAST=False, K_FOLD=4, V_FOLD=0, ASM=True, TAIL=True, HAS_COUNTS=False,
+                                             **shape, **ops),
               pointers)
         mma = {"q_ptr": "*bf16", "kc_ptr": "*u8", "vc_ptr": "*u8", "table_ptr": "*i32", "context_lens_ptr": "*i32",
                "resid_lens_ptr": "*i32"} | {f"{x}_ptr": "*bf16" for x in ("ks", "kz", "vs", "vz")}
