@@ -80,13 +80,14 @@ class ClusterIndices:
         whole, rest = divmod(max(0, int(tokens)), segment)
         return max(1, whole * math.ceil(segment / size) + math.ceil(rest / size))
 
-    def tensors(self, head_dim: int, longest: int, params: dict) -> tuple[TensorSpec, ...]:
-        """The SEQ tensors of the index for contexts of at most `longest` tokens."""
+    def tensors(self, head_dim: int, longest: int, params: dict, dtype: torch.dtype) -> tuple[TensorSpec, ...]:
+        """The SEQ tensors of the index for contexts of at most `longest` tokens: the summaries in the model's
+        `dtype` (as page summaries are), the sizes in float32."""
         clusters = self.max_clusters(longest, params)
         return (TensorSpec(self.sizes, Extent.SEQ, torch.float32, (clusters,)),
                 TensorSpec(self.members, Extent.SEQ, torch.int32, (max(1, longest),)),
                 TensorSpec(self.bounds, Extent.SEQ, torch.int32, (2,)),
-                *(TensorSpec(name, Extent.SEQ, torch.float32, (clusters, head_dim)) for name in self.summaries))
+                *(TensorSpec(name, Extent.SEQ, dtype, (clusters, head_dim)) for name in self.summaries))
 
     # ---- the hook's inputs (static shapes) -----------------------------------------------------
     def inputs(self, layer: int, view: DecodeView, params: dict) -> dict[str, torch.Tensor]:

@@ -245,7 +245,7 @@ class CompiledMethod(PrefillHooks, StepEnd, MethodBase):
                 raise ConfigError(f"method {self.name!r} keeps a cluster index per sequence, sized by the longest "
                                   "context: bind(..., max_context=) first", param="method")
             spec = dataclasses.replace(spec, tensors=spec.tensors + self.indices.tensors(
-                head_dim, self.max_context, self.params))
+                head_dim, self.max_context, self.params, dtype))
         if self.decode_window:  # the newest queries of every row and layer, for step_end (query_window.py)
             if self.num_heads is None or self.num_heads % num_kv_heads:
                 raise ConfigError(f"method {self.name!r} keeps each sequence's newest queries: bind(..., num_heads=) "
