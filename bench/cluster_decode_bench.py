@@ -28,9 +28,10 @@ from kvc.runtime.kv.plans import Estimate, ReadPlan
 HEADS, KV_HEADS, DIM, PAGE = 32, 4, 128, 16
 
 
-def index_inputs(batch: int, context: int, params: dict, device) -> dict:
+def index_inputs(batch: int, context: int, params: dict, device, dtype=torch.bfloat16) -> dict:
     """A decode batch's cluster indices as `ClusterIndices.inputs` lays them out: slots [sink, context - local)
-    indexed, `context / cluster_size` clusters a row and KV head, each slot in a random one."""
+    indexed, `context / cluster_size` clusters a row and KV head, each slot in a random one; summaries in `dtype`
+    (the model's, as the engine keeps them)."""
     first, last = int(params["sink"]), int(params["local"])
     indexed = context - first - last
     clusters = math.ceil(context / params["cluster_size"])
@@ -42,8 +43,9 @@ def index_inputs(batch: int, context: int, params: dict, device) -> dict:
             "starts": torch.full((batch,), first, dtype=torch.long, device=device),
             "ends": torch.full((batch,), first + indexed, dtype=torch.long, device=device),
             "lengths": torch.full((batch,), context, dtype=torch.long, device=device),
-            "centroid": torch.randn(batch, KV_HEADS, clusters, DIM, device=device) * 0.5,
-            "value_sum": torch.randn(batch, KV_HEADS, clusters, DIM, device=device) * sizes[..., None].sqrt()}
+            "centroid": (torch.randn(batch, KV_HEADS, clusters, DIM, device=device) * 0.5).to(dtype),
+            "value_sum": (torch.randn(batch, KV_HEADS, clusters, DIM, device=device)
+                          * sizes[..., None].sqrt()).to(dtype)}
 
 
 def _once_ms(fn) -> float:
