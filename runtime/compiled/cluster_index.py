@@ -104,7 +104,7 @@ class ClusterIndices:
         count = min(store[self.sizes].shape[-1], self.max_clusters(width, params))
         bounds = store[self.bounds][:, layer, 0][rows].long()  # [B, 2] (every KV head holds the same)
         out = {"sizes": store[self.sizes][:, layer, :, :count][rows],
-               "members": members[:, layer, :, :width][rows].long(),
+               "members": members[:, layer, :, :width][rows],
                "starts": bounds[:, 0], "ends": bounds[:, 1], "lengths": view.context_lens.long()}
         for name in self.summaries:
             out[name] = store[name][:, layer, :, :count][rows]

@@ -92,7 +92,11 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
     Returns (tokens [row, kv_head, n] int32, each head's slots first in slot order and -1 after;
     last [row] int32; estimate (keys, values, log_weights) or None; counts [row, kv_head] int32, the
     slots each head lists: `ReadPlan.counts`)."""
-    sizes, members = inputs["sizes"], inputs["members"]  # [B, Hkv, C], [B, Hkv, N]
+    if scores.is_cuda:  # the same plan in three Triton launches (clusters_triton.py)
+        from kvc.runtime.primitives import clusters_triton
+
+        return clusters_triton.read_clusters(scores, inputs, count, size, first, estimate, using)
+    sizes, members = inputs["sizes"], inputs["members"].long()  # [B, Hkv, C], [B, Hkv, N]
     present = sizes > 0
     ranked = torch.where(present, scores.float(), NEG_INF)
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices  # padding last

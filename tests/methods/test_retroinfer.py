@@ -512,3 +512,47 @@ def test_rows_too_large_for_every_seat_bound_the_running_sequences(model_dir) ->
     tight.engine.step = counted
     assert [o.token_ids for o in tight.generate(prompts, [greedy(8) for _ in prompts])] == want
     assert max(running) <= rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_triton_read_equals_the_torch_read(seed) -> None:
+    """`clusters_triton.read_clusters` (three launches; under TRITON_INTERPRET=1 without a GPU) gives the torch
+    read's plan: the same packed tokens and counts, `last`, and estimate, with tied scores (ties: the lower
+    cluster), clusters absent from a row, a head with nothing indexed, counts past the present clusters, and
+    rows wider than one slice of the token passes."""
+    pytest.importorskip("triton")
+    from tests.kernels.paged_cases import triton_device_and_ops
+
+    device, _ = triton_device_and_ops("spec")
+    from kvc.runtime.primitives import clusters_triton
+
+    g = torch.Generator().manual_seed(seed)
+    batch, kv_heads, width, n_clusters, dim = 3, 2, 9000 if seed == 2 else 300, 40, 4
+    starts = torch.tensor([4, 0, 2])
+    ends = starts + torch.tensor([width - 10, width // 2, 0])
+    members = torch.full((batch, kv_heads, width), -1, dtype=torch.int32)
+    for b in range(batch):
+        n = int(ends[b] - starts[b])
+        members[b, :, :n] = torch.randint(0, n_clusters - 5 * b, (kv_heads, n), generator=g, dtype=torch.int32)
+    sizes = torch.zeros(batch, kv_heads, n_clusters)
+    for b in range(batch):
+        for h in range(kv_heads):
+            m = members[b, h][members[b, h] >= 0].long()
+            sizes[b, h] = torch.bincount(m, minlength=n_clusters).float()
+    scores = torch.randint(0, 6, (batch, kv_heads, n_clusters), generator=g).float()  # many ties
+    inputs = {"sizes": sizes, "members": members, "starts": starts, "ends": ends,
+              "lengths": ends + torch.tensor([7, 0, 3]),
+              "centroid": torch.randn(batch, kv_heads, n_clusters, dim, generator=g),
+              "value_sum": torch.randn(batch, kv_heads, n_clusters, dim, generator=g)}
+    count = torch.tensor([60.0, 1e9, 0.0], dtype=torch.float64)  # ceil(n / size) clusters: some, all, none
+    guess = torch.tensor([100.0, 30.0, 50.0], dtype=torch.float64)
+    want = clusters.read_clusters(scores, inputs, count, 4, first=3, estimate=guess, using=("centroid", "value_sum"))
+    put = {k: v.to(device) for k, v in inputs.items()}
+    got = clusters_triton.read_clusters(scores.to(device), put, count.to(device), 4, first=3, estimate=guess.to(device),
+                                        using=("centroid", "value_sum"))
+    tokens, last, estimate, counts = (x.cpu() if isinstance(x, torch.Tensor) else x for x in got)
+    assert torch.equal(tokens, want[0]) and torch.equal(last, want[1]) and torch.equal(counts, want[3])
+    assert int(counts.sum()) > 0 and bool((counts < tokens.shape[-1]).all())
+    for w, x in zip(want[2], estimate):
+        torch.testing.assert_close(x.cpu(), w)
+    assert bool((want[2][2] > float("-inf")).any()), "nothing estimated: the test is blind"

@@ -1,0 +1,132 @@
+"""A read over cluster indices built on the GPU: the Triton counterpart of `clusters.read_clusters`, the same
+plan (ties included: the lower cluster first) in three launches instead of about sixty small torch kernels a
+layer (docs/design.md, "Cluster indices"). No host read and static shapes, so it runs inside captured graphs.
+
+1. `_ranks_kernel`, one program per (row, KV head): the present clusters' scores as order-preserving 32-bit
+   keys, the read's best n and the read-or-estimated best n + m by bisection (`triton_plans._cut`, ties at
+   the cut in cluster order), each count clamped to the present clusters; it writes which clusters are read
+   (`chosen`) and the estimate's log-weights (log(size) for the next m, -inf for the rest).
+2. `_slice_counts_kernel`, one program per (row, KV head, slice of SLICE indexed slots): how many of the
+   slice's slots lie in a read cluster.
+3. `_slice_tokens_kernel`, same grid: each slice writes its listed slots after the row's first slots and the
+   earlier slices' (a prefix over the counts of pass 2), -1 over its share of the rest; the first slice writes
+   the head's count (and, for head 0, the row's `last`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvc.runtime.primitives.torch_primitives import per_row
+from kvc.runtime.primitives.triton_plans import NO_KEY, _cut, _order_key, _taken
+
+SLICE = 4096  # indexed slots a program of the token passes walks (in blocks of BLOCK)
+BLOCK = 1024
+
+
+@triton.jit
+def _ranks_kernel(scores_ptr, sizes_ptr, read_ptr, estimate_ptr, chosen_ptr, log_w_ptr, C, size,
+                  BLOCK_C: tl.constexpr):
+    r, h = tl.program_id(0), tl.program_id(1)
+    base = (r * tl.num_programs(1) + h) * C
+    cols = tl.arange(0, BLOCK_C)
+    x = tl.load(scores_ptr + base + cols, mask=cols < C, other=float("-inf"))
+    sizes = tl.load(sizes_ptr + base + cols, mask=cols < C, other=0.0)
+    valid = sizes > 0
+    key = tl.where(valid, _order_key(x), NO_KEY)
+    present = tl.sum(valid.to(tl.int32), axis=0)
+    # ceil(tokens / size) clusters, at least 0, at most the present ones (as `clusters._clusters`)
+    n_read = tl.minimum(tl.maximum(tl.ceil(tl.load(read_ptr + r) / size), 0.0).to(tl.int32), present)
+    n_both = tl.minimum(n_read + tl.maximum(tl.ceil(tl.load(estimate_ptr + r) / size), 0.0).to(tl.int32), present)
+    read = _taken(key, valid, _cut(key, valid, n_read), n_read)
+    both = _taken(key, valid, _cut(key, valid, n_both), n_both)
+    tl.store(chosen_ptr + base + cols, read.to(tl.int8), mask=cols < C)
+    log_w = tl.where(both & ~read, tl.log(tl.maximum(sizes, 1.0)), float("-inf"))
+    tl.store(log_w_ptr + base + cols, log_w, mask=cols < C)
+
+
+@triton.jit
+def _listed(members_ptr, chosen_ptr, base_m, base_c, i, N):
+    m = tl.load(members_ptr + base_m + i, mask=i < N, other=-1)
+    c = tl.load(chosen_ptr + base_c + tl.maximum(m, 0), mask=m >= 0, other=0)
+    return (m >= 0) & (c != 0)
+
+
+@triton.jit
+def _slice_counts_kernel(members_ptr, chosen_ptr, counts_ptr, N, C, SLICE: tl.constexpr, BLOCK: tl.constexpr):
+    r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rh = r * tl.num_programs(1) + h
+    n = 0
+    for i0 in range(s * SLICE, s * SLICE + SLICE, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        n += tl.sum(_listed(members_ptr, chosen_ptr, rh * N, rh * C, i, N).to(tl.int32), axis=0)
+    tl.store(counts_ptr + rh * tl.num_programs(2) + s, n)
+
+
+@triton.jit
+def _slice_tokens_kernel(members_ptr, chosen_ptr, slice_counts_ptr, starts_ptr, ends_ptr, lengths_ptr, out_ptr,
+                         counts_ptr, last_ptr, N, C, W, FIRST, SLICE: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr):
+    r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rh = r * tl.num_programs(1) + h
+    slices = tl.num_programs(2)
+    start = tl.load(starts_ptr + r).to(tl.int32)
+    head = tl.minimum(FIRST, start)  # the row's first slots, read exactly, before the index
+    earlier = tl.arange(0, BLOCK_S)
+    per_slice = tl.load(slice_counts_ptr + rh * slices + earlier, mask=earlier < slices, other=0)
+    total = head + tl.sum(per_slice, axis=0)
+    at = head + tl.sum(tl.where(earlier < s, per_slice, 0), axis=0)
+    out = out_ptr + rh * W
+    for i0 in range(s * SLICE, s * SLICE + SLICE, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        listed = _listed(members_ptr, chosen_ptr, rh * N, rh * C, i, N)
+        tl.store(out + at + tl.cumsum(listed.to(tl.int32), axis=0) - 1, start + i, mask=listed)
+        at += tl.sum(listed.to(tl.int32), axis=0)
+    share = -(-W // slices)  # -1 past the listed slots, each slice over its share of the width
+    for j0 in range(s * share, s * share + share, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        tl.store(out + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= total) & (j < W) & (j < s * share + share))
+    if s == 0:
+        f = tl.arange(0, BLOCK_F)
+        tl.store(out + f, f, mask=f < head)
+        tl.store(counts_ptr + rh, total)
+        if h == 0:
+            last = tl.load(lengths_ptr + r) - tl.load(ends_ptr + r)
+            tl.store(last_ptr + r, tl.maximum(last, 0).to(tl.int32))
+
+
+def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=None):
+    """`clusters.read_clusters` on the GPU (module docstring): the same answer, (tokens [B, Hkv, first + N]
+    int32 packed, last [B] int32, the estimate (keys, values, log_weights) or None, counts [B, Hkv] int32)."""
+    sizes, members = inputs["sizes"].float().contiguous(), inputs["members"]
+    rows, kv_heads, clusters = sizes.shape
+    width = members.shape[-1]
+    device = scores.device
+    first = max(0, int(first))
+    chosen = torch.empty(rows, kv_heads, clusters, dtype=torch.int8, device=device)
+    log_w = torch.empty(rows, kv_heads, clusters, dtype=torch.float32, device=device)
+    read = per_row(count, rows, device).to(torch.float64).contiguous()
+    guessed = per_row(0 if estimate is None else estimate, rows, device).to(torch.float64).contiguous()
+    if clusters:
+        _ranks_kernel[(rows, kv_heads)](scores.float().contiguous(), sizes, read, guessed, chosen, log_w, clusters,
+                                        float(size), BLOCK_C=triton.next_power_of_2(max(clusters, 16)),
+                                        num_warps=max(4, min(16, triton.next_power_of_2(clusters) // 512)))
+    members = members.to(torch.int32).contiguous()
+    slices = max(1, -(-width // SLICE))
+    per_slice = torch.empty(rows, kv_heads, slices, dtype=torch.int32, device=device)
+    tokens = torch.empty(rows, kv_heads, first + width, dtype=torch.int32, device=device)
+    counts = torch.empty(rows, kv_heads, dtype=torch.int32, device=device)
+    last = torch.empty(rows, dtype=torch.int32, device=device)
+    grid = (rows, kv_heads, slices)
+    _slice_counts_kernel[grid](members, chosen, per_slice, width, clusters, SLICE=SLICE, BLOCK=BLOCK)
+    _slice_tokens_kernel[grid](members, chosen, per_slice, inputs["starts"].contiguous(), inputs["ends"].contiguous(),
+                               inputs["lengths"].contiguous(), tokens, counts, last, width, clusters, first + width,
+                               first, SLICE=SLICE, BLOCK=BLOCK, BLOCK_S=triton.next_power_of_2(slices),
+                               BLOCK_F=triton.next_power_of_2(max(first, 1)))
+    if estimate is None or clusters == 0:
+        return tokens, last, None, counts
+    key_name, value_name = using
+    values = inputs[value_name] / sizes.clamp(min=1)[..., None]
+    return tokens, last, (inputs[key_name], values, log_w), counts
