@@ -2159,7 +2159,7 @@ def paged_decode(
         raise NotImplementedError("a read plan's estimate over rotated keys or values (its pseudo-keys are in the "
                                   "model's basis)")
     if estimate is not None:  # before q turns into the keys' stored basis
-        _estimate_partial(q, estimate, scale, part_out[:, :, splits], part_lse[:, :, splits], group)
+        _estimate_partial(q, estimate, scale, part_out, part_lse, splits, group)
     if k_op.rotated:
         # the query in the keys' stored basis, q . (k R^T) = (q R^T) . (k R^T) (runtime/kv/rotation.py): one
         # [B Hq, D] x [D, D] product here; rotated inside every split program it cost the H200's kernel 8%
@@ -2204,24 +2204,63 @@ def paged_decode(
     return out
 
 
+@triton.jit
+def _estimate_kernel(
+    q_ptr, keys_ptr, values_ptr, log_w_ptr, part_out_ptr, part_lse_ptr, E, qk_scale, part_index, part_stride,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_ke, stride_vb, stride_vh, stride_ve, stride_wb, stride_wh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # A read plan's estimate (runtime/kv/plans.py `Estimate`) as one more split's partial, one program per
+    # (row, KV head): the online softmax over its E entries alone (logit q . key * scale + log-weight), in
+    # the splits' units (log2), written at split `part_index` for the reduce (-inf and zeros: no entry).
+    seq, kv_head = tl.program_id(0), tl.program_id(1)
+    offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_h
+    head_mask, dim_mask = offs_h < GROUP, offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+    keys = keys_ptr + seq.to(tl.int64) * stride_kb + kv_head * stride_kh
+    values = values_ptr + seq.to(tl.int64) * stride_vb + kv_head * stride_vh
+    log_w = log_w_ptr + seq.to(tl.int64) * stride_wb + kv_head * stride_wh
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for e0 in range(0, E, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        w = tl.load(log_w + e, mask=e < E, other=float("-inf"))
+        mask = (w > float("-inf"))[:, None] & dim_mask[None, :]
+        k = tl.load(keys + e[:, None] * stride_ke + offs_d[None, :], mask=mask, other=0.0).to(q.dtype)
+        qk = _mma(q, tl.trans(k), DOT_PRECISION) * qk_scale + w[None, :] * 1.4426950408889634  # log2(e)
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(values + e[:, None] * stride_ve + offs_d[None, :], mask=mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v, DOT_PRECISION)
+        m_i = m_new
+    row = (seq.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * part_stride + part_index
+    out_mask = head_mask[:, None] & dim_mask[None, :]
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None],
+             mask=out_mask)
+    tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=head_mask)
+
+
 def _estimate_partial(q: torch.Tensor, estimate, scale: float, part_out: torch.Tensor, part_lse: torch.Tensor,
-                      group: int) -> None:
-    """A read plan's estimate (runtime/kv/plans.py `Estimate`) as one more split's partial, in the splits'
-    units: part_out [B, Hq, D] the softmax-weighted values over its entries alone (logit q . key * scale +
-    log-weight), part_lse [B, Hq] their log2-sum-exp (-inf and zeros for a head with none). E entries a
-    head: two small batched products in float32, no kernel of its own."""
+                      part_index: int, group: int) -> None:
+    """`_estimate_kernel` over a plan's estimate: part_out [B, Hq, S, D] and part_lse [B, Hq, S] at split
+    `part_index` (keys and values read in the query's dtype, as the splits read the cache)."""
     batch, num_q_heads, head_dim = q.shape
-    keys, values = estimate.keys.to(q.device, torch.float32), estimate.values.to(q.device, torch.float32)
-    grouped = q.float().reshape(batch, num_q_heads // group, group, head_dim)
-    logits = torch.matmul(grouped, keys.transpose(-1, -2)) * (scale * LOG2E)  # [B, Hkv, G, E]
-    logits = logits + estimate.log_weights.to(q.device, torch.float32)[:, :, None, :] * LOG2E
-    top = logits.amax(-1, keepdim=True) if logits.shape[-1] else logits.new_full((*logits.shape[:-1], 1), -torch.inf)
-    top = torch.where(top > -torch.inf, top, 0.0)
-    p = torch.exp2(logits - top)
-    total = p.sum(-1)  # [B, Hkv, G]
-    o = torch.matmul(p, values) / torch.where(total > 0, total, 1.0)[..., None]
-    part_out.copy_(o.reshape(batch, num_q_heads, head_dim))
-    part_lse.copy_((top[..., 0] + torch.log2(total)).reshape(batch, num_q_heads))
+    keys, values, log_w = estimate.keys, estimate.values, estimate.log_weights.float()
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        keys, values = keys.contiguous(), values.contiguous()
+    _estimate_kernel[(batch, num_q_heads // group)](
+        q, keys, values, log_w, part_out, part_lse, keys.shape[2], scale * LOG2E, part_index, part_out.shape[2],
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
+        values.stride(2), log_w.stride(0), log_w.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_E=64, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -117,6 +117,10 @@ def main(codes: str) -> None:
                                              HAS_LAST=False, K_FOLD=k_fold, V_FOLD=v_fold, ASM=asm, TAIL=False,
                                              HAS_COUNTS=False, **shape, **ops),
               pointers)
+    # a plan's estimate, one more partial: bf16 pseudo-keys, float32 values, on the tensor cores
+    build(mod._estimate_kernel, dict(GROUP=8, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_E=64,
+                                     DOT_PRECISION="native"),
+          {"q_ptr": "*bf16", "keys_ptr": "*bf16", "values_ptr": "*fp32", "log_w_ptr": "*fp32"})
     # a packed token plan (each head's count, the row's newest slots after it) over gathered slots
     build(mod._decode_split_kernel, dict(EMIT_STATS=False, GROUP=4, BLOCK_H=16, BLOCK_N=32, DIRECT_OUT=False,
                                          USE_DOT=True, DOT_PRECISION="native", HAS_STARTS=False, READ=2,
