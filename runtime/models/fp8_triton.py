@@ -65,10 +65,18 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+# (rows up to, block_n, block_k, warps, stages): the best of a 72-launch sweep on an H100 at Qwen3-30B-A3B's
+# qkv (2048 -> 5120) and o (4096 -> 2048) for 1, 18, 160 and 8,192 rows (`python bench/fp8_weights_bench.py
+# --sweep`, docs/benchmarks.md): narrow column tiles and long k tiles for decode's few rows, which otherwise
+# leave most SMs idle (64 x 64 tiles at 4 warps took 1.3-2.2x as long there)
+LAUNCHES = ((64, 32, 128, 4, 4), (256, 64, 128, 4, 4), (None, 128, 128, 8, 3))
+
+
 def linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scale_columns: int,
-           bias: torch.Tensor | None = None, *, block_m: int | None = None, block_n: int = 64,
-           block_k: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """x [..., K] @ dequantized(codes [N, K], scales)^T (+ bias) -> [..., N] in x's dtype (module docstring)."""
+           bias: torch.Tensor | None = None, *, block_m: int | None = None, block_n: int | None = None,
+           block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantized(codes [N, K], scales)^T (+ bias) -> [..., N] in x's dtype (module docstring).
+    The tile knobs default to `LAUNCHES` by row count."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = codes.shape[0]
     if codes.shape[1] != k or scales.shape != (n, -(-k // scale_columns)):
@@ -79,6 +87,9 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scale_col
     out = x.new_empty(m, n)
     if m == 0:
         return out.view(*lead, n)
+    _, n_tile, k_tile, warps, stages = next(launch for launch in LAUNCHES if launch[0] is None or m <= launch[0])
+    block_n, block_k = block_n or n_tile, block_k or k_tile
+    num_warps, num_stages = num_warps or warps, num_stages or stages
     tile_m = block_m or max(16, min(64, triton.next_power_of_2(m)))
     upcast = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
     _linear_kernel[(triton.cdiv(m, tile_m), triton.cdiv(n, block_n))](
