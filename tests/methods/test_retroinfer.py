@@ -561,11 +561,9 @@ def test_the_triton_read_equals_the_torch_read(seed) -> None:
 def test_the_cluster_read_kernels_compile_for_sm90() -> None:
     """The cluster read's kernels (clusters_triton.py) and the estimate's compile for an H100/H200: Triton's
     compiler and ptxas run here, outside the interpreter (tests/kernels/sm90_compile.py)."""
-    import os
-    import subprocess
-    import sys
+    from tests.kernels.sm90 import code_compiles_for_sm90
 
-    code = ("from tests.kernels.sm90_compile import build\n"
+    code_compiles_for_sm90("from tests.kernels.sm90_compile import build\n"
             "from kvc.runtime.primitives import clusters_triton as ct\n"
             "build(ct._ranks_kernel, {'BLOCK_C': 4096}, {'scores_ptr': '*fp32', 'sizes_ptr': '*fp32',\n"
             "      'read_ptr': '*fp64', 'estimate_ptr': '*fp64', 'chosen_ptr': '*i8', 'log_w_ptr': '*fp32'},\n"
@@ -576,8 +574,3 @@ def test_the_cluster_read_kernels_compile_for_sm90() -> None:
             "      {'members_ptr': '*i32', 'chosen_ptr': '*i8', 'slice_counts_ptr': '*i32', 'starts_ptr': '*i64',\n"
             "       'ends_ptr': '*i64', 'lengths_ptr': '*i64', 'out_ptr': '*i32', 'counts_ptr': '*i32',\n"
             "       'last_ptr': '*i32'})\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    if "No module named 'triton.backends.nvidia'" in done.stderr:
-        pytest.skip("Triton's NVIDIA backend is not installed")
-    assert done.returncode == 0, done.stderr[-3000:]
