@@ -7,6 +7,7 @@ the rules; runtime/compiled/cluster_index.py keeps each sequence's index.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -92,10 +93,8 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
     Returns (tokens [row, kv_head, n] int32, each head's slots first in slot order and -1 after;
     last [row] int32; estimate (keys, values, log_weights) or None; counts [row, kv_head] int32, the
     slots each head lists: `ReadPlan.counts`)."""
-    if scores.is_cuda:  # the same plan in three Triton launches (clusters_triton.py)
-        from kvc.runtime.primitives import clusters_triton
-
-        return clusters_triton.read_clusters(scores, inputs, count, size, first, estimate, using)
+    if scores.is_cuda and _triton() is not None:  # the same plan in three Triton launches (clusters_triton.py)
+        return _triton().read_clusters(scores, inputs, count, size, first, estimate, using)
     sizes, members = inputs["sizes"], inputs["members"].long()  # [B, Hkv, C], [B, Hkv, N]
     present = sizes > 0
     ranked = torch.where(present, scores.float(), NEG_INF)
@@ -127,6 +126,16 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
     values = inputs[value_name] / weight[..., None]
     log_weights = torch.where(estimated, torch.log(weight), NEG_INF)
     return tokens, last, (inputs[key_name], values, log_weights), counts
+
+
+@functools.cache
+def _triton():
+    """clusters_triton, or None where Triton is not installed (the torch read serves then)."""
+    try:
+        from kvc.runtime.primitives import clusters_triton
+    except ImportError:
+        return None
+    return clusters_triton
 
 
 def packed(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
