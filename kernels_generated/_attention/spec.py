@@ -1978,7 +1978,7 @@ def _decode_reduce_kernel(
 
     offs_d = tl.arange(0, BLOCK_D)
     dim_mask = offs_d < HEAD_DIM
-    row0 = (seq.to(tl.int64) * tl.num_programs(1) + head) * (num_splits + EXTRA)  # EXTRA: a partial after the splits'
+    row0 = (seq.to(tl.int64) * tl.num_programs(1) + head) * (num_splits + EXTRA)  # EXTRA: partials after the splits'
     m = tl.full([], -1.0e30, tl.float32)
     total = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
@@ -1996,9 +1996,9 @@ def _decode_reduce_kernel(
         acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
         total = total * alpha + tl.sum(w, axis=0)
         m = m_new
-    if EXTRA:  # a read plan's estimate, one more partial (-inf: none)
-        lse = tl.load(part_lse_ptr + row0 + num_splits)
-        o = tl.load(part_out_ptr + (row0 + num_splits) * HEAD_DIM + offs_d, mask=dim_mask, other=0.0)
+    for x in tl.static_range(EXTRA):  # a read plan's estimate, partials after the splits' (-inf: none)
+        lse = tl.load(part_lse_ptr + row0 + num_splits + x)
+        o = tl.load(part_out_ptr + (row0 + num_splits + x) * HEAD_DIM + offs_d, mask=dim_mask, other=0.0)
         m_new = tl.maximum(m, lse)
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(lse - m_new)
@@ -2130,8 +2130,9 @@ def paged_decode(
     cfg = replace(cfg, **{k: val for k, val in overrides.items() if val is not None})
 
     splits = cfg.num_splits
-    if not tail:  # an estimate's entries: one more partial, after the splits'
-        part_base, part_stride = 0, splits + (estimate is not None)
+    extra = _estimate_parts(estimate)
+    if not tail:  # an estimate's entries: partials after the splits'
+        part_base, part_stride = 0, splits + extra
     if splits > 1 or tail or estimate is not None:
         part_out = torch.empty((batch, num_q_heads, part_stride, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, num_q_heads, part_stride), dtype=torch.float32, device=q.device)
@@ -2197,7 +2198,7 @@ def paged_decode(
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_BLOCK=split_block,
             HAS_STARTS=kv_starts is not None, num_warps=4 if head_dim >= 128 else 2,
             READ=read_mode, HAS_LAST=last is not context_lens, V_ROT=v_op.rotated,
-            ALL_ACTIVE=tail, HAS_COUNTS=counts is not context_lens, EXTRA=int(estimate is not None),
+            ALL_ACTIVE=tail, HAS_COUNTS=counts is not context_lens, EXTRA=extra,
         )
     if stats is not None:
         _fold_stats(scores, lse, context_lens, starts, stride_sb, kv_starts is not None, stats, group)
@@ -2209,12 +2210,14 @@ def _estimate_kernel(
     q_ptr, keys_ptr, values_ptr, log_w_ptr, part_out_ptr, part_lse_ptr, E, qk_scale, part_index, part_stride,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ke, stride_vb, stride_vh, stride_ve, stride_wb, stride_wh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
 ):
-    # A read plan's estimate (runtime/kv/plans.py `Estimate`) as one more split's partial, one program per
-    # (row, KV head): the online softmax over its E entries alone (logit q . key * scale + log-weight), in
-    # the splits' units (log2), written at split `part_index` for the reduce (-inf and zeros: no entry).
-    seq, kv_head = tl.program_id(0), tl.program_id(1)
+    # A read plan's estimate (runtime/kv/plans.py `Estimate`) as partials after the splits', one program per
+    # (row, KV head, share of the entries): the online softmax over its share alone (logit q . key * scale +
+    # log-weight), in the splits' units (log2), written at split `part_index + share` for the reduce (-inf and
+    # zeros: no entry).
+    seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    share = tl.cdiv(tl.cdiv(E, tl.num_programs(2)), BLOCK_E) * BLOCK_E
     offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + offs_h
     head_mask, dim_mask = offs_h < GROUP, offs_d < HEAD_DIM
@@ -2226,40 +2229,57 @@ def _estimate_kernel(
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for e0 in range(0, E, BLOCK_E):
+    for e0 in range(part * share, tl.minimum(part * share + share, E), BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         w = tl.load(log_w + e, mask=e < E, other=float("-inf"))
         mask = (w > float("-inf"))[:, None] & dim_mask[None, :]
         k = tl.load(keys + e[:, None] * stride_ke + offs_d[None, :], mask=mask, other=0.0).to(q.dtype)
-        qk = _mma(q, tl.trans(k), DOT_PRECISION) * qk_scale + w[None, :] * 1.4426950408889634  # log2(e)
+        if USE_DOT:
+            qk = _mma(q, tl.trans(k), DOT_PRECISION)
+        else:  # tl.dot takes no fewer than 16 channels
+            qk = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        qk = qk * qk_scale + w[None, :] * 1.4426950408889634  # log2(e)
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(values + e[:, None] * stride_ve + offs_d[None, :], mask=mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v, DOT_PRECISION)
+        if USE_DOT:
+            pv = _mma(p.to(q.dtype), v, DOT_PRECISION)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
-    row = (seq.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * part_stride + part_index
+    row = (seq.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * part_stride + part_index + part
     out_mask = head_mask[:, None] & dim_mask[None, :]
     tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None],
              mask=out_mask)
     tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=head_mask)
 
 
+def _estimate_parts(estimate) -> int:
+    """The partials a plan's estimate takes (0: none): its entries in shares of at least 256, at most 16 shares
+    (one program per row and KV head left 90% of an H100 idle over 2,048 entries: 68 µs a layer at 3 x 32K)."""
+    return 0 if estimate is None else max(1, min(16, -(-estimate.keys.shape[2] // 256)))
+
+
 def _estimate_partial(q: torch.Tensor, estimate, scale: float, part_out: torch.Tensor, part_lse: torch.Tensor,
                       part_index: int, group: int) -> None:
-    """`_estimate_kernel` over a plan's estimate: part_out [B, Hq, S, D] and part_lse [B, Hq, S] at split
-    `part_index` (keys and values read in the query's dtype, as the splits read the cache)."""
+    """`_estimate_kernel` over a plan's estimate: part_out [B, Hq, S, D] and part_lse [B, Hq, S] at splits
+    `part_index` on (`_estimate_parts` of them; keys and values read in the query's dtype, as the splits read
+    the cache)."""
     batch, num_q_heads, head_dim = q.shape
     keys, values, log_w = estimate.keys, estimate.values, estimate.log_weights.float()
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         keys, values = keys.contiguous(), values.contiguous()
-    _estimate_kernel[(batch, num_q_heads // group)](
+    block_d = triton.next_power_of_2(head_dim)
+    _estimate_kernel[(batch, num_q_heads // group, _estimate_parts(estimate))](
         q, keys, values, log_w, part_out, part_lse, keys.shape[2], scale * LOG2E, part_index, part_out.shape[2],
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
         values.stride(2), log_w.stride(0), log_w.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_E=64, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4,
+        GROUP=group, BLOCK_H=max(16 if block_d >= 16 else 1, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_E=64 if block_d >= 16 else 16,
+        DOT_PRECISION=_dot_precision(q.dtype), USE_DOT=block_d >= 16, num_warps=4,
     )
 
 

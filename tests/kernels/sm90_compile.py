@@ -119,7 +119,7 @@ def main(codes: str) -> None:
               pointers)
     # a plan's estimate, one more partial: bf16 pseudo-keys, float32 values, on the tensor cores
     build(mod._estimate_kernel, dict(GROUP=8, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_E=64,
-                                     DOT_PRECISION="native"),
+                                     DOT_PRECISION="native", USE_DOT=True),
           {"q_ptr": "*bf16", "keys_ptr": "*bf16", "values_ptr": "*fp32", "log_w_ptr": "*fp32"})
     # a packed token plan (each head's count, the row's newest slots after it) over gathered slots
     build(mod._decode_split_kernel, dict(EMIT_STATS=False, GROUP=4, BLOCK_H=16, BLOCK_N=32, DIRECT_OUT=False,
