@@ -2050,7 +2050,7 @@ def paged_decode(
     runtime/kv/plans.py) restricts each (row, KV head) to the slots it lists (with `read.last`, also the
     row's newest last[b] slots; with `read.counts`, the splits share each head's listed entries only),
     the splits sharing the plan's entries (no gather of K/V), statistics then covering the slots read
-    (torch_ops.paged_decode). A plan's `estimate` enters the softmax as one more split's partial
+    (torch_ops.paged_decode). A plan's `estimate` enters the softmax as partials after the splits'
     (`_estimate_partial`), merged by the reduce.
     The keyword-only knobs override the launch config (this GPU's tuned entry, else `decode_config`).
     `mma`: read the coded pages with `_mma_decode_kernel` (None: where `mma_decode_fits` and no tile knob is
