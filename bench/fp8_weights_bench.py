@@ -10,8 +10,9 @@
 
 Per shape and token count: median ms of each path (up to 256 tokens as CUDA graph replays, as decode runs
 them), the weight bytes each path must read over its time (FP8: one byte a weight plus its scales) and
-that as a fraction of the same run's copy bandwidth, TFLOP/s, and the FP8 path's error against a float32
-product with the dequantized weights (the bf16 path's in the same units beside it).
+that as a fraction of the same run's copy bandwidth (`runtime/bench/bandwidth.copy_gbps`, its best way),
+TFLOP/s, and the FP8 path's error against a float32 product with the dequantized weights (the bf16 path's
+in the same units beside it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvc.runtime.bench.bandwidth import copy_gbps
 from kvc.runtime.tuning.timing import time_ms as _time_ms
 
 DENSE = {"qkv": (5120, 2048), "o": (2048, 4096)}  # (out, in) of Qwen3-30B-A3B's attention projections
@@ -55,14 +57,6 @@ def quantized(out_rows: int, columns: int, lead: tuple[int, ...], device) -> tup
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
-def copy_gbps(device) -> float | None:
-    if device.type != "cuda":
-        return None
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (_time_ms(lambda: dst.copy_(src), device, 100, min_warmup=10) * 1e-3) / 1e9
 
 
 def timed(fn, device, rep_ms: int, graph: bool) -> float:
@@ -168,7 +162,7 @@ def main() -> None:
     shapes, expert_shape = (TINY_DENSE, TINY_EXPERTS) if args.device == "cpu" else (DENSE, EXPERTS)
     if args.device == "cpu":
         args.rep_ms = min(args.rep_ms, 5)
-    copy = copy_gbps(device)
+    copy = copy_gbps()["best"] if device.type == "cuda" else None  # the decode benches' baseline
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "copy_gbps": copy, "dense": [], "experts": []}
     for t in tokens:
