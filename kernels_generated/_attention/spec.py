@@ -2215,7 +2215,8 @@ def _estimate_kernel(
     # A read plan's estimate (runtime/kv/plans.py `Estimate`) as partials after the splits', one program per
     # (row, KV head, share of the entries): the online softmax over its share alone (logit q . key * scale +
     # log-weight), in the splits' units (log2), written at split `part_index + share` for the reduce (-inf and
-    # zeros: no entry).
+    # zeros: no entry). An entry's value is its value sum over its weight, so its term of the numerator is
+    # exp(q . key * scale) times the sum: the weight counts in the denominator only.
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     share = tl.cdiv(tl.cdiv(E, tl.num_programs(2)), BLOCK_E) * BLOCK_E
     offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
@@ -2232,17 +2233,19 @@ def _estimate_kernel(
     for e0 in range(part * share, tl.minimum(part * share + share, E), BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         w = tl.load(log_w + e, mask=e < E, other=float("-inf"))
-        mask = (w > float("-inf"))[:, None] & dim_mask[None, :]
+        live = w > float("-inf")
+        mask = live[:, None] & dim_mask[None, :]
         k = tl.load(keys + e[:, None] * stride_ke + offs_d[None, :], mask=mask, other=0.0).to(q.dtype)
         if USE_DOT:
             qk = _mma(q, tl.trans(k), DOT_PRECISION)
         else:  # tl.dot takes no fewer than 16 channels
             qk = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        qk = qk * qk_scale + w[None, :] * 1.4426950408889634  # log2(e)
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        qk = qk * qk_scale
+        logit = qk + w[None, :] * 1.4426950408889634  # log2(e)
+        m_new = tl.maximum(m_i, tl.max(logit, axis=1))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + tl.sum(tl.exp2(logit - m_new[:, None]), axis=1)
+        p = tl.where(live[None, :], tl.exp2(qk - m_new[:, None]), 0.0)  # the value sum's factor
         v = tl.load(values + e[:, None] * stride_ve + offs_d[None, :], mask=mask, other=0.0).to(q.dtype)
         if USE_DOT:
             pv = _mma(p.to(q.dtype), v, DOT_PRECISION)

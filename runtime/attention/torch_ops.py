@@ -570,9 +570,11 @@ def _attend(grouped_q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     if estimate is None:
         o = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask[:, :, None, :], scale=scale)
         return torch.where(mask.any(-1)[:, :, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
-    weights = estimate.log_weights.to(grouped_q.device)
+    weights = estimate.log_weights.to(grouped_q.device).float()
+    live = weights > float("-inf")
+    means = torch.where(live[..., None], estimate.values.float() / weights.exp().clamp(min=1e-30)[..., None], 0.0)
     keys = torch.cat([keys, estimate.keys.to(keys.dtype)], dim=2)
-    values = torch.cat([values, estimate.values.to(values.dtype)], dim=2)
+    values = torch.cat([values, means.to(values.dtype)], dim=2)
     bias = torch.cat([torch.where(mask, 0.0, float("-inf")), weights.float()], dim=2)  # [B, Hkv, n + E]
     some = bias.amax(-1) > float("-inf")
     bias = torch.where(some[..., None], bias, 0.0)  # a head with nothing: no NaN from an all -inf row

@@ -125,12 +125,14 @@ class ReadPlan:
 @dataclass
 class Estimate:
     """E pseudo-keys per decode row and KV head that the attention treats as extra softmax entries:
-    entry e of head h enters every query head of its group with logit `q . keys[e] * scale +
-    log_weights[e]` and value `values[e]` (-inf: none). A cluster of n tokens estimated by its mean
-    key and mean value has log-weight log(n): the paper's estimate of those n tokens' attention."""
+    entry e of head h stands for n_e = exp(log_weights[e]) tokens (-inf: none) with key `keys[e]` and
+    values that sum to `values[e]`; it enters every query head of its group with logit `q . keys[e] *
+    scale + log_weights[e]` and value `values[e] / n_e`. A cluster of n tokens estimated by its mean
+    key and its values' sum: the paper's estimate of those n tokens' attention (the sum is what a
+    kernel multiplies by exp(q . key * scale), so no mean is ever materialised)."""
 
     keys: torch.Tensor  # [B, Hkv, E, D]
-    values: torch.Tensor  # [B, Hkv, E, D]
+    values: torch.Tensor  # [B, Hkv, E, D]: each entry's value sum
     log_weights: torch.Tensor  # [B, Hkv, E] float32
 
     def __post_init__(self) -> None:

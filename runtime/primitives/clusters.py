@@ -85,7 +85,8 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
     - read exactly: each (row, KV head)'s `count` best clusters, the row's first `first` slots, and
       (`last`) every slot past the index, the newest tokens;
     - estimated: the next `estimate` clusters by score, each one pseudo-key KEY (the cluster's key
-      summary) whose softmax weight counts its size (log-weight log(size)), with value VSUM / size.
+      summary) whose softmax weight counts its size (log-weight log(size)), with value sum VSUM
+      (`Estimate`: the attention divides by the size; no per-step mean).
 
     Ties as a stable sort leaves them (the lower cluster first). Static shapes, no host read: the
     estimate has an entry per cluster, in cluster order, those not estimated weighing nothing
@@ -122,10 +123,8 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
     # every cluster has its entry (a static width, no gather): those ranked right after the read clusters count
     estimated = present & (rank >= n_read[..., None]) & (rank < (n_read + n_est)[..., None])
     key_name, value_name = using
-    weight = sizes.clamp(min=1)
-    values = inputs[value_name] / weight[..., None]
-    log_weights = torch.where(estimated, torch.log(weight), NEG_INF)
-    return tokens, last, (inputs[key_name], values, log_weights), counts
+    log_weights = torch.where(estimated, torch.log(sizes.clamp(min=1)), NEG_INF)
+    return tokens, last, (inputs[key_name], inputs[value_name], log_weights), counts
 
 
 @functools.cache

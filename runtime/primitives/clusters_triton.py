@@ -99,7 +99,7 @@ def _slice_tokens_kernel(members_ptr, chosen_ptr, slice_counts_ptr, starts_ptr, 
 
 def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=None):
     """`clusters.read_clusters` on the GPU (module docstring): the same answer, (tokens [B, Hkv, first + N]
-    int32 packed, last [B] int32, the estimate (keys, values, log_weights) or None, counts [B, Hkv] int32)."""
+    int32 packed, last [B] int32, the estimate (keys, value sums, log_weights) or None, counts [B, Hkv] int32)."""
     sizes, members = inputs["sizes"].float().contiguous(), inputs["members"]
     rows, kv_heads, clusters = sizes.shape
     width = members.shape[-1]
@@ -128,5 +128,4 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
     if estimate is None or clusters == 0:
         return tokens, last, None, counts
     key_name, value_name = using
-    values = inputs[value_name] / sizes.clamp(min=1)[..., None]
-    return tokens, last, (inputs[key_name], values, log_w), counts
+    return tokens, last, (inputs[key_name], inputs[value_name], log_w), counts

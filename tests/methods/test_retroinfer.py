@@ -236,7 +236,8 @@ def test_attention_with_an_estimate_is_a_softmax_over_tokens_and_pseudo_keys(bac
             h = g_ // (heads // kv_heads)
             slots = sorted({int(t) for t in tokens[b, h] if t >= 0} | set(range(n - int(last[b]), n)))
             entries = [(float(q[b, g_] @ keys[h, s]) * scale, values[h, s]) for s in slots]
-            entries += [(float(q[b, g_] @ e_keys[b, h, e]) * scale + float(log_w[b, h, e]), e_values[b, h, e])
+            entries += [(float(q[b, g_] @ e_keys[b, h, e]) * scale + float(log_w[b, h, e]),
+                         e_values[b, h, e] / math.exp(float(log_w[b, h, e])))  # a value sum over its weight
                         for e in range(3) if log_w[b, h, e] > float("-inf")]
             top = max(x for x, _ in entries)
             weights = [math.exp(x - top) for x, _ in entries]
