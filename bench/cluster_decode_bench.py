@@ -21,6 +21,7 @@ import torch
 from kvc.compiler.cache import locate
 from kvc.runtime.attention import triton_ops
 from kvc.runtime.bench.bandwidth import copy_gbps, graph_ms
+from kvc.runtime.bench.busy import profile_busy
 from kvc.runtime.compiled import folder
 from kvc.runtime.compiled.folder import GeneratedCode
 from kvc.runtime.kv.plans import Estimate, ReadPlan
@@ -97,6 +98,11 @@ def main() -> None:
         ms = timed(lambda: hook(inputs, {}, sym, params))
         summary_bytes = sum(inputs[n].numel() * inputs[n].element_size() for n in ("centroid", "sizes", "members"))
         report(piece="read_hook", batch=batch, context=context, ms=ms, summary_MB=summary_bytes / 1e6)
+        if device == "cuda":  # the read hook kernel by kernel (eager, 20 calls: launches included)
+            profile = profile_busy(lambda: [hook(inputs, {}, sym, params) for _ in range(20)], torch.device(device), 20)
+            for k in profile["by_kernel"][:12]:
+                report(piece="read_hook_kernel", batch=batch, context=context, kernel=k["name"],
+                       calls=k["calls"] / 20, us=k["ms_per_step"] * 1e3)
         tokens, last, estimate, counts = hook(inputs, {}, sym, params)
         read = ReadPlan(tokens=tokens, last=last, estimate=Estimate(*estimate), counts=counts)
         listed = int(counts.sum()) + int(last.sum()) * KV_HEADS
