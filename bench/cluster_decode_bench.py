@@ -1,10 +1,12 @@
 """RetroInfer's decode pieces on a GPU, one layer at the Qwen3-30B-A3B shape (32 query heads, 4 KV heads,
 head dim 128, bf16, pages of 16, the method's defaults: clusters of 16 tokens, 1.8% read, 25% read or
-estimated): the generated read over the rows' cluster indices (scores, ranking, the packed token plan and the
-estimate), the spec decode over that plan with the estimate as one more split partial, and the dense decode
-of full over the same rows for comparison. Each timed as a CUDA graph of 20 calls; copy bandwidth of the same
-GPU in the same run. The indices are synthetic (every indexed slot in a random cluster: sizes about Poisson(16)),
-with the shapes, ranges and dtypes `ClusterIndices.inputs` gives the hook.
+estimated): the read over the rows' cluster indices (scores, ranking, the packed token plan and the estimate)
+as the engine runs it on a GPU (the compiler's fused `cluster_scores` and every kernel after it reading the
+index's views over all sequence rows through the decode rows' `rows`) and, for comparison in the same run, the
+lowering's read over gathered copies of the rows (`read_hook_gathered`, the gathers not timed); the spec decode
+over that plan with the estimate as more split partials; and the dense decode of full over the same rows. Each
+timed as a CUDA graph of 20 calls; copy bandwidth of the same GPU in the same run. The indices are synthetic
+(every indexed slot in a random cluster: sizes about Poisson(16)) in the layout `ClusterIndices.inputs` gives.
 Usage: python bench/cluster_decode_bench.py [--shapes 14x32768,4x131072] [--out FILE.json]
        python bench/cluster_decode_bench.py --device cpu   # a small dry run, TRITON_INTERPRET=1"""
 
@@ -49,6 +51,21 @@ def index_inputs(batch: int, context: int, params: dict, device, dtype=torch.bfl
                           * sizes[..., None].sqrt()).to(dtype)}
 
 
+def index_views(inputs: dict, spare: int = 2) -> dict:
+    """The same indices as `ClusterIndices.inputs(gather=False)` gives them: views over every sequence row of
+    a two-layer store (`spare` rows more than the batch, the decode rows scattered among them) and `rows`."""
+    batch = inputs["sizes"].shape[0]
+    device = inputs["sizes"].device
+    rows = torch.randperm(batch + spare, device=device)[:batch]
+    out = {k: v for k, v in inputs.items() if k not in ("sizes", "members", "centroid", "value_sum")}
+    for name in ("sizes", "members", "centroid", "value_sum"):
+        x = inputs[name].to(torch.int32) if name == "members" else inputs[name]
+        store = torch.zeros((batch + spare, 2, *x.shape[1:]), dtype=x.dtype, device=device)
+        store[rows, 1] = x
+        out[name] = store[:, 1]
+    return {**out, "rows": rows}
+
+
 def _once_ms(fn) -> float:
     """One call's milliseconds (the CPU dry run: no graphs)."""
     start = time.perf_counter()
@@ -69,6 +86,7 @@ def main() -> None:
     compiled = locate("retroinfer", generated=folder.GENERATED)
     code = GeneratedCode("retroinfer", compiled.folder, compiled.manifest)
     hook, params = code.lowering.decode_before_attention, dict(code.lowering.DEFAULTS)
+    fused, read_fn = code.fused("decode_before_attention"), code.lowering.decode_before_attention_read
     spec, plain = triton_ops.load("spec"), triton_ops.load("plain")
     rows = []
 
@@ -95,18 +113,25 @@ def main() -> None:
         kv_bytes = 2 * batch * KV_HEADS * context * DIM * 2
         dense = timed(lambda: plain.paged_decode(q, k_cache, v_cache, tables, lens, scale, out=out))
         report(piece="full_decode", batch=batch, context=context, ms=dense, of_copy=kv_bytes / dense / 1e6 / copy_bw)
-        ms = timed(lambda: hook(inputs, {}, sym, params))
+        views = index_views(inputs)
+
+        def gpu_read():  # the engine's GPU read (runtime/compiled/read.py `_cluster_plan`, fused)
+            return read_fn(fused(q, {"centroid": views["centroid"]}, views["rows"]), views, sym, params)
+
         summary_bytes = sum(inputs[n].numel() * inputs[n].element_size() for n in ("centroid", "sizes", "members"))
+        ms = timed(lambda: hook(inputs, {}, sym, params))
+        report(piece="read_hook_gathered", batch=batch, context=context, ms=ms, summary_MB=summary_bytes / 1e6)
+        ms = timed(gpu_read)
         report(piece="read_hook", batch=batch, context=context, ms=ms, summary_MB=summary_bytes / 1e6)
-        if device == "cuda":  # the read hook kernel by kernel (eager, 20 calls: launches included)
-            profile = profile_busy(lambda: [hook(inputs, {}, sym, params) for _ in range(20)], torch.device(device), 20)
+        if device == "cuda":  # the read kernel by kernel (eager, 20 calls: launches included)
+            profile = profile_busy(lambda: [gpu_read() for _ in range(20)], torch.device(device), 20)
             for k in profile["by_kernel"][:12]:
                 report(piece="read_hook_kernel", batch=batch, context=context, kernel=k["name"],
                        calls=k["calls"] / 20, us=k["ms_per_step"] * 1e3)
-        tokens, last, estimate, counts = hook(inputs, {}, sym, params)
+        tokens, last, estimate, counts = gpu_read()
         read = ReadPlan(tokens=tokens, last=last, estimate=Estimate(*estimate), counts=counts)
         listed = int(counts.sum()) + int(last.sum()) * KV_HEADS
-        read_bytes = listed * 2 * DIM * 2 + 2 * estimate[0].numel() * 4  # the slots' K and V, the estimate's entries
+        read_bytes = listed * 2 * DIM * 2 + 2 * estimate[2].numel() * DIM * 2  # slots' K, V; entries
         ms = timed(lambda: spec.paged_decode(q, k_cache, v_cache, tables, lens, scale, read=read, out=out))
         report(piece="plan_decode", batch=batch, context=context, ms=ms, slots_per_head=listed / batch / KV_HEADS,
                of_copy=read_bytes / ms / 1e6 / copy_bw)
@@ -115,7 +140,7 @@ def main() -> None:
         report(piece="plan_decode_without_estimate", batch=batch, context=context, ms=ms)
 
         def both():
-            t, la, e, c = hook(inputs, {}, sym, params)
+            t, la, e, c = gpu_read()
             spec.paged_decode(q, k_cache, v_cache, tables, lens, scale, out=out,
                               read=ReadPlan(tokens=t, last=la, estimate=Estimate(*e), counts=c))
         ms = timed(both)

@@ -30,7 +30,10 @@ intermediate) and writes [row, kv_head, item] float32; `f` is rendered into the 
 Where `f` is Quest's bound `max(q * hi, q * lo)` summed over channels, with `hi` the max and `lo`
 the min summary of one source over one partition (so hi >= lo), it equals `max(q, 0) . hi +
 min(q, 0) . lo`: flag `BOUND = (hi, lo)`, two matrix products over the whole GQA group on tensor
-cores instead of elementwise work per query head.
+cores instead of elementwise work per query head; where `f` is `q * s`, summed over channels, it is one
+product (`PRODUCT = s`). Over the clusters of a `kmeans` partition (RetroInfer's centroids; flag `ROWS`,
+entry point `cluster_scores`) the kernel reads the summaries from each decode row's sequence row of the
+index instead of through a page table (no gather copy of the rows' summaries).
 """
 
 from __future__ import annotations
@@ -175,25 +178,18 @@ def _bound(v: Value, item: str, fns: dict[str, tuple[str, str, str]]) -> tuple[s
     one partition: (hi, lo); None for anything else."""
     if not (isinstance(v, Elementwise) and v.fn == "max" and len(v.args) == 2):
         return None
-    names = []
-    for a in v.args:
-        if not (isinstance(a, Elementwise) and a.fn == "mul" and len(a.args) == 2):
-            return None
-        qs = [x for x in a.args if isinstance(x, Input) and x.kind == "hook" and x.name == "q"
-              and x.dims == ("head", "channel")]
-        ss = [x for x in a.args if isinstance(x, Input) and x.kind == "summary"
-              and x.dims == ("kv_head", item, "channel")]
-        if len(qs) != 1 or len(ss) != 1:
-            return None
-        names.append(ss[0].name)
+    names = [_product(a, item) for a in v.args]
+    if None in names:
+        return None
     decls = [fns.get(n) for n in names]
     if None in decls or decls[0][1:] != decls[1][1:] or {decls[0][0], decls[1][0]} != {"max", "min"}:
         return None
     return (names[0], names[1]) if decls[0][0] == "max" else (names[1], names[0])
 
 
-def _page_score(read: Read, fns: dict[str, tuple[str, str, str]]) -> dict | None:
-    """Match a read's `reduce(reduce(f(q, summaries), over channel), over group)` over [kv_head, item]."""
+def _page_score(read: Read, fns: dict[str, tuple[str, str, str]], partitioned: bool) -> dict | None:
+    """Match a read's `reduce(reduce(f(q, summaries), over channel), over group)` over [kv_head, item]
+    (`partitioned`: the items are a `kmeans` partition's clusters, whose summaries live in each sequence's row)."""
     v, item = read.select.top.score, read.item
     if not (isinstance(v, Reduce) and v.axes == ("group",) and v.fn in GROUP_FNS and v.dims == ("kv_head", item)):
         return None
@@ -206,8 +202,20 @@ def _page_score(read: Read, fns: dict[str, tuple[str, str, str]]) -> dict | None
     if expr is None or not summaries:
         return None
     bound = _bound(v, item, fns) if channel_fn == "sum" else None
+    product = _product(v, item) if channel_fn == "sum" and bound is None else None
     return {"CHANNEL_REDUCE": channel_fn, "GROUP_REDUCE": group_fn, "EXPR": expr, "SUMMARIES": tuple(summaries),
-            "BOUND": bound or ()}
+            "BOUND": bound or (), "PRODUCT": product or "", "ROWS": partitioned}
+
+
+def _product(v: Value, item: str) -> str | None:
+    """`q * s` (either order) with `s` a summary over [kv_head, item, channel]: s; None for anything else."""
+    if not (isinstance(v, Elementwise) and v.fn == "mul" and len(v.args) == 2):
+        return None
+    qs = [x for x in v.args if isinstance(x, Input) and x.kind == "hook" and x.name == "q"
+          and x.dims == ("head", "channel")]
+    ss = [x for x in v.args if isinstance(x, Input) and x.kind == "summary"
+          and x.dims == ("kv_head", item, "channel")]
+    return ss[0].name if len(qs) == 1 and len(ss) == 1 else None
 
 
 def _add_keep_score(out: FusionPlan, hook: str, flags: dict) -> None:
@@ -242,10 +250,13 @@ def plan(method: MethodIR) -> FusionPlan:
                 out.kernels.append(KernelSpec(
                     "attention_columns", "column_sum", hook.name, tuple(sorted(flags.items())),
                     f"H2O-style: adds a prefill chunk's attention column sums into `{stmt.state}`"))
-            if (isinstance(stmt, Read) and stmt.select.top is not None and hook.name == "decode_before_attention"
-                    and stmt.item not in method.partitions):  # clusters: no pages to score through the tables
-                flags = _page_score(stmt, _summary_fns(method))
+            if isinstance(stmt, Read) and stmt.select.top is not None and hook.name == "decode_before_attention":
+                clusters = stmt.item in method.partitions
+                flags = _page_score(stmt, _summary_fns(method), clusters)
                 if flags is not None:
-                    out.kernels.append(KernelSpec("page_scores", "page_scores", hook.name, tuple(sorted(flags.items())),
-                                                  "a sparse read's page scores from the paged summaries"))
+                    out.kernels.append(
+                        KernelSpec("page_scores", "cluster_scores", hook.name, tuple(sorted(flags.items())),
+                                   "a cluster read's scores from the rows' cluster summaries") if clusters else
+                        KernelSpec("page_scores", "page_scores", hook.name, tuple(sorted(flags.items())),
+                                   "a sparse read's page scores from the paged summaries"))
     return out

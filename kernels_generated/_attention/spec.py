@@ -2207,16 +2207,17 @@ def paged_decode(
 
 @triton.jit
 def _estimate_kernel(
-    q_ptr, keys_ptr, values_ptr, log_w_ptr, part_out_ptr, part_lse_ptr, E, qk_scale, part_index, part_stride,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_ke, stride_vb, stride_vh, stride_ve, stride_wb, stride_wh,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
+    q_ptr, keys_ptr, values_ptr, log_w_ptr, rows_ptr, part_out_ptr, part_lse_ptr, E, qk_scale, part_index,
+    part_stride, stride_qb, stride_qh, stride_kb, stride_kh, stride_ke, stride_vb, stride_vh, stride_ve, stride_wb,
+    stride_wh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
     # A read plan's estimate (runtime/kv/plans.py `Estimate`) as partials after the splits', one program per
     # (row, KV head, share of the entries): the online softmax over its share alone (logit q . key * scale +
     # log-weight), in the splits' units (log2), written at split `part_index + share` for the reduce (-inf and
     # zeros: no entry). An entry's value is its value sum over its weight, so its term of the numerator is
-    # exp(q . key * scale) times the sum: the weight counts in the denominator only.
+    # exp(q . key * scale) times the sum: the weight counts in the denominator only. HAS_ROWS: the keys and
+    # sums are views over every sequence row, decode row `seq`'s at rows[seq].
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     share = tl.cdiv(tl.cdiv(E, tl.num_programs(2)), BLOCK_E) * BLOCK_E
     offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
@@ -2224,8 +2225,11 @@ def _estimate_kernel(
     head_mask, dim_mask = offs_h < GROUP, offs_d < HEAD_DIM
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
-    keys = keys_ptr + seq.to(tl.int64) * stride_kb + kv_head * stride_kh
-    values = values_ptr + seq.to(tl.int64) * stride_vb + kv_head * stride_vh
+    index_row = seq.to(tl.int64)
+    if HAS_ROWS:
+        index_row = tl.load(rows_ptr + seq).to(tl.int64)
+    keys = keys_ptr + index_row * stride_kb + kv_head * stride_kh
+    values = values_ptr + index_row * stride_vb + kv_head * stride_vh
     log_w = log_w_ptr + seq.to(tl.int64) * stride_wb + kv_head * stride_wh
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -2245,7 +2249,7 @@ def _estimate_kernel(
         m_new = tl.maximum(m_i, tl.max(logit, axis=1))
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(tl.exp2(logit - m_new[:, None]), axis=1)
-        p = tl.where(live[None, :], tl.exp2(qk - m_new[:, None]), 0.0)  # the value sum's factor
+        p = tl.exp2(tl.where(live[None, :], qk - m_new[:, None], float("-inf")))  # the value sum's factor
         v = tl.load(values + e[:, None] * stride_ve + offs_d[None, :], mask=mask, other=0.0).to(q.dtype)
         if USE_DOT:
             pv = _mma(p.to(q.dtype), v, DOT_PRECISION)
@@ -2272,17 +2276,18 @@ def _estimate_partial(q: torch.Tensor, estimate, scale: float, part_out: torch.T
     `part_index` on (`_estimate_parts` of them; keys and values read in the query's dtype, as the splits read
     the cache)."""
     batch, num_q_heads, head_dim = q.shape
-    keys, values, log_w = estimate.keys, estimate.values, estimate.log_weights.float()
+    keys, values, log_w, rows = estimate.keys, estimate.values, estimate.log_weights.float(), estimate.rows
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         keys, values = keys.contiguous(), values.contiguous()
     block_d = triton.next_power_of_2(head_dim)
     _estimate_kernel[(batch, num_q_heads // group, _estimate_parts(estimate))](
-        q, keys, values, log_w, part_out, part_lse, keys.shape[2], scale * LOG2E, part_index, part_out.shape[2],
+        q, keys, values, log_w, log_w if rows is None else rows, part_out, part_lse, keys.shape[2], scale * LOG2E,
+        part_index, part_out.shape[2],
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
         values.stride(2), log_w.stride(0), log_w.stride(1),
         GROUP=group, BLOCK_H=max(16 if block_d >= 16 else 1, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_E=64 if block_d >= 16 else 16,
-        DOT_PRECISION=_dot_precision(q.dtype), USE_DOT=block_d >= 16, num_warps=4,
+        DOT_PRECISION=_dot_precision(q.dtype), USE_DOT=block_d >= 16, HAS_ROWS=rows is not None, num_warps=4,
     )
 
 

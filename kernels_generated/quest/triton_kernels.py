@@ -30,7 +30,7 @@ def _eval(expr, names):
 
 
 # ---- kernel family `page_scores` (page_scores): a sparse read's page scores from the paged summaries
-# Flags: BOUND=('kmax', 'kmin'), CHANNEL_REDUCE=sum, EXPR=tl.maximum((qv * s_kmax), (qv * s_kmin)), GROUP_REDUCE=max, SUMMARIES=('kmax', 'kmin')
+# Flags: BOUND=('kmax', 'kmin'), CHANNEL_REDUCE=sum, EXPR=tl.maximum((qv * s_kmax), (qv * s_kmin)), GROUP_REDUCE=max, PRODUCT=, ROWS=False, SUMMARIES=('kmax', 'kmin')
 @triton.jit
 def _page_scores_kernel(
     q_ptr, kmax_ptr, kmin_ptr, tables_ptr, lengths_ptr, out_ptr,
@@ -50,12 +50,12 @@ def _page_scores_kernel(
         page = tl.load(tables_ptr + b * stride_tb + cols, mask=live, other=0).to(tl.int64)
         at = page[:, None] * stride_sp + h * stride_sh + dims[None, :]
         m2 = live[:, None] & dmask[None, :]
-        # max(q * hi, q * lo) with hi >= lo is max(q, 0) * hi + min(q, 0) * lo: two products over the group
-        hi = tl.load(kmax_ptr + at, mask=m2, other=0.0)
-        lo = tl.load(kmin_ptr + at, mask=m2, other=0.0)
         gs = tl.arange(0, BLOCK_G)
         qg = tl.load(q_ptr + b * stride_qb + (h * GROUP + gs)[:, None] * stride_qh + dims[None, :],
                      mask=(gs[:, None] < GROUP) & dmask[None, :], other=0.0)
+        # max(q * hi, q * lo) with hi >= lo is max(q, 0) * hi + min(q, 0) * lo: two products over the group
+        hi = tl.load(kmax_ptr + at, mask=m2, other=0.0)
+        lo = tl.load(kmin_ptr + at, mask=m2, other=0.0)
         if IEEE:  # float32 (and the interpreter, whose bf16 products misread): exact float32 products
             qf = qg.to(tl.float32)
             x = tl.dot(tl.maximum(qf, 0.0), tl.trans(hi.to(tl.float32)), input_precision="ieee")

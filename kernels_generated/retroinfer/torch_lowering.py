@@ -123,12 +123,9 @@ def decode_before_attention_scores(inputs, state, sym, params):
     return scores
 
 
-def decode_before_attention(inputs, state, sym, params):
-    """`on decode_before_attention` over a decode batch's cluster indices: the slots of the best clusters, the
-    ranges and the estimate of the next clusters (None where the hook does not run)."""
-    if not decode_before_attention_runs(sym, params):
-        return None
-    scores = decode_before_attention_scores(inputs, state, sym, params)
+def decode_before_attention_read(scores, inputs, sym, params):
+    """`on decode_before_attention`: the slots of the best clusters by `scores` [row, kv_head, clusters] (`decode_before_attention_scores`
+    or the fused `cluster_scores`), the ranges and the estimate of the next clusters."""
     cluster_size = params["cluster_size"]
     computed = params["computed"]
     context = sym["context"]
@@ -138,6 +135,14 @@ def decode_before_attention(inputs, state, sym, params):
     sink = params["sink"]
     return _read_clusters(scores, inputs, context*retrieved, cluster_size, first=sink,
                           estimate=context*(computed - retrieved), using=("centroid", "value_sum"))
+
+
+def decode_before_attention(inputs, state, sym, params):
+    """`on decode_before_attention` over a decode batch's cluster indices: the slots of the best clusters, the
+    ranges and the estimate of the next clusters (None where the hook does not run)."""
+    if not decode_before_attention_runs(sym, params):
+        return None
+    return decode_before_attention_read(decode_before_attention_scores(inputs, state, sym, params), inputs, sym, params)
 
 
 def score(q, k, *, layer=0, num_layers=1, params=None):

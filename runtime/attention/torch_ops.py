@@ -570,6 +570,7 @@ def _attend(grouped_q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     if estimate is None:
         o = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask[:, :, None, :], scale=scale)
         return torch.where(mask.any(-1)[:, :, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+    estimate = estimate.gathered()
     weights = estimate.log_weights.to(grouped_q.device).float()
     live = weights > float("-inf")
     means = torch.where(live[..., None], estimate.values.float() / weights.exp().clamp(min=1e-30)[..., None], 0.0)

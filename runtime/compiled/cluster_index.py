@@ -90,11 +90,13 @@ class ClusterIndices:
                 *(TensorSpec(name, Extent.SEQ, dtype, (clusters, head_dim)) for name in self.summaries))
 
     # ---- the hook's inputs (static shapes) -----------------------------------------------------
-    def inputs(self, layer: int, view: DecodeView, params: dict) -> dict[str, torch.Tensor]:
+    def inputs(self, layer: int, view: DecodeView, params: dict, gather: bool = True) -> dict[str, torch.Tensor]:
         """The decode rows' indices in `layer` read from their rows (`view.seq_rows`): `sizes` [B, Hkv,
         C] (0: none), `members` [B, Hkv, N] (cluster of indexed slot `starts[b] + i`, -1: none),
         `starts`, `ends`, `lengths` [B] and each summary [B, Hkv, C, D], C and N bounded by the step's
-        `max_context_len` (a graph's context bucket)."""
+        `max_context_len` (a graph's context bucket). `gather=False` (the GPU's kernels, which index the
+        rows themselves): `sizes`, `members` and the summaries are the layer's views over every sequence
+        row ([R, Hkv, ...], no copy) and `rows` [B] int64 names each decode row's."""
         store, rows = view.store, view.seq_rows
         if rows is None:
             raise RuntimeError("a cluster read needs the step's rows of the per-sequence tensors")
@@ -103,12 +105,13 @@ class ClusterIndices:
         width = members.shape[-1] if view.max_context_len is None else min(members.shape[-1], view.max_context_len)
         count = min(store[self.sizes].shape[-1], self.max_clusters(width, params))
         bounds = store[self.bounds][:, layer, 0][rows].long()  # [B, 2] (every KV head holds the same)
-        out = {"sizes": store[self.sizes][:, layer, :, :count][rows],
-               "members": members[:, layer, :, :width][rows],
+        out = {"sizes": store[self.sizes][:, layer, :, :count], "members": members[:, layer, :, :width],
                "starts": bounds[:, 0], "ends": bounds[:, 1], "lengths": view.context_lens.long()}
         for name in self.summaries:
-            out[name] = store[name][:, layer, :, :count][rows]
-        return out
+            out[name] = store[name][:, layer, :, :count]
+        if not gather:
+            return {**out, "rows": rows}
+        return {name: x[rows] if name in ("sizes", "members", *self.summaries) else x for name, x in out.items()}
 
     # ---- writing (outside the decode step) -----------------------------------------------------
     def build(self, layer: int, seq_id: int, prompt: int, cache: LayerCacheView, sym: dict, params: dict) -> None:

@@ -22,7 +22,9 @@ A hook that reads the clusters of a `kmeans` partition (hook fact `clusters`) ge
 queries and the rows' cluster indices (cluster_index.py: static per-row buffers, written between
 steps) with the per-row symbols, and answers `(tokens, last, estimate, counts)`: a token `ReadPlan`
 whose slots come first in each head's list (`counts` of them), its `Estimate` the estimated clusters'
-pseudo-keys. Static shapes too: graphs capture it.
+pseudo-keys. Where the compiler fused the cluster scores (`cluster_scores`, family `page_scores`), a
+GPU step scores the clusters from the index's rows and the read, the plan and the estimate index the
+rows too: no copy of the rows' indices. Static shapes too: graphs capture it.
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ class ReadHook:
             self._row_symbols(view, sym)
             if self.tokens:
                 return self._token_plan(view, sym, params)
-            return self._cluster_plan(layer, view, sym, params)
+            return self._cluster_plan(layer, view, sym, params, self._fused is not None
+                                      and view.q.device.type in fused_devices)
         if self._fused is not None and view.q.device.type in fused_devices and self.runs is not None:
             if not self.runs(sym, params):
                 return None
@@ -111,12 +114,17 @@ class ReadHook:
         pages = self.fn(inputs, {}, sym, params)
         return None if pages is None else ReadPlan(pages=pages)
 
-    def _cluster_plan(self, layer: int, view: DecodeView, sym: dict[str, Any],
-                      params: dict[str, Any]) -> ReadPlan | None:
-        """A read over the rows' cluster indices (module docstring)."""
-        inputs = self.indices.inputs(layer, view, params)
+    def _cluster_plan(self, layer: int, view: DecodeView, sym: dict[str, Any], params: dict[str, Any],
+                      fused: bool) -> ReadPlan | None:
+        """A read over the rows' cluster indices (module docstring); `fused`: the scores from the compiler's
+        `cluster_scores` kernel and every kernel after it reading the index through the rows (no gather)."""
+        inputs = self.indices.inputs(layer, view, params, gather=not fused)
         inputs["q"] = view.q
-        out = self.fn(inputs, {}, sym, params)
+        if fused:
+            summaries = {name: inputs[name] for name in self.indices.summaries}
+            out = self.read(self._fused()(view.q, summaries, inputs["rows"]), inputs, sym, params)
+        else:
+            out = self.fn(inputs, {}, sym, params)
         if out is None:
             return None
         tokens, last_slots, estimate, counts = out

@@ -131,15 +131,26 @@ class Estimate:
     key and its values' sum: the paper's estimate of those n tokens' attention (the sum is what a
     kernel multiplies by exp(q . key * scale), so no mean is ever materialised)."""
 
-    keys: torch.Tensor  # [B, Hkv, E, D]
-    values: torch.Tensor  # [B, Hkv, E, D]: each entry's value sum
+    keys: torch.Tensor  # [B, Hkv, E, D] (with `rows`: [R, Hkv, E, D])
+    values: torch.Tensor  # [B, Hkv, E, D]: each entry's value sum (with `rows`: [R, Hkv, E, D])
     log_weights: torch.Tensor  # [B, Hkv, E] float32
+    rows: torch.Tensor | None = None  # [B]: decode row b's entries are keys[rows[b]], values[rows[b]]
 
     def __post_init__(self) -> None:
         shape = tuple(self.log_weights.shape)
-        if len(shape) != 3 or tuple(self.keys.shape[:3]) != shape or tuple(self.values.shape[:3]) != shape:
-            raise ValueError(f"an Estimate is keys/values [B, Hkv, E, D] and log_weights [B, Hkv, E], got "
-                             f"{tuple(self.keys.shape)}, {tuple(self.values.shape)}, {shape}")
+        lead = shape if self.rows is None else (self.keys.shape[0], *shape[1:])
+        if (len(shape) != 3 or tuple(self.keys.shape[:3]) != lead or tuple(self.values.shape[:3]) != lead
+                or self.rows is not None and tuple(self.rows.shape) != shape[:1]):
+            raise ValueError(f"an Estimate is keys/values [B, Hkv, E, D] (or [R, Hkv, E, D] with rows [B]) and "
+                             f"log_weights [B, Hkv, E], got {tuple(self.keys.shape)}, {tuple(self.values.shape)}, "
+                             f"{shape}" + ("" if self.rows is None else f", rows {tuple(self.rows.shape)}"))
+
+    def gathered(self) -> Estimate:
+        """The same estimate with each decode row's entries of its own ([B, Hkv, E, D], no `rows`)."""
+        if self.rows is None:
+            return self
+        rows = self.rows.long()
+        return Estimate(self.keys[rows], self.values[rows], self.log_weights)
 
 
 @dataclass(frozen=True)

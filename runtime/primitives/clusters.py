@@ -78,7 +78,8 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
     """The plan of `read top(scores, count) + first n` and `estimate top(scores, m) using KEY, VSUM`
     over a batch's cluster indices (runtime/compiled/cluster_index.py `ClusterIndices.inputs`):
 
-    - scores [row, kv_head, C] (padding clusters, size 0, are never chosen); `count` and `estimate`
+    - scores [row, kv_head, C] (padding clusters, size 0, are never chosen); the index as gathered rows, or as
+      views over every sequence row with `rows` (`ClusterIndices.inputs(gather=False)`); `count` and `estimate`
       are tokens per row ([row] tensors or numbers), counted in clusters of the partition's average
       `size`: ceil(tokens / size) clusters (docs/language.md; the paper's nprobe, a fraction of
       the clusters);
@@ -92,10 +93,13 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
     estimate has an entry per cluster, in cluster order, those not estimated weighing nothing
     (log-weight -inf).
     Returns (tokens [row, kv_head, n] int32, each head's slots first in slot order and -1 after;
-    last [row] int32; estimate (keys, values, log_weights) or None; counts [row, kv_head] int32, the
-    slots each head lists: `ReadPlan.counts`)."""
+    last [row] int32; estimate (keys, value sums, log_weights[, rows]) or None, `Estimate`'s fields;
+    counts [row, kv_head] int32, the slots each head lists: `ReadPlan.counts`)."""
     if scores.is_cuda and _triton() is not None:  # the same plan in three Triton launches (clusters_triton.py)
         return _triton().read_clusters(scores, inputs, count, size, first, estimate, using)
+    if "rows" in inputs:  # the index's views over every sequence row: this path reads the decode rows' copies
+        rows = inputs["rows"]
+        inputs = {name: x[rows] if name in ("sizes", "members", *(using or ())) else x for name, x in inputs.items()}
     sizes, members = inputs["sizes"], inputs["members"].long()  # [B, Hkv, C], [B, Hkv, N]
     present = sizes > 0
     ranked = torch.where(present, scores.float(), NEG_INF)

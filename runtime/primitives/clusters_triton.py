@@ -27,13 +27,22 @@ BLOCK = 1024
 
 
 @triton.jit
-def _ranks_kernel(scores_ptr, sizes_ptr, read_ptr, estimate_ptr, chosen_ptr, log_w_ptr, C, size,
-                  BLOCK_C: tl.constexpr):
+def _row(rows_ptr, r, HAS_ROWS: tl.constexpr):
+    # decode row r's row of the index: rows[r] over views of every sequence row, else r (gathered rows)
+    if HAS_ROWS:
+        return tl.load(rows_ptr + r).to(tl.int64)
+    return r.to(tl.int64)
+
+
+@triton.jit
+def _ranks_kernel(scores_ptr, sizes_ptr, rows_ptr, read_ptr, estimate_ptr, chosen_ptr, log_w_ptr, C, size,
+                  stride_zr, stride_zh, BLOCK_C: tl.constexpr, HAS_ROWS: tl.constexpr):
     r, h = tl.program_id(0), tl.program_id(1)
     base = (r * tl.num_programs(1) + h) * C
     cols = tl.arange(0, BLOCK_C)
     x = tl.load(scores_ptr + base + cols, mask=cols < C, other=float("-inf"))
-    sizes = tl.load(sizes_ptr + base + cols, mask=cols < C, other=0.0)
+    sizes = tl.load(sizes_ptr + _row(rows_ptr, r, HAS_ROWS) * stride_zr + h * stride_zh + cols, mask=cols < C,
+                    other=0.0)
     valid = sizes > 0
     key = tl.where(valid, _order_key(x), NO_KEY)
     present = tl.sum(valid.to(tl.int32), axis=0)
@@ -55,22 +64,25 @@ def _listed(members_ptr, chosen_ptr, base_m, base_c, i, N):
 
 
 @triton.jit
-def _slice_counts_kernel(members_ptr, chosen_ptr, counts_ptr, N, C, SLICE: tl.constexpr, BLOCK: tl.constexpr):
+def _slice_counts_kernel(members_ptr, rows_ptr, chosen_ptr, counts_ptr, N, C, stride_mr, stride_mh,
+                         SLICE: tl.constexpr, BLOCK: tl.constexpr, HAS_ROWS: tl.constexpr):
     r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rh = r * tl.num_programs(1) + h
+    base_m = _row(rows_ptr, r, HAS_ROWS) * stride_mr + h * stride_mh
     n = 0
     for i0 in range(s * SLICE, s * SLICE + SLICE, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
-        n += tl.sum(_listed(members_ptr, chosen_ptr, rh * N, rh * C, i, N).to(tl.int32), axis=0)
+        n += tl.sum(_listed(members_ptr, chosen_ptr, base_m, rh * C, i, N).to(tl.int32), axis=0)
     tl.store(counts_ptr + rh * tl.num_programs(2) + s, n)
 
 
 @triton.jit
-def _slice_tokens_kernel(members_ptr, chosen_ptr, slice_counts_ptr, starts_ptr, ends_ptr, lengths_ptr, out_ptr,
-                         counts_ptr, last_ptr, N, C, W, FIRST, SLICE: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr):
+def _slice_tokens_kernel(members_ptr, rows_ptr, chosen_ptr, slice_counts_ptr, starts_ptr, ends_ptr, lengths_ptr,
+                         out_ptr, counts_ptr, last_ptr, N, C, W, FIRST, stride_mr, stride_mh, SLICE: tl.constexpr,
+                         BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr, HAS_ROWS: tl.constexpr):
     r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rh = r * tl.num_programs(1) + h
+    base_m = _row(rows_ptr, r, HAS_ROWS) * stride_mr + h * stride_mh
     slices = tl.num_programs(2)
     start = tl.load(starts_ptr + r).to(tl.int32)
     head = tl.minimum(FIRST, start)  # the row's first slots, read exactly, before the index
@@ -81,7 +93,7 @@ def _slice_tokens_kernel(members_ptr, chosen_ptr, slice_counts_ptr, starts_ptr, 
     out = out_ptr + rh * W
     for i0 in range(s * SLICE, s * SLICE + SLICE, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
-        listed = _listed(members_ptr, chosen_ptr, rh * N, rh * C, i, N)
+        listed = _listed(members_ptr, chosen_ptr, base_m, rh * C, i, N)
         tl.store(out + at + tl.cumsum(listed.to(tl.int32), axis=0) - 1, start + i, mask=listed)
         at += tl.sum(listed.to(tl.int32), axis=0)
     share = -(-W // slices)  # -1 past the listed slots, each slice over its share of the width
@@ -99,33 +111,44 @@ def _slice_tokens_kernel(members_ptr, chosen_ptr, slice_counts_ptr, starts_ptr, 
 
 def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=None):
     """`clusters.read_clusters` on the GPU (module docstring): the same answer, (tokens [B, Hkv, first + N]
-    int32 packed, last [B] int32, the estimate (keys, value sums, log_weights) or None, counts [B, Hkv] int32)."""
-    sizes, members = inputs["sizes"].float().contiguous(), inputs["members"]
-    rows, kv_heads, clusters = sizes.shape
-    width = members.shape[-1]
+    int32 packed, last [B] int32, the estimate (keys, value sums, log_weights[, rows]) or None, counts [B, Hkv]
+    int32). The index as gathered rows, or as views over every sequence row with `rows` [B]
+    (`ClusterIndices.inputs(gather=False)`): the kernels then read each decode row's own, and so does the
+    estimate (its `rows`)."""
+    sizes, members, index_rows = inputs["sizes"], inputs["members"], inputs.get("rows")
+    if sizes.dtype != torch.float32 or sizes.stride(-1) != 1:
+        sizes = sizes.float().contiguous()
+    if members.dtype != torch.int32 or members.stride(-1) != 1:
+        members = members.to(torch.int32).contiguous()
+    _, kv_heads, clusters = sizes.shape
+    rows, width = scores.shape[0], members.shape[-1]
     device = scores.device
+    has_rows = index_rows is not None
+    row_ids = index_rows if has_rows else sizes  # (a pointer the kernels never read without rows)
     first = max(0, int(first))
     chosen = torch.empty(rows, kv_heads, clusters, dtype=torch.int8, device=device)
     log_w = torch.empty(rows, kv_heads, clusters, dtype=torch.float32, device=device)
     read = per_row(count, rows, device).to(torch.float64).contiguous()
     guessed = per_row(0 if estimate is None else estimate, rows, device).to(torch.float64).contiguous()
     if clusters:
-        _ranks_kernel[(rows, kv_heads)](scores.float().contiguous(), sizes, read, guessed, chosen, log_w, clusters,
-                                        float(size), BLOCK_C=triton.next_power_of_2(max(clusters, 16)),
+        _ranks_kernel[(rows, kv_heads)](scores.float().contiguous(), sizes, row_ids, read, guessed, chosen, log_w,
+                                        clusters, float(size), sizes.stride(0), sizes.stride(1),
+                                        BLOCK_C=triton.next_power_of_2(max(clusters, 16)), HAS_ROWS=has_rows,
                                         num_warps=max(4, min(16, triton.next_power_of_2(clusters) // 512)))
-    members = members.to(torch.int32).contiguous()
     slices = max(1, -(-width // SLICE))
     per_slice = torch.empty(rows, kv_heads, slices, dtype=torch.int32, device=device)
     tokens = torch.empty(rows, kv_heads, first + width, dtype=torch.int32, device=device)
     counts = torch.empty(rows, kv_heads, dtype=torch.int32, device=device)
     last = torch.empty(rows, dtype=torch.int32, device=device)
     grid = (rows, kv_heads, slices)
-    _slice_counts_kernel[grid](members, chosen, per_slice, width, clusters, SLICE=SLICE, BLOCK=BLOCK)
-    _slice_tokens_kernel[grid](members, chosen, per_slice, inputs["starts"].contiguous(), inputs["ends"].contiguous(),
-                               inputs["lengths"].contiguous(), tokens, counts, last, width, clusters, first + width,
-                               first, SLICE=SLICE, BLOCK=BLOCK, BLOCK_S=triton.next_power_of_2(slices),
-                               BLOCK_F=triton.next_power_of_2(max(first, 1)))
+    _slice_counts_kernel[grid](members, row_ids, chosen, per_slice, width, clusters, members.stride(0),
+                               members.stride(1), SLICE=SLICE, BLOCK=BLOCK, HAS_ROWS=has_rows)
+    _slice_tokens_kernel[grid](members, row_ids, chosen, per_slice, inputs["starts"].contiguous(),
+                               inputs["ends"].contiguous(), inputs["lengths"].contiguous(), tokens, counts, last, width,
+                               clusters, first + width, first, members.stride(0), members.stride(1), SLICE=SLICE,
+                               BLOCK=BLOCK, BLOCK_S=triton.next_power_of_2(slices),
+                               BLOCK_F=triton.next_power_of_2(max(first, 1)), HAS_ROWS=has_rows)
     if estimate is None or clusters == 0:
         return tokens, last, None, counts
     key_name, value_name = using
-    return tokens, last, (inputs[key_name], inputs[value_name], log_w), counts
+    return tokens, last, (inputs[key_name], inputs[value_name], log_w, *((index_rows,) if has_rows else ())), counts

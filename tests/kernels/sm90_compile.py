@@ -118,9 +118,11 @@ def main(codes: str) -> None:
                                              HAS_COUNTS=False, **shape, **ops),
               pointers)
     # a plan's estimate, one more partial: bf16 pseudo-keys, float32 values, on the tensor cores
-    build(mod._estimate_kernel, dict(GROUP=8, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_E=64,
-                                     DOT_PRECISION="native", USE_DOT=True),
-          {"q_ptr": "*bf16", "keys_ptr": "*bf16", "values_ptr": "*fp32", "log_w_ptr": "*fp32"})
+    for has_rows in (False, True):  # the index's views over every sequence row, or the decode rows' copies
+        build(mod._estimate_kernel, dict(GROUP=8, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_E=64,
+                                         DOT_PRECISION="native", USE_DOT=True, HAS_ROWS=has_rows),
+              {"q_ptr": "*bf16", "keys_ptr": "*bf16", "values_ptr": "*bf16", "log_w_ptr": "*fp32",
+               "rows_ptr": "*i64"})
     # a packed token plan (each head's count, the row's newest slots after it) over gathered slots
     build(mod._decode_split_kernel, dict(EMIT_STATS=False, GROUP=4, BLOCK_H=16, BLOCK_N=32, DIRECT_OUT=False,
                                          USE_DOT=True, DOT_PRECISION="native", HAS_STARTS=False, READ=2,

@@ -25,6 +25,8 @@ import pytest
 import torch
 
 from kvc.runtime.attention import torch_ops
+from kvc.runtime.compiled.method import CompiledMethod
+from kvc.runtime.compiled.read import ReadHook
 from kvc.runtime.config import EngineConfig
 from kvc.runtime.engine import Engine
 from kvc.runtime.errors import ConfigError
@@ -245,10 +247,11 @@ def test_attention_with_an_estimate_is_a_softmax_over_tokens_and_pseudo_keys(bac
             torch.testing.assert_close(out[b, g_], want, atol=1e-5 if backend == "triton" else 1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_splits", [None, 1, 5])
-def test_packed_plans_with_estimates_in_splits_equal_the_torch_path(num_splits) -> None:
+@pytest.mark.parametrize("num_splits,by_rows", [(None, False), (1, False), (5, False), (None, True)])
+def test_packed_plans_with_estimates_in_splits_equal_the_torch_path(num_splits, by_rows) -> None:
     """The spec variant's decode of packed token plans (`counts`) with `last` and an estimate, its splits
-    sharing each head's own count (some splits empty, some heads listing nothing), equals the torch path."""
+    sharing each head's own count (some splits empty, some heads listing nothing), equals the torch path;
+    `by_rows`: the estimate's keys and sums are views over every sequence row (`Estimate.rows`)."""
     pytest.importorskip("triton")
     from tests.kernels.paged_cases import triton_device_and_ops
 
@@ -278,7 +281,14 @@ def test_packed_plans_with_estimates_in_splits_equal_the_torch_path(num_splits) 
     want = torch_ops.paged_decode(q, k_cache, v_cache, tables, lengths, 0.25,
                                   read=ReadPlan(tokens=tokens.to(torch.int32), last=last, estimate=Estimate(*estimate)))
     put = partial(torch.Tensor.to, device=device)
-    read = ReadPlan(tokens=put(plan), last=put(last), counts=put(counts), estimate=Estimate(*map(put, estimate)))
+    on_device = Estimate(*map(put, estimate))
+    if by_rows:
+        rows = torch.tensor([2, 5, 0])
+        keys, sums = (torch.zeros(7, kv_heads, entries + 2, dim) for _ in range(2))
+        keys[rows, :, :entries], sums[rows, :, :entries] = estimate[0], estimate[1]
+        on_device = Estimate(put(keys)[:, :, :entries], put(sums)[:, :, :entries], put(log_w), rows=put(rows))
+        assert torch.equal(on_device.gathered().keys.cpu(), estimate[0])
+    read = ReadPlan(tokens=put(plan), last=put(last), counts=put(counts), estimate=on_device)
     got = ops.paged_decode(put(q), put(k_cache), put(v_cache), put(tables), put(lengths), 0.25, read=read,
                            num_splits=num_splits, block_n=None if num_splits is None else 16)
     torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
@@ -382,13 +392,17 @@ def test_graph_steps_equal_the_oracle(model_dir, hf, monkeypatch) -> None:
 
 
 def test_the_triton_backend_in_graph_steps_equals_the_oracle(model_dir, hf, monkeypatch) -> None:
-    """The GPU path, its kernels under TRITON_INTERPRET=1: Triton stores and prefill, the decode of a
-    plan with an estimate handed to the torch decode, in graph steps run uncaptured: the oracle's
-    tokens and logits."""
+    """The GPU path, its kernels under TRITON_INTERPRET=1: Triton stores and prefill, the compiler's fused
+    cluster scores over the index's rows (no gather), the decode of a plan with an estimate, in graph steps
+    run uncaptured: the oracle's tokens and logits."""
     pytest.importorskip("triton")
     from tests.kernels.paged_cases import triton_device_and_ops
 
     device, _ = triton_device_and_ops("spec")
+    monkeypatch.setattr(CompiledMethod, "fused_devices", ("cuda", "cpu"))  # the compiler's cluster_scores too
+    scored = []
+    original = ReadHook._cluster_plan
+    monkeypatch.setattr(ReadHook, "_cluster_plan", lambda self, *a: scored.append(a[-1]) or original(self, *a))
     spy = Logits(monkeypatch)
     llm = make_llm(model_dir, device=device.type, attention_backend="triton", cuda_graphs=False)
     replays = served.graph_steps(llm, monkeypatch)
@@ -396,7 +410,7 @@ def test_the_triton_backend_in_graph_steps_equals_the_oracle(model_dir, hf, monk
     params = [greedy(8) for _ in prompts]
     for p, out, sp in zip(prompts, llm.generate(prompts, params), params):
         check(out.token_ids, spy.of(sp), ref.generate(hf, session(), p, 8))
-    assert replays
+    assert replays and scored and all(scored), "the fused cluster scores must have served every read"
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -515,12 +529,13 @@ def test_rows_too_large_for_every_seat_bound_the_running_sequences(model_dir) ->
     assert max(running) <= rows
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_triton_read_equals_the_torch_read(seed) -> None:
+@pytest.mark.parametrize("seed,by_rows", [(0, False), (1, False), (2, False), (0, True), (2, True)])
+def test_the_triton_read_equals_the_torch_read(seed, by_rows) -> None:
     """`clusters_triton.read_clusters` (three launches; under TRITON_INTERPRET=1 without a GPU) gives the torch
     read's plan: the same packed tokens and counts, `last`, and estimate, with tied scores (ties: the lower
     cluster), clusters absent from a row, a head with nothing indexed, counts past the present clusters, and
-    rows wider than one slice of the token passes."""
+    rows wider than one slice of the token passes; `by_rows`: the index as views over every sequence row
+    (strided, as `ClusterIndices.inputs(gather=False)` cuts them) with the decode rows' `rows`."""
     pytest.importorskip("triton")
     from tests.kernels.paged_cases import triton_device_and_ops
 
@@ -549,14 +564,61 @@ def test_the_triton_read_equals_the_torch_read(seed) -> None:
     guess = torch.tensor([100.0, 30.0, 50.0], dtype=torch.float64)
     want = clusters.read_clusters(scores, inputs, count, 4, first=3, estimate=guess, using=("centroid", "value_sum"))
     put = {k: v.to(device) for k, v in inputs.items()}
+    if by_rows:  # every sequence row of a two-layer store, the decode rows scattered among them
+        rows = torch.tensor([4, 1, 2])
+        for name in ("sizes", "members", "centroid", "value_sum"):
+            x = inputs[name]
+            store = torch.full((6, 2, *x.shape[1:-1], x.shape[-1] + 3), -7, dtype=x.dtype)
+            store[rows, 1, ..., :x.shape[-1]] = x
+            put[name] = store.to(device)[:, 1, ..., :x.shape[-1]]
+        put["rows"] = rows.to(device)
+        assert not put["members"].is_contiguous()
+        torch_got = clusters.read_clusters(scores, {k: v.cpu() for k, v in put.items()}, count, 4, first=3,
+                                           estimate=guess, using=("centroid", "value_sum"))
+        for w, x in zip(want, torch_got):  # the torch read gathers the rows itself
+            for a, b in zip(w if isinstance(w, tuple) else (w,), x if isinstance(x, tuple) else (x,)):
+                torch.testing.assert_close(b, a)
     got = clusters_triton.read_clusters(scores.to(device), put, count.to(device), 4, first=3, estimate=guess.to(device),
                                         using=("centroid", "value_sum"))
     tokens, last, estimate, counts = (x.cpu() if isinstance(x, torch.Tensor) else x for x in got)
     assert torch.equal(tokens, want[0]) and torch.equal(last, want[1]) and torch.equal(counts, want[3])
     assert int(counts.sum()) > 0 and bool((counts < tokens.shape[-1]).all())
-    for w, x in zip(want[2], estimate):
+    assert len(estimate) == (4 if by_rows else 3)
+    estimate = Estimate(*estimate).gathered()
+    for w, x in zip(want[2], (estimate.keys, estimate.values, estimate.log_weights)):
         torch.testing.assert_close(x.cpu(), w)
     assert bool((want[2][2] > float("-inf")).any()), "nothing estimated: the test is blind"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cluster_scores_read_the_rows_and_equal_the_lowering(dtype) -> None:
+    """The compiler fuses RetroInfer's `max(sum(q * centroid, over channel), over group)` into `cluster_scores`
+    (family page_scores, flags ROWS and PRODUCT): it reads each decode row's centroids from its sequence row of
+    the layer's view (strided, no gather) and equals the torch lowering over the gathered rows."""
+    pytest.importorskip("triton")
+    from tests.kernels.paged_cases import triton_device_and_ops
+    from kvc.compiler.cache import locate
+    from kvc.runtime.compiled import folder
+    from kvc.runtime.compiled.folder import GeneratedCode
+
+    device, _ = triton_device_and_ops("spec")
+    code = GeneratedCode("retroinfer", locate("retroinfer", generated=folder.GENERATED).folder,
+                         locate("retroinfer", generated=folder.GENERATED).manifest)
+    (kernel,) = [k for k in code.manifest["kernels"] if k["name"] == "cluster_scores"]
+    assert kernel["flags"]["ROWS"] and kernel["flags"]["PRODUCT"] == "centroid"
+    fused = code.fused("decode_before_attention")
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, n_clusters = 8, 2, 16, 37
+    store = (torch.randn(6, 3, kv_heads, n_clusters + 5, dim, generator=g)).to(dtype)  # [R, layers, Hkv, C, D]
+    view = store[:, 1, :, :n_clusters]
+    rows = torch.tensor([5, 0, 3, 0])
+    q = torch.randn(len(rows), heads, dim, generator=g).to(dtype)
+    got = fused(q.to(device), {"centroid": view.to(device)}, rows.to(device)).cpu()
+    sym = {"context": None, "kv_heads": kv_heads}
+    want = code.lowering.decode_before_attention_scores({"q": q.float(), "centroid": view[rows].float()}, {}, sym,
+                                                        dict(code.lowering.DEFAULTS))
+    assert got.shape == (len(rows), kv_heads, n_clusters) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
 
 
 def test_the_cluster_read_kernels_compile_for_sm90() -> None:
@@ -566,12 +628,20 @@ def test_the_cluster_read_kernels_compile_for_sm90() -> None:
 
     code_compiles_for_sm90("from tests.kernels.sm90_compile import build\n"
             "from kvc.runtime.primitives import clusters_triton as ct\n"
-            "build(ct._ranks_kernel, {'BLOCK_C': 4096}, {'scores_ptr': '*fp32', 'sizes_ptr': '*fp32',\n"
-            "      'read_ptr': '*fp64', 'estimate_ptr': '*fp64', 'chosen_ptr': '*i8', 'log_w_ptr': '*fp32'},\n"
-            "      num_warps=8)\n"
-            "build(ct._slice_counts_kernel, {'SLICE': 4096, 'BLOCK': 1024},\n"
-            "      {'members_ptr': '*i32', 'chosen_ptr': '*i8', 'counts_ptr': '*i32'})\n"
-            "build(ct._slice_tokens_kernel, {'SLICE': 4096, 'BLOCK': 1024, 'BLOCK_S': 8, 'BLOCK_F': 4},\n"
-            "      {'members_ptr': '*i32', 'chosen_ptr': '*i8', 'slice_counts_ptr': '*i32', 'starts_ptr': '*i64',\n"
-            "       'ends_ptr': '*i64', 'lengths_ptr': '*i64', 'out_ptr': '*i32', 'counts_ptr': '*i32',\n"
-            "       'last_ptr': '*i32'})\n")
+            "for rows in (False, True):\n"
+            "    build(ct._ranks_kernel, {'BLOCK_C': 4096, 'HAS_ROWS': rows}, {'scores_ptr': '*fp32',\n"
+            "          'sizes_ptr': '*fp32', 'rows_ptr': '*i64', 'read_ptr': '*fp64', 'estimate_ptr': '*fp64',\n"
+            "          'chosen_ptr': '*i8', 'log_w_ptr': '*fp32'}, num_warps=8)\n"
+            "    build(ct._slice_counts_kernel, {'SLICE': 4096, 'BLOCK': 1024, 'HAS_ROWS': rows},\n"
+            "          {'members_ptr': '*i32', 'rows_ptr': '*i64', 'chosen_ptr': '*i8', 'counts_ptr': '*i32'})\n"
+            "    build(ct._slice_tokens_kernel, {'SLICE': 4096, 'BLOCK': 1024, 'BLOCK_S': 8, 'BLOCK_F': 4,\n"
+            "          'HAS_ROWS': rows}, {'members_ptr': '*i32', 'rows_ptr': '*i64', 'chosen_ptr': '*i8',\n"
+            "          'slice_counts_ptr': '*i32', 'starts_ptr': '*i64', 'ends_ptr': '*i64', 'lengths_ptr': '*i64',\n"
+            "          'out_ptr': '*i32', 'counts_ptr': '*i32', 'last_ptr': '*i32'})\n"
+            "from kvc.compiler.cache import locate\n"
+            "from kvc.runtime.compiled import folder\n"
+            "from kvc.compiler.cache import load_module\n"
+            "kernels = load_module(locate('retroinfer', generated=folder.GENERATED).folder, 'triton_kernels')\n"
+            "build(kernels._cluster_scores_kernel, {'PAGE': 1, 'GROUP': 8, 'BLOCK_P': 64, 'BLOCK_D': 128,\n"
+            "      'BLOCK_G': 16, 'IEEE': False}, {'q_ptr': '*bf16', 'centroid_ptr': '*bf16', 'tables_ptr': '*i64',\n"
+            "      'lengths_ptr': '*i64'})\n")
