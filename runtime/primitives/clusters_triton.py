@@ -3,9 +3,10 @@ plan (ties included: the lower cluster first) in three launches instead of about
 layer (docs/design.md, "Cluster indices"). No host read and static shapes, so it runs inside captured graphs.
 
 1. `_ranks_kernel`, one program per (row, KV head): the present clusters' scores as order-preserving 32-bit
-   keys, the read's best n and the read-or-estimated best n + m by bisection (`triton_plans._cut`, ties at
-   the cut in cluster order), each count clamped to the present clusters; it writes which clusters are read
-   (`chosen`) and the estimate's log-weights (log(size) for the next m, -inf for the rest).
+   keys, the read's best n and the read-or-estimated best n + m by bisection (`triton_plans._cut`'s, both cuts
+   in one loop, `_cut_pair`; ties at the cut in cluster order), each count clamped to the present clusters; it
+   writes which clusters are read (`chosen`) and the estimate's log-weights (log(size) for the next m, -inf for
+   the rest).
 2. `_slice_counts_kernel`, one program per (row, KV head, slice of SLICE indexed slots): how many of the
    slice's slots lie in a read cluster.
 3. `_slice_tokens_kernel`, same grid: each slice writes its listed slots after the row's first slots and the
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kvc.runtime.primitives.torch_primitives import per_row
-from kvc.runtime.primitives.triton_plans import NO_KEY, _cut, _order_key, _taken
+from kvc.runtime.primitives.triton_plans import NO_KEY, _order_key, _taken
 
 SLICE = 4096  # indexed slots a program of the token passes walks (in blocks of BLOCK)
 BLOCK = 1024
@@ -32,6 +33,41 @@ def _row(rows_ptr, r, HAS_ROWS: tl.constexpr):
     if HAS_ROWS:
         return tl.load(rows_ptr + r).to(tl.int64)
     return r.to(tl.int64)
+
+
+@triton.jit
+def _step(lo, hi, mid, above, N_TOP):
+    # one bisection step of `triton_plans._cut` (invariant: at least N_TOP keys >= lo, fewer than N_TOP >= hi)
+    if hi - lo > 1:
+        if above >= N_TOP:
+            lo = mid
+            if above == N_TOP:
+                hi = mid + 1
+        else:
+            hi = mid
+    return lo, hi
+
+
+@triton.jit
+def _cut_pair(key, valid, N1, N2):
+    # `triton_plans._cut` for two counts at once (the read's and the read-or-estimated's): both bisections advance
+    # together, each pass one sum of the lanes' two tests packed in the halves of an int64 (half the passes'
+    # cross-warp reductions of two separate cuts)
+    n_valid = tl.sum(valid.to(tl.int32), axis=0)
+    lo1 = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)
+    hi1 = tl.max(key, axis=0).to(tl.int64) + 1
+    lo2, hi2 = lo1, hi1
+    if n_valid <= N1:  # every valid key is taken: the least of them
+        hi1 = lo1 + 1
+    if n_valid <= N2:
+        hi2 = lo2 + 1
+    while (hi1 - lo1 > 1) | (hi2 - lo2 > 1):
+        mid1 = lo1 + (hi1 - lo1) // 2
+        mid2 = lo2 + (hi2 - lo2) // 2
+        both = tl.sum((key >= mid1.to(tl.int32)).to(tl.int64) + ((key >= mid2.to(tl.int32)).to(tl.int64) << 32), axis=0)
+        lo1, hi1 = _step(lo1, hi1, mid1, both & 0xFFFFFFFF, N1)
+        lo2, hi2 = _step(lo2, hi2, mid2, both >> 32, N2)
+    return lo1.to(tl.int32), lo2.to(tl.int32)
 
 
 @triton.jit
@@ -49,8 +85,9 @@ def _ranks_kernel(scores_ptr, sizes_ptr, rows_ptr, read_ptr, estimate_ptr, chose
     # ceil(tokens / size) clusters, at least 0, at most the present ones (as `clusters._clusters`)
     n_read = tl.minimum(tl.maximum(tl.ceil(tl.load(read_ptr + r) / size), 0.0).to(tl.int32), present)
     n_both = tl.minimum(n_read + tl.maximum(tl.ceil(tl.load(estimate_ptr + r) / size), 0.0).to(tl.int32), present)
-    read = _taken(key, valid, _cut(key, valid, n_read), n_read)
-    both = _taken(key, valid, _cut(key, valid, n_both), n_both)
+    cut_read, cut_both = _cut_pair(key, valid, n_read, n_both)
+    read = _taken(key, valid, cut_read, n_read)
+    both = _taken(key, valid, cut_both, n_both)
     tl.store(chosen_ptr + base + cols, read.to(tl.int8), mask=cols < C)
     log_w = tl.where(both & ~read, tl.log(tl.maximum(sizes, 1.0)), float("-inf"))
     tl.store(log_w_ptr + base + cols, log_w, mask=cols < C)
