@@ -3,8 +3,8 @@ plan (ties included: the lower cluster first) in three launches instead of about
 layer (docs/design.md, "Cluster indices"). No host read and static shapes, so it runs inside captured graphs.
 
 1. `_ranks_kernel`, one program per (row, KV head): the present clusters' scores as order-preserving 32-bit
-   keys, the read's best n and the read-or-estimated best n + m by bisection (`triton_plans._cut`'s, both cuts
-   in one loop, `_cut_pair`; ties at the cut in cluster order), each count clamped to the present clusters; it
+   keys, the read's best n and the read-or-estimated best n + m by bisection (both cuts in one loop,
+   `_cut_pair`; ties at the cut in cluster order), each count clamped to the present clusters; it
    writes which clusters are read (`chosen`) and the estimate's log-weights (log(size) for the next m, -inf for
    the rest).
 2. `_slice_counts_kernel`, one program per (row, KV head, slice of SLICE indexed slots): how many of the
@@ -37,7 +37,7 @@ def _row(rows_ptr, r, HAS_ROWS: tl.constexpr):
 
 @triton.jit
 def _step(lo, hi, mid, above, N_TOP):
-    # one bisection step of `triton_plans._cut` (invariant: at least N_TOP keys >= lo, fewer than N_TOP >= hi)
+    # one bisection step (`triton_plans._cut`'s invariant: at least N_TOP keys >= lo, fewer than N_TOP >= hi)
     if hi - lo > 1:
         if above >= N_TOP:
             lo = mid
@@ -50,9 +50,8 @@ def _step(lo, hi, mid, above, N_TOP):
 
 @triton.jit
 def _cut_pair(key, valid, N1, N2):
-    # `triton_plans._cut` for two counts at once (the read's and the read-or-estimated's): both bisections advance
-    # together, each pass one sum of the lanes' two tests packed in the halves of an int64 (half the passes'
-    # cross-warp reductions of two separate cuts)
+    # the cuts (`triton_plans._cut`) of two counts at once, the read's and the read-or-estimated's: two
+    # bisections advance together, each pass one sum of the lanes' two tests packed in the halves of an int64
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
     lo1 = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)
     hi1 = tl.max(key, axis=0).to(tl.int64) + 1

@@ -62,22 +62,33 @@ def _first_newest(lengths_ptr, r, N_LAST, PAGE: tl.constexpr):
 @triton.jit
 def _cut(key, valid, N_TOP):
     # the N_TOP-th largest of the valid keys (every valid key when there are no more than N_TOP: the least
-    # of them). Bisection over the keys' range; the bounds are 64-bit scalars (hi - lo spans up to 2^32),
-    # every bound compared with a key lies in the keys' range
+    # of them). A search over the keys' range in quarters: each pass counts the keys at or above three
+    # pivots in one sum (the counts packed in 21-bit fields of an int64: a row holds fewer than 2^21 lanes),
+    # two bits a pass for half the passes' cross-warp reductions of a bisection. The bounds are 64-bit
+    # scalars (hi - lo spans up to 2^32); every bound compared with a key lies in the keys' range
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
     lo = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)
     hi = tl.max(key, axis=0).to(tl.int64) + 1
     if n_valid > N_TOP:
         # invariant: at least N_TOP keys >= lo, fewer than N_TOP keys >= hi
         while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            above = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
-            if above >= N_TOP:
-                lo = mid
-                if above == N_TOP:
-                    hi = mid + 1
+            m1 = lo + (hi - lo) // 4
+            m2 = lo + (hi - lo) // 2
+            m3 = lo + (hi - lo) * 3 // 4
+            packed = tl.sum((key >= m1.to(tl.int32)).to(tl.int64) + ((key >= m2.to(tl.int32)).to(tl.int64) << 21)
+                            + ((key >= m3.to(tl.int32)).to(tl.int64) << 42), axis=0)
+            a1, a2, a3 = packed & 0x1FFFFF, (packed >> 21) & 0x1FFFFF, packed >> 42
+            above = a1
+            if a3 >= N_TOP:
+                lo, above = m3, a3
+            elif a2 >= N_TOP:
+                lo, hi, above = m2, m3, a2
+            elif a1 >= N_TOP:
+                lo, hi = m1, m2
             else:
-                hi = mid
+                hi = m1
+            if above == N_TOP:  # exactly N_TOP keys at or above lo: the cut
+                hi = lo + 1
     return lo.to(tl.int32)
 
 
