@@ -1,9 +1,9 @@
 """The read plan's top-k (runtime/primitives/triton_plans.py): in one pass, in two (slices of 512-2,048 pages, then
-their candidates' cut; `num_warps` is the second pass's), and as it was before its keys became 32-bit (one pass,
-64-bit keys in every lane; a same-run baseline kept here), per launch width (warps), at Quest's shapes in
-the model: 4 KV heads, budget 4096 in pages of 16, page tables as wide as `max_model_len` gives (128K + 2K
-output: 8,321 pages, a block of 16,384 lanes; 32K + 2K: 2,177 pages), scores as random normals and as a model's
-(many pages near the cut). Each timed as a CUDA graph of 20 calls; the plans are checked equal first.
+their candidates' cut; `num_warps` is the second pass's), and as it was before its cut searched the keys' range in
+quarters (one pass, a bisection: one count a pass; a same-run baseline kept here), per launch width (warps), at
+Quest's shapes in the model: 4 KV heads, budget 4096 in pages of 16, page tables as wide as `max_model_len` gives
+(128K + 2K output: 8,321 pages, a block of 16,384 lanes; 32K + 2K: 2,177 pages), scores as random normals and as a
+model's (many pages near the cut). Each timed as a CUDA graph of 20 calls; the plans are checked equal first.
 
     python bench/plan_bench.py --out plan.json
 """
@@ -19,20 +19,38 @@ import triton.language as tl
 
 from kvc.runtime.bench.bandwidth import graph_ms
 from kvc.runtime.primitives import triton_plans
-from kvc.runtime.primitives.triton_plans import _block_keys, _cut, _first_newest, _store_plan, _taken
+from kvc.runtime.primitives.triton_plans import _block_keys, _first_newest, _store_plan, _taken
 
 KV_HEADS, PAGE, BUDGET = 4, 16, 4096
 
 
 @triton.jit
+def _bisect(key, valid, N_TOP):
+    # the cut before 2026-12-06's quarter search: a bisection, one count (one cross-warp reduction) a pass
+    n_valid = tl.sum(valid.to(tl.int32), axis=0)
+    lo = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)
+    hi = tl.max(key, axis=0).to(tl.int64) + 1
+    if n_valid > N_TOP:
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            above = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+            if above >= N_TOP:
+                lo = mid
+                if above == N_TOP:
+                    hi = mid + 1
+            else:
+                hi = mid
+    return lo.to(tl.int32)
+
+
+@triton.jit
 def _before_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stride_sh, stride_or, stride_oh,
                    W, N_TOP, N_LAST, PAGE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_L: tl.constexpr):
-    # the plan kernel before 2026-12-06: the same search over 64-bit keys (every lane's compare 64-bit)
+    # the one-pass plan kernel with the bisection cut
     r, h, cols = tl.program_id(0), tl.program_id(1), tl.arange(0, BLOCK_W)
     first_newest = _first_newest(lengths_ptr, r, N_LAST, PAGE)
-    valid, key32 = _block_keys(scores_ptr + r * stride_sr + h * stride_sh, cols, W, first_newest)
-    key = key32.to(tl.int64)
-    _store_plan(out_ptr + r * stride_or + h * stride_oh, cols, _taken(key, valid, _cut(key, valid, N_TOP), N_TOP),
+    valid, key = _block_keys(scores_ptr + r * stride_sr + h * stride_sh, cols, W, first_newest)
+    _store_plan(out_ptr + r * stride_or + h * stride_oh, cols, _taken(key, valid, _bisect(key, valid, N_TOP), N_TOP),
                 first_newest, N_TOP, N_LAST, BLOCK_W, BLOCK_L)
 
 
