@@ -57,13 +57,15 @@ def index_views(inputs: dict, spare: int = 2) -> dict:
     batch = inputs["sizes"].shape[0]
     device = inputs["sizes"].device
     rows = torch.randperm(batch + spare, device=device)[:batch]
-    out = {k: v for k, v in inputs.items() if k not in ("sizes", "members", "centroid", "value_sum")}
+    out = {"lengths": inputs["lengths"].to(torch.int32)}
     for name in ("sizes", "members", "centroid", "value_sum"):
         x = inputs[name].to(torch.int32) if name == "members" else inputs[name]
         store = torch.zeros((batch + spare, 2, *x.shape[1:]), dtype=x.dtype, device=device)
         store[rows, 1] = x
         out[name] = store[:, 1]
-    return {**out, "rows": rows}
+    bounds = torch.zeros((batch + spare, 2), dtype=torch.int32, device=device)
+    bounds[rows, 0], bounds[rows, 1] = inputs["starts"].to(torch.int32), inputs["ends"].to(torch.int32)
+    return {**out, "starts": bounds[:, 0], "ends": bounds[:, 1], "rows": rows.to(torch.int32)}
 
 
 def _once_ms(fn) -> float:

@@ -95,23 +95,24 @@ class ClusterIndices:
         C] (0: none), `members` [B, Hkv, N] (cluster of indexed slot `starts[b] + i`, -1: none),
         `starts`, `ends`, `lengths` [B] and each summary [B, Hkv, C, D], C and N bounded by the step's
         `max_context_len` (a graph's context bucket). `gather=False` (the GPU's kernels, which index the
-        rows themselves): `sizes`, `members` and the summaries are the layer's views over every sequence
-        row ([R, Hkv, ...], no copy) and `rows` [B] int64 names each decode row's."""
+        rows themselves): `sizes`, `members`, `starts`, `ends` and the summaries are the layer's views over
+        every sequence row ([R, ...], no copy, no launch) and `rows` [B] names each decode row's."""
         store, rows = view.store, view.seq_rows
         if rows is None:
             raise RuntimeError("a cluster read needs the step's rows of the per-sequence tensors")
-        rows = rows.long()
         members = store[self.members]
         width = members.shape[-1] if view.max_context_len is None else min(members.shape[-1], view.max_context_len)
         count = min(store[self.sizes].shape[-1], self.max_clusters(width, params))
-        bounds = store[self.bounds][:, layer, 0][rows].long()  # [B, 2] (every KV head holds the same)
+        bounds = store[self.bounds][:, layer, 0]  # [R, 2] (every KV head holds the same)
         out = {"sizes": store[self.sizes][:, layer, :, :count], "members": members[:, layer, :, :width],
-               "starts": bounds[:, 0], "ends": bounds[:, 1], "lengths": view.context_lens.long()}
+               "starts": bounds[:, 0], "ends": bounds[:, 1]}
         for name in self.summaries:
             out[name] = store[name][:, layer, :, :count]
         if not gather:
-            return {**out, "rows": rows}
-        return {name: x[rows] if name in ("sizes", "members", *self.summaries) else x for name, x in out.items()}
+            return {**out, "lengths": view.context_lens, "rows": rows}
+        rows = rows.long()
+        out = {name: x[rows] for name, x in out.items()}
+        return {**out, "starts": out["starts"].long(), "ends": out["ends"].long(), "lengths": view.context_lens.long()}
 
     # ---- writing (outside the decode step) -----------------------------------------------------
     def build(self, layer: int, seq_id: int, prompt: int, cache: LayerCacheView, sym: dict, params: dict) -> None:

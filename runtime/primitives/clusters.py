@@ -98,8 +98,9 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
     if scores.is_cuda and _triton() is not None:  # the same plan in three Triton launches (clusters_triton.py)
         return _triton().read_clusters(scores, inputs, count, size, first, estimate, using)
     if "rows" in inputs:  # the index's views over every sequence row: this path reads the decode rows' copies
-        rows = inputs["rows"]
-        inputs = {name: x[rows] if name in ("sizes", "members", *(using or ())) else x for name, x in inputs.items()}
+        rows = inputs["rows"].long()
+        inputs = {name: x[rows] if name in ("sizes", "members", "starts", "ends", *(using or ())) else x
+                  for name, x in inputs.items()}
     sizes, members = inputs["sizes"], inputs["members"].long()  # [B, Hkv, C], [B, Hkv, N]
     present = sizes > 0
     ranked = torch.where(present, scores.float(), NEG_INF)

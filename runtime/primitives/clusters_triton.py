@@ -114,13 +114,15 @@ def _slice_counts_kernel(members_ptr, rows_ptr, chosen_ptr, counts_ptr, N, C, st
 
 @triton.jit
 def _slice_tokens_kernel(members_ptr, rows_ptr, chosen_ptr, slice_counts_ptr, starts_ptr, ends_ptr, lengths_ptr,
-                         out_ptr, counts_ptr, last_ptr, N, C, W, FIRST, stride_mr, stride_mh, SLICE: tl.constexpr,
-                         BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr, HAS_ROWS: tl.constexpr):
+                         out_ptr, counts_ptr, last_ptr, N, C, W, FIRST, stride_mr, stride_mh, stride_s, stride_e,
+                         SLICE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr,
+                         HAS_ROWS: tl.constexpr):
     r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rh = r * tl.num_programs(1) + h
-    base_m = _row(rows_ptr, r, HAS_ROWS) * stride_mr + h * stride_mh
+    row = _row(rows_ptr, r, HAS_ROWS)
+    base_m = row * stride_mr + h * stride_mh
     slices = tl.num_programs(2)
-    start = tl.load(starts_ptr + r).to(tl.int32)
+    start = tl.load(starts_ptr + row * stride_s).to(tl.int32)
     head = tl.minimum(FIRST, start)  # the row's first slots, read exactly, before the index
     earlier = tl.arange(0, BLOCK_S)
     per_slice = tl.load(slice_counts_ptr + rh * slices + earlier, mask=earlier < slices, other=0)
@@ -141,16 +143,16 @@ def _slice_tokens_kernel(members_ptr, rows_ptr, chosen_ptr, slice_counts_ptr, st
         tl.store(out + f, f, mask=f < head)
         tl.store(counts_ptr + rh, total)
         if h == 0:
-            last = tl.load(lengths_ptr + r) - tl.load(ends_ptr + r)
+            last = tl.load(lengths_ptr + r).to(tl.int64) - tl.load(ends_ptr + row * stride_e).to(tl.int64)
             tl.store(last_ptr + r, tl.maximum(last, 0).to(tl.int32))
 
 
 def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=None):
     """`clusters.read_clusters` on the GPU (module docstring): the same answer, (tokens [B, Hkv, first + N]
     int32 packed, last [B] int32, the estimate (keys, value sums, log_weights[, rows]) or None, counts [B, Hkv]
-    int32). The index as gathered rows, or as views over every sequence row with `rows` [B]
-    (`ClusterIndices.inputs(gather=False)`): the kernels then read each decode row's own, and so does the
-    estimate (its `rows`)."""
+    int32). The index as gathered rows, or as views over every sequence row with `rows` [B] (`sizes`, `members`,
+    `starts`, `ends` and the summaries; `ClusterIndices.inputs(gather=False)`): the kernels then read each decode
+    row's own, and so does the estimate (its `rows`). No copy of any input either way."""
     sizes, members, index_rows = inputs["sizes"], inputs["members"], inputs.get("rows")
     if sizes.dtype != torch.float32 or sizes.stride(-1) != 1:
         sizes = sizes.float().contiguous()
@@ -179,11 +181,12 @@ def read_clusters(scores, inputs, count, size, first=0, estimate=None, using=Non
     grid = (rows, kv_heads, slices)
     _slice_counts_kernel[grid](members, row_ids, chosen, per_slice, width, clusters, members.stride(0),
                                members.stride(1), SLICE=SLICE, BLOCK=BLOCK, HAS_ROWS=has_rows)
-    _slice_tokens_kernel[grid](members, row_ids, chosen, per_slice, inputs["starts"].contiguous(),
-                               inputs["ends"].contiguous(), inputs["lengths"].contiguous(), tokens, counts, last, width,
-                               clusters, first + width, first, members.stride(0), members.stride(1), SLICE=SLICE,
-                               BLOCK=BLOCK, BLOCK_S=triton.next_power_of_2(slices),
-                               BLOCK_F=triton.next_power_of_2(max(first, 1)), HAS_ROWS=has_rows)
+    starts, ends = inputs["starts"], inputs["ends"]  # strided views (over every sequence row with `rows`)
+    _slice_tokens_kernel[grid](members, row_ids, chosen, per_slice, starts, ends, inputs["lengths"].contiguous(),
+                               tokens, counts, last, width, clusters, first + width, first, members.stride(0),
+                               members.stride(1), starts.stride(0), ends.stride(0), SLICE=SLICE, BLOCK=BLOCK,
+                               BLOCK_S=triton.next_power_of_2(slices), BLOCK_F=triton.next_power_of_2(max(first, 1)),
+                               HAS_ROWS=has_rows)
     if estimate is None or clusters == 0:
         return tokens, last, None, counts
     key_name, value_name = using

@@ -122,7 +122,7 @@ def main(codes: str) -> None:
         build(mod._estimate_kernel, dict(GROUP=8, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_E=64,
                                          DOT_PRECISION="native", USE_DOT=True, HAS_ROWS=has_rows),
               {"q_ptr": "*bf16", "keys_ptr": "*bf16", "values_ptr": "*bf16", "log_w_ptr": "*fp32",
-               "rows_ptr": "*i64"})
+               "rows_ptr": "*i32"})
     # a packed token plan (each head's count, the row's newest slots after it) over gathered slots
     build(mod._decode_split_kernel, dict(EMIT_STATS=False, GROUP=4, BLOCK_H=16, BLOCK_N=32, DIRECT_OUT=False,
                                          USE_DOT=True, DOT_PRECISION="native", HAS_STARTS=False, READ=2,

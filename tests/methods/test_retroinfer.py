@@ -571,7 +571,11 @@ def test_the_triton_read_equals_the_torch_read(seed, by_rows) -> None:
             store = torch.full((6, 2, *x.shape[1:-1], x.shape[-1] + 3), -7, dtype=x.dtype)
             store[rows, 1, ..., :x.shape[-1]] = x
             put[name] = store.to(device)[:, 1, ..., :x.shape[-1]]
-        put["rows"] = rows.to(device)
+        bounds = torch.full((6, 2), -7, dtype=torch.int32)  # each row's (start, end), int32 as the index keeps them
+        bounds[rows, 0], bounds[rows, 1] = starts.to(torch.int32), ends.to(torch.int32)
+        put["starts"], put["ends"] = bounds.to(device)[:, 0], bounds.to(device)[:, 1]
+        put["lengths"] = put["lengths"].to(torch.int32)
+        put["rows"] = rows.to(device, torch.int32)
         assert not put["members"].is_contiguous()
         torch_got = clusters.read_clusters(scores, {k: v.cpu() for k, v in put.items()}, count, 4, first=3,
                                            estimate=guess, using=("centroid", "value_sum"))
@@ -630,18 +634,17 @@ def test_the_cluster_read_kernels_compile_for_sm90() -> None:
             "from kvc.runtime.primitives import clusters_triton as ct\n"
             "for rows in (False, True):\n"
             "    build(ct._ranks_kernel, {'BLOCK_C': 4096, 'HAS_ROWS': rows}, {'scores_ptr': '*fp32',\n"
-            "          'sizes_ptr': '*fp32', 'rows_ptr': '*i64', 'read_ptr': '*fp64', 'estimate_ptr': '*fp64',\n"
+            "          'sizes_ptr': '*fp32', 'rows_ptr': '*i32', 'read_ptr': '*fp64', 'estimate_ptr': '*fp64',\n"
             "          'chosen_ptr': '*i8', 'log_w_ptr': '*fp32'}, num_warps=8)\n"
             "    build(ct._slice_counts_kernel, {'SLICE': 4096, 'BLOCK': 1024, 'HAS_ROWS': rows},\n"
-            "          {'members_ptr': '*i32', 'rows_ptr': '*i64', 'chosen_ptr': '*i8', 'counts_ptr': '*i32'})\n"
+            "          {'members_ptr': '*i32', 'rows_ptr': '*i32', 'chosen_ptr': '*i8', 'counts_ptr': '*i32'})\n"
             "    build(ct._slice_tokens_kernel, {'SLICE': 4096, 'BLOCK': 1024, 'BLOCK_S': 8, 'BLOCK_F': 4,\n"
-            "          'HAS_ROWS': rows}, {'members_ptr': '*i32', 'rows_ptr': '*i64', 'chosen_ptr': '*i8',\n"
-            "          'slice_counts_ptr': '*i32', 'starts_ptr': '*i64', 'ends_ptr': '*i64', 'lengths_ptr': '*i64',\n"
-            "          'out_ptr': '*i32', 'counts_ptr': '*i32', 'last_ptr': '*i32'})\n"
-            "from kvc.compiler.cache import locate\n"
+            "          'HAS_ROWS': rows}, {'members_ptr': '*i32', 'rows_ptr': '*i32', 'chosen_ptr': '*i8',\n"
+            "          'slice_counts_ptr': '*i32', 'out_ptr': '*i32', 'counts_ptr': '*i32', 'last_ptr': '*i32',\n"
+            "          **{n: '*i32' if rows else '*i64' for n in ('starts_ptr', 'ends_ptr', 'lengths_ptr')}})\n"
+            "from kvc.compiler.cache import load_module, locate\n"
             "from kvc.runtime.compiled import folder\n"
-            "from kvc.compiler.cache import load_module\n"
             "kernels = load_module(locate('retroinfer', generated=folder.GENERATED).folder, 'triton_kernels')\n"
             "build(kernels._cluster_scores_kernel, {'PAGE': 1, 'GROUP': 8, 'BLOCK_P': 64, 'BLOCK_D': 128,\n"
-            "      'BLOCK_G': 16, 'IEEE': False}, {'q_ptr': '*bf16', 'centroid_ptr': '*bf16', 'tables_ptr': '*i64',\n"
-            "      'lengths_ptr': '*i64'})\n")
+            "      'BLOCK_G': 16, 'IEEE': False}, {'q_ptr': '*bf16', 'centroid_ptr': '*bf16', 'tables_ptr': '*i32',\n"
+            "      'lengths_ptr': '*i32'})\n")
