@@ -67,6 +67,7 @@ class ReadHook:
             summaries = summaries | set(clusters["summaries"])
         self.inputs = set(inputs)
         self.shared: dict[str, torch.Tensor] = {}  # the selections chosen so far in this step, by name
+        self._symbols: tuple | None = None  # (layer, context_lens, prompt_lens, the per-row symbols): this step's
         self._fused = fused  # gives the fused page scores (imports triton; first used on a GPU step)
         self.runs = getattr(lowering, f"{READ_HOOK}_runs", None)
         self.read = getattr(lowering, f"{READ_HOOK}_read", None)
@@ -95,7 +96,7 @@ class ReadHook:
         if self.tokens or self.indices is not None:
             if self.runs is not None and not self.runs(sym, params):
                 return None  # no rule runs in this layer: no keys gathered, no index built
-            self._row_symbols(view, sym)
+            self._row_symbols(layer, view, sym)
             if self.tokens:
                 return self._token_plan(view, sym, params)
             return self._cluster_plan(layer, view, sym, params, self._fused is not None
@@ -135,14 +136,22 @@ class ReadHook:
         return ReadPlan(tokens=tokens, last=last_slots, estimate=None if estimate is None else Estimate(*estimate),
                         last_bound=bound, counts=counts)
 
-    def _row_symbols(self, view: DecodeView, sym: dict[str, Any]) -> None:
-        """The per-row symbols `context`, `prompt` and `step` (float64 [B]) of a token or cluster read."""
+    def _row_symbols(self, layer: int, view: DecodeView, sym: dict[str, Any]) -> None:
+        """The per-row symbols `context`, `prompt` and `step` (float64 [B]) of a token or cluster read: computed
+        once a step, by its first reading layer, and reused by the later layers of the step (the same length
+        tensors, a higher layer), so a step does not convert them in every layer."""
         if view.prompt_lens is None:
             raise ConfigError(f"method {self.name!r}: its decode hook reads each row's prompt length, which this "
                               "step's metadata lacks", param="method")
-        context = view.context_lens.to(torch.float64)
-        prompt = view.prompt_lens.to(torch.float64)
-        sym.update(context=context, prompt=prompt, step=context - prompt)
+        cached = self._symbols
+        if not (cached is not None and cached[0] < layer and cached[1] is view.context_lens
+                and cached[2] is view.prompt_lens):
+            context = view.context_lens.to(torch.float64)
+            prompt = view.prompt_lens.to(torch.float64)
+            cached = (layer, view.context_lens, view.prompt_lens, {"context": context, "prompt": prompt,
+                                                                    "step": context - prompt})
+        self._symbols = (layer, *cached[1:])
+        sym.update(cached[3])
 
     def _token_plan(self, view: DecodeView, sym: dict[str, Any], params: dict[str, Any]) -> ReadPlan | None:
         """A hook of token plans over the batch (module docstring)."""
