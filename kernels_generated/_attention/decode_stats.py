@@ -128,8 +128,9 @@ def decode_config(batch: int, num_kv_heads: int, head_dim: int, max_context_len:
         num_warps=4,
         num_stages=2,
         # Measured on an H200 (bench/attention_bench.py --sweep): the broadcast path is 7-15x
-        # slower for groups of 4 and 8; the padded tl.dot keeps decode at copy bandwidth.
-        use_dot=True,
+        # slower for groups of 4 and 8; the padded tl.dot keeps decode at copy bandwidth. tl.dot
+        # takes no fewer than 16 channels: narrower heads (tests' tiny models) multiply by broadcast.
+        use_dot=head_dim >= 16,
     )
 
 
