@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kvc.runtime.bench.bandwidth import graph_ms
 from kvc.runtime.primitives import triton_plans
+from kvc.runtime.primitives.clusters_triton import _step
 from kvc.runtime.primitives.triton_plans import _block_keys, _first_newest, _store_plan, _taken
 
 KV_HEADS, PAGE, BUDGET = 4, 16, 4096
@@ -33,13 +34,7 @@ def _bisect(key, valid, N_TOP):
     if n_valid > N_TOP:
         while hi - lo > 1:
             mid = lo + (hi - lo) // 2
-            above = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
-            if above >= N_TOP:
-                lo = mid
-                if above == N_TOP:
-                    hi = mid + 1
-            else:
-                hi = mid
+            lo, hi = _step(lo, hi, mid, tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0), N_TOP)
     return lo.to(tl.int32)
 
 
