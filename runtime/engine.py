@@ -167,12 +167,14 @@ class Engine:
         num_rows = seq_rows(config.max_num_seqs, each_row, budget)
         if num_rows < 2 * config.max_num_seqs and each_row:
             # rows sized by the longest context (a per-sequence index) would crowd out the pages: fewer
-            # rows, and a request waits for one (the rows bound how many sequences run and chains idle)
+            # rows for idle chains (admission evicts one for a row), or fewer than max_num_seqs, and a
+            # request waits for one (the rows bound how many sequences run and chains idle)
             owners = ", ".join(m.name for m, classes in zip(methods, lane_classes)
                                if any(specs[c].uses_rows for c in set(classes)))
-            log.warning("method %s: %.1f MiB per sequence's row of per-sequence tensors; %d rows (as many "
-                        "sequences running or chained at most, max_num_seqs %d)", owners, each_row / 2**20,
-                        num_rows, config.max_num_seqs)
+            (log.warning if num_rows < config.max_num_seqs else log.info)(
+                "method %s: %.1f MiB per sequence's row of per-sequence tensors; %d rows (as many sequences "
+                "running or chained at most, max_num_seqs %d)", owners, each_row / 2**20, num_rows,
+                config.max_num_seqs)
         row_bytes = num_rows * each_row
         if row_bytes >= budget:
             raise ConfigError(f"method {self.method.name!r}: {num_rows} rows of per-sequence tensors take "

@@ -94,16 +94,22 @@ def class_pages(kv_memory: int, classes: StorageClasses, num_kv_heads: int, page
 
 
 ROW_SHARE = 0.5  # the most of the KV budget per-sequence rows may take before the engine holds fewer
+IDLE_ROW_SHARE = 0.02  # the most of it the rows idle chains keep may take, where a row a chain is more
 
 
 def seq_rows(max_num_seqs: int, row_bytes: int, kv_memory: int) -> int:
-    """Rows of per-sequence tensors an engine holds (0 when its specs have none, `row_bytes` 0): two a
-    sequence (a running one's and an idle chain's), or, where those would take more than ROW_SHARE of
-    the KV budget (rows sized by the longest context), as many as that share buys, at least two (then
-    the rows bound how many sequences run). The engine and the throughput plan both count with it."""
+    """Rows of per-sequence tensors an engine holds (0 when its specs have none, `row_bytes` 0): one a running
+    sequence, and one an idle chain (its record keeps its last turn's row) where those cost at most
+    IDLE_ROW_SHARE of the KV budget, else as many for idle chains as that share buys (rows sized by the longest
+    context, as a cluster index's: admission evicts an idle chain for a row, as for pages). Where the rows would
+    take more than ROW_SHARE of the budget, as many as that share buys, at least two (then the rows bound how many
+    sequences run). The engine and the throughput plan both count with it."""
     if not row_bytes:
         return 0
-    rows = 2 * max_num_seqs
+    idle = max_num_seqs
+    if max_num_seqs * row_bytes > IDLE_ROW_SHARE * kv_memory:
+        idle = int(IDLE_ROW_SHARE * kv_memory) // row_bytes
+    rows = max_num_seqs + idle
     if rows * row_bytes > ROW_SHARE * kv_memory:
         rows = max(2, int(ROW_SHARE * kv_memory) // row_bytes)
     return rows

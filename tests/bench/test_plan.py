@@ -3,7 +3,7 @@ runtime/engine.py): for every shipped method the engine can serve, at one KV mem
 a whole number of pages, the plan counts exactly the pages the engine allocates, state planes
 included (H2O and TOVA keep per-token state beside K/V: a plan that counted only K/V promised
 more pages than the engine had), and so are the rows of per-sequence tensors (RetroInfer's cluster
-indices: two rows a seat off the budget first) and the tensors stored once (FP8's scales: at a
+indices: a row a seat and some for idle chains, off the budget first) and the tensors stored once (FP8's scales: at a
 budget of whole pages the plan promised one page more than the engine had)."""
 
 from __future__ import annotations
@@ -61,3 +61,19 @@ def test_plan_counts_the_pages_the_engine_allocates(model_dir):
         del llm, engine
     assert {"full", "snapkv", "streamingllm", "h2o", "tova", "retroinfer", "fp8"} <= set(served)
     assert {"h2o", "tova"} <= set(with_planes)  # the case the plan used to miss
+
+
+def test_rows_a_seat_and_for_idle_chains() -> None:
+    """`seq_rows`: a row a running sequence, and one an idle chain where those cost at most IDLE_ROW_SHARE of the
+    budget (a quantization's residual window); rows sized by the longest context (a cluster index) keep as many
+    for idle chains as that share buys, so they do not halve the batch; and no more than ROW_SHARE in all."""
+    from kvc.runtime.attention.backend import IDLE_ROW_SHARE, ROW_SHARE, seq_rows
+
+    memory = 64 * 2**30
+    assert seq_rows(18, 0, memory) == 0
+    assert seq_rows(18, 2**20, memory) == 36  # small rows: one a seat, one an idle chain
+    index_row = 243 * 2**20  # RetroInfer's at max_model_len 34,817 on Qwen3-30B-A3B
+    idle = int(IDLE_ROW_SHARE * memory) // index_row
+    assert 0 < idle < 18 and seq_rows(18, index_row, memory) == 18 + idle
+    assert seq_rows(200, index_row, memory) == int(ROW_SHARE * memory) // index_row  # the cap bounds the batch
+    assert seq_rows(1, memory, memory) == 2
