@@ -576,7 +576,7 @@ def _attend(grouped_q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     means = torch.where(live[..., None], estimate.values.float() / weights.exp().clamp(min=1e-30)[..., None], 0.0)
     keys = torch.cat([keys, estimate.keys.to(keys.dtype)], dim=2)
     values = torch.cat([values, means.to(values.dtype)], dim=2)
-    bias = torch.cat([torch.where(mask, 0.0, float("-inf")), weights.float()], dim=2)  # [B, Hkv, n + E]
+    bias = torch.cat([torch.where(mask, 0.0, float("-inf")), weights], dim=2)  # [B, Hkv, n + E]
     some = bias.amax(-1) > float("-inf")
     bias = torch.where(some[..., None], bias, 0.0)  # a head with nothing: no NaN from an all -inf row
     o = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=bias[:, :, None, :].to(grouped_q.dtype),
