@@ -242,7 +242,8 @@ class Engine:
             rules=self.default_lane.rules,
         )
         self.grammars = GrammarBook(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
-        self.runner = ModelRunner(self.model, [], self.device, seed=config.seed, grammars=self.grammars)
+        self.runner = ModelRunner(self.model, [], self.device, seed=config.seed, grammars=self.grammars,
+                                  fused_sampling=backend == "triton")
         for lane in self.lanes:
             self._join_group(lane)
         self.sequences: dict[int, Sequence] = {}

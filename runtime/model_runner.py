@@ -91,8 +91,9 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, groups: list[SpecGroup], device: torch.device, seed: int = 0,
-                 grammars: GrammarBook | None = None) -> None:
-        """`groups`: the attention groups of the engine's lanes (the first holds the default lane)."""
+                 grammars: GrammarBook | None = None, fused_sampling: bool = False) -> None:
+        """`groups`: the attention groups of the engine's lanes (the first holds the default lane).
+        `fused_sampling`: sample through the race kernel where the batch allows (runtime/sampler.py)."""
         self.grammars = grammars  # structured outputs' matchers (runtime/grammar_book.py)
         self.model = model
         self.groups = groups
@@ -100,6 +101,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
+        self.race_generator = torch.Generator().manual_seed(seed) if fused_sampling else None
         self.token_counts = TokenCounts(model.spec.vocab_size, device)  # penalties' state
 
     # the default lane's group (one method: everything the engine runs)
@@ -287,7 +289,8 @@ class ModelRunner:
         if self.grammars is not None:  # structured outputs: disallowed tokens at -inf
             logits = self.grammars.constrain(logits, [s.seq_id for s in seqs])
         history, slots = self._history(seqs) if any(p.changes_logits for p in params) else (None, None)
-        out = sample(logits, params, [self.generators.get(s.seq_id) for s in seqs], self.default_generator, history)
+        out = sample(logits, params, [self.generators.get(s.seq_id) for s in seqs], self.default_generator, history,
+                     self.race_generator)
         if slots is not None:  # counted on the device, before the next step samples
             pr = to_device(history.penalty_rows, self.device, torch.int64)
             self.token_counts.add(slots, out.tokens.index_select(0, pr))

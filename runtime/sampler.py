@@ -7,6 +7,9 @@ One batched pass over all rows, in vLLM's order:
 3. the other rows: temperature, then min_p, top-k and top-p masks (one sort), then sampling by the
    exponential race (argmax of p / E with E ~ Exp(1)), which equals drawing from p. Rows with their
    own seed draw E from their own generator, so a request's tokens do not depend on its batch.
+   Where the runner hands a race generator (CUDA logits, the triton backend) and no sampled row
+   has a filter, a seed of its own or asks for logprobs, steps 2-3 are one fused race over the
+   logits (runtime/primitives/race_triton.py), its noise keyed by a draw from that generator.
 Logprobs are of the distribution a token is drawn from: after step 1 for greedy rows, after
 step 3's temperature and masks for the others (a masked token's logprob is -inf). A batch in which
 no row changes its logits or asks for logprobs runs steps 2-3 only, as before these existed.
@@ -51,12 +54,20 @@ def sample(
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator | None = None,
     history: RowHistory | None = None,
+    race_generator: torch.Generator | None = None,
 ) -> SamplerOutput:
-    """logits [N, V] (float32) -> token ids [N] (and the asked logprobs)."""
+    """logits [N, V] (float32) -> token ids [N] (and the asked logprobs). `race_generator`: a CPU
+    generator whose draws key the fused race's noise (None: the torch path only)."""
     if history is not None:
         logits = _changed_logits(logits, params, history)
-    tokens = logits.argmax(dim=-1)
     asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if race_generator is not None and not asking and _raceable(params, generators, logits.shape[1]):
+        from kvc.runtime.primitives.race_triton import race
+
+        inv = to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params], logits.device, torch.float32)
+        seed = int(torch.randint(0, 2**62, (1,), generator=race_generator))
+        return SamplerOutput(race(logits, inv, seed), [])
+    tokens = logits.argmax(dim=-1)
     final = None  # the asking rows' logits after temperature and masks
     if not all(p.greedy for p in params):  # decided on the host: greedy needs no device round trip
         tokens, final = _draw(logits, tokens, params, generators, default_generator, asking)
@@ -68,6 +79,15 @@ def sample(
         final = logits.index_select(0, index).float()
     k = max(params[i].logprobs for i in asking)
     return SamplerOutput(tokens, asking, compute(torch.log_softmax(final, dim=-1), tokens.index_select(0, index), k))
+
+
+def _raceable(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None], vocab: int) -> bool:
+    """Can the fused race sample these rows: some row samples, and no sampled row filters its
+    tokens or draws from a generator of its own (those keep the torch path)?"""
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    return bool(sampled) and all(
+        generators[i] is None and params[i].min_p <= 0 and params[i].top_p >= 1.0
+        and (params[i].top_k <= 0 or params[i].top_k >= vocab) for i in sampled)
 
 
 def _changed_logits(logits: torch.Tensor, params: Sequence[SamplingParams], history: RowHistory) -> torch.Tensor:
