@@ -93,3 +93,22 @@ def test_sampler_takes_the_race_only_where_the_batch_allows(monkeypatch):
                race_generator=race_gen).tokens
     b = sample(logits, seeded, [torch.Generator(device=DEVICE).manual_seed(7) for _ in range(3)], None).tokens
     assert torch.equal(a, b)
+
+
+def test_the_kernels_compile_for_sm90():
+    from tests.kernels.sm90 import code_compiles_for_sm90
+
+    code_compiles_for_sm90("""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvc.runtime.primitives import race_triton as r
+types = {"logits_ptr": "*fp32", "inv_temp_ptr": "*fp32", "best_ptr": "*i64", "out_ptr": "*i64", "stride_row": "i64",
+         "vocab": "i32", "chunks": "i32", "seed": "i64"}
+for fn, consts in ((r._race_kernel, {"BLOCK": r.CHUNK}), (r._pick_kernel, {"BLOCK_C": 64})):
+    sig = {n: ("constexpr" if fn.params[i].is_constexpr else types[n]) for i, n in enumerate(fn.arg_names)}
+    c = {(i,): consts[n] for i, n in enumerate(fn.arg_names) if fn.params[i].is_constexpr}
+    k = triton.compile(ASTSource(fn, sig, constexprs=c), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert ".entry " + fn.__name__ in k.asm["ptx"]
+print("race kernels compiled for sm90")
+""")
