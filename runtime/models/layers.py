@@ -190,12 +190,13 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if q.is_cuda and self._fusable(q, cos):
             norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
-            q, k = _fused().norm_rope(q, k, *norms, self.q_norm.eps if self.q_norm else 0.0, cos, sin)
+            # v's contiguous copy in the same launch (the KV store reads it whole)
+            q, k, v = _fused().norm_rope(q, k, *norms, self.q_norm.eps if self.q_norm else 0.0, cos, sin, v=v)
         else:
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attn(self.layer_idx, q, k, v.contiguous())
+            q, k, v = apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
+        out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _fusable(self, q: torch.Tensor, cos: torch.Tensor) -> bool:

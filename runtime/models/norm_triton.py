@@ -119,54 +119,65 @@ NORM_ROPE_TOKENS = 16  # tokens of one head a norm_rope program takes (one progr
 
 
 @triton.jit
-def _norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, T, HQ, eps,
+def _norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, vo_ptr,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, T, HQ, HKV, eps,
                       D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr):
-    # a program: BLOCK_T tokens of one head (a prefill chunk's thousands of tokens in few programs)
+    # a program: BLOCK_T tokens of one head (a prefill chunk's thousands of tokens in few programs); heads
+    # [0, HQ) are q's, [HQ, HQ + HKV) k's, and past them (where the launch has them) v's, copied as they are
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
     h = tl.program_id(1)
     i = tl.arange(0, HALF)[None, :]
     rows = t < T
-    if h < HQ:
-        src, w_ptr = q_ptr + t * stride_qt + h * stride_qh + i, qw_ptr
-        dst = qo_ptr + (t * HQ + h) * D + i
+    if h >= HQ + HKV:
+        hv = h - HQ - HKV
+        src = v_ptr + t * stride_vt + hv * stride_vh + i
+        dst = vo_ptr + (t * HKV + hv) * D + i
+        tl.store(dst, tl.load(src, mask=rows), mask=rows)
+        tl.store(dst + HALF, tl.load(src + HALF, mask=rows), mask=rows)
     else:
-        hk = h - HQ
-        src, w_ptr = k_ptr + t * stride_kt + hk * stride_kh + i, kw_ptr
-        dst = ko_ptr + (t * (tl.num_programs(1) - HQ) + hk) * D + i
-    dt = qo_ptr.dtype.element_ty
-    x1 = tl.load(src, mask=rows, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=rows, other=0.0).to(tl.float32)
-    if NORM:
-        r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
-        x1 = ((x1 * r).to(dt).to(tl.float32) * tl.load(w_ptr + i).to(tl.float32)).to(dt).to(tl.float32)
-        x2 = ((x2 * r).to(dt).to(tl.float32) * tl.load(w_ptr + HALF + i).to(tl.float32)).to(dt).to(tl.float32)
-    c = tl.load(cos_ptr + t * stride_ct + i, mask=rows, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_ct + i, mask=rows, other=0.0).to(tl.float32)
-    a, b = _rope_half(x1, x2, c, s, dt)
-    tl.store(dst, a, mask=rows)
-    tl.store(dst + HALF, b, mask=rows)
+        if h < HQ:
+            src, w_ptr = q_ptr + t * stride_qt + h * stride_qh + i, qw_ptr
+            dst = qo_ptr + (t * HQ + h) * D + i
+        else:
+            hk = h - HQ
+            src, w_ptr = k_ptr + t * stride_kt + hk * stride_kh + i, kw_ptr
+            dst = ko_ptr + (t * HKV + hk) * D + i
+        dt = qo_ptr.dtype.element_ty
+        x1 = tl.load(src, mask=rows, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=rows, other=0.0).to(tl.float32)
+        if NORM:
+            r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+            x1 = ((x1 * r).to(dt).to(tl.float32) * tl.load(w_ptr + i).to(tl.float32)).to(dt).to(tl.float32)
+            x2 = ((x2 * r).to(dt).to(tl.float32) * tl.load(w_ptr + HALF + i).to(tl.float32)).to(dt).to(tl.float32)
+        c = tl.load(cos_ptr + t * stride_ct + i, mask=rows, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * stride_ct + i, mask=rows, other=0.0).to(tl.float32)
+        a, b = _rope_half(x1, x2, c, s, dt)
+        tl.store(dst, a, mask=rows)
+        tl.store(dst + HALF, b, mask=rows)
 
 
 def norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-              eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              eps: float, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor | None = None):
     """q [T, Hq, D], k [T, Hkv, D] (views with a contiguous last axis; weights [D] or both None;
-    cos, sin [T, D / 2] in q's dtype) -> new contiguous (q, k), normalised per head and rotated."""
+    cos, sin [T, D / 2] in q's dtype) -> new contiguous (q, k), normalised per head and rotated; with
+    `v` [T, Hkv, D] (a view as k), also a contiguous copy of it, in the same launch: (q, k, v)."""
     tokens, hq, d = q.shape
     hkv = k.shape[1]
     qo = torch.empty((tokens, hq, d), dtype=q.dtype, device=q.device)
     ko = torch.empty((tokens, hkv, d), dtype=k.dtype, device=k.device)
+    vo = None if v is None else torch.empty((tokens, hkv, d), dtype=v.dtype, device=v.device)
     if tokens:
         norm = q_weight is not None
         cos, sin = cos.contiguous(), sin.contiguous()
         block_t = NORM_ROPE_TOKENS if tokens >= NORM_ROPE_TOKENS else 1  # two compiled variants, whatever the batch
-        _norm_rope_kernel[(triton.cdiv(tokens, block_t), hq + hkv)](
-            q, k, q_weight if norm else q, k_weight if norm else k, cos, sin, qo, ko,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), tokens, hq, eps,
+        vs = (k, k, 0, 0) if v is None else (v, vo, v.stride(0), v.stride(1))
+        _norm_rope_kernel[(triton.cdiv(tokens, block_t), hq + hkv * (1 if v is None else 2))](
+            q, k, vs[0], q_weight if norm else q, k_weight if norm else k, cos, sin, qo, ko, vs[1],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), vs[2], vs[3], cos.stride(0), tokens, hq, hkv, eps,
             D=d, HALF=d // 2, NORM=norm, BLOCK_T=block_t,
             num_warps=4 if block_t > 1 else (1 if d <= 128 else 2),
         )
-    return qo, ko
+    return (qo, ko) if v is None else (qo, ko, vo)
 
 
 @triton.jit

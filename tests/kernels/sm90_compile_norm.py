@@ -4,7 +4,7 @@ tests/kernels/sm90_compile.py does for attention): bf16 rows of 2048 (Qwen3-30B-
 part or eight summed), or a
 program's 1024 columns of silu_mul, at the launch's own warps; silu_mul with CUDA's expf and a correctly
 rounded division (torch's silu), not Triton's approximate `/`.
-`python -m tests.kernels.sm90_compile_norm [add_rms_norm|silu_mul]`; tests/kernels/test_add_rms_norm.py
+`python -m tests.kernels.sm90_compile_norm [add_rms_norm|silu_mul|norm_rope]`; tests/kernels/test_add_rms_norm.py
 and test_silu_mul.py run it in a subprocess."""
 
 from __future__ import annotations
@@ -48,8 +48,16 @@ def main(which: str = "add_rms_norm") -> None:
         ptx = kernel.asm["ptx"]
         assert ".entry _silu_mul_kernel" in ptx
         assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx, "the division is not IEEE"
+    elif which == "norm_rope":
+        block, warps = norm_triton.NORM_ROPE_TOKENS, 4  # a prefill's token blocks; decode steps take blocks of one
+        for tokens, w in ((block, warps), (1, 1)):
+            kernel = compile_kernel(norm_triton._norm_rope_kernel,
+                                    {"D": 128, "HALF": 64, "NORM": True, "BLOCK_T": tokens}, w)
+            assert ".entry _norm_rope_kernel" in kernel.asm["ptx"]
+        print(f"norm_rope compiled for sm90: blocks of {block} tokens and of one")
+        return
     else:
-        raise SystemExit(f"unknown kernel {which!r}: add_rms_norm or silu_mul")
+        raise SystemExit(f"unknown kernel {which!r}: add_rms_norm, silu_mul or norm_rope")
     print(f"{which} compiled for sm90: {block} bf16 columns a program, {warps} warps, "
           f"{kernel.metadata.shared} bytes smem")
 

@@ -54,3 +54,14 @@ def test_norm_rope(dtype, qk_norm, tokens) -> None:
     # contract x1 * cos - x2 * sin into a fused multiply-add (the interpreter; a GPU build may)
     if not qk_norm and dtype == torch.float32 and DEV == "cpu":
         assert torch.equal(got_q.cpu(), want_q.cpu()) and torch.equal(got_k.cpu(), want_k.cpu())
+    # with v, its contiguous copy comes from the same launch, q and k unchanged
+    v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)[2].view(tokens, hkv, d)
+    q3, k3, v3 = norm_triton.norm_rope(q, k, qw if qk_norm else None, kw if qk_norm else None, 1e-6, cos, sin, v=v)
+    assert torch.equal(q3, got_q) and torch.equal(k3, got_k)
+    assert v3.is_contiguous() and v3.data_ptr() != v.data_ptr() and torch.equal(v3, v)
+
+
+def test_norm_rope_compiles_for_sm90() -> None:
+    from tests.kernels.sm90 import compiles_for_sm90
+
+    compiles_for_sm90("tests.kernels.sm90_compile_norm", "norm_rope")
