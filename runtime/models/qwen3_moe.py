@@ -45,18 +45,30 @@ class SparseMoeBlock(nn.Module):
         self.reduce_pairs = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_ids [T, k], topk_weights [T, k] float32); on CUDA one launch
-        (router_triton.py), elsewhere torch's softmax and top-k (the oracle)."""
-        logits = self.gate(x)
-        if logits.is_cuda:
+        """x [T, H] -> (topk_ids [T, k], topk_weights [T, k] float32); on CUDA one launch with the gate's GEMM
+        for a decode step's tokens, the GEMM then one launch for more (router_triton.py), elsewhere torch's
+        softmax and top-k (the oracle)."""
+        if x.is_cuda:
             from kvc.runtime.models import router_triton  # imports triton: only a CUDA forward asks
 
-            return router_triton.softmax_topk(logits, self.top_k, self.norm_topk_prob)
+            if self.gate_in_router(x):
+                return router_triton.gate_softmax_topk(x, self.gate.weight, self.top_k, self.norm_topk_prob)
+            return router_triton.softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)
+        logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights
+
+    def gate_in_router(self, x: torch.Tensor) -> bool:
+        """Does the router's launch also compute the gate's GEMM (router_triton.gate_softmax_topk): few tokens
+        (a decode step's), a plain bias-free gate in x's dtype, x's rows with a contiguous last axis?"""
+        from kvc.runtime.models import router_triton
+
+        gate = self.gate
+        return (router_triton.gate_fits(x.shape[0], gate.weight.shape[0]) and type(gate) is nn.Linear
+                and gate.bias is None and gate.weight.dtype == x.dtype and x.stride(-1) == 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> the layer's output: [T, H], or on the fused kernels [T, k, H], each token's weighted

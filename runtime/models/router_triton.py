@@ -83,16 +83,10 @@ def _store_top_k(ids_ptr, weights_ptr, rows, row_ok, ids, weights, stride_i, str
 
 
 @triton.jit
-def _softmax_topk_kernel(logits_ptr, ids_ptr, weights_ptr, T, E, stride_l, stride_i, stride_w,
-                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                         RENORMALIZE: tl.constexpr, LIBDEVICE: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    row_ok = rows < T
-    ok = row_ok[:, None] & (cols[None, :] < E)
-    rows64 = rows.to(tl.int64)
-    x = tl.load(logits_ptr + rows64[:, None] * stride_l + cols[None, :], mask=ok, other=float("-inf"))
-    x = tl.where(ok, x.to(tl.float32), float("-inf"))
+def _softmax_route(x, rows, row_ok, ok, cols, ids_ptr, weights_ptr, E, stride_i, stride_w, TOP_K: tl.constexpr,
+                   K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
+                   LIBDEVICE: tl.constexpr):
+    # the rows' routes from their float32 logits x [BLOCK_T, BLOCK_E] (-inf outside `ok`)
     top = tl.where(row_ok, tl.max(x, axis=1), 0.0)  # a padding row: no -inf - -inf
     e = tl.where(ok, _exp(x - top[:, None], LIBDEVICE), 0.0)
     p = _divide(e, tl.where(row_ok, tl.sum(e, axis=1), 1.0)[:, None], LIBDEVICE)
@@ -100,20 +94,66 @@ def _softmax_topk_kernel(logits_ptr, ids_ptr, weights_ptr, T, E, stride_l, strid
     ids, weights, chosen = _top_k(x, p, cols, E, TOP_K, K_PAD, BLOCK_T, BLOCK_E)
     if RENORMALIZE:
         weights = _divide(weights, tl.where(row_ok, chosen, 1.0)[:, None], LIBDEVICE)
-    _store_top_k(ids_ptr, weights_ptr, rows64, row_ok, ids, weights, stride_i, stride_w, TOP_K, K_PAD)
+    _store_top_k(ids_ptr, weights_ptr, rows.to(tl.int64), row_ok, ids, weights, stride_i, stride_w, TOP_K, K_PAD)
+
+
+@triton.jit
+def _softmax_topk_kernel(logits_ptr, ids_ptr, weights_ptr, T, E, stride_l, stride_i, stride_w,
+                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                         RENORMALIZE: tl.constexpr, LIBDEVICE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < T
+    ok = row_ok[:, None] & (cols[None, :] < E)
+    x = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + cols[None, :], mask=ok, other=float("-inf"))
+    x = tl.where(ok, x.to(tl.float32), float("-inf"))
+    _softmax_route(x, rows, row_ok, ok, cols, ids_ptr, weights_ptr, E, stride_i, stride_w, TOP_K, K_PAD, BLOCK_T,
+                   BLOCK_E, RENORMALIZE, LIBDEVICE)
+
+
+@triton.jit
+def _gate_softmax_topk_kernel(x_ptr, w_ptr, ids_ptr, weights_ptr, T, E, H, stride_x, stride_g, stride_i, stride_w,
+                              TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                              BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                              LIBDEVICE: tl.constexpr, UPCAST: tl.constexpr):
+    # a block of tokens' gate logits over every expert (float32 sums, rounded to the gate's dtype as its linear
+    # layer's output is), then their routes, in the one program
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < T
+    col_ok = cols < E
+    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        b = tl.load(w_ptr + cols[:, None] * stride_g + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:  # float32 operands (the interpreter's tl.dot misreads bf16; float32 takes ieee, not tf32)
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    ok = row_ok[:, None] & col_ok[None, :]
+    x = tl.where(ok, acc.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+    _softmax_route(x, rows, row_ok, ok, cols, ids_ptr, weights_ptr, E, stride_i, stride_w, TOP_K, K_PAD, BLOCK_T,
+                   BLOCK_E, RENORMALIZE, LIBDEVICE)
 
 
 def _outputs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits with a contiguous expert axis, ids [T, k] int64, weights [T, k] float32), or a ValueError."""
     if logits.dim() != 2:
         raise ValueError(f"router logits must be [tokens, experts], got {tuple(logits.shape)}")
-    tokens, experts = logits.shape
-    if not 0 < top_k <= experts:
-        raise ValueError(f"top_k must be in [1, {experts}] for {experts} experts, got {top_k}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    return (logits, torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device),
-            torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device))
+    return logits, *_routes(*logits.shape, top_k, logits.device)
+
+
+def _routes(tokens: int, experts: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [T, k] int64, weights [T, k] float32) to fill, or a ValueError for a top_k the experts cannot give."""
+    if not 0 < top_k <= experts:
+        raise ValueError(f"top_k must be in [1, {experts}] for {experts} experts, got {top_k}")
+    return (torch.empty((tokens, top_k), dtype=torch.int64, device=device),
+            torch.empty((tokens, top_k), dtype=torch.float32, device=device))
 
 
 def _launch(experts: int, top_k: int) -> dict:
@@ -133,6 +173,38 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
         _softmax_topk_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
             logits, ids, weights, tokens, experts, logits.stride(0), ids.stride(0), weights.stride(0),
             RENORMALIZE=renormalize, **_launch(experts, top_k))
+    return ids, weights
+
+
+GATE_BLOCK_TOKENS = 16  # tokens a program of the gate's fused router takes (tl.dot's smallest M)
+GATE_BLOCK_K = 64
+GATE_MAX_TOKENS = 1024  # above (prefill chunks): the gate's GEMM on the library's kernels, then `softmax_topk`
+GATE_MAX_EXPERTS = 256  # a program holds its 16 tokens' logits over every expert
+
+
+def gate_fits(tokens: int, experts: int) -> bool:
+    """Does `gate_softmax_topk` take this router: a decode step's tokens over at most 256 experts?"""
+    return tokens <= GATE_MAX_TOKENS and experts <= GATE_MAX_EXPERTS
+
+
+def gate_softmax_topk(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
+                      renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`softmax_topk(x @ gate_weight.T, ...)` in one launch: x [T, H] (rows may be strided), gate_weight [E, H] in
+    x's dtype, both with a contiguous last axis; the logits summed in float32 and rounded to x's dtype, as the
+    gate's linear layer returns them. A decode step's router: one program reads the whole gate for its block of
+    16 tokens, where the GEMM and the route were two launches (docs/design.md, "Routers")."""
+    if x.dim() != 2 or gate_weight.dim() != 2 or gate_weight.shape[1] != x.shape[1]:
+        raise ValueError(f"x [T, H] and the gate [E, H] do not fit: {tuple(x.shape)}, {tuple(gate_weight.shape)}")
+    if x.stride(1) != 1 or gate_weight.stride(1) != 1:
+        raise ValueError("x and the gate need a contiguous last axis")
+    tokens, experts = x.shape[0], gate_weight.shape[0]
+    ids, weights = _routes(tokens, experts, top_k, x.device)
+    if tokens:
+        launch = _launch(experts, top_k) | {"BLOCK_T": GATE_BLOCK_TOKENS, "num_warps": 8}
+        _gate_softmax_topk_kernel[(triton.cdiv(tokens, GATE_BLOCK_TOKENS),)](
+            x, gate_weight, ids, weights, tokens, experts, x.shape[1], x.stride(0), gate_weight.stride(0),
+            ids.stride(0), weights.stride(0), BLOCK_K=GATE_BLOCK_K, RENORMALIZE=renormalize,
+            UPCAST=_INTERPRETED or x.dtype == torch.float32, **launch)
     return ids, weights
 
 

@@ -53,11 +53,45 @@ def test_ties_go_to_the_lower_expert_and_strided_rows() -> None:
     torch.testing.assert_close(weights.cpu(), probs.gather(1, ids.cpu()), rtol=2e-7, atol=1e-8)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens,experts,k,hidden", [(1, 128, 8, 96), (37, 128, 8, 160), (5, 60, 4, 64)])
+@torch.no_grad()
+def test_gate_in_the_router_launch_equals_gemm_then_route(dtype, renormalize, tokens, experts, k, hidden) -> None:
+    """The gate's GEMM fused into the router: the routes of the gate's logits rounded to its dtype, bit for bit.
+    Inputs are multiples of 1/4 and 1/8, so every float32 sum is exact and the rounding the same in both."""
+    g = torch.Generator().manual_seed(tokens + experts)
+    x = (torch.randint(-3, 4, (tokens, hidden + 8), generator=g) / 4).to(dtype)[:, :hidden]  # strided rows
+    w = (torch.randint(-3, 4, (experts, hidden), generator=g) / 8).to(dtype)
+    logits = (x.double() @ w.double().T).to(dtype)
+    ids, weights = router_triton.gate_softmax_topk(x.to(DEV), w.to(DEV), k, renormalize)
+    want_ids, want_weights = router_triton.softmax_topk(logits.to(DEV), k, renormalize)
+    assert torch.equal(ids.cpu(), want_ids.cpu()) and torch.equal(weights.cpu(), want_weights.cpu())
+
+
+def test_the_block_fuses_the_gate_for_a_decode_steps_tokens_only() -> None:
+    """SparseMoeBlock.route (on CUDA) takes the fused gate up to GATE_MAX_TOKENS tokens of x in the gate's dtype,
+    else the gate's GEMM then `softmax_topk`."""
+    block = SparseMoeBlock.__new__(SparseMoeBlock)
+    torch.nn.Module.__init__(block)
+    block.gate = torch.nn.Linear(32, 128, bias=False).to(torch.bfloat16)
+    x = torch.zeros(router_triton.GATE_MAX_TOKENS, 32, dtype=torch.bfloat16)
+    assert block.gate_in_router(x) and block.gate_in_router(x[:1])
+    assert not block.gate_in_router(torch.zeros(router_triton.GATE_MAX_TOKENS + 1, 32, dtype=torch.bfloat16))
+    assert not block.gate_in_router(x.float())  # another dtype than the gate's
+    block.gate = torch.nn.Linear(32, router_triton.GATE_MAX_EXPERTS + 1, bias=False).to(torch.bfloat16)
+    assert not block.gate_in_router(x[:1])
+
+
 def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="top_k"):
         router_triton.softmax_topk(torch.zeros(2, 4, device=DEV), 5, True)
     with pytest.raises(ValueError, match="tokens, experts"):
         router_triton.softmax_topk(torch.zeros(2, 4, 3, device=DEV), 2, True)
+    with pytest.raises(ValueError, match="do not fit"):
+        router_triton.gate_softmax_topk(torch.zeros(2, 8, device=DEV), torch.zeros(4, 6, device=DEV), 2, True)
+    with pytest.raises(ValueError, match="top_k"):
+        router_triton.gate_softmax_topk(torch.zeros(2, 8, device=DEV), torch.zeros(4, 8, device=DEV), 5, True)
     ids, weights = router_triton.softmax_topk(torch.zeros(0, 4, device=DEV), 2, True)
     assert ids.shape == weights.shape == (0, 2)
 
@@ -103,3 +137,9 @@ def test_sigmoid_topk_refuses_groups_that_do_not_split() -> None:
         router_triton.sigmoid_topk(torch.zeros(2, 10, device=DEV), torch.zeros(10, device=DEV), 2, 3, 1, True, 1.0)
     with pytest.raises(ValueError, match="bias"):
         router_triton.sigmoid_topk(torch.zeros(2, 8, device=DEV), torch.zeros(4, device=DEV), 2, 1, 1, True, 1.0)
+
+
+def test_the_gate_router_compiles_for_sm90_without_spills() -> None:
+    from tests.kernels.sm90 import compiles_for_sm90
+
+    compiles_for_sm90("tests.kernels.sm90_compile_router")
