@@ -6,6 +6,9 @@ oracles.
   logit, top-k's two kernels (a gather and a bitonic sort), and with `norm_topk_prob` a sum and a division. At a
   decode step of a 48-layer MoE model that is about 240 launches and 0.9 ms of a 7.7 ms step at batch 16
   (docs/benchmarks.md, "Launches per decode step").
+- `gate_softmax_topk` (Qwen3-MoE, a decode step's tokens): the gate's GEMM in the same program as the route, 16
+  tokens a program over every expert, instead of the library's small GEMM and `softmax_topk` (docs/design.md,
+  "Routers").
 - `sigmoid_topk` (GLM-4.7-Flash, DeepSeek-V3's routing): sigmoid scores, a bias added for the choice only,
   group-limited choice (the best `topk_group` of `n_group` groups by the sum of each group's two best), the
   weights the chosen scores, renormalised and scaled: about a dozen torch launches a layer.
