@@ -170,10 +170,11 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k
         norm = q_weight is not None
         cos, sin = cos.contiguous(), sin.contiguous()
         block_t = NORM_ROPE_TOKENS if tokens >= NORM_ROPE_TOKENS else 1  # two compiled variants, whatever the batch
-        vs = (k, k, 0, 0) if v is None else (v, vo, v.stride(0), v.stride(1))
+        v_in, v_out = (k, ko) if v is None else (v, vo)  # without v: no program reads or writes them
         _norm_rope_kernel[(triton.cdiv(tokens, block_t), hq + hkv * (1 if v is None else 2))](
-            q, k, vs[0], q_weight if norm else q, k_weight if norm else k, cos, sin, qo, ko, vs[1],
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), vs[2], vs[3], cos.stride(0), tokens, hq, hkv, eps,
+            q, k, v_in, q_weight if norm else q, k_weight if norm else k, cos, sin, qo, ko, v_out,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_in.stride(0), v_in.stride(1), cos.stride(0),
+            tokens, hq, hkv, eps,
             D=d, HALF=d // 2, NORM=norm, BLOCK_T=block_t,
             num_warps=4 if block_t > 1 else (1 if d <= 128 else 2),
         )

@@ -59,11 +59,11 @@ def race(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int) -> torc
     assert logits.stride(1) == 1, "the vocabulary must be contiguous"
     assert vocab <= LOW and 0 <= seed < 2**62
     block = min(CHUNK, max(16, triton.next_power_of_2(vocab)))
-    chunks = triton.cdiv(vocab, block)
-    best = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
+    chunks = triton.cdiv(vocab, block)
+    best = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
     _race_kernel[(rows, chunks)](logits, logits.stride(0), inv_temperature, best, vocab, chunks, seed,
                                  BLOCK=block, num_warps=8 if block >= 2048 else 4)
     _pick_kernel[(rows,)](best, out, chunks, BLOCK_C=max(16, triton.next_power_of_2(chunks)), num_warps=1)
