@@ -51,17 +51,19 @@ def _key_rows(kv_head, k_offs, length, table_ptr, order_ptr, table_stride, strid
 
 @triton.jit
 def _row_stats(q_ptr, k_ptr, table_ptr, order_ptr, table_stride, stride_page, stride_head, stride_slot,
-               m_ptr, l_ptr, queries, length, rows, scale, keys_per_split,
+               m_ptr, l_ptr, queries, length, rows, scale, keys_per_split, q_blocks, splits,
                HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_D: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, ORDERED: tl.constexpr,
                KV_HEADS: tl.constexpr, PAGE: tl.constexpr):
     """Partial softmax max and normaliser of each query over one split of its causal keys. A program takes
     BLOCK_Q of the `rows` (= group x queries) query rows of one KV head's group (the group's heads' queries,
     each head's the last positions), so a key tile is read once for all of them; the splits are merged on
-    the host side of the wrapper."""
-    kv_head = tl.program_id(0)
-    r_offs = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    split = tl.program_id(2)
+    the host side of the wrapper. One grid axis, the query blocks fastest, then the splits, then the KV heads:
+    the programs that read the same keys run side by side, so the second reads them from L2."""
+    pid = tl.program_id(0)
+    kv_head = pid // (q_blocks * splits)
+    split = pid // q_blocks % splits
+    r_offs = pid % q_blocks * BLOCK_Q + tl.arange(0, BLOCK_Q)
     d_offs = tl.arange(0, BLOCK_D)
     r_ok = r_offs < rows
     q_pos = length - queries + r_offs % queries
@@ -86,14 +88,14 @@ def _row_stats(q_ptr, k_ptr, table_ptr, order_ptr, table_stride, stride_page, st
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
         m = m_new
-    stats = (kv_head * tl.num_programs(2) + split) * rows + r_offs
+    stats = (kv_head * splits + split) * rows + r_offs
     tl.store(m_ptr + stats, m, mask=r_ok)
     tl.store(l_ptr + stats, l, mask=r_ok)
 
 
 @triton.jit
 def _columns(q_ptr, k_ptr, table_ptr, order_ptr, table_stride, stride_page, stride_head, stride_slot,
-             m_ptr, l_ptr, out_ptr, queries, length, n_keys, rows, scale,
+             m_ptr, l_ptr, out_ptr, queries, length, n_keys, rows, scale, k_blocks,
              HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
              BLOCK_D: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, ORDERED: tl.constexpr,
              KV_HEADS: tl.constexpr, PAGE: tl.constexpr):
@@ -101,9 +103,12 @@ def _columns(q_ptr, k_ptr, table_ptr, order_ptr, table_stride, stride_page, stri
     summed over its queries. The key tile is read once for the whole group, whose `rows` (= group x queries)
     query rows are taken BLOCK_R at a time (one matrix product over several heads' queries, as `_row_stats`);
     QK^T is recomputed tile by tile from the row statistics, so no [query, key] matrix is written. A head
-    whose rows straddle two blocks adds the second block's sums to the first's."""
-    kv_head = tl.program_id(0)
-    k_offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    whose rows straddle two blocks adds the second block's sums to the first's. One grid axis, a KV head's key
+    blocks side by side: they read the same queries and statistics, from L2 after the first (a stacked decode
+    batch has tens of thousands of groups, whose queries would otherwise be read again from memory per block)."""
+    pid = tl.program_id(0)
+    kv_head = pid // k_blocks
+    k_offs = pid % k_blocks * BLOCK_K + tl.arange(0, BLOCK_K)
     d_offs = tl.arange(0, BLOCK_D)
     k_ok = k_offs < n_keys
     k_rows = _key_rows(kv_head, k_offs, length, table_ptr, order_ptr, table_stride, stride_page, stride_head,
@@ -203,14 +208,16 @@ def column_votes(q, k, n_keys, *, block_q=None, block_k=None, num_warps=None):
     splits = triton.cdiv(length, keys_per_split)
     m_part = torch.empty(kv_heads, splits, rows, dtype=f32, device=device)
     l_part = torch.empty(kv_heads, splits, rows, dtype=f32, device=device)
-    _row_stats[(kv_heads, q_blocks, splits)](
-        q, key_ptr, *key_args, m_part, l_part, queries, length, rows, scale, keys_per_split, HEAD_DIM=head_dim,
+    _row_stats[(kv_heads * q_blocks * splits,)](
+        q, key_ptr, *key_args, m_part, l_part, queries, length, rows, scale, keys_per_split, q_blocks, splits,
+        HEAD_DIM=head_dim,
         BLOCK_Q=block_r, BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee, num_warps=num_warps, **key_consts)
     m = m_part.amax(dim=1)  # [kv_heads, rows]: [heads, queries] in memory
     l = (l_part * torch.exp(m_part - m[:, None]).nan_to_num(0.0)).sum(dim=1).contiguous()
     m = m.contiguous()
     votes = torch.empty(heads, n_keys, dtype=f32, device=device)
-    _columns[(kv_heads, triton.cdiv(n_keys, block_k))](
-        q, key_ptr, *key_args, m, l, votes, queries, length, n_keys, rows, scale, HEAD_DIM=head_dim,
+    k_blocks = triton.cdiv(n_keys, block_k)
+    _columns[(kv_heads * k_blocks,)](
+        q, key_ptr, *key_args, m, l, votes, queries, length, n_keys, rows, scale, k_blocks, HEAD_DIM=head_dim,
         BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee, num_warps=num_warps, **key_consts)
     return votes

@@ -178,5 +178,5 @@ def test_column_votes_uses_the_tuned_knobs(monkeypatch, fresh_hash):
     expect = (32, 32, 2) if fresh_hash else (16, 16, 4)  # a stale entry: the CPU heuristic
     assert (row_kw["BLOCK_Q"], row_kw["BLOCK_K"], row_kw["num_warps"]) == expect
     assert (col_kw["BLOCK_R"], col_kw["BLOCK_K"], col_kw["num_warps"]) == expect  # the same rows a program (CPU)
-    assert col_grid == (HKV, -(-(keys - queries) // expect[1]))  # a program per KV head group and key block
+    assert col_grid == (HKV * -(-(keys - queries) // expect[1]),)  # a program per KV head group and key block
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
