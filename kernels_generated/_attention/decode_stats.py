@@ -63,6 +63,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvc.runtime.primitives.pdl import enabled as pdl_enabled
+from kvc.runtime.primitives.pdl import gate as pdl_gate
 from kvc.runtime.tuning import buckets as tuning_buckets
 from kvc.runtime.tuning.lookup import source_hash, tuned
 
@@ -248,7 +250,9 @@ def _store_kv_kernel(
     stride_vcp, stride_vch, stride_vcs,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_gate(PDL)  # under PDL: the kernel before this one finished (runtime/primitives/pdl.py)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     page = slot // PAGE_SIZE
@@ -290,7 +294,7 @@ def store_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        PAGE_SIZE=k_cache.shape[2],
+        PAGE_SIZE=k_cache.shape[2], PDL=pdl_enabled(k.device), launch_pdl=pdl_enabled(k.device),
         num_warps=num_warps or store_kv_launch_warps(num_tokens, num_kv_heads, head_dim, k.dtype),
     )
 
@@ -323,7 +327,9 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUT: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_gate(PDL)  # under PDL: the kernel before this one finished (runtime/primitives/pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -415,7 +421,9 @@ def _decode_reduce_kernel(
     num_splits, stride_sb, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr, HAS_STARTS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_gate(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     active_len = tl.load(context_lens_ptr + seq) - _head_start(kv_starts_ptr, seq, head // GROUP, stride_sb,
@@ -494,6 +502,7 @@ def paged_decode(
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps,
                      num_stages=num_stages, use_dot=use_dot)
     cfg = replace(cfg, **{k: val for k, val in overrides.items() if val is not None})
+    pdl = pdl_enabled(q.device)
 
     splits = cfg.num_splits
     if splits > 1:
@@ -525,7 +534,7 @@ def paged_decode(
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, DIRECT_OUT=splits == 1,
         USE_DOT=cfg.use_dot, DOT_PRECISION=_dot_precision(q.dtype), HAS_STARTS=kv_starts is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if splits > 1:
         split_block = min(triton.next_power_of_2(splits), max(1, 8192 // block_d))
@@ -534,7 +543,7 @@ def paged_decode(
             scores, lse, scores_width, stats is not None,
             splits, stride_sb, out.stride(0), out.stride(1),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_BLOCK=split_block,
-            HAS_STARTS=kv_starts is not None, num_warps=4 if head_dim >= 128 else 2,
+            HAS_STARTS=kv_starts is not None, num_warps=4 if head_dim >= 128 else 2, PDL=pdl, launch_pdl=pdl,
         )
     if stats is not None:
         _fold_stats(scores, lse, context_lens, starts, stride_sb, kv_starts is not None, stats, group)

@@ -17,13 +17,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kvc.runtime.primitives.pdl import gate as pdl_gate
+from kvc.runtime.primitives.pdl import options as pdl_options
+
 BLOCK_T = 64  # tokens a program of `record_positions`
 NUM_WARPS = 4
 
 
 @triton.jit
 def _positions_kernel(plane_ptr, slots_ptr, pos_ptr, n, scratch, stride_p, stride_h, stride_s,
-                      PAGE: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+                      PAGE: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = t < n
     slot = tl.load(slots_ptr + t, mask=ok, other=-1).to(tl.int64)
@@ -44,14 +49,15 @@ def record_positions(plane: torch.Tensor, slots: torch.Tensor, positions: torch.
     heads = plane.shape[1]
     _positions_kernel[(triton.cdiv(n, BLOCK_T),)](
         plane, slots, positions, n, plane.shape[0] - 1, *plane.stride()[:3], PAGE=plane.shape[2], HEADS=heads,
-        BLOCK_H=triton.next_power_of_2(heads), BLOCK_T=BLOCK_T, num_warps=NUM_WARPS)
+        BLOCK_H=triton.next_power_of_2(heads), BLOCK_T=BLOCK_T, num_warps=NUM_WARPS, **pdl_options(plane.device))
 
 
 @triton.jit
 def _queries_kernel(ring_ptr, count_ptr, q_ptr, rows_ptr, layer,
                     stride_rr, stride_rl, stride_rh, stride_rg, stride_rn, stride_cr, stride_cl, stride_qt, stride_qh,
                     WINDOW: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i).to(tl.int64)
     counter = count_ptr + row * stride_cr + layer * stride_cl
@@ -83,4 +89,5 @@ def record_queries(queries: torch.Tensor, counts: torch.Tensor, layer: int, q: t
     _queries_kernel[(num,)](
         queries, counts, q, rows, layer, *queries.stride()[:5], counts.stride(0), counts.stride(1), q.stride(0),
         q.stride(1), WINDOW=window, GROUP=group, HEADS=heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=NUM_WARPS)
+        BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=NUM_WARPS,
+        **pdl_options(q.device))

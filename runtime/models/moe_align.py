@@ -34,6 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvc.runtime.primitives.pdl import gate as pdl_gate
+from kvc.runtime.primitives.pdl import options as pdl_options
+
 # "auto" runs the one-launch kernel up to here and the split kernels above. The one-launch kernel's
 # programs each pass over all pair ids twice, so its time grows with the pairs: on an H100 (`python
 # bench/moe_bench.py --tokens 8192,32768`, `align_ms`) 0.084 ms at 65,536 pairs (an 8K prefill chunk x
@@ -93,18 +96,18 @@ def align_by_expert(
         split, num_splits, block_p, num_warps = split_launch(num_pairs)
         counts = torch.empty(num_splits, block_e, dtype=torch.int32, device=device)
         _align_counts_kernel[(num_splits,)](flat, counts, num_pairs, split, BLOCK_E=block_e, BLOCK_P=block_p,
-                                            num_warps=num_warps)
+                                            num_warps=num_warps, **pdl_options(device))
         _align_split_kernel[(num_experts, num_splits)](
             flat, counts, sorted_pairs, block_experts, num_padded, num_pairs, capacity, num_experts, split,
             num_splits, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            BLOCK_P=block_p, BLOCK_FILL=_FILL, num_warps=num_warps,
+            BLOCK_P=block_p, BLOCK_FILL=_FILL, num_warps=num_warps, **pdl_options(device),
         )
     elif impl == "triton":
         block_p, num_warps = parallel_launch(num_pairs)
         _align_parallel_kernel[(num_experts,)](
             flat, sorted_pairs, block_experts, num_padded, num_pairs, capacity, num_experts,
             BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p,
-            BLOCK_FILL=_FILL, num_warps=num_warps,
+            BLOCK_FILL=_FILL, num_warps=num_warps, **pdl_options(device),
         )
     else:
         block_e = triton.next_power_of_2(num_experts)
@@ -112,7 +115,7 @@ def align_by_expert(
         _align_single_kernel[(1,)](
             flat, sorted_pairs, block_experts, num_padded, num_pairs, capacity, num_experts,
             BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p,
-            BLOCK_FILL=min(triton.next_power_of_2(max(capacity, 1)), 4096), num_warps=4,
+            BLOCK_FILL=min(triton.next_power_of_2(max(capacity, 1)), 4096), num_warps=4, **pdl_options(device),
         )
     return ExpertAlignment(sorted_pairs, block_experts, num_padded, block_m)
 
@@ -160,7 +163,8 @@ def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, capacity: i
 @triton.jit
 def _align_parallel_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, capacity,
                            num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BLOCK_P: tl.constexpr, BLOCK_FILL: tl.constexpr):
+                           BLOCK_P: tl.constexpr, BLOCK_FILL: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     # Every output element has exactly one writer: the rows [start, end) and their blocks belong
     # to expert e's program; the rows and blocks past num_padded are dealt round-robin.
     e = tl.program_id(0)
@@ -179,8 +183,10 @@ def _align_parallel_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr
 
 
 @triton.jit
-def _align_counts_kernel(ids_ptr, counts_ptr, num_pairs, split, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+def _align_counts_kernel(ids_ptr, counts_ptr, num_pairs, split, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Split s's histogram of expert ids (pairs [s * split, (s + 1) * split)) into counts[s, :BLOCK_E]."""
+    pdl_gate(PDL)
     s = tl.program_id(0)
     lo = s * split
     counts = _histogram(ids_ptr, lo, tl.minimum(lo + split, num_pairs), BLOCK_E, BLOCK_P)
@@ -190,7 +196,9 @@ def _align_counts_kernel(ids_ptr, counts_ptr, num_pairs, split, BLOCK_E: tl.cons
 @triton.jit
 def _align_split_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, capacity,
                         num_experts, split, num_splits, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_FILL: tl.constexpr):
+                        BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_FILL: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     # Program (e, s) places expert e's pairs of split s after those of the splits before it; the
     # programs of split 0 also write the padding and the fills, as _align_parallel_kernel's do.
     e = tl.program_id(0)
@@ -268,7 +276,8 @@ def _pad_and_fill(sorted_ptr, block_expert_ptr, e, start, count, num_padded, cap
 @triton.jit
 def _align_single_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, capacity,
                          num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
-                         BLOCK_FILL: tl.constexpr):
+                         BLOCK_FILL: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     # Every row starts as padding; the barrier orders these stores before the scatter below,
     # which overwrites some of them from other threads of this (single) program.
     for r0 in range(0, capacity, BLOCK_FILL):

@@ -48,6 +48,8 @@ from kvc.runtime.models.moe_align import (  # the others re-exported: the alignm
     align_by_expert,
     alignment_capacity,  # noqa: F401
 )
+from kvc.runtime.primitives.pdl import gate as pdl_gate
+from kvc.runtime.primitives.pdl import options as pdl_options
 from kvc.runtime.tuning import buckets as tuning_buckets
 from kvc.runtime.tuning.lookup import source_hash, tuned
 
@@ -159,7 +161,8 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pad
                     stride_se, stride_sn, stride_sk,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    SCALE_COLS: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr):
+                    SCALE_COLS: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     # EVEN: the tiles divide N and K (no column masks). TMA: w_ptr is a descriptor over W as [E * 2N, K]
     # giving [BLOCK_N, BLOCK_K] tiles (EVEN, 16-bit weights).
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -214,7 +217,8 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, route_w_ptr, sorted_ptr, block_expert_pt
                  stride_se, stride_sn, stride_sk,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_COLS: tl.constexpr,
-                 EVEN: tl.constexpr, TMA: tl.constexpr):
+                 EVEN: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     # EVEN and TMA as in _gate_up_kernel (the descriptor over W as [E * N, K]). Every row of h exists (a
     # padding row holds whatever the gate_up kernel left there and is never stored).
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -253,8 +257,9 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, route_w_ptr, sorted_ptr, block_expert_pt
 
 
 @triton.jit
-def _sum_pairs_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _sum_pairs_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     """out[t] = sum over j of src[t * TOP_K + j] (fp32 sum, in j order): each token's weighted expert rows."""
+    pdl_gate(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -317,7 +322,7 @@ def fused_experts(
         x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1), *gate_up_scale.stride(),
         TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m, DOT_PRECISION=precision, SCALE_COLS=scale_cols, EVEN=even, TMA=tma,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_options(x.device),
     )
     per_pair = x.new_zeros(num_pairs, hidden) if skips else x.new_empty(num_pairs, hidden)  # skipped: never written
     route_w = topk_weights.reshape(-1)
@@ -329,7 +334,7 @@ def fused_experts(
         h.stride(0), h.stride(1), *down_proj.stride(), per_pair.stride(0), per_pair.stride(1), *down_scale.stride(),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m, DOT_PRECISION=precision, SCALE_COLS=scale_cols, EVEN=even, TMA=tma,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_options(x.device),
     )
     if not reduce:
         return per_pair.view(num_tokens, top_k, hidden)
@@ -338,7 +343,8 @@ def fused_experts(
     out = x.new_empty(num_tokens, hidden)
     block_h = min(triton.next_power_of_2(hidden), 2048)
     _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, block_h))](per_pair, out, hidden, TOP_K=top_k,
-                                                                  BLOCK_H=block_h, num_warps=4)
+                                                                  BLOCK_H=block_h, num_warps=4,
+                                                                  **pdl_options(x.device))
     return out
 
 

@@ -27,9 +27,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
+from kvc.runtime.primitives.pdl import gate as pdl_gate
+from kvc.runtime.primitives.pdl import options as pdl_options
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -50,13 +54,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.shape[0]:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, eps, BLOCK=block,
-                                           num_warps=max(1, min(8, block // 256)))
+                                           num_warps=max(1, min(8, block // 256)), **pdl_options(x.device))
     return out.view(x.shape)
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, N, eps, BLOCK: tl.constexpr,
-                         PARTS: tl.constexpr):
+                         PARTS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -102,7 +107,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         block = triton.next_power_of_2(n)
         _add_rms_norm_kernel[(res_rows.shape[0],)](rows, res_rows, weight, out, rows.stride(0), res_rows.stride(0),
                                                    out.stride(0), n, eps, BLOCK=block, PARTS=parts,
-                                                   num_warps=max(1, min(8, block // 256)))
+                                                   num_warps=max(1, min(8, block // 256)), **pdl_options(x.device))
     return out.view(residual.shape), residual
 
 
@@ -121,7 +126,9 @@ NORM_ROPE_TOKENS = 16  # tokens of one head a norm_rope program takes (one progr
 @triton.jit
 def _norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, vo_ptr,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, T, HQ, HKV, eps,
-                      D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr):
+                      D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     # a program: BLOCK_T tokens of one head (a prefill chunk's thousands of tokens in few programs); heads
     # [0, HQ) are q's, [HQ, HQ + HKV) k's, and past them (where the launch has them) v's, copied as they are
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
@@ -176,13 +183,15 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_in.stride(0), v_in.stride(1), cos.stride(0),
             tokens, hq, hkv, eps,
             D=d, HALF=d // 2, NORM=norm, BLOCK_T=block_t,
-            num_warps=4 if block_t > 1 else (1 if d <= 128 else 2),
+            num_warps=4 if block_t > 1 else (1 if d <= 128 else 2), **pdl_options(q.device),
         )
     return (qo, ko) if v is None else (qo, ko, vo)
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -220,6 +229,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(SILU_MUL_BLOCK, triton.next_power_of_2(n))
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
             rows, out, rows.stride(0), out.stride(0), n, BLOCK=block, LIBDEVICE=not _INTERPRETED,
-            num_warps=max(1, min(8, block // 256)),
+            num_warps=max(1, min(8, block // 256)), **pdl_options(gate_up.device),
         )
     return out.view(*gate_up.shape[:-1], n)

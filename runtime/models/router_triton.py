@@ -28,6 +28,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
+from kvc.runtime.primitives.pdl import gate as pdl_gate
+from kvc.runtime.primitives.pdl import options as pdl_options
+
 # read once, as @triton.jit did when this module was imported: the interpreter has no libdevice
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_TOKENS = 8  # tokens a program routes (sm90, 128 experts, 4 warps: 80 registers, no spills; 16 spill)
@@ -103,7 +106,8 @@ def _softmax_route(x, rows, row_ok, ok, cols, ids_ptr, weights_ptr, E, stride_i,
 @triton.jit
 def _softmax_topk_kernel(logits_ptr, ids_ptr, weights_ptr, T, E, stride_l, stride_i, stride_w,
                          TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                         RENORMALIZE: tl.constexpr, LIBDEVICE: tl.constexpr):
+                         RENORMALIZE: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < T
@@ -118,7 +122,8 @@ def _softmax_topk_kernel(logits_ptr, ids_ptr, weights_ptr, T, E, stride_l, strid
 def _gate_softmax_topk_kernel(x_ptr, w_ptr, ids_ptr, weights_ptr, T, E, H, stride_x, stride_g, stride_i, stride_w,
                               TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                              LIBDEVICE: tl.constexpr, UPCAST: tl.constexpr):
+                              LIBDEVICE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     # a block of tokens' gate logits over every expert (float32 sums, rounded to the gate's dtype as its linear
     # layer's output is), then their routes, in the one program
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -175,7 +180,7 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if tokens:
         _softmax_topk_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
             logits, ids, weights, tokens, experts, logits.stride(0), ids.stride(0), weights.stride(0),
-            RENORMALIZE=renormalize, **_launch(experts, top_k))
+            RENORMALIZE=renormalize, **_launch(experts, top_k), **pdl_options(logits.device))
     return ids, weights
 
 
@@ -207,7 +212,7 @@ def gate_softmax_topk(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
         _gate_softmax_topk_kernel[(triton.cdiv(tokens, GATE_BLOCK_TOKENS),)](
             x, gate_weight, ids, weights, tokens, experts, x.shape[1], x.stride(0), gate_weight.stride(0),
             ids.stride(0), weights.stride(0), BLOCK_K=GATE_BLOCK_K, RENORMALIZE=renormalize,
-            UPCAST=_INTERPRETED or x.dtype == torch.float32, **launch)
+            UPCAST=_INTERPRETED or x.dtype == torch.float32, **launch, **pdl_options(x.device))
     return ids, weights
 
 
@@ -215,7 +220,9 @@ def gate_softmax_topk(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
 def _sigmoid_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, stride_l, stride_i, stride_w, scaling,
                          TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                          N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                         GROUP_SIZE: tl.constexpr, RENORMALIZE: tl.constexpr, LIBDEVICE: tl.constexpr):
+                         GROUP_SIZE: tl.constexpr, RENORMALIZE: tl.constexpr, LIBDEVICE: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < T
@@ -266,5 +273,6 @@ def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: 
         _sigmoid_topk_kernel[(triton.cdiv(tokens, BLOCK_TOKENS),)](
             logits, bias.contiguous(), ids, weights, tokens, experts, logits.stride(0), ids.stride(0),
             weights.stride(0), float(scaling), N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group),
-            TOPK_GROUP=topk_group, GROUP_SIZE=experts // n_group, RENORMALIZE=renormalize, **_launch(experts, top_k))
+            TOPK_GROUP=topk_group, GROUP_SIZE=experts // n_group, RENORMALIZE=renormalize, **_launch(experts, top_k),
+            **pdl_options(logits.device))
     return ids, weights

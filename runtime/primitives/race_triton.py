@@ -17,12 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kvc.runtime.primitives.pdl import gate as pdl_gate
+from kvc.runtime.primitives.pdl import options as pdl_options
+
 CHUNK = 4096  # tokens a program: 38 programs a row at 151,936 tokens
 LOW = 0x7FFFFFFF  # the packed value's low half: LOW - token, so the smaller token wins a tie
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _race_kernel(logits_ptr, stride_row, inv_temp_ptr, best_ptr, vocab, chunks, seed, BLOCK: tl.constexpr):
+def _race_kernel(logits_ptr, stride_row, inv_temp_ptr, best_ptr, vocab, chunks, seed, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -41,7 +46,8 @@ def _race_kernel(logits_ptr, stride_row, inv_temp_ptr, best_ptr, vocab, chunks, 
 
 
 @triton.jit
-def _pick_kernel(best_ptr, out_ptr, chunks, BLOCK_C: tl.constexpr):
+def _pick_kernel(best_ptr, out_ptr, chunks, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     live = c < chunks
@@ -65,6 +71,7 @@ def race(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int) -> torc
     chunks = triton.cdiv(vocab, block)
     best = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
     _race_kernel[(rows, chunks)](logits, logits.stride(0), inv_temperature, best, vocab, chunks, seed,
-                                 BLOCK=block, num_warps=8 if block >= 2048 else 4)
-    _pick_kernel[(rows,)](best, out, chunks, BLOCK_C=max(16, triton.next_power_of_2(chunks)), num_warps=1)
+                                 BLOCK=block, num_warps=8 if block >= 2048 else 4, **pdl_options(logits.device))
+    _pick_kernel[(rows,)](best, out, chunks, BLOCK_C=max(16, triton.next_power_of_2(chunks)), num_warps=1,
+                          **pdl_options(logits.device))
     return out

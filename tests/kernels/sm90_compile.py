@@ -22,8 +22,8 @@ SHARED_BYTES = 232448  # an H100/H200 block's most shared memory (227 KB)
 
 
 def build(fn, consts: dict, pointers: dict, aligned: tuple[str, ...] = (), **options) -> str:
-    """PTX of `fn` for sm90: constexprs from `consts`, pointer types (or any argument's, e.g. a TMA descriptor's)
-    from `pointers` (else fp32 pointers; integers for the rest), launch
+    """PTX of `fn` for sm90: constexprs from `consts` (or their defaults), pointer types (or any argument's, e.g. a
+    TMA descriptor's) from `pointers` (else fp32 pointers; integers for the rest), launch
     `options` (num_warps, num_stages); fails when the kernel needs more shared memory than a block has.
     Pointers and the integer arguments whose names start with one of `aligned` are divisible by 16, as
     Triton specialises a launch's."""
@@ -31,7 +31,8 @@ def build(fn, consts: dict, pointers: dict, aligned: tuple[str, ...] = (), **opt
     for i, name in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr:
             signature[name] = "constexpr"
-            constexprs[(i,)] = consts[name]
+            param = fn.params[i]
+            constexprs[(i,)] = consts[name] if name in consts or not param.has_default else param.default
         elif name in pointers or name.endswith("_ptr"):
             signature[name] = pointers.get(name, "*fp32")
         else:

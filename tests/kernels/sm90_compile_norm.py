@@ -26,7 +26,8 @@ def compile_kernel(fn, constexprs: dict[str, int | bool], warps: int):
     signature, consts = {}, {}
     for i, name in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr:
-            signature[name], consts[(i,)] = "constexpr", constexprs[name]
+            signature[name] = "constexpr"
+            consts[(i,)] = constexprs[name] if name in constexprs else fn.params[i].default  # e.g. PDL's False
         else:
             signature[name] = "*bf16" if name.endswith("_ptr") else types.get(name, "i64")
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}

@@ -23,7 +23,7 @@ TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "
 def main() -> None:
     fn = r._gate_softmax_topk_kernel
     consts = r._launch(128, 8) | {"BLOCK_T": r.GATE_BLOCK_TOKENS, "BLOCK_K": r.GATE_BLOCK_K, "RENORMALIZE": True,
-                                  "UPCAST": False, "LIBDEVICE": True}
+                                  "UPCAST": False, "LIBDEVICE": True, "PDL": True}  # PDL: as on a Hopper
     warps = 8  # as `gate_softmax_topk` launches it
     signature = {n: ("constexpr" if fn.params[i].is_constexpr else TYPES.get(n, "i32")) for i, n in
                  enumerate(fn.arg_names)}

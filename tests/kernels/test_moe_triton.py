@@ -200,24 +200,24 @@ from triton.compiler import ASTSource
 from kvc.runtime.models import moe_align
 signature = {"ids_ptr": "*i64", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
              "num_pairs": "i32", "capacity": "i32", "num_experts": "i32", "BLOCK_M": "constexpr",
-             "BLOCK_E": "constexpr", "BLOCK_P": "constexpr", "BLOCK_FILL": "constexpr"}
+             "BLOCK_E": "constexpr", "BLOCK_P": "constexpr", "BLOCK_FILL": "constexpr", "PDL": "constexpr"}
 block_p, num_warps = moe_align.parallel_launch(3000)
 source = ASTSource(fn=moe_align._align_parallel_kernel, signature=signature,
-                   constexprs={"BLOCK_M": 16, "BLOCK_E": 128, "BLOCK_P": block_p, "BLOCK_FILL": 128})
+                   constexprs={"BLOCK_M": 16, "BLOCK_E": 128, "BLOCK_P": block_p, "BLOCK_FILL": 128, "PDL": True})
 kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 assert kernel.asm["cubin"]
 split, num_splits, block_p, num_warps = moe_align.split_launch(70000)
 assert num_splits > 1
 counts = ASTSource(fn=moe_align._align_counts_kernel, signature={
     "ids_ptr": "*i64", "counts_ptr": "*i32", "num_pairs": "i32", "split": "i32", "BLOCK_E": "constexpr",
-    "BLOCK_P": "constexpr"}, constexprs={"BLOCK_E": 128, "BLOCK_P": block_p})
+    "BLOCK_P": "constexpr", "PDL": "constexpr"}, constexprs={"BLOCK_E": 128, "BLOCK_P": block_p, "PDL": True})
 assert triton.compile(counts, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["cubin"]
 signature = {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
              "num_padded_ptr": "*i32", "num_pairs": "i32", "capacity": "i32", "num_experts": "i32", "split": "i32",
              "num_splits": "i32", "BLOCK_M": "constexpr", "BLOCK_E": "constexpr", "BLOCK_S": "constexpr",
-             "BLOCK_P": "constexpr", "BLOCK_FILL": "constexpr"}
+             "BLOCK_P": "constexpr", "BLOCK_FILL": "constexpr", "PDL": "constexpr"}
 place = ASTSource(fn=moe_align._align_split_kernel, signature=signature, constexprs={
-    "BLOCK_M": 128, "BLOCK_E": 128, "BLOCK_S": 16, "BLOCK_P": block_p, "BLOCK_FILL": 128})
+    "BLOCK_M": 128, "BLOCK_E": 128, "BLOCK_S": 16, "BLOCK_P": block_p, "BLOCK_FILL": 128, "PDL": True})
 assert triton.compile(place, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["cubin"]
 """
 

@@ -105,7 +105,7 @@ from triton.compiler import ASTSource
 from kvc.runtime.primitives import race_triton as r
 types = {"logits_ptr": "*fp32", "inv_temp_ptr": "*fp32", "best_ptr": "*i64", "out_ptr": "*i64", "stride_row": "i64",
          "vocab": "i32", "chunks": "i32", "seed": "i64"}
-for fn, consts in ((r._race_kernel, {"BLOCK": r.CHUNK}), (r._pick_kernel, {"BLOCK_C": 64})):
+for fn, consts in ((r._race_kernel, {"BLOCK": r.CHUNK, "PDL": True}), (r._pick_kernel, {"BLOCK_C": 64, "PDL": True})):
     sig = {n: ("constexpr" if fn.params[i].is_constexpr else types[n]) for i, n in enumerate(fn.arg_names)}
     c = {(i,): consts[n] for i, n in enumerate(fn.arg_names) if fn.params[i].is_constexpr}
     k = triton.compile(ASTSource(fn, sig, constexprs=c), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
