@@ -6,17 +6,20 @@ recompute QK^T, so a call is 2 x G x 256 x 2,176 x 128 x 2 FLOPs; the keys are r
 (CUDA graph replays), TFLOP/s and the keys' bytes over the time, for the heuristic's launch and the knobs swept.
 
     python bench/votes_bench.py --groups 4096 --out votes.json
+    git show REV:runtime/primitives/triton_primitives.py > /tmp/old.py
+    python bench/votes_bench.py --primitives /tmp/old.py   # an earlier version of the kernels, same shapes
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 
 import torch
 
 from kvc.runtime.bench.bandwidth import copy_gbps, graph_ms
-from kvc.runtime.primitives import triton_primitives as prims
+from kvc.runtime.primitives import triton_primitives
 from kvc.runtime.primitives.paged_keys import PagedKeys
 
 WINDOW, GROUP, KV_HEADS, DIM, PAGE = 32, 8, 4, 128, 16
@@ -28,8 +31,11 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=2176)
     ap.add_argument("--knobs", default="64:64:8,64:128:4,64:128:8,64:32:4",
                     help="block_q:block_k:num_warps settings to time beside the heuristic")
+    ap.add_argument("--primitives", default=None, help="time this file's `column_votes` instead (another version "
+                    "of runtime/primitives/triton_primitives.py)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    prims = _load(a.primitives) if a.primitives else triton_primitives
     dev, dt = torch.device("cuda"), torch.bfloat16
     rows, keys = a.groups // KV_HEADS, a.keys
     width = -(-keys // PAGE)
@@ -45,7 +51,8 @@ def main() -> None:
     key_bytes = 2 * rows * KV_HEADS * keys * DIM * plane.element_size()  # read once by each pass
     copy = copy_gbps()["best"]
     want = prims.column_votes(q, paged, n_keys)
-    results = {"groups": rows * KV_HEADS, "keys": keys, "copy_gbps": copy, "launches": []}
+    results = {"groups": rows * KV_HEADS, "keys": keys, "copy_gbps": copy, "primitives": a.primitives or "this tree",
+               "launches": []}
     settings = [None] + [tuple(int(x) for x in s.split(":")) for s in a.knobs.split(",") if s]
     for knobs in settings:
         kw = {} if knobs is None else dict(zip(("block_q", "block_k", "num_warps"), knobs))
@@ -60,6 +67,13 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def _load(path: str):
+    spec = importlib.util.spec_from_file_location("votes_primitives", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 if __name__ == "__main__":

@@ -98,12 +98,14 @@ def _columns(q_ptr, k_ptr, table_ptr, order_ptr, table_stride, stride_page, stri
              m_ptr, l_ptr, out_ptr, queries, length, n_keys, rows, scale, k_blocks,
              HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
              BLOCK_D: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, ORDERED: tl.constexpr,
-             KV_HEADS: tl.constexpr, PAGE: tl.constexpr):
+             KV_HEADS: tl.constexpr, PAGE: tl.constexpr, HEADS_A_BLOCK: tl.constexpr):
     """For a block of one KV head's keys, each query head of its group: the head's attention probabilities
     summed over its queries. The key tile is read once for the whole group, whose `rows` (= group x queries)
     query rows are taken BLOCK_R at a time (one matrix product over several heads' queries, as `_row_stats`);
     QK^T is recomputed tile by tile from the row statistics, so no [query, key] matrix is written. A head
-    whose rows straddle two blocks adds the second block's sums to the first's. One grid axis, a KV head's key
+    whose rows straddle two blocks adds the second block's sums to the first's; where a block holds whole heads
+    (HEADS_A_BLOCK > 0: the queries a power of two dividing BLOCK_R), one reduction over the block's rows viewed
+    as [heads, queries, keys] gives all its heads' sums. One grid axis, a KV head's key
     blocks side by side: they read the same queries and statistics, from L2 after the first (a stacked decode
     batch has tens of thousands of groups, whose queries would otherwise be read again from memory per block)."""
     pid = tl.program_id(0)
@@ -130,13 +132,19 @@ def _columns(q_ptr, k_ptr, table_ptr, order_ptr, table_stride, stride_page, stri
             s = tl.dot(q_tile, tl.trans(k_tile)) * scale
         seen = r_ok[:, None] & k_ok[None, :] & (k_offs[None, :] <= q_pos[:, None])
         p = tl.where(seen, tl.exp(s - m[:, None]) * inv_l[:, None], 0.0)
-        member = r_offs // queries
-        for head in range(r_start // queries, (tl.minimum(r_start + BLOCK_R, rows) - 1) // queries + 1):
-            votes = tl.sum(tl.where((member == head)[:, None], p, 0.0), axis=0)
-            out = out_ptr + (kv_head * group + head) * n_keys + k_offs
-            earlier = tl.full([BLOCK_K], head * queries, tl.int32) < r_start  # its rows began in an earlier block
-            votes += tl.load(out, mask=k_ok & earlier, other=0.0)
-            tl.store(out, votes, mask=k_ok)
+        if HEADS_A_BLOCK > 0:
+            votes = tl.sum(tl.reshape(p, [HEADS_A_BLOCK, BLOCK_R // HEADS_A_BLOCK, BLOCK_K]), axis=1)
+            heads = r_start // queries + tl.arange(0, HEADS_A_BLOCK)
+            out = out_ptr + (kv_head * group + heads)[:, None] * n_keys + k_offs[None, :]
+            tl.store(out, votes, mask=(heads < group)[:, None] & k_ok[None, :])
+        else:
+            member = r_offs // queries
+            for head in range(r_start // queries, (tl.minimum(r_start + BLOCK_R, rows) - 1) // queries + 1):
+                votes = tl.sum(tl.where((member == head)[:, None], p, 0.0), axis=0)
+                out = out_ptr + (kv_head * group + head) * n_keys + k_offs
+                earlier = tl.full([BLOCK_K], head * queries, tl.int32) < r_start  # its rows began in an earlier block
+                votes += tl.load(out, mask=k_ok & earlier, other=0.0)
+                tl.store(out, votes, mask=k_ok)
 
 
 TILE_BYTES = 1 << 17  # the query and key tiles of one step together, at most (shared memory; wide MLA heads)
@@ -217,7 +225,9 @@ def column_votes(q, k, n_keys, *, block_q=None, block_k=None, num_warps=None):
     m = m.contiguous()
     votes = torch.empty(heads, n_keys, dtype=f32, device=device)
     k_blocks = triton.cdiv(n_keys, block_k)
+    whole = queries & (queries - 1) == 0 and block_r % queries == 0  # a block holds whole heads
     _columns[(kv_heads * k_blocks,)](
         q, key_ptr, *key_args, m, l, votes, queries, length, n_keys, rows, scale, k_blocks, HEAD_DIM=head_dim,
-        BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee, num_warps=num_warps, **key_consts)
+        BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_D=block_d, IEEE=ieee, HEADS_A_BLOCK=block_r // queries if whole else 0,
+        num_warps=num_warps, **key_consts)
     return votes

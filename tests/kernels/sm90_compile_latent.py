@@ -72,7 +72,7 @@ def _column_votes() -> None:
         cfg = prims.votes_config(queries, True, head_dim=576)
         for fn, rows in ((prims._row_stats, "BLOCK_Q"), (prims._columns, "BLOCK_R")):  # the query rows a program takes
             consts = {"HEAD_DIM": 576, rows: cfg["block_q"], "BLOCK_K": cfg["block_k"], "BLOCK_D": 1024, "IEEE": False,
-                      **prims.DENSE}
+                      "HEADS_A_BLOCK": cfg["block_q"] // queries if cfg["block_q"] % queries == 0 else 0, **prims.DENSE}
             ptx = build(fn, consts, {"q_ptr": "*bf16", "k_ptr": "*bf16", "scale": "fp32"}, num_warps=cfg["num_warps"])
             _report(f"column votes {fn.__name__}, {queries} queries", ptx, cfg)
 
