@@ -173,8 +173,7 @@ class DecodeGraphs:
         out = self.logits[:b]
 
         def step() -> torch.Tensor:
-            out.copy_(r.model.compute_logits(r.model(self.input_ids[:b], self.positions[:b], attn)))
-            return out
+            return r.model.compute_logits(r.model(self.input_ids[:b], self.positions[:b], attn), out=out)
 
         return step
 

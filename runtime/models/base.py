@@ -163,8 +163,8 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T] int64 -> final-normed hidden states [T, hidden]."""
         raise NotImplementedError
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] in float32."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in float32; into `out` ([N, vocab] float32) where given."""
         raise NotImplementedError
 
     def checkpoint_layout(self) -> CheckpointLayout:

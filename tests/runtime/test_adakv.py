@@ -85,8 +85,8 @@ class Probe:
             self.plans[layer] = plan
             return plan
 
-        def spy_logits(hidden):
-            out = compute_logits(hidden)
+        def spy_logits(hidden, out=None):
+            out = compute_logits(hidden, out=out)
             self.logits.append(out.detach().clone())
             return out
 

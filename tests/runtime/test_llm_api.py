@@ -51,8 +51,8 @@ def test_eos_stops_unless_ignored(llm):
     # make EOS the argmax of the first step by biasing its logit through a tiny patch of the head
     head = llm.engine.model.compute_logits
 
-    def biased(hidden):
-        logits = head(hidden)
+    def biased(hidden, out=None):
+        logits = head(hidden, out=out)
         logits[:, eos] += 1e4
         return logits
 
