@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvc.runtime.primitives.pdl import gate as pdl_gate
+from kvc.runtime.primitives.pdl import options as pdl_options
 from kvc.runtime.primitives.torch_primitives import pool as _pool  # noqa: F401 -- the wrappers that pool call it
 from kvc.runtime.primitives.triton_primitives import column_votes as _column_votes
 
@@ -36,8 +38,9 @@ def _page_scores_kernel(
     q_ptr, kmax_ptr, kmin_ptr, tables_ptr, lengths_ptr, out_ptr,
     stride_qb, stride_qh, stride_sp, stride_sh, stride_tb, stride_ob, stride_oh,
     D, W, PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_G: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_G: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_gate(PDL)  # under PDL: the kernel before this one finished (runtime/primitives/pdl.py)
     # one program: BLOCK_P page-table columns of one row and KV head, every query head of its group
     b, h, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = blk * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -96,5 +99,6 @@ def page_scores(q, summaries, tables, lengths, page_size, out=None, *, block_p=B
         dim, width, PAGE=page_size, GROUP=heads // kv_heads, BLOCK_P=block_p, BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)),
         IEEE=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
+        **pdl_options(q.device),
     )
     return out

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvc.runtime.primitives.pdl import gate as pdl_gate
+from kvc.runtime.primitives.pdl import options as pdl_options
 from kvc.runtime.primitives.torch_primitives import pool as _pool  # noqa: F401 -- the wrappers that pool call it
 from kvc.runtime.primitives.triton_primitives import column_votes as _column_votes
 
@@ -36,8 +38,9 @@ def _cluster_scores_kernel(
     q_ptr, centroid_ptr, tables_ptr, lengths_ptr, out_ptr,
     stride_qb, stride_qh, stride_sp, stride_sh, stride_tb, stride_ob, stride_oh,
     D, W, PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_G: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_G: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_gate(PDL)  # under PDL: the kernel before this one finished (runtime/primitives/pdl.py)
     # one program: BLOCK_P clusters of one row and KV head, every query head of its group; the row's clusters
     # are its sequence row of the layer's summaries (`tables_ptr`: the decode rows' sequence rows, `stride_tb`
     # the summaries' row stride), every column scored (a padding cluster's size 0 keeps it out of the plan)
@@ -93,5 +96,6 @@ def cluster_scores(q, summaries, rows, out=None, *, block_p=BLOCK_P, num_warps=N
         dim, width, PAGE=1, GROUP=heads // kv_heads, BLOCK_P=block_p, BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)),
         IEEE=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
+        **pdl_options(q.device),
     )
     return out

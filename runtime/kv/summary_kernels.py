@@ -15,12 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kvc.runtime.primitives.pdl import gate as pdl_gate
+from kvc.runtime.primitives.pdl import options as pdl_options
+
 FNS = {"max": 0, "min": 1, "sum": 2, "mean": 3}
 
 
 @triton.jit
 def _append_kernel(slot_ptr, src_ptr, out_ptr, stride_sp, stride_sh, stride_ss, stride_op, stride_oh,
-                   H, D, PAGE: tl.constexpr, FN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                   H, D, PAGE: tl.constexpr, FN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     slot = tl.load(slot_ptr + tl.program_id(0)).to(tl.int64)
     if slot >= 0:
         page, offset = slot // PAGE, slot % PAGE
@@ -54,5 +59,5 @@ def append(summary: torch.Tensor, fn: str, source: torch.Tensor, slots: torch.Te
     _append_kernel[(slots.numel(),)](
         slots, source, summary, source.stride(0), source.stride(1), source.stride(2), summary.stride(0),
         summary.stride(1), heads, dim, PAGE=source.shape[2], FN=FNS[fn], BLOCK_H=triton.next_power_of_2(heads),
-        BLOCK_D=triton.next_power_of_2(dim), num_warps=4 if heads * dim >= 1024 else 1,
+        BLOCK_D=triton.next_power_of_2(dim), num_warps=4 if heads * dim >= 1024 else 1, **pdl_options(summary.device),
     )

@@ -25,6 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvc.runtime.primitives.pdl import gate as pdl_gate
+from kvc.runtime.primitives.pdl import options as pdl_options
+
 from kvc.runtime.primitives import torch_primitives
 
 MAX_PAGES = 65536  # one program holds a row's scores in registers; wider rows take the torch path
@@ -116,7 +119,9 @@ def _store_plan(base, cols, take, first_newest, N_TOP, N_LAST, BLOCK: tl.constex
 
 @triton.jit
 def _read_pages_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stride_sh, stride_or, stride_oh,
-                       W, N_TOP, N_LAST, PAGE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_L: tl.constexpr):
+                       W, N_TOP, N_LAST, PAGE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_L: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     r, h = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, BLOCK_W)
     first_newest = _first_newest(lengths_ptr, r, N_LAST, PAGE)
@@ -127,7 +132,8 @@ def _read_pages_kernel(scores_ptr, lengths_ptr, out_ptr, stride_sr, stride_sh, s
 
 @triton.jit
 def _slice_candidates_kernel(scores_ptr, lengths_ptr, key_ptr, col_ptr, stride_sr, stride_sh, W, N_TOP, N_LAST, CAND,
-                             PAGE: tl.constexpr, SLICE: tl.constexpr):
+                             PAGE: tl.constexpr, SLICE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     # the first of a wide row's two passes: each slice of SLICE pages lists its best CAND (= min(N_TOP,
     # SLICE)) ranked pages as (key, column) in column order, the smallest int32 key and -1 after them
     r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -147,7 +153,8 @@ def _slice_candidates_kernel(scores_ptr, lengths_ptr, key_ptr, col_ptr, stride_s
 
 @triton.jit
 def _cut_candidates_kernel(key_ptr, col_ptr, lengths_ptr, out_ptr, stride_or, stride_oh, N_CAND, N_TOP, N_LAST,
-                           PAGE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr):
+                           PAGE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_gate(PDL)
     # the second pass: the row's plan from its slices' candidates, which hold every page the one-pass
     # plan takes (a slice's cut is at or below the row's, and the ties a row takes are a prefix of each
     # slice's), in column order
@@ -187,18 +194,19 @@ def read_pages(scores: torch.Tensor, lengths: torch.Tensor, page: int, *, count,
         _read_pages_kernel[(rows, kv_heads)](
             scores, lengths, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
             width, n_top, n_last, PAGE=page, BLOCK_W=block_w, BLOCK_L=block_l,
-            num_warps=num_warps or _warps(block_w),
+            num_warps=num_warps or _warps(block_w), **pdl_options(scores.device),
         )
         return out
     keys = torch.empty(rows, kv_heads, slices * cand, dtype=torch.int32, device=scores.device)
     cols = torch.empty_like(keys)
     _slice_candidates_kernel[(rows, kv_heads, slices)](
         scores, lengths, keys, cols, scores.stride(0), scores.stride(1), width, n_top, n_last, cand,
-        PAGE=page, SLICE=slice_pages, num_warps=_warps(slice_pages),
+        PAGE=page, SLICE=slice_pages, num_warps=_warps(slice_pages), **pdl_options(scores.device),
     )
     _cut_candidates_kernel[(rows, kv_heads)](
         keys, cols, lengths, out, out.stride(0), out.stride(1), slices * cand, n_top, n_last,
         PAGE=page, BLOCK_C=block_c, BLOCK_L=block_l, num_warps=num_warps or _warps(block_c),
+        **pdl_options(scores.device),
     )
     return out
 

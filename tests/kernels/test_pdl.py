@@ -18,9 +18,10 @@ from kvc.runtime.primitives import pdl  # noqa: E402
 
 def _kernels():
     from kvc.kernels_generated._attention import plain
-    from kvc.runtime.kv import records_triton
+    from kvc.kernels_generated.quest import triton_kernels as quest
+    from kvc.runtime.kv import records_triton, summary_kernels
     from kvc.runtime.models import moe_align, moe_triton, norm_triton, router_triton
-    from kvc.runtime.primitives import race_triton
+    from kvc.runtime.primitives import race_triton, triton_plans
 
     return [norm_triton._rms_norm_kernel, norm_triton._add_rms_norm_kernel, norm_triton._norm_rope_kernel,
             norm_triton._silu_mul_kernel, router_triton._softmax_topk_kernel, router_triton._gate_softmax_topk_kernel,
@@ -28,7 +29,9 @@ def _kernels():
             moe_align._align_counts_kernel, moe_align._align_split_kernel, moe_triton._gate_up_kernel,
             moe_triton._down_kernel, moe_triton._sum_pairs_kernel, records_triton._positions_kernel,
             records_triton._queries_kernel, race_triton._race_kernel, race_triton._pick_kernel,
-            plain._store_kv_kernel, plain._decode_split_kernel, plain._decode_reduce_kernel]
+            plain._store_kv_kernel, plain._decode_split_kernel, plain._decode_reduce_kernel,
+            quest._page_scores_kernel, triton_plans._read_pages_kernel, triton_plans._slice_candidates_kernel,
+            triton_plans._cut_candidates_kernel, summary_kernels._append_kernel]
 
 
 def test_only_hopper_gpus_launch_with_pdl(monkeypatch):
