@@ -52,11 +52,12 @@ def test_h2o_column_sums():
     torch.testing.assert_close(both["seen"], expected, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("queries,block_q", [(6, 16), (3, 16), (20, 16), (8, 32)])
+@pytest.mark.parametrize("queries,block_q", [(6, 16), (3, 16), (20, 16), (8, 32), (4, 16), (16, 16)])
 def test_column_votes_against_the_attention_it_sums(queries, block_q):
     """`column_votes` equals causal softmax attention of the last `queries` positions summed over them, per query
     head, for the first n_keys keys; a KV head's query rows (group x queries) go `block_q` at a time, so a
-    head's rows may straddle two blocks (20 queries in blocks of 16) or share one with other heads (3, 6, 8)."""
+    head's rows may straddle two blocks (20 queries in blocks of 16) or share one with other heads (3, 6, 8); a
+    block of whole heads (4, 8 or 16 queries, a power of two dividing the block) sums them in one reduction."""
     from kvc.runtime.primitives.triton_primitives import column_votes
 
     g = torch.Generator().manual_seed(queries)
