@@ -61,7 +61,7 @@ def _row_stats(q_ptr, k_ptr, table_ptr, order_ptr, table_stride, stride_page, st
     the host side of the wrapper. One grid axis, the query blocks fastest, then the splits, then the KV heads:
     the programs that read the same keys run side by side, so the second reads them from L2."""
     pid = tl.program_id(0)
-    kv_head = pid // (q_blocks * splits)
+    kv_head = (pid // (q_blocks * splits)).to(tl.int64)  # a stacked batch's queries pass 2**31 elements
     split = pid // q_blocks % splits
     r_offs = pid % q_blocks * BLOCK_Q + tl.arange(0, BLOCK_Q)
     d_offs = tl.arange(0, BLOCK_D)
@@ -109,7 +109,7 @@ def _columns(q_ptr, k_ptr, table_ptr, order_ptr, table_stride, stride_page, stri
     blocks side by side: they read the same queries and statistics, from L2 after the first (a stacked decode
     batch has tens of thousands of groups, whose queries would otherwise be read again from memory per block)."""
     pid = tl.program_id(0)
-    kv_head = pid // k_blocks
+    kv_head = (pid // k_blocks).to(tl.int64)  # a stacked batch's queries pass 2**31 elements
     k_offs = pid % k_blocks * BLOCK_K + tl.arange(0, BLOCK_K)
     d_offs = tl.arange(0, BLOCK_D)
     k_ok = k_offs < n_keys
