@@ -61,8 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvc.runtime.primitives.pdl import enabled as pdl_enabled
 from kvc.runtime.primitives.pdl import gate as pdl_gate
+from kvc.runtime.primitives.pdl import options as pdl_options
 from kvc.runtime.tuning import buckets as tuning_buckets
 from kvc.runtime.tuning.lookup import source_hash, tuned
 
@@ -290,7 +290,7 @@ def store_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        PAGE_SIZE=k_cache.shape[2], PDL=pdl_enabled(k.device), launch_pdl=pdl_enabled(k.device),
+        PAGE_SIZE=k_cache.shape[2], **pdl_options(k.device),
         num_warps=num_warps or store_kv_launch_warps(num_tokens, num_kv_heads, head_dim, k.dtype),
     )
 
@@ -490,7 +490,7 @@ def paged_decode(
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps,
                      num_stages=num_stages, use_dot=use_dot)
     cfg = replace(cfg, **{k: val for k, val in overrides.items() if val is not None})
-    pdl = pdl_enabled(q.device)
+    pdl = pdl_options(q.device)  # PDL and launch_pdl (runtime/primitives/pdl.py)
 
     splits = cfg.num_splits
     if splits > 1:
@@ -512,7 +512,7 @@ def paged_decode(
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, DIRECT_OUT=splits == 1,
         USE_DOT=cfg.use_dot, DOT_PRECISION=_dot_precision(q.dtype), HAS_STARTS=kv_starts is not None,
-        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     if splits > 1:
         split_block = min(triton.next_power_of_2(splits), max(1, 8192 // block_d))
@@ -520,7 +520,7 @@ def paged_decode(
             part_out, part_lse, context_lens, starts, out,
             splits, stride_sb, out.stride(0), out.stride(1),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_BLOCK=split_block,
-            HAS_STARTS=kv_starts is not None, num_warps=4 if head_dim >= 128 else 2, PDL=pdl, launch_pdl=pdl,
+            HAS_STARTS=kv_starts is not None, num_warps=4 if head_dim >= 128 else 2, **pdl,
         )
     return out
 

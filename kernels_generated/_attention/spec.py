@@ -77,8 +77,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvc.runtime.primitives.pdl import enabled as pdl_enabled
 from kvc.runtime.primitives.pdl import gate as pdl_gate
+from kvc.runtime.primitives.pdl import options as pdl_options
 from kvc.runtime.tuning import buckets as tuning_buckets
 from kvc.runtime.tuning.lookup import source_hash, tuned
 
@@ -1786,7 +1786,7 @@ def _launch_store(k, v, k_cache, v_cache, slot_mapping, cu_seqlens_q, context_le
         PAGE_SIZE=k_cache.shape[2], **k_op.constants("K"), **v_op.constants("V"),
         K_BLOCK_G=triton.next_power_of_2(head_dim // k_op.group), V_BLOCK_G=triton.next_power_of_2(head_dim // v_op.group),
         BLOCK_B=triton.next_power_of_2(batch), CODES=codes, DOT_PRECISION=_dot_precision(k.dtype),
-        PDL=pdl_enabled(k.device), launch_pdl=pdl_enabled(k.device),
+        **pdl_options(k.device),
         num_warps=num_warps or store_kv_launch_warps(num_tokens, num_kv_heads, head_dim, k.dtype),
     )
 
@@ -2138,7 +2138,7 @@ def paged_decode(
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps,
                      num_stages=num_stages, use_dot=use_dot)
     cfg = replace(cfg, **{k: val for k, val in overrides.items() if val is not None})
-    pdl = pdl_enabled(q.device)
+    pdl = pdl_options(q.device)  # PDL and launch_pdl (runtime/primitives/pdl.py)
 
     splits = cfg.num_splits
     extra = _estimate_parts(estimate)
@@ -2195,7 +2195,7 @@ def paged_decode(
         K_FOLD=_fold(k_op, head_dim, tiles_in_pages, pages_in_tiles),
         V_FOLD=_fold(v_op, head_dim, tiles_in_pages, pages_in_tiles),
         ASM=os.environ.get("TRITON_INTERPRET") != "1", TAIL=tail, HAS_COUNTS=counts is not context_lens,
-        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     if tail:
         splits = part_stride  # the reduce's: the mma partials, then the tail's
@@ -2207,7 +2207,7 @@ def paged_decode(
             splits, stride_sb, out.stride(0), out.stride(1),
             plan_len, last, counts, v_op.rotation_arg,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT_BLOCK=split_block,
-            HAS_STARTS=kv_starts is not None, num_warps=4 if head_dim >= 128 else 2, PDL=pdl, launch_pdl=pdl,
+            HAS_STARTS=kv_starts is not None, num_warps=4 if head_dim >= 128 else 2, **pdl,
             READ=read_mode, HAS_LAST=last is not context_lens, V_ROT=v_op.rotated,
             ALL_ACTIVE=tail, HAS_COUNTS=counts is not context_lens, EXTRA=extra,
         )
