@@ -13,11 +13,12 @@ recompute QK^T, so a call is 2 x G x 256 x 2,176 x 128 x 2 FLOPs; the keys are r
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+from pathlib import Path
 
 import torch
 
+from kvc.compiler.cache import import_file
 from kvc.runtime.bench.bandwidth import copy_gbps, graph_ms
 from kvc.runtime.primitives import triton_primitives
 from kvc.runtime.primitives.paged_keys import PagedKeys
@@ -35,7 +36,7 @@ def main() -> None:
                     "of runtime/primitives/triton_primitives.py)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    prims = _load(a.primitives) if a.primitives else triton_primitives
+    prims = import_file("votes_primitives", Path(a.primitives)) if a.primitives else triton_primitives
     dev, dt = torch.device("cuda"), torch.bfloat16
     rows, keys = a.groups // KV_HEADS, a.keys
     width = -(-keys // PAGE)
@@ -67,13 +68,6 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
-
-
-def _load(path: str):
-    spec = importlib.util.spec_from_file_location("votes_primitives", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 if __name__ == "__main__":
