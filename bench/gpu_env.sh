@@ -37,13 +37,14 @@ step() {
   local left=$(( TOTAL - (now - T0) ))
   if (( est > left )); then echo "SKIP $name (needs $est s, $left left)"; return; fi
   echo "== $name ($left s left)"
-  timeout $(( left - 5 )) "$@" > "/tmp/r/$name.log" 2>&1
+  timeout $(( left - 5 )) bash -c '"$@"' step "$@" > "/tmp/r/$name.log" 2>&1
   echo "rc=$? $name $(( $(date +%s) - now ))s"; tail -n 25 "/tmp/r/$name.log"; pack
 }
 suite() { python3 -m kvc.runtime.cli bench suite "$@"; }
+export -f suite  # `step` runs its command under `timeout`, which runs programs, not shell functions: bash -c
 detach() {
   local name=$1; shift
-  setsid nohup "$@" > "/tmp/r/$name.log" 2>&1 < /dev/null &
+  setsid nohup bash -c '"$@"' detach "$@" > "/tmp/r/$name.log" 2>&1 < /dev/null &
   echo $! > "/tmp/r/$name.pid"; echo "detached $name (pid $!)"
 }
 wait_for() {

@@ -45,6 +45,14 @@ def _header(method_path: str, template: str) -> str:
             "# Do not edit: change the .kvm or the template and run `kvc compile`.")
 
 
+def _input_json(i) -> dict:
+    """A declared input as the manifest and the generated hooks carry it (runtime/compiled/inputs.py)."""
+    data = {"dims": list(i.dims), "file": i.file}
+    if i.fallback is not None:
+        data["fallback"] = i.fallback
+    return data
+
+
 def _literal(value: object) -> str:
     return pprint.pformat(value, sort_dicts=True, width=100)
 
@@ -87,7 +95,7 @@ def _manifest(method: MethodIR, lowered: bool, reason: str | None, files: dict[s
     if attention_entry is not None:
         data["attention"] = attention_entry
     if method.inputs:  # tensors the engine loads for the method (runtime/models/method_inputs.py)
-        data["inputs"] = {i.name: {"dims": list(i.dims), "file": i.file} for i in method.inputs}
+        data["inputs"] = {i.name: _input_json(i) for i in method.inputs}
     if method.roles:
         data["roles"] = sorted(method.roles)
     if reason is not None:
@@ -143,7 +151,7 @@ def generate_ir(method: MethodIR) -> dict[str, str]:
                                             "unpack": lower_torch.unpack_lines(roles, params)}
     context = {"method": method, "defaults": defaults, "states": _literal([s.name for s in method.states]),
                "roles": roles_ctx, "role_list": list(method.roles), "role_names": _literal(list(method.roles)),
-               "inputs": _literal({i.name: {"dims": list(i.dims), "file": i.file} for i in method.inputs}),
+               "inputs": _literal({i.name: _input_json(i) for i in method.inputs}),
                "hook_params": hook_params,
                "hooks": hooks, "has_end_keep": bool(end and end["keep"]), "dispatch": dispatch,
                "has_chunk": "prefill_chunk" in names,
@@ -212,5 +220,6 @@ def _bare_ir(checked) -> MethodIR:
                     source_sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
                     params=[ParamIR(n, str(p.type), checked.values[n]) for n, p in checked.params.items()],
                     values=dict(checked.values), lets={n: _formula(e, checked.lets) for n, e in checked.lets.items()},
-                    inputs=[InputIR(d.name.name, tuple(x.name for x in d.shape.dims), d.source.value)
+                    inputs=[InputIR(d.name.name, tuple(x.name for x in d.shape.dims), d.source.value,
+                                            None if d.fallback is None else d.fallback.name)
                             for d in checked.method.items if isinstance(d, ast.Input)])  # trainable before lowering

@@ -328,6 +328,7 @@ class InputIR:
     name: str
     dims: tuple[str, ...]
     file: str
+    fallback: str | None = None  # `or zeros`: zeros where no file is found
 
 
 @dataclass(frozen=True)
@@ -661,7 +662,8 @@ def build(checked, source: bytes | None = None) -> MethodIR:
             init = to_sympy(decl.init, checked.lets) if decl.init is not None else 0
             method.states.append(StateIR(decl.name.name, tuple(d.name for d in decl.shape.dims), init))
         if isinstance(decl, ast.Input):
-            method.inputs.append(InputIR(decl.name.name, tuple(d.name for d in decl.shape.dims), decl.source.value))
+            method.inputs.append(InputIR(decl.name.name, tuple(d.name for d in decl.shape.dims), decl.source.value,
+                                         None if decl.fallback is None else decl.fallback.name))
         if isinstance(decl, ast.Replay):
             method.replay = ReplayIR(
                 decl.prompt.value, to_sympy(decl.chunk, checked.lets), None if decl.then is None else decl.then.value,
@@ -686,23 +688,26 @@ _QUANTIZERS = ("fp8", "quant", "lloyd_max")
 
 def _lowerable_stores(checked) -> None:
     """A quantization or compression method lowers when every `store` is one quantizer (`fp8`,
-    `quant` or `lloyd_max`), optionally after a `rotate`, or one low-rank `project` of the whole
-    stream, or DeltaKV's joint code of k and v, for every layer or for some (`where layer [not] in P`:
-    the others store it dense): its store rotates (the kernels rotate queries and outputs, not the
-    cache), quantizes (token by token, or a block at a time for groups over tokens) or projects, and
-    attention decodes, from the KV spec alone. Its hooks lower as any family's do."""
+    `quant` or `lloyd_max`), optionally after a key offset (`residual(x[layer])`) and a `rotate`, or
+    one low-rank `project` of the whole stream, or DeltaKV's joint code of k and v, for every layer
+    or for some (`where layer [not] in P`: the others store it dense): its store rotates (the kernels
+    rotate queries and outputs, not the cache), quantizes (token by token, or a block at a time for
+    groups over tokens) or projects, and attention decodes, from the KV spec alone. Its hooks lower
+    as any family's do."""
     for decl in (d for d in checked.method.items if isinstance(d, ast.Store)):
         stages = [c.func.name for c in decl.codecs if isinstance(c, ast.Call)]
         if decl.also and stages == ["residual", "project"]:
             continue  # DeltaKV's joint code (its kv_spec says whether it maps)
-        body = stages[1:] if stages[:1] == ["rotate"] else stages
+        offset = stages[:1] == ["residual"] and len(stages) > 1 and stages[1] != "project"
+        body = stages[1:] if offset else stages  # a key offset (its kv_spec says whether it maps)
+        body = body[1:] if body[:1] == ["rotate"] else body
         if body == ["project"] and decl.exempt is None:
             continue
         if len(body) != 1 or body[0] not in _QUANTIZERS:
             raise NotLowerable(f"store {decl.target.name} as {' then '.join(stages)}: one quantizer (fp8, quant or "
-                               "lloyd_max), after at most one rotate, or one project of every token is lowered so far "
-                               "(QJL sketches, residuals against references and learned compressors are not)",
-                               decl.pos)
+                               "lloyd_max), after at most a key offset and a rotate, or one project of every token is "
+                               "lowered so far (QJL sketches, residuals against references and learned compressors "
+                               "are not)", decl.pos)
 
 
 def _formula(expr: ast.Expr, lets) -> str:

@@ -114,10 +114,11 @@ class Quantized:
     shared_heads: bool = True
     codebook: str | None = None  # "sphere": lloyd_max's levels
     rotation: object = None  # "hadamard" | "random" | a Param: `rotate(...)` before the quantizer
+    offset: str | None = None  # `residual(x[layer])` first: the LAYER tensor (input) subtracted from keys
 
     @property
     def tensor_names(self) -> set[str]:
-        return {n for n in (self.codes, self.scale, self.zero, self.residual) if n}
+        return {n for n in (self.codes, self.scale, self.zero, self.residual, self.offset) if n}
 
     def to_json(self) -> dict:
         data = {"kind": "quantized", "codes": self.codes, "scale": self.scale, "zero": self.zero,
@@ -126,6 +127,8 @@ class Quantized:
             data["codebook"] = self.codebook
         if self.rotation is not None:
             data["rotation"] = str(self.rotation)
+        if self.offset is not None:
+            data["offset"] = self.offset
         data["prefill_exact"] = self.format is None  # a chunk reads itself as computed (runtime/kv/spec.py)
         if self.format is not None:
             data.update(format=str(self.format), scaling=str(self.scaling), shared_heads=self.shared_heads)
@@ -294,6 +297,12 @@ class _Deriver:
         if decl.exempt is not None:
             text += f" except {source_of(decl.exempt)}"
         codecs = [c for c in decl.codecs if isinstance(c, ast.Call)]
+        offset = None
+        if len(codecs) > 1 and codecs[0].func.name == "residual" and codecs[1].func.name != "project":
+            offset = self.offset(which, codecs[0])
+            if offset is None:
+                return Unmapped(text), []
+            codecs = codecs[1:]
         rotation = None
         if len(codecs) == 2 and codecs[0].func.name == "rotate" and codecs[1].func.name in ("quant", "fp8",
                                                                                           "lloyd_max"):
@@ -307,11 +316,15 @@ class _Deriver:
         if stages == ["project"] and decl.exempt is None:
             mapped = self.project(which, codecs[0])
             return (Unmapped(text), []) if mapped is None else mapped
+        if offset is not None and (stages not in (["quant"], ["lloyd_max"]) or decl.exempt is not None):
+            self.unfit(decl, f"store {which} as {text}: an offset leads one integer or codebook quantizer (quant, "
+                             "lloyd_max) and keeps no residual window")
+            return Unmapped(text), []
         if stages in (["fp8"], ["lloyd_max"]):
             mapped = (self.fp8 if stages == ["fp8"] else self.lloyd_max)(which, decl, codecs[0])
             if mapped is None:
                 return Unmapped(text), []
-            return dataclasses.replace(mapped[0], rotation=rotation), mapped[1]
+            return self.with_offset(dataclasses.replace(mapped[0], rotation=rotation), mapped[1], offset)
         if any(name != "quant" for name in stages):
             unfit = [c for c in codecs if c.func.name != "quant"]
             what = "; ".join(f"{c.func.name}: {_UNFIT_STAGES.get(c.func.name, 'not in the spec yet')}"
@@ -322,8 +335,31 @@ class _Deriver:
             self.unfit(decl, f"store {which} as {text}: a pipeline of several stages is not in the KV spec yet")
             return Unmapped(text), []
         mapped = self.quant(which, decl, codecs[0])
-        return (Unmapped(text), []) if mapped is None else (dataclasses.replace(mapped[0], rotation=rotation),
-                                                            mapped[1])
+        if mapped is None:
+            return Unmapped(text), []
+        return self.with_offset(dataclasses.replace(mapped[0], rotation=rotation), mapped[1], offset)
+
+    def offset(self, which: str, call: ast.Call) -> str | None:
+        """`residual(x[layer])` leading a key quantizer, x an input `[layer, kv_head, channel]`: the name
+        of the LAYER tensor the keys are stored relative to (`Quantized.offset`), or None (a reason)."""
+        arg = call.args[0] if call.args else None
+        base = arg.value if isinstance(arg, ast.Subscript) else None
+        decl = self.inputs.get(getattr(base, "id", None))
+        if decl is None or [d.name for d in decl.shape.dims] != ["layer", "kv_head", "channel"]:
+            self.unfit(call, f"store {which}: an offset `{source_of(call)}` is an input declared [layer, kv_head, "
+                             "channel], indexed by layer")
+            return None
+        if which != "k":
+            self.unfit(call, "store v: an offset is for keys (attention ignores a constant added to every key's "
+                             "logit; values would need it added back to the output)")
+            return None
+        return base.id
+
+    @staticmethod
+    def with_offset(enc: Quantized, tensors: list[TensorDesc], offset: str | None):
+        if offset is None:
+            return enc, tensors
+        return dataclasses.replace(enc, offset=offset), [*tensors, TensorDesc(offset, "layer", MODEL, (HEAD_DIM,))]
 
     def project(self, which: str, call: ast.Call):
         """`project(down[layer], up[layer], group = g, prerope = p)`: each KV head stores its share of
@@ -836,6 +872,7 @@ class _Emitter:
                     f'prerope={enc.prerope})')
         zero = "None" if enc.zero is None else f'"{enc.zero}"'
         rotation = "" if enc.rotation is None else f", rotation={_choice(enc.rotation)}"
+        rotation += "" if enc.offset is None else f', offset="{enc.offset}"'
         if enc.format is not None:
             return (f'Quantized(\n        "{enc.codes}", "{enc.scale}", 8, head_dim, format={_choice(enc.format)}, '
                     f'scaling={_choice(enc.scaling)},\n        shared_heads={enc.shared_heads}{rotation},\n    )')

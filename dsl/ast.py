@@ -214,6 +214,7 @@ class Input(Decl):
     name: Ident
     shape: Shape
     source: String
+    fallback: Ident | None = None  # `or zeros`: the value where no file is found
 
 
 @dataclass

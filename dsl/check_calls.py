@@ -590,9 +590,12 @@ def _residual(xc, e, ctx):
     t = tensor(xc, b.args[0], ctx, "the reference")
     if t is None:
         return UNKNOWN
+    if tuple(t.dims) == ("kv_head", "channel"):  # one vector per KV head: an offset (e.g. k_mean[layer])
+        return Codec("residual")
     if "channel" not in t.dims or not any(_is_partition(xc, d) for d in t.dims):
-        return xc.error(b.args[0], "the reference is one vector per partition item, "
-                                   f"e.g. [kv_head, clusters, channel], got {t}")
+        return xc.error(b.args[0], "the reference is one vector per KV head (an input indexed by layer, "
+                                   "[kv_head, channel]) or per partition item, e.g. [kv_head, clusters, channel]; "
+                                   f"got {t}")
     return Codec("residual")
 
 

@@ -274,6 +274,9 @@ class Checker:
         t = self.shape_type(d.shape, "an input", allow_layer=True, allow_selection=False)
         if not d.source.value.strip():
             self.xc.error(d.source, "name the safetensors file the input is loaded from")
+        if d.fallback is not None and d.fallback.name != "zeros":
+            self.xc.error(d.fallback, f"an input's fallback is `or zeros` (its value where no file is found), "
+                                      f"not `or {d.fallback.name}`")
         self.declare(d.name, "input", t, d)
 
     def check_summary(self, d: ast.Summary) -> None:

@@ -101,7 +101,8 @@ def decl(d: ast.Decl) -> str:
         text = f"{'shared' if d.shared else 'state'} {d.name.name}: {_shape(d.shape)}"
         return text + (f" = {expr(d.init)}" if d.init is not None else "")
     if isinstance(d, ast.Input):
-        return f"input {d.name.name}: {_shape(d.shape)} from {_string(d.source.value)}"
+        fallback = "" if d.fallback is None else f" or {d.fallback.name}"
+        return f"input {d.name.name}: {_shape(d.shape)} from {_string(d.source.value)}{fallback}"
     if isinstance(d, ast.Summary):
         return f"summary {d.name.name} = {expr(d.value)}"
     if isinstance(d, ast.Role):

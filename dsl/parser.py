@@ -143,7 +143,8 @@ class _ToAst(Transformer):
         return ast.State(self._id(c[0]), c[1], c[2], shared=True, pos=self._pos(meta))
 
     def input_decl(self, meta, c):
-        return ast.Input(self._id(c[0]), c[1], self._string(c[2]), pos=self._pos(meta))
+        fallback = None if c[3] is None else self._id(c[3])
+        return ast.Input(self._id(c[0]), c[1], self._string(c[2]), fallback, pos=self._pos(meta))
 
     def summary_decl(self, meta, c):
         return ast.Summary(self._id(c[0]), c[1], pos=self._pos(meta))

@@ -372,12 +372,30 @@ class PagedAttention:
     def page_size(self) -> int:
         return self.stores[0].page_size
 
-    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
-              window_tokens: int | None = None) -> None:
+    def key_offset(self, layer: int) -> torch.Tensor | None:
+        """[Hkv, D]: what layer `layer`'s keys are stored relative to (`Quantized.offset`: the backend
+        subtracts it from a step's keys before storing them or attending to them), or None."""
+        return self._key_offsets[layer]
+
+    @cached_property
+    def _key_offsets(self) -> list[torch.Tensor | None]:
+        out = []
+        for layer in range(len(self.layer_class)):
+            store = self.store_of(layer)
+            name = getattr(store.spec.keys, "offset", None)
+            out.append(None if name is None else store[name][layer])
+        return out
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
         """Writes the step's keys/values into their slots of layer `layer_idx` (no attention: a
-        replayed prefill, runtime/prefill_record.py, needs only the stored K/V); `window_tokens` n:
-        only tokens [0, n) enter residual windows now (`forward`: the prefill chunks' after their
-        attention)."""
+        replayed prefill, runtime/prefill_record.py, needs only the stored K/V)."""
+        offset = self.key_offset(layer_idx)
+        self._write(layer_idx, k if offset is None else k - offset, v, md)
+
+    def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
+               window_tokens: int | None = None) -> None:
+        """`write` of keys already relative to the layer's offset; `window_tokens` n: only tokens [0, n)
+        enter residual windows now (`forward`: the prefill chunks' after their attention)."""
         slots = md.slot_mapping[layer_idx]
         k_src, v_src = self._layer(layer_idx)
         store = self.store_of(layer_idx)
@@ -481,6 +499,9 @@ class PagedAttention:
             kernels = self.class_ops[self.layer_class[layer_idx]] if self.backend == "triton" else None
             return delta_ops.forward(k_cache, q, k, v, md, layer_idx, scale, read, kernels=kernels)
         store = self.store_of(layer_idx)
+        offset = self.key_offset(layer_idx)
+        if offset is not None:  # every key of the step's softmax and store relative to it (`key_offset`)
+            k = k - offset
         tables, lens = md.block_tables[layer_idx], md.context_lens[layer_idx]
         resid = None if md.resid_lens is None or not store.residual_window else md.resid_lens[layer_idx]
         extra_d = {} if resid is None else {"rows": md.rows[:md.num_decodes], "resid_lens": resid[:md.num_decodes]}
@@ -492,7 +513,7 @@ class PagedAttention:
         starts = None if md.kv_starts is None else md.kv_starts[layer_idx]  # [B, Hkv]
         ops = self.class_ops[self.layer_class[layer_idx]]
         # a prefill chunk reads the window's older slots, which its own would overwrite: they enter after
-        self.write(layer_idx, k, v, md, window_tokens=None if resid is None else md.num_decodes)
+        self._write(layer_idx, k, v, md, window_tokens=None if resid is None else md.num_decodes)
         out = q.new_empty(*q.shape[:2], v_cache.shape[-1])  # MLA's values are narrower than its keys
         num_decodes = md.num_decodes
         decompress = latent is not None and self.mla_prefill == "decompressed" and md.num_prefills > 0

@@ -1,9 +1,10 @@
 """`kvc calibrate METHOD`: writes a method's input tensors for a model.
 
-Three kinds, told apart by the compiled method's manifest (no method names here): a method whose KV
+Four kinds, told apart by the compiled method's manifest (no method names here): a method whose KV
 spec stores K/V as low-rank latents gets its projections from the model's weights (lowrank.py,
 seconds); one that stores a code relative to nearest centers (`delta`) gets its compressor by
-training through the frozen model (deltakv.py, minutes); otherwise a method with one [layer,
+training through the frozen model (deltakv.py, minutes); one that stores keys relative to an offset
+gets each layer and head's mean key over calibration text (offsets.py, seconds); otherwise a method with one [layer,
 kv_head] input gets it (its gates) by optimisation (gates.py).
 
 The method names its input file (`input gate: [layer, kv_head] from "FILE"`) and its streaming
@@ -29,7 +30,8 @@ HELD_OUT = 2  # calibration sequences a trained compressor is evaluated on, not 
 
 def add_command(sub) -> None:
     p = sub.add_parser("calibrate", help="learn a method's input tensors (DuoAttention's gates) on a model")
-    p.add_argument("method", help="a method with a [layer, kv_head] input (duoattention) or low-rank K/V (palu)")
+    p.add_argument("method", help="a method with a [layer, kv_head] input (duoattention), low-rank K/V (palu), "
+                   "a delta code (deltakv) or key offsets (turboquant)")
     p.add_argument("--method-param", action="append", metavar="KEY=VALUE", default=None,
                    help="a method parameter the inputs depend on (a low-rank ratio), repeatable")
     p.add_argument("--model", default=None, help="model directory, gguf:FILE (default: the embedded model)")
@@ -37,7 +39,8 @@ def add_command(sub) -> None:
     p.add_argument("--context", type=int, default=1024, help="tokens per calibration context (gates: synthetic "
                    "passkey contexts; low-rank: sequences of the calibration text)")
     p.add_argument("--target-context", type=int, default=4096,
-                   help="the context the method's sink and recent are meant for (they are scaled to --context)")
+                   help="the context the method is meant for (gates: its sink and recent are scaled to --context; "
+                   "key offsets: the calibration sequences' length)")
     p.add_argument("--sink", type=int, default=None, help="streaming sinks at --context (default: scaled)")
     p.add_argument("--recent", type=int, default=None, help="streaming window at --context (default: scaled)")
     p.add_argument("--steps", type=int, default=None, help="optimiser steps (default: gates 200, a delta "
@@ -76,6 +79,8 @@ def run(a: argparse.Namespace) -> int:
         return _low_rank(a, name, manifest, params, folder)
     if spec.get("keys", {}).get("kind") == "delta":
         return _delta(a, name, manifest, params)
+    if spec.get("keys", {}).get("offset"):
+        return _offsets(a, name, manifest, params, spec["keys"]["offset"])
     if not manifest.get("lowered", False):
         raise ConfigError(f"method {name!r} is not lowered by the compiler yet: {manifest.get('reason')}",
                           param="method")
@@ -175,6 +180,35 @@ def _low_rank(a: argparse.Namespace, name: str, manifest: dict, params: dict, fo
     save_inputs(out, tensors, meta)
     shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in sorted(tensors.items()))
     print(f"wrote {out}: {shapes} ({how}, {time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _offsets(a: argparse.Namespace, name: str, manifest: dict, params: dict, input_name: str) -> int:
+    """Key offsets (offsets.py): each layer and KV head's mean key over `--samples` sequences of
+    `--target-context` tokens of the calibration text, written as the method's input."""
+    import time
+
+    import torch
+
+    from kvc.runtime.calibrate.offsets import key_means
+    from kvc.runtime.models.loader import load_model, model_directory, resolve_model
+    from kvc.runtime.models.method_inputs import save_input
+
+    model_dir = model_directory(a.model)
+    if model_dir is None and not a.out:
+        raise ConfigError("a random: model has no directory to write the key offsets into: give --out", param="out")
+    start = time.perf_counter()
+    dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
+    loaded = (load_model(model_dir, a.device, dtype) if model_dir is not None
+              else resolve_model(a.model, a.device, dtype))
+    a.context = a.target_context  # the mean over the positions the method serves (RoPE turns keys with them)
+    batches, source = _calibration_ids(a, model_dir, loaded.spec.vocab_size, loaded.model.embed_tokens.weight.device)
+    means = key_means(loaded.model, batches)
+    out = Path(a.out) if a.out else model_dir / manifest["inputs"][input_name]["file"]
+    how = f"mean key over {sum(len(b) for b in batches)} tokens of {source}, {a.context} a sequence"
+    save_input(out, input_name, means, {"method": name, "model": str(model_dir or a.model), "input": input_name,
+                                        "calibration": how, "seconds": f"{time.perf_counter() - start:.1f}"})
+    print(f"wrote {out}: {input_name} {tuple(means.shape)} ({how}, {time.perf_counter() - start:.1f} s)")
     return 0
 
 

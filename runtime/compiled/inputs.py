@@ -9,12 +9,15 @@ tensors of the same name (`LowRank` projections), which the engine copies into t
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
 import torch
 
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.models.method_inputs import find_input, load_input
+
+log = logging.getLogger(__name__)
 
 
 def load_declared(method: str, name: str, decl: dict, model_dir: Path | None, shape: tuple[int, ...],
@@ -23,6 +26,10 @@ def load_declared(method: str, name: str, decl: dict, model_dir: Path | None, sh
     value = (given or {}).get(name)
     if value is None:
         path = find_input(model_dir, decl["file"])
+        if path is None and decl.get("fallback") == "zeros":  # `or zeros` (docs/language.md, "Inputs")
+            log.warning("method %r: no %r for this model, so its input %r is zeros; `kvc calibrate %s --model DIR` "
+                        "writes it", method, decl["file"], name, method)
+            return torch.zeros(shape)
         if path is None:
             where = f"the model directory {model_dir}" if model_dir is not None else "a model directory"
             raise ConfigError(f"method {method!r} needs its input {name!r} from {decl['file']!r}, which {where} does "

@@ -129,7 +129,14 @@ class Quantized:
     tensor of shape [1] in the model dtype (group = D, axis "channel", symmetric, 8 bits, no residual), fixed once:
     `scaling` "unit" (1.0) or "dynamic" (set from the first stored chunk of each layer:
     encodings.dynamic_scale); `shared_heads`: one scale for every KV head of a layer (vLLM's
-    per-tensor k_scale / v_scale) rather than one per KV head."""
+    per-tensor k_scale / v_scale) rather than one per KV head.
+
+    `offset` (keys only): a LAYER tensor [D], one vector per KV head (a method input: TurboQuant's
+    `k_mean`, the mean key of the model's layer and head). Keys are stored and read as `k - offset`:
+    the attention backend subtracts it from the step's keys before it stores them or a prefill chunk
+    attends to them, so every key of a softmax carries it and `q . offset`, the same for all of a
+    query's keys, cancels (docs/design.md, "Key offsets"). Hooks see the keys so. No residual window,
+    no float codes."""
 
     codes: str
     scale: str
@@ -145,6 +152,9 @@ class Quantized:
     codebook: str | None = None
     rotation: str | None = None
     prefill_exact: bool = False
+    # keys stored relative to a LAYER tensor [D] (per KV head): `x - offset`, read back as stored (the
+    # class docstring)
+    offset: str | None = None
     # float codes only: read the codes tensor's first `channels` (MLA's values inside the keys' codes,
     # `KVSpec.with_latent_values`); None: all of them
     channels: int | None = None
@@ -185,6 +195,9 @@ class Quantized:
             if self.bits != 8 or self.zero is not None or self.residual is not None or self.axis != "channel":
                 raise ValueError(f"quantized {self.codes!r}: float codes are 8 bits, symmetric, without a residual "
                                  "window, one scale per token's channels")
+        if self.offset is not None and (self.residual is not None or self.format is not None):
+            raise ValueError(f"quantized {self.codes!r}: an offset is for integer or codebook codes without a "
+                             "residual window")
         if self.bits not in (2, 3, 4, 8):
             raise ValueError(f"quantized {self.codes!r}: bits must be 2, 3, 4 or 8, got {self.bits}")
         if self.group < 1:
@@ -349,6 +362,8 @@ class KVSpec:
         object.__setattr__(self, "_by_name", by_name)
         for enc in (self.keys, self.values):
             self._check_encoding(enc)
+        if getattr(self.values, "offset", None) is not None:
+            raise ValueError("KV spec: an offset is for keys (attention ignores it on keys only)")
         for s in self.summaries:
             self._need(s.tensor, Extent.PAGE, "summary")
         positions = self._need(self.positions, Extent.TOKEN, "positions")
@@ -405,6 +420,10 @@ class KVSpec:
         scale = self._need(enc.scale, groups, "scale")
         self._need(enc.zero, groups, "zero point")
         resid = self._need(enc.residual, Extent.SEQ, "residual")
+        offset = self._need(enc.offset, Extent.LAYER, "offset")
+        if offset is not None and (len(offset.shape) != 1 or not offset.dtype.is_floating_point):
+            raise ValueError(f"KV spec: offset {offset.name!r} is one float vector [head_dim] per KV head, got "
+                             f"{offset.dtype}{list(offset.shape)}")
         if enc.flush_block and resid.shape[0] < enc.flush_block + 1:
             raise ValueError(f"KV spec: residual {resid.name!r} holds {resid.shape[0]} slots; a flush block of "
                              f"{enc.flush_block} needs {enc.flush_block + 1} (the block and the token past it)")
@@ -566,7 +585,7 @@ def _encoding_tensors(enc: Encoding) -> set[str]:
     if isinstance(enc, Delta):
         return {n for n in (enc.latent, enc.neighbours, enc.centers, enc.sinks, enc.window, enc.down, enc.up,
                             enc.bias) if n}
-    return {n for n in (enc.codes, enc.scale, enc.zero, enc.residual) if n}
+    return {n for n in (enc.codes, enc.scale, enc.zero, enc.residual, enc.offset) if n}
 
 
 @dataclass(frozen=True)

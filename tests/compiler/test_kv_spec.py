@@ -16,6 +16,7 @@ from kvc.compiler import codegen, kv_spec
 from kvc.compiler.cache import CACHE_ENV
 from kvc.compiler.cli import OUTPUT_DIR
 from kvc.dsl import METHODS_DIR, check_file
+from kvc.dsl.errors import KvmError
 from kvc.runtime.kv import spec as runtime_spec
 from kvc.runtime.kv.spec import Dense, Extent, Quantized, Summary, TensorSpec, dense_spec, state_plane
 from kvc.runtime.methods import resolve_method
@@ -183,13 +184,47 @@ def test_turboquant_rotates_then_indexes_levels():
     assert data["lowered"] and data["attention"]["variant"] == "spec" and data["kv_spec"]["reason"] is None
     built = generated_kv_spec("turboquant", {"key_bits": 3, "value_bits": 4})(8, 128, torch.bfloat16, 16)
     assert built.keys == Quantized("k_codes", "k_scale", 3, 128, codebook="sphere", rotation="random",
-                                   prefill_exact=True)
+                                   prefill_exact=True, offset="k_mean")
+    assert built.tensor("k_mean") == TensorSpec("k_mean", Extent.LAYER, torch.bfloat16, (128,))
+    assert built.values.offset is None
     assert built.tensor("k_codes") == TensorSpec("k_codes", Extent.TOKEN, torch.uint8, (48,), "int3x8")
     assert built.tensor("v_codes") == TensorSpec("v_codes", Extent.TOKEN, torch.uint8, (64,), "int4x2")
     assert built.tensor("v_scale") == TensorSpec("v_scale", Extent.TOKEN, torch.bfloat16, (1,))
     variant = METHODS_DIR.parent / "bench" / "variants" / "turboquant_prod.kvm"
     spec = kv_spec.derive(check_file(variant), None)
     assert "qjl" in "; ".join(spec.reasons)
+
+
+def test_an_offset_is_for_keys_before_one_quantizer(tmp_path):
+    """`residual(x[layer])` first, x an input [layer, kv_head, channel], is a key offset (a LAYER tensor
+    of the input's name); on values, before FP8 codes or with a residual window it does not lower and
+    says why at the store's line; a reference of another shape or an input fallback other than zeros
+    is a check error."""
+    head = ("method m : quantization\n\ninput k_mean: [layer, kv_head, channel] from \"m.safetensors\" or zeros\n"
+            "input other: [layer, kv_head] from \"m.safetensors\"\n\n")
+    cases = {
+        "store k as residual(k_mean[layer]) then quant(4, group = 32, along channel)\n": None,
+        "store v as residual(k_mean[layer]) then quant(4, group = 32, along channel)\n": "an offset is for keys",
+        "store k as residual(k_mean[layer]) then fp8(e4m3, along kv_head, key, channel)\n": "leads one integer",
+        "store k as residual(k_mean[layer]) then quant(2, group = 32, along key) except last 64\n": "no residual",
+    }
+    for store, reason in cases.items():
+        path = tmp_path / "m.kvm"
+        path.write_text(head + store)
+        spec = kv_spec.derive(check_file(path), None).to_json()
+        which = "keys" if store.startswith("store k") else "values"
+        if reason is None:
+            assert spec["keys"]["offset"] == "k_mean" and spec["reason"] is None
+            assert {"name": "k_mean", "extent": "layer", "dtype": "model", "packing": "",
+                    "shape": ["head_dim"]} in spec["tensors"]
+        else:
+            assert spec[which]["kind"] == "unmapped" and "m.kvm:6:" in spec["reason"] and reason in spec["reason"]
+    for text, message in ((head.replace("or zeros", "or ones") + next(iter(cases)), "or zeros"),
+                          (head + "store k as residual(other[layer]) then quant(4, group = 32, along channel)\n",
+                           "one vector per KV head")):
+        path.write_text(text)
+        with pytest.raises(KvmError, match=message):
+            check_file(path)
 
 
 def test_a_rotated_operand_keeps_no_residual_window(tmp_path):

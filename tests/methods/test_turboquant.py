@@ -9,6 +9,7 @@ the graph step and the Triton kernels (interpreted); the pool holds the tokens i
 
 from __future__ import annotations
 
+import argparse
 from functools import partial
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from kvc.runtime.config import EngineConfig
 from kvc.runtime.engine import Engine
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv import encodings, rotation
-from kvc.runtime.kv.spec import Quantized
+from kvc.runtime.kv.spec import Extent, Quantized
 from kvc.runtime.llm import LLM
 from tests.kernels.sm90 import compiles_for_sm90
 from tests.methods import served
@@ -48,10 +49,9 @@ def hf(model_dir: Path):
 
 def make_llm(model_dir: Path, key_bits: int = 3, value_bits: int = 3, method: str = "turboquant",
              method_params: dict | None = None, **options) -> LLM:
-    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", page_size=PAGE,
-                          attention_backend="torch", kv_cache_memory=2**22, method=method,
+    config = EngineConfig(model=str(model_dir), dtype="float32", page_size=PAGE, kv_cache_memory=2**22, method=method,
                           method_params={"key_bits": key_bits, "value_bits": value_bits, **(method_params or {})},
-                          **{"max_num_batched_tokens": 4096, **options})
+                          **{"max_num_batched_tokens": 4096, "device": "cpu", "attention_backend": "torch", **options})
     return LLM.from_engine(Engine(config))
 
 
@@ -111,7 +111,7 @@ def test_the_quantizer_is_the_references(bits: int, packing: str, scale_dtype: t
 
 def test_the_spec_bytes_and_bad_parameters(model_dir) -> None:
     """3-bit codes are 3/8 of a channel's byte, plus one scale a token: the pool holds what the spec
-    says; bit widths outside 2..4 are a clear error."""
+    says (beside each layer's key offsets); bit widths outside 2..4 are a clear error."""
     config = dict(model=str(model_dir), device="cpu", dtype="bfloat16", page_size=PAGE, attention_backend="torch",
                   kv_cache_memory=2**20)
     tq = Engine(EngineConfig(**config, method="turboquant"))
@@ -119,8 +119,11 @@ def test_the_spec_bytes_and_bad_parameters(model_dir) -> None:
     heads, dim = full.layout.kv_heads, full.spec.head_dim
     spec = tq.attention.store.spec
     assert spec.bytes_per_token(heads) == heads * 2 * (3 * dim // 8 + 2)
-    assert tq.num_pages * spec.bytes_per_page(heads, PAGE) <= 2**20 < (tq.num_pages + 1) * spec.bytes_per_page(
-        heads, PAGE)
+    store = tq.attention.store  # its LAYER tensors (the key offsets) come out of the same bytes
+    fixed = sum(store[t.name].numel() * store[t.name].element_size() for t in spec.of(Extent.LAYER))
+    assert fixed == 2 * heads * dim * 2  # two layers' [Hkv, D] offsets in bfloat16
+    page = spec.bytes_per_page(heads, PAGE)
+    assert tq.num_pages * page + fixed <= 2**20 < (tq.num_pages + 1) * page + fixed
     assert tq.num_pages >= full.num_pages * (2 * dim) // (3 * dim // 8 + 2) - 1
     assert LLM.from_engine(tq).generate(prompt(12, 5), greedy(4))[0].token_ids
     for params in ({"key_bits": 5}, {"value_bits": 1}):
@@ -304,3 +307,84 @@ def test_a_rotation_before_fp8_codes(model_dir, hf, monkeypatch, backend) -> Non
     params = [greedy(8) for _ in prompts]
     for p, out, sp in zip(prompts, llm.generate(prompts, params), params):
         check(out.token_ids, spy.of(sp).cpu(), ref.generate(hf, ref.Session(exact_prefill=False, stored=stored), p, 8))
+
+
+# ---- key offsets (docs/design.md, "Key offsets") ----------------------------------------------------
+
+
+def _calibrate(model_dir: Path, out: Path) -> argparse.Namespace:
+    """`kvc calibrate turboquant --model DIR --out OUT --samples 3 --target-context 24`: its arguments."""
+    from kvc.runtime.calibrate.cli import run as calibrate
+
+    args = argparse.Namespace(method="turboquant", model=str(model_dir), out=str(out), method_param=None,
+                              device="cpu", calibration=None, samples=3, context=8, target_context=24, seed=5)
+    assert calibrate(args) == 0
+    return args
+
+
+def test_calibrated_key_offsets_are_the_mean_keys(model_dir, hf, tmp_path) -> None:
+    """`kvc calibrate turboquant` writes each layer and KV head's mean key, after RoPE, over its
+    calibration sequences: the mean of the Hugging Face model's keys over the same ids."""
+    from transformers import AttentionInterface
+
+    from kvc.runtime.calibrate.cli import _calibration_ids
+    from kvc.runtime.models.method_inputs import load_input
+    from tests.references import harness
+
+    args = _calibrate(model_dir, tmp_path / "turboquant.safetensors")
+    got = load_input(tmp_path / "turboquant.safetensors", "k_mean")
+    batches, _ = _calibration_ids(args, model_dir, hf.config.vocab_size, "cpu")
+    sums: dict[int, torch.Tensor] = {}
+
+    def capture(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        sums[module.layer_idx] = sums.get(module.layer_idx, 0) + key[0].double().sum(1)  # [Hkv, D]
+        return harness.causal_attention(query, key[0].float(), value[0].float(), scaling), None
+
+    AttentionInterface.register("kvc_key_means", capture)
+    for ids in batches:
+        harness.forward(hf, "kvc_key_means", ids.tolist(), 0)
+    want = torch.stack([sums[i] for i in sorted(sums)]) / sum(len(b) for b in batches)
+    assert got.shape == want.shape == (hf.config.num_hidden_layers, hf.config.num_key_value_heads,
+                                       hf.config.hidden_size // hf.config.num_attention_heads)
+    assert want.abs().max() > 0.01
+    torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_keys_are_stored_relative_to_their_offsets(model_dir, hf, monkeypatch, tmp_path, backend) -> None:
+    """With a `turboquant.safetensors` in the inputs folder, every key of a layer, stored or attended
+    as computed, is `k - k_mean[layer]`: the reference's tokens and logits with those offsets (a
+    prompt in chunks of 8, then decode steps), which are not the ones without them. Offsets three
+    times the keys' size make the difference plain."""
+    from kvc.runtime.models.method_inputs import save_input
+
+    device = "cpu"
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from tests.kernels.paged_cases import triton_device_and_ops
+
+        device = triton_device_and_ops("spec")[0].type
+    cfg = hf.config
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
+    offsets = 3 * torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    save_input(tmp_path / "turboquant.safetensors", "k_mean", offsets)
+    llm = make_llm(model_dir, method_inputs=str(tmp_path), device=device, attention_backend=backend,
+                   cuda_graphs=False, max_num_batched_tokens=8, max_prefill_chunk=8)
+    store = llm.engine.attention.store
+    assert store.spec.keys.offset == "k_mean"
+    torch.testing.assert_close(store["k_mean"].float().cpu(), offsets)
+    spy = Logits(monkeypatch)
+    p, params = prompt(21, 5), greedy(6)
+    out = llm.generate(p, params)[0]
+    check(out.token_ids, spy.of(params).cpu(), ref.generate(hf, ref.Session(offsets=offsets), p, 6, chunk=8))
+    plain = ref.generate(hf, ref.Session(), p, 6, chunk=8)[1]
+    assert (plain - spy.of(params).cpu()).abs().max() > 10 * ATOL, "the offsets change nothing: the test is blind"
+
+
+def test_a_model_without_offsets_gets_zeros(model_dir, caplog) -> None:
+    """`input k_mean ... or zeros`: a model with no file (and no shipped one) serves TurboQuant's own
+    quantizer, the offsets zero, and the log says how to write them."""
+    with caplog.at_level("WARNING"):
+        llm = make_llm(model_dir)
+    assert float(llm.engine.attention.store["k_mean"].abs().max()) == 0
+    assert "kvc calibrate turboquant" in caplog.text

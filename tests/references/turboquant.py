@@ -14,6 +14,9 @@ values are replaced by their round trip through the cache).
 - Quantizer, per token and KV head, float32: `scale` = the RMS of the rotated vector (its norm over
   sqrt(D)), stored in the model dtype (1 where it is 0); code = the number of midpoints `(l_i +
   l_{i+1}) * 0.5` that `x / scale` exceeds; x' = levels[code] * scale, rotated back with R.
+- Key offsets (`offsets` [layers, Hkv, D], TurboQuant's `k_mean`; kvc's addition, not the paper's):
+  every key of a layer, stored or attended as computed, is `k - offsets[layer]` (attention is
+  unchanged in exact arithmetic: q·offset is the same for all of a query's keys).
 - Every token is stored quantized as it arrives (no residual window). A prefill chunk attends to its
   own tokens as computed and to earlier ones as stored (the papers' full-precision prefill); a
   decode step reads every token as stored, its own included.
@@ -125,6 +128,7 @@ class Session:
     value_bits: int | None = 3
     exact_prefill: bool = True  # a prefill chunk reads itself as computed (False: as stored)
     stored: Any = None  # x [Hkv, c, D] -> as the cache gives it back (None: `round_trip` at the bits)
+    offsets: torch.Tensor | None = None  # [layers, Hkv, D] subtracted from keys (the module's docstring)
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
 
@@ -143,6 +147,8 @@ class Session:
 
     def step(self, layer: int, k: torch.Tensor, v: torch.Tensor, prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values a step of new k, v [Hkv, c, D] attends over; then the cache takes them."""
+        if self.offsets is not None:
+            k = k.float() - self.offsets[layer][:, None, :].float()
         if self.stored is not None:
             stored_k, stored_v = self.stored(k.float()), self.stored(v.float())
         else:
