@@ -190,9 +190,16 @@ GATE_MAX_TOKENS = 1024  # above (prefill chunks): the gate's GEMM on the library
 GATE_MAX_EXPERTS = 256  # a program holds its 16 tokens' logits over every expert
 
 
+# Off: on an H100 the fused launch took 18-20 us a layer where the library's GEMM plus the route took 9-11 (1 to
+# 276 tokens, `bench/router_bench.py`): one program reads the whole 512 KB gate for its 16 tokens, on one SM.
+# A split over the experts (a second pass for the top k) is what would let it win; docs/design.md, "Routers".
+FUSED_GATE = False
+
+
 def gate_fits(tokens: int, experts: int) -> bool:
-    """Does `gate_softmax_topk` take this router: a decode step's tokens over at most 256 experts?"""
-    return tokens <= GATE_MAX_TOKENS and experts <= GATE_MAX_EXPERTS
+    """Does `gate_softmax_topk` take this router: the fused gate switched on, a decode step's tokens over at most
+    256 experts?"""
+    return FUSED_GATE and tokens <= GATE_MAX_TOKENS and experts <= GATE_MAX_EXPERTS
 
 
 def gate_softmax_topk(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int,

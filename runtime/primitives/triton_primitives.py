@@ -152,18 +152,19 @@ TILE_BYTES = 1 << 17  # the query and key tiles of one step together, at most (s
 
 def votes_config(queries: int, on_gpu: bool, head_dim: int = 128, element_size: int = 2) -> dict:
     """The heuristic knobs of `column_votes` (what a launch uses without a tuned entry): on a GPU, 64-query and
-    64-key tiles, halved (the larger first) while both tiles of padded `head_dim` exceed TILE_BYTES (MLA's
-    absorbed 576 channels pad to 1024)."""
+    128-key tiles, halved (the larger first) while both tiles of padded `head_dim` exceed TILE_BYTES (MLA's
+    absorbed 576 channels pad to 1024); 8 warps over 128 keys (an H100 at a stacked evicting step's shape,
+    `bench/votes_bench.py`: 7.4 ms where 64-key tiles and 4 warps took 9.2; docs/benchmarks.md), else 4."""
     if not on_gpu:
         return {"block_q": 16, "block_k": 16, "num_warps": 4}
-    block_q, block_k = max(16, min(64, triton.next_power_of_2(queries))), 64
+    block_q, block_k = max(16, min(64, triton.next_power_of_2(queries))), 128
     width = max(16, triton.next_power_of_2(head_dim)) * element_size
     while (block_q + block_k) * width > TILE_BYTES and max(block_q, block_k) > 16:
         if block_k >= block_q:
             block_k //= 2
         else:
             block_q //= 2
-    return {"block_q": block_q, "block_k": block_k, "num_warps": 4}
+    return {"block_q": block_q, "block_k": block_k, "num_warps": 8 if block_k >= 128 else 4}
 
 
 def stats_rows(block_q: int, block_k: int, rows: int, width: int, on_gpu: bool) -> int:

@@ -37,9 +37,9 @@ def _kernels():
 def test_only_hopper_gpus_launch_with_pdl(monkeypatch):
     assert pdl.options(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
     monkeypatch.setattr(pdl, "_hopper", lambda index: True)
-    monkeypatch.setattr(pdl, "SWITCHED_ON", False)  # KVC_PDL unset
+    monkeypatch.setattr(pdl, "SWITCHED_ON", False)  # KVC_PDL=0
     assert not pdl.enabled(torch.device("cuda", 0))
-    monkeypatch.setattr(pdl, "SWITCHED_ON", True)  # KVC_PDL=1
+    monkeypatch.setattr(pdl, "SWITCHED_ON", True)  # KVC_PDL unset (or 1)
     assert pdl.enabled(torch.device("cuda", 0))
     monkeypatch.setattr(pdl, "_hopper", lambda index: False)  # an A100
     assert not pdl.enabled(torch.device("cuda", 0))

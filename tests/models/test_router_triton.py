@@ -72,13 +72,15 @@ def test_gate_in_the_router_launch_equals_gemm_then_route(dtype, renormalize, to
     torch.testing.assert_close(weights.cpu(), want_weights.cpu(), rtol=1e-6, atol=0)
 
 
-def test_the_block_fuses_the_gate_for_a_decode_steps_tokens_only() -> None:
-    """SparseMoeBlock.route (on CUDA) takes the fused gate up to GATE_MAX_TOKENS tokens of x in the gate's dtype,
-    else the gate's GEMM then `softmax_topk`."""
+def test_the_block_fuses_the_gate_for_a_decode_steps_tokens_only(monkeypatch) -> None:
+    """SparseMoeBlock.route (on CUDA), with the fused gate switched on, takes it up to GATE_MAX_TOKENS tokens of
+    x in the gate's dtype, else the gate's GEMM then `softmax_topk`; it is off by default (slower on an H100)."""
     block = SparseMoeBlock.__new__(SparseMoeBlock)
     torch.nn.Module.__init__(block)
     block.gate = torch.nn.Linear(32, 128, bias=False).to(torch.bfloat16)
     x = torch.zeros(router_triton.GATE_MAX_TOKENS, 32, dtype=torch.bfloat16)
+    assert not block.gate_in_router(x[:1])
+    monkeypatch.setattr(router_triton, "FUSED_GATE", True)
     assert block.gate_in_router(x) and block.gate_in_router(x[:1])
     assert not block.gate_in_router(torch.zeros(router_triton.GATE_MAX_TOKENS + 1, 32, dtype=torch.bfloat16))
     assert not block.gate_in_router(x.float())  # another dtype than the gate's
