@@ -136,13 +136,12 @@ def kv_spec(num_kv_heads, head_dim, dtype, page_size, params):
     tensors = [
         TensorSpec("k_codes", Extent.TOKEN, torch.uint8, (_size((1/8)*head_dim*key_bits, "head_dim*key_bits/8"),), _packing(key_bits)),
         TensorSpec("k_scale", Extent.TOKEN, dtype, (1,)),
-        TensorSpec("k_mean", Extent.LAYER, dtype, (head_dim,)),
         TensorSpec("v_codes", Extent.TOKEN, torch.uint8, (_size((1/8)*head_dim*value_bits, "head_dim*value_bits/8"),), _packing(value_bits)),
         TensorSpec("v_scale", Extent.TOKEN, dtype, (1,)),
     ]
     keys = Quantized(
         "k_codes", "k_scale", key_bits, head_dim, zero=None, axis="channel",
-        residual=None, codebook="sphere", prefill_exact=True, rotation="random", offset="k_mean",
+        residual=None, codebook="sphere", prefill_exact=True, rotation="random",
     )
     values = Quantized(
         "v_codes", "v_scale", value_bits, head_dim, zero=None, axis="channel",

@@ -31,7 +31,7 @@ HELD_OUT = 2  # calibration sequences a trained compressor is evaluated on, not 
 def add_command(sub) -> None:
     p = sub.add_parser("calibrate", help="learn a method's input tensors (DuoAttention's gates) on a model")
     p.add_argument("method", help="a method with a [layer, kv_head] input (duoattention), low-rank K/V (palu), "
-                   "a delta code (deltakv) or key offsets (turboquant)")
+                   "a delta code (deltakv) or key offsets (bench/variants/turboquant_offsets.kvm)")
     p.add_argument("--method-param", action="append", metavar="KEY=VALUE", default=None,
                    help="a method parameter the inputs depend on (a low-rank ratio), repeatable")
     p.add_argument("--model", default=None, help="model directory, gguf:FILE (default: the embedded model)")

@@ -131,8 +131,8 @@ class Quantized:
     encodings.dynamic_scale); `shared_heads`: one scale for every KV head of a layer (vLLM's
     per-tensor k_scale / v_scale) rather than one per KV head.
 
-    `offset` (keys only): a LAYER tensor [D], one vector per KV head (a method input: TurboQuant's
-    `k_mean`, the mean key of the model's layer and head). Keys are stored and read as `k - offset`:
+    `offset` (keys only): a LAYER tensor [D], one vector per KV head (a method input: the mean key of the
+    model's layer and head, bench/variants/turboquant_offsets.kvm's `k_mean`). Keys are stored and read as `k - offset`:
     the attention backend subtracts it from the step's keys before it stores them or a prefill chunk
     attends to them, so every key of a softmax carries it and `q . offset`, the same for all of a
     query's keys, cancels (docs/design.md, "Key offsets"). Hooks see the keys so. No residual window,

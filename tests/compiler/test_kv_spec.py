@@ -184,9 +184,7 @@ def test_turboquant_rotates_then_indexes_levels():
     assert data["lowered"] and data["attention"]["variant"] == "spec" and data["kv_spec"]["reason"] is None
     built = generated_kv_spec("turboquant", {"key_bits": 3, "value_bits": 4})(8, 128, torch.bfloat16, 16)
     assert built.keys == Quantized("k_codes", "k_scale", 3, 128, codebook="sphere", rotation="random",
-                                   prefill_exact=True, offset="k_mean")
-    assert built.tensor("k_mean") == TensorSpec("k_mean", Extent.LAYER, torch.bfloat16, (128,))
-    assert built.values.offset is None
+                                   prefill_exact=True)
     assert built.tensor("k_codes") == TensorSpec("k_codes", Extent.TOKEN, torch.uint8, (48,), "int3x8")
     assert built.tensor("v_codes") == TensorSpec("v_codes", Extent.TOKEN, torch.uint8, (64,), "int4x2")
     assert built.tensor("v_scale") == TensorSpec("v_scale", Extent.TOKEN, torch.bfloat16, (1,))

@@ -4,7 +4,9 @@ rotated by a random orthogonal matrix, each token quantized against its RMS with
 of a rotated unit vector's coordinate, 3-bit codes packed 8 to 3 bytes. The levels, the rotation and
 the quantizer's decisions equal the reference's; greedy tokens and every sampled logit row match
 through a batch, chunked prefills, a prefix-cache hit, a chain continued and forked, a preemption,
-the graph step and the Triton kernels (interpreted); the pool holds the tokens its bytes say.
+the graph step and the Triton kernels (interpreted); the pool holds the tokens its bytes say. The variant
+with key offsets (bench/variants/turboquant_offsets.kvm): calibrated means, keys stored and attended relative
+to them as the reference does it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from kvc.runtime.config import EngineConfig
 from kvc.runtime.engine import Engine
 from kvc.runtime.errors import ConfigError
 from kvc.runtime.kv import encodings, rotation
-from kvc.runtime.kv.spec import Extent, Quantized
+from kvc.runtime.kv.spec import Quantized
 from kvc.runtime.llm import LLM
 from tests.kernels.sm90 import compiles_for_sm90
 from tests.methods import served
@@ -111,7 +113,7 @@ def test_the_quantizer_is_the_references(bits: int, packing: str, scale_dtype: t
 
 def test_the_spec_bytes_and_bad_parameters(model_dir) -> None:
     """3-bit codes are 3/8 of a channel's byte, plus one scale a token: the pool holds what the spec
-    says (beside each layer's key offsets); bit widths outside 2..4 are a clear error."""
+    says; bit widths outside 2..4 are a clear error."""
     config = dict(model=str(model_dir), device="cpu", dtype="bfloat16", page_size=PAGE, attention_backend="torch",
                   kv_cache_memory=2**20)
     tq = Engine(EngineConfig(**config, method="turboquant"))
@@ -119,11 +121,8 @@ def test_the_spec_bytes_and_bad_parameters(model_dir) -> None:
     heads, dim = full.layout.kv_heads, full.spec.head_dim
     spec = tq.attention.store.spec
     assert spec.bytes_per_token(heads) == heads * 2 * (3 * dim // 8 + 2)
-    store = tq.attention.store  # its LAYER tensors (the key offsets) come out of the same bytes
-    fixed = sum(store[t.name].numel() * store[t.name].element_size() for t in spec.of(Extent.LAYER))
-    assert fixed == 2 * heads * dim * 2  # two layers' [Hkv, D] offsets in bfloat16
-    page = spec.bytes_per_page(heads, PAGE)
-    assert tq.num_pages * page + fixed <= 2**20 < (tq.num_pages + 1) * page + fixed
+    assert tq.num_pages * spec.bytes_per_page(heads, PAGE) <= 2**20 < (tq.num_pages + 1) * spec.bytes_per_page(
+        heads, PAGE)
     assert tq.num_pages >= full.num_pages * (2 * dim) // (3 * dim // 8 + 2) - 1
     assert LLM.from_engine(tq).generate(prompt(12, 5), greedy(4))[0].token_ids
     for params in ({"key_bits": 5}, {"value_bits": 1}):
@@ -309,21 +308,24 @@ def test_a_rotation_before_fp8_codes(model_dir, hf, monkeypatch, backend) -> Non
         check(out.token_ids, spy.of(sp).cpu(), ref.generate(hf, ref.Session(exact_prefill=False, stored=stored), p, 8))
 
 
-# ---- key offsets (docs/design.md, "Key offsets") ----------------------------------------------------
+# ---- key offsets (docs/design.md, "Key offsets"; bench/variants/turboquant_offsets.kvm) ---------------
+
+OFFSETS = str(Path(__file__).resolve().parents[2] / "bench" / "variants" / "turboquant_offsets.kvm")
 
 
 def _calibrate(model_dir: Path, out: Path) -> argparse.Namespace:
-    """`kvc calibrate turboquant --model DIR --out OUT --samples 3 --target-context 24`: its arguments."""
+    """`kvc calibrate bench/variants/turboquant_offsets.kvm --model DIR --out OUT --samples 3 --target-context
+    24`: its arguments."""
     from kvc.runtime.calibrate.cli import run as calibrate
 
-    args = argparse.Namespace(method="turboquant", model=str(model_dir), out=str(out), method_param=None,
+    args = argparse.Namespace(method=OFFSETS, model=str(model_dir), out=str(out), method_param=None,
                               device="cpu", calibration=None, samples=3, context=8, target_context=24, seed=5)
     assert calibrate(args) == 0
     return args
 
 
 def test_calibrated_key_offsets_are_the_mean_keys(model_dir, hf, tmp_path) -> None:
-    """`kvc calibrate turboquant` writes each layer and KV head's mean key, after RoPE, over its
+    """`kvc calibrate` of the variant writes each layer and KV head's mean key, after RoPE, over its
     calibration sequences: the mean of the Hugging Face model's keys over the same ids."""
     from transformers import AttentionInterface
 
@@ -331,8 +333,8 @@ def test_calibrated_key_offsets_are_the_mean_keys(model_dir, hf, tmp_path) -> No
     from kvc.runtime.models.method_inputs import load_input
     from tests.references import harness
 
-    args = _calibrate(model_dir, tmp_path / "turboquant.safetensors")
-    got = load_input(tmp_path / "turboquant.safetensors", "k_mean")
+    args = _calibrate(model_dir, tmp_path / "key_means.safetensors")
+    got = load_input(tmp_path / "key_means.safetensors", "k_mean")
     batches, _ = _calibration_ids(args, model_dir, hf.config.vocab_size, "cpu")
     sums: dict[int, torch.Tensor] = {}
 
@@ -352,7 +354,7 @@ def test_calibrated_key_offsets_are_the_mean_keys(model_dir, hf, tmp_path) -> No
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_keys_are_stored_relative_to_their_offsets(model_dir, hf, monkeypatch, tmp_path, backend) -> None:
-    """With a `turboquant.safetensors` in the inputs folder, every key of a layer, stored or attended
+    """With a `key_means.safetensors` in the inputs folder, every key of a layer, stored or attended
     as computed, is `k - k_mean[layer]`: the reference's tokens and logits with those offsets (a
     prompt in chunks of 8, then decode steps), which are not the ones without them. Offsets three
     times the keys' size make the difference plain."""
@@ -367,8 +369,8 @@ def test_keys_are_stored_relative_to_their_offsets(model_dir, hf, monkeypatch, t
     cfg = hf.config
     shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
     offsets = 3 * torch.randn(shape, generator=torch.Generator().manual_seed(3))
-    save_input(tmp_path / "turboquant.safetensors", "k_mean", offsets)
-    llm = make_llm(model_dir, method_inputs=str(tmp_path), device=device, attention_backend=backend,
+    save_input(tmp_path / "key_means.safetensors", "k_mean", offsets)
+    llm = make_llm(model_dir, method=OFFSETS, method_inputs=str(tmp_path), device=device, attention_backend=backend,
                    cuda_graphs=False, max_num_batched_tokens=8, max_prefill_chunk=8)
     store = llm.engine.attention.store
     assert store.spec.keys.offset == "k_mean"
@@ -383,8 +385,9 @@ def test_keys_are_stored_relative_to_their_offsets(model_dir, hf, monkeypatch, t
 
 def test_a_model_without_offsets_gets_zeros(model_dir, caplog) -> None:
     """`input k_mean ... or zeros`: a model with no file (and no shipped one) serves TurboQuant's own
-    quantizer, the offsets zero, and the log says how to write them."""
+    quantizer, the offsets zero, and the log says how to write them; methods/turboquant.kvm has none."""
     with caplog.at_level("WARNING"):
-        llm = make_llm(model_dir)
+        llm = make_llm(model_dir, method=OFFSETS)
     assert float(llm.engine.attention.store["k_mean"].abs().max()) == 0
-    assert "kvc calibrate turboquant" in caplog.text
+    assert "kvc calibrate" in caplog.text and "key_means.safetensors" in caplog.text
+    assert make_llm(model_dir).engine.attention.store.spec.keys.offset is None

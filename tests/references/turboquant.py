@@ -14,7 +14,8 @@ values are replaced by their round trip through the cache).
 - Quantizer, per token and KV head, float32: `scale` = the RMS of the rotated vector (its norm over
   sqrt(D)), stored in the model dtype (1 where it is 0); code = the number of midpoints `(l_i +
   l_{i+1}) * 0.5` that `x / scale` exceeds; x' = levels[code] * scale, rotated back with R.
-- Key offsets (`offsets` [layers, Hkv, D], TurboQuant's `k_mean`; kvc's addition, not the paper's):
+- Key offsets (`offsets` [layers, Hkv, D], bench/variants/turboquant_offsets.kvm's `k_mean`; kvc's
+  addition, not the paper's):
   every key of a layer, stored or attended as computed, is `k - offsets[layer]` (attention is
   unchanged in exact arithmetic: q·offset is the same for all of a query's keys).
 - Every token is stored quantized as it arrives (no residual window). A prefill chunk attends to its
