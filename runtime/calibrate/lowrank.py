@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kvc.runtime.models.base import plain_attention
+from kvc.runtime.calibrate.observe import observe
 from kvc.runtime.models.fp8_weights import weight_of
 
 
@@ -73,7 +73,7 @@ def covariances(model, batches: list[torch.Tensor], prerope: bool = True) -> dic
     inv_freq = model.rotary.inv_freq
     moments: dict[str, list] = {"k": [], "v": []}
 
-    def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def see(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         positions = torch.arange(k.shape[0], device=k.device)
         stored = rope(k.transpose(0, 1), positions, inv_freq, inverse=True).transpose(0, 1) if prerope else k
         for name, x in (("k", stored), ("v", v)):  # [T, Hkv, D]
@@ -81,15 +81,8 @@ def covariances(model, batches: list[torch.Tensor], prerope: bool = True) -> dic
             if len(moments[name]) <= layer:
                 moments[name].append(torch.zeros(flat.shape[1], flat.shape[1], dtype=torch.float64, device=x.device))
             moments[name][layer] += flat.T @ flat
-        group = q.shape[1] // k.shape[1]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.repeat_interleave(group, 1).transpose(0, 1)[None],
-            v.repeat_interleave(group, 1).transpose(0, 1)[None], is_causal=True)
-        return out[0].transpose(0, 1).contiguous()
 
-    with torch.no_grad():
-        for ids in batches:
-            model(ids, torch.arange(ids.shape[0], device=ids.device), plain_attention(attn))
+    observe(model, batches, see)
     return moments
 
 

@@ -10,27 +10,18 @@ from __future__ import annotations
 
 import torch
 
-from kvc.runtime.models.base import plain_attention
+from kvc.runtime.calibrate.observe import observe
 
 
 def key_means(model, batches: list[torch.Tensor]) -> torch.Tensor:
-    """[layers, Hkv, D] float32: the mean key of each layer and KV head over `batches` of token ids (each
-    one sequence from position 0), with plain causal attention in between, accumulated in float64."""
+    """[layers, Hkv, D] float32: the mean key of each layer and KV head over `batches` of token ids (each one
+    sequence from position 0), with plain causal attention in between, accumulated in float64."""
     sums: list[torch.Tensor] = []
-    count = 0
 
-    def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def see(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         if len(sums) <= layer:
             sums.append(torch.zeros(k.shape[1:], dtype=torch.float64, device=k.device))
         sums[layer] += k.double().sum(0)
-        group = q.shape[1] // k.shape[1]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.repeat_interleave(group, 1).transpose(0, 1)[None],
-            v.repeat_interleave(group, 1).transpose(0, 1)[None], is_causal=True)
-        return out[0].transpose(0, 1).contiguous()
 
-    with torch.no_grad():
-        for ids in batches:
-            model(ids, torch.arange(ids.shape[0], device=ids.device), plain_attention(attn))
-            count += ids.shape[0]
-    return (torch.stack(sums) / count).float().cpu()
+    observe(model, batches, see)
+    return (torch.stack(sums) / sum(ids.shape[0] for ids in batches)).float().cpu()
