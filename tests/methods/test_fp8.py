@@ -185,7 +185,7 @@ def test_bf16_equals_full_over_round_tripped_kv(model_dir, monkeypatch, scaling:
     fp8 = LLM.from_engine(Engine(EngineConfig(**config, method="fp8", method_params={"scale": scaling})))
     got = [o.token_ids for o in fp8.generate(prompts, [greedy(8) for _ in prompts])]
     session = ref.Session(scaling=scaling)
-    write = PagedAttention.write
+    write = PagedAttention._write  # what `forward` and `write` store through
 
     def round_tripped(self, layer, k, v, md, window_tokens=None):
         stored = md.slot_mapping[layer] >= 0  # the first step fixes the scales from its stored rows
@@ -197,7 +197,7 @@ def test_bf16_equals_full_over_round_tripped_kv(model_dir, monkeypatch, scaling:
 
     exact = LLM.from_engine(Engine(EngineConfig(**config, method="full")))
     assert got != [o.token_ids for o in exact.generate(prompts, [greedy(8) for _ in prompts])], "the test is blind"
-    monkeypatch.setattr(PagedAttention, "write", round_tripped)
+    monkeypatch.setattr(PagedAttention, "_write", round_tripped)
     full = LLM.from_engine(Engine(EngineConfig(**config, method="full")))
     want = [o.token_ids for o in full.generate(prompts, [greedy(8) for _ in prompts])]
     assert got == want
