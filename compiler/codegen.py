@@ -220,6 +220,5 @@ def _bare_ir(checked) -> MethodIR:
                     source_sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
                     params=[ParamIR(n, str(p.type), checked.values[n]) for n, p in checked.params.items()],
                     values=dict(checked.values), lets={n: _formula(e, checked.lets) for n, e in checked.lets.items()},
-                    inputs=[InputIR(d.name.name, tuple(x.name for x in d.shape.dims), d.source.value,
-                                            None if d.fallback is None else d.fallback.name)
-                            for d in checked.method.items if isinstance(d, ast.Input)])  # trainable before lowering
+                    # trainable before lowering
+                    inputs=[InputIR.of(d) for d in checked.method.items if isinstance(d, ast.Input)])

@@ -330,6 +330,11 @@ class InputIR:
     file: str
     fallback: str | None = None  # `or zeros`: zeros where no file is found
 
+    @classmethod
+    def of(cls, decl: ast.Input) -> InputIR:
+        return cls(decl.name.name, tuple(d.name for d in decl.shape.dims), decl.source.value,
+                   None if decl.fallback is None else decl.fallback.name)
+
 
 @dataclass(frozen=True)
 class ReplayIR:
@@ -662,8 +667,7 @@ def build(checked, source: bytes | None = None) -> MethodIR:
             init = to_sympy(decl.init, checked.lets) if decl.init is not None else 0
             method.states.append(StateIR(decl.name.name, tuple(d.name for d in decl.shape.dims), init))
         if isinstance(decl, ast.Input):
-            method.inputs.append(InputIR(decl.name.name, tuple(d.name for d in decl.shape.dims), decl.source.value,
-                                         None if decl.fallback is None else decl.fallback.name))
+            method.inputs.append(InputIR.of(decl))
         if isinstance(decl, ast.Replay):
             method.replay = ReplayIR(
                 decl.prompt.value, to_sympy(decl.chunk, checked.lets), None if decl.then is None else decl.then.value,
@@ -686,6 +690,12 @@ def build(checked, source: bytes | None = None) -> MethodIR:
 _QUANTIZERS = ("fp8", "quant", "lloyd_max")
 
 
+def leads_with_offset(stages: list[str]) -> bool:
+    """Is a store's first stage a key offset, `residual(x[layer])` before a quantizer (not DeltaKV's residual
+    before `project`)? kv_spec.py maps it to `Quantized.offset`."""
+    return stages[:1] == ["residual"] and len(stages) > 1 and stages[1] != "project"
+
+
 def _lowerable_stores(checked) -> None:
     """A quantization or compression method lowers when every `store` is one quantizer (`fp8`,
     `quant` or `lloyd_max`), optionally after a key offset (`residual(x[layer])`) and a `rotate`, or
@@ -698,8 +708,7 @@ def _lowerable_stores(checked) -> None:
         stages = [c.func.name for c in decl.codecs if isinstance(c, ast.Call)]
         if decl.also and stages == ["residual", "project"]:
             continue  # DeltaKV's joint code (its kv_spec says whether it maps)
-        offset = stages[:1] == ["residual"] and len(stages) > 1 and stages[1] != "project"
-        body = stages[1:] if offset else stages  # a key offset (its kv_spec says whether it maps)
+        body = stages[1:] if leads_with_offset(stages) else stages  # its kv_spec says whether it maps
         body = body[1:] if body[:1] == ["rotate"] else body
         if body == ["project"] and decl.exempt is None:
             continue

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import sympy as sp
 
+from kvc.compiler.ir import leads_with_offset
 from kvc.dsl import ast
 from kvc.dsl.formatter import expr as source_of
 from kvc.dsl.symbolic import NotSymbolic, to_sympy
@@ -298,7 +299,7 @@ class _Deriver:
             text += f" except {source_of(decl.exempt)}"
         codecs = [c for c in decl.codecs if isinstance(c, ast.Call)]
         offset = None
-        if len(codecs) > 1 and codecs[0].func.name == "residual" and codecs[1].func.name != "project":
+        if leads_with_offset([c.func.name for c in codecs]):
             offset = self.offset(which, codecs[0])
             if offset is None:
                 return Unmapped(text), []

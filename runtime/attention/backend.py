@@ -377,6 +377,11 @@ class PagedAttention:
         subtracts it from a step's keys before storing them or attending to them), or None."""
         return self._key_offsets[layer]
 
+    def _relative_keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """A step's keys [T, Hkv, D] as layer `layer` stores and attends to them: minus its offset, if any."""
+        offset = self._key_offsets[layer]
+        return k if offset is None else k - offset
+
     @cached_property
     def _key_offsets(self) -> list[torch.Tensor | None]:
         out = []
@@ -389,8 +394,7 @@ class PagedAttention:
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> None:
         """Writes the step's keys/values into their slots of layer `layer_idx` (no attention: a
         replayed prefill, runtime/prefill_record.py, needs only the stored K/V)."""
-        offset = self.key_offset(layer_idx)
-        self._write(layer_idx, k if offset is None else k - offset, v, md)
+        self._write(layer_idx, self._relative_keys(layer_idx, k), v, md)
 
     def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
                window_tokens: int | None = None) -> None:
@@ -499,9 +503,7 @@ class PagedAttention:
             kernels = self.class_ops[self.layer_class[layer_idx]] if self.backend == "triton" else None
             return delta_ops.forward(k_cache, q, k, v, md, layer_idx, scale, read, kernels=kernels)
         store = self.store_of(layer_idx)
-        offset = self.key_offset(layer_idx)
-        if offset is not None:  # every key of the step's softmax and store relative to it (`key_offset`)
-            k = k - offset
+        k = self._relative_keys(layer_idx, k)  # every key of the step's softmax and store (`key_offset`)
         tables, lens = md.block_tables[layer_idx], md.context_lens[layer_idx]
         resid = None if md.resid_lens is None or not store.residual_window else md.resid_lens[layer_idx]
         extra_d = {} if resid is None else {"rows": md.rows[:md.num_decodes], "resid_lens": resid[:md.num_decodes]}

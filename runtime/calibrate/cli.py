@@ -137,17 +137,10 @@ def _low_rank(a: argparse.Namespace, name: str, manifest: dict, params: dict, fo
     from kvc.runtime.calibrate import lowrank
     from kvc.runtime.compiled.method import CompiledMethod
     from kvc.runtime.kv.spec import LowRank
-    from kvc.runtime.models.loader import load_model, model_directory, resolve_model
     from kvc.runtime.models.method_inputs import save_inputs
 
-    model_dir = model_directory(a.model)
-    if model_dir is None and not a.out:  # a random: shape (benchmarks): its seeded weights, written where --out says
-        raise ConfigError("a random: model has no directory to write the projections into: give --out",
-                          param="out")
     start = time.perf_counter()
-    dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
-    loaded = load_model(model_dir, a.device, dtype) if model_dir is not None else resolve_model(a.model, a.device,
-                                                                                                  dtype)
+    model_dir, loaded = _load(a, "the projections")
     mspec = loaded.spec
     spec = CompiledMethod(name, manifest, params, folder).kv_spec(mspec.num_kv_heads, mspec.head_dim, torch.float32, 16)
     after_rope = isinstance(spec.keys, LowRank) and not spec.keys.prerope
@@ -188,19 +181,11 @@ def _offsets(a: argparse.Namespace, name: str, manifest: dict, params: dict, inp
     `--target-context` tokens of the calibration text, written as the method's input."""
     import time
 
-    import torch
-
     from kvc.runtime.calibrate.offsets import key_means
-    from kvc.runtime.models.loader import load_model, model_directory, resolve_model
     from kvc.runtime.models.method_inputs import save_input
 
-    model_dir = model_directory(a.model)
-    if model_dir is None and not a.out:
-        raise ConfigError("a random: model has no directory to write the key offsets into: give --out", param="out")
     start = time.perf_counter()
-    dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
-    loaded = (load_model(model_dir, a.device, dtype) if model_dir is not None
-              else resolve_model(a.model, a.device, dtype))
+    model_dir, loaded = _load(a, "the key offsets")
     a.context = a.target_context  # the mean over the positions the method serves (RoPE turns keys with them)
     batches, source = _calibration_ids(a, model_dir, loaded.spec.vocab_size, loaded.model.embed_tokens.weight.device)
     means = key_means(loaded.model, batches)
@@ -210,6 +195,22 @@ def _offsets(a: argparse.Namespace, name: str, manifest: dict, params: dict, inp
                                         "calibration": how, "seconds": f"{time.perf_counter() - start:.1f}"})
     print(f"wrote {out}: {input_name} {tuple(means.shape)} ({how}, {time.perf_counter() - start:.1f} s)")
     return 0
+
+
+def _load(a: argparse.Namespace, what: str):
+    """(the model directory or None, the loaded model) of `--model` on `--device`, float32 on the CPU and
+    bfloat16 on a GPU; a random: shape (benchmarks: its seeded weights) only with `--out` for `what`."""
+    import torch
+
+    from kvc.runtime.models.loader import load_model, model_directory, resolve_model
+
+    model_dir = model_directory(a.model)
+    if model_dir is None and not a.out:
+        raise ConfigError(f"a random: model has no directory to write {what} into: give --out", param="out")
+    dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
+    loaded = load_model(model_dir, a.device, dtype) if model_dir is not None else resolve_model(a.model, a.device,
+                                                                                                  dtype)
+    return model_dir, loaded
 
 
 def _delta(a: argparse.Namespace, name: str, manifest: dict, params: dict) -> int:
